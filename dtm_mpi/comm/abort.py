@@ -1,0 +1,78 @@
+"""Ending a whole MPI job from one rank: an unhandled error on any rank must not leave the
+other ranks waiting forever in a collective."""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from dtm_mpi.errors import DtmError, UsageError
+
+__all__ = ["abort_job", "mpi_world", "run_or_abort"]
+
+
+def mpi_world() -> Any | None:
+    """``MPI.COMM_WORLD`` if MPI is initialised and not finalised in this process, else None.
+
+    Never initialises MPI itself: only looks at an mpi4py that someone already imported.
+    """
+    mod = sys.modules.get("mpi4py.MPI")
+    if mod is None:
+        return None
+    mpi: Any = mod
+    if not mpi.Is_initialized() or mpi.Is_finalized():
+        return None
+    return mpi.COMM_WORLD
+
+
+def _multi_rank() -> bool:
+    world = mpi_world()
+    return world is not None and int(world.Get_size()) > 1
+
+
+def report(message: str) -> None:
+    """Print ``message`` to stderr, each line prefixed with this rank under multi-rank MPI."""
+    world = mpi_world()
+    prefix = f"[rank {world.Get_rank()}] " if world is not None and _multi_rank() else ""
+    text = "\n".join(prefix + line for line in message.rstrip("\n").splitlines())
+    print(text, file=sys.stderr, flush=True)
+
+
+def abort_job(code: int, message: str) -> None:
+    """Print ``message`` (rank-prefixed), then abort every rank of the job.
+
+    Outside MPI, or with a single rank, this only prints; the caller then exits normally.
+    """
+    report(message)
+    world = mpi_world()
+    if world is not None and _multi_rank():
+        sys.stdout.flush()
+        world.Abort(code)
+
+
+def run_or_abort(main: Callable[[], int]) -> int:
+    """Run ``main`` and turn errors into exit codes: 2 for usage errors, 1 for other
+    :class:`DtmError`, 1 with a traceback for anything else (a bug).
+
+    Under MPI with several ranks, an error not known to be raised identically on every rank
+    (``DtmError.agreed``) aborts the whole job, so no peer is left blocked in a collective.
+    """
+    try:
+        return main()
+    except SystemExit:
+        raise
+    except DtmError as err:
+        code = 2 if isinstance(err, UsageError) else 1
+        if err.agreed or not _multi_rank():
+            report(f"dtm: error: {err}")
+        else:
+            abort_job(code, f"dtm: error: {err}\ndtm: aborting the job (this rank failed alone)")
+        return code
+    except KeyboardInterrupt:
+        abort_job(130, "dtm: interrupted")
+        return 130
+    except Exception:
+        abort_job(1, "dtm: internal error (a bug in dtm_mpi):\n" + traceback.format_exc())
+        return 1

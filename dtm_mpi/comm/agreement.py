@@ -1,0 +1,57 @@
+"""Bounded agreement on rank-local outcomes: every rank learns which ranks failed, and no rank
+waits forever for a peer that will never arrive."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from dtm_mpi.errors import CommTimeoutError, RankFailure
+
+__all__ = ["agree_outcome", "wait_bounded"]
+
+
+def wait_bounded(request: Any, *, timeout_s: float, op: str, phase: str, rank: int) -> None:
+    """Poll an MPI request until it completes or ``timeout_s`` passes.
+
+    Raises :class:`CommTimeoutError` naming ``op`` and ``phase`` on expiry; the request is left
+    pending (the caller is expected to poison its session or abort the job).
+    """
+    deadline = time.monotonic() + timeout_s
+    pause = 0.0
+    while not request.Test():
+        if time.monotonic() > deadline:
+            raise CommTimeoutError(
+                f"{op} did not complete within {timeout_s:g} s on rank {rank} in phase "
+                f"{phase!r}: a peer has failed or is stuck",
+                op=op,
+                rank=rank,
+                phase=phase,
+            )
+        time.sleep(pause)
+        pause = min(0.001, pause + 0.00005)
+
+
+def agree_outcome(
+    comm: Any, *, ok: bool, message: str, phase: str, timeout_s: float
+) -> tuple[RankFailure, ...]:
+    """Collective: call on all ranks. Agree on which ranks failed ``phase``.
+
+    Each rank says whether it succeeded (and, if not, why); every rank returns the same tuple of
+    failures, in rank order (empty when all succeeded). The wait for peers is bounded by
+    ``timeout_s``; on expiry raises :class:`CommTimeoutError` on this rank.
+    """
+    rank, size = int(comm.Get_rank()), int(comm.Get_size())
+    mine = np.array([0 if ok else 1], dtype=np.int32)
+    everyone = np.zeros(size, dtype=np.int32)
+    request = comm.Iallgather(mine, everyone)
+    wait_bounded(request, timeout_s=timeout_s, op="agreement", phase=phase, rank=rank)
+    failed = [r for r in range(size) if everyone[r]]
+    if not failed:
+        return ()
+    # Every rank has reached this point (the allgather completed), so this cannot block on a
+    # dead peer: it only moves the failure messages.
+    messages = comm.allgather("" if ok else message)
+    return tuple(RankFailure(r, phase, str(messages[r])) for r in failed)

@@ -1,0 +1,42 @@
+"""What the job looks like from MPI: ranks, hosts, node-local ranks."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+__all__ = ["describe_world"]
+
+
+def describe_world() -> str:
+    """Collective: call on all ranks. Gathers each rank's host, node-local rank and pid, checks
+    that a sum over all ranks is right, and returns a report on rank 0 ("" elsewhere)."""
+    from mpi4py import MPI
+
+    import h5py
+
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    node = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    try:
+        local_rank, local_size = node.Get_rank(), node.Get_size()
+    finally:
+        node.Free()
+    total = world.allreduce(rank + 1, op=MPI.SUM)
+    rows = world.gather((rank, socket.gethostname(), local_rank, local_size, os.getpid()))
+    if rank != 0:
+        return ""
+    assert rows is not None
+    expect = size * (size + 1) // 2
+    lines = [
+        f"MPI: {MPI.Get_library_version().splitlines()[0].strip()} (standard {MPI.Get_version()})",
+        f"h5py {h5py.__version__}, HDF5 {h5py.version.hdf5_version}, "
+        f"parallel: {bool(h5py.get_config().mpi)}",
+        f"ranks: {size}; allreduce check: {total} (expected {expect}) "
+        + ("ok" if total == expect else "WRONG"),
+    ]
+    lines += [
+        f"  rank {r}: host {host}, node-local {lr}/{ls}, pid {pid}"
+        for r, host, lr, ls, pid in rows
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,240 @@
+"""The one exception hierarchy of dtm_mpi.
+
+Every error the project raises on purpose derives from :class:`DtmError`. Messages say what
+went wrong, where (file:line:col for IR; tensor, shard and file for storage; rank and phase for
+distributed failures), the rule, and what was found. Builtin bases are mixed in where they fit
+so callers may catch ``ValueError`` / ``RuntimeError`` / ``OSError`` as usual.
+
+Exit codes used by the CLI: a :class:`UsageError` (bad command line, unreadable file) exits 2;
+every other :class:`DtmError` exits 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "BackendError",
+    "CommError",
+    "CommTimeoutError",
+    "ConfigError",
+    "DiagnosticError",
+    "DtmError",
+    "HandshakeError",
+    "IntegrityError",
+    "KernelError",
+    "LayoutError",
+    "ManifestError",
+    "ParseError",
+    "PlanError",
+    "PoisonedError",
+    "QuotaError",
+    "RankFailure",
+    "RemoteFailureError",
+    "SourceSpan",
+    "StorageError",
+    "UsageError",
+    "VerifyError",
+    "VersionError",
+]
+
+
+class DtmError(Exception):
+    """Root of every error dtm_mpi raises on purpose.
+
+    ``agreed`` is true when the error is known to be raised identically on every rank (it was
+    decided from data all ranks share, or agreed through communication); a launcher may then
+    exit cleanly on every rank instead of aborting the whole MPI job.
+    """
+
+    agreed: bool = False
+
+
+class UsageError(DtmError, ValueError):
+    """Bad command line, missing or unreadable input file (CLI exit code 2)."""
+
+
+class ConfigError(DtmError, ValueError):
+    """A configuration value (environment variable or option) is malformed."""
+
+
+# --- IR diagnostics ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SourceSpan:
+    """A location in a source text: 1-based line and column, ``length`` characters long."""
+
+    file: str
+    line: int
+    col: int
+    length: int = 1
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.col}"
+
+
+class DiagnosticError(DtmError, ValueError):
+    """An error at a place in an IR source text (agreed: every rank reads the same text).
+
+    ``str(err)`` is the full diagnostic: ``file:line:col: error: message``, then the source line
+    and a caret under the offending text (when the source line is known).
+    """
+
+    kind = "error"
+    agreed = True
+
+    def __init__(self, message: str, span: SourceSpan, source_line: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.span = span
+        self.source_line = source_line
+
+    def __str__(self) -> str:
+        head = f"{self.span}: {self.kind}: {self.message}"
+        if self.source_line is None:
+            return head
+        line = self.source_line.rstrip("\n").expandtabs(1)
+        caret = " " * (self.span.col - 1) + "^" + "~" * max(0, min(self.span.length, 200) - 1)
+        return f"{head}\n  {line}\n  {caret}"
+
+    def with_source(self, source_line: str) -> DiagnosticError:
+        """Attach the text of the source line (done once, by whoever holds the source)."""
+        self.source_line = source_line
+        return self
+
+
+class ParseError(DiagnosticError):
+    """Lexical or syntactic error in an IR text."""
+
+    kind = "parse error"
+
+
+class VersionError(DiagnosticError):
+    """The module's ``dtm MAJOR.MINOR`` header names a version this reader cannot read."""
+
+    kind = "version error"
+
+
+class VerifyError(DiagnosticError):
+    """A well-formed module breaks a rule of the IR (SSA, types, shapes, layouts, ...)."""
+
+    kind = "verify error"
+
+
+# --- sharding and planning --------------------------------------------------------------------
+
+
+class LayoutError(DtmError, ValueError):
+    """An invalid mesh, layout or sharding request (pure, decidable on every rank)."""
+
+    agreed = True
+
+
+class PlanError(DtmError, ValueError):
+    """An execution plan cannot be built or is refused (e.g. above a memory limit)."""
+
+    agreed = True
+
+
+# --- execution and backends -------------------------------------------------------------------
+
+
+class KernelError(DtmError, RuntimeError):
+    """A kernel failed (bad operands at run time, numerical error in strict mode, ...)."""
+
+
+class BackendError(DtmError, RuntimeError):
+    """A requested backend (cuda, hip, ...) cannot be used; names what is missing."""
+
+
+# --- communication ----------------------------------------------------------------------------
+
+
+class CommError(DtmError, RuntimeError):
+    """Base of communication errors; ``rank`` and ``phase`` say where, when known."""
+
+    def __init__(self, message: str, *, rank: int | None = None, phase: str | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.phase = phase
+
+
+class CommTimeoutError(CommError):
+    """A bounded wait expired: names the operation, the mesh axis and the phase."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        op: str,
+        axis: str | None = None,
+        rank: int | None = None,
+        phase: str | None = None,
+    ) -> None:
+        super().__init__(message, rank=rank, phase=phase)
+        self.op = op
+        self.axis = axis
+
+
+class PoisonedError(CommError):
+    """The session was poisoned by an earlier failure; ``cause`` is that original failure."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"communication session is poisoned by an earlier failure: {cause}")
+        self.cause = cause
+
+
+class HandshakeError(CommError):
+    """Ranks disagree on what they run (protocol, version, module hash, mesh, backend, ...)."""
+
+    agreed = True
+
+
+@dataclass(frozen=True, slots=True)
+class RankFailure:
+    """One rank's local failure as agreed across ranks."""
+
+    rank: int
+    phase: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} ({self.phase}): {self.message}"
+
+
+class RemoteFailureError(CommError):
+    """One or more ranks failed; raised identically on every rank, listing every failure."""
+
+    agreed = True
+
+    def __init__(self, phase: str, failures: tuple[RankFailure, ...]) -> None:
+        ranks = ", ".join(str(f.rank) for f in failures)
+        details = "; ".join(str(f) for f in failures)
+        super().__init__(f"{phase} failed on rank(s) {ranks}: {details}", phase=phase)
+        self.failures = failures
+
+
+# --- storage ----------------------------------------------------------------------------------
+
+
+class StorageError(DtmError, OSError):
+    """Base of tensor-store and checkpoint errors."""
+
+
+class ManifestError(StorageError):
+    """A manifest is malformed or incomplete; validation fails closed."""
+
+
+class IntegrityError(StorageError):
+    """Stored bytes do not match their recorded content hash."""
+
+    def __init__(self, message: str, *, tensor: str, shard: str, file: str) -> None:
+        super().__init__(f"{file}: tensor {tensor!r} shard {shard!r}: {message}")
+        self.tensor = tensor
+        self.shard = shard
+        self.file = file
+
+
+class QuotaError(StorageError):
+    """A save would exceed the store's byte quota; refused before writing a byte."""

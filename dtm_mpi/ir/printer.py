@@ -1,0 +1,173 @@
+"""The canonical text form of a module. ``parse(print(m)) == m`` for every module, and the
+canonical form with positional value names is what ``module_hash`` hashes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from dtm_mpi.ir.nodes import Attr, Function, Init, Module, Op, Param, ResultSpec
+from dtm_mpi.ir.registry import FormatElem, lookup_op
+
+__all__ = ["format_attr_number", "print_module"]
+
+_NO_SPACE_BEFORE = {",", ")", "]"}
+_NO_SPACE_AFTER = {"(", "["}
+
+
+def format_attr_number(value: float | int) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    text = repr(float(value))
+    return text
+
+
+def _literal(value: Attr) -> str:
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_literal(v) for v in value) + "]"
+    assert isinstance(value, int | float)
+    return format_attr_number(value)
+
+
+def _join(parts: list[str]) -> str:
+    out: list[str] = []
+    for part in parts:
+        if out and part not in _NO_SPACE_BEFORE and out[-1] not in _NO_SPACE_AFTER:
+            out.append(" ")
+        out.append(part)
+    return "".join(out)
+
+
+class _Printer:
+    def __init__(self, positional: bool) -> None:
+        self.positional = positional
+        self.names: dict[str, str] = {}
+
+    def v(self, name: str) -> str:
+        if not self.positional:
+            return name
+        return self.names.get(name, name)
+
+    def define(self, name: str) -> str:
+        if self.positional and name not in self.names:
+            self.names[name] = f"%{len(self.names)}"
+        return self.v(name)
+
+    def module(self, m: Module) -> str:
+        lines = [f"dtm {m.version[0]}.{m.version[1]}", f"module {m.name}"]
+        for mesh in m.meshes:
+            axes = ", ".join(f"{a}={n}" for a, n in mesh.axes)
+            lines += ["", f"mesh @{mesh.name} = [{axes}]"]
+        for f in m.functions:
+            lines += [""] + self.function(f)
+        return "\n".join(lines) + "\n"
+
+    def function(self, f: Function) -> list[str]:
+        self.names = {}
+        params = ", ".join(self.param(p) for p in f.params)
+        results = [self.result(r) for r in f.results]
+        rtext = results[0] if len(results) == 1 and f.results[0].updates is None else (
+            "(" + ", ".join(results) + ")"
+        )
+        head = f"{'entry ' if f.entry else ''}func @{f.name}({params}) -> {rtext}"
+        if f.mesh is not None:
+            head += f" on @{f.mesh}"
+        if f.requires:
+            head += f" requires [{', '.join(f.requires)}]"
+        lines = [head + " {"]
+        lines += ["  " + self.op(op) for op in f.body]
+        ret = ", ".join(self.v(r) for r in f.returns)
+        lines += [f"  return {ret}".rstrip(), "}"]
+        return lines
+
+    def param(self, p: Param) -> str:
+        text = f"{'state ' if p.state else ''}{self.define(p.name)}: {p.type}"
+        if p.init is not None:
+            text += " init " + _init(p.init)
+        return text
+
+    def result(self, r: ResultSpec) -> str:
+        text = str(r.type)
+        if r.updates is not None:
+            text += f" updates {self.v(r.updates)}"
+        return text
+
+    def op(self, op: Op) -> str:
+        opdef = lookup_op(op.name)
+        assert opdef is not None, op.name
+        parts: list[str] = [op.name]
+        self.elems(opdef.format, op, iter(op.operands), parts)
+        body = _join(parts)
+        if op.results:
+            names = ", ".join(self.define(r) for r in op.results)
+            types = ", ".join(str(t) for t in op.result_types)
+            return f"{names} = {body} : {types}"
+        return body
+
+    def elems(self, fmt: tuple[FormatElem, ...], op: Op, operands: object, parts: list[str]) -> None:
+        it: Callable[[], str] = operands.__next__  # type: ignore[attr-defined]
+        for el in fmt:
+            kind = el.kind
+            if kind == "kw" or kind == "punct":
+                parts.append(el.name)
+            elif kind == "operand":
+                parts.append(self.v(it()))
+            elif kind == "operands":
+                rest = list(operands)  # type: ignore[call-overload]
+                for i, name in enumerate(rest):
+                    parts.append(self.v(name))
+                    if i + 1 < len(rest):
+                        parts.append(",")
+            elif kind == "opt":
+                first = el.group[0]
+                present = _group_present(el.group, op)
+                if present:
+                    assert first.kind == "kw"
+                    self.elems(el.group, op, operands, parts)
+            elif kind == "flag":
+                if op.attr(el.name):
+                    parts.append(el.choices[0])
+            else:
+                parts.append(_attr_text(el, op.attr(el.name)))
+
+
+def _group_present(group: tuple[FormatElem, ...], op: Op) -> bool:
+    keys = {k for k, _ in op.attrs}
+    for el in group:
+        if el.kind in ("operand", "operands"):
+            return True  # optional operands are only used with a keyword; see ops using them
+        if el.kind not in ("kw", "punct") and el.name in keys:
+            return True
+    return False
+
+
+def _attr_text(el: FormatElem, value: Attr) -> str:
+    kind = el.kind
+    if kind == "symbol":
+        return f"@{value}"
+    if kind == "ints":
+        assert isinstance(value, tuple)
+        return "[" + ", ".join(str(v) for v in value) + "]"
+    if kind == "axes":
+        assert isinstance(value, tuple)
+        return str(value[0]) if len(value) == 1 else "[" + ", ".join(map(str, value)) + "]"
+    if kind == "literal":
+        return _literal(value)
+    if kind in ("int", "float"):
+        assert isinstance(value, int | float)
+        return format_attr_number(value)
+    return str(value)
+
+
+def _init(init: Init) -> str:
+    if not init.params:
+        return init.kind.value
+    inner = ", ".join(f"{k}={format_attr_number(v)}" for k, v in init.params)
+    return f"{init.kind.value}({inner})"
+
+
+def print_module(module: Module, *, positional_names: bool = False) -> str:
+    """The canonical text of ``module``; with ``positional_names`` every function's values are
+    renamed ``%0, %1, ...`` in order of definition (the form ``module_hash`` hashes)."""
+    return _Printer(positional_names).module(module)

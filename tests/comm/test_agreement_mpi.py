@@ -1,0 +1,47 @@
+"""Bounded agreement on rank-local outcomes, under real MPI."""
+
+from __future__ import annotations
+
+import pytest
+
+from dtm_mpi.comm.agreement import agree_outcome, wait_bounded
+from dtm_mpi.errors import CommTimeoutError
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+
+def test_all_ok_agrees_on_nothing(comm) -> None:
+    assert agree_outcome(comm, ok=True, message="", phase="p", timeout_s=30) == ()
+
+
+@pytest.mark.parametrize("bad_rank_from_end", [0, 1])
+def test_every_rank_sees_the_same_failures(comm, bad_rank_from_end: int) -> None:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    bad = size - 1 - bad_rank_from_end
+    failures = agree_outcome(
+        comm, ok=rank != bad, message=f"boom on {rank}", phase="compute", timeout_s=30
+    )
+    assert [f.rank for f in failures] == [bad]
+    assert failures[0].message == f"boom on {bad}"
+    assert failures[0].phase == "compute"
+    everyone = comm.allgather(failures)
+    assert all(f == failures for f in everyone)
+
+
+def test_wait_is_bounded_when_a_peer_never_arrives(comm) -> None:
+    import numpy as np
+
+    rank = comm.Get_rank()
+    sub = comm.Split(0 if rank == 0 else 1, rank)
+    try:
+        if rank == 0 and sub.Get_size() == 1:
+            # rank 0 alone in its group with a peer-less receive: nobody ever sends
+            buf = np.zeros(1)
+            req = comm.Irecv(buf, source=comm.Get_size() - 1, tag=4242)
+            with pytest.raises(CommTimeoutError, match="within 0.2 s on rank 0"):
+                wait_bounded(req, timeout_s=0.2, op="recv", phase="test", rank=0)
+            req.Cancel()
+            req.Wait()
+    finally:
+        sub.Free()
+    comm.Barrier()

@@ -1,0 +1,64 @@
+"""Environment options: parsed once, frozen, bad values named."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dtm_mpi.config import Config, FaultKind, FaultSpec, GpuAwareMode, load_config
+from dtm_mpi.errors import ConfigError
+
+
+def test_defaults() -> None:
+    cfg = load_config({})
+    assert cfg == Config()
+    assert cfg.timeout_s == 300.0 and cfg.faults == () and not cfg.deterministic
+
+
+def test_all_options() -> None:
+    cfg = load_config(
+        {
+            "DTM_TIMEOUT": "2.5",
+            "DTM_FAULT": "1:allreduce:hang, 2:handshake:exit",
+            "DTM_DETERMINISTIC": "yes",
+            "DTM_MAX_MSG_ELEMS": "16",
+            "DTM_GPU_AWARE_MPI": "NO",
+            "DTM_LOG": "debug",
+        }
+    )
+    assert cfg.timeout_s == 2.5
+    assert cfg.faults == (
+        FaultSpec(1, "allreduce", FaultKind.HANG),
+        FaultSpec(2, "handshake", FaultKind.EXIT),
+    )
+    assert cfg.fault_at(2, "handshake") == FaultSpec(2, "handshake", FaultKind.EXIT)
+    assert cfg.fault_at(0, "handshake") is None
+    assert cfg.deterministic and cfg.max_msg_elems == 16
+    assert cfg.gpu_aware_mpi is GpuAwareMode.NO and cfg.log_level == "debug"
+
+
+def test_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Config().timeout_s = 1.0  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("env", "fragment"),
+    [
+        ({"DTM_TIMEOUT": "soon"}, "DTM_TIMEOUT: expected a number"),
+        ({"DTM_TIMEOUT": "-1"}, "DTM_TIMEOUT: must be a finite number > 0"),
+        ({"DTM_TIMEOUT": "nan"}, "DTM_TIMEOUT: must be a finite number > 0"),
+        ({"DTM_FAULT": "1:allreduce"}, "DTM_FAULT: expected RANK:WHERE:KIND"),
+        ({"DTM_FAULT": "x:allreduce:raise"}, "RANK must be an integer"),
+        ({"DTM_FAULT": "1::raise"}, "WHERE is empty"),
+        ({"DTM_FAULT": "1:allreduce:explode"}, "KIND must be one of raise, hang, exit"),
+        ({"DTM_DETERMINISTIC": "maybe"}, "DTM_DETERMINISTIC"),
+        ({"DTM_MAX_MSG_ELEMS": "0"}, "DTM_MAX_MSG_ELEMS: must be >= 1"),
+        ({"DTM_GPU_AWARE_MPI": "perhaps"}, "DTM_GPU_AWARE_MPI"),
+        ({"DTM_LOG": "loud"}, "DTM_LOG"),
+    ],
+)
+def test_bad_values_name_the_variable(env: dict[str, str], fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        load_config(env)
