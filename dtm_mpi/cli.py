@@ -9,10 +9,15 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dtm_mpi._version import __version__
 from dtm_mpi.comm.abort import run_or_abort
-from dtm_mpi.errors import UsageError
+from dtm_mpi.errors import DiagnosticError, UsageError
+
+if TYPE_CHECKING:
+    from dtm_mpi.ir.nodes import Module
 
 __all__ = ["build_parser", "main", "run"]
 
@@ -27,9 +32,96 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"dtm_mpi {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
+    check = sub.add_parser("check", help="parse and verify IR files; diagnostics as file:line:col")
+    check.add_argument("files", nargs="+", metavar="FILE")
+    check.set_defaults(func=_cmd_check)
+    fmt = sub.add_parser("fmt", help="print the canonical form of an IR file")
+    fmt.add_argument("file", metavar="FILE")
+    fmt.add_argument("--check", action="store_true", help="exit 1 if FILE is not canonical")
+    fmt.add_argument("-w", "--write", action="store_true", help="rewrite FILE in place")
+    fmt.set_defaults(func=_cmd_fmt)
+    hsh = sub.add_parser("hash", help="print the module hash of an IR file")
+    hsh.add_argument("file", metavar="FILE")
+    hsh.set_defaults(func=_cmd_hash)
+    bench = sub.add_parser("bench", help="benchmarks")
+    bsub = bench.add_subparsers(dest="suite", metavar="SUITE", parser_class=_Parser)
+    bsub.required = True
+    bir = bsub.add_parser("ir", help="parse+verify+hash time of a generated large module")
+    bir.add_argument("--ops", type=int, default=100_000, help="ops in the generated module")
+    bir.add_argument("--repeat", type=int, default=3, help="runs; the best is reported")
+    bir.set_defaults(func=_cmd_bench_ir)
     info = sub.add_parser("info", help="report the runtime: MPI, parallel HDF5, ranks (collective)")
     info.set_defaults(func=_cmd_info)
     return parser
+
+
+def _print_diagnostics(errors: Sequence[DiagnosticError]) -> None:
+    for err in errors:
+        print(err, file=sys.stderr)
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from dtm_mpi.ir import check_text
+    from dtm_mpi.ir.files import read_source
+
+    texts = [(path, read_source(path)) for path in args.files]
+    failed = 0
+    for path, text in texts:
+        _, errors = check_text(text, path)
+        _print_diagnostics(errors)
+        failed += bool(errors)
+    if failed:
+        print(f"dtm check: {failed} of {len(texts)} file(s) have errors", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _load(path: str) -> Module:
+    from dtm_mpi.ir import check_text
+    from dtm_mpi.ir.files import read_source
+
+    module, errors = check_text(read_source(path), path)
+    if errors:
+        _print_diagnostics(errors[1:])
+        raise errors[0]
+    assert module is not None
+    return module
+
+
+def _cmd_fmt(args: argparse.Namespace) -> int:
+    from dtm_mpi.ir import print_module
+    from dtm_mpi.ir.files import read_source
+
+    original = read_source(args.file)
+    text = print_module(_load(args.file))
+    if args.check:
+        if text != original:
+            print(
+                f"{args.file}: not in canonical form (run 'dtm fmt -w {args.file}')",
+                file=sys.stderr,
+            )
+            return 1
+        return 0
+    if args.write:
+        if text != original:
+            Path(args.file).write_text(text, encoding="utf-8")
+        return 0
+    sys.stdout.write(text)
+    return 0
+
+
+def _cmd_hash(args: argparse.Namespace) -> int:
+    from dtm_mpi.ir import module_hash
+
+    print(module_hash(_load(args.file)))
+    return 0
+
+
+def _cmd_bench_ir(args: argparse.Namespace) -> int:
+    from dtm_mpi.bench.ir import run_ir_bench
+
+    print(run_ir_bench(ops=args.ops, repeat=args.repeat))
+    return 0
 
 
 def _cmd_info(args: argparse.Namespace) -> int:

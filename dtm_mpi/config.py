@@ -122,7 +122,9 @@ def parse_fault_specs(name: str, raw: str) -> tuple[FaultSpec, ...]:
         try:
             rank = int(rank_s)
         except ValueError:
-            raise ConfigError(f"{name}: RANK must be an integer, got {rank_s!r} in {item!r}") from None
+            raise ConfigError(
+                f"{name}: RANK must be an integer, got {rank_s!r} in {item!r}"
+            ) from None
         if rank < 0:
             raise ConfigError(f"{name}: RANK must be >= 0, got {rank} in {item!r}")
         if not where:

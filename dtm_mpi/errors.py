@@ -110,7 +110,7 @@ class ParseError(DiagnosticError):
     kind = "parse error"
 
 
-class VersionError(DiagnosticError):
+class VersionError(ParseError):
     """The module's ``dtm MAJOR.MINOR`` header names a version this reader cannot read."""
 
     kind = "version error"

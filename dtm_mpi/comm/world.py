@@ -11,9 +11,8 @@ __all__ = ["describe_world"]
 def describe_world() -> str:
     """Collective: call on all ranks. Gathers each rank's host, node-local rank and pid, checks
     that a sum over all ranks is right, and returns a report on rank 0 ("" elsewhere)."""
-    from mpi4py import MPI
-
     import h5py
+    from mpi4py import MPI
 
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
@@ -36,7 +35,6 @@ def describe_world() -> str:
         + ("ok" if total == expect else "WRONG"),
     ]
     lines += [
-        f"  rank {r}: host {host}, node-local {lr}/{ls}, pid {pid}"
-        for r, host, lr, ls, pid in rows
+        f"  rank {r}: host {host}, node-local {lr}/{ls}, pid {pid}" for r, host, lr, ls, pid in rows
     ]
     return "\n".join(lines)

@@ -68,7 +68,9 @@ class Source:
         end = self.text.find("\n", starts[line - 1])
         return self.text[starts[line - 1] : end if end >= 0 else len(self.text)]
 
-    def error(self, cls: type[ParseError], message: str, offset: int, length: int = 1) -> ParseError:
+    def error(
+        self, cls: type[ParseError], message: str, offset: int, length: int = 1
+    ) -> ParseError:
         span = self.span(offset, length)
         return cls(message, span, self.line_text(span.line))
 

@@ -244,13 +244,14 @@ class _Parser:
             kind = InitKind(tok[1])
         except ValueError:
             raise self.fail(
-                f"unknown initialiser {tok[1]!r} (expected zeros, ones, store, normal or "
-                "uniform)",
+                f"unknown initialiser {tok[1]!r} (expected zeros, ones, store, normal or uniform)",
                 tok,
             ) from None
         params: list[tuple[str, int | float]] = []
         if kind in (InitKind.NORMAL, InitKind.UNIFORM):
-            allowed = ("seed", "mean", "std") if kind is InitKind.NORMAL else ("seed", "low", "high")
+            allowed = (
+                ("seed", "mean", "std") if kind is InitKind.NORMAL else ("seed", "low", "high")
+            )
             self.expect("(", f"'(' and parameters after {kind.value}")
             while True:
                 key_tok = self.take("IDENT", f"one of {', '.join(allowed)}")

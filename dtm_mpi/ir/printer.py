@@ -33,7 +33,8 @@ def _literal(value: Attr) -> str:
 def _join(parts: list[str]) -> str:
     out: list[str] = []
     for part in parts:
-        if out and part not in _NO_SPACE_BEFORE and out[-1] not in _NO_SPACE_AFTER:
+        glued = part in _NO_SPACE_BEFORE or (part == "(" and out and out[-1].startswith("@"))
+        if out and not glued and out[-1] not in _NO_SPACE_AFTER:
             out.append(" ")
         out.append(part)
     return "".join(out)
@@ -67,8 +68,10 @@ class _Printer:
         self.names = {}
         params = ", ".join(self.param(p) for p in f.params)
         results = [self.result(r) for r in f.results]
-        rtext = results[0] if len(results) == 1 and f.results[0].updates is None else (
-            "(" + ", ".join(results) + ")"
+        rtext = (
+            results[0]
+            if len(results) == 1 and f.results[0].updates is None
+            else ("(" + ", ".join(results) + ")")
         )
         head = f"{'entry ' if f.entry else ''}func @{f.name}({params}) -> {rtext}"
         if f.mesh is not None:
@@ -105,7 +108,9 @@ class _Printer:
             return f"{names} = {body} : {types}"
         return body
 
-    def elems(self, fmt: tuple[FormatElem, ...], op: Op, operands: object, parts: list[str]) -> None:
+    def elems(
+        self, fmt: tuple[FormatElem, ...], op: Op, operands: object, parts: list[str]
+    ) -> None:
         it: Callable[[], str] = operands.__next__  # type: ignore[attr-defined]
         for el in fmt:
             kind = el.kind

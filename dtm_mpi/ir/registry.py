@@ -72,7 +72,18 @@ def _parse_elems(words: list[str], pos: int, *, top: bool) -> tuple[tuple[Format
     return tuple(out), pos
 
 
-_KINDS = {"operand", "operands", "symbol", "int", "ints", "float", "axes", "enum", "flag", "literal"}
+_KINDS = {
+    "operand",
+    "operands",
+    "symbol",
+    "int",
+    "ints",
+    "float",
+    "axes",
+    "enum",
+    "flag",
+    "literal",
+}
 
 
 class OpContext:

@@ -1,0 +1,11 @@
+"""Every IR op, registered in :data:`dtm_mpi.ir.registry.OPS` on import (one module a family)."""
+
+from dtm_mpi.ir.ops import (  # noqa: F401
+    collective,
+    create,
+    elementwise,
+    linalg,
+    quant,
+    reduce,
+    shape,
+)

@@ -1,0 +1,89 @@
+"""int8 quantisation with per-block scales along the last dim (capability ``CAP_QUANT``).
+
+``quantize``: for each block of ``block`` consecutive elements of the last dim,
+``scale = max(|x|) / 127`` (1 where the block is all zeros) and ``q = round_half_even(x /
+scale)`` clipped to [-127, 127]. ``dequantize``: ``x = q * scale``. The last dim must be
+unsharded and divisible by ``block``; other dims keep their sharding in both results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from dtm_mpi.ir.nodes import Op
+from dtm_mpi.ir.ops._common import as_dtype, no_partial, require_float, unsharded_dim
+from dtm_mpi.ir.registry import OpContext, register_op
+from dtm_mpi.ir.types import DType, Layout, TensorType
+
+
+def _blocks(x: np.ndarray, block: int) -> np.ndarray:
+    return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+def _quantize_ref(
+    op: Op, xs: Sequence[np.ndarray], rt: Sequence[TensorType]
+) -> tuple[np.ndarray, ...]:
+    block = int(op.attr("block"))  # type: ignore[arg-type]
+    xb = _blocks(xs[0].astype(np.float64), block)
+    amax = np.max(np.abs(xb), axis=-1)
+    scale = np.where(amax > 0, amax / 127.0, 1.0)
+    q = np.clip(np.rint(xb / scale[..., None]), -127, 127).astype(np.int8).reshape(xs[0].shape)
+    return (q, as_dtype(scale, rt[1]))
+
+
+def _check_block(ctx: OpContext, x: TensorType) -> int:
+    block = int(ctx.attr("block"))
+    if block < 1:
+        raise ctx.attr_error("block", f"block must be >= 1; got {block}")
+    if x.rank < 1 or x.shape[-1] % block:
+        raise ctx.attr_error(
+            "block",
+            f"the last dim ({x.shape[-1] if x.rank else 'none'}) must be a multiple of block {block}",
+        )
+    return block
+
+
+@register_op("quantize", "$x:operand block $block:int", results=2, reference=_quantize_ref,
+             capability="CAP_QUANT", doc="int8 values and f32 per-block scales")  # fmt: skip
+def _quantize(ctx: OpContext) -> tuple[TensorType, ...]:
+    x = ctx.operand_types[0]
+    require_float(ctx, 0)
+    no_partial(ctx, 0)
+    block = _check_block(ctx, x)
+    unsharded_dim(ctx, 0, x.rank - 1, "the quantised (last)")
+    scale_shape = x.shape[:-1] + (x.shape[-1] // block,)
+    return (
+        TensorType(DType.I8, x.shape, x.layout),
+        TensorType(DType.F32, scale_shape, Layout(x.layout.dims, None)),
+    )
+
+
+def _dequantize_ref(
+    op: Op, xs: Sequence[np.ndarray], rt: Sequence[TensorType]
+) -> tuple[np.ndarray, ...]:
+    block = int(op.attr("block"))  # type: ignore[arg-type]
+    q, scale = xs
+    out = _blocks(q.astype(np.float64), block) * scale.astype(np.float64)[..., None]
+    return (as_dtype(out.reshape(q.shape), rt[0]),)
+
+
+@register_op("dequantize", "$q:operand , $scales:operand block $block:int",
+             reference=_dequantize_ref, capability="CAP_QUANT", doc="q * scale per block")  # fmt: skip
+def _dequantize(ctx: OpContext) -> tuple[TensorType, ...]:
+    q, s = ctx.operand_types
+    d = ctx.declared[0]
+    if q.dtype is not DType.I8:
+        raise ctx.operand_error(0, f"quantised values must be i8; got {q.dtype}")
+    if s.dtype is not DType.F32:
+        raise ctx.operand_error(1, f"scales must be f32; got {s.dtype}")
+    block = _check_block(ctx, q)
+    want = q.shape[:-1] + (q.shape[-1] // block,)
+    if s.shape != want or s.layout.dims != q.layout.dims:
+        raise ctx.operand_error(
+            1, f"scales must be f32{list(want)} laid out like the values; got {s}"
+        )
+    if not d.dtype.is_float:
+        raise ctx.result_error(0, f"dequantize needs a floating result dtype; got {d.dtype}")
+    return (TensorType(d.dtype, q.shape, q.layout),)

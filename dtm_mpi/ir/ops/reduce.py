@@ -1,0 +1,132 @@
+"""Reductions over dims (sum mean max min), softmax, log_softmax, layer_norm.
+
+Sharding rule: reducing a dim sharded over axes A yields a pending reduction over A
+(``sum``/``mean`` -> ``partial(sum)``, ``max`` -> ``partial(max)``, ``min`` -> ``partial(min)``).
+softmax/log_softmax/layer_norm need their normalised dim unsharded and no pending reduction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from dtm_mpi.ir.nodes import Op
+from dtm_mpi.ir.ops._common import (
+    as_dtype,
+    dim_index,
+    merge_partial,
+    no_partial,
+    require_float,
+    require_numeric,
+    unsharded_dim,
+)  # fmt: skip
+from dtm_mpi.ir.registry import OpContext, register_op
+from dtm_mpi.ir.types import Layout, ReduceOp, TensorType
+
+_PARTIAL_OF = {"sum": ReduceOp.SUM, "mean": ReduceOp.SUM, "max": ReduceOp.MAX, "min": ReduceOp.MIN}
+_NP = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min}
+
+
+def _reduce_rule(name: str):  # type: ignore[no-untyped-def]
+    def infer(ctx: OpContext) -> tuple[TensorType, ...]:
+        t = ctx.operand_types[0]
+        (require_float if name == "mean" else require_numeric)(ctx, 0)
+        dims: tuple[int, ...] = ctx.attr("dims")
+        if not dims:
+            raise ctx.attr_error("dims", "needs at least one dim to reduce")
+        for d in dims:
+            dim_index(ctx, "dims", d, t.rank)
+        if len(set(dims)) != len(dims):
+            raise ctx.attr_error("dims", f"dims must be distinct; got {list(dims)}")
+        keep = bool(ctx.attr("keepdims"))
+        axes = tuple(a for d in sorted(dims) for a in t.layout.dims[d])
+        existing = t.layout.partial
+        if existing is not None and existing.op is not _PARTIAL_OF[name]:
+            no_partial(ctx, 0)
+        if existing is not None and name == "mean" and axes:
+            pass  # a mean of a pending sum is still a pending sum (linear)
+        partial = merge_partial(ctx, existing, _PARTIAL_OF[name], axes)
+        shape, ldims = [], []
+        for i, (s, ax) in enumerate(zip(t.shape, t.layout.dims, strict=True)):
+            if i in dims:
+                if keep:
+                    shape.append(1)
+                    ldims.append(())
+            else:
+                shape.append(s)
+                ldims.append(ax)
+        return (TensorType(t.dtype, tuple(shape), Layout(tuple(ldims), partial)),)
+
+    return infer
+
+
+def _reduce_ref(name: str):  # type: ignore[no-untyped-def]
+    def ref(op: Op, xs: Sequence[np.ndarray], rt: Sequence[TensorType]) -> tuple[np.ndarray, ...]:
+        out = _NP[name](xs[0], axis=tuple(op.attr("dims")), keepdims=bool(op.attr("keepdims")))  # type: ignore[arg-type]
+        return (as_dtype(out, rt[0]),)
+
+    return ref
+
+
+for _name in ("sum", "mean", "max", "min"):
+    register_op(_name, "$x:operand dims $dims:ints $keepdims:flag(keepdims)",
+                reference=_reduce_ref(_name), doc=f"{_name} over dims")(_reduce_rule(_name))  # fmt: skip
+
+
+def _softmax_np(x: np.ndarray, dim: int, log: bool) -> np.ndarray:
+    shifted = x - np.max(x, axis=dim, keepdims=True)
+    if log:
+        return shifted - np.log(np.sum(np.exp(shifted), axis=dim, keepdims=True))
+    e = np.exp(shifted)
+    return e / np.sum(e, axis=dim, keepdims=True)
+
+
+def _softmax_family(name: str, log: bool) -> None:
+    def ref(op: Op, xs: Sequence[np.ndarray], rt: Sequence[TensorType]) -> tuple[np.ndarray, ...]:
+        return (as_dtype(_softmax_np(xs[0], int(op.attr("dim")), log), rt[0]),)  # type: ignore[arg-type]
+
+    @register_op(name, "$x:operand dim $dim:int", reference=ref, doc=f"{name} along dim")
+    def infer(ctx: OpContext) -> tuple[TensorType, ...]:
+        t = ctx.operand_types[0]
+        require_float(ctx, 0)
+        no_partial(ctx, 0)
+        d = dim_index(ctx, "dim", int(ctx.attr("dim")), t.rank)
+        unsharded_dim(ctx, 0, d, f"the {name}")
+        return (t,)
+
+
+_softmax_family("softmax", False)
+_softmax_family("log_softmax", True)
+
+
+def _layer_norm_ref(
+    op: Op, xs: Sequence[np.ndarray], rt: Sequence[TensorType]
+) -> tuple[np.ndarray, ...]:
+    x, gamma, beta = xs
+    eps = float(op.attr("eps"))  # type: ignore[arg-type]
+    xf = x.astype(np.float64)
+    mean = xf.mean(axis=-1, keepdims=True)
+    var = ((xf - mean) ** 2).mean(axis=-1, keepdims=True)
+    return (as_dtype((xf - mean) / np.sqrt(var + eps) * gamma + beta, rt[0]),)
+
+
+@register_op("layer_norm", "$x:operand , $gamma:operand , $beta:operand eps $eps:float",
+             reference=_layer_norm_ref, doc="normalise over the last dim, then scale and shift")  # fmt: skip
+def _layer_norm(ctx: OpContext) -> tuple[TensorType, ...]:
+    x = ctx.operand_types[0]
+    require_float(ctx, 0)
+    no_partial(ctx, 0)
+    if x.rank < 1:
+        raise ctx.operand_error(0, "operand must have rank >= 1")
+    unsharded_dim(ctx, 0, x.rank - 1, "the normalised (last)")
+    for i, what in ((1, "gamma"), (2, "beta")):
+        p = ctx.operand_types[i]
+        if p.dtype is not x.dtype or p.shape != (x.shape[-1],):
+            raise ctx.operand_error(i, f"{what} must be {x.dtype}[{x.shape[-1]}]; got {p}")
+        if not p.layout.is_replicated:
+            raise ctx.operand_error(i, f"{what} must be replicated; got {p}")
+    eps = float(ctx.attr("eps"))
+    if not eps > 0:
+        raise ctx.attr_error("eps", f"eps must be > 0; got {eps}")
+    return (x,)

@@ -1,0 +1,287 @@
+"""The verifier: every decidable rule of the IR, checked before anything runs.
+
+Rules (docs/spec/ir.md, "Verification"): meshes (unique names and axes, sizes >= 1); one entry
+function; unique function names; no recursion; SSA (one definition, defined before use);
+layouts (declared axes, each at most once per tensor, pending axes not also sharding); every
+op's shape and sharding rule (its ``infer`` in the registry) against the declared result types;
+capabilities declared and known; send/recv pairing; state parameters and their updates; returns
+matching the signature.
+
+``verify_errors`` collects the first error of each function (and the module-level ones);
+``verify_module`` raises the first of them.
+"""
+
+from __future__ import annotations
+
+from dtm_mpi.errors import SourceSpan, VerifyError
+from dtm_mpi.ir.nodes import Function, InitKind, Mesh, Module
+from dtm_mpi.ir.ops._common import KNOWN_CAPABILITIES
+from dtm_mpi.ir.registry import OpContext, lookup_op
+from dtm_mpi.ir.types import Partial, ReduceOp, TensorType
+
+__all__ = ["check_layout", "function_mesh", "verify_errors", "verify_module"]
+
+
+def _err(message: str, span: SourceSpan) -> VerifyError:
+    return VerifyError(message, span)
+
+
+def check_layout(t: TensorType, mesh: Mesh | None, span: SourceSpan, what: str) -> None:
+    """A layout must name only declared axes, each at most once per tensor."""
+    used = t.layout.used_axes
+    if not used:
+        return
+    if mesh is None:
+        raise _err(
+            f"{what} {t} names mesh axes but the function has no mesh (add 'on @mesh')", span
+        )
+    seen: set[str] = set()
+    for axis in used:
+        if axis not in mesh.axis_names:
+            raise _err(
+                f"{what} {t} names axis {axis!r}, which mesh @{mesh.name} does not declare "
+                f"(axes: {', '.join(mesh.axis_names)})",
+                span,
+            )
+        if axis in seen:
+            pending = t.layout.partial is not None and axis in t.layout.partial.axes
+            rule = "pending and sharded at once" if pending else "used twice"
+            raise _err(
+                f"{what} {t}: mesh axis {axis!r} is {rule}; an axis may appear once per tensor",
+                span,
+            )
+        seen.add(axis)
+
+
+def function_mesh(module: Module, f: Function) -> Mesh | None:
+    """The mesh a function runs on: the one it names, else the module's only mesh."""
+    if f.mesh is not None:
+        return module.mesh(f.mesh)
+    return module.meshes[0] if len(module.meshes) == 1 else None
+
+
+def _check_meshes(module: Module) -> None:
+    names: dict[str, Mesh] = {}
+    for mesh in module.meshes:
+        if mesh.name in names:
+            raise _err(
+                f"mesh @{mesh.name} is declared twice (first at {names[mesh.name].span})", mesh.span
+            )
+        names[mesh.name] = mesh
+        axes: set[str] = set()
+        for axis, size in mesh.axes:
+            if axis in axes:
+                raise _err(f"mesh @{mesh.name} declares axis {axis!r} twice", mesh.span)
+            if size < 1:
+                raise _err(
+                    f"mesh @{mesh.name} axis {axis!r} has size {size}; sizes must be >= 1",
+                    mesh.span,
+                )
+            axes.add(axis)
+
+
+def _check_functions(module: Module) -> None:
+    seen: dict[str, Function] = {}
+    entries = []
+    for f in module.functions:
+        if f.name in seen:
+            raise _err(
+                f"function @{f.name} is defined twice (first at {seen[f.name].span})", f.span
+            )
+        seen[f.name] = f
+        if f.entry:
+            entries.append(f)
+    if not entries:
+        raise _err(
+            f"module {module.name} has no entry function (mark one 'entry func')", module.span
+        )
+    if len(entries) > 1:
+        raise _err(
+            f"module has {len(entries)} entry functions; mark exactly one (first: @{entries[0].name})",
+            entries[1].span,
+        )
+    # no recursion: the call graph must be acyclic
+    calls = {
+        f.name: [str(op.attr("callee")) for op in f.body if op.name == "call"]
+        for f in module.functions
+    }
+    state: dict[str, int] = {}
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for callee in calls.get(name, []):
+            if state.get(callee) == 1:
+                cycle = " -> ".join(
+                    f"@{n}"
+                    for n in [*path, name, callee][path.index(callee) if callee in path else 0 :]
+                )
+                f = seen[name]
+                op = next(o for o in f.body if o.name == "call" and o.attr("callee") == callee)
+                raise _err(f"recursive call: {cycle}; the call graph must be acyclic", op.span)
+            if state.get(callee) is None and callee in calls:
+                visit(callee, [*path, name])
+        state[name] = 2
+
+    for f in module.functions:
+        if f.name not in state:
+            visit(f.name, [])
+
+
+def _verify_function(module: Module, f: Function) -> None:
+    if f.mesh is not None and module.mesh(f.mesh) is None:
+        raise _err(
+            f"function @{f.name} runs on mesh @{f.mesh}, which the module does not declare",
+            f.mesh_span,
+        )
+    mesh = function_mesh(module, f)
+    for cap, span in zip(f.requires, f.requires_spans or [f.span] * len(f.requires), strict=False):
+        if cap not in KNOWN_CAPABILITIES:
+            raise _err(f"unknown capability {cap!r} (known: {', '.join(KNOWN_CAPABILITIES)})", span)
+    if len(set(f.requires)) != len(f.requires):
+        raise _err(f"function @{f.name} lists a capability twice", f.span)
+    env: dict[str, tuple[TensorType, SourceSpan]] = {}
+    state_params: dict[str, TensorType] = {}
+    for p in f.params:
+        if p.name in env:
+            raise _err(f"parameter {p.name} is declared twice", p.span)
+        check_layout(p.type, mesh, p.type_span, f"parameter {p.name}:")
+        if p.type.layout.partial is not None:
+            raise _err(
+                f"parameter {p.name} cannot be {p.type.layout.partial}; parameters hold complete values",
+                p.type_span,
+            )
+        if p.state:
+            if not f.entry:
+                raise _err(
+                    f"state parameter {p.name} is only allowed in the entry function", p.span
+                )
+            state_params[p.name] = p.type
+        if (
+            p.init is not None
+            and p.init.kind in (InitKind.NORMAL, InitKind.UNIFORM)
+            and not p.type.dtype.is_float
+        ):
+            raise _err(
+                f"init {p.init.kind.value} of {p.name} needs a floating dtype; got {p.type.dtype}",
+                p.span,
+            )
+        env[p.name] = (p.type, p.span)
+    updated: set[str] = set()
+    for r in f.results:
+        check_layout(r.type, mesh, r.span, "result type")
+        if r.updates is None:
+            continue
+        if not f.entry:
+            raise _err(f"'updates {r.updates}' is only allowed in the entry function", r.span)
+        if r.updates not in state_params:
+            raise _err(
+                f"result updates {r.updates}, which is not a state parameter of @{f.name}", r.span
+            )
+        if r.updates in updated:
+            raise _err(f"state parameter {r.updates} is updated by two results", r.span)
+        if r.type != state_params[r.updates]:
+            raise _err(
+                f"result updating {r.updates} must have its type {state_params[r.updates]}; got {r.type}",
+                r.span,
+            )
+        updated.add(r.updates)
+    pending_sends: dict[tuple[object, ...], tuple[TensorType, SourceSpan]] = {}
+    for op in f.body:
+        opdef = lookup_op(op.name)
+        assert opdef is not None
+        for name, span in zip(op.operands, op.operand_spans, strict=True):
+            if name not in env:
+                raise _err(f"use of undefined value {name}", span)
+        if opdef.n_results >= 0 and len(op.results) != opdef.n_results:
+            raise _err(f"{op.name} has {opdef.n_results} result(s); got {len(op.results)}", op.span)
+        for name, span in zip(op.results, op.result_spans, strict=True):
+            if name in env:
+                raise _err(
+                    f"value {name} is already defined at {env[name][1]}; SSA values are defined once",
+                    span,
+                )
+        for t, span in zip(op.result_types, op.type_spans, strict=True):
+            check_layout(t, mesh, span, "result type")
+        if opdef.capability is not None and opdef.capability not in f.requires:
+            raise _err(
+                f"{op.name} needs capability {opdef.capability}; declare it on @{f.name} with "
+                f"'requires [{opdef.capability}]'",
+                op.span,
+            )
+        operand_types = [env[n][0] for n in op.operands]
+        ctx = OpContext(op, operand_types, op.result_types, mesh, module)
+        inferred = opdef.infer(ctx)
+        if opdef.n_results < 0 and len(inferred) != len(op.result_types):
+            raise _err(
+                f"{op.name} gives {len(inferred)} result(s); {len(op.result_types)} declared",
+                op.span,
+            )
+        for i, (want, got) in enumerate(zip(inferred, op.result_types, strict=True)):
+            if want != got:
+                raise ctx.result_error(i, f"result type is {got} but the rule gives {want}")
+        if op.name in ("send", "recv"):
+            key = (op.attr("axis"), op.attr("src"), op.attr("dst"), op.attr("tag"))
+            if op.name == "send":
+                if key in pending_sends:
+                    raise _err(
+                        f"a send on the same axis, coordinates and tag is still unmatched (at {pending_sends[key][1]})",
+                        op.span,
+                    )
+                pending_sends[key] = (operand_types[0], op.span)
+            else:
+                if key not in pending_sends:
+                    raise _err(
+                        "recv has no earlier send on the same axis, coordinates and tag", op.span
+                    )
+                sent, _ = pending_sends.pop(key)
+                axis = str(op.attr("axis")[0])  # type: ignore[index]
+                want_t = sent.with_layout(sent.layout.with_partial(Partial(ReduceOp.SUM, (axis,))))
+                if op.result_types[0] != want_t:
+                    raise ctx.result_error(
+                        0, f"recv of a sent {sent} must be {want_t}; got {op.result_types[0]}"
+                    )
+        for name, span, t in zip(op.results, op.result_spans, op.result_types, strict=True):
+            env[name] = (t, span)
+    for _, span in pending_sends.values():
+        raise _err(
+            "send has no matching recv (same axis, coordinates and tag) later in the function", span
+        )
+    if len(f.returns) != len(f.results):
+        raise _err(
+            f"@{f.name} returns {len(f.returns)} value(s) but declares {len(f.results)} result(s)",
+            f.return_span,
+        )
+    for i, (name, span, r) in enumerate(zip(f.returns, f.return_spans, f.results, strict=True)):
+        if name not in env:
+            raise _err(f"use of undefined value {name}", span)
+        if env[name][0] != r.type:
+            raise _err(
+                f"returned value {i} ({name}) is {env[name][0]} but the result type is {r.type}",
+                span,
+            )
+
+
+def verify_errors(module: Module) -> list[VerifyError]:
+    """Every error found: module-level ones, then the first one of each function."""
+    errors: list[VerifyError] = []
+    for check in (_check_meshes, _check_functions):
+        try:
+            check(module)
+        except VerifyError as err:
+            errors.append(err)
+    for f in module.functions:
+        try:
+            _verify_function(module, f)
+        except VerifyError as err:
+            errors.append(err)
+    errors.sort(key=lambda e: (e.span.line, e.span.col))
+    return errors
+
+
+def verify_module(module: Module) -> None:
+    """Raise the first :class:`VerifyError` of ``module``, if any (others on ``.others``)."""
+    errors = verify_errors(module)
+    if errors:
+        first = errors[0]
+        first.others = errors[1:]  # type: ignore[attr-defined]
+        raise first
