@@ -94,7 +94,7 @@ def _parse_positive_float(name: str, raw: str) -> float:
         value = float(raw)
     except ValueError:
         raise ConfigError(f"{name}: expected a number of seconds, got {raw!r}") from None
-    if not value > 0 or value != value or value == float("inf"):
+    if not (0 < value < float("inf")):  # also rejects nan
         raise ConfigError(f"{name}: must be a finite number > 0, got {raw!r}")
     return value
 

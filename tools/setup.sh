@@ -47,10 +47,13 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 VPY="$VENV/bin/python"
-# pip's notes about this machine's unreachable extra index folders are noise; errors still show.
+# pip's output goes to a log, shown only when the step fails.
+LOG="$VENV/setup.log"
 pipq() {
-  "$VPY" -m pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
-  return "${PIPESTATUS[0]}"
+  if ! "$VPY" -m pip install -q --disable-pip-version-check "$@" >"$LOG" 2>&1; then
+    grep -v "is ignored: it is neither a file nor a directory" "$LOG" >&2 || true
+    return 1
+  fi
 }
 need() { "$VPY" - "$@" <<'PYEOF'
 import sys
@@ -76,10 +79,12 @@ if ! { need "h5py==$H5PY_VERSION" && h5py_is_mpi; }; then
   say "building h5py $H5PY_VERSION against parallel HDF5 (about 2 minutes)"
   pkgname=${HDF5_PKGCONFIG_NAME:-}
   if [ -z "$pkgname" ] && [ -z "${HDF5_DIR:-}" ] && pkg-config --exists hdf5-openmpi; then pkgname=hdf5-openmpi; fi
-  env CC="$MPICC" HDF5_MPI=ON ${pkgname:+HDF5_PKGCONFIG_NAME=$pkgname} CFLAGS="-O2 -g0" \
-    "$VPY" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps \
-      --no-build-isolation --no-binary=h5py --no-cache-dir "h5py==$H5PY_VERSION" \
-    || die "building h5py against parallel HDF5 failed"
+  (
+    export CC="$MPICC" HDF5_MPI=ON CFLAGS="-O2 -g0"
+    if [ -n "$pkgname" ]; then export HDF5_PKGCONFIG_NAME="$pkgname"; fi
+    pipq --force-reinstall --no-deps --no-build-isolation --no-binary=h5py --no-cache-dir \
+      "h5py==$H5PY_VERSION"
+  ) || die "building h5py against parallel HDF5 failed (log: $LOG)"
 fi
 h5py_is_mpi || die "h5py is not built with MPI (h5py.get_config().mpi is False); a serial wheel slipped in"
 

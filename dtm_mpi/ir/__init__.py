@@ -26,9 +26,9 @@ def check_text(text: str, file: str = "<input>") -> tuple[Module | None, list[Di
     except ParseError as err:
         return None, [err]
     errors: list[DiagnosticError] = list(verify_errors(module))
-    for err in errors:
-        if err.source_line is None:
-            err.with_source(source.line_text(err.span.line))
+    for diag in errors:
+        if diag.source_line is None:
+            diag.with_source(source.line_text(diag.span.line))
     return module, errors
 
 

@@ -96,7 +96,7 @@ def tokenize(source: Source) -> list[Token]:
             raise source.error(ParseError, f"unexpected character {shown}", pos)
         kind = m.lastgroup
         assert kind is not None
-        if kind != "WS" and kind != "COMMENT":
+        if kind not in {"WS", "COMMENT"}:
             append((kind, m.group(), pos))
         pos = m.end()
     append(("EOF", "", end))

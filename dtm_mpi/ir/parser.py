@@ -337,7 +337,7 @@ class _Parser:
     ) -> None:
         for el in fmt:
             kind = el.kind
-            if kind == "kw" or kind == "punct":
+            if kind in {"kw", "punct"}:
                 self.expect(el.name, f"{el.name!r} in {opname}")
             elif kind == "operand":
                 tok = self.take("VALUE", f"an operand (%name) in {opname}")

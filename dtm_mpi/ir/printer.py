@@ -61,7 +61,7 @@ class _Printer:
             axes = ", ".join(f"{a}={n}" for a, n in mesh.axes)
             lines += ["", f"mesh @{mesh.name} = [{axes}]"]
         for f in m.functions:
-            lines += [""] + self.function(f)
+            lines += ["", *self.function(f)]
         return "\n".join(lines) + "\n"
 
     def function(self, f: Function) -> list[str]:
@@ -114,7 +114,7 @@ class _Printer:
         it: Callable[[], str] = operands.__next__  # type: ignore[attr-defined]
         for el in fmt:
             kind = el.kind
-            if kind == "kw" or kind == "punct":
+            if kind in {"kw", "punct"}:
                 parts.append(el.name)
             elif kind == "operand":
                 parts.append(self.v(it()))

@@ -173,15 +173,9 @@ def lookup_op(name: str) -> OpDef | None:
     return OPS.get(name)
 
 
-_loaded = False
-
-
 def _load_ops() -> None:
-    global _loaded
-    if not _loaded:
+    if not OPS:
         from dtm_mpi.ir import ops  # noqa: F401  (registers every op)
-
-        _loaded = True
 
 
 def attr_items(op: Op) -> dict[str, Attr]:

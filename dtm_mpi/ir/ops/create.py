@@ -53,7 +53,8 @@ def random_values(
     u1 = uniform01(seed, offset, index * np.uint64(2))
     u2 = uniform01(seed, offset, index * np.uint64(2) + np.uint64(1))
     z = np.sqrt(-2.0 * np.log1p(-u1)) * np.cos(2.0 * np.pi * u2)
-    return params.get("mean", 0.0) + params.get("std", 1.0) * z
+    out: np.ndarray = params.get("mean", 0.0) + params.get("std", 1.0) * z
+    return out
 
 
 def _no_partial_result(ctx: OpContext) -> TensorType:
@@ -101,7 +102,7 @@ def _constant(ctx: OpContext) -> tuple[TensorType, ...]:
     shape = _literal_shape(value)
     if shape is None:
         raise ctx.attr_error("value", "ragged literal: nested lists must have equal lengths")
-    if shape != () and shape != d.shape:
+    if shape not in ((), d.shape):
         raise ctx.attr_error(
             "value", f"literal has shape {list(shape)} but the result is {list(d.shape)}"
         )

@@ -67,9 +67,9 @@ def _matmul(ctx: OpContext) -> tuple[TensorType, ...]:
     if clash:
         raise ctx.operand_error(1, f"M and N are sharded over the same axis {sorted(clash)[0]!r}")
     partial = merge_partial(ctx, existing, ReduceOp.SUM, la.dims[-1])
-    dims = la.dims[:-2] + (m_axes, n_axes)
+    dims = (*la.dims[:-2], m_axes, n_axes)
     used = [x for d in dims for x in d] + list(partial.axes if partial else ())
     if len(used) != len(set(used)):
         raise ctx.operand_error(1, "the result would use one mesh axis twice")
-    shape = a.shape[:-1] + (b.shape[-1],)
+    shape = (*a.shape[:-1], b.shape[-1])
     return (TensorType(a.dtype, shape, Layout(dims, partial)),)

@@ -53,7 +53,7 @@ def _quantize(ctx: OpContext) -> tuple[TensorType, ...]:
     no_partial(ctx, 0)
     block = _check_block(ctx, x)
     unsharded_dim(ctx, 0, x.rank - 1, "the quantised (last)")
-    scale_shape = x.shape[:-1] + (x.shape[-1] // block,)
+    scale_shape = (*x.shape[:-1], x.shape[-1] // block)
     return (
         TensorType(DType.I8, x.shape, x.layout),
         TensorType(DType.F32, scale_shape, Layout(x.layout.dims, None)),
@@ -79,7 +79,7 @@ def _dequantize(ctx: OpContext) -> tuple[TensorType, ...]:
     if s.dtype is not DType.F32:
         raise ctx.operand_error(1, f"scales must be f32; got {s.dtype}")
     block = _check_block(ctx, q)
-    want = q.shape[:-1] + (q.shape[-1] // block,)
+    want = (*q.shape[:-1], q.shape[-1] // block)
     if s.shape != want or s.layout.dims != q.layout.dims:
         raise ctx.operand_error(
             1, f"scales must be f32{list(want)} laid out like the values; got {s}"

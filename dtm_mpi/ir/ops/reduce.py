@@ -8,6 +8,7 @@ softmax/log_softmax/layer_norm need their normalised dim unsharded and no pendin
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -47,7 +48,8 @@ def _reduce_rule(name: str):  # type: ignore[no-untyped-def]
         if existing is not None and name == "mean" and axes:
             pass  # a mean of a pending sum is still a pending sum (linear)
         partial = merge_partial(ctx, existing, _PARTIAL_OF[name], axes)
-        shape, ldims = [], []
+        shape: list[int] = []
+        ldims: list[tuple[str, ...]] = []
         for i, (s, ax) in enumerate(zip(t.shape, t.layout.dims, strict=True)):
             if i in dims:
                 if keep:
@@ -63,7 +65,8 @@ def _reduce_rule(name: str):  # type: ignore[no-untyped-def]
 
 def _reduce_ref(name: str):  # type: ignore[no-untyped-def]
     def ref(op: Op, xs: Sequence[np.ndarray], rt: Sequence[TensorType]) -> tuple[np.ndarray, ...]:
-        out = _NP[name](xs[0], axis=tuple(op.attr("dims")), keepdims=bool(op.attr("keepdims")))  # type: ignore[arg-type]
+        fn: Any = _NP[name]
+        out = fn(xs[0], axis=tuple(op.attr("dims")), keepdims=bool(op.attr("keepdims")))  # type: ignore[arg-type]
         return (as_dtype(out, rt[0]),)
 
     return ref
@@ -77,9 +80,11 @@ for _name in ("sum", "mean", "max", "min"):
 def _softmax_np(x: np.ndarray, dim: int, log: bool) -> np.ndarray:
     shifted = x - np.max(x, axis=dim, keepdims=True)
     if log:
-        return shifted - np.log(np.sum(np.exp(shifted), axis=dim, keepdims=True))
+        out: np.ndarray = shifted - np.log(np.sum(np.exp(shifted), axis=dim, keepdims=True))
+        return out
     e = np.exp(shifted)
-    return e / np.sum(e, axis=dim, keepdims=True)
+    out = e / np.sum(e, axis=dim, keepdims=True)
+    return out
 
 
 def _softmax_family(name: str, log: bool) -> None:

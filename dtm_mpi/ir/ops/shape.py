@@ -152,5 +152,5 @@ def _concat(ctx: OpContext) -> tuple[TensorType, ...]:
             raise ctx.operand_error(i, f"layouts must match; got {first.layout} and {t.layout}")
         unsharded_dim(ctx, i, d, "the concatenated")
         total += t.shape[d]
-    shape = first.shape[:d] + (total,) + first.shape[d + 1 :]
+    shape = (*first.shape[:d], total, *first.shape[d + 1:])
     return (TensorType(first.dtype, shape, first.layout),)
