@@ -12,6 +12,7 @@ every other :class:`DtmError` exits 1.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 __all__ = [
     "BackendError",
@@ -61,9 +62,12 @@ class ConfigError(DtmError, ValueError):
 # --- IR diagnostics ---------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class SourceSpan:
-    """A location in a source text: 1-based line and column, ``length`` characters long."""
+class SourceSpan(NamedTuple):
+    """A location in a source text: 1-based line and column, ``length`` characters long.
+
+    (An immutable named tuple rather than a dataclass: the parser makes one per token, and
+    tuple construction keeps a 100,000-op module fast to parse.)
+    """
 
     file: str
     line: int

@@ -29,7 +29,7 @@ _KIND_NAMES = {
 
 
 def _describe(tok: Token) -> str:
-    kind, text, _ = tok
+    kind, text, _, _ = tok
     if kind == "EOF":
         return "end of file"
     return f"{text!r}" if kind in ("PUNCT", "ARROW", "IDENT") else f"{_KIND_NAMES[kind]} {text!r}"
@@ -38,6 +38,7 @@ def _describe(tok: Token) -> str:
 class _Parser:
     def __init__(self, source: Source) -> None:
         self.src = source
+        self.file = source.file
         self.toks = tokenize(source)
         self.i = 0
 
@@ -46,17 +47,17 @@ class _Parser:
         return self.toks[min(self.i + k, len(self.toks) - 1)]
 
     def span(self, tok: Token) -> SourceSpan:
-        return self.src.span(tok[2], max(1, len(tok[1])))
+        return SourceSpan(self.file, tok[2], tok[3], len(tok[1]) or 1)
 
     def fail(self, message: str, tok: Token | None = None) -> ParseError:
         tok = tok or self.peek()
-        return self.src.error(ParseError, message, tok[2], max(1, len(tok[1])))
+        return self.src.error(ParseError, message, tok[2], tok[3], len(tok[1]))
 
     def expected(self, what: str) -> ParseError:
         return self.fail(f"expected {what}, found {_describe(self.peek())}")
 
     def at(self, text: str) -> bool:
-        kind, t, _ = self.toks[self.i]
+        kind, t, _, _ = self.toks[self.i]
         return t == text and kind in ("PUNCT", "ARROW", "IDENT")
 
     def accept(self, text: str) -> bool:
@@ -89,7 +90,7 @@ class _Parser:
                 )
             raise self.expected("a tensor type such as f32[64,256]")
         self.i += 1
-        return parse_type_text(self.src, tok[1], tok[2]), self.span(tok)
+        return parse_type_text(self.src, tok[1], tok[2], tok[3]), self.span(tok)
 
     def integer(self, what: str) -> tuple[int, Token]:
         tok = self.take("NUMBER", what)
@@ -127,6 +128,7 @@ class _Parser:
                 f"unsupported IR major version {version[0]} (dtm {vtok[1]}); this reader reads "
                 f"dtm {sv}",
                 vtok[2],
+                vtok[3],
                 len(vtok[1]),
             )
         if version[1] > SUPPORTED_VERSION[1]:
@@ -134,6 +136,7 @@ class _Parser:
                 VersionError,
                 f"IR version dtm {vtok[1]} is newer than this reader (dtm {sv})",
                 vtok[2],
+                vtok[3],
                 len(vtok[1]),
             )
         self.expect("module", "'module NAME' after the header")

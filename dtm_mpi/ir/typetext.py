@@ -156,9 +156,9 @@ def _parse_cached(text: str) -> TensorType | _TypeSyntaxError:
         return err
 
 
-def parse_type_text(source: Source, text: str, offset: int) -> TensorType:
-    """Parse the type token ``text`` found at ``offset`` in ``source``."""
+def parse_type_text(source: Source, text: str, line: int, col: int) -> TensorType:
+    """Parse the type token ``text`` found at ``line``:``col`` of ``source``."""
     result = _parse_cached(text)
     if isinstance(result, _TypeSyntaxError):
-        raise source.error(ParseError, result.message, offset + result.offset, result.length)
+        raise source.error(ParseError, result.message, line, col + result.offset, result.length)
     return result
