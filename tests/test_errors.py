@@ -7,9 +7,21 @@ import subprocess
 import sys
 
 from dtm_mpi.errors import (
-    CommError, DiagnosticError, DtmError, HandshakeError, IntegrityError, LayoutError, ParseError,
-    PoisonedError, RankFailure, RemoteFailureError, SourceSpan, StorageError, UsageError,
-    VerifyError, VersionError,
+    CommError,
+    DiagnosticError,
+    DtmError,
+    HandshakeError,
+    IntegrityError,
+    LayoutError,
+    ParseError,
+    PoisonedError,
+    RankFailure,
+    RemoteFailureError,
+    SourceSpan,
+    StorageError,
+    UsageError,
+    VerifyError,
+    VersionError,
 )  # fmt: skip
 
 

@@ -67,7 +67,7 @@ def tokenize(source: Source) -> list[Token]:
     finditer = _TOKEN_RE.finditer
     lineno = 0
     # finditer skips what no alternative matches: exactly the blanks between tokens.
-    for lineno, line in enumerate(source.text.split("\n"), start=1):  # noqa: B007
+    for lineno, line in enumerate(source.text.split("\n"), start=1):
         for m in finditer(line):
             kind = m.lastgroup
             if kind == "COMMENT":
