@@ -26,6 +26,7 @@ class Mesh:
     name: str
     axes: tuple[tuple[str, int], ...]
     span: SourceSpan = field(default=NO_SPAN, compare=False)
+    axis_spans: tuple[tuple[SourceSpan, SourceSpan], ...] = field(default=(), compare=False)
 
     @property
     def axis_names(self) -> tuple[str, ...]:

@@ -158,16 +158,19 @@ class _Parser:
         self.expect("=")
         self.expect("[", "'[' starting the mesh axes")
         axes: list[tuple[str, int]] = []
+        spans: list[tuple[SourceSpan, SourceSpan]] = []
         while True:
-            axis = self.take("IDENT", "a mesh axis name")[1]
+            axis_tok = self.take("IDENT", "a mesh axis name")
+            axis = axis_tok[1]
             self.expect("=", f"'=' and a size after axis {axis!r}")
-            size, _ = self.integer(f"the size of axis {axis!r}")
+            size, size_tok = self.integer(f"the size of axis {axis!r}")
             axes.append((axis, size))
+            spans.append((self.span(axis_tok), self.span(size_tok)))
             if self.accept(","):
                 continue
             self.expect("]", "',' or ']' in the mesh axes")
             break
-        return Mesh(name, tuple(axes), self.span(start))
+        return Mesh(name, tuple(axes), self.span(start), tuple(spans))
 
     def function(self) -> Function:
         start = self.peek()

@@ -1,9 +1,8 @@
 """The canonical text form of a module. ``parse(print(m)) == m`` for every module, and the
-canonical form with positional value names is what ``module_hash`` hashes."""
+canonical form with positional value names is what ``module_hash`` hashes. (A ``nan``
+literal round-trips to ``nan``, though ``nan != nan`` makes the two modules compare unequal.)"""
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 from dtm_mpi.ir.nodes import Attr, Function, Init, Module, Op, Param, ResultSpec
 from dtm_mpi.ir.registry import FormatElem, lookup_op
@@ -100,7 +99,7 @@ class _Printer:
         opdef = lookup_op(op.name)
         assert opdef is not None, op.name
         parts: list[str] = [op.name]
-        self.elems(opdef.format, op, iter(op.operands), parts)
+        self.elems(opdef.format, op, _Operands(op.operands), parts)
         body = _join(parts)
         if op.results:
             names = ", ".join(self.define(r) for r in op.results)
@@ -109,9 +108,9 @@ class _Printer:
         return body
 
     def elems(
-        self, fmt: tuple[FormatElem, ...], op: Op, operands: object, parts: list[str]
+        self, fmt: tuple[FormatElem, ...], op: Op, operands: _Operands, parts: list[str]
     ) -> None:
-        it: Callable[[], str] = operands.__next__  # type: ignore[attr-defined]
+        it = operands.next
         for el in fmt:
             kind = el.kind
             if kind in {"kw", "punct"}:
@@ -119,14 +118,14 @@ class _Printer:
             elif kind == "operand":
                 parts.append(self.v(it()))
             elif kind == "operands":
-                rest = list(operands)  # type: ignore[call-overload]
+                rest = operands.rest()
                 for i, name in enumerate(rest):
                     parts.append(self.v(name))
                     if i + 1 < len(rest):
                         parts.append(",")
             elif kind == "opt":
                 first = el.group[0]
-                present = _group_present(el.group, op)
+                present = _group_present(el.group, op, operands.left())
                 if present:
                     assert first.kind == "kw"
                     self.elems(el.group, op, operands, parts)
@@ -137,11 +136,35 @@ class _Printer:
                 parts.append(_attr_text(el, op.attr(el.name)))
 
 
-def _group_present(group: tuple[FormatElem, ...], op: Op) -> bool:
+class _Operands:
+    """The operands of an op, consumed in format order."""
+
+    __slots__ = ("i", "names")
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = names
+        self.i = 0
+
+    def next(self) -> str:
+        self.i += 1
+        return self.names[self.i - 1]
+
+    def rest(self) -> list[str]:
+        out = list(self.names[self.i :])
+        self.i = len(self.names)
+        return out
+
+    def left(self) -> int:
+        return len(self.names) - self.i
+
+
+def _group_present(group: tuple[FormatElem, ...], op: Op, operands_left: int) -> bool:
+    """An optional group is printed when it holds an attribute the op has, or an operand
+    that is still unconsumed (optional operands come last in a format)."""
     keys = {k for k, _ in op.attrs}
     for el in group:
         if el.kind in ("operand", "operands"):
-            return True  # optional operands are only used with a keyword; see ops using them
+            return operands_left > 0
         if el.kind not in ("kw", "punct") and el.name in keys:
             return True
     return False

@@ -69,13 +69,16 @@ def _check_meshes(module: Module) -> None:
             )
         names[mesh.name] = mesh
         axes: set[str] = set()
-        for axis, size in mesh.axes:
+        for i, (axis, size) in enumerate(mesh.axes):
+            name_span, size_span = (
+                mesh.axis_spans[i] if i < len(mesh.axis_spans) else (mesh.span, mesh.span)
+            )
             if axis in axes:
-                raise _err(f"mesh @{mesh.name} declares axis {axis!r} twice", mesh.span)
+                raise _err(f"mesh @{mesh.name} declares axis {axis!r} twice", name_span)
             if size < 1:
                 raise _err(
                     f"mesh @{mesh.name} axis {axis!r} has size {size}; sizes must be >= 1",
-                    mesh.span,
+                    size_span,
                 )
             axes.add(axis)
 
@@ -137,8 +140,10 @@ def _verify_function(module: Module, f: Function) -> None:
     for cap, span in zip(f.requires, f.requires_spans or [f.span] * len(f.requires), strict=False):
         if cap not in KNOWN_CAPABILITIES:
             raise _err(f"unknown capability {cap!r} (known: {', '.join(KNOWN_CAPABILITIES)})", span)
-    if len(set(f.requires)) != len(f.requires):
-        raise _err(f"function @{f.name} lists a capability twice", f.span)
+    for i, cap in enumerate(f.requires):
+        if cap in f.requires[:i]:
+            span = f.requires_spans[i] if i < len(f.requires_spans) else f.span
+            raise _err(f"function @{f.name} lists capability {cap} twice", span)
     env: dict[str, tuple[TensorType, SourceSpan]] = {}
     state_params: dict[str, TensorType] = {}
     for p in f.params:

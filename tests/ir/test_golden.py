@@ -1,0 +1,194 @@
+"""Golden tests of the IR front end: valid modules round-trip through the printer, each invalid
+module's first diagnostic is at the location and has the message its ``// expect:`` line names,
+and the ``dtm check | fmt | hash`` commands behave (exit codes, one-line usage errors)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dtm_mpi.cli import run
+from dtm_mpi.ir import check_text, module_hash, parse_module, print_module, verify_errors
+
+HERE = Path(__file__).parent
+VALID = sorted((HERE / "valid").glob("*.dtm"))
+INVALID = sorted((HERE / "invalid").glob("*.dtm"))
+EXPECT_RE = re.compile(r"// expect: (\d+):(\d+): (.+)")
+HASH_RE = re.compile(r"dtm-mh1:[0-9a-f]{64}")
+
+
+def _expectation(path: Path) -> tuple[int, int, str]:
+    first = path.read_text(encoding="utf-8").split("\n", 1)[0]
+    m = EXPECT_RE.fullmatch(first)
+    assert m, f"{path.name}: first line must be '// expect: LINE:COL: fragment'; got {first!r}"
+    return int(m.group(1)), int(m.group(2)), m.group(3)
+
+
+# --- valid modules ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", VALID, ids=[p.name for p in VALID])
+def test_valid_module_round_trips(path: Path) -> None:
+    text = path.read_text(encoding="utf-8")
+    module = parse_module(text, path.name)
+    assert verify_errors(module) == []
+    printed = print_module(module)
+    reparsed = parse_module(printed, path.name)
+    assert reparsed == module
+    assert print_module(reparsed) == printed  # the canonical form is a fixed point
+    assert verify_errors(reparsed) == []
+    assert module_hash(reparsed) == module_hash(module)
+
+
+@pytest.mark.parametrize("path", VALID, ids=[p.name for p in VALID])
+def test_valid_module_checks_clean(path: Path) -> None:
+    module, errors = check_text(path.read_text(encoding="utf-8"), path.name)
+    assert module is not None
+    assert errors == []
+
+
+# --- invalid modules --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", INVALID, ids=[p.name for p in INVALID])
+def test_invalid_module_diagnostic(path: Path) -> None:
+    line, col, fragment = _expectation(path)
+    _, errors = check_text(path.read_text(encoding="utf-8"), path.name)
+    assert errors, f"{path.name}: expected a diagnostic, got none"
+    first = errors[0]
+    assert (first.span.line, first.span.col) == (line, col), str(first)
+    assert fragment in first.message, str(first)
+    text = str(first)
+    assert f"{path.name}:{line}:{col}: " in text
+    caret = text.splitlines()[-1]
+    assert re.fullmatch(r" *\^~*", caret), text
+    assert caret.index("^") == col + 1, text  # two spaces of indent, then col - 1
+
+
+def test_golden_counts() -> None:
+    assert len(VALID) >= 12, [p.name for p in VALID]
+    assert len(INVALID) >= 45, [p.name for p in INVALID]
+    for path in INVALID:
+        _expectation(path)
+
+
+# --- command line -----------------------------------------------------------------------------
+
+CANONICAL_SOURCE = HERE / "valid" / "calls_state.dtm"
+
+
+def _one_line_error(err: str) -> None:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("dtm: error: "), err
+
+
+def test_cli_check_valid(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["check", *map(str, VALID)]) == 0
+    out, err = capsys.readouterr()
+    assert (out, err) == ("", "")
+
+
+def test_cli_check_invalid(capsys: pytest.CaptureFixture[str]) -> None:
+    path = HERE / "invalid" / "undefined_value.dtm"
+    line, col, fragment = _expectation(path)
+    assert run(["check", str(VALID[0]), str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert f"{path}:{line}:{col}: verify error: " in err
+    assert fragment in err
+    assert "1 of 2 file(s) have errors" in err
+
+
+@pytest.mark.parametrize("kind", ["missing", "directory", "binary", "not_utf8"])
+def test_cli_check_unreadable(
+    kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / f"{kind}.dtm"
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "binary":
+        path.write_bytes(b"dtm 1.0\nmodule m\x00\x01\x02\n")
+    elif kind == "not_utf8":
+        path.write_bytes(b"dtm 1.0\nmodule caf\xe9\n")
+    assert run(["check", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    _one_line_error(err)
+    assert str(path) in err
+    assert "Traceback" not in err
+
+
+def test_cli_fmt_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    canonical = tmp_path / "canonical.dtm"
+    canonical.write_text(print_module(parse_module(CANONICAL_SOURCE.read_text())), "utf-8")
+    assert run(["fmt", "--check", str(canonical)]) == 0
+    assert run(["fmt", "--check", str(CANONICAL_SOURCE)]) == 1  # comments, line breaks
+    _, err = capsys.readouterr()
+    assert "not in canonical form" in err
+
+
+def test_cli_fmt_write(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "m.dtm"
+    shutil.copy(CANONICAL_SOURCE, path)
+    want = print_module(parse_module(CANONICAL_SOURCE.read_text()))
+    assert run(["fmt", "-w", str(path)]) == 0
+    assert path.read_text(encoding="utf-8") == want
+    assert run(["fmt", "--check", str(path)]) == 0
+    assert run(["fmt", str(path)]) == 0
+    assert capsys.readouterr().out == want
+
+
+def test_cli_fmt_invalid(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "bad.dtm"
+    shutil.copy(HERE / "invalid" / "undefined_value.dtm", path)
+    before = path.read_text(encoding="utf-8")
+    assert run(["fmt", "-w", str(path)]) == 1
+    assert path.read_text(encoding="utf-8") == before
+    assert "use of undefined value" in capsys.readouterr().err
+
+
+def _hash(path: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    assert run(["hash", str(path)]) == 0
+    out = capsys.readouterr().out.strip()
+    assert HASH_RE.fullmatch(out), out
+    return out
+
+
+def test_cli_hash(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = CANONICAL_SOURCE.read_text(encoding="utf-8")
+    original = tmp_path / "original.dtm"
+    original.write_text(text, encoding="utf-8")
+    # renamed SSA values, extra comments, blank lines and spaces: the same meaning
+    renamed = re.sub(r"%([A-Za-z0-9_.]+)", r"%renamed_\1", text)
+    assert renamed != text
+    noisy = "\n".join(f"   {line}   // noise\n" for line in renamed.splitlines())
+    noisy = noisy.replace(", ", " ,   ").replace(" = ", "   =   ")
+    copy = tmp_path / "copy.dtm"
+    copy.write_text("// a leading comment\n\n" + noisy, encoding="utf-8")
+    changed = tmp_path / "changed.dtm"
+    assert "constant 0.5 :" in text
+    changed.write_text(text.replace("constant 0.5 :", "constant 0.25 :"), encoding="utf-8")
+
+    h_original = _hash(original, capsys)
+    assert _hash(copy, capsys) == h_original
+    assert h_original == module_hash(parse_module(text))
+    assert _hash(changed, capsys) != h_original
+
+
+def test_cli_hash_invalid(capsys: pytest.CaptureFixture[str]) -> None:
+    path = HERE / "invalid" / "recursion.dtm"
+    assert run(["hash", str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "recursive call" in err
+
+
+def test_cli_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["frobnicate"]) == 2
+    _one_line_error(capsys.readouterr().err)
+    assert run(["hash", str(HERE / "valid" / "no_such_file.dtm")]) == 2
+    _one_line_error(capsys.readouterr().err)
