@@ -14,12 +14,18 @@ from typing import TYPE_CHECKING
 
 from dtm_mpi._version import __version__
 from dtm_mpi.comm.abort import run_or_abort
-from dtm_mpi.errors import DiagnosticError, UsageError
+from dtm_mpi.errors import DiagnosticError, DtmError, UsageError
 
 if TYPE_CHECKING:
     from dtm_mpi.ir.nodes import Module
 
 __all__ = ["build_parser", "main", "run"]
+
+
+class _InvalidModuleError(DtmError):
+    """The module has diagnostics (already printed); every rank reads the same file."""
+
+    agreed = True
 
 
 class _Parser(argparse.ArgumentParser):
@@ -82,8 +88,8 @@ def _load(path: str) -> Module:
 
     module, errors = check_text(read_source(path), path)
     if errors:
-        _print_diagnostics(errors[1:])
-        raise errors[0]
+        _print_diagnostics(errors)
+        raise _InvalidModuleError(f"{path}: {len(errors)} error(s), see above")
     assert module is not None
     return module
 

@@ -199,7 +199,9 @@ def _verify_function(module: Module, f: Function) -> None:
                 raise _err(f"use of undefined value {name}", span)
         if opdef.n_results >= 0 and len(op.results) != opdef.n_results:
             raise _err(f"{op.name} has {opdef.n_results} result(s); got {len(op.results)}", op.span)
-        for name, span in zip(op.results, op.result_spans, strict=True):
+        for i, (name, span) in enumerate(zip(op.results, op.result_spans, strict=True)):
+            if name in op.results[:i]:
+                raise _err(f"value {name} is defined twice by one {op.name}", span)
             if name in env:
                 raise _err(
                     f"value {name} is already defined at {env[name][1]}; SSA values are defined once",

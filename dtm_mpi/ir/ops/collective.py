@@ -173,8 +173,11 @@ def _send_ref(op: Op, xs: Sequence[np.ndarray], rt: Sequence[TensorType]) -> tup
 def _send(ctx: OpContext) -> tuple[TensorType, ...]:
     axis = _p2p_checks(ctx)
     t = ctx.operand_types[0]
-    if axis in t.layout.used_axes:
-        raise ctx.operand_error(0, f"a sent value must be replicated over {axis!r}; it is {t}")
+    if axis in t.layout.used_axes or t.layout.partial is not None:
+        raise ctx.operand_error(
+            0,
+            f"a sent value must be complete (not pending) and not sharded over {axis!r}; it is {t}",
+        )
     return ()
 
 

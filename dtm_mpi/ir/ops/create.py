@@ -166,8 +166,11 @@ def _random(ctx: OpContext) -> tuple[TensorType, ...]:
             raise ctx.attr_error(key, f"{key} does not apply to {dist} random values")
     if dist == "normal" and ctx.attr("std") is not None and not float(ctx.attr("std")) >= 0:
         raise ctx.attr_error("std", "std must be >= 0")
-    if dist == "uniform" and float(ctx.attr("low") or 0.0) > float(ctx.attr("high") or 1.0):
-        raise ctx.attr_error("high", "need low <= high")
+    if dist == "uniform":
+        low = 0.0 if ctx.attr("low") is None else float(ctx.attr("low"))
+        high = 1.0 if ctx.attr("high") is None else float(ctx.attr("high"))
+        if not low <= high:  # also rejects nan
+            raise ctx.attr_error("high", f"need low <= high; got low {low}, high {high}")
     if ctx.operand_types:
         off = ctx.operand_types[0]
         if (

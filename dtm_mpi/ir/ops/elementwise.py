@@ -98,7 +98,8 @@ def _binary_partial(ctx: OpContext, name: str) -> None:
         if (pa is None) != (pb is None) and (pa or pb).op is ReduceOp.SUM:  # type: ignore[union-attr]
             return
     elif name == "div":
-        if pb is None and pa is not None and pa.op is ReduceOp.SUM:
+        floats = ctx.operand_types[0].dtype.is_float
+        if floats and pb is None and pa is not None and pa.op is ReduceOp.SUM:
             return
     elif name in ("maximum", "minimum"):
         want = ReduceOp.MAX if name == "maximum" else ReduceOp.MIN

@@ -49,6 +49,11 @@ def _reshape(ctx: OpContext) -> tuple[TensorType, ...]:
                 0, f"dim {i} is sharded over {','.join(axes)} but has no counterpart in "
                 f"{list(d.shape)}; redistribute to replicate it before reshaping"
             )  # fmt: skip
+        if dims[match[0]]:
+            raise ctx.operand_error(
+                0, f"dims sharded over {','.join(dims[match[0]])} and {','.join(axes)} would land on one "
+                f"dim of {list(d.shape)}; redistribute first"
+            )  # fmt: skip
         dims[match[0]] = axes
     return (TensorType(t.dtype, d.shape, Layout(tuple(dims), t.layout.partial)),)
 
@@ -152,5 +157,5 @@ def _concat(ctx: OpContext) -> tuple[TensorType, ...]:
             raise ctx.operand_error(i, f"layouts must match; got {first.layout} and {t.layout}")
         unsharded_dim(ctx, i, d, "the concatenated")
         total += t.shape[d]
-    shape = (*first.shape[:d], total, *first.shape[d + 1:])
+    shape = (*first.shape[:d], total, *first.shape[d + 1 :])
     return (TensorType(first.dtype, shape, first.layout),)
