@@ -71,7 +71,5 @@ def test_importing_dtm_mpi_does_not_touch_mpi() -> None:
         "bad = [m for m in ('mpi4py.MPI', 'h5py', 'cupy') if m in sys.modules];"
         "print(bad); sys.exit(1 if bad else 0)"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=False
-    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -18,7 +18,7 @@ __all__ = ["Source", "Token", "tokenize"]
 Token = tuple[str, str, int, int]
 
 _DTYPES = "|".join(sorted(DTYPE_NAMES, key=len, reverse=True))
-_NUM = r"[-+]?(?:\d+\.\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|\d+[eE][-+]?\d+|\d+)"
+_NUM = r"[-+]?(?:[0-9]+\.[0-9]*(?:[eE][-+]?[0-9]+)?|\.[0-9]+(?:[eE][-+]?[0-9]+)?|[0-9]+[eE][-+]?[0-9]+|[0-9]+)"
 _TOKEN_RE = re.compile(
     rf"""
     (?P<COMMENT>//.*)

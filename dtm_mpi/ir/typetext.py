@@ -16,8 +16,9 @@ from dtm_mpi.ir.types import DType, Layout, Partial, ReduceOp, TensorType
 __all__ = ["parse_type_text"]
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_INT = re.compile(r"\d+")
+_INT = re.compile(r"[0-9]+")
 _MAX_DIM = 2**62
+MAX_RANK = 32
 
 
 class _TypeSyntaxError(Exception):
@@ -61,6 +62,10 @@ class _Cursor:
     def integer(self, what: str) -> tuple[int, int]:
         self.skip_ws()
         m = _INT.match(self.text, self.pos)
+        if m is not None and len(m.group()) > 19:
+            raise _TypeSyntaxError(
+                f"{what}: {m.group()[:20]}... is too large", m.start(), len(m.group())
+            )
         if m is None:
             found = repr(self.text[self.pos]) if self.pos < len(self.text) else "end of type"
             raise _TypeSyntaxError(f"expected {what}, found {found}", self.pos)
@@ -80,6 +85,8 @@ def _parse(text: str) -> TensorType:
             if value > _MAX_DIM:
                 raise _TypeSyntaxError(f"dimension size {value} is too large", at, len(str(value)))
             shape.append(value)
+            if len(shape) > MAX_RANK:
+                raise _TypeSyntaxError(f"rank above the limit of {MAX_RANK} dimensions", at)
             if cur.peek() == ",":
                 cur.pos += 1
                 continue

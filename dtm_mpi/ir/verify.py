@@ -16,6 +16,7 @@ from __future__ import annotations
 from dtm_mpi.errors import SourceSpan, VerifyError
 from dtm_mpi.ir.nodes import Function, InitKind, Mesh, Module
 from dtm_mpi.ir.ops._common import KNOWN_CAPABILITIES
+from dtm_mpi.ir.parser import gc_paused
 from dtm_mpi.ir.registry import OpContext, lookup_op
 from dtm_mpi.ir.types import Partial, ReduceOp, TensorType
 
@@ -108,26 +109,33 @@ def _check_functions(module: Module) -> None:
         f.name: [str(op.attr("callee")) for op in f.body if op.name == "call"]
         for f in module.functions
     }
+    # iterative depth-first search (no Python recursion limit on long call chains)
     state: dict[str, int] = {}
-
-    def visit(name: str, path: list[str]) -> None:
-        state[name] = 1
-        for callee in calls.get(name, []):
+    for root in calls:
+        if root in state:
+            continue
+        path: list[str] = [root]
+        stack: list[int] = [0]
+        state[root] = 1
+        while stack:
+            name, k = path[-1], stack[-1]
+            callees = calls[name]
+            if k == len(callees):
+                state[name] = 2
+                path.pop()
+                stack.pop()
+                continue
+            stack[-1] += 1
+            callee = callees[k]
             if state.get(callee) == 1:
-                cycle = " -> ".join(
-                    f"@{n}"
-                    for n in [*path, name, callee][path.index(callee) if callee in path else 0 :]
-                )
+                cycle = " -> ".join(f"@{n}" for n in [*path[path.index(callee) :], callee])
                 f = seen[name]
                 op = next(o for o in f.body if o.name == "call" and o.attr("callee") == callee)
                 raise _err(f"recursive call: {cycle}; the call graph must be acyclic", op.span)
-            if state.get(callee) is None and callee in calls:
-                visit(callee, [*path, name])
-        state[name] = 2
-
-    for f in module.functions:
-        if f.name not in state:
-            visit(f.name, [])
+            if callee in calls and callee not in state:
+                state[callee] = 1
+                path.append(callee)
+                stack.append(0)
 
 
 def _verify_function(module: Module, f: Function) -> None:
@@ -270,6 +278,11 @@ def _verify_function(module: Module, f: Function) -> None:
 
 def verify_errors(module: Module) -> list[VerifyError]:
     """Every error found: module-level ones, then the first one of each function."""
+    with gc_paused():
+        return _verify_errors(module)
+
+
+def _verify_errors(module: Module) -> list[VerifyError]:
     errors: list[VerifyError] = []
     for check in (_check_meshes, _check_functions):
         try:
