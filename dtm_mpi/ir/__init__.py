@@ -3,7 +3,7 @@ no devices, no files)."""
 
 from __future__ import annotations
 
-from dtm_mpi.errors import DiagnosticError, ParseError, VerifyError
+from dtm_mpi.errors import DiagnosticError, ParseError
 from dtm_mpi.ir.hashing import module_hash
 from dtm_mpi.ir.lexer import Source
 from dtm_mpi.ir.nodes import Function, Module, Op
@@ -12,7 +12,7 @@ from dtm_mpi.ir.printer import print_module
 from dtm_mpi.ir.verify import verify_errors, verify_module
 
 __all__ = [
-    "Function", "Module", "Op", "check_text", "module_hash", "parse_module",
+    "Function", "load_module", "Module", "Op", "check_text", "module_hash", "parse_module",
     "parse_optional_module", "print_module", "verify_errors", "verify_module",
 ]  # fmt: skip
 
@@ -39,7 +39,3 @@ def load_module(text: str, file: str = "<input>") -> Module:
         raise errors[0]
     assert module is not None
     return module
-
-
-__all__ += ["load_module"]
-_ = VerifyError

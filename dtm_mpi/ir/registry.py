@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dtm_mpi.errors import SourceSpan, VerifyError
-from dtm_mpi.ir.nodes import Attr, Mesh, Module, Op
+from dtm_mpi.ir.nodes import Mesh, Module, Op
 from dtm_mpi.ir.types import TensorType
 
 if TYPE_CHECKING:
@@ -176,7 +176,3 @@ def lookup_op(name: str) -> OpDef | None:
 def _load_ops() -> None:
     if not OPS:
         from dtm_mpi.ir import ops  # noqa: F401  (registers every op)
-
-
-def attr_items(op: Op) -> dict[str, Attr]:
-    return dict(op.attrs)
