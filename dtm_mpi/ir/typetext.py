@@ -36,6 +36,9 @@ class _Cursor:
         self.text = text
         self.pos = 0
 
+    def found(self) -> str:
+        return repr(self.text[self.pos]) if self.pos < len(self.text) else "end of type"
+
     def skip_ws(self) -> None:
         while self.pos < len(self.text) and self.text[self.pos] in " \t":
             self.pos += 1
@@ -46,16 +49,14 @@ class _Cursor:
 
     def expect(self, ch: str, what: str) -> None:
         if self.peek() != ch:
-            found = repr(self.text[self.pos]) if self.pos < len(self.text) else "end of type"
-            raise _TypeSyntaxError(f"expected {what}, found {found}", self.pos)
+            raise _TypeSyntaxError(f"expected {what}, found {self.found()}", self.pos)
         self.pos += 1
 
     def name(self, what: str) -> str:
         self.skip_ws()
         m = _NAME.match(self.text, self.pos)
         if m is None:
-            found = repr(self.text[self.pos]) if self.pos < len(self.text) else "end of type"
-            raise _TypeSyntaxError(f"expected {what}, found {found}", self.pos)
+            raise _TypeSyntaxError(f"expected {what}, found {self.found()}", self.pos)
         self.pos = m.end()
         return m.group()
 
@@ -67,8 +68,7 @@ class _Cursor:
                 f"{what}: {m.group()[:20]}... is too large", m.start(), len(m.group())
             )
         if m is None:
-            found = repr(self.text[self.pos]) if self.pos < len(self.text) else "end of type"
-            raise _TypeSyntaxError(f"expected {what}, found {found}", self.pos)
+            raise _TypeSyntaxError(f"expected {what}, found {self.found()}", self.pos)
         self.pos = m.end()
         return int(m.group()), m.start()
 

@@ -90,7 +90,9 @@ def merge_partial(
     return Partial(op, existing.axes + tuple(a for a in axes if a not in existing.axes))
 
 
-def check_axes_declared(ctx: OpContext, key: str, axes: Sequence[str]) -> None:
+def mesh_axes_attr(ctx: OpContext, key: str) -> tuple[str, ...]:
+    """The mesh axes named by attribute ``key``, each declared by the function's mesh, once."""
+    axes: tuple[str, ...] = ctx.attr(key)
     if ctx.mesh is None:
         raise ctx.attr_error(key, "collective needs a mesh: the function names none (on @mesh)")
     seen: set[str] = set()
@@ -103,6 +105,7 @@ def check_axes_declared(ctx: OpContext, key: str, axes: Sequence[str]) -> None:
         if a in seen:
             raise ctx.attr_error(key, f"axis {a!r} is listed twice")
         seen.add(a)
+    return axes
 
 
 def layout_of(

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dtm_mpi.ir.nodes import Op
-from dtm_mpi.ir.ops._common import check_axes_declared
+from dtm_mpi.ir.ops._common import dim_index, mesh_axes_attr
 from dtm_mpi.ir.registry import OpContext, register_op
 from dtm_mpi.ir.types import Layout, Partial, ReduceOp, TensorType
 
@@ -51,8 +51,7 @@ def _pending(ctx: OpContext, axes: tuple[str, ...]) -> Partial:
 @register_op("allreduce", f"$op:{_REDUCE_ENUM} $x:operand on $axes:axes", reference=_identity,
              doc="complete a pending reduction over mesh axes")  # fmt: skip
 def _allreduce(ctx: OpContext) -> tuple[TensorType, ...]:
-    axes: tuple[str, ...] = ctx.attr("axes")
-    check_axes_declared(ctx, "axes", axes)
+    axes = mesh_axes_attr(ctx, "axes")
     p = _pending(ctx, axes)
     return (
         ctx.operand_types[0].with_layout(ctx.operand_types[0].layout.with_partial(p.without(axes))),
@@ -79,8 +78,7 @@ def _strip_inner(
 @register_op("allgather", "$x:operand on $axes:axes", reference=_identity,
              doc="gather the blocks of a sharded dim over mesh axes")  # fmt: skip
 def _allgather(ctx: OpContext) -> tuple[TensorType, ...]:
-    axes: tuple[str, ...] = ctx.attr("axes")
-    check_axes_declared(ctx, "axes", axes)
+    axes = mesh_axes_attr(ctx, "axes")
     t = ctx.operand_types[0]
     _, dims = _strip_inner(ctx, t, axes, "gather")
     return (t.with_layout(t.layout.with_dims(dims)),)
@@ -89,13 +87,10 @@ def _allgather(ctx: OpContext) -> tuple[TensorType, ...]:
 @register_op("reduce_scatter", f"$op:{_REDUCE_ENUM} $x:operand on $axes:axes dim $dim:int",
              reference=_identity, doc="complete a pending reduction, leaving dim sharded")  # fmt: skip
 def _reduce_scatter(ctx: OpContext) -> tuple[TensorType, ...]:
-    axes: tuple[str, ...] = ctx.attr("axes")
-    check_axes_declared(ctx, "axes", axes)
+    axes = mesh_axes_attr(ctx, "axes")
     t = ctx.operand_types[0]
     p = _pending(ctx, axes)
-    dim = int(ctx.attr("dim"))
-    if not 0 <= dim < t.rank:
-        raise ctx.attr_error("dim", f"dim {dim} is out of range for rank {t.rank}")
+    dim = dim_index(ctx, "dim", int(ctx.attr("dim")), t.rank)
     dims = list(t.layout.dims)
     dims[dim] = dims[dim] + axes
     return (t.with_layout(Layout(tuple(dims), p.without(axes))),)
@@ -104,8 +99,7 @@ def _reduce_scatter(ctx: OpContext) -> tuple[TensorType, ...]:
 @register_op("broadcast", "$x:operand on $axes:axes root $root:int", reference=_identity,
              doc="every rank takes the root's block along mesh axes")  # fmt: skip
 def _broadcast(ctx: OpContext) -> tuple[TensorType, ...]:
-    axes: tuple[str, ...] = ctx.attr("axes")
-    check_axes_declared(ctx, "axes", axes)
+    axes = mesh_axes_attr(ctx, "axes")
     t = ctx.operand_types[0]
     for a in axes:
         if a in t.layout.used_axes:
@@ -126,13 +120,10 @@ def _broadcast(ctx: OpContext) -> tuple[TensorType, ...]:
 @register_op("all_to_all", "$x:operand on $axes:axes from $src:int to $dst:int",
              reference=_identity, doc="move the sharding over mesh axes from one dim to another")  # fmt: skip
 def _all_to_all(ctx: OpContext) -> tuple[TensorType, ...]:
-    axes: tuple[str, ...] = ctx.attr("axes")
-    check_axes_declared(ctx, "axes", axes)
+    axes = mesh_axes_attr(ctx, "axes")
     t = ctx.operand_types[0]
-    src, dst = int(ctx.attr("src")), int(ctx.attr("dst"))
-    for key, d in (("src", src), ("dst", dst)):
-        if not 0 <= d < t.rank:
-            raise ctx.attr_error(key, f"dim {d} is out of range for rank {t.rank}")
+    src = dim_index(ctx, "src", int(ctx.attr("src")), t.rank)
+    dst = dim_index(ctx, "dst", int(ctx.attr("dst")), t.rank)
     if src == dst:
         raise ctx.attr_error("dst", "from and to must be different dims")
     dim, dims_t = _strip_inner(ctx, t, axes, "move")
@@ -144,8 +135,7 @@ def _all_to_all(ctx: OpContext) -> tuple[TensorType, ...]:
 
 
 def _p2p_checks(ctx: OpContext) -> str:
-    axes: tuple[str, ...] = ctx.attr("axis")
-    check_axes_declared(ctx, "axis", axes)
+    axes = mesh_axes_attr(ctx, "axis")
     if len(axes) != 1:
         raise ctx.attr_error(
             "axis", f"point-to-point runs along one mesh axis; got {','.join(axes)}"

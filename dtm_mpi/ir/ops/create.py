@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dtm_mpi.ir.nodes import Attr, Op
-from dtm_mpi.ir.ops._common import as_dtype, np_dtype
+from dtm_mpi.ir.ops._common import as_dtype, dim_index, np_dtype
 from dtm_mpi.ir.registry import OpContext, register_op
 from dtm_mpi.ir.types import DType, TensorType
 
@@ -129,9 +129,7 @@ def _iota_ref(op: Op, xs: Sequence[np.ndarray], rt: Sequence[TensorType]) -> tup
 @register_op("iota", "dim $dim:int", reference=_iota_ref, doc="each element's index along dim")
 def _iota(ctx: OpContext) -> tuple[TensorType, ...]:
     d = _no_partial_result(ctx)
-    dim = int(ctx.attr("dim"))
-    if not 0 <= dim < d.rank:
-        raise ctx.attr_error("dim", f"dim {dim} is out of range for rank {d.rank}")
+    dim_index(ctx, "dim", int(ctx.attr("dim")), d.rank)
     if d.dtype is DType.BOOL:
         raise ctx.result_error(0, "iota needs a numeric result dtype; got bool")
     return (d,)
