@@ -11,9 +11,10 @@ from __future__ import annotations
 import re
 
 from dtm_mpi.errors import ParseError, SourceSpan
+from dtm_mpi.ir.fastpath import FastMatch, match_statement
 from dtm_mpi.ir.types import DTYPE_NAMES
 
-__all__ = ["Source", "Token", "tokenize"]
+__all__ = ["Source", "Token", "line_tokens", "tokenize"]
 
 Token = tuple[str, str, int, int]
 
@@ -37,14 +38,16 @@ _TOKEN_RE = re.compile(
 
 
 class Source:
-    """A source text with its file name, for diagnostics."""
+    """A source text with its file name, for diagnostics. ``fast`` holds the fast-path matches
+    of the lines the lexer turned into ``STMT`` tokens (by line number)."""
 
-    __slots__ = ("_lines", "file", "text")
+    __slots__ = ("_lines", "fast", "file", "text")
 
     def __init__(self, text: str, file: str = "<input>") -> None:
         self.text = text
         self.file = file
         self._lines: list[str] | None = None
+        self.fast: dict[int, FastMatch] = {}
 
     def line_text(self, line: int) -> str:
         if self._lines is None:
@@ -57,29 +60,57 @@ class Source:
         return cls(message, SourceSpan(self.file, line, col, max(1, length)), self.line_text(line))
 
 
-def tokenize(source: Source) -> list[Token]:
+def line_tokens(source: Source, line: str, lineno: int) -> list[Token]:
+    """The tokens of one line. Raises :class:`ParseError` at a character that starts no token."""
+    out: list[Token] = []
+    append = out.append
+    # finditer skips what no alternative matches: exactly the blanks between tokens.
+    for m in _TOKEN_RE.finditer(line):
+        kind = m.lastgroup
+        if kind == "COMMENT":
+            continue
+        if kind == "ERROR":
+            ch = m.group()
+            col = m.start() + 1
+            if ch == '"':
+                raise source.error(ParseError, "unterminated string literal", lineno, col)
+            shown = repr(ch) if ch.isprintable() else f"U+{ord(ch):04X}"
+            raise source.error(ParseError, f"unexpected character {shown}", lineno, col)
+        append((kind, m.group(), lineno, m.start() + 1))  # type: ignore[arg-type]
+    return out
+
+
+def tokenize(source: Source, *, fast: bool = True) -> list[Token]:
     """Split ``source`` into tokens, ending with ``EOF``.
+
+    With ``fast``, a line that can only start a statement (the previous token is a type or the
+    ``{`` opening a function body) and that the fast path matches whole becomes one ``STMT``
+    token (text: the line); see :mod:`dtm_mpi.ir.fastpath`. A ``STMT`` directly followed by
+    ``,`` (more result types on the next line) is split back into its tokens.
 
     Raises :class:`ParseError` at the first character that starts no token.
     """
     tokens: list[Token] = []
-    append = tokens.append
-    finditer = _TOKEN_RE.finditer
+    matches = source.fast
     lineno = 0
-    # finditer skips what no alternative matches: exactly the blanks between tokens.
+    after_type = False  # the last token ends a type: a statement may start here
     for lineno, line in enumerate(source.text.split("\n"), start=1):
-        for m in finditer(line):
-            kind = m.lastgroup
-            if kind == "COMMENT":
+        if after_type and fast:
+            fm = match_statement(line)
+            if fm is not None:
+                matches[lineno] = fm
+                tokens.append(("STMT", line, lineno, fm[2].start(1) + 1))
                 continue
-            if kind == "ERROR":
-                ch = m.group()
-                col = m.start() + 1
-                if ch == '"':
-                    raise source.error(ParseError, "unterminated string literal", lineno, col)
-                shown = repr(ch) if ch.isprintable() else f"U+{ord(ch):04X}"
-                raise source.error(ParseError, f"unexpected character {shown}", lineno, col)
-            append((kind, m.group(), lineno, m.start() + 1))  # type: ignore[arg-type]
+        toks = line_tokens(source, line, lineno)
+        if not toks:
+            continue
+        if tokens and tokens[-1][0] == "STMT" and toks[0][0] == "PUNCT" and toks[0][1] == ",":
+            stmt = tokens.pop()
+            del matches[stmt[2]]
+            tokens += line_tokens(source, stmt[1], stmt[2])
+        tokens += toks
+        kind, text, _, _ = toks[-1]
+        after_type = kind == "TYPE" or (kind == "PUNCT" and text == "{")
     last = source.line_text(lineno) if lineno else ""
-    append(("EOF", "", max(1, lineno), len(last) + 1))
+    tokens.append(("EOF", "", max(1, lineno), len(last) + 1))
     return tokens

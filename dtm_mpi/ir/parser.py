@@ -12,7 +12,8 @@ import gc
 from collections.abc import Iterator
 
 from dtm_mpi.errors import ParseError, SourceSpan, VersionError
-from dtm_mpi.ir.lexer import Source, Token, tokenize
+from dtm_mpi.ir.fastpath import build_op
+from dtm_mpi.ir.lexer import Source, Token, line_tokens, tokenize
 from dtm_mpi.ir.nodes import Attr, Function, Init, InitKind, Mesh, Module, Op, Param, ResultSpec
 from dtm_mpi.ir.registry import FormatElem, lookup_op
 from dtm_mpi.ir.types import TensorType
@@ -55,11 +56,19 @@ def _describe(tok: Token) -> str:
 
 
 class _Parser:
-    def __init__(self, source: Source) -> None:
+    def __init__(self, source: Source, *, fast: bool = True) -> None:
         self.src = source
         self.file = source.file
-        self.toks = tokenize(source)
+        self.toks = tokenize(source, fast=fast)
         self.i = 0
+
+    def unfold(self) -> None:
+        """Split a ``STMT`` token at the cursor back into its tokens: it was not where a
+        statement goes, and a diagnostic must describe what the token parser would see."""
+        tok = self.toks[self.i]
+        if tok[0] == "STMT":
+            del self.src.fast[tok[2]]
+            self.toks[self.i : self.i + 1] = line_tokens(self.src, tok[1], tok[2])
 
     # -- token helpers ------------------------------------------------------------------------
     def peek(self, k: int = 0) -> Token:
@@ -69,10 +78,13 @@ class _Parser:
         return SourceSpan(self.file, tok[2], tok[3], len(tok[1]) or 1)
 
     def fail(self, message: str, tok: Token | None = None) -> ParseError:
-        tok = tok or self.peek()
+        if tok is None:
+            self.unfold()
+            tok = self.peek()
         return self.src.error(ParseError, message, tok[2], tok[3], len(tok[1]))
 
     def expected(self, what: str) -> ParseError:
+        self.unfold()
         return self.fail(f"expected {what}, found {_describe(self.peek())}")
 
     def at(self, text: str) -> bool:
@@ -240,8 +252,20 @@ class _Parser:
             self.expect("]", "',' or ']' in the capability list")
         self.expect("{", "'{' starting the function body")
         body: list[Op] = []
-        while not self.at("return"):
-            if self.at("}") or self.peek()[0] == "EOF":
+        toks, fast, src, file = self.toks, self.src.fast, self.src, self.file
+
+        def parse_type(text: str, line: int, col: int) -> TensorType:
+            return parse_type_text(src, text, line, col)
+
+        while True:
+            tok = toks[self.i]
+            if tok[0] == "STMT":  # the fast path (dtm_mpi.ir.fastpath)
+                self.i += 1
+                body.append(build_op(fast[tok[2]], file, tok[2], parse_type))
+                continue
+            if self.at("return"):
+                break
+            if self.at("}") or tok[0] == "EOF":
                 raise self.expected("a statement or 'return'")
             body.append(self.statement())
         ret_tok = self.expect("return")
@@ -454,10 +478,12 @@ class _Parser:
         return value
 
 
-def parse_module(text: str, file: str = "<input>") -> Module:
-    """Parse a module; raises :class:`ParseError` or :class:`VersionError` with its location."""
+def parse_module(text: str, file: str = "<input>", *, fast: bool = True) -> Module:
+    """Parse a module; raises :class:`ParseError` or :class:`VersionError` with its location.
+
+    ``fast=False`` reads every line with the token parser (the fast path's reference)."""
     with gc_paused():
-        return _Parser(Source(text, file)).module()
+        return _Parser(Source(text, file), fast=fast).module()
 
 
 def parse_optional_module(text: str, file: str = "<input>") -> Module | None:

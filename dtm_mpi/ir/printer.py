@@ -4,8 +4,11 @@ literal round-trips to ``nan``, though ``nan != nan`` makes the two modules comp
 
 from __future__ import annotations
 
+import re
+
 from dtm_mpi.ir.nodes import Attr, Function, Init, Module, Op, Param, ResultSpec
 from dtm_mpi.ir.registry import FormatElem, lookup_op
+from dtm_mpi.ir.types import TensorType
 
 __all__ = ["format_attr_number", "print_module"]
 
@@ -39,10 +42,16 @@ def _join(parts: list[str]) -> str:
     return "".join(out)
 
 
+_PLACEHOLDER = re.compile("\x00([0-9]+)")
+_TEMPLATES: dict[tuple[object, ...], str] = {}
+_MAX_TEMPLATES = 4096
+
+
 class _Printer:
     def __init__(self, positional: bool) -> None:
         self.positional = positional
         self.names: dict[str, str] = {}
+        self.types: dict[int, tuple[TensorType, str]] = {}
 
     def v(self, name: str) -> str:
         if not self.positional:
@@ -96,16 +105,53 @@ class _Printer:
         return text
 
     def op(self, op: Op) -> str:
+        template = self.template(op)
+        if self.positional:
+            get = self.names.get
+            body = template.format(*[get(n, n) for n in op.operands])
+        else:
+            body = template.format(*op.operands)
+        if op.results:
+            names = ", ".join([self.define(r) for r in op.results])
+            types = ", ".join([self.type_text(t) for t in op.result_types])
+            return f"{names} = {body} : {types}"
+        return body
+
+    def template(self, op: Op) -> str:
+        """The op's text with ``{0}``, ``{1}``, ... for its operands, cached per (op,
+        attributes, operand count) where attributes compare exactly (OpDef.exact_attrs):
+        layers repeat, and the format walk is the slow part of printing."""
+        opdef = lookup_op(op.name)
+        if opdef is None or not opdef.exact_attrs:
+            return self.template_uncached(op)
+        key = (op.name, op.attrs, len(op.operands))
+        try:
+            return _TEMPLATES[key]
+        except KeyError:
+            pass
+        except TypeError:  # an unhashable attribute (never from the parser)
+            return self.template_uncached(op)
+        text = self.template_uncached(op)
+        if len(_TEMPLATES) >= _MAX_TEMPLATES:
+            _TEMPLATES.clear()
+        _TEMPLATES[key] = text
+        return text
+
+    def template_uncached(self, op: Op) -> str:
         opdef = lookup_op(op.name)
         assert opdef is not None, op.name
         parts: list[str] = [op.name]
-        self.elems(opdef.format, op, _Operands(op.operands), parts)
-        body = _join(parts)
-        if op.results:
-            names = ", ".join(self.define(r) for r in op.results)
-            types = ", ".join(str(t) for t in op.result_types)
-            return f"{names} = {body} : {types}"
-        return body
+        _Placeholders().elems(opdef.format, op, _Operands(op.operands), parts)
+        text = _join(parts).replace("{", "{{").replace("}", "}}")
+        return _PLACEHOLDER.sub(r"{\1}", text)
+
+    def type_text(self, t: TensorType) -> str:
+        try:
+            return self.types[id(t)][1]
+        except KeyError:
+            text = str(t)
+            self.types[id(t)] = (t, text)  # the type is kept alive with its id
+            return text
 
     def elems(
         self, fmt: tuple[FormatElem, ...], op: Op, operands: _Operands, parts: list[str]
@@ -134,6 +180,18 @@ class _Printer:
                     parts.append(el.choices[0])
             else:
                 parts.append(_attr_text(el, op.attr(el.name)))
+
+
+class _Placeholders(_Printer):
+    """Prints operand ``i`` (in consumption order) as NUL + ``i``: a template in the making."""
+
+    def __init__(self) -> None:
+        super().__init__(positional=False)
+        self.count = 0
+
+    def v(self, name: str) -> str:
+        self.count += 1
+        return f"\x00{self.count - 1}"
 
 
 class _Operands:

@@ -144,6 +144,10 @@ class OpDef:
     capability: str | None = None
     doc: str = ""
     linear_in: tuple[str, ...] = field(default=())
+    exact_attrs: bool = True
+    """No float or literal attributes: equal attribute tuples then print and infer alike, so
+    the printer and verifier may cache by them (``0.0 == -0.0`` and ``1 == 1.0`` otherwise
+    make equal keys for different ops)."""
 
 
 OPS: dict[str, OpDef] = {}
@@ -162,10 +166,18 @@ def register_op(
 
     def deco(infer: InferFn) -> InferFn:
         assert name not in OPS, f"op {name!r} registered twice"
-        OPS[name] = OpDef(name, _parse_format(fmt), results, infer, reference, capability, doc)
+        elems = _parse_format(fmt)
+        OPS[name] = OpDef(
+            name, elems, results, infer, reference, capability, doc,
+            exact_attrs=not _has_inexact(elems),
+        )  # fmt: skip
         return infer
 
     return deco
+
+
+def _has_inexact(elems: tuple[FormatElem, ...]) -> bool:
+    return any(el.kind in ("float", "literal") or _has_inexact(el.group) for el in elems)
 
 
 def lookup_op(name: str) -> OpDef | None:

@@ -17,7 +17,7 @@ from dtm_mpi.errors import SourceSpan, VerifyError
 from dtm_mpi.ir.nodes import Function, InitKind, Mesh, Module
 from dtm_mpi.ir.ops._common import KNOWN_CAPABILITIES
 from dtm_mpi.ir.parser import gc_paused
-from dtm_mpi.ir.registry import OpContext, lookup_op
+from dtm_mpi.ir.registry import OPS, OpContext, lookup_op
 from dtm_mpi.ir.types import Partial, ReduceOp, TensorType
 
 __all__ = ["check_layout", "function_mesh", "verify_errors", "verify_module"]
@@ -138,6 +138,18 @@ def _check_functions(module: Module) -> None:
                 stack.append(0)
 
 
+def _definition(f: Function, name: str) -> SourceSpan:
+    """Where ``name`` is first defined in ``f`` (for the redefinition diagnostic)."""
+    for p in f.params:
+        if p.name == name:
+            return p.span
+    for op in f.body:
+        for r, span in zip(op.results, op.result_spans, strict=True):
+            if r == name:
+                return span
+    return f.span
+
+
 def _verify_function(module: Module, f: Function) -> None:
     if f.mesh is not None and module.mesh(f.mesh) is None:
         raise _err(
@@ -152,7 +164,7 @@ def _verify_function(module: Module, f: Function) -> None:
         if cap in f.requires[:i]:
             span = f.requires_spans[i] if i < len(f.requires_spans) else f.span
             raise _err(f"function @{f.name} lists capability {cap} twice", span)
-    env: dict[str, tuple[TensorType, SourceSpan]] = {}
+    env: dict[str, TensorType] = {}  # the type of every value defined so far
     state_params: dict[str, TensorType] = {}
     for p in f.params:
         if p.name in env:
@@ -178,7 +190,7 @@ def _verify_function(module: Module, f: Function) -> None:
                 f"init {p.init.kind.value} of {p.name} needs a floating dtype; got {p.type.dtype}",
                 p.span,
             )
-        env[p.name] = (p.type, p.span)
+        env[p.name] = p.type
     updated: set[str] = set()
     for r in f.results:
         check_layout(r.type, mesh, r.span, "result type")
@@ -199,64 +211,94 @@ def _verify_function(module: Module, f: Function) -> None:
             )
         updated.add(r.updates)
     pending_sends: dict[tuple[object, ...], tuple[TensorType, SourceSpan]] = {}
+    layout_ok: set[int] = set()  # ids of result types whose layout passed check_layout
+    inferred_cache: dict[tuple[object, ...], tuple[TensorType, ...]] = {}
+    lookup_op("call")  # loads the registry
+    get_def = OPS.get
     for op in f.body:
-        opdef = lookup_op(op.name)
+        opdef = get_def(op.name)
         assert opdef is not None
-        for name, span in zip(op.operands, op.operand_spans, strict=True):
-            if name not in env:
-                raise _err(f"use of undefined value {name}", span)
-        if opdef.n_results >= 0 and len(op.results) != opdef.n_results:
-            raise _err(f"{op.name} has {opdef.n_results} result(s); got {len(op.results)}", op.span)
-        for i, (name, span) in enumerate(zip(op.results, op.result_spans, strict=True)):
-            if name in op.results[:i]:
-                raise _err(f"value {name} is defined twice by one {op.name}", span)
-            if name in env:
+        try:
+            operand_types = [env[n] for n in op.operands]
+        except KeyError:
+            for name, span in zip(op.operands, op.operand_spans, strict=True):
+                if name not in env:
+                    raise _err(f"use of undefined value {name}", span) from None
+            raise
+        results = op.results
+        if opdef.n_results >= 0 and len(results) != opdef.n_results:
+            raise _err(f"{op.name} has {opdef.n_results} result(s); got {len(results)}", op.span)
+        for i, name in enumerate(results):
+            if name in env or (i and name in results[:i]):
+                span = op.result_spans[i]
+                if name in results[:i]:
+                    raise _err(f"value {name} is defined twice by one {op.name}", span)
                 raise _err(
-                    f"value {name} is already defined at {env[name][1]}; SSA values are defined once",
+                    f"value {name} is already defined at {_definition(f, name)}; SSA values "
+                    "are defined once",
                     span,
                 )
         for t, span in zip(op.result_types, op.type_spans, strict=True):
-            check_layout(t, mesh, span, "result type")
+            if id(t) not in layout_ok:
+                check_layout(t, mesh, span, "result type")
+                layout_ok.add(id(t))
         if opdef.capability is not None and opdef.capability not in f.requires:
             raise _err(
                 f"{op.name} needs capability {opdef.capability}; declare it on @{f.name} with "
                 f"'requires [{opdef.capability}]'",
                 op.span,
             )
-        operand_types = [env[n][0] for n in op.operands]
-        ctx = OpContext(op, operand_types, op.result_types, mesh, module)
-        inferred = opdef.infer(ctx)
-        if opdef.n_results < 0 and len(inferred) != len(op.result_types):
-            raise _err(
-                f"{op.name} gives {len(inferred)} result(s); {len(op.result_types)} declared",
-                op.span,
-            )
-        for i, (want, got) in enumerate(zip(inferred, op.result_types, strict=True)):
-            if want != got:
-                raise ctx.result_error(i, f"result type is {got} but the rule gives {want}")
+        # The rule is a pure function of (op, attributes, operand and declared types) for one
+        # function (mesh and module fixed); repeated layers hit this cache. Types are keyed by
+        # identity (the type parser shares equal types; every key type stays alive in the
+        # module while this runs), only successful inferences are kept, and ops with float
+        # or literal attributes are not cached (see OpDef.exact_attrs).
+        key: tuple[object, ...] | None = None
+        inferred: tuple[TensorType, ...] | None = None
+        if opdef.exact_attrs:
+            key = (op.name, op.attrs, *map(id, operand_types), None, *map(id, op.result_types))
+            try:
+                inferred = inferred_cache[key]
+            except KeyError:
+                pass
+            except TypeError:  # an unhashable attribute (never from the parser)
+                key = None
+        if inferred is None:
+            ctx = OpContext(op, operand_types, op.result_types, mesh, module)
+            inferred = opdef.infer(ctx)
+            if opdef.n_results < 0 and len(inferred) != len(op.result_types):
+                raise _err(
+                    f"{op.name} gives {len(inferred)} result(s); {len(op.result_types)} declared",
+                    op.span,
+                )
+            for i, (want, got) in enumerate(zip(inferred, op.result_types, strict=True)):
+                if want != got:
+                    raise ctx.result_error(i, f"result type is {got} but the rule gives {want}")
+            if key is not None:
+                inferred_cache[key] = inferred
         if op.name in ("send", "recv"):
-            key = (op.attr("axis"), op.attr("src"), op.attr("dst"), op.attr("tag"))
+            pair = (op.attr("axis"), op.attr("src"), op.attr("dst"), op.attr("tag"))
             if op.name == "send":
-                if key in pending_sends:
+                if pair in pending_sends:
                     raise _err(
-                        f"a send on the same axis, coordinates and tag is still unmatched (at {pending_sends[key][1]})",
+                        f"a send on the same axis, coordinates and tag is still unmatched (at {pending_sends[pair][1]})",
                         op.span,
                     )
-                pending_sends[key] = (operand_types[0], op.span)
+                pending_sends[pair] = (operand_types[0], op.span)
             else:
-                if key not in pending_sends:
+                if pair not in pending_sends:
                     raise _err(
                         "recv has no earlier send on the same axis, coordinates and tag", op.span
                     )
-                sent, _ = pending_sends.pop(key)
+                sent, _ = pending_sends.pop(pair)
                 axis = str(op.attr("axis")[0])  # type: ignore[index]
                 want_t = sent.with_layout(sent.layout.with_partial(Partial(ReduceOp.SUM, (axis,))))
                 if op.result_types[0] != want_t:
-                    raise ctx.result_error(
+                    raise OpContext(op, operand_types, op.result_types, mesh, module).result_error(
                         0, f"recv of a sent {sent} must be {want_t}; got {op.result_types[0]}"
                     )
-        for name, span, t in zip(op.results, op.result_spans, op.result_types, strict=True):
-            env[name] = (t, span)
+        for name, t in zip(results, op.result_types, strict=True):
+            env[name] = t
     for _, span in pending_sends.values():
         raise _err(
             "send has no matching recv (same axis, coordinates and tag) later in the function", span
@@ -269,9 +311,9 @@ def _verify_function(module: Module, f: Function) -> None:
     for i, (name, span, r) in enumerate(zip(f.returns, f.return_spans, f.results, strict=True)):
         if name not in env:
             raise _err(f"use of undefined value {name}", span)
-        if env[name][0] != r.type:
+        if env[name] != r.type:
             raise _err(
-                f"returned value {i} ({name}) is {env[name][0]} but the result type is {r.type}",
+                f"returned value {i} ({name}) is {env[name]} but the result type is {r.type}",
                 span,
             )
 
