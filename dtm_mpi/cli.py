@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     bir.set_defaults(func=_cmd_bench_ir)
     info = sub.add_parser("info", help="report the runtime: MPI, parallel HDF5, ranks (collective)")
     info.set_defaults(func=_cmd_info)
+
+    from dtm_mpi.cli_exec import add_exec_commands
+
+    add_exec_commands(sub)
     return parser
 
 
@@ -80,6 +84,11 @@ def _cmd_check(args: argparse.Namespace) -> int:
         print(f"dtm check: {failed} of {len(texts)} file(s) have errors", file=sys.stderr)
         return 1
     return 0
+
+
+def load_checked(path: str) -> Module:
+    """The verified module in ``path``; diagnostics are printed and end the command."""
+    return _load(path)
 
 
 def _load(path: str) -> Module:

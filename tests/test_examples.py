@@ -31,4 +31,10 @@ def test_collectives_example_uses_every_collective() -> None:
     assert module is not None
     used = {op.name for f in module.functions for op in f.body}
     assert {"allreduce", "allgather", "reduce_scatter", "broadcast", "all_to_all"} <= used
-    assert {"send", "recv"} <= used
+
+
+def test_pipeline_example_pairs_send_and_recv() -> None:
+    module, _ = check_text((EXAMPLES[0].parent / "pipeline.dtm").read_text())
+    assert module is not None
+    used = [op.name for f in module.functions for op in f.body]
+    assert used.count("send") == used.count("recv") == 1

@@ -1,0 +1,90 @@
+"""Sharding: bound meshes, local blocks under the uneven-split rule, and the redistribution
+planner with its numpy reference semantics (pure: no MPI, no files, no globals; every rank
+computes the same result). See docs/spec/ir.md §5-§7."""
+
+from __future__ import annotations
+
+from dtm_mpi.sharding.blocks import (
+    check_layout,
+    dim_bounds,
+    local_block,
+    local_offsets,
+    local_shape,
+    shard_bounds,
+    shard_index,
+    splits_nest,
+)
+from dtm_mpi.sharding.collectives import (
+    all_to_all,
+    allgather,
+    allreduce,
+    apply_plan,
+    apply_step,
+    exchange,
+    make_partial,
+    reduce_arrays,
+    reduce_scatter,
+    reduction_identity,
+)
+from dtm_mpi.sharding.mesh import MeshShape, bind_mesh, parse_mesh_binding
+from dtm_mpi.sharding.redistribute import RedistPlan, plan_redistribute
+from dtm_mpi.sharding.steps import (
+    AllgatherSpec,
+    AllreduceSpec,
+    ExchangeSpec,
+    MakePartialSpec,
+    RedistStep,
+    ReduceScatterSpec,
+    RelabelSpec,
+    SliceSpec,
+    StepKind,
+    StepSpec,
+    StepTraffic,
+    Transfer,
+    block_bounds,
+    rank_spec,
+    step_traffic,
+    step_volume,
+)
+
+__all__ = [
+    "AllgatherSpec",
+    "AllreduceSpec",
+    "ExchangeSpec",
+    "MakePartialSpec",
+    "MeshShape",
+    "RedistPlan",
+    "RedistStep",
+    "ReduceScatterSpec",
+    "RelabelSpec",
+    "SliceSpec",
+    "StepKind",
+    "StepSpec",
+    "StepTraffic",
+    "Transfer",
+    "all_to_all",
+    "allgather",
+    "allreduce",
+    "apply_plan",
+    "apply_step",
+    "bind_mesh",
+    "block_bounds",
+    "check_layout",
+    "dim_bounds",
+    "exchange",
+    "local_block",
+    "local_offsets",
+    "local_shape",
+    "make_partial",
+    "parse_mesh_binding",
+    "plan_redistribute",
+    "rank_spec",
+    "reduce_arrays",
+    "reduce_scatter",
+    "reduction_identity",
+    "shard_bounds",
+    "shard_index",
+    "splits_nest",
+    "step_traffic",
+    "step_volume",
+]

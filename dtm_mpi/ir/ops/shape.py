@@ -59,7 +59,8 @@ def _reshape(ctx: OpContext) -> tuple[TensorType, ...]:
 
 
 def _transpose_ref(op: Op, xs: Sequence[Arr], rt: Sequence[TensorType]) -> tuple[Arr, ...]:
-    return (np.ascontiguousarray(np.transpose(xs[0], op.attr("perm"))),)  # type: ignore[arg-type]
+    perm: tuple[int, ...] = op.attr("perm")  # type: ignore[assignment]
+    return (np.array(np.transpose(xs[0], perm), order="C"),)
 
 
 @register_op("transpose", "$x:operand perm $perm:ints", reference=_transpose_ref,
@@ -77,7 +78,7 @@ def _transpose(ctx: OpContext) -> tuple[TensorType, ...]:
 
 
 def _broadcast_ref(op: Op, xs: Sequence[Arr], rt: Sequence[TensorType]) -> tuple[Arr, ...]:
-    return (np.ascontiguousarray(np.broadcast_to(xs[0], rt[0].shape)),)
+    return (np.array(np.broadcast_to(xs[0], rt[0].shape), order="C"),)
 
 
 @register_op("broadcast_to", "$x:operand", reference=_broadcast_ref,
@@ -107,7 +108,7 @@ def _broadcast_to(ctx: OpContext) -> tuple[TensorType, ...]:
 
 def _slice_ref(op: Op, xs: Sequence[Arr], rt: Sequence[TensorType]) -> tuple[Arr, ...]:
     idx = tuple(slice(a, b) for a, b in zip(op.attr("start"), op.attr("limit"), strict=True))  # type: ignore[arg-type]
-    return (np.ascontiguousarray(xs[0][idx]),)
+    return (np.array(xs[0][idx], order="C"),)
 
 
 @register_op("slice", "$x:operand start $start:ints limit $limit:ints", reference=_slice_ref,

@@ -1,0 +1,130 @@
+"""``dtm explain`` and ``dtm run``: argument handling; planning and running live below."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING
+
+from dtm_mpi.errors import UsageError
+
+if TYPE_CHECKING:
+    from dtm_mpi.ir.nodes import Module
+    from dtm_mpi.plan.program import ExecPlan
+
+__all__ = ["add_exec_commands"]
+
+
+def _mesh_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--mesh", metavar="AXIS=N,...",
+        help="bind mesh axis sizes (e.g. dp=2,tp=2); default: every rank on the first axis",
+    )  # fmt: skip
+
+
+def _bytes(text: str) -> int:
+    units = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    scale = units.get(t[-1:], 1)
+    digits = t[:-1] if t[-1:] in units else t
+    try:
+        value = float(digits) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (e.g. 512M, 2G)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"byte count must be >= 0; got {text!r}")
+    return int(value)
+
+
+def add_exec_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    ex = sub.add_parser("explain", help="per-op local shapes, communication, bytes, memory")
+    ex.add_argument("file", metavar="FILE")
+    ex.add_argument("-n", "--ranks", type=int, default=None,
+                    help="number of ranks (default: the product of --mesh, else the declared mesh)")  # fmt: skip
+    _mesh_arg(ex)
+    ex.add_argument("--max-bytes-per-rank", type=_bytes, default=None, metavar="BYTES",
+                    help="refuse a plan whose peak memory on any rank is above BYTES")  # fmt: skip
+    ex.set_defaults(func=_cmd_explain)
+
+    rn = sub.add_parser("run", help="run the entry function (--sim N: N simulated ranks)")
+    rn.add_argument("file", metavar="FILE")
+    rn.add_argument("--sim", type=int, metavar="N", default=None,
+                    help="run N ranks in this process (debugging; the MPI runtime is issue #5)")  # fmt: skip
+    _mesh_arg(rn)
+    rn.add_argument(
+        "--steps", type=int, default=1, help="steps of the entry function (state carried)"
+    )
+    rn.add_argument("-i", "--input", action="append", default=[], metavar="FILE",
+                    help="inputs (.npy named by file stem, .npz, .h5); repeatable")  # fmt: skip
+    rn.add_argument("-o", "--output", metavar="OUT.npz", help="write final state and results")
+    rn.add_argument("--backend", default="numpy", choices=["numpy"], help="kernel backend")
+    rn.add_argument("--max-bytes-per-rank", type=_bytes, default=None, metavar="BYTES",
+                    help="refuse to run a plan above BYTES of peak memory on any rank")  # fmt: skip
+    rn.set_defaults(func=_cmd_run)
+
+
+def _binding(args: argparse.Namespace) -> dict[str, int] | None:
+    from dtm_mpi.sharding.mesh import parse_mesh_binding
+
+    return parse_mesh_binding(args.mesh) if args.mesh else None
+
+
+def _plan(module: Module, nranks: int | None, binding: dict[str, int] | None) -> ExecPlan:
+    from dtm_mpi.ir.verify import function_mesh
+    from dtm_mpi.plan.program import compile_plan, mesh_for
+
+    if nranks is None:
+        entry = module.entry
+        mesh = function_mesh(module, entry) if entry is not None else None
+        sizes = dict(mesh.axes) if mesh is not None else {}
+        sizes.update(binding or {})
+        nranks = 1
+        for s in sizes.values():
+            nranks *= s
+        binding = sizes if mesh is not None else None
+    if nranks < 1:
+        raise UsageError(f"the number of ranks must be >= 1; got {nranks}")
+    return compile_plan(module, mesh_for(module, nranks, binding))
+
+
+def _cmd_explain(args: argparse.Namespace) -> int:
+    from dtm_mpi.cli import load_checked
+    from dtm_mpi.plan.explain import check_memory, explain_text
+
+    plan = _plan(load_checked(args.file), args.ranks, _binding(args))
+    sys.stdout.write(explain_text(plan))
+    if args.max_bytes_per_rank is not None:
+        check_memory(plan, args.max_bytes_per_rank)
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from dtm_mpi.cli import load_checked
+    from dtm_mpi.config import get_config
+    from dtm_mpi.io.arrays import load_arrays, save_npz
+    from dtm_mpi.plan.explain import check_memory
+    from dtm_mpi.runtime.session import run_simulated
+
+    if args.sim is None:
+        raise UsageError(
+            "dtm run: only --sim N is available so far; the MPI runtime (mpirun/srun) is issue #5"
+        )
+    if args.steps < 1:
+        raise UsageError(f"--steps must be >= 1; got {args.steps}")
+    module = load_checked(args.file)
+    binding = _binding(args)
+    inputs = load_arrays(args.input)
+    if args.max_bytes_per_rank is not None:
+        check_memory(_plan(module, args.sim, binding), args.max_bytes_per_rank)
+    result = run_simulated(
+        module, args.sim, binding=binding, inputs=inputs, steps=args.steps,
+        backend=args.backend, timeout_s=get_config().timeout_s,
+    )  # fmt: skip
+    outputs = result.outputs()
+    for name, value in outputs.items():
+        summary = f"mean {float(value.astype('float64').mean()):.6g}" if value.size else "empty"
+        print(f"{name:>12}  {value.dtype}{list(value.shape)}  {summary}")
+    if args.output:
+        save_npz(args.output, outputs)
+        print(f"wrote {args.output}")
+    return 0

@@ -1,0 +1,100 @@
+"""The communication interface: the only way the executor moves data between ranks.
+
+Two implementations: the in-process simulator (:mod:`dtm_mpi.comm.sim`, N ranks as threads of
+one process, for unit tests and ``dtm run --sim N``) and MPI (issue #5). Every method is
+collective over the group of ranks along ``axes`` (the ranks equal to this one on every other
+mesh axis, in :meth:`MeshShape.group_of` order) unless it says otherwise, and every wait is
+bounded: a peer that never arrives raises :class:`~dtm_mpi.errors.CommTimeoutError` naming the
+operation and the axes.
+
+Sizes never travel at run time: the per-rank specs (``dtm_mpi.sharding.steps``) carry every
+extent, count and region, computed identically by every rank from (plan, mesh, rank).
+Reductions fold contributions left to right in group order, so a result does not depend on
+timing or on which rank arrives first.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from dtm_mpi.sharding.mesh import MeshShape
+from dtm_mpi.sharding.steps import AllgatherSpec, AllreduceSpec, ExchangeSpec, ReduceScatterSpec
+
+__all__ = ["Comm", "CommStats"]
+
+
+@dataclass(slots=True)
+class CommStats:
+    """What one rank's communicator did: calls per operation and bytes to/from other ranks."""
+
+    calls: Counter[str] = field(default_factory=Counter)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    def record(self, op: str, sent: int, received: int) -> None:
+        self.calls[op] += 1
+        self.bytes_sent += sent
+        self.bytes_received += received
+
+
+class Comm(Protocol):
+    """One rank's endpoint. ``rank`` is the rank on ``mesh`` (row-major coordinates)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def mesh(self) -> MeshShape: ...
+
+    @property
+    def stats(self) -> CommStats: ...
+
+    def allgather(self, x: np.ndarray, axes: tuple[str, ...], spec: AllgatherSpec) -> np.ndarray:
+        """The members' arrays concatenated along ``spec.dim`` in group order.
+
+        Collective: call on all ranks of the group."""
+        ...
+
+    def allreduce(self, x: np.ndarray, axes: tuple[str, ...], spec: AllreduceSpec) -> np.ndarray:
+        """The ``spec.op`` fold of the members' arrays in group order.
+
+        Collective: call on all ranks of the group."""
+        ...
+
+    def reduce_scatter(
+        self, x: np.ndarray, axes: tuple[str, ...], spec: ReduceScatterSpec
+    ) -> np.ndarray:
+        """This member's piece of the ``spec.op`` fold of the members' arrays.
+
+        Collective: call on all ranks of the group."""
+        ...
+
+    def exchange(
+        self, x: np.ndarray, axes: tuple[str, ...], spec: ExchangeSpec, what: str = "exchange"
+    ) -> np.ndarray:
+        """An alltoallv: send ``x[t.region]`` to each ``t`` in ``spec.sends`` and place what
+        each peer sends at ``t.region`` of a new array of ``spec.out_shape`` (``spec.recvs``).
+        ``what`` names the step in statistics (``all_to_all`` or ``exchange``).
+
+        Collective: call on all ranks of the group."""
+        ...
+
+    def broadcast(self, x: np.ndarray, axes: tuple[str, ...], root: int) -> np.ndarray:
+        """The array of the member at index ``root`` along ``axes``.
+
+        Collective: call on all ranks of the group."""
+        ...
+
+    def send(self, x: np.ndarray, peer: int, tag: int) -> None:
+        """Send ``x`` to rank ``peer`` (buffered: returns without waiting for the receiver)."""
+        ...
+
+    def recv(
+        self, shape: tuple[int, ...], dtype: np.dtype[np.generic], peer: int, tag: int
+    ) -> np.ndarray:
+        """Receive the array rank ``peer`` sent with ``tag`` (a bounded wait)."""
+        ...

@@ -1,0 +1,85 @@
+"""Reading program inputs and writing program outputs: ``.npy``, ``.npz`` and HDF5 files.
+
+Inputs map names (entry parameters without ``%``) to global arrays:
+
+* ``NAME.npy`` gives the array ``NAME`` (the file's stem);
+* ``FILE.npz`` gives each array it holds under its own name;
+* ``FILE.h5`` / ``FILE.hdf5`` gives each top-level dataset under its own name (read serially
+  with h5py; a parallel read comes with the tensor store, issue #6).
+
+A name given twice is an error naming both files. Outputs go to one ``.npz`` written to a
+temporary file in the same directory and renamed into place, so a failed write never leaves a
+partial file under the requested name.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from dtm_mpi.errors import UsageError
+
+__all__ = ["load_arrays", "save_npz"]
+
+
+def _load_one(path: Path) -> dict[str, np.ndarray]:
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".npy":
+            return {path.stem: np.load(path, allow_pickle=False)}
+        if suffix == ".npz":
+            with np.load(path, allow_pickle=False) as data:
+                return {k: data[k] for k in data.files}
+        if suffix in (".h5", ".hdf5"):
+            import h5py
+
+            out: dict[str, np.ndarray] = {}
+            with h5py.File(path, "r") as f:
+                for key, item in f.items():
+                    if isinstance(item, h5py.Dataset):
+                        out[key] = item[()]
+            return out
+    except FileNotFoundError:
+        raise UsageError(f"input file {path} does not exist") from None
+    except IsADirectoryError:
+        raise UsageError(f"input {path} is a directory, not a file") from None
+    except (OSError, ValueError) as err:
+        raise UsageError(f"cannot read input file {path}: {err}") from None
+    raise UsageError(f"input file {path}: unknown type {suffix!r} (use .npy, .npz, .h5 or .hdf5)")
+
+
+def load_arrays(paths: Sequence[str]) -> dict[str, np.ndarray]:
+    """Every array of every input file, by name."""
+    arrays: dict[str, np.ndarray] = {}
+    origin: dict[str, str] = {}
+    for p in paths:
+        for name, value in _load_one(Path(p)).items():
+            if name in arrays:
+                raise UsageError(f"input {name!r} is given twice: in {origin[name]} and in {p}")
+            arrays[name] = value
+            origin[name] = p
+    return arrays
+
+
+def save_npz(path: str, arrays: Mapping[str, np.ndarray]) -> None:
+    """Write ``arrays`` to ``path`` (.npz) atomically."""
+    target = Path(path)
+    if target.suffix.lower() != ".npz":
+        raise UsageError(f"output {path}: use a .npz file name")
+    directory = target.parent if str(target.parent) else Path(".")
+    if not directory.is_dir():
+        raise UsageError(f"output {path}: directory {directory} does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **dict(arrays))  # type: ignore[arg-type]
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,148 @@
+"""The numpy backend: the CPU path, and the reference every other backend is checked against.
+
+Most ops compute a rank's block from its operands' blocks with exactly the op's global
+semantics (the reference function of the op registry, given the result types with their local
+shapes): the sharding rules of the IR guarantee that, e.g. elementwise ops see aligned blocks,
+a matmul whose contracted dim is split yields this rank's contribution to the pending sum, and
+reshape/transpose/softmax never split across a sharded dim. The ops below are the exceptions,
+where a block is not the op applied to blocks:
+
+* ``mean`` divides the local sum by the *global* number of reduced elements;
+* ``max``/``min`` of an empty block give the reduction's identity (spec §7.1);
+* ``iota``, ``random`` and ``constant`` produce the rank's block of the global tensor from
+  its global offsets (random values are a function of the global element index);
+* ``slice`` keeps the full local extent of the sharded dims it does not change;
+* ``step_index`` is the executor's step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from dtm_mpi.ir.ops._common import as_dtype, np_dtype
+from dtm_mpi.ir.ops.create import random_values
+from dtm_mpi.ir.registry import OPS, lookup_op
+from dtm_mpi.kernels.registry import COMM_OPS, KernelContext, has_kernel, register_kernel
+
+__all__ = ["reference_kernel"]
+
+BACKEND = "numpy"
+Arr = np.ndarray
+
+
+def reference_kernel(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
+    """The op's global semantics applied to the local blocks."""
+    opdef = OPS[ctx.op.name]
+    return tuple(opdef.reference(ctx.op, xs, ctx.local_types))
+
+
+def _identity(op: str, dtype: np.dtype[Any]) -> Any:
+    if dtype.kind == "f":
+        return -np.inf if op == "max" else np.inf
+    info = np.iinfo(dtype)
+    return info.min if op == "max" else info.max
+
+
+def _reduce_dims(ctx: KernelContext) -> tuple[tuple[int, ...], bool]:
+    return tuple(ctx.op.attr("dims")), bool(ctx.op.attr("keepdims"))  # type: ignore[arg-type]
+
+
+@register_kernel(BACKEND, "mean")
+def _mean(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
+    dims, keep = _reduce_dims(ctx)
+    count = 1
+    for d in dims:
+        count *= ctx.operand_types[0].shape[d]
+    total = np.sum(xs[0], axis=dims, keepdims=keep)
+    with np.errstate(all="ignore"):
+        return (as_dtype(total / count if count else total * np.nan, ctx.result_types[0]),)
+
+
+def _extremum(name: str) -> None:
+    fn = np.max if name == "max" else np.min
+
+    @register_kernel(BACKEND, name)
+    def kernel(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
+        dims, keep = _reduce_dims(ctx)
+        x = xs[0]
+        out = fn(x, axis=dims, keepdims=keep, initial=_identity(name, x.dtype))
+        return (as_dtype(out, ctx.result_types[0]),)
+
+
+_extremum("max")
+_extremum("min")
+
+
+@register_kernel(BACKEND, "iota")
+def _iota(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
+    t, shape, offsets = ctx.result_types[0], ctx.local_shapes[0], ctx.offsets[0]
+    dim = int(ctx.op.attr("dim"))  # type: ignore[arg-type]
+    line = np.arange(offsets[dim], offsets[dim] + shape[dim])
+    view = [1] * len(shape)
+    view[dim] = shape[dim]
+    return (np.broadcast_to(line.reshape(view), shape).astype(np_dtype(t.dtype)),)
+
+
+def global_flat_index(
+    global_shape: Sequence[int], offsets: Sequence[int], local_shape: Sequence[int]
+) -> Arr:
+    """The row-major global flat index of every element of a block (uint64, block-shaped)."""
+    index = np.zeros(tuple(local_shape), dtype=np.uint64)
+    stride = 1
+    for d in range(len(global_shape) - 1, -1, -1):
+        view = [1] * len(local_shape)
+        view[d] = local_shape[d]
+        coords = np.arange(offsets[d], offsets[d] + local_shape[d], dtype=np.uint64)
+        index += coords.reshape(view) * np.uint64(stride)
+        stride *= global_shape[d]
+    return index
+
+
+@register_kernel(BACKEND, "random")
+def _random(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
+    t = ctx.result_types[0]
+    op = ctx.op
+    offset = int(xs[0]) if xs else 0
+    params = {k: float(v) for k, v in op.attrs if k in ("mean", "std", "low", "high")}  # type: ignore[arg-type]
+    index = global_flat_index(t.shape, ctx.offsets[0], ctx.local_shapes[0])
+    values = random_values(str(op.attr("dist")), int(op.attr("seed")), offset, index, params)  # type: ignore[arg-type]
+    return (as_dtype(values, t),)
+
+
+@register_kernel(BACKEND, "constant")
+def _constant(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
+    opdef = OPS["constant"]
+    (full,) = opdef.reference(ctx.op, xs, ctx.result_types)
+    block = tuple(slice(o, o + n) for o, n in zip(ctx.offsets[0], ctx.local_shapes[0], strict=True))
+    return (np.array(full[block], order="C"),)
+
+
+@register_kernel(BACKEND, "slice")
+def _slice(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
+    x = xs[0]
+    start: tuple[int, ...] = ctx.op.attr("start")  # type: ignore[assignment]
+    limit: tuple[int, ...] = ctx.op.attr("limit")  # type: ignore[assignment]
+    layout = ctx.operand_types[0].layout
+    index = tuple(
+        slice(0, x.shape[d]) if layout.dims[d] else slice(a, b)
+        for d, (a, b) in enumerate(zip(start, limit, strict=True))
+    )
+    return (np.array(x[index], order="C"),)
+
+
+@register_kernel(BACKEND, "step_index")
+def _step_index(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
+    return (np.array(ctx.step, dtype=np.int64),)
+
+
+def _register_defaults() -> None:
+    lookup_op("add")  # load the op registry
+    for name in OPS:
+        if name not in COMM_OPS and not has_kernel(BACKEND, name):
+            register_kernel(BACKEND, name)(reference_kernel)
+
+
+_register_defaults()

@@ -1,0 +1,158 @@
+"""Per-rank figures of an execution plan: local shapes, communication, bytes and memory.
+
+Pure functions of (plan, rank); ``dtm explain`` prints them and ``--max-bytes-per-rank``
+refuses a plan by them. Bytes sent/received are the logical volumes of the redistribution
+planner (``dtm_mpi.sharding.redistribute``); ``broadcast`` counts ``(k-1)`` blocks sent by the
+root and one block received by every other member; ``send``/``recv`` one block each.
+
+Memory: the bytes of the local arrays alive on a rank. Entry parameters are alive throughout;
+an op's results are allocated while its operands are still alive, plus the redistribution's
+temporaries (its peak extra bytes) or, for a call, the callee's own peak; values are freed
+after their last use (:attr:`PlanOp.frees`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dtm_mpi.ir.types import TensorType
+from dtm_mpi.plan.program import ExecPlan, FunctionPlan, OpKind, PlanOp
+from dtm_mpi.sharding.blocks import local_shape
+from dtm_mpi.sharding.mesh import MeshShape
+from dtm_mpi.sharding.steps import StepKind
+
+__all__ = ["FunctionCost", "OpCost", "function_cost", "local_bytes"]
+
+
+def local_bytes(t: TensorType, mesh: MeshShape, rank: int) -> int:
+    n = t.dtype.itemsize
+    for s in local_shape(t.shape, t.layout, mesh, rank):
+        n *= s
+    return n
+
+
+@dataclass(frozen=True, slots=True)
+class OpCost:
+    """One op on every rank (tuples indexed by rank)."""
+
+    plan_op: PlanOp
+    local_shapes: tuple[tuple[tuple[int, ...], ...], ...]  # [rank][result]
+    comm: tuple[str, ...]  # the communication steps, in order
+    sent: tuple[int, ...]
+    received: tuple[int, ...]
+    live: tuple[int, ...]  # bytes alive while the op runs (its peak)
+
+
+@dataclass(frozen=True, slots=True)
+class FunctionCost:
+    ops: tuple[OpCost, ...]
+    peak: tuple[int, ...]  # per rank
+    sent: tuple[int, ...]
+    received: tuple[int, ...]
+    collectives: tuple[tuple[str, int], ...]  # (kind, count) per rank alike, sorted
+
+
+def _comm_of(p: PlanOp, plan: ExecPlan) -> tuple[str, ...]:
+    if p.kind is OpKind.REDIST and p.redist is not None:
+        out = []
+        for s in p.redist.steps:
+            if s.kind.is_collective:
+                op = f" {s.op.value}" if s.op is not None else ""
+                out.append(f"{s.kind.value}{op} on {','.join(s.axes)}")
+        return tuple(out)
+    if p.kind is OpKind.BROADCAST:
+        return (f"broadcast on {','.join(p.axes)} root {p.root}",)
+    if p.kind is OpKind.SEND:
+        return (f"send on {','.join(p.axes)} {p.root}->{p.dst}",)
+    if p.kind is OpKind.RECV:
+        return (f"recv on {','.join(p.axes)} {p.root}->{p.dst}",)
+    if p.kind is OpKind.CALL:
+        name = str(p.op.attr("callee"))
+        callee = function_cost(plan, plan.function(name))
+        return tuple(f"{c} (in @{name})" for oc in callee.ops for c in oc.comm)
+    return ()
+
+
+def _traffic(p: PlanOp, plan: ExecPlan, rank: int, operand: TensorType | None) -> tuple[int, int]:
+    mesh = plan.mesh
+    if p.kind is OpKind.REDIST and p.redist is not None:
+        return p.redist.bytes_sent(rank), p.redist.bytes_received(rank)
+    if p.kind is OpKind.BROADCAST and operand is not None:
+        k = mesh.group_size(p.axes)
+        size = local_bytes(operand, mesh, rank)
+        root = mesh.index_along(rank, p.axes) == p.root
+        return ((k - 1) * size, 0) if root else (0, size if k > 1 else 0)
+    if p.kind is OpKind.SEND and operand is not None:
+        here = mesh.index_along(rank, p.axes) == p.root
+        return (local_bytes(operand, mesh, rank) if here else 0), 0
+    if p.kind is OpKind.RECV:
+        here = mesh.index_along(rank, p.axes) == p.dst
+        return 0, (local_bytes(p.op.result_types[0], mesh, rank) if here else 0)
+    if p.kind is OpKind.CALL:
+        callee = function_cost(plan, plan.function(str(p.op.attr("callee"))))
+        return callee.sent[rank], callee.received[rank]
+    return 0, 0
+
+
+def _extra(p: PlanOp, plan: ExecPlan, rank: int) -> int:
+    if p.kind is OpKind.REDIST and p.redist is not None:
+        return p.redist.peak_extra_bytes(rank)
+    if p.kind is OpKind.CALL:
+        fp = plan.function(str(p.op.attr("callee")))
+        params = sum(local_bytes(q.type, plan.mesh, rank) for q in fp.function.params)
+        return max(0, function_cost(plan, fp).peak[rank] - params)
+    return 0
+
+
+def function_cost(plan: ExecPlan, fp: FunctionPlan) -> FunctionCost:
+    """Every op's figures on every rank, and the function's totals."""
+    mesh = plan.mesh
+    ranks = range(mesh.size)
+    types: dict[str, TensorType] = {q.name: q.type for q in fp.function.params}
+    params = set(types)
+    live = [sum(local_bytes(q.type, mesh, r) for q in fp.function.params) for r in ranks]
+    peak = list(live)
+    sent = [0] * mesh.size
+    received = [0] * mesh.size
+    counts: dict[str, int] = {}
+    ops: list[OpCost] = []
+    for p in fp.ops:
+        op = p.op
+        operand = types.get(op.operands[0]) if op.operands else None
+        shapes = tuple(
+            tuple(local_shape(t.shape, t.layout, mesh, r) for t in op.result_types) for r in ranks
+        )
+        traffic = [_traffic(p, plan, r, operand) for r in ranks]
+        during = []
+        for r in ranks:
+            new = sum(local_bytes(t, mesh, r) for t in op.result_types)
+            during.append(live[r] + new + _extra(p, plan, r))
+            peak[r] = max(peak[r], during[r])
+            live[r] += new
+            sent[r] += traffic[r][0]
+            received[r] += traffic[r][1]
+        for name, t in zip(op.results, op.result_types, strict=True):
+            types[name] = t
+        for name in p.frees:
+            freed = types.get(name)
+            if freed is not None and name not in params:
+                for r in ranks:
+                    live[r] -= local_bytes(freed, mesh, r)
+        comm = _comm_of(p, plan)
+        for c in comm:
+            kind = c.split(" ")[0]
+            counts[kind] = counts.get(kind, 0) + 1
+        ops.append(
+            OpCost(
+                p, shapes, comm, tuple(t[0] for t in traffic), tuple(t[1] for t in traffic),
+                tuple(during),
+            )
+        )  # fmt: skip
+    return FunctionCost(
+        tuple(ops), tuple(peak), tuple(sent), tuple(received), tuple(sorted(counts.items()))
+    )
+
+
+def collective_kinds() -> tuple[str, ...]:
+    """The names communication steps are reported under."""
+    return (*(k.value for k in StepKind if k.is_collective), "broadcast", "send", "recv")

@@ -1,0 +1,99 @@
+"""``dtm explain``: what each rank does, op by op, as a table.
+
+For every op of the entry function (and of each function it calls): the result's local shape
+on each rank, the communication steps the plan inserts, the bytes each rank sends/receives,
+and the bytes alive on each rank while the op runs; then totals. A value that is the same on
+every rank is printed once; otherwise one entry per rank (``r0:… r1:…``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dtm_mpi.errors import PlanError
+from dtm_mpi.plan.cost import FunctionCost, function_cost
+from dtm_mpi.plan.program import ExecPlan
+
+__all__ = ["check_memory", "explain_text", "human_bytes"]
+
+
+def human_bytes(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n_f = n / 1024
+        if n_f < 1024 or unit == "TiB":
+            return f"{n_f:.1f} {unit}" if n_f < 100 else f"{n_f:.0f} {unit}"
+        n = int(n_f)
+    return f"{n} B"  # pragma: no cover
+
+
+def per_rank(values: Sequence[object], fmt: type[str] | None = None) -> str:
+    texts = [str(v) if fmt is None else fmt(v) for v in values]
+    if len(set(texts)) == 1:
+        return texts[0]
+    return " ".join(f"r{r}:{t}" for r, t in enumerate(texts))
+
+
+def _shape(s: tuple[int, ...]) -> str:
+    return "[" + ",".join(map(str, s)) + "]"
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+def _function_lines(plan: ExecPlan, name: str, cost: FunctionCost) -> list[str]:
+    rows = [["#", "line", "op", "result", "local shape", "communication", "sent/recv", "live"]]
+    for i, c in enumerate(cost.ops, start=1):
+        op = c.plan_op.op
+        result = ", ".join(op.results) or "-"
+        shapes = per_rank([" ".join(_shape(s) for s in per) or "-" for per in c.local_shapes])
+        moved = per_rank(
+            [f"{human_bytes(s)}/{human_bytes(r)}" for s, r in zip(c.sent, c.received, strict=True)]
+        )
+        rows.append(
+            [str(i), str(op.span.line), op.name, result, shapes, "; ".join(c.comm) or "-",
+             moved if any(c.sent) or any(c.received) else "-", per_rank([human_bytes(b) for b in c.live])]
+        )  # fmt: skip
+    return [f"function @{name}", *("  " + line for line in _table(rows))]
+
+
+def explain_text(plan: ExecPlan) -> str:
+    """The whole explanation of ``plan``."""
+    mesh = plan.mesh
+    lines = [
+        f"module {plan.module.name} on mesh {mesh} ({mesh.size} rank{'s' if mesh.size != 1 else ''})",
+        "",
+    ]
+    entry_cost = None
+    for name, fp in plan.functions:
+        cost = function_cost(plan, fp)
+        if name == plan.entry:
+            entry_cost = cost
+        lines += [*_function_lines(plan, name, cost), ""]
+    assert entry_cost is not None
+    counts = ", ".join(f"{k} x{n}" for k, n in entry_cost.collectives) or "none"
+    lines += [
+        "totals per step (entry function, calls included):",
+        f"  communication steps: {counts}",
+        f"  bytes sent:     {per_rank([human_bytes(b) for b in entry_cost.sent])}",
+        f"  bytes received: {per_rank([human_bytes(b) for b in entry_cost.received])}",
+        f"  peak memory:    {per_rank([human_bytes(b) for b in entry_cost.peak])}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def check_memory(plan: ExecPlan, limit: int) -> None:
+    """Raise :class:`PlanError` if any rank's peak exceeds ``limit`` bytes, naming the rank,
+    the op where the peak is reached and both figures."""
+    cost = function_cost(plan, plan.entry_plan)
+    for rank, peak in enumerate(cost.peak):
+        if peak > limit:
+            at = max(cost.ops, key=lambda c: c.live[rank]) if cost.ops else None
+            where = f" at {at.plan_op.op.name} ({at.plan_op.where})" if at is not None else ""
+            raise PlanError(
+                f"the plan needs {human_bytes(peak)} ({peak} bytes) on rank {rank}{where}, over "
+                f"--max-bytes-per-rank {human_bytes(limit)} ({limit} bytes)"
+            )

@@ -1,0 +1,194 @@
+"""The execution plan: what every rank does, compiled once from a verified module and a mesh.
+
+:func:`compile_plan` is pure: every rank computes the identical :class:`ExecPlan` from
+(module, bound mesh), so every decidable error (a coordinate beyond the bound mesh, a layout
+the mesh cannot hold, an impossible redistribution) is raised on every rank before the first
+message. Each op of each function becomes a :class:`PlanOp`:
+
+* ``KERNEL`` — computed locally by the backend's kernel on local blocks;
+* ``REDIST`` — ``allreduce``, ``allgather``, ``reduce_scatter``, ``all_to_all`` and
+  ``redistribute`` all run the redistribution plan from the operand's type to the result's
+  layout (``dtm_mpi.sharding``): exact under the uneven-split rule, so an IR collective
+  whose blocks do not nest runs whatever steps that needs, visibly (``dtm explain``);
+* ``BROADCAST`` — every rank takes the block of the root along the axes;
+* ``SEND`` / ``RECV`` — point-to-point along one axis (receivers hold the block, every
+  other rank zeros: the value is ``partial(sum)`` over the axis);
+* ``CALL`` — the callee's plan.
+
+``frees`` lists the values whose last use is the op (buffer lifetimes). Per-rank figures
+(local shapes, bytes, memory) are pure functions of (plan, rank): :mod:`dtm_mpi.plan.cost`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from dtm_mpi.errors import PlanError, UsageError
+from dtm_mpi.ir.nodes import Function, Module, Op
+from dtm_mpi.ir.verify import function_mesh
+from dtm_mpi.kernels.registry import COMM_OPS
+from dtm_mpi.sharding.mesh import MeshShape
+from dtm_mpi.sharding.redistribute import RedistPlan, plan_redistribute
+
+__all__ = ["ExecPlan", "FunctionPlan", "OpKind", "PlanOp", "compile_plan", "mesh_for"]
+
+_REDIST_OPS = frozenset({"allreduce", "allgather", "reduce_scatter", "all_to_all", "redistribute"})
+NO_MESH_AXIS = "_ranks"
+"""The one axis of the mesh a module without meshes runs on: every value is replicated."""
+
+
+class OpKind(enum.Enum):
+    KERNEL = "kernel"
+    REDIST = "redist"
+    BROADCAST = "broadcast"
+    SEND = "send"
+    RECV = "recv"
+    CALL = "call"
+
+
+@dataclass(frozen=True, slots=True)
+class PlanOp:
+    op: Op
+    kind: OpKind
+    redist: RedistPlan | None = None
+    frees: tuple[str, ...] = ()
+    axes: tuple[str, ...] = ()  # BROADCAST / SEND / RECV: the mesh axes
+    root: int = 0  # BROADCAST: index along axes; SEND/RECV: the source coordinate
+    dst: int = 0  # SEND / RECV: the destination coordinate
+    tag: int = 0
+
+    @property
+    def where(self) -> str:
+        s = self.op.span
+        return f"{s.file}:{s.line}:{s.col}"
+
+
+@dataclass(frozen=True, slots=True)
+class FunctionPlan:
+    function: Function
+    ops: tuple[PlanOp, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ExecPlan:
+    module: Module
+    mesh: MeshShape
+    functions: tuple[tuple[str, FunctionPlan], ...]
+    entry: str
+
+    def function(self, name: str) -> FunctionPlan:
+        for n, fp in self.functions:
+            if n == name:
+                return fp
+        raise PlanError(f"no plan for function @{name}")
+
+    @property
+    def entry_plan(self) -> FunctionPlan:
+        return self.function(self.entry)
+
+
+def mesh_for(module: Module, nranks: int, binding: dict[str, int] | None) -> MeshShape:
+    """The bound mesh of the entry function for ``nranks`` ranks (spec §6): ``--mesh``
+    sizes override the declared ones; without them every rank goes on the first axis."""
+    from dtm_mpi.sharding.mesh import bind_mesh
+
+    entry = module.entry
+    if entry is None:
+        raise UsageError(f"module {module.name} has no entry function")
+    mesh = function_mesh(module, entry)
+    if mesh is None:
+        if binding:
+            raise UsageError(
+                f"--mesh {','.join(binding)}: module {module.name} declares no mesh for "
+                f"@{entry.name}"
+            )
+        return MeshShape(((NO_MESH_AXIS, nranks),))
+    return bind_mesh(mesh, nranks, binding)
+
+
+def _check_coord(op: Op, key: str, value: int, size: int, axes: tuple[str, ...]) -> None:
+    if not 0 <= value < size:
+        s = op.attr_span(key)
+        raise PlanError(
+            f"{s.file}:{s.line}:{s.col}: {op.name} {key} {value} is out of range 0..{size - 1} "
+            f"for axes {','.join(axes)} of the bound mesh"
+        )
+
+
+def _axes(op: Op, key: str) -> tuple[str, ...]:
+    value = op.attr(key)
+    assert isinstance(value, tuple)
+    return tuple(str(a) for a in value)
+
+
+def _plan_op(op: Op, types: dict[str, object], mesh: MeshShape) -> PlanOp:
+    from dtm_mpi.ir.types import TensorType
+
+    name = op.name
+    if name in _REDIST_OPS:
+        src = types[op.operands[0]]
+        assert isinstance(src, TensorType)
+        dst = op.result_types[0]
+        try:
+            plan = plan_redistribute(src, dst.layout, mesh)
+        except PlanError as err:
+            s = op.span
+            raise PlanError(f"{s.file}:{s.line}:{s.col}: {name}: {err}") from None
+        return PlanOp(op, OpKind.REDIST, plan)
+    if name == "broadcast":
+        axes = _axes(op, "axes")
+        root = int(op.attr("root"))  # type: ignore[arg-type]
+        _check_coord(op, "root", root, mesh.group_size(axes), axes)
+        return PlanOp(op, OpKind.BROADCAST, axes=axes, root=root)
+    if name in ("send", "recv"):
+        axes = _axes(op, "axis")
+        src_c, dst_c = int(op.attr("src")), int(op.attr("dst"))  # type: ignore[arg-type]
+        for key, c in (("src", src_c), ("dst", dst_c)):
+            _check_coord(op, key, c, mesh.group_size(axes), axes)
+        kind = OpKind.SEND if name == "send" else OpKind.RECV
+        return PlanOp(op, kind, axes=axes, root=src_c, dst=dst_c, tag=int(op.attr("tag")))  # type: ignore[arg-type]
+    if name == "call":
+        return PlanOp(op, OpKind.CALL)
+    assert name not in COMM_OPS, name
+    return PlanOp(op, OpKind.KERNEL)
+
+
+def _plan_function(f: Function, mesh: MeshShape) -> FunctionPlan:
+    types: dict[str, object] = {p.name: p.type for p in f.params}
+    last_use: dict[str, int] = {}
+    for i, op in enumerate(f.body):
+        for name in op.operands:
+            last_use[name] = i
+    keep = set(f.returns)
+    frees_at: dict[int, list[str]] = {}
+    for name, i in last_use.items():
+        if name not in keep:
+            frees_at.setdefault(i, []).append(name)
+    ops: list[PlanOp] = []
+    for i, op in enumerate(f.body):
+        p = _plan_op(op, types, mesh)
+        unused = [r for r in op.results if r not in last_use and r not in keep]
+        frees = tuple(sorted(frees_at.get(i, []))) + tuple(unused)
+        ops.append(PlanOp(p.op, p.kind, p.redist, frees, p.axes, p.root, p.dst, p.tag))
+        for r, t in zip(op.results, op.result_types, strict=True):
+            types[r] = t
+    return FunctionPlan(f, tuple(ops))
+
+
+def compile_plan(module: Module, mesh: MeshShape) -> ExecPlan:
+    """The plan of a *verified* module on the bound ``mesh`` (pure; identical on every rank)."""
+    entry = module.entry
+    if entry is None:
+        raise UsageError(f"module {module.name} has no entry function")
+    plans: list[tuple[str, FunctionPlan]] = []
+    todo, seen = [entry], {entry.name}
+    while todo:  # the entry and every function it reaches (others may use other meshes)
+        f = todo.pop()
+        plans.append((f.name, _plan_function(f, mesh)))
+        for op in f.body:
+            callee = module.function(str(op.attr("callee"))) if op.name == "call" else None
+            if callee is not None and callee.name not in seen:
+                seen.add(callee.name)
+                todo.append(callee)
+    return ExecPlan(module, mesh, tuple(plans), entry.name)

@@ -1,0 +1,186 @@
+"""The executor: one rank walking its :class:`~dtm_mpi.plan.program.ExecPlan`.
+
+Thin by design: the plan says what to do, the kernels compute, and the communication interface
+(:class:`~dtm_mpi.comm.interface.Comm`) moves data. Per-op facts (local shapes, offsets, the
+per-rank step specs) are computed once per rank and reused by every step of a run. A failure
+in an op is re-raised as a :class:`~dtm_mpi.errors.DtmError` whose ``phase`` names the step,
+the op and its source line, so the agreed error of a distributed run says where it happened.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from dtm_mpi.comm.interface import Comm
+from dtm_mpi.errors import CommError, DtmError, KernelError
+from dtm_mpi.ir.ops._common import np_dtype
+from dtm_mpi.ir.types import TensorType
+from dtm_mpi.kernels.registry import Kernel, KernelContext, backend_kernels
+from dtm_mpi.plan.program import ExecPlan, FunctionPlan, OpKind, PlanOp
+from dtm_mpi.sharding.blocks import local_offsets, local_shape
+from dtm_mpi.sharding.collectives import make_partial
+from dtm_mpi.sharding.redistribute import RedistPlan
+from dtm_mpi.sharding.steps import (
+    AllgatherSpec,
+    AllreduceSpec,
+    ExchangeSpec,
+    MakePartialSpec,
+    ReduceScatterSpec,
+    SliceSpec,
+    StepSpec,
+)
+
+__all__ = ["Executor", "run_redistribution"]
+
+
+def run_redistribution(
+    plan: RedistPlan, specs: Sequence[StepSpec], x: np.ndarray, comm: Comm
+) -> np.ndarray:
+    """Run ``plan`` on this rank's block ``x`` (``specs``: this rank's step specs).
+
+    Collective: call on all ranks."""
+    for step, spec in zip(plan.steps, specs, strict=True):
+        axes = step.axes
+        if isinstance(spec, SliceSpec):
+            x = np.array(x[spec.region], order="C")
+        elif isinstance(spec, MakePartialSpec):
+            x = make_partial(x, spec)
+        elif isinstance(spec, AllgatherSpec):
+            x = comm.allgather(x, axes, spec)
+        elif isinstance(spec, AllreduceSpec):
+            x = comm.allreduce(x, axes, spec)
+        elif isinstance(spec, ReduceScatterSpec):
+            x = comm.reduce_scatter(x, axes, spec)
+        elif isinstance(spec, ExchangeSpec):
+            x = comm.exchange(x, axes, spec, step.kind.value)
+        # RelabelSpec: nothing moves
+    return x
+
+
+class Executor:
+    """Runs ``plan`` on one rank through ``comm`` with ``backend``'s kernels."""
+
+    def __init__(self, plan: ExecPlan, comm: Comm, backend: str = "numpy") -> None:
+        self.plan = plan
+        self.comm = comm
+        self.mesh = plan.mesh
+        self.rank = comm.rank
+        self.kernels = backend_kernels(backend)
+        self._prepared: dict[int, object] = {}
+
+    # -- per-op facts, computed once per rank -------------------------------------------------
+    def local_shape(self, t: TensorType) -> tuple[int, ...]:
+        return local_shape(t.shape, t.layout, self.mesh, self.rank)
+
+    def _kernel(self, p: PlanOp) -> tuple[Kernel, KernelContext]:
+        key = id(p)
+        got = self._prepared.get(key)
+        if got is None:
+            op = p.op
+            kernel = self.kernels.get(op.name)
+            if kernel is None:
+                raise KernelError(f"backend has no kernel for op {op.name!r}")
+            ctx = KernelContext(
+                op,
+                (),
+                op.result_types,
+                tuple(self.local_shape(t) for t in op.result_types),
+                tuple(
+                    local_offsets(t.shape, t.layout, self.mesh, self.rank) for t in op.result_types
+                ),
+            )
+            got = self._prepared[key] = (kernel, ctx)
+        return got  # type: ignore[return-value]
+
+    def _specs(self, p: PlanOp) -> tuple[StepSpec, ...]:
+        key = id(p)
+        got = self._prepared.get(key)
+        if got is None:
+            assert p.redist is not None
+            got = self._prepared[key] = p.redist.rank_specs(self.rank)
+        return got  # type: ignore[return-value]
+
+    def _peer(self, axes: tuple[str, ...], coord: int) -> int:
+        """The rank equal to this one except at ``coord`` along ``axes`` (one axis)."""
+        group = self.mesh.group_of(self.rank, axes)
+        return group[coord]
+
+    # -- running ------------------------------------------------------------------------------
+    def run(self, args: Sequence[np.ndarray], step: int = 0) -> tuple[np.ndarray, ...]:
+        """Run the entry function on this rank's blocks of its arguments.
+
+        Collective: call on all ranks."""
+        return self.run_function(self.plan.entry_plan, args, step)
+
+    def run_function(
+        self, fp: FunctionPlan, args: Sequence[np.ndarray], step: int
+    ) -> tuple[np.ndarray, ...]:
+        """Collective: call on all ranks."""
+        f = fp.function
+        env: dict[str, np.ndarray] = {p.name: a for p, a in zip(f.params, args, strict=True)}
+        operand_types: dict[str, TensorType] = {p.name: p.type for p in f.params}
+        for p in fp.ops:
+            op = p.op
+            try:
+                outs = self._run_op(p, [env[n] for n in op.operands], operand_types, step)
+            except DtmError as err:
+                if getattr(err, "phase", None) is None:
+                    err.phase = f"step {step}, {op.name} at {p.where}"  # type: ignore[attr-defined]
+                raise
+            except Exception as exc:  # a kernel's numpy error: name the op and where
+                raise KernelError(
+                    f"{op.name} at {p.where} failed on rank {self.rank}: {type(exc).__name__}: {exc}"
+                ) from exc
+            for r, v, t in zip(op.results, outs, op.result_types, strict=True):
+                env[r] = v
+                operand_types[r] = t
+            for name in p.frees:
+                env.pop(name, None)
+        return tuple(env[r] for r in f.returns)
+
+    def _run_op(
+        self,
+        p: PlanOp,
+        xs: list[np.ndarray],
+        types: dict[str, TensorType],
+        step: int,
+    ) -> tuple[np.ndarray, ...]:
+        kind = p.kind
+        op = p.op
+        if kind is OpKind.KERNEL:
+            kernel, ctx = self._kernel(p)
+            ctx = KernelContext(
+                op, tuple(types[n] for n in op.operands), ctx.result_types, ctx.local_shapes,
+                ctx.offsets, step,
+            )  # fmt: skip
+            with np.errstate(all="ignore"):  # IEEE results (inf, nan) are the op's semantics
+                outs = kernel(ctx, xs)
+            for out, want in zip(outs, ctx.local_shapes, strict=True):
+                if out.shape != want:
+                    raise KernelError(
+                        f"{op.name} at {p.where}: kernel gave local shape {list(out.shape)} on "
+                        f"rank {self.rank}; the plan says {list(want)}"
+                    )
+            return outs
+        if kind is OpKind.REDIST:
+            assert p.redist is not None
+            return (run_redistribution(p.redist, self._specs(p), xs[0], self.comm),)
+        if kind is OpKind.BROADCAST:
+            return (self.comm.broadcast(xs[0], p.axes, p.root),)
+        if kind is OpKind.SEND:
+            if self.mesh.index_along(self.rank, p.axes) == p.root:
+                self.comm.send(xs[0], self._peer(p.axes, p.dst), p.tag)
+            return ()
+        if kind is OpKind.RECV:
+            t = op.result_types[0]
+            shape = self.local_shape(t)
+            dtype = np_dtype(t.dtype)
+            if self.mesh.index_along(self.rank, p.axes) == p.dst:
+                return (self.comm.recv(shape, dtype, self._peer(p.axes, p.root), p.tag),)
+            return (np.zeros(shape, dtype=dtype),)
+        if kind is OpKind.CALL:
+            callee = self.plan.function(str(op.attr("callee")))
+            return self.run_function(callee, xs, step)
+        raise CommError(f"unknown plan op kind {kind}")  # pragma: no cover

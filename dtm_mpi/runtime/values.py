@@ -1,0 +1,73 @@
+"""Initial values of entry parameters (spec §7.3), whole or one rank's block.
+
+``zeros``/``ones`` fill; ``normal``/``uniform`` are the seeded random tensor with offset 0,
+computed from global element indices, so a rank's block equals the same block of the global
+tensor whatever the layout or rank count. ``store`` values come from a tensor store (issue #6)
+and are not available here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from dtm_mpi.errors import UsageError
+from dtm_mpi.ir.nodes import InitKind, Param
+from dtm_mpi.ir.ops._common import as_dtype, np_dtype
+from dtm_mpi.ir.ops.create import random_values
+from dtm_mpi.ir.types import TensorType
+from dtm_mpi.kernels.numpy_backend import global_flat_index
+
+__all__ = ["init_block", "init_global"]
+
+
+def init_block(param: Param, offsets: Sequence[int], shape: Sequence[int]) -> np.ndarray:
+    """The block of ``param``'s initial value starting at global ``offsets`` with ``shape``."""
+    t = param.type
+    init = param.init
+    if init is None:
+        raise UsageError(
+            f"parameter {param.name} ({t}) has no init and no input supplies it; give it with "
+            f"--input (.npy/.npz/.h5) or declare 'init ...' in the module"
+        )
+    dtype = np_dtype(t.dtype)
+    if init.kind is InitKind.ZEROS:
+        return np.zeros(tuple(shape), dtype=dtype)
+    if init.kind is InitKind.ONES:
+        return np.ones(tuple(shape), dtype=dtype)
+    if init.kind is InitKind.STORE:
+        raise UsageError(
+            f"parameter {param.name} is 'init store': reading from a tensor store needs "
+            "--store (the tensor store is issue #6); supply it with --input instead"
+        )
+    params = {k: float(v) for k, v in init.params if k != "seed"}
+    seed = int(dict(init.params)["seed"])
+    index = global_flat_index(t.shape, offsets, shape)
+    values = random_values(init.kind.value, seed, 0, index, params)
+    return as_dtype(values, t)
+
+
+def init_global(param: Param) -> np.ndarray:
+    """The whole initial value of ``param``."""
+    return init_block(param, (0,) * param.type.rank, param.type.shape)
+
+
+def check_input(name: str, t: TensorType, value: np.ndarray, where: str) -> np.ndarray:
+    """``value`` as the global value of a parameter of type ``t``: the shape must match, and
+    the dtype must convert without loss of kind (a float array for an int parameter is an
+    error, an int array for a float parameter is converted)."""
+    if tuple(value.shape) != t.shape:
+        raise UsageError(
+            f"input {name} from {where} has shape {list(value.shape)}, but the parameter is "
+            f"{t} (shape {list(t.shape)})"
+        )
+    want = np_dtype(t.dtype)
+    have = value.dtype
+    if (have.kind == "f" and want.kind in "iub") or (have.kind == "b" and want.kind != "b"):
+        raise UsageError(
+            f"input {name} from {where} has dtype {have}, which cannot become {t.dtype}"
+        )
+    if have.kind not in "fiub":
+        raise UsageError(f"input {name} from {where} has unsupported dtype {have}")
+    return np.array(value.astype(want, copy=False), order="C")

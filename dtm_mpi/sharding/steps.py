@@ -1,0 +1,384 @@
+"""Redistribution steps, what one rank needs to execute each, and what each costs that rank.
+
+A :class:`RedistStep` turns a value of type ``in_type`` into the same global value of type
+``out_type`` (docs/spec/ir.md §7.1: collectives and redistribute are the identity on global
+values). :func:`rank_spec` gives, for one rank, everything it needs to run the step without
+exchanging sizes at run time (group members in order, per-member extents and counts, per-peer
+sub-blocks); :func:`step_traffic` gives the bytes that rank sends, receives and stages.
+
+Kinds (:class:`StepKind`):
+
+* ``SLICE`` — local: every rank's output block lies inside its input block; take the sub-block.
+* ``RELABEL`` — local: every rank's block and the pending reduction's meaning are unchanged
+  (a collective over a group of size 1, or a new order of the pending axes); nothing moves.
+* ``MAKE_PARTIAL`` — local: a value not pending over ``axes`` becomes pending ``op`` over them.
+  An axis that splits the input (the innermost axes of a dim entry, where the splits nest) is
+  dropped from the split: each rank places its block in an array of its new, larger block
+  filled with the identity of ``op``. For an axis the value is replicated over, the rank at
+  index 0 along those axes keeps its array and the others hold the identity.
+* ``ALLGATHER`` — ``allgather %x on axes`` (dim ``dim``): concatenate the members' blocks.
+* ``ALLREDUCE`` — ``allreduce op %x on axes``.
+* ``REDUCE_SCATTER`` — ``reduce_scatter op %x on axes dim dim``.
+* ``ALL_TO_ALL`` — ``all_to_all %x on axes from dim to dst_dim``.
+* ``EXCHANGE`` — an alltoallv over the group along ``axes`` moving, from each rank to each
+  peer, exactly the intersection of the sender's input block and the receiver's output block.
+  A receiver takes each element from the unique group member that holds it and agrees with the
+  receiver on every group axis that does not split the input (so replicated sources share the
+  load and data a rank already holds is copied locally, never sent).
+
+The structured collectives are only planned where they are exact under the §5 convention
+(:func:`~dtm_mpi.sharding.blocks.splits_nest`); their specs assume it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from dtm_mpi.errors import PlanError
+from dtm_mpi.ir.types import ReduceOp, TensorType
+from dtm_mpi.sharding.blocks import dim_bounds
+from dtm_mpi.sharding.mesh import MeshShape
+
+__all__ = [
+    "AllgatherSpec",
+    "AllreduceSpec",
+    "ExchangeSpec",
+    "MakePartialSpec",
+    "RedistStep",
+    "ReduceScatterSpec",
+    "RelabelSpec",
+    "SliceSpec",
+    "StepKind",
+    "StepSpec",
+    "StepTraffic",
+    "Transfer",
+    "block_bounds",
+    "rank_spec",
+    "step_traffic",
+    "step_volume",
+]
+
+
+class StepKind(enum.Enum):
+    SLICE = "slice"
+    RELABEL = "relabel"
+    MAKE_PARTIAL = "make_partial"
+    ALLGATHER = "allgather"
+    ALLREDUCE = "allreduce"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+    EXCHANGE = "exchange"
+
+    @property
+    def is_collective(self) -> bool:
+        """Whether every rank of a group takes part in a communication."""
+        return self not in _LOCAL
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_LOCAL = frozenset({StepKind.SLICE, StepKind.RELABEL, StepKind.MAKE_PARTIAL})
+
+
+@dataclass(frozen=True, slots=True)
+class RedistStep:
+    """One step of a plan. ``axes``: the group's axes (collectives, EXCHANGE in mesh order) or
+    the newly pending axes (MAKE_PARTIAL); ``dim``: the gathered / scattered / source dim;
+    ``dst_dim``: the target dim of ALL_TO_ALL; ``op``: the reduction (ALLREDUCE,
+    REDUCE_SCATTER, MAKE_PARTIAL)."""
+
+    kind: StepKind
+    in_type: TensorType
+    out_type: TensorType
+    axes: tuple[str, ...] = ()
+    dim: int | None = None
+    dst_dim: int | None = None
+    op: ReduceOp | None = None
+
+    def __str__(self) -> str:
+        parts = [self.kind.value]
+        if self.op is not None:
+            parts.append(self.op.value)
+        if self.axes:
+            parts.append("on " + ",".join(self.axes))
+        if self.kind is StepKind.ALL_TO_ALL:
+            parts.append(f"from {self.dim} to {self.dst_dim}")
+        elif self.dim is not None:
+            parts.append(f"dim {self.dim}")
+        return f"{' '.join(parts)}: {self.in_type} -> {self.out_type}"
+
+
+# --- per-rank specs --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SliceSpec:
+    """Output = ``input[region]`` (a copy)."""
+
+    region: tuple[slice, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RelabelSpec:
+    """Output = input, unchanged."""
+
+
+@dataclass(frozen=True, slots=True)
+class MakePartialSpec:
+    """Output: an array of ``out_shape`` filled with the identity of ``op`` (§7.1) holding, when
+    ``keep``, the input at ``region``. When ``keep`` and ``region`` covers ``out_shape`` the
+    output is the input itself."""
+
+    keep: bool
+    op: ReduceOp
+    region: tuple[slice, ...]
+    out_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AllgatherSpec:
+    """Output = the members' arrays concatenated along ``dim`` in group order. ``extents``:
+    each member's extent along ``dim``; ``counts``: each member's element count."""
+
+    group: tuple[int, ...]
+    position: int
+    dim: int
+    extents: tuple[int, ...]
+    counts: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AllreduceSpec:
+    """Output = the ``op`` reduction of the members' arrays (all of ``count`` elements)."""
+
+    group: tuple[int, ...]
+    position: int
+    op: ReduceOp
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReduceScatterSpec:
+    """Member ``j`` gets the ``op`` reduction over the group of ``input[…, start:start+length,
+    …]`` (along ``dim``) with ``(start, length) = pieces[j]``; ``counts[j]`` its elements."""
+
+    group: tuple[int, ...]
+    position: int
+    op: ReduceOp
+    dim: int
+    pieces: tuple[tuple[int, int], ...]
+    counts: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """A sub-block exchanged with ``peer`` (possibly this rank itself: a local copy)."""
+
+    peer: int
+    region: tuple[slice, ...]
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class ExchangeSpec:
+    """ALL_TO_ALL / EXCHANGE on one rank: ``sends`` are regions of the local input, one per peer
+    that needs data from this rank; ``recvs`` are regions of the output (shape ``out_shape``),
+    one per peer that supplies data. Peers are in group order; empty transfers are left out; the
+    ``recvs`` regions tile the output exactly."""
+
+    group: tuple[int, ...]
+    position: int
+    sends: tuple[Transfer, ...]
+    recvs: tuple[Transfer, ...]
+    out_shape: tuple[int, ...]
+
+
+StepSpec = (
+    SliceSpec
+    | RelabelSpec
+    | MakePartialSpec
+    | AllgatherSpec
+    | AllreduceSpec
+    | ReduceScatterSpec
+    | ExchangeSpec
+)
+
+Bounds = tuple[tuple[int, int], ...]
+
+
+def block_bounds(t: TensorType, mesh: MeshShape, rank: int) -> Bounds:
+    """``(start, length)`` per dim of ``rank``'s block of ``t`` (no layout checks)."""
+    return tuple(
+        dim_bounds(n, axes, mesh, rank) for n, axes in zip(t.shape, t.layout.dims, strict=True)
+    )
+
+
+def _numel(extents: tuple[int, ...] | list[int]) -> int:
+    n = 1
+    for e in extents:
+        n *= e
+    return n
+
+
+def _intersect(a: Bounds, b: Bounds) -> Bounds | None:
+    out = []
+    for (s1, n1), (s2, n2) in zip(a, b, strict=True):
+        lo, hi = max(s1, s2), min(s1 + n1, s2 + n2)
+        if hi <= lo:
+            return None
+        out.append((lo, hi - lo))
+    return tuple(out)
+
+
+def _region(box: Bounds, origin: Bounds) -> tuple[slice, ...]:
+    return tuple(slice(s - o, s - o + n) for (s, n), (o, _) in zip(box, origin, strict=True))
+
+
+def _exchange(step: RedistStep, mesh: MeshShape, rank: int) -> ExchangeSpec:
+    group = mesh.group_of(rank, step.axes)
+    split_in = set(step.in_type.layout.sharded_axes)
+    selectors = tuple(mesh.axis_position(a) for a in step.axes if a not in split_in)
+
+    def agree(p: int, q: int) -> bool:
+        cp, cq = mesh.coords(p), mesh.coords(q)
+        return all(cp[i] == cq[i] for i in selectors)
+
+    src = block_bounds(step.in_type, mesh, rank)
+    dst = block_bounds(step.out_type, mesh, rank)
+    sends, recvs = [], []
+    for peer in group:
+        if not agree(rank, peer):
+            continue
+        box = _intersect(src, block_bounds(step.out_type, mesh, peer))
+        if box is not None:
+            sends.append(Transfer(peer, _region(box, src), _numel([n for _, n in box])))
+        box = _intersect(block_bounds(step.in_type, mesh, peer), dst)
+        if box is not None:
+            recvs.append(Transfer(peer, _region(box, dst), _numel([n for _, n in box])))
+    return ExchangeSpec(
+        group, group.index(rank), tuple(sends), tuple(recvs), tuple(n for _, n in dst)
+    )
+
+
+def _require(value: int | None, what: str, step: RedistStep) -> int:
+    if value is None:
+        raise PlanError(f"{step.kind} step has no {what}: {step}")
+    return value
+
+
+def _op(step: RedistStep) -> ReduceOp:
+    if step.op is None:
+        raise PlanError(f"{step.kind} step has no reduction op: {step}")
+    return step.op
+
+
+def rank_spec(step: RedistStep, mesh: MeshShape, rank: int) -> StepSpec:
+    """What ``rank`` needs to execute ``step`` on ``mesh`` (a pure function of its arguments)."""
+    kind = step.kind
+    if kind is StepKind.RELABEL:
+        return RelabelSpec()
+    if kind is StepKind.SLICE:
+        src = block_bounds(step.in_type, mesh, rank)
+        return SliceSpec(_region(block_bounds(step.out_type, mesh, rank), src))
+    if kind is StepKind.MAKE_PARTIAL:
+        split = set(step.in_type.layout.sharded_axes)
+        replicated = tuple(a for a in step.axes if a not in split)
+        src = block_bounds(step.in_type, mesh, rank)
+        dst = block_bounds(step.out_type, mesh, rank)
+        return MakePartialSpec(
+            mesh.index_along(rank, replicated) == 0,
+            _op(step),
+            _region(src, dst),
+            tuple(n for _, n in dst),
+        )
+    if kind in (StepKind.ALL_TO_ALL, StepKind.EXCHANGE):
+        return _exchange(step, mesh, rank)
+    group = mesh.group_of(rank, step.axes)
+    position = group.index(rank)
+    if kind is StepKind.ALLREDUCE:
+        count = _numel([n for _, n in block_bounds(step.in_type, mesh, rank)])
+        return AllreduceSpec(group, position, _op(step), count)
+    dim = _require(step.dim, "dim", step)
+    if kind is StepKind.ALLGATHER:
+        blocks = [[n for _, n in block_bounds(step.in_type, mesh, r)] for r in group]
+        return AllgatherSpec(
+            group, position, dim, tuple(b[dim] for b in blocks), tuple(_numel(b) for b in blocks)
+        )
+    if kind is StepKind.REDUCE_SCATTER:
+        start, length = block_bounds(step.in_type, mesh, rank)[dim]
+        pieces, counts = [], []
+        for r in group:
+            out = [n for _, n in block_bounds(step.out_type, mesh, r)]
+            s = block_bounds(step.out_type, mesh, r)[dim][0] - start
+            s = min(max(s, 0), length)
+            pieces.append((s, out[dim]))
+            counts.append(_numel(out))
+        return ReduceScatterSpec(group, position, _op(step), dim, tuple(pieces), tuple(counts))
+    raise PlanError(f"unknown step kind {kind}")  # pragma: no cover
+
+
+# --- per-rank traffic ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StepTraffic:
+    """Bytes one rank sends to and receives from other ranks in one step, and the bytes of the
+    staging buffers it needs beyond the step's input and output arrays (see
+    :mod:`dtm_mpi.sharding.redistribute` for the exact rules)."""
+
+    sent: int
+    received: int
+    staging: int
+
+
+def _leading_contiguous(extents: list[int], dim: int) -> bool:
+    """Whether blocks along ``dim`` are contiguous runs of a C-order array of ``extents``."""
+    return _numel(extents[:dim]) <= 1
+
+
+def step_traffic(step: RedistStep, mesh: MeshShape, rank: int) -> StepTraffic:
+    """The bytes ``rank`` sends, receives and stages in ``step``."""
+    item = step.in_type.dtype.itemsize
+    kind = step.kind
+    if not kind.is_collective:
+        return StepTraffic(0, 0, 0)
+    in_ext = [n for _, n in block_bounds(step.in_type, mesh, rank)]
+    out_ext = [n for _, n in block_bounds(step.out_type, mesh, rank)]
+    k = mesh.group_size(step.axes)
+    if kind is StepKind.ALLGATHER:
+        dim = _require(step.dim, "dim", step)
+        staging = 0 if _leading_contiguous(out_ext, dim) else _numel(out_ext)
+        return StepTraffic(
+            (k - 1) * _numel(in_ext) * item, (_numel(out_ext) - _numel(in_ext)) * item,
+            staging * item,
+        )  # fmt: skip
+    if kind is StepKind.ALLREDUCE:
+        m = _numel(in_ext)
+        b = -(-m // k)
+        own = max(0, min(b, m - mesh.index_along(rank, step.axes) * b))
+        moved = (m - own) + (k - 1) * own
+        return StepTraffic(moved * item, moved * item, 0)
+    if kind is StepKind.REDUCE_SCATTER:
+        dim = _require(step.dim, "dim", step)
+        staging = 0 if _leading_contiguous(in_ext, dim) else _numel(in_ext)
+        own = _numel(out_ext)
+        return StepTraffic((_numel(in_ext) - own) * item, (k - 1) * own * item, staging * item)
+    spec = _exchange(step, mesh, rank)
+    sent = sum(t.count for t in spec.sends if t.peer != rank)
+    received = sum(t.count for t in spec.recvs if t.peer != rank)
+    return StepTraffic(sent * item, received * item, (sent + received) * item)
+
+
+def step_volume(step: RedistStep, mesh: MeshShape) -> int:
+    """The bytes all ranks together receive in ``step`` (= together send), computed without
+    enumerating peers: a rank receives what its output holds beyond what it keeps."""
+    if step.kind not in (StepKind.ALL_TO_ALL, StepKind.EXCHANGE):
+        return sum(step_traffic(step, mesh, r).received for r in range(mesh.size))
+    total = 0
+    for r in range(mesh.size):
+        src, dst = block_bounds(step.in_type, mesh, r), block_bounds(step.out_type, mesh, r)
+        own = _intersect(src, dst)
+        total += _numel([n for _, n in dst]) - (_numel([n for _, n in own]) if own else 0)
+    return total * step.in_type.dtype.itemsize
