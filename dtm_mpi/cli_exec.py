@@ -49,7 +49,8 @@ def add_exec_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     rn = sub.add_parser("run", help="run the entry function (--sim N: N simulated ranks)")
     rn.add_argument("file", metavar="FILE")
     rn.add_argument("--sim", type=int, metavar="N", default=None,
-                    help="run N ranks in this process (debugging; the MPI runtime is issue #5)")  # fmt: skip
+                    help="run N simulated ranks in this process (debugging); without --sim, "
+                    "run on the ranks of mpirun/srun")  # fmt: skip
     _mesh_arg(rn)
     rn.add_argument(
         "--steps", type=int, default=1, help="steps of the entry function (state carried)"
@@ -105,12 +106,22 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from dtm_mpi.plan.explain import check_memory
     from dtm_mpi.runtime.session import run_simulated
 
-    if args.sim is None:
-        raise UsageError(
-            "dtm run: only --sim N is available so far; the MPI runtime (mpirun/srun) is issue #5"
-        )
     if args.steps < 1:
         raise UsageError(f"--steps must be >= 1; got {args.steps}")
+    if args.sim is None:
+        from dtm_mpi.runtime.mpirun import MpiRunArgs, run_under_mpi
+
+        return run_under_mpi(
+            MpiRunArgs(
+                args.file,
+                _binding(args),
+                tuple(args.input),
+                args.output,
+                args.steps,
+                args.backend,
+                args.max_bytes_per_rank,
+            )
+        )
     module = load_checked(args.file)
     binding = _binding(args)
     inputs = load_arrays(args.input)

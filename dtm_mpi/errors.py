@@ -18,6 +18,7 @@ __all__ = [
     "BackendError",
     "CommError",
     "CommTimeoutError",
+    "LauncherTerminatedError",
     "ConfigError",
     "DiagnosticError",
     "DtmError",
@@ -179,6 +180,11 @@ class CommTimeoutError(CommError):
         super().__init__(message, rank=rank, phase=phase)
         self.op = op
         self.axis = axis
+        self.silent: tuple[int, ...] = ()  # peers that did not answer a liveness check
+
+
+class LauncherTerminatedError(CommError):
+    """The launcher (mpirun/srun) is ending the job, e.g. because a peer process died."""
 
 
 class PoisonedError(CommError):

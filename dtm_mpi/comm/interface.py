@@ -24,7 +24,17 @@ import numpy as np
 from dtm_mpi.sharding.mesh import MeshShape
 from dtm_mpi.sharding.steps import AllgatherSpec, AllreduceSpec, ExchangeSpec, ReduceScatterSpec
 
-__all__ = ["Comm", "CommStats"]
+__all__ = ["Comm", "CommStats", "allreduce_moved"]
+
+
+def allreduce_moved(x: np.ndarray, group_size: int, position: int) -> int:
+    """The logical bytes one member sends (= receives) in an allreduce of ``x``: a
+    reduce-scatter of the flat array in §5 pieces, then an allgather of the reduced pieces
+    (the accounting of ``dtm_mpi.sharding.redistribute``)."""
+    k, m = group_size, x.size
+    b = -(-m // k) if k else 0
+    own = max(0, min(b, m - position * b))
+    return ((m - own) + (k - 1) * own) * x.itemsize
 
 
 @dataclass(slots=True)
@@ -91,6 +101,10 @@ class Comm(Protocol):
 
     def send(self, x: np.ndarray, peer: int, tag: int) -> None:
         """Send ``x`` to rank ``peer`` (buffered: returns without waiting for the receiver)."""
+        ...
+
+    def flush(self) -> None:
+        """Wait (bounded) until every send of this rank has been delivered."""
         ...
 
     def recv(

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from dtm_mpi.comm.interface import CommStats
+from dtm_mpi.comm.interface import CommStats, allreduce_moved
 from dtm_mpi.errors import (
     CommError,
     CommTimeoutError,
@@ -151,10 +151,7 @@ class SimComm:
 
     def allreduce(self, x: np.ndarray, axes: tuple[str, ...], spec: AllreduceSpec) -> np.ndarray:
         contribs, pos = self._meet(axes, "allreduce", x)
-        k, m = len(contribs), x.size
-        b = -(-m // k) if k else 0
-        own = max(0, min(b, m - pos * b))
-        moved = ((m - own) + (k - 1) * own) * x.itemsize
+        moved = allreduce_moved(x, len(contribs), pos)
         self._stats.record("allreduce", moved, moved)
         return reduce_arrays(contribs, spec.op)
 
@@ -200,6 +197,9 @@ class SimComm:
     def send(self, x: np.ndarray, peer: int, tag: int) -> None:
         self.world.post(self._rank, peer, tag, x)
         self._stats.record("send", x.nbytes, 0)
+
+    def flush(self) -> None:
+        """Sends are delivered to the shared mailbox at once: nothing to wait for."""
 
     def recv(
         self, shape: tuple[int, ...], dtype: np.dtype[np.generic], peer: int, tag: int

@@ -14,11 +14,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from dtm_mpi.comm.interface import Comm
+from dtm_mpi.config import get_config
 from dtm_mpi.errors import CommError, DtmError, KernelError
 from dtm_mpi.ir.ops._common import np_dtype
 from dtm_mpi.ir.types import TensorType
 from dtm_mpi.kernels.registry import Kernel, KernelContext, backend_kernels
 from dtm_mpi.plan.program import ExecPlan, FunctionPlan, OpKind, PlanOp
+from dtm_mpi.runtime.faults import maybe_fail
 from dtm_mpi.sharding.blocks import local_offsets, local_shape
 from dtm_mpi.sharding.collectives import make_partial
 from dtm_mpi.sharding.redistribute import RedistPlan
@@ -112,18 +114,23 @@ class Executor:
         """Run the entry function on this rank's blocks of its arguments.
 
         Collective: call on all ranks."""
-        return self.run_function(self.plan.entry_plan, args, step)
+        results = self.run_function(self.plan.entry_plan, args, step)
+        self.comm.flush()
+        return results
 
     def run_function(
         self, fp: FunctionPlan, args: Sequence[np.ndarray], step: int
     ) -> tuple[np.ndarray, ...]:
         """Collective: call on all ranks."""
         f = fp.function
+        faults = bool(get_config().faults)
         env: dict[str, np.ndarray] = {p.name: a for p, a in zip(f.params, args, strict=True)}
         operand_types: dict[str, TensorType] = {p.name: p.type for p in f.params}
         for p in fp.ops:
             op = p.op
             try:
+                if faults:
+                    maybe_fail(self.rank, op.name)
                 outs = self._run_op(p, [env[n] for n in op.operands], operand_types, step)
             except DtmError as err:
                 if getattr(err, "phase", None) is None:

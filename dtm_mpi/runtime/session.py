@@ -26,7 +26,10 @@ from dtm_mpi.sharding.collectives import apply_plan
 from dtm_mpi.sharding.mesh import MeshShape
 from dtm_mpi.sharding.redistribute import plan_redistribute
 
-__all__ = ["RankOutcome", "RunResult", "assemble", "run_rank", "run_simulated"]
+__all__ = [
+    "RankOutcome", "RunResult", "assemble", "check_inputs", "initial_blocks", "run_rank",
+    "run_simulated",
+]  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -84,19 +87,8 @@ def run_rank(
     (some) entry parameters, by name; the others get their declared init.
 
     Collective: call on all ranks."""
-    mesh, rank = plan.mesh, comm.rank
     entry = plan.entry_plan.function
-    args: list[np.ndarray] = []
-    for p in entry.params:
-        t = p.type
-        key = p.name.lstrip("%")
-        if key in inputs:
-            args.append(
-                np.array(inputs[key][local_block(t.shape, t.layout, mesh, rank)], order="C")
-            )
-        else:
-            offsets = local_offsets(t.shape, t.layout, mesh, rank)
-            args.append(init_block(p, offsets, local_shape(t.shape, t.layout, mesh, rank)))
+    args = initial_blocks(plan, comm.rank, inputs)
     index = {p.name: i for i, p in enumerate(entry.params)}
     executor = Executor(plan, comm, backend)
     history: list[tuple[np.ndarray, ...]] = []
@@ -107,6 +99,23 @@ def run_rank(
             if spec.updates is not None:
                 args[index[spec.updates]] = value
     return RankOutcome(tuple(args), history, comm.stats)
+
+
+def initial_blocks(plan: ExecPlan, rank: int, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    """This rank's blocks of the entry parameters: from ``inputs`` (global arrays by name)
+    where given, else from each parameter's init."""
+    mesh = plan.mesh
+    blocks: list[np.ndarray] = []
+    for p in plan.entry_plan.function.params:
+        t = p.type
+        key = p.name.lstrip("%")
+        if key in inputs:
+            block = inputs[key][local_block(t.shape, t.layout, mesh, rank)]
+            blocks.append(np.array(block, order="C"))
+        else:
+            offsets = local_offsets(t.shape, t.layout, mesh, rank)
+            blocks.append(init_block(p, offsets, local_shape(t.shape, t.layout, mesh, rank)))
+    return blocks
 
 
 def assemble(t: TensorType, mesh: MeshShape, blocks: Sequence[np.ndarray]) -> np.ndarray:

@@ -1,0 +1,31 @@
+"""Failure injection for tests: ``DTM_FAULT=RANK:WHERE:KIND`` makes rank RANK fail at WHERE
+(an op name such as ``allreduce``, or a phase: ``load``, ``handshake``, ``plan``, ``inputs``,
+``step``, ``output``) with KIND ``raise`` (an error), ``hang`` (sleeps until killed) or
+``exit`` (``os._exit(3)``: the process dies without a word, as in a crash)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from dtm_mpi.config import FaultKind, get_config
+from dtm_mpi.errors import DtmError
+
+__all__ = ["InjectedFaultError", "maybe_fail"]
+
+
+class InjectedFaultError(DtmError, RuntimeError):
+    """The failure ``DTM_FAULT`` asked for."""
+
+
+def maybe_fail(rank: int, where: str) -> None:
+    """Fail here if ``DTM_FAULT`` names this rank and ``where``."""
+    fault = get_config().fault_at(rank, where)
+    if fault is None:
+        return
+    if fault.kind is FaultKind.RAISE:
+        raise InjectedFaultError(f"injected failure (DTM_FAULT={fault}) on rank {rank} at {where}")
+    if fault.kind is FaultKind.HANG:
+        while True:  # until the job is aborted
+            time.sleep(3600)
+    os._exit(3)

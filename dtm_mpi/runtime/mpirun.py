@@ -1,0 +1,240 @@
+"""``dtm run`` under ``mpirun``/``srun``: every rank runs its plan over MPI.
+
+Phases, each ended by a bounded agreement (so a rank-local failure — an unreadable file, a bad
+input — becomes the same error on every rank, naming the ranks that failed and why):
+
+``load`` (read and verify the module) -> ``handshake`` (module hash, mesh, versions,
+capabilities, backend; before any data moves) -> ``plan`` -> ``inputs`` -> ``step N`` (state
+updates commit only when every rank finished the step) -> ``output`` (results redistributed to
+a replicated layout, rank 0 writes the file).
+
+A failure inside a step (a kernel error, an injected fault) is announced to every peer at once
+(:meth:`MpiSession.fail`), so peers blocked in a collective stop with the same error instead of
+waiting out ``DTM_TIMEOUT``; a peer that hangs or dies is detected by the bounded waits. In
+both cases communication requests may still be pending, so the job ends with
+:meth:`MpiSession.end_job` (every rank prints one error, then the job is aborted: no process
+survives).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from dtm_mpi._version import __version__
+from dtm_mpi.errors import DtmError, LauncherTerminatedError, RemoteFailureError, UsageError
+
+__all__ = ["MpiRunArgs", "run_under_mpi"]
+
+
+@dataclass(frozen=True, slots=True)
+class MpiRunArgs:
+    file: str
+    binding: dict[str, int] | None
+    inputs: tuple[str, ...]
+    output: str | None
+    steps: int
+    backend: str
+    max_bytes_per_rank: int | None = None
+
+
+def _capabilities() -> tuple[str, ...]:
+    caps = ["CAP_QUANT", "CAP_STORE"]
+    try:
+        import h5py
+
+        if h5py.get_config().mpi:
+            caps.append("CAP_HDF5_MPI")
+    except ImportError:  # pragma: no cover  (h5py is a dependency)
+        pass
+    return tuple(sorted(caps))
+
+
+def _required(module: object) -> set[str]:
+    from dtm_mpi.ir.nodes import Module
+
+    assert isinstance(module, Module)
+    return {cap for f in module.functions for cap in f.requires}
+
+
+def run_under_mpi(args: MpiRunArgs) -> int:
+    """Run on every rank of ``MPI.COMM_WORLD``; returns 0 or ends the job.
+
+    Collective: call on all ranks."""
+    from mpi4py import MPI
+
+    from dtm_mpi.comm.agreement import agree_outcome
+    from dtm_mpi.config import get_config
+
+    config = get_config()
+    world = MPI.COMM_WORLD
+    rank, size = int(world.Get_rank()), int(world.Get_size())
+
+    # load: every rank reads and verifies; local failures agreed on the world communicator
+    module = None
+    error: BaseException | None = None
+    try:
+        from dtm_mpi.runtime.faults import maybe_fail
+
+        maybe_fail(rank, "load")
+        module = _load(args.file)
+    except (DtmError, OSError) as exc:
+        error = exc
+    failures = agree_outcome(
+        world, ok=error is None, message=str(error) if error else "", phase="load",
+        timeout_s=config.timeout_s,
+    )  # fmt: skip
+    if failures:
+        raise RemoteFailureError("load", failures)
+    assert module is not None
+    return _run_session(module, args, rank, size)
+
+
+def _load(path: str) -> object:
+    from dtm_mpi.ir import check_text
+    from dtm_mpi.ir.files import read_source
+
+    module, errors = check_text(read_source(path), path)
+    if errors:
+        raise UsageError("; ".join(str(e) for e in errors[:3]))
+    return module
+
+
+def _run_session(module: object, args: MpiRunArgs, rank: int, size: int) -> int:
+    from dtm_mpi.comm.handshake import PROTOCOL_VERSION, Hello, handshake
+    from dtm_mpi.comm.mpi_comm import MpiComm
+    from dtm_mpi.comm.mpi_session import MpiSession
+    from dtm_mpi.config import get_config
+    from dtm_mpi.ir.hashing import module_hash
+    from dtm_mpi.ir.nodes import Module
+    from dtm_mpi.plan.program import compile_plan, mesh_for
+    from dtm_mpi.runtime.faults import maybe_fail
+
+    assert isinstance(module, Module)
+    config = get_config()
+    mesh = mesh_for(module, size, args.binding)  # pure: the same error on every rank
+    plan = compile_plan(module, mesh)
+    groups = _groups(plan)
+    session = MpiSession(mesh, groups, timeout_s=config.timeout_s)
+    session.on_launcher_terminate()
+    try:
+        session.phase = "handshake"
+        maybe_fail(rank, "handshake")
+        hello = Hello(
+            PROTOCOL_VERSION, __version__, module_hash(module), str(mesh), _capabilities(),
+            args.backend, config.deterministic,
+        )  # fmt: skip
+        handshake(session, hello)
+        missing = sorted(_required(module) - set(hello.capabilities))
+        if missing:
+            raise UsageError(
+                f"module {module.name} requires {', '.join(missing)}, which this runtime "
+                f"(backend {args.backend}) does not provide"
+            )
+        if args.max_bytes_per_rank is not None:
+            from dtm_mpi.plan.explain import check_memory
+
+            check_memory(plan, args.max_bytes_per_rank)
+        comm = MpiComm(
+            session, deterministic=config.deterministic, max_msg_elems=config.max_msg_elems
+        )
+        _run_steps(session, comm, plan, args, rank)
+    except LauncherTerminatedError as exc:  # a peer died: mpirun is killing the job
+        session.report_terminated(exc)
+    except BaseException as exc:  # every failure ends every rank with one error
+        err = session.fail(exc)
+        session.end_job(1, f"dtm run: {err}")
+    session.close()
+    return 0
+
+
+def _groups(plan: object) -> list[tuple[str, ...]]:
+    """Every group of axes the plan communicates over, in a fixed order."""
+    from dtm_mpi.plan.program import ExecPlan, OpKind
+
+    assert isinstance(plan, ExecPlan)
+    seen: list[tuple[str, ...]] = []
+    for _, fp in plan.functions:
+        for p in fp.ops:
+            axes_list: list[tuple[str, ...]] = []
+            if p.kind is OpKind.REDIST and p.redist is not None:
+                axes_list = [s.axes for s in p.redist.steps if s.kind.is_collective]
+            elif p.kind is OpKind.BROADCAST:
+                axes_list = [p.axes]
+            for axes in axes_list:
+                if axes not in seen:
+                    seen.append(axes)
+    return seen
+
+
+def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, rank: int) -> None:
+    from dtm_mpi.comm.mpi_comm import MpiComm
+    from dtm_mpi.comm.mpi_session import MpiSession
+    from dtm_mpi.io.arrays import load_arrays, save_npz
+    from dtm_mpi.ir.types import Layout
+    from dtm_mpi.plan.program import ExecPlan
+    from dtm_mpi.runtime.executor import Executor, run_redistribution
+    from dtm_mpi.runtime.faults import maybe_fail
+    from dtm_mpi.runtime.session import check_inputs, initial_blocks
+    from dtm_mpi.sharding.redistribute import plan_redistribute
+
+    assert isinstance(session, MpiSession) and isinstance(comm, MpiComm)
+    assert isinstance(plan, ExecPlan)
+    entry = plan.entry_plan.function
+
+    session.phase = "inputs"
+    error: BaseException | None = None
+    blocks: list[np.ndarray] = []
+    try:
+        maybe_fail(rank, "inputs")
+        given = check_inputs(plan.module, load_arrays(list(args.inputs)))
+        blocks = initial_blocks(plan, rank, given)
+    except DtmError as exc:
+        error = exc
+    session.agree("inputs", error)
+
+    executor = Executor(plan, comm, args.backend)
+    index = {p.name: i for i, p in enumerate(entry.params)}
+    results: tuple[np.ndarray, ...] = ()
+    for step in range(args.steps):
+        session.phase = f"step {step}"
+        maybe_fail(rank, "step")
+        results = executor.run(blocks, step)
+        session.agree(f"step {step}", None)  # every rank finished: commit the state updates
+        for spec, value in zip(entry.results, results, strict=True):
+            if spec.updates is not None:
+                blocks[index[spec.updates]] = value
+
+    session.phase = "output"
+    maybe_fail(rank, "output")
+    outputs: dict[str, np.ndarray] = {}
+    named = [
+        (f"result{i}", spec.type, v)
+        for i, (spec, v) in enumerate(zip(entry.results, results, strict=True))
+    ]
+    named += [(p.name.lstrip("%"), p.type, blocks[i]) for i, p in enumerate(entry.params)]
+    for name, t, block in named:
+        gather = plan_redistribute(t, Layout.replicated(t.rank), plan.mesh)
+        outputs[name] = run_redistribution(gather, gather.rank_specs(rank), block, comm)
+    error = None
+    if rank == 0:
+        try:
+            for name, value in outputs.items():
+                summary = (
+                    f"mean {float(value.astype('float64').mean()):.6g}" if value.size else "empty"
+                )
+                print(f"{name:>12}  {value.dtype}{list(value.shape)}  {summary}")
+            if args.output:
+                save_npz(args.output, outputs)
+                print(f"wrote {args.output}")
+            sys.stdout.flush()
+        except (DtmError, OSError) as exc:
+            error = exc
+    session.agree("output", error)
+
+
+def parse_inputs(paths: Sequence[str]) -> tuple[str, ...]:
+    return tuple(paths)

@@ -1,0 +1,233 @@
+"""``dtm explain`` figures: per-rank local shapes, communication steps, bytes and peak memory
+of the tensor-parallel MLP, checked against numbers computed by hand from the accounting rules
+of ``dtm_mpi.sharding.redistribute`` (ALLREDUCE: a reduce-scatter of the flattened local array
+in §5 pieces plus an allgather: sent = received = ``(m - p) + (k-1)·p`` elements, ``p`` the
+rank's piece)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dtm_mpi.errors import PlanError
+from dtm_mpi.ir import parse_module, verify_module
+from dtm_mpi.ir.nodes import Module
+from dtm_mpi.plan.cost import FunctionCost, OpCost, function_cost, local_bytes
+from dtm_mpi.plan.explain import check_memory, explain_text, human_bytes
+from dtm_mpi.plan.program import ExecPlan, OpKind, compile_plan, mesh_for
+
+EXAMPLES = Path(__file__).parent.parent.parent / "examples"
+F32 = 4
+
+
+def load(name: str) -> Module:
+    path = EXAMPLES / f"{name}.dtm"
+    module = parse_module(path.read_text(encoding="utf-8"), str(path))
+    verify_module(module)
+    return module
+
+
+def plan_for(nranks: int, binding: dict[str, int]) -> ExecPlan:
+    module = load("tp_mlp")
+    return compile_plan(module, mesh_for(module, nranks, binding))
+
+
+def allreduce_bytes(m: int, k: int, pos: int, itemsize: int = F32) -> int:
+    """The documented ALLREDUCE volume of a rank at ``pos`` in a group of ``k`` (m elements)."""
+    b = -(-m // k)
+    own = max(0, min(b, m - pos * b))
+    return ((m - own) + (k - 1) * own) * itemsize
+
+
+def op_cost(cost: FunctionCost, result: str) -> OpCost:
+    (found,) = [c for c in cost.ops if result in c.plan_op.op.results]
+    return found
+
+
+def row(text: str, function: str, result: str) -> str:
+    """The table row of the op whose result column starts with ``result`` (``%y,`` for a
+    call with several results) in the section of ``function``."""
+    section = text.split(f"function @{function}\n", 1)[1].split("\n\n", 1)[0]
+    rows = [ln for ln in section.splitlines()[1:] if ln.split()[3] == result]
+    assert len(rows) == 1, (result, rows)
+    return rows[0]
+
+
+# --- 2x2 -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def plan4() -> ExecPlan:
+    return plan_for(4, {"dp": 2, "tp": 2})
+
+
+def test_forward_has_one_allreduce_over_tp(plan4: ExecPlan) -> None:
+    fp = plan4.function("forward")
+    cost = function_cost(plan4, fp)
+    assert cost.collectives == (("allreduce", 1),)
+    comms = [(c.plan_op.op.name, c.comm) for c in cost.ops if c.comm]
+    assert comms == [("allreduce", ("allreduce sum on tp",))]
+    kinds = [p.kind for p in fp.ops]
+    assert kinds == [OpKind.KERNEL, OpKind.KERNEL, OpKind.KERNEL, OpKind.REDIST]
+
+
+def test_forward_allreduce_bytes_by_hand(plan4: ExecPlan) -> None:
+    # %p is f32[64,256]{dp,-} partial(sum: tp): the local block is [32,256] (8192 elements);
+    # k = 2, each rank's piece is 4096 elements: (8192 - 4096) + 1 * 4096 = 8192 -> 32768 B
+    m = 32 * 256
+    want = allreduce_bytes(m, 2, 0)
+    assert want == allreduce_bytes(m, 2, 1) == 32768
+    cost = function_cost(plan4, plan4.function("forward"))
+    y = op_cost(cost, "%y")
+    assert y.sent == (32768,) * 4
+    assert y.received == (32768,) * 4
+    assert cost.sent == (32768,) * 4 and cost.received == (32768,) * 4
+    # the kernels move nothing
+    for c in cost.ops:
+        if c.plan_op.kind is OpKind.KERNEL:
+            assert c.sent == (0,) * 4 and c.received == (0,) * 4 and c.comm == ()
+
+
+def test_local_shapes_2x2(plan4: ExecPlan) -> None:
+    fwd = function_cost(plan4, plan4.function("forward"))
+    assert op_cost(fwd, "%h").local_shapes == (((32, 512),),) * 4
+    assert op_cost(fwd, "%a").local_shapes == (((32, 512),),) * 4
+    assert op_cost(fwd, "%p").local_shapes == (((32, 256),),) * 4
+    assert op_cost(fwd, "%y").local_shapes == (((32, 256),),) * 4
+    entry = function_cost(plan4, plan4.entry_plan)
+    assert op_cost(entry, "%y").local_shapes == (((32, 256), (32, 512), (32, 512)),) * 4
+    assert op_cost(entry, "%loss").local_shapes == (((),),) * 4
+    assert op_cost(entry, "%aT").local_shapes == (((512, 32),),) * 4
+    assert op_cost(entry, "%gw1").local_shapes == (((256, 512),),) * 4
+
+
+def test_entry_totals_by_hand(plan4: ExecPlan) -> None:
+    entry = function_cost(plan4, plan4.entry_plan)
+    # allreduce x4 per step: %y on tp (in @forward), %loss, %gw2, %gw1 on dp
+    assert entry.collectives == (("allreduce", 4),)
+    loss = allreduce_bytes(1, 2, 0)  # a scalar: rank 0 owns the one element
+    assert loss == allreduce_bytes(1, 2, 1) == 4
+    gw = allreduce_bytes(512 * 256, 2, 0)  # [512,256] and [256,512] local blocks
+    assert gw == 524288
+    total = 32768 + loss + 2 * gw
+    assert entry.sent == (total,) * 4
+    assert entry.received == (total,) * 4
+    assert op_cost(entry, "%gw2").sent == (gw,) * 4
+    assert op_cost(entry, "%gw1").received == (gw,) * 4
+    # the call reports the callee's traffic and communication
+    call = op_cost(entry, "%y")
+    assert call.sent == (32768,) * 4
+    assert call.comm == ("allreduce sum on tp (in @forward)",)
+
+
+def test_explain_text_rows_and_totals(plan4: ExecPlan) -> None:
+    text = explain_text(plan4)
+    assert text.startswith("module tp_mlp on mesh [dp=2, tp=2] (4 ranks)\n")
+    fwd = text.split("function @forward\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert len(fwd) == 1 + 4  # header + 4 ops
+    y = [ln for ln in fwd if " allreduce " in ln]
+    assert len(y) == 1
+    cols = y[0].split()
+    assert cols[:5] == ["4", "14", "allreduce", "%y", "[32,256]"]
+    assert "allreduce sum on tp" in y[0]
+    assert human_bytes(32768) == "32.0 KiB"
+    assert "32.0 KiB/32.0 KiB" in y[0]
+    h = [ln for ln in fwd if " %h " in ln]
+    assert len(h) == 1 and "[32,512]" in h[0]
+    # one allreduce row in @forward, and no other row communicates
+    assert sum("allreduce sum" in ln for ln in fwd) == 1
+    total = 32768 + 4 + 2 * 524288
+    assert f"  bytes sent:     {human_bytes(total)}\n" in text
+    assert f"  bytes received: {human_bytes(total)}\n" in text
+    assert human_bytes(total) == "1.0 MiB"
+    assert "  communication steps: allreduce x4\n" in text
+    peak = function_cost(plan4, plan4.entry_plan).peak
+    assert f"  peak memory:    {human_bytes(peak[0])}\n" in text
+
+
+def test_peak_covers_parameters(plan4: ExecPlan) -> None:
+    mesh = plan4.mesh
+    for name, fp in plan4.functions:
+        cost = function_cost(plan4, fp)
+        for r in range(mesh.size):
+            params = sum(local_bytes(p.type, mesh, r) for p in fp.function.params)
+            assert cost.peak[r] >= params, (name, r)
+            assert cost.peak[r] == max([params, *(c.live[r] for c in cost.ops)])
+    # entry parameters on each rank: x, target [32,256]; w1 [256,512]; w2 [512,256]
+    entry = function_cost(plan4, plan4.entry_plan)
+    params = (2 * 32 * 256 + 2 * 256 * 512) * F32
+    assert all(p >= params for p in entry.peak)
+    # the weights' update keeps w, its gradient and the update alive at once
+    assert all(p >= params + 2 * 256 * 512 * F32 for p in entry.peak)
+
+
+def test_check_memory_limit(plan4: ExecPlan) -> None:
+    peak = function_cost(plan4, plan4.entry_plan).peak
+    assert len(set(peak)) == 1
+    check_memory(plan4, peak[0])  # at the peak: fine
+    check_memory(plan4, peak[0] + 1)
+    with pytest.raises(PlanError) as info:
+        check_memory(plan4, peak[0] - 1)
+    msg = str(info.value)
+    assert "on rank 0" in msg
+    assert f"({peak[0]} bytes)" in msg and f"({peak[0] - 1} bytes)" in msg
+    assert "tp_mlp.dtm:" in msg
+    with pytest.raises(PlanError, match=r"on rank 0 at \w+ \(.*tp_mlp\.dtm:\d+:\d+\)"):
+        check_memory(plan4, 1024)
+
+
+# --- uneven: 1024 over tp=3 ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def plan3() -> ExecPlan:
+    return plan_for(3, {"dp": 1, "tp": 3})
+
+
+def test_uneven_local_shapes(plan3: ExecPlan) -> None:
+    fwd = function_cost(plan3, plan3.function("forward"))
+    assert op_cost(fwd, "%h").local_shapes == (((64, 342),), ((64, 342),), ((64, 340),))
+    assert op_cost(fwd, "%p").local_shapes == (((64, 256),),) * 3
+    entry = function_cost(plan3, plan3.entry_plan)
+    assert op_cost(entry, "%aT").local_shapes == (((342, 64),), ((342, 64),), ((340, 64),))
+    text = explain_text(plan3)
+    assert "(3 ranks)" in text.splitlines()[0]
+    h = row(text, "forward", "%h")
+    assert "r0:[64,342] r1:[64,342] r2:[64,340]" in h
+    assert "r0:[342,64] r1:[342,64] r2:[340,64]" in row(text, "train_step", "%aT")
+    # the call row lists every result per rank
+    assert (
+        "r0:[64,256] [64,342] [64,342] r1:[64,256] [64,342] [64,342] r2:[64,256] [64,340] [64,340]"
+        in row(text, "train_step", "%y,")
+    )
+
+
+def test_uneven_allreduce_bytes(plan3: ExecPlan) -> None:
+    # %p local block [64,256] = 16384 elements over k = 3: pieces 5462, 5462, 5460
+    m = 64 * 256
+    want = tuple(allreduce_bytes(m, 3, pos) for pos in range(3))
+    assert want == (87384, 87384, 87376)
+    fwd = function_cost(plan3, plan3.function("forward"))
+    assert op_cost(fwd, "%y").sent == want
+    assert op_cost(fwd, "%y").received == want
+    # over dp=1 the dp allreduces move nothing
+    entry = function_cost(plan3, plan3.entry_plan)
+    assert op_cost(entry, "%loss").sent == (0, 0, 0)
+    assert op_cost(entry, "%loss").comm == ()
+    assert entry.collectives == (("allreduce", 1),)
+    assert entry.sent == want
+    # rank 2's smaller blocks give it a smaller peak
+    assert entry.peak[0] == entry.peak[1] > entry.peak[2]
+
+
+def test_uneven_check_memory_names_the_rank(plan3: ExecPlan) -> None:
+    peak = function_cost(plan3, plan3.entry_plan).peak
+    check_memory(plan3, peak[0])
+    with pytest.raises(PlanError, match=r"on rank 0 at "):
+        check_memory(plan3, peak[2])
+
+
+def test_unknown_function_plan(plan4: ExecPlan) -> None:
+    with pytest.raises(PlanError, match="@nope"):
+        plan4.function("nope")
