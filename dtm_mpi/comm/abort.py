@@ -10,7 +10,7 @@ from typing import Any
 
 from dtm_mpi.errors import DtmError, UsageError
 
-__all__ = ["abort_job", "mpi_world", "run_or_abort"]
+__all__ = ["abort_job", "mpi_world", "report", "run_or_abort", "write_line"]
 
 
 def mpi_world() -> Any | None:
@@ -32,12 +32,19 @@ def _multi_rank() -> bool:
     return world is not None and int(world.Get_size()) > 1
 
 
+def write_line(text: str) -> None:
+    """Write ``text`` and a newline to stderr in one call: the launcher forwards each rank's
+    output in chunks, and two writes (text, then newline) interleave with other ranks'."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
 def report(message: str) -> None:
     """Print ``message`` to stderr, each line prefixed with this rank under multi-rank MPI."""
     world = mpi_world()
     prefix = f"[rank {world.Get_rank()}] " if world is not None and _multi_rank() else ""
     text = "\n".join(prefix + line for line in message.rstrip("\n").splitlines())
-    print(text, file=sys.stderr, flush=True)
+    write_line(text)
 
 
 def abort_job(code: int, message: str) -> None:

@@ -90,15 +90,17 @@ class MpiComm:
                 out[starts[j] + lo : starts[j] + lo + n] = piece[s : s + n]
         return out
 
-    def _alltoallv(self, comm: Any, chunks: list[np.ndarray], recv_counts: list[int], dtype: np.dtype[Any], what: str, axes: tuple[str, ...]) -> list[np.ndarray]:  # fmt: skip
+    def _alltoallv(self, comm: Any, chunks: list[np.ndarray], recv_counts: list[int], dtype: np.dtype[Any], what: str, axes: tuple[str, ...], max_count: int) -> list[np.ndarray]:  # fmt: skip
         """Collective: call on all ranks of the group. ``chunks[j]`` (flat) goes to member
-        ``j``; returns what each member sent here."""
+        ``j``; returns what each member sent here. ``max_count`` bounds every transfer of the
+        group and must be the same on every member."""
         itemsize = np.dtype(dtype).itemsize
         mtype = self._move[itemsize]
         udt = np.dtype(f"u{itemsize}")
         send_counts = [c.size for c in chunks]
         outs = [np.empty(n, dtype=udt) for n in recv_counts]
-        rounds = max([-(-c // self.limit) for c in send_counts + recv_counts] + [1])
+        # the same number of rounds on every member: from a bound all members share
+        rounds = max(1, -(-max_count // self.limit))
         for r in range(rounds):
             lo = r * self.limit
             sc = [max(0, min(self.limit, c - lo)) for c in send_counts]
@@ -187,7 +189,7 @@ class MpiComm:
         # every member's contribution to this member's piece, in group order, then a fold
         got = self._alltoallv(
             comm, [self._flat(p) for p in pieces], [mine.size] * len(pieces), x.dtype,
-            "reduce_scatter", axes,
+            "reduce_scatter", axes, max(spec.counts, default=0),
         )  # fmt: skip
         out = reduce_arrays([g.reshape(mine.shape) for g in got], spec.op)
         self._stats.record("reduce_scatter", x.nbytes - out.nbytes, (len(pieces) - 1) * out.nbytes)
@@ -207,7 +209,7 @@ class MpiComm:
         counts = [0] * k
         for t in spec.recvs:
             counts[where[t.peer]] = t.count
-        got = self._alltoallv(comm, chunks, counts, x.dtype, what, axes)
+        got = self._alltoallv(comm, chunks, counts, x.dtype, what, axes, spec.max_count)
         out = np.empty(spec.out_shape, dtype=x.dtype)
         for t in spec.recvs:
             out[t.region] = got[where[t.peer]].reshape(out[t.region].shape)

@@ -26,6 +26,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from dtm_mpi.comm.abort import write_line
 from dtm_mpi.errors import (
     CommError,
     CommTimeoutError,
@@ -55,6 +56,7 @@ class MpiSession:
         *,
         timeout_s: float = 300.0,
         world: Any = None,
+        join: bool = True,
     ) -> None:
         from mpi4py import MPI
 
@@ -74,11 +76,25 @@ class MpiSession:
         self.comm = base.Dup()
         self.ctrl = base.Dup()
         self._pending_sends: list[Any] = []
-        self.cart = self.comm.Create_cart(list(mesh.sizes), periods=[False] * len(mesh.sizes), reorder=False) if mesh.axes else self.comm.Dup()  # fmt: skip
-        assert int(self.cart.Get_rank()) == self.rank
         self.node = base.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.local_rank = int(self.node.Get_rank())
+        self.cart: Any = None
         self._groups: dict[tuple[str, ...], Any] = {}
+        if join:
+            self.join_mesh(groups)
+
+    def join_mesh(self, groups: Iterable[tuple[str, ...]] = ()) -> None:
+        """Create the Cartesian communicator of the mesh and the group communicators. Call it
+        after the handshake: ranks that disagree on the mesh must not get here.
+
+        Collective: call on all ranks."""
+        self.check()
+        sizes = list(self.mesh.sizes)
+        if self.mesh.axes:
+            self.cart = self.comm.Create_cart(sizes, periods=[False] * len(sizes), reorder=False)
+        else:
+            self.cart = self.comm.Dup()
+        assert int(self.cart.Get_rank()) == self.rank
         for axes in groups:
             self.group(axes)
 
@@ -207,11 +223,15 @@ class MpiSession:
                     self.ctrl.isend((self.rank, phase, message), dest=r, tag=_TAG_FAIL)
                 )
 
-    def fail(self, exc: BaseException) -> RemoteFailureError:
+    def fail(self, exc: BaseException) -> DtmError:
         """This rank failed with ``exc``: notify the peers and return the error every rank
         will report: a :class:`RemoteFailureError` naming the failed rank(s) and the phase
         (for a timeout, the peers that did not answer; else this rank)."""
         if isinstance(exc, RemoteFailureError):
+            return exc
+        if isinstance(exc, DtmError) and exc.agreed:  # raised alike on every rank
+            if self.poisoned is None:
+                self.poisoned = exc
             return exc
         phase = getattr(exc, "phase", None) or self.phase
         message = str(exc) or type(exc).__name__
@@ -264,11 +284,7 @@ class MpiSession:
             if silent and len(silent) < peers
             else ""
         )
-        print(
-            f"[rank {self.rank}] dtm run: {self.phase} failed: {who}{exc}",
-            file=sys.stderr,
-            flush=True,
-        )
+        write_line(f"[rank {self.rank}] dtm run: {self.phase} failed: {who}{exc}")
         os._exit(1)
 
     def end_job(self, code: int, message: str) -> None:
@@ -279,7 +295,7 @@ class MpiSession:
 
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # killed quietly: the error is printed
         text = "\n".join(f"[rank {self.rank}] {line}" for line in message.splitlines())
-        print(text, file=sys.stderr, flush=True)
+        write_line(text)
         sys.stdout.flush()
         time.sleep(min(1.0, max(0.2, self.timeout_s / 10)))
         self.comm.Abort(code)
@@ -295,7 +311,8 @@ class MpiSession:
             c.Free()
         self._groups.clear()
         for c in (self.node, self.cart, self.ctrl, self.comm):
-            c.Free()
+            if c is not None:
+                c.Free()
 
 
 def describe_error(exc: BaseException) -> str:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dtm_mpi._version import __version__
+from dtm_mpi.comm.abort import write_line
 from dtm_mpi.errors import DtmError, LauncherTerminatedError, RemoteFailureError, UsageError
 
 __all__ = ["MpiRunArgs", "run_under_mpi"]
@@ -104,6 +105,9 @@ def _load(path: str) -> object:
 
 
 def _run_session(module: object, args: MpiRunArgs, rank: int, size: int) -> int:
+    from mpi4py import MPI
+
+    from dtm_mpi.comm.agreement import agree_outcome
     from dtm_mpi.comm.handshake import PROTOCOL_VERSION, Hello, handshake
     from dtm_mpi.comm.mpi_comm import MpiComm
     from dtm_mpi.comm.mpi_session import MpiSession
@@ -115,10 +119,22 @@ def _run_session(module: object, args: MpiRunArgs, rank: int, size: int) -> int:
 
     assert isinstance(module, Module)
     config = get_config()
-    mesh = mesh_for(module, size, args.binding)  # pure: the same error on every rank
-    plan = compile_plan(module, mesh)
-    groups = _groups(plan)
-    session = MpiSession(mesh, groups, timeout_s=config.timeout_s)
+    plan = None
+    error: BaseException | None = None
+    try:  # pure, but a rank given another module (or another --mesh) may fail alone
+        maybe_fail(rank, "plan")
+        plan = compile_plan(module, mesh_for(module, size, args.binding))
+    except DtmError as exc:
+        error = exc
+    failures = agree_outcome(
+        MPI.COMM_WORLD, ok=error is None, message=str(error) if error else "", phase="plan",
+        timeout_s=config.timeout_s,
+    )  # fmt: skip
+    if failures:
+        raise RemoteFailureError("plan", failures)
+    assert plan is not None
+    mesh = plan.mesh
+    session = MpiSession(mesh, timeout_s=config.timeout_s, join=False)
     session.on_launcher_terminate()
     try:
         session.phase = "handshake"
@@ -128,6 +144,7 @@ def _run_session(module: object, args: MpiRunArgs, rank: int, size: int) -> int:
             args.backend, config.deterministic,
         )  # fmt: skip
         handshake(session, hello)
+        session.join_mesh(_groups(plan))
         missing = sorted(_required(module) - set(hello.capabilities))
         if missing:
             raise UsageError(
@@ -145,6 +162,11 @@ def _run_session(module: object, args: MpiRunArgs, rank: int, size: int) -> int:
     except LauncherTerminatedError as exc:  # a peer died: mpirun is killing the job
         session.report_terminated(exc)
     except BaseException as exc:  # every failure ends every rank with one error
+        if isinstance(exc, DtmError) and exc.agreed and session.poisoned is None:
+            # raised alike on every rank at the same point, nothing pending: a clean exit
+            write_line(f"[rank {rank}] dtm run: {exc}")
+            session.close()
+            return 1
         err = session.fail(exc)
         session.end_job(1, f"dtm run: {err}")
     session.close()

@@ -186,13 +186,16 @@ class ExchangeSpec:
     """ALL_TO_ALL / EXCHANGE on one rank: ``sends`` are regions of the local input, one per peer
     that needs data from this rank; ``recvs`` are regions of the output (shape ``out_shape``),
     one per peer that supplies data. Peers are in group order; empty transfers are left out; the
-    ``recvs`` regions tile the output exactly."""
+    ``recvs`` regions tile the output exactly. ``max_count`` bounds every transfer of the
+    whole group (the largest input block of a member), the same on every member: an executor
+    that splits messages into rounds derives the number of rounds from it."""
 
     group: tuple[int, ...]
     position: int
     sends: tuple[Transfer, ...]
     recvs: tuple[Transfer, ...]
     out_shape: tuple[int, ...]
+    max_count: int = 0
 
 
 StepSpec = (
@@ -257,8 +260,9 @@ def _exchange(step: RedistStep, mesh: MeshShape, rank: int) -> ExchangeSpec:
         box = _intersect(block_bounds(step.in_type, mesh, peer), dst)
         if box is not None:
             recvs.append(Transfer(peer, _region(box, dst), _numel([n for _, n in box])))
+    biggest = max(_numel([n for _, n in block_bounds(step.in_type, mesh, r)]) for r in group)
     return ExchangeSpec(
-        group, group.index(rank), tuple(sends), tuple(recvs), tuple(n for _, n in dst)
+        group, group.index(rank), tuple(sends), tuple(recvs), tuple(n for _, n in dst), biggest
     )
 
 

@@ -1,0 +1,147 @@
+"""``dtm run`` under real ``mpirun``: every example gives the simulator's global result bitwise
+(deterministic mode) at 1..4 ranks; a rank that raises, hangs or exits makes every rank end
+non-zero within twice the timeout, each printing one error naming the failed rank and phase,
+with no process left behind; a handshake mismatch is reported on every rank."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dtm_mpi.ir import parse_module, verify_module
+from dtm_mpi.runtime.session import run_simulated
+
+ROOT = Path(__file__).parent.parent
+EXAMPLES = ROOT / "examples"
+pytestmark = [
+    pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not on PATH"),
+    pytest.mark.slow,
+]
+
+
+def mpirun(
+    ranks: int, *args: str, env: dict[str, str] | None = None, mpmd: list[list[str]] | None = None
+) -> tuple[int, str, float]:
+    full = dict(os.environ)
+    full.update(
+        OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        OMPI_MCA_rmaps_base_oversubscribe="1", PYTHONUNBUFFERED="1",
+    )  # fmt: skip
+    full.update(env or {})
+    prog = [sys.executable, "-m", "mpi4py", "-m", "dtm_mpi", "run"]
+    cmd = ["mpirun", "--timeout", "60", "--bind-to", "none"]
+    if mpmd:
+        for i, extra in enumerate(mpmd):
+            cmd += ([":"] if i else []) + ["-n", "1", *prog, *extra]
+    else:
+        cmd += ["-n", str(ranks), *prog, *args]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90, env=full, check=False)
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
+
+
+def load(name: str):  # type: ignore[no-untyped-def]
+    path = EXAMPLES / f"{name}.dtm"
+    module = parse_module(path.read_text(encoding="utf-8"), str(path))
+    verify_module(module)
+    return module
+
+
+CASES = [(n, r) for n in ("tp_mlp", "dp_step", "attention", "collectives") for r in (1, 2, 3, 4)]
+CASES += [("pipeline", r) for r in (2, 3, 4)]
+
+
+@pytest.mark.parametrize(("name", "ranks"), CASES, ids=[f"{n}-{r}" for n, r in CASES])
+def test_example_under_mpirun_equals_simulator(name: str, ranks: int, tmp_path: Path) -> None:
+    out = tmp_path / "out.npz"
+    code, text, _ = mpirun(
+        ranks, str(EXAMPLES / f"{name}.dtm"), "--steps", "2", "-o", str(out),
+        env={"DTM_DETERMINISTIC": "1", "DTM_TIMEOUT": "30"},
+    )  # fmt: skip
+    assert code == 0, text
+    got = np.load(out)
+    want = run_simulated(load(name), ranks, steps=2).outputs()
+    assert sorted(got.files) == sorted(want)
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype and got[key].shape == value.shape, key
+        assert got[key].tobytes() == value.tobytes(), f"{key} differs bitwise"
+
+
+def test_explicit_mesh_under_mpirun(tmp_path: Path) -> None:
+    out = tmp_path / "out.npz"
+    code, text, _ = mpirun(
+        4, str(EXAMPLES / "collectives.dtm"), "--mesh", "dp=2,tp=2", "-o", str(out),
+        env={"DTM_DETERMINISTIC": "1"},
+    )  # fmt: skip
+    assert code == 0, text
+    want = run_simulated(load("collectives"), 4, binding={"dp": 2, "tp": 2}).outputs()
+    got = np.load(out)
+    for key, value in want.items():
+        assert np.array_equal(got[key], value), key
+
+
+def _survivors(marker: str) -> list[str]:
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=False)
+    return [line for line in ps.stdout.splitlines() if marker in line and "ps -eo" not in line]
+
+
+@pytest.mark.parametrize("kind", ["raise", "hang", "exit"])
+@pytest.mark.parametrize("ranks", [3, 4])
+def test_failure_ends_every_rank_naming_the_failed_one(
+    kind: str, ranks: int, tmp_path: Path
+) -> None:
+    timeout = 3
+    failed = ranks - 2
+    marker = str(tmp_path / "never.npz")  # unique in the process table
+    binding = "dp=1,tp=3" if ranks == 3 else "dp=2,tp=2"
+    code, text, elapsed = mpirun(
+        ranks, str(EXAMPLES / "tp_mlp.dtm"), "--mesh", binding, "-o", marker,
+        env={"DTM_TIMEOUT": str(timeout), "DTM_FAULT": f"{failed}:allreduce:{kind}"},
+    )  # fmt: skip
+    assert code != 0, text
+    assert elapsed < 2 * timeout + 6, f"took {elapsed:.1f} s\n{text}"  # + launcher start-up
+    lines = [ln for ln in text.splitlines() if re.match(r"\[rank \d+\] dtm run:", ln)]
+    reporters = sorted(int(re.match(r"\[rank (\d+)\]", ln).group(1)) for ln in lines)  # type: ignore[union-attr]
+    others = [r for r in range(ranks) if r != failed]
+    # every other rank prints exactly one error, naming the failed rank and the phase
+    assert [r for r in reporters if r != failed] == others, text
+    for ln in lines:
+        if ln.startswith(f"[rank {failed}]") and kind != "raise":
+            continue  # the hung or dead rank itself
+        assert f"rank(s) {failed}" in ln, ln
+        assert "step 0" in ln, ln
+    time.sleep(0.5)
+    assert _survivors(marker) == [], "processes survived the job"
+
+
+def test_handshake_mismatch_is_reported_on_every_rank(tmp_path: Path) -> None:
+    other = tmp_path / "other.dtm"
+    other.write_text(
+        (EXAMPLES / "tp_mlp.dtm").read_text().replace("seed=1, std=0.02", "seed=9, std=0.02")
+    )
+    a = str(EXAMPLES / "tp_mlp.dtm")
+    code, text, _ = mpirun(3, mpmd=[[a], [str(other)], [a]], env={"DTM_TIMEOUT": "10"})
+    assert code != 0
+    lines = [ln for ln in text.splitlines() if "handshake failed" in ln]
+    assert sorted(ln.split("]")[0] for ln in lines) == ["[rank 0", "[rank 1", "[rank 2"], text
+    assert all(
+        "module_hash differs" in ln and "rank(s) 0,2" in ln and "rank(s) 1" in ln for ln in lines
+    )
+
+
+def test_bad_input_on_every_rank_is_one_agreed_error(tmp_path: Path) -> None:
+    code, text, _ = mpirun(
+        2, str(EXAMPLES / "tp_mlp.dtm"), "-i", str(tmp_path / "missing.npy"),
+        env={"DTM_TIMEOUT": "10"},
+    )  # fmt: skip
+    assert code != 0
+    lines = [ln for ln in text.splitlines() if "missing.npy" in ln and "[rank" in ln]
+    assert len(lines) == 2 and all("inputs failed on rank(s) 0, 1" in ln for ln in lines), text
