@@ -22,7 +22,8 @@ def _mesh_arg(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def _bytes(text: str) -> int:
+def byte_count(text: str) -> int:
+    """``512``, ``64K``, ``1.5G``, ``2GiB``: a non-negative, finite number of bytes."""
     units = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
     t = text.strip().lower().removesuffix("ib").removesuffix("b")
     scale = units.get(t[-1:], 1)
@@ -31,8 +32,8 @@ def _bytes(text: str) -> int:
         value = float(digits) * scale
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (e.g. 512M, 2G)") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"byte count must be >= 0; got {text!r}")
+    if not 0 <= value < 2**63:  # also refuses inf and nan
+        raise argparse.ArgumentTypeError(f"byte count must be a finite number >= 0; got {text!r}")
     return int(value)
 
 
@@ -42,7 +43,7 @@ def add_exec_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     ex.add_argument("-n", "--ranks", type=int, default=None,
                     help="number of ranks (default: the product of --mesh, else the declared mesh)")  # fmt: skip
     _mesh_arg(ex)
-    ex.add_argument("--max-bytes-per-rank", type=_bytes, default=None, metavar="BYTES",
+    ex.add_argument("--max-bytes-per-rank", type=byte_count, default=None, metavar="BYTES",
                     help="refuse a plan whose peak memory on any rank is above BYTES")  # fmt: skip
     ex.set_defaults(func=_cmd_explain)
 
@@ -59,7 +60,7 @@ def add_exec_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[
                     help="inputs (.npy named by file stem, .npz, .h5); repeatable")  # fmt: skip
     rn.add_argument("-o", "--output", metavar="OUT.npz", help="write final state and results")
     rn.add_argument("--backend", default="numpy", choices=["numpy"], help="kernel backend")
-    rn.add_argument("--max-bytes-per-rank", type=_bytes, default=None, metavar="BYTES",
+    rn.add_argument("--max-bytes-per-rank", type=byte_count, default=None, metavar="BYTES",
                     help="refuse to run a plan above BYTES of peak memory on any rank")  # fmt: skip
     rn.set_defaults(func=_cmd_run)
 
@@ -102,7 +103,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from dtm_mpi.cli import load_checked
     from dtm_mpi.config import get_config
-    from dtm_mpi.io.arrays import load_arrays, save_npz
+    from dtm_mpi.io.arrays import check_output_path, load_arrays, save_npz
     from dtm_mpi.plan.explain import check_memory
     from dtm_mpi.runtime.session import run_simulated
 
@@ -110,6 +111,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         raise UsageError(f"--steps must be >= 1; got {args.steps}")
     if args.sim is None:
         from dtm_mpi.runtime.mpirun import MpiRunArgs, run_under_mpi
+
+        if args.output:
+            check_output_path(args.output)  # the same answer on every rank, before any work
 
         return run_under_mpi(
             MpiRunArgs(
@@ -122,6 +126,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 args.max_bytes_per_rank,
             )
         )
+    if args.output:
+        check_output_path(args.output)  # refused before any work
     module = load_checked(args.file)
     binding = _binding(args)
     inputs = load_arrays(args.input)

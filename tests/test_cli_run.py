@@ -4,7 +4,6 @@ override initialisers, and every bad command line is a one-line error with exit 
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
@@ -188,11 +187,6 @@ def test_output_must_be_npz(capsys: pytest.CaptureFixture[str], tmp_path: Path) 
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: dtm run checks -o only after running every step (cli_exec._cmd_run calls "
-    "save_npz after run_simulated): a bad output name is found after all the work is done",
-)
 def test_output_checked_before_running(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, out, _ = dtm(capsys, "run", TP_MLP, "--sim", "1", "-o", str(tmp_path / "out.txt"))
     assert code == 2
@@ -205,11 +199,6 @@ def test_output_directory_missing(capsys: pytest.CaptureFixture[str], tmp_path: 
     assert "does not exist" in one_line_error(err)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: -o naming an existing directory ends in an internal error (IsADirectoryError "
-    "from os.replace in io/arrays.save_npz, exit 1 with a traceback) instead of a usage error",
-)
 def test_output_is_a_directory(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     (tmp_path / "out.npz").mkdir()
     code, _, err = dtm(capsys, "run", TP_MLP, "--sim", "1", "-o", str(tmp_path / "out.npz"))
@@ -217,13 +206,11 @@ def test_output_is_a_directory(capsys: pytest.CaptureFixture[str], tmp_path: Pat
     one_line_error(err)
 
 
-def test_run_without_sim_mentions_issue_5(capsys: pytest.CaptureFixture[str]) -> None:
-    if importlib.util.find_spec("dtm_mpi.runtime.mpirun") is not None:
-        pytest.skip("the MPI runtime (issue #5) is in the tree: dtm run without --sim runs it")
-    code, out, err = dtm(capsys, "run", TP_MLP)
-    assert code == 2
-    assert "issue #5" in one_line_error(err)
-    assert out == ""
+def test_run_without_sim_runs_on_the_launchers_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --sim and outside mpirun, MPI runs a single-rank job (singleton init)."""
+    code, out, _ = dtm(capsys, "run", TP_MLP, "--steps", "1")
+    assert code == 0
+    assert "result0" in out and "w2" in out
 
 
 def test_failed_write_leaves_no_partial_file(
@@ -352,11 +339,6 @@ def test_bad_byte_counts(capsys: pytest.CaptureFixture[str], text: str) -> None:
     assert "--max-bytes-per-rank" in one_line_error(err)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: --max-bytes-per-rank inf is an internal error: cli_exec._bytes accepts "
-    "float('inf') and int(inf) raises OverflowError (a traceback, exit 1) instead of a usage error",
-)
 def test_infinite_byte_count(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = dtm(capsys, "explain", TP_MLP, "--max-bytes-per-rank", "inf")
     assert code == 2
@@ -382,12 +364,6 @@ def test_store_parameter_from_input(capsys: pytest.CaptureFixture[str], tmp_path
         np.testing.assert_array_equal(g["result2"], history[-1][2])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: an 'init store' parameter without an input is a UsageError raised inside every "
-    "simulated rank (runtime/values.init_block), so dtm run reports RemoteFailureError (exit 1) "
-    "repeating the same message once per rank, instead of one usage error (exit 2) before running",
-)
 def test_store_parameter_without_input(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = dtm(capsys, "run", CALLS_STATE, "--sim", "4", "--mesh", "dp=2,tp=2")
     assert code == 2

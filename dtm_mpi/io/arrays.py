@@ -23,7 +23,7 @@ import numpy as np
 
 from dtm_mpi.errors import UsageError
 
-__all__ = ["load_arrays", "save_npz"]
+__all__ = ["check_output_path", "load_arrays", "save_npz"]
 
 
 def _load_one(path: Path) -> dict[str, np.ndarray]:
@@ -65,14 +65,24 @@ def load_arrays(paths: Sequence[str]) -> dict[str, np.ndarray]:
     return arrays
 
 
-def save_npz(path: str, arrays: Mapping[str, np.ndarray]) -> None:
-    """Write ``arrays`` to ``path`` (.npz) atomically."""
+def check_output_path(path: str) -> Path:
+    """``path`` as an output file name, refused before any work: a ``.npz`` name in an
+    existing directory, not itself a directory."""
     target = Path(path)
     if target.suffix.lower() != ".npz":
         raise UsageError(f"output {path}: use a .npz file name")
     directory = target.parent if str(target.parent) else Path(".")
     if not directory.is_dir():
         raise UsageError(f"output {path}: directory {directory} does not exist")
+    if target.is_dir():
+        raise UsageError(f"output {path} is a directory; give a file name")
+    return target
+
+
+def save_npz(path: str, arrays: Mapping[str, np.ndarray]) -> None:
+    """Write ``arrays`` to ``path`` (.npz) atomically."""
+    target = check_output_path(path)
+    directory = target.parent if str(target.parent) else Path(".")
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:

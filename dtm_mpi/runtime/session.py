@@ -16,7 +16,7 @@ import numpy as np
 
 from dtm_mpi.comm.interface import Comm, CommStats
 from dtm_mpi.errors import UsageError
-from dtm_mpi.ir.nodes import Module
+from dtm_mpi.ir.nodes import InitKind, Module
 from dtm_mpi.ir.types import Layout, TensorType
 from dtm_mpi.plan.program import ExecPlan, compile_plan, mesh_for
 from dtm_mpi.runtime.executor import Executor
@@ -72,6 +72,13 @@ def check_inputs(module: Module, inputs: Mapping[str, np.ndarray]) -> dict[str, 
                 f"{', '.join(names) or 'none'})"
             )
         out[key] = check_input(key, names[key].type, np.asarray(value), "the inputs")
+    for key, p in names.items():
+        if key not in out and (p.init is None or p.init.kind is InitKind.STORE):
+            how = "is 'init store' (the tensor store is issue #6)" if p.init else "has no init"
+            raise UsageError(
+                f"parameter {p.name} of @{entry.name} {how} and no input supplies it; give it "
+                f"with -i/--input (.npy named {key}.npy, .npz or .h5 holding {key!r})"
+            )
     return out
 
 
