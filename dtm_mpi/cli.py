@@ -56,6 +56,17 @@ def build_parser() -> argparse.ArgumentParser:
     bir.add_argument("--ops", type=int, default=100_000, help="ops in the generated module")
     bir.add_argument("--repeat", type=int, default=3, help="runs; the best is reported")
     bir.set_defaults(func=_cmd_bench_ir)
+    bcomm = bsub.add_parser(
+        "comm", help="collectives: dtm_mpi vs raw mpi4py on the same buffers (under mpirun)"
+    )
+    bcomm.add_argument("--ops", default="allreduce,allgather,reduce_scatter,broadcast,all_to_all",
+                       help="comma-separated ops")  # fmt: skip
+    bcomm.add_argument(
+        "--sizes", default=None, help="comma-separated sizes (8,64K,1M); default 8 B..64 MiB"
+    )
+    bcomm.add_argument("--repeat", type=int, default=3, help="rounds; the best is reported")
+    bcomm.add_argument("--csv", default=None, metavar="FILE", help="write one row per (op, bytes)")
+    bcomm.set_defaults(func=_cmd_bench_comm)
     info = sub.add_parser("info", help="report the runtime: MPI, parallel HDF5, ranks (collective)")
     info.set_defaults(func=_cmd_info)
 
@@ -136,6 +147,17 @@ def _cmd_bench_ir(args: argparse.Namespace) -> int:
     from dtm_mpi.bench.ir import run_ir_bench
 
     print(run_ir_bench(ops=args.ops, repeat=args.repeat))
+    return 0
+
+
+def _cmd_bench_comm(args: argparse.Namespace) -> int:
+    from dtm_mpi.bench.comm import parse_size, run_comm_bench
+
+    sizes = [parse_size(x) for x in args.sizes.split(",")] if args.sizes else None
+    ops = [x.strip() for x in args.ops.split(",") if x.strip()]
+    table = run_comm_bench(ops, sizes, repeat=args.repeat, csv_path=args.csv)
+    if table:
+        print(table)
     return 0
 
 

@@ -4,6 +4,7 @@ waits forever for a peer that will never arrive."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -35,19 +36,29 @@ def wait_bounded(request: Any, *, timeout_s: float, op: str, phase: str, rank: i
 
 
 def agree_outcome(
-    comm: Any, *, ok: bool, message: str, phase: str, timeout_s: float
+    comm: Any,
+    *,
+    ok: bool,
+    message: str,
+    phase: str,
+    timeout_s: float,
+    wait: Callable[[Any, str], None] | None = None,
 ) -> tuple[RankFailure, ...]:
     """Collective: call on all ranks. Agree on which ranks failed ``phase``.
 
     Each rank says whether it succeeded (and, if not, why); every rank returns the same tuple of
     failures, in rank order (empty when all succeeded). The wait for peers is bounded by
-    ``timeout_s``; on expiry raises :class:`CommTimeoutError` on this rank.
+    ``timeout_s``; on expiry raises :class:`CommTimeoutError` on this rank. ``wait`` (a
+    session's bounded wait, which also watches failure notices) replaces the plain poll.
     """
     rank, size = int(comm.Get_rank()), int(comm.Get_size())
     mine = np.array([0 if ok else 1], dtype=np.int32)
     everyone = np.zeros(size, dtype=np.int32)
     request = comm.Iallgather(mine, everyone)
-    wait_bounded(request, timeout_s=timeout_s, op="agreement", phase=phase, rank=rank)
+    if wait is not None:
+        wait(request, "agreement")
+    else:
+        wait_bounded(request, timeout_s=timeout_s, op="agreement", phase=phase, rank=rank)
     failed = [r for r in range(size) if everyone[r]]
     if not failed:
         return ()

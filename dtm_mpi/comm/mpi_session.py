@@ -20,13 +20,17 @@ job must end with :meth:`MpiSession.end_job`, never with ``MPI_Finalize``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from dtm_mpi.comm.abort import write_line
+from dtm_mpi.comm.control import Control
+from dtm_mpi.comm.watchdog import Watchdog
 from dtm_mpi.errors import (
     CommError,
     CommTimeoutError,
@@ -41,9 +45,8 @@ from dtm_mpi.sharding.mesh import MeshShape
 
 __all__ = ["MpiSession"]
 
-_TAG_FAIL = 71
-_TAG_PING = 72
-_TAG_PONG = 73
+SPIN_S = 0.05
+"""Seconds a wait polls without sleeping before it backs off."""
 
 
 class MpiSession:
@@ -71,11 +74,23 @@ class MpiSession:
                 "with --mesh so that their product is the number of ranks"
             )
         self.mesh = mesh
+        self.label = "dtm run"  # how this rank's error line starts
         self.poisoned: BaseException | None = None
-        self.phase = "session"
+        self._phase = "session"
+        from dtm_mpi.comm.mpi_comm import tune_allocator
+
+        tune_allocator()
         self.comm = base.Dup()
         self.ctrl = base.Dup()
-        self._pending_sends: list[Any] = []
+        self.control = Control(MPI, self.ctrl, self.rank, self.size, self._doing)
+        self.current: tuple[str, tuple[str, ...], float] | None = None  # op, axes, deadline
+        self._ending = threading.Lock()
+        self._abandoned: list[Any] = []  # pending requests of a poisoned session
+        self._joined = False
+        self.watchdog: Watchdog | None = None
+        if MPI.Query_thread() == MPI.THREAD_MULTIPLE:
+            self.watchdog = Watchdog(self)
+            self.watchdog.start()
         self.node = base.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.local_rank = int(self.node.Get_rank())
         self.cart: Any = None
@@ -97,17 +112,23 @@ class MpiSession:
         assert int(self.cart.Get_rank()) == self.rank
         for axes in groups:
             self.group(axes)
+        self._joined = True
 
     # -- communicators -----------------------------------------------------------------------
     def group(self, axes: tuple[str, ...]) -> Any:
         """The communicator of this rank's group along ``axes`` (members in
         :meth:`MeshShape.group_of` order). Created on first use: callers must ask for the same
-        groups in the same order on every rank (pass them all to the constructor).
+        groups in the same order on every rank (pass them all to :meth:`join_mesh`).
 
         Collective: call on all ranks (on first use of ``axes``)."""
         got = self._groups.get(axes)
         if got is None:
             self.check()
+            if self._joined:
+                raise CommError(
+                    f"rank {self.rank}: no communicator for axes {','.join(axes) or '-'}; every "
+                    "group must be created in join_mesh (creation is a blocking collective)"
+                )
             others = tuple(a for a in self.mesh.axis_names if a not in axes)
             color = self.mesh.index_along(self.rank, others) if others else 0
             key = self.mesh.index_along(self.rank, axes) if axes else 0
@@ -115,39 +136,83 @@ class MpiSession:
             self._groups[axes] = got
         return got
 
+    def _doing(self) -> str:
+        """What this rank is communicating now, for liveness answers ("" = nothing)."""
+        current = self.current
+        return "" if current is None else f"{current[0]} on {','.join(current[1]) or '-'}"
+
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        self._phase = value
+        self.control.phase = value
+
     # -- bounded waits -------------------------------------------------------------------------
     def check(self) -> None:
         """Raise the poisoning failure, if any."""
         if self.poisoned is not None:
             raise PoisonedError(self.poisoned)
 
+    @contextlib.contextmanager
+    def guard(self, op: str, axes: tuple[str, ...] = ()) -> Iterator[None]:
+        """Mark the main thread as inside ``op`` until the block ends: the watchdog ends the
+        job if it is still there at the deadline (for blocking MPI calls)."""
+        self.check()
+        self.current = (op, axes, time.monotonic() + self.timeout_s)
+        try:
+            yield
+        finally:
+            self.current = None
+
     def wait(self, request: Any, op: str, axes: tuple[str, ...] = (), status: Any = None) -> None:
         """Wait for ``request`` within the deadline, watching for failure notices; ``status``
-        (an ``MPI.Status``) receives the completed request's status."""
-        if request.Test(status):
-            return
-        deadline = time.monotonic() + self.timeout_s
-        pause = 0.0
-        probe = self.MPI.Status()
-        while not request.Test(status):
-            if self.ctrl.Iprobe(self.MPI.ANY_SOURCE, _TAG_FAIL, probe):
-                self._poison(self._remote_failure(probe))
-            self._answer_pings(probe)
-            if time.monotonic() > deadline:
-                silent = self._who_is_alive()
-                who = (
-                    f"; rank(s) {', '.join(map(str, silent))} did not answer (hung or dead)"
-                    if silent
-                    else ""
-                )
-                err = self._timeout(op, axes, who)
-                err.silent = tuple(silent)
-                self._poison(err)
-            time.sleep(pause)
-            pause = min(0.001, pause + 0.00002)
+        (an ``MPI.Status``) receives the completed request's status.
 
-    def _timeout(self, op: str, axes: tuple[str, ...], who: str) -> CommTimeoutError:
-        return CommTimeoutError(
+        With the watchdog running this is MPI's own blocking wait under :meth:`guard`.
+        Without it, this thread polls: without sleeping for the first ``SPIN_S`` seconds
+        (MPI progresses non-blocking operations only while it is called), then backing off to
+        at most 1 ms, checking the control channel every 64 polls, then at every poll."""
+        self.check()
+        if self.watchdog is not None:
+            with self.guard(op, axes):
+                request.Wait(status)
+            return
+        test = request.Test
+        if test(status):
+            return
+        start = time.monotonic()
+        deadline = start + self.timeout_s
+        spin_until = start + SPIN_S
+        polls = 0
+        pause = 0.0
+        self.current = (op, axes, deadline)
+        try:
+            while not test(status):
+                polls += 1
+                if polls & 63:
+                    continue
+                now = time.monotonic()
+                remote = self.control.poll()
+                if remote is not None:
+                    self._poison(remote, request)
+                if now > deadline:
+                    self._poison(self.expired(op, axes), request)
+                if now > spin_until:
+                    time.sleep(pause)
+                    pause = min(0.001, pause + 0.00005)
+                    polls = 63  # back off: check the control channel at every poll
+        finally:
+            self.current = None
+
+    def expired(self, op: str, axes: tuple[str, ...]) -> CommTimeoutError:
+        """The error of a wait for ``op`` that reached its deadline, naming the peers that do
+        not answer or are in no communication."""
+        live = self.control.liveness(min(2.0, max(0.5, self.timeout_s / 4)))
+        who = f"; {live.describe()}" if live.suspects else ""
+        err = CommTimeoutError(
             f"{op} on axes {','.join(axes) or '-'} did not complete within "
             f"{self.timeout_s:g} s on rank {self.rank} in phase {self.phase!r}{who}",
             op=op,
@@ -155,48 +220,15 @@ class MpiSession:
             rank=self.rank,
             phase=self.phase,
         )
+        err.silent = live.suspects
+        err.liveness = live  # type: ignore[attr-defined]
+        return err
 
-    def _remote_failure(self, status: Any) -> RemoteFailureError:
-        failures: dict[int, RankFailure] = {}
-        grace = time.monotonic() + 0.2  # collect simultaneous failures too
-        while True:
-            while self.ctrl.Iprobe(self.MPI.ANY_SOURCE, _TAG_FAIL, status):
-                source = status.Get_source()
-                rank, phase, message = self.ctrl.recv(source=source, tag=_TAG_FAIL)
-                failures[int(rank)] = RankFailure(int(rank), str(phase), str(message))
-            if time.monotonic() > grace:
-                break
-            time.sleep(0.01)
-        ordered = tuple(failures[r] for r in sorted(failures))
-        return RemoteFailureError(ordered[0].phase, ordered)
-
-    def _answer_pings(self, status: Any) -> None:
-        while self.ctrl.Iprobe(self.MPI.ANY_SOURCE, _TAG_PING, status):
-            source = status.Get_source()
-            self.ctrl.recv(source=source, tag=_TAG_PING)
-            self._pending_sends.append(self.ctrl.isend(self.rank, dest=source, tag=_TAG_PONG))
-
-    def _who_is_alive(self, bound: float | None = None) -> list[int]:
-        """Peers that do not answer a ping within a short bound (a rank that is waiting in
-        any bounded wait answers at once; a hung or dead one never does)."""
-        if bound is None:
-            bound = min(2.0, max(0.5, self.timeout_s / 4))
-        peers = [r for r in range(self.size) if r != self.rank]
-        for r in peers:
-            self._pending_sends.append(self.ctrl.isend(self.rank, dest=r, tag=_TAG_PING))
-        heard: set[int] = set()
-        status = self.MPI.Status()
-        deadline = time.monotonic() + bound
-        while time.monotonic() < deadline and len(heard) < len(peers):
-            self._answer_pings(status)
-            while self.ctrl.Iprobe(self.MPI.ANY_SOURCE, _TAG_PONG, status):
-                heard.add(int(self.ctrl.recv(source=status.Get_source(), tag=_TAG_PONG)))
-            time.sleep(0.005)
-        return [r for r in peers if r not in heard]
-
-    def _poison(self, cause: BaseException) -> None:
+    def _poison(self, cause: BaseException, request: Any = None) -> None:
         if self.poisoned is None:
             self.poisoned = cause
+        if request is not None:  # MPI may still write into its buffers: keep them alive
+            self._abandoned.append(request)
         raise cause
 
     def agree(self, phase: str, error: BaseException | None) -> None:
@@ -209,19 +241,16 @@ class MpiSession:
         self.check()
         message = "" if error is None else (str(error) or type(error).__name__)
         failures = agree_outcome(
-            self.comm, ok=error is None, message=message, phase=phase, timeout_s=self.timeout_s
-        )
+            self.comm, ok=error is None, message=message, phase=phase,
+            timeout_s=self.timeout_s, wait=self.wait,
+        )  # fmt: skip
         if failures:
             raise RemoteFailureError(phase, failures)
 
     # -- failures ------------------------------------------------------------------------------
     def notify_failure(self, phase: str, message: str) -> None:
         """Tell every other rank that this rank failed in ``phase`` (does not wait)."""
-        for r in range(self.size):
-            if r != self.rank:
-                self._pending_sends.append(
-                    self.ctrl.isend((self.rank, phase, message), dest=r, tag=_TAG_FAIL)
-                )
+        self.control.notify((RankFailure(self.rank, phase, message),))
 
     def fail(self, exc: BaseException) -> DtmError:
         """This rank failed with ``exc``: notify the peers and return the error every rank
@@ -239,12 +268,19 @@ class MpiSession:
             message = f"{type(exc).__name__}: {message}"
         if isinstance(exc, CommTimeoutError) and exc.silent:
             what = f"{exc.op} on axes {exc.axis or '-'}"
+            live = getattr(exc, "liveness", None)
+            idle = dict(live.idle) if live is not None else {}
             failures = tuple(
-                RankFailure(r, phase, f"did not answer (hung or dead) while rank {self.rank} "
-                            f"waited {self.timeout_s:g} s in {what}")
+                RankFailure(
+                    r, phase,
+                    (f"in no communication (hung or still computing in phase {idle[r]!r})"
+                     if r in idle else "did not answer (dead?)")
+                    + f" while rank {self.rank} waited {self.timeout_s:g} s in {what}",
+                )
                 for r in exc.silent
             )  # fmt: skip
             err = RemoteFailureError(phase, failures)
+            self.control.notify(failures)  # ranks waiting elsewhere learn it too
         else:
             self.notify_failure(phase, message)
             err = RemoteFailureError(phase, (RankFailure(self.rank, phase, message),))
@@ -253,29 +289,42 @@ class MpiSession:
         return err
 
     def on_launcher_terminate(self) -> None:
-        """Turn the launcher's SIGTERM (sent when a peer process died) into
-        :class:`LauncherTerminatedError`, raised in the main thread at the next Python
-        instruction (never inside an MPI call)."""
+        """Report the launcher's SIGTERM (sent when a peer process died) as this rank's one
+        error line: raised as :class:`LauncherTerminatedError` in the main thread at its next
+        Python instruction, and — since the main thread may sit inside a blocking MPI call —
+        also seen by the watchdog through the signal wakeup descriptor, which the interpreter
+        writes at once from C."""
         import signal
-        import threading
 
         if threading.current_thread() is not threading.main_thread():
             return
 
         def handler(signum: int, frame: object) -> None:
-            raise LauncherTerminatedError(
-                f"the launcher is ending the job (signal {signum}) in phase {self.phase!r}",
-                rank=self.rank,
-                phase=self.phase,
-            )
+            raise self.terminated_error(signum)
 
         signal.signal(signal.SIGTERM, handler)
+        if self.watchdog is not None:
+            r, w = os.pipe()
+            os.set_blocking(r, False)
+            os.set_blocking(w, False)
+            signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+            self.watchdog.signal_fd = r
+
+    def terminated_error(self, signum: int) -> LauncherTerminatedError:
+        return LauncherTerminatedError(
+            f"the launcher is ending the job (signal {signum}) in phase {self.phase!r}",
+            rank=self.rank,
+            phase=self.phase,
+        )
 
     def report_terminated(self, exc: LauncherTerminatedError) -> None:
         """Print one error naming the peers that are gone, then exit at once (the launcher
         kills this process shortly anyway)."""
+        if not self._ending.acquire(blocking=False):  # already reporting (other thread)
+            while True:
+                time.sleep(3600)
         try:
-            silent = self._who_is_alive(bound=0.3)
+            silent = list(self.control.liveness(0.3).silent)
         except Exception:  # the MPI library may already be torn down
             silent = []
         peers = self.size - 1
@@ -293,7 +342,11 @@ class MpiSession:
         would wait for forever."""
         import signal
 
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # killed quietly: the error is printed
+        if not self._ending.acquire(blocking=False):  # the watchdog is ending the job
+            while True:
+                time.sleep(3600)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # killed quietly: the error is printed
         text = "\n".join(f"[rank {self.rank}] {line}" for line in message.splitlines())
         write_line(text)
         sys.stdout.flush()
@@ -301,10 +354,18 @@ class MpiSession:
         self.comm.Abort(code)
         os._exit(code)  # pragma: no cover  (Abort does not return)
 
+    def end_from_watchdog(self, err: BaseException) -> None:
+        """The watchdog's way out: one error line for this rank, then the job ends."""
+        if self.poisoned is None:
+            self.poisoned = err
+        self.end_job(1, f"{self.label}: {err}")
+
     def close(self) -> None:
         """Free the communicators (only when not poisoned).
 
         Collective: call on all ranks."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
         if self.poisoned is not None:
             return
         for c in self._groups.values():

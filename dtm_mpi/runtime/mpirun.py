@@ -26,7 +26,13 @@ import numpy as np
 
 from dtm_mpi._version import __version__
 from dtm_mpi.comm.abort import write_line
-from dtm_mpi.errors import DtmError, LauncherTerminatedError, RemoteFailureError, UsageError
+from dtm_mpi.errors import (
+    DtmError,
+    HandshakeError,
+    LauncherTerminatedError,
+    RemoteFailureError,
+    UsageError,
+)
 
 __all__ = ["MpiRunArgs", "run_under_mpi"]
 
@@ -124,6 +130,10 @@ def _run_session(module: object, args: MpiRunArgs, rank: int, size: int) -> int:
     try:  # pure, but a rank given another module (or another --mesh) may fail alone
         maybe_fail(rank, "plan")
         plan = compile_plan(module, mesh_for(module, size, args.binding))
+        if args.max_bytes_per_rank is not None:
+            from dtm_mpi.plan.explain import check_memory
+
+            check_memory(plan, args.max_bytes_per_rank)
     except DtmError as exc:
         error = exc
     failures = agree_outcome(
@@ -144,17 +154,14 @@ def _run_session(module: object, args: MpiRunArgs, rank: int, size: int) -> int:
             args.backend, config.deterministic,
         )  # fmt: skip
         handshake(session, hello)
-        session.join_mesh(_groups(plan))
         missing = sorted(_required(module) - set(hello.capabilities))
-        if missing:
-            raise UsageError(
+        if missing:  # decided from what every rank shares: the same error everywhere
+            raise HandshakeError(
                 f"module {module.name} requires {', '.join(missing)}, which this runtime "
-                f"(backend {args.backend}) does not provide"
+                f"(backend {args.backend}) does not provide",
+                phase="handshake",
             )
-        if args.max_bytes_per_rank is not None:
-            from dtm_mpi.plan.explain import check_memory
-
-            check_memory(plan, args.max_bytes_per_rank)
+        session.join_mesh(_groups(plan))
         comm = MpiComm(
             session, deterministic=config.deterministic, max_msg_elems=config.max_msg_elems
         )
@@ -162,7 +169,7 @@ def _run_session(module: object, args: MpiRunArgs, rank: int, size: int) -> int:
     except LauncherTerminatedError as exc:  # a peer died: mpirun is killing the job
         session.report_terminated(exc)
     except BaseException as exc:  # every failure ends every rank with one error
-        if isinstance(exc, DtmError) and exc.agreed and session.poisoned is None:
+        if isinstance(exc, HandshakeError | RemoteFailureError) and session.poisoned is None:
             # raised alike on every rank at the same point, nothing pending: a clean exit
             write_line(f"[rank {rank}] dtm run: {exc}")
             session.close()
@@ -174,21 +181,30 @@ def _run_session(module: object, args: MpiRunArgs, rank: int, size: int) -> int:
 
 
 def _groups(plan: object) -> list[tuple[str, ...]]:
-    """Every group of axes the plan communicates over, in a fixed order."""
+    """Every group of axes the run communicates over (the plan, then the output gathers), in
+    a fixed order: groups are created once, collectively, before any data moves."""
+    from dtm_mpi.ir.types import Layout
     from dtm_mpi.plan.program import ExecPlan, OpKind
+    from dtm_mpi.sharding.redistribute import plan_redistribute
 
     assert isinstance(plan, ExecPlan)
     seen: list[tuple[str, ...]] = []
+
+    def add(axes_list: list[tuple[str, ...]]) -> None:
+        for axes in axes_list:
+            if axes not in seen:
+                seen.append(axes)
+
     for _, fp in plan.functions:
         for p in fp.ops:
-            axes_list: list[tuple[str, ...]] = []
             if p.kind is OpKind.REDIST and p.redist is not None:
-                axes_list = [s.axes for s in p.redist.steps if s.kind.is_collective]
+                add([s.axes for s in p.redist.steps if s.kind.is_collective])
             elif p.kind is OpKind.BROADCAST:
-                axes_list = [p.axes]
-            for axes in axes_list:
-                if axes not in seen:
-                    seen.append(axes)
+                add([p.axes])
+    entry = plan.entry_plan.function
+    for t in [r.type for r in entry.results] + [p.type for p in entry.params]:
+        gather = plan_redistribute(t, Layout.replicated(t.rank), plan.mesh)
+        add([s.axes for s in gather.steps if s.kind.is_collective])
     return seen
 
 
@@ -214,6 +230,8 @@ def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, ra
         maybe_fail(rank, "inputs")
         given = check_inputs(plan.module, load_arrays(list(args.inputs)))
         blocks = initial_blocks(plan, rank, given)
+    except LauncherTerminatedError:
+        raise
     except DtmError as exc:
         error = exc
     session.agree("inputs", error)

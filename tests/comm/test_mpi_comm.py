@@ -110,7 +110,7 @@ def test_tiny_chunks_match_the_reference(comm: Any) -> None:
 def test_dtypes_move_bit_exactly(comm: Any, dtype: str) -> None:
     rank, size = comm.Get_rank(), comm.Get_size()
     mesh = MeshShape((("x", size),))
-    session = MpiSession(mesh, timeout_s=30, world=comm)
+    session = MpiSession(mesh, [("x",)], timeout_s=30, world=comm)
     mc = MpiComm(session, max_msg_elems=5)
     dt = {"float16": DType.F16, "bool": DType.BOOL, "int8": DType.I8, "float32": DType.F32}[dtype]
     g = (np.random.default_rng(1).standard_normal((7, 3)) * 50).astype(dtype)
@@ -131,7 +131,7 @@ def test_dtypes_move_bit_exactly(comm: Any, dtype: str) -> None:
 def test_send_recv_and_broadcast(comm: Any) -> None:
     rank, size = comm.Get_rank(), comm.Get_size()
     mesh = MeshShape((("x", size),))
-    session = MpiSession(mesh, timeout_s=30, world=comm)
+    session = MpiSession(mesh, [("x",)], timeout_s=30, world=comm)
     session.join_mesh([("x",)])
     mc = MpiComm(session, max_msg_elems=4)
     data = np.arange(10, dtype=np.float32) + 100 * rank
