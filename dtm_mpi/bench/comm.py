@@ -60,8 +60,8 @@ def parse_size(text: str) -> int:
 
 
 def default_sizes() -> list[int]:
-    """8 B to 64 MiB, every factor of 8."""
-    return [8 * 8**i for i in range(9)]
+    """8 B to 64 MiB: every factor of 8 up to 256 KiB, then 1, 8 and 64 MiB."""
+    return [8, 64, 512, 4 << 10, 32 << 10, 256 << 10, 1 << 20, 8 << 20, 64 << 20]
 
 
 def _time(fn: Callable[[], object], iters: int, comm: Any) -> float:

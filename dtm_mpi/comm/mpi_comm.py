@@ -39,24 +39,63 @@ def _starts(counts: list[int]) -> list[int]:
     return [0, *itertools.accumulate(counts[:-1])]
 
 
-def _consecutive_runs(a: np.ndarray, regions: list[tuple[slice, ...]]) -> tuple[int, int] | None:
-    """If the ``regions`` of C-contiguous ``a`` are contiguous runs of its flat memory, each
-    starting where the previous one ends, the flat ``(start, end)`` they cover; else None."""
-    base = a.__array_interface__["data"][0]
+def _region_run(shape: tuple[int, ...], region: tuple[slice, ...]) -> tuple[int, int] | None:
+    """The flat ``(start, end)`` of ``region`` in a C-ordered array of ``shape`` when the region
+    is one contiguous run (single indices, then one partial dim, then full dims), else None."""
+    start, size, stride = 0, 1, 1
+    partial_seen = False
+    for n, sl in zip(reversed(shape), reversed(region), strict=True):
+        lo, hi, _ = sl.indices(n)
+        length = max(0, hi - lo)
+        if partial_seen and length != 1:
+            return None
+        if length != n:
+            partial_seen = True
+        start += lo * stride
+        size *= length
+        stride *= n
+    return start, start + size
+
+
+def _runs(shape: tuple[int, ...], regions: list[tuple[slice, ...]]) -> tuple[int, int] | None:
+    """If the non-empty ``regions`` are contiguous runs, each starting where the previous one
+    ends, the flat ``(start, end)`` they cover together; else None."""
     start = end = None
     for region in regions:
-        view = a[region]
-        if view.size == 0:
+        run = _region_run(shape, region)
+        if run is None:
+            return None
+        if run[0] == run[1]:
             continue
-        if not view.flags.c_contiguous:
+        if end is not None and run[0] != end:
             return None
-        offset = (view.__array_interface__["data"][0] - base) // a.itemsize
-        if end is not None and offset != end:
-            return None
-        if start is None:
-            start = offset
-        end = offset + view.size
+        start = run[0] if start is None else start
+        end = run[1]
     return (start, end) if start is not None and end is not None else (0, 0)
+
+
+class _ExchangePlan:
+    """Counts, displacements and the zero-copy decisions of one exchange on one rank."""
+
+    __slots__ = ("rc", "rd", "received", "recv_in_place", "recv_offsets", "sc", "sd",
+                 "send_run", "sent", "spec")  # fmt: skip
+
+    def __init__(self, spec: ExchangeSpec, in_shape: tuple[int, ...], rank: int) -> None:
+        self.spec = spec
+        k = len(spec.group)
+        where = {r: j for j, r in enumerate(spec.group)}
+        self.sc, self.rc = [0] * k, [0] * k
+        for t in spec.sends:
+            self.sc[where[t.peer]] = t.count
+        for t in spec.recvs:
+            self.rc[where[t.peer]] = t.count
+        self.sd, self.rd = _starts(self.sc), _starts(self.rc)
+        self.recv_offsets = [self.rd[where[t.peer]] for t in spec.recvs]
+        self.send_run = _runs(in_shape, [t.region for t in spec.sends])
+        total = math.prod(spec.out_shape)
+        self.recv_in_place = _runs(spec.out_shape, [t.region for t in spec.recvs]) == (0, total)
+        self.sent = sum(t.count for t in spec.sends if t.peer != rank)
+        self.received = sum(t.count for t in spec.recvs if t.peer != rank)
 
 
 def tune_allocator() -> bool:
@@ -98,6 +137,8 @@ class MpiComm:
             "f4": mpi.FLOAT, "f8": mpi.DOUBLE, "i1": mpi.INT8_T, "i4": mpi.INT32_T,
             "i8": mpi.INT64_T, "u1": mpi.UINT8_T,
         }  # fmt: skip
+        self._plans: dict[tuple[int, tuple[int, ...]], _ExchangePlan] = {}
+        self._udt = {n: np.dtype(f"u{n}") for n in (1, 2, 4, 8)}
         self._by_dtype = {np.dtype(k): v for k, v in self._reduce_types.items()}
         self._ops = {
             ReduceOp.SUM: mpi.SUM, ReduceOp.PROD: mpi.PROD, ReduceOp.MAX: mpi.MAX,
@@ -220,7 +261,14 @@ class MpiComm:
     def allgather(self, x: np.ndarray, axes: tuple[str, ...], spec: AllgatherSpec) -> np.ndarray:
         """Collective: call on all ranks of the group."""
         comm = self.session.group(axes)
-        flat = self._allgatherv(comm, self._flat(x), list(spec.counts), "allgather", axes)
+        counts = spec.counts
+        if len(set(counts)) == 1 and counts[0] <= self.limit:  # equal blocks: plain Allgather
+            send = self._flat(x)
+            flat = np.empty(counts[0] * len(counts), dtype=send.dtype)
+            mtype = self._move[x.itemsize]
+            self._call(comm, "Allgather", "allgather", axes, [send, mtype], [flat, mtype])
+        else:
+            flat = self._allgatherv(comm, self._flat(x), list(counts), "allgather", axes)
         values = flat.view(x.dtype)
         shape = list(x.shape)
         shape[spec.dim] = sum(spec.extents)
@@ -322,40 +370,43 @@ class MpiComm:
         self._stats.record("reduce_scatter", x.nbytes - out.nbytes, (k - 1) * out.nbytes)
         return out
 
+    def _exchange_plan(self, spec: ExchangeSpec, in_shape: tuple[int, ...]) -> _ExchangePlan:
+        """What one exchange needs beyond the spec, computed once per (spec, input shape):
+        the executor reuses its specs every step, and this keeps small exchanges cheap."""
+        key = (id(spec), in_shape)
+        got = self._plans.get(key)
+        if got is None or got.spec is not spec:
+            got = _ExchangePlan(spec, in_shape, self.rank)
+            self._plans[key] = got
+        return got
+
     def exchange(
         self, x: np.ndarray, axes: tuple[str, ...], spec: ExchangeSpec, what: str = "exchange"
     ) -> np.ndarray:
         """Collective: call on all ranks of the group."""
         comm = self.session.group(axes)
-        k = len(spec.group)
-        where = {r: j for j, r in enumerate(spec.group)}
-        sc, rc = [0] * k, [0] * k
-        parts = []
-        for t in spec.sends:  # in group order
-            sc[where[t.peer]] = t.count
-            parts.append(x[t.region].reshape(-1))
-        for t in spec.recvs:
-            rc[where[t.peer]] = t.count
-        udt = f"u{x.itemsize}"
-        src = np.ascontiguousarray(x)
-        run = _consecutive_runs(src, [t.region for t in spec.sends])
-        if run is not None:  # the send regions are back-to-back in member order: no packing
-            sbuf = src.reshape(-1)[run[0] : run[1]].view(udt)
+        plan = self._exchange_plan(spec, x.shape)
+        udt = self._udt[x.itemsize]
+        if plan.send_run is not None:  # back-to-back in member order: no packing
+            lo, hi = plan.send_run
+            sbuf = np.ascontiguousarray(x).reshape(-1)[lo:hi].view(udt)
         else:
+            parts = [x[t.region].reshape(-1) for t in spec.sends]
             sbuf = np.concatenate(parts).view(udt) if parts else np.empty(0, dtype=udt)
         out = np.empty(spec.out_shape, dtype=x.dtype)
-        into = _consecutive_runs(out, [t.region for t in spec.recvs])
-        rbuf = self._alltoallv(comm, sbuf, sc, rc, what, axes, spec.max_count).view(x.dtype)
-        if into == (0, out.size):  # received in output order: one flat copy
-            out.reshape(-1)[:] = rbuf
+        if plan.recv_in_place and spec.max_count <= self.limit:  # straight into the output
+            flat_out = out.reshape(-1).view(udt)
+            mtype = self._move[x.itemsize]
+            # always the v-variant: whether counts are uniform is a per-rank fact, and every
+            # member of a group must make the same MPI call
+            self._call(comm, "Alltoallv", what, axes, [sbuf, (plan.sc, plan.sd), mtype],
+                       [flat_out, (plan.rc, plan.rd), mtype])  # fmt: skip
         else:
-            offsets = _starts(rc)
-            for t in spec.recvs:
-                d = offsets[where[t.peer]]
-                out[t.region] = rbuf[d : d + t.count].reshape(out[t.region].shape)
-        sent = sum(t.count for t in spec.sends if t.peer != self.rank)
-        received = sum(t.count for t in spec.recvs if t.peer != self.rank)
-        self._stats.record(what, sent * x.itemsize, received * x.itemsize)
+            rbuf = self._alltoallv(comm, sbuf, plan.sc, plan.rc, what, axes, spec.max_count)
+            values = rbuf.view(x.dtype)
+            for t, d in zip(spec.recvs, plan.recv_offsets, strict=True):
+                out[t.region] = values[d : d + t.count].reshape(out[t.region].shape)
+        self._stats.record(what, plan.sent * x.itemsize, plan.received * x.itemsize)
         return out
 
     def broadcast(self, x: np.ndarray, axes: tuple[str, ...], root: int) -> np.ndarray:

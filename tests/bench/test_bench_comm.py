@@ -1,0 +1,62 @@
+"""``dtm bench comm`` runs under mpirun and writes the documented CSV (a smoke test of the
+benchmark itself; speed is reported by the benchmark, never asserted in tests)."""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dtm_mpi.bench.comm import BenchRow, default_sizes, format_table, parse_size
+from dtm_mpi.errors import UsageError
+
+pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not on PATH")
+
+
+def test_sizes_and_busbw_formulas() -> None:
+    assert default_sizes()[0] == 8 and default_sizes()[-1] == 64 << 20
+    assert parse_size("64K") == 65536 and parse_size("1M") == 1 << 20 and parse_size("8") == 8
+    with pytest.raises(UsageError, match="not a size"):
+        parse_size("1Q")
+    row = BenchRow("allreduce", 4, 1000, 1e-3, 2e-3)
+    assert row.busbw(1e-3) == pytest.approx(1000 / 1e-3 * 2 * 3 / 4)
+    assert BenchRow("allgather", 4, 1000, 1.0, 1.0).busbw(1.0) == pytest.approx(1000 * 3 / 4)
+    assert BenchRow("broadcast", 4, 1000, 1.0, 1.0).busbw(1.0) == pytest.approx(1000)
+    assert row.ratio == pytest.approx(2.0)
+    assert "allreduce" in format_table([row])
+
+
+@pytest.mark.slow
+def test_bench_comm_under_mpirun_writes_the_csv(tmp_path: Path) -> None:
+    out = tmp_path / "comm.csv"
+    env = dict(os.environ)
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1", DTM_TIMEOUT="60")  # fmt: skip
+    cmd = ["mpirun", "--timeout", "120", "--bind-to", "none", "-n", "2", sys.executable, "-m",
+           "mpi4py", "-m", "dtm_mpi", "bench", "comm", "--sizes", "8,4K", "--repeat", "1",
+           "--csv", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with out.open() as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == [
+        "op",
+        "ranks",
+        "bytes",
+        "dtm_s",
+        "raw_s",
+        "busbw_dtm",
+        "busbw_raw",
+        "ratio",
+    ]
+    ops = {"allreduce", "allgather", "reduce_scatter", "broadcast", "all_to_all"}
+    assert {(r["op"], r["bytes"]) for r in rows} == {(o, b) for o in ops for b in ("8", "4096")}
+    for r in rows:
+        assert r["ranks"] == "2"
+        assert float(r["dtm_s"]) > 0 and float(r["raw_s"]) > 0 and float(r["ratio"]) > 0
+    assert "busbw dtm" in proc.stdout
