@@ -78,6 +78,7 @@ def _time(fn: Callable[[], object], iters: int, comm: Any) -> float:
 def _cases(op: str, nbytes: int, comm_dtm: Any, raw: Any, n: int, rank: int) -> tuple[Callable[[], object], Callable[[], object]]:  # fmt: skip
     from mpi4py import MPI
 
+    from dtm_mpi.comm.mpi_comm import empty_aligned
     from dtm_mpi.ir.types import ReduceOp
     from dtm_mpi.sharding.steps import (
         AllgatherSpec,
@@ -87,31 +88,36 @@ def _cases(op: str, nbytes: int, comm_dtm: Any, raw: Any, n: int, rank: int) -> 
         Transfer,
     )
 
+    def _ones(count: int) -> np.ndarray:  # page-aligned, as both paths get their best case
+        a = empty_aligned(count, np.float32)
+        a[:] = 1
+        return a
+
     group = tuple(range(n))
     axes = ("x",)
     elems = max(n, nbytes // 4 // n * n)  # float32, divisible by n
     per = elems // n
     if op == "allreduce":
-        x, out = np.ones(elems, np.float32), np.empty(elems, np.float32)
+        x, out = _ones(elems), empty_aligned(elems, np.float32)
         spec_ar = AllreduceSpec(group, rank, ReduceOp.SUM, elems)
         return (lambda: comm_dtm.allreduce(x, axes, spec_ar)), (
             lambda: raw.Allreduce(x, out, op=MPI.SUM)
         )
     if op == "allgather":
-        x, out = np.ones(per, np.float32), np.empty(elems, np.float32)
+        x, out = _ones(per), empty_aligned(elems, np.float32)
         spec_ag = AllgatherSpec(group, rank, 0, (per,) * n, (per,) * n)
         return (lambda: comm_dtm.allgather(x, axes, spec_ag)), (lambda: raw.Allgather(x, out))
     if op == "reduce_scatter":
-        x, out = np.ones(elems, np.float32), np.empty(per, np.float32)
+        x, out = _ones(elems), empty_aligned(per, np.float32)
         pieces = tuple((j * per, per) for j in range(n))
         spec_rs = ReduceScatterSpec(group, rank, ReduceOp.SUM, 0, pieces, (per,) * n)
         return (lambda: comm_dtm.reduce_scatter(x, axes, spec_rs)), (
             lambda: raw.Reduce_scatter_block(x, out, op=MPI.SUM)
         )
     if op == "broadcast":
-        x = np.ones(elems, np.float32)
+        x = _ones(elems)
         return (lambda: comm_dtm.broadcast(x, axes, 0)), (lambda: raw.Bcast(x, root=0))
-    x, out = np.ones(elems, np.float32), np.empty(elems, np.float32)
+    x, out = _ones(elems), empty_aligned(elems, np.float32)
 
     def region(j: int) -> tuple[slice, ...]:
         return (slice(j * per, (j + 1) * per),)
