@@ -324,7 +324,7 @@ class MpiSession:
             while True:
                 time.sleep(3600)
         try:
-            silent = list(self.control.liveness(0.3).silent)
+            silent = list(self.control.liveness(0.05).silent)
         except Exception:  # the MPI library may already be torn down
             silent = []
         peers = self.size - 1
@@ -350,7 +350,7 @@ class MpiSession:
         text = "\n".join(f"[rank {self.rank}] {line}" for line in message.splitlines())
         write_line(text)
         sys.stdout.flush()
-        time.sleep(min(1.0, max(0.2, self.timeout_s / 10)))
+        time.sleep(min(2.0, max(0.6, self.timeout_s / 10)))
         self.comm.Abort(code)
         os._exit(code)  # pragma: no cover  (Abort does not return)
 

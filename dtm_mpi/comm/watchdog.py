@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Watchdog"]
 
-PERIOD_S = 0.02
+PERIOD_S = 0.01
 """How often the watchdog looks (failure notices reach a blocked rank within this)."""
 
 
