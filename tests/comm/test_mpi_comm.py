@@ -145,3 +145,25 @@ def test_send_recv_and_broadcast(comm: Any) -> None:
     assert np.array_equal(b, np.full(3, root))
     assert mc.stats.calls["send"] == 1 and mc.stats.calls["recv"] == 1
     session.close()
+
+
+def test_repeated_allreduce_takes_the_prepared_path(comm: Any) -> None:
+    """The executor reuses its specs every step; the second call of a spec takes the
+    prepared fast path and must give the same result and accounting."""
+    from dtm_mpi.sharding.steps import AllreduceSpec
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    mesh = MeshShape((("x", size),))
+    session = MpiSession(mesh, [("x",)], timeout_s=30, world=comm)
+    mc = MpiComm(session)
+    spec = AllreduceSpec(tuple(range(size)), rank, ReduceOp.SUM, 6)
+    for step in range(3):
+        x = np.full((2, 3), rank + step, dtype=np.float64)
+        got = mc.allreduce(x, ("x",), spec)
+        assert np.array_equal(got, np.full((2, 3), sum(r + step for r in range(size))))
+        assert got is not x
+    assert mc.stats.calls["allreduce"] == 3
+    assert mc.stats.bytes_sent == mc.stats.bytes_received
+    if size > 1:
+        assert mc.stats.bytes_sent > 0
+    session.close()
