@@ -167,3 +167,32 @@ def test_repeated_allreduce_takes_the_prepared_path(comm: Any) -> None:
     if size > 1:
         assert mc.stats.bytes_sent > 0
     session.close()
+
+
+def test_output_reuse_never_overwrites_a_live_value(comm: Any) -> None:
+    """Outputs are reused only when nobody holds them or a view of them."""
+    from dtm_mpi.sharding.steps import AllreduceSpec
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    mesh = MeshShape((("x", size),))
+    session = MpiSession(mesh, [("x",)], timeout_s=30, world=comm)
+    mc = MpiComm(session)
+    for n in (6, 40_000):  # a small output and a page-aligned one
+        spec = AllreduceSpec(tuple(range(size)), rank, ReduceOp.SUM, n)
+        kept = [
+            mc.allreduce(np.full(n, float(step), dtype=np.float64), ("x",), spec)
+            for step in range(3)
+        ]
+        views = [k[1:] for k in kept]
+        for step, (k, v) in enumerate(zip(kept, views, strict=True)):
+            assert np.all(k == step * size) and np.all(v == step * size)
+        only_view = mc.allreduce(np.full(n, 7.0), ("x",), spec)[2:]
+        again = mc.allreduce(np.full(n, 9.0), ("x",), spec)
+        assert np.all(only_view == 7.0 * size) and np.all(again == 9.0 * size)
+        # a dropped output is handed back on the next call (warm memory, no allocation)
+        first = mc.allreduce(np.ones(n), ("x",), spec)
+        address = first.ctypes.data
+        del first
+        second = mc.allreduce(np.ones(n), ("x",), spec)
+        assert second.ctypes.data == address
+    session.close()
