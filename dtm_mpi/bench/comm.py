@@ -126,7 +126,7 @@ def _cases(op: str, nbytes: int, comm_dtm: Any, raw: Any, n: int, rank: int) -> 
         group, rank,
         tuple(Transfer(j, region(j), per) for j in range(n)),
         tuple(Transfer(j, region(j), per) for j in range(n)),
-        (elems,), per,
+        (elems,), per, per,
     )  # fmt: skip
     return (lambda: comm_dtm.exchange(x, axes, spec_ex, "all_to_all")), (
         lambda: raw.Alltoall(x, out)

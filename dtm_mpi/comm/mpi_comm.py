@@ -29,7 +29,13 @@ from dtm_mpi.errors import CommError
 from dtm_mpi.ir.types import ReduceOp
 from dtm_mpi.sharding.collectives import reduce_arrays
 from dtm_mpi.sharding.mesh import MeshShape
-from dtm_mpi.sharding.steps import AllgatherSpec, AllreduceSpec, ExchangeSpec, ReduceScatterSpec
+from dtm_mpi.sharding.steps import (
+    AllgatherSpec,
+    AllreduceSpec,
+    ExchangeSpec,
+    ReduceScatterSpec,
+    back_to_back,
+)
 
 __all__ = ["MpiComm", "empty_aligned", "tune_allocator"]
 
@@ -38,41 +44,6 @@ def _starts(counts: list[int]) -> list[int]:
     """Displacements of consecutive runs of ``counts`` elements (plain Python: these lists
     are short, and numpy's per-call overhead would dominate small messages)."""
     return [0, *itertools.accumulate(counts[:-1])]
-
-
-def _region_run(shape: tuple[int, ...], region: tuple[slice, ...]) -> tuple[int, int] | None:
-    """The flat ``(start, end)`` of ``region`` in a C-ordered array of ``shape`` when the region
-    is one contiguous run (single indices, then one partial dim, then full dims), else None."""
-    start, size, stride = 0, 1, 1
-    partial_seen = False
-    for n, sl in zip(reversed(shape), reversed(region), strict=True):
-        lo, hi, _ = sl.indices(n)
-        length = max(0, hi - lo)
-        if partial_seen and length != 1:
-            return None
-        if length != n:
-            partial_seen = True
-        start += lo * stride
-        size *= length
-        stride *= n
-    return start, start + size
-
-
-def _runs(shape: tuple[int, ...], regions: list[tuple[slice, ...]]) -> tuple[int, int] | None:
-    """If the non-empty ``regions`` are contiguous runs, each starting where the previous one
-    ends, the flat ``(start, end)`` they cover together; else None."""
-    start = end = None
-    for region in regions:
-        run = _region_run(shape, region)
-        if run is None:
-            return None
-        if run[0] == run[1]:
-            continue
-        if end is not None and run[0] != end:
-            return None
-        start = run[0] if start is None else start
-        end = run[1]
-    return (start, end) if start is not None and end is not None else (0, 0)
 
 
 class _ExchangePlan:
@@ -92,9 +63,12 @@ class _ExchangePlan:
             self.rc[where[t.peer]] = t.count
         self.sd, self.rd = _starts(self.sc), _starts(self.rc)
         self.recv_offsets = [self.rd[where[t.peer]] for t in spec.recvs]
-        self.send_run = _runs(in_shape, [t.region for t in spec.sends])
+        self.send_run = back_to_back(in_shape, [t.region for t in spec.sends])
         total = math.prod(spec.out_shape)
-        self.recv_in_place = _runs(spec.out_shape, [t.region for t in spec.recvs]) == (0, total)
+        self.recv_in_place = back_to_back(spec.out_shape, [t.region for t in spec.recvs]) == (
+            0,
+            total,
+        )
         self.sent = sum(t.count for t in spec.sends if t.peer != rank)
         self.received = sum(t.count for t in spec.recvs if t.peer != rank)
 
@@ -420,7 +394,10 @@ class MpiComm:
         if prep is not None and prep[0] is spec and prep[1] is x.dtype and x.flags.c_contiguous:
             _, dtype, comm, mtype, counts, op, out_shape, sent, received, big = prep
             out = self._output(spec, out_shape, dtype, big)
-            self._guarded(comm.Reduce_scatter, "reduce_scatter", axes, [x, mtype], [out, mtype], counts, op)  # fmt: skip
+            if len(set(counts)) == 1:  # counts are global: every member makes this same call
+                self._guarded(comm.Reduce_scatter_block, "reduce_scatter", axes, [x, mtype], [out, mtype], op)  # fmt: skip
+            else:
+                self._guarded(comm.Reduce_scatter, "reduce_scatter", axes, [x, mtype], [out, mtype], counts, op)  # fmt: skip
             self._count("reduce_scatter", sent, received)
             return out
         comm = self.session.group(axes)
@@ -496,6 +473,10 @@ class MpiComm:
         ):  # everything in place: one call, no copies
             out = self._output(spec, spec.out_shape, x.dtype, True)
             mtype = self._move[x.itemsize]
+            if spec.uniform:  # a group-wide fact: every member makes this same call
+                self._guarded(comm.Alltoall, what, axes, [x, mtype], [out, mtype])
+                self._count(what, plan.sent * x.itemsize, plan.received * x.itemsize)
+                return out
             self._guarded(comm.Alltoallv, what, axes, [x, (plan.sc, plan.sd), mtype],
                           [out, (plan.rc, plan.rd), mtype])  # fmt: skip
             self._count(what, plan.sent * x.itemsize, plan.received * x.itemsize)

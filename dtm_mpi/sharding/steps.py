@@ -196,6 +196,7 @@ class ExchangeSpec:
     recvs: tuple[Transfer, ...]
     out_shape: tuple[int, ...]
     max_count: int = 0
+    uniform: int = 0
 
 
 StepSpec = (
@@ -239,7 +240,9 @@ def _region(box: Bounds, origin: Bounds) -> tuple[slice, ...]:
     return tuple(slice(s - o, s - o + n) for (s, n), (o, _) in zip(box, origin, strict=True))
 
 
-def _exchange(step: RedistStep, mesh: MeshShape, rank: int) -> ExchangeSpec:
+def _transfers(
+    step: RedistStep, mesh: MeshShape, rank: int
+) -> tuple[tuple[int, ...], list[Transfer], list[Transfer], Bounds, Bounds]:
     group = mesh.group_of(rank, step.axes)
     split_in = set(step.in_type.layout.sharded_axes)
     selectors = tuple(mesh.axis_position(a) for a in step.axes if a not in split_in)
@@ -260,9 +263,80 @@ def _exchange(step: RedistStep, mesh: MeshShape, rank: int) -> ExchangeSpec:
         box = _intersect(block_bounds(step.in_type, mesh, peer), dst)
         if box is not None:
             recvs.append(Transfer(peer, _region(box, dst), _numel([n for _, n in box])))
+    return group, sends, recvs, src, dst
+
+
+def region_run(shape: tuple[int, ...], region: tuple[slice, ...]) -> tuple[int, int] | None:
+    """The flat ``(start, end)`` of ``region`` in a C-ordered array of ``shape`` when the region
+    is one contiguous run (single indices, then one partial dim, then full dims), else None."""
+    start, size, stride = 0, 1, 1
+    partial_seen = False
+    for n, sl in zip(reversed(shape), reversed(region), strict=True):
+        lo, hi, _ = sl.indices(n)
+        length = max(0, hi - lo)
+        if partial_seen and length != 1:
+            return None
+        if length != n:
+            partial_seen = True
+        start += lo * stride
+        size *= length
+        stride *= n
+    return start, start + size
+
+
+def back_to_back(
+    shape: tuple[int, ...], regions: list[tuple[slice, ...]]
+) -> tuple[int, int] | None:
+    """If the non-empty ``regions`` are contiguous runs, each starting where the previous one
+    ends, the flat ``(start, end)`` they cover together; else None."""
+    start = end = None
+    for region in regions:
+        run = region_run(shape, region)
+        if run is None:
+            return None
+        if run[0] == run[1]:
+            continue
+        if end is not None and run[0] != end:
+            return None
+        start = run[0] if start is None else start
+        end = run[1]
+    return (start, end) if start is not None and end is not None else (0, 0)
+
+
+def _uniform_run(step: RedistStep, mesh: MeshShape, rank: int) -> int:
+    """The per-pair count ``c`` when this member sends ``c`` elements to every member and
+    receives ``c`` from every member, all as back-to-back runs in member order covering its
+    whole input and output (a plain alltoall moves it in place); else 0."""
+    group, sends, recvs, src, dst = _transfers(step, mesh, rank)
+    k = len(group)
+    if len(sends) != k or len(recvs) != k:
+        return 0
+    counts = {t.count for t in sends} | {t.count for t in recvs}
+    if len(counts) != 1:
+        return 0
+    src_shape = tuple(n for _, n in src)
+    dst_shape = tuple(n for _, n in dst)
+    if back_to_back(src_shape, [t.region for t in sends]) != (0, _numel(list(src_shape))):
+        return 0
+    if back_to_back(dst_shape, [t.region for t in recvs]) != (0, _numel(list(dst_shape))):
+        return 0
+    return counts.pop()
+
+
+def _exchange(step: RedistStep, mesh: MeshShape, rank: int) -> ExchangeSpec:
+    group, sends, recvs, _, dst = _transfers(step, mesh, rank)
     biggest = max(_numel([n for _, n in block_bounds(step.in_type, mesh, r)]) for r in group)
+    # uniform only if every member of the group can take the same plain alltoall
+    pairs = {_uniform_run(step, mesh, r) for r in group} if len(group) <= 64 else {0}
+    uniform = pairs.pop() if len(pairs) == 1 else 0
     return ExchangeSpec(
-        group, group.index(rank), tuple(sends), tuple(recvs), tuple(n for _, n in dst), biggest
+        group,
+        group.index(rank),
+        tuple(sends),
+        tuple(recvs),
+        tuple(n for _, n in dst),
+        biggest,
+        uniform,
     )
 
 

@@ -196,3 +196,29 @@ def test_output_reuse_never_overwrites_a_live_value(comm: Any) -> None:
         second = mc.allreduce(np.ones(n), ("x",), spec)
         assert second.ctypes.data == address
     session.close()
+
+
+def test_uniform_exchange_is_a_plain_alltoall(comm: Any) -> None:
+    """An exchange whose spec says every pair moves the same back-to-back run (the bench's
+    all_to_all) gives the alltoall result, repeatedly (prepared path, reused output)."""
+    from dtm_mpi.sharding.steps import ExchangeSpec, Transfer
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    mesh = MeshShape((("x", size),))
+    session = MpiSession(mesh, [("x",)], timeout_s=30, world=comm)
+    mc = MpiComm(session)
+    per = 3
+    regions = [(slice(j * per, (j + 1) * per),) for j in range(size)]
+    spec = ExchangeSpec(
+        tuple(range(size)), rank,
+        tuple(Transfer(j, regions[j], per) for j in range(size)),
+        tuple(Transfer(j, regions[j], per) for j in range(size)),
+        (size * per,), per, per,
+    )  # fmt: skip
+    for step in range(3):
+        x = np.array([100 * rank + j + step for j in range(size) for _ in range(per)], np.int64)
+        got = mc.exchange(x, ("x",), spec, "all_to_all")
+        want = np.array([100 * i + rank + step for i in range(size) for _ in range(per)])
+        assert np.array_equal(got, want), (step, got, want)
+    assert mc.stats.calls["all_to_all"] == 3
+    session.close()
