@@ -207,10 +207,15 @@ class MpiSession:
         finally:
             self.current = None
 
-    def expired(self, op: str, axes: tuple[str, ...]) -> CommTimeoutError:
+    def expired(self, op: str, axes: tuple[str, ...]) -> CommTimeoutError | RemoteFailureError:
         """The error of a wait for ``op`` that reached its deadline, naming the peers that do
-        not answer or are in no communication."""
+        not answer or are in no communication. A failure notice that arrives meanwhile (a
+        peer whose deadline came first and already named the culprit) wins: every rank then
+        reports the same cause."""
         live = self.control.liveness(min(2.0, max(0.5, self.timeout_s / 4)))
+        remote = self.control.poll()
+        if remote is not None:
+            return remote
         who = f"; {live.describe()}" if live.suspects else ""
         err = CommTimeoutError(
             f"{op} on axes {','.join(axes) or '-'} did not complete within "
@@ -350,7 +355,14 @@ class MpiSession:
         text = "\n".join(f"[rank {self.rank}] {line}" for line in message.splitlines())
         write_line(text)
         sys.stdout.flush()
-        time.sleep(min(2.0, max(0.6, self.timeout_s / 10)))
+        # give the peers time to print theirs, answering their liveness pings meanwhile
+        until = time.monotonic() + min(2.0, max(0.6, self.timeout_s / 10))
+        while time.monotonic() < until:
+            try:
+                self.control.poll()
+            except Exception:  # pragma: no cover  (MPI going down under us)
+                break
+            time.sleep(0.01)
         self.comm.Abort(code)
         os._exit(code)  # pragma: no cover  (Abort does not return)
 
