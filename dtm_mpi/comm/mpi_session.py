@@ -386,9 +386,3 @@ class MpiSession:
         for c in (self.node, self.cart, self.ctrl, self.comm):
             if c is not None:
                 c.Free()
-
-
-def describe_error(exc: BaseException) -> str:
-    if isinstance(exc, CommError | DtmError):
-        return str(exc)
-    return f"{type(exc).__name__}: {exc}"

@@ -19,7 +19,6 @@ from dtm_mpi.ir.types import TensorType
 from dtm_mpi.plan.program import ExecPlan, FunctionPlan, OpKind, PlanOp
 from dtm_mpi.sharding.blocks import local_shape
 from dtm_mpi.sharding.mesh import MeshShape
-from dtm_mpi.sharding.steps import StepKind
 
 __all__ = ["FunctionCost", "OpCost", "function_cost", "local_bytes"]
 
@@ -151,8 +150,3 @@ def function_cost(plan: ExecPlan, fp: FunctionPlan) -> FunctionCost:
     return FunctionCost(
         tuple(ops), tuple(peak), tuple(sent), tuple(received), tuple(sorted(counts.items()))
     )
-
-
-def collective_kinds() -> tuple[str, ...]:
-    """The names communication steps are reported under."""
-    return (*(k.value for k in StepKind if k.is_collective), "broadcast", "send", "recv")

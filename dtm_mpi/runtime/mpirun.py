@@ -19,7 +19,6 @@ survives).
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -274,7 +273,3 @@ def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, ra
         except (DtmError, OSError) as exc:
             error = exc
     session.agree("output", error)
-
-
-def parse_inputs(paths: Sequence[str]) -> tuple[str, ...]:
-    return tuple(paths)
