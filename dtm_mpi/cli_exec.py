@@ -105,7 +105,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from dtm_mpi.config import get_config
     from dtm_mpi.io.arrays import check_output_path, load_arrays, save_npz
     from dtm_mpi.plan.explain import check_memory
-    from dtm_mpi.runtime.session import run_simulated
+    from dtm_mpi.runtime.session import run_simulated, summary_lines
 
     if args.steps < 1:
         raise UsageError(f"--steps must be >= 1; got {args.steps}")
@@ -138,9 +138,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         backend=args.backend, timeout_s=get_config().timeout_s,
     )  # fmt: skip
     outputs = result.outputs()
-    for name, value in outputs.items():
-        summary = f"mean {float(value.astype('float64').mean()):.6g}" if value.size else "empty"
-        print(f"{name:>12}  {value.dtype}{list(value.shape)}  {summary}")
+    for line in summary_lines(outputs):
+        print(line)
     if args.output:
         save_npz(args.output, outputs)
         print(f"wrote {args.output}")

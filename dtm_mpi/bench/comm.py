@@ -78,7 +78,7 @@ def _time(fn: Callable[[], object], iters: int, comm: Any) -> float:
 def _cases(op: str, nbytes: int, comm_dtm: Any, raw: Any, n: int, rank: int) -> tuple[Callable[[], object], Callable[[], object]]:  # fmt: skip
     from mpi4py import MPI
 
-    from dtm_mpi.comm.mpi_comm import empty_aligned
+    from dtm_mpi.comm.buffers import empty_aligned
     from dtm_mpi.ir.types import ReduceOp
     from dtm_mpi.sharding.steps import (
         AllgatherSpec,

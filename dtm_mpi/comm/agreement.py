@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from dtm_mpi.errors import CommTimeoutError, RankFailure
+from dtm_mpi.errors import CommTimeoutError, RankFailure, RemoteFailureError
 
-__all__ = ["agree_outcome", "wait_bounded"]
+__all__ = ["agree_or_raise", "agree_outcome", "wait_bounded"]
 
 
 def wait_bounded(request: Any, *, timeout_s: float, op: str, phase: str, rank: int) -> None:
@@ -66,3 +66,22 @@ def agree_outcome(
     # dead peer: it only moves the failure messages.
     messages = comm.allgather("" if ok else message)
     return tuple(RankFailure(r, phase, str(messages[r])) for r in failed)
+
+
+def agree_or_raise(
+    comm: Any,
+    *,
+    phase: str,
+    error: BaseException | None,
+    timeout_s: float,
+    wait: Callable[[Any, str], None] | None = None,
+) -> None:
+    """Collective: call on all ranks. End ``phase``: if any rank failed it (``error`` is its
+    own failure, or None), every rank raises the same :class:`RemoteFailureError` listing each
+    failed rank and its message."""
+    message = "" if error is None else (str(error) or type(error).__name__)
+    failures = agree_outcome(
+        comm, ok=error is None, message=message, phase=phase, timeout_s=timeout_s, wait=wait
+    )
+    if failures:
+        raise RemoteFailureError(phase, failures)

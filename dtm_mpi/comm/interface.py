@@ -24,7 +24,10 @@ import numpy as np
 from dtm_mpi.sharding.mesh import MeshShape
 from dtm_mpi.sharding.steps import AllgatherSpec, AllreduceSpec, ExchangeSpec, ReduceScatterSpec
 
-__all__ = ["Comm", "CommStats", "allreduce_moved"]
+__all__ = [
+    "Comm", "CommStats", "allgather_traffic", "allreduce_moved", "broadcast_traffic",
+    "exchange_traffic", "reduce_scatter_traffic",
+]  # fmt: skip
 
 
 def allreduce_moved(x: np.ndarray, group_size: int, position: int) -> int:
@@ -35,6 +38,32 @@ def allreduce_moved(x: np.ndarray, group_size: int, position: int) -> int:
     b = -(-m // k) if k else 0
     own = max(0, min(b, m - position * b))
     return ((m - own) + (k - 1) * own) * x.itemsize
+
+
+# The logical bytes a member sends and receives in each collective, the same rules as the
+# planner's accounting (dtm_mpi.sharding.redistribute), shared by every Comm implementation.
+
+
+def allgather_traffic(in_nbytes: int, out_nbytes: int, group_size: int) -> tuple[int, int]:
+    """Its block to every other member; every other member's block."""
+    return (group_size - 1) * in_nbytes, out_nbytes - in_nbytes
+
+
+def reduce_scatter_traffic(in_nbytes: int, out_nbytes: int, group_size: int) -> tuple[int, int]:
+    """Every piece but its own, to its owner; its piece from every other member."""
+    return in_nbytes - out_nbytes, (group_size - 1) * out_nbytes
+
+
+def broadcast_traffic(nbytes: int, group_size: int, is_root: bool) -> tuple[int, int]:
+    """The root sends its block to every other member; the others receive it."""
+    return ((group_size - 1) * nbytes, 0) if is_root else (0, nbytes)
+
+
+def exchange_traffic(spec: ExchangeSpec, rank: int, itemsize: int) -> tuple[int, int]:
+    """The transfers to and from other ranks (a rank's copy to itself moves nothing)."""
+    sent = sum(t.count for t in spec.sends if t.peer != rank)
+    received = sum(t.count for t in spec.recvs if t.peer != rank)
+    return sent * itemsize, received * itemsize
 
 
 @dataclass(slots=True)

@@ -1,8 +1,10 @@
 """The MPI implementation of the communication interface (:class:`~dtm_mpi.comm.interface.Comm`).
 
-Every operation is mpi4py's non-blocking buffer call on contiguous numpy arrays (no pickling
-on the data path) on the group communicator of its axes, followed by the session's bounded
-wait. Uneven blocks use the v-variants with counts and displacements from the per-rank step
+Every operation is an mpi4py buffer call on contiguous numpy arrays (no pickling on the data
+path) on the group communicator of its axes, within the session's deadline: MPI's blocking
+call under the watchdog where it runs (``MPI_THREAD_MULTIPLE``), else the non-blocking call and
+the session's polling wait. The first call of a step spec records what later calls of it need
+(communicator, datatype, operation, byte counts), so repeated steps go straight to MPI. Uneven blocks use the v-variants with counts and displacements from the per-rank step
 specs, so no sizes are exchanged at run time. Data movement sends each element as an
 unsigned integer of its size (every dtype, ``f16`` included, moves bit-exactly); reductions
 use MPI's own operations where MPI has the type, and otherwise, or in deterministic mode
@@ -17,13 +19,19 @@ from __future__ import annotations
 
 import itertools
 import math
-import sys
-from time import monotonic
 from typing import Any
 
 import numpy as np
 
-from dtm_mpi.comm.interface import CommStats, allreduce_moved
+from dtm_mpi.comm.buffers import ALIGN_FROM, OutputCache, empty_aligned
+from dtm_mpi.comm.interface import (
+    CommStats,
+    allgather_traffic,
+    allreduce_moved,
+    broadcast_traffic,
+    exchange_traffic,
+    reduce_scatter_traffic,
+)
 from dtm_mpi.comm.mpi_session import MpiSession
 from dtm_mpi.errors import CommError
 from dtm_mpi.ir.types import ReduceOp
@@ -37,7 +45,7 @@ from dtm_mpi.sharding.steps import (
     back_to_back,
 )
 
-__all__ = ["MpiComm", "empty_aligned", "tune_allocator"]
+__all__ = ["MpiComm"]
 
 
 def _starts(counts: list[int]) -> list[int]:
@@ -49,8 +57,8 @@ def _starts(counts: list[int]) -> list[int]:
 class _ExchangePlan:
     """Counts, displacements and the zero-copy decisions of one exchange on one rank."""
 
-    __slots__ = ("rc", "rd", "received", "recv_in_place", "recv_offsets", "sc", "sd",
-                 "send_run", "sent", "spec")  # fmt: skip
+    __slots__ = ("rc", "rd", "recv_in_place", "recv_offsets", "sc", "sd",
+                 "send_run", "spec", "traffic")  # fmt: skip
 
     def __init__(self, spec: ExchangeSpec, in_shape: tuple[int, ...], rank: int) -> None:
         self.spec = spec
@@ -69,49 +77,7 @@ class _ExchangePlan:
             0,
             total,
         )
-        self.sent = sum(t.count for t in spec.sends if t.peer != rank)
-        self.received = sum(t.count for t in spec.recvs if t.peer != rank)
-
-
-PAGE = 4096
-_ALIGN_FROM = 64 << 10  # below this, alignment is not worth a page of slack
-_REUSE_UP_TO = 4 << 20  # outputs up to this size are kept for reuse, one per op
-
-
-def empty_aligned(shape: int | tuple[int, ...] | list[int], dtype: Any) -> np.ndarray:
-    """``np.empty`` whose data starts on a page boundary when it is large: MPI's shared-memory
-    transport moves page-aligned buffers about twice as fast as heap-aligned ones (measured,
-    1 MiB allreduce at 2 ranks: 1.2 ms -> 0.5 ms). Over-allocates one page."""
-    dt = dtype if isinstance(dtype, np.dtype) else np.dtype(dtype)
-    dims = (shape,) if isinstance(shape, int) else tuple(shape)
-    nbytes = math.prod(dims) * dt.itemsize
-    if nbytes < _ALIGN_FROM:
-        return np.empty(dims, dtype=dt)
-    raw = np.empty(nbytes + PAGE, dtype=np.uint8)
-    offset = -int(raw.ctypes.data) % PAGE
-    out: np.ndarray = raw[offset : offset + nbytes].view(dt).reshape(dims)
-    return out
-
-
-def tune_allocator() -> bool:
-    """Keep freed large blocks in the heap (glibc ``mallopt``: no ``mmap`` below 1 GiB, no
-    trimming), so every collective's fresh output array reuses warm, already-mapped memory
-    instead of page-faulting a new mapping (measured: 1 MiB allreduce at 2 ranks 1.9 ms ->
-    0.5 ms). Process-wide, like a caching allocator; ``DTM_MALLOPT=0`` turns it off. Returns
-    whether it was applied."""
-    import ctypes
-    import os
-
-    if os.environ.get("DTM_MALLOPT", "1").strip() in ("0", "no", "false", "off"):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(
-        libc.mallopt(m_trim_threshold, 1 << 30)
-    )
+        self.traffic = exchange_traffic(spec, rank, 1)  # in elements
 
 
 class MpiComm:
@@ -128,16 +94,16 @@ class MpiComm:
         self._stats = CommStats()
         self._sends: list[tuple[Any, np.ndarray]] = []
         self._move = {1: mpi.UINT8_T, 2: mpi.UINT16_T, 4: mpi.UINT32_T, 8: mpi.UINT64_T}
-        self._reduce_types = {
-            "f4": mpi.FLOAT, "f8": mpi.DOUBLE, "i1": mpi.INT8_T, "i4": mpi.INT32_T,
-            "i8": mpi.INT64_T, "u1": mpi.UINT8_T,
+        self._by_dtype = {  # the types MPI reduces natively
+            np.dtype(k): v
+            for k, v in (("f4", mpi.FLOAT), ("f8", mpi.DOUBLE), ("i1", mpi.INT8_T),
+                         ("i4", mpi.INT32_T), ("i8", mpi.INT64_T), ("u1", mpi.UINT8_T))
         }  # fmt: skip
         self._plans: dict[tuple[int, tuple[int, ...]], _ExchangePlan] = {}
         self._prepared: dict[int, tuple[Any, ...]] = {}  # fast paths, by spec id
         self._bcast: dict[tuple[Any, ...], tuple[Any, ...]] = {}
-        self._outputs: dict[int, tuple[Any, np.ndarray, Any]] = {}  # reusable outputs
+        self._outputs = OutputCache()
         self._udt = {n: np.dtype(f"u{n}") for n in (1, 2, 4, 8)}
-        self._by_dtype = {np.dtype(k): v for k, v in self._reduce_types.items()}
         self._ops = {
             ReduceOp.SUM: mpi.SUM, ReduceOp.PROD: mpi.PROD, ReduceOp.MAX: mpi.MAX,
             ReduceOp.MIN: mpi.MIN,
@@ -232,46 +198,13 @@ class MpiComm:
         the blocking call under the watchdog's guard where the watchdog runs (MPI's fastest
         paths), else the non-blocking variant and the session's polling wait."""
         session = self.session
-        if session.poisoned is not None:
-            session.check()
-        if session.watchdog is not None:  # inline guard(): this is the per-call hot path
-            session.current = (what, axes, monotonic() + session.timeout_s)
-            try:
-                getattr(comm, name)(*args, **kwargs)
-            finally:
-                session.current = None
+        if session.watchdog is not None:
+            session.guarded(getattr(comm, name), what, axes, *args, **kwargs)
         else:
+            session.check()
             session.wait(
                 getattr(comm, "I" + name[0].lower() + name[1:])(*args, **kwargs), what, axes
             )
-
-    def _output(self, key: object, shape: Any, dtype: Any, big: bool) -> np.ndarray:
-        """A new output array for the op of ``key``, or the one returned last time when nobody
-        holds it (or any view of it) any more: the executor frees values after their last use,
-        so each step usually gets back the same warm, page-aligned buffer instead of a fresh
-        allocation (what a caching allocator does). Reference counts decide: the cache, its
-        tuple and the call's argument are the only references of a free buffer."""
-        cached = self._outputs.get(id(key))
-        if cached is not None and cached[0] is key:
-            _, out, owner = cached
-            if sys.getrefcount(out) == 3 and (owner is None or sys.getrefcount(owner) == 4):
-                return out
-        out = empty_aligned(shape, dtype) if big else np.empty(shape, dtype)
-        if out.nbytes <= _REUSE_UP_TO:  # bounded: a kept buffer is memory the plan did not count
-            self._outputs[id(key)] = (key, out, out.base)
-        return out
-
-    def _guarded(self, call: Any, what: str, axes: tuple[str, ...], *args: Any) -> None:
-        """``call(*args)`` (a blocking MPI call) under the watchdog's deadline (only on the
-        fast paths, which are taken only when the watchdog runs)."""
-        session = self.session
-        if session.poisoned is not None:
-            session.check()
-        session.current = (what, axes, monotonic() + session.timeout_s)
-        try:
-            call(*args)
-        finally:
-            session.current = None
 
     def _native(self, x: np.ndarray, op: ReduceOp) -> Any | None:
         """The MPI datatype to reduce ``x`` with MPI's own ``op``, or None to gather and fold
@@ -289,9 +222,9 @@ class MpiComm:
         prep = self._prepared.get(id(spec))
         if prep is not None and prep[0] is spec and prep[1] is x.dtype and x.flags.c_contiguous:
             _, dtype, comm, mtype, out_shape, sent, received, big = prep
-            out = self._output(spec, out_shape, dtype, big)
-            self._guarded(comm.Allgather, "allgather", axes, [x, mtype], [out, mtype])
-            self._count("allgather", sent, received)
+            out = self._outputs.get(spec, out_shape, dtype, big)
+            self.session.guarded(comm.Allgather, "allgather", axes, [x, mtype], [out, mtype])
+            self._stats.record("allgather", sent, received)
             return out
         comm = self.session.group(axes)
         counts = spec.counts
@@ -314,7 +247,7 @@ class MpiComm:
                 blocks.append(values[start : start + count].reshape(shape))
                 start += count
             out = np.concatenate(blocks, axis=spec.dim)
-        sent, received = (len(spec.counts) - 1) * x.nbytes, out.nbytes - x.nbytes
+        sent, received = allgather_traffic(x.nbytes, out.nbytes, len(spec.counts))
         self._stats.record("allgather", sent, received)
         if (
             self.session.watchdog is not None and len(set(counts)) == 1
@@ -322,7 +255,7 @@ class MpiComm:
         ):  # fmt: skip
             self._prepared[id(spec)] = (
                 spec, x.dtype, comm, self._move[x.itemsize], out.shape, sent, received,
-                out.nbytes >= _ALIGN_FROM,
+                out.nbytes >= ALIGN_FROM,
             )  # fmt: skip
         return out
 
@@ -330,7 +263,7 @@ class MpiComm:
         """Collective: call on all ranks of the group."""
         # The fast path for a spec seen before (the executor reuses its specs every step):
         # everything but the call itself was decided the first time. It sets the latency of
-        # small allreduces, so it is kept to a few attribute loads.
+        # small allreduces, so it is kept short.
         prep = self._prepared.get(id(spec))
         session = self.session
         if (
@@ -338,18 +271,9 @@ class MpiComm:
             and session.watchdog is not None and x.flags.c_contiguous
         ):  # fmt: skip
             _, dtype, _, comm, mtype, op, moved, big = prep
-            out = self._output(spec, x.shape, dtype, big)
-            if session.poisoned is not None:
-                session.check()
-            session.current = ("allreduce", axes, monotonic() + session.timeout_s)
-            try:
-                comm.Allreduce([x, mtype], [out, mtype], op)
-            finally:
-                session.current = None
-            stats = self._stats
-            stats.calls["allreduce"] += 1
-            stats.bytes_sent += moved
-            stats.bytes_received += moved
+            out = self._outputs.get(spec, x.shape, dtype, big)
+            session.guarded(comm.Allreduce, "allreduce", axes, [x, mtype], [out, mtype], op)
+            self._stats.record("allreduce", moved, moved)
             return out
         comm = session.group(axes)
         k = len(spec.group)
@@ -361,7 +285,7 @@ class MpiComm:
         elif x.size <= self.limit:
             self._prepared[id(spec)] = (
                 spec, x.dtype, axes, comm, mtype, self._ops[spec.op],
-                allreduce_moved(x, k, spec.position), x.nbytes >= _ALIGN_FROM,
+                allreduce_moved(x, k, spec.position), x.nbytes >= ALIGN_FROM,
             )  # fmt: skip
             send = x if x.flags.c_contiguous else np.ascontiguousarray(x)
             out = empty_aligned(x.shape, dtype=x.dtype)
@@ -393,12 +317,12 @@ class MpiComm:
         prep = self._prepared.get(id(spec))
         if prep is not None and prep[0] is spec and prep[1] is x.dtype and x.flags.c_contiguous:
             _, dtype, comm, mtype, counts, op, out_shape, sent, received, big = prep
-            out = self._output(spec, out_shape, dtype, big)
+            out = self._outputs.get(spec, out_shape, dtype, big)
             if len(set(counts)) == 1:  # counts are global: every member makes this same call
-                self._guarded(comm.Reduce_scatter_block, "reduce_scatter", axes, [x, mtype], [out, mtype], op)  # fmt: skip
+                self.session.guarded(comm.Reduce_scatter_block, "reduce_scatter", axes, [x, mtype], [out, mtype], op)  # fmt: skip
             else:
-                self._guarded(comm.Reduce_scatter, "reduce_scatter", axes, [x, mtype], [out, mtype], counts, op)  # fmt: skip
-            self._count("reduce_scatter", sent, received)
+                self.session.guarded(comm.Reduce_scatter, "reduce_scatter", axes, [x, mtype], [out, mtype], counts, op)  # fmt: skip
+            self._stats.record("reduce_scatter", sent, received)
             return out
         comm = self.session.group(axes)
         k = len(spec.group)
@@ -436,7 +360,7 @@ class MpiComm:
             ).view(x.dtype)
             out = reduce_arrays([got[j * mine : (j + 1) * mine] for j in range(k)], spec.op)
         out = out.reshape(out_shape)
-        sent, received = x.nbytes - out.nbytes, (k - 1) * out.nbytes
+        sent, received = reduce_scatter_traffic(x.nbytes, out.nbytes, k)
         self._stats.record("reduce_scatter", sent, received)
         if (
             mtype is not None and self.session.watchdog is not None
@@ -444,7 +368,7 @@ class MpiComm:
         ):  # fmt: skip
             self._prepared[id(spec)] = (
                 spec, x.dtype, comm, mtype, counts, self._ops[spec.op], tuple(out_shape), sent,
-                received, out.nbytes >= _ALIGN_FROM,
+                received, out.nbytes >= ALIGN_FROM,
             )  # fmt: skip
         return out
 
@@ -471,15 +395,15 @@ class MpiComm:
             and spec.max_count <= self.limit
             and self.session.watchdog is not None
         ):  # everything in place: one call, no copies
-            out = self._output(spec, spec.out_shape, x.dtype, True)
+            out = self._outputs.get(spec, spec.out_shape, x.dtype, True)
             mtype = self._move[x.itemsize]
             if spec.uniform:  # a group-wide fact: every member makes this same call
-                self._guarded(comm.Alltoall, what, axes, [x, mtype], [out, mtype])
-                self._count(what, plan.sent * x.itemsize, plan.received * x.itemsize)
+                self.session.guarded(comm.Alltoall, what, axes, [x, mtype], [out, mtype])
+                self._stats.record(what, plan.traffic[0] * x.itemsize, plan.traffic[1] * x.itemsize)
                 return out
-            self._guarded(comm.Alltoallv, what, axes, [x, (plan.sc, plan.sd), mtype],
+            self.session.guarded(comm.Alltoallv, what, axes, [x, (plan.sc, plan.sd), mtype],
                           [out, (plan.rc, plan.rd), mtype])  # fmt: skip
-            self._count(what, plan.sent * x.itemsize, plan.received * x.itemsize)
+            self._stats.record(what, plan.traffic[0] * x.itemsize, plan.traffic[1] * x.itemsize)
             return out
         udt = self._udt[x.itemsize]
         if plan.send_run is not None:  # back-to-back in member order: no packing
@@ -501,7 +425,7 @@ class MpiComm:
             values = rbuf.view(x.dtype)
             for t, d in zip(spec.recvs, plan.recv_offsets, strict=True):
                 out[t.region] = values[d : d + t.count].reshape(out[t.region].shape)
-        self._stats.record(what, plan.sent * x.itemsize, plan.received * x.itemsize)
+        self._stats.record(what, plan.traffic[0] * x.itemsize, plan.traffic[1] * x.itemsize)
         return out
 
     def broadcast(self, x: np.ndarray, axes: tuple[str, ...], root: int) -> np.ndarray:
@@ -510,9 +434,9 @@ class MpiComm:
         prep = self._bcast.get(key)
         if prep is not None and x.flags.c_contiguous:
             comm, mtype, is_root, sent, received, big = prep
-            buf = x if is_root else self._output(prep, x.shape, x.dtype, big)
-            self._guarded(comm.Bcast, "broadcast", axes, [buf, mtype], root)
-            self._count("broadcast", sent, received)
+            buf = x if is_root else self._outputs.get(prep, x.shape, x.dtype, big)
+            self.session.guarded(comm.Bcast, "broadcast", axes, [buf, mtype], root)
+            self._stats.record("broadcast", sent, received)
             return buf
         comm = self.session.group(axes)
         is_root = int(comm.Get_rank()) == root
@@ -525,19 +449,13 @@ class MpiComm:
                 comm, "Bcast", "broadcast", axes, [flat[lo : lo + self.limit], mtype], root=root
             )
         k = int(comm.Get_size())
-        sent, received = ((k - 1) * x.nbytes, 0) if is_root else (0, x.nbytes)
+        sent, received = broadcast_traffic(x.nbytes, k, is_root)
         self._stats.record("broadcast", sent, received)
         if self.session.watchdog is not None and x.size <= self.limit:
             self._bcast[key] = (
-                comm, self._move[x.itemsize], is_root, sent, received, x.nbytes >= _ALIGN_FROM
+                comm, self._move[x.itemsize], is_root, sent, received, x.nbytes >= ALIGN_FROM
             )  # fmt: skip
         return buf
-
-    def _count(self, what: str, sent: int, received: int) -> None:
-        stats = self._stats
-        stats.calls[what] += 1
-        stats.bytes_sent += sent
-        stats.bytes_received += received
 
     def send(self, x: np.ndarray, peer: int, tag: int) -> None:
         """Point-to-point (not collective): posts the transfer and returns; :meth:`flush`
@@ -567,8 +485,8 @@ class MpiComm:
         for lo in range(0, max(flat.size, 1), self.limit):
             part = flat[lo : lo + self.limit]
             if self.session.watchdog is not None:
-                with self.session.guard("recv"):
-                    self.session.cart.Recv([part, mtype], source=peer, tag=tag, status=status)
+                recv = self.session.cart.Recv
+                self.session.guarded(recv, "recv", (), [part, mtype], source=peer, tag=tag, status=status)  # fmt: skip
             else:
                 req = self.session.cart.Irecv([part, mtype], source=peer, tag=tag)
                 self.session.wait(req, "recv", status=status)

@@ -20,12 +20,11 @@ job must end with :meth:`MpiSession.end_job`, never with ``MPI_Finalize``.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 from dtm_mpi.comm.abort import write_line
@@ -77,7 +76,7 @@ class MpiSession:
         self.label = "dtm run"  # how this rank's error line starts
         self.poisoned: BaseException | None = None
         self._phase = "session"
-        from dtm_mpi.comm.mpi_comm import tune_allocator
+        from dtm_mpi.comm.buffers import tune_allocator
 
         tune_allocator()
         self.comm = base.Dup()
@@ -156,14 +155,15 @@ class MpiSession:
         if self.poisoned is not None:
             raise PoisonedError(self.poisoned)
 
-    @contextlib.contextmanager
-    def guard(self, op: str, axes: tuple[str, ...] = ()) -> Iterator[None]:
-        """Mark the main thread as inside ``op`` until the block ends: the watchdog ends the
-        job if it is still there at the deadline (for blocking MPI calls)."""
-        self.check()
-        self.current = (op, axes, time.monotonic() + self.timeout_s)
+    def guarded(self, call: Any, what: str, axes: tuple[str, ...], *args: Any, **kwargs: Any) -> None:  # fmt: skip
+        """``call(*args, **kwargs)`` (a blocking MPI call) with the main thread marked as
+        inside ``what`` on ``axes``: the watchdog ends the job if it is still there at the
+        deadline. Only for sessions with a watchdog."""
+        if self.poisoned is not None:
+            self.check()
+        self.current = (what, axes, time.monotonic() + self.timeout_s)
         try:
-            yield
+            call(*args, **kwargs)
         finally:
             self.current = None
 
@@ -177,8 +177,7 @@ class MpiSession:
         at most 1 ms, checking the control channel every 64 polls, then at every poll."""
         self.check()
         if self.watchdog is not None:
-            with self.guard(op, axes):
-                request.Wait(status)
+            self.guarded(request.Wait, op, axes, status)
             return
         test = request.Test
         if test(status):
@@ -241,16 +240,12 @@ class MpiSession:
         raises the same :class:`RemoteFailureError` listing each failed rank and its message.
 
         Collective: call on all ranks."""
-        from dtm_mpi.comm.agreement import agree_outcome
+        from dtm_mpi.comm.agreement import agree_or_raise
 
         self.check()
-        message = "" if error is None else (str(error) or type(error).__name__)
-        failures = agree_outcome(
-            self.comm, ok=error is None, message=message, phase=phase,
-            timeout_s=self.timeout_s, wait=self.wait,
-        )  # fmt: skip
-        if failures:
-            raise RemoteFailureError(phase, failures)
+        agree_or_raise(
+            self.comm, phase=phase, error=error, timeout_s=self.timeout_s, wait=self.wait
+        )
 
     # -- failures ------------------------------------------------------------------------------
     def notify_failure(self, phase: str, message: str) -> None:

@@ -22,7 +22,14 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from dtm_mpi.comm.interface import CommStats, allreduce_moved
+from dtm_mpi.comm.interface import (
+    CommStats,
+    allgather_traffic,
+    allreduce_moved,
+    broadcast_traffic,
+    exchange_traffic,
+    reduce_scatter_traffic,
+)
 from dtm_mpi.errors import (
     CommError,
     CommTimeoutError,
@@ -146,7 +153,7 @@ class SimComm:
     def allgather(self, x: np.ndarray, axes: tuple[str, ...], spec: AllgatherSpec) -> np.ndarray:
         blocks, _ = self._meet(axes, "allgather", x)
         out = np.concatenate(blocks, axis=spec.dim)
-        self._stats.record("allgather", (len(blocks) - 1) * x.nbytes, out.nbytes - x.nbytes)
+        self._stats.record("allgather", *allgather_traffic(x.nbytes, out.nbytes, len(blocks)))
         return out
 
     def allreduce(self, x: np.ndarray, axes: tuple[str, ...], spec: AllreduceSpec) -> np.ndarray:
@@ -164,9 +171,8 @@ class SimComm:
         index[spec.dim] = slice(start, start + length)
         pieces = [np.array(c[tuple(index)], order="C") for c in contribs]
         out = reduce_arrays(pieces, spec.op)
-        self._stats.record(
-            "reduce_scatter", x.nbytes - out.nbytes, (len(contribs) - 1) * out.nbytes
-        )
+        traffic = reduce_scatter_traffic(x.nbytes, out.nbytes, len(contribs))
+        self._stats.record("reduce_scatter", *traffic)
         return out
 
     def exchange(
@@ -175,23 +181,16 @@ class SimComm:
         members, _ = self._meet(axes, what, (x, spec))
         by_rank = {s.group[s.position]: (a, s) for a, s in members}
         out = np.empty(spec.out_shape, dtype=x.dtype)
-        received = 0
         for recv in spec.recvs:
             src, src_spec = by_rank[recv.peer]
             (send,) = [t for t in src_spec.sends if t.peer == self._rank]
             out[recv.region] = src[send.region]
-            if recv.peer != self._rank:
-                received += recv.count
-        sent = sum(t.count for t in spec.sends if t.peer != self._rank)
-        self._stats.record(what, sent * x.itemsize, received * x.itemsize)
+        self._stats.record(what, *exchange_traffic(spec, self._rank, x.itemsize))
         return out
 
     def broadcast(self, x: np.ndarray, axes: tuple[str, ...], root: int) -> np.ndarray:
         blocks, pos = self._meet(axes, "broadcast", x)
-        k = len(blocks)
-        self._stats.record(
-            "broadcast", (k - 1) * x.nbytes if pos == root else 0, 0 if pos == root else x.nbytes
-        )
+        self._stats.record("broadcast", *broadcast_traffic(x.nbytes, len(blocks), pos == root))
         return np.array(blocks[root], copy=True)
 
     def send(self, x: np.ndarray, peer: int, tag: int) -> None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import Any
 
-__all__ = ["describe_world"]
+__all__ = ["describe_world", "world_comm"]
 
 
 def describe_world() -> str:
@@ -38,3 +39,11 @@ def describe_world() -> str:
         f"  rank {r}: host {host}, node-local {lr}/{ls}, pid {pid}" for r, host, lr, ls, pid in rows
     ]
     return "\n".join(lines)
+
+
+def world_comm() -> Any:
+    """``MPI.COMM_WORLD`` (initialising MPI on first use), for code outside ``dtm_mpi.comm``
+    to hand to the functions here without importing mpi4py itself."""
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD

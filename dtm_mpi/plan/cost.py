@@ -117,7 +117,7 @@ def function_cost(plan: ExecPlan, fp: FunctionPlan) -> FunctionCost:
     ops: list[OpCost] = []
     for p in fp.ops:
         op = p.op
-        operand = types.get(op.operands[0]) if op.operands else None
+        operand = p.operand_types[0] if p.operand_types else None
         shapes = tuple(
             tuple(local_shape(t.shape, t.layout, mesh, r) for t in op.result_types) for r in ranks
         )

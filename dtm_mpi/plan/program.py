@@ -22,10 +22,11 @@ message. Each op of each function becomes a :class:`PlanOp`:
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dtm_mpi.errors import PlanError, UsageError
 from dtm_mpi.ir.nodes import Function, Module, Op
+from dtm_mpi.ir.types import TensorType
 from dtm_mpi.ir.verify import function_mesh
 from dtm_mpi.kernels.registry import COMM_OPS
 from dtm_mpi.sharding.mesh import MeshShape
@@ -57,6 +58,7 @@ class PlanOp:
     root: int = 0  # BROADCAST: index along axes; SEND/RECV: the source coordinate
     dst: int = 0  # SEND / RECV: the destination coordinate
     tag: int = 0
+    operand_types: tuple[TensorType, ...] = ()  # known when planning: the verifier checked them
 
     @property
     def where(self) -> str:
@@ -122,13 +124,11 @@ def _axes(op: Op, key: str) -> tuple[str, ...]:
     return tuple(str(a) for a in value)
 
 
-def _plan_op(op: Op, types: dict[str, object], mesh: MeshShape) -> PlanOp:
-    from dtm_mpi.ir.types import TensorType
-
+def _plan_op(op: Op, mesh: MeshShape, src: TensorType | None) -> PlanOp:
+    """``src``: the type of the first operand (the value a redistribution starts from)."""
     name = op.name
     if name in _REDIST_OPS:
-        src = types[op.operands[0]]
-        assert isinstance(src, TensorType)
+        assert src is not None
         dst = op.result_types[0]
         try:
             plan = plan_redistribute(src, dst.layout, mesh)
@@ -155,7 +155,7 @@ def _plan_op(op: Op, types: dict[str, object], mesh: MeshShape) -> PlanOp:
 
 
 def _plan_function(f: Function, mesh: MeshShape) -> FunctionPlan:
-    types: dict[str, object] = {p.name: p.type for p in f.params}
+    types: dict[str, TensorType] = {p.name: p.type for p in f.params}
     last_use: dict[str, int] = {}
     for i, op in enumerate(f.body):
         for name in op.operands:
@@ -167,10 +167,11 @@ def _plan_function(f: Function, mesh: MeshShape) -> FunctionPlan:
             frees_at.setdefault(i, []).append(name)
     ops: list[PlanOp] = []
     for i, op in enumerate(f.body):
-        p = _plan_op(op, types, mesh)
+        operand_types = tuple(types[n] for n in op.operands)
+        p = _plan_op(op, mesh, operand_types[0] if operand_types else None)
         unused = [r for r in op.results if r not in last_use and r not in keep]
         frees = tuple(sorted(frees_at.get(i, []))) + tuple(unused)
-        ops.append(PlanOp(p.op, p.kind, p.redist, frees, p.axes, p.root, p.dst, p.tag))
+        ops.append(replace(p, frees=frees, operand_types=operand_types))
         for r, t in zip(op.results, op.result_types, strict=True):
             types[r] = t
     return FunctionPlan(f, tuple(ops))

@@ -10,6 +10,7 @@ the op and its source line, so the agreed error of a distributed run says where 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -70,15 +71,17 @@ class Executor:
         self.mesh = plan.mesh
         self.rank = comm.rank
         self.kernels = backend_kernels(backend)
-        self._prepared: dict[int, object] = {}
+        # per-op facts of this rank, computed once (the plan, and so its ops, outlive them)
+        self._kernels: dict[int, tuple[Kernel, KernelContext]] = {}
+        self._specs_of: dict[int, tuple[StepSpec, ...]] = {}
 
     # -- per-op facts, computed once per rank -------------------------------------------------
     def local_shape(self, t: TensorType) -> tuple[int, ...]:
         return local_shape(t.shape, t.layout, self.mesh, self.rank)
 
-    def _kernel(self, p: PlanOp) -> tuple[Kernel, KernelContext]:
-        key = id(p)
-        got = self._prepared.get(key)
+    def _kernel(self, p: PlanOp, step: int) -> tuple[Kernel, KernelContext]:
+        """The op's kernel and context on this rank (computed once; only ``step`` changes)."""
+        got = self._kernels.get(id(p))
         if got is None:
             op = p.op
             kernel = self.kernels.get(op.name)
@@ -86,23 +89,25 @@ class Executor:
                 raise KernelError(f"backend has no kernel for op {op.name!r}")
             ctx = KernelContext(
                 op,
-                (),
+                p.operand_types,
                 op.result_types,
                 tuple(self.local_shape(t) for t in op.result_types),
                 tuple(
                     local_offsets(t.shape, t.layout, self.mesh, self.rank) for t in op.result_types
                 ),
+                step,
             )
-            got = self._prepared[key] = (kernel, ctx)
-        return got  # type: ignore[return-value]
+            got = self._kernels[id(p)] = (kernel, ctx)
+        if got[1].step != step:
+            got = self._kernels[id(p)] = (got[0], replace(got[1], step=step))
+        return got
 
     def _specs(self, p: PlanOp) -> tuple[StepSpec, ...]:
-        key = id(p)
-        got = self._prepared.get(key)
+        got = self._specs_of.get(id(p))
         if got is None:
             assert p.redist is not None
-            got = self._prepared[key] = p.redist.rank_specs(self.rank)
-        return got  # type: ignore[return-value]
+            got = self._specs_of[id(p)] = p.redist.rank_specs(self.rank)
+        return got
 
     def _peer(self, axes: tuple[str, ...], coord: int) -> int:
         """The rank equal to this one except at ``coord`` along ``axes`` (one axis)."""
@@ -125,13 +130,12 @@ class Executor:
         f = fp.function
         faults = bool(get_config().faults)
         env: dict[str, np.ndarray] = {p.name: a for p, a in zip(f.params, args, strict=True)}
-        operand_types: dict[str, TensorType] = {p.name: p.type for p in f.params}
         for p in fp.ops:
             op = p.op
             try:
                 if faults:
                     maybe_fail(self.rank, op.name)
-                outs = self._run_op(p, [env[n] for n in op.operands], operand_types, step)
+                outs = self._run_op(p, [env[n] for n in op.operands], step)
             except DtmError as err:
                 if getattr(err, "phase", None) is None:
                     err.phase = f"step {step}, {op.name} at {p.where}"  # type: ignore[attr-defined]
@@ -140,28 +144,17 @@ class Executor:
                 raise KernelError(
                     f"{op.name} at {p.where} failed on rank {self.rank}: {type(exc).__name__}: {exc}"
                 ) from exc
-            for r, v, t in zip(op.results, outs, op.result_types, strict=True):
+            for r, v in zip(op.results, outs, strict=True):
                 env[r] = v
-                operand_types[r] = t
             for name in p.frees:
                 env.pop(name, None)
         return tuple(env[r] for r in f.returns)
 
-    def _run_op(
-        self,
-        p: PlanOp,
-        xs: list[np.ndarray],
-        types: dict[str, TensorType],
-        step: int,
-    ) -> tuple[np.ndarray, ...]:
+    def _run_op(self, p: PlanOp, xs: list[np.ndarray], step: int) -> tuple[np.ndarray, ...]:
         kind = p.kind
         op = p.op
         if kind is OpKind.KERNEL:
-            kernel, ctx = self._kernel(p)
-            ctx = KernelContext(
-                op, tuple(types[n] for n in op.operands), ctx.result_types, ctx.local_shapes,
-                ctx.offsets, step,
-            )  # fmt: skip
+            kernel, ctx = self._kernel(p, step)
             with np.errstate(all="ignore"):  # IEEE results (inf, nan) are the op's semantics
                 outs = kernel(ctx, xs)
             for out, want in zip(outs, ctx.local_shapes, strict=True):

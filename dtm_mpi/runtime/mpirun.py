@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -70,13 +71,12 @@ def run_under_mpi(args: MpiRunArgs) -> int:
     """Run on every rank of ``MPI.COMM_WORLD``; returns 0 or ends the job.
 
     Collective: call on all ranks."""
-    from mpi4py import MPI
-
-    from dtm_mpi.comm.agreement import agree_outcome
+    from dtm_mpi.comm.agreement import agree_or_raise
+    from dtm_mpi.comm.world import world_comm
     from dtm_mpi.config import get_config
 
     config = get_config()
-    world = MPI.COMM_WORLD
+    world = world_comm()
     rank, size = int(world.Get_rank()), int(world.Get_size())
 
     # load: every rank reads and verifies; local failures agreed on the world communicator
@@ -89,14 +89,9 @@ def run_under_mpi(args: MpiRunArgs) -> int:
         module = _load(args.file)
     except (DtmError, OSError) as exc:
         error = exc
-    failures = agree_outcome(
-        world, ok=error is None, message=str(error) if error else "", phase="load",
-        timeout_s=config.timeout_s,
-    )  # fmt: skip
-    if failures:
-        raise RemoteFailureError("load", failures)
+    agree_or_raise(world, phase="load", error=error, timeout_s=config.timeout_s)
     assert module is not None
-    return _run_session(module, args, rank, size)
+    return _run_session(module, args, world, rank, size)
 
 
 def _load(path: str) -> object:
@@ -109,10 +104,8 @@ def _load(path: str) -> object:
     return module
 
 
-def _run_session(module: object, args: MpiRunArgs, rank: int, size: int) -> int:
-    from mpi4py import MPI
-
-    from dtm_mpi.comm.agreement import agree_outcome
+def _run_session(module: object, args: MpiRunArgs, world: Any, rank: int, size: int) -> int:
+    from dtm_mpi.comm.agreement import agree_or_raise
     from dtm_mpi.comm.handshake import PROTOCOL_VERSION, Hello, handshake
     from dtm_mpi.comm.mpi_comm import MpiComm
     from dtm_mpi.comm.mpi_session import MpiSession
@@ -135,12 +128,7 @@ def _run_session(module: object, args: MpiRunArgs, rank: int, size: int) -> int:
             check_memory(plan, args.max_bytes_per_rank)
     except DtmError as exc:
         error = exc
-    failures = agree_outcome(
-        MPI.COMM_WORLD, ok=error is None, message=str(error) if error else "", phase="plan",
-        timeout_s=config.timeout_s,
-    )  # fmt: skip
-    if failures:
-        raise RemoteFailureError("plan", failures)
+    agree_or_raise(world, phase="plan", error=error, timeout_s=config.timeout_s)
     assert plan is not None
     mesh = plan.mesh
     session = MpiSession(mesh, timeout_s=config.timeout_s, join=False)
@@ -215,7 +203,13 @@ def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, ra
     from dtm_mpi.plan.program import ExecPlan
     from dtm_mpi.runtime.executor import Executor, run_redistribution
     from dtm_mpi.runtime.faults import maybe_fail
-    from dtm_mpi.runtime.session import check_inputs, initial_blocks
+    from dtm_mpi.runtime.session import (
+        initial_blocks,
+        output_values,
+        run_steps,
+        summary_lines,
+    )
+    from dtm_mpi.runtime.values import check_inputs
     from dtm_mpi.sharding.redistribute import plan_redistribute
 
     assert isinstance(session, MpiSession) and isinstance(comm, MpiComm)
@@ -235,37 +229,27 @@ def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, ra
         error = exc
     session.agree("inputs", error)
 
-    executor = Executor(plan, comm, args.backend)
-    index = {p.name: i for i, p in enumerate(entry.params)}
-    results: tuple[np.ndarray, ...] = ()
-    for step in range(args.steps):
+    def before_step(step: int) -> None:
         session.phase = f"step {step}"
         maybe_fail(rank, "step")
-        results = executor.run(blocks, step)
-        session.agree(f"step {step}", None)  # every rank finished: commit the state updates
-        for spec, value in zip(entry.results, results, strict=True):
-            if spec.updates is not None:
-                blocks[index[spec.updates]] = value
+
+    def commit(step: int) -> None:  # every rank finished the step: its state updates apply
+        session.agree(f"step {step}", None)
+
+    executor = Executor(plan, comm, args.backend)
+    results = run_steps(executor, blocks, args.steps, before_step=before_step, commit=commit)
 
     session.phase = "output"
     maybe_fail(rank, "output")
     outputs: dict[str, np.ndarray] = {}
-    named = [
-        (f"result{i}", spec.type, v)
-        for i, (spec, v) in enumerate(zip(entry.results, results, strict=True))
-    ]
-    named += [(p.name.lstrip("%"), p.type, blocks[i]) for i, p in enumerate(entry.params)]
-    for name, t, block in named:
+    for name, t, block in output_values(entry, results, blocks):
         gather = plan_redistribute(t, Layout.replicated(t.rank), plan.mesh)
         outputs[name] = run_redistribution(gather, gather.rank_specs(rank), block, comm)
     error = None
     if rank == 0:
         try:
-            for name, value in outputs.items():
-                summary = (
-                    f"mean {float(value.astype('float64').mean()):.6g}" if value.size else "empty"
-                )
-                print(f"{name:>12}  {value.dtype}{list(value.shape)}  {summary}")
+            for line in summary_lines(outputs):
+                print(line)
             if args.output:
                 save_npz(args.output, outputs)
                 print(f"wrote {args.output}")

@@ -15,7 +15,7 @@ import numpy as np
 from dtm_mpi.errors import UsageError
 from dtm_mpi.ir.nodes import Function, Module
 from dtm_mpi.ir.registry import OPS, lookup_op
-from dtm_mpi.runtime.values import check_input, init_global
+from dtm_mpi.runtime.values import check_inputs, init_global
 
 __all__ = ["StepResult", "evaluate_function", "run_reference"]
 
@@ -67,19 +67,11 @@ def run_reference(
         raise UsageError(f"module {module.name} has no entry function")
     if steps < 1:
         raise UsageError(f"--steps must be >= 1; got {steps}")
-    given = dict(inputs or {})
-    values: dict[str, np.ndarray] = {}
-    for p in entry.params:
-        key = p.name.lstrip("%")
-        if key in given:
-            values[p.name] = check_input(key, p.type, np.asarray(given.pop(key)), "inputs")
-        else:
-            values[p.name] = init_global(p)
-    if given:
-        raise UsageError(
-            f"inputs {', '.join(sorted(given))} match no parameter of @{entry.name} "
-            f"(parameters: {', '.join(p.name.lstrip('%') for p in entry.params)})"
-        )
+    given = check_inputs(module, inputs or {})
+    values = {
+        p.name: given[p.name.lstrip("%")] if p.name.lstrip("%") in given else init_global(p)
+        for p in entry.params
+    }
     history: list[StepResult] = []
     for step in range(steps):
         args = tuple(values[p.name] for p in entry.params)

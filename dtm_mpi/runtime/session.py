@@ -9,26 +9,29 @@ a replicated layout (pending reductions completed in group order).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
 from dtm_mpi.comm.interface import Comm, CommStats
 from dtm_mpi.errors import UsageError
-from dtm_mpi.ir.nodes import InitKind, Module
+from dtm_mpi.ir.nodes import Function, Module
 from dtm_mpi.ir.types import Layout, TensorType
 from dtm_mpi.plan.program import ExecPlan, compile_plan, mesh_for
 from dtm_mpi.runtime.executor import Executor
-from dtm_mpi.runtime.values import check_input, init_block
+from dtm_mpi.runtime.values import check_inputs, init_block
 from dtm_mpi.sharding.blocks import local_block, local_offsets, local_shape
 from dtm_mpi.sharding.collectives import apply_plan
 from dtm_mpi.sharding.mesh import MeshShape
 from dtm_mpi.sharding.redistribute import plan_redistribute
 
+T = TypeVar("T")
+
 __all__ = [
-    "RankOutcome", "RunResult", "assemble", "check_inputs", "initial_blocks", "run_rank",
-    "run_simulated",
+    "RankOutcome", "RunResult", "assemble", "initial_blocks", "output_values",
+    "run_rank", "run_simulated", "run_steps", "summary_lines",
 ]  # fmt: skip
 
 
@@ -46,40 +49,15 @@ class RunResult:
     """Global values after a run: final parameters (state included) by name (without ``%``),
     each step's results, and each rank's communication statistics."""
 
+    entry: Function
     params: dict[str, np.ndarray]
     results: list[tuple[np.ndarray, ...]]
     stats: list[CommStats] = field(default_factory=list)
 
     def outputs(self) -> dict[str, np.ndarray]:
-        """What ``dtm run -o`` writes: the last step's results as ``result0``, ``result1``,
-        ... and the final value of every state parameter by name."""
-        out = {f"result{i}": v for i, v in enumerate(self.results[-1])} if self.results else {}
-        out.update(self.params)
-        return out
-
-
-def check_inputs(module: Module, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The inputs that match entry parameters, checked and converted (shape, dtype); a name
-    matching no parameter is an error naming the parameters."""
-    entry = module.entry
-    assert entry is not None
-    names = {p.name.lstrip("%"): p for p in entry.params}
-    out: dict[str, np.ndarray] = {}
-    for key, value in inputs.items():
-        if key not in names:
-            raise UsageError(
-                f"input {key!r} matches no parameter of @{entry.name} (parameters: "
-                f"{', '.join(names) or 'none'})"
-            )
-        out[key] = check_input(key, names[key].type, np.asarray(value), "the inputs")
-    for key, p in names.items():
-        if key not in out and (p.init is None or p.init.kind is InitKind.STORE):
-            how = "is 'init store' (the tensor store is issue #6)" if p.init else "has no init"
-            raise UsageError(
-                f"parameter {p.name} of @{entry.name} {how} and no input supplies it; give it "
-                f"with -i/--input (.npy named {key}.npy, .npz or .h5 holding {key!r})"
-            )
-    return out
+        """What ``dtm run -o`` writes (:func:`output_values`)."""
+        named = output_values(self.entry, self.results[-1], list(self.params.values()))
+        return {name: v for name, _, v in named}
 
 
 def run_rank(
@@ -94,18 +72,65 @@ def run_rank(
     (some) entry parameters, by name; the others get their declared init.
 
     Collective: call on all ranks."""
-    entry = plan.entry_plan.function
     args = initial_blocks(plan, comm.rank, inputs)
-    index = {p.name: i for i, p in enumerate(entry.params)}
-    executor = Executor(plan, comm, backend)
     history: list[tuple[np.ndarray, ...]] = []
+    run_steps(Executor(plan, comm, backend), args, steps, history=history)
+    return RankOutcome(tuple(args), history, comm.stats)
+
+
+def run_steps(
+    executor: Executor,
+    blocks: list[np.ndarray],
+    steps: int,
+    *,
+    before_step: Callable[[int], None] | None = None,
+    commit: Callable[[int], None] | None = None,
+    history: list[tuple[np.ndarray, ...]] | None = None,
+) -> tuple[np.ndarray, ...]:
+    """Run the entry function ``steps`` times on this rank's ``blocks`` of its parameters,
+    replacing each state parameter by the result that ``updates`` it after every step (spec
+    §7.3: all updates of a step take effect together). ``commit(step)`` runs before the
+    updates are applied (under MPI: the agreement that every rank finished the step);
+    ``history`` collects every step's results. Returns the last step's results.
+
+    Collective: call on all ranks."""
+    entry = executor.plan.entry_plan.function
+    index = {p.name: i for i, p in enumerate(entry.params)}
+    results: tuple[np.ndarray, ...] = ()
     for step in range(steps):
-        results = executor.run(args, step)
-        history.append(results)
+        if before_step is not None:
+            before_step(step)
+        results = executor.run(blocks, step)
+        if commit is not None:
+            commit(step)
+        if history is not None:
+            history.append(results)
         for spec, value in zip(entry.results, results, strict=True):
             if spec.updates is not None:
-                args[index[spec.updates]] = value
-    return RankOutcome(tuple(args), history, comm.stats)
+                blocks[index[spec.updates]] = value
+    return results
+
+
+def output_values(
+    entry: Function, results: Sequence[T], params: Sequence[T]
+) -> list[tuple[str, TensorType, T]]:
+    """What ``dtm run -o`` writes, as (name, type, value): the last step's results as
+    ``result0``, ``result1``, ... and the final value of every entry parameter by name."""
+    named = [
+        (f"result{i}", spec.type, v)
+        for i, (spec, v) in enumerate(zip(entry.results, results, strict=True))
+    ]
+    named += [(p.name.lstrip("%"), p.type, v) for p, v in zip(entry.params, params, strict=True)]
+    return named
+
+
+def summary_lines(outputs: Mapping[str, np.ndarray]) -> list[str]:
+    """One line per output: name, dtype, shape and mean (what ``dtm run`` prints)."""
+    lines = []
+    for name, value in outputs.items():
+        summary = f"mean {float(value.astype('float64').mean()):.6g}" if value.size else "empty"
+        lines.append(f"{name:>12}  {value.dtype}{list(value.shape)}  {summary}")
+    return lines
 
 
 def initial_blocks(plan: ExecPlan, rank: int, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
@@ -168,4 +193,4 @@ def run_simulated(
         )
         for s in range(steps)
     ]
-    return RunResult(params, results, [o.stats for o in outcomes])
+    return RunResult(entry, params, results, [o.stats for o in outcomes])

@@ -8,18 +8,18 @@ and are not available here.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from dtm_mpi.errors import UsageError
-from dtm_mpi.ir.nodes import InitKind, Param
+from dtm_mpi.ir.nodes import InitKind, Module, Param
 from dtm_mpi.ir.ops._common import as_dtype, np_dtype
 from dtm_mpi.ir.ops.create import random_values
 from dtm_mpi.ir.types import TensorType
 from dtm_mpi.kernels.numpy_backend import global_flat_index
 
-__all__ = ["init_block", "init_global"]
+__all__ = ["check_input", "check_inputs", "init_block", "init_global"]
 
 
 def init_block(param: Param, offsets: Sequence[int], shape: Sequence[int]) -> np.ndarray:
@@ -71,3 +71,27 @@ def check_input(name: str, t: TensorType, value: np.ndarray, where: str) -> np.n
     if have.kind not in "fiub":
         raise UsageError(f"input {name} from {where} has unsupported dtype {have}")
     return np.array(value.astype(want, copy=False), order="C")
+
+
+def check_inputs(module: Module, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The inputs that match entry parameters, checked and converted (shape, dtype); a name
+    matching no parameter is an error naming the parameters."""
+    entry = module.entry
+    assert entry is not None
+    names = {p.name.lstrip("%"): p for p in entry.params}
+    out: dict[str, np.ndarray] = {}
+    for key, value in inputs.items():
+        if key not in names:
+            raise UsageError(
+                f"input {key!r} matches no parameter of @{entry.name} (parameters: "
+                f"{', '.join(names) or 'none'})"
+            )
+        out[key] = check_input(key, names[key].type, np.asarray(value), "the inputs")
+    for key, p in names.items():
+        if key not in out and (p.init is None or p.init.kind is InitKind.STORE):
+            how = "is 'init store' (the tensor store is issue #6)" if p.init else "has no init"
+            raise UsageError(
+                f"parameter {p.name} of @{entry.name} {how} and no input supplies it; give it "
+                f"with -i/--input (.npy named {key}.npy, .npz or .h5 holding {key!r})"
+            )
+    return out
