@@ -64,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     bcomm.add_argument(
         "--sizes", default=None, help="comma-separated sizes (8,64K,1M); default 8 B..64 MiB"
     )
-    bcomm.add_argument("--repeat", type=int, default=3, help="rounds; the best is reported")
+    bcomm.add_argument(
+        "--repeat", type=int, default=30, help="alternating rounds; the best block is reported"
+    )
     bcomm.add_argument("--csv", default=None, metavar="FILE", help="write one row per (op, bytes)")
     bcomm.set_defaults(func=_cmd_bench_comm)
     info = sub.add_parser("info", help="report the runtime: MPI, parallel HDF5, ranks (collective)")

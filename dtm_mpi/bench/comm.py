@@ -5,7 +5,7 @@ and size, both paths run in the same process, alternating, on the same numpy buf
 path is :class:`~dtm_mpi.comm.mpi_comm.MpiComm` (what the executor calls: group
 communicator, non-blocking call, bounded wait, accounting), the raw path is mpi4py's blocking
 buffer call on a duplicate of the world communicator. Times are the slowest rank's mean over
-the iterations (best of ``repeat`` rounds).
+a block of calls, best of ``repeat`` alternating rounds.
 
 Sizes and bandwidths follow nccl-tests: ``bytes`` is the whole array (allreduce and broadcast:
 the buffer; allgather: the gathered output; reduce_scatter: the input; all_to_all: what one
@@ -26,6 +26,8 @@ from dtm_mpi.errors import UsageError
 
 __all__ = ["BenchRow", "default_sizes", "parse_size", "run_comm_bench"]
 
+BLOCK_BYTES = 8 << 20
+"""Bytes per timed block (at least one call, at most 1000): about a millisecond of work."""
 OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "all_to_all")
 
 
@@ -134,7 +136,7 @@ def _cases(op: str, nbytes: int, comm_dtm: Any, raw: Any, n: int, rank: int) -> 
 
 
 def run_comm_bench(
-    ops: Sequence[str] = OPS, sizes: Sequence[int] | None = None, repeat: int = 3,
+    ops: Sequence[str] = OPS, sizes: Sequence[int] | None = None, repeat: int = 30,
     csv_path: str | None = None,
 ) -> str:  # fmt: skip
     """Run the benchmark on every rank of the world; returns the table on rank 0.
@@ -159,7 +161,10 @@ def run_comm_bench(
     for op in ops:
         for nbytes in sizes or default_sizes():
             dtm_fn, raw_fn = _cases(op, nbytes, dtm_comm, raw, n, rank)
-            iters = max(3, min(2000, (64 << 20) // max(nbytes, 1) // 8))
+            # short blocks, many alternating rounds, the best block of each path: on a shared
+            # machine noise only ever slows a block down, and one noisy block in a long run
+            # would decide the ratio
+            iters = max(1, min(1000, BLOCK_BYTES // max(nbytes, 1)))
             for fn in (dtm_fn, raw_fn):  # warm up both paths
                 for _ in range(min(iters, 20)):
                     fn()

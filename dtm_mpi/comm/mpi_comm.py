@@ -17,8 +17,10 @@ count) are split into rounds of at most that many elements per peer.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -100,8 +102,9 @@ class MpiComm:
                          ("i4", mpi.INT32_T), ("i8", mpi.INT64_T), ("u1", mpi.UINT8_T))
         }  # fmt: skip
         self._plans: dict[tuple[int, tuple[int, ...]], _ExchangePlan] = {}
-        self._prepared: dict[int, tuple[Any, ...]] = {}  # fast paths, by spec id
-        self._bcast: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        # bound calls for repeated steps, by id of the step spec: (spec, dtype, axes, shape, fn)
+        self._prepared: dict[int, tuple[Any, Any, tuple[str, ...], tuple[int, ...], Any]] = {}
+        self._bcast: dict[tuple[Any, ...], Callable[[np.ndarray], np.ndarray]] = {}
         self._outputs = OutputCache()
         self._udt = {n: np.dtype(f"u{n}") for n in (1, 2, 4, 8)}
         self._ops = {
@@ -119,7 +122,7 @@ class MpiComm:
 
     @property
     def stats(self) -> CommStats:
-        return self._stats
+        return self._stats.settle()
 
     # -- helpers ------------------------------------------------------------------------------
     def _flat(self, x: np.ndarray) -> np.ndarray:
@@ -193,6 +196,26 @@ class MpiComm:
                 rbuf[d + lo : d + lo + n] = got[dr : dr + n]
         return rbuf
 
+    def _keep(
+        self, spec: Any, x: np.ndarray, axes: tuple[str, ...], call: Any, what: str,
+        send_meta: tuple[Any, ...], recv_meta: tuple[Any, ...] | None, extra: tuple[Any, ...],
+        out_shape: tuple[int, ...], traffic: tuple[int, int],
+    ) -> None:  # fmt: skip
+        """Bind ``call`` for the next calls of ``spec`` with an input like ``x`` (see
+        :meth:`MpiSession.bind`): the executor repeats its steps, and the bound call is what
+        keeps small collectives within a few microseconds of raw MPI."""
+        if self.session.watchdog is None:
+            return
+        new_out = None
+        if recv_meta is not None:
+            if math.prod(out_shape) * x.itemsize >= ALIGN_FROM:
+                new_out = functools.partial(self._outputs.get, spec, out_shape, x.dtype, True)
+            else:
+                new_out = functools.partial(np.empty, out_shape, x.dtype)
+        tally = self._stats.tally(what, *traffic)
+        fn = self.session.bind(call, what, axes, send_meta, recv_meta, extra, new_out, tally)
+        self._prepared[id(spec)] = (spec, x.dtype, axes, x.shape, fn)
+
     def _call(self, comm: Any, name: str, what: str, axes: tuple[str, ...], *args: Any, **kwargs: Any) -> None:  # fmt: skip
         """Run MPI operation ``name`` (e.g. ``Allreduce``) on ``comm`` within the deadline:
         the blocking call under the watchdog's guard where the watchdog runs (MPI's fastest
@@ -219,13 +242,9 @@ class MpiComm:
     # -- the interface ------------------------------------------------------------------------
     def allgather(self, x: np.ndarray, axes: tuple[str, ...], spec: AllgatherSpec) -> np.ndarray:
         """Collective: call on all ranks of the group."""
-        prep = self._prepared.get(id(spec))
-        if prep is not None and prep[0] is spec and prep[1] is x.dtype and x.flags.c_contiguous:
-            _, dtype, comm, mtype, out_shape, sent, received, big = prep
-            out = self._outputs.get(spec, out_shape, dtype, big)
-            self.session.guarded(comm.Allgather, "allgather", axes, [x, mtype], [out, mtype])
-            self._stats.record("allgather", sent, received)
-            return out
+        p = self._prepared.get(id(spec))
+        if p and p[0] is spec and p[1] is x.dtype and p[2] == axes and p[3] == x.shape and x.flags.c_contiguous:  # fmt: skip
+            return p[4](x)  # type: ignore[no-any-return]
         comm = self.session.group(axes)
         counts = spec.counts
         if len(set(counts)) == 1 and counts[0] <= self.limit:  # equal blocks: plain Allgather
@@ -249,33 +268,19 @@ class MpiComm:
             out = np.concatenate(blocks, axis=spec.dim)
         sent, received = allgather_traffic(x.nbytes, out.nbytes, len(spec.counts))
         self._stats.record("allgather", sent, received)
-        if (
-            self.session.watchdog is not None and len(set(counts)) == 1
-            and counts[0] <= self.limit and math.prod(x.shape[: spec.dim]) <= 1
-        ):  # fmt: skip
-            self._prepared[id(spec)] = (
-                spec, x.dtype, comm, self._move[x.itemsize], out.shape, sent, received,
-                out.nbytes >= ALIGN_FROM,
-            )  # fmt: skip
+        if len(set(counts)) == 1 and counts[0] <= self.limit and math.prod(x.shape[: spec.dim]) <= 1:  # fmt: skip
+            mtype = self._move[x.itemsize]
+            self._keep(spec, x, axes, comm.Allgather, "allgather", (mtype,), (mtype,), (),
+                       out.shape, (sent, received))  # fmt: skip
         return out
 
     def allreduce(self, x: np.ndarray, axes: tuple[str, ...], spec: AllreduceSpec) -> np.ndarray:
         """Collective: call on all ranks of the group."""
-        # The fast path for a spec seen before (the executor reuses its specs every step):
-        # everything but the call itself was decided the first time. It sets the latency of
-        # small allreduces, so it is kept short.
-        prep = self._prepared.get(id(spec))
-        session = self.session
-        if (
-            prep is not None and prep[0] is spec and prep[1] is x.dtype and prep[2] is axes
-            and session.watchdog is not None and x.flags.c_contiguous
-        ):  # fmt: skip
-            _, dtype, _, comm, mtype, op, moved, big = prep
-            out = self._outputs.get(spec, x.shape, dtype, big)
-            session.guarded(comm.Allreduce, "allreduce", axes, [x, mtype], [out, mtype], op)
-            self._stats.record("allreduce", moved, moved)
-            return out
-        comm = session.group(axes)
+        # a spec seen before (the executor repeats its steps) takes its bound call
+        p = self._prepared.get(id(spec))
+        if p and p[0] is spec and p[1] is x.dtype and p[2] == axes and p[3] == x.shape and x.flags.c_contiguous:  # fmt: skip
+            return p[4](x)  # type: ignore[no-any-return]
+        comm = self.session.group(axes)
         k = len(spec.group)
         mtype = self._native(x, spec.op)
         if mtype is None:  # gather and fold in group order
@@ -283,10 +288,9 @@ class MpiComm:
             parts = flat.view(x.dtype).reshape(k, *x.shape)
             out = reduce_arrays(list(parts), spec.op)
         elif x.size <= self.limit:
-            self._prepared[id(spec)] = (
-                spec, x.dtype, axes, comm, mtype, self._ops[spec.op],
-                allreduce_moved(x, k, spec.position), x.nbytes >= ALIGN_FROM,
-            )  # fmt: skip
+            moved = allreduce_moved(x, k, spec.position)
+            self._keep(spec, x, axes, comm.Allreduce, "allreduce", (mtype,), (mtype,),
+                       (self._ops[spec.op],), x.shape, (moved, moved))  # fmt: skip
             send = x if x.flags.c_contiguous else np.ascontiguousarray(x)
             out = empty_aligned(x.shape, dtype=x.dtype)
             op = self._ops[spec.op]
@@ -314,16 +318,9 @@ class MpiComm:
         self, x: np.ndarray, axes: tuple[str, ...], spec: ReduceScatterSpec
     ) -> np.ndarray:
         """Collective: call on all ranks of the group."""
-        prep = self._prepared.get(id(spec))
-        if prep is not None and prep[0] is spec and prep[1] is x.dtype and x.flags.c_contiguous:
-            _, dtype, comm, mtype, counts, op, out_shape, sent, received, big = prep
-            out = self._outputs.get(spec, out_shape, dtype, big)
-            if len(set(counts)) == 1:  # counts are global: every member makes this same call
-                self.session.guarded(comm.Reduce_scatter_block, "reduce_scatter", axes, [x, mtype], [out, mtype], op)  # fmt: skip
-            else:
-                self.session.guarded(comm.Reduce_scatter, "reduce_scatter", axes, [x, mtype], [out, mtype], counts, op)  # fmt: skip
-            self._stats.record("reduce_scatter", sent, received)
-            return out
+        p = self._prepared.get(id(spec))
+        if p and p[0] is spec and p[1] is x.dtype and p[2] == axes and p[3] == x.shape and x.flags.c_contiguous:  # fmt: skip
+            return p[4](x)  # type: ignore[no-any-return]
         comm = self.session.group(axes)
         k = len(spec.group)
         if math.prod(x.shape[: spec.dim]) <= 1:  # pieces: consecutive runs of the flat input
@@ -362,14 +359,14 @@ class MpiComm:
         out = out.reshape(out_shape)
         sent, received = reduce_scatter_traffic(x.nbytes, out.nbytes, k)
         self._stats.record("reduce_scatter", sent, received)
-        if (
-            mtype is not None and self.session.watchdog is not None
-            and max(counts, default=0) <= self.limit and math.prod(x.shape[: spec.dim]) <= 1
-        ):  # fmt: skip
-            self._prepared[id(spec)] = (
-                spec, x.dtype, comm, mtype, counts, self._ops[spec.op], tuple(out_shape), sent,
-                received, out.nbytes >= ALIGN_FROM,
-            )  # fmt: skip
+        if mtype is not None and max(counts, default=0) <= self.limit and math.prod(x.shape[: spec.dim]) <= 1:  # fmt: skip
+            op = self._ops[spec.op]
+            extra: tuple[Any, ...] = (op,)
+            call = comm.Reduce_scatter_block
+            if len(set(counts)) > 1:  # counts are global: every member makes this same call
+                call, extra = comm.Reduce_scatter, (counts, op)
+            self._keep(spec, x, axes, call, "reduce_scatter", (mtype,), (mtype,), extra,
+                       tuple(out_shape), (sent, received))  # fmt: skip
         return out
 
     def _exchange_plan(self, spec: ExchangeSpec, in_shape: tuple[int, ...]) -> _ExchangePlan:
@@ -386,25 +383,21 @@ class MpiComm:
         self, x: np.ndarray, axes: tuple[str, ...], spec: ExchangeSpec, what: str = "exchange"
     ) -> np.ndarray:
         """Collective: call on all ranks of the group."""
+        p = self._prepared.get(id(spec))
+        if p and p[0] is spec and p[1] is x.dtype and p[2] == axes and p[3] == x.shape and x.flags.c_contiguous:  # fmt: skip
+            return p[4](x)  # type: ignore[no-any-return]
         comm = self.session.group(axes)
         plan = self._exchange_plan(spec, x.shape)
-        if (
-            plan.send_run == (0, x.size)
-            and plan.recv_in_place
-            and x.flags.c_contiguous
-            and spec.max_count <= self.limit
-            and self.session.watchdog is not None
-        ):  # everything in place: one call, no copies
-            out = self._outputs.get(spec, spec.out_shape, x.dtype, True)
+        traffic = (plan.traffic[0] * x.itemsize, plan.traffic[1] * x.itemsize)
+        if plan.send_run == (0, x.size) and plan.recv_in_place and spec.max_count <= self.limit:
+            # everything in place: one call, no copies (bound for the next calls)
             mtype = self._move[x.itemsize]
             if spec.uniform:  # a group-wide fact: every member makes this same call
-                self.session.guarded(comm.Alltoall, what, axes, [x, mtype], [out, mtype])
-                self._stats.record(what, plan.traffic[0] * x.itemsize, plan.traffic[1] * x.itemsize)
-                return out
-            self.session.guarded(comm.Alltoallv, what, axes, [x, (plan.sc, plan.sd), mtype],
-                          [out, (plan.rc, plan.rd), mtype])  # fmt: skip
-            self._stats.record(what, plan.traffic[0] * x.itemsize, plan.traffic[1] * x.itemsize)
-            return out
+                self._keep(spec, x, axes, comm.Alltoall, what, (mtype,), (mtype,), (),
+                           spec.out_shape, traffic)  # fmt: skip
+            else:
+                self._keep(spec, x, axes, comm.Alltoallv, what, ((plan.sc, plan.sd), mtype),
+                           ((plan.rc, plan.rd), mtype), (), spec.out_shape, traffic)  # fmt: skip
         udt = self._udt[x.itemsize]
         if plan.send_run is not None:  # back-to-back in member order: no packing
             lo, hi = plan.send_run
@@ -425,19 +418,15 @@ class MpiComm:
             values = rbuf.view(x.dtype)
             for t, d in zip(spec.recvs, plan.recv_offsets, strict=True):
                 out[t.region] = values[d : d + t.count].reshape(out[t.region].shape)
-        self._stats.record(what, plan.traffic[0] * x.itemsize, plan.traffic[1] * x.itemsize)
+        self._stats.record(what, *traffic)
         return out
 
     def broadcast(self, x: np.ndarray, axes: tuple[str, ...], root: int) -> np.ndarray:
         """Collective: call on all ranks of the group."""
         key = (axes, root, x.shape, x.dtype)
-        prep = self._bcast.get(key)
-        if prep is not None and x.flags.c_contiguous:
-            comm, mtype, is_root, sent, received, big = prep
-            buf = x if is_root else self._outputs.get(prep, x.shape, x.dtype, big)
-            self.session.guarded(comm.Bcast, "broadcast", axes, [buf, mtype], root)
-            self._stats.record("broadcast", sent, received)
-            return buf
+        fn = self._bcast.get(key)
+        if fn is not None and x.flags.c_contiguous:
+            return fn(x)
         comm = self.session.group(axes)
         is_root = int(comm.Get_rank()) == root
         # values are immutable: the root sends its own array, the others receive a new one
@@ -452,8 +441,15 @@ class MpiComm:
         sent, received = broadcast_traffic(x.nbytes, k, is_root)
         self._stats.record("broadcast", sent, received)
         if self.session.watchdog is not None and x.size <= self.limit:
-            self._bcast[key] = (
-                comm, self._move[x.itemsize], is_root, sent, received, x.nbytes >= ALIGN_FROM
+            meta = (self._move[x.itemsize],)
+            if x.nbytes >= ALIGN_FROM:
+                new_out: Any = functools.partial(self._outputs.get, key, x.shape, x.dtype, True)
+            else:
+                new_out = functools.partial(np.empty, x.shape, x.dtype)
+            tally = self._stats.tally("broadcast", sent, received)
+            self._bcast[key] = self.session.bind(
+                comm.Bcast, "broadcast", axes, meta if is_root else None,
+                None if is_root else meta, (root,), new_out, tally,
             )  # fmt: skip
         return buf
 

@@ -167,11 +167,66 @@ class MpiSession:
         finally:
             self.current = None
 
+    def bind(
+        self, call: Any, what: str, axes: tuple[str, ...], send_meta: tuple[Any, ...] | None,
+        recv_meta: tuple[Any, ...] | None, extra: tuple[Any, ...], new_out: Any,
+        tally: list[int],
+    ) -> Any:  # fmt: skip
+        """:meth:`guarded` bound once for an operation that repeats every step: returns
+        ``fn(x)`` that runs ``call([x, *send_meta], [out, *recv_meta], *extra)`` on a new
+        ``out = new_out()`` and returns ``out``; without ``recv_meta`` it runs ``call([x,
+        *send_meta], *extra)`` in place and returns ``x``; without ``send_meta``, ``call([out,
+        *recv_meta], *extra)`` (a receiving broadcast member). Each call counts in
+        ``tally[0]``. Everything but the call is decided here, so a small collective costs
+        little more than MPI's own call. Only for sessions with a watchdog."""
+        assert self.watchdog is not None
+        mono = time.monotonic
+        timeout = self.timeout_s
+
+        def both(x: Any) -> Any:
+            if self.poisoned is not None:
+                self.check()
+            out = new_out()
+            self.current = (what, axes, mono() + timeout)
+            try:
+                call([x, *send_meta], [out, *recv_meta], *extra)  # type: ignore[misc]
+            finally:
+                self.current = None
+            tally[0] += 1
+            return out
+
+        def in_place(x: Any) -> Any:
+            if self.poisoned is not None:
+                self.check()
+            self.current = (what, axes, mono() + timeout)
+            try:
+                call([x, *send_meta], *extra)  # type: ignore[misc]
+            finally:
+                self.current = None
+            tally[0] += 1
+            return x
+
+        def receive(x: Any) -> Any:
+            if self.poisoned is not None:
+                self.check()
+            out = new_out()
+            self.current = (what, axes, mono() + timeout)
+            try:
+                call([out, *recv_meta], *extra)  # type: ignore[misc]
+            finally:
+                self.current = None
+            tally[0] += 1
+            return out
+
+        if send_meta is None:
+            return receive
+        return in_place if recv_meta is None else both
+
     def wait(self, request: Any, op: str, axes: tuple[str, ...] = (), status: Any = None) -> None:
         """Wait for ``request`` within the deadline, watching for failure notices; ``status``
         (an ``MPI.Status``) receives the completed request's status.
 
-        With the watchdog running this is MPI's own blocking wait under :meth:`guard`.
+        With the watchdog running this is MPI's own blocking wait under :meth:`guarded`.
         Without it, this thread polls: without sleeping for the first ``SPIN_S`` seconds
         (MPI progresses non-blocking operations only while it is called), then backing off to
         at most 1 ms, checking the control channel every 64 polls, then at every poll."""

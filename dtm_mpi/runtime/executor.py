@@ -22,9 +22,9 @@ from dtm_mpi.ir.types import TensorType
 from dtm_mpi.kernels.registry import Kernel, KernelContext, backend_kernels
 from dtm_mpi.plan.program import ExecPlan, FunctionPlan, OpKind, PlanOp
 from dtm_mpi.runtime.faults import maybe_fail
-from dtm_mpi.sharding.blocks import local_offsets, local_shape
+from dtm_mpi.sharding.blocks import block_owners, local_offsets, local_shape
 from dtm_mpi.sharding.collectives import make_partial
-from dtm_mpi.sharding.redistribute import RedistPlan
+from dtm_mpi.sharding.redistribute import RedistPlan, plan_redistribute
 from dtm_mpi.sharding.steps import (
     AllgatherSpec,
     AllreduceSpec,
@@ -35,7 +35,11 @@ from dtm_mpi.sharding.steps import (
     StepSpec,
 )
 
-__all__ = ["Executor", "run_redistribution"]
+__all__ = ["Executor", "gather_to_root", "run_redistribution"]
+
+OUTPUT_TAG = 32767
+"""The point-to-point tag of output gathers (the largest tag every MPI must support; messages
+between two ranks with one tag arrive in the order sent)."""
 
 
 def run_redistribution(
@@ -60,6 +64,37 @@ def run_redistribution(
             x = comm.exchange(x, axes, spec, step.kind.value)
         # RelabelSpec: nothing moves
     return x
+
+
+def gather_to_root(t: TensorType, x: np.ndarray, comm: Comm, root: int = 0) -> np.ndarray | None:
+    """The global value of ``t`` on ``root`` (None elsewhere) from every rank's block ``x``:
+    a pending reduction is resolved first (over its axes only), then the owner of each
+    distinct block (:func:`~dtm_mpi.sharding.blocks.block_owners`) sends it to ``root``. Each
+    element crosses the network once and only ``root`` holds the whole array (gathering to
+    every rank would cost ``ranks`` times the memory and ``ranks - 1`` times the traffic).
+
+    Collective: call on all ranks."""
+    mesh, rank = comm.mesh, comm.rank
+    if t.layout.partial is not None:
+        plain = t.layout.with_partial(None)
+        plan = plan_redistribute(t, plain, mesh)
+        x = run_redistribution(plan, plan.rank_specs(rank), x, comm)
+        t = t.with_layout(plain)
+    owners = block_owners(t.shape, t.layout, mesh)
+    if rank != root:
+        for owner, _ in owners:
+            if owner == rank:
+                comm.send(x, root, OUTPUT_TAG)
+        comm.flush()
+        return None
+    out = np.empty(t.shape, dtype=x.dtype)
+    for owner, region in owners:
+        if owner == rank:
+            out[region] = x
+        else:
+            shape = tuple(s.stop - s.start for s in region)
+            out[region] = comm.recv(shape, x.dtype, owner, OUTPUT_TAG)
+    return out
 
 
 class Executor:

@@ -5,8 +5,8 @@ input — becomes the same error on every rank, naming the ranks that failed and
 
 ``load`` (read and verify the module) -> ``handshake`` (module hash, mesh, versions,
 capabilities, backend; before any data moves) -> ``plan`` -> ``inputs`` -> ``step N`` (state
-updates commit only when every rank finished the step) -> ``output`` (results redistributed to
-a replicated layout, rank 0 writes the file).
+updates commit only when every rank finished the step) -> ``output`` (the owner of each distinct
+block sends it to rank 0, which alone assembles the results and writes the file).
 
 A failure inside a step (a kernel error, an injected fault) is announced to every peer at once
 (:meth:`MpiSession.fail`), so peers blocked in a collective stop with the same error instead of
@@ -168,9 +168,9 @@ def _run_session(module: object, args: MpiRunArgs, world: Any, rank: int, size: 
 
 
 def _groups(plan: object) -> list[tuple[str, ...]]:
-    """Every group of axes the run communicates over (the plan, then the output gathers), in
-    a fixed order: groups are created once, collectively, before any data moves."""
-    from dtm_mpi.ir.types import Layout
+    """Every group of axes the run communicates over (the plan, then the reductions pending
+    on outputs), in a fixed order: groups are created once, collectively, before any data
+    moves."""
     from dtm_mpi.plan.program import ExecPlan, OpKind
     from dtm_mpi.sharding.redistribute import plan_redistribute
 
@@ -190,8 +190,9 @@ def _groups(plan: object) -> list[tuple[str, ...]]:
                 add([p.axes])
     entry = plan.entry_plan.function
     for t in [r.type for r in entry.results] + [p.type for p in entry.params]:
-        gather = plan_redistribute(t, Layout.replicated(t.rank), plan.mesh)
-        add([s.axes for s in gather.steps if s.kind.is_collective])
+        if t.layout.partial is not None:  # gather_to_root reduces first
+            reduce = plan_redistribute(t, t.layout.with_partial(None), plan.mesh)
+            add([s.axes for s in reduce.steps if s.kind.is_collective])
     return seen
 
 
@@ -199,9 +200,8 @@ def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, ra
     from dtm_mpi.comm.mpi_comm import MpiComm
     from dtm_mpi.comm.mpi_session import MpiSession
     from dtm_mpi.io.arrays import load_arrays, save_npz
-    from dtm_mpi.ir.types import Layout
     from dtm_mpi.plan.program import ExecPlan
-    from dtm_mpi.runtime.executor import Executor, run_redistribution
+    from dtm_mpi.runtime.executor import Executor, gather_to_root
     from dtm_mpi.runtime.faults import maybe_fail
     from dtm_mpi.runtime.session import (
         initial_blocks,
@@ -210,7 +210,6 @@ def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, ra
         summary_lines,
     )
     from dtm_mpi.runtime.values import check_inputs
-    from dtm_mpi.sharding.redistribute import plan_redistribute
 
     assert isinstance(session, MpiSession) and isinstance(comm, MpiComm)
     assert isinstance(plan, ExecPlan)
@@ -243,8 +242,9 @@ def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, ra
     maybe_fail(rank, "output")
     outputs: dict[str, np.ndarray] = {}
     for name, t, block in output_values(entry, results, blocks):
-        gather = plan_redistribute(t, Layout.replicated(t.rank), plan.mesh)
-        outputs[name] = run_redistribution(gather, gather.rank_specs(rank), block, comm)
+        value = gather_to_root(t, block, comm)
+        if value is not None:
+            outputs[name] = value
     error = None
     if rank == 0:
         try:

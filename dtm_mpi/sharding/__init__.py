@@ -5,6 +5,7 @@ computes the same result). See docs/spec/ir.md §5-§7."""
 from __future__ import annotations
 
 from dtm_mpi.sharding.blocks import (
+    block_owners,
     check_layout,
     dim_bounds,
     local_block,
@@ -48,6 +49,7 @@ from dtm_mpi.sharding.steps import (
 )
 
 __all__ = [
+    "block_owners",
     "AllgatherSpec",
     "AllreduceSpec",
     "ExchangeSpec",

@@ -27,6 +27,7 @@ from dtm_mpi.ir.types import Layout
 from dtm_mpi.sharding.mesh import MeshShape
 
 __all__ = [
+    "block_owners",
     "check_layout",
     "dim_bounds",
     "local_block",
@@ -132,3 +133,22 @@ def local_offsets(
 ) -> tuple[int, ...]:
     """The global index of the first element of ``rank``'s local block, per dimension."""
     return tuple(s for s, _ in _bounds(shape, layout, mesh, rank))
+
+
+def block_owners(
+    shape: Sequence[int], layout: Layout, mesh: MeshShape
+) -> list[tuple[int, tuple[slice, ...]]]:
+    """Every distinct non-empty block of ``layout`` once, as (owner, region), in owner order.
+
+    Ranks that differ only along axes the layout does not split hold the same block; the
+    lowest of them owns it (the one that sends it to an output, or writes it to a
+    checkpoint). A pending reduction is ignored, as everywhere in this module: reduce first."""
+    owners: dict[tuple[tuple[int, int], ...], tuple[int, tuple[slice, ...]]] = {}
+    for rank in range(mesh.size):
+        bounds = _bounds(shape, layout, mesh, rank)
+        if any(n == 0 for _, n in bounds):
+            continue
+        key = tuple(bounds)
+        if key not in owners:
+            owners[key] = (rank, tuple(slice(s, s + n) for s, n in bounds))
+    return list(owners.values())

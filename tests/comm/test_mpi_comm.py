@@ -189,12 +189,14 @@ def test_output_reuse_never_overwrites_a_live_value(comm: Any) -> None:
         only_view = mc.allreduce(np.full(n, 7.0), ("x",), spec)[2:]
         again = mc.allreduce(np.full(n, 9.0), ("x",), spec)
         assert np.all(only_view == 7.0 * size) and np.all(again == 9.0 * size)
-        # a dropped output is handed back on the next call (warm memory, no allocation)
+        # a dropped page-aligned output is handed back on the next call (warm memory, no
+        # allocation); small outputs are plain allocations, as cheap as a cache lookup
         first = mc.allreduce(np.ones(n), ("x",), spec)
         address = first.ctypes.data
         del first
         second = mc.allreduce(np.ones(n), ("x",), spec)
-        assert second.ctypes.data == address
+        assert (second.ctypes.data == address) == (second.nbytes >= 64 << 10)
+        assert np.all(second == size)
     session.close()
 
 

@@ -12,6 +12,7 @@ from dtm_mpi.errors import LayoutError
 from dtm_mpi.ir.types import Layout, Partial, ReduceOp
 from dtm_mpi.sharding import (
     MeshShape,
+    block_owners,
     check_layout,
     local_block,
     local_offsets,
@@ -135,3 +136,37 @@ def test_check_layout_errors(shape: tuple[int, ...], layout: Layout, match: str)
         check_layout(shape, layout, MESH)
     with pytest.raises(LayoutError):
         local_block(shape, layout, MESH, 0)
+
+
+@pytest.mark.parametrize(
+    "mesh", [MeshShape((("dp", 3),)), MESH, MeshShape((("dp", 1), ("tp", 3)))], ids=str
+)
+@pytest.mark.parametrize("shape", [(5, 7), (10,), (2,), (), (0, 3)])
+def test_block_owners_cover_every_element_once(mesh: MeshShape, shape: tuple[int, ...]) -> None:
+    """Each element is in exactly one owned block, the owner holds that block, no owned block
+    is empty, and the owner is the lowest rank holding it."""
+    rank = len(shape)
+    names = mesh.axis_names
+    cases = [((),) * rank]
+    if rank:
+        cases.append(((names[0],),) + ((),) * (rank - 1))
+        cases.append((names,) + ((),) * (rank - 1))
+    if rank > 1:
+        cases.append(((names[-1],), (names[0],)) if len(names) > 1 else ((), (names[0],)))
+    for dims in cases:
+        layout = Layout(tuple(dims))
+        owners = block_owners(shape, layout, mesh)
+        count: dict[tuple[int, ...], int] = {}
+        for owner, region in owners:
+            assert region == local_block(shape, layout, mesh, owner)
+            cells = list(itertools.product(*(range(s.start, s.stop) for s in region)))
+            assert cells, f"empty block owned by rank {owner}"
+            for idx in cells:
+                count[idx] = count.get(idx, 0) + 1
+            holders = [r for r in range(mesh.size) if local_block(shape, layout, mesh, r) == region]
+            assert owner == min(holders)
+        total = 1
+        for n in shape:
+            total *= n
+        assert len(count) == total and all(c == 1 for c in count.values()), (dims, owners)
+        assert [o for o, _ in owners] == sorted(o for o, _ in owners)
