@@ -132,6 +132,32 @@ def test_failure_ends_every_rank_naming_the_failed_one(
     assert _survivors(marker) == [], "processes survived the job"
 
 
+@pytest.mark.parametrize(("phase", "failed"), [("load", 1), ("plan", 2), ("load", 0)])
+def test_a_rank_hung_before_the_session_is_named(phase: str, failed: int, tmp_path: Path) -> None:
+    """Before the mesh is known there is no session and no liveness channel: the phase's
+    agreement goes through rank 0, which names the ranks that never arrived (and the others
+    name rank 0 when it is the one missing)."""
+    timeout = 3
+    marker = str(tmp_path / "never.npz")
+    code, text, elapsed = mpirun(
+        3, str(EXAMPLES / "tp_mlp.dtm"), "--mesh", "dp=1,tp=3", "-o", marker,
+        env={"DTM_TIMEOUT": str(timeout), "DTM_FAULT": f"{failed}:{phase}:hang"},
+    )  # fmt: skip
+    assert code != 0, text
+    assert elapsed < 2 * timeout + 6, f"took {elapsed:.1f} s\n{text}"
+    lines = [ln for ln in text.splitlines() if re.match(r"\[rank \d+\] dtm: error:", ln)]
+    reporters = sorted(int(re.match(r"\[rank (\d+)\]", ln).group(1)) for ln in lines)  # type: ignore[union-attr]
+    assert reporters and set(reporters) <= {r for r in range(3) if r != failed}, text
+    for ln in lines:
+        assert f"'{phase}'" in ln, ln
+        if failed == 0:
+            assert "rank 0 (which collects the outcomes) did not answer" in ln, ln
+        else:
+            assert f"rank(s) {failed} did not arrive" in ln, ln
+    time.sleep(0.5)
+    assert _survivors(marker) == [], "processes survived the job"
+
+
 def test_handshake_mismatch_is_reported_on_every_rank(tmp_path: Path) -> None:
     other = tmp_path / "other.dtm"
     other.write_text(

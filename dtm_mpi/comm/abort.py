@@ -75,7 +75,9 @@ def run_or_abort(main: Callable[[], int]) -> int:
         if err.agreed or not _multi_rank():
             report(f"dtm: error: {err}")
         else:
-            abort_job(code, f"dtm: error: {err}\ndtm: aborting the job (this rank failed alone)")
+            abort_job(
+                code, f"dtm: error: {err}\ndtm: aborting the job (not every rank raised this)"
+            )
         return code
     except KeyboardInterrupt:
         abort_job(130, "dtm: interrupted")

@@ -35,6 +35,10 @@ def wait_bounded(request: Any, *, timeout_s: float, op: str, phase: str, rank: i
         pause = min(0.001, pause + 0.00005)
 
 
+AGREE_TAG = 32766
+"""The point-to-point tag of agreements run without a session (one message each way)."""
+
+
 def agree_outcome(
     comm: Any,
     *,
@@ -48,17 +52,18 @@ def agree_outcome(
 
     Each rank says whether it succeeded (and, if not, why); every rank returns the same tuple of
     failures, in rank order (empty when all succeeded). The wait for peers is bounded by
-    ``timeout_s``; on expiry raises :class:`CommTimeoutError` on this rank. ``wait`` (a
-    session's bounded wait, which also watches failure notices) replaces the plain poll.
-    """
-    rank, size = int(comm.Get_rank()), int(comm.Get_size())
+    ``timeout_s``. ``wait`` (a session's bounded wait, which also watches failure notices and
+    names silent peers on expiry) runs the agreement as one non-blocking allgather. Without a
+    session (before the mesh is known) rank 0 collects every rank's outcome and sends back
+    the verdict, so a rank that never arrives is named: every rank that did arrive raises the
+    same :class:`CommTimeoutError` listing the missing ranks (rank 0 itself missing is named
+    by the others' longer deadline)."""
+    if wait is None:
+        return _agree_via_root(comm, ok, message, phase, timeout_s)
+    size = int(comm.Get_size())
     mine = np.array([0 if ok else 1], dtype=np.int32)
     everyone = np.zeros(size, dtype=np.int32)
-    request = comm.Iallgather(mine, everyone)
-    if wait is not None:
-        wait(request, "agreement")
-    else:
-        wait_bounded(request, timeout_s=timeout_s, op="agreement", phase=phase, rank=rank)
+    wait(comm.Iallgather(mine, everyone), "agreement")
     failed = [r for r in range(size) if everyone[r]]
     if not failed:
         return ()
@@ -66,6 +71,72 @@ def agree_outcome(
     # dead peer: it only moves the failure messages.
     messages = comm.allgather("" if ok else message)
     return tuple(RankFailure(r, phase, str(messages[r])) for r in failed)
+
+
+def _poll(probe: Callable[[], Any], deadline: float) -> Any:
+    """``probe()`` until it returns something or ``deadline`` (monotonic) passes (None)."""
+    pause = 0.0
+    while True:
+        got = probe()
+        if got is not None or time.monotonic() > deadline:
+            return got
+        time.sleep(pause)
+        pause = min(0.002, pause + 0.0001)
+
+
+def _agree_via_root(
+    comm: Any, ok: bool, message: str, phase: str, timeout_s: float
+) -> tuple[RankFailure, ...]:
+    from mpi4py import MPI
+
+    rank, size = int(comm.Get_rank()), int(comm.Get_size())
+    start = time.monotonic()
+    if rank != 0:
+        request = comm.isend((ok, message), dest=0, tag=AGREE_TAG)
+        # longer than the root's deadline, so the root's verdict on missing ranks arrives
+        grace = max(1.0, timeout_s / 4)
+        probe = _poll(lambda: comm.improbe(source=0, tag=AGREE_TAG), start + timeout_s + grace)
+        if probe is None:
+            raise CommTimeoutError(
+                f"agreement in phase {phase!r} did not complete within {timeout_s + grace:g} s "
+                f"on rank {rank}: rank 0 (which collects the outcomes) did not answer; it has "
+                "failed or is stuck",
+                op="agreement", rank=rank, phase=phase,
+            )  # fmt: skip
+        failures, missing = probe.recv()
+        request.wait()  # the root received it: complete
+    else:
+        outcomes: dict[int, tuple[bool, str]] = {0: (ok, message)}
+        status = MPI.Status()
+        deadline = start + timeout_s
+        while len(outcomes) < size:
+            got = _poll(
+                lambda: comm.improbe(source=MPI.ANY_SOURCE, tag=AGREE_TAG, status=status),
+                deadline,
+            )
+            if got is None:
+                break
+            outcomes[int(status.Get_source())] = got.recv()
+        failures = tuple(
+            RankFailure(r, phase, str(outcomes[r][1])) for r in sorted(outcomes)
+            if not outcomes[r][0]
+        )  # fmt: skip
+        missing = tuple(r for r in range(size) if r not in outcomes)
+        sends = [comm.isend((failures, missing), dest=r, tag=AGREE_TAG)
+                 for r in sorted(outcomes) if r != 0]  # fmt: skip
+        for req in sends:  # small messages to ranks that are waiting for them
+            wait_bounded(req, timeout_s=timeout_s, op="agreement", phase=phase, rank=rank)
+    if missing:
+        listed = f"; {'; '.join(str(f) for f in failures)}" if failures else ""
+        err = CommTimeoutError(
+            f"phase {phase!r} did not end within {timeout_s:g} s: rank(s) "
+            f"{', '.join(map(str, missing))} did not arrive (hung, dead or still working)"
+            f"{listed}",
+            op="agreement", rank=rank, phase=phase,
+        )  # fmt: skip
+        err.silent = tuple(missing)
+        raise err
+    return tuple(failures)
 
 
 def agree_or_raise(

@@ -8,13 +8,17 @@ root and one block received by every other member; ``send``/``recv`` one block e
 Memory: the bytes of the local arrays alive on a rank. Entry parameters are alive throughout;
 an op's results are allocated while its operands are still alive, plus the redistribution's
 temporaries (its peak extra bytes) or, for a call, the callee's own peak; values are freed
-after their last use (:attr:`PlanOp.frees`).
+after their last use (:attr:`PlanOp.frees`). On the MPI path each repeated collective also
+keeps its last output buffer for reuse when it is between 64 KiB and 4 MiB
+(:class:`~dtm_mpi.comm.buffers.OutputCache`): :attr:`FunctionCost.retained` bounds that memory,
+which is not in any value's lifetime.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dtm_mpi.comm.buffers import ALIGN_FROM, OutputCache
 from dtm_mpi.ir.types import TensorType
 from dtm_mpi.plan.program import ExecPlan, FunctionPlan, OpKind, PlanOp
 from dtm_mpi.sharding.blocks import local_shape
@@ -49,6 +53,24 @@ class FunctionCost:
     sent: tuple[int, ...]
     received: tuple[int, ...]
     collectives: tuple[tuple[str, int], ...]  # (kind, count) per rank alike, sorted
+    retained: tuple[int, ...]  # per rank: at most this many bytes of kept collective outputs
+
+
+def _kept(t: TensorType, mesh: MeshShape, rank: int) -> int:
+    """The bytes the MPI path keeps for reuse after a collective with output ``t``."""
+    n = local_bytes(t, mesh, rank)
+    return n if ALIGN_FROM <= n <= OutputCache.REUSE_UP_TO else 0
+
+
+def _retained(p: PlanOp, plan: ExecPlan, rank: int) -> int:
+    if p.kind is OpKind.REDIST and p.redist is not None:
+        steps = p.redist.steps
+        return sum(_kept(s.out_type, plan.mesh, rank) for s in steps if s.kind.is_collective)
+    if p.kind is OpKind.BROADCAST:
+        return sum(_kept(t, plan.mesh, rank) for t in p.op.result_types)
+    if p.kind is OpKind.CALL:
+        return function_cost(plan, plan.function(str(p.op.attr("callee")))).retained[rank]
+    return 0
 
 
 def _comm_of(p: PlanOp, plan: ExecPlan) -> tuple[str, ...]:
@@ -114,6 +136,7 @@ def function_cost(plan: ExecPlan, fp: FunctionPlan) -> FunctionCost:
     sent = [0] * mesh.size
     received = [0] * mesh.size
     counts: dict[str, int] = {}
+    retained = [0] * mesh.size
     ops: list[OpCost] = []
     for p in fp.ops:
         op = p.op
@@ -130,6 +153,7 @@ def function_cost(plan: ExecPlan, fp: FunctionPlan) -> FunctionCost:
             live[r] += new
             sent[r] += traffic[r][0]
             received[r] += traffic[r][1]
+            retained[r] += _retained(p, plan, r)
         for name, t in zip(op.results, op.result_types, strict=True):
             types[name] = t
         for name in p.frees:
@@ -148,5 +172,6 @@ def function_cost(plan: ExecPlan, fp: FunctionPlan) -> FunctionCost:
             )
         )  # fmt: skip
     return FunctionCost(
-        tuple(ops), tuple(peak), tuple(sent), tuple(received), tuple(sorted(counts.items()))
-    )
+        tuple(ops), tuple(peak), tuple(sent), tuple(received), tuple(sorted(counts.items())),
+        tuple(retained),
+    )  # fmt: skip

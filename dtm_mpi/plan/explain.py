@@ -81,15 +81,19 @@ def explain_text(plan: ExecPlan) -> str:
         f"  bytes sent:     {per_rank([human_bytes(b) for b in entry_cost.sent])}",
         f"  bytes received: {per_rank([human_bytes(b) for b in entry_cost.received])}",
         f"  peak memory:    {per_rank([human_bytes(b) for b in entry_cost.peak])}",
+        f"  + kept outputs: {per_rank([human_bytes(b) for b in entry_cost.retained])}"
+        "  (MPI: collective outputs of 64 KiB..4 MiB kept for reuse, at most)",
     ]
     return "\n".join(lines) + "\n"
 
 
 def check_memory(plan: ExecPlan, limit: int) -> None:
-    """Raise :class:`PlanError` if any rank's peak exceeds ``limit`` bytes, naming the rank,
-    the op where the peak is reached and both figures."""
+    """Raise :class:`PlanError` if any rank's peak (values alive at once, plus the collective
+    outputs kept for reuse) exceeds ``limit`` bytes, naming the rank, the op where the peak is
+    reached and both figures."""
     cost = function_cost(plan, plan.entry_plan)
-    for rank, peak in enumerate(cost.peak):
+    for rank, (values, kept) in enumerate(zip(cost.peak, cost.retained, strict=True)):
+        peak = values + kept
         if peak > limit:
             at = max(cost.ops, key=lambda c: c.live[rank]) if cost.ops else None
             where = f" at {at.plan_op.op.name} ({at.plan_op.where})" if at is not None else ""

@@ -163,7 +163,8 @@ def test_peak_covers_parameters(plan4: ExecPlan) -> None:
 
 
 def test_check_memory_limit(plan4: ExecPlan) -> None:
-    peak = function_cost(plan4, plan4.entry_plan).peak
+    cost = function_cost(plan4, plan4.entry_plan)
+    peak = [v + k for v, k in zip(cost.peak, cost.retained, strict=True)]
     assert len(set(peak)) == 1
     check_memory(plan4, peak[0])  # at the peak: fine
     check_memory(plan4, peak[0] + 1)
@@ -222,7 +223,9 @@ def test_uneven_allreduce_bytes(plan3: ExecPlan) -> None:
 
 
 def test_uneven_check_memory_names_the_rank(plan3: ExecPlan) -> None:
-    peak = function_cost(plan3, plan3.entry_plan).peak
+    cost = function_cost(plan3, plan3.entry_plan)
+    peak = [v + k for v, k in zip(cost.peak, cost.retained, strict=True)]
+    assert peak[0] > peak[2]
     check_memory(plan3, peak[0])
     with pytest.raises(PlanError, match=r"on rank 0 at "):
         check_memory(plan3, peak[2])
@@ -231,3 +234,25 @@ def test_uneven_check_memory_names_the_rank(plan3: ExecPlan) -> None:
 def test_unknown_function_plan(plan4: ExecPlan) -> None:
     with pytest.raises(PlanError, match="@nope"):
         plan4.function("nope")
+
+
+def test_kept_outputs_bound_the_reuse_cache(plan4: ExecPlan) -> None:
+    """Only collective outputs between 64 KiB and 4 MiB are kept (OutputCache), once each."""
+    from dtm_mpi.comm.buffers import ALIGN_FROM, OutputCache
+
+    def kept(fp_name: str, rank: int) -> int:
+        total = 0
+        for p in plan4.function(fp_name).ops:
+            if p.kind is OpKind.REDIST and p.redist is not None:
+                for s in p.redist.steps:
+                    n = local_bytes(s.out_type, plan4.mesh, rank)
+                    if s.kind.is_collective and ALIGN_FROM <= n <= OutputCache.REUSE_UP_TO:
+                        total += n
+            elif p.kind is OpKind.CALL:
+                total += kept(str(p.op.attr("callee")), rank)
+        return total
+
+    cost = function_cost(plan4, plan4.entry_plan)
+    assert cost.retained == tuple(kept(plan4.entry, r) for r in range(plan4.mesh.size))
+    assert all(k > 0 for k in cost.retained)  # the tp_mlp allreduces are 256 KiB each
+    assert "+ kept outputs:" in explain_text(plan4)
