@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 __all__ = [
     "BackendError",
+    "CancelledError",
     "CommError",
     "CommTimeoutError",
     "LauncherTerminatedError",
@@ -26,6 +27,7 @@ __all__ = [
     "IntegrityError",
     "KernelError",
     "LayoutError",
+    "LifecycleError",
     "ManifestError",
     "ParseError",
     "PlanError",
@@ -35,6 +37,7 @@ __all__ = [
     "RemoteFailureError",
     "SourceSpan",
     "StorageError",
+    "UnrecoverableError",
     "UsageError",
     "VerifyError",
     "VersionError",
@@ -246,5 +249,17 @@ class IntegrityError(StorageError):
         self.file = file
 
 
+class LifecycleError(ManifestError):
+    """An artifact lifecycle transition that the lifecycle does not allow."""
+
+
 class QuotaError(StorageError):
     """A save would exceed the store's byte quota; refused before writing a byte."""
+
+
+class CancelledError(StorageError):
+    """A save was cancelled; its partial file was removed and the previous checkpoint stands."""
+
+
+class UnrecoverableError(StorageError):
+    """An artifact cannot be restored: a primary artifact with no healthy copy."""

@@ -17,11 +17,11 @@ import numpy as np
 from dtm_mpi.comm.interface import Comm
 from dtm_mpi.config import get_config
 from dtm_mpi.errors import CommError, DtmError, KernelError
+from dtm_mpi.faults import maybe_fail
 from dtm_mpi.ir.ops._common import np_dtype
 from dtm_mpi.ir.types import TensorType
 from dtm_mpi.kernels.registry import Kernel, KernelContext, backend_kernels
 from dtm_mpi.plan.program import ExecPlan, FunctionPlan, OpKind, PlanOp
-from dtm_mpi.runtime.faults import maybe_fail
 from dtm_mpi.sharding.blocks import block_owners, local_offsets, local_shape
 from dtm_mpi.sharding.collectives import make_partial
 from dtm_mpi.sharding.redistribute import RedistPlan, plan_redistribute

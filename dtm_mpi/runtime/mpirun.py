@@ -83,7 +83,7 @@ def run_under_mpi(args: MpiRunArgs) -> int:
     module = None
     error: BaseException | None = None
     try:
-        from dtm_mpi.runtime.faults import maybe_fail
+        from dtm_mpi.faults import maybe_fail
 
         maybe_fail(rank, "load")
         module = _load(args.file)
@@ -110,10 +110,10 @@ def _run_session(module: object, args: MpiRunArgs, world: Any, rank: int, size: 
     from dtm_mpi.comm.mpi_comm import MpiComm
     from dtm_mpi.comm.mpi_session import MpiSession
     from dtm_mpi.config import get_config
+    from dtm_mpi.faults import maybe_fail
     from dtm_mpi.ir.hashing import module_hash
     from dtm_mpi.ir.nodes import Module
     from dtm_mpi.plan.program import compile_plan, mesh_for
-    from dtm_mpi.runtime.faults import maybe_fail
 
     assert isinstance(module, Module)
     config = get_config()
@@ -199,10 +199,10 @@ def _groups(plan: object) -> list[tuple[str, ...]]:
 def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, rank: int) -> None:
     from dtm_mpi.comm.mpi_comm import MpiComm
     from dtm_mpi.comm.mpi_session import MpiSession
+    from dtm_mpi.faults import maybe_fail
     from dtm_mpi.io.arrays import load_arrays, save_npz
     from dtm_mpi.plan.program import ExecPlan
     from dtm_mpi.runtime.executor import Executor, gather_to_root
-    from dtm_mpi.runtime.faults import maybe_fail
     from dtm_mpi.runtime.session import (
         initial_blocks,
         output_values,

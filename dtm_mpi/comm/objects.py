@@ -1,0 +1,115 @@
+"""Bounded collectives for the storage layer: small Python objects (manifest pieces, shard
+hashes, verdicts) and one byte exchange, plus a deadline for blocking calls that cannot be
+polled (parallel HDF5's collective I/O).
+
+Every wait here is bounded by ``timeout_s``: the non-blocking MPI call is polled until done
+(:func:`~dtm_mpi.comm.agreement.wait_bounded`), and a blocking call runs under
+:func:`io_deadline`, which ends the whole job with one error line naming the rank, the
+operation and the phase if the call is still running at its deadline.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from dtm_mpi.comm.abort import write_line
+from dtm_mpi.comm.agreement import wait_bounded
+
+__all__ = ["allgather_obj", "alltoallv_bytes", "bcast_obj", "io_deadline"]
+
+
+def _wait(request: Any, timeout_s: float, what: str, phase: str, rank: int) -> None:
+    wait_bounded(request, timeout_s=timeout_s, op=what, phase=phase, rank=rank)
+
+
+def bcast_obj(comm: Any, obj: Any, root: int, *, timeout_s: float, what: str, phase: str) -> Any:
+    """Collective: call on all ranks. ``obj`` from ``root`` on every rank (pickled)."""
+    rank = int(comm.Get_rank())
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if rank == root else b""
+    size = np.array([len(data)], dtype=np.int64)
+    _wait(comm.Ibcast(size, root=root), timeout_s, what, phase, rank)
+    buf = np.frombuffer(data, dtype=np.uint8).copy() if rank == root else np.empty(int(size[0]), np.uint8)  # fmt: skip
+    _wait(comm.Ibcast(buf, root=root), timeout_s, what, phase, rank)
+    return obj if rank == root else pickle.loads(buf.tobytes())
+
+
+def allgather_obj(comm: Any, obj: Any, *, timeout_s: float, what: str, phase: str) -> list[Any]:
+    """Collective: call on all ranks. Every rank's ``obj``, in rank order (pickled)."""
+    rank, n = int(comm.Get_rank()), int(comm.Get_size())
+    data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+    sizes = np.zeros(n, dtype=np.int64)
+    _wait(comm.Iallgather(np.array([data.size], np.int64), sizes), timeout_s, what, phase, rank)
+    counts = [int(c) for c in sizes]
+    displs = [0, *np.cumsum(counts[:-1]).tolist()]
+    out = np.empty(sum(counts), dtype=np.uint8)
+    _wait(comm.Iallgatherv(data, [out, (counts, displs)]), timeout_s, what, phase, rank)
+    return [pickle.loads(out[d : d + c].tobytes()) for d, c in zip(displs, counts, strict=True)]
+
+
+def alltoallv_bytes(
+    comm: Any, send: np.ndarray, send_counts: Sequence[int], recv_counts: Sequence[int], *,
+    timeout_s: float, what: str, phase: str,
+) -> np.ndarray:  # fmt: skip
+    """Collective: call on all ranks. ``send`` holds, in rank order, ``send_counts[j]`` bytes
+    for rank ``j``; returns what every rank sent here, in rank order (counts are known to both
+    sides from a shared plan: no sizes move)."""
+    rank = int(comm.Get_rank())
+    if max([*send_counts, *recv_counts, 0]) >= 2**31:
+        raise ValueError(f"{what}: a per-rank count of 2**31 bytes or more; use smaller rounds")
+    sd = [0, *np.cumsum(list(send_counts)[:-1]).tolist()]
+    rd = [0, *np.cumsum(list(recv_counts)[:-1]).tolist()]
+    out = np.empty(sum(recv_counts), dtype=np.uint8)
+    request = comm.Ialltoallv([send, (list(send_counts), sd)], [out, (list(recv_counts), rd)])
+    _wait(request, timeout_s, what, phase, rank)
+    return out
+
+
+class _Deadlines(threading.Thread):
+    """One daemon thread watching the deadlines of the blocking calls in progress (one per
+    thread: an async save's writer and the main thread may both be in one)."""
+
+    def __init__(self) -> None:
+        super().__init__(name="dtm-io-deadline", daemon=True)
+        self.current: dict[int, tuple[str, str, int, float, float]] = {}
+
+    def run(self) -> None:  # pragma: no cover  (ends the process when it fires)
+        while True:
+            time.sleep(0.05)
+            now = time.monotonic()
+            for what, phase, rank, deadline, timeout_s in list(self.current.values()):
+                if now <= deadline:
+                    continue
+                write_line(
+                    f"[rank {rank}] dtm: error: {what} did not complete within {timeout_s:g} s "
+                    f"on rank {rank} in phase {phase!r}: a peer has failed or is stuck; "
+                    "aborting the job"
+                )
+                from mpi4py import MPI
+
+                MPI.COMM_WORLD.Abort(1)
+
+
+_WATCH: list[_Deadlines] = []  # started on first use (no thread at import time)
+
+
+@contextmanager
+def io_deadline(what: str, phase: str, rank: int, timeout_s: float) -> Iterator[None]:
+    """Run the block (a blocking collective call, e.g. parallel HDF5 I/O) within
+    ``timeout_s``; at the deadline the job is aborted with one error line. Not nested within
+    one thread."""
+    if not _WATCH:
+        _WATCH.append(_Deadlines())
+        _WATCH[0].start()
+    watch, me = _WATCH[0], threading.get_ident()
+    watch.current[me] = (what, phase, rank, time.monotonic() + timeout_s, timeout_s)
+    try:
+        yield
+    finally:
+        watch.current.pop(me, None)

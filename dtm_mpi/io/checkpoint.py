@@ -1,0 +1,631 @@
+"""Checkpoints in parallel HDF5: collective save with atomic commit, restore onto any mesh.
+
+**Save** (collective; :meth:`CheckpointStore.save`): the plan is pure (``io.plan``); the quota
+is checked before a byte is written; each rank hashes the chunks of the blocks it owns from
+memory; all ranks create the file ``ckpt-N.h5.partial-T`` with the MPI-IO driver and write
+every tensor as one global dataset with collective transfers (the owner of each block writes
+its hyperslab, replicas take part with nothing); the manifest (identical on every rank, built
+from the gathered shard hashes) is stored in the file; the file is flushed (``MPI_File_sync``)
+and closed; rank 0 fsyncs it, reopens it and validates it (with ``DTM_CKPT_VERIFY=full``, also
+re-reads and re-hashes every chunk); the ranks agree; rank 0 renames it to ``ckpt-N.h5``,
+fsyncs the directory, points ``latest`` at it and applies keep-last-K retention. A crash at any
+moment leaves ``latest`` naming a committed, verified checkpoint.
+
+**Async save** (:meth:`CheckpointStore.save_async`): the owned blocks are copied and hashed
+(a snapshot: later updates of the caller's arrays do not leak in), then a writer thread does the
+rest on a duplicate communicator. :meth:`SaveHandle.wait` joins it; :meth:`SaveHandle.cancel`
+(collective) stops it at the next tensor boundary — the writer threads agree on the stop, close
+the file, and rank 0 removes the partial file. A later save, a restore, or :meth:`close`
+waits for the pending one first.
+
+**Restore** (collective; :meth:`CheckpointStore.restore`): onto any mesh and layout (``io.plan``:
+each stored chunk read once, verified in memory, its pieces sent where they are needed), with
+an :class:`IntegrityError` naming tensor, shard and file on any mismatch (agreed: every rank
+raises it), and ``fallback=True`` to restore the newest checkpoint that verifies instead.
+Derived artifacts that fail verification are rebuilt from their parent; ephemeral ones are
+never stored; a primary artifact with no healthy copy is an :class:`UnrecoverableError`.
+
+Bounded: every exchange of the store waits at most the timeout, and every collective HDF5
+call runs under :func:`~dtm_mpi.comm.objects.io_deadline`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dtm_mpi._version import __version__
+from dtm_mpi.comm.objects import allgather_obj, alltoallv_bytes, bcast_obj, io_deadline
+from dtm_mpi.config import get_config
+from dtm_mpi.errors import (
+    CancelledError,
+    DtmError,
+    IntegrityError,
+    ManifestError,
+    QuotaError,
+    StorageError,
+    UnrecoverableError,
+    UsageError,
+)
+from dtm_mpi.faults import maybe_fail
+from dtm_mpi.io.h5 import ALIGN_BYTES, ALIGN_FROM, create_dataset, open_file, read_slab, write_slab
+from dtm_mpi.io.hashing import chunk_hash, shard_hash
+from dtm_mpi.io.manifest import (
+    ArtifactClass,
+    ArtifactRecord,
+    Lifecycle,
+    Manifest,
+    RecoveryAction,
+    ShardRecord,
+    layout_to_json,
+    parse_manifest,
+    recovery_actions,
+    validate_manifest,
+)
+from dtm_mpi.io.plan import (  # fmt: skip
+    CHUNK_BYTES,
+    ROUND_BYTES,
+    RestorePlan,
+    SavePlan,
+    TensorSpec,
+    plan_restore,
+    plan_save,
+)
+from dtm_mpi.io.store import (
+    CKPT_FORMAT,
+    StoreMeta,
+    committed_name,
+    disk_usage,
+    fsync_dir,
+    list_checkpoints,
+    read_latest,
+    read_manifest,
+    read_meta,
+    verify_checkpoint,
+    write_latest,
+    write_meta,
+)
+from dtm_mpi.ir.ops._common import np_dtype
+from dtm_mpi.ir.types import TensorType
+from dtm_mpi.sharding.blocks import local_shape
+from dtm_mpi.sharding.mesh import MeshShape
+
+__all__ = ["CheckpointStore", "Restored", "SaveHandle"]
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    step: int
+    path: Path
+    values: dict[str, np.ndarray]  # this rank's local blocks, by tensor name
+
+
+def _agreed(exc: DtmError) -> DtmError:
+    exc.agreed = True
+    return exc
+
+
+class SaveHandle:
+    """An async save in progress (see :meth:`CheckpointStore.save_async`)."""
+
+    def __init__(self, store: CheckpointStore, step: int) -> None:
+        self.store = store
+        self.step = step
+        self.cancel_requested = False
+        self.result: Path | None = None
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.thread is None or not self.thread.is_alive()
+
+    def wait(self) -> Path:
+        """Wait for the save (bounded by the store's timeout per collective step); raises its
+        error, e.g. :class:`CancelledError`."""
+        if self.thread is not None:
+            self.thread.join()
+        if self.store._pending is self:
+            self.store._pending = None
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+    def cancel(self) -> bool:
+        """Collective: call on all ranks. Stop the save at its next tensor boundary and remove
+        its partial file; returns True if it was cancelled, False if it had already committed
+        (then the new checkpoint stands)."""
+        self.cancel_requested = True
+        try:
+            self.wait()
+        except CancelledError:
+            return True
+        return False
+
+
+class CheckpointStore:
+    """Collective: construct on all ranks of ``comm`` (default ``MPI.COMM_WORLD``).
+
+    ``quota_bytes`` and ``keep_last`` are stored in the store's ``store.json`` when given
+    (rank 0 creates the store), else read from it."""
+
+    def __init__(
+        self, path: str | os.PathLike[str], comm: Any = None, *, quota_bytes: int | None = None,
+        keep_last: int | None = None, timeout_s: float | None = None,
+        chunk_bytes: int = CHUNK_BYTES, round_bytes: int = ROUND_BYTES,
+    ) -> None:  # fmt: skip
+        from mpi4py import MPI
+
+        self.path = Path(path)
+        self.comm = comm if comm is not None else MPI.COMM_WORLD
+        self.rank, self.size = int(self.comm.Get_rank()), int(self.comm.Get_size())
+        self.timeout_s = timeout_s if timeout_s is not None else get_config().timeout_s
+        self.chunk_bytes, self.round_bytes = chunk_bytes, round_bytes
+        self._io_comm: Any = None
+        self._pending: SaveHandle | None = None
+        outcome: Any = None
+        if self.rank == 0:
+            try:
+                meta = read_meta(self.path) or StoreMeta()
+                if quota_bytes is not None or keep_last is not None or not (self.path / "store.json").exists():  # fmt: skip
+                    meta = StoreMeta(
+                        quota_bytes if quota_bytes is not None else meta.quota_bytes,
+                        keep_last if keep_last is not None else meta.keep_last,
+                    )
+                    write_meta(self.path, meta)
+                outcome = meta
+            except (OSError, DtmError) as exc:
+                outcome = StorageError(f"store {self.path}: {exc}")
+        outcome = self._bcast(outcome, "open store")
+        if isinstance(outcome, BaseException):
+            raise _agreed(outcome) if isinstance(outcome, DtmError) else outcome
+        self.meta: StoreMeta = outcome
+
+    # -- small collective helpers ----------------------------------------------------------------
+    def _bcast(self, obj: Any, what: str, comm: Any = None) -> Any:
+        return bcast_obj(comm or self.comm, obj, 0, timeout_s=self.timeout_s, what=what, phase="checkpoint")  # fmt: skip
+
+    def _gather(self, obj: Any, what: str, comm: Any = None) -> list[Any]:
+        return allgather_obj(comm or self.comm, obj, timeout_s=self.timeout_s, what=what, phase="checkpoint")  # fmt: skip
+
+    def _agree(self, error: BaseException | None, what: str, comm: Any = None) -> None:
+        """Every rank raises the first failure (by rank) if any rank failed ``what``."""
+        errors = self._gather(None if error is None else (type(error).__name__, str(error)), what, comm)  # fmt: skip
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if not failed:
+            return
+        r, (kind, msg) = failed[0]
+        kinds: tuple[type[DtmError], ...] = (ManifestError, QuotaError, CancelledError, UnrecoverableError, UsageError)  # fmt: skip
+        cls = {c.__name__: c for c in kinds}.get(kind, StorageError)
+        others = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
+        err = cls(f"{what} failed on rank {r}{others}: {msg}")
+        raise _agreed(err)
+
+    def _deadline(self, what: str) -> Any:
+        return io_deadline(what, "checkpoint", self.rank, self.timeout_s)
+
+    # -- save ------------------------------------------------------------------------------------
+    def save(self, step: int, mesh: MeshShape, tensors: Sequence[tuple[TensorSpec, np.ndarray | None]], *, module_hash: str | None = None) -> Path:  # fmt: skip
+        """Collective: call on all ranks. Save this rank's local blocks ``tensors`` (spec,
+        local array; None for ephemeral ones) as checkpoint ``step``; returns its path."""
+        self.wait()
+        plan, blocks, hashes = self._prepare(step, mesh, tensors, copy=False)
+        return self._save(step, plan, blocks, hashes, module_hash, self.comm, None)
+
+    def save_async(self, step: int, mesh: MeshShape, tensors: Sequence[tuple[TensorSpec, np.ndarray | None]], *, module_hash: str | None = None, before_tensor: Callable[[int], None] | None = None) -> SaveHandle:  # fmt: skip
+        """Collective: call on all ranks. Snapshot and hash the owned blocks now, write them in
+        the background; ``before_tensor(i)`` (tests) runs in the writer before tensor ``i``."""
+        from mpi4py import MPI
+
+        self.wait()
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise UsageError("async save needs MPI_THREAD_MULTIPLE (mpi4py's default); this MPI was initialised with less")  # fmt: skip
+        plan, blocks, hashes = self._prepare(step, mesh, tensors, copy=True)
+        if self._io_comm is None:
+            self._io_comm = self.comm.Dup()
+        handle = SaveHandle(self, step)
+
+        def cancelled() -> bool:
+            return handle.cancel_requested
+
+        def body() -> None:
+            try:
+                handle.result = self._save(step, plan, blocks, hashes, module_hash, self._io_comm, (cancelled, before_tensor))  # fmt: skip
+            except BaseException as exc:  # reported by wait()
+                handle.error = exc
+
+        handle.thread = threading.Thread(target=body, name=f"dtm-ckpt-save-{step}", daemon=True)
+        self._pending = handle
+        handle.thread.start()
+        return handle
+
+    def wait(self) -> None:
+        """Wait for a pending async save (its errors are raised)."""
+        if self._pending is not None:
+            self._pending.wait()
+
+    def close(self) -> None:
+        """Collective: call on all ranks. Wait for a pending save, free the I/O communicator."""
+        try:
+            self.wait()
+        finally:
+            if self._io_comm is not None:
+                self._io_comm.Free()
+                self._io_comm = None
+
+    def _prepare(self, step: int, mesh: MeshShape, tensors: Sequence[tuple[TensorSpec, np.ndarray | None]], copy: bool) -> tuple[SavePlan, dict[int, np.ndarray], dict[int, tuple[str, ...]]]:  # fmt: skip
+        if mesh.size != self.size:
+            raise _agreed(UsageError(f"mesh {mesh} has {mesh.size} ranks, the communicator {self.size}"))  # fmt: skip
+        if step < 0:
+            raise _agreed(UsageError(f"step must be >= 0; got {step}"))
+        plan = plan_save([t for t, _ in tensors], mesh, self.chunk_bytes)  # pure: same on all
+        blocks: dict[int, np.ndarray] = {}
+        hashes: dict[int, tuple[str, ...]] = {}
+        error: BaseException | None = None
+        try:
+            for i, shard in plan.owned(self.rank):
+                spec, block = tensors[i]
+                want = local_shape(spec.type.shape, spec.type.layout, mesh, self.rank)
+                dtype = np_dtype(spec.type.dtype)
+                if block is None or tuple(block.shape) != want or block.dtype != dtype:
+                    got = "nothing" if block is None else f"{block.dtype}{list(block.shape)}"
+                    raise UsageError(f"tensor {spec.name!r}: rank {self.rank} holds {got}, expected its block {dtype}{list(want)}")  # fmt: skip
+                arr = np.array(block, order="C", copy=True) if copy else np.ascontiguousarray(block)  # fmt: skip
+                rows = shard.chunk_rows
+                if arr.ndim == 0:
+                    hashes[i] = (chunk_hash(arr),)
+                else:
+                    hashes[i] = tuple(chunk_hash(arr[c * rows : (c + 1) * rows]) for c in range(shard.nchunks))  # fmt: skip
+                blocks[i] = arr
+        except DtmError as exc:
+            error = exc
+        self._agree(error, f"checkpoint {step}: preparing the save")
+        return plan, blocks, hashes
+
+    def _check_quota(self, step: int, plan: SavePlan, manifest_bytes: int, comm: Any) -> None:
+        error: BaseException | None = None
+        if self.rank == 0 and self.meta.quota_bytes is not None:
+            align = sum(ALIGN_BYTES for per in plan.shards for s in per[:1] if s.nbytes >= ALIGN_FROM)  # fmt: skip
+            need = plan.data_bytes + align + manifest_bytes + (256 << 10)
+            used = disk_usage(self.path)
+            if used + need > self.meta.quota_bytes:
+                error = QuotaError(f"store {self.path}: checkpoint {step} needs about {need} bytes; {used} of the quota's {self.meta.quota_bytes} are in use")  # fmt: skip
+        verdict = self._bcast(None if error is None else str(error), f"checkpoint {step}: quota", comm)  # fmt: skip
+        if verdict is not None:
+            raise _agreed(QuotaError(verdict))
+
+    def _manifest(self, step: int, plan: SavePlan, hashes: dict[tuple[int, int], tuple[str, ...]], module_hash: str | None) -> Manifest:  # fmt: skip
+        arts = []
+        for i, spec in enumerate(plan.specs):
+            t = spec.type
+            shards = tuple(
+                ShardRecord(
+                    f"{spec.name}:shard:{s.index}",
+                    s.index,
+                    s.owner,
+                    s.coords,
+                    s.offset,
+                    s.extent,
+                    s.nbytes,
+                    s.chunk_rows,
+                    hashes[(i, s.index)],
+                    shard_hash(hashes[(i, s.index)]),
+                )
+                for s in plan.shards[i]
+            )
+            dataset = None if spec.cls is ArtifactClass.EPHEMERAL else f"/tensors/{spec.name}"
+            arts.append(
+                ArtifactRecord(
+                    spec.name,
+                    spec.cls,
+                    Lifecycle.ACTIVE,
+                    t.dtype,
+                    t.shape,
+                    t.layout,
+                    dataset,
+                    spec.parent,
+                    spec.rebuild,
+                    shards,
+                )
+            )
+        m = Manifest(step, plan.mesh.axes, tuple(arts), plan.chunk_bytes, module_hash, __version__)
+        return m.sealed()
+
+    def _save(self, step: int, plan: SavePlan, blocks: dict[int, np.ndarray], hashes: dict[int, tuple[str, ...]], module_hash: str | None, comm: Any, control: tuple[Callable[[], bool], Callable[[int], None] | None] | None) -> Path:  # fmt: skip
+        gathered = self._gather(hashes, f"checkpoint {step}: shard hashes", comm)
+        all_hashes = {(i, s.index): gathered[s.owner][i] for i, per in enumerate(plan.shards) for s in per}  # fmt: skip
+        manifest = self._manifest(step, plan, all_hashes, module_hash)
+        text = manifest.to_bytes()
+        self._check_quota(step, plan, len(text), comm)
+        token = self._bcast(secrets.token_hex(4) if self.rank == 0 else None, "checkpoint name", comm)  # fmt: skip
+        final = self.path / committed_name(step)
+        tmp = self.path / f"{committed_name(step)}.partial-{token}"
+        cancelled = False
+        with self._deadline(f"checkpoint {step}: creating {tmp.name}"):
+            f = open_file(str(tmp), "w", comm)
+        try:
+            with self._deadline(f"checkpoint {step}: file attributes"):
+                f.attrs["dtm_format"] = CKPT_FORMAT
+                f.attrs["format_version"] = 1
+                f.attrs["step"] = step
+                f.attrs["dtm_version"] = __version__
+                f.require_group("tensors")
+            for i, spec in enumerate(plan.specs):
+                if control is not None:
+                    stop_here, before = control
+                    if before is not None:
+                        before(i)
+                    votes = self._gather(stop_here(), f"checkpoint {step}: cancel check", comm)
+                    if any(votes):
+                        cancelled = True
+                        break
+                maybe_fail(self.rank, "ckpt_write")
+                if spec.cls is ArtifactClass.EPHEMERAL:
+                    continue
+                t = spec.type
+                with self._deadline(f"checkpoint {step}: writing tensor {spec.name!r}"):
+                    dset = create_dataset(f, f"tensors/{spec.name}", t.shape, np_dtype(t.dtype))
+                    dset.attrs["dtype"] = t.dtype.value
+                    dset.attrs["artifact_class"] = spec.cls.value
+                    dset.attrs["layout"] = json.dumps(layout_to_json(t.layout))
+                    dset.attrs["step"] = step
+                    mine = [s for s in plan.shards[i] if s.owner == self.rank]
+                    if mine:
+                        write_slab(dset, mine[0].region, blocks[i])
+                    else:
+                        write_slab(dset, None, None)
+            if not cancelled:
+                with self._deadline(f"checkpoint {step}: writing the manifest"):
+                    dm = f.create_dataset("manifest", shape=(), dtype=f"S{len(text)}")
+                    dm.attrs["content_type"] = "application/json"
+                    f.attrs["manifest_hash"] = manifest.to_json()["manifest_hash"]
+                    if self.rank == 0:
+                        dm[()] = np.bytes_(text)
+                    f.flush()
+        finally:
+            with self._deadline(f"checkpoint {step}: closing {tmp.name}"):
+                f.close()
+        if cancelled:
+            if self.rank == 0:
+                tmp.unlink(missing_ok=True)
+                fsync_dir(self.path)
+            self._bcast(None, "checkpoint cancel", comm)
+            raise _agreed(CancelledError(f"checkpoint {step} was cancelled; its partial file was removed and the previous checkpoint stands"))  # fmt: skip
+        return self._commit(step, tmp, final, comm)
+
+    def _commit(self, step: int, tmp: Path, final: Path, comm: Any) -> Path:
+        verdict: str | None = None
+        if self.rank == 0:
+            try:
+                fd = os.open(tmp, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                read_manifest(tmp)
+                if os.environ.get("DTM_CKPT_VERIFY", "").strip().lower() == "full":
+                    problems = verify_checkpoint(tmp)
+                    if problems:
+                        raise problems[0]
+                maybe_fail(0, "ckpt_commit")
+                os.replace(tmp, final)
+                fsync_dir(self.path)
+                write_latest(self.path, step)
+                self._retain()
+            except (OSError, DtmError) as exc:
+                verdict = f"checkpoint {step} did not verify ({exc}); it stays as {tmp.name}, the previous checkpoint stands"  # fmt: skip
+        verdict = self._bcast(verdict, f"checkpoint {step}: commit", comm)
+        if verdict is not None:
+            raise _agreed(StorageError(verdict))
+        return final
+
+    def _retain(self) -> None:
+        keep = self.meta.keep_last
+        if keep is None:
+            return
+        committed = [e for e in list_checkpoints(self.path) if e.committed]
+        for e in committed[: max(0, len(committed) - keep)]:  # DEPRECATED -> DELETED
+            e.path.unlink(missing_ok=True)
+        fsync_dir(self.path)
+
+    # -- restore ---------------------------------------------------------------------------------
+    def restore(self, mesh: MeshShape, targets: Sequence[tuple[str, TensorType]], *, step: int | None = None, fallback: bool = False) -> Restored:  # fmt: skip
+        """Collective: call on all ranks. This rank's blocks of ``targets`` (name, type on
+        ``mesh``) from checkpoint ``step`` (default: latest); with ``fallback``, the newest
+        checkpoint at or before it that restores and verifies."""
+        self.wait()
+        if mesh.size != self.size:
+            raise _agreed(UsageError(f"mesh {mesh} has {mesh.size} ranks, the communicator {self.size}"))  # fmt: skip
+        candidates: Any = None
+        if self.rank == 0:
+            try:
+                start = step if step is not None else read_latest(self.path)
+                steps = sorted((e.step for e in list_checkpoints(self.path) if e.committed), reverse=True)  # fmt: skip
+                if start is None or start not in steps:
+                    candidates = f"store {self.path} has no committed checkpoint" + ("" if start is None else f" {start}")  # fmt: skip
+                else:
+                    candidates = [s for s in steps if s <= start] if fallback else [start]
+            except (OSError, DtmError) as exc:
+                candidates = str(exc)
+        candidates = self._bcast(candidates, "restore: choosing the checkpoint")
+        if isinstance(candidates, str):
+            raise _agreed(StorageError(candidates))
+        errors = []
+        for s in candidates:
+            try:
+                return self._restore_file(s, mesh, targets)
+            except (IntegrityError, ManifestError, UnrecoverableError, StorageError) as exc:
+                if not fallback or isinstance(exc, UsageError):
+                    raise
+                errors.append(f"step {s}: {exc}")
+        raise _agreed(StorageError("no checkpoint restores and verifies: " + "; ".join(errors)))
+
+    def _restore_file(self, step: int, mesh: MeshShape, targets: Sequence[tuple[str, TensorType]]) -> Restored:  # fmt: skip
+        path = self.path / committed_name(step)
+        with self._deadline(f"restore: opening {path.name}"):
+            f = open_file(str(path), "r", self.comm)
+        try:
+            try:
+                text = bytes(f["manifest"][()]) if "manifest" in f else b""
+                manifest = parse_manifest(text, str(path)) if text else None
+                if manifest is None:
+                    raise ManifestError(f"{path}: no manifest: the checkpoint is incomplete")
+                validate_manifest(manifest, str(path))
+                plan = plan_restore(manifest, targets, mesh, self.round_bytes, str(path))
+            except DtmError as exc:  # decided from the same file on every rank: same error
+                raise _agreed(exc) from None
+            values, damaged = self._read(f, path, plan)
+        finally:
+            with self._deadline(f"restore: closing {path.name}"):
+                f.close()
+        bad = self._gather(damaged, f"restore {path.name}: verification")
+        failures = [e for per in bad for e in per]
+        if failures:
+            healthy = {a.name: not any(e[0] == a.name for e in failures) for a in manifest.artifacts}  # fmt: skip
+            actions = recovery_actions(manifest, healthy)
+            for name, _ in targets:
+                if actions[name] is RecoveryAction.UNRECOVERABLE:
+                    tensor, shard, msg = next(e for e in failures if e[0] == name) if not healthy[name] else failures[0]  # fmt: skip
+                    err = IntegrityError(msg, tensor=tensor, shard=shard, file=str(path))
+                    raise _agreed(err)
+            values = self._rebuild(values, manifest, actions, mesh, targets, step)
+        return Restored(step, path, values)
+
+    def _rebuild(self, values: dict[str, np.ndarray], manifest: Manifest, actions: dict[str, RecoveryAction], mesh: MeshShape, targets: Sequence[tuple[str, TensorType]], step: int) -> dict[str, np.ndarray]:  # fmt: skip
+        """Derived targets that failed verification, recomputed from their parents."""
+        for name, t in targets:
+            if actions[name] is not RecoveryAction.REBUILD:
+                continue
+            a = manifest.artifact(name)
+            assert a.parent is not None and a.rebuild is not None
+            parent = manifest.artifact(a.parent)
+            src = self._restore_file_one(step, mesh, a.parent, t.with_dtype(parent.dtype))
+            kind, _, arg = a.rebuild.partition(":")
+            if kind == "copy" or (kind == "cast" and arg == a.dtype.value):
+                values[name] = src.astype(np_dtype(a.dtype), copy=True)
+            else:
+                raise _agreed(UnrecoverableError(f"tensor {name!r}: unknown rebuild instruction {a.rebuild!r}"))  # fmt: skip
+        return values
+
+    def _restore_file_one(self, step: int, mesh: MeshShape, name: str, t: TensorType) -> np.ndarray:
+        return self._restore_file(step, mesh, [(name, t)]).values[name]
+
+    def _read(self, f: Any, path: Path, plan: RestorePlan) -> tuple[dict[str, np.ndarray], list[tuple[str, str, str]]]:  # fmt: skip
+        """Read, verify and distribute every round of ``plan`` (collective)."""
+        me = self.rank
+        outs = {}
+        offsets = []
+        for ti, (name, t) in enumerate(plan.targets):
+            block = plan.block(ti, me)
+            outs[name] = np.empty(tuple(s.stop - s.start for s in block), dtype=np_dtype(t.dtype))
+            offsets.append(block)
+        damaged: list[tuple[str, str, str]] = []
+        by_item: dict[int, list[int]] = {}
+        for k, p in enumerate(plan.pieces):
+            by_item.setdefault(p.item, []).append(k)
+        for rnd in range(plan.rounds):
+            round_items = [k for k, it in enumerate(plan.items) if it.round == rnd]
+            data: dict[int, np.ndarray] = {}
+            for ti, (name, _) in enumerate(plan.targets):
+                art = plan.artifacts[ti]
+                items = [k for k in round_items if plan.items[k].tensor == ti]
+                mine = [k for k in items if plan.items[k].reader == me]
+                calls = max((sum(1 for k in items if plan.items[k].reader == r) for r in range(self.size)), default=0)  # fmt: skip
+                if calls == 0:
+                    continue
+                assert art.dataset is not None
+                dset = f[art.dataset]
+                for c in range(calls):
+                    with self._deadline(f"restore: reading tensor {name!r}"):
+                        if c >= len(mine):
+                            read_slab(dset, None, None)
+                            continue
+                        k = mine[c]
+                        item = plan.items[k]
+                        direct = self._direct(plan, k, by_item, offsets[ti])
+                        if direct is not None:
+                            read_slab(dset, item.region, outs[name], within=direct)
+                            buf = outs[name][direct] if direct else outs[name]
+                        else:
+                            buf = np.empty(item.shape, dtype=outs[name].dtype)
+                            read_slab(dset, item.region, buf)
+                            data[k] = buf
+                    shard = art.shards[item.shard]
+                    got = chunk_hash(buf)
+                    if got != shard.chunks[item.chunk]:
+                        damaged.append((name, shard.id, f"chunk {item.chunk} (rows {item.region[0].start if item.region else 0}..) content hash {got} does not match the manifest's {shard.chunks[item.chunk]} (read by rank {me})"))  # fmt: skip
+            self._exchange(plan, round_items, by_item, data, outs, offsets)
+        return outs, damaged
+
+    def _direct(self, plan: RestorePlan, k: int, by_item: dict[int, list[int]], block: tuple[slice, ...]) -> tuple[slice, ...] | None:  # fmt: skip
+        """Where item ``k`` lands in this rank's output when this rank is its only consumer
+        (read straight into the output, no copy), else None."""
+        pieces = by_item.get(k, [])
+        if len(pieces) != 1 or plan.pieces[pieces[0]].dest != self.rank:
+            return None
+        region = plan.items[k].region
+        if plan.pieces[pieces[0]].region != region:
+            return None
+        return tuple(slice(r.start - b.start, r.stop - b.start) for r, b in zip(region, block, strict=True))  # fmt: skip
+
+    def _exchange(self, plan: RestorePlan, round_items: list[int], by_item: dict[int, list[int]], data: dict[int, np.ndarray], outs: dict[str, np.ndarray], offsets: list[tuple[slice, ...]]) -> None:  # fmt: skip
+        """Send every piece of this round's items to its rank (collective, one Alltoallv)."""
+        me, n = self.rank, self.size
+        send_parts: list[list[np.ndarray]] = [[] for _ in range(n)]
+        recv_plan: list[list[int]] = [[] for _ in range(n)]
+        for k in round_items:
+            item = plan.items[k]
+            name = plan.targets[item.tensor][0]
+            for pk in by_item.get(k, []):
+                p = plan.pieces[pk]
+                if item.reader == me and k in data:
+                    local = tuple(slice(r.start - i.start, r.stop - i.start) for r, i in zip(p.region, item.region, strict=True))  # fmt: skip
+                    part = data[k][local]
+                    if p.dest == me:
+                        out = tuple(slice(r.start - b.start, r.stop - b.start) for r, b in zip(p.region, offsets[item.tensor], strict=True))  # fmt: skip
+                        outs[name][out] = part
+                    else:
+                        send_parts[p.dest].append(np.ascontiguousarray(part).reshape(-1).view(np.uint8))  # fmt: skip
+                elif p.dest == me and item.reader != me:
+                    recv_plan[item.reader].append(pk)
+        itemsizes = [np_dtype(t.dtype).itemsize for _, t in plan.targets]
+        send_counts = [sum(x.size for x in parts) for parts in send_parts]
+        recv_counts = [
+            sum(
+                int(np.prod(plan.pieces[pk].shape))
+                * itemsizes[plan.items[plan.pieces[pk].item].tensor]
+                for pk in pks
+            )
+            for pks in recv_plan
+        ]
+        if self._nothing_moves(plan, round_items, by_item):
+            return
+        send = np.concatenate([x for parts in send_parts for x in parts]) if any(send_counts) else np.empty(0, np.uint8)  # fmt: skip
+        got = alltoallv_bytes(self.comm, send, send_counts, recv_counts, timeout_s=self.timeout_s, what="restore: exchange", phase="checkpoint")  # fmt: skip
+        pos = 0
+        for src in range(n):
+            for pk in recv_plan[src]:
+                p = plan.pieces[pk]
+                item = plan.items[p.item]
+                name = plan.targets[item.tensor][0]
+                nbytes = int(np.prod(p.shape)) * itemsizes[item.tensor]
+                out = tuple(slice(r.start - b.start, r.stop - b.start) for r, b in zip(p.region, offsets[item.tensor], strict=True))  # fmt: skip
+                outs[name][out] = got[pos : pos + nbytes].view(outs[name].dtype).reshape(p.shape)
+                pos += nbytes
+
+    @staticmethod
+    def _nothing_moves(plan: RestorePlan, round_items: list[int], by_item: dict[int, list[int]]) -> bool:  # fmt: skip
+        """True when no piece of the round crosses ranks (decided from the plan: the same
+        answer on every rank, so all skip the exchange together)."""
+        return all(
+            plan.pieces[pk].dest == plan.items[k].reader for k in round_items for pk in by_item.get(k, [])
+        )  # fmt: skip

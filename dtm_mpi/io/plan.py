@@ -1,0 +1,262 @@
+"""Checkpoint plans: pure functions of (tensors, mesh) that every rank computes identically.
+
+**Save.** Each tensor is one global dataset. The owner of each distinct block
+(:func:`~dtm_mpi.sharding.blocks.block_owners`: the lowest rank holding it) writes it as one
+hyperslab; replicas write nothing but still take part in the collective call. A shard is
+hashed in chunks: runs of ``chunk_rows`` rows (dimension 0 of the shard) of about
+``chunk_bytes``, each a hyperslab of its own, so a restore on another mesh can read and verify
+any chunk by itself.
+
+**Restore** onto any mesh and layout: every stored chunk is read exactly once, by one rank (the
+rank whose target block holds most of it; ties go to the least-loaded rank, then the lowest),
+verified against its hash in memory, and its pieces sent to every rank whose target block
+intersects it. On the mesh it was saved on, each chunk is read by the rank that needs it and
+nothing moves between ranks. Reads are cut into rounds of at most ``round_bytes`` per rank, so
+memory beyond the restored blocks stays bounded.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dtm_mpi.errors import LayoutError, ManifestError, UsageError
+from dtm_mpi.io.manifest import ArtifactClass, ArtifactRecord, Manifest
+from dtm_mpi.ir.types import TensorType
+from dtm_mpi.sharding.blocks import block_owners, local_block
+from dtm_mpi.sharding.mesh import MeshShape
+
+__all__ = [
+    "CHUNK_BYTES",
+    "ROUND_BYTES",
+    "Piece",
+    "ReadItem",
+    "RestorePlan",
+    "SavePlan",
+    "ShardPlan",
+    "TensorSpec",
+    "chunk_rows_for",
+    "plan_restore",
+    "plan_save",
+]
+
+CHUNK_BYTES = 8 << 20
+"""Default bytes per hashed chunk (a run of whole rows of a shard)."""
+ROUND_BYTES = 64 << 20
+"""Default bytes one rank reads per restore round."""
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*\Z")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """A tensor to save: its name, global type (layout on the saving mesh) and class."""
+
+    name: str
+    type: TensorType
+    cls: ArtifactClass = ArtifactClass.PRIMARY
+    parent: str | None = None
+    rebuild: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ShardPlan:
+    index: int
+    owner: int
+    coords: tuple[int, ...]
+    offset: tuple[int, ...]
+    extent: tuple[int, ...]
+    nbytes: int
+    chunk_rows: int
+    nchunks: int
+
+    @property
+    def region(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + e) for o, e in zip(self.offset, self.extent, strict=True))
+
+
+@dataclass(frozen=True, slots=True)
+class SavePlan:
+    mesh: MeshShape
+    specs: tuple[TensorSpec, ...]
+    shards: tuple[tuple[ShardPlan, ...], ...]  # per spec (ephemeral: none)
+    chunk_bytes: int
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(s.nbytes for per in self.shards for s in per)
+
+    def owned(self, rank: int) -> list[tuple[int, ShardPlan]]:
+        """(spec index, shard) of every shard ``rank`` writes."""
+        return [(i, s) for i, per in enumerate(self.shards) for s in per if s.owner == rank]
+
+
+def chunk_rows_for(extent: Sequence[int], itemsize: int, chunk_bytes: int) -> int:
+    """Rows (dimension 0) per chunk of a shard with ``extent``: about ``chunk_bytes``, at
+    least one row (a 0-d shard is one chunk of one "row")."""
+    if not extent:
+        return 1
+    row = math.prod(extent[1:]) * itemsize
+    return max(1, min(extent[0], chunk_bytes // max(row, 1)))
+
+
+def _check_spec(spec: TensorSpec, mesh: MeshShape, names: set[str]) -> None:
+    where = f"tensor {spec.name!r}"
+    if not _NAME.match(spec.name):
+        raise UsageError(f"{where}: a stored tensor name is letters, digits, '_', '.', '-' (not starting with a digit)")  # fmt: skip
+    if spec.name in names:
+        raise UsageError(f"{where} is given twice")
+    if spec.type.layout.partial is not None:
+        raise LayoutError(f"{where}: layout {spec.type.layout} has a pending reduction; reduce it before saving")  # fmt: skip
+    if spec.cls is ArtifactClass.DERIVED and (spec.parent is None or spec.rebuild is None):
+        raise UsageError(f"{where}: a derived artifact needs a parent and a rebuild instruction")
+    if spec.cls is not ArtifactClass.DERIVED and (spec.parent or spec.rebuild):
+        raise UsageError(f"{where}: only derived artifacts have a parent and rebuild instruction")
+    local_block(spec.type.shape, spec.type.layout, mesh, 0)  # checks the layout on the mesh
+
+
+def plan_save(specs: Sequence[TensorSpec], mesh: MeshShape, chunk_bytes: int = CHUNK_BYTES) -> SavePlan:  # fmt: skip
+    """Who writes which hyperslab of which tensor, in chunks (module doc). Raises on names
+    that repeat or cannot be dataset names, pending reductions, layouts that do not fit the
+    mesh, and derived artifacts without parent (every rank raises the same error)."""
+    if chunk_bytes <= 0:
+        raise UsageError(f"chunk_bytes must be > 0; got {chunk_bytes}")
+    names: set[str] = set()
+    for spec in specs:
+        _check_spec(spec, mesh, names)
+        names.add(spec.name)
+    for spec in specs:
+        if spec.parent is not None and spec.parent not in names:
+            raise UsageError(f"tensor {spec.name!r}: parent {spec.parent!r} is not saved with it")
+    plans: list[tuple[ShardPlan, ...]] = []
+    for spec in specs:
+        if spec.cls is ArtifactClass.EPHEMERAL:
+            plans.append(())
+            continue
+        t = spec.type
+        per = []
+        for i, (owner, region) in enumerate(block_owners(t.shape, t.layout, mesh)):
+            extent = tuple(s.stop - s.start for s in region)
+            rows = chunk_rows_for(extent, t.dtype.itemsize, chunk_bytes)
+            nrows = extent[0] if extent else 1
+            shard = ShardPlan(
+                i, owner, mesh.coords(owner), tuple(s.start for s in region), extent,
+                math.prod(extent) * t.dtype.itemsize, rows, -(-nrows // rows),
+            )  # fmt: skip
+            per.append(shard)
+        plans.append(tuple(per))
+    return SavePlan(mesh, tuple(specs), tuple(plans), chunk_bytes)
+
+
+# --- restore ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ReadItem:
+    """One stored chunk, read by ``reader`` in ``round``."""
+
+    tensor: int  # index into RestorePlan.targets
+    shard: int
+    chunk: int
+    region: tuple[slice, ...]  # global hyperslab
+    reader: int
+    round: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(s.stop - s.start for s in self.region)
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """The part ``region`` (global) of read item ``item`` that rank ``dest`` needs."""
+
+    item: int  # index into RestorePlan.items
+    dest: int
+    region: tuple[slice, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(s.stop - s.start for s in self.region)
+
+
+@dataclass(frozen=True, slots=True)
+class RestorePlan:
+    mesh: MeshShape
+    targets: tuple[tuple[str, TensorType], ...]  # the tensors restored, in order
+    artifacts: tuple[ArtifactRecord, ...]  # their manifest records
+    items: tuple[ReadItem, ...]  # in (round, tensor, shard, chunk) order
+    pieces: tuple[Piece, ...]  # in (item, dest) order
+    rounds: int
+
+    def block(self, t: int, rank: int) -> tuple[slice, ...]:
+        _, tt = self.targets[t]
+        return local_block(tt.shape, tt.layout, self.mesh, rank)
+
+
+def _intersect(a: tuple[slice, ...], b: tuple[slice, ...]) -> tuple[slice, ...] | None:
+    out = []
+    for x, y in zip(a, b, strict=True):
+        lo, hi = max(x.start, y.start), min(x.stop, y.stop)
+        if lo >= hi:
+            return None
+        out.append(slice(lo, hi))
+    return tuple(out)
+
+
+def _volume(region: tuple[slice, ...]) -> int:
+    return math.prod(s.stop - s.start for s in region)
+
+
+def plan_restore(
+    manifest: Manifest, targets: Sequence[tuple[str, TensorType]], mesh: MeshShape,
+    round_bytes: int = ROUND_BYTES, where: str = "checkpoint",
+) -> RestorePlan:  # fmt: skip
+    """Which rank reads which chunk in which round, and where each piece goes (module doc).
+    Raises :class:`ManifestError` when a target is missing from the manifest, has another
+    dtype or shape, or is ephemeral (it has no stored data)."""
+    arts = []
+    for name, t in targets:
+        a = manifest.artifact(name) if name in manifest.names else None
+        if a is None:
+            raise ManifestError(f"{where}: no tensor {name!r} (it has {', '.join(manifest.names) or 'none'})")  # fmt: skip
+        if a.cls is ArtifactClass.EPHEMERAL:
+            raise ManifestError(f"{where}: tensor {name!r} is ephemeral: never stored")
+        if a.dtype != t.dtype or a.shape != t.shape:
+            raise ManifestError(f"{where}: tensor {name!r} is {a.dtype}{list(a.shape)}, not {t.dtype}{list(t.shape)}")  # fmt: skip
+        if t.layout.partial is not None:
+            raise LayoutError(f"tensor {name!r}: cannot restore into a pending reduction ({t.layout})")  # fmt: skip
+        arts.append(a)
+    ranks = range(mesh.size)
+    blocks = [[local_block(t.shape, t.layout, mesh, r) for r in ranks] for _, t in targets]
+    load = [0] * mesh.size
+    staged: list[tuple[int, int, int, tuple[slice, ...], int, int]] = []
+    piece_lists: list[list[tuple[int, tuple[slice, ...]]]] = []
+    for ti, a in enumerate(arts):
+        itemsize = a.dtype.itemsize
+        for s in a.shards:
+            for c in range(len(s.chunks)):
+                region = s.chunk_region(c)
+                needs = []
+                for r in ranks:
+                    got = _intersect(region, blocks[ti][r])
+                    if got is not None:
+                        needs.append((r, got))
+                if not needs:  # cannot happen for a tiling shard set; keep plans total
+                    continue
+                best = max(_volume(g) for _, g in needs)
+                reader = min((load[r], r) for r, g in needs if _volume(g) == best)[1]
+                nbytes = _volume(region) * itemsize
+                rnd = load[reader] // max(1, round_bytes)
+                load[reader] += nbytes
+                staged.append((rnd, ti, s.index, region, c, reader))
+                piece_lists.append(needs)
+    order = sorted(range(len(staged)), key=lambda k: (staged[k][0], staged[k][1], staged[k][2], staged[k][4]))  # fmt: skip
+    items, pieces = [], []
+    for new, k in enumerate(order):
+        rnd, ti, shard, region, c, reader = staged[k]
+        items.append(ReadItem(ti, shard, c, region, reader, rnd))
+        pieces += [Piece(new, dest, got) for dest, got in piece_lists[k]]
+    rounds = 1 + max((it.round for it in items), default=-1)
+    return RestorePlan(mesh, tuple(targets), tuple(arts), tuple(items), tuple(pieces), rounds)
