@@ -69,12 +69,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bcomm.add_argument("--csv", default=None, metavar="FILE", help="write one row per (op, bytes)")
     bcomm.set_defaults(func=_cmd_bench_comm)
+    bck = bsub.add_parser(
+        "ckpt", help="checkpoint save/restore vs plain file writes and reads (under mpirun)"
+    )
+    bck.add_argument("--bytes", default="1G", help="state size in all (e.g. 256M, 1G)")
+    bck.add_argument("--tensors", type=int, default=4, help="tensors the state is split into")
+    bck.add_argument("--dir", default=None, help="directory on the file system to measure")
+    bck.add_argument("--repeat", type=int, default=3, help="rounds; the best is reported")
+    bck.add_argument("--csv", default=None, metavar="FILE", help="rows metric,value,baseline,ratio")
+    bck.set_defaults(func=_cmd_bench_ckpt)
     info = sub.add_parser("info", help="report the runtime: MPI, parallel HDF5, ranks (collective)")
     info.set_defaults(func=_cmd_info)
 
     from dtm_mpi.cli_exec import add_exec_commands
 
     add_exec_commands(sub)
+    from dtm_mpi.cli_store import add_store_commands
+
+    add_store_commands(sub)
     return parser
 
 
@@ -149,6 +161,16 @@ def _cmd_bench_ir(args: argparse.Namespace) -> int:
     from dtm_mpi.bench.ir import run_ir_bench
 
     print(run_ir_bench(ops=args.ops, repeat=args.repeat))
+    return 0
+
+
+def _cmd_bench_ckpt(args: argparse.Namespace) -> int:
+    from dtm_mpi.bench.ckpt import run_ckpt_bench
+    from dtm_mpi.bench.comm import parse_size
+
+    table = run_ckpt_bench(parse_size(args.bytes), args.tensors, args.dir, args.repeat, args.csv)
+    if table:
+        print(table)
     return 0
 
 

@@ -62,6 +62,12 @@ def add_exec_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     rn.add_argument("--backend", default="numpy", choices=["numpy"], help="kernel backend")
     rn.add_argument("--max-bytes-per-rank", type=byte_count, default=None, metavar="BYTES",
                     help="refuse to run a plan above BYTES of peak memory on any rank")  # fmt: skip
+    rn.add_argument("--store", metavar="DIR", default=None,
+                    help="checkpoint store for the run's state (parallel HDF5; under mpirun)")  # fmt: skip
+    rn.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                    help="save the state to --store after every N steps")  # fmt: skip
+    rn.add_argument("--resume", action="store_true",
+                    help="start from the latest checkpoint in --store and run up to --steps")  # fmt: skip
     rn.set_defaults(func=_cmd_run)
 
 
@@ -109,6 +115,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     if args.steps < 1:
         raise UsageError(f"--steps must be >= 1; got {args.steps}")
+    if (args.checkpoint_every is not None or args.resume) and not args.store:
+        raise UsageError("--checkpoint-every and --resume need --store DIR")
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        raise UsageError(f"--checkpoint-every must be >= 1; got {args.checkpoint_every}")
+    if args.resume and args.input:
+        raise UsageError("--resume takes the state from the checkpoint; do not give -i inputs")
     if args.sim is None:
         from dtm_mpi.runtime.mpirun import MpiRunArgs, run_under_mpi
 
@@ -124,8 +136,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 args.steps,
                 args.backend,
                 args.max_bytes_per_rank,
+                args.store,
+                args.checkpoint_every,
+                args.resume,
             )
         )
+    if args.store:
+        raise UsageError("--store needs the MPI runtime (run under mpirun/srun, without --sim)")
     if args.output:
         check_output_path(args.output)  # refused before any work
     module = load_checked(args.file)

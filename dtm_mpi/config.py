@@ -13,6 +13,8 @@ variable               default    meaning
                                   split into chunks (tests set it tiny)
 ``DTM_GPU_AWARE_MPI``  ``auto``   ``auto``, ``yes`` or ``no``: whether MPI takes device buffers
 ``DTM_LOG``            ``warning`` log level of the ``dtm_mpi`` logger
+``DTM_CKPT_VERIFY``    ``manifest`` what a checkpoint save verifies before it commits:
+                                  ``manifest`` or ``full`` (re-read and re-hash every chunk)
 =====================  =========  ==========================================================
 
 :func:`get_config` reads the process environment on first use and caches the result;
@@ -66,6 +68,7 @@ class Config:
     max_msg_elems: int = MAX_MSG_ELEMS_DEFAULT
     gpu_aware_mpi: GpuAwareMode = GpuAwareMode.AUTO
     log_level: str = "warning"
+    ckpt_verify_full: bool = False
 
     def fault_at(self, rank: int, where: str) -> FaultSpec | None:
         """The fault injected for ``rank`` at ``where``, if any."""
@@ -164,7 +167,15 @@ def load_config(environ: Mapping[str, str]) -> Config:
         log_level = raw.strip().lower()
         if log_level not in _LOG_LEVELS:
             raise ConfigError(f"DTM_LOG: expected one of {', '.join(_LOG_LEVELS)}, got {raw!r}")
-    return Config(timeout_s, faults, deterministic, max_msg_elems, gpu_aware, log_level)
+    verify_full = defaults.ckpt_verify_full
+    if (raw := environ.get("DTM_CKPT_VERIFY")) is not None:
+        mode = raw.strip().lower()
+        if mode not in ("manifest", "full"):
+            raise ConfigError(f"DTM_CKPT_VERIFY: expected manifest or full, got {raw!r}")
+        verify_full = mode == "full"
+    return Config(
+        timeout_s, faults, deterministic, max_msg_elems, gpu_aware, log_level, verify_full
+    )
 
 
 @cache

@@ -25,6 +25,7 @@ def test_all_options() -> None:
             "DTM_MAX_MSG_ELEMS": "16",
             "DTM_GPU_AWARE_MPI": "NO",
             "DTM_LOG": "debug",
+            "DTM_CKPT_VERIFY": "Full",
         }
     )
     assert cfg.timeout_s == 2.5
@@ -36,6 +37,7 @@ def test_all_options() -> None:
     assert cfg.fault_at(0, "handshake") is None
     assert cfg.deterministic and cfg.max_msg_elems == 16
     assert cfg.gpu_aware_mpi is GpuAwareMode.NO and cfg.log_level == "debug"
+    assert cfg.ckpt_verify_full and not Config().ckpt_verify_full
 
 
 def test_frozen() -> None:
@@ -57,6 +59,7 @@ def test_frozen() -> None:
         ({"DTM_MAX_MSG_ELEMS": "0"}, "DTM_MAX_MSG_ELEMS: must be >= 1"),
         ({"DTM_GPU_AWARE_MPI": "perhaps"}, "DTM_GPU_AWARE_MPI"),
         ({"DTM_LOG": "loud"}, "DTM_LOG"),
+        ({"DTM_CKPT_VERIFY": "some"}, "DTM_CKPT_VERIFY: expected manifest or full"),
     ],
 )
 def test_bad_values_name_the_variable(env: dict[str, str], fragment: str) -> None:

@@ -5,11 +5,15 @@ polled (parallel HDF5's collective I/O).
 Every wait here is bounded by ``timeout_s``: the non-blocking MPI call is polled until done
 (:func:`~dtm_mpi.comm.agreement.wait_bounded`), and a blocking call runs under
 :func:`io_deadline`, which ends the whole job with one error line naming the rank, the
-operation and the phase if the call is still running at its deadline.
+operation and the phase if the call is still running at its deadline. h5py keeps the
+interpreter lock inside HDF5 calls, so a Python thread cannot always run at the deadline: a
+backstop in C (``faulthandler``, which needs no interpreter lock) then ends the process
+``BACKSTOP_S`` later, printing where every thread was, and the launcher ends the job.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import pickle
 import threading
 import time
@@ -23,6 +27,10 @@ from dtm_mpi.comm.abort import write_line
 from dtm_mpi.comm.agreement import wait_bounded
 
 __all__ = ["allgather_obj", "alltoallv_bytes", "bcast_obj", "io_deadline"]
+
+BACKSTOP_S = 2.0
+"""Seconds after a deadline at which the C-level backstop ends a process stuck with the
+interpreter lock held."""
 
 
 def _wait(request: Any, timeout_s: float, what: str, phase: str, rank: int) -> None:
@@ -59,15 +67,16 @@ def alltoallv_bytes(
 ) -> np.ndarray:  # fmt: skip
     """Collective: call on all ranks. ``send`` holds, in rank order, ``send_counts[j]`` bytes
     for rank ``j``; returns what every rank sent here, in rank order (counts are known to both
-    sides from a shared plan: no sizes move)."""
+    sides from a shared plan: no sizes move). Bulk data: MPI's blocking call (non-blocking
+    collectives only progress while polled) under :func:`io_deadline`."""
     rank = int(comm.Get_rank())
     if max([*send_counts, *recv_counts, 0]) >= 2**31:
         raise ValueError(f"{what}: a per-rank count of 2**31 bytes or more; use smaller rounds")
     sd = [0, *np.cumsum(list(send_counts)[:-1]).tolist()]
     rd = [0, *np.cumsum(list(recv_counts)[:-1]).tolist()]
     out = np.empty(sum(recv_counts), dtype=np.uint8)
-    request = comm.Ialltoallv([send, (list(send_counts), sd)], [out, (list(recv_counts), rd)])
-    _wait(request, timeout_s, what, phase, rank)
+    with io_deadline(what, phase, rank, timeout_s):
+        comm.Alltoallv([send, (list(send_counts), sd)], [out, (list(recv_counts), rd)])
     return out
 
 
@@ -108,8 +117,26 @@ def io_deadline(what: str, phase: str, rank: int, timeout_s: float) -> Iterator[
         _WATCH.append(_Deadlines())
         _WATCH[0].start()
     watch, me = _WATCH[0], threading.get_ident()
-    watch.current[me] = (what, phase, rank, time.monotonic() + timeout_s, timeout_s)
+    with _ARMING:
+        watch.current[me] = (what, phase, rank, time.monotonic() + timeout_s, timeout_s)
+        _arm_backstop(watch)
     try:
         yield
     finally:
-        watch.current.pop(me, None)
+        with _ARMING:
+            watch.current.pop(me, None)
+            _arm_backstop(watch)
+
+
+_ARMING = threading.Lock()
+
+
+def _arm_backstop(watch: _Deadlines) -> None:
+    """Point the process-wide C timer at the soonest deadline (plus ``BACKSTOP_S``)."""
+    if not watch.current:
+        faulthandler.cancel_dump_traceback_later()
+        return
+    soonest = min(entry[3] for entry in watch.current.values())
+    delay = max(0.05, soonest - time.monotonic() + BACKSTOP_S)
+    # fd 2, not sys.stderr: it works also when stderr is captured (tests, tools)
+    faulthandler.dump_traceback_later(delay, exit=True, file=2)

@@ -6,10 +6,12 @@ memory; all ranks create the file ``ckpt-N.h5.partial-T`` with the MPI-IO driver
 every tensor as one global dataset with collective transfers (the owner of each block writes
 its hyperslab, replicas take part with nothing); the manifest (identical on every rank, built
 from the gathered shard hashes) is stored in the file; the file is flushed (``MPI_File_sync``)
-and closed; rank 0 fsyncs it, reopens it and validates it (with ``DTM_CKPT_VERIFY=full``, also
-re-reads and re-hashes every chunk); the ranks agree; rank 0 renames it to ``ckpt-N.h5``,
-fsyncs the directory, points ``latest`` at it and applies keep-last-K retention. A crash at any
-moment leaves ``latest`` naming a committed, verified checkpoint.
+and closed; the ranks agree that every one of them got there; rank 0 fsyncs it, reopens it
+and validates it (with ``DTM_CKPT_VERIFY=full``, also re-reads and re-hashes every chunk),
+renames it to ``ckpt-N.h5``,
+fsyncs the directory, points ``latest`` at it and applies keep-last-K retention (never to the
+checkpoint just saved), and every rank learns the verdict. A crash at any moment leaves
+``latest`` naming a committed, verified checkpoint.
 
 **Async save** (:meth:`CheckpointStore.save_async`): the owned blocks are copied and hashed
 (a snapshot: later updates of the caller's arrays do not leak in), then a writer thread does the
@@ -32,6 +34,7 @@ call runs under :func:`~dtm_mpi.comm.objects.io_deadline`.
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import threading
@@ -81,7 +84,9 @@ from dtm_mpi.io.plan import (  # fmt: skip
 )
 from dtm_mpi.io.store import (
     CKPT_FORMAT,
+    FORMAT_VERSION,
     StoreMeta,
+    check_file_format,
     committed_name,
     disk_usage,
     fsync_dir,
@@ -106,6 +111,7 @@ class Restored:
     step: int
     path: Path
     values: dict[str, np.ndarray]  # this rank's local blocks, by tensor name
+    module_hash: str | None = None  # of the program that wrote it
 
 
 def _agreed(exc: DtmError) -> DtmError:
@@ -355,7 +361,7 @@ class CheckpointStore:
         try:
             with self._deadline(f"checkpoint {step}: file attributes"):
                 f.attrs["dtm_format"] = CKPT_FORMAT
-                f.attrs["format_version"] = 1
+                f.attrs["format_version"] = FORMAT_VERSION
                 f.attrs["step"] = step
                 f.attrs["dtm_version"] = __version__
                 f.require_group("tensors")
@@ -403,8 +409,13 @@ class CheckpointStore:
         return self._commit(step, tmp, final, comm)
 
     def _commit(self, step: int, tmp: Path, final: Path, comm: Any) -> Path:
+        """Every rank closed the file: agree on it, then rank 0 fsyncs, verifies, renames
+        (the commit), points ``latest`` at it and applies retention; every rank learns how
+        it went."""
+        self._agree(None, f"checkpoint {step}: writing {tmp.name}", comm)
         verdict: str | None = None
         if self.rank == 0:
+            committed = False
             try:
                 fd = os.open(tmp, os.O_RDONLY)
                 try:
@@ -412,28 +423,34 @@ class CheckpointStore:
                 finally:
                     os.close(fd)
                 read_manifest(tmp)
-                if os.environ.get("DTM_CKPT_VERIFY", "").strip().lower() == "full":
+                if get_config().ckpt_verify_full:
                     problems = verify_checkpoint(tmp)
                     if problems:
                         raise problems[0]
                 maybe_fail(0, "ckpt_commit")
                 os.replace(tmp, final)
+                committed = True
                 fsync_dir(self.path)
                 write_latest(self.path, step)
-                self._retain()
+                self._retain(final)
             except (OSError, DtmError) as exc:
-                verdict = f"checkpoint {step} did not verify ({exc}); it stays as {tmp.name}, the previous checkpoint stands"  # fmt: skip
+                if committed:
+                    verdict = f"checkpoint {step} is committed as {final.name}, but updating 'latest' or retention failed: {exc}"  # fmt: skip
+                else:
+                    verdict = f"checkpoint {step} did not verify ({exc}); it stays as {tmp.name}, the previous checkpoint stands"  # fmt: skip
         verdict = self._bcast(verdict, f"checkpoint {step}: commit", comm)
         if verdict is not None:
             raise _agreed(StorageError(verdict))
         return final
 
-    def _retain(self) -> None:
+    def _retain(self, keep_this: Path) -> None:
+        """Keep-last-K: delete the oldest committed checkpoints (by step), never
+        ``keep_this`` (the one just committed, which ``latest`` names)."""
         keep = self.meta.keep_last
         if keep is None:
             return
-        committed = [e for e in list_checkpoints(self.path) if e.committed]
-        for e in committed[: max(0, len(committed) - keep)]:  # DEPRECATED -> DELETED
+        others = [e for e in list_checkpoints(self.path) if e.committed and e.path != keep_this]
+        for e in others[: max(0, len(others) - (keep - 1))]:  # DEPRECATED -> DELETED
             e.path.unlink(missing_ok=True)
         fsync_dir(self.path)
 
@@ -475,6 +492,7 @@ class CheckpointStore:
             f = open_file(str(path), "r", self.comm)
         try:
             try:
+                check_file_format(f, path)
                 text = bytes(f["manifest"][()]) if "manifest" in f else b""
                 manifest = parse_manifest(text, str(path)) if text else None
                 if manifest is None:
@@ -498,7 +516,7 @@ class CheckpointStore:
                     err = IntegrityError(msg, tensor=tensor, shard=shard, file=str(path))
                     raise _agreed(err)
             values = self._rebuild(values, manifest, actions, mesh, targets, step)
-        return Restored(step, path, values)
+        return Restored(step, path, values, manifest.module_hash)
 
     def _rebuild(self, values: dict[str, np.ndarray], manifest: Manifest, actions: dict[str, RecoveryAction], mesh: MeshShape, targets: Sequence[tuple[str, TensorType]], step: int) -> dict[str, np.ndarray]:  # fmt: skip
         """Derived targets that failed verification, recomputed from their parents."""
@@ -532,8 +550,11 @@ class CheckpointStore:
         by_item: dict[int, list[int]] = {}
         for k, p in enumerate(plan.pieces):
             by_item.setdefault(p.item, []).append(k)
-        for rnd in range(plan.rounds):
-            round_items = [k for k, it in enumerate(plan.items) if it.round == rnd]
+        rounds: dict[int, list[int]] = {}
+        for k, it in enumerate(plan.items):
+            rounds.setdefault(it.round, []).append(k)
+        for rnd in sorted(rounds):  # the same rounds on every rank: the plan is shared
+            round_items = rounds[rnd]
             data: dict[int, np.ndarray] = {}
             for ti, (name, _) in enumerate(plan.targets):
                 art = plan.artifacts[ti]
@@ -580,8 +601,9 @@ class CheckpointStore:
     def _exchange(self, plan: RestorePlan, round_items: list[int], by_item: dict[int, list[int]], data: dict[int, np.ndarray], outs: dict[str, np.ndarray], offsets: list[tuple[slice, ...]]) -> None:  # fmt: skip
         """Send every piece of this round's items to its rank (collective, one Alltoallv)."""
         me, n = self.rank, self.size
-        send_parts: list[list[np.ndarray]] = [[] for _ in range(n)]
+        sends: list[list[tuple[np.ndarray, int]]] = [[] for _ in range(n)]  # (view, nbytes)
         recv_plan: list[list[int]] = [[] for _ in range(n)]
+        itemsizes = [np_dtype(t.dtype).itemsize for _, t in plan.targets]
         for k in round_items:
             item = plan.items[k]
             name = plan.targets[item.tensor][0]
@@ -594,30 +616,35 @@ class CheckpointStore:
                         out = tuple(slice(r.start - b.start, r.stop - b.start) for r, b in zip(p.region, offsets[item.tensor], strict=True))  # fmt: skip
                         outs[name][out] = part
                     else:
-                        send_parts[p.dest].append(np.ascontiguousarray(part).reshape(-1).view(np.uint8))  # fmt: skip
+                        sends[p.dest].append((part, part.size * itemsizes[item.tensor]))
                 elif p.dest == me and item.reader != me:
                     recv_plan[item.reader].append(pk)
-        itemsizes = [np_dtype(t.dtype).itemsize for _, t in plan.targets]
-        send_counts = [sum(x.size for x in parts) for parts in send_parts]
+        if self._nothing_moves(plan, round_items, by_item):
+            return
+        send_counts = [sum(nb for _, nb in parts) for parts in sends]
         recv_counts = [
             sum(
-                int(np.prod(plan.pieces[pk].shape))
+                math.prod(plan.pieces[pk].shape)
                 * itemsizes[plan.items[plan.pieces[pk].item].tensor]
                 for pk in pks
             )
             for pks in recv_plan
         ]
-        if self._nothing_moves(plan, round_items, by_item):
-            return
-        send = np.concatenate([x for parts in send_parts for x in parts]) if any(send_counts) else np.empty(0, np.uint8)  # fmt: skip
+        send = np.empty(sum(send_counts), dtype=np.uint8)  # packed in place: no extra copies
+        pos = 0
+        for parts in sends:
+            for part, nb in parts:
+                send[pos : pos + nb].view(part.dtype).reshape(part.shape)[...] = part
+                pos += nb
         got = alltoallv_bytes(self.comm, send, send_counts, recv_counts, timeout_s=self.timeout_s, what="restore: exchange", phase="checkpoint")  # fmt: skip
+        del send
         pos = 0
         for src in range(n):
             for pk in recv_plan[src]:
                 p = plan.pieces[pk]
                 item = plan.items[p.item]
                 name = plan.targets[item.tensor][0]
-                nbytes = int(np.prod(p.shape)) * itemsizes[item.tensor]
+                nbytes = math.prod(p.shape) * itemsizes[item.tensor]
                 out = tuple(slice(r.start - b.start, r.stop - b.start) for r, b in zip(p.region, offsets[item.tensor], strict=True))  # fmt: skip
                 outs[name][out] = got[pos : pos + nbytes].view(outs[name].dtype).reshape(p.shape)
                 pos += nbytes

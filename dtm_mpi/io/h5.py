@@ -18,10 +18,11 @@ import numpy as np
 
 __all__ = ["ALIGN_BYTES", "ALIGN_FROM", "create_dataset", "open_file", "read_slab", "write_slab"]
 
-ALIGN_FROM = 64 << 10
+ALIGN_FROM = 4 << 20
 ALIGN_BYTES = 1 << 20
 """Objects of at least ``ALIGN_FROM`` bytes start on ``ALIGN_BYTES`` boundaries (stripe and
-page friendly on parallel file systems)."""
+page friendly on parallel file systems; smaller ones are packed: aligning them would waste up
+to a MiB each)."""
 
 
 def open_file(path: str, mode: str, comm: Any = None) -> h5py.File:

@@ -48,6 +48,7 @@ __all__ = [
     "layout_to_json",
     "parse_manifest",
     "recovery_actions",
+    "stored_itemsize",
     "transition",
     "validate_manifest",
 ]
@@ -56,6 +57,12 @@ FORMAT = "dtm-manifest"
 VERSION = 1
 _HEX32 = re.compile(r"[0-9a-f]{32}\Z")
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
+
+
+def stored_itemsize(dtype: DType) -> int:
+    """Bytes per stored element: the runtime's representation, so a restore is bit-identical
+    to the saved state (bf16 is held, and stored, as IEEE binary32: spec Q12)."""
+    return 4 if dtype is DType.BF16 else dtype.itemsize
 
 
 class ArtifactClass(enum.Enum):
@@ -133,7 +140,7 @@ class ArtifactRecord:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+        return math.prod(self.shape) * stored_itemsize(self.dtype)
 
     def shard(self, shard_id: str) -> ShardRecord:
         for s in self.shards:
@@ -319,7 +326,7 @@ def parse_manifest(text: bytes | str, where: str = "manifest") -> Manifest:
         raise ManifestError(f"{where}: expected a JSON object")
     if doc.get("format") != FORMAT:
         raise ManifestError(f"{where}: format {doc.get('format')!r} is not {FORMAT!r}")
-    if doc.get("version") != VERSION:
+    if type(doc.get("version")) is not int or doc.get("version") != VERSION:
         raise ManifestError(f"{where}: manifest version {doc.get('version')!r} is not supported (this is version {VERSION})")  # fmt: skip
     stated = doc.pop("manifest_hash", None)
     if stated is None:
@@ -359,7 +366,13 @@ def parse_manifest(text: bytes | str, where: str = "manifest") -> Manifest:
             ad.get("rebuild"), tuple(shards), str(ad.get("merkle_root") or ""),
         )  # fmt: skip
         arts.append(art)
-    mesh = tuple((str(a), int(n)) for a, n in _get(doc, "mesh", list, where))
+    mesh_doc = _get(doc, "mesh", list, where)
+    if not all(
+        isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and type(e[1]) is int
+        for e in mesh_doc
+    ):
+        raise ManifestError(f"{where}: mesh must be a list of [axis, size] pairs, got {mesh_doc!r}")  # fmt: skip
+    mesh = tuple((str(a), int(n)) for a, n in mesh_doc)
     return Manifest(
         _get(doc, "step", int, where), mesh, tuple(arts), _get(doc, "chunk_bytes", int, where),
         doc.get("module_hash"), str(doc.get("dtm_version", "")),
@@ -382,7 +395,7 @@ def _check_shards(a: ArtifactRecord, where: str) -> None:
             raise ManifestError(f"{sw}: hyperslab rank differs from the tensor's {len(a.shape)}")
         if any(o < 0 or e <= 0 or o + e > n for o, e, n in zip(s.offset, s.extent, a.shape, strict=True)):  # fmt: skip
             raise ManifestError(f"{sw}: empty or out-of-bounds hyperslab offset {list(s.offset)} extent {list(s.extent)} of shape {list(a.shape)}")  # fmt: skip
-        if s.nbytes <= 0 or s.nbytes != math.prod(s.extent) * a.dtype.itemsize:
+        if s.nbytes <= 0 or s.nbytes != math.prod(s.extent) * stored_itemsize(a.dtype):
             raise ManifestError(f"{sw}: {s.nbytes} bytes does not match extent {list(s.extent)} of {a.dtype}")  # fmt: skip
         rows = s.extent[0] if s.extent else 1
         if s.chunk_rows <= 0 or len(s.chunks) != -(-rows // s.chunk_rows):
@@ -392,14 +405,18 @@ def _check_shards(a: ArtifactRecord, where: str) -> None:
         total += math.prod(s.extent)
     if total != math.prod(a.shape):
         raise ManifestError(f"{where}: tensor {a.name!r}: shards hold {total} elements, the tensor {math.prod(a.shape)}")  # fmt: skip
-    if len(a.shards) <= 256:  # pairwise disjoint (with the count above: an exact tiling)
-        for i, s in enumerate(a.shards):
-            for t in a.shards[i + 1 :]:
-                if all(
-                    so < to + te and to < so + se
-                    for so, se, to, te in zip(s.offset, s.extent, t.offset, t.extent, strict=True)
-                ):
-                    raise ManifestError(f"{where}: tensor {a.name!r}: shards {s.id!r} and {t.id!r} overlap")  # fmt: skip
+    # pairwise disjoint (with the count above: an exact tiling). Sorted by the first offset,
+    # a shard can only meet those that start before it ends along dimension 0.
+    order = sorted(a.shards, key=lambda sh: sh.offset[:1])
+    for i, s in enumerate(order):
+        for t in order[i + 1 :]:
+            if s.extent and t.offset[0] >= s.offset[0] + s.extent[0]:
+                break
+            if all(
+                so < to + te and to < so + se
+                for so, se, to, te in zip(s.offset, s.extent, t.offset, t.extent, strict=True)
+            ):
+                raise ManifestError(f"{where}: tensor {a.name!r}: shards {s.id!r} and {t.id!r} overlap")  # fmt: skip
 
 
 def validate_manifest(m: Manifest, where: str = "manifest") -> None:

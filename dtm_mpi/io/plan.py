@@ -10,8 +10,8 @@ any chunk by itself.
 **Restore** onto any mesh and layout: every stored chunk is read exactly once, by one rank (the
 rank whose target block holds most of it; ties go to the least-loaded rank, then the lowest),
 verified against its hash in memory, and its pieces sent to every rank whose target block
-intersects it. On the mesh it was saved on, each chunk is read by the rank that needs it and
-nothing moves between ranks. Reads are cut into rounds of at most ``round_bytes`` per rank, so
+intersects it. On the mesh and layout it was saved with, each chunk is read by a rank that
+needs it; only replicas (ranks holding copies of the same block) receive pieces from others. Reads are cut into rounds of at most ``round_bytes`` per rank, so
 memory beyond the restored blocks stays bounded.
 """
 
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dtm_mpi.errors import LayoutError, ManifestError, UsageError
-from dtm_mpi.io.manifest import ArtifactClass, ArtifactRecord, Manifest
+from dtm_mpi.io.manifest import ArtifactClass, ArtifactRecord, Manifest, stored_itemsize
 from dtm_mpi.ir.types import TensorType
 from dtm_mpi.sharding.blocks import block_owners, local_block
 from dtm_mpi.sharding.mesh import MeshShape
@@ -44,7 +44,7 @@ __all__ = [
 
 CHUNK_BYTES = 8 << 20
 """Default bytes per hashed chunk (a run of whole rows of a shard)."""
-ROUND_BYTES = 64 << 20
+ROUND_BYTES = 16 << 20
 """Default bytes one rank reads per restore round."""
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*\Z")
 
@@ -126,9 +126,12 @@ def plan_save(specs: Sequence[TensorSpec], mesh: MeshShape, chunk_bytes: int = C
     for spec in specs:
         _check_spec(spec, mesh, names)
         names.add(spec.name)
+    classes = {spec.name: spec.cls for spec in specs}
     for spec in specs:
         if spec.parent is not None and spec.parent not in names:
             raise UsageError(f"tensor {spec.name!r}: parent {spec.parent!r} is not saved with it")
+        if spec.parent is not None and classes[spec.parent] is ArtifactClass.EPHEMERAL:
+            raise UsageError(f"tensor {spec.name!r}: parent {spec.parent!r} is ephemeral (never stored): nothing to rebuild from")  # fmt: skip
     plans: list[tuple[ShardPlan, ...]] = []
     for spec in specs:
         if spec.cls is ArtifactClass.EPHEMERAL:
@@ -138,11 +141,11 @@ def plan_save(specs: Sequence[TensorSpec], mesh: MeshShape, chunk_bytes: int = C
         per = []
         for i, (owner, region) in enumerate(block_owners(t.shape, t.layout, mesh)):
             extent = tuple(s.stop - s.start for s in region)
-            rows = chunk_rows_for(extent, t.dtype.itemsize, chunk_bytes)
+            rows = chunk_rows_for(extent, stored_itemsize(t.dtype), chunk_bytes)
             nrows = extent[0] if extent else 1
             shard = ShardPlan(
                 i, owner, mesh.coords(owner), tuple(s.start for s in region), extent,
-                math.prod(extent) * t.dtype.itemsize, rows, -(-nrows // rows),
+                math.prod(extent) * stored_itemsize(t.dtype), rows, -(-nrows // rows),
             )  # fmt: skip
             per.append(shard)
         plans.append(tuple(per))
@@ -234,7 +237,7 @@ def plan_restore(
     staged: list[tuple[int, int, int, tuple[slice, ...], int, int]] = []
     piece_lists: list[list[tuple[int, tuple[slice, ...]]]] = []
     for ti, a in enumerate(arts):
-        itemsize = a.dtype.itemsize
+        itemsize = stored_itemsize(a.dtype)
         for s in a.shards:
             for c in range(len(s.chunks)):
                 region = s.chunk_region(c)

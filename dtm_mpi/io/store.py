@@ -31,6 +31,7 @@ from dtm_mpi.io.manifest import ArtifactClass, Manifest, parse_manifest, validat
 
 __all__ = [
     "CheckpointEntry",
+    "check_file_format",
     "StoreMeta",
     "committed_name",
     "disk_usage",
@@ -152,12 +153,23 @@ def disk_usage(store: Path) -> int:
     return sum(e.nbytes for e in list_checkpoints(store))
 
 
+FORMAT_VERSION = 1
+
+
+def check_file_format(f: h5py.File, path: Path) -> None:
+    """Raise :class:`ManifestError` unless ``f`` is a dtm checkpoint of a version this reads."""
+    if f.attrs.get("dtm_format") != CKPT_FORMAT:
+        raise ManifestError(f"{path}: not a dtm checkpoint (no dtm_format={CKPT_FORMAT!r} attribute)")  # fmt: skip
+    version = f.attrs.get("format_version")
+    if version is None or int(version) != FORMAT_VERSION:
+        raise ManifestError(f"{path}: checkpoint format version {version!r} is not supported (this reads version {FORMAT_VERSION})")  # fmt: skip
+
+
 def read_manifest(path: Path) -> Manifest:
     """The validated manifest of the checkpoint file ``path`` (serial read)."""
     try:
         with h5py.File(path, "r") as f:
-            if f.attrs.get("dtm_format") != CKPT_FORMAT:
-                raise ManifestError(f"{path}: not a dtm checkpoint (no dtm_format={CKPT_FORMAT!r} attribute)")  # fmt: skip
+            check_file_format(f, path)
             if "manifest" not in f:
                 raise ManifestError(f"{path}: no manifest: the checkpoint is incomplete")
             text = bytes(f["manifest"][()])

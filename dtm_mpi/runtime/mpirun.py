@@ -46,6 +46,9 @@ class MpiRunArgs:
     steps: int
     backend: str
     max_bytes_per_rank: int | None = None
+    store: str | None = None  # checkpoint store directory
+    checkpoint_every: int | None = None  # save the state after every N steps
+    resume: bool = False  # start from the store's latest checkpoint
 
 
 def _capabilities() -> tuple[str, ...]:
@@ -156,7 +159,10 @@ def _run_session(module: object, args: MpiRunArgs, world: Any, rank: int, size: 
     except LauncherTerminatedError as exc:  # a peer died: mpirun is killing the job
         session.report_terminated(exc)
     except BaseException as exc:  # every failure ends every rank with one error
-        if isinstance(exc, HandshakeError | RemoteFailureError) and session.poisoned is None:
+        agreed = isinstance(exc, HandshakeError | RemoteFailureError) or (
+            isinstance(exc, DtmError) and exc.agreed
+        )
+        if agreed and session.poisoned is None:
             # raised alike on every rank at the same point, nothing pending: a clean exit
             write_line(f"[rank {rank}] dtm run: {exc}")
             session.close()
@@ -227,6 +233,8 @@ def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, ra
     except DtmError as exc:
         error = exc
     session.agree("inputs", error)
+    ckpt = _Checkpoints(session, plan, args, rank) if args.store else None
+    first = ckpt.resume(blocks) if ckpt is not None and args.resume else 0
 
     def before_step(step: int) -> None:
         session.phase = f"step {step}"
@@ -235,8 +243,17 @@ def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, ra
     def commit(step: int) -> None:  # every rank finished the step: its state updates apply
         session.agree(f"step {step}", None)
 
+    def after_step(step: int) -> None:  # the new state is in blocks
+        if ckpt is not None and args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+            ckpt.save(step + 1, blocks)
+
     executor = Executor(plan, comm, args.backend)
-    results = run_steps(executor, blocks, args.steps, before_step=before_step, commit=commit)
+    results = run_steps(
+        executor, blocks, args.steps, first=first, before_step=before_step, commit=commit,
+        after_step=after_step,
+    )  # fmt: skip
+    if ckpt is not None:
+        ckpt.close()
 
     session.phase = "output"
     maybe_fail(rank, "output")
@@ -257,3 +274,63 @@ def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, ra
         except (DtmError, OSError) as exc:
             error = exc
     session.agree("output", error)
+
+
+class _Checkpoints:
+    """The run's state (every entry parameter, as PRIMARY artifacts named like the
+    parameters) saved to and resumed from a checkpoint store (collective methods)."""
+
+    def __init__(self, session: Any, plan: Any, args: MpiRunArgs, rank: int) -> None:
+        from dtm_mpi.config import get_config
+        from dtm_mpi.io.checkpoint import CheckpointStore
+        from dtm_mpi.ir.hashing import module_hash
+
+        assert args.store is not None
+        self.session, self.plan, self.rank = session, plan, rank
+        session.phase = "checkpoint store"
+        self.comm = session.comm.Dup()
+        self.store = CheckpointStore(args.store, self.comm, timeout_s=get_config().timeout_s)
+        entry = plan.entry_plan.function
+        self.targets = [(p.name.lstrip("%"), p.type) for p in entry.params]
+        self.module_hash = module_hash(plan.module)
+        self.steps = args.steps
+
+    def resume(self, blocks: list[np.ndarray]) -> int:
+        """Replace ``blocks`` by the latest checkpoint's state; returns its step."""
+        from dtm_mpi.errors import UsageError
+
+        self.session.phase = "resume"
+        got = self.store.restore(self.plan.mesh, self.targets)
+        if got.module_hash != self.module_hash:
+            raise _agreed(UsageError(
+                f"{got.path} was written by module hash {got.module_hash}; this module's is "
+                f"{self.module_hash}: refusing to resume another program's state"
+            ))  # fmt: skip
+        if got.step >= self.steps:
+            raise _agreed(UsageError(
+                f"{got.path} holds the state after step {got.step}; --steps {self.steps} "
+                "leaves nothing to run (raise --steps)"
+            ))  # fmt: skip
+        for i, (name, _) in enumerate(self.targets):
+            blocks[i] = got.values[name]
+        if self.rank == 0:
+            print(f"resumed from {got.path} (after step {got.step})", flush=True)
+        return got.step
+
+    def save(self, done: int, blocks: list[np.ndarray]) -> None:
+        from dtm_mpi.io.plan import TensorSpec
+
+        self.session.phase = f"checkpoint {done}"
+        items = [(TensorSpec(name, t), blocks[i]) for i, (name, t) in enumerate(self.targets)]
+        path = self.store.save(done, self.plan.mesh, items, module_hash=self.module_hash)
+        if self.rank == 0:
+            print(f"checkpoint {path} (after step {done})", flush=True)
+
+    def close(self) -> None:
+        self.store.close()
+        self.comm.Free()
+
+
+def _agreed(exc: DtmError) -> DtmError:
+    exc.agreed = True
+    return exc

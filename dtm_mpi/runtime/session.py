@@ -83,21 +83,25 @@ def run_steps(
     blocks: list[np.ndarray],
     steps: int,
     *,
+    first: int = 0,
     before_step: Callable[[int], None] | None = None,
     commit: Callable[[int], None] | None = None,
+    after_step: Callable[[int], None] | None = None,
     history: list[tuple[np.ndarray, ...]] | None = None,
 ) -> tuple[np.ndarray, ...]:
     """Run the entry function ``steps`` times on this rank's ``blocks`` of its parameters,
     replacing each state parameter by the result that ``updates`` it after every step (spec
     §7.3: all updates of a step take effect together). ``commit(step)`` runs before the
-    updates are applied (under MPI: the agreement that every rank finished the step);
-    ``history`` collects every step's results. Returns the last step's results.
+    updates are applied (under MPI: the agreement that every rank finished the step),
+    ``after_step(step)`` after (e.g. a checkpoint of the new state); ``first`` is the first
+    step's index (a resumed run continues the step count); ``history`` collects every step's
+    results. Returns the last step's results.
 
     Collective: call on all ranks."""
     entry = executor.plan.entry_plan.function
     index = {p.name: i for i, p in enumerate(entry.params)}
     results: tuple[np.ndarray, ...] = ()
-    for step in range(steps):
+    for step in range(first, steps):
         if before_step is not None:
             before_step(step)
         results = executor.run(blocks, step)
@@ -108,6 +112,8 @@ def run_steps(
         for spec, value in zip(entry.results, results, strict=True):
             if spec.updates is not None:
                 blocks[index[spec.updates]] = value
+        if after_step is not None:
+            after_step(step)
     return results
 
 

@@ -1,0 +1,207 @@
+"""``dtm bench ckpt``: checkpoint save and restore against plain file I/O in the same run.
+
+Run under the launcher (``mpirun -n 4 python -m mpi4py -m dtm_mpi bench ckpt --dir D``). The
+state is ``tensors`` float32 tensors of ``bytes`` in all, each split over every rank along
+dimension 0 (uneven when the rows do not divide). Measured, alternating, best of ``repeat``:
+
+* ``save_GBps``: :meth:`CheckpointStore.save` (hashing, collective parallel-HDF5 writes,
+  manifest, flush, fsync, verification, commit), against the **raw baseline**: every rank
+  writes the same local bytes to its own file in the same directory with ``os.write`` and
+  ``fsync``. Aggregate bandwidth = all bytes / the slowest rank's time.
+* ``restore_GBps``: :meth:`CheckpointStore.restore` onto the same mesh and layout (read,
+  verify every chunk), against every rank reading its raw file back with ``readinto``. Both
+  read what the page cache holds (dropping it needs privileges a job does not have).
+* ``reshard_restore_s``: restoring the same checkpoint split along dimension 1 instead (every
+  rank needs a piece of every stored shard), against the same-mesh restore time.
+* ``peak_extra_rss_bytes``: the largest rise of a rank's peak resident memory (``VmHWM``,
+  reset through ``/proc/self/clear_refs``) during a save or a restore, against the bytes of
+  its local shard. A restore's output is itself one shard of new memory.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dtm_mpi.errors import UsageError
+
+__all__ = ["CkptRow", "run_ckpt_bench"]
+
+
+@dataclass(frozen=True, slots=True)
+class CkptRow:
+    metric: str
+    value: float
+    baseline: float
+
+    @property
+    def ratio(self) -> float:
+        return self.value / self.baseline if self.baseline else 0.0
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _timed(comm: Any, fn: Callable[[], object]) -> float:
+    """The slowest rank's time of ``fn`` (started together). Collective."""
+    from mpi4py import MPI
+
+    comm.Barrier()
+    start = MPI.Wtime()
+    fn()
+    elapsed = MPI.Wtime() - start
+    return float(comm.allreduce(elapsed, op=MPI.MAX))
+
+
+def _peak_extra(comm: Any, fn: Callable[[], object]) -> int:
+    """The largest rise of peak RSS over the ranks while ``fn`` runs, in bytes. Collective."""
+    from mpi4py import MPI
+
+    comm.Barrier()
+    base = _rss_kib("VmRSS")
+    ok = _reset_peak()
+    keep = fn()
+    extra = (_rss_kib("VmHWM") - base) * 1024 if ok else -1
+    del keep
+    return int(comm.allreduce(extra, op=MPI.MAX))
+
+
+def run_ckpt_bench(
+    total_bytes: int = 1 << 30, tensors: int = 4, directory: str | None = None,
+    repeat: int = 3, csv_path: str | None = None,
+) -> str:  # fmt: skip
+    """Run the benchmark on every rank of the world; returns the table on rank 0.
+
+    Collective: call on all ranks."""
+    from mpi4py import MPI
+
+    from dtm_mpi.io.checkpoint import CheckpointStore
+    from dtm_mpi.io.plan import TensorSpec
+    from dtm_mpi.ir.types import DType, Layout, TensorType
+    from dtm_mpi.sharding.blocks import local_block
+    from dtm_mpi.sharding.mesh import MeshShape
+
+    if total_bytes < 4 * tensors or tensors < 1 or repeat < 1:
+        raise UsageError("need --bytes >= 4 per tensor, --tensors >= 1, --repeat >= 1")
+    world = MPI.COMM_WORLD
+    comm = world.Dup()
+    rank, n = int(comm.Get_rank()), int(comm.Get_size())
+    root = directory if directory is not None else tempfile.gettempdir()
+    base = comm.bcast(tempfile.mkdtemp(prefix="dtm-bench-ckpt-", dir=root) if rank == 0 else None)
+    workdir = Path(base)
+    mesh = MeshShape((("x", n),))
+    cols = 256
+    rows = max(1, total_bytes // tensors // 4 // cols)
+    saved = [TensorType(DType.F32, (rows, cols), Layout((("x",), ()))) for _ in range(tensors)]
+    resharded = [TensorType(DType.F32, (rows, cols), Layout(((), ("x",)))) for _ in range(tensors)]
+    rng = np.random.default_rng(rank)
+    blocks = [
+        rng.standard_normal(
+            size=tuple(s.stop - s.start for s in local_block(t.shape, t.layout, mesh, rank))
+        ).astype(np.float32)
+        for t in saved
+    ]
+    local_bytes = sum(b.nbytes for b in blocks)
+    all_bytes = int(comm.allreduce(local_bytes, op=MPI.SUM))
+    items = [(TensorSpec(f"t{i}", t), b) for i, (t, b) in enumerate(zip(saved, blocks, strict=True))]  # fmt: skip
+    raw_path = workdir / f"raw-{rank}.bin"
+    read_back = [np.empty_like(b) for b in blocks]
+
+    def raw_write() -> None:
+        fd = os.open(raw_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for b in blocks:
+                view = b.reshape(-1).view(np.uint8).data
+                while view:
+                    view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def raw_read() -> None:
+        with open(raw_path, "rb", buffering=0) as f:
+            for b in read_back:
+                f.readinto(b.reshape(-1).view(np.uint8).data)
+
+    store = CheckpointStore(workdir / "store", comm, keep_last=1)
+    step = [0]
+
+    def dtm_save() -> None:
+        step[0] += 1
+        store.save(step[0], mesh, items)
+
+    targets_same = [(f"t{i}", t) for i, t in enumerate(saved)]
+    targets_re = [(f"t{i}", t) for i, t in enumerate(resharded)]
+    best = {"raw_w": 1e30, "save": 1e30, "raw_r": 1e30, "restore": 1e30, "reshard": 1e30}
+    try:
+        for _ in range(repeat):
+            best["raw_w"] = min(best["raw_w"], _timed(comm, raw_write))
+            best["save"] = min(best["save"], _timed(comm, dtm_save))
+            best["raw_r"] = min(best["raw_r"], _timed(comm, raw_read))
+            best["restore"] = min(best["restore"], _timed(comm, lambda: store.restore(mesh, targets_same)))  # fmt: skip
+            best["reshard"] = min(best["reshard"], _timed(comm, lambda: store.restore(mesh, targets_re)))  # fmt: skip
+        got = store.restore(mesh, targets_same).values
+        same = all(np.array_equal(got[f"t{i}"], b) for i, b in enumerate(blocks))
+        if not comm.allreduce(same, op=MPI.LAND):
+            raise UsageError("bench ckpt: restored values differ from the saved ones")
+        del got
+        peak_save = _peak_extra(comm, dtm_save)
+        peak_restore = _peak_extra(comm, lambda: store.restore(mesh, targets_same))
+        peak_reshard = _peak_extra(comm, lambda: store.restore(mesh, targets_re))
+        shard = int(comm.allreduce(local_bytes, op=MPI.MAX))
+    finally:
+        store.close()
+        comm.Barrier()
+        if rank == 0:
+            shutil.rmtree(workdir, ignore_errors=True)
+        comm.Free()
+    rows_out = [
+        CkptRow("save_GBps", all_bytes / best["save"] / 1e9, all_bytes / best["raw_w"] / 1e9),
+        CkptRow("restore_GBps", all_bytes / best["restore"] / 1e9, all_bytes / best["raw_r"] / 1e9),
+        CkptRow("reshard_restore_s", best["reshard"], best["restore"]),
+        CkptRow(
+            "peak_extra_rss_bytes", float(max(peak_save, peak_restore, peak_reshard)), float(shard)
+        ),
+    ]
+    if rank != 0:
+        return ""
+    if csv_path:
+        with open(csv_path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["metric", "value", "baseline", "ratio"])
+            for r in rows_out:
+                w.writerow([r.metric, f"{r.value:.6g}", f"{r.baseline:.6g}", f"{r.ratio:.3f}"])
+    lines = [
+        f"dtm bench ckpt: {n} ranks, {tensors} tensors, {all_bytes / 2**20:.1f} MiB in all, "
+        f"{local_bytes / 2**20:.1f} MiB local on rank 0, in {root}",
+        f"{'metric':<22}{'dtm':>14}{'baseline':>14}{'ratio':>8}",
+    ]
+    for r in rows_out:
+        lines.append(f"{r.metric:<22}{r.value:>14.4g}{r.baseline:>14.4g}{r.ratio:>8.2f}")
+    lines.append(
+        f"peak extra RSS: save {peak_save / 2**20:.1f} MiB, restore {peak_restore / 2**20:.1f} "
+        f"MiB, resharded restore {peak_reshard / 2**20:.1f} MiB (local shard {shard / 2**20:.1f} MiB)"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,204 @@
+"""Done-when of the tensor store (issue #6): flipping any single byte of tensor data in a
+checkpoint file is detected on restore and by ``dtm ckpt verify``, naming the tensor and the
+shard; a flipped byte of the manifest makes it unloadable.
+
+Single process: the checkpoint is saved with :class:`CheckpointStore` on ``MPI.COMM_SELF`` (a
+1-rank mesh: one shard per tensor, ``<tensor>:shard:0``) with 64-byte chunks, so every shard
+has several chunks and a flip must be found in the right one. Byte positions are drawn with a
+seeded generator over every data byte of every dataset (``get_offset``/``get_storage_size``).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dtm_mpi.cli import run
+from dtm_mpi.errors import IntegrityError, ManifestError
+from dtm_mpi.io.checkpoint import CheckpointStore
+from dtm_mpi.io.manifest import ArtifactClass
+from dtm_mpi.io.plan import TensorSpec
+from dtm_mpi.io.store import read_manifest, verify_checkpoint
+from dtm_mpi.ir.ops._common import np_dtype
+from dtm_mpi.ir.types import DType, Layout, TensorType
+from dtm_mpi.sharding.mesh import MeshShape
+
+MESH = MeshShape((("x", 1),))
+STEP = 4
+CHUNK = 64
+TENSORS = [
+    ("w", TensorType(DType.F32, (10, 7), Layout((("x",), ())))),
+    ("v", TensorType(DType.F64, (5,), Layout.replicated(1))),
+    ("m", TensorType(DType.F16, (3, 1, 4), Layout(((), (), ("x",))))),
+    ("step_count", TensorType(DType.I64, (), Layout(()))),
+    ("mask", TensorType(DType.BOOL, (6, 2), Layout.replicated(2))),
+    ("big", TensorType(DType.F32, (37, 5), Layout((("x",), ())))),
+    ("b16", TensorType(DType.BF16, (20, 2), Layout.replicated(2))),
+]
+FLIPS = 60
+
+
+def comm() -> Any:
+    from mpi4py import MPI
+
+    return MPI.COMM_SELF
+
+
+def global_value(name: str, t: TensorType, rng: np.random.Generator) -> np.ndarray:
+    dt = np_dtype(t.dtype)
+    if dt == np.bool_:
+        return rng.integers(0, 2, size=t.shape).astype(bool)
+    if dt.kind == "i":
+        return np.asarray(rng.integers(-(2**40), 2**40, size=t.shape), dtype=dt)
+    return np.asarray(rng.standard_normal(size=t.shape), dtype=dt)
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np.ndarray]]:
+    """One good checkpoint file (with an ephemeral artifact beside the stored ones)."""
+    store = tmp_path_factory.mktemp("good")
+    rng = np.random.default_rng(20240611)
+    values = {name: global_value(name, t, rng) for name, t in TENSORS}
+    items: list[tuple[TensorSpec, np.ndarray | None]] = [(TensorSpec(n, t), values[n]) for n, t in TENSORS]  # fmt: skip
+    eph = TensorType(DType.F32, (3,), Layout.replicated(1))
+    items.append((TensorSpec("scratch", eph, ArtifactClass.EPHEMERAL), None))
+    cs = CheckpointStore(store, comm(), chunk_bytes=CHUNK)
+    path = cs.save(STEP, MESH, items)
+    cs.close()
+    return path, values
+
+
+def data_extents(path: Path) -> list[tuple[str, int, int]]:
+    """(tensor, file offset, bytes) of every tensor dataset of ``path``."""
+    import h5py
+
+    out = []
+    with h5py.File(path, "r") as f:
+        for name, _ in TENSORS:
+            d = f[f"/tensors/{name}"]
+            out.append((name, int(d.id.get_offset()), int(d.id.get_storage_size())))
+    return out
+
+
+def flip_at(path: Path, offset: int, mask: int) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        byte = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([byte[0] ^ mask]))
+
+
+def fresh_store(good_path: Path, where: Path) -> Path:
+    where.mkdir()
+    shutil.copy(good_path, where / good_path.name)
+    return where / good_path.name
+
+
+def restore_all(store: Path) -> dict[str, np.ndarray]:
+    cs = CheckpointStore(store, comm(), timeout_s=60)
+    try:
+        return cs.restore(MESH, TENSORS, step=STEP).values
+    finally:
+        cs.close()
+
+
+def test_the_good_file_verifies_and_restores(good: tuple[Path, dict[str, np.ndarray]], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    path, values = good
+    assert verify_checkpoint(path) == []
+    m = read_manifest(path)
+    for name, _ in TENSORS:  # the flips below land in shards of several chunks
+        (shard,) = m.artifact(name).shards
+        assert shard.id == f"{name}:shard:0"
+        assert len(shard.chunks) >= (2 if name in ("w", "big", "b16") else 1)
+    store = fresh_store(path, tmp_path / "s")
+    got = restore_all(store.parent)
+    for name, want in values.items():
+        assert got[name].dtype == want.dtype and got[name].tobytes() == want.tobytes(), name
+    assert run(["ckpt", "verify", str(store.parent)]) == 0
+    assert capsys.readouterr().out.startswith(f"ok {store}: 7 tensors, ")
+    # every data byte of the file is covered by one dataset of the extents drawn from
+    extents = data_extents(path)
+    assert sum(n for _, _, n in extents) >= m.data_bytes
+
+
+def test_every_flipped_data_byte_is_found(good: tuple[Path, dict[str, np.ndarray]], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    path, _ = good
+    extents = data_extents(path)
+    total = sum(n for _, _, n in extents)
+    rng = np.random.default_rng(6)
+    # the first and last byte of every tensor, the rest drawn over all data bytes
+    ends, start = [], 0
+    for _, _, nbytes in extents:
+        ends += [start, start + nbytes - 1]
+        start += nbytes
+    rest = np.setdiff1d(np.arange(total), ends)
+    positions = np.concatenate([ends, rng.choice(rest, size=FLIPS - len(ends), replace=False)])
+    masks = rng.integers(1, 256, size=FLIPS)
+    hit: set[str] = set()
+    for k, (pos, mask) in enumerate(zip(positions.tolist(), masks.tolist(), strict=True)):
+        start = 0
+        for name, offset, nbytes in extents:
+            if pos < start + nbytes:
+                tensor, at = name, offset + (pos - start)
+                break
+            start += nbytes
+        hit.add(tensor)
+        shard = f"{tensor}:shard:0"
+        bad = fresh_store(path, tmp_path / f"s{k}")
+        flip_at(bad, at, mask)
+        where = f"flip {k}: byte {pos - start} of {tensor!r} (file offset {at}) ^ {mask:#04x}"
+
+        problems = verify_checkpoint(bad)
+        assert len(problems) == 1, (where, [str(p) for p in problems])
+        p = problems[0]
+        assert (p.tensor, p.shard, p.file) == (tensor, shard, str(bad)), (where, str(p))
+
+        with pytest.raises(IntegrityError) as info:
+            restore_all(bad.parent)
+        e = info.value
+        assert (e.tensor, e.shard, e.file) == (tensor, shard, str(bad)), (where, str(e))
+        assert f"tensor {tensor!r} shard {shard!r}" in str(e)
+
+        if k % 10 == 0:
+            assert run(["ckpt", "verify", str(bad.parent)]) == 1, where
+            out = capsys.readouterr().out
+            assert f"DAMAGED {bad}: tensor {tensor!r} shard {shard!r}: chunk " in out, (where, out)  # fmt: skip
+        shutil.rmtree(bad.parent)
+    assert hit == {name for name, _ in TENSORS}
+
+
+def test_a_flipped_manifest_byte_makes_it_unloadable(good: tuple[Path, dict[str, np.ndarray]], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    import h5py
+
+    path, _ = good
+    with h5py.File(path, "r") as f:
+        d = f["/manifest"]
+        offset, nbytes = int(d.id.get_offset()), int(d.id.get_storage_size())
+    rng = np.random.default_rng(7)
+    positions = rng.choice(nbytes, size=20, replace=False)
+    masks = rng.integers(1, 256, size=20)
+    for k, (pos, mask) in enumerate(zip(positions.tolist(), masks.tolist(), strict=True)):
+        bad = fresh_store(path, tmp_path / f"s{k}")
+        flip_at(bad, offset + pos, mask)
+        with pytest.raises(ManifestError) as info:
+            read_manifest(bad)
+        msg = str(info.value)
+        assert msg.startswith(f"{bad}: ")
+        assert any(s in msg for s in ("manifest hash mismatch", "not valid JSON", "missing field", "is not")), msg  # fmt: skip
+        with pytest.raises(ManifestError):
+            restore_all(bad.parent)
+        if k % 5 == 0:
+            assert run(["ckpt", "verify", str(bad.parent)]) == 1
+            assert capsys.readouterr().out.startswith(f"INVALID {bad}: ")
+        shutil.rmtree(bad.parent)
+
+
+def test_bf16_shard_bytes_match_the_stored_bytes(good: tuple[Path, dict[str, np.ndarray]]) -> None:  # fmt: skip
+    path, _ = good
+    (shard,) = read_manifest(path).artifact("b16").shards
+    stored = {name: n for name, _, n in data_extents(path)}["b16"]
+    assert shard.nbytes == stored, f"manifest says {shard.nbytes} bytes, the dataset holds {stored}"
