@@ -5,9 +5,11 @@ state is ``tensors`` float32 tensors of ``bytes`` in all, each split over every 
 dimension 0 (uneven when the rows do not divide). Measured, alternating, best of ``repeat``:
 
 * ``save_GBps``: :meth:`CheckpointStore.save` (hashing, collective parallel-HDF5 writes,
-  manifest, flush, fsync, verification, commit), against the **raw baseline**: every rank
-  writes the same local bytes to its own file in the same directory with ``os.write`` and
-  ``fsync``. Aggregate bandwidth = all bytes / the slowest rank's time.
+  manifest, flush, fsync, verification, commit) of a new checkpoint, against the **raw
+  baseline**: every rank writes the same local bytes to a new file of its own in the same
+  directory with ``os.write`` and ``fsync``. Aggregate bandwidth = all bytes / the slowest
+  rank's time. Nothing is deleted while timing (retention would free the previous file's
+  blocks in the background, competing with the next write).
 * ``restore_GBps``: :meth:`CheckpointStore.restore` onto the same mesh and layout (read,
   verify every chunk), against every rank reading its raw file back with ``readinto``. Both
   read what the page cache holds (dropping it needs privileges a job does not have).
@@ -15,7 +17,9 @@ dimension 0 (uneven when the rows do not divide). Measured, alternating, best of
   rank needs a piece of every stored shard), against the same-mesh restore time.
 * ``peak_extra_rss_bytes``: the largest rise of a rank's peak resident memory (``VmHWM``,
   reset through ``/proc/self/clear_refs``) during a save or a restore, against the bytes of
-  its local shard. A restore's output is itself one shard of new memory.
+  its local shard. A restore's output is itself one shard of new memory. Measured first, on
+  a store opened with ``DTM_MALLOPT=0`` (freed memory returns to the system, so nothing of one
+  operation is resident before the next); the timings then run with the tuned heap.
 """
 
 from __future__ import annotations
@@ -126,11 +130,13 @@ def run_ckpt_bench(
     local_bytes = sum(b.nbytes for b in blocks)
     all_bytes = int(comm.allreduce(local_bytes, op=MPI.SUM))
     items = [(TensorSpec(f"t{i}", t), b) for i, (t, b) in enumerate(zip(saved, blocks, strict=True))]  # fmt: skip
-    raw_path = workdir / f"raw-{rank}.bin"
     read_back = [np.empty_like(b) for b in blocks]
+    raw_round = [0]
 
-    def raw_write() -> None:
-        fd = os.open(raw_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    def raw_write() -> None:  # a new file each round, as every checkpoint is a new file
+        path = workdir / f"raw-{rank}-{raw_round[0]}.bin"
+        raw_round[0] += 1
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             for b in blocks:
                 view = b.reshape(-1).view(np.uint8).data
@@ -141,19 +147,35 @@ def run_ckpt_bench(
             os.close(fd)
 
     def raw_read() -> None:
-        with open(raw_path, "rb", buffering=0) as f:
+        with open(workdir / f"raw-{rank}-0.bin", "rb", buffering=0) as f:
             for b in read_back:
                 f.readinto(b.reshape(-1).view(np.uint8).data)
 
-    store = CheckpointStore(workdir / "store", comm, keep_last=1)
+    # Memory first, with the heap untuned: freed blocks then go back to the system, so a
+    # rank's resident size before each operation holds nothing of the previous one.
+    saved_env = os.environ.get("DTM_MALLOPT")
+    os.environ["DTM_MALLOPT"] = "0"
+    mem = CheckpointStore(workdir / "mem", comm)
+    if saved_env is None:
+        del os.environ["DTM_MALLOPT"]
+    else:
+        os.environ["DTM_MALLOPT"] = saved_env
+    targets_same = [(f"t{i}", t) for i, t in enumerate(saved)]
+    targets_re = [(f"t{i}", t) for i, t in enumerate(resharded)]
+    try:
+        peak_save = _peak_extra(comm, lambda: mem.save(1, mesh, items))
+        peak_restore = _peak_extra(comm, lambda: mem.restore(mesh, targets_same))
+        peak_reshard = _peak_extra(comm, lambda: mem.restore(mesh, targets_re))
+    finally:
+        mem.close()
+
+    store = CheckpointStore(workdir / "store", comm)  # no retention: no deletes in the timing
     step = [0]
 
     def dtm_save() -> None:
         step[0] += 1
         store.save(step[0], mesh, items)
 
-    targets_same = [(f"t{i}", t) for i, t in enumerate(saved)]
-    targets_re = [(f"t{i}", t) for i, t in enumerate(resharded)]
     best = {"raw_w": 1e30, "save": 1e30, "raw_r": 1e30, "restore": 1e30, "reshard": 1e30}
     try:
         for _ in range(repeat):
@@ -167,9 +189,6 @@ def run_ckpt_bench(
         if not comm.allreduce(same, op=MPI.LAND):
             raise UsageError("bench ckpt: restored values differ from the saved ones")
         del got
-        peak_save = _peak_extra(comm, dtm_save)
-        peak_restore = _peak_extra(comm, lambda: store.restore(mesh, targets_same))
-        peak_reshard = _peak_extra(comm, lambda: store.restore(mesh, targets_re))
         shard = int(comm.allreduce(local_bytes, op=MPI.MAX))
     finally:
         store.close()

@@ -171,6 +171,9 @@ class CheckpointStore:
     ) -> None:  # fmt: skip
         from mpi4py import MPI
 
+        from dtm_mpi.comm.buffers import tune_allocator
+
+        tune_allocator()  # restores allocate their outputs: reuse warm heap, not fresh mmaps
         self.path = Path(path)
         self.comm = comm if comm is not None else MPI.COMM_WORLD
         self.rank, self.size = int(self.comm.Get_rank()), int(self.comm.Get_size())
@@ -178,6 +181,7 @@ class CheckpointStore:
         self.chunk_bytes, self.round_bytes = chunk_bytes, round_bytes
         self._io_comm: Any = None
         self._pending: SaveHandle | None = None
+        self._reaper: threading.Thread | None = None
         outcome: Any = None
         if self.rank == 0:
             try:
@@ -264,6 +268,7 @@ class CheckpointStore:
         try:
             self.wait()
         finally:
+            self._reap()
             if self._io_comm is not None:
                 self._io_comm.Free()
                 self._io_comm = None
@@ -445,13 +450,36 @@ class CheckpointStore:
 
     def _retain(self, keep_this: Path) -> None:
         """Keep-last-K: delete the oldest committed checkpoints (by step), never
-        ``keep_this`` (the one just committed, which ``latest`` names)."""
+        ``keep_this`` (the one just committed, which ``latest`` names). The files are first
+        renamed out of the checkpoint namespace (instant, and no reader can pick them), then
+        unlinked by a background thread: freeing a large file's blocks takes a while, and
+        the save need not wait for it (:meth:`close` does)."""
         keep = self.meta.keep_last
         if keep is None:
             return
         others = [e for e in list_checkpoints(self.path) if e.committed and e.path != keep_this]
+        doomed = []
         for e in others[: max(0, len(others) - (keep - 1))]:  # DEPRECATED -> DELETED
-            e.path.unlink(missing_ok=True)
+            gone = e.path.with_name(f".deleting-{e.path.name}")
+            os.replace(e.path, gone)
+            doomed.append(gone)
+        if not doomed:
+            return
+        fsync_dir(self.path)
+        self._reap()
+
+        def unlink_all() -> None:
+            for p in doomed:
+                p.unlink(missing_ok=True)
+
+        self._reaper = threading.Thread(target=unlink_all, name="dtm-ckpt-retention", daemon=True)
+        self._reaper.start()
+
+    def _reap(self) -> None:
+        """Wait for the background deletion of retired checkpoints."""
+        if self._reaper is not None:
+            self._reaper.join()
+            self._reaper = None
         fsync_dir(self.path)
 
     # -- restore ---------------------------------------------------------------------------------

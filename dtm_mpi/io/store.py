@@ -16,6 +16,7 @@ fsynced, and so is the directory after every rename.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -149,8 +150,13 @@ def list_checkpoints(store: Path) -> list[CheckpointEntry]:
 
 
 def disk_usage(store: Path) -> int:
-    """Bytes of every checkpoint file in the store, partial ones included."""
-    return sum(e.nbytes for e in list_checkpoints(store))
+    """Bytes of every checkpoint file in the store, partial ones and retired ones still being
+    deleted included."""
+    retiring = 0
+    for p in store.glob(".deleting-ckpt-*"):
+        with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
+            retiring += p.stat().st_size
+    return retiring + sum(e.nbytes for e in list_checkpoints(store))
 
 
 FORMAT_VERSION = 1

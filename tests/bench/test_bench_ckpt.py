@@ -1,0 +1,50 @@
+"""``dtm bench ckpt`` runs under mpirun, checks its own restores and writes the documented CSV
+(a smoke test of the benchmark; speed is reported by the benchmark, never asserted in tests)."""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dtm_mpi.bench.ckpt import CkptRow
+
+pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not on PATH")
+
+
+def test_ratio_is_value_over_baseline() -> None:
+    assert CkptRow("save_GBps", 0.8, 1.0).ratio == pytest.approx(0.8)
+    assert CkptRow("reshard_restore_s", 3.0, 2.0).ratio == pytest.approx(1.5)
+    assert CkptRow("x", 1.0, 0.0).ratio == 0.0
+
+
+@pytest.mark.slow
+def test_bench_ckpt_under_mpirun_writes_the_csv(tmp_path: Path) -> None:
+    out = tmp_path / "ckpt.csv"
+    env = dict(os.environ)
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1", DTM_TIMEOUT="60")  # fmt: skip
+    cmd = ["mpirun", "--timeout", "120", "--bind-to", "none", "-n", "2", sys.executable, "-m",
+           "mpi4py", "-m", "dtm_mpi", "bench", "ckpt", "--bytes", "4M", "--tensors", "3",
+           "--repeat", "1", "--dir", str(tmp_path), "--csv", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with out.open() as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["metric", "value", "baseline", "ratio"]
+    assert [r["metric"] for r in rows] == [
+        "save_GBps", "restore_GBps", "reshard_restore_s", "peak_extra_rss_bytes",
+    ]  # fmt: skip
+    for r in rows:
+        value, baseline, ratio = float(r["value"]), float(r["baseline"]), float(r["ratio"])
+        assert value > 0 and baseline > 0, r
+        assert ratio == pytest.approx(value / baseline, rel=1e-2), r
+    assert float(rows[3]["baseline"]) == pytest.approx(4 * 2**20 / 2, rel=0.05)  # local shard
+    assert "peak extra RSS" in proc.stdout
+    leftovers = [p for p in tmp_path.iterdir() if p.name.startswith("dtm-bench-ckpt-")]
+    assert leftovers == [], "the benchmark leaves nothing behind"
