@@ -220,6 +220,10 @@ def _cmd_ckpt_ls(args: argparse.Namespace) -> int:
         print(line)
     for note in notes:
         print(note)
+    from dtm_mpi.io.store import retired_files
+
+    for p in retired_files(store):
+        print(f"{p.name}: retired by keep_last, not deleted yet (a crash interrupted it); `dtm ckpt rm --partial` removes it")  # fmt: skip
     return 0
 
 
@@ -309,7 +313,10 @@ def _cmd_ckpt_rm(args: argparse.Namespace) -> int:
 
     store = _store_dir(args.store)
     if args.partial:
+        from dtm_mpi.io.store import retired_files
+
         partial = [e.path for e in list_checkpoints(store) if not e.committed]
+        partial += retired_files(store)
         for p in partial:
             p.unlink(missing_ok=True)
             print(f"removed {p}")
@@ -579,6 +586,7 @@ def _cmd_store_put(args: argparse.Namespace) -> int:
     from dtm_mpi.io.checkpoint import CheckpointStore
 
     mesh = MeshShape((("x", 1),))
+    rebuilt: list[str] = []
     ckpt = CheckpointStore(store, MPI.COMM_SELF, chunk_bytes=old.chunk_bytes if old is not None else CHUNK_BYTES)  # fmt: skip
     try:
         targets = [(a.name, TensorType(a.dtype, a.shape, Layout.replicated(len(a.shape)))) for a in kept if a.cls is not ArtifactClass.EPHEMERAL]  # fmt: skip
@@ -588,6 +596,15 @@ def _cmd_store_put(args: argparse.Namespace) -> int:
             values = ckpt.restore(mesh, targets, step=base).values
         new_type = TensorType(dtype, tuple(value.shape), Layout.replicated(value.ndim))
         new = (TensorSpec(args.name, new_type, cls, parent, rebuild), _as_block(value, dtype))
+        values[args.name] = new[1]
+        if old is not None:  # derived from NAME, directly or not: recompute, parents first
+            from dtm_mpi.io.checkpoint import rebuild_value
+
+            stale = [a for a in old.artifacts if _depth(old, a.name, args.name) > 0]
+            for a in sorted(stale, key=lambda a: _depth(old, a.name, args.name)):
+                assert a.parent is not None
+                values[a.name] = rebuild_value(a, values[a.parent])
+                rebuilt.append(a.name)
         for a in old.artifacts if old is not None else ():
             if a.name == args.name:
                 specs.append(new)
@@ -602,4 +619,20 @@ def _cmd_store_put(args: argparse.Namespace) -> int:
     what = "replaced" if replaced is not None else "added"
     source = f"copy of step {base}" if base is not None else "first checkpoint of the store"
     print(f"wrote {path}: step {step}, {len(specs)} tensor(s) ({source}); {what} {args.name!r}: {dtype}{_shape_text(value.shape)}, {cls.value.lower()}")  # fmt: skip
+    if rebuilt:
+        print(f"rebuilt from the new value: {', '.join(rebuilt)} (derived)")
+    return 0
+
+
+def _depth(m: Any, name: str, ancestor: str) -> int:
+    """How many parent links lead from artifact ``name`` of manifest ``m`` up to
+    ``ancestor`` (0: it does not derive from it)."""
+    seen: set[str] = set()
+    a, depth = m.artifact(name), 0
+    while a.parent is not None and a.parent not in seen:
+        depth += 1
+        if a.parent == ancestor:
+            return depth
+        seen.add(a.parent)
+        a = m.artifact(a.parent)
     return 0

@@ -390,8 +390,10 @@ def test_store_put_replaces_copy_on_write(capsys: pytest.CaptureFixture[str], tm
         assert (a.dataset is None) == (b.cls is ArtifactClass.EPHEMERAL)
     got, before = restore_all(store), values_at(2)
     assert same(got["w"], new_w)
+    assert same(got["w16"], new_w.astype(np.float16))  # derived from w: rebuilt, not stale
+    assert "rebuilt from the new value: w16 (derived)" in out
     for name in STORED:
-        if name != "w":
+        if name not in ("w", "w16"):
             assert same(got[name], before[name]), name
     assert same(restore_all(store, step=2)["w"], before["w"])
 

@@ -103,3 +103,32 @@ def test_resume_refuses_another_programs_checkpoint(tmp_path: Path) -> None:
     assert code != 0
     lines = [ln for ln in text.splitlines() if "refusing to resume" in ln]
     assert sorted(ln.split("]")[0] for ln in lines) == ["[rank 0", "[rank 1"], text
+
+
+def test_a_rank_failing_inside_a_save_ends_the_job_at_once(tmp_path: Path) -> None:
+    """Its peers wait inside collective HDF5 calls (holding the interpreter lock): the failing
+    rank ends the job with its own error instead of leaving them to the deadline."""
+    code, text, elapsed = mpirun(
+        2, MLP, "--steps", "2", "--checkpoint-every", "1", "--store", str(tmp_path / "s"),
+        env={"DTM_TIMEOUT": "60", "DTM_FAULT": "1:ckpt_write:raise"},
+    )  # fmt: skip
+    assert code != 0
+    assert elapsed < 30, f"took {elapsed:.1f} s (the deadline is 60 s)\n{text}"
+    assert re.search(r"\[rank 1\] dtm: error: rank 1 failed during checkpoint 1 .*injected failure", text), text  # fmt: skip
+
+
+def test_resume_needs_no_inputs_for_parameters_without_init(tmp_path: Path) -> None:
+    """Every entry parameter is in the checkpoint: one given with -i on the first run (it has
+    no init) comes back from the store on --resume."""
+    src = (EXAMPLES / "dp_step.dtm").read_text()
+    prog = tmp_path / "noinit.dtm"
+    prog.write_text(re.sub(r"(%w_true: f32\[32,8\]) init normal\([^)]*\)", r"\1", src))
+    w_true = tmp_path / "w_true.npy"
+    np.save(w_true, np.random.default_rng(0).standard_normal((32, 8)).astype(np.float32))
+    store = str(tmp_path / "store")
+    code, text, _ = mpirun(2, str(prog), "-i", str(w_true), "--steps", "2", "--checkpoint-every", "1", "--store", store)  # fmt: skip
+    assert code == 0, text
+    out = tmp_path / "out.npz"
+    code, text, _ = mpirun(2, str(prog), "--steps", "3", "--resume", "--store", store, "-o", str(out))  # fmt: skip
+    assert code == 0 and "after step 2" in text, text
+    assert np.array_equal(np.load(out)["w_true"], np.load(w_true))

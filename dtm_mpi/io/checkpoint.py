@@ -38,7 +38,8 @@ import math
 import os
 import secrets
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,13 +47,16 @@ from typing import Any
 import numpy as np
 
 from dtm_mpi._version import __version__
+from dtm_mpi.comm.abort import abort_job
 from dtm_mpi.comm.objects import allgather_obj, alltoallv_bytes, bcast_obj, io_deadline
 from dtm_mpi.config import get_config
 from dtm_mpi.errors import (
     CancelledError,
+    CommTimeoutError,
     DtmError,
     IntegrityError,
     ManifestError,
+    PoisonedError,
     QuotaError,
     StorageError,
     UnrecoverableError,
@@ -94,6 +98,7 @@ from dtm_mpi.io.store import (
     read_latest,
     read_manifest,
     read_meta,
+    retired_files,
     verify_checkpoint,
     write_latest,
     write_meta,
@@ -103,7 +108,17 @@ from dtm_mpi.ir.types import TensorType
 from dtm_mpi.sharding.blocks import local_shape
 from dtm_mpi.sharding.mesh import MeshShape
 
-__all__ = ["CheckpointStore", "Restored", "SaveHandle"]
+__all__ = ["CheckpointStore", "Restored", "SaveHandle", "rebuild_value"]
+
+
+def rebuild_value(a: ArtifactRecord, parent: np.ndarray) -> np.ndarray:
+    """Derived artifact ``a`` recomputed from its parent's value by its rebuild instruction:
+    ``copy`` or ``cast:<dtype>`` (the artifact's own dtype)."""
+    assert a.rebuild is not None
+    kind, _, arg = a.rebuild.partition(":")
+    if kind == "copy" or (kind == "cast" and arg == a.dtype.value):
+        return parent.astype(np_dtype(a.dtype), copy=True)
+    raise UnrecoverableError(f"tensor {a.name!r}: unknown rebuild instruction {a.rebuild!r} (known: copy, cast:{a.dtype.value})")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +197,7 @@ class CheckpointStore:
         self._io_comm: Any = None
         self._pending: SaveHandle | None = None
         self._reaper: threading.Thread | None = None
+        self._poisoned: BaseException | None = None
         outcome: Any = None
         if self.rank == 0:
             try:
@@ -202,10 +218,26 @@ class CheckpointStore:
 
     # -- small collective helpers ----------------------------------------------------------------
     def _bcast(self, obj: Any, what: str, comm: Any = None) -> Any:
-        return bcast_obj(comm or self.comm, obj, 0, timeout_s=self.timeout_s, what=what, phase="checkpoint")  # fmt: skip
+        self._check_poisoned()
+        try:
+            return bcast_obj(comm or self.comm, obj, 0, timeout_s=self.timeout_s, what=what, phase="checkpoint")  # fmt: skip
+        except CommTimeoutError as exc:
+            self._poisoned = exc
+            raise
 
     def _gather(self, obj: Any, what: str, comm: Any = None) -> list[Any]:
-        return allgather_obj(comm or self.comm, obj, timeout_s=self.timeout_s, what=what, phase="checkpoint")  # fmt: skip
+        self._check_poisoned()
+        try:
+            return allgather_obj(comm or self.comm, obj, timeout_s=self.timeout_s, what=what, phase="checkpoint")  # fmt: skip
+        except CommTimeoutError as exc:
+            self._poisoned = exc
+            raise
+
+    def _check_poisoned(self) -> None:
+        """After a timed-out exchange a request may still be pending on the communicator:
+        every later operation of this store fails with the original cause."""
+        if self._poisoned is not None:
+            raise PoisonedError(self._poisoned)
 
     def _agree(self, error: BaseException | None, what: str, comm: Any = None) -> None:
         """Every rank raises the first failure (by rank) if any rank failed ``what``."""
@@ -305,11 +337,15 @@ class CheckpointStore:
     def _check_quota(self, step: int, plan: SavePlan, manifest_bytes: int, comm: Any) -> None:
         error: BaseException | None = None
         if self.rank == 0 and self.meta.quota_bytes is not None:
-            align = sum(ALIGN_BYTES for per in plan.shards for s in per[:1] if s.nbytes >= ALIGN_FROM)  # fmt: skip
-            need = plan.data_bytes + align + manifest_bytes + (256 << 10)
-            used = disk_usage(self.path)
-            if used + need > self.meta.quota_bytes:
-                error = QuotaError(f"store {self.path}: checkpoint {step} needs about {need} bytes; {used} of the quota's {self.meta.quota_bytes} are in use")  # fmt: skip
+            try:
+                self._reap()  # retired checkpoints still being deleted count until gone
+                align = sum(ALIGN_BYTES for per in plan.shards if sum(s.nbytes for s in per) >= ALIGN_FROM)  # fmt: skip
+                need = plan.data_bytes + align + manifest_bytes + (256 << 10)
+                used = disk_usage(self.path)
+                if used + need > self.meta.quota_bytes:
+                    error = QuotaError(f"store {self.path}: checkpoint {step} needs about {need} bytes; {used} of the quota's {self.meta.quota_bytes} are in use")  # fmt: skip
+            except Exception as exc:  # decided on rank 0 alone: always broadcast
+                error = QuotaError(f"store {self.path}: cannot measure its size ({exc})")
         verdict = self._bcast(None if error is None else str(error), f"checkpoint {step}: quota", comm)  # fmt: skip
         if verdict is not None:
             raise _agreed(QuotaError(verdict))
@@ -363,7 +399,7 @@ class CheckpointStore:
         cancelled = False
         with self._deadline(f"checkpoint {step}: creating {tmp.name}"):
             f = open_file(str(tmp), "w", comm)
-        try:
+        with _collective_section(self.rank, f"checkpoint {step} (writing {tmp.name})"):
             with self._deadline(f"checkpoint {step}: file attributes"):
                 f.attrs["dtm_format"] = CKPT_FORMAT
                 f.attrs["format_version"] = FORMAT_VERSION
@@ -390,7 +426,9 @@ class CheckpointStore:
                     dset.attrs["layout"] = json.dumps(layout_to_json(t.layout))
                     dset.attrs["step"] = step
                     mine = [s for s in plan.shards[i] if s.owner == self.rank]
-                    if mine:
+                    if not plan.shards[i]:
+                        pass  # no elements: no storage to write (decided alike on every rank)
+                    elif mine:
                         write_slab(dset, mine[0].region, blocks[i])
                     else:
                         write_slab(dset, None, None)
@@ -402,14 +440,19 @@ class CheckpointStore:
                     if self.rank == 0:
                         dm[()] = np.bytes_(text)
                     f.flush()
-        finally:
             with self._deadline(f"checkpoint {step}: closing {tmp.name}"):
                 f.close()
         if cancelled:
+            problem = None
             if self.rank == 0:
-                tmp.unlink(missing_ok=True)
-                fsync_dir(self.path)
-            self._bcast(None, "checkpoint cancel", comm)
+                try:
+                    tmp.unlink(missing_ok=True)
+                    fsync_dir(self.path)
+                except OSError as exc:
+                    problem = f"checkpoint {step} was cancelled, but removing {tmp.name} failed: {exc}"  # fmt: skip
+            problem = self._bcast(problem, "checkpoint cancel", comm)
+            if problem is not None:
+                raise _agreed(StorageError(problem))
             raise _agreed(CancelledError(f"checkpoint {step} was cancelled; its partial file was removed and the previous checkpoint stands"))  # fmt: skip
         return self._commit(step, tmp, final, comm)
 
@@ -438,7 +481,7 @@ class CheckpointStore:
                 fsync_dir(self.path)
                 write_latest(self.path, step)
                 self._retain(final)
-            except (OSError, DtmError) as exc:
+            except Exception as exc:  # decided on rank 0 alone: always broadcast
                 if committed:
                     verdict = f"checkpoint {step} is committed as {final.name}, but updating 'latest' or retention failed: {exc}"  # fmt: skip
                 else:
@@ -458,7 +501,7 @@ class CheckpointStore:
         if keep is None:
             return
         others = [e for e in list_checkpoints(self.path) if e.committed and e.path != keep_this]
-        doomed = []
+        doomed = retired_files(self.path)  # left by an earlier crash
         for e in others[: max(0, len(others) - (keep - 1))]:  # DEPRECATED -> DELETED
             gone = e.path.with_name(f".deleting-{e.path.name}")
             os.replace(e.path, gone)
@@ -499,8 +542,8 @@ class CheckpointStore:
                     candidates = f"store {self.path} has no committed checkpoint" + ("" if start is None else f" {start}")  # fmt: skip
                 else:
                     candidates = [s for s in steps if s <= start] if fallback else [start]
-            except (OSError, DtmError) as exc:
-                candidates = str(exc)
+            except Exception as exc:  # decided on rank 0 alone: always broadcast
+                candidates = f"store {self.path}: {exc}"
         candidates = self._bcast(candidates, "restore: choosing the checkpoint")
         if isinstance(candidates, str):
             raise _agreed(StorageError(candidates))
@@ -517,7 +560,10 @@ class CheckpointStore:
     def _restore_file(self, step: int, mesh: MeshShape, targets: Sequence[tuple[str, TensorType]]) -> Restored:  # fmt: skip
         path = self.path / committed_name(step)
         with self._deadline(f"restore: opening {path.name}"):
-            f = open_file(str(path), "r", self.comm)
+            try:  # every rank opens the same file: it fails alike everywhere
+                f = open_file(str(path), "r", self.comm)
+            except OSError as exc:
+                raise _agreed(ManifestError(f"{path}: cannot be opened as HDF5 ({exc})")) from None
         try:
             try:
                 check_file_format(f, path)
@@ -527,22 +573,24 @@ class CheckpointStore:
                     raise ManifestError(f"{path}: no manifest: the checkpoint is incomplete")
                 validate_manifest(manifest, str(path))
                 plan = plan_restore(manifest, targets, mesh, self.round_bytes, str(path))
+                _check_datasets(f, path, plan)
             except DtmError as exc:  # decided from the same file on every rank: same error
                 raise _agreed(exc) from None
-            values, damaged = self._read(f, path, plan)
+            with _collective_section(self.rank, f"restore of {path.name}"):
+                values, damaged = self._read(f, path, plan)
         finally:
             with self._deadline(f"restore: closing {path.name}"):
                 f.close()
         bad = self._gather(damaged, f"restore {path.name}: verification")
         failures = [e for per in bad for e in per]
-        if failures:
-            healthy = {a.name: not any(e[0] == a.name for e in failures) for a in manifest.artifacts}  # fmt: skip
-            actions = recovery_actions(manifest, healthy)
-            for name, _ in targets:
-                if actions[name] is RecoveryAction.UNRECOVERABLE:
-                    tensor, shard, msg = next(e for e in failures if e[0] == name) if not healthy[name] else failures[0]  # fmt: skip
-                    err = IntegrityError(msg, tensor=tensor, shard=shard, file=str(path))
-                    raise _agreed(err)
+        healthy = {a.name: not any(e[0] == a.name for e in failures) for a in manifest.artifacts}
+        actions = recovery_actions(manifest, healthy)
+        for name, _ in targets:
+            if actions[name] is RecoveryAction.UNRECOVERABLE:
+                own = [e for e in failures if e[0] == name]
+                tensor, shard, msg = own[0] if own else failures[0] if failures else (name, "*", "no healthy copy and no parent to rebuild it from")  # fmt: skip
+                raise _agreed(IntegrityError(msg, tensor=tensor, shard=shard, file=str(path)))
+        if any(actions[name] is RecoveryAction.REBUILD for name, _ in targets):
             values = self._rebuild(values, manifest, actions, mesh, targets, step)
         return Restored(step, path, values, manifest.module_hash)
 
@@ -555,11 +603,10 @@ class CheckpointStore:
             assert a.parent is not None and a.rebuild is not None
             parent = manifest.artifact(a.parent)
             src = self._restore_file_one(step, mesh, a.parent, t.with_dtype(parent.dtype))
-            kind, _, arg = a.rebuild.partition(":")
-            if kind == "copy" or (kind == "cast" and arg == a.dtype.value):
-                values[name] = src.astype(np_dtype(a.dtype), copy=True)
-            else:
-                raise _agreed(UnrecoverableError(f"tensor {name!r}: unknown rebuild instruction {a.rebuild!r}"))  # fmt: skip
+            try:
+                values[name] = rebuild_value(a, src)
+            except UnrecoverableError as exc:  # the same instruction on every rank
+                raise _agreed(exc) from None
         return values
 
     def _restore_file_one(self, step: int, mesh: MeshShape, name: str, t: TensorType) -> np.ndarray:
@@ -684,3 +731,32 @@ class CheckpointStore:
         return all(
             plan.pieces[pk].dest == plan.items[k].reader for k in round_items for pk in by_item.get(k, [])
         )  # fmt: skip
+
+
+@contextmanager
+def _collective_section(rank: int, what: str) -> Iterator[None]:
+    """A run of collective HDF5 calls. A failure inside it is local to this rank while its
+    peers wait inside HDF5 (holding the interpreter lock, so nothing can tell them): the
+    only way not to leave them hanging is to end the job now, with this rank's error."""
+    try:
+        yield
+    except BaseException as exc:
+        if isinstance(exc, DtmError) and exc.agreed:
+            raise
+        abort_job(1, f"dtm: error: rank {rank} failed during {what}: {type(exc).__name__}: {exc}\ndtm: aborting the job (its peers are inside collective HDF5 calls)")  # fmt: skip
+        raise
+
+
+def _check_datasets(f: Any, path: Path, plan: RestorePlan) -> None:
+    """Every dataset the restore reads exists with the manifest's shape and element size
+    (checked from the same file on every rank before any collective read)."""
+    for a in plan.artifacts:
+        assert a.dataset is not None
+        if a.dataset not in f:
+            raise IntegrityError("dataset is missing", tensor=a.name, shard="*", file=str(path))
+        dset = f[a.dataset]
+        if tuple(dset.shape) != a.shape or dset.dtype.itemsize != np_dtype(a.dtype).itemsize:
+            raise IntegrityError(
+                f"dataset is {dset.dtype}{list(dset.shape)}, the manifest says {a.dtype}{list(a.shape)}",
+                tensor=a.name, shard="*", file=str(path),
+            )  # fmt: skip

@@ -219,6 +219,10 @@ def plan_restore(
     """Which rank reads which chunk in which round, and where each piece goes (module doc).
     Raises :class:`ManifestError` when a target is missing from the manifest, has another
     dtype or shape, or is ephemeral (it has no stored data)."""
+    names = [name for name, _ in targets]
+    if len(set(names)) != len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise UsageError(f"restore: tensor(s) {', '.join(map(repr, twice))} requested twice")
     arts = []
     for name, t in targets:
         a = manifest.artifact(name) if name in manifest.names else None
@@ -262,4 +266,25 @@ def plan_restore(
         items.append(ReadItem(ti, shard, c, region, reader, rnd))
         pieces += [Piece(new, dest, got) for dest, got in piece_lists[k]]
     rounds = 1 + max((it.round for it in items), default=-1)
-    return RestorePlan(mesh, tuple(targets), tuple(arts), tuple(items), tuple(pieces), rounds)
+    plan = RestorePlan(mesh, tuple(targets), tuple(arts), tuple(items), tuple(pieces), rounds)
+    _check_message_sizes(plan)
+    return plan
+
+
+MAX_MESSAGE = 2**31 - 1
+"""The most bytes one rank sends another in one exchange (an MPI count)."""
+
+
+def _check_message_sizes(plan: RestorePlan) -> None:
+    """Refuse (on every rank alike) a plan whose exchange would pass ``MAX_MESSAGE`` bytes
+    between two ranks in one round: only a single row of 2 GiB or more can do that."""
+    sizes: dict[tuple[int, int, int], int] = {}
+    for p in plan.pieces:
+        item = plan.items[p.item]
+        if p.dest != item.reader:
+            key = (item.round, item.reader, p.dest)
+            nbytes = _volume(p.region) * stored_itemsize(plan.artifacts[item.tensor].dtype)
+            sizes[key] = sizes.get(key, 0) + nbytes
+            if sizes[key] > MAX_MESSAGE:
+                name = plan.targets[item.tensor][0]
+                raise UsageError(f"restore: tensor {name!r} would send {sizes[key]} bytes from rank {item.reader} to rank {p.dest} in one round, over the MPI count limit; rows of 2 GiB or more cannot be resharded")  # fmt: skip

@@ -41,6 +41,7 @@ __all__ = [
     "read_latest",
     "read_manifest",
     "read_meta",
+    "retired_files",
     "verify_checkpoint",
     "write_latest",
     "write_meta",
@@ -120,11 +121,9 @@ def write_meta(store: Path, meta: StoreMeta) -> None:
 def read_latest(store: Path) -> int | None:
     """The step ``latest`` names when that checkpoint exists, else the newest committed one
     (a crash between commit and pointer update), else None."""
-    p = store / "latest"
-    if p.exists():
-        m = _COMMITTED.match(p.read_text(encoding="utf-8").strip())
-        if m and (store / m.group(0)).exists():
-            return int(m.group(1))
+    m = _COMMITTED.match(_pointer(store))
+    if m and (store / m.group(0)).exists():
+        return int(m.group(1))
     steps = [e.step for e in list_checkpoints(store) if e.committed]
     return max(steps) if steps else None
 
@@ -137,8 +136,7 @@ def list_checkpoints(store: Path) -> list[CheckpointEntry]:
     """Committed and partial checkpoints, by step (partials after the committed one)."""
     if not store.is_dir():
         raise UsageError(f"{store}: no such store directory")
-    pointer = store / "latest"
-    named = pointer.read_text(encoding="utf-8").strip() if pointer.exists() else ""
+    named = _pointer(store)
     out = []
     for p in store.iterdir():
         m = _COMMITTED.match(p.name) or _PARTIAL.match(p.name)
@@ -149,11 +147,26 @@ def list_checkpoints(store: Path) -> list[CheckpointEntry]:
     return sorted(out, key=lambda e: (e.step, not e.committed, e.path.name))
 
 
+def _pointer(store: Path) -> str:
+    """The file name ``latest`` holds ("" when it is missing or damaged: readers then fall
+    back to the newest committed checkpoint)."""
+    try:
+        return (store / "latest").read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
+def retired_files(store: Path) -> list[Path]:
+    """Checkpoints retention has retired (``.deleting-*``) that are not deleted yet (a crash
+    can leave them; the next retention or ``dtm ckpt rm --partial`` removes them)."""
+    return sorted(store.glob(".deleting-ckpt-*"))
+
+
 def disk_usage(store: Path) -> int:
     """Bytes of every checkpoint file in the store, partial ones and retired ones still being
     deleted included."""
     retiring = 0
-    for p in store.glob(".deleting-ckpt-*"):
+    for p in retired_files(store):
         with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
             retiring += p.stat().st_size
     return retiring + sum(e.nbytes for e in list_checkpoints(store))

@@ -226,8 +226,9 @@ def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, ra
     blocks: list[np.ndarray] = []
     try:
         maybe_fail(rank, "inputs")
-        given = check_inputs(plan.module, load_arrays(list(args.inputs)))
-        blocks = initial_blocks(plan, rank, given)
+        if not args.resume:  # a resumed run takes every parameter from the checkpoint
+            given = check_inputs(plan.module, load_arrays(list(args.inputs)))
+            blocks = initial_blocks(plan, rank, given)
     except LauncherTerminatedError:
         raise
     except DtmError as exc:
@@ -311,8 +312,7 @@ class _Checkpoints:
                 f"{got.path} holds the state after step {got.step}; --steps {self.steps} "
                 "leaves nothing to run (raise --steps)"
             ))  # fmt: skip
-        for i, (name, _) in enumerate(self.targets):
-            blocks[i] = got.values[name]
+        blocks[:] = [got.values[name] for name, _ in self.targets]
         if self.rank == 0:
             print(f"resumed from {got.path} (after step {got.step})", flush=True)
         return got.step
