@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -419,35 +417,6 @@ def _read_verified(f: Any, path: Path, a: ArtifactRecord) -> np.ndarray:
     return out
 
 
-def _npy_output(text: str) -> Path:
-    target = Path(text)
-    if target.suffix.lower() != ".npy":
-        raise UsageError(f"output {text}: use a .npy file name")
-    directory = target.parent if str(target.parent) else Path(".")
-    if not directory.is_dir():
-        raise UsageError(f"output {text}: directory {directory} does not exist")
-    if target.is_dir():
-        raise UsageError(f"output {text} is a directory; give a file name")
-    return target
-
-
-def _save_npy(target: Path, value: np.ndarray) -> None:
-    """Write ``value`` to ``target`` atomically (a temporary file beside it, then a rename)."""
-    import numpy as np
-
-    directory = target.parent if str(target.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, value, allow_pickle=False)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _cmd_store_ls(args: argparse.Namespace) -> int:
     from dtm_mpi.io.store import read_manifest
 
@@ -465,14 +434,15 @@ def _cmd_store_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_store_get(args: argparse.Namespace) -> int:
+    from dtm_mpi.io.arrays import check_output_path, save_npy
     from dtm_mpi.io.store import read_manifest
     from dtm_mpi.ir.types import DType
 
-    target = _npy_output(args.output)
+    target = check_output_path(args.output, ".npy")
     path = _checkpoint_path(_store_dir(args.store), args.step)
     m = read_manifest(path)
     value = read_tensor(path, args.name, m)
-    _save_npy(target, value)
+    save_npy(str(target), value)
     note = ""
     if m.artifact(args.name).dtype is DType.BF16:
         how = "its raw 16 bits" if value.dtype.kind == "u" else "binary32 values"

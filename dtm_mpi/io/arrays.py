@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
 from dtm_mpi.errors import UsageError
 
-__all__ = ["check_output_path", "load_arrays", "save_npz"]
+__all__ = ["check_output_path", "load_arrays", "save_npy", "save_npz"]
 
 
 def _load_one(path: Path) -> dict[str, np.ndarray]:
@@ -65,12 +66,12 @@ def load_arrays(paths: Sequence[str]) -> dict[str, np.ndarray]:
     return arrays
 
 
-def check_output_path(path: str) -> Path:
-    """``path`` as an output file name, refused before any work: a ``.npz`` name in an
+def check_output_path(path: str, suffix: str = ".npz") -> Path:
+    """``path`` as an output file name, refused before any work: a ``suffix`` name in an
     existing directory, not itself a directory."""
     target = Path(path)
-    if target.suffix.lower() != ".npz":
-        raise UsageError(f"output {path}: use a .npz file name")
+    if target.suffix.lower() != suffix:
+        raise UsageError(f"output {path}: use a {suffix} file name")
     directory = target.parent if str(target.parent) else Path(".")
     if not directory.is_dir():
         raise UsageError(f"output {path}: directory {directory} does not exist")
@@ -79,17 +80,27 @@ def check_output_path(path: str) -> Path:
     return target
 
 
-def save_npz(path: str, arrays: Mapping[str, np.ndarray]) -> None:
-    """Write ``arrays`` to ``path`` (.npz) atomically."""
-    target = check_output_path(path)
+def _write_atomic(target: Path, write: Callable[[BinaryIO], None]) -> None:
+    """``write`` into a temporary file beside ``target``, fsync, then rename it into place:
+    a failed write never leaves a partial file under the requested name."""
     directory = target.parent if str(target.parent) else Path(".")
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, **dict(arrays))  # type: ignore[arg-type]
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def save_npz(path: str, arrays: Mapping[str, np.ndarray]) -> None:
+    """Write ``arrays`` to ``path`` (.npz) atomically."""
+    _write_atomic(check_output_path(path), lambda f: np.savez(f, **dict(arrays)))  # type: ignore[arg-type]
+
+
+def save_npy(path: str, value: np.ndarray) -> None:
+    """Write ``value`` to ``path`` (.npy) atomically."""
+    _write_atomic(check_output_path(path, ".npy"), lambda f: np.save(f, value, allow_pickle=False))  # fmt: skip

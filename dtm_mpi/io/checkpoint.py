@@ -64,14 +64,12 @@ from dtm_mpi.errors import (
 )
 from dtm_mpi.faults import maybe_fail
 from dtm_mpi.io.h5 import ALIGN_BYTES, ALIGN_FROM, create_dataset, open_file, read_slab, write_slab
-from dtm_mpi.io.hashing import chunk_hash, shard_hash
+from dtm_mpi.io.hashing import chunk_hash
 from dtm_mpi.io.manifest import (
     ArtifactClass,
     ArtifactRecord,
-    Lifecycle,
     Manifest,
     RecoveryAction,
-    ShardRecord,
     layout_to_json,
     parse_manifest,
     recovery_actions,
@@ -83,6 +81,7 @@ from dtm_mpi.io.plan import (  # fmt: skip
     RestorePlan,
     SavePlan,
     TensorSpec,
+    plan_manifest,
     plan_restore,
     plan_save,
 )
@@ -350,47 +349,10 @@ class CheckpointStore:
         if verdict is not None:
             raise _agreed(QuotaError(verdict))
 
-    def _manifest(self, step: int, plan: SavePlan, hashes: dict[tuple[int, int], tuple[str, ...]], module_hash: str | None) -> Manifest:  # fmt: skip
-        arts = []
-        for i, spec in enumerate(plan.specs):
-            t = spec.type
-            shards = tuple(
-                ShardRecord(
-                    f"{spec.name}:shard:{s.index}",
-                    s.index,
-                    s.owner,
-                    s.coords,
-                    s.offset,
-                    s.extent,
-                    s.nbytes,
-                    s.chunk_rows,
-                    hashes[(i, s.index)],
-                    shard_hash(hashes[(i, s.index)]),
-                )
-                for s in plan.shards[i]
-            )
-            dataset = None if spec.cls is ArtifactClass.EPHEMERAL else f"/tensors/{spec.name}"
-            arts.append(
-                ArtifactRecord(
-                    spec.name,
-                    spec.cls,
-                    Lifecycle.ACTIVE,
-                    t.dtype,
-                    t.shape,
-                    t.layout,
-                    dataset,
-                    spec.parent,
-                    spec.rebuild,
-                    shards,
-                )
-            )
-        m = Manifest(step, plan.mesh.axes, tuple(arts), plan.chunk_bytes, module_hash, __version__)
-        return m.sealed()
-
     def _save(self, step: int, plan: SavePlan, blocks: dict[int, np.ndarray], hashes: dict[int, tuple[str, ...]], module_hash: str | None, comm: Any, control: tuple[Callable[[], bool], Callable[[int], None] | None] | None) -> Path:  # fmt: skip
         gathered = self._gather(hashes, f"checkpoint {step}: shard hashes", comm)
         all_hashes = {(i, s.index): gathered[s.owner][i] for i, per in enumerate(plan.shards) for s in per}  # fmt: skip
-        manifest = self._manifest(step, plan, all_hashes, module_hash)
+        manifest = plan_manifest(plan, step, all_hashes, module_hash, __version__)
         text = manifest.to_bytes()
         self._check_quota(step, plan, len(text), comm)
         token = self._bcast(secrets.token_hex(4) if self.rank == 0 else None, "checkpoint name", comm)  # fmt: skip

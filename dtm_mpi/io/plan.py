@@ -19,11 +19,19 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from dtm_mpi.errors import LayoutError, ManifestError, UsageError
-from dtm_mpi.io.manifest import ArtifactClass, ArtifactRecord, Manifest, stored_itemsize
+from dtm_mpi.io.hashing import shard_hash
+from dtm_mpi.io.manifest import (
+    ArtifactClass,
+    ArtifactRecord,
+    Lifecycle,
+    Manifest,
+    ShardRecord,
+    stored_itemsize,
+)
 from dtm_mpi.ir.types import TensorType
 from dtm_mpi.sharding.blocks import block_owners, local_block
 from dtm_mpi.sharding.mesh import MeshShape
@@ -38,6 +46,7 @@ __all__ = [
     "ShardPlan",
     "TensorSpec",
     "chunk_rows_for",
+    "plan_manifest",
     "plan_restore",
     "plan_save",
 ]
@@ -150,6 +159,50 @@ def plan_save(specs: Sequence[TensorSpec], mesh: MeshShape, chunk_bytes: int = C
             per.append(shard)
         plans.append(tuple(per))
     return SavePlan(mesh, tuple(specs), tuple(plans), chunk_bytes)
+
+
+def plan_manifest(
+    plan: SavePlan, step: int, chunk_hashes: Mapping[tuple[int, int], tuple[str, ...]],
+    module_hash: str | None = None, dtm_version: str = "",
+) -> Manifest:  # fmt: skip
+    """The sealed manifest of ``plan`` saved as ``step``, from the chunk hashes of every shard
+    (``chunk_hashes[(spec index, shard index)]``): every artifact ACTIVE, shard hashes and
+    Merkle roots computed. Pure: every rank builds the same one from the gathered hashes."""
+    arts = []
+    for i, spec in enumerate(plan.specs):
+        t = spec.type
+        shards = tuple(
+            ShardRecord(
+                f"{spec.name}:shard:{s.index}",
+                s.index,
+                s.owner,
+                s.coords,
+                s.offset,
+                s.extent,
+                s.nbytes,
+                s.chunk_rows,
+                chunk_hashes[(i, s.index)],
+                shard_hash(chunk_hashes[(i, s.index)]),
+            )
+            for s in plan.shards[i]
+        )
+        dataset = None if spec.cls is ArtifactClass.EPHEMERAL else f"/tensors/{spec.name}"
+        arts.append(
+            ArtifactRecord(
+                spec.name,
+                spec.cls,
+                Lifecycle.ACTIVE,
+                t.dtype,
+                t.shape,
+                t.layout,
+                dataset,
+                spec.parent,
+                spec.rebuild,
+                shards,
+            )
+        )
+    m = Manifest(step, plan.mesh.axes, tuple(arts), plan.chunk_bytes, module_hash, dtm_version)
+    return m.sealed()
 
 
 # --- restore ----------------------------------------------------------------------------------

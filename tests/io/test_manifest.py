@@ -39,7 +39,7 @@ from dtm_mpi.io.manifest import (
     transition,
     validate_manifest,
 )
-from dtm_mpi.io.plan import TensorSpec, plan_save
+from dtm_mpi.io.plan import TensorSpec, plan_manifest, plan_save
 from dtm_mpi.ir.types import DType, Layout, Partial, ReduceOp, TensorType
 from dtm_mpi.sharding.mesh import MeshShape
 
@@ -62,51 +62,17 @@ def build(
     """A sealed manifest of ``entries`` (spec, global value) saved on ``mesh``: the shards of
     plan_save, each chunk hashed from the global array directly (rows of the shard)."""
     plan = plan_save([s for s, _ in entries], mesh, chunk_bytes)
-    arts = []
-    for (spec, g), per in zip(entries, plan.shards, strict=True):
-        shards = []
+    hashes: dict[tuple[int, int], tuple[str, ...]] = {}
+    for i, ((_, g), per) in enumerate(zip(entries, plan.shards, strict=True)):
         for s in per:
             assert g is not None
             block = np.ascontiguousarray(g[s.region])
             if block.ndim == 0:
-                chunks: tuple[str, ...] = (xxh(block.tobytes()),)
+                hashes[(i, s.index)] = (xxh(block.tobytes()),)
             else:
                 r = s.chunk_rows
-                chunks = tuple(xxh(block[c * r : (c + 1) * r].tobytes()) for c in range(s.nchunks))
-            digest = xxh(b"".join(bytes.fromhex(c) for c in chunks))
-            shards.append(
-                ShardRecord(
-                    f"{spec.name}:shard:{s.index}",
-                    s.index,
-                    s.owner,
-                    s.coords,
-                    s.offset,
-                    s.extent,
-                    s.nbytes,
-                    s.chunk_rows,
-                    chunks,
-                    digest,
-                )
-            )
-        dataset = None if spec.cls is E else f"/tensors/{spec.name}"
-        t = spec.type
-        arts.append(
-            ArtifactRecord(
-                spec.name,
-                spec.cls,
-                Lifecycle.ACTIVE,
-                t.dtype,
-                t.shape,
-                t.layout,
-                dataset,
-                spec.parent,
-                spec.rebuild,
-                tuple(shards),
-            )
-        )
-    return Manifest(
-        step, mesh.axes, tuple(arts), chunk_bytes, "dtm-mh1:" + "ab" * 32, "0.1.0"
-    ).sealed()
+                hashes[(i, s.index)] = tuple(xxh(block[c * r : (c + 1) * r].tobytes()) for c in range(s.nchunks))  # fmt: skip
+    return plan_manifest(plan, step, hashes, "dtm-mh1:" + "ab" * 32, "0.1.0")
 
 
 def _value(shape: tuple[int, ...], dtype: str, seed: int) -> np.ndarray:

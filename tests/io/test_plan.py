@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from dtm_mpi.errors import LayoutError, ManifestError, UsageError
 from dtm_mpi.io.hashing import chunk_hash
-from dtm_mpi.io.manifest import ArtifactClass, ArtifactRecord, Lifecycle, Manifest, ShardRecord
+from dtm_mpi.io.manifest import ArtifactClass, Manifest
 from dtm_mpi.io.plan import (
     CHUNK_BYTES,
     ROUND_BYTES,
@@ -28,6 +28,7 @@ from dtm_mpi.io.plan import (
     SavePlan,
     TensorSpec,
     chunk_rows_for,
+    plan_manifest,
     plan_restore,
     plan_save,
 )
@@ -113,9 +114,8 @@ def value_of(shape: tuple[int, ...], dtype: DType, seed: int) -> np.ndarray:
 def manifest_of(plan: SavePlan, values: dict[str, np.ndarray]) -> Manifest:
     """The sealed manifest of ``plan`` with every chunk hashed from ``values`` (rows of the
     shard, hashed with xxhash directly)."""
-    arts = []
-    for spec, per in zip(plan.specs, plan.shards, strict=True):
-        shards = []
+    hashes: dict[tuple[int, int], tuple[str, ...]] = {}
+    for i, (spec, per) in enumerate(zip(plan.specs, plan.shards, strict=True)):
         for s in per:
             block = np.ascontiguousarray(values[spec.name][s.region])
             rows = (
@@ -123,39 +123,8 @@ def manifest_of(plan: SavePlan, values: dict[str, np.ndarray]) -> Manifest:
                 if block.ndim == 0
                 else [block[c * s.chunk_rows : (c + 1) * s.chunk_rows] for c in range(s.nchunks)]
             )
-            chunks = tuple(xxhash.xxh3_128_hexdigest(r.tobytes()) for r in rows)
-            digest = xxhash.xxh3_128_hexdigest(b"".join(bytes.fromhex(c) for c in chunks))
-            shards.append(
-                ShardRecord(
-                    f"{spec.name}:shard:{s.index}",
-                    s.index,
-                    s.owner,
-                    s.coords,
-                    s.offset,
-                    s.extent,
-                    s.nbytes,
-                    s.chunk_rows,
-                    chunks,
-                    digest,
-                )
-            )
-        t = spec.type
-        dataset = None if spec.cls is ArtifactClass.EPHEMERAL else f"/tensors/{spec.name}"
-        arts.append(
-            ArtifactRecord(
-                spec.name,
-                spec.cls,
-                Lifecycle.ACTIVE,
-                t.dtype,
-                t.shape,
-                t.layout,
-                dataset,
-                spec.parent,
-                spec.rebuild,
-                tuple(shards),
-            )
-        )
-    return Manifest(1, plan.mesh.axes, tuple(arts), plan.chunk_bytes).sealed()
+            hashes[(i, s.index)] = tuple(xxhash.xxh3_128_hexdigest(r.tobytes()) for r in rows)
+    return plan_manifest(plan, 1, hashes)
 
 
 # --- save --------------------------------------------------------------------------------------
