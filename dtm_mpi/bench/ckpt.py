@@ -13,8 +13,12 @@ dimension 0 (uneven when the rows do not divide). Measured, alternating, best of
 * ``restore_GBps``: :meth:`CheckpointStore.restore` onto the same mesh and layout (read,
   verify every chunk), against every rank reading its raw file back with ``readinto``. Both
   read what the page cache holds (dropping it needs privileges a job does not have).
-* ``reshard_restore_s``: restoring the same checkpoint split along dimension 1 instead (every
-  rank needs a piece of every stored shard), against the same-mesh restore time.
+* ``reshard_restore_s``: the job shrinks by one rank: the N-rank checkpoint restored on the first
+  N-1 ranks, against the same state saved on those N-1 ranks and restored there (the
+  same-mesh time). With one rank there is nothing to shrink: 0.
+* ``reshard_transpose_s``: the worst case on the same ranks: the checkpoint restored split
+  along dimension 1 instead of 0 (every rank needs a piece of every stored shard), against
+  the same-mesh restore time.
 * ``peak_extra_rss_bytes``: the largest rise of a rank's peak resident memory (``VmHWM``,
   reset through ``/proc/self/clear_refs``) during a save or a restore, against the bytes of
   its local shard. A restore's output is itself one shard of new memory. Measured first, on
@@ -90,6 +94,37 @@ def _peak_extra(comm: Any, fn: Callable[[], object]) -> int:
     extra = (_rss_kib("VmHWM") - base) * 1024 if ok else -1
     del keep
     return int(comm.allreduce(extra, op=MPI.MAX))
+
+
+def _resize(comm: Any, store: Any, workdir: Path, saved: list[Any], repeat: int) -> tuple[float, float]:  # fmt: skip
+    """Restore times on the first N-1 ranks: the N-rank checkpoint (resharded) and the same
+    state saved on those N-1 ranks (same mesh). Collective on ``comm``; the times are the
+    slowest sub-rank's, valid on the sub-ranks (0.0 elsewhere)."""
+    from mpi4py import MPI
+
+    from dtm_mpi.io.checkpoint import CheckpointStore
+    from dtm_mpi.io.plan import TensorSpec
+    from dtm_mpi.sharding.mesh import MeshShape
+
+    n, rank = int(comm.Get_size()), int(comm.Get_rank())
+    sub = comm.Split(0 if rank < n - 1 else MPI.UNDEFINED, rank)
+    times = (0.0, 0.0)
+    if sub != MPI.COMM_NULL:
+        small = MeshShape((("x", n - 1),))
+        targets = [(f"t{i}", t) for i, t in enumerate(saved)]
+        got = CheckpointStore(store.path, sub).restore(small, targets).values
+        other = CheckpointStore(workdir / "resized", sub)
+        other.save(1, small, [(TensorSpec(name, t), got[name]) for name, t in targets])
+        del got
+        reader = CheckpointStore(store.path, sub)
+        resharded = min(_timed(sub, lambda: reader.restore(small, targets)) for _ in range(repeat))
+        same = min(_timed(sub, lambda: other.restore(small, targets)) for _ in range(repeat))
+        other.close()
+        reader.close()
+        sub.Free()
+        times = (resharded, same)
+    comm.Barrier()
+    return times
 
 
 def run_ckpt_bench(
@@ -176,14 +211,17 @@ def run_ckpt_bench(
         step[0] += 1
         store.save(step[0], mesh, items)
 
-    best = {"raw_w": 1e30, "save": 1e30, "raw_r": 1e30, "restore": 1e30, "reshard": 1e30}
+    best = {"raw_w": 1e30, "save": 1e30, "raw_r": 1e30, "restore": 1e30, "transpose": 1e30,
+            "resize": 0.0, "resize_same": 0.0}  # fmt: skip
     try:
         for _ in range(repeat):
             best["raw_w"] = min(best["raw_w"], _timed(comm, raw_write))
             best["save"] = min(best["save"], _timed(comm, dtm_save))
             best["raw_r"] = min(best["raw_r"], _timed(comm, raw_read))
             best["restore"] = min(best["restore"], _timed(comm, lambda: store.restore(mesh, targets_same)))  # fmt: skip
-            best["reshard"] = min(best["reshard"], _timed(comm, lambda: store.restore(mesh, targets_re)))  # fmt: skip
+            best["transpose"] = min(best["transpose"], _timed(comm, lambda: store.restore(mesh, targets_re)))  # fmt: skip
+        if n > 1:  # the job shrinks by one rank: N -> N-1 against a checkpoint saved on N-1
+            best["resize"], best["resize_same"] = _resize(comm, store, workdir, saved, repeat)
         got = store.restore(mesh, targets_same).values
         same = all(np.array_equal(got[f"t{i}"], b) for i, b in enumerate(blocks))
         if not comm.allreduce(same, op=MPI.LAND):
@@ -199,7 +237,8 @@ def run_ckpt_bench(
     rows_out = [
         CkptRow("save_GBps", all_bytes / best["save"] / 1e9, all_bytes / best["raw_w"] / 1e9),
         CkptRow("restore_GBps", all_bytes / best["restore"] / 1e9, all_bytes / best["raw_r"] / 1e9),
-        CkptRow("reshard_restore_s", best["reshard"], best["restore"]),
+        CkptRow("reshard_restore_s", best["resize"], best["resize_same"]),
+        CkptRow("reshard_transpose_s", best["transpose"], best["restore"]),
         CkptRow(
             "peak_extra_rss_bytes", float(max(peak_save, peak_restore, peak_reshard)), float(shard)
         ),

@@ -38,13 +38,14 @@ def test_bench_ckpt_under_mpirun_writes_the_csv(tmp_path: Path) -> None:
         rows = list(csv.DictReader(f))
     assert list(rows[0]) == ["metric", "value", "baseline", "ratio"]
     assert [r["metric"] for r in rows] == [
-        "save_GBps", "restore_GBps", "reshard_restore_s", "peak_extra_rss_bytes",
+        "save_GBps", "restore_GBps", "reshard_restore_s", "reshard_transpose_s",
+        "peak_extra_rss_bytes",
     ]  # fmt: skip
     for r in rows:
         value, baseline, ratio = float(r["value"]), float(r["baseline"]), float(r["ratio"])
         assert value > 0 and baseline > 0, r
         assert ratio == pytest.approx(value / baseline, rel=1e-2), r
-    assert float(rows[3]["baseline"]) == pytest.approx(4 * 2**20 / 2, rel=0.05)  # local shard
+    assert float(rows[4]["baseline"]) == pytest.approx(4 * 2**20 / 2, rel=0.05)  # local shard
     assert "peak extra RSS" in proc.stdout
     leftovers = [p for p in tmp_path.iterdir() if p.name.startswith("dtm-bench-ckpt-")]
     assert leftovers == [], "the benchmark leaves nothing behind"
