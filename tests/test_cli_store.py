@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dtm_mpi.cli import main, run
+from dtm_mpi.cli import main
 from dtm_mpi.errors import UsageError
 from dtm_mpi.io.checkpoint import CheckpointStore
 from dtm_mpi.io.manifest import ArtifactClass
@@ -27,9 +27,10 @@ from dtm_mpi.io.store import (
     read_manifest,
     verify_checkpoint,
 )
-from dtm_mpi.ir.ops._common import np_dtype
 from dtm_mpi.ir.types import DType, Layout, TensorType
 from dtm_mpi.sharding.mesh import MeshShape
+from tests.io.io_helpers import flip_byte, random_value
+from tests.test_cli_run import dtm, one_line_error
 
 MESH = MeshShape((("x", 1),))
 R = Layout.replicated
@@ -52,13 +53,7 @@ STORED = [n for n, _, c, _, _ in TENSORS if c is not ArtifactClass.EPHEMERAL]
 
 
 def value(name: str, t: TensorType, step: int) -> np.ndarray:
-    rng = np.random.default_rng(zlib.crc32(f"{name}/{step}".encode()))
-    dt = np_dtype(t.dtype)
-    if dt == np.bool_:
-        return rng.integers(0, 2, size=t.shape).astype(bool)
-    if dt.kind == "i":
-        return np.asarray(rng.integers(-(2**40), 2**40, size=t.shape), dtype=dt)
-    return np.asarray(rng.standard_normal(size=t.shape), dtype=dt)
+    return random_value(t, np.random.default_rng(zlib.crc32(f"{name}/{step}".encode())))
 
 
 def values_at(step: int) -> dict[str, np.ndarray]:
@@ -88,32 +83,6 @@ def serial_only() -> None:
 
     if MPI.COMM_WORLD.Get_size() > 1:
         pytest.skip("dtm store put is a serial tool (refused under a multi-rank mpirun)")
-
-
-def dtm(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = run(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_line_error(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("dtm: error: "), err
-    assert "Traceback" not in err
-    return lines[0]
-
-
-def flip(path: Path, dataset: str, position: int, mask: int = 0x40) -> None:
-    import h5py
-
-    with h5py.File(path, "r") as f:
-        offset = f[dataset].id.get_offset()
-    with open(path, "r+b") as fh:
-        fh.seek(offset + position)
-        byte = fh.read(1)
-        fh.seek(offset + position)
-        fh.write(bytes([byte[0] ^ mask]))
 
 
 def restore_all(path: Path, step: int | None = None) -> dict[str, np.ndarray]:
@@ -156,7 +125,7 @@ def test_ckpt_ls_shows_committed_latest_and_incomplete(capsys: pytest.CaptureFix
 
 def test_ckpt_ls_shows_an_invalid_manifest(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:  # fmt: skip
     store = make_store(tmp_path / "s", quota_bytes=10**9)
-    flip(store / committed_name(1), "/manifest", 40)
+    flip_byte(store / committed_name(1), "/manifest", 40)
     code, out, err = dtm(capsys, "ckpt", "ls", str(store))
     assert code == 0, err
     assert "quota 1000000000 bytes" in out
@@ -214,7 +183,9 @@ def test_ckpt_verify_ok_then_a_flipped_byte(capsys: pytest.CaptureFixture[str], 
     assert code == 0, err
     assert out == f"ok {latest}: 6 tensors, {m.data_bytes} bytes verified\n"
 
-    flip(latest, "/tensors/w", 4 * 7 * 6 + 3)  # row 6 of 10; 2 rows of 28 bytes per 64-byte chunk
+    flip_byte(
+        latest, "/tensors/w", 4 * 7 * 6 + 3
+    )  # row 6 of 10; 2 rows of 28 bytes per 64-byte chunk
     code, out, err = dtm(capsys, "ckpt", "verify", str(store))
     assert code == 1
     assert out.startswith(f"DAMAGED {latest}: tensor 'w' shard 'w:shard:0': chunk 3 "), out
@@ -332,7 +303,7 @@ def test_store_get_bf16_writes_the_stored_representation(capsys: pytest.CaptureF
 def test_store_get_a_damaged_chunk_is_an_integrity_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:  # fmt: skip
     store = make_store(tmp_path / "s")
     path = store / committed_name(2)
-    flip(path, "/tensors/v", 33, 0x01)  # element 4 of 5
+    flip_byte(path, "/tensors/v", 33, 0x01)  # element 4 of 5
     target = tmp_path / "v.npy"
     code, _, err = dtm(capsys, "store", "get", str(store), "v", "-o", str(target))
     line = one_line_error(err)

@@ -21,6 +21,7 @@ from dtm_mpi.io.store import committed_name, list_checkpoints, read_latest, read
 from dtm_mpi.ir.types import DType, Layout, TensorType
 from dtm_mpi.sharding.blocks import local_block
 from dtm_mpi.sharding.mesh import MeshShape
+from tests.io.io_helpers import flip_byte
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -164,25 +165,13 @@ def test_commit_latest_and_retention(comm: Any, mpi_tmp_path: Path, all_ranks: A
     restore_on(mpi_tmp_path, comm, mesh, 3, all_ranks=all_ranks)
 
 
-def _flip(path: Path, dataset: str, position: int) -> None:
-    import h5py
-
-    with h5py.File(path, "r") as f:
-        offset = f[dataset].id.get_offset()
-    with open(path, "r+b") as fh:
-        fh.seek(offset + position)
-        byte = fh.read(1)
-        fh.seek(offset + position)
-        fh.write(bytes([byte[0] ^ 0x40]))
-
-
 def test_flipped_byte_is_an_integrity_error_naming_tensor_and_shard(comm: Any, mpi_tmp_path: Path, all_ranks: Any) -> None:  # fmt: skip
     mesh = mesh_of(str(comm.Get_size()))
     save_on(mpi_tmp_path, comm, mesh, 1)
     save_on(mpi_tmp_path, comm, mesh, 2)
     path = mpi_tmp_path / committed_name(2)
     if comm.Get_rank() == 0:
-        _flip(path, "/tensors/big", 4 * 33 * 200 + 5)  # row 200 of 257
+        flip_byte(path, "/tensors/big", 4 * 33 * 200 + 5)  # row 200 of 257
     comm.Barrier()
     store = CheckpointStore(mpi_tmp_path, comm, timeout_s=60)
     with pytest.raises(IntegrityError) as info:
@@ -299,12 +288,12 @@ def test_ephemeral_never_stored_and_derived_rebuilt(comm: Any, mpi_tmp_path: Pat
     with pytest.raises(StorageError, match="ephemeral"):
         store.restore(mesh, [("scratch", t32)])
     if rank == 0:
-        _flip(path, "/tensors/w16", 3)
+        flip_byte(path, "/tensors/w16", 3)
     comm.Barrier()
     got = store.restore(mesh, [("w16", t16)])  # rebuilt from w
     all_ranks(got.values["w16"].tobytes() == g[blk].astype(np.float16).tobytes(), "rebuilt w16")
     if rank == 0:
-        _flip(path, "/tensors/w", 0)
+        flip_byte(path, "/tensors/w", 0)
     comm.Barrier()
     with pytest.raises(IntegrityError, match="'w'"):
         store.restore(mesh, [("w", t32)])

@@ -23,9 +23,9 @@ from dtm_mpi.io.checkpoint import CheckpointStore
 from dtm_mpi.io.manifest import ArtifactClass
 from dtm_mpi.io.plan import TensorSpec
 from dtm_mpi.io.store import read_manifest, verify_checkpoint
-from dtm_mpi.ir.ops._common import np_dtype
 from dtm_mpi.ir.types import DType, Layout, TensorType
 from dtm_mpi.sharding.mesh import MeshShape
+from tests.io.io_helpers import random_value
 
 MESH = MeshShape((("x", 1),))
 STEP = 4
@@ -49,12 +49,7 @@ def comm() -> Any:
 
 
 def global_value(name: str, t: TensorType, rng: np.random.Generator) -> np.ndarray:
-    dt = np_dtype(t.dtype)
-    if dt == np.bool_:
-        return rng.integers(0, 2, size=t.shape).astype(bool)
-    if dt.kind == "i":
-        return np.asarray(rng.integers(-(2**40), 2**40, size=t.shape), dtype=dt)
-    return np.asarray(rng.standard_normal(size=t.shape), dtype=dt)
+    return random_value(t, rng)
 
 
 @pytest.fixture(scope="module")
