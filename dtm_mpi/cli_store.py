@@ -21,7 +21,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dtm_mpi.errors import DtmError, IntegrityError, ManifestError, StorageError, UsageError
+from dtm_mpi.errors import (
+    DtmError,
+    IntegrityError,
+    ManifestError,
+    StorageError,
+    UsageError,
+    agreed,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -461,21 +468,12 @@ _NPY_KINDS: dict[tuple[str, int], str] = {
 
 
 def _load_npy(text: str) -> np.ndarray:
-    import numpy as np
+    """The array in the ``.npy`` file ``text`` (read as ``dtm run -i`` reads inputs)."""
+    from dtm_mpi.io.arrays import load_arrays
 
-    path = Path(text)
-    if path.suffix.lower() != ".npy":
+    if Path(text).suffix.lower() != ".npy":
         raise UsageError(f"input {text}: use a .npy file")
-    try:
-        value = np.load(path, allow_pickle=False)
-    except FileNotFoundError:
-        raise UsageError(f"input file {text} does not exist") from None
-    except IsADirectoryError:
-        raise UsageError(f"input {text} is a directory, not a file") from None
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"cannot read input file {text}: {exc}") from None
-    if not isinstance(value, np.ndarray):
-        raise UsageError(f"input file {text} does not hold one array")
+    (value,) = load_arrays([text]).values()
     return value
 
 
@@ -550,9 +548,9 @@ def _cmd_store_put(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
     if MPI.COMM_WORLD.Get_size() > 1:
-        err = UsageError("dtm store put is a serial tool: run it in one process, without mpirun")
-        err.agreed = True
-        raise err
+        raise agreed(
+            UsageError("dtm store put is a serial tool: run it in one process, without mpirun")
+        )
     from dtm_mpi.io.checkpoint import CheckpointStore
 
     mesh = MeshShape((("x", 1),))

@@ -41,6 +41,7 @@ __all__ = [
     "UsageError",
     "VerifyError",
     "VersionError",
+    "agreed",
 ]
 
 
@@ -263,3 +264,10 @@ class CancelledError(StorageError):
 
 class UnrecoverableError(StorageError):
     """An artifact cannot be restored: a primary artifact with no healthy copy."""
+
+
+def agreed(exc: DtmError) -> DtmError:
+    """``exc`` marked as raised identically on every rank (decided from shared data or
+    agreed through communication); returns it, for ``raise agreed(...)``."""
+    exc.agreed = True
+    return exc

@@ -73,14 +73,10 @@ def _reset_peak() -> bool:
 
 
 def _timed(comm: Any, fn: Callable[[], object]) -> float:
-    """The slowest rank's time of ``fn`` (started together). Collective."""
-    from mpi4py import MPI
+    """The slowest rank's time of one call of ``fn`` (started together). Collective."""
+    from dtm_mpi.bench.comm import slowest_rank_time
 
-    comm.Barrier()
-    start = MPI.Wtime()
-    fn()
-    elapsed = MPI.Wtime() - start
-    return float(comm.allreduce(elapsed, op=MPI.MAX))
+    return slowest_rank_time(fn, 1, comm)
 
 
 def _peak_extra(comm: Any, fn: Callable[[], object]) -> int:

@@ -66,7 +66,10 @@ def default_sizes() -> list[int]:
     return [8, 64, 512, 4 << 10, 32 << 10, 256 << 10, 1 << 20, 8 << 20, 64 << 20]
 
 
-def _time(fn: Callable[[], object], iters: int, comm: Any) -> float:
+def slowest_rank_time(fn: Callable[[], object], iters: int, comm: Any) -> float:
+    """The slowest rank's mean time of ``iters`` calls of ``fn``, started together.
+
+    Collective: call on all ranks of ``comm``."""
     from mpi4py import MPI
 
     comm.Barrier()
@@ -170,8 +173,8 @@ def run_comm_bench(
                     fn()
             best_d = best_r = float("inf")
             for _ in range(repeat):
-                best_d = min(best_d, _time(dtm_fn, iters, raw))
-                best_r = min(best_r, _time(raw_fn, iters, raw))
+                best_d = min(best_d, slowest_rank_time(dtm_fn, iters, raw))
+                best_r = min(best_r, slowest_rank_time(raw_fn, iters, raw))
             rows.append(BenchRow(op, n, nbytes, best_d, best_r))
     raw.Free()
     session.close()

@@ -206,15 +206,17 @@ class MpiComm:
         keeps small collectives within a few microseconds of raw MPI."""
         if self.session.watchdog is None:
             return
-        new_out = None
-        if recv_meta is not None:
-            if math.prod(out_shape) * x.itemsize >= ALIGN_FROM:
-                new_out = functools.partial(self._outputs.get, spec, out_shape, x.dtype, True)
-            else:
-                new_out = functools.partial(np.empty, out_shape, x.dtype)
+        new_out = None if recv_meta is None else self._new_out(spec, out_shape, x.dtype)
         tally = self._stats.tally(what, *traffic)
         fn = self.session.bind(call, what, axes, send_meta, recv_meta, extra, new_out, tally)
         self._prepared[id(spec)] = (spec, x.dtype, axes, x.shape, fn)
+
+    def _new_out(self, key: object, shape: tuple[int, ...], dtype: Any) -> Any:
+        """How a bound call gets its output: a reused page-aligned buffer from the output
+        cache when large, a plain allocation (as cheap as a cache lookup) when small."""
+        if math.prod(shape) * dtype.itemsize >= ALIGN_FROM:
+            return functools.partial(self._outputs.get, key, shape, dtype, True)
+        return functools.partial(np.empty, shape, dtype)
 
     def _call(self, comm: Any, name: str, what: str, axes: tuple[str, ...], *args: Any, **kwargs: Any) -> None:  # fmt: skip
         """Run MPI operation ``name`` (e.g. ``Allreduce``) on ``comm`` within the deadline:
@@ -442,10 +444,7 @@ class MpiComm:
         self._stats.record("broadcast", sent, received)
         if self.session.watchdog is not None and x.size <= self.limit:
             meta = (self._move[x.itemsize],)
-            if x.nbytes >= ALIGN_FROM:
-                new_out: Any = functools.partial(self._outputs.get, key, x.shape, x.dtype, True)
-            else:
-                new_out = functools.partial(np.empty, x.shape, x.dtype)
+            new_out = self._new_out(key, x.shape, x.dtype)
             tally = self._stats.tally("broadcast", sent, received)
             self._bcast[key] = self.session.bind(
                 comm.Bcast, "broadcast", axes, meta if is_root else None,

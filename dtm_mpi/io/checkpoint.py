@@ -61,6 +61,7 @@ from dtm_mpi.errors import (
     StorageError,
     UnrecoverableError,
     UsageError,
+    agreed,
 )
 from dtm_mpi.faults import maybe_fail
 from dtm_mpi.io.h5 import ALIGN_BYTES, ALIGN_FROM, create_dataset, open_file, read_slab, write_slab
@@ -126,11 +127,6 @@ class Restored:
     path: Path
     values: dict[str, np.ndarray]  # this rank's local blocks, by tensor name
     module_hash: str | None = None  # of the program that wrote it
-
-
-def _agreed(exc: DtmError) -> DtmError:
-    exc.agreed = True
-    return exc
 
 
 class SaveHandle:
@@ -212,7 +208,7 @@ class CheckpointStore:
                 outcome = StorageError(f"store {self.path}: {exc}")
         outcome = self._bcast(outcome, "open store")
         if isinstance(outcome, BaseException):
-            raise _agreed(outcome) if isinstance(outcome, DtmError) else outcome
+            raise agreed(outcome) if isinstance(outcome, DtmError) else outcome
         self.meta: StoreMeta = outcome
 
     # -- small collective helpers ----------------------------------------------------------------
@@ -249,7 +245,7 @@ class CheckpointStore:
         cls = {c.__name__: c for c in kinds}.get(kind, StorageError)
         others = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
         err = cls(f"{what} failed on rank {r}{others}: {msg}")
-        raise _agreed(err)
+        raise agreed(err)
 
     def _deadline(self, what: str) -> Any:
         return io_deadline(what, "checkpoint", self.rank, self.timeout_s)
@@ -306,9 +302,9 @@ class CheckpointStore:
 
     def _prepare(self, step: int, mesh: MeshShape, tensors: Sequence[tuple[TensorSpec, np.ndarray | None]], copy: bool) -> tuple[SavePlan, dict[int, np.ndarray], dict[int, tuple[str, ...]]]:  # fmt: skip
         if mesh.size != self.size:
-            raise _agreed(UsageError(f"mesh {mesh} has {mesh.size} ranks, the communicator {self.size}"))  # fmt: skip
+            raise agreed(UsageError(f"mesh {mesh} has {mesh.size} ranks, the communicator {self.size}"))  # fmt: skip
         if step < 0:
-            raise _agreed(UsageError(f"step must be >= 0; got {step}"))
+            raise agreed(UsageError(f"step must be >= 0; got {step}"))
         plan = plan_save([t for t, _ in tensors], mesh, self.chunk_bytes)  # pure: same on all
         blocks: dict[int, np.ndarray] = {}
         hashes: dict[int, tuple[str, ...]] = {}
@@ -347,7 +343,7 @@ class CheckpointStore:
                 error = QuotaError(f"store {self.path}: cannot measure its size ({exc})")
         verdict = self._bcast(None if error is None else str(error), f"checkpoint {step}: quota", comm)  # fmt: skip
         if verdict is not None:
-            raise _agreed(QuotaError(verdict))
+            raise agreed(QuotaError(verdict))
 
     def _save(self, step: int, plan: SavePlan, blocks: dict[int, np.ndarray], hashes: dict[int, tuple[str, ...]], module_hash: str | None, comm: Any, control: tuple[Callable[[], bool], Callable[[int], None] | None] | None) -> Path:  # fmt: skip
         gathered = self._gather(hashes, f"checkpoint {step}: shard hashes", comm)
@@ -414,8 +410,8 @@ class CheckpointStore:
                     problem = f"checkpoint {step} was cancelled, but removing {tmp.name} failed: {exc}"  # fmt: skip
             problem = self._bcast(problem, "checkpoint cancel", comm)
             if problem is not None:
-                raise _agreed(StorageError(problem))
-            raise _agreed(CancelledError(f"checkpoint {step} was cancelled; its partial file was removed and the previous checkpoint stands"))  # fmt: skip
+                raise agreed(StorageError(problem))
+            raise agreed(CancelledError(f"checkpoint {step} was cancelled; its partial file was removed and the previous checkpoint stands"))  # fmt: skip
         return self._commit(step, tmp, final, comm)
 
     def _commit(self, step: int, tmp: Path, final: Path, comm: Any) -> Path:
@@ -450,7 +446,7 @@ class CheckpointStore:
                     verdict = f"checkpoint {step} did not verify ({exc}); it stays as {tmp.name}, the previous checkpoint stands"  # fmt: skip
         verdict = self._bcast(verdict, f"checkpoint {step}: commit", comm)
         if verdict is not None:
-            raise _agreed(StorageError(verdict))
+            raise agreed(StorageError(verdict))
         return final
 
     def _retain(self, keep_this: Path) -> None:
@@ -494,7 +490,7 @@ class CheckpointStore:
         checkpoint at or before it that restores and verifies."""
         self.wait()
         if mesh.size != self.size:
-            raise _agreed(UsageError(f"mesh {mesh} has {mesh.size} ranks, the communicator {self.size}"))  # fmt: skip
+            raise agreed(UsageError(f"mesh {mesh} has {mesh.size} ranks, the communicator {self.size}"))  # fmt: skip
         candidates: Any = None
         if self.rank == 0:
             try:
@@ -508,7 +504,7 @@ class CheckpointStore:
                 candidates = f"store {self.path}: {exc}"
         candidates = self._bcast(candidates, "restore: choosing the checkpoint")
         if isinstance(candidates, str):
-            raise _agreed(StorageError(candidates))
+            raise agreed(StorageError(candidates))
         errors = []
         for s in candidates:
             try:
@@ -517,7 +513,7 @@ class CheckpointStore:
                 if not fallback or isinstance(exc, UsageError):
                     raise
                 errors.append(f"step {s}: {exc}")
-        raise _agreed(StorageError("no checkpoint restores and verifies: " + "; ".join(errors)))
+        raise agreed(StorageError("no checkpoint restores and verifies: " + "; ".join(errors)))
 
     def _restore_file(self, step: int, mesh: MeshShape, targets: Sequence[tuple[str, TensorType]]) -> Restored:  # fmt: skip
         path = self.path / committed_name(step)
@@ -525,7 +521,7 @@ class CheckpointStore:
             try:  # every rank opens the same file: it fails alike everywhere
                 f = open_file(str(path), "r", self.comm)
             except OSError as exc:
-                raise _agreed(ManifestError(f"{path}: cannot be opened as HDF5 ({exc})")) from None
+                raise agreed(ManifestError(f"{path}: cannot be opened as HDF5 ({exc})")) from None
         try:
             try:
                 check_file_format(f, path)
@@ -537,7 +533,7 @@ class CheckpointStore:
                 plan = plan_restore(manifest, targets, mesh, self.round_bytes, str(path))
                 _check_datasets(f, path, plan)
             except DtmError as exc:  # decided from the same file on every rank: same error
-                raise _agreed(exc) from None
+                raise agreed(exc) from None
             with _collective_section(self.rank, f"restore of {path.name}"):
                 values, damaged = self._read(f, path, plan)
         finally:
@@ -551,7 +547,7 @@ class CheckpointStore:
             if actions[name] is RecoveryAction.UNRECOVERABLE:
                 own = [e for e in failures if e[0] == name]
                 tensor, shard, msg = own[0] if own else failures[0] if failures else (name, "*", "no healthy copy and no parent to rebuild it from")  # fmt: skip
-                raise _agreed(IntegrityError(msg, tensor=tensor, shard=shard, file=str(path)))
+                raise agreed(IntegrityError(msg, tensor=tensor, shard=shard, file=str(path)))
         if any(actions[name] is RecoveryAction.REBUILD for name, _ in targets):
             values = self._rebuild(values, manifest, actions, mesh, targets, step)
         return Restored(step, path, values, manifest.module_hash)
@@ -564,15 +560,14 @@ class CheckpointStore:
             a = manifest.artifact(name)
             assert a.parent is not None and a.rebuild is not None
             parent = manifest.artifact(a.parent)
-            src = self._restore_file_one(step, mesh, a.parent, t.with_dtype(parent.dtype))
+            src = self._restore_file(step, mesh, [(a.parent, t.with_dtype(parent.dtype))]).values[
+                a.parent
+            ]
             try:
                 values[name] = rebuild_value(a, src)
             except UnrecoverableError as exc:  # the same instruction on every rank
-                raise _agreed(exc) from None
+                raise agreed(exc) from None
         return values
-
-    def _restore_file_one(self, step: int, mesh: MeshShape, name: str, t: TensorType) -> np.ndarray:
-        return self._restore_file(step, mesh, [(name, t)]).values[name]
 
     def _read(self, f: Any, path: Path, plan: RestorePlan) -> tuple[dict[str, np.ndarray], list[tuple[str, str, str]]]:  # fmt: skip
         """Read, verify and distribute every round of ``plan`` (collective)."""
@@ -633,7 +628,7 @@ class CheckpointStore:
         region = plan.items[k].region
         if plan.pieces[pieces[0]].region != region:
             return None
-        return tuple(slice(r.start - b.start, r.stop - b.start) for r, b in zip(region, block, strict=True))  # fmt: skip
+        return _relative(region, block)
 
     def _exchange(self, plan: RestorePlan, round_items: list[int], by_item: dict[int, list[int]], data: dict[int, np.ndarray], outs: dict[str, np.ndarray], offsets: list[tuple[slice, ...]]) -> None:  # fmt: skip
         """Send every piece of this round's items to its rank (collective, one Alltoallv)."""
@@ -647,10 +642,10 @@ class CheckpointStore:
             for pk in by_item.get(k, []):
                 p = plan.pieces[pk]
                 if item.reader == me and k in data:
-                    local = tuple(slice(r.start - i.start, r.stop - i.start) for r, i in zip(p.region, item.region, strict=True))  # fmt: skip
+                    local = _relative(p.region, item.region)
                     part = data[k][local]
                     if p.dest == me:
-                        out = tuple(slice(r.start - b.start, r.stop - b.start) for r, b in zip(p.region, offsets[item.tensor], strict=True))  # fmt: skip
+                        out = _relative(p.region, offsets[item.tensor])
                         outs[name][out] = part
                     else:
                         sends[p.dest].append((part, part.size * itemsizes[item.tensor]))
@@ -682,7 +677,7 @@ class CheckpointStore:
                 item = plan.items[p.item]
                 name = plan.targets[item.tensor][0]
                 nbytes = math.prod(p.shape) * itemsizes[item.tensor]
-                out = tuple(slice(r.start - b.start, r.stop - b.start) for r, b in zip(p.region, offsets[item.tensor], strict=True))  # fmt: skip
+                out = _relative(p.region, offsets[item.tensor])
                 outs[name][out] = got[pos : pos + nbytes].view(outs[name].dtype).reshape(p.shape)
                 pos += nbytes
 
@@ -722,3 +717,8 @@ def _check_datasets(f: Any, path: Path, plan: RestorePlan) -> None:
                 f"dataset is {dset.dtype}{list(dset.shape)}, the manifest says {a.dtype}{list(a.shape)}",
                 tensor=a.name, shard="*", file=str(path),
             )  # fmt: skip
+
+
+def _relative(region: tuple[slice, ...], origin: tuple[slice, ...]) -> tuple[slice, ...]:
+    """``region`` (global) relative to the block that starts at ``origin``."""
+    return tuple(slice(r.start - o.start, r.stop - o.start) for r, o in zip(region, origin, strict=True))  # fmt: skip

@@ -32,6 +32,7 @@ from dtm_mpi.errors import (
     LauncherTerminatedError,
     RemoteFailureError,
     UsageError,
+    agreed,
 )
 
 __all__ = ["MpiRunArgs", "run_under_mpi"]
@@ -159,10 +160,10 @@ def _run_session(module: object, args: MpiRunArgs, world: Any, rank: int, size: 
     except LauncherTerminatedError as exc:  # a peer died: mpirun is killing the job
         session.report_terminated(exc)
     except BaseException as exc:  # every failure ends every rank with one error
-        agreed = isinstance(exc, HandshakeError | RemoteFailureError) or (
+        everywhere = isinstance(exc, HandshakeError | RemoteFailureError) or (
             isinstance(exc, DtmError) and exc.agreed
         )
-        if agreed and session.poisoned is None:
+        if everywhere and session.poisoned is None:
             # raised alike on every rank at the same point, nothing pending: a clean exit
             write_line(f"[rank {rank}] dtm run: {exc}")
             session.close()
@@ -303,12 +304,12 @@ class _Checkpoints:
         self.session.phase = "resume"
         got = self.store.restore(self.plan.mesh, self.targets)
         if got.module_hash != self.module_hash:
-            raise _agreed(UsageError(
+            raise agreed(UsageError(
                 f"{got.path} was written by module hash {got.module_hash}; this module's is "
                 f"{self.module_hash}: refusing to resume another program's state"
             ))  # fmt: skip
         if got.step >= self.steps:
-            raise _agreed(UsageError(
+            raise agreed(UsageError(
                 f"{got.path} holds the state after step {got.step}; --steps {self.steps} "
                 "leaves nothing to run (raise --steps)"
             ))  # fmt: skip
@@ -329,8 +330,3 @@ class _Checkpoints:
     def close(self) -> None:
         self.store.close()
         self.comm.Free()
-
-
-def _agreed(exc: DtmError) -> DtmError:
-    exc.agreed = True
-    return exc
