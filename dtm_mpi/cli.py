@@ -75,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     bck.add_argument("--bytes", default="1G", help="state size in all (e.g. 256M, 1G)")
     bck.add_argument("--tensors", type=int, default=4, help="tensors the state is split into")
     bck.add_argument("--dir", default=None, help="directory on the file system to measure")
-    bck.add_argument("--repeat", type=int, default=3, help="rounds; the best is reported")
+    bck.add_argument(
+        "--repeat", type=int, default=4, help="rounds (write order alternates); best reported"
+    )
     bck.add_argument("--csv", default=None, metavar="FILE", help="rows metric,value,baseline,ratio")
     bck.set_defaults(func=_cmd_bench_ckpt)
     info = sub.add_parser("info", help="report the runtime: MPI, parallel HDF5, ranks (collective)")

@@ -2,7 +2,8 @@
 
 Run under the launcher (``mpirun -n 4 python -m mpi4py -m dtm_mpi bench ckpt --dir D``). The
 state is ``tensors`` float32 tensors of ``bytes`` in all, each split over every rank along
-dimension 0 (uneven when the rows do not divide). Measured, alternating, best of ``repeat``:
+dimension 0 (uneven when the rows do not divide). Measured, alternating (the two writes swap
+order every round), best of ``repeat``:
 
 * ``save_GBps``: :meth:`CheckpointStore.save` (hashing, collective parallel-HDF5 writes,
   manifest, flush, fsync, verification, commit) of a new checkpoint, against the **raw
@@ -11,8 +12,9 @@ dimension 0 (uneven when the rows do not divide). Measured, alternating, best of
   rank's time. Nothing is deleted while timing (retention would free the previous file's
   blocks in the background, competing with the next write).
 * ``restore_GBps``: :meth:`CheckpointStore.restore` onto the same mesh and layout (read,
-  verify every chunk), against every rank reading its raw file back with ``readinto``. Both
-  read what the page cache holds (dropping it needs privileges a job does not have).
+  verify every chunk) in place, into arrays allocated once (``into=``), against every rank
+  reading its raw file back with ``readinto`` into arrays allocated once. Both read what the
+  page cache holds (dropping it needs privileges a job does not have).
 * ``reshard_restore_s``: the job shrinks by one rank: the N-rank checkpoint restored on the first
   N-1 ranks, against the same state saved on those N-1 ranks and restored there (the
   same-mesh time). With one rank there is nothing to shrink: 0.
@@ -20,10 +22,9 @@ dimension 0 (uneven when the rows do not divide). Measured, alternating, best of
   along dimension 1 instead of 0 (every rank needs a piece of every stored shard), against
   the same-mesh restore time.
 * ``peak_extra_rss_bytes``: the largest rise of a rank's peak resident memory (``VmHWM``,
-  reset through ``/proc/self/clear_refs``) during a save or a restore, against the bytes of
-  its local shard. A restore's output is itself one shard of new memory. Measured first, on
-  a store opened with ``DTM_MALLOPT=0`` (freed memory returns to the system, so nothing of one
-  operation is resident before the next); the timings then run with the tuned heap.
+  reset through ``/proc/self/clear_refs``) during a save or a restore (one that allocates its
+  output), against the bytes of its local shard. A restore's output is itself one shard of
+  new memory. Measured first, before the timings.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def _resize(comm: Any, store: Any, workdir: Path, saved: list[Any], repeat: int)
 
 def run_ckpt_bench(
     total_bytes: int = 1 << 30, tensors: int = 4, directory: str | None = None,
-    repeat: int = 3, csv_path: str | None = None,
+    repeat: int = 4, csv_path: str | None = None,
 ) -> str:  # fmt: skip
     """Run the benchmark on every rank of the world; returns the table on rank 0.
 
@@ -162,6 +163,8 @@ def run_ckpt_bench(
     all_bytes = int(comm.allreduce(local_bytes, op=MPI.SUM))
     items = [(TensorSpec(f"t{i}", t), b) for i, (t, b) in enumerate(zip(saved, blocks, strict=True))]  # fmt: skip
     read_back = [np.empty_like(b) for b in blocks]
+    restored = [np.empty_like(b) for b in blocks]
+    into = {f"t{i}": a for i, a in enumerate(restored)}
     raw_round = [0]
 
     def raw_write() -> None:  # a new file each round, as every checkpoint is a new file
@@ -182,15 +185,7 @@ def run_ckpt_bench(
             for b in read_back:
                 f.readinto(b.reshape(-1).view(np.uint8).data)
 
-    # Memory first, with the heap untuned: freed blocks then go back to the system, so a
-    # rank's resident size before each operation holds nothing of the previous one.
-    saved_env = os.environ.get("DTM_MALLOPT")
-    os.environ["DTM_MALLOPT"] = "0"
     mem = CheckpointStore(workdir / "mem", comm)
-    if saved_env is None:
-        del os.environ["DTM_MALLOPT"]
-    else:
-        os.environ["DTM_MALLOPT"] = saved_env
     targets_same = [(f"t{i}", t) for i, t in enumerate(saved)]
     targets_re = [(f"t{i}", t) for i, t in enumerate(resharded)]
     try:
@@ -210,16 +205,20 @@ def run_ckpt_bench(
     best = {"raw_w": 1e30, "save": 1e30, "raw_r": 1e30, "restore": 1e30, "transpose": 1e30,
             "resize": 0.0, "resize_same": 0.0}  # fmt: skip
     try:
-        for _ in range(repeat):
-            best["raw_w"] = min(best["raw_w"], _timed(comm, raw_write))
-            best["save"] = min(best["save"], _timed(comm, dtm_save))
+        for i in range(repeat):
+            # The order alternates, so that neither side always writes right after the other's
+            # gigabyte (on a virtual machine, page-cache writes depend on what ran before).
+            writes = [("raw_w", raw_write), ("save", dtm_save)]
+            for key, fn in writes if i % 2 == 0 else writes[::-1]:
+                best[key] = min(best[key], _timed(comm, fn))
             best["raw_r"] = min(best["raw_r"], _timed(comm, raw_read))
-            best["restore"] = min(best["restore"], _timed(comm, lambda: store.restore(mesh, targets_same)))  # fmt: skip
+            best["restore"] = min(best["restore"], _timed(comm, lambda: store.restore(mesh, targets_same, into=into)))  # fmt: skip
             best["transpose"] = min(best["transpose"], _timed(comm, lambda: store.restore(mesh, targets_re)))  # fmt: skip
         if n > 1:  # the job shrinks by one rank: N -> N-1 against a checkpoint saved on N-1
             best["resize"], best["resize_same"] = _resize(comm, store, workdir, saved, repeat)
         got = store.restore(mesh, targets_same).values
         same = all(np.array_equal(got[f"t{i}"], b) for i, b in enumerate(blocks))
+        same = same and all(np.array_equal(a, b) for a, b in zip(restored, blocks, strict=True))
         if not comm.allreduce(same, op=MPI.LAND):
             raise UsageError("bench ckpt: restored values differ from the saved ones")
         del got

@@ -38,7 +38,7 @@ import math
 import os
 import secrets
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,9 +181,6 @@ class CheckpointStore:
     ) -> None:  # fmt: skip
         from mpi4py import MPI
 
-        from dtm_mpi.comm.buffers import tune_allocator
-
-        tune_allocator()  # restores allocate their outputs: reuse warm heap, not fresh mmaps
         self.path = Path(path)
         self.comm = comm if comm is not None else MPI.COMM_WORLD
         self.rank, self.size = int(self.comm.Get_rank()), int(self.comm.Get_size())
@@ -484,13 +481,19 @@ class CheckpointStore:
         fsync_dir(self.path)
 
     # -- restore ---------------------------------------------------------------------------------
-    def restore(self, mesh: MeshShape, targets: Sequence[tuple[str, TensorType]], *, step: int | None = None, fallback: bool = False) -> Restored:  # fmt: skip
+    def restore(self, mesh: MeshShape, targets: Sequence[tuple[str, TensorType]], *, step: int | None = None, fallback: bool = False, into: Mapping[str, np.ndarray] | None = None) -> Restored:  # fmt: skip
         """Collective: call on all ranks. This rank's blocks of ``targets`` (name, type on
         ``mesh``) from checkpoint ``step`` (default: latest); with ``fallback``, the newest
-        checkpoint at or before it that restores and verifies."""
+        checkpoint at or before it that restores and verifies.
+
+        ``into`` (name -> array) restores those tensors in place, into the caller's arrays
+        (C-contiguous, writeable, exactly this rank's block shape and dtype), as a training
+        loop reloading its parameters wants: no new memory. If the restore fails, their
+        content is undefined (partly overwritten); the checkpoint itself is untouched."""
         self.wait()
         if mesh.size != self.size:
             raise agreed(UsageError(f"mesh {mesh} has {mesh.size} ranks, the communicator {self.size}"))  # fmt: skip
+        self._agree(self._check_into(mesh, targets, into), "restore: checking the 'into' arrays")
         candidates: Any = None
         if self.rank == 0:
             try:
@@ -508,14 +511,32 @@ class CheckpointStore:
         errors = []
         for s in candidates:
             try:
-                return self._restore_file(s, mesh, targets)
+                return self._restore_file(s, mesh, targets, into)
             except (IntegrityError, ManifestError, UnrecoverableError, StorageError) as exc:
                 if not fallback or isinstance(exc, UsageError):
                     raise
                 errors.append(f"step {s}: {exc}")
         raise agreed(StorageError("no checkpoint restores and verifies: " + "; ".join(errors)))
 
-    def _restore_file(self, step: int, mesh: MeshShape, targets: Sequence[tuple[str, TensorType]]) -> Restored:  # fmt: skip
+    def _check_into(self, mesh: MeshShape, targets: Sequence[tuple[str, TensorType]], into: Mapping[str, np.ndarray] | None) -> UsageError | None:  # fmt: skip
+        """Why this rank's ``into`` arrays cannot take the restore (a local decision: the
+        caller agrees on it), or None."""
+        if not into:
+            return None
+        types = dict(targets)
+        for name, arr in into.items():
+            if name not in types:
+                return UsageError(f"restore: 'into' names {name!r}, which is not a target")
+            t = types[name]
+            want, dtype = local_shape(t.shape, t.layout, mesh, self.rank), np_dtype(t.dtype)
+            if not isinstance(arr, np.ndarray) or tuple(arr.shape) != want or arr.dtype != dtype:
+                got = f"{arr.dtype}{list(arr.shape)}" if isinstance(arr, np.ndarray) else type(arr).__name__  # fmt: skip
+                return UsageError(f"restore: 'into' array for tensor {name!r} on rank {self.rank} is {got}, expected its block {dtype}{list(want)}")  # fmt: skip
+            if not (arr.flags.c_contiguous and arr.flags.writeable):
+                return UsageError(f"restore: 'into' array for tensor {name!r} on rank {self.rank} must be C-contiguous and writeable")  # fmt: skip
+        return None
+
+    def _restore_file(self, step: int, mesh: MeshShape, targets: Sequence[tuple[str, TensorType]], into: Mapping[str, np.ndarray] | None = None) -> Restored:  # fmt: skip
         path = self.path / committed_name(step)
         with self._deadline(f"restore: opening {path.name}"):
             try:  # every rank opens the same file: it fails alike everywhere
@@ -535,7 +556,7 @@ class CheckpointStore:
             except DtmError as exc:  # decided from the same file on every rank: same error
                 raise agreed(exc) from None
             with _collective_section(self.rank, f"restore of {path.name}"):
-                values, damaged = self._read(f, path, plan)
+                values, damaged = self._read(f, path, plan, into or {})
         finally:
             with self._deadline(f"restore: closing {path.name}"):
                 f.close()
@@ -550,6 +571,10 @@ class CheckpointStore:
                 raise agreed(IntegrityError(msg, tensor=tensor, shard=shard, file=str(path)))
         if any(actions[name] is RecoveryAction.REBUILD for name, _ in targets):
             values = self._rebuild(values, manifest, actions, mesh, targets, step)
+            for name, arr in (into or {}).items():
+                if values[name] is not arr:
+                    arr[...] = values[name]
+                    values[name] = arr
         return Restored(step, path, values, manifest.module_hash)
 
     def _rebuild(self, values: dict[str, np.ndarray], manifest: Manifest, actions: dict[str, RecoveryAction], mesh: MeshShape, targets: Sequence[tuple[str, TensorType]], step: int) -> dict[str, np.ndarray]:  # fmt: skip
@@ -569,14 +594,15 @@ class CheckpointStore:
                 raise agreed(exc) from None
         return values
 
-    def _read(self, f: Any, path: Path, plan: RestorePlan) -> tuple[dict[str, np.ndarray], list[tuple[str, str, str]]]:  # fmt: skip
-        """Read, verify and distribute every round of ``plan`` (collective)."""
+    def _read(self, f: Any, path: Path, plan: RestorePlan, into: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[tuple[str, str, str]]]:  # fmt: skip
+        """Read, verify and distribute every round of ``plan`` (collective), into the
+        arrays of ``into`` where given (checked by the caller), else new ones."""
         me = self.rank
         outs = {}
         offsets = []
         for ti, (name, t) in enumerate(plan.targets):
             block = plan.block(ti, me)
-            outs[name] = np.empty(tuple(s.stop - s.start for s in block), dtype=np_dtype(t.dtype))
+            outs[name] = into[name] if name in into else np.empty(tuple(s.stop - s.start for s in block), dtype=np_dtype(t.dtype))  # fmt: skip
             offsets.append(block)
         damaged: list[tuple[str, str, str]] = []
         by_item: dict[int, list[int]] = {}

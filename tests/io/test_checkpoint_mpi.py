@@ -298,3 +298,38 @@ def test_ephemeral_never_stored_and_derived_rebuilt(comm: Any, mpi_tmp_path: Pat
     with pytest.raises(IntegrityError, match="'w'"):
         store.restore(mesh, [("w", t32)])
     store.close()
+
+
+def test_restore_in_place_into_callers_arrays(comm: Any, mpi_tmp_path: Path, all_ranks: Any) -> None:  # fmt: skip
+    """``into=`` fills the caller's arrays (resharded: saved split one way, restored split the
+    other), returns those very arrays, and a bad array on one rank only is an error on all."""
+    from dtm_mpi.errors import UsageError
+    from dtm_mpi.sharding.blocks import local_shape
+
+    n = comm.Get_size()
+    src, dst = mesh_of(str(n)), mesh_of(f"1x{n}")
+    save_on(mpi_tmp_path, comm, src, 2)
+    rank = comm.Get_rank()
+    targets = tensors(dst, True)
+    from dtm_mpi.ir.ops._common import np_dtype
+
+    mine = {
+        name: np.full(local_shape(t.shape, t.layout, dst, rank), 7, dtype=np_dtype(t.dtype))
+        for name, t in targets
+        if name in ("w", "big")
+    }
+    store = CheckpointStore(mpi_tmp_path, comm, timeout_s=60)
+    got = store.restore(dst, targets, into=mine)
+    for name, t in targets:
+        want = block_at(name, t, dst, rank, 2).tobytes()
+        all_ranks(got.values[name].tobytes() == want, f"rank {rank}: {name} differs")
+    all_ranks(all(got.values[k] is a for k, a in mine.items()), "the caller's arrays are returned")
+    all_ranks(mine["big"].tobytes() == block_at("big", dict(targets)["big"], dst, rank, 2).tobytes(), "filled")  # fmt: skip
+    bad = dict(mine)
+    if rank == n - 1:  # one rank only: every rank must raise, none may hang
+        bad["big"] = np.empty((1, 1), dtype=np.float32)
+    with pytest.raises(UsageError, match="'into' array for tensor 'big'"):
+        store.restore(dst, targets, into=bad)
+    with pytest.raises(UsageError, match="not a target"):
+        store.restore(dst, targets, into={"nope": mine["w"]})
+    store.close()
