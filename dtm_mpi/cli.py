@@ -80,6 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bck.add_argument("--csv", default=None, metavar="FILE", help="rows metric,value,baseline,ratio")
     bck.set_defaults(func=_cmd_bench_ckpt)
+    bk = bsub.add_parser("kernels", help="GPU RawKernels vs a device copy and vs composed CuPy")
+    bk.add_argument("--backend", default="cuda", choices=["cuda", "hip"], help="GPU backend")
+    bk.add_argument("--rows", type=int, default=16384, help="rows of each [rows, cols] case")
+    bk.add_argument("--cols", type=int, default=4096, help="columns (the normalised dim)")
+    bk.add_argument("--dtypes", default="f32,f16", help="comma-separated: f16, f32, f64")
+    bk.add_argument("--repeat", type=int, default=5, help="timed blocks; the best is reported")
+    bk.add_argument("--csv", default=None, metavar="FILE", help="rows metric,value,baseline,ratio")
+    bk.set_defaults(func=_cmd_bench_kernels)
     info = sub.add_parser("info", help="report the runtime: MPI, parallel HDF5, ranks (collective)")
     info.set_defaults(func=_cmd_info)
 
@@ -173,6 +181,17 @@ def _cmd_bench_ckpt(args: argparse.Namespace) -> int:
     table = run_ckpt_bench(parse_size(args.bytes), args.tensors, args.dir, args.repeat, args.csv)
     if table:
         print(table)
+    return 0
+
+
+def _cmd_bench_kernels(args: argparse.Namespace) -> int:
+    from dtm_mpi.bench.kernels import run_kernel_bench
+
+    dtypes = tuple(x.strip() for x in args.dtypes.split(",") if x.strip())
+    bad = [d for d in dtypes if d not in ("f16", "f32", "f64")]
+    if bad or not dtypes or args.rows < 1 or args.cols < 32 or args.cols % 32 or args.repeat < 1:
+        raise UsageError("need --dtypes from f16,f32,f64, --rows >= 1, --cols a multiple of 32, --repeat >= 1")  # fmt: skip
+    print(run_kernel_bench(args.backend, args.rows, args.cols, dtypes, args.repeat, args.csv))
     return 0
 
 

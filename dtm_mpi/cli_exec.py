@@ -59,7 +59,14 @@ def add_exec_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     rn.add_argument("-i", "--input", action="append", default=[], metavar="FILE",
                     help="inputs (.npy named by file stem, .npz, .h5); repeatable")  # fmt: skip
     rn.add_argument("-o", "--output", metavar="OUT.npz", help="write final state and results")
-    rn.add_argument("--backend", default="numpy", choices=["numpy"], help="kernel backend")
+    rn.add_argument("--backend", default="numpy", choices=["numpy", "cuda", "hip"],
+                    help="kernel backend: numpy (CPU), cuda or hip (CuPy on the rank's GPU, "
+                    "chosen by node-local rank); a GPU backend without a GPU is an error")  # fmt: skip
+    rn.add_argument("--gpu-aware-mpi", default=None, choices=["auto", "yes", "no"],
+                    help="whether MPI takes device buffers (default: DTM_GPU_AWARE_MPI, else "
+                    "auto: the MPI vendor's query, then a probe)")  # fmt: skip
+    rn.add_argument("--require-gpu-aware-mpi", action="store_true",
+                    help="refuse to stage device buffers through host memory")  # fmt: skip
     rn.add_argument("--max-bytes-per-rank", type=byte_count, default=None, metavar="BYTES",
                     help="refuse to run a plan above BYTES of peak memory on any rank")  # fmt: skip
     rn.add_argument("--store", metavar="DIR", default=None,
@@ -121,6 +128,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         raise UsageError(f"--checkpoint-every must be >= 1; got {args.checkpoint_every}")
     if args.resume and args.input:
         raise UsageError("--resume takes the state from the checkpoint; do not give -i inputs")
+    if args.backend == "numpy" and (args.require_gpu_aware_mpi or args.gpu_aware_mpi):
+        raise UsageError("--gpu-aware-mpi and --require-gpu-aware-mpi need --backend cuda or hip")  # fmt: skip
     if args.sim is None:
         from dtm_mpi.runtime.mpirun import MpiRunArgs, run_under_mpi
 
@@ -139,7 +148,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 args.store,
                 args.checkpoint_every,
                 args.resume,
+                args.gpu_aware_mpi,
+                args.require_gpu_aware_mpi,
             )
+        )
+    if args.backend != "numpy":
+        raise UsageError(
+            f"the simulator (--sim) runs the numpy backend only; run --backend {args.backend} "
+            "under mpirun/srun (one rank per GPU)"
         )
     if args.store:
         raise UsageError("--store needs the MPI runtime (run under mpirun/srun, without --sim)")

@@ -23,6 +23,7 @@ __all__ = [
     "ConfigError",
     "DiagnosticError",
     "DtmError",
+    "GpuAwareMpiError",
     "HandshakeError",
     "IntegrityError",
     "KernelError",
@@ -205,6 +206,12 @@ class HandshakeError(CommError):
     agreed = True
 
 
+class GpuAwareMpiError(CommError):
+    """GPU-aware MPI was required (``--require-gpu-aware-mpi``) but the decision is "not
+    aware"; the message names the layer that decided (setting, vendor query, probe, default)
+    and why. Raised on every rank when the decision was agreed (``agree_gpu_aware``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class RankFailure:
     """One rank's local failure as agreed across ranks."""
@@ -224,7 +231,13 @@ class RemoteFailureError(CommError):
 
     def __init__(self, phase: str, failures: tuple[RankFailure, ...]) -> None:
         ranks = ", ".join(str(f.rank) for f in failures)
-        details = "; ".join(str(f) for f in failures)
+        groups: dict[tuple[str, str], list[int]] = {}  # ranks failing alike are named once
+        for f in failures:
+            groups.setdefault((f.phase, f.message), []).append(f.rank)
+        details = "; ".join(
+            f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} ({ph}): {msg}"
+            for (ph, msg), rs in groups.items()
+        )
         super().__init__(f"{phase} failed on rank(s) {ranks}: {details}", phase=phase)
         self.failures = failures
 

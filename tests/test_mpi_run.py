@@ -181,3 +181,20 @@ def test_bad_input_on_every_rank_is_one_agreed_error(tmp_path: Path) -> None:
     assert code != 0
     lines = [ln for ln in text.splitlines() if "missing.npy" in ln and "[rank" in ln]
     assert len(lines) == 2 and all("inputs failed on rank(s) 0, 1" in ln for ln in lines), text
+
+
+@pytest.mark.skipif(
+    __import__("importlib.util").util.find_spec("cupy") is not None,
+    reason="CuPy is installed: this checks a machine without it",
+)
+@pytest.mark.parametrize(("backend", "ranks"), [("cuda", 2), ("hip", 3)])
+def test_gpu_backend_without_gpu_fails_on_every_rank(backend: str, ranks: int) -> None:
+    """``--backend cuda|hip`` where CuPy is missing: one clear error on every rank, naming
+    what is missing, before any data moves; never a CPU fall-through."""
+    code, text, _ = mpirun(ranks, str(EXAMPLES / "tp_mlp.dtm"), "--backend", backend, env={"DTM_TIMEOUT": "10"})  # fmt: skip
+    assert code != 0
+    lines = [ln for ln in text.splitlines() if "backend failed on rank(s)" in ln]
+    assert sorted(ln.split("]")[0] for ln in lines) == [f"[rank {r}" for r in range(ranks)], text
+    everyone = ", ".join(map(str, range(ranks)))
+    assert all(f"ranks {everyone} (backend): backend '{backend}' needs CuPy" in ln for ln in lines), text  # fmt: skip
+    assert "loss" not in text and "summary" not in text

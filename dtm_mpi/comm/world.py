@@ -6,7 +6,7 @@ import os
 import socket
 from typing import Any
 
-__all__ = ["describe_world", "world_comm"]
+__all__ = ["describe_world", "node_local_rank", "world_comm"]
 
 
 def describe_world() -> str:
@@ -47,3 +47,17 @@ def world_comm() -> Any:
     from mpi4py import MPI
 
     return MPI.COMM_WORLD
+
+
+def node_local_rank(comm: Any) -> tuple[int, int]:
+    """This rank's index among the ranks of ``comm`` on its node, and how many there are
+    (``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)``; what binds a rank to a GPU).
+
+    Collective: call on all ranks."""
+    from mpi4py import MPI
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        return int(node.Get_rank()), int(node.Get_size())
+    finally:
+        node.Free()

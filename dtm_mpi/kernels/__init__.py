@@ -1,6 +1,9 @@
-"""Kernels per backend: ``numpy`` (CPU, the reference); the GPU backends come with issue #7.
+"""Kernels per backend: ``numpy`` (CPU, the reference) and ``cuda``/``hip`` (CuPy: RawKernels
+compiled from the checkout's top-level ``kernels/*.cu``, cuBLAS/hipBLAS for matmul).
 
-Sources of GPU kernels live in the checkout's top-level ``kernels/`` directory (``.cu``).
+Backend selection (:mod:`dtm_mpi.kernels.backends`) and device binding
+(:mod:`dtm_mpi.kernels.devices`) fail loudly: a GPU backend without CuPy, runtime or device is
+an error, never a CPU fall-through.
 """
 
 from dtm_mpi.kernels.registry import (

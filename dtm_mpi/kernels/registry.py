@@ -86,6 +86,8 @@ def backend_kernels(backend: str) -> dict[str, Kernel]:
     """Every kernel of ``backend`` (loading the backend's module on first use)."""
     if backend == "numpy":
         from dtm_mpi.kernels import numpy_backend  # noqa: F401  (registers the kernels)
+    elif backend in ("cuda", "hip"):
+        from dtm_mpi.kernels import cuda_backend  # noqa: F401  (registers; needs no GPU)
     if backend not in _KERNELS:
         raise KernelError(f"no kernels registered for backend {backend!r}")
     return _KERNELS[backend]

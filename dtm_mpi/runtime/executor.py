@@ -20,6 +20,8 @@ from dtm_mpi.errors import CommError, DtmError, KernelError
 from dtm_mpi.faults import maybe_fail
 from dtm_mpi.ir.ops._common import np_dtype
 from dtm_mpi.ir.types import TensorType
+from dtm_mpi.kernels.backends import parse_backend
+from dtm_mpi.kernels.devices import ArrayBackend, open_backend
 from dtm_mpi.kernels.registry import Kernel, KernelContext, backend_kernels
 from dtm_mpi.plan.program import ExecPlan, FunctionPlan, OpKind, PlanOp
 from dtm_mpi.sharding.blocks import block_owners, local_offsets, local_shape
@@ -43,17 +45,19 @@ between two ranks with one tag arrive in the order sent)."""
 
 
 def run_redistribution(
-    plan: RedistPlan, specs: Sequence[StepSpec], x: np.ndarray, comm: Comm
-) -> np.ndarray:
-    """Run ``plan`` on this rank's block ``x`` (``specs``: this rank's step specs).
+    plan: RedistPlan, specs: Sequence[StepSpec], x: np.ndarray, comm: Comm,
+    backend: ArrayBackend | None = None,
+) -> np.ndarray:  # fmt: skip
+    """Run ``plan`` on this rank's block ``x`` (``specs``: this rank's step specs; ``x`` an
+    array of ``backend``, numpy by default).
 
     Collective: call on all ranks."""
     for step, spec in zip(plan.steps, specs, strict=True):
         axes = step.axes
         if isinstance(spec, SliceSpec):
-            x = np.array(x[spec.region], order="C")
+            x = x[spec.region].copy(order="C")
         elif isinstance(spec, MakePartialSpec):
-            x = make_partial(x, spec)
+            x = make_partial(x, spec) if backend is None or backend.ops is None else backend.make_partial(x, spec)  # fmt: skip
         elif isinstance(spec, AllgatherSpec):
             x = comm.allgather(x, axes, spec)
         elif isinstance(spec, AllreduceSpec):
@@ -100,12 +104,16 @@ def gather_to_root(t: TensorType, x: np.ndarray, comm: Comm, root: int = 0) -> n
 class Executor:
     """Runs ``plan`` on one rank through ``comm`` with ``backend``'s kernels."""
 
-    def __init__(self, plan: ExecPlan, comm: Comm, backend: str = "numpy") -> None:
+    def __init__(self, plan: ExecPlan, comm: Comm, backend: str | ArrayBackend = "numpy") -> None:
         self.plan = plan
         self.comm = comm
         self.mesh = plan.mesh
         self.rank = comm.rank
-        self.kernels = backend_kernels(backend)
+        if isinstance(backend, str):  # by name: numpy, or a GPU backend opened here (or an error)
+            self.backend = open_backend(parse_backend(backend))
+        else:
+            self.backend = backend
+        self.kernels = backend_kernels(self.backend.name)
         # per-op facts of this rank, computed once (the plan, and so its ops, outlive them)
         self._kernels: dict[int, tuple[Kernel, KernelContext]] = {}
         self._specs_of: dict[int, tuple[StepSpec, ...]] = {}
@@ -201,7 +209,7 @@ class Executor:
             return outs
         if kind is OpKind.REDIST:
             assert p.redist is not None
-            return (run_redistribution(p.redist, self._specs(p), xs[0], self.comm),)
+            return (run_redistribution(p.redist, self._specs(p), xs[0], self.comm, self.backend),)
         if kind is OpKind.BROADCAST:
             return (self.comm.broadcast(xs[0], p.axes, p.root),)
         if kind is OpKind.SEND:
@@ -214,7 +222,7 @@ class Executor:
             dtype = np_dtype(t.dtype)
             if self.mesh.index_along(self.rank, p.axes) == p.dst:
                 return (self.comm.recv(shape, dtype, self._peer(p.axes, p.root), p.tag),)
-            return (np.zeros(shape, dtype=dtype),)
+            return (self.backend.zeros(shape, dtype),)
         if kind is OpKind.CALL:
             callee = self.plan.function(str(op.attr("callee")))
             return self.run_function(callee, xs, step)

@@ -50,6 +50,8 @@ class MpiRunArgs:
     store: str | None = None  # checkpoint store directory
     checkpoint_every: int | None = None  # save the state after every N steps
     resume: bool = False  # start from the store's latest checkpoint
+    gpu_aware: str | None = None  # --gpu-aware-mpi: auto | yes | no (None: DTM_GPU_AWARE_MPI)
+    require_gpu_aware: bool = False  # --require-gpu-aware-mpi
 
 
 def _capabilities() -> tuple[str, ...]:
@@ -95,7 +97,33 @@ def run_under_mpi(args: MpiRunArgs) -> int:
         error = exc
     agree_or_raise(world, phase="load", error=error, timeout_s=config.timeout_s)
     assert module is not None
-    return _run_session(module, args, world, rank, size)
+    backend = _open_backend(args, world, rank)
+    return _run_session(module, args, world, rank, size, backend)
+
+
+def _open_backend(args: MpiRunArgs, world: Any, rank: int) -> Any:
+    """Phase ``backend``: every rank opens the backend on its GPU (node-local rank); a rank
+    that cannot (no CuPy, runtime or device) ends every rank with the same error naming it.
+
+    Collective: call on all ranks."""
+    from dtm_mpi.comm.agreement import agree_or_raise
+    from dtm_mpi.comm.world import node_local_rank
+    from dtm_mpi.config import get_config
+    from dtm_mpi.faults import maybe_fail
+    from dtm_mpi.kernels.backends import parse_backend
+    from dtm_mpi.kernels.devices import open_backend
+
+    kind = parse_backend(args.backend)
+    local_rank, local_size = node_local_rank(world) if kind.is_gpu else (0, 1)
+    backend = None
+    error: BaseException | None = None
+    try:
+        maybe_fail(rank, "backend")
+        backend = open_backend(kind, local_rank, local_size)
+    except DtmError as exc:
+        error = exc
+    agree_or_raise(world, phase="backend", error=error, timeout_s=get_config().timeout_s)
+    return backend
 
 
 def _load(path: str) -> object:
@@ -108,7 +136,7 @@ def _load(path: str) -> object:
     return module
 
 
-def _run_session(module: object, args: MpiRunArgs, world: Any, rank: int, size: int) -> int:
+def _run_session(module: object, args: MpiRunArgs, world: Any, rank: int, size: int, backend: Any) -> int:  # fmt: skip
     from dtm_mpi.comm.agreement import agree_or_raise
     from dtm_mpi.comm.handshake import PROTOCOL_VERSION, Hello, handshake
     from dtm_mpi.comm.mpi_comm import MpiComm
@@ -156,7 +184,9 @@ def _run_session(module: object, args: MpiRunArgs, world: Any, rank: int, size: 
         comm = MpiComm(
             session, deterministic=config.deterministic, max_msg_elems=config.max_msg_elems
         )
-        _run_steps(session, comm, plan, args, rank)
+        _run_steps(
+            session, comm, plan, args, rank, backend, _device_comm(session, comm, args, backend)
+        )
     except LauncherTerminatedError as exc:  # a peer died: mpirun is killing the job
         session.report_terminated(exc)
     except BaseException as exc:  # every failure ends every rank with one error
@@ -203,7 +233,30 @@ def _groups(plan: object) -> list[tuple[str, ...]]:
     return seen
 
 
-def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, rank: int) -> None:
+def _device_comm(session: Any, comm: Any, args: MpiRunArgs, backend: Any) -> Any:
+    """The communication endpoint the executor uses: ``comm`` itself on the numpy backend;
+    on a GPU backend, ``comm`` wrapped so that device buffers are synchronised and go to MPI
+    directly (GPU-aware MPI, agreed by every rank) or through pinned host buffers.
+
+    Collective: call on all ranks."""
+    if backend is None or backend.ops is None:
+        return comm
+    from dtm_mpi.comm.device import DeviceComm
+    from dtm_mpi.comm.gpu_aware import agree_gpu_aware, detect_gpu_aware
+
+    session.phase = "gpu-aware mpi"
+    local = detect_gpu_aware(args.gpu_aware, backend.name)
+    aware = agree_gpu_aware(session, local)
+    rank = session.rank
+    if rank == 0:
+        print(f"backend {backend.description}; GPU-aware MPI: {aware.describe()}", flush=True)
+    return DeviceComm(
+        comm, backend.ops, aware, require_gpu_aware=args.require_gpu_aware,
+        log=(lambda line: print(f"[rank {rank}] dtm: {line}", flush=True)),
+    )  # fmt: skip
+
+
+def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, rank: int, backend: Any, dcomm: Any) -> None:  # fmt: skip
     from dtm_mpi.comm.mpi_comm import MpiComm
     from dtm_mpi.comm.mpi_session import MpiSession
     from dtm_mpi.faults import maybe_fail
@@ -235,8 +288,9 @@ def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, ra
     except DtmError as exc:
         error = exc
     session.agree("inputs", error)
-    ckpt = _Checkpoints(session, plan, args, rank) if args.store else None
+    ckpt = _Checkpoints(session, plan, args, rank, backend) if args.store else None
     first = ckpt.resume(blocks) if ckpt is not None and args.resume else 0
+    blocks[:] = [backend.to_device(b) for b in blocks]  # the state lives on the backend
 
     def before_step(step: int) -> None:
         session.phase = f"step {step}"
@@ -249,7 +303,7 @@ def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, ra
         if ckpt is not None and args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
             ckpt.save(step + 1, blocks)
 
-    executor = Executor(plan, comm, args.backend)
+    executor = Executor(plan, dcomm, backend)
     results = run_steps(
         executor, blocks, args.steps, first=first, before_step=before_step, commit=commit,
         after_step=after_step,
@@ -261,7 +315,7 @@ def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, ra
     maybe_fail(rank, "output")
     outputs: dict[str, np.ndarray] = {}
     for name, t, block in output_values(entry, results, blocks):
-        value = gather_to_root(t, block, comm)
+        value = gather_to_root(t, backend.to_host(block), comm)
         if value is not None:
             outputs[name] = value
     error = None
@@ -282,13 +336,13 @@ class _Checkpoints:
     """The run's state (every entry parameter, as PRIMARY artifacts named like the
     parameters) saved to and resumed from a checkpoint store (collective methods)."""
 
-    def __init__(self, session: Any, plan: Any, args: MpiRunArgs, rank: int) -> None:
+    def __init__(self, session: Any, plan: Any, args: MpiRunArgs, rank: int, backend: Any) -> None:  # fmt: skip
         from dtm_mpi.config import get_config
         from dtm_mpi.io.checkpoint import CheckpointStore
         from dtm_mpi.ir.hashing import module_hash
 
         assert args.store is not None
-        self.session, self.plan, self.rank = session, plan, rank
+        self.session, self.plan, self.rank, self.backend = session, plan, rank, backend
         session.phase = "checkpoint store"
         self.comm = session.comm.Dup()
         self.store = CheckpointStore(args.store, self.comm, timeout_s=get_config().timeout_s)
@@ -322,7 +376,10 @@ class _Checkpoints:
         from dtm_mpi.io.plan import TensorSpec
 
         self.session.phase = f"checkpoint {done}"
-        items = [(TensorSpec(name, t), blocks[i]) for i, (name, t) in enumerate(self.targets)]
+        items = [
+            (TensorSpec(name, t), self.backend.to_host(blocks[i]))
+            for i, (name, t) in enumerate(self.targets)
+        ]  # device state is copied to the host first (the store writes host memory)
         path = self.store.save(done, self.plan.mesh, items, module_hash=self.module_hash)
         if self.rank == 0:
             print(f"checkpoint {path} (after step {done})", flush=True)

@@ -1,0 +1,253 @@
+"""The GPU backends (``cuda`` and ``hip``: the same code on CuPy's CUDA or ROCm build).
+
+Hot ops run as RawKernels compiled from ``kernels/*.cu`` (:mod:`dtm_mpi.kernels.launch`):
+softmax and log_softmax along the last dim, layer_norm, reductions over the last dim,
+int8 block quantize/dequantize, and every float elementwise op through the generated
+kernels of :mod:`dtm_mpi.kernels.fused`. Matmul goes to cuBLAS/hipBLAS through
+``cupy.matmul``. The other ops are composed from CuPy's own functions with exactly the numpy
+backend's semantics (:mod:`dtm_mpi.kernels.numpy_backend`); the ops that create values from
+global indices (``iota``, ``random``, ``constant``, ``step_index``) compute the rank's block
+with the numpy kernel and upload it. Every op has a kernel here: the tests check the table
+covers the registry, so no op can reach the CPU unannounced.
+
+Importing this module needs no GPU and no CuPy (kernels import CuPy when they run).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from dtm_mpi.ir.ops._common import np_dtype
+from dtm_mpi.kernels import launch
+from dtm_mpi.kernels.fused import BINARY_C, CTYPES, UNARY_C, Expr, FusedInput
+from dtm_mpi.kernels.registry import COMM_OPS, Kernel, KernelContext, register_kernel
+
+__all__ = ["GPU_BACKENDS", "RAW_KERNEL_OPS"]
+
+GPU_BACKENDS = ("cuda", "hip")
+RAW_KERNEL_OPS = frozenset(
+    {"softmax", "log_softmax", "layer_norm", "sum", "mean", "max", "min", "quantize",
+     "dequantize", *UNARY_C, *BINARY_C}
+)  # fmt: skip
+"""Ops that run as RawKernels (for float operands; others use CuPy's own functions)."""
+
+Arr = Any  # cupy.ndarray
+
+
+def _cp() -> Any:
+    import cupy
+
+    return cupy
+
+
+def _register(*ops: str) -> Callable[[Kernel], Kernel]:
+    def deco(fn: Kernel) -> Kernel:
+        for b in GPU_BACKENDS:
+            register_kernel(b, *ops)(fn)
+        return fn
+
+    return deco
+
+
+def _out_dtype(ctx: KernelContext, i: int = 0) -> np.dtype[Any]:
+    return np_dtype(ctx.result_types[i].dtype)
+
+
+def _is_float(x: Arr) -> bool:
+    return np.dtype(x.dtype) in CTYPES
+
+
+# -- elementwise -------------------------------------------------------------------------------
+def _elementwise(name: str, arity: int) -> None:
+    @_register(name)
+    def kernel(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
+        out = _out_dtype(ctx)
+        if all(_is_float(x) for x in xs) and out in CTYPES:
+            expr = Expr(name, tuple(range(arity)))
+            ins = [FusedInput(np.dtype(x.dtype)) for x in xs]
+            return (launch.fused(expr, ins, list(xs), out, ctx.local_shapes[0]),)
+        return (_int_elementwise(name, xs).astype(out, copy=False),)
+
+
+def _int_elementwise(name: str, xs: Sequence[Arr]) -> Arr:
+    cp = _cp()
+    a = xs[0]
+    if name == "neg":
+        return cp.negative(a)
+    if name == "relu":
+        return cp.maximum(a, cp.zeros_like(a))
+    b = xs[1]
+    fn = {"add": cp.add, "sub": cp.subtract, "mul": cp.multiply, "div": cp.floor_divide,
+          "maximum": cp.maximum, "minimum": cp.minimum}[name]  # fmt: skip
+    return fn(a, b)
+
+
+for _name in UNARY_C:
+    _elementwise(_name, 1)
+for _name in BINARY_C:
+    _elementwise(_name, 2)
+
+
+@_register("compare")
+def _compare(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
+    cp = _cp()
+    fn = {"lt": cp.less, "le": cp.less_equal, "gt": cp.greater, "ge": cp.greater_equal,
+          "eq": cp.equal, "ne": cp.not_equal}[str(ctx.op.attr("pred"))]  # fmt: skip
+    return (fn(xs[0], xs[1]),)
+
+
+@_register("where")
+def _where(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
+    return (_cp().where(xs[0], xs[1], xs[2]).astype(_out_dtype(ctx), copy=False),)
+
+
+@_register("cast")
+def _cast(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
+    return (xs[0].astype(_out_dtype(ctx)),)
+
+
+@_register("matmul")
+def _matmul(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
+    return (_cp().matmul(xs[0], xs[1]).astype(_out_dtype(ctx), copy=False),)
+
+
+# -- normalisations and reductions -------------------------------------------------------------
+def _softmax(name: str, log: bool) -> None:
+    @_register(name)
+    def kernel(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
+        cp = _cp()
+        x = xs[0]
+        dim = int(ctx.op.attr("dim")) % max(x.ndim, 1)  # type: ignore[arg-type]
+        if not _is_float(x) or x.ndim == 0:
+            raise launch.unsupported(name, x)
+        last = dim == x.ndim - 1
+        xt = x if last else cp.ascontiguousarray(cp.moveaxis(x, dim, -1))
+        y = launch.softmax(xt, log=log)
+        return (y if last else cp.ascontiguousarray(cp.moveaxis(y, -1, dim)),)
+
+
+_softmax("softmax", False)
+_softmax("log_softmax", True)
+
+
+@_register("layer_norm")
+def _layer_norm(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
+    x, gamma, beta = xs
+    if not _is_float(x):
+        raise launch.unsupported("layer_norm", x)
+    return (launch.layer_norm(x, gamma, beta, float(ctx.op.attr("eps"))),)  # type: ignore[arg-type]
+
+
+def _reduction(name: str) -> None:
+    @_register(name)
+    def kernel(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
+        cp = _cp()
+        x = xs[0]
+        dims = tuple(int(d) % max(x.ndim, 1) for d in ctx.op.attr("dims"))  # type: ignore[union-attr, arg-type]
+        keep = bool(ctx.op.attr("keepdims"))
+        out = _out_dtype(ctx)
+        count = 1
+        for d in dims:
+            count *= ctx.operand_types[0].shape[d]
+        if _is_float(x) and dims == (x.ndim - 1,) and (name != "mean" or count):
+            scale = 1.0 / count if name == "mean" else 1.0
+            y = launch.row_reduce("sum" if name == "mean" else name, x, scale)
+            if keep:
+                y = y.reshape(*x.shape[:-1], 1)
+            return (y.astype(out, copy=False),)
+        if name in ("sum", "mean"):
+            total = cp.sum(x, axis=dims, keepdims=keep)
+            value = total / count if (name == "mean" and count) else total * np.nan if name == "mean" else total  # fmt: skip
+            return (value.astype(out, copy=False),)
+        if any(x.shape[d] == 0 for d in dims):  # an empty block: the reduction's identity
+            shape = tuple(ctx.local_shapes[0])
+            return (cp.full(shape, _identity(name, np.dtype(x.dtype)), dtype=out),)
+        fn = cp.max if name == "max" else cp.min
+        return (fn(x, axis=dims, keepdims=keep).astype(out, copy=False),)
+
+
+def _identity(name: str, dtype: np.dtype[Any]) -> Any:
+    if dtype.kind == "f":
+        return -np.inf if name == "max" else np.inf
+    info = np.iinfo(dtype)
+    return info.min if name == "max" else info.max
+
+
+for _name in ("sum", "mean", "max", "min"):
+    _reduction(_name)
+
+
+@_register("quantize")
+def _quantize(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
+    x = xs[0]
+    if not _is_float(x):
+        raise launch.unsupported("quantize", x)
+    q, scales = launch.quantize(x, int(ctx.op.attr("block")))  # type: ignore[arg-type]
+    return (q, scales.reshape(ctx.local_shapes[1]))
+
+
+@_register("dequantize")
+def _dequantize(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
+    out = _out_dtype(ctx)
+    return (launch.dequantize(xs[0], xs[1], int(ctx.op.attr("block")), out),)  # type: ignore[arg-type]
+
+
+# -- shapes --------------------------------------------------------------------------------------
+@_register("reshape")
+def _reshape(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
+    return (_cp().ascontiguousarray(xs[0]).reshape(ctx.local_shapes[0]),)
+
+
+@_register("transpose")
+def _transpose(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
+    perm = tuple(ctx.op.attr("perm"))  # type: ignore[arg-type]
+    return (_cp().ascontiguousarray(xs[0].transpose(perm)),)
+
+
+@_register("broadcast_to")
+def _broadcast_to(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
+    cp = _cp()
+    return (cp.ascontiguousarray(cp.broadcast_to(xs[0], ctx.local_shapes[0])),)
+
+
+@_register("slice")
+def _slice(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
+    x = xs[0]
+    start: tuple[int, ...] = ctx.op.attr("start")  # type: ignore[assignment]
+    limit: tuple[int, ...] = ctx.op.attr("limit")  # type: ignore[assignment]
+    layout = ctx.operand_types[0].layout
+    index = tuple(
+        slice(0, x.shape[d]) if layout.dims[d] else slice(a, b)
+        for d, (a, b) in enumerate(zip(start, limit, strict=True))
+    )  # a sharded dim keeps its local extent (as the numpy kernel)
+    return (_cp().ascontiguousarray(x[index]),)
+
+
+@_register("concat")
+def _concat(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
+    return (_cp().concatenate(list(xs), axis=int(ctx.op.attr("dim"))),)  # type: ignore[arg-type]
+
+
+# -- values made from global indices: the numpy kernel's block, uploaded -------------------------
+def _uploaded(name: str) -> None:
+    @_register(name)
+    def kernel(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
+        from dtm_mpi.kernels.registry import backend_kernels
+
+        host = [x if isinstance(x, np.ndarray) else x.get() for x in xs]
+        outs = backend_kernels("numpy")[name](ctx, host)
+        return tuple(_cp().asarray(o) for o in outs)
+
+
+for _name in ("iota", "random", "constant", "step_index"):
+    _uploaded(_name)
+
+
+def covered(ops: Sequence[str]) -> list[str]:
+    """The ops of ``ops`` (besides those the executor runs) this backend has no kernel for."""
+    from dtm_mpi.kernels.registry import has_kernel
+
+    return [o for o in ops if o not in COMM_OPS and not has_kernel("cuda", o)]

@@ -1,0 +1,145 @@
+"""The array backend a run computes on: where its arrays live and how they move.
+
+:class:`ArrayBackend` is what the executor and ``dtm run`` hold: the kernel table of the
+backend, and the moves between host (numpy) and the backend's arrays. For ``numpy`` the moves
+are the identity. For ``cuda``/``hip``, :func:`open_backend` checks the process
+(:mod:`dtm_mpi.kernels.backends`), binds the rank's GPU and returns a backend whose arrays are
+CuPy arrays on that device; :class:`CupyDeviceOps` is what the communication layer uses to
+synchronise, stage and copy device buffers (``dtm_mpi.comm.device.DeviceOps``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dtm_mpi.errors import BackendError
+from dtm_mpi.kernels.backends import BackendKind, backend_problem, choose_device, probe_devices
+from dtm_mpi.kernels.registry import Kernel, backend_kernels
+
+__all__ = ["ArrayBackend", "CupyDeviceOps", "numpy_backend", "open_backend"]
+
+
+class CupyDeviceOps:
+    """Device buffers through CuPy on the current device (``DeviceOps`` of the comm layer).
+
+    Every copy is synchronous on the current stream; :meth:`synchronize` waits for all work
+    queued on it — called before a device buffer is handed to MPI, so MPI never reads memory
+    a kernel is still writing."""
+
+    def __init__(self, name: str) -> None:
+        import cupy
+
+        self.cp: Any = cupy
+        self.name = name
+        self._pinned: list[Any] = []  # keeps the pinned allocations alive
+
+    def is_device(self, x: object) -> bool:
+        return isinstance(x, self.cp.ndarray)
+
+    def synchronize(self) -> None:
+        self.cp.cuda.get_current_stream().synchronize()
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        return self.cp.empty(shape, dtype=dtype)
+
+    def to_host(self, x: Any, out: np.ndarray) -> np.ndarray:
+        x = self.cp.ascontiguousarray(x)
+        view = out.reshape(-1).view(np.uint8)[: x.nbytes].view(x.dtype).reshape(x.shape)
+        x.get(out=view)  # synchronous on the current stream
+        result: np.ndarray = view
+        return result
+
+    def to_device(self, host: np.ndarray, out: Any | None = None) -> Any:
+        host = np.ascontiguousarray(host)
+        if out is None:
+            out = self.cp.empty(host.shape, dtype=host.dtype)
+        out.set(host.reshape(out.shape).view(out.dtype))
+        self.synchronize()
+        return out
+
+    def pinned(self, nbytes: int) -> np.ndarray:
+        mem = self.cp.cuda.alloc_pinned_memory(max(1, nbytes))
+        self._pinned.append(mem)
+        return np.frombuffer(mem, dtype=np.uint8, count=max(1, nbytes))
+
+
+@dataclass(slots=True)
+class ArrayBackend:
+    """A run's backend: its kernels and where its arrays live."""
+
+    kind: BackendKind
+    device: int | None = None
+    ops: Any = None  # CupyDeviceOps for GPU backends, None for numpy
+    description: str = "numpy (CPU)"
+    _kernels: dict[str, Kernel] | None = field(default=None, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.kind.value
+
+    @property
+    def kernels(self) -> dict[str, Kernel]:
+        if self._kernels is None:
+            self._kernels = backend_kernels(self.name)
+        return self._kernels
+
+    def to_device(self, x: np.ndarray) -> Any:
+        """A host array moved to the backend (the array itself for numpy)."""
+        return x if self.ops is None else self.ops.to_device(np.asarray(x))
+
+    def to_host(self, x: Any) -> np.ndarray:
+        """A backend array as a host numpy array (the array itself for numpy)."""
+        if self.ops is None or isinstance(x, np.ndarray):
+            return np.asarray(x)
+        return np.asarray(x.get())
+
+    def make_partial(self, x: Any, spec: Any) -> Any:
+        """The redistribution step MAKE_PARTIAL on a backend array (see
+        :func:`dtm_mpi.sharding.collectives.make_partial`, its numpy twin)."""
+        from dtm_mpi.sharding.collectives import make_partial, reduction_identity
+
+        if self.ops is None:
+            return make_partial(x, spec)
+        if spec.keep and tuple(x.shape) == tuple(spec.out_shape):
+            return x
+        out = self.ops.cp.full(spec.out_shape, reduction_identity(spec.op, np.dtype(x.dtype)), dtype=x.dtype)  # fmt: skip
+        if spec.keep:
+            out[spec.region] = x
+        return out
+
+    def zeros(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        if self.ops is None:
+            return np.zeros(shape, dtype=dtype)
+        return self.ops.cp.zeros(shape, dtype=dtype)
+
+
+def numpy_backend() -> ArrayBackend:
+    return ArrayBackend(BackendKind.NUMPY)
+
+
+def open_backend(kind: BackendKind, local_rank: int = 0, local_size: int = 1) -> ArrayBackend:
+    """The backend ``kind`` with this rank's GPU bound (node-local rank modulo the visible
+    devices). :class:`BackendError` naming what is missing when it cannot run: never a CPU
+    fall-through."""
+    if not kind.is_gpu:
+        return numpy_backend()
+    probe = probe_devices()
+    problem = backend_problem(kind, probe)
+    if problem is not None:
+        raise BackendError(problem)
+    device = choose_device(local_rank, local_size, probe.devices)
+    ops = CupyDeviceOps(kind.value)
+    try:
+        ops.cp.cuda.Device(device).use()
+        props = ops.cp.cuda.runtime.getDeviceProperties(device)
+        name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    except Exception as exc:
+        raise BackendError(f"backend {kind.value!r}: cannot bind device {device}: {exc}") from None
+    from dtm_mpi.kernels import cuda_backend  # noqa: F401  (registers the GPU kernels)
+
+    return ArrayBackend(
+        kind, device, ops, f"{kind.value} (device {device}: {name}, CuPy {probe.cupy_version})"
+    )

@@ -1,0 +1,108 @@
+"""Generated elementwise kernels: an expression over elementwise ops becomes one CUDA/HIP
+kernel (the template ``kernels/fused_elementwise.cu`` plus ``#define`` lines).
+
+Pure: :func:`fused_source` turns an :class:`Expr` tree (leaves are inputs, nodes are the
+registry's elementwise ops) into source text; compiling and launching it is the GPU
+backend's business. A single op is the one-node case, so every float elementwise op of the
+GPU backends runs through this one path, and a chain the planner fuses
+(:mod:`dtm_mpi.plan.fusion`) reads its inputs and writes its output once instead of once per
+op. Inputs are either full-size (indexed ``[i]``) or vectors along the last dim (indexed
+``[i % cols]``: a broadcast bias).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from dtm_mpi.errors import KernelError
+
+__all__ = ["BINARY_C", "CTYPES", "UNARY_C", "Expr", "FusedInput", "fused_name", "fused_source"]
+
+UNARY_C = {
+    "neg": "dtm_neg({0})", "exp": "dtm_exp({0})", "log": "dtm_log({0})",
+    "tanh": "dtm_tanh({0})", "relu": "dtm_relu({0})", "gelu": "dtm_gelu({0})",
+    "sqrt": "dtm_sqrt({0})", "rsqrt": "dtm_rsqrt({0})",
+}  # fmt: skip
+"""C expressions of the unary elementwise ops (device helpers of ``dtm_common.cuh``)."""
+
+BINARY_C = {
+    "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
+    "maximum": "dtm_maximum({0}, {1})", "minimum": "dtm_minimum({0}, {1})",
+}  # fmt: skip
+"""C expressions of the binary elementwise ops (floats: ``div`` is a true division)."""
+
+CTYPES = {np.dtype(np.float16): "__half", np.dtype(np.float32): "float",
+          np.dtype(np.float64): "double"}  # fmt: skip
+"""The storage types the generated kernels take (f16 computes in float, f64 in double)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FusedInput:
+    dtype: np.dtype[np.generic]
+    lastdim: bool = False  # a vector along the last dim, broadcast over the rows
+
+
+@dataclass(frozen=True, slots=True)
+class Expr:
+    """An elementwise op applied to sub-expressions (``Expr``) or inputs (``int``: index into
+    the kernel's inputs)."""
+
+    op: str
+    args: tuple[Expr | int, ...]
+
+
+def _acc(dtypes: Sequence[np.dtype[np.generic]]) -> str:
+    return "double" if any(d == np.float64 for d in dtypes) else "float"
+
+
+def _c_expr(e: Expr | int, n_inputs: int) -> str:
+    if isinstance(e, int):
+        if not 0 <= e < n_inputs:
+            raise KernelError(f"fused expression refers to input {e} of {n_inputs}")
+        return f"v{e}"
+    table = UNARY_C if len(e.args) == 1 else BINARY_C if len(e.args) == 2 else {}
+    if e.op not in table:
+        raise KernelError(f"op {e.op!r} with {len(e.args)} operand(s) cannot be fused")
+    return table[e.op].format(*(_c_expr(a, n_inputs) for a in e.args))
+
+
+def fused_name(expr: Expr, inputs: Sequence[FusedInput], out: np.dtype[np.generic]) -> str:
+    """A stable kernel name for this expression and these types (the compile-cache key)."""
+    text = repr((expr, [(str(i.dtype), i.lastdim) for i in inputs], str(out)))
+    return "dtm_fused_" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def fused_source(
+    expr: Expr, inputs: Sequence[FusedInput], out: np.dtype[np.generic], template: str
+) -> tuple[str, str]:
+    """``(kernel name, source text)`` of one kernel computing ``expr`` elementwise: parameters
+    ``in0..inK-1`` (const pointers of the input types), ``out0``, then ``n`` and ``cols``
+    (``template``: the text of ``fused_elementwise.cu`` with the common header inlined)."""
+    out = np.dtype(out)
+    for k, i in enumerate(inputs):
+        if np.dtype(i.dtype) not in CTYPES:
+            raise KernelError(f"fused input {k} has dtype {i.dtype}; only f16/f32/f64 are generated")  # fmt: skip
+    if out not in CTYPES:
+        raise KernelError(f"fused output dtype {out}; only f16/f32/f64 are generated")
+    name = fused_name(expr, inputs, out)
+    acc = _acc([np.dtype(i.dtype) for i in inputs] + [out])
+    params = [f"const {CTYPES[np.dtype(i.dtype)]}* __restrict__ in{k}" for k, i in enumerate(inputs)]  # fmt: skip
+    params.append(f"{CTYPES[out]}* __restrict__ out0")
+    loads = " ".join(
+        f"const {acc} v{k} = ({acc})dtm_load(in{k} + {'(i % cols)' if i.lastdim else 'i'});"
+        for k, i in enumerate(inputs)
+    )
+    body = f"{loads} dtm_store(out0 + i, ({acc})({_c_expr(expr, len(inputs))}));"
+    defines = "\n".join(
+        [
+            f"#define DTM_FUSED_NAME {name}",
+            f"#define DTM_FUSED_PARAMS {', '.join(params)}",
+            f"#define DTM_FUSED_ACC {acc}",
+            f"#define DTM_FUSED_BODY {body}",
+        ]
+    )
+    return name, defines + "\n" + template

@@ -1,0 +1,222 @@
+"""Compile and launch the RawKernels of ``kernels/*.cu`` through CuPy.
+
+Modules are compiled by NVRTC (hipRTC on ROCm) through ``cupy.RawModule`` once per source and
+device, and each kernel function is looked up once per (kernel, dtype, device); CuPy also
+keeps compiled binaries in its on-disk cache, so a second run does not compile again. The
+launchers take and return CuPy arrays (C-contiguous), accept a preallocated ``out`` (the tests
+poison it first) and follow the launch contract of ``kernels/README.md``: grid-stride loops,
+``THREADS`` threads per block (a multiple of every warp size), a grid capped at ``MAX_BLOCKS``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from dtm_mpi.errors import KernelError
+from dtm_mpi.kernels.fused import CTYPES, Expr, FusedInput, fused_source
+from dtm_mpi.kernels.sources import kernel_source
+
+__all__ = [
+    "MAX_BLOCKS",
+    "THREADS",
+    "bias_gelu",
+    "dequantize",
+    "function",
+    "fused",
+    "layer_norm",
+    "quantize",
+    "row_reduce",
+    "softmax",
+    "unsupported",
+]
+
+THREADS = 256
+MAX_BLOCKS = 65535 * 4
+SUFFIX = {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
+OPTIONS = ("-std=c++17",)
+
+_MODULES: dict[tuple[str, int], Any] = {}
+_FUNCTIONS: dict[tuple[str, str, int], Any] = {}
+
+Arr = Any
+
+
+def _cp() -> Any:
+    import cupy
+
+    return cupy
+
+
+def unsupported(op: str, x: Arr) -> KernelError:
+    return KernelError(f"the GPU kernel of {op} takes f16/f32/f64 (bf16 is held as f32); got {x.dtype}")  # fmt: skip
+
+
+def _module(key: str, code: str) -> Any:
+    cp = _cp()
+    device = int(cp.cuda.Device().id)
+    got = _MODULES.get((key, device))
+    if got is None:
+        try:
+            got = cp.RawModule(code=code, options=OPTIONS)
+            got.compile()
+        except Exception as exc:  # a compile error names the source and the compiler's log
+            raise KernelError(f"compiling {key} for device {device} failed: {exc}") from None
+        _MODULES[(key, device)] = got
+    return got
+
+
+def function(source: str, name: str) -> Any:
+    """Kernel ``name`` of ``kernels/<source>`` on the current device (compiled once)."""
+    cp = _cp()
+    device = int(cp.cuda.Device().id)
+    got = _FUNCTIONS.get((source, name, device))
+    if got is None:
+        got = _module(source, kernel_source(source)).get_function(name)
+        _FUNCTIONS[(source, name, device)] = got
+    return got
+
+
+def _suffix(x: Arr, op: str) -> str:
+    s = SUFFIX.get(np.dtype(x.dtype))
+    if s is None:
+        raise unsupported(op, x)
+    return s
+
+
+def _grid(units: int, per_block: int = 1) -> int:
+    return max(1, min(MAX_BLOCKS, math.ceil(units / per_block)))
+
+
+def _out(out: Arr | None, shape: tuple[int, ...], dtype: Any) -> Arr:
+    cp = _cp()
+    if out is None:
+        return cp.empty(shape, dtype=dtype)
+    if tuple(out.shape) != tuple(shape) or np.dtype(out.dtype) != np.dtype(dtype) or not out.flags.c_contiguous:  # fmt: skip
+        raise KernelError(f"out must be C-contiguous {np.dtype(dtype)}{list(shape)}; got {out.dtype}{list(out.shape)}")  # fmt: skip
+    return out
+
+
+def _rows(x: Arr) -> tuple[Arr, int, int]:
+    x = _cp().ascontiguousarray(x)
+    cols = int(x.shape[-1]) if x.ndim else 1
+    rows = int(x.size // cols) if cols else int(math.prod(x.shape[:-1]))
+    return x, rows, cols
+
+
+def softmax(x: Arr, *, log: bool = False, out: Arr | None = None) -> Arr:
+    """Softmax (``log``: log-softmax) along the last dim."""
+    sfx = _suffix(x, "softmax")
+    x, rows, cols = _rows(x)
+    y = _out(out, tuple(x.shape), x.dtype)
+    if rows and cols:
+        fn = function("softmax.cu", f"dtm_{'log_' if log else ''}softmax_{sfx}")
+        fn((_grid(rows),), (THREADS,), (x, y, np.int64(rows), np.int64(cols)))
+    return y
+
+
+def layer_norm(x: Arr, gamma: Arr, beta: Arr, eps: float, *, out: Arr | None = None) -> Arr:
+    """Normalise over the last dim, then ``* gamma + beta``."""
+    cp = _cp()
+    sfx = _suffix(x, "layer_norm")
+    x, rows, cols = _rows(x)
+    g, b = cp.ascontiguousarray(gamma, dtype=x.dtype), cp.ascontiguousarray(beta, dtype=x.dtype)
+    y = _out(out, tuple(x.shape), x.dtype)
+    if rows and cols:
+        fn = function("layer_norm.cu", f"dtm_layer_norm_{sfx}")
+        fn((_grid(rows),), (THREADS,), (x, g, b, y, np.int64(rows), np.int64(cols), np.float64(eps)))  # fmt: skip
+    return y
+
+
+def row_reduce(op: str, x: Arr, scale: float = 1.0, *, out: Arr | None = None) -> Arr:
+    """``sum`` (times ``scale``), ``max`` or ``min`` over the last dim: shape ``x.shape[:-1]``."""
+    if op not in ("sum", "max", "min"):
+        raise KernelError(f"no row reduction {op!r}")
+    sfx = _suffix(x, op)
+    x, rows, cols = _rows(x)
+    y = _out(out, tuple(x.shape[:-1]), x.dtype)
+    if rows:
+        fn = function("row_reduce.cu", f"dtm_row_{op}_{sfx}")
+        args: tuple[Any, ...] = (x, y, np.int64(rows), np.int64(cols))
+        if op == "sum":
+            args += (np.float64(scale),)
+        fn((_grid(rows),), (THREADS,), args)
+    return y
+
+
+def _warp() -> int:
+    return int(_cp().cuda.Device().attributes.get("WarpSize", 32))
+
+
+def quantize(x: Arr, block: int, *, out: tuple[Arr, Arr] | None = None) -> tuple[Arr, Arr]:
+    """int8 values (shape of ``x``) and f32 scales (one per ``block`` consecutive elements)."""
+    cp = _cp()
+    sfx = _suffix(x, "quantize")
+    x = cp.ascontiguousarray(x)
+    if block < 1 or x.size % block:
+        raise KernelError(f"quantize: {x.size} elements are not whole blocks of {block}")
+    nblocks = x.size // block
+    q = _out(None if out is None else out[0], tuple(x.shape), np.int8)
+    s = _out(None if out is None else out[1], (nblocks,), np.float32)
+    if nblocks:
+        fn = function("quant.cu", f"dtm_quantize_{sfx}")
+        fn((_grid(nblocks, THREADS // _warp()),), (THREADS,), (x, q, s, np.int64(nblocks), np.int32(block)))  # fmt: skip
+    return q, s
+
+
+def dequantize(q: Arr, scales: Arr, block: int, dtype: Any, *, out: Arr | None = None) -> Arr:
+    """``q * scale`` per block of ``block`` elements, as ``dtype`` (f16/f32/f64)."""
+    cp = _cp()
+    dtype = np.dtype(dtype)
+    sfx = SUFFIX.get(dtype)
+    if sfx is None:
+        raise KernelError(f"dequantize: result dtype {dtype} is not f16/f32/f64")
+    q = cp.ascontiguousarray(q)
+    s = cp.ascontiguousarray(scales, dtype=np.float32)
+    y = _out(out, tuple(q.shape), dtype)
+    if q.size:
+        fn = function("quant.cu", f"dtm_dequantize_{sfx}")
+        fn((_grid(q.size, THREADS),), (THREADS,), (q, s, y, np.int64(q.size), np.int32(block)))
+    return y
+
+
+def fused(
+    expr: Expr, inputs: Sequence[FusedInput], xs: Sequence[Arr], dtype: Any,
+    shape: Sequence[int], *, out: Arr | None = None,
+) -> Arr:  # fmt: skip
+    """``expr`` over the arrays ``xs`` (described by ``inputs``) elementwise, as ``dtype``."""
+    cp = _cp()
+    dtype = np.dtype(dtype)
+    if dtype not in CTYPES:
+        raise KernelError(f"generated kernels write f16/f32/f64; got {dtype}")
+    template = kernel_source("fused_elementwise.cu")
+    name, code = fused_source(expr, inputs, dtype, template)
+    fn = _FUNCTIONS.get((name, name, int(cp.cuda.Device().id)))
+    if fn is None:
+        fn = _module(name, code).get_function(name)
+        _FUNCTIONS[(name, name, int(cp.cuda.Device().id))] = fn
+    y = _out(out, tuple(shape), dtype)
+    n = int(y.size)
+    cols = int(shape[-1]) if len(shape) else 1
+    args = [cp.ascontiguousarray(x) for x in xs]
+    if n:
+        fn((_grid(n, THREADS),), (THREADS,), (*args, y, np.int64(n), np.int64(max(cols, 1))))
+    return y
+
+
+def bias_gelu(x: Arr, bias: Arr, *, out: Arr | None = None) -> Arr:
+    """``gelu(x + bias)`` with ``bias`` a vector along the last dim (the fused MLP epilogue)."""
+    cp = _cp()
+    sfx = _suffix(x, "bias_gelu")
+    x, _, cols = _rows(x)
+    b = cp.ascontiguousarray(bias, dtype=x.dtype)
+    if b.size != cols:
+        raise KernelError(f"bias_gelu: bias has {b.size} elements, the last dim {cols}")
+    y = _out(out, tuple(x.shape), x.dtype)
+    if x.size:
+        fn = function("bias_gelu.cu", f"dtm_bias_gelu_{sfx}")
+        fn((_grid(x.size, THREADS),), (THREADS,), (x, b, y, np.int64(x.size), np.int64(cols)))
+    return y

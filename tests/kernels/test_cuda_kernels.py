@@ -1,0 +1,230 @@
+"""Every RawKernel against a float64 numpy reference on a GPU (marker ``gpu``; skipped with
+the reason where no device exists). Inputs are random and never all zero; outputs are
+poisoned (NaN, or 99 for int8) before the launch, so a kernel that skips an element fails;
+sizes include ones that are not multiples of the block size (1, 31, 257 columns...).
+
+Tolerances (kernels/README.md): f64 rtol 1e-12; f32 rtol 1e-5 (reductions: times
+sqrt(cols)); f16 rtol 2e-3 with atol 1e-3. Quantisation computes in double: bit-exact.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dtm_mpi.errors import BackendError
+from dtm_mpi.kernels.backends import BackendKind
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [np.float16, np.float32, np.float64]
+SHAPES = [(1, 1), (3, 31), (257, 33), (5, 1000), (2, 4099)]
+RTOL = {np.float16: 2e-3, np.float32: 1e-5, np.float64: 1e-12}
+ATOL = {np.float16: 1e-3, np.float32: 1e-6, np.float64: 1e-12}
+
+
+@pytest.fixture(scope="module")
+def dev() -> Any:
+    from dtm_mpi.kernels.devices import open_backend
+
+    why = []
+    for kind in (BackendKind.CUDA, BackendKind.HIP):
+        try:
+            return open_backend(kind)
+        except BackendError as exc:
+            why.append(str(exc))
+    pytest.skip("no GPU here: " + "; ".join(why))
+
+
+def _x(shape: tuple[int, ...], dtype: Any, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape) * 3 + 0.5
+    assert np.any(x != 0)
+    return x.astype(dtype)
+
+
+def _poisoned(cp: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+    return cp.full(shape, np.nan if np.dtype(dtype).kind == "f" else 99, dtype=dtype)
+
+
+def _close(got: Any, want: np.ndarray, dtype: Any, scale: float = 1.0) -> None:
+    g = got.get().astype(np.float64)
+    assert not np.isnan(g).any(), "an output element was never written (still poisoned)"
+    np.testing.assert_allclose(g, want, rtol=RTOL[dtype] * scale, atol=ATOL[dtype] * scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("log", [False, True])
+def test_softmax(dev: Any, shape: tuple[int, int], dtype: Any, log: bool) -> None:
+    from dtm_mpi.kernels import launch
+
+    cp = dev.ops.cp
+    x = _x(shape, dtype)
+    xf = x.astype(np.float64)
+    s = xf - xf.max(axis=-1, keepdims=True)
+    want = s - np.log(np.exp(s).sum(axis=-1, keepdims=True)) if log else np.exp(s) / np.exp(s).sum(axis=-1, keepdims=True)  # fmt: skip
+    out = _poisoned(cp, shape, dtype)
+    got = launch.softmax(cp.asarray(x), log=log, out=out)
+    assert got is out
+    _close(got, want, dtype, 4.0 if log else 1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_layer_norm(dev: Any, shape: tuple[int, int], dtype: Any) -> None:
+    from dtm_mpi.kernels import launch
+
+    cp = dev.ops.cp
+    x, g, b = _x(shape, dtype), _x(shape[-1:], dtype, 1), _x(shape[-1:], dtype, 2)
+    xf = x.astype(np.float64)
+    m = xf.mean(axis=-1, keepdims=True)
+    v = ((xf - m) ** 2).mean(axis=-1, keepdims=True)
+    want = (xf - m) / np.sqrt(v + 1e-5) * g.astype(np.float64) + b.astype(np.float64)
+    got = launch.layer_norm(cp.asarray(x), cp.asarray(g), cp.asarray(b), 1e-5, out=_poisoned(cp, shape, dtype))  # fmt: skip
+    _close(got, want, dtype, 8.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [*SHAPES, (4, 0)])
+@pytest.mark.parametrize("op", ["sum", "max", "min"])
+def test_row_reduce(dev: Any, shape: tuple[int, int], dtype: Any, op: str) -> None:
+    from dtm_mpi.kernels import launch
+
+    cp = dev.ops.cp
+    x = _x(shape, dtype)
+    xf = x.astype(np.float64)
+    ident = {"sum": 0.0, "max": -np.inf, "min": np.inf}[op]
+    want = getattr(np, op)(xf, axis=-1, initial=ident) * (0.5 if op == "sum" else 1.0)
+    got = launch.row_reduce(op, cp.asarray(x), 0.5, out=_poisoned(cp, shape[:1], dtype))
+    if shape[1] == 0:
+        assert np.array_equal(got.get().astype(np.float64), want)
+        return
+    _close(got, want, dtype, math.sqrt(shape[1]) if op == "sum" else 1.0)
+
+
+def test_row_max_propagates_nan(dev: Any) -> None:
+    from dtm_mpi.kernels import launch
+
+    cp = dev.ops.cp
+    x = _x((3, 300), np.float32)
+    x[1, 177] = np.nan
+    got = launch.row_reduce("max", cp.asarray(x)).get()
+    assert np.isnan(got[1]) and not np.isnan(got[[0, 2]]).any()
+    y = launch.softmax(cp.asarray(x)).get()
+    assert np.isnan(y[1]).all() and not np.isnan(y[[0, 2]]).any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("shape", "block"), [((3, 32), 32), ((5, 96), 32), ((7, 33), 11), ((1, 1), 1), ((4, 1024), 256)])  # fmt: skip
+def test_quantize_and_dequantize_bit_exact(dev: Any, shape: tuple[int, int], block: int, dtype: Any) -> None:  # fmt: skip
+    from dtm_mpi.ir.ops.quant import _dequantize_ref, _quantize_ref
+    from dtm_mpi.kernels import launch
+
+    cp = dev.ops.cp
+    x = _x(shape, dtype)
+    x[0, :block] = 0  # an all-zero block: scale 1
+    ops = _FakeOp(block)
+    want_q, want_s = _quantize_ref(ops, [x], [None, _type(np.float32)])  # type: ignore[list-item]
+    q, s = launch.quantize(cp.asarray(x), block, out=(_poisoned(cp, shape, np.int8), _poisoned(cp, (x.size // block,), np.float32)))  # fmt: skip
+    assert np.array_equal(q.get(), want_q)
+    assert np.array_equal(s.get(), want_s.reshape(-1))
+    (want_y,) = _dequantize_ref(ops, [want_q, want_s], [_type(dtype)])  # type: ignore[list-item]
+    y = launch.dequantize(q, s, block, dtype, out=_poisoned(cp, shape, dtype))
+    assert np.array_equal(y.get(), want_y)
+
+
+class _FakeOp:
+    def __init__(self, block: int) -> None:
+        self.block = block
+
+    def attr(self, name: str) -> int:
+        assert name == "block"
+        return self.block
+
+
+def _type(dtype: Any) -> Any:
+    from dtm_mpi.ir.types import DType, Layout, TensorType
+
+    d = {np.float16: DType.F16, np.float32: DType.F32, np.float64: DType.F64}[dtype]
+    return TensorType(d, (1,), Layout(((),)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_bias_gelu_and_fused_chain(dev: Any, shape: tuple[int, int], dtype: Any) -> None:
+    from dtm_mpi.kernels import launch
+    from dtm_mpi.kernels.fused import Expr, FusedInput
+
+    cp = dev.ops.cp
+    x, b, z = _x(shape, dtype), _x(shape[-1:], dtype, 1), _x(shape, dtype, 2)
+    v = x.astype(np.float64) + b.astype(np.float64)
+    gelu = 0.5 * v * (1 + np.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v**3)))
+    got = launch.bias_gelu(cp.asarray(x), cp.asarray(b), out=_poisoned(cp, shape, dtype))
+    _close(got, gelu, dtype, 4.0)
+    chain = Expr("mul", (Expr("gelu", (Expr("add", (0, 1)),)), 2))
+    ins = [FusedInput(np.dtype(dtype)), FusedInput(np.dtype(dtype), True), FusedInput(np.dtype(dtype))]  # fmt: skip
+    got = launch.fused(chain, ins, [cp.asarray(x), cp.asarray(b), cp.asarray(z)], dtype, shape, out=_poisoned(cp, shape, dtype))  # fmt: skip
+    _close(got, gelu * z.astype(np.float64), dtype, 8.0)
+
+
+@pytest.mark.parametrize("op", ["neg", "exp", "log", "tanh", "relu", "gelu", "sqrt", "rsqrt", "add", "sub", "mul", "div", "maximum", "minimum"])  # fmt: skip
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_elementwise_kernel_matches_numpy(dev: Any, op: str, dtype: Any) -> None:
+    from dtm_mpi.ir.ops.elementwise import _BINARY, _UNARY
+    from dtm_mpi.kernels import launch
+    from dtm_mpi.kernels.fused import Expr, FusedInput
+
+    cp = dev.ops.cp
+    shape = (37, 129)
+    a, b = _x(shape, dtype), _x(shape, dtype, 1)
+    if op in ("log", "sqrt", "rsqrt"):
+        a = np.abs(a) + np.asarray(0.1, dtype)
+    a[0, 0] = np.nan  # NaN propagates through every op (numpy's maximum/minimum included)
+    args = (a,) if op in _UNARY else (a, b)
+    fn = _UNARY[op][0] if op in _UNARY else _BINARY[op]
+    with np.errstate(all="ignore"):
+        want = np.asarray(fn(*(x.astype(np.float64) for x in args)))
+    expr = Expr(op, tuple(range(len(args))))
+    got = launch.fused(expr, [FusedInput(np.dtype(dtype))] * len(args), [cp.asarray(x) for x in args], dtype, shape, out=_poisoned(cp, shape, dtype))  # fmt: skip
+    g = got.get().astype(np.float64)
+    assert np.isnan(g[0, 0]) and np.isnan(want[0, 0])
+    np.testing.assert_allclose(g.reshape(-1)[1:], want.reshape(-1)[1:], rtol=RTOL[dtype] * 4, atol=ATOL[dtype])  # fmt: skip
+
+
+EXAMPLES = Path(__file__).parents[2] / "examples"
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not on PATH")
+@pytest.mark.parametrize("name", ["tp_mlp", "dp_step", "attention", "collectives"])
+def test_examples_on_the_gpu_match_numpy(dev: Any, name: str, tmp_path: Path) -> None:
+    """Whole programs at 2 ranks on the GPU (both ranks may share one device) against the
+    numpy backend: the same outputs within the f32 tolerance."""
+    import os
+
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1")  # fmt: skip
+    outs = {}
+    for backend in ("numpy", dev.name):
+        out = tmp_path / f"{backend}.npz"
+        cmd = ["mpirun", "--timeout", "120", "--bind-to", "none", "-n", "2", sys.executable,
+               "-m", "mpi4py", "-m", "dtm_mpi", "run", str(EXAMPLES / f"{name}.dtm"),
+               "--backend", backend, "-o", str(out)]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, check=False)  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        outs[backend] = dict(np.load(out))
+    assert outs["numpy"].keys() == outs[dev.name].keys()
+    for k, want in outs["numpy"].items():
+        got = outs[dev.name][k]
+        assert got.shape == want.shape and got.dtype == want.dtype, k
+        if want.dtype.kind == "f":
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=k)
+        else:
+            assert np.array_equal(got, want), k
