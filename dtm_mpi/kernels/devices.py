@@ -10,6 +10,7 @@ synchronise, stage and copy device buffers (``dtm_mpi.comm.device.DeviceOps``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +96,23 @@ class ArrayBackend:
         if self.ops is None or isinstance(x, np.ndarray):
             return np.asarray(x)
         return np.asarray(x.get())
+
+    @property
+    def fuses(self) -> bool:
+        """Whether this backend runs planned elementwise groups as one kernel (GPU backends;
+        numpy, the reference, runs op by op). ``DTM_FUSE=0`` turns fusion off."""
+        import os
+
+        return self.ops is not None and os.environ.get("DTM_FUSE", "1").strip() not in ("0", "off", "no")  # fmt: skip
+
+    def run_fused(self, expr: Any, lastdim: Sequence[bool], xs: Sequence[Any], dtype: Any, shape: tuple[int, ...]) -> Any:  # fmt: skip
+        """One generated kernel computing ``expr`` over ``xs`` (inputs flagged ``lastdim`` are
+        vectors broadcast along the last dim)."""
+        from dtm_mpi.kernels import launch
+        from dtm_mpi.kernels.fused import FusedInput
+
+        ins = [FusedInput(np.dtype(x.dtype), bool(b)) for x, b in zip(xs, lastdim, strict=True)]
+        return launch.fused(expr, ins, xs, dtype, shape)
 
     def make_partial(self, x: Any, spec: Any) -> Any:
         """The redistribution step MAKE_PARTIAL on a backend array (see

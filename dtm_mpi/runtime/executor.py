@@ -10,7 +10,7 @@ the op and its source line, so the agreed error of a distributed run says where 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -22,7 +22,9 @@ from dtm_mpi.ir.ops._common import np_dtype
 from dtm_mpi.ir.types import TensorType
 from dtm_mpi.kernels.backends import parse_backend
 from dtm_mpi.kernels.devices import ArrayBackend, open_backend
+from dtm_mpi.kernels.fused import Expr
 from dtm_mpi.kernels.registry import Kernel, KernelContext, backend_kernels
+from dtm_mpi.plan.fusion import FusedGroup, FusionNode, fusion_groups
 from dtm_mpi.plan.program import ExecPlan, FunctionPlan, OpKind, PlanOp
 from dtm_mpi.sharding.blocks import block_owners, local_offsets, local_shape
 from dtm_mpi.sharding.collectives import make_partial
@@ -101,6 +103,20 @@ def gather_to_root(t: TensorType, x: np.ndarray, comm: Comm, root: int = 0) -> n
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class _Fusion:
+    roots: dict[int, FusedGroup]
+    frees: dict[int, tuple[str, ...]]  # at a root: every member's frees
+    skip: frozenset[int]
+
+
+def _expr(node: FusionNode | int) -> Expr | int:
+    """A planned fusion tree as the kernel generator's expression."""
+    if isinstance(node, int):
+        return node
+    return Expr(node.op, tuple(_expr(a) for a in node.args))
+
+
 class Executor:
     """Runs ``plan`` on one rank through ``comm`` with ``backend``'s kernels."""
 
@@ -114,6 +130,7 @@ class Executor:
         else:
             self.backend = backend
         self.kernels = backend_kernels(self.backend.name)
+        self._fusion: dict[int, _Fusion] = {}
         # per-op facts of this rank, computed once (the plan, and so its ops, outlive them)
         self._kernels: dict[int, tuple[Kernel, KernelContext]] = {}
         self._specs_of: dict[int, tuple[StepSpec, ...]] = {}
@@ -173,12 +190,21 @@ class Executor:
         f = fp.function
         faults = bool(get_config().faults)
         env: dict[str, np.ndarray] = {p.name: a for p, a in zip(f.params, args, strict=True)}
-        for p in fp.ops:
+        fused = self._fused(fp)
+        for index, p in enumerate(fp.ops):
             op = p.op
+            group = None
+            if fused is not None:
+                if index in fused.skip:  # computed by its group's root
+                    continue
+                group = fused.roots.get(index)
             try:
                 if faults:
                     maybe_fail(self.rank, op.name)
-                outs = self._run_op(p, [env[n] for n in op.operands], step)
+                if group is not None:
+                    outs = self._run_group(p, group, env)
+                else:
+                    outs = self._run_op(p, [env[n] for n in op.operands], step)
             except DtmError as err:
                 if getattr(err, "phase", None) is None:
                     err.phase = f"step {step}, {op.name} at {p.where}"  # type: ignore[attr-defined]
@@ -189,9 +215,29 @@ class Executor:
                 ) from exc
             for r, v in zip(op.results, outs, strict=True):
                 env[r] = v
-            for name in p.frees:
+            for name in p.frees if group is None or fused is None else fused.frees[index]:
                 env.pop(name, None)
         return tuple(env[r] for r in f.returns)
+
+    def _fused(self, fp: FunctionPlan) -> _Fusion | None:
+        """The fused elementwise groups of ``fp`` where the backend runs them (GPU backends;
+        the numpy backend is the op-by-op reference), computed once per function."""
+        if not self.backend.fuses:
+            return None
+        got = self._fusion.get(id(fp))
+        if got is None:
+            groups = fusion_groups(fp)
+            roots = {g.root: g for g in groups}
+            skip = {m for g in groups for m in g.members if m != g.root}
+            frees = {g.root: tuple(n for m in g.members for n in fp.ops[m].frees) for g in groups}  # fmt: skip
+            got = self._fusion[id(fp)] = _Fusion(roots, frees, frozenset(skip))
+        return got
+
+    def _run_group(self, p: PlanOp, group: FusedGroup, env: dict[str, np.ndarray]) -> tuple[np.ndarray, ...]:  # fmt: skip
+        t = p.op.result_types[0]
+        shape = self.local_shape(t)
+        xs = [env[n] for n in group.inputs]
+        return (self.backend.run_fused(_expr(group.tree), group.lastdim, xs, np_dtype(t.dtype), shape),)  # fmt: skip
 
     def _run_op(self, p: PlanOp, xs: list[np.ndarray], step: int) -> tuple[np.ndarray, ...]:
         kind = p.kind

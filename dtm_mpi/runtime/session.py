@@ -19,6 +19,7 @@ from dtm_mpi.comm.interface import Comm, CommStats
 from dtm_mpi.errors import UsageError
 from dtm_mpi.ir.nodes import Function, Module
 from dtm_mpi.ir.types import Layout, TensorType
+from dtm_mpi.kernels.devices import ArrayBackend
 from dtm_mpi.plan.program import ExecPlan, compile_plan, mesh_for
 from dtm_mpi.runtime.executor import Executor
 from dtm_mpi.runtime.values import check_inputs, init_block
@@ -66,7 +67,7 @@ def run_rank(
     inputs: Mapping[str, np.ndarray],
     *,
     steps: int = 1,
-    backend: str = "numpy",
+    backend: str | ArrayBackend = "numpy",
 ) -> RankOutcome:
     """Run ``steps`` steps of the entry function on this rank. ``inputs``: global arrays of
     (some) entry parameters, by name; the others get their declared init.
@@ -169,7 +170,7 @@ def run_simulated(
     binding: dict[str, int] | None = None,
     inputs: Mapping[str, np.ndarray] | None = None,
     steps: int = 1,
-    backend: str = "numpy",
+    backend: str | ArrayBackend = "numpy",
     timeout_s: float = 60.0,
 ) -> RunResult:
     """Run a *verified* module on ``nranks`` simulated ranks and return global values."""

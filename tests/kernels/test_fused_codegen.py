@@ -107,7 +107,7 @@ def test_generated_kernels_compile_for_sm80_and_sm90(tmp_path: Path) -> None:
     # one translation unit per kernel would take minutes: put them all in one file, each
     # behind its own defines (the template's include guards make the header appear once)
     parts = []
-    for name, code in units:
+    for _name, code in units:
         defines, _, body = code.partition(template)
         parts.append(f"{defines}\n{body}{_template_body(template)}\n#undef DTM_FUSED_NAME\n#undef DTM_FUSED_PARAMS\n#undef DTM_FUSED_ACC\n#undef DTM_FUSED_BODY\n")  # fmt: skip
     src = tmp_path / "fused_all.cu"
