@@ -11,7 +11,8 @@ variable               default    meaning
 ``DTM_DETERMINISTIC``  ``0``      ``1``: reductions combine contributions in a fixed order
 ``DTM_MAX_MSG_ELEMS``  ``2**31-1`` largest element count of one MPI message; bigger ones are
                                   split into chunks (tests set it tiny)
-``DTM_GPU_AWARE_MPI``  ``auto``   ``auto``, ``yes`` or ``no``: whether MPI takes device buffers
+``DTM_GPU_AWARE_MPI``  ``auto``   ``auto``, ``yes``/``1`` or ``no``/``0``: whether MPI takes device
+                                  buffers (``auto``: the MPI vendor's query, then a probe)
 ``DTM_LOG``            ``warning`` log level of the ``dtm_mpi`` logger
 ``DTM_CKPT_VERIFY``    ``manifest`` what a checkpoint save verifies before it commits:
                                   ``manifest`` or ``full`` (re-read and re-hash every chunk)
@@ -159,9 +160,13 @@ def load_config(environ: Mapping[str, str]) -> Config:
     gpu_aware = defaults.gpu_aware_mpi
     if (raw := environ.get("DTM_GPU_AWARE_MPI")) is not None:
         try:
-            gpu_aware = GpuAwareMode(raw.strip().lower())
+            word = raw.strip().lower()
+            word = {"1": "yes", "true": "yes", "on": "yes", "0": "no", "false": "no", "off": "no"}.get(word, word)  # fmt: skip
+            gpu_aware = GpuAwareMode(word)
         except ValueError:
-            raise ConfigError(f"DTM_GPU_AWARE_MPI: expected auto, yes or no, got {raw!r}") from None
+            raise ConfigError(
+                f"DTM_GPU_AWARE_MPI: expected auto, yes (1) or no (0), got {raw!r}"
+            ) from None
     log_level = defaults.log_level
     if (raw := environ.get("DTM_LOG")) is not None:
         log_level = raw.strip().lower()

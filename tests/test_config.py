@@ -65,3 +65,8 @@ def test_frozen() -> None:
 def test_bad_values_name_the_variable(env: dict[str, str], fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):
         load_config(env)
+
+
+@pytest.mark.parametrize(("raw", "want"), [("1", "yes"), ("true", "yes"), ("0", "no"), ("off", "no"), ("auto", "auto")])  # fmt: skip
+def test_gpu_aware_accepts_numeric_aliases(raw: str, want: str) -> None:
+    assert load_config({"DTM_GPU_AWARE_MPI": raw}).gpu_aware_mpi.value == want

@@ -6,6 +6,12 @@ mesh, capabilities, backend, deterministic mode). The hellos are exchanged with 
 non-blocking allgathers (lengths, then JSON bytes) and compared field by field on every rank,
 so a mismatch raises the same :class:`~dtm_mpi.errors.HandshakeError` everywhere, naming each
 differing field and which ranks hold which value.
+
+``gpu_aware`` is this rank's own answer to "does MPI take device buffers" (e.g.
+``yes (vendor query)``, ``""`` when not asked): ranks may legitimately differ (nodes with
+different MPI builds or drivers), and the handshake comes before any other collective, so
+the field is carried for the run log and not compared (:data:`LOCAL_FIELDS`); the job's
+decision is agreed afterwards by :func:`~dtm_mpi.comm.gpu_aware.agree_gpu_aware`.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import numpy as np
 from dtm_mpi.comm.mpi_session import MpiSession
 from dtm_mpi.errors import HandshakeError
 
-__all__ = ["PROTOCOL_VERSION", "Hello", "compare_hellos", "handshake"]
+__all__ = ["LOCAL_FIELDS", "PROTOCOL_VERSION", "Hello", "compare_hellos", "handshake"]
 
 PROTOCOL_VERSION = 1
 
@@ -32,12 +38,19 @@ class Hello:
     capabilities: tuple[str, ...]
     backend: str
     deterministic: bool
+    gpu_aware: str = ""
+
+
+LOCAL_FIELDS = frozenset({"gpu_aware"})
+"""Fields that describe one rank and may differ between ranks: not compared."""
 
 
 def compare_hellos(hellos: list[Hello]) -> None:
     """Raise :class:`HandshakeError` naming every field on which the ranks differ (pure)."""
     problems = []
     for field in Hello.__dataclass_fields__:
+        if field in LOCAL_FIELDS:
+            continue
         values: dict[str, list[int]] = {}
         for rank, h in enumerate(hellos):
             values.setdefault(repr(getattr(h, field)), []).append(rank)

@@ -168,9 +168,11 @@ def _run_session(module: object, args: MpiRunArgs, world: Any, rank: int, size: 
     try:
         session.phase = "handshake"
         maybe_fail(rank, "handshake")
+        local_aware = _detect_gpu_aware(args, backend)
         hello = Hello(
             PROTOCOL_VERSION, __version__, module_hash(module), str(mesh), _capabilities(),
             args.backend, config.deterministic,
+            gpu_aware="" if local_aware is None else str(local_aware),
         )  # fmt: skip
         handshake(session, hello)
         missing = sorted(_required(module) - set(hello.capabilities))
@@ -184,9 +186,8 @@ def _run_session(module: object, args: MpiRunArgs, world: Any, rank: int, size: 
         comm = MpiComm(
             session, deterministic=config.deterministic, max_msg_elems=config.max_msg_elems
         )
-        _run_steps(
-            session, comm, plan, args, rank, backend, _device_comm(session, comm, args, backend)
-        )
+        dcomm = _device_comm(session, comm, args, backend, local_aware)
+        _run_steps(session, comm, plan, args, rank, backend, dcomm)
     except LauncherTerminatedError as exc:  # a peer died: mpirun is killing the job
         session.report_terminated(exc)
     except BaseException as exc:  # every failure ends every rank with one error
@@ -233,7 +234,17 @@ def _groups(plan: object) -> list[tuple[str, ...]]:
     return seen
 
 
-def _device_comm(session: Any, comm: Any, args: MpiRunArgs, backend: Any) -> Any:
+def _detect_gpu_aware(args: MpiRunArgs, backend: Any) -> Any:
+    """This rank's answer to "does MPI take device buffers?" (GPU backends only; no
+    collective): the setting, then the MPI vendor's query, then a probe."""
+    if backend is None or backend.ops is None:
+        return None
+    from dtm_mpi.comm.gpu_aware import detect_gpu_aware
+
+    return detect_gpu_aware(args.gpu_aware, backend.name)
+
+
+def _device_comm(session: Any, comm: Any, args: MpiRunArgs, backend: Any, local: Any) -> Any:
     """The communication endpoint the executor uses: ``comm`` itself on the numpy backend;
     on a GPU backend, ``comm`` wrapped so that device buffers are synchronised and go to MPI
     directly (GPU-aware MPI, agreed by every rank) or through pinned host buffers.
@@ -242,17 +253,16 @@ def _device_comm(session: Any, comm: Any, args: MpiRunArgs, backend: Any) -> Any
     if backend is None or backend.ops is None:
         return comm
     from dtm_mpi.comm.device import DeviceComm
-    from dtm_mpi.comm.gpu_aware import agree_gpu_aware, detect_gpu_aware
+    from dtm_mpi.comm.gpu_aware import agree_gpu_aware
 
     session.phase = "gpu-aware mpi"
-    local = detect_gpu_aware(args.gpu_aware, backend.name)
     aware = agree_gpu_aware(session, local)
     rank = session.rank
     if rank == 0:
         print(f"backend {backend.description}; GPU-aware MPI: {aware.describe()}", flush=True)
     return DeviceComm(
         comm, backend.ops, aware, require_gpu_aware=args.require_gpu_aware,
-        log=(lambda line: print(f"[rank {rank}] dtm: {line}", flush=True)),
+        log=(lambda line: print(f"dtm: {line}", flush=True)) if rank == 0 else (lambda line: None),
     )  # fmt: skip
 
 

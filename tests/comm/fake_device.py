@@ -1,0 +1,251 @@
+"""Fake device arrays for testing the device communication layer without a GPU (mpi4py's own
+trick): host memory exposed through ``__cuda_array_interface__``. mpi4py takes any object
+with that interface as a buffer and hands its pointer to MPI, which on host memory simply
+works; so the direct (GPU-aware) path runs for real on a CPU-only machine.
+
+Also the collective steps both device-comm test files run: every kind, uneven blocks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from dtm_mpi.ir.types import DType, Layout, Partial, ReduceOp, TensorType
+from dtm_mpi.sharding import (
+    AllgatherSpec,
+    AllreduceSpec,
+    ExchangeSpec,
+    MeshShape,
+    RedistStep,
+    ReduceScatterSpec,
+    StepKind,
+    local_block,
+    rank_spec,
+)
+
+PAGE = 4096
+
+
+class FakeDeviceArray:
+    """A C-contiguous numpy array posing as device memory. ``host`` is the memory itself
+    (tests only); there is deliberately no ``__array__``, so code that treats it as a host
+    array fails instead of silently copying."""
+
+    def __init__(self, host: np.ndarray) -> None:
+        if not host.flags.c_contiguous:
+            raise ValueError("FakeDeviceArray wraps C-contiguous arrays only")
+        self.host = host
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.host.shape)
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return self.host.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.host.nbytes)
+
+    @property
+    def size(self) -> int:
+        return int(self.host.size)
+
+    @property
+    def flags(self) -> Any:
+        return self.host.flags
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {
+            "shape": self.shape,
+            "typestr": self.host.dtype.str,
+            "data": (int(self.host.ctypes.data), False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
+        }
+
+    def __repr__(self) -> str:
+        return f"FakeDeviceArray({self.host!r})"
+
+
+class FakeDeviceOps:
+    """``DeviceOps`` over :class:`FakeDeviceArray`: counts synchronisations, records the order
+    of calls in ``events``, and hands out page-aligned "pinned" buffers (counted)."""
+
+    name = "fake"
+
+    def __init__(self) -> None:
+        self.syncs = 0
+        self.pinned_calls = 0
+        self.events: list[str] = []
+
+    def is_device(self, x: object) -> bool:
+        return isinstance(x, FakeDeviceArray)
+
+    def synchronize(self) -> None:
+        self.syncs += 1
+        self.events.append("sync")
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> FakeDeviceArray:
+        out = np.empty(shape, dtype=dtype)
+        out.reshape(-1).view(np.uint8)[:] = 0xA5  # "uninitialised": never all zeros
+        return FakeDeviceArray(out)
+
+    def to_host(self, x: Any, out: np.ndarray) -> np.ndarray:
+        assert isinstance(x, FakeDeviceArray) and out.nbytes >= x.nbytes
+        self.events.append("to_host")
+        flat = out.reshape(-1).view(np.uint8)[: x.nbytes]
+        flat[:] = x.host.reshape(-1).view(np.uint8)
+        return flat.view(x.dtype).reshape(x.shape)
+
+    def to_device(self, host: np.ndarray, out: Any | None = None) -> FakeDeviceArray:
+        self.events.append("to_device")
+        host = np.ascontiguousarray(host)
+        if out is None:
+            return FakeDeviceArray(host.copy())
+        out.host.reshape(-1).view(np.uint8)[:] = host.reshape(-1).view(np.uint8)
+        return out  # type: ignore[no-any-return]
+
+    def pinned(self, nbytes: int) -> np.ndarray:
+        self.pinned_calls += 1
+        raw = np.empty(nbytes + PAGE, dtype=np.uint8)
+        start = -int(raw.ctypes.data) % PAGE
+        return raw[start : start + nbytes]
+
+
+def dev(x: np.ndarray) -> FakeDeviceArray:
+    """A fake device copy of ``x``."""
+    return FakeDeviceArray(np.array(x, order="C", copy=True))
+
+
+# --- the collective steps the tests run -------------------------------------------------------
+
+
+def _t(shape: tuple[int, ...], dims: Any, partial: Any = None, dtype: DType = DType.F32) -> TensorType:  # fmt: skip
+    return TensorType(dtype, shape, Layout(dims, partial))
+
+
+def steps_for(k: int) -> list[RedistStep]:
+    """One step of each collective kind on a line of ``k`` ranks (axis ``x``), with extents that
+    do not divide by ``k`` (uneven blocks), f32 and f64 reductions, and an exchange."""
+    x = ("x",)
+    out = [
+        RedistStep(StepKind.ALLGATHER, _t((7, 3), (x, ())), _t((7, 3), ((), ())), x, dim=0),
+        RedistStep(StepKind.ALLGATHER, _t((3, 5), ((), x)), _t((3, 5), ((), ())), x, dim=1),
+    ]
+    for dt in (DType.F32, DType.F64):
+        for op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN):
+            src = _t((5, 3), ((), ()), Partial(op, x), dt)
+            out.append(RedistStep(StepKind.ALLREDUCE, src, _t((5, 3), ((), ()), None, dt), x, op=op))  # fmt: skip
+    src = _t((7, 2), ((), ()), Partial(ReduceOp.SUM, x))
+    out.append(RedistStep(StepKind.REDUCE_SCATTER, src, _t((7, 2), (x, ())), x, dim=0, op=ReduceOp.SUM))  # fmt: skip
+    src = _t((3, 7), ((), ()), Partial(ReduceOp.SUM, x))
+    out.append(RedistStep(StepKind.REDUCE_SCATTER, src, _t((3, 7), ((), x)), x, dim=1, op=ReduceOp.SUM))  # fmt: skip
+    out.append(RedistStep(StepKind.ALL_TO_ALL, _t((10, 7), (x, ())), _t((10, 7), ((), x)), x, dim=0, dst_dim=1))  # fmt: skip
+    return out
+
+
+def step_input(step: RedistStep, mesh: MeshShape, rank: int, seed: int) -> np.ndarray:
+    """Rank ``rank``'s block of the input of ``step`` (random; integer-valued, so sums are
+    exact in any order)."""
+    t = step.in_type
+    dtype = np.float64 if t.dtype is DType.F64 else np.float32
+    g = np.random.default_rng(seed).integers(-50, 50, size=t.shape).astype(dtype)
+    if t.layout.partial is not None:  # a different contribution on every rank
+        g = g + rank * 3
+    return np.ascontiguousarray(g[local_block(t.shape, t.layout, mesh, rank)])
+
+
+def run_spec(comm: Any, step: RedistStep, mesh: MeshShape, x: Any) -> Any:
+    """Run ``step`` on this rank through ``comm`` (any Comm) on ``x``."""
+    spec = rank_spec(step, mesh, comm.rank)
+    if isinstance(spec, AllgatherSpec):
+        return comm.allgather(x, step.axes, spec)
+    if isinstance(spec, AllreduceSpec):
+        return comm.allreduce(x, step.axes, spec)
+    if isinstance(spec, ReduceScatterSpec):
+        return comm.reduce_scatter(x, step.axes, spec)
+    assert isinstance(spec, ExchangeSpec)
+    return comm.exchange(x, step.axes, spec, step.kind.value)
+
+
+# --- a fake CuPy for the probe's child --------------------------------------------------------
+
+FAKE_CUPY = '''
+"""Just enough of CuPy for dtm_mpi.comm.gpu_aware's probe. FAKE_CUPY_MODE=host: "device"
+arrays are numpy arrays (MPI moves them: a GPU-aware MPI); unmapped: their interface points
+at an unmapped address, so MPI dereferencing it crashes, as a non-GPU-aware MPI does on
+device memory."""
+import os
+import numpy as np
+
+uint32, float32 = np.uint32, np.float32
+MODE = os.environ.get("FAKE_CUPY_MODE", "host")
+
+
+class _Runtime:
+    is_hip = False
+
+    @staticmethod
+    def getDeviceCount():
+        return 1
+
+    @staticmethod
+    def deviceSynchronize():
+        pass
+
+
+class _Device:
+    def __init__(self, index):
+        pass
+
+    def use(self):
+        pass
+
+
+class _Cuda:
+    runtime = _Runtime()
+    Device = _Device
+
+
+cuda = _Cuda()
+
+
+class _Unmapped:
+    def __init__(self, a):
+        self.a = a
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": self.a.shape, "typestr": self.a.dtype.str, "data": (0x1000, False),
+                "version": 3, "strides": None, "stream": None}
+
+    def __mul__(self, k):
+        return _wrap(self.a * k)
+
+
+def _wrap(a):
+    return a if MODE == "host" else _Unmapped(a)
+
+
+def arange(n, dtype):
+    return _wrap(np.arange(n, dtype=dtype))
+
+
+def zeros_like(x):
+    return _wrap(np.zeros_like(getattr(x, "a", x)))
+'''
+
+
+def fake_cupy_environ(directory: str, mode: str) -> dict[str, str]:
+    """The environment for a probe child that imports the fake CuPy from ``directory``."""
+    import os
+
+    os.makedirs(os.path.join(directory, "cupy"), exist_ok=True)
+    with open(os.path.join(directory, "cupy", "__init__.py"), "w", encoding="utf-8") as f:
+        f.write(FAKE_CUPY)
+    return dict(os.environ, PYTHONPATH=directory, FAKE_CUPY_MODE=mode)
