@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--repeat", type=int, default=30, help="alternating rounds; the best block is reported"
     )
     bcomm.add_argument("--csv", default=None, metavar="FILE", help="write one row per (op, bytes)")
+    bcomm.add_argument("--backend", default="numpy", choices=["numpy", "cuda", "hip"],
+                       help="buffers: host (numpy) or device arrays on each rank's GPU")  # fmt: skip
     bcomm.set_defaults(func=_cmd_bench_comm)
     bck = bsub.add_parser(
         "ckpt", help="checkpoint save/restore vs plain file writes and reads (under mpirun)"
@@ -200,7 +202,7 @@ def _cmd_bench_comm(args: argparse.Namespace) -> int:
 
     sizes = [parse_size(x) for x in args.sizes.split(",")] if args.sizes else None
     ops = [x.strip() for x in args.ops.split(",") if x.strip()]
-    table = run_comm_bench(ops, sizes, repeat=args.repeat, csv_path=args.csv)
+    table = run_comm_bench(ops, sizes, repeat=args.repeat, csv_path=args.csv, backend=args.backend)
     if table:
         print(table)
     return 0

@@ -80,7 +80,48 @@ def slowest_rank_time(fn: Callable[[], object], iters: int, comm: Any) -> float:
     return float(comm.allreduce(elapsed, op=MPI.MAX))
 
 
-def _cases(op: str, nbytes: int, comm_dtm: Any, raw: Any, n: int, rank: int) -> tuple[Callable[[], object], Callable[[], object]]:  # fmt: skip
+class _DeviceRaw:
+    """The raw path on device buffers, as a careful mpi4py user writes it: synchronise the
+    stream, then hand the device buffers to MPI (GPU-aware MPI), or copy to host buffers,
+    call MPI there and copy back (otherwise)."""
+
+    def __init__(self, backend: Any, aware: bool) -> None:
+        self.ops, self.aware = backend.ops, aware
+        self._host: dict[tuple[int, int], np.ndarray] = {}
+
+    def _staged(self, x: Any, slot: int, copy: bool = True) -> np.ndarray:
+        """A pinned host twin of device array ``x`` (holding its values when ``copy``)."""
+        key = (slot, int(x.nbytes))
+        if key not in self._host:
+            self._host[key] = self.ops.pinned(int(x.nbytes))
+        buf = self._host[key]
+        if copy:
+            out: np.ndarray = self.ops.to_host(x, buf)
+            return out
+        twin: np.ndarray = buf[: int(x.nbytes)].view(x.dtype).reshape(x.shape)
+        return twin
+
+    def wrap(self, call: Callable[..., object], send: Any, recv: Any | None, **kw: Any) -> Callable[[], object]:  # fmt: skip
+        ops = self.ops
+
+        def direct() -> object:
+            ops.synchronize()
+            return call(send, recv, **kw) if recv is not None else call(send, **kw)
+
+        def staged() -> object:
+            ops.synchronize()
+            hs = self._staged(send, 0)
+            if recv is None:
+                call(hs, **kw)
+                return ops.to_device(hs, send)
+            hr = self._staged(recv, 1, copy=False)
+            call(hs, hr, **kw)
+            return ops.to_device(hr, recv)
+
+        return direct if self.aware else staged
+
+
+def _cases(op: str, nbytes: int, comm_dtm: Any, raw: Any, n: int, rank: int, device: Any = None) -> tuple[Callable[[], object], Callable[[], object]]:  # fmt: skip
     from mpi4py import MPI
 
     from dtm_mpi.comm.buffers import empty_aligned
@@ -93,27 +134,36 @@ def _cases(op: str, nbytes: int, comm_dtm: Any, raw: Any, n: int, rank: int) -> 
         Transfer,
     )
 
-    def _ones(count: int) -> np.ndarray:  # page-aligned, as both paths get their best case
+    def _host_ones(count: int) -> np.ndarray:  # page-aligned, as both paths get their best case
         a = empty_aligned(count, np.float32)
         a[:] = 1
         return a
+
+    _ones: Callable[[int], Any] = _host_ones
+    _empty: Callable[[int, Any], Any] = empty_aligned
+    if device is not None:  # device buffers on both paths; the raw one synchronises/stages
+        cp = device[0].ops.cp
+        _ones = lambda count: cp.ones(count, dtype=np.float32)  # noqa: E731
+        _empty = lambda count, dtype: cp.empty(count, dtype=dtype)  # noqa: E731
+        draw: _DeviceRaw = device[1]
+        raw = _WrappedRaw(raw, draw)
 
     group = tuple(range(n))
     axes = ("x",)
     elems = max(n, nbytes // 4 // n * n)  # float32, divisible by n
     per = elems // n
     if op == "allreduce":
-        x, out = _ones(elems), empty_aligned(elems, np.float32)
+        x, out = _ones(elems), _empty(elems, np.float32)
         spec_ar = AllreduceSpec(group, rank, ReduceOp.SUM, elems)
         return (lambda: comm_dtm.allreduce(x, axes, spec_ar)), (
             lambda: raw.Allreduce(x, out, op=MPI.SUM)
         )
     if op == "allgather":
-        x, out = _ones(per), empty_aligned(elems, np.float32)
+        x, out = _ones(per), _empty(elems, np.float32)
         spec_ag = AllgatherSpec(group, rank, 0, (per,) * n, (per,) * n)
         return (lambda: comm_dtm.allgather(x, axes, spec_ag)), (lambda: raw.Allgather(x, out))
     if op == "reduce_scatter":
-        x, out = _ones(elems), empty_aligned(per, np.float32)
+        x, out = _ones(elems), _empty(per, np.float32)
         pieces = tuple((j * per, per) for j in range(n))
         spec_rs = ReduceScatterSpec(group, rank, ReduceOp.SUM, 0, pieces, (per,) * n)
         return (lambda: comm_dtm.reduce_scatter(x, axes, spec_rs)), (
@@ -122,7 +172,7 @@ def _cases(op: str, nbytes: int, comm_dtm: Any, raw: Any, n: int, rank: int) -> 
     if op == "broadcast":
         x = _ones(elems)
         return (lambda: comm_dtm.broadcast(x, axes, 0)), (lambda: raw.Bcast(x, root=0))
-    x, out = _ones(elems), empty_aligned(elems, np.float32)
+    x, out = _ones(elems), _empty(elems, np.float32)
 
     def region(j: int) -> tuple[slice, ...]:
         return (slice(j * per, (j + 1) * per),)
@@ -138,11 +188,31 @@ def _cases(op: str, nbytes: int, comm_dtm: Any, raw: Any, n: int, rank: int) -> 
     )
 
 
+class _WrappedRaw:
+    """mpi4py's buffer calls on device arrays through :class:`_DeviceRaw`, called like the
+    communicator's own (``raw.Allreduce(x, out, op=...)``)."""
+
+    def __init__(self, comm: Any, draw: _DeviceRaw) -> None:
+        self._comm, self._draw = comm, draw
+
+    def __getattr__(self, name: str) -> Callable[..., object]:
+        call = getattr(self._comm, name)
+
+        def bound(send: Any, recv: Any = None, **kw: Any) -> object:
+            return self._draw.wrap(call, send, recv, **kw)()
+
+        return bound
+
+
 def run_comm_bench(
     ops: Sequence[str] = OPS, sizes: Sequence[int] | None = None, repeat: int = 30,
-    csv_path: str | None = None,
+    csv_path: str | None = None, backend: str = "numpy",
 ) -> str:  # fmt: skip
-    """Run the benchmark on every rank of the world; returns the table on rank 0.
+    """Run the benchmark on every rank of the world; returns the table on rank 0. With a
+    GPU ``backend``, both paths move device buffers (each rank on its node-local GPU): the
+    dtm path through :class:`~dtm_mpi.comm.device.DeviceComm`, the raw path synchronising
+    and then calling MPI on the device buffers (GPU-aware MPI) or staging through host
+    buffers itself.
 
     Collective: call on all ranks."""
     from mpi4py import MPI
@@ -158,12 +228,15 @@ def run_comm_bench(
     world = MPI.COMM_WORLD
     n, rank = int(world.Get_size()), int(world.Get_rank())
     session = MpiSession(MeshShape((("x", n),)), [("x",)], timeout_s=get_config().timeout_s)
-    dtm_comm = MpiComm(session, deterministic=False)
+    dtm_comm: Any = MpiComm(session, deterministic=False)
     raw = world.Dup()
+    device = None
+    if backend != "numpy":
+        dtm_comm, device = _device_setup(backend, world, session, dtm_comm)
     rows: list[BenchRow] = []
     for op in ops:
         for nbytes in sizes or default_sizes():
-            dtm_fn, raw_fn = _cases(op, nbytes, dtm_comm, raw, n, rank)
+            dtm_fn, raw_fn = _cases(op, nbytes, dtm_comm, raw, n, rank, device)
             # short blocks, many alternating rounds, the best block of each path: on a shared
             # machine noise only ever slows a block down, and one noisy block in a long run
             # would decide the ratio
@@ -180,6 +253,9 @@ def run_comm_bench(
     session.close()
     if rank != 0:
         return ""
+    head = ""
+    if device is not None:
+        head = f"device buffers: {device[0].description}; {dtm_comm.describe()}\n"
     if csv_path:
         with open(csv_path, "w", newline="") as f:
             w = csv.writer(f)
@@ -189,7 +265,36 @@ def run_comm_bench(
             for r in rows:
                 w.writerow([r.op, r.ranks, r.bytes, f"{r.dtm_s:.9f}", f"{r.raw_s:.9f}",
                             f"{r.busbw(r.dtm_s):.1f}", f"{r.busbw(r.raw_s):.1f}", f"{r.ratio:.3f}"])  # fmt: skip
-    return format_table(rows)
+    return head + format_table(rows)
+
+
+def _device_setup(backend: str, world: Any, session: Any, inner: Any) -> tuple[Any, tuple[Any, _DeviceRaw]]:  # fmt: skip
+    """Open the GPU backend on every rank (node-local GPU), agree on GPU-aware MPI and wrap
+    the dtm endpoint for device buffers (a rank without a GPU ends every rank's run).
+
+    Collective: call on all ranks."""
+    from dtm_mpi.comm.agreement import agree_or_raise
+    from dtm_mpi.comm.device import DeviceComm
+    from dtm_mpi.comm.gpu_aware import agree_gpu_aware, detect_gpu_aware
+    from dtm_mpi.comm.world import node_local_rank
+    from dtm_mpi.config import get_config
+    from dtm_mpi.errors import DtmError
+    from dtm_mpi.kernels.backends import parse_backend
+    from dtm_mpi.kernels.devices import open_backend
+
+    local_rank, local_size = node_local_rank(world)
+    opened, error = None, None
+    try:
+        opened = open_backend(parse_backend(backend), local_rank, local_size)
+    except DtmError as exc:
+        error = exc
+    agree_or_raise(world, phase="backend", error=error, timeout_s=get_config().timeout_s)
+    assert opened is not None
+    aware = agree_gpu_aware(session, detect_gpu_aware(None, opened.name))
+    return DeviceComm(inner, opened.ops, aware, log=lambda line: None), (
+        opened,
+        _DeviceRaw(opened, aware.aware),
+    )
 
 
 def format_table(rows: Sequence[BenchRow]) -> str:
