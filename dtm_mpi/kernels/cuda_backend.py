@@ -10,6 +10,10 @@ global indices (``iota``, ``random``, ``constant``, ``step_index``) compute the 
 with the numpy kernel and upload it. Every op has a kernel here: the tests check the table
 covers the registry, so no op can reach the CPU unannounced.
 
+One known difference from numpy: ``cast`` of NaN, infinities or out-of-range floats to an
+integer type saturates on GPUs (CUDA/HIP conversion rules) where numpy on x86 gives the
+integer minimum or wraps; both are undefined in C, and the IR leaves them unspecified.
+
 Importing this module needs no GPU and no CuPy (kernels import CuPy when they run).
 """
 
@@ -162,7 +166,7 @@ def _reduction(name: str) -> None:
             total = cp.sum(x, axis=dims, keepdims=keep)
             value = total / count if (name == "mean" and count) else total * np.nan if name == "mean" else total  # fmt: skip
             return (value.astype(out, copy=False),)
-        if any(x.shape[d] == 0 for d in dims):  # an empty block: the reduction's identity
+        if x.size == 0:  # an empty block: the reduction's identity (CuPy refuses size 0)
             shape = tuple(ctx.local_shapes[0])
             return (cp.full(shape, _identity(name, np.dtype(x.dtype)), dtype=out),)
         fn = cp.max if name == "max" else cp.min
@@ -196,21 +200,28 @@ def _dequantize(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
 
 
 # -- shapes --------------------------------------------------------------------------------------
+def _owned(x: Arr) -> Arr:
+    """A C-contiguous copy of a view, shape kept (``ascontiguousarray`` makes 0-d arrays
+    1-d), as the numpy kernels return new arrays."""
+    return x.copy(order="C")
+
+
 @_register("reshape")
 def _reshape(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
-    return (_cp().ascontiguousarray(xs[0]).reshape(ctx.local_shapes[0]),)
+    x = xs[0] if xs[0].flags.c_contiguous else _owned(xs[0])
+    return (x.reshape(ctx.local_shapes[0]),)  # a view, as numpy's reshape
 
 
 @_register("transpose")
 def _transpose(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
     perm = tuple(ctx.op.attr("perm"))  # type: ignore[arg-type]
-    return (_cp().ascontiguousarray(xs[0].transpose(perm)),)
+    return (_owned(xs[0].transpose(perm)),)
 
 
 @_register("broadcast_to")
 def _broadcast_to(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
     cp = _cp()
-    return (cp.ascontiguousarray(cp.broadcast_to(xs[0], ctx.local_shapes[0])),)
+    return (_owned(cp.broadcast_to(xs[0], ctx.local_shapes[0])),)
 
 
 @_register("slice")
@@ -223,7 +234,7 @@ def _slice(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
         slice(0, x.shape[d]) if layout.dims[d] else slice(a, b)
         for d, (a, b) in enumerate(zip(start, limit, strict=True))
     )  # a sharded dim keeps its local extent (as the numpy kernel)
-    return (_cp().ascontiguousarray(x[index]),)
+    return (_owned(x[index]),)
 
 
 @_register("concat")

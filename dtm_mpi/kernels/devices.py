@@ -35,7 +35,6 @@ class CupyDeviceOps:
 
         self.cp: Any = cupy
         self.name = name
-        self._pinned: list[Any] = []  # keeps the pinned allocations alive
 
     def is_device(self, x: object) -> bool:
         return isinstance(x, self.cp.ndarray)
@@ -47,24 +46,26 @@ class CupyDeviceOps:
         return self.cp.empty(shape, dtype=dtype)
 
     def to_host(self, x: Any, out: np.ndarray) -> np.ndarray:
-        x = self.cp.ascontiguousarray(x)
+        if not x.flags.c_contiguous:  # (ascontiguousarray would turn a 0-d array into 1-d)
+            x = self.cp.ascontiguousarray(x)
+        if not out.flags.c_contiguous:
+            raise ValueError("to_host: out must be C-contiguous")
         view = out.reshape(-1).view(np.uint8)[: x.nbytes].view(x.dtype).reshape(x.shape)
         x.get(out=view)  # synchronous on the current stream
         result: np.ndarray = view
         return result
 
     def to_device(self, host: np.ndarray, out: Any | None = None) -> Any:
-        host = np.ascontiguousarray(host)
+        host = np.require(host, requirements="C")  # keeps 0-d arrays 0-d
         if out is None:
             out = self.cp.empty(host.shape, dtype=host.dtype)
-        out.set(host.reshape(out.shape).view(out.dtype))
+        out.set(host.reshape(-1).view(np.uint8)[: out.nbytes].view(out.dtype).reshape(out.shape))
         self.synchronize()
         return out
 
     def pinned(self, nbytes: int) -> np.ndarray:
         mem = self.cp.cuda.alloc_pinned_memory(max(1, nbytes))
-        self._pinned.append(mem)
-        return np.frombuffer(mem, dtype=np.uint8, count=max(1, nbytes))
+        return np.frombuffer(mem, dtype=np.uint8, count=max(1, nbytes))  # holds mem alive
 
 
 @dataclass(slots=True)

@@ -41,6 +41,7 @@ OPTIONS = ("-std=c++17",)
 
 _MODULES: dict[tuple[str, int], Any] = {}
 _FUNCTIONS: dict[tuple[str, str, int], Any] = {}
+_FUSED: dict[tuple[Any, ...], Any] = {}
 
 Arr = Any
 
@@ -147,8 +148,16 @@ def row_reduce(op: str, x: Arr, scale: float = 1.0, *, out: Arr | None = None) -
     return y
 
 
+_WARP: dict[int, int] = {}
+
+
 def _warp() -> int:
-    return int(_cp().cuda.Device().attributes.get("WarpSize", 32))
+    """The current device's warp size (32 on NVIDIA, 64 on most AMD GPUs), asked once."""
+    cp = _cp()
+    device = int(cp.cuda.Device().id)
+    if device not in _WARP:
+        _WARP[device] = int(cp.cuda.Device().attributes.get("WarpSize", 32))
+    return _WARP[device]
 
 
 def quantize(x: Arr, block: int, *, out: tuple[Arr, Arr] | None = None) -> tuple[Arr, Arr]:
@@ -192,12 +201,11 @@ def fused(
     dtype = np.dtype(dtype)
     if dtype not in CTYPES:
         raise KernelError(f"generated kernels write f16/f32/f64; got {dtype}")
-    template = kernel_source("fused_elementwise.cu")
-    name, code = fused_source(expr, inputs, dtype, template)
-    fn = _FUNCTIONS.get((name, name, int(cp.cuda.Device().id)))
-    if fn is None:
-        fn = _module(name, code).get_function(name)
-        _FUNCTIONS[(name, name, int(cp.cuda.Device().id))] = fn
+    key = (expr, tuple(inputs), dtype, int(cp.cuda.Device().id))
+    fn = _FUSED.get(key)
+    if fn is None:  # generated, compiled and looked up once per expression, types and device
+        name, code = fused_source(expr, inputs, dtype, kernel_source("fused_elementwise.cu"))
+        fn = _FUSED[key] = _module(name, code).get_function(name)
     y = _out(out, tuple(shape), dtype)
     n = int(y.size)
     cols = int(shape[-1]) if len(shape) else 1

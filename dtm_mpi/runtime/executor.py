@@ -110,6 +110,29 @@ class _Fusion:
     skip: frozenset[int]
 
 
+def _fused_frees(fp: FunctionPlan, groups: Sequence[FusedGroup]) -> dict[int, tuple[str, ...]]:
+    """What each op frees when groups run at their roots: a root frees what its members
+    freed, and an input of a group is never freed before the group's root reads it (an op
+    between a member and the root that was its last other user no longer frees it; the
+    root does)."""
+    frees = {i: list(p.frees) for i, p in enumerate(fp.ops)}
+    for g in sorted(groups, key=lambda g: g.root):
+        members = set(g.members)
+        frees[g.root] = [n for m in g.members for n in fp.ops[m].frees]
+        for m in g.members:
+            if m != g.root:
+                frees[m] = []
+        inputs = set(g.inputs)
+        for j in range(min(members), g.root):
+            if j in members:
+                continue
+            moved = [n for n in frees[j] if n in inputs]
+            if moved:
+                frees[j] = [n for n in frees[j] if n not in inputs]
+                frees[g.root] += moved
+    return {i: tuple(dict.fromkeys(v)) for i, v in frees.items()}
+
+
 def _expr(node: FusionNode | int) -> Expr | int:
     """A planned fusion tree as the kernel generator's expression."""
     if isinstance(node, int):
@@ -215,7 +238,7 @@ class Executor:
                 ) from exc
             for r, v in zip(op.results, outs, strict=True):
                 env[r] = v
-            for name in p.frees if group is None or fused is None else fused.frees[index]:
+            for name in p.frees if fused is None else fused.frees[index]:
                 env.pop(name, None)
         return tuple(env[r] for r in f.returns)
 
@@ -229,8 +252,7 @@ class Executor:
             groups = fusion_groups(fp)
             roots = {g.root: g for g in groups}
             skip = {m for g in groups for m in g.members if m != g.root}
-            frees = {g.root: tuple(n for m in g.members for n in fp.ops[m].frees) for g in groups}  # fmt: skip
-            got = self._fusion[id(fp)] = _Fusion(roots, frees, frozenset(skip))
+            got = self._fusion[id(fp)] = _Fusion(roots, _fused_frees(fp, groups), frozenset(skip))  # fmt: skip
         return got
 
     def _run_group(self, p: PlanOp, group: FusedGroup, env: dict[str, np.ndarray]) -> tuple[np.ndarray, ...]:  # fmt: skip

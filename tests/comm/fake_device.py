@@ -104,7 +104,7 @@ class FakeDeviceOps:
 
     def to_device(self, host: np.ndarray, out: Any | None = None) -> FakeDeviceArray:
         self.events.append("to_device")
-        host = np.ascontiguousarray(host)
+        host = np.require(host, requirements="C")  # keeps a 0-d array 0-d
         if out is None:
             return FakeDeviceArray(host.copy())
         out.host.reshape(-1).view(np.uint8)[:] = host.reshape(-1).view(np.uint8)

@@ -433,3 +433,24 @@ def test_handshake_carries_but_does_not_compare_the_local_answer() -> None:
         compare_hellos([hello("yes (vendor query)"), hello("no (probe)", "hip")])
     assert "gpu_aware" not in str(info.value)
     assert Hello(1, "0.1", "h", "x=2", (), "numpy", False).gpu_aware == ""
+
+
+@pytest.mark.parametrize("aware", [False, True])
+def test_scalars_stay_scalars(aware: bool) -> None:
+    """A 0-d value (a loss) keeps shape () through staging: numpy's and CuPy's
+    ascontiguousarray would make it (1,)."""
+    k = 3
+    mesh = line(k)
+    axes = mesh.axis_names
+
+    def body(comm: SimComm) -> None:
+        dc = DeviceComm(comm, FakeDeviceOps(), YES if aware else NO, log=lambda line: None)
+        x = np.array(comm.rank + 1.5, dtype=np.float32)
+        spec = AllreduceSpec(tuple(range(k)), comm.rank, ReduceOp.SUM, 1)
+        want = comm.allreduce(x, axes, spec)
+        got = dc.allreduce(dev(x), axes, spec)
+        assert want.shape == () and same(got, want), (got.shape, want)
+        b = dc.broadcast(dev(np.array(comm.rank, dtype=np.int64)), axes, 1)
+        assert b.shape == () and int(b.host) == 1
+
+    run_ranks(mesh, body, timeout_s=20)

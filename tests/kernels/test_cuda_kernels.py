@@ -47,7 +47,7 @@ def dev() -> Any:
 def _x(shape: tuple[int, ...], dtype: Any, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     x = rng.standard_normal(shape) * 3 + 0.5
-    assert np.any(x != 0)
+    assert x.size == 0 or np.any(x != 0)
     return x.astype(dtype)
 
 
@@ -204,6 +204,7 @@ EXAMPLES = Path(__file__).parents[2] / "examples"
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not on PATH")
+@pytest.mark.timeout(400)
 @pytest.mark.parametrize("name", ["tp_mlp", "dp_step", "attention", "collectives"])
 def test_examples_on_the_gpu_match_numpy(dev: Any, name: str, tmp_path: Path) -> None:
     """Whole programs at 2 ranks on the GPU (both ranks may share one device) against the

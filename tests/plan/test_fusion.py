@@ -137,3 +137,29 @@ def test_tp_mlp_backward_chain_is_fused() -> None:
     plan = compile_plan(module, mesh_for(module, 4, None))
     sizes = [g.size for g in fusion_groups(plan.entry_plan)]
     assert sizes and max(sizes) >= 4, sizes  # the written-out gelu' is one kernel
+
+
+def test_an_input_freed_by_an_op_between_member_and_root_is_kept() -> None:
+    """%x's last other user (the matmul) sits between the group's first member (exp) and
+    its root (add): the matmul must not free %x before the group reads it."""
+    text = """dtm 1.0
+module between
+
+entry func @main(%x: f32[4,4] init normal(seed=1, std=1.0), %y: f32[4,4] init normal(seed=2, std=1.0)) -> (f32[4,4], f32[4,4]) {
+  %a = exp %x : f32[4,4]
+  %m = matmul %x, %y : f32[4,4]
+  %c = add %a, %y : f32[4,4]
+  return %c, %m
+}
+"""
+    module = load_module(text, "between.dtm")
+    fp = plan_of(text, 1).entry_plan
+    (g,) = fusion_groups(fp)
+    assert [fp.ops[m].op.results[0] for m in g.members] == ["%a", "%c"]
+    want = run_simulated(module, 1)
+    backend = HostFusing(BackendKind.NUMPY)
+    backend.calls = []
+    got = run_simulated(module, 1, backend=backend)
+    assert backend.calls
+    for k, v in want.outputs().items():
+        assert np.array_equal(got.outputs()[k], v), k
