@@ -1,0 +1,190 @@
+"""The GPU backends' kernel table run on the CPU: CuPy replaced by numpy (CuPy mirrors numpy's
+API) and each RawKernel launcher by a numpy twin of what its ``.cu`` source computes. This
+checks the glue a GPU run depends on — which launcher each op calls and with what, result
+shapes and dtypes (0-d and empty blocks included), keepdims, the global count of ``mean``,
+softmax along any dim, quantisation scales' shape, fused groups — against the numpy backend
+on every example at several rank counts, without a GPU. The kernels themselves are checked
+on a GPU by tests/kernels/test_cuda_kernels.py."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dtm_mpi.ir import load_module
+from dtm_mpi.ir.ops.elementwise import _BINARY, _UNARY
+from dtm_mpi.kernels import cuda_backend, launch
+from dtm_mpi.kernels.backends import BackendKind
+from dtm_mpi.kernels.devices import ArrayBackend
+from dtm_mpi.kernels.fused import Expr, FusedInput
+from dtm_mpi.runtime.session import run_simulated
+
+EXAMPLES = Path(__file__).parents[2] / "examples"
+
+
+def _softmax(x: Any, *, log: bool = False, out: Any = None) -> Any:
+    xf = x.astype(np.float32 if x.dtype == np.float16 else x.dtype)
+    s = xf - xf.max(axis=-1, keepdims=True)
+    y = s - np.log(np.exp(s).sum(axis=-1, keepdims=True)) if log else np.exp(s) / np.exp(s).sum(axis=-1, keepdims=True)  # fmt: skip
+    return y.astype(x.dtype)
+
+
+def _layer_norm(x: Any, g: Any, b: Any, eps: float, *, out: Any = None) -> Any:
+    xf = x.astype(np.float64)
+    m = xf.mean(axis=-1, keepdims=True)
+    v = ((xf - m) ** 2).mean(axis=-1, keepdims=True)
+    return ((xf - m) / np.sqrt(v + eps) * g + b).astype(x.dtype)
+
+
+def _row_reduce(op: str, x: Any, scale: float = 1.0, *, out: Any = None) -> Any:
+    assert op in ("sum", "max", "min")
+    if op == "sum":
+        return (x.astype(np.float64).sum(axis=-1) * scale).astype(x.dtype)
+    ident = -np.inf if op == "max" else np.inf
+    return getattr(np, op)(x, axis=-1, initial=ident).astype(x.dtype)
+
+
+def _quantize(x: Any, block: int, *, out: Any = None) -> tuple[Any, Any]:
+    xb = x.astype(np.float64).reshape(-1, block)
+    amax = np.abs(xb).max(axis=-1)
+    s = np.where(amax > 0, amax / 127.0, 1.0)
+    q = np.clip(np.rint(xb / s[:, None]), -127, 127).astype(np.int8).reshape(x.shape)
+    return q, s.astype(np.float32)
+
+
+def _dequantize(q: Any, scales: Any, block: int, dtype: Any, *, out: Any = None) -> Any:
+    y = q.astype(np.float64).reshape(-1, block) * scales.astype(np.float64).reshape(-1)[:, None]
+    return y.reshape(q.shape).astype(dtype)
+
+
+def _fused(expr: Expr, inputs: Sequence[FusedInput], xs: Sequence[Any], dtype: Any, shape: Sequence[int], *, out: Any = None) -> Any:  # fmt: skip
+    assert len(inputs) == len(xs)
+    for i, x in zip(inputs, xs, strict=True):
+        assert np.dtype(x.dtype) == i.dtype
+        assert (x.shape == (shape[-1],)) if i.lastdim else (tuple(x.shape) == tuple(shape))
+    acc = np.float64 if any(i.dtype == np.float64 for i in inputs) or np.dtype(dtype) == np.float64 else np.float32  # fmt: skip
+    vals = [np.broadcast_to(x, shape).astype(acc) for x in xs]
+
+    def ev(e: Expr | int) -> Any:
+        if isinstance(e, int):
+            return vals[e]
+        args = [ev(a) for a in e.args]
+        with np.errstate(all="ignore"):
+            fn = _UNARY[e.op][0] if len(args) == 1 else _BINARY[e.op]
+            return np.asarray(fn(*args)).astype(acc)
+
+    return np.ascontiguousarray(ev(expr)).astype(dtype)
+
+
+@pytest.fixture
+def on_host(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """CuPy -> numpy and every launcher -> its numpy twin; returns the launchers called."""
+    called: list[str] = []
+
+    def spy(name: str, fn: Any) -> Any:
+        def wrapped(*a: Any, **k: Any) -> Any:
+            called.append(name)
+            return fn(*a, **k)
+
+        return wrapped
+
+    monkeypatch.setattr(cuda_backend, "_cp", lambda: np)
+    for name, fn in (("softmax", _softmax), ("layer_norm", _layer_norm), ("row_reduce", _row_reduce),
+                     ("quantize", _quantize), ("dequantize", _dequantize), ("fused", _fused)):  # fmt: skip
+        monkeypatch.setattr(launch, name, spy(name, fn))
+    return called
+
+
+class HostCuda(ArrayBackend):
+    """The cuda kernel table on host arrays, fusion on (run through the patched launcher)."""
+
+    @property
+    def fuses(self) -> bool:
+        return True
+
+    def run_fused(self, expr: Any, lastdim: Sequence[bool], xs: Sequence[Any], dtype: Any, shape: tuple[int, ...]) -> Any:  # fmt: skip
+        ins = [FusedInput(np.dtype(x.dtype), bool(b)) for x, b in zip(xs, lastdim, strict=True)]
+        return launch.fused(expr, ins, xs, dtype, shape)
+
+
+def _compare(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        g = got[k]
+        assert g.shape == v.shape and g.dtype == v.dtype, (k, g.shape, v.shape, g.dtype, v.dtype)
+        if v.dtype.kind == "f":  # f16: the GPU computes in float, numpy in f16
+            tol = (2e-3, 1e-3) if v.dtype == np.float16 else (2e-5, 1e-6)
+            np.testing.assert_allclose(g, v, rtol=tol[0], atol=tol[1], err_msg=k)
+        else:
+            assert np.array_equal(g, v), k
+
+
+@pytest.mark.parametrize("name", ["tp_mlp", "dp_step", "attention", "collectives", "pipeline"])
+@pytest.mark.parametrize("ranks", [1, 3, 4])
+def test_examples_with_the_gpu_table_equal_numpy(on_host: list[str], name: str, ranks: int) -> None:
+    module = load_module((EXAMPLES / f"{name}.dtm").read_text(), f"{name}.dtm")
+    if name == "pipeline" and ranks == 1:
+        pytest.skip("the pipeline needs at least 2 stages")
+    want = run_simulated(module, ranks, steps=2).outputs()
+    got = run_simulated(module, ranks, steps=2, backend=HostCuda(BackendKind.CUDA)).outputs()
+    _compare(got, want)
+    if name in ("tp_mlp", "attention"):
+        assert "fused" in on_host  # elementwise ops went through generated kernels
+    if name == "attention":
+        assert "softmax" in on_host
+
+
+OPS_MODULE = """dtm 1.0
+module gpu_table
+
+mesh @m = [x=3]
+
+entry func @main(%a: f32[7,6]{x,-} init normal(seed=1, std=2.0),
+                 %b: f32[6] init normal(seed=2, std=1.0),
+                 %fi: f32[7,6]{x,-} init uniform(seed=3, low=-50.0, high=50.0),
+                 %h: f16[5,8] init normal(seed=4, std=1.0),
+                 %r: f32[7,6] init normal(seed=5, std=1.0)) -> (
+    f32[7,6], f32[7,6]{x,-}, f32[7]{x}, f32[6] partial(sum: x),
+    f32[7,1]{x,-}, f32[6] partial(max: x), i32[7,6]{x,-}, f32[7,6], f32[7,6],
+    f16[5,8], f16[5,8], i8[5,8], f32[5,2], f16[5,8], f32[6,7]{-,x}, f32[] partial(sum: x)) on @m requires [CAP_QUANT] {
+  %s0 = softmax %r dim 0 : f32[7,6]
+  %s1 = log_softmax %a dim 1 : f32[7,6]{x,-}
+  %m1 = mean %a dims [1] : f32[7]{x}
+  %m0 = mean %a dims [0] : f32[6] partial(sum: x)
+  %k = max %a dims [1] keepdims : f32[7,1]{x,-}
+  %k0 = max %a dims [0] : f32[6] partial(max: x)
+  %i = cast %fi : i32[7,6]{x,-}
+  %ii = mul %i, %i : i32[7,6]{x,-}
+  %bb = broadcast_to %b : f32[7,6]
+  %g = add %r, %bb : f32[7,6]
+  %gg = gelu %g : f32[7,6]
+  %c = compare gt %r, %gg : bool[7,6]
+  %w = where %c, %r, %gg : f32[7,6]
+  %hs = softmax %h dim 1 : f16[5,8]
+  %gamma = constant 1.5 : f16[8]
+  %beta = constant 0.25 : f16[8]
+  %ln = layer_norm %h, %gamma, %beta eps 0.00001 : f16[5,8]
+  %q, %qs = quantize %h block 4 : i8[5,8], f32[5,2]
+  %dq = dequantize %q, %qs block 4 : f16[5,8]
+  %t = transpose %a perm [1, 0] : f32[6,7]{-,x}
+  %z = sum %a dims [0, 1] : f32[] partial(sum: x)
+  return %s0, %s1, %m1, %m0, %k, %k0, %ii, %gg, %w, %hs, %ln, %q, %qs, %dq, %t, %z
+}
+"""
+
+
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_every_op_family_with_the_gpu_table(on_host: list[str], ranks: int) -> None:
+    try:
+        module = load_module(OPS_MODULE, "gpu_table.dtm")
+    except Exception as exc:  # a typo in the module above is a test bug: show it
+        pytest.fail(f"the test module does not verify: {exc}")
+    want = run_simulated(module, ranks).outputs()
+    got = run_simulated(module, ranks, backend=HostCuda(BackendKind.CUDA)).outputs()
+    _compare(got, want)
+    for launcher in ("softmax", "layer_norm", "row_reduce", "quantize", "dequantize", "fused"):
+        assert launcher in on_host, launcher
