@@ -45,6 +45,8 @@ def add_exec_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     _mesh_arg(ex)
     ex.add_argument("--max-bytes-per-rank", type=byte_count, default=None, metavar="BYTES",
                     help="refuse a plan whose peak memory on any rank is above BYTES")  # fmt: skip
+    ex.add_argument("--backend", default="numpy", choices=["numpy", "cuda", "hip"],
+                    help="also show where each op runs on this GPU backend (needs no GPU)")  # fmt: skip
     ex.set_defaults(func=_cmd_explain)
 
     rn = sub.add_parser("run", help="run the entry function (--sim N: N simulated ranks)")
@@ -108,6 +110,10 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
     plan = _plan(load_checked(args.file), args.ranks, _binding(args))
     sys.stdout.write(explain_text(plan))
+    if args.backend != "numpy":
+        from dtm_mpi.runtime.placement import placement_text
+
+        sys.stdout.write("\n" + placement_text(plan, args.backend))
     if args.max_bytes_per_rank is not None:
         check_memory(plan, args.max_bytes_per_rank)
     return 0
