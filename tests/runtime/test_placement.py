@@ -50,8 +50,21 @@ def test_attention_uses_the_softmax_kernel() -> None:
 
 def test_cli_explain_with_a_gpu_backend_needs_no_gpu() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "dtm_mpi", "explain", str(EXAMPLES / "tp_mlp.dtm"), "-n", "4", "--backend", "cuda"],  # fmt: skip
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "dtm_mpi",
+            "explain",
+            str(EXAMPLES / "tp_mlp.dtm"),
+            "-n",
+            "4",
+            "--backend",
+            "cuda",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "backend cuda: where each op runs" in proc.stdout and "peak memory" in proc.stdout
