@@ -290,7 +290,7 @@ def _device_setup(backend: str, world: Any, session: Any, inner: Any) -> tuple[A
         error = exc
     agree_or_raise(world, phase="backend", error=error, timeout_s=get_config().timeout_s)
     assert opened is not None
-    aware = agree_gpu_aware(session, detect_gpu_aware(None, opened.name))
+    aware = agree_gpu_aware(session, detect_gpu_aware(None, opened.name, device=opened.device))
     return DeviceComm(inner, opened.ops, aware, log=lambda line: None), (
         opened,
         _DeviceRaw(opened, aware.aware),

@@ -162,7 +162,11 @@ class PinnedPool:
         if len(kept) >= self.PER_CLASS or self.pinned_bytes + size > self.max_bytes:
             self.pageable += 1
             return np.empty(nbytes, dtype=np.uint8)
-        buf = self._ops.pinned(size)
+        try:
+            buf = self._ops.pinned(size)
+        except Exception:  # page-locked memory is capped (ulimit -l, the driver): use pageable
+            self.pageable += 1
+            return np.empty(nbytes, dtype=np.uint8)
         if buf.dtype != np.uint8 or buf.ndim != 1 or buf.size < size:
             raise CommError(f"{self._ops.name}: pinned({size}) returned {buf.dtype}{list(buf.shape)}, expected uint8[>={size}]")  # fmt: skip
         entry = _Kept(buf)

@@ -49,6 +49,14 @@ MPIX_GPU_SUPPORT = {"cuda": 0, "ze": 1, "hip": 2}
 PROBE_TIMEOUT_S = 30.0
 
 
+def _openmpi_major(library_version: str) -> int | None:
+    """The major version of an ``Open MPI vX.Y.Z`` library string, or None."""
+    import re
+
+    m = re.search(r"Open MPI v(\d+)\.", library_version)
+    return int(m.group(1)) if m else None
+
+
 @dataclass(frozen=True, slots=True)
 class GpuAwareness:
     """The decision: ``aware``; ``source`` the layer that decided (``setting``, ``vendor
@@ -152,6 +160,14 @@ def query_vendor(
         if fn is None:
             return Answer(None, f"{lib}: no {name}() in the library")
         got = int(fn())
+        # Before Open MPI 5 the query answers how the library was *built* (a CUDA build with
+        # CUDA switched off at run time still says 1); from 5.0 a CUDA-aware build may say 0
+        # until CUDA is initialised (ompi#7963, #11070). So only the safe answer is trusted:
+        # 0 before 5, 1 from 5; the other goes on to the probe.
+        major = _openmpi_major(library_version)
+        trusted = (got == 0) if major is not None and major < 5 else (got == 1)
+        if not trusted:
+            return Answer(None, f"{lib}: {name}() returned {got}, which this version does not settle")  # fmt: skip
         return Answer(got == 1, f"{lib}: {name}() returned {got}")
     if vendor in ("mpich", "intel", "mvapich", "cray"):
         name = "MPIX_GPU_query_support"
@@ -267,6 +283,13 @@ def probe_env(environ: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # real-time signals have no name
+        return f"signal {number}"
+
+
 def read_probe(rc: int | None, stdout: str, stderr: str, timed_out: bool, timeout_s: float) -> Answer:  # fmt: skip
     """The probe child's outcome as an answer (pure)."""
     lines = [ln.strip() for ln in stdout.splitlines()]
@@ -281,7 +304,7 @@ def read_probe(rc: int | None, stdout: str, stderr: str, timed_out: bool, timeou
     telling = [ln for ln in errors if "Signal:" in ln or "rror" in ln] or errors[-2:]
     tail = " | ".join(telling[:2])[:300]
     how = (f"hung for {timeout_s:g} s" if timed_out else
-           f"died with {signal.Signals(-rc).name}" if rc is not None and rc < 0 else
+           f"died with {_signal_name(-rc)}" if rc is not None and rc < 0 else
            f"exited with code {rc}")  # fmt: skip
     if "stage: transfer" in lines:
         return Answer(False, f"the probe child {how} while MPI moved a device buffer (MPI "
@@ -307,33 +330,56 @@ def probe_gpu_aware(
     try:
         child = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env=env, text=True, start_new_session=True,
+            env=env, text=True, encoding="utf-8", errors="replace", start_new_session=True,
         )  # fmt: skip
     except OSError as exc:
         return Answer(None, f"probe: cannot start {cmd[0]}: {exc}")
     timed_out = False
+    out, err = "", ""
     try:
         out, err = child.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         timed_out = True
-        with contextlib.suppress(ProcessLookupError):  # its whole session: MPI's helpers too
-            os.killpg(child.pid, signal.SIGKILL)
-        try:
+        _kill_session(child)
+        with contextlib.suppress(subprocess.TimeoutExpired):  # a grandchild holds the pipes
             out, err = child.communicate(timeout=5.0)
-        except subprocess.TimeoutExpired:  # a grandchild holds the pipes: give up reading
-            out, err = "", ""
+    finally:  # whatever ends the wait (the launcher's SIGTERM, Ctrl-C): no child outlives it
+        if child.poll() is None:
+            _kill_session(child)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(timeout=5.0)
     return read_probe(child.returncode, out, err, timed_out, timeout_s)
+
+
+def _kill_session(child: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # MPI's helpers too
+        os.killpg(child.pid, signal.SIGKILL)
 
 
 _PROBED: dict[tuple[str, int | None], Answer] = {}
 
 
-def _probe_once(backend: str) -> Answer:
-    """:func:`probe_gpu_aware`, once per process and backend."""
-    key = (backend, None)
+def _probe_once(backend: str, device: int | None = None) -> Answer:
+    """:func:`probe_gpu_aware` on ``device`` (this rank's GPU: a GPU in exclusive-process
+    mode refuses a second context, and probing device 0 from every rank crowds it), once per
+    process, backend and device; bounded by half of ``DTM_TIMEOUT`` (the peers wait for this
+    rank's handshake meanwhile)."""
+    from dtm_mpi.config import get_config
+
+    key = (backend, device)
     if key not in _PROBED:
-        _PROBED[key] = probe_gpu_aware(backend)
+        limit = max(1.0, min(PROBE_TIMEOUT_S, get_config().timeout_s / 2))
+        _PROBED[key] = probe_gpu_aware(backend, device=device, timeout_s=limit)
     return _PROBED[key]
+
+
+def _asked(layer: Callable[[str], Answer], backend: str, what: str) -> Answer:
+    """A layer's answer; a layer that fails does not know (this runs on one rank before any
+    agreement: raising here would end the job instead of staging)."""
+    try:
+        return layer(backend)
+    except Exception as exc:
+        return Answer(None, f"{what} failed: {type(exc).__name__}: {exc}")
 
 
 # --- the decision -----------------------------------------------------------------------------
@@ -357,18 +403,21 @@ def detect_gpu_aware(
     *,
     config: Config | None = None,
     vendor_query: Callable[[str], Answer] = query_vendor,
-    probe: Callable[[str], Answer] = _probe_once,
+    probe: Callable[[str], Answer] | None = None,
+    device: int | None = None,
 ) -> GpuAwareness:
     """This rank's decision for ``backend``: the layers in order, each run only when those
-    above do not know. ``setting``: the ``--gpu-aware-mpi`` value (None: the environment).
-    Local: combine ranks with :func:`agree_gpu_aware`."""
+    above do not know. ``setting``: the ``--gpu-aware-mpi`` value (None: the environment);
+    ``device``: this rank's GPU (where the probe runs). Local: combine ranks with
+    :func:`agree_gpu_aware`."""
     first = setting_answer(setting, config)
     if first.aware is not None:
         return decide_gpu_aware(first)
-    second = vendor_query(backend)
+    second = _asked(vendor_query, backend, "the vendor query")
     if second.aware is not None:
         return decide_gpu_aware(first, second)
-    return decide_gpu_aware(first, second, probe(backend))
+    probing = probe if probe is not None else (lambda b: _probe_once(b, device))
+    return decide_gpu_aware(first, second, _asked(probing, backend, "the probe"))
 
 
 def combine_gpu_aware(ranks: list[GpuAwareness]) -> GpuAwareness:

@@ -241,7 +241,7 @@ def _detect_gpu_aware(args: MpiRunArgs, backend: Any) -> Any:
         return None
     from dtm_mpi.comm.gpu_aware import detect_gpu_aware
 
-    return detect_gpu_aware(args.gpu_aware, backend.name)
+    return detect_gpu_aware(args.gpu_aware, backend.name, device=backend.device)
 
 
 def _device_comm(session: Any, comm: Any, args: MpiRunArgs, backend: Any, local: Any) -> Any:

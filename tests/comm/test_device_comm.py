@@ -132,11 +132,53 @@ def test_open_mpi_query() -> None:
     assert q("cuda", MPIX_Query_cuda_support=lambda: 0) == Answer(
         False, "Open MPI v4.1.4: MPIX_Query_cuda_support() returned 0"
     )  # a definite no
-    assert q("cuda", MPIX_Query_cuda_support=lambda: 1).aware is True
+    # Open MPI 4 answers how it was built (CUDA may be off at run time): a 1 is not trusted
+    assert q("cuda", MPIX_Query_cuda_support=lambda: 1).aware is None
     assert q("cuda").aware is None  # a missing symbol is unknown, not no
     assert q("hip", MPIX_Query_cuda_support=lambda: 1).aware is None  # Open MPI 4: no rocm query
-    assert q("hip", MPIX_Query_rocm_support=lambda: 1).aware is True
+    assert q("hip", MPIX_Query_rocm_support=lambda: 1).aware is None
     assert q("fake", MPIX_Query_cuda_support=lambda: 1).aware is None
+
+    def q5(backend: str, **fns: Any) -> Answer:
+        five = OMPI4.replace("v4.1.4", "v5.0.6")
+        return query_vendor(backend, library_version=five, lookup=fake_lookup(**fns))
+
+    # Open MPI 5 checks at run time, but a CUDA-aware build may say 0 before CUDA starts
+    assert q5("cuda", MPIX_Query_cuda_support=lambda: 1).aware is True
+    assert q5("hip", MPIX_Query_rocm_support=lambda: 1).aware is True
+    assert q5("cuda", MPIX_Query_cuda_support=lambda: 0).aware is None
+
+
+def test_failing_layers_do_not_know_and_the_probe_gets_the_device() -> None:
+    seen: list[tuple[str, int | None]] = []
+
+    def boom(backend: str) -> Answer:
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad byte")
+
+    got = detect_gpu_aware("auto", "cuda", vendor_query=boom, probe=boom)
+    assert got.aware is False and got.source == "default"
+    assert (
+        "the vendor query failed: UnicodeDecodeError" in got.detail
+        and "the probe failed" in got.detail
+    )
+    import dtm_mpi.comm.gpu_aware as ga
+
+    saved = ga.probe_gpu_aware
+    try:
+        ga.probe_gpu_aware = lambda backend, **kw: (
+            seen.append((backend, kw.get("device"))) or Answer(True, "ok")
+        )  # type: ignore[assignment,func-returns-value]
+        ga._PROBED.clear()
+        got = detect_gpu_aware("auto", "cuda", vendor_query=lambda b: Answer(None, "?"), device=3)
+    finally:
+        ga.probe_gpu_aware = saved
+        ga._PROBED.clear()
+    assert got.aware is True and got.source == "probe" and seen == [("cuda", 3)]
+
+
+def test_real_time_signals_and_undecodable_output_are_read() -> None:
+    got = read_probe(-37, "stage: transfer\n", "\ufffd garbage", False, 30.0)
+    assert got.aware is False and "died with signal 37" in got.detail
 
 
 def test_mpich_family_query() -> None:
@@ -454,3 +496,39 @@ def test_scalars_stay_scalars(aware: bool) -> None:
         assert b.shape == () and int(b.host) == 1
 
     run_ranks(mesh, body, timeout_s=20)
+
+
+def test_probe_child_never_outlives_an_interrupted_wait(tmp_path: Path) -> None:
+    """The launcher's SIGTERM (raised as an exception in the waiting thread) or Ctrl-C while
+    the probe runs: the child and its session are killed before the exception goes on."""
+    import signal
+
+    pidfile = tmp_path / "pid"
+    script = tmp_path / "child.sh"
+    script.write_text(f"#!/bin/sh\necho $$ > {pidfile}\nexec sleep 1000\n")
+    script.chmod(0o755)
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise RuntimeError("launcher says stop")
+
+    import threading
+
+    old = signal.signal(signal.SIGUSR1, interrupt)  # (SIGALRM belongs to pytest-timeout)
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGUSR1))
+    timer.start()
+    try:
+        with pytest.raises(RuntimeError, match="launcher says stop"):
+            probe_gpu_aware("cuda", python=str(script), timeout_s=30.0)
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR1, old)
+    pid = int(pidfile.read_text())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"the probe child {pid} is still running")
