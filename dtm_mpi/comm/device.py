@@ -46,7 +46,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from dtm_mpi.comm.gpu_aware import GpuAwareness
-from dtm_mpi.comm.interface import Comm, CommStats, allreduce_moved, broadcast_traffic
+from dtm_mpi.comm.interface import (
+    Comm,
+    CommStats,
+    allgather_traffic,
+    allreduce_moved,
+    broadcast_traffic,
+)
 from dtm_mpi.comm.mpi_comm import MpiComm
 from dtm_mpi.errors import CommError, GpuAwareMpiError, agreed
 from dtm_mpi.sharding.mesh import MeshShape
@@ -296,8 +302,23 @@ class DeviceComm:
             self.paths.host["allgather"] += 1
             return self.inner.allgather(x, axes, spec)
         self.ops.synchronize()
-        why = NO_DIRECT if self.awareness.aware else NOT_AWARE
-        return self._staged("allgather", why, x, lambda h: self.inner.allgather(h, axes, spec))
+        mpi = self._direct(tuple(x.shape), x.dtype, _contiguous(x), True)
+        counts = spec.counts
+        if not isinstance(mpi, str) and len(set(counts)) != 1:
+            mpi = "uneven blocks (Allgatherv)"  # decided by the spec: alike on every rank
+        if not isinstance(mpi, str) and math.prod(x.shape[: spec.dim]) > 1:
+            mpi = "gathered along an inner dim (the blocks would need reordering)"
+        if isinstance(mpi, str):
+            return self._staged("allgather", mpi, x, lambda h: self.inner.allgather(h, axes, spec))  # fmt: skip
+        comm = mpi.session.group(axes)
+        shape = list(x.shape)
+        shape[spec.dim] = sum(spec.extents)
+        out = self.ops.empty(tuple(shape), x.dtype)  # the blocks land in place, in rank order
+        mtype = mpi._move[x.dtype.itemsize]
+        mpi._call(comm, "Allgather", "allgather", axes, [x, mtype], [out, mtype])
+        mpi.stats.record("allgather", *allgather_traffic(int(x.nbytes), int(out.nbytes), len(counts)))  # fmt: skip
+        self.paths.direct["allgather"] += 1
+        return out
 
     def allreduce(self, x: Any, axes: tuple[str, ...], spec: AllreduceSpec) -> Any:
         """Collective: call on all ranks of the group."""
