@@ -226,15 +226,9 @@ def _broadcast_to(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
 
 @_register("slice")
 def _slice(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
-    x = xs[0]
-    start: tuple[int, ...] = ctx.op.attr("start")  # type: ignore[assignment]
-    limit: tuple[int, ...] = ctx.op.attr("limit")  # type: ignore[assignment]
-    layout = ctx.operand_types[0].layout
-    index = tuple(
-        slice(0, x.shape[d]) if layout.dims[d] else slice(a, b)
-        for d, (a, b) in enumerate(zip(start, limit, strict=True))
-    )  # a sharded dim keeps its local extent (as the numpy kernel)
-    return (_owned(x[index]),)
+    from dtm_mpi.kernels.numpy_backend import slice_index
+
+    return (_owned(xs[0][slice_index(ctx, xs[0].shape)]),)
 
 
 @_register("concat")

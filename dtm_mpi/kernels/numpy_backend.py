@@ -27,7 +27,7 @@ from dtm_mpi.ir.ops.create import random_values
 from dtm_mpi.ir.registry import OPS, lookup_op
 from dtm_mpi.kernels.registry import COMM_OPS, KernelContext, has_kernel, register_kernel
 
-__all__ = ["reference_kernel"]
+__all__ = ["reference_kernel", "slice_index"]
 
 BACKEND = "numpy"
 Arr = np.ndarray
@@ -120,17 +120,22 @@ def _constant(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
     return (np.array(full[block], order="C"),)
 
 
-@register_kernel(BACKEND, "slice")
-def _slice(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
-    x = xs[0]
+def slice_index(ctx: KernelContext, shape: Sequence[int]) -> tuple[slice, ...]:
+    """The local index of a ``slice`` op on a block of ``shape``: the box on unsharded dims,
+    the whole local extent on sharded ones (every backend's slice kernel uses it)."""
     start: tuple[int, ...] = ctx.op.attr("start")  # type: ignore[assignment]
     limit: tuple[int, ...] = ctx.op.attr("limit")  # type: ignore[assignment]
     layout = ctx.operand_types[0].layout
-    index = tuple(
-        slice(0, x.shape[d]) if layout.dims[d] else slice(a, b)
+    return tuple(
+        slice(0, shape[d]) if layout.dims[d] else slice(a, b)
         for d, (a, b) in enumerate(zip(start, limit, strict=True))
     )
-    return (np.array(x[index], order="C"),)
+
+
+@register_kernel(BACKEND, "slice")
+def _slice(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
+    x = xs[0]
+    return (np.array(x[slice_index(ctx, x.shape)], order="C"),)
 
 
 @register_kernel(BACKEND, "step_index")
