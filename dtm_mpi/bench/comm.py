@@ -273,23 +273,11 @@ def _device_setup(backend: str, world: Any, session: Any, inner: Any) -> tuple[A
     the dtm endpoint for device buffers (a rank without a GPU ends every rank's run).
 
     Collective: call on all ranks."""
-    from dtm_mpi.comm.agreement import agree_or_raise
     from dtm_mpi.comm.device import DeviceComm
     from dtm_mpi.comm.gpu_aware import agree_gpu_aware, detect_gpu_aware
-    from dtm_mpi.comm.world import node_local_rank
-    from dtm_mpi.config import get_config
-    from dtm_mpi.errors import DtmError
-    from dtm_mpi.kernels.backends import parse_backend
-    from dtm_mpi.kernels.devices import open_backend
+    from dtm_mpi.runtime.mpirun import open_backend_everywhere
 
-    local_rank, local_size = node_local_rank(world)
-    opened, error = None, None
-    try:
-        opened = open_backend(parse_backend(backend), local_rank, local_size)
-    except DtmError as exc:
-        error = exc
-    agree_or_raise(world, phase="backend", error=error, timeout_s=get_config().timeout_s)
-    assert opened is not None
+    opened = open_backend_everywhere(backend, world)
     aware = agree_gpu_aware(session, detect_gpu_aware(None, opened.name, device=opened.device))
     return DeviceComm(inner, opened.ops, aware, log=lambda line: None), (
         opened,

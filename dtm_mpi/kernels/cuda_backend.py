@@ -27,6 +27,7 @@ import numpy as np
 from dtm_mpi.ir.ops._common import np_dtype
 from dtm_mpi.kernels import launch
 from dtm_mpi.kernels.fused import BINARY_C, CTYPES, UNARY_C, Expr, FusedInput
+from dtm_mpi.kernels.numpy_backend import extremum_identity, global_count
 from dtm_mpi.kernels.registry import COMM_OPS, Kernel, KernelContext, register_kernel
 
 __all__ = ["GPU_BACKENDS", "RAW_KERNEL_OPS"]
@@ -64,12 +65,22 @@ def _is_float(x: Arr) -> bool:
     return np.dtype(x.dtype) in CTYPES
 
 
+def _generated(dtypes: Sequence[Any]) -> bool:
+    """Elementwise ops on these dtypes run as generated kernels (else CuPy's own)."""
+    return bool(dtypes) and all(np.dtype(d) in CTYPES for d in dtypes)
+
+
+def _row_kernel(dtype: Any, dims: Sequence[int], ndim: int) -> bool:
+    """A reduction runs as the row_reduce RawKernel: a float dtype, over the last dim only."""
+    return np.dtype(dtype) in CTYPES and tuple(dims) == (ndim - 1,)
+
+
 # -- elementwise -------------------------------------------------------------------------------
 def _elementwise(name: str, arity: int) -> None:
     @_register(name)
     def kernel(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
         out = _out_dtype(ctx)
-        if all(_is_float(x) for x in xs) and out in CTYPES:
+        if _generated([*(x.dtype for x in xs), out]):
             expr = Expr(name, tuple(range(arity)))
             ins = [FusedInput(np.dtype(x.dtype)) for x in xs]
             return (launch.fused(expr, ins, list(xs), out, ctx.local_shapes[0]),)
@@ -153,10 +164,8 @@ def _reduction(name: str) -> None:
         dims = tuple(int(d) % max(x.ndim, 1) for d in ctx.op.attr("dims"))  # type: ignore[union-attr, arg-type]
         keep = bool(ctx.op.attr("keepdims"))
         out = _out_dtype(ctx)
-        count = 1
-        for d in dims:
-            count *= ctx.operand_types[0].shape[d]
-        if _is_float(x) and dims == (x.ndim - 1,) and (name != "mean" or count):
+        count = global_count(ctx, dims)
+        if _row_kernel(x.dtype, dims, x.ndim) and (name != "mean" or count):
             scale = 1.0 / count if name == "mean" else 1.0
             y = launch.row_reduce("sum" if name == "mean" else name, x, scale)
             if keep:
@@ -168,16 +177,9 @@ def _reduction(name: str) -> None:
             return (value.astype(out, copy=False),)
         if x.size == 0:  # an empty block: the reduction's identity (CuPy refuses size 0)
             shape = tuple(ctx.local_shapes[0])
-            return (cp.full(shape, _identity(name, np.dtype(x.dtype)), dtype=out),)
+            return (cp.full(shape, extremum_identity(name, np.dtype(x.dtype)), dtype=out),)
         fn = cp.max if name == "max" else cp.min
         return (fn(x, axis=dims, keepdims=keep).astype(out, copy=False),)
-
-
-def _identity(name: str, dtype: np.dtype[Any]) -> Any:
-    if dtype.kind == "f":
-        return -np.inf if name == "max" else np.inf
-    info = np.iinfo(dtype)
-    return info.min if name == "max" else info.max
 
 
 for _name in ("sum", "mean", "max", "min"):
@@ -274,10 +276,9 @@ def placement(op: str, operand_dtypes: Sequence[np.dtype[Any]], attrs: dict[str,
     """Where the GPU backends run ``op`` (pure; mirrors the dispatch of the kernels above):
     ``RawKernel <file>``, ``generated kernel``, ``cuBLAS``, ``CuPy`` or ``host, uploaded``.
     ``rank``: the operand's rank; ``attrs``: the op's attributes."""
-    floats = bool(operand_dtypes) and all(np.dtype(d) in CTYPES for d in operand_dtypes)
     last = rank - 1
     if op in UNARY_C or op in BINARY_C:
-        return "generated kernel" if floats else "CuPy"
+        return "generated kernel" if _generated(operand_dtypes) else "CuPy"
     if op in ("softmax", "log_softmax"):
         dim = int(attrs.get("dim", -1)) % max(rank, 1)
         return "RawKernel softmax.cu" + ("" if dim == last else " (moved to the last dim)")
@@ -285,7 +286,8 @@ def placement(op: str, operand_dtypes: Sequence[np.dtype[Any]], attrs: dict[str,
         return "RawKernel layer_norm.cu"
     if op in ("sum", "mean", "max", "min"):
         dims = tuple(int(d) % max(rank, 1) for d in attrs.get("dims", ()))
-        return "RawKernel row_reduce.cu" if floats and dims == (last,) else "CuPy"
+        row = bool(operand_dtypes) and _row_kernel(operand_dtypes[0], dims, rank)
+        return "RawKernel row_reduce.cu" if row else "CuPy"
     if op in ("quantize", "dequantize"):
         return "RawKernel quant.cu"
     if op == "matmul":

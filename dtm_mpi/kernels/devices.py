@@ -115,24 +115,14 @@ class ArrayBackend:
         ins = [FusedInput(np.dtype(x.dtype), bool(b)) for x, b in zip(xs, lastdim, strict=True)]
         return launch.fused(expr, ins, xs, dtype, shape)
 
-    def make_partial(self, x: Any, spec: Any) -> Any:
-        """The redistribution step MAKE_PARTIAL on a backend array (see
-        :func:`dtm_mpi.sharding.collectives.make_partial`, its numpy twin)."""
-        from dtm_mpi.sharding.collectives import make_partial, reduction_identity
-
+    def full(self, shape: Any, value: Any, dtype: Any) -> Any:
+        """A new backend array of ``shape`` filled with ``value``."""
         if self.ops is None:
-            return make_partial(x, spec)
-        if spec.keep and tuple(x.shape) == tuple(spec.out_shape):
-            return x
-        out = self.ops.cp.full(spec.out_shape, reduction_identity(spec.op, np.dtype(x.dtype)), dtype=x.dtype)  # fmt: skip
-        if spec.keep:
-            out[spec.region] = x
-        return out
+            return np.full(shape, value, dtype=dtype)
+        return self.ops.cp.full(shape, value, dtype=dtype)
 
     def zeros(self, shape: tuple[int, ...], dtype: Any) -> Any:
-        if self.ops is None:
-            return np.zeros(shape, dtype=dtype)
-        return self.ops.cp.zeros(shape, dtype=dtype)
+        return self.full(shape, 0, dtype)
 
 
 def numpy_backend() -> ArrayBackend:

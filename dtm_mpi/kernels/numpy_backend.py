@@ -25,9 +25,11 @@ import numpy as np
 from dtm_mpi.ir.ops._common import as_dtype, np_dtype
 from dtm_mpi.ir.ops.create import random_values
 from dtm_mpi.ir.registry import OPS, lookup_op
+from dtm_mpi.ir.types import ReduceOp
 from dtm_mpi.kernels.registry import COMM_OPS, KernelContext, has_kernel, register_kernel
+from dtm_mpi.sharding.collectives import reduction_identity
 
-__all__ = ["reference_kernel", "slice_index"]
+__all__ = ["extremum_identity", "global_count", "reference_kernel", "slice_index"]
 
 BACKEND = "numpy"
 Arr = np.ndarray
@@ -39,11 +41,18 @@ def reference_kernel(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
     return tuple(opdef.reference(ctx.op, xs, ctx.local_types))
 
 
-def _identity(op: str, dtype: np.dtype[Any]) -> Any:
-    if dtype.kind == "f":
-        return -np.inf if op == "max" else np.inf
-    info = np.iinfo(dtype)
-    return info.min if op == "max" else info.max
+def extremum_identity(name: str, dtype: np.dtype[Any]) -> Any:
+    """What ``max``/``min`` of an empty block gives (spec §7.1): the reduction's identity."""
+    return reduction_identity(ReduceOp.MAX if name == "max" else ReduceOp.MIN, dtype)
+
+
+def global_count(ctx: KernelContext, dims: Sequence[int]) -> int:
+    """How many elements a reduction over ``dims`` of the *global* operand reduces (what
+    ``mean`` divides by on every backend, whatever the block)."""
+    count = 1
+    for d in dims:
+        count *= ctx.operand_types[0].shape[d]
+    return count
 
 
 def _reduce_dims(ctx: KernelContext) -> tuple[tuple[int, ...], bool]:
@@ -53,9 +62,7 @@ def _reduce_dims(ctx: KernelContext) -> tuple[tuple[int, ...], bool]:
 @register_kernel(BACKEND, "mean")
 def _mean(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
     dims, keep = _reduce_dims(ctx)
-    count = 1
-    for d in dims:
-        count *= ctx.operand_types[0].shape[d]
+    count = global_count(ctx, dims)
     total = np.sum(xs[0], axis=dims, keepdims=keep)
     with np.errstate(all="ignore"):
         return (as_dtype(total / count if count else total * np.nan, ctx.result_types[0]),)
@@ -68,7 +75,7 @@ def _extremum(name: str) -> None:
     def kernel(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
         dims, keep = _reduce_dims(ctx)
         x = xs[0]
-        out = fn(x, axis=dims, keepdims=keep, initial=_identity(name, x.dtype))
+        out = fn(x, axis=dims, keepdims=keep, initial=extremum_identity(name, x.dtype))
         return (as_dtype(out, ctx.result_types[0]),)
 
 

@@ -59,7 +59,7 @@ def run_redistribution(
         if isinstance(spec, SliceSpec):
             x = x[spec.region].copy(order="C")
         elif isinstance(spec, MakePartialSpec):
-            x = make_partial(x, spec) if backend is None or backend.ops is None else backend.make_partial(x, spec)  # fmt: skip
+            x = make_partial(x, spec, np.full if backend is None else backend.full)
         elif isinstance(spec, AllgatherSpec):
             x = comm.allgather(x, axes, spec)
         elif isinstance(spec, AllreduceSpec):

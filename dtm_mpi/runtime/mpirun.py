@@ -35,7 +35,7 @@ from dtm_mpi.errors import (
     agreed,
 )
 
-__all__ = ["MpiRunArgs", "run_under_mpi"]
+__all__ = ["MpiRunArgs", "open_backend_everywhere", "run_under_mpi"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,13 +97,14 @@ def run_under_mpi(args: MpiRunArgs) -> int:
         error = exc
     agree_or_raise(world, phase="load", error=error, timeout_s=config.timeout_s)
     assert module is not None
-    backend = _open_backend(args, world, rank)
+    backend = open_backend_everywhere(args.backend, world)
     return _run_session(module, args, world, rank, size, backend)
 
 
-def _open_backend(args: MpiRunArgs, world: Any, rank: int) -> Any:
-    """Phase ``backend``: every rank opens the backend on its GPU (node-local rank); a rank
-    that cannot (no CuPy, runtime or device) ends every rank with the same error naming it.
+def open_backend_everywhere(name: str, world: Any) -> Any:
+    """Phase ``backend``: every rank opens backend ``name`` on its GPU (node-local rank); a
+    rank that cannot (no CuPy, runtime or device) ends every rank with the same error naming
+    it. Returns this rank's :class:`~dtm_mpi.kernels.devices.ArrayBackend`.
 
     Collective: call on all ranks."""
     from dtm_mpi.comm.agreement import agree_or_raise
@@ -113,12 +114,12 @@ def _open_backend(args: MpiRunArgs, world: Any, rank: int) -> Any:
     from dtm_mpi.kernels.backends import parse_backend
     from dtm_mpi.kernels.devices import open_backend
 
-    kind = parse_backend(args.backend)
+    kind = parse_backend(name)
     local_rank, local_size = node_local_rank(world) if kind.is_gpu else (0, 1)
     backend = None
     error: BaseException | None = None
     try:
-        maybe_fail(rank, "backend")
+        maybe_fail(int(world.Get_rank()), "backend")
         backend = open_backend(kind, local_rank, local_size)
     except DtmError as exc:
         error = exc

@@ -18,7 +18,7 @@ functions are dtype-agnostic: bf16 values should be passed as float32 arrays (sp
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -155,12 +155,13 @@ def exchange(inputs: Sequence[Array], specs: Sequence[ExchangeSpec]) -> list[Arr
     return outs
 
 
-def make_partial(a: Array, spec: MakePartialSpec) -> Array:
+def make_partial(a: Array, spec: MakePartialSpec, full: Callable[..., Array] = np.full) -> Array:
     """One rank's MAKE_PARTIAL: ``a`` placed at ``spec.region`` of an identity-filled array
-    (``a`` itself when it fills the output; all identity unless ``spec.keep``)."""
-    if spec.keep and a.shape == spec.out_shape:
+    (``a`` itself when it fills the output; all identity unless ``spec.keep``). ``full``:
+    the array module's ``full`` (``numpy.full``; a GPU backend passes its own)."""
+    if spec.keep and tuple(a.shape) == tuple(spec.out_shape):
         return a
-    out = np.full(spec.out_shape, reduction_identity(spec.op, a.dtype), dtype=a.dtype)
+    out = full(spec.out_shape, reduction_identity(spec.op, np.dtype(a.dtype)), dtype=a.dtype)
     if spec.keep:
         out[spec.region] = a
     return out

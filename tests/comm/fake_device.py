@@ -117,6 +117,12 @@ class FakeDeviceOps:
         return raw[start : start + nbytes]
 
 
+def same(got: Any, want: np.ndarray) -> bool:
+    """``got`` is a fake device array holding exactly ``want`` (shape, dtype, bytes)."""
+    return (isinstance(got, FakeDeviceArray) and got.shape == want.shape
+            and got.dtype == want.dtype and got.host.tobytes() == want.tobytes())  # fmt: skip
+
+
 def dev(x: np.ndarray) -> FakeDeviceArray:
     """A fake device copy of ``x``."""
     return FakeDeviceArray(np.array(x, order="C", copy=True))

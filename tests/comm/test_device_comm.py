@@ -40,11 +40,11 @@ from dtm_mpi.ir.types import ReduceOp
 from dtm_mpi.sharding import MeshShape
 from dtm_mpi.sharding.steps import AllreduceSpec
 from tests.comm.fake_device import (
-    FakeDeviceArray,
     FakeDeviceOps,
     dev,
     fake_cupy_environ,
     run_spec,
+    same,
     step_input,
     steps_for,
 )
@@ -287,11 +287,6 @@ def test_combining_ranks() -> None:
 
 
 # --- DeviceComm over the simulator ------------------------------------------------------------
-
-
-def same(got: Any, want: np.ndarray) -> bool:
-    return (isinstance(got, FakeDeviceArray) and got.shape == want.shape
-            and got.dtype == want.dtype and got.host.tobytes() == want.tobytes())  # fmt: skip
 
 
 def pooled(dc: DeviceComm) -> list[np.ndarray]:

@@ -33,11 +33,11 @@ from dtm_mpi.ir.types import ReduceOp
 from dtm_mpi.sharding import MeshShape
 from dtm_mpi.sharding.steps import AllreduceSpec
 from tests.comm.fake_device import (
-    FakeDeviceArray,
     FakeDeviceOps,
     dev,
     fake_cupy_environ,
     run_spec,
+    same,
     step_input,
     steps_for,
 )
@@ -56,11 +56,6 @@ def endpoint(comm: Any, **kwargs: Any) -> Iterator[tuple[MpiSession, MpiComm]]:
         yield session, MpiComm(session, **kwargs)
     finally:
         session.close()
-
-
-def same(got: Any, want: np.ndarray) -> bool:
-    return (isinstance(got, FakeDeviceArray) and got.shape == want.shape
-            and got.dtype == want.dtype and got.host.tobytes() == want.tobytes())  # fmt: skip
 
 
 def traffic(mc: MpiComm) -> tuple[int, int]:

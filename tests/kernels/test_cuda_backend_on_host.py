@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 
 from dtm_mpi.ir import load_module
-from dtm_mpi.ir.ops.elementwise import _BINARY, _UNARY
 from dtm_mpi.kernels import cuda_backend, launch
 from dtm_mpi.kernels.backends import BackendKind
 from dtm_mpi.kernels.devices import ArrayBackend
 from dtm_mpi.kernels.fused import Expr, FusedInput
 from dtm_mpi.runtime.session import run_simulated
+from tests.kernels.kernel_helpers import evaluate
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 
@@ -68,16 +68,7 @@ def _fused(expr: Expr, inputs: Sequence[FusedInput], xs: Sequence[Any], dtype: A
         assert (x.shape == (shape[-1],)) if i.lastdim else (tuple(x.shape) == tuple(shape))
     acc = np.float64 if any(i.dtype == np.float64 for i in inputs) or np.dtype(dtype) == np.float64 else np.float32  # fmt: skip
     vals = [np.broadcast_to(x, shape).astype(acc) for x in xs]
-
-    def ev(e: Expr | int) -> Any:
-        if isinstance(e, int):
-            return vals[e]
-        args = [ev(a) for a in e.args]
-        with np.errstate(all="ignore"):
-            fn = _UNARY[e.op][0] if len(args) == 1 else _BINARY[e.op]
-            return np.asarray(fn(*args)).astype(acc)
-
-    return np.ascontiguousarray(ev(expr)).astype(dtype)
+    return np.ascontiguousarray(evaluate(expr, vals, acc)).astype(dtype)
 
 
 @pytest.fixture

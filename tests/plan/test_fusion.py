@@ -13,13 +13,12 @@ import numpy as np
 import pytest
 
 from dtm_mpi.ir import load_module
-from dtm_mpi.ir.ops.elementwise import _BINARY, _UNARY
 from dtm_mpi.kernels.backends import BackendKind
 from dtm_mpi.kernels.devices import ArrayBackend
-from dtm_mpi.kernels.fused import Expr
 from dtm_mpi.plan.fusion import FusionNode, fusion_groups
 from dtm_mpi.plan.program import compile_plan, mesh_for
 from dtm_mpi.runtime.session import run_simulated
+from tests.kernels.kernel_helpers import evaluate
 
 MLP = """dtm 1.0
 module fuse
@@ -103,16 +102,7 @@ class HostFusing(ArrayBackend):
         cols = shape[-1] if shape else 1
         vals = [np.broadcast_to(x, shape) if b else x for x, b in zip(xs, lastdim, strict=True)]
         assert all(np.shape(v) == tuple(shape) for v in vals) and cols >= 0
-
-        def ev(e: Expr | int) -> np.ndarray:
-            if isinstance(e, int):
-                return vals[e]
-            args = [ev(a) for a in e.args]
-            with np.errstate(all="ignore"):
-                fn = _UNARY[e.op][0] if len(args) == 1 else _BINARY[e.op]
-                return np.asarray(fn(*args)).astype(dtype, copy=False)
-
-        return np.ascontiguousarray(ev(expr))
+        return np.ascontiguousarray(evaluate(expr, vals, dtype))
 
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
