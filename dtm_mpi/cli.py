@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--repeat", type=int, default=4, help="rounds (write order alternates); best reported"
     )
     bck.add_argument("--csv", default=None, metavar="FILE", help="rows metric,value,baseline,ratio")
+    bck.add_argument("--ranks-per-file", default=None, metavar="G",
+                     help="ranks sharing a data file: an integer >= 1 or 'all' (default: DTM_CKPT_RANKS_PER_FILE, else 1)")  # fmt: skip
     bck.set_defaults(func=_cmd_bench_ckpt)
     bk = bsub.add_parser("kernels", help="GPU RawKernels vs a device copy and vs composed CuPy")
     bk.add_argument("--backend", default="cuda", choices=["cuda", "hip"], help="GPU backend")
@@ -180,7 +182,13 @@ def _cmd_bench_ckpt(args: argparse.Namespace) -> int:
     from dtm_mpi.bench.ckpt import run_ckpt_bench
     from dtm_mpi.bench.comm import parse_size
 
-    table = run_ckpt_bench(parse_size(args.bytes), args.tensors, args.dir, args.repeat, args.csv)
+    per_file = None
+    if args.ranks_per_file is not None:
+        word = str(args.ranks_per_file).strip().lower()
+        if word != "all" and not (word.isascii() and word.isdigit() and int(word) >= 1):
+            raise UsageError(f"--ranks-per-file: expected an integer >= 1 or all, got {args.ranks_per_file!r}")  # fmt: skip
+        per_file = 0 if word == "all" else int(word)
+    table = run_ckpt_bench(parse_size(args.bytes), args.tensors, args.dir, args.repeat, args.csv, per_file)  # fmt: skip
     if table:
         print(table)
     return 0

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dtm_mpi.errors import (
-    DtmError,
     IntegrityError,
     ManifestError,
     StorageError,
@@ -57,7 +56,7 @@ def add_store_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
     csub = ckpt.add_subparsers(dest="action", metavar="ACTION", parser_class=parser_class)
     csub.required = True
 
-    ls = csub.add_parser("ls", help="the checkpoint files of STORE, by step, and its settings")
+    ls = csub.add_parser("ls", help="the checkpoints of STORE, by step, and its settings")
     ls.add_argument("store", metavar="STORE")
     ls.set_defaults(func=_cmd_ckpt_ls)
 
@@ -72,15 +71,15 @@ def add_store_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
     which = ver.add_mutually_exclusive_group()
     _step_arg(which)
     which.add_argument("--all", action="store_true",
-                       help="every committed checkpoint (incomplete files count as problems)")  # fmt: skip
+                       help="every committed checkpoint (incomplete ones count as problems)")  # fmt: skip
     ver.set_defaults(func=_cmd_ckpt_verify)
 
-    rm = csub.add_parser("rm", help="remove a checkpoint, or every incomplete (partial) file")
+    rm = csub.add_parser("rm", help="remove a checkpoint, or every incomplete (partial) one")
     rm.add_argument("store", metavar="STORE")
     what = rm.add_mutually_exclusive_group(required=True)
     what.add_argument("--step", type=int, default=None, metavar="N", help="checkpoint step")
     what.add_argument("--partial", action="store_true",
-                      help="every *.partial-* file (a save still running then fails at its commit)")  # fmt: skip
+                      help="every *.partial-* checkpoint (a save still running then fails at its commit)")  # fmt: skip
     rm.add_argument("--force", action="store_true",
                     help="also remove the checkpoint 'latest' names (latest moves to the newest remaining one)")  # fmt: skip
     rm.set_defaults(func=_cmd_ckpt_rm)
@@ -149,7 +148,7 @@ def _checkpoint_path(store: Path, step: int | None) -> Path:
             raise StorageError(f"store {store} has no committed checkpoint")
         return store / committed_name(latest)
     path = store / committed_name(step)
-    if not path.is_file():
+    if not path.is_dir():
         have = ", ".join(str(e.step) for e in _committed(store)) or "none"
         raise UsageError(f"store {store} has no committed checkpoint {step} (it has: {have})")
     return path
@@ -157,8 +156,9 @@ def _checkpoint_path(store: Path, step: int | None) -> Path:
 
 def _reason(exc: Exception, path: Path) -> str:
     """``exc``'s message without the leading ``path: `` (the file is named beside it)."""
-    text = str(exc)
-    return text.removeprefix(f"{path}: ")
+    from dtm_mpi.io.files import MAIN_FILE
+
+    return str(exc).removeprefix(f"{path / MAIN_FILE}: ").removeprefix(f"{path}: ")
 
 
 def _mesh_text(mesh: Sequence[tuple[str, int]]) -> str:
@@ -189,7 +189,8 @@ def _stored(m: Manifest) -> list[ArtifactRecord]:
 
 
 def _cmd_ckpt_ls(args: argparse.Namespace) -> int:
-    from dtm_mpi.io.store import disk_usage, list_checkpoints, read_latest, read_manifest, read_meta
+    from dtm_mpi.io.files import read_manifest
+    from dtm_mpi.io.store import disk_usage, legacy_files, list_checkpoints, read_latest, read_meta
 
     store = _store_dir(args.store)
     meta = read_meta(store)
@@ -197,12 +198,14 @@ def _cmd_ckpt_ls(args: argparse.Namespace) -> int:
     quota = "none" if meta is None or meta.quota_bytes is None else f"{meta.quota_bytes} bytes"
     keep = "all" if meta is None or meta.keep_last is None else str(meta.keep_last)
     settings = "" if meta is not None else " (no store.json: defaults)"
-    print(f"store {store}: quota {quota}, keep_last {keep}, {disk_usage(store)} bytes in use by {len(entries)} checkpoint file(s){settings}")  # fmt: skip
+    print(f"store {store}: quota {quota}, keep_last {keep}, {disk_usage(store)} bytes in use by {len(entries)} checkpoint(s){settings}")  # fmt: skip
+    for p in legacy_files(store):
+        print(f"{p.name}: a single-file checkpoint of format version 1, which this dtm_mpi does not read (not part of the store; it counts against the quota)")  # fmt: skip
     if not entries:
         print("no checkpoints")
         return 0
     latest = read_latest(store)  # what a restore loads: the pointer, else the newest
-    rows = [["step", "status", "file", "bytes", "tensors", "data bytes", "mesh"]]
+    rows = [["step", "status", "checkpoint", "bytes", "tensors", "data bytes", "mesh"]]
     notes: list[str] = []
     for e in entries:
         row = [str(e.step), "", e.path.name, str(e.nbytes), "-", "-", "-"]
@@ -233,7 +236,7 @@ def _cmd_ckpt_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_ckpt_inspect(args: argparse.Namespace) -> int:
-    from dtm_mpi.io.store import read_manifest
+    from dtm_mpi.io.files import read_manifest
 
     path = _checkpoint_path(_store_dir(args.store), args.step)
     m = read_manifest(path)  # validated first: an invalid manifest is an error, also for --json
@@ -264,16 +267,17 @@ def _cmd_ckpt_inspect(args: argparse.Namespace) -> int:
 
 
 def _stored_manifest(path: Path) -> dict[str, Any]:
-    """The manifest JSON as stored in ``path`` (fields this version does not know included)."""
-    import h5py
+    """The manifest JSON as stored in checkpoint ``path`` (fields this version does not know
+    included)."""
+    from dtm_mpi.io.files import read_manifest_bytes
 
-    with h5py.File(path, "r") as f:
-        doc: dict[str, Any] = json.loads(bytes(f["manifest"][()]))
+    doc: dict[str, Any] = json.loads(read_manifest_bytes(path))
     return doc
 
 
 def _cmd_ckpt_verify(args: argparse.Namespace) -> int:
-    from dtm_mpi.io.store import list_checkpoints, read_manifest, verify_checkpoint
+    from dtm_mpi.io.files import read_manifest, verify_checkpoint
+    from dtm_mpi.io.store import list_checkpoints
 
     store = _store_dir(args.store)
     if args.all:
@@ -308,13 +312,13 @@ def _cmd_ckpt_verify(args: argparse.Namespace) -> int:
         problems += 1
     if problems:
         checked = len(paths) + len(incomplete)
-        print(f"dtm ckpt verify: {problems} problem(s) in {checked} checkpoint file(s) of {store}", file=sys.stderr)  # fmt: skip
+        print(f"dtm ckpt verify: {problems} problem(s) in {checked} checkpoint(s) of {store}", file=sys.stderr)  # fmt: skip
         return 1
     return 0
 
 
 def _cmd_ckpt_rm(args: argparse.Namespace) -> int:
-    from dtm_mpi.io.store import fsync_dir, list_checkpoints, read_latest, write_latest
+    from dtm_mpi.io.store import fsync_dir, list_checkpoints, read_latest, remove_path, write_latest
 
     store = _store_dir(args.store)
     if args.partial:
@@ -323,12 +327,12 @@ def _cmd_ckpt_rm(args: argparse.Namespace) -> int:
         partial = [e.path for e in list_checkpoints(store) if not e.committed]
         partial += retired_files(store)
         for p in partial:
-            p.unlink(missing_ok=True)
+            remove_path(p)
             print(f"removed {p}")
         if partial:
             fsync_dir(store)
         else:
-            print(f"store {store}: no incomplete checkpoint files")
+            print(f"store {store}: no incomplete checkpoints")
         return 0
     path = _checkpoint_path(store, args.step)
     latest = read_latest(store)
@@ -342,31 +346,17 @@ def _cmd_ckpt_rm(args: argparse.Namespace) -> int:
             write_latest(store, max(rest))
         else:
             (store / "latest").unlink(missing_ok=True)
-        path.unlink()
+        remove_path(path)
         fsync_dir(store)
         print(f"removed {path}; {after}")
         return 0
-    path.unlink()
+    remove_path(path)
     fsync_dir(store)
     print(f"removed {path}")
     return 0
 
 
 # --- dtm store: reading -----------------------------------------------------------------------
-
-
-def _stored_dtypes(a: ArtifactRecord) -> list[np.dtype[Any]]:
-    """The dataset dtypes a checkpoint may hold for ``a``: its numpy dtype; for bf16 also the
-    raw 16 bits (uint16) besides the float32 the runtime computes it in."""
-    import numpy as np
-
-    from dtm_mpi.ir.ops._common import np_dtype
-    from dtm_mpi.ir.types import DType
-
-    want = [np_dtype(a.dtype)]
-    if a.dtype is DType.BF16:
-        want.append(np.dtype(np.uint16))
-    return want
 
 
 def _artifact(m: Manifest, name: str, path: Path) -> ArtifactRecord:
@@ -381,51 +371,35 @@ def _artifact(m: Manifest, name: str, path: Path) -> ArtifactRecord:
 
 
 def read_tensor(path: Path, name: str, manifest: Manifest | None = None) -> np.ndarray:
-    """The global value of tensor ``name`` of the checkpoint file ``path`` (serial), every
-    chunk checked against the manifest's content hash; raises :class:`IntegrityError` naming
-    tensor, shard and file on a mismatch. bf16 comes back as stored (float32 or uint16)."""
-    import h5py
-
-    from dtm_mpi.io.store import read_manifest
-
-    a = _artifact(manifest if manifest is not None else read_manifest(path), name, path)
-    try:
-        with h5py.File(path, "r") as f:
-            return _read_verified(f, path, a)
-    except DtmError:
-        raise
-    except OSError as exc:  # HDF5 could not read the data
-        raise StorageError(f"{path}: tensor {name!r}: cannot be read ({exc})") from None
-
-
-def _read_verified(f: Any, path: Path, a: ArtifactRecord) -> np.ndarray:
+    """The global value of tensor ``name`` of checkpoint ``path`` (serial), every chunk read
+    from its data file and checked against the manifest's content hash; raises
+    :class:`IntegrityError` naming tensor, shard and file on a mismatch or a missing file.
+    bf16 comes back as stored (float32)."""
     import numpy as np
 
+    from dtm_mpi.io.files import ShardFiles, read_manifest
     from dtm_mpi.io.hashing import chunk_hash
+    from dtm_mpi.ir.ops._common import np_dtype
 
-    def damaged(message: str, shard: str) -> IntegrityError:
-        return IntegrityError(message, tensor=a.name, shard=shard, file=str(path))
-
-    if a.dataset not in f:
-        raise damaged(f"dataset {a.dataset} is missing", "*")
-    dset = f[a.dataset]
-    if tuple(dset.shape) != a.shape or dset.dtype not in _stored_dtypes(a):
-        raise damaged(f"dataset {a.dataset} is {dset.dtype}{list(dset.shape)}, the manifest says {a.dtype}{list(a.shape)}", "*")  # fmt: skip
-    out = np.empty(a.shape, dtype=dset.dtype)
-    for s in a.shards:
-        for c, want in enumerate(s.chunks):
-            region = s.chunk_region(c)
-            block = np.ascontiguousarray(dset[region]).reshape(out[region].shape)
-            got = chunk_hash(block)
-            if got != want:
-                rows = f"rows {region[0].start}..{region[0].stop - 1}" if region else "the scalar"
-                raise damaged(f"chunk {c} ({rows}) content hash {got} does not match the manifest's {want}", s.id)  # fmt: skip
-            out[region] = block
+    a = _artifact(manifest if manifest is not None else read_manifest(path), name, path)
+    out = np.empty(a.shape, dtype=np_dtype(a.dtype))
+    with ShardFiles(path) as files:
+        for s in a.shards:
+            for c, want in enumerate(s.chunks):
+                region = s.chunk_region(c)
+                block = files.read_chunk(a, s, c)
+                got = chunk_hash(block)
+                if got != want:
+                    rows = (
+                        f"rows {region[0].start}..{region[0].stop - 1}" if region else "the scalar"
+                    )
+                    raise IntegrityError(f"chunk {c} ({rows}) content hash {got} does not match the manifest's {want}", tensor=a.name, shard=s.id, file=str(path / s.file))  # fmt: skip
+                out[region] = block
     return out
 
 
 def _cmd_store_ls(args: argparse.Namespace) -> int:
-    from dtm_mpi.io.store import read_manifest
+    from dtm_mpi.io.files import read_manifest
 
     path = _checkpoint_path(_store_dir(args.store), args.step)
     m = read_manifest(path)
@@ -442,7 +416,7 @@ def _cmd_store_ls(args: argparse.Namespace) -> int:
 
 def _cmd_store_get(args: argparse.Namespace) -> int:
     from dtm_mpi.io.arrays import check_output_path, save_npy
-    from dtm_mpi.io.store import read_manifest
+    from dtm_mpi.io.files import read_manifest
     from dtm_mpi.ir.types import DType
 
     target = check_output_path(args.output, ".npy")
@@ -505,9 +479,10 @@ def _as_block(value: np.ndarray, dtype: DType) -> np.ndarray:
 
 
 def _cmd_store_put(args: argparse.Namespace) -> int:
+    from dtm_mpi.io.files import read_manifest
     from dtm_mpi.io.manifest import ArtifactClass
     from dtm_mpi.io.plan import CHUNK_BYTES, TensorSpec
-    from dtm_mpi.io.store import committed_name, read_latest, read_manifest
+    from dtm_mpi.io.store import committed_name, read_latest
     from dtm_mpi.ir.types import Layout, TensorType
     from dtm_mpi.sharding.mesh import MeshShape
 

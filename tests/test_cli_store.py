@@ -1,7 +1,8 @@
 """``dtm ckpt ls|inspect|verify|rm`` and ``dtm store ls|get|put`` through the console entry
 point (:func:`dtm_mpi.cli.run`), in one process, on stores saved with
 :class:`~dtm_mpi.io.checkpoint.CheckpointStore` on ``MPI.COMM_SELF``: uneven shapes of several
-dtypes, a derived and an ephemeral artifact, small chunks (several per shard)."""
+dtypes, a derived and an ephemeral artifact, small chunks (several per shard). A checkpoint is
+the directory ``ckpt-N/`` of ``checkpoint.h5`` and (one rank) ``data-000000.h5``."""
 
 from __future__ import annotations
 
@@ -17,16 +18,10 @@ import pytest
 from dtm_mpi.cli import main
 from dtm_mpi.errors import UsageError
 from dtm_mpi.io.checkpoint import CheckpointStore
+from dtm_mpi.io.files import MAIN_FILE, read_manifest, verify_checkpoint
 from dtm_mpi.io.manifest import ArtifactClass
 from dtm_mpi.io.plan import TensorSpec
-from dtm_mpi.io.store import (
-    committed_name,
-    disk_usage,
-    list_checkpoints,
-    read_latest,
-    read_manifest,
-    verify_checkpoint,
-)
+from dtm_mpi.io.store import committed_name, disk_usage, list_checkpoints, read_latest, tree_bytes
 from dtm_mpi.ir.types import DType, Layout, TensorType
 from dtm_mpi.sharding.mesh import MeshShape
 from tests.io.io_helpers import flip_byte, random_value
@@ -50,6 +45,7 @@ TENSORS: list[tuple[str, TensorType, ArtifactClass, str | None, str | None]] = [
     ("scratch", TensorType(DType.F32, (4, 4), R(2)), ArtifactClass.EPHEMERAL, None, None),
 ]
 STORED = [n for n, _, c, _, _ in TENSORS if c is not ArtifactClass.EPHEMERAL]
+DATA = "data-000000.h5"  # one rank: one data file
 
 
 def value(name: str, t: TensorType, step: int) -> np.ndarray:
@@ -104,19 +100,23 @@ def same(a: np.ndarray, b: np.ndarray) -> bool:
 
 def test_ckpt_ls_shows_committed_latest_and_incomplete(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:  # fmt: skip
     store = make_store(tmp_path / "s", keep_last=4)
-    shutil.copy(store / committed_name(2), store / "ckpt-00000009.h5.partial-abcd")
+    shutil.copytree(store / committed_name(2), store / "ckpt-00000009.partial-abcd")
     code, out, err = dtm(capsys, "ckpt", "ls", str(store))
     assert code == 0, err
     lines = out.splitlines()
-    assert f"store {store}: quota none, keep_last 4, {disk_usage(store)} bytes in use" in lines[0]
+    usage = sum(tree_bytes(store / n) for n in (committed_name(1), committed_name(2), "ckpt-00000009.partial-abcd"))  # fmt: skip
+    assert disk_usage(store) == usage
+    assert f"store {store}: quota none, keep_last 4, {usage} bytes in use by 3 checkpoint(s)" in lines[0]  # fmt: skip
     rows = {ln.split()[0]: ln for ln in lines[2:] if ln.split() and ln.split()[0].isdigit()}
     m = read_manifest(store / committed_name(1))
-    size = (store / committed_name(1)).stat().st_size
+    size = tree_bytes(store / committed_name(1))  # the whole directory
+    assert size == sum(p.stat().st_size for p in (store / committed_name(1)).iterdir())
     assert rows["1"].split() == ["1", "committed", committed_name(1), str(size), "6", str(m.data_bytes), "x=1"]  # fmt: skip
     assert rows["2"].split()[:4] == ["2", "committed,", "latest", committed_name(2)]
-    assert rows["9"].split()[:3] == ["9", "INCOMPLETE", "ckpt-00000009.h5.partial-abcd"]
+    assert rows["9"].split()[:3] == ["9", "INCOMPLETE", "ckpt-00000009.partial-abcd"]
     assert rows["9"].split()[4:] == ["-", "-", "-"]
-    assert "ckpt-00000009.h5.partial-abcd: INCOMPLETE: a save in progress, cancelled or killed; not loadable" in out  # fmt: skip
+    assert "ckpt-00000009.partial-abcd: INCOMPLETE: a save in progress, cancelled or killed; not loadable" in out  # fmt: skip
+    assert (store / "latest").read_text() == committed_name(2) + "\n"
     # without the pointer, latest is the newest committed checkpoint (what a restore loads)
     (store / "latest").unlink()
     out = dtm(capsys, "ckpt", "ls", str(store))[1]
@@ -125,7 +125,7 @@ def test_ckpt_ls_shows_committed_latest_and_incomplete(capsys: pytest.CaptureFix
 
 def test_ckpt_ls_shows_an_invalid_manifest(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:  # fmt: skip
     store = make_store(tmp_path / "s", quota_bytes=10**9)
-    flip_byte(store / committed_name(1), "/manifest", 40)
+    flip_byte(store / committed_name(1) / MAIN_FILE, "/manifest", 40)
     code, out, err = dtm(capsys, "ckpt", "ls", str(store))
     assert code == 0, err
     assert "quota 1000000000 bytes" in out
@@ -133,9 +133,11 @@ def test_ckpt_ls_shows_an_invalid_manifest(capsys: pytest.CaptureFixture[str], t
     assert row.split()[1:3] == ["INVALID", committed_name(1)] and row.split()[4:] == ["-"] * 3
     note = next(ln for ln in out.splitlines() if ln.startswith(f"{committed_name(1)}: INVALID: "))
     assert "manifest hash mismatch" in note or "JSON" in note, note
+    assert str(store) not in note, f"the checkpoint is named once, at the start: {note}"
     # the invalid one fails verify (exit 1); the latest still verifies
     code, out, _ = dtm(capsys, "ckpt", "verify", str(store), "--step", "1")
     assert code == 1 and out.startswith(f"INVALID {store / committed_name(1)}: "), out
+    assert out.count(str(store)) == 1, f"the checkpoint is named once: {out}"
     assert dtm(capsys, "ckpt", "verify", str(store))[0] == 0
 
 
@@ -183,12 +185,10 @@ def test_ckpt_verify_ok_then_a_flipped_byte(capsys: pytest.CaptureFixture[str], 
     assert code == 0, err
     assert out == f"ok {latest}: 6 tensors, {m.data_bytes} bytes verified\n"
 
-    flip_byte(
-        latest, "/tensors/w", 4 * 7 * 6 + 3
-    )  # row 6 of 10; 2 rows of 28 bytes per 64-byte chunk
+    flip_byte(latest / DATA, "/shards/w/0", 4 * 7 * 6 + 3)  # row 6 of 10; 2 rows of 28 bytes per 64-byte chunk  # fmt: skip
     code, out, err = dtm(capsys, "ckpt", "verify", str(store))
     assert code == 1
-    assert out.startswith(f"DAMAGED {latest}: tensor 'w' shard 'w:shard:0': chunk 3 "), out
+    assert out.startswith(f"DAMAGED {latest / DATA}: tensor 'w' shard 'w:shard:0': chunk 3 "), out
     assert len(out.splitlines()) == 1 and "1 problem(s)" in err
     assert dtm(capsys, "ckpt", "verify", str(store), "--step", "1")[0] == 0
     code, out, _ = dtm(capsys, "ckpt", "verify", str(store), "--all")
@@ -199,9 +199,9 @@ def test_ckpt_verify_ok_then_a_flipped_byte(capsys: pytest.CaptureFixture[str], 
 def test_ckpt_verify_all_counts_incomplete_files(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:  # fmt: skip
     store = make_store(tmp_path / "s")
     assert dtm(capsys, "ckpt", "verify", str(store), "--all")[0] == 0
-    shutil.copy(store / committed_name(2), store / "ckpt-00000003.h5.partial-0f")
+    shutil.copytree(store / committed_name(2), store / "ckpt-00000003.partial-0f")
     code, out, _ = dtm(capsys, "ckpt", "verify", str(store), "--all")
-    assert code == 1 and f"INCOMPLETE {store / 'ckpt-00000003.h5.partial-0f'}" in out
+    assert code == 1 and f"INCOMPLETE {store / 'ckpt-00000003.partial-0f'}" in out
     assert dtm(capsys, "ckpt", "verify", str(store))[0] == 0  # latest only
 
 
@@ -210,7 +210,7 @@ def test_ckpt_verify_all_counts_incomplete_files(capsys: pytest.CaptureFixture[s
 
 def test_ckpt_rm(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     store = make_store(tmp_path / "s", steps=(1, 2, 3))
-    shutil.copy(store / committed_name(3), store / "ckpt-00000004.h5.partial-ab")
+    shutil.copytree(store / committed_name(3), store / "ckpt-00000004.partial-ab")
     pointer = store / "latest"
 
     code, _, err = dtm(capsys, "ckpt", "rm", str(store), "--step", "3")
@@ -286,8 +286,10 @@ def test_store_get_bf16_writes_the_stored_representation(capsys: pytest.CaptureF
     assert code == 0, err
     assert "added 'b': bf16[5]" in out
     path = tmp_path / "s" / committed_name(0)
-    with h5py.File(path, "r") as f:
+    with h5py.File(path / MAIN_FILE, "r") as f:  # through the virtual dataset
         stored = f["/tensors/b"][()]
+    with h5py.File(path / DATA, "r") as f:
+        assert same(f["/shards/b/0"][()], stored)
     code, out, err = dtm(capsys, "store", "get", str(tmp_path / "s"), "b", "-o", str(tmp_path / "o.npy"))  # fmt: skip
     assert code == 0, err
     got = np.load(tmp_path / "o.npy")
@@ -303,12 +305,12 @@ def test_store_get_bf16_writes_the_stored_representation(capsys: pytest.CaptureF
 def test_store_get_a_damaged_chunk_is_an_integrity_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:  # fmt: skip
     store = make_store(tmp_path / "s")
     path = store / committed_name(2)
-    flip_byte(path, "/tensors/v", 33, 0x01)  # element 4 of 5
+    flip_byte(path / DATA, "/shards/v/0", 33, 0x01)  # element 4 of 5
     target = tmp_path / "v.npy"
     code, _, err = dtm(capsys, "store", "get", str(store), "v", "-o", str(target))
     line = one_line_error(err)
     assert code == 1
-    assert f"{path}: tensor 'v' shard 'v:shard:0': chunk 0 (rows 0..4)" in line, line
+    assert f"{path / DATA}: tensor 'v' shard 'v:shard:0': chunk 0 (rows 0..4)" in line, line
     assert not target.exists() and list(tmp_path.iterdir()) == [store]
     # the other tensors still read
     assert dtm(capsys, "store", "get", str(store), "w", "-o", str(target))[0] == 0
@@ -343,14 +345,15 @@ def test_store_get_usage_errors(capsys: pytest.CaptureFixture[str], tmp_path: Pa
 def test_store_put_replaces_copy_on_write(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:  # fmt: skip
     serial_only()
     store = make_store(tmp_path / "s")
-    old_bytes = (store / committed_name(2)).read_bytes()
+    old = store / committed_name(2)
+    old_bytes = {p.name: p.read_bytes() for p in old.iterdir()}
     new_w = np.arange(70, dtype=np.float32).reshape(10, 7) / 7
     np.save(tmp_path / "w.npy", new_w)
     code, out, err = dtm(capsys, "store", "put", str(store), "w", str(tmp_path / "w.npy"))
     assert code == 0, err
     assert f"wrote {store / committed_name(3)}: step 3, 7 tensor(s) (copy of step 2); replaced 'w': f32[10,7], primary" in out  # fmt: skip
     assert read_latest(store) == 3
-    assert (store / committed_name(2)).read_bytes() == old_bytes  # the old one is untouched
+    assert {p.name: p.read_bytes() for p in old.iterdir()} == old_bytes  # the old one is untouched
     assert verify_checkpoint(store / committed_name(3)) == []
 
     m = read_manifest(store / committed_name(3))

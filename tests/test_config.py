@@ -26,6 +26,7 @@ def test_all_options() -> None:
             "DTM_GPU_AWARE_MPI": "NO",
             "DTM_LOG": "debug",
             "DTM_CKPT_VERIFY": "Full",
+            "DTM_CKPT_RANKS_PER_FILE": "4",
         }
     )
     assert cfg.timeout_s == 2.5
@@ -38,6 +39,7 @@ def test_all_options() -> None:
     assert cfg.deterministic and cfg.max_msg_elems == 16
     assert cfg.gpu_aware_mpi is GpuAwareMode.NO and cfg.log_level == "debug"
     assert cfg.ckpt_verify_full and not Config().ckpt_verify_full
+    assert cfg.ckpt_ranks_per_file == 4 and Config().ckpt_ranks_per_file == 1
 
 
 def test_frozen() -> None:
@@ -60,6 +62,24 @@ def test_frozen() -> None:
         ({"DTM_GPU_AWARE_MPI": "perhaps"}, "DTM_GPU_AWARE_MPI"),
         ({"DTM_LOG": "loud"}, "DTM_LOG"),
         ({"DTM_CKPT_VERIFY": "some"}, "DTM_CKPT_VERIFY: expected manifest or full"),
+        (
+            {"DTM_CKPT_RANKS_PER_FILE": "0"},
+            "DTM_CKPT_RANKS_PER_FILE: expected an integer >= 1 or all, got '0'",
+        ),
+        (
+            {"DTM_CKPT_RANKS_PER_FILE": "-1"},
+            "DTM_CKPT_RANKS_PER_FILE: expected an integer >= 1 or all, got '-1'",
+        ),
+        (
+            {"DTM_CKPT_RANKS_PER_FILE": "x"},
+            "DTM_CKPT_RANKS_PER_FILE: expected an integer >= 1 or all, got 'x'",
+        ),
+        ({"DTM_CKPT_RANKS_PER_FILE": ""}, "DTM_CKPT_RANKS_PER_FILE"),
+        ({"DTM_CKPT_RANKS_PER_FILE": "1.5"}, "DTM_CKPT_RANKS_PER_FILE"),
+        (
+            {"DTM_CKPT_RANKS_PER_FILE": "\u00b2"},
+            "DTM_CKPT_RANKS_PER_FILE",
+        ),  # a digit to str.isdigit, not to int()
     ],
 )
 def test_bad_values_name_the_variable(env: dict[str, str], fragment: str) -> None:
@@ -70,3 +90,11 @@ def test_bad_values_name_the_variable(env: dict[str, str], fragment: str) -> Non
 @pytest.mark.parametrize(("raw", "want"), [("1", "yes"), ("true", "yes"), ("0", "no"), ("off", "no"), ("auto", "auto")])  # fmt: skip
 def test_gpu_aware_accepts_numeric_aliases(raw: str, want: str) -> None:
     assert load_config({"DTM_GPU_AWARE_MPI": raw}).gpu_aware_mpi.value == want
+
+
+@pytest.mark.parametrize(("raw", "want"), [("1", 1), ("4", 4), (" 2 ", 2), ("all", 0), ("ALL", 0), ("16", 16)])  # fmt: skip
+def test_ckpt_ranks_per_file(raw: str, want: int) -> None:
+    """Ranks sharing one data file of a checkpoint: an integer >= 1, or ``all`` (stored as 0:
+    every rank of the job in one file, as ``plan_save`` reads it)."""
+    assert load_config({"DTM_CKPT_RANKS_PER_FILE": raw}).ckpt_ranks_per_file == want
+    assert load_config({}).ckpt_ranks_per_file == 1  # the default: one file per rank

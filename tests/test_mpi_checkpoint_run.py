@@ -1,7 +1,9 @@
 """``dtm run --store DIR --checkpoint-every N --resume`` under real ``mpirun``: a run resumed on
 another mesh gives the uninterrupted run's result; on the same mesh in deterministic mode,
 bitwise; a rank killed during a save leaves ``latest`` loadable and verified and the partial
-file reported as incomplete; a checkpoint of another program is refused on every rank."""
+checkpoint directory reported as incomplete; a rank failing during a save is an error every
+rank reports (one data file per rank) or ends the job at once (ranks sharing a data file); a
+checkpoint of another program is refused on every rank."""
 
 from __future__ import annotations
 
@@ -77,9 +79,10 @@ def test_rank_killed_during_a_save_leaves_latest_loadable(tmp_path: Path) -> Non
     )  # fmt: skip
     assert code != 0, text
     assert elapsed < 40, f"took {elapsed:.1f} s"
-    partial = [p.name for p in store.iterdir() if ".partial-" in p.name]
-    assert partial and all(p.startswith("ckpt-00000004.h5") for p in partial), sorted(store.iterdir())  # fmt: skip
-    assert (store / "latest").read_text().strip() == "ckpt-00000002.h5"
+    partial = [p for p in store.iterdir() if ".partial-" in p.name]
+    assert partial and all(p.name.startswith("ckpt-00000004.partial-") and p.is_dir() for p in partial), sorted(store.iterdir())  # fmt: skip
+    assert (store / "latest").read_text() == "ckpt-00000002\n"
+    assert (store / "ckpt-00000002").is_dir() and not (store / "ckpt-00000004").exists()
     listing = dtm("ckpt", "ls", str(store))
     assert listing.returncode == 0, listing.stderr
     assert re.search(r"INCOMPLETE", listing.stdout) and "ckpt-00000004" in listing.stdout, listing.stdout  # fmt: skip
@@ -105,16 +108,41 @@ def test_resume_refuses_another_programs_checkpoint(tmp_path: Path) -> None:
     assert sorted(ln.split("]")[0] for ln in lines) == ["[rank 0", "[rank 1"], text
 
 
-def test_a_rank_failing_inside_a_save_ends_the_job_at_once(tmp_path: Path) -> None:
-    """Its peers wait inside collective HDF5 calls (holding the interpreter lock): the failing
-    rank ends the job with its own error instead of leaving them to the deadline."""
+def test_a_rank_failing_inside_a_save_is_an_error_on_every_rank(tmp_path: Path) -> None:
+    """One data file per rank (the default): writing it involves no collective HDF5 call, so
+    a rank that fails there reports to its peers at the next agreement, and every rank ends
+    with the same error naming the failed rank, at once (not at the 60 s deadline). The
+    partial checkpoint stays, listed as incomplete; nothing was committed."""
+    store = tmp_path / "s"
     code, text, elapsed = mpirun(
-        2, MLP, "--steps", "2", "--checkpoint-every", "1", "--store", str(tmp_path / "s"),
-        env={"DTM_TIMEOUT": "60", "DTM_FAULT": "1:ckpt_write:raise"},
+        3, MLP, "--mesh", "dp=1,tp=3", "--steps", "2", "--checkpoint-every", "1", "--store", str(store),
+        env={"DTM_TIMEOUT": "60", "DTM_FAULT": "1:ckpt_write:raise", "DTM_CKPT_RANKS_PER_FILE": "1"},
     )  # fmt: skip
     assert code != 0
     assert elapsed < 30, f"took {elapsed:.1f} s (the deadline is 60 s)\n{text}"
-    assert re.search(r"\[rank 1\] dtm: error: rank 1 failed during checkpoint 1 .*injected failure", text), text  # fmt: skip
+    pattern = r"\[rank (\d)\] dtm run: (checkpoint 1: writing ckpt-00000001\.partial-[0-9a-f]+ failed on rank 1: injected failure .*)"  # fmt: skip
+    found = {int(m.group(1)): m.group(2) for m in re.finditer(pattern, text)}
+    assert sorted(found) == [0, 1, 2] and len(set(found.values())) == 1, text
+    assert "aborting the job" not in text, text
+    partial = [p.name for p in store.iterdir() if ".partial-" in p.name]
+    assert len(partial) == 1 and partial[0] in found[0], (partial, text)
+    assert not (store / "latest").exists() and not (store / "ckpt-00000001").exists()
+    listing = dtm("ckpt", "ls", str(store))
+    assert listing.returncode == 0 and f"{partial[0]}: INCOMPLETE" in listing.stdout, listing.stdout  # fmt: skip
+
+
+def test_a_rank_failing_inside_a_shared_data_file_ends_the_job_at_once(tmp_path: Path) -> None:
+    """All ranks share one data file (``DTM_CKPT_RANKS_PER_FILE=all``): its peers wait inside
+    collective HDF5 calls (holding the interpreter lock), so the failing rank ends the job
+    with its own error instead of leaving them to the deadline."""
+    code, text, elapsed = mpirun(
+        2, MLP, "--steps", "2", "--checkpoint-every", "1", "--store", str(tmp_path / "s"),
+        env={"DTM_TIMEOUT": "60", "DTM_FAULT": "1:ckpt_write:raise", "DTM_CKPT_RANKS_PER_FILE": "all"},
+    )  # fmt: skip
+    assert code != 0
+    assert elapsed < 30, f"took {elapsed:.1f} s (the deadline is 60 s)\n{text}"
+    assert re.search(r"\[rank 1\] dtm: error: rank 1 failed during checkpoint 1 \(writing data-000000\.h5\): .*injected failure", text), text  # fmt: skip
+    assert "[rank 1] dtm: aborting the job (its peers are inside collective HDF5 calls)" in text, text  # fmt: skip
 
 
 def test_resume_needs_no_inputs_for_parameters_without_init(tmp_path: Path) -> None:

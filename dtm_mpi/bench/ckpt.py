@@ -5,8 +5,9 @@ state is ``tensors`` float32 tensors of ``bytes`` in all, each split over every 
 dimension 0 (uneven when the rows do not divide). Measured, alternating (the two writes swap
 order every round), best of ``repeat``:
 
-* ``save_GBps``: :meth:`CheckpointStore.save` (hashing, collective parallel-HDF5 writes,
-  manifest, flush, fsync, verification, commit) of a new checkpoint, against the **raw
+* ``save_GBps``: :meth:`CheckpointStore.save` (hashing, parallel-HDF5 writes of the data
+  files, main file and manifest, flush, fsync, verification, commit) of a new checkpoint, with
+  ``ranks_per_file`` ranks per data file (default: the store's default, 1), against the **raw
   baseline**: every rank writes the same local bytes to a new file of its own in the same
   directory with ``os.write`` and ``fsync``. Aggregate bandwidth = all bytes / the slowest
   rank's time. Nothing is deleted while timing (retention would free the previous file's
@@ -110,7 +111,7 @@ def _resize(comm: Any, store: Any, workdir: Path, saved: list[Any], repeat: int)
         small = MeshShape((("x", n - 1),))
         targets = [(f"t{i}", t) for i, t in enumerate(saved)]
         got = CheckpointStore(store.path, sub).restore(small, targets).values
-        other = CheckpointStore(workdir / "resized", sub)
+        other = CheckpointStore(workdir / "resized", sub, ranks_per_file=store.ranks_per_file)
         other.save(1, small, [(TensorSpec(name, t), got[name]) for name, t in targets])
         del got
         reader = CheckpointStore(store.path, sub)
@@ -126,7 +127,7 @@ def _resize(comm: Any, store: Any, workdir: Path, saved: list[Any], repeat: int)
 
 def run_ckpt_bench(
     total_bytes: int = 1 << 30, tensors: int = 4, directory: str | None = None,
-    repeat: int = 4, csv_path: str | None = None,
+    repeat: int = 4, csv_path: str | None = None, ranks_per_file: int | None = None,
 ) -> str:  # fmt: skip
     """Run the benchmark on every rank of the world; returns the table on rank 0.
 
@@ -185,7 +186,7 @@ def run_ckpt_bench(
             for b in read_back:
                 f.readinto(b.reshape(-1).view(np.uint8).data)
 
-    mem = CheckpointStore(workdir / "mem", comm)
+    mem = CheckpointStore(workdir / "mem", comm, ranks_per_file=ranks_per_file)
     targets_same = [(f"t{i}", t) for i, t in enumerate(saved)]
     targets_re = [(f"t{i}", t) for i, t in enumerate(resharded)]
     try:
@@ -195,7 +196,8 @@ def run_ckpt_bench(
     finally:
         mem.close()
 
-    store = CheckpointStore(workdir / "store", comm)  # no retention: no deletes in the timing
+    store = CheckpointStore(workdir / "store", comm, ranks_per_file=ranks_per_file)  # no retention: no deletes in the timing  # fmt: skip
+    per_file = store.ranks_per_file or n
     step = [0]
 
     def dtm_save() -> None:
@@ -248,7 +250,7 @@ def run_ckpt_bench(
                 w.writerow([r.metric, f"{r.value:.6g}", f"{r.baseline:.6g}", f"{r.ratio:.3f}"])
     lines = [
         f"dtm bench ckpt: {n} ranks, {tensors} tensors, {all_bytes / 2**20:.1f} MiB in all, "
-        f"{local_bytes / 2**20:.1f} MiB local on rank 0, in {root}",
+        f"{local_bytes / 2**20:.1f} MiB local on rank 0, in {root}, {per_file} rank(s) per data file",
         f"{'metric':<22}{'dtm':>14}{'baseline':>14}{'ratio':>8}",
     ]
     for r in rows_out:

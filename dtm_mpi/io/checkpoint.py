@@ -1,28 +1,29 @@
-"""Checkpoints in parallel HDF5: collective save with atomic commit, restore onto any mesh.
+"""Checkpoints in parallel HDF5: save with atomic commit, restore onto any mesh.
 
 **Save** (collective; :meth:`CheckpointStore.save`): the plan is pure (``io.plan``); the quota
 is checked before a byte is written; each rank hashes the chunks of the blocks it owns from
-memory; all ranks create the file ``ckpt-N.h5.partial-T`` with the MPI-IO driver and write
-every tensor as one global dataset with collective transfers (the owner of each block writes
-its hyperslab, replicas take part with nothing); the manifest (identical on every rank, built
-from the gathered shard hashes) is stored in the file; the file is flushed (``MPI_File_sync``)
-and closed; the ranks agree that every one of them got there; rank 0 fsyncs it, reopens it
-and validates it (with ``DTM_CKPT_VERIFY=full``, also re-reads and re-hashes every chunk),
-renames it to ``ckpt-N.h5``,
-fsyncs the directory, points ``latest`` at it and applies keep-last-K retention (never to the
-checkpoint just saved), and every rank learns the verdict. A crash at any moment leaves
-``latest`` naming a committed, verified checkpoint.
+memory; rank 0 creates the directory ``ckpt-N.partial-T``; the ranks of each data-file group
+(``ranks_per_file``, default 1: one file per writing rank) open ``data-NNNNNN.h5`` with the
+MPI-IO driver on their communicator and write one dataset per owned shard; each file is
+flushed, closed, fsynced and checked by its group's first rank; rank 0 writes the main file
+``checkpoint.h5`` (a virtual dataset per tensor over its shards, and the manifest, identical on
+every rank, built from the gathered shard hashes); the ranks agree that every one of them got
+there; rank 0 fsyncs the directory, validates the main file and the file list (with
+``DTM_CKPT_VERIFY=full`` every data file was also re-read and re-hashed), renames the
+directory to ``ckpt-N``, fsyncs the store, points ``latest`` at it and applies keep-last-K
+retention (never to the checkpoint just saved), and every rank learns the verdict. A crash at
+any moment leaves ``latest`` naming a committed, verified checkpoint.
 
 **Async save** (:meth:`CheckpointStore.save_async`): the owned blocks are copied and hashed
 (a snapshot: later updates of the caller's arrays do not leak in), then a writer thread does the
 rest on a duplicate communicator. :meth:`SaveHandle.wait` joins it; :meth:`SaveHandle.cancel`
 (collective) stops it at the next tensor boundary — the writer threads agree on the stop, close
-the file, and rank 0 removes the partial file. A later save, a restore, or :meth:`close`
+their files, and rank 0 removes the partial directory. A later save, a restore, or :meth:`close`
 waits for the pending one first.
 
 **Restore** (collective; :meth:`CheckpointStore.restore`): onto any mesh and layout (``io.plan``:
-each stored chunk read once by one rank with an independent read, verified in memory, its
-pieces sent where they are needed; ``into=`` restores in place), with
+each stored chunk read once by one rank from its data file, verified in memory, its pieces
+sent where they are needed; ``into=`` restores in place), with
 an :class:`IntegrityError` naming tensor, shard and file on any mismatch (agreed: every rank
 raises it), and ``fallback=True`` to restore the newest checkpoint that verifies instead.
 Derived artifacts that fail verification are rebuilt from their parent; ephemeral ones are
@@ -34,13 +35,11 @@ under :func:`~dtm_mpi.comm.objects.io_deadline`.
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import secrets
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,7 +48,7 @@ import numpy as np
 
 from dtm_mpi._version import __version__
 from dtm_mpi.comm.abort import abort_job
-from dtm_mpi.comm.objects import allgather_obj, alltoallv_bytes, bcast_obj, io_deadline
+from dtm_mpi.comm.objects import allgather_obj, bcast_obj, io_deadline
 from dtm_mpi.config import get_config
 from dtm_mpi.errors import (
     CancelledError,
@@ -65,42 +64,51 @@ from dtm_mpi.errors import (
     agreed,
 )
 from dtm_mpi.faults import maybe_fail
-from dtm_mpi.io.h5 import ALIGN_BYTES, ALIGN_FROM, create_dataset, open_file, read_slab, write_slab
+from dtm_mpi.io.files import (
+    DATA_FORMAT,
+    FORMAT_VERSION,
+    MAIN_FILE,
+    ShardFiles,
+    read_manifest,
+    read_manifest_bytes,
+    write_main_file,
+)
+from dtm_mpi.io.h5 import ALIGN_BYTES, ALIGN_FROM, create_dataset, open_file, write_whole
 from dtm_mpi.io.hashing import chunk_hash
 from dtm_mpi.io.manifest import (
-    ArtifactClass,
     ArtifactRecord,
     Manifest,
     RecoveryAction,
-    layout_to_json,
+    data_file_name,
     parse_manifest,
     recovery_actions,
+    shard_dataset,
     validate_manifest,
 )
 from dtm_mpi.io.plan import (  # fmt: skip
     CHUNK_BYTES,
     ROUND_BYTES,
-    RestorePlan,
     SavePlan,
     TensorSpec,
     plan_manifest,
     plan_restore,
     plan_save,
 )
+from dtm_mpi.io.restore_read import Reader, read_plan
 from dtm_mpi.io.store import (
-    CKPT_FORMAT,
-    FORMAT_VERSION,
     StoreMeta,
-    check_file_format,
     committed_name,
     disk_usage,
     fsync_dir,
+    legacy_files,
     list_checkpoints,
+    meta_outdated,
+    partial_name,
     read_latest,
-    read_manifest,
     read_meta,
+    remove_path,
+    replace_dir,
     retired_files,
-    verify_checkpoint,
     write_latest,
     write_meta,
 )
@@ -179,6 +187,7 @@ class CheckpointStore:
         self, path: str | os.PathLike[str], comm: Any = None, *, quota_bytes: int | None = None,
         keep_last: int | None = None, timeout_s: float | None = None,
         chunk_bytes: int = CHUNK_BYTES, round_bytes: int = ROUND_BYTES,
+        ranks_per_file: int | None = None,
     ) -> None:  # fmt: skip
         from mpi4py import MPI
 
@@ -191,23 +200,28 @@ class CheckpointStore:
         self._pending: SaveHandle | None = None
         self._reaper: threading.Thread | None = None
         self._poisoned: BaseException | None = None
+        self._groups: dict[tuple[int, int], Any] = {}
         outcome: Any = None
         if self.rank == 0:
             try:
+                rpf = get_config().ckpt_ranks_per_file if ranks_per_file is None else ranks_per_file  # fmt: skip
+                if rpf < 0:
+                    raise UsageError(f"ranks_per_file must be >= 1 (0: all ranks); got {rpf}")
                 meta = read_meta(self.path) or StoreMeta()
-                if quota_bytes is not None or keep_last is not None or not (self.path / "store.json").exists():  # fmt: skip
+                if quota_bytes is not None or keep_last is not None or not (self.path / "store.json").exists() or meta_outdated(self.path):  # fmt: skip
                     meta = StoreMeta(
                         quota_bytes if quota_bytes is not None else meta.quota_bytes,
                         keep_last if keep_last is not None else meta.keep_last,
                     )
                     write_meta(self.path, meta)
-                outcome = meta
+                outcome = (meta, rpf)
             except (OSError, DtmError) as exc:
                 outcome = StorageError(f"store {self.path}: {exc}")
         outcome = self._bcast(outcome, "open store")
         if isinstance(outcome, BaseException):
             raise agreed(outcome) if isinstance(outcome, DtmError) else outcome
-        self.meta: StoreMeta = outcome
+        self.meta: StoreMeta = outcome[0]
+        self.ranks_per_file: int = outcome[1]  # rank 0's choice, the same on every rank
 
     # -- small collective helpers ----------------------------------------------------------------
     def _bcast(self, obj: Any, what: str, comm: Any = None) -> Any:
@@ -294,6 +308,9 @@ class CheckpointStore:
             self.wait()
         finally:
             self._reap()
+            for g in self._groups.values():
+                g.Free()
+            self._groups.clear()
             if self._io_comm is not None:
                 self._io_comm.Free()
                 self._io_comm = None
@@ -303,7 +320,7 @@ class CheckpointStore:
             raise agreed(UsageError(f"mesh {mesh} has {mesh.size} ranks, the communicator {self.size}"))  # fmt: skip
         if step < 0:
             raise agreed(UsageError(f"step must be >= 0; got {step}"))
-        plan = plan_save([t for t, _ in tensors], mesh, self.chunk_bytes)  # pure: same on all
+        plan = plan_save([t for t, _ in tensors], mesh, self.chunk_bytes, self.ranks_per_file)  # pure: same on all  # fmt: skip
         blocks: dict[int, np.ndarray] = {}
         hashes: dict[int, tuple[str, ...]] = {}
         error: BaseException | None = None
@@ -332,8 +349,10 @@ class CheckpointStore:
         if self.rank == 0 and self.meta.quota_bytes is not None:
             try:
                 self._reap()  # retired checkpoints still being deleted count until gone
-                align = sum(ALIGN_BYTES for per in plan.shards if sum(s.nbytes for s in per) >= ALIGN_FROM)  # fmt: skip
-                need = plan.data_bytes + align + manifest_bytes + (256 << 10)
+                shards = [s for per in plan.shards for s in per]
+                align = sum(ALIGN_BYTES for s in shards if s.nbytes >= ALIGN_FROM)
+                meta = (256 << 10) + (64 << 10) * len(plan.files) + (4 << 10) * len(shards)
+                need = plan.data_bytes + align + 2 * manifest_bytes + meta
                 used = disk_usage(self.path)
                 if used + need > self.meta.quota_bytes:
                     error = QuotaError(f"store {self.path}: checkpoint {step} needs about {need} bytes; {used} of the quota's {self.meta.quota_bytes} are in use")  # fmt: skip
@@ -343,6 +362,18 @@ class CheckpointStore:
         if verdict is not None:
             raise agreed(QuotaError(verdict))
 
+    def _group_comm(self, comm: Any, plan: SavePlan) -> Any:
+        """The communicator of the ranks sharing this rank's data file (collective on
+        ``comm`` the first time for a group size; COMM_SELF for one rank per file)."""
+        from mpi4py import MPI
+
+        if plan.ranks_per_file == 1:
+            return MPI.COMM_SELF
+        key = (id(comm), plan.ranks_per_file)
+        if key not in self._groups:
+            self._groups[key] = comm.Split(plan.file_index(self.rank), self.rank)
+        return self._groups[key]
+
     def _save(self, step: int, plan: SavePlan, blocks: dict[int, np.ndarray], hashes: dict[int, tuple[str, ...]], module_hash: str | None, comm: Any, control: tuple[Callable[[], bool], Callable[[int], None] | None] | None) -> Path:  # fmt: skip
         gathered = self._gather(hashes, f"checkpoint {step}: shard hashes", comm)
         all_hashes = {(i, s.index): gathered[s.owner][i] for i, per in enumerate(plan.shards) for s in per}  # fmt: skip
@@ -351,92 +382,159 @@ class CheckpointStore:
         self._check_quota(step, plan, len(text), comm)
         token = self._bcast(secrets.token_hex(4) if self.rank == 0 else None, "checkpoint name", comm)  # fmt: skip
         final = self.path / committed_name(step)
-        tmp = self.path / f"{committed_name(step)}.partial-{token}"
-        cancelled = False
-        with self._deadline(f"checkpoint {step}: creating {tmp.name}"):
-            f = open_file(str(tmp), "w", comm)
-        with _collective_section(self.rank, f"checkpoint {step} (writing {tmp.name})"):
-            with self._deadline(f"checkpoint {step}: file attributes"):
-                f.attrs["dtm_format"] = CKPT_FORMAT
-                f.attrs["format_version"] = FORMAT_VERSION
-                f.attrs["step"] = step
-                f.attrs["dtm_version"] = __version__
-                f.require_group("tensors")
-            for i, spec in enumerate(plan.specs):
-                if control is not None:
-                    stop_here, before = control
-                    if before is not None:
-                        before(i)
-                    votes = self._gather(stop_here(), f"checkpoint {step}: cancel check", comm)
-                    if any(votes):
-                        cancelled = True
-                        break
-                maybe_fail(self.rank, "ckpt_write")
-                if spec.cls is ArtifactClass.EPHEMERAL:
-                    continue
-                t = spec.type
-                with self._deadline(f"checkpoint {step}: writing tensor {spec.name!r}"):
-                    dset = create_dataset(f, f"tensors/{spec.name}", t.shape, np_dtype(t.dtype))
-                    dset.attrs["dtype"] = t.dtype.value
-                    dset.attrs["artifact_class"] = spec.cls.value
-                    dset.attrs["layout"] = json.dumps(layout_to_json(t.layout))
-                    dset.attrs["step"] = step
-                    mine = [s for s in plan.shards[i] if s.owner == self.rank]
-                    if not plan.shards[i]:
-                        pass  # no elements: no storage to write (decided alike on every rank)
-                    elif mine:
-                        write_slab(dset, mine[0].region, blocks[i])
-                    else:
-                        write_slab(dset, None, None)
-            if not cancelled:
-                with self._deadline(f"checkpoint {step}: writing the manifest"):
-                    dm = f.create_dataset("manifest", shape=(), dtype=f"S{len(text)}")
-                    dm.attrs["content_type"] = "application/json"
-                    f.attrs["manifest_hash"] = manifest.to_json()["manifest_hash"]
-                    if self.rank == 0:
-                        dm[()] = np.bytes_(text)
-                    f.flush()
-            with self._deadline(f"checkpoint {step}: closing {tmp.name}"):
-                f.close()
+        tmp = self.path / partial_name(step, token)
+        problem = None
+        if self.rank == 0:
+            try:
+                tmp.mkdir()
+            except OSError as exc:
+                problem = f"checkpoint {step}: cannot create {tmp}: {exc}"
+        problem = self._bcast(problem, f"checkpoint {step}: creating {tmp.name}", comm)
+        if problem is not None:
+            raise agreed(StorageError(problem))
+        error, cancelled = self._write_data(step, plan, blocks, manifest, tmp, comm, control)
         if cancelled:
+            self._gather(None, f"checkpoint {step}: files closed after the cancel", comm)
             problem = None
             if self.rank == 0:
                 try:
-                    tmp.unlink(missing_ok=True)
+                    remove_path(tmp)
                     fsync_dir(self.path)
                 except OSError as exc:
                     problem = f"checkpoint {step} was cancelled, but removing {tmp.name} failed: {exc}"  # fmt: skip
             problem = self._bcast(problem, "checkpoint cancel", comm)
             if problem is not None:
                 raise agreed(StorageError(problem))
-            raise agreed(CancelledError(f"checkpoint {step} was cancelled; its partial file was removed and the previous checkpoint stands"))  # fmt: skip
-        return self._commit(step, tmp, final, comm)
+            raise agreed(CancelledError(f"checkpoint {step} was cancelled; its partial checkpoint was removed and the previous checkpoint stands"))  # fmt: skip
+        if self.rank == 0 and error is None:
+            try:
+                with self._deadline(f"checkpoint {step}: writing {MAIN_FILE}"):
+                    write_main_file(tmp, manifest, text)
+            except Exception as exc:
+                error = exc
+        self._agree(error, f"checkpoint {step}: writing {tmp.name}", comm)
+        return self._commit(step, plan, tmp, final, comm)
 
-    def _commit(self, step: int, tmp: Path, final: Path, comm: Any) -> Path:
-        """Every rank closed the file: agree on it, then rank 0 fsyncs, verifies, renames
+    def _write_data(self, step: int, plan: SavePlan, blocks: dict[int, np.ndarray], manifest: Manifest, tmp: Path, comm: Any, control: tuple[Callable[[], bool], Callable[[int], None] | None] | None) -> tuple[BaseException | None, bool]:  # fmt: skip
+        """Write this rank's data file (with the ranks sharing it): one dataset per shard,
+        each written by its owner; flush, close, fsync, and check it. Returns this rank's
+        error (local: the caller agrees on it) and whether the save was cancelled (agreed).
+
+        With one rank per file (the default) nothing here is collective but the cancel
+        votes, so a failure is simply reported. With several, HDF5's metadata calls are
+        collective over the file's ranks: a failure inside them ends the job (its peers
+        cannot be told; see :func:`_collective_section`)."""
+        index = plan.file_index(self.rank)
+        shards = plan.file_shards(index)
+        gcomm = self._group_comm(comm, plan)
+        path = tmp / data_file_name(index)
+        shared = plan.ranks_per_file > 1
+        what = f"checkpoint {step} (writing {path.name})"
+
+        def section() -> AbstractContextManager[None]:
+            return _collective_section(self.rank, what) if shared else nullcontext()
+
+        error: BaseException | None = None
+        cancelled = False
+        f: Any = None
+        try:
+            with section():
+                if shards:
+                    with self._deadline(f"checkpoint {step}: creating {path.name}"):
+                        f = open_file(str(path), "w", gcomm)
+                        f.attrs["dtm_format"] = DATA_FORMAT
+                        f.attrs["format_version"] = FORMAT_VERSION
+                        f.attrs["step"] = step
+                        f.attrs["file_index"] = index
+        except Exception as exc:
+            error = exc
+        for i, spec in enumerate(plan.specs):
+            if control is not None:
+                stop_here, before = control
+                if before is not None:
+                    before(i)
+                votes = self._gather((stop_here(), error is not None), f"checkpoint {step}: cancel check", comm)  # fmt: skip
+                if any(v[0] for v in votes):
+                    cancelled = True
+                    break
+                if any(v[1] for v in votes):
+                    break  # someone failed: the agreement after the loop reports it
+            if error is not None:
+                continue
+            try:
+                with section():
+                    maybe_fail(self.rank, "ckpt_write")
+                    with self._deadline(f"checkpoint {step}: writing tensor {spec.name!r}"):
+                        for j, s in shards if f is not None else ():
+                            if j != i:
+                                continue
+                            dset = create_dataset(f, shard_dataset(spec.name, s.index), s.extent, np_dtype(spec.type.dtype))  # fmt: skip
+                            if s.owner == self.rank:
+                                write_whole(dset, blocks[i])
+            except Exception as exc:
+                error = exc
+        if f is not None:
+            try:
+                with section(), self._deadline(f"checkpoint {step}: closing {path.name}"):
+                    if not cancelled and error is None:
+                        f.flush()
+                    f.close()
+            except Exception as exc:
+                error = error or exc
+        if f is not None and not cancelled and error is None and self.rank == plan.group(self.rank).start:  # fmt: skip
+            try:
+                with self._deadline(f"checkpoint {step}: syncing and checking {path.name}"):
+                    fd = os.open(path, os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                    self._check_data_file(tmp, manifest, plan, shards)
+            except Exception as exc:
+                error = exc
+        return error, cancelled
+
+    def _check_data_file(self, tmp: Path, manifest: Manifest, plan: SavePlan, shards: list[tuple[int, Any]]) -> None:  # fmt: skip
+        """Reopen the data file just written (serially) and check every shard dataset; with
+        ``DTM_CKPT_VERIFY=full`` also re-read and re-hash every chunk."""
+        full = get_config().ckpt_verify_full
+        with ShardFiles(tmp) as files:
+            for i, s in shards:
+                a = manifest.artifacts[i]
+                record = a.shards[s.index]
+                files.dataset(a, record)
+                for c in range(len(record.chunks) if full else 0):
+                    got = chunk_hash(files.read_chunk(a, record, c))
+                    if got != record.chunks[c]:
+                        raise IntegrityError(f"chunk {c} reads back with hash {got}, written as {record.chunks[c]}", tensor=a.name, shard=record.id, file=str(tmp / record.file))  # fmt: skip
+
+    def _commit(self, step: int, plan: SavePlan, tmp: Path, final: Path, comm: Any) -> Path:
+        """Every rank wrote, synced and checked its part: rank 0 syncs the directory, checks
+        the main file and that exactly the planned files are there, renames the directory
         (the commit), points ``latest`` at it and applies retention; every rank learns how
         it went."""
-        self._agree(None, f"checkpoint {step}: writing {tmp.name}", comm)
         verdict: str | None = None
         if self.rank == 0:
             committed = False
             try:
-                fd = os.open(tmp, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                fsync_dir(tmp)
                 read_manifest(tmp)
-                if get_config().ckpt_verify_full:
-                    problems = verify_checkpoint(tmp)
-                    if problems:
-                        raise problems[0]
+                want = sorted([MAIN_FILE, *(data_file_name(i) for i in plan.files)])
+                found = sorted(p.name for p in tmp.iterdir())
+                if found != want:
+                    raise StorageError(f"{tmp} holds {found}, expected {want}")
                 maybe_fail(0, "ckpt_commit")
-                os.replace(tmp, final)
+                replaced = []
+                if final.exists():  # a checkpoint of the same step is replaced
+                    old = self.path / f".deleting-{final.name}-{secrets.token_hex(4)}"
+                    replace_dir(tmp, final, old)
+                    replaced.append(old)
+                else:
+                    os.replace(tmp, final)
                 committed = True
                 fsync_dir(self.path)
                 write_latest(self.path, step)
-                self._retain(final)
+                self._retain(final, replaced)
             except Exception as exc:  # decided on rank 0 alone: always broadcast
                 if committed:
                     verdict = f"checkpoint {step} is committed as {final.name}, but updating 'latest' or retention failed: {exc}"  # fmt: skip
@@ -447,39 +545,39 @@ class CheckpointStore:
             raise agreed(StorageError(verdict))
         return final
 
-    def _retain(self, keep_this: Path) -> None:
+    def _retain(self, keep_this: Path, doomed: list[Path]) -> None:
         """Keep-last-K: delete the oldest committed checkpoints (by step), never
-        ``keep_this`` (the one just committed, which ``latest`` names). The files are first
-        renamed out of the checkpoint namespace (instant, and no reader can pick them), then
-        unlinked by a background thread: freeing a large file's blocks takes a while, and
-        the save need not wait for it (:meth:`close` does)."""
+        ``keep_this`` (the one just committed, which ``latest`` names), and ``doomed``
+        (already renamed away). Checkpoints are first renamed out of the checkpoint
+        namespace (instant, and no reader can pick them), then deleted by a background
+        thread: freeing a large checkpoint's blocks takes a while, and the save need not
+        wait for it (:meth:`close` does)."""
+        self._reap()
         keep = self.meta.keep_last
-        if keep is None:
-            return
-        others = [e for e in list_checkpoints(self.path) if e.committed and e.path != keep_this]
-        doomed = retired_files(self.path)  # left by an earlier crash
-        for e in others[: max(0, len(others) - (keep - 1))]:  # DEPRECATED -> DELETED
-            gone = e.path.with_name(f".deleting-{e.path.name}")
-            os.replace(e.path, gone)
-            doomed.append(gone)
+        doomed = [*doomed, *(p for p in retired_files(self.path) if p not in doomed)]  # left by an earlier crash  # fmt: skip
+        if keep is not None:
+            others = [e for e in list_checkpoints(self.path) if e.committed and e.path != keep_this]  # fmt: skip
+            for e in others[: max(0, len(others) - (keep - 1))]:  # DEPRECATED -> DELETED
+                gone = e.path.with_name(f".deleting-{e.path.name}-{secrets.token_hex(4)}")
+                os.replace(e.path, gone)
+                doomed.append(gone)
         if not doomed:
             return
         fsync_dir(self.path)
-        self._reap()
 
-        def unlink_all() -> None:
+        def remove_all() -> None:
             for p in doomed:
-                p.unlink(missing_ok=True)
+                remove_path(p)
 
-        self._reaper = threading.Thread(target=unlink_all, name="dtm-ckpt-retention", daemon=True)
+        self._reaper = threading.Thread(target=remove_all, name="dtm-ckpt-retention", daemon=True)
         self._reaper.start()
 
     def _reap(self) -> None:
-        """Wait for the background deletion of retired checkpoints."""
+        """Wait for the background deletion of retired checkpoints (and make it durable)."""
         if self._reaper is not None:
             self._reaper.join()
             self._reaper = None
-        fsync_dir(self.path)
+            fsync_dir(self.path)
 
     # -- restore ---------------------------------------------------------------------------------
     def restore(self, mesh: MeshShape, targets: Sequence[tuple[str, TensorType]], *, step: int | None = None, fallback: bool = False, into: Mapping[str, np.ndarray] | None = None) -> Restored:  # fmt: skip
@@ -501,7 +599,9 @@ class CheckpointStore:
                 start = step if step is not None else read_latest(self.path)
                 steps = sorted((e.step for e in list_checkpoints(self.path) if e.committed), reverse=True)  # fmt: skip
                 if start is None or start not in steps:
-                    candidates = f"store {self.path} has no committed checkpoint" + ("" if start is None else f" {start}")  # fmt: skip
+                    old = legacy_files(self.path)
+                    hint = f" (it holds {len(old)} single-file checkpoint(s) of format version 1, e.g. {old[0].name}, which this dtm_mpi does not read)" if old else ""  # fmt: skip
+                    candidates = f"store {self.path} has no committed checkpoint" + ("" if start is None else f" {start}") + hint  # fmt: skip
                 else:
                     candidates = [s for s in steps if s <= start] if fallback else [start]
             except Exception as exc:  # decided on rank 0 alone: always broadcast
@@ -539,28 +639,25 @@ class CheckpointStore:
 
     def _restore_file(self, step: int, mesh: MeshShape, targets: Sequence[tuple[str, TensorType]], into: Mapping[str, np.ndarray] | None = None) -> Restored:  # fmt: skip
         path = self.path / committed_name(step)
-        with self._deadline(f"restore: opening {path.name}"):
-            try:  # every rank opens the same file: it fails alike everywhere
-                f = open_file(str(path), "r", self.comm)
-            except OSError as exc:
-                raise agreed(ManifestError(f"{path}: cannot be opened as HDF5 ({exc})")) from None
-        try:
+        where = str(path / MAIN_FILE)
+        text: Any = None
+        if self.rank == 0:  # one reader of the small main file; every rank parses the same bytes
             try:
-                check_file_format(f, path)
-                text = bytes(f["manifest"][()]) if "manifest" in f else b""
-                manifest = parse_manifest(text, str(path)) if text else None
-                if manifest is None:
-                    raise ManifestError(f"{path}: no manifest: the checkpoint is incomplete")
-                validate_manifest(manifest, str(path))
-                plan = plan_restore(manifest, targets, mesh, self.round_bytes, str(path))
-                _check_datasets(f, path, plan)
-            except DtmError as exc:  # decided from the same file on every rank: same error
-                raise agreed(exc) from None
-            with _collective_section(self.rank, f"restore of {path.name}"):
-                values, damaged = self._read(f, path, plan, into or {})
-        finally:
-            with self._deadline(f"restore: closing {path.name}"):
-                f.close()
+                text = read_manifest_bytes(path)
+            except Exception as exc:  # decided on rank 0 alone: always broadcast
+                text = str(exc) if isinstance(exc, ManifestError) else f"{path / MAIN_FILE}: {exc}"
+        text = self._bcast(text, f"restore: reading the manifest of {path.name}")
+        try:
+            if isinstance(text, str):
+                raise ManifestError(text)
+            manifest = parse_manifest(text, where)
+            validate_manifest(manifest, where)
+            plan = plan_restore(manifest, targets, mesh, self.round_bytes, where)
+        except DtmError as exc:  # decided from the same bytes on every rank: same error
+            raise agreed(exc) from None
+        with ShardFiles(path, mpi_self=True) as files:
+            reader = Reader(self.comm, self.rank, self.size, self.timeout_s, self._deadline)
+            values, damaged = read_plan(reader, files, plan, into or {})
         bad = self._gather(damaged, f"restore {path.name}: verification")
         failures = [e for per in bad for e in per]
         healthy = {a.name: not any(e[0] == a.name for e in failures) for a in manifest.artifacts}
@@ -568,8 +665,8 @@ class CheckpointStore:
         for name, _ in targets:
             if actions[name] is RecoveryAction.UNRECOVERABLE:
                 own = [e for e in failures if e[0] == name]
-                tensor, shard, msg = own[0] if own else failures[0] if failures else (name, "*", "no healthy copy and no parent to rebuild it from")  # fmt: skip
-                raise agreed(IntegrityError(msg, tensor=tensor, shard=shard, file=str(path)))
+                tensor, shard, msg, file = own[0] if own else failures[0] if failures else (name, "*", "no healthy copy and no parent to rebuild it from", where)  # fmt: skip
+                raise agreed(IntegrityError(msg, tensor=tensor, shard=shard, file=file))
         if any(actions[name] is RecoveryAction.REBUILD for name, _ in targets):
             values = self._rebuild(values, manifest, actions, mesh, targets, step)
             for name, arr in (into or {}).items():
@@ -595,125 +692,6 @@ class CheckpointStore:
                 raise agreed(exc) from None
         return values
 
-    def _read(self, f: Any, path: Path, plan: RestorePlan, into: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[tuple[str, str, str]]]:  # fmt: skip
-        """Read, verify and distribute every round of ``plan`` (collective), into the
-        arrays of ``into`` where given (checked by the caller), else new ones."""
-        me = self.rank
-        outs = {}
-        offsets = []
-        for ti, (name, t) in enumerate(plan.targets):
-            block = plan.block(ti, me)
-            outs[name] = into[name] if name in into else np.empty(tuple(s.stop - s.start for s in block), dtype=np_dtype(t.dtype))  # fmt: skip
-            offsets.append(block)
-        damaged: list[tuple[str, str, str]] = []
-        by_item: dict[int, list[int]] = {}
-        for k, p in enumerate(plan.pieces):
-            by_item.setdefault(p.item, []).append(k)
-        rounds: dict[int, list[int]] = {}
-        for k, it in enumerate(plan.items):
-            rounds.setdefault(it.round, []).append(k)
-        for rnd in sorted(rounds):  # the same rounds on every rank: the plan is shared
-            round_items = rounds[rnd]
-            data: dict[int, np.ndarray] = {}
-            for ti, (name, _) in enumerate(plan.targets):
-                art = plan.artifacts[ti]
-                items = [k for k in round_items if plan.items[k].tensor == ti]
-                mine = [k for k in items if plan.items[k].reader == me]
-                if not mine:
-                    continue
-                assert art.dataset is not None
-                dset = f[art.dataset]
-                # Independent reads: each chunk is whole rows, contiguous in the file, read by
-                # exactly one rank (measured 20% faster than collective transfers, whose
-                # two-phase buffering only pays for small or interleaved requests).
-                for k in mine:
-                    with self._deadline(f"restore: reading tensor {name!r}"):
-                        item = plan.items[k]
-                        direct = self._direct(plan, k, by_item, offsets[ti])
-                        if direct is not None:
-                            read_slab(dset, item.region, outs[name], within=direct, collective=False)  # fmt: skip
-                            buf = outs[name][direct] if direct else outs[name]
-                        else:
-                            buf = np.empty(item.shape, dtype=outs[name].dtype)
-                            read_slab(dset, item.region, buf, collective=False)
-                            data[k] = buf
-                    shard = art.shards[item.shard]
-                    got = chunk_hash(buf)
-                    if got != shard.chunks[item.chunk]:
-                        damaged.append((name, shard.id, f"chunk {item.chunk} (rows {item.region[0].start if item.region else 0}..) content hash {got} does not match the manifest's {shard.chunks[item.chunk]} (read by rank {me})"))  # fmt: skip
-            self._exchange(plan, round_items, by_item, data, outs, offsets)
-        return outs, damaged
-
-    def _direct(self, plan: RestorePlan, k: int, by_item: dict[int, list[int]], block: tuple[slice, ...]) -> tuple[slice, ...] | None:  # fmt: skip
-        """Where item ``k`` lands in this rank's output when this rank is its only consumer
-        (read straight into the output, no copy), else None."""
-        pieces = by_item.get(k, [])
-        if len(pieces) != 1 or plan.pieces[pieces[0]].dest != self.rank:
-            return None
-        region = plan.items[k].region
-        if plan.pieces[pieces[0]].region != region:
-            return None
-        return _relative(region, block)
-
-    def _exchange(self, plan: RestorePlan, round_items: list[int], by_item: dict[int, list[int]], data: dict[int, np.ndarray], outs: dict[str, np.ndarray], offsets: list[tuple[slice, ...]]) -> None:  # fmt: skip
-        """Send every piece of this round's items to its rank (collective, one Alltoallv)."""
-        me, n = self.rank, self.size
-        sends: list[list[tuple[np.ndarray, int]]] = [[] for _ in range(n)]  # (view, nbytes)
-        recv_plan: list[list[int]] = [[] for _ in range(n)]
-        itemsizes = [np_dtype(t.dtype).itemsize for _, t in plan.targets]
-        for k in round_items:
-            item = plan.items[k]
-            name = plan.targets[item.tensor][0]
-            for pk in by_item.get(k, []):
-                p = plan.pieces[pk]
-                if item.reader == me and k in data:
-                    local = _relative(p.region, item.region)
-                    part = data[k][local]
-                    if p.dest == me:
-                        out = _relative(p.region, offsets[item.tensor])
-                        outs[name][out] = part
-                    else:
-                        sends[p.dest].append((part, part.size * itemsizes[item.tensor]))
-                elif p.dest == me and item.reader != me:
-                    recv_plan[item.reader].append(pk)
-        if self._nothing_moves(plan, round_items, by_item):
-            return
-        send_counts = [sum(nb for _, nb in parts) for parts in sends]
-        recv_counts = [
-            sum(
-                math.prod(plan.pieces[pk].shape)
-                * itemsizes[plan.items[plan.pieces[pk].item].tensor]
-                for pk in pks
-            )
-            for pks in recv_plan
-        ]
-        send = np.empty(sum(send_counts), dtype=np.uint8)  # packed in place: no extra copies
-        pos = 0
-        for parts in sends:
-            for part, nb in parts:
-                send[pos : pos + nb].view(part.dtype).reshape(part.shape)[...] = part
-                pos += nb
-        got = alltoallv_bytes(self.comm, send, send_counts, recv_counts, timeout_s=self.timeout_s, what="restore: exchange", phase="checkpoint")  # fmt: skip
-        del send
-        pos = 0
-        for src in range(n):
-            for pk in recv_plan[src]:
-                p = plan.pieces[pk]
-                item = plan.items[p.item]
-                name = plan.targets[item.tensor][0]
-                nbytes = math.prod(p.shape) * itemsizes[item.tensor]
-                out = _relative(p.region, offsets[item.tensor])
-                outs[name][out] = got[pos : pos + nbytes].view(outs[name].dtype).reshape(p.shape)
-                pos += nbytes
-
-    @staticmethod
-    def _nothing_moves(plan: RestorePlan, round_items: list[int], by_item: dict[int, list[int]]) -> bool:  # fmt: skip
-        """True when no piece of the round crosses ranks (decided from the plan: the same
-        answer on every rank, so all skip the exchange together)."""
-        return all(
-            plan.pieces[pk].dest == plan.items[k].reader for k in round_items for pk in by_item.get(k, [])
-        )  # fmt: skip
-
 
 @contextmanager
 def _collective_section(rank: int, what: str) -> Iterator[None]:
@@ -727,23 +705,3 @@ def _collective_section(rank: int, what: str) -> Iterator[None]:
             raise
         abort_job(1, f"dtm: error: rank {rank} failed during {what}: {type(exc).__name__}: {exc}\ndtm: aborting the job (its peers are inside collective HDF5 calls)")  # fmt: skip
         raise
-
-
-def _check_datasets(f: Any, path: Path, plan: RestorePlan) -> None:
-    """Every dataset the restore reads exists with the manifest's shape and element size
-    (checked from the same file on every rank before any collective read)."""
-    for a in plan.artifacts:
-        assert a.dataset is not None
-        if a.dataset not in f:
-            raise IntegrityError("dataset is missing", tensor=a.name, shard="*", file=str(path))
-        dset = f[a.dataset]
-        if tuple(dset.shape) != a.shape or dset.dtype.itemsize != np_dtype(a.dtype).itemsize:
-            raise IntegrityError(
-                f"dataset is {dset.dtype}{list(dset.shape)}, the manifest says {a.dtype}{list(a.shape)}",
-                tensor=a.name, shard="*", file=str(path),
-            )  # fmt: skip
-
-
-def _relative(region: tuple[slice, ...], origin: tuple[slice, ...]) -> tuple[slice, ...]:
-    """``region`` (global) relative to the block that starts at ``origin``."""
-    return tuple(slice(r.start - o.start, r.stop - o.start) for r, o in zip(region, origin, strict=True))  # fmt: skip

@@ -1,12 +1,13 @@
-"""Thin parallel-HDF5 helpers: open with ``driver='mpio'``, create datasets without fill, and
-move one hyperslab per rank per call with a collective transfer.
+"""Thin parallel-HDF5 helpers for the data files of a checkpoint: open with ``driver='mpio'``
+on the communicator of the ranks that share the file, create shard datasets without fill, and
+write each shard whole from its owner.
 
-Every rank takes part in every collective call, also with nothing to move: the call is made
-with an empty selection (h5py's high-level slicing skips empty selections, and a rank that
-skips a collective transfer hangs the others — a well-known parallel-HDF5 trap). Data is
-written in the array's own type (no conversion on the write path) from C-contiguous arrays
-without copies, and datasets are contiguous, allocated early and never filled (the data
-overwrites every byte anyway).
+Dataset creation and attributes are collective over the file's communicator (every rank of it
+creates every dataset, in the same order: parallel HDF5's metadata rule); each shard's data is
+then written by its owner alone with an independent transfer (its own dataset, so nothing to
+coordinate). Data is written in the array's own type (no conversion on the write path) from
+C-contiguous arrays without copies, and datasets are contiguous, allocated early and never
+filled (the data overwrites every byte anyway).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-__all__ = ["ALIGN_BYTES", "ALIGN_FROM", "create_dataset", "open_file", "read_slab", "write_slab"]
+__all__ = ["ALIGN_BYTES", "ALIGN_FROM", "create_dataset", "open_file", "write_whole"]
 
 ALIGN_FROM = 4 << 20
 ALIGN_BYTES = 1 << 20
@@ -28,71 +29,26 @@ to a MiB each)."""
 def open_file(path: str, mode: str, comm: Any = None) -> h5py.File:
     """Collective when ``comm`` is given: open ``path`` on every rank of ``comm`` with the
     MPI-IO driver; without ``comm``, a serial open (tools, single process)."""
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"libver": "earliest"}
     if mode != "r":
-        kwargs = {"alignment_threshold": ALIGN_FROM, "alignment_interval": ALIGN_BYTES}
+        kwargs |= {"alignment_threshold": ALIGN_FROM, "alignment_interval": ALIGN_BYTES}
     if comm is not None:
         return h5py.File(path, mode, driver="mpio", comm=comm, **kwargs)
     return h5py.File(path, mode, **kwargs)
 
 
 def create_dataset(f: h5py.File, name: str, shape: tuple[int, ...], dtype: np.dtype[Any]) -> h5py.Dataset:  # fmt: skip
-    """Collective under MPI-IO: a contiguous dataset of ``shape`` and ``dtype``, never filled."""
-    return f.create_dataset(name, shape=shape, dtype=dtype, fill_time="never")
+    """Collective under MPI-IO: a contiguous dataset of ``shape`` and ``dtype``, allocated
+    early, never filled (intermediate groups are created)."""
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    return f.create_dataset(name, shape=shape, dtype=dtype, dcpl=dcpl)
 
 
-def _dxpl(collective: bool) -> Any:
-    dxpl = h5py.h5p.create(h5py.h5p.DATASET_XFER)
-    if collective:
-        dxpl.set_dxpl_mpio(h5py.h5fd.MPIO_COLLECTIVE)
-    return dxpl
-
-
-def _spaces(
-    dset: h5py.Dataset, region: tuple[slice, ...] | None, buf_shape: tuple[int, ...],
-    within: tuple[slice, ...] | None,
-) -> tuple[Any, Any]:  # fmt: skip
-    fspace = dset.id.get_space()
-    if region is None:  # this rank moves nothing but takes part
-        fspace.select_none()
-        mspace = h5py.h5s.create_simple((1,))
-        mspace.select_none()
-        return mspace, fspace
-    if not region:  # a 0-d dataset
-        return h5py.h5s.create(h5py.h5s.SCALAR), fspace
-    fspace.select_hyperslab(tuple(s.start for s in region), tuple(s.stop - s.start for s in region))  # fmt: skip
-    mspace = h5py.h5s.create_simple(buf_shape)
-    if within is not None:
-        mspace.select_hyperslab(tuple(s.start for s in within), tuple(s.stop - s.start for s in within))  # fmt: skip
-    return mspace, fspace
-
-
-def write_slab(
-    dset: h5py.Dataset, region: tuple[slice, ...] | None, data: np.ndarray | None,
-    collective: bool = True,
-) -> None:  # fmt: skip
-    """Collective when ``collective``: write ``data`` (C-contiguous, the dataset's dtype) to
-    the global hyperslab ``region``; ``region=None``: take part without writing."""
-    if region is None or data is None:
-        mspace, fspace = _spaces(dset, None, (), None)
-        dset.id.write(mspace, fspace, np.empty(1, dtype=dset.dtype), dxpl=_dxpl(collective))
-        return
+def write_whole(dset: h5py.Dataset, data: np.ndarray) -> None:
+    """Write all of ``dset`` from ``data`` (its shape and dtype) with an independent
+    transfer: the caller is the only rank writing this dataset."""
     if not data.flags.c_contiguous:
         data = np.ascontiguousarray(data)
-    mspace, fspace = _spaces(dset, region, data.shape, None)
-    dset.id.write(mspace, fspace, data, dxpl=_dxpl(collective))
-
-
-def read_slab(
-    dset: h5py.Dataset, region: tuple[slice, ...] | None, out: np.ndarray | None,
-    within: tuple[slice, ...] | None = None, collective: bool = True,
-) -> None:  # fmt: skip
-    """Collective when ``collective``: read the global hyperslab ``region`` into ``out``
-    (C-contiguous; all of it, or the part ``within`` of the same shape as ``region``);
-    ``region=None``: take part without reading."""
-    if region is None or out is None:
-        mspace, fspace = _spaces(dset, None, (), None)
-        dset.id.read(mspace, fspace, np.empty(1, dtype=dset.dtype), dxpl=_dxpl(collective))
-        return
-    mspace, fspace = _spaces(dset, region, out.shape, within)
-    dset.id.read(mspace, fspace, out, dxpl=_dxpl(collective))
+    dset.id.write(h5py.h5s.ALL, h5py.h5s.ALL, data)

@@ -10,7 +10,8 @@ rules that decide whether a manifest may be loaded. After the storage module of 
   (:data:`TRANSITIONS` lists every allowed move; :func:`transition` rejects the others).
 * **Shard records** ``<tensor>:shard:<i>``: the owner rank and its mesh coordinates at write
   time, the hyperslab (offset, extent), the bytes, the chunk hashes (runs of ``chunk_rows``
-  rows of the shard) and the shard hash over them.
+  rows of the shard), the shard hash over them, and where its bytes are: the data file of
+  the checkpoint (``data-NNNNNN.h5``) and the dataset in it (``/shards/<tensor>/<i>``).
 * **Roots.** Each artifact has a Merkle root over its shard hashes, the manifest one over its
   artifacts' roots, and the manifest hash covers everything (io/hashing.py).
 
@@ -44,19 +45,32 @@ __all__ = [
     "Manifest",
     "RecoveryAction",
     "ShardRecord",
+    "data_file_name",
     "layout_from_json",
     "layout_to_json",
     "parse_manifest",
     "recovery_actions",
+    "shard_dataset",
     "stored_itemsize",
     "transition",
     "validate_manifest",
 ]
 
 FORMAT = "dtm-manifest"
-VERSION = 1
+VERSION = 2
+_DATA_FILE = re.compile(r"data-[0-9]{6,}\.h5\Z")
 _HEX32 = re.compile(r"[0-9a-f]{32}\Z")
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
+
+
+def data_file_name(index: int) -> str:
+    """The name of data file ``index`` of a checkpoint directory."""
+    return f"data-{index:06d}.h5"
+
+
+def shard_dataset(tensor: str, index: int) -> str:
+    """The dataset holding shard ``index`` of ``tensor`` in its data file."""
+    return f"/shards/{tensor}/{index}"
 
 
 def stored_itemsize(dtype: DType) -> int:
@@ -110,6 +124,15 @@ class ShardRecord:
     chunk_rows: int  # rows (along dim 0 of the shard) per chunk; 0-d shards: 1
     chunks: tuple[str, ...]  # XXH3-128 of each chunk
     hash: str  # XXH3-128 over the chunk digests
+    file: str = ""  # the data file holding it, relative to the checkpoint directory
+    dataset: str = ""  # its dataset in that file: /shards/<tensor>/<index>, shape = extent
+
+    def local_chunk_region(self, i: int) -> tuple[slice, ...]:
+        """Chunk ``i`` in the coordinates of the shard's own dataset."""
+        return tuple(
+            slice(r.start - o, r.stop - o)
+            for r, o in zip(self.chunk_region(i), self.offset, strict=True)
+        )
 
     @property
     def region(self) -> tuple[slice, ...]:
@@ -275,6 +298,7 @@ def _shard_doc(s: ShardRecord) -> dict[str, Any]:
         "id": s.id, "index": s.index, "owner": s.owner, "coords": list(s.coords),
         "offset": list(s.offset), "extent": list(s.extent), "bytes": s.nbytes,
         "chunk_rows": s.chunk_rows, "chunks": list(s.chunks), "hash": s.hash,
+        "file": s.file, "dataset": s.dataset,
     }  # fmt: skip
 
 
@@ -357,7 +381,7 @@ def parse_manifest(text: bytes | str, where: str = "manifest") -> Manifest:
                 _ints(sd.get("coords"), f"{sw} coords"), _ints(sd.get("offset"), f"{sw} offset"),
                 _ints(sd.get("extent"), f"{sw} extent"), _get(sd, "bytes", int, sw),
                 _get(sd, "chunk_rows", int, sw), tuple(str(c) for c in chunks),
-                str(sd.get("hash") or ""),
+                str(sd.get("hash") or ""), _get(sd, "file", str, sw), _get(sd, "dataset", str, sw),
             )  # fmt: skip
             shards.append(shard)
         art = ArtifactRecord(
@@ -402,6 +426,8 @@ def _check_shards(a: ArtifactRecord, where: str) -> None:
             raise ManifestError(f"{sw}: {len(s.chunks)} chunk hashes for {rows} rows in runs of {s.chunk_rows}")  # fmt: skip
         if shard_hash(s.chunks) != s.hash:
             raise ManifestError(f"{sw}: shard hash does not match its chunk hashes")
+        if not _DATA_FILE.match(s.file) or s.dataset != shard_dataset(a.name, i):
+            raise ManifestError(f"{sw}: stored in file {s.file!r} dataset {s.dataset!r}; expected a data file data-NNNNNN.h5 and dataset {shard_dataset(a.name, i)}")  # fmt: skip
         total += math.prod(s.extent)
     if total != math.prod(a.shape):
         raise ManifestError(f"{where}: tensor {a.name!r}: shards hold {total} elements, the tensor {math.prod(a.shape)}")  # fmt: skip

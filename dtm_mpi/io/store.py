@@ -1,17 +1,18 @@
 """A checkpoint store on disk: one directory, serial operations (rank 0 or a tool).
 
-Layout (io/FORMAT.md)::
+Layout (io/FORMAT.md §2)::
 
-    STORE/store.json                      {"format": "dtm-store", "version": 1,
-                                           "quota_bytes": null | N, "keep_last": null | K}
-    STORE/ckpt-00000005.h5                a committed checkpoint (step 5)
-    STORE/ckpt-00000006.h5.partial-3f2a   a save in progress, cancelled or killed: incomplete
-    STORE/latest                          "ckpt-00000005.h5\\n" (replaced atomically)
+    STORE/store.json                        {"format": "dtm-store", "version": 2,
+                                             "quota_bytes": null | N, "keep_last": null | K}
+    STORE/ckpt-00000005/                    a committed checkpoint (step 5): a directory of
+                                            checkpoint.h5 and data-NNNNNN.h5 files (io/files.py)
+    STORE/ckpt-00000006.partial-3f2a9c01/   a save in progress, cancelled or killed: incomplete
+    STORE/latest                            "ckpt-00000005\\n" (replaced atomically)
 
-A checkpoint is committed by the rename of its partial file; ``latest`` is updated after that
-(also by rename), so at every moment ``latest`` names a committed, verified checkpoint, and a
-crash between the two renames leaves the older ``latest`` valid. Every write here is
-fsynced, and so is the directory after every rename.
+A checkpoint is committed by the rename of its partial directory; ``latest`` is updated after
+that (also by rename), so at every moment ``latest`` names a committed, verified checkpoint,
+and a crash between the two renames leaves the older ``latest`` valid. Every write is fsynced,
+and so is the directory after every rename.
 """
 
 from __future__ import annotations
@@ -20,38 +21,38 @@ import contextlib
 import json
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import h5py
-import numpy as np
-
-from dtm_mpi.errors import IntegrityError, ManifestError, StorageError, UsageError
-from dtm_mpi.io.hashing import chunk_hash
-from dtm_mpi.io.manifest import ArtifactClass, Manifest, parse_manifest, validate_manifest
+from dtm_mpi.errors import StorageError, UsageError
 
 __all__ = [
     "CheckpointEntry",
-    "check_file_format",
     "StoreMeta",
     "committed_name",
     "disk_usage",
     "fsync_dir",
+    "legacy_files",
     "list_checkpoints",
+    "meta_outdated",
+    "partial_name",
     "read_latest",
-    "read_manifest",
     "read_meta",
+    "remove_path",
+    "replace_dir",
     "retired_files",
-    "verify_checkpoint",
+    "tree_bytes",
     "write_latest",
     "write_meta",
 ]
 
 STORE_FORMAT = "dtm-store"
-STORE_VERSION = 1
-CKPT_FORMAT = "dtm-checkpoint"
-_COMMITTED = re.compile(r"ckpt-(\d{8,})\.h5\Z")
-_PARTIAL = re.compile(r"ckpt-(\d{8,})\.h5\.partial-([0-9a-f]+)\Z")
+STORE_VERSION = 2
+_READS = (1, 2)  # store.json versions read (1: the same settings, rewritten as 2 on open)
+_COMMITTED = re.compile(r"ckpt-([0-9]{8,})\Z")
+_PARTIAL = re.compile(r"ckpt-([0-9]{8,})\.partial-([0-9a-f]+)\Z")
+_LEGACY = re.compile(r"ckpt-([0-9]{8,})\.h5(\.partial-[0-9a-f]+)?\Z")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,13 +69,82 @@ class StoreMeta:
 class CheckpointEntry:
     step: int
     path: Path
-    committed: bool  # False: a partial file (in progress, cancelled or killed)
+    committed: bool  # False: a partial checkpoint (in progress, cancelled or killed)
     nbytes: int
     latest: bool
 
 
 def committed_name(step: int) -> str:
-    return f"ckpt-{step:08d}.h5"
+    return f"ckpt-{step:08d}"
+
+
+def partial_name(step: int, token: str) -> str:
+    return f"{committed_name(step)}.partial-{token}"
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of the file ``path``, or of every file under the directory ``path`` (0 when it
+    vanished meanwhile)."""
+    try:
+        if not path.is_dir():
+            return path.stat().st_size
+        total = 0
+        for p in path.rglob("*"):
+            with contextlib.suppress(FileNotFoundError):
+                total += p.stat().st_size if p.is_file() else 0
+        return total
+    except FileNotFoundError:
+        return 0
+
+
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the names ``a`` and ``b`` atomically (Linux ``renameat2(RENAME_EXCHANGE)``);
+    False where the system or file system cannot."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_cwd = -100
+    rc = fn(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: not here; fall back
+        return False
+    raise OSError(err, os.strerror(err), str(a))
+
+
+def replace_dir(new: Path, final: Path, old: Path) -> None:
+    """Put directory ``new`` in place of the existing ``final``, moving the replaced one to
+    ``old``. Atomic where the system swaps names (Linux): at every moment ``final`` is one
+    complete checkpoint. Elsewhere two renames (a crash between them leaves ``final``
+    absent; readers then fall back to the newest committed checkpoint), undone if the second
+    fails."""
+    if _exchange(new, final):
+        os.replace(new, old)  # ``new`` now names the replaced checkpoint
+        return
+    os.replace(final, old)
+    try:
+        os.replace(new, final)
+    except OSError:
+        os.replace(old, final)
+        raise
+
+
+def remove_path(path: Path) -> None:
+    """Delete the file or directory tree ``path`` (nothing when it is gone)."""
+    if path.is_dir() and not path.is_symlink():
+        with contextlib.suppress(FileNotFoundError):  # removed meanwhile (another remover)
+            shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def fsync_dir(path: Path) -> None:
@@ -102,7 +172,7 @@ def read_meta(store: Path) -> StoreMeta | None:
         return None
     try:
         doc = json.loads(p.read_text(encoding="utf-8"))
-        if doc.get("format") != STORE_FORMAT or doc.get("version") != STORE_VERSION:
+        if doc.get("format") != STORE_FORMAT or doc.get("version") not in _READS or type(doc.get("version")) is not int:  # fmt: skip
             raise ValueError(f"format {doc.get('format')!r} version {doc.get('version')!r}")
         quota, keep = doc.get("quota_bytes"), doc.get("keep_last")
         for v in (quota, keep):
@@ -111,6 +181,15 @@ def read_meta(store: Path) -> StoreMeta | None:
         return StoreMeta(quota, keep)
     except (OSError, ValueError) as exc:
         raise StorageError(f"{p}: not a dtm store settings file ({exc})") from None
+
+
+def meta_outdated(store: Path) -> bool:
+    """True when ``store.json`` exists in an older version this reads (rewrite it)."""
+    try:
+        doc = json.loads((store / "store.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and doc.get("version") != STORE_VERSION
 
 
 def write_meta(store: Path, meta: StoreMeta) -> None:
@@ -122,7 +201,7 @@ def read_latest(store: Path) -> int | None:
     """The step ``latest`` names when that checkpoint exists, else the newest committed one
     (a crash between commit and pointer update), else None."""
     m = _COMMITTED.match(_pointer(store))
-    if m and (store / m.group(0)).exists():
+    if m and (store / m.group(0)).is_dir():
         return int(m.group(1))
     steps = [e.step for e in list_checkpoints(store) if e.committed]
     return max(steps) if steps else None
@@ -133,17 +212,18 @@ def write_latest(store: Path, step: int) -> None:
 
 
 def list_checkpoints(store: Path) -> list[CheckpointEntry]:
-    """Committed and partial checkpoints, by step (partials after the committed one)."""
+    """Committed and partial checkpoints (directories), by step (partials after the
+    committed one)."""
     if not store.is_dir():
         raise UsageError(f"{store}: no such store directory")
     named = _pointer(store)
     out = []
     for p in store.iterdir():
         m = _COMMITTED.match(p.name) or _PARTIAL.match(p.name)
-        if m is None:
+        if m is None or not p.is_dir():
             continue
         committed = _COMMITTED.match(p.name) is not None
-        out.append(CheckpointEntry(int(m.group(1)), p, committed, p.stat().st_size, committed and p.name == named))  # fmt: skip
+        out.append(CheckpointEntry(int(m.group(1)), p, committed, tree_bytes(p), committed and p.name == named))  # fmt: skip
     return sorted(out, key=lambda e: (e.step, not e.committed, e.path.name))
 
 
@@ -156,6 +236,12 @@ def _pointer(store: Path) -> str:
         return ""
 
 
+def legacy_files(store: Path) -> list[Path]:
+    """Single-file checkpoints of format version 1 (``ckpt-N.h5``), which this version does not
+    read; they are not part of the store but are listed and count against its quota."""
+    return sorted(p for p in store.iterdir() if _LEGACY.match(p.name) and p.is_file())
+
+
 def retired_files(store: Path) -> list[Path]:
     """Checkpoints retention has retired (``.deleting-*``) that are not deleted yet (a crash
     can leave them; the next retention or ``dtm ckpt rm --partial`` removes them)."""
@@ -163,69 +249,7 @@ def retired_files(store: Path) -> list[Path]:
 
 
 def disk_usage(store: Path) -> int:
-    """Bytes of every checkpoint file in the store, partial ones and retired ones still being
-    deleted included."""
-    retiring = 0
-    for p in retired_files(store):
-        with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
-            retiring += p.stat().st_size
-    return retiring + sum(e.nbytes for e in list_checkpoints(store))
-
-
-FORMAT_VERSION = 1
-
-
-def check_file_format(f: h5py.File, path: Path) -> None:
-    """Raise :class:`ManifestError` unless ``f`` is a dtm checkpoint of a version this reads."""
-    if f.attrs.get("dtm_format") != CKPT_FORMAT:
-        raise ManifestError(f"{path}: not a dtm checkpoint (no dtm_format={CKPT_FORMAT!r} attribute)")  # fmt: skip
-    version = f.attrs.get("format_version")
-    if version is None or int(version) != FORMAT_VERSION:
-        raise ManifestError(f"{path}: checkpoint format version {version!r} is not supported (this reads version {FORMAT_VERSION})")  # fmt: skip
-
-
-def read_manifest(path: Path) -> Manifest:
-    """The validated manifest of the checkpoint file ``path`` (serial read)."""
-    try:
-        with h5py.File(path, "r") as f:
-            check_file_format(f, path)
-            if "manifest" not in f:
-                raise ManifestError(f"{path}: no manifest: the checkpoint is incomplete")
-            text = bytes(f["manifest"][()])
-    except OSError as exc:
-        raise ManifestError(f"{path}: cannot be read as HDF5 ({exc})") from None
-    manifest = parse_manifest(text, str(path))
-    validate_manifest(manifest, str(path))
-    return manifest
-
-
-def verify_checkpoint(path: Path) -> list[IntegrityError]:
-    """Re-read every stored chunk of ``path`` and compare it with its content hash; returns
-    one error per damaged shard (naming tensor, shard, chunk and file). Serial."""
-    manifest = read_manifest(path)
-    problems: list[IntegrityError] = []
-    with h5py.File(path, "r") as f:
-        for a in manifest.artifacts:
-            if a.cls is ArtifactClass.EPHEMERAL or a.dataset is None:
-                continue
-            if a.dataset not in f:
-                problems.append(IntegrityError("dataset is missing", tensor=a.name, shard="*", file=str(path)))  # fmt: skip
-                continue
-            dset = f[a.dataset]
-            if tuple(dset.shape) != a.shape:
-                problems.append(IntegrityError(f"dataset shape {list(dset.shape)} is not {list(a.shape)}", tensor=a.name, shard="*", file=str(path)))  # fmt: skip
-                continue
-            for s in a.shards:
-                for c, want in enumerate(s.chunks):
-                    got = chunk_hash(np.ascontiguousarray(dset[s.chunk_region(c)]))
-                    if got != want:
-                        problems.append(
-                            IntegrityError(
-                                f"chunk {c} content hash {got} does not match the manifest's {want}",
-                                tensor=a.name,
-                                shard=s.id,
-                                file=str(path),
-                            )
-                        )
-                        break
-    return problems
+    """Bytes of every checkpoint in the store, partial ones, retired ones still being
+    deleted and version-1 files included."""
+    other = sum(tree_bytes(p) for p in retired_files(store) + legacy_files(store))
+    return other + sum(e.nbytes for e in list_checkpoints(store))

@@ -1,8 +1,9 @@
 """Checkpoints under real MPI and parallel HDF5: save on one mesh, restore on another
 (1->4, 4->1, 2->3, 3->2, 2x2->4x1 and back, same mesh), uneven shapes, bit-identical; atomic
-commit, latest pointer and retention; integrity errors naming tensor, shard and file; quota,
-async save and cancel. Size-agnostic: a case whose meshes need more ranks than the job has is
-skipped; the suite runs at 2, 3 and 4 ranks."""
+commit, latest pointer and retention; integrity errors naming tensor, shard and data file;
+quota, async save and cancel; the checkpoint directory (``checkpoint.h5`` + one data file per
+group of ``ranks_per_file`` ranks) and readers without dtm_mpi. Size-agnostic: a case whose
+meshes need more ranks than the job has is skipped; the suite runs at 2, 3 and 4 ranks."""
 
 from __future__ import annotations
 
@@ -15,13 +16,14 @@ import pytest
 
 from dtm_mpi.errors import CancelledError, IntegrityError, QuotaError, StorageError
 from dtm_mpi.io.checkpoint import CheckpointStore
+from dtm_mpi.io.files import MAIN_FILE, read_manifest
 from dtm_mpi.io.manifest import ArtifactClass
 from dtm_mpi.io.plan import TensorSpec
-from dtm_mpi.io.store import committed_name, list_checkpoints, read_latest, read_manifest
+from dtm_mpi.io.store import committed_name, list_checkpoints, read_latest
 from dtm_mpi.ir.types import DType, Layout, TensorType
 from dtm_mpi.sharding.blocks import local_block
 from dtm_mpi.sharding.mesh import MeshShape
-from tests.io.io_helpers import flip_byte
+from tests.io.io_helpers import PLAIN_READER, flip_element
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -170,15 +172,15 @@ def test_flipped_byte_is_an_integrity_error_naming_tensor_and_shard(comm: Any, m
     save_on(mpi_tmp_path, comm, mesh, 1)
     save_on(mpi_tmp_path, comm, mesh, 2)
     path = mpi_tmp_path / committed_name(2)
-    if comm.Get_rank() == 0:
-        flip_byte(path, "/tensors/big", 4 * 33 * 200 + 5)  # row 200 of 257
-    comm.Barrier()
+    # row 200 of 257: in the shard of the last rank that holds rows, in that rank's data file
+    data, shard = comm.bcast(flip_element(path, "big", (200, 1), byte=1) if comm.Get_rank() == 0 else None)  # fmt: skip
+    assert data.parent == path and data.name.startswith("data-") and shard.startswith("big:shard:")
     store = CheckpointStore(mpi_tmp_path, comm, timeout_s=60)
     with pytest.raises(IntegrityError) as info:
         store.restore(mesh, tensors(mesh))
     msg = str(info.value)
-    assert "'big'" in msg and "big:shard:" in msg and str(path) in msg, msg
-    assert info.value.tensor == "big" and info.value.file == str(path)
+    assert f"tensor 'big' shard {shard!r}" in msg and str(data) in msg, msg
+    assert (info.value.tensor, info.value.shard, info.value.file) == ("big", shard, str(data))
     # the newest checkpoint that verifies
     got = store.restore(mesh, tensors(mesh), fallback=True)
     all_ranks(got.step == 1, f"fallback restored step {got.step}")
@@ -194,9 +196,7 @@ def test_quota_refuses_before_writing(comm: Any, mpi_tmp_path: Path, all_ranks: 
     with pytest.raises(QuotaError, match="quota"):
         store.save(2, mesh, items)
     names = sorted(p.name for p in mpi_tmp_path.iterdir())
-    all_ranks(
-        names == ["ckpt-00000001.h5", "latest", "store.json"], f"files after refusal: {names}"
-    )
+    all_ranks(names == ["ckpt-00000001", "latest", "store.json"], f"files after refusal: {names}")
     store.close()
 
 
@@ -225,39 +225,35 @@ def test_async_save_then_cancel(comm: Any, mpi_tmp_path: Path, all_ranks: Any) -
         handle.wait()
     comm.Barrier()
     left = sorted(p.name for p in mpi_tmp_path.iterdir())
-    all_ranks(len(partial) <= 1, "one partial file at most")
-    all_ranks(left == ["ckpt-00000001.h5", "ckpt-00000002.h5", "latest", "store.json"], f"after cancel: {left}")  # fmt: skip
+    all_ranks(len(partial) <= 1 and all(p.name.startswith("ckpt-00000003.partial-") for p in partial), f"one partial directory at most: {partial}")  # fmt: skip
+    all_ranks(left == ["ckpt-00000001", "ckpt-00000002", "latest", "store.json"], f"after cancel: {left}")  # fmt: skip
     all_ranks(read_latest(mpi_tmp_path) == 2, "latest still 2")
     store.close()
     restore_on(mpi_tmp_path, comm, mesh, None, all_ranks=all_ranks)
 
 
-def test_plain_h5py_reads_a_checkpoint(comm: Any, mpi_tmp_path: Path, all_ranks: Any) -> None:
-    """The file is plain HDF5: a process without dtm_mpi reads every tensor back."""
+def test_plain_h5py_reads_a_moved_checkpoint(comm: Any, mpi_tmp_path: Path, all_ranks: Any) -> None:  # fmt: skip
+    """The checkpoint is plain HDF5: a process without dtm_mpi (``python -I``, started in
+    another directory) reads every tensor bit-exactly from ``checkpoint.h5`` through its
+    virtual datasets, after the whole store directory was moved (the sources are relative)."""
     import subprocess
     import sys
 
-    mesh = mesh_of(str(comm.Get_size()))
-    save_on(mpi_tmp_path, comm, mesh, 5)
+    n = comm.Get_size()
+    mesh = mesh_of(str(n))
+    save_on(mpi_tmp_path / "store", comm, mesh, 5, ranks_per_file=1)
     ok, out = True, ""
     if comm.Get_rank() == 0:
-        np.savez(mpi_tmp_path / "want.npz", **{k: v + np.asarray(5, v.dtype) if v.dtype.kind == "f" else v for k, v in VALUES.items()})  # fmt: skip
-        code = (
-            "import sys, json, h5py, numpy as np\n"
-            "assert 'dtm_mpi' not in sys.modules\n"
-            f"f = h5py.File({str(mpi_tmp_path / committed_name(5))!r}, 'r')\n"
-            f"want = np.load({str(mpi_tmp_path / 'want.npz')!r})\n"
-            "for k in want.files:\n"
-            "    got = f['tensors'][k][()]\n"
-            "    assert np.asarray(got).tobytes() == want[k].tobytes(), k\n"
-            "    assert f['tensors'][k].attrs['artifact_class'] == 'PRIMARY'\n"
-            "m = json.loads(f['manifest'][()])\n"
-            "assert m['format'] == 'dtm-manifest' and m['step'] == 5\n"
-            "print('plain-ok', sorted(want.files) == sorted(f['tensors']), 'dtm_mpi' in sys.modules)\n"
-        )  # fmt: skip
-        proc = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, check=False, timeout=60)  # fmt: skip
+        moved = mpi_tmp_path / "elsewhere" / "moved"
+        moved.parent.mkdir()
+        (mpi_tmp_path / "store").rename(moved)
+        want = mpi_tmp_path / "want.npz"
+        np.savez(want, **{k: v + np.asarray(5, v.dtype) if v.dtype.kind == "f" else v for k, v in VALUES.items()})  # fmt: skip
+        main = moved / committed_name(5) / MAIN_FILE
+        proc = subprocess.run([sys.executable, "-I", "-c", PLAIN_READER, str(main), str(want), "5"], capture_output=True, text=True, check=False, timeout=60, cwd="/")  # fmt: skip
         out = proc.stdout + proc.stderr
-        ok = proc.returncode == 0 and "plain-ok True False" in out
+        files = str([f"data-{r:06d}.h5" for r in range(n)])  # one rank per file: every rank owns a shard of 'w'  # fmt: skip
+        ok = proc.returncode == 0 and f"plain-ok True {files} False" in out
     all_ranks(ok, out)
 
 
@@ -288,12 +284,12 @@ def test_ephemeral_never_stored_and_derived_rebuilt(comm: Any, mpi_tmp_path: Pat
     with pytest.raises(StorageError, match="ephemeral"):
         store.restore(mesh, [("scratch", t32)])
     if rank == 0:
-        flip_byte(path, "/tensors/w16", 3)
+        flip_element(path, "w16", (0, 1), byte=1)
     comm.Barrier()
     got = store.restore(mesh, [("w16", t16)])  # rebuilt from w
     all_ranks(got.values["w16"].tobytes() == g[blk].astype(np.float16).tobytes(), "rebuilt w16")
     if rank == 0:
-        flip_byte(path, "/tensors/w", 0)
+        flip_element(path, "w", (0, 0))
     comm.Barrier()
     with pytest.raises(IntegrityError, match="'w'"):
         store.restore(mesh, [("w", t32)])
@@ -333,3 +329,130 @@ def test_restore_in_place_into_callers_arrays(comm: Any, mpi_tmp_path: Path, all
     with pytest.raises(UsageError, match="not a target"):
         store.restore(dst, targets, into={"nope": mine["w"]})
     store.close()
+
+
+# --- the checkpoint directory: ranks_per_file -------------------------------------------------
+
+
+def data_files(n: int, per_file: int) -> list[str]:
+    """The data files of an ``n``-rank save with ``per_file`` ranks per file (0: all) when
+    every rank owns a shard: rank r writes into file r // G."""
+    g = n if per_file == 0 else per_file
+    return [f"data-{i:06d}.h5" for i in sorted({r // g for r in range(n)})]
+
+
+def stored_datasets(path: Path) -> dict[str, set[str]]:
+    """Data file name -> the datasets it holds, of checkpoint directory ``path``."""
+    import h5py
+
+    out: dict[str, set[str]] = {}
+    for p in sorted(path.glob("data-*.h5")):
+        names = out.setdefault(p.name, set())
+        with h5py.File(p, "r") as f:
+            for group in f["shards"].values():
+                names.update(d.name for d in group.values() if isinstance(d, h5py.Dataset))
+            assert list(f) == ["shards"], list(f)
+    return out
+
+
+@pytest.mark.parametrize("per_file", [1, 2, 0], ids=["G=1", "G=2", "G=all"])
+def test_ranks_per_file_layout_and_bit_identical_restores(comm: Any, mpi_tmp_path: Path, all_ranks: Any, per_file: int) -> None:  # fmt: skip
+    """One data file per group of G ranks (at 3 ranks G=2 gives the groups {0,1} and {2}),
+    each holding exactly the shards its ranks own as ``/shards/<t>/<i>``; the checkpoint
+    restores bit-identically whatever G wrote it: on the same mesh, resharded onto another
+    layout and onto fewer ranks."""
+    n = comm.Get_size()
+    g = n if per_file == 0 else min(per_file, n)
+    mesh = mesh_of(str(n))
+    save_on(mpi_tmp_path, comm, mesh, 2, ranks_per_file=per_file)
+    path = mpi_tmp_path / committed_name(2)
+    problems: list[str] = []
+    if comm.Get_rank() == 0:
+        names = sorted(p.name for p in path.iterdir())
+        if names != sorted([MAIN_FILE, *data_files(n, per_file)]):
+            problems.append(f"directory holds {names}")
+        want: dict[str, set[str]] = {}
+        for a in read_manifest(path).artifacts:
+            for s in a.shards:
+                if (s.file, s.dataset) != (f"data-{s.owner // g:06d}.h5", f"/shards/{a.name}/{s.index}"):  # fmt: skip
+                    problems.append(f"{s.id} of rank {s.owner} is {s.file}:{s.dataset}")
+                want.setdefault(s.file, set()).add(s.dataset)
+        if stored_datasets(path) != want:
+            problems.append(f"data files hold {stored_datasets(path)}, the manifest says {want}")
+    problems = comm.bcast(problems)
+    all_ranks(not problems, "; ".join(problems))
+    restore_on(mpi_tmp_path, comm, mesh, None, all_ranks=all_ranks)
+    restore_on(mpi_tmp_path, comm, mesh_of(f"1x{n}"), 2, transposed=True, all_ranks=all_ranks)
+    restore_on(mpi_tmp_path, comm, mesh_of(str(max(1, n - 1))), 2, all_ranks=all_ranks)
+
+
+def test_checkpoints_of_different_ranks_per_file_in_one_store(comm: Any, mpi_tmp_path: Path, all_ranks: Any) -> None:  # fmt: skip
+    """Each save chooses its own layout (rank 0's ``ranks_per_file``: the others' is ignored);
+    a restore reads whichever it finds."""
+    n = comm.Get_size()
+    mesh = mesh_of(str(n))
+    rank = comm.Get_rank()
+    save_on(mpi_tmp_path, comm, mesh, 1, ranks_per_file=0)
+    save_on(mpi_tmp_path, comm, mesh, 2, ranks_per_file=1 if rank == 0 else 0)
+    one = sorted(p.name for p in (mpi_tmp_path / committed_name(1)).iterdir())
+    two = sorted(p.name for p in (mpi_tmp_path / committed_name(2)).iterdir())
+    all_ranks(one == [MAIN_FILE, "data-000000.h5"], f"G=all wrote {one}")
+    all_ranks(two == sorted([MAIN_FILE, *data_files(n, 1)]), f"rank 0's G=1 wrote {two}")
+    restore_on(mpi_tmp_path, comm, mesh_of(f"1x{n}"), 1, transposed=True, all_ranks=all_ranks)
+    restore_on(mpi_tmp_path, comm, mesh, 2, all_ranks=all_ranks)
+
+
+def test_a_missing_data_file_fails_every_rank_and_derived_are_rebuilt(comm: Any, mpi_tmp_path: Path, all_ranks: Any, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """The last rank's data file disappears: a primary tensor with a shard in it is an
+    IntegrityError on every rank naming tensor, shard and that file; a derived tensor with a
+    shard in it is rebuilt from its parent (replicated: stored by rank 0, in data-000000.h5);
+    ``dtm ckpt verify`` reports both shards."""
+    from dtm_mpi.cli import run
+
+    n, rank = comm.Get_size(), comm.Get_rank()
+    mesh = mesh_of(str(n))
+    split = Layout((("x",), ()))
+    tp = TensorType(DType.F32, (10, 3), Layout(((), ())))
+    tq = TensorType(DType.F32, (10, 3), split)
+    td = TensorType(DType.F16, (10, 3), split)
+    tp_split = TensorType(DType.F32, (10, 3), split)
+    p = VALUES["big"][:10, :3]
+    blk = local_block(tq.shape, split, mesh, rank)
+    store = CheckpointStore(mpi_tmp_path, comm, timeout_s=60, ranks_per_file=1)
+    store.save(
+        1,
+        mesh,
+        [
+            (TensorSpec("p", tp), np.array(p)),
+            (TensorSpec("q", tq), np.array(p[blk]) * 2),
+            (
+                TensorSpec("d", td, ArtifactClass.DERIVED, parent="p", rebuild="cast:f16"),
+                np.full(p[blk].shape, -1, np.float16),
+            ),
+        ],
+    )
+    path = mpi_tmp_path / committed_name(1)
+    gone = path / f"data-{n - 1:06d}.h5"
+    last = f"{n - 1}"
+    if rank == 0:
+        gone.unlink()
+    comm.Barrier()
+    with pytest.raises(IntegrityError) as info:
+        store.restore(mesh, [("p", tp_split), ("q", tq)])
+    e = info.value
+    all_ranks((e.tensor, e.shard, e.file) == ("q", f"q:shard:{last}", str(gone)), str(e))
+    all_ranks(str(e) == f"{gone}: tensor 'q' shard 'q:shard:{last}': data file is missing", str(e))
+    all_ranks(len(set(comm.allgather(str(e)))) == 1, "every rank raises the same error")
+    got = store.restore(mesh, [("d", td), ("p", tp_split)])  # d rebuilt from p; p intact
+    all_ranks(got.values["d"].tobytes() == p[blk].astype(np.float16).tobytes(), "d rebuilt from p")
+    all_ranks(got.values["p"].tobytes() == p[blk].tobytes(), "p restored")
+    store.close()
+    ok, out = True, ""
+    if rank == 0:
+        capsys.readouterr()
+        code = run(["ckpt", "verify", str(mpi_tmp_path)])
+        out = capsys.readouterr().out
+        lines = sorted(out.splitlines())
+        want = sorted(f"DAMAGED {gone}: tensor {t!r} shard '{t}:shard:{last}': data file is missing" for t in ("d", "q"))  # fmt: skip
+        ok = code == 1 and lines == want
+    all_ranks(ok, out)

@@ -1,14 +1,16 @@
 """The hash definitions of io/FORMAT.md §8, recomputed independently of dtm_mpi.io.hashing:
 chunk hashes (XXH3-128 of C-order bytes), shard hashes (over the 16-byte chunk digests), the
 SHA-256 Merkle root (0x00 leaves, 0x01 inner nodes, odd node promoted, empty = sha256("")),
-artifact and manifest roots, the manifest hash and canonical JSON. Also pins the test vectors
-that FORMAT.md §8.7 publishes."""
+artifact and manifest roots (content only: not where a shard is stored), the manifest hash (over
+everything, each shard's data file and dataset included) and canonical JSON. Also pins the test
+vectors that FORMAT.md §8.7 publishes."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dtm_mpi.errors import ManifestError
 from dtm_mpi.io.hashing import (
     CONTENT_HASH,
     canonical_json,
@@ -30,6 +33,10 @@ from dtm_mpi.io.manifest import (
     Lifecycle,
     Manifest,
     ShardRecord,
+    data_file_name,
+    parse_manifest,
+    shard_dataset,
+    validate_manifest,
 )
 from dtm_mpi.ir.types import DType, Layout
 
@@ -210,8 +217,9 @@ def test_sha256_hex() -> None:
 def _shard(name: str, i: int, n: int, data: np.ndarray) -> ShardRecord:
     c = (ref_xxh(data.tobytes()),)
     return ShardRecord(
-        f"{name}:shard:{i}", i, i, (i,), (i * n,), (n,), data.nbytes, n, c, shard_hash(c)
-    )
+        f"{name}:shard:{i}", i, i, (i,), (i * n,), (n,), data.nbytes, n, c, shard_hash(c),
+        data_file_name(i), shard_dataset(name, i),
+    )  # fmt: skip
 
 
 def test_artifact_and_manifest_roots_and_manifest_hash_recomputed() -> None:
@@ -231,6 +239,7 @@ def test_artifact_and_manifest_roots_and_manifest_hash_recomputed() -> None:
 
     arts = (art("zeta"), art("alpha"), art("eph", ArtifactClass.EPHEMERAL), art("mid"))
     m = Manifest(3, (("x", 2),), arts, 16).sealed()
+    validate_manifest(m)
     roots = {a.name: a.merkle_root for a in m.artifacts}
     for a in m.artifacts:
         assert a.merkle_root == ref_merkle([s.hash for s in a.shards])
@@ -247,3 +256,36 @@ def test_artifact_and_manifest_roots_and_manifest_hash_recomputed() -> None:
             {**doc, "manifest_hash": stated}, sort_keys=True, separators=(",", ":")
         ).encode()
     )
+
+
+def test_roots_cover_content_the_manifest_hash_covers_where_it_is_stored() -> None:
+    """Storing the same shards in other data files (another ranks_per_file) keeps every Merkle
+    root and changes only the manifest hash (FORMAT.md §8.5); a changed file or dataset in the
+    stored text without a new manifest hash is an altered manifest."""
+    x = np.arange(8, dtype=np.float32)
+    shards = (_shard("t", 0, 4, x[:4]), _shard("t", 1, 4, x[4:]))
+    art = ArtifactRecord(
+        "t", ArtifactClass.PRIMARY, Lifecycle.ACTIVE, DType.F32, (8,), Layout((("x",),)),
+        "/tensors/t", shards=shards,
+    )  # fmt: skip
+    m = Manifest(3, (("x", 2),), (art,), 16).sealed()
+    one_file = tuple(replace(s, file=data_file_name(0)) for s in shards)  # G = 2: one file
+    shared = replace(m, artifacts=(replace(art, shards=one_file),)).sealed()
+    validate_manifest(m)
+    validate_manifest(shared)
+    assert [s.file for s in m.artifacts[0].shards] == ["data-000000.h5", "data-000001.h5"]
+    assert [s.file for s in shared.artifacts[0].shards] == ["data-000000.h5", "data-000000.h5"]
+    assert shared.artifacts[0].merkle_root == m.artifacts[0].merkle_root
+    assert shared.merkle_root == m.merkle_root == ref_merkle([m.artifacts[0].merkle_root])
+    h1, h2 = m.to_json()["manifest_hash"], shared.to_json()["manifest_hash"]
+    assert h1 != h2
+    for doc, stated in ((m.to_json(), h1), (shared.to_json(), h2)):
+        body = {k: v for k, v in doc.items() if k != "manifest_hash"}
+        assert stated == hashlib.sha256(canonical_json(body)).hexdigest()
+        assert body["artifacts"][0]["shards"][1]["dataset"] == "/shards/t/1"
+    # the stored text of one with the other's file: the hash no longer matches
+    text = m.to_bytes()
+    moved = text.replace(b'"file":"data-000001.h5"', b'"file":"data-000000.h5"', 1)
+    assert moved != text
+    with pytest.raises(ManifestError, match="manifest hash mismatch"):
+        parse_manifest(moved)

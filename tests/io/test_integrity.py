@@ -1,11 +1,13 @@
 """Done-when of the tensor store (issue #6): flipping any single byte of tensor data in a
-checkpoint file is detected on restore and by ``dtm ckpt verify``, naming the tensor and the
-shard; a flipped byte of the manifest makes it unloadable.
+checkpoint is detected on restore and by ``dtm ckpt verify``, naming the tensor, the shard and
+the data file; a flipped byte of the manifest makes it unloadable.
 
 Single process: the checkpoint is saved with :class:`CheckpointStore` on ``MPI.COMM_SELF`` (a
-1-rank mesh: one shard per tensor, ``<tensor>:shard:0``) with 64-byte chunks, so every shard
-has several chunks and a flip must be found in the right one. Byte positions are drawn with a
-seeded generator over every data byte of every dataset (``get_offset``/``get_storage_size``).
+1-rank mesh: one shard per tensor, ``<tensor>:shard:0``, every shard the dataset
+``/shards/<tensor>/0`` of the checkpoint directory's one data file ``data-000000.h5``) with
+64-byte chunks, so every shard has several chunks and a flip must be found in the right one.
+Byte positions are drawn with a seeded generator over every data byte of every shard dataset
+(``get_offset``/``get_storage_size`` in the data file).
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ import pytest
 from dtm_mpi.cli import run
 from dtm_mpi.errors import IntegrityError, ManifestError
 from dtm_mpi.io.checkpoint import CheckpointStore
+from dtm_mpi.io.files import MAIN_FILE, read_manifest, verify_checkpoint
 from dtm_mpi.io.manifest import ArtifactClass
 from dtm_mpi.io.plan import TensorSpec
-from dtm_mpi.io.store import read_manifest, verify_checkpoint
 from dtm_mpi.ir.types import DType, Layout, TensorType
 from dtm_mpi.sharding.mesh import MeshShape
 from tests.io.io_helpers import random_value
@@ -54,7 +56,7 @@ def global_value(name: str, t: TensorType, rng: np.random.Generator) -> np.ndarr
 
 @pytest.fixture(scope="module")
 def good(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np.ndarray]]:
-    """One good checkpoint file (with an ephemeral artifact beside the stored ones)."""
+    """One good checkpoint directory (with an ephemeral artifact beside the stored ones)."""
     store = tmp_path_factory.mktemp("good")
     rng = np.random.default_rng(20240611)
     values = {name: global_value(name, t, rng) for name, t in TENSORS}
@@ -67,14 +69,18 @@ def good(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np.n
     return path, values
 
 
+DATA = "data-000000.h5"  # one rank: one data file
+
+
 def data_extents(path: Path) -> list[tuple[str, int, int]]:
-    """(tensor, file offset, bytes) of every tensor dataset of ``path``."""
+    """(tensor, offset in the data file, bytes) of every shard dataset of checkpoint
+    directory ``path``."""
     import h5py
 
     out = []
-    with h5py.File(path, "r") as f:
+    with h5py.File(path / DATA, "r") as f:
         for name, _ in TENSORS:
-            d = f[f"/tensors/{name}"]
+            d = f[f"/shards/{name}/0"]
             out.append((name, int(d.id.get_offset()), int(d.id.get_storage_size())))
     return out
 
@@ -88,8 +94,10 @@ def flip_at(path: Path, offset: int, mask: int) -> None:
 
 
 def fresh_store(good_path: Path, where: Path) -> Path:
+    """A store at ``where`` holding a copy of checkpoint directory ``good_path``; returns the
+    copy's path."""
     where.mkdir()
-    shutil.copy(good_path, where / good_path.name)
+    shutil.copytree(good_path, where / good_path.name)
     return where / good_path.name
 
 
@@ -103,11 +111,13 @@ def restore_all(store: Path) -> dict[str, np.ndarray]:
 
 def test_the_good_file_verifies_and_restores(good: tuple[Path, dict[str, np.ndarray]], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     path, values = good
+    assert path.is_dir() and sorted(p.name for p in path.iterdir()) == [MAIN_FILE, DATA]
     assert verify_checkpoint(path) == []
     m = read_manifest(path)
     for name, _ in TENSORS:  # the flips below land in shards of several chunks
         (shard,) = m.artifact(name).shards
         assert shard.id == f"{name}:shard:0"
+        assert (shard.file, shard.dataset) == (DATA, f"/shards/{name}/0")
         assert len(shard.chunks) >= (2 if name in ("w", "big", "b16") else 1)
     store = fresh_store(path, tmp_path / "s")
     got = restore_all(store.parent)
@@ -144,24 +154,25 @@ def test_every_flipped_data_byte_is_found(good: tuple[Path, dict[str, np.ndarray
         hit.add(tensor)
         shard = f"{tensor}:shard:0"
         bad = fresh_store(path, tmp_path / f"s{k}")
-        flip_at(bad, at, mask)
-        where = f"flip {k}: byte {pos - start} of {tensor!r} (file offset {at}) ^ {mask:#04x}"
+        data = bad / DATA
+        flip_at(data, at, mask)
+        where = f"flip {k}: byte {pos - start} of {tensor!r} (offset {at} of {DATA}) ^ {mask:#04x}"  # fmt: skip
 
         problems = verify_checkpoint(bad)
         assert len(problems) == 1, (where, [str(p) for p in problems])
         p = problems[0]
-        assert (p.tensor, p.shard, p.file) == (tensor, shard, str(bad)), (where, str(p))
+        assert (p.tensor, p.shard, p.file) == (tensor, shard, str(data)), (where, str(p))
 
         with pytest.raises(IntegrityError) as info:
             restore_all(bad.parent)
         e = info.value
-        assert (e.tensor, e.shard, e.file) == (tensor, shard, str(bad)), (where, str(e))
-        assert f"tensor {tensor!r} shard {shard!r}" in str(e)
+        assert (e.tensor, e.shard, e.file) == (tensor, shard, str(data)), (where, str(e))
+        assert f"tensor {tensor!r} shard {shard!r}" in str(e) and str(data) in str(e)
 
         if k % 10 == 0:
             assert run(["ckpt", "verify", str(bad.parent)]) == 1, where
             out = capsys.readouterr().out
-            assert f"DAMAGED {bad}: tensor {tensor!r} shard {shard!r}: chunk " in out, (where, out)  # fmt: skip
+            assert f"DAMAGED {data}: tensor {tensor!r} shard {shard!r}: chunk " in out, (where, out)  # fmt: skip
         shutil.rmtree(bad.parent)
     assert hit == {name for name, _ in TENSORS}
 
@@ -170,7 +181,7 @@ def test_a_flipped_manifest_byte_makes_it_unloadable(good: tuple[Path, dict[str,
     import h5py
 
     path, _ = good
-    with h5py.File(path, "r") as f:
+    with h5py.File(path / MAIN_FILE, "r") as f:
         d = f["/manifest"]
         offset, nbytes = int(d.id.get_offset()), int(d.id.get_storage_size())
     rng = np.random.default_rng(7)
@@ -178,11 +189,11 @@ def test_a_flipped_manifest_byte_makes_it_unloadable(good: tuple[Path, dict[str,
     masks = rng.integers(1, 256, size=20)
     for k, (pos, mask) in enumerate(zip(positions.tolist(), masks.tolist(), strict=True)):
         bad = fresh_store(path, tmp_path / f"s{k}")
-        flip_at(bad, offset + pos, mask)
+        flip_at(bad / MAIN_FILE, offset + pos, mask)
         with pytest.raises(ManifestError) as info:
             read_manifest(bad)
         msg = str(info.value)
-        assert msg.startswith(f"{bad}: ")
+        assert msg.startswith(f"{bad / MAIN_FILE}: ")
         assert any(s in msg for s in ("manifest hash mismatch", "not valid JSON", "missing field", "is not")), msg  # fmt: skip
         with pytest.raises(ManifestError):
             restore_all(bad.parent)

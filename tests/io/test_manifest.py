@@ -1,8 +1,10 @@
 """The checkpoint manifest without MPI: a manifest built from real data (plan_save + chunk
 hashes) validates, round-trips through its canonical JSON and matches io/manifest.schema.json;
-every fail-closed rule of io/FORMAT.md §9 rejects it with a message naming the tensor and shard;
-the lifecycle allows exactly the moves of its table; recovery_actions decides skip / none /
-rebuild / unrecoverable; the worked example of FORMAT.md §11 is a valid manifest."""
+every fail-closed rule of io/FORMAT.md §9 rejects it with a message naming the tensor and shard
+(including the version-2 rules for each shard's data file and dataset, and the refusal of
+version-1 manifests); the lifecycle allows exactly the moves of its table; recovery_actions
+decides skip / none / rebuild / unrecoverable; the worked example of FORMAT.md §11 is a valid
+manifest that dtm_mpi's plan builds exactly."""
 
 from __future__ import annotations
 
@@ -32,10 +34,12 @@ from dtm_mpi.io.manifest import (
     Manifest,
     RecoveryAction,
     ShardRecord,
+    data_file_name,
     layout_from_json,
     layout_to_json,
     parse_manifest,
     recovery_actions,
+    shard_dataset,
     transition,
     validate_manifest,
 )
@@ -58,10 +62,12 @@ def build(
     mesh: MeshShape,
     chunk_bytes: int,
     step: int = 3,
+    ranks_per_file: int = 1,
 ) -> Manifest:
     """A sealed manifest of ``entries`` (spec, global value) saved on ``mesh``: the shards of
-    plan_save, each chunk hashed from the global array directly (rows of the shard)."""
-    plan = plan_save([s for s, _ in entries], mesh, chunk_bytes)
+    plan_save (data files of ``ranks_per_file`` ranks), each chunk hashed from the global array
+    directly (rows of the shard)."""
+    plan = plan_save([s for s, _ in entries], mesh, chunk_bytes, ranks_per_file)
     hashes: dict[tuple[int, int], tuple[str, ...]] = {}
     for i, ((_, g), per) in enumerate(zip(entries, plan.shards, strict=True)):
         for s in per:
@@ -158,6 +164,16 @@ def test_built_manifest_validates_and_has_the_expected_shards() -> None:
     ]
     w0 = m.artifact("w").shards[0]
     assert (w0.chunk_rows, len(w0.chunks), w0.coords, w0.nbytes) == (2, 3, (0, 0), 5 * 7 * 4)
+    # one data file per writing rank (the default): a shard lives in its owner's file
+    for a in m.artifacts:
+        for s in a.shards:
+            assert s.file == data_file_name(s.owner) == f"data-{s.owner:06d}.h5"
+            assert s.dataset == shard_dataset(a.name, s.index) == f"/shards/{a.name}/{s.index}"
+    assert [s.file for s in m.artifact("b").shards] == [
+        "data-000000.h5",
+        "data-000001.h5",
+        "data-000002.h5",
+    ]
     assert m.artifact("scratch").dataset is None
     assert m.data_bytes == sum(VALUES[n].nbytes for n in ("w", "b", "step_count", "w16", "mask"))  # type: ignore[union-attr]
 
@@ -181,7 +197,7 @@ def test_round_trip_through_canonical_json() -> None:
     assert back == m
     validate_manifest(back)
     doc = json.loads(text)
-    assert doc["format"] == FORMAT == "dtm-manifest" and doc["version"] == VERSION == 1
+    assert doc["format"] == FORMAT == "dtm-manifest" and doc["version"] == VERSION == 2
     assert doc["manifest_hash"] == sha256_hex(
         canonical_json({k: v for k, v in doc.items() if k != "manifest_hash"})
     )
@@ -256,7 +272,8 @@ SCHEMA_BAD = {
     "unknown state": _set(("artifacts", 0, "state"), "ZOMBIE"),
     "unknown dtype": _set(("artifacts", 0, "dtype"), "f8"),
     "unknown hash algorithm": _set(("hash_algorithm",), "sha1"),
-    "version 2": _set(("version",), 2),
+    "version 1": _set(("version",), 1),
+    "version 3": _set(("version",), 3),
     "version true": _set(("version",), True),
     "format": _set(("format",), "other"),
     "negative step": _set(("step",), -1),
@@ -275,6 +292,20 @@ SCHEMA_BAD = {
     "primary with rebuild": _set(("artifacts", 0, "rebuild"), "copy"),
     "partial without axes": _set(("artifacts", 0, "layout", "partial"), {"op": "sum", "axes": []}),
     "bad tensor name": _set(("artifacts", 0, "name"), "9w"),
+    "shard without file": _set(("artifacts", 0, "shards", 0, "file"), _DELETE),
+    "shard without dataset": _set(("artifacts", 0, "shards", 0, "dataset"), _DELETE),
+    "file null": _set(("artifacts", 0, "shards", 0, "file"), None),
+    "file in a subdirectory": _set(("artifacts", 0, "shards", 0, "file"), "d/data-000000.h5"),
+    "file outside the checkpoint": _set(("artifacts", 0, "shards", 0, "file"), "../data-000000.h5"),
+    "file absolute": _set(("artifacts", 0, "shards", 0, "file"), "/data-000000.h5"),
+    "file with 5 digits": _set(("artifacts", 0, "shards", 0, "file"), "data-00000.h5"),
+    "file not .h5": _set(("artifacts", 0, "shards", 0, "file"), "data-000000.hdf5"),
+    "file empty": _set(("artifacts", 0, "shards", 0, "file"), ""),
+    "dataset under /tensors": _set(("artifacts", 0, "shards", 0, "dataset"), "/tensors/w"),
+    "dataset relative": _set(("artifacts", 0, "shards", 0, "dataset"), "shards/w/0"),
+    "dataset without index": _set(("artifacts", 0, "shards", 0, "dataset"), "/shards/w"),
+    "dataset padded index": _set(("artifacts", 0, "shards", 0, "dataset"), "/shards/w/00"),
+    "dataset number": _set(("artifacts", 0, "shards", 0, "dataset"), 0),
 }
 
 
@@ -288,6 +319,7 @@ def test_schema_rejects(case: str) -> None:
 # --- fail closed: validate_manifest -------------------------------------------------------------
 
 OTHER_HEX = "0123456789abcdef" * 2
+_EXPECTED_W1 = "expected a data file data-NNNNNN.h5 and dataset /shards/w/1"
 
 
 def _overlap(m: Manifest) -> Manifest:
@@ -465,6 +497,71 @@ FAIL_CLOSED: dict[str, tuple[Callable[[Manifest], Manifest], tuple[str, ...]]] =
     ),
     "negative step": (lambda m: replace(m, step=-1), ("step -1",)),
     "zero chunk_bytes": (lambda m: replace(m, chunk_bytes=0), ("chunk_bytes 0",)),
+    # where a shard is stored (version 2): a data file of the checkpoint, its own dataset
+    "file missing": (
+        lambda m: with_shard(m, "w", 1, file=""),
+        ("'w'", "'w:shard:1'", "stored in file ''", _EXPECTED_W1),
+    ),
+    "file in a subdirectory": (
+        lambda m: with_shard(m, "w", 1, file="sub/data-000001.h5"),
+        ("'w'", "'w:shard:1'", "'sub/data-000001.h5'", _EXPECTED_W1),
+    ),
+    "file outside the checkpoint": (
+        lambda m: with_shard(m, "w", 1, file="../data-000001.h5"),
+        ("'w'", "'w:shard:1'", "'../data-000001.h5'", _EXPECTED_W1),
+    ),
+    "file absolute": (
+        lambda m: with_shard(m, "b", 0, file="/tmp/data-000000.h5"),
+        ("'b'", "'b:shard:0'", "'/tmp/data-000000.h5'", "dataset /shards/b/0"),
+    ),
+    "file with a backslash": (
+        lambda m: with_shard(m, "w", 1, file="x\\data-000001.h5"),
+        ("'w'", "'w:shard:1'", _EXPECTED_W1),
+    ),
+    "file with 5 digits": (
+        lambda m: with_shard(m, "w", 1, file="data-00001.h5"),
+        ("'w'", "'w:shard:1'", "'data-00001.h5'", _EXPECTED_W1),
+    ),
+    "file named like the main file": (
+        lambda m: with_shard(m, "step_count", 0, file="checkpoint.h5"),
+        ("'step_count'", "'step_count:shard:0'", "'checkpoint.h5'"),
+    ),
+    "file with a suffix": (
+        lambda m: with_shard(m, "w", 1, file="data-000001.h5.partial"),
+        ("'w'", "'w:shard:1'", _EXPECTED_W1),
+    ),
+    "file with a newline": (
+        lambda m: with_shard(m, "w", 1, file="data-000001.h5\n"),
+        ("'w'", "'w:shard:1'", _EXPECTED_W1),
+    ),
+    "dataset missing": (
+        lambda m: with_shard(m, "w", 1, dataset=""),
+        ("'w'", "'w:shard:1'", "dataset ''", _EXPECTED_W1),
+    ),
+    "dataset of another shard": (
+        lambda m: with_shard(m, "w", 1, dataset="/shards/w/0"),
+        ("'w'", "'w:shard:1'", "dataset '/shards/w/0'", _EXPECTED_W1),
+    ),
+    "dataset of another tensor": (
+        lambda m: with_shard(m, "w", 1, dataset="/shards/w16/1"),
+        ("'w'", "'w:shard:1'", "'/shards/w16/1'", _EXPECTED_W1),
+    ),
+    "dataset under /tensors": (
+        lambda m: with_shard(m, "w", 1, dataset="/tensors/w"),
+        ("'w'", "'w:shard:1'", "'/tensors/w'", _EXPECTED_W1),
+    ),
+    "dataset without leading slash": (
+        lambda m: with_shard(m, "mask", 1, dataset="shards/mask/1"),
+        ("'mask'", "'mask:shard:1'", "dataset /shards/mask/1"),
+    ),
+    "dataset with padded index": (
+        lambda m: with_shard(m, "w", 1, dataset="/shards/w/01"),
+        ("'w'", "'w:shard:1'", _EXPECTED_W1),
+    ),
+    "0-d dataset": (
+        lambda m: with_shard(m, "step_count", 0, dataset="/shards/step_count"),
+        ("'step_count'", "'step_count:shard:0'", "dataset /shards/step_count/0"),
+    ),
 }
 
 
@@ -512,7 +609,12 @@ def test_overlap_is_refused_with_many_shards() -> None:
     for i in range(n):
         off = 0 if i == 1 else i  # shard 1 repeats element 0; element 1 is never stored
         c = (chunk_hash(g[off : off + 1]),)
-        shards.append(ShardRecord(f"t:shard:{i}", i, i, (i,), (off,), (1,), 4, 1, c, shard_hash(c)))
+        shards.append(
+            ShardRecord(
+                f"t:shard:{i}", i, i, (i,), (off,), (1,), 4, 1, c, shard_hash(c),
+                data_file_name(i), shard_dataset("t", i),
+            )
+        )  # fmt: skip
     a = ArtifactRecord(
         "t",
         P,
@@ -583,9 +685,11 @@ def test_not_a_manifest(text: bytes, needle: str) -> None:
     [
         ("format", "dtm-store", "format 'dtm-store' is not 'dtm-manifest'"),
         ("format", None, "format None is not"),
-        ("version", 2, "manifest version 2 is not supported (this is version 1)"),
+        ("version", 1, "manifest version 1 is not supported (this is version 2)"),
+        ("version", 3, "manifest version 3 is not supported (this is version 2)"),
         ("version", 0, "manifest version 0 is not supported"),
-        ("version", "1", "manifest version '1' is not supported"),
+        ("version", "2", "manifest version '2' is not supported"),
+        ("version", 2.0, "manifest version 2.0 is not supported"),
         ("version", None, "manifest version None is not supported"),
     ],
 )
@@ -640,6 +744,26 @@ def _edit(path: tuple[Any, ...], value: Any) -> dict[str, Any]:
             ("artifacts", 0, "shards", 1, "chunks"),
             "abc",
             ("tensor 'w' shards[1]", "field 'chunks'"),
+        ),
+        (
+            ("artifacts", 0, "shards", 1, "file"),
+            _DELETE,
+            ("tensor 'w' shards[1]: missing field 'file'",),
+        ),
+        (
+            ("artifacts", 3, "shards", 0, "dataset"),
+            _DELETE,
+            ("tensor 'w16' shards[0]: missing field 'dataset'",),
+        ),
+        (
+            ("artifacts", 0, "shards", 1, "file"),
+            None,
+            ("tensor 'w' shards[1]", "field 'file' has the wrong type (NoneType)"),
+        ),
+        (
+            ("artifacts", 1, "shards", 2, "dataset"),
+            ["/shards/b/2"],
+            ("tensor 'b' shards[2]", "field 'dataset' has the wrong type (list)"),
         ),
     ],
 )
@@ -801,13 +925,29 @@ def test_recovery_without_rebuild_instruction_or_with_a_cycle_is_unrecoverable()
 # --- the worked example of FORMAT.md -----------------------------------------------------------
 
 
+FORMAT_MD = (ROOT / "io" / "FORMAT.md").read_text(encoding="utf-8")
+EXAMPLE_W = np.arange(15, dtype=np.float32).reshape(5, 3)
+EXAMPLE_ENTRIES: list[tuple[TensorSpec, np.ndarray | None]] = [
+    (TensorSpec("w", TensorType(DType.F32, (5, 3), Layout((("x",), ())))), EXAMPLE_W),
+    (
+        TensorSpec("w16", TensorType(DType.F16, (5, 3), Layout((("x",), ()))), D, "w", "cast:f16"),
+        EXAMPLE_W.astype(np.float16),
+    ),
+    (TensorSpec("step_count", TensorType(DType.I64, (), Layout(()))), np.array(7, np.int64)),
+    (TensorSpec("scratch", TensorType(DType.F32, (5, 3), Layout((("x",), ()))), E), None),
+]
+
+
+def _worked_example() -> tuple[str, dict[str, Any]]:
+    """§11 of FORMAT.md (its text) and the manifest in its JSON block."""
+    section = FORMAT_MD[FORMAT_MD.index("## 11. Worked example") :]
+    section = section[: section.index("\n## 12.")]
+    start = section.index("```json\n") + 8
+    return section, json.loads(section[start : section.index("\n```", start)])
+
+
 def test_format_md_worked_example_is_a_valid_manifest() -> None:
-    text = (ROOT / "io" / "FORMAT.md").read_text(encoding="utf-8")
-    section = text[text.index("## 11. Worked example") :]
-    block = section[
-        section.index("```json\n") + 8 : section.index("\n```", section.index("```json"))
-    ]
-    doc = json.loads(block)
+    section, doc = _worked_example()
     stored = canonical_json(doc)
     m = parse_manifest(stored, "FORMAT.md")
     validate_manifest(m, "FORMAT.md")
@@ -815,28 +955,123 @@ def test_format_md_worked_example_is_a_valid_manifest() -> None:
     assert (
         m.step == 42 and m.mesh == (("x", 2),) and m.names == ("w", "w16", "step_count", "scratch")
     )
+    assert doc["version"] == VERSION == 2
     size = f"{len(stored):,}".replace(",", " ")
-    assert f"JSON of §8.1, {size} bytes" in text  # the size the text states
+    assert f"JSON of §8.1, {size} bytes" in section  # the size the text states
     assert m.to_bytes() == stored
-    # its values are the ones the text describes
-    w = np.arange(15, dtype=np.float32).reshape(5, 3)
-    want = build(
-        [
-            (TensorSpec("w", TensorType(DType.F32, (5, 3), Layout((("x",), ())))), w),
-            (
-                TensorSpec(
-                    "w16", TensorType(DType.F16, (5, 3), Layout((("x",), ()))), D, "w", "cast:f16"
-                ),
-                w.astype(np.float16),
-            ),
-            (
-                TensorSpec("step_count", TensorType(DType.I64, (), Layout(()))),
-                np.array(7, np.int64),
-            ),
-            (TensorSpec("scratch", TensorType(DType.F32, (5, 3), Layout((("x",), ()))), E), None),
-        ],
-        MeshShape((("x", 2),)),
-        chunk_bytes=24,
-        step=42,
+
+
+def test_format_md_worked_example_is_what_dtm_mpi_builds() -> None:
+    """The block is dtm_mpi's own manifest of the values the text describes (plan_save +
+    plan_manifest with the default of one data file per writing rank), hash for hash."""
+    section, doc = _worked_example()
+    want = build(EXAMPLE_ENTRIES, MeshShape((("x", 2),)), chunk_bytes=24, step=42)
+    want = replace(want, module_hash=None).sealed()
+    assert want.to_json() == doc
+    assert want.to_json()["manifest_hash"] == doc["manifest_hash"]
+    # where the shards are stored, as the directory listing of the text says
+    files = {(a.name, s.index): (s.file, s.dataset) for a in want.artifacts for s in a.shards}
+    assert files == {
+        ("w", 0): ("data-000000.h5", "/shards/w/0"),
+        ("w", 1): ("data-000001.h5", "/shards/w/1"),
+        ("w16", 0): ("data-000000.h5", "/shards/w16/0"),
+        ("w16", 1): ("data-000001.h5", "/shards/w16/1"),
+        ("step_count", 0): ("data-000000.h5", "/shards/step_count/0"),
+    }
+    listing = section[section.index("ckpt-00000042/") : section.index("```json")]
+    for name, dataset in files.values():
+        assert name in listing and dataset in listing, (name, dataset)
+    plan = plan_save([s for s, _ in EXAMPLE_ENTRIES], MeshShape((("x", 2),)), 24)
+    assert plan.files == (0, 1)
+    # the content hashes do not depend on where shards are stored: every root but the
+    # manifest hash is the one of the version-1 example (FORMAT.md §11, last paragraph)
+    assert doc["merkle_root"] == "e997d9df645e8fd2b797b97c5dc426961bc21a3c13e707961d1eaad8db4b1ebf"
+    assert doc["artifacts"][0]["merkle_root"] == (
+        "dad9e45b8ec3d1c97b6ca6326fe825c56f2391015aa6ef2616cc0f068da29de1"
     )
-    assert replace(want, module_hash=None).sealed() == m
+    # the hand check of the text: chunk 0 of w:shard:1 is rows [3,5) of w
+    w1 = want.artifact("w").shards[1]
+    assert w1.chunk_region(0) == (slice(3, 5), slice(0, 3))
+    assert w1.local_chunk_region(0) == (slice(0, 2), slice(0, 3))
+    assert chunk_hash(EXAMPLE_W[3:5]) == w1.chunks[0]
+
+
+def test_format_md_and_schema_state_the_code_s_name_rules() -> None:
+    """The data-file pattern of FORMAT.md, the schema and the code agree."""
+    pattern = r"^data-[0-9]{6,}\.h5$"
+    assert f"`{pattern}`" in FORMAT_MD
+    shard = SCHEMA["$defs"]["shard"]
+    assert shard["properties"]["file"]["pattern"] == pattern
+    assert {"file", "dataset"} <= set(shard["required"])
+    assert shard["additionalProperties"] is False
+    assert SCHEMA["properties"]["version"]["const"] == VERSION
+    for index in (0, 1, 999_999, 1_000_000, 1_234_567):
+        name = data_file_name(index)
+        assert re.match(pattern, name), name
+        assert int(name[5:-3]) == index
+    assert data_file_name(0) == "data-000000.h5" and data_file_name(1_234_567) == "data-1234567.h5"
+    for name in ("w", "a.b-c_1", "_x"):
+        for i in (0, 7, 12):
+            ds = shard_dataset(name, i)
+            assert ds == f"/shards/{name}/{i}"
+            assert re.match(shard["properties"]["dataset"]["pattern"], ds), ds
+
+
+def _as_version_1(doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` as a version-1 writer stored it: no shard files or datasets, version 1."""
+    doc = json.loads(json.dumps(doc))
+    for a in doc["artifacts"]:
+        for s in a["shards"]:
+            del s["file"], s["dataset"]
+    doc["version"] = 1
+    return doc
+
+
+def test_a_version_1_manifest_is_refused() -> None:
+    """A manifest of the single-file format (a correct version-1 document, its hash
+    included) is not loaded: the version is refused before anything else."""
+    old = _as_version_1(manifest().to_json())
+    text = rehashed(old)
+    with pytest.raises(
+        ManifestError,
+        match=re.escape("ckpt.h5: manifest version 1 is not supported (this is version 2)"),
+    ):
+        parse_manifest(text, "ckpt.h5")
+    assert schema_errors(json.loads(text))
+    # the version-1 worked example (FORMAT.md version 1, §11) as stored then
+    _, doc = _worked_example()
+    v1 = _as_version_1(doc)
+    assert (
+        rehashed(v1).count(b"5131ad3d6752cbf703d5d9ac5655e6ca980073876325a48e3ab19a9f4f0ba9d6") == 1
+    )
+    with pytest.raises(ManifestError, match="manifest version 1 is not supported"):
+        parse_manifest(rehashed(v1))
+    # a version-2 document without the new fields is refused too (not read as version 1)
+    v2_without = {**v1, "version": 2}
+    with pytest.raises(ManifestError, match=r"tensor 'w' shards\[0\]: missing field 'file'"):
+        parse_manifest(rehashed(v2_without))
+
+
+@pytest.mark.parametrize(
+    ("ranks_per_file", "files"),
+    [
+        (1, {"w": [0, 2], "w16": [0, 2], "b": [0, 1, 2], "step_count": [0], "mask": [0, 1]}),
+        (2, {"w": [0, 1], "w16": [0, 1], "b": [0, 0, 1], "step_count": [0], "mask": [0, 0]}),
+        (3, {"w": [0, 0], "w16": [0, 0], "b": [0, 0, 0], "step_count": [0], "mask": [0, 0]}),
+        (0, {"w": [0, 0], "w16": [0, 0], "b": [0, 0, 0], "step_count": [0], "mask": [0, 0]}),
+    ],
+)
+def test_shards_name_the_file_of_their_owner_s_group(
+    ranks_per_file: int, files: dict[str, list[int]]
+) -> None:
+    """Data file = owner // G (G = 0: all ranks share file 0); the content hashes and roots do
+    not depend on G, the manifest hash does (it covers file)."""
+    m = build(ENTRIES, MESH, chunk_bytes=64, ranks_per_file=ranks_per_file)
+    validate_manifest(m)
+    assert schema_errors(m.to_json()) == []
+    got = {a.name: [int(s.file[5:-3]) for s in a.shards] for a in m.artifacts if a.shards}
+    assert got == files
+    assert m.merkle_root == manifest().merkle_root
+    assert [a.merkle_root for a in m.artifacts] == [a.merkle_root for a in manifest().artifacts]
+    if ranks_per_file != 1:
+        assert m.to_json()["manifest_hash"] != manifest().to_json()["manifest_hash"]

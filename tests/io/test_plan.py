@@ -3,7 +3,9 @@ holder, chunks of whole rows of at most chunk_bytes) and plan_restore, executed 
 on every mesh and layout every rank's target block is covered exactly once with the right
 values, every stored chunk is read exactly once and matches its hash, nothing crosses ranks
 when restoring onto the saving mesh and layout (without replicas), and a rank reads at most
-round_bytes + one chunk per round. Meshes 1..4, 2x2, 4x1, 1x3; uneven shapes."""
+round_bytes + one chunk per round. Meshes 1..4, 2x2, 4x1, 1x3; uneven shapes. Data files:
+ranks r // G share file r // G (``ranks_per_file`` G, 0: all), and every shard is named in
+the manifest by its owner's data file and its dataset ``/shards/<tensor>/<index>``."""
 
 from __future__ import annotations
 
@@ -584,3 +586,60 @@ def test_every_rank_plans_the_same() -> None:
         assert plan_restore(m, targets, MESHES["3"], ROUND) == plan_restore(
             m, targets, MESHES["3"], ROUND
         )
+
+
+# --- data files (ranks_per_file) ---------------------------------------------------------------
+
+PER_FILE = [1, 2, 3, 0, 8]
+
+
+@pytest.mark.parametrize("per_file", PER_FILE, ids=[f"G={g or 'all'}" for g in PER_FILE])
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_save_plan_data_files(mesh: str, per_file: int) -> None:
+    """file_index, group, files and file_shards against the rule r // G (G clamped to the
+    mesh; 0: all ranks), for every layout kind: the shards do not depend on G, every shard
+    is in exactly one file (its owner's), in manifest order, and only files that hold a
+    shard are listed."""
+    m = MESHES[mesh]
+    n = m.size
+    g = n if per_file == 0 else min(per_file, n)
+    for kind in kinds_of(m):
+        plan = plan_save(specs_for(m, kind), m, 64, per_file)
+        assert plan.ranks_per_file == g
+        assert plan.shards == plan_save(specs_for(m, kind), m, 64).shards
+        for r in range(n):
+            assert plan.file_index(r) == r // g
+            assert list(plan.group(r)) == [q for q in range(n) if q // g == r // g]
+        every = [(i, s) for i, per in enumerate(plan.shards) for s in per]
+        assert plan.files == tuple(sorted({s.owner // g for _, s in every}))
+        for f in range(-(-n // g)):
+            assert plan.file_shards(f) == [(i, s) for i, s in every if s.owner // g == f]
+            assert bool(plan.file_shards(f)) == (f in plan.files)
+        assert sorted((i, s.index) for f in plan.files for i, s in plan.file_shards(f)) == [(i, s.index) for i, s in every]  # fmt: skip
+        for a in manifest_of(plan, VALUES).artifacts:
+            for s in a.shards:
+                assert (s.file, s.dataset) == (f"data-{s.owner // g:06d}.h5", f"/shards/{a.name}/{s.index}")  # fmt: skip
+
+
+def test_save_plan_data_files_examples() -> None:
+    """Hand-checked on 4 ranks with G=3: groups {0,1,2} and {3} (uneven); a tensor split over
+    x has a shard in both files, a replicated one only in rank 0's; a zero-size tensor in
+    none."""
+    mesh = MESHES["4"]
+    split = TensorSpec("w", TensorType(DType.F32, (8, 2), Layout((("x",), ()))))
+    rep = TensorSpec("r", TensorType(DType.F32, (3,), Layout(((),))))
+    empty = TensorSpec("z", TensorType(DType.F32, (0,), Layout((("x",),))))
+    plan = plan_save([split, rep, empty], mesh, 64, ranks_per_file=3)
+    assert [plan.file_index(r) for r in range(4)] == [0, 0, 0, 1]
+    assert [plan.group(r) for r in range(4)] == [range(0, 3)] * 3 + [range(3, 4)]
+    assert plan.files == (0, 1)
+    assert [(i, s.index, s.owner) for i, s in plan.file_shards(0)] == [(0, 0, 0), (0, 1, 1), (0, 2, 2), (1, 0, 0)]  # fmt: skip
+    assert [(i, s.index, s.owner) for i, s in plan.file_shards(1)] == [(0, 3, 3)]
+    assert plan_save([rep], mesh, 64, 3).files == (0,)
+    assert plan_save([rep], mesh, 64, 1).files == (0,)
+    assert plan_save([split], mesh, 64, 1).files == (0, 1, 2, 3)
+    assert plan_save([split], mesh, 64, 0).files == (0,)
+    assert plan_save([empty], mesh, 64, 2).files == ()
+    assert plan_save([split], mesh, 64, 99).ranks_per_file == 4  # clamped to the mesh
+    with pytest.raises(UsageError, match="ranks_per_file must be >= 1"):
+        plan_save([split], mesh, 64, -1)

@@ -1,6 +1,8 @@
 """Edge cases of the checkpoint store found in review, single process (``MPI.COMM_SELF``, a
-1-rank mesh): damaged files and pointers, stale derived artifacts, zero-size tensors, the quota
-estimate, retired files left by a crash, duplicate restore targets, a poisoned store."""
+1-rank mesh: a checkpoint is the directory ``ckpt-N/`` of ``checkpoint.h5`` and one data file
+``data-000000.h5``): damaged data files, main files and pointers, stale derived artifacts,
+zero-size tensors, the quota estimate, retired checkpoints left by a crash, duplicate restore
+targets, a poisoned store."""
 
 from __future__ import annotations
 
@@ -16,9 +18,10 @@ import pytest
 from dtm_mpi.cli import run
 from dtm_mpi.errors import IntegrityError, ManifestError, PoisonedError, QuotaError, UsageError
 from dtm_mpi.io.checkpoint import CheckpointStore
+from dtm_mpi.io.files import MAIN_FILE
 from dtm_mpi.io.manifest import ArtifactClass, Lifecycle, parse_manifest
 from dtm_mpi.io.plan import TensorSpec
-from dtm_mpi.io.store import committed_name, disk_usage, list_checkpoints, read_latest
+from dtm_mpi.io.store import committed_name, disk_usage, list_checkpoints, read_latest, tree_bytes
 from dtm_mpi.ir.types import DType, Layout, TensorType
 from dtm_mpi.sharding.mesh import MeshShape
 
@@ -40,9 +43,13 @@ def save_w(path: Path, step: int, **kw: Any) -> None:
     s.close()
 
 
+DATA = "data-000000.h5"  # one rank: one data file
+
+
 def rewrite_manifest(path: Path, change: Any) -> None:
-    """Replace the manifest of ``path`` by ``change(manifest)`` (resealed: a valid file)."""
-    with h5py.File(path, "r+") as f:
+    """Replace the manifest of checkpoint directory ``path`` by ``change(manifest)``
+    (resealed: a valid main file)."""
+    with h5py.File(path / MAIN_FILE, "r+") as f:
         m = change(parse_manifest(bytes(f["manifest"][()])))
         text = m.sealed().to_bytes()
         del f["manifest"]
@@ -66,22 +73,34 @@ def test_a_misshapen_or_missing_dataset_is_an_integrity_error_and_falls_back(tmp
     save_w(tmp_path, 1)
     save_w(tmp_path, 2)
     path = tmp_path / committed_name(2)
-    with h5py.File(path, "r+") as f:
-        del f["tensors/w"]
-        f.create_dataset("tensors/w", data=np.zeros((5, 2), np.float32))
+    data = path / DATA
+    with h5py.File(data, "r+") as f:
+        del f["shards/w/0"]
+        f.create_dataset("shards/w/0", data=np.zeros((5, 2), np.float32))
     s = store_at(tmp_path)
-    with pytest.raises(IntegrityError, match=r"dataset is float32\[5, 2\], the manifest says f32\[6, 2\]") as info:  # fmt: skip
+    with pytest.raises(IntegrityError, match=r"dataset /shards/w/0 is float32\[5, 2\], the manifest says f32\[6, 2\]") as info:  # fmt: skip
         s.restore(MESH, [("w", T32)])
-    assert info.value.tensor == "w" and info.value.file == str(path)
+    assert (info.value.tensor, info.value.shard, info.value.file) == ("w", "w:shard:0", str(data))
     got = s.restore(MESH, [("w", T32)], fallback=True)
     assert got.step == 1 and got.values["w"].tobytes() == (G + 1).tobytes()
-    with h5py.File(path, "r+") as f:
-        del f["tensors/w"]
-    with pytest.raises(IntegrityError, match="dataset is missing"):
+    with h5py.File(data, "r+") as f:
+        del f["shards/w/0"]
+    with pytest.raises(IntegrityError, match="dataset /shards/w/0 is missing") as info:
         s.restore(MESH, [("w", T32)])
-    path.write_bytes(b"not hdf5 at all")
-    with pytest.raises(ManifestError, match="cannot be opened as HDF5"):
+    assert info.value.file == str(data)
+    data.write_bytes(b"not hdf5 at all")
+    with pytest.raises(IntegrityError, match="data file cannot be read as HDF5") as info:
         s.restore(MESH, [("w", T32)])
+    assert info.value.file == str(data)
+    data.unlink()
+    with pytest.raises(IntegrityError, match="data file is missing") as info:
+        s.restore(MESH, [("w", T32)])
+    assert (info.value.tensor, info.value.shard, info.value.file) == ("w", "w:shard:0", str(data))
+    assert s.restore(MESH, [("w", T32)], fallback=True).step == 1
+    (path / MAIN_FILE).write_bytes(b"not hdf5 at all")
+    with pytest.raises(ManifestError, match="cannot be read as HDF5") as minfo:
+        s.restore(MESH, [("w", T32)])
+    assert str(minfo.value).startswith(f"{path / MAIN_FILE}: ")
     assert s.restore(MESH, [("w", T32)], fallback=True).step == 1
     s.close()
 
@@ -128,27 +147,37 @@ def test_quota_estimate_counts_dataset_alignment(tmp_path: Path) -> None:
     s = store_at(tmp_path / "a")
     path = s.save(1, MESH, items)
     s.close()
-    size = os.path.getsize(path)
+    size = os.path.getsize(path / DATA)
     data = 3 * 4 * (1 << 20 | 1)
     assert size > data + 2 * (1 << 20)  # the padding is real
+    assert tree_bytes(path) == size + os.path.getsize(path / MAIN_FILE)
     s = store_at(tmp_path / "b", quota_bytes=data + (512 << 10))
     with pytest.raises(QuotaError, match="needs about"):
         s.save(1, MESH, items)
     assert list_checkpoints(tmp_path / "b") == []
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["store.json"]  # nothing written
     s.close()
 
 
-def test_retired_files_left_by_a_crash_are_counted_shown_and_removed(tmp_path: Path) -> None:
+def test_retired_files_left_by_a_crash_are_counted_shown_and_removed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     save_w(tmp_path, 1, keep_last=1)
     orphan = tmp_path / f".deleting-{committed_name(0)}"
-    orphan.write_bytes(b"x" * 1000)  # as a crash between the rename and the unlink leaves it
-    assert disk_usage(tmp_path) == (tmp_path / committed_name(1)).stat().st_size + 1000
+    orphan.mkdir()  # as a crash between the rename and the removal leaves it: a directory
+    (orphan / DATA).write_bytes(b"x" * 1000)
+    one = tree_bytes(tmp_path / committed_name(1))
+    assert one > 1000 and one == sum(p.stat().st_size for p in (tmp_path / committed_name(1)).iterdir())  # fmt: skip
+    assert disk_usage(tmp_path) == one + 1000
+    capsys.readouterr()
     assert run(["ckpt", "ls", str(tmp_path)]) == 0
+    assert f"{orphan.name}: retired by keep_last, not deleted yet" in capsys.readouterr().out
     assert run(["ckpt", "rm", str(tmp_path), "--partial"]) == 0
     assert not orphan.exists()
-    orphan.write_bytes(b"x")
-    save_w(tmp_path, 2, keep_last=1)  # the next retention removes leftovers too
+    orphan.mkdir()
+    (orphan / MAIN_FILE).write_bytes(b"x")
+    save_w(tmp_path, 2, keep_last=1)  # the next retention removes leftovers (close waits)
     assert not orphan.exists() and [e.step for e in list_checkpoints(tmp_path)] == [2]
+    assert not (tmp_path / committed_name(1)).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [committed_name(2), "latest", "store.json"]
 
 
 def test_duplicate_restore_targets_are_refused(tmp_path: Path) -> None:

@@ -1,0 +1,274 @@
+"""The files of one checkpoint directory (io/FORMAT.md §4), serial side.
+
+A checkpoint is a directory::
+
+    ckpt-00000005/checkpoint.h5     the main file: root attributes, /manifest, and one global
+                                    *virtual* dataset /tensors/<name> per stored tensor
+    ckpt-00000005/data-000000.h5    data files: shard i of tensor t is the contiguous dataset
+    ckpt-00000005/data-000001.h5    /shards/<t>/<i> (shape = its extent) of the file the
+    ...                             manifest names
+
+The virtual datasets stitch the shards into the global tensors for readers without dtm_mpi
+(``h5py.File("ckpt-00000005/checkpoint.h5")["tensors/w"][...]``; source files are found
+relative to the main file, so the directory can be moved). dtm_mpi itself reads shards from
+their data files, which names a missing file or dataset instead of getting fill values.
+
+Here: writing the main file (rank 0, serial), reading the manifest, opening shard datasets for
+reading with checks (:class:`ShardFiles`) and verifying a whole checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from dtm_mpi.errors import IntegrityError, ManifestError
+from dtm_mpi.io.hashing import chunk_hash
+from dtm_mpi.io.manifest import (
+    ArtifactClass,
+    ArtifactRecord,
+    Manifest,
+    ShardRecord,
+    layout_to_json,
+    parse_manifest,
+    validate_manifest,
+)
+from dtm_mpi.ir.ops._common import np_dtype
+
+__all__ = [
+    "CKPT_FORMAT",
+    "DATA_FORMAT",
+    "FORMAT_VERSION",
+    "MAIN_FILE",
+    "ShardFiles",
+    "check_file_format",
+    "read_manifest",
+    "read_manifest_bytes",
+    "verify_checkpoint",
+    "write_main_file",
+]
+
+CKPT_FORMAT = "dtm-checkpoint"
+DATA_FORMAT = "dtm-checkpoint-data"
+FORMAT_VERSION = 2
+MAIN_FILE = "checkpoint.h5"
+
+
+def check_file_format(f: h5py.File, path: Path, kind: str = CKPT_FORMAT) -> None:
+    """Raise :class:`ManifestError` unless ``f`` is a dtm file of ``kind`` and a version this
+    reads."""
+    if f.attrs.get("dtm_format") != kind:
+        raise ManifestError(f"{path}: not a dtm {kind} file (no dtm_format={kind!r} attribute)")
+    version = f.attrs.get("format_version")
+    if isinstance(version, np.generic):
+        version = version.item()
+    if not isinstance(version, int | np.integer) or int(version) != FORMAT_VERSION:
+        hint = " (version 1 is the earlier single-file layout)" if isinstance(version, int | np.integer) and version == 1 else ""  # fmt: skip
+        raise ManifestError(f"{path}: checkpoint format version {version!r} is not supported (this reads version {FORMAT_VERSION}){hint}")  # fmt: skip
+
+
+def read_manifest_bytes(ckpt: Path) -> bytes:
+    """The stored manifest text of checkpoint directory ``ckpt`` (format checked, not parsed)."""
+    path = ckpt / MAIN_FILE
+    try:
+        with h5py.File(path, "r") as f:
+            check_file_format(f, path)
+            if "manifest" not in f:
+                raise ManifestError(f"{path}: no manifest: the checkpoint is incomplete")
+            return bytes(f["manifest"][()])
+    except ManifestError:  # a StorageError is an OSError too: not an HDF5 read failure
+        raise
+    except OSError as exc:
+        raise ManifestError(f"{path}: cannot be read as HDF5 ({exc})") from None
+
+
+def read_manifest(ckpt: Path) -> Manifest:
+    """The validated manifest of checkpoint directory ``ckpt`` (serial read)."""
+    where = str(ckpt / MAIN_FILE)
+    manifest = parse_manifest(read_manifest_bytes(ckpt), where)
+    validate_manifest(manifest, where)
+    return manifest
+
+
+def write_main_file(ckpt: Path, manifest: Manifest, text: bytes) -> None:
+    """Write, flush and fsync ``ckpt/checkpoint.h5``: root attributes, one virtual dataset
+    per stored tensor over its shards' datasets, and the manifest (``text``, its canonical
+    bytes) last. Serial (rank 0)."""
+    path = ckpt / MAIN_FILE
+    with h5py.File(path, "w", libver="earliest") as f:
+        f.attrs["dtm_format"] = CKPT_FORMAT
+        f.attrs["format_version"] = FORMAT_VERSION
+        f.attrs["step"] = manifest.step
+        f.attrs["dtm_version"] = manifest.dtm_version
+        group = f.require_group("tensors")
+        for a in manifest.artifacts:
+            if a.cls is ArtifactClass.EPHEMERAL:
+                continue
+            dtype = np_dtype(a.dtype)
+            if not a.shards:  # no elements: nothing to map
+                dset = group.create_dataset(a.name, shape=a.shape, dtype=dtype)
+            else:
+                layout = h5py.VirtualLayout(shape=a.shape, dtype=dtype)
+                for s in a.shards:
+                    layout[s.region] = h5py.VirtualSource(s.file, s.dataset, shape=s.extent, dtype=dtype)  # fmt: skip
+                fill = np.nan if dtype.kind == "f" else 0  # a missing data file reads as NaN
+                dset = group.create_virtual_dataset(a.name, layout, fillvalue=fill)
+            dset.attrs["dtype"] = a.dtype.value
+            dset.attrs["artifact_class"] = a.cls.value
+            dset.attrs["layout"] = json.dumps(layout_to_json(a.layout))
+            dset.attrs["step"] = manifest.step
+        dm = f.create_dataset("manifest", data=np.bytes_(text), dtype=f"S{len(text)}")
+        dm.attrs["content_type"] = "application/json"
+        f.attrs["manifest_hash"] = manifest.to_json()["manifest_hash"]
+        f.flush()
+    _fsync(path)
+
+
+def _fsync(path: Path) -> None:
+    import os
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class ShardFiles:
+    """Shard datasets of one checkpoint directory, opened for reading (by this process alone,
+    read-only, each data file once). Every lookup checks the file, its format, the dataset, its shape
+    and element size, and raises :class:`IntegrityError` naming tensor, shard and file."""
+
+    def __init__(self, ckpt: Path, mpi_self: bool = False) -> None:
+        self.ckpt = ckpt
+        self._open: dict[str, h5py.File] = {}
+        self._checked: dict[tuple[Any, ...], h5py.Dataset] = {}
+        # The MPI-IO driver on COMM_SELF (in MPI jobs): measured 10-20% faster reads than
+        # HDF5's default POSIX driver for these large contiguous requests.
+        self._driver: dict[str, Any] = {}
+        if mpi_self:
+            from mpi4py import MPI
+
+            self._driver = {"driver": "mpio", "comm": MPI.COMM_SELF}
+
+    def __enter__(self) -> ShardFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._checked.clear()
+        for f in self._open.values():
+            f.close()
+        self._open.clear()
+
+    def dataset(self, a: ArtifactRecord, s: ShardRecord) -> h5py.Dataset:
+        key = (s.file, s.dataset, a.dtype.value, s.extent)
+        found = self._checked.get(key)
+        if found is None:
+            found = self._checked[key] = self._lookup(a, s)
+        return found
+
+    def _lookup(self, a: ArtifactRecord, s: ShardRecord) -> h5py.Dataset:
+        path = self.ckpt / s.file
+
+        def damaged(message: str) -> IntegrityError:
+            return IntegrityError(message, tensor=a.name, shard=s.id, file=str(path))
+
+        f = self._open.get(s.file)
+        if f is None:
+            if not path.is_file():
+                raise damaged("data file is missing")
+            try:
+                f = h5py.File(path, "r", **self._driver)
+            except OSError as exc:
+                raise damaged(f"data file cannot be read as HDF5 ({exc})") from None
+            try:
+                check_file_format(f, path, DATA_FORMAT)
+            except ManifestError as exc:
+                f.close()
+                raise damaged(str(exc).removeprefix(f"{path}: ")) from None
+            self._open[s.file] = f
+        if s.dataset not in f:
+            raise damaged(f"dataset {s.dataset} is missing")
+        dset = f[s.dataset]
+        if not isinstance(dset, h5py.Dataset) or tuple(dset.shape) != s.extent or dset.dtype.itemsize != np_dtype(a.dtype).itemsize:  # fmt: skip
+            got = f"{dset.dtype}{list(dset.shape)}" if isinstance(dset, h5py.Dataset) else "a group"
+            raise damaged(f"dataset {s.dataset} is {got}, the manifest says {a.dtype}{list(s.extent)}")  # fmt: skip
+        return dset
+
+    def read_chunk(self, a: ArtifactRecord, s: ShardRecord, c: int, out: np.ndarray | None = None, within: tuple[slice, ...] | None = None) -> np.ndarray:  # fmt: skip
+        """Chunk ``c`` of shard ``s``, unverified, into ``out`` when given (C-contiguous: the
+        chunk's shape, or a larger array whose part ``within`` takes it), else a new array;
+        returns the chunk's array (a view of ``out`` with ``within``)."""
+        dset = self.dataset(a, s)
+        region = s.local_chunk_region(c)
+        if out is None:
+            out = np.empty(tuple(r.stop - r.start for r in region), dtype=dset.dtype)
+        target, sel = out, within
+        if within is not None and out[within].flags.c_contiguous:
+            # whole rows of ``out``: read straight into the view (measured 1.7x faster than
+            # HDF5 reading into a hyperslab of the larger buffer)
+            target, sel = out[within], None
+        try:
+            dset.read_direct(target, source_sel=region or None, dest_sel=sel)
+        except OSError as exc:
+            raise IntegrityError(f"chunk {c} cannot be read ({exc})", tensor=a.name, shard=s.id, file=str(self.ckpt / s.file)) from None  # fmt: skip
+        return out[within] if within is not None else out
+
+
+def _virtual_problem(dset: Any, a: ArtifactRecord) -> str | None:
+    """Why the main file's dataset of ``a`` does not map its shards as the manifest says."""
+    if not a.shards:
+        return None
+    if not dset.is_virtual:
+        return "is not a virtual dataset"
+    want = sorted((s.file, s.dataset.lstrip("/"), s.offset, s.extent) for s in a.shards)
+    got = []
+    for m in dset.virtual_sources():
+        if a.shape:
+            lo, hi = m.vspace.get_select_bounds()
+            place = (tuple(int(v) for v in lo), tuple(int(h) - int(v) + 1 for v, h in zip(lo, hi, strict=True)))  # fmt: skip
+        else:
+            place = ((), ())
+        got.append((m.file_name, m.dset_name.lstrip("/"), *place))
+    if sorted(got) != want:
+        return f"maps {sorted(got)}, the manifest's shards (file, dataset, offset, extent) are {want}"  # fmt: skip
+    return None
+
+
+def verify_checkpoint(ckpt: Path) -> list[IntegrityError]:
+    """Re-read every stored chunk of checkpoint directory ``ckpt`` and compare it with its
+    content hash, and check the main file's virtual datasets; returns one error per damaged
+    shard or dataset (naming tensor, shard, chunk and file). Serial."""
+    manifest = read_manifest(ckpt)
+    main = ckpt / MAIN_FILE
+    problems: list[IntegrityError] = []
+    with h5py.File(main, "r") as f:
+        for a in manifest.artifacts:
+            if a.cls is ArtifactClass.EPHEMERAL or a.dataset is None:
+                continue
+            if a.dataset not in f:
+                problems.append(IntegrityError("dataset is missing", tensor=a.name, shard="*", file=str(main)))  # fmt: skip
+                continue
+            dset = f[a.dataset]
+            problem = None if tuple(dset.shape) == a.shape else f"shape {list(dset.shape)} is not {list(a.shape)}"  # fmt: skip
+            problem = problem or _virtual_problem(dset, a)
+            if problem is not None:
+                problems.append(IntegrityError(f"dataset {a.dataset} {problem}", tensor=a.name, shard="*", file=str(main)))  # fmt: skip
+    with ShardFiles(ckpt) as files:
+        for a in manifest.artifacts:
+            for s in a.shards:
+                try:
+                    for c, want in enumerate(s.chunks):
+                        got = chunk_hash(files.read_chunk(a, s, c))
+                        if got != want:
+                            raise IntegrityError(f"chunk {c} content hash {got} does not match the manifest's {want}", tensor=a.name, shard=s.id, file=str(ckpt / s.file))  # fmt: skip
+                except IntegrityError as exc:
+                    problems.append(exc)
+    return problems

@@ -1,0 +1,174 @@
+"""Restore's read and exchange: every stored chunk read once, verified, sent where needed.
+
+Pure plan in (:class:`~dtm_mpi.io.plan.RestorePlan`, the same on every rank), thin execution
+here: per round, each rank reads the chunks the plan gives it from their data files
+(:class:`~dtm_mpi.io.files.ShardFiles`, serial independent reads; straight into the output
+when it is the chunk's only consumer), checks each against its content hash, and one
+Alltoallv moves every piece to the ranks whose target block needs it. Damage is returned,
+not raised: the caller agrees on it and applies the recovery rules.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dtm_mpi.comm.objects import alltoallv_bytes
+from dtm_mpi.errors import IntegrityError
+from dtm_mpi.io.files import ShardFiles
+from dtm_mpi.io.hashing import chunk_hash
+from dtm_mpi.io.plan import RestorePlan
+from dtm_mpi.ir.ops._common import np_dtype
+
+__all__ = ["Reader", "read_plan"]
+
+
+@dataclass(frozen=True, slots=True)
+class Reader:
+    """Who reads: the communicator, this rank, and the deadline each read runs under."""
+
+    comm: Any
+    rank: int
+    size: int
+    timeout_s: float
+    deadline: Callable[[str], AbstractContextManager[Any]]
+
+
+def read_plan(ctx: Reader, files: ShardFiles, plan: RestorePlan, into: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[tuple[str, str, str, str]]]:  # fmt: skip
+    """Read, verify and distribute every round of ``plan`` (collective: the exchanges),
+    into the arrays of ``into`` where given (checked by the caller), else new ones.
+    Reads are independent and serial (each chunk is whole rows of one shard dataset,
+    contiguous in its data file, read by exactly one rank); a chunk that cannot be read
+    or does not match its hash is reported as (tensor, shard, message, file)."""
+    me = ctx.rank
+    outs = {}
+    offsets = []
+    for ti, (name, t) in enumerate(plan.targets):
+        block = plan.block(ti, me)
+        outs[name] = into[name] if name in into else np.empty(tuple(s.stop - s.start for s in block), dtype=np_dtype(t.dtype))  # fmt: skip
+        offsets.append(block)
+    damaged: list[tuple[str, str, str, str]] = []
+    by_item: dict[int, list[int]] = {}
+    for k, p in enumerate(plan.pieces):
+        by_item.setdefault(p.item, []).append(k)
+    rounds: dict[int, list[int]] = {}
+    for k, it in enumerate(plan.items):
+        rounds.setdefault(it.round, []).append(k)
+    for rnd in sorted(rounds):  # the same rounds on every rank: the plan is shared
+        round_items = rounds[rnd]
+        data: dict[int, np.ndarray] = {}
+        mine = [k for k in round_items if plan.items[k].reader == me]
+        if mine:
+            # one deadline for the round's reads (arming one per chunk cost 5% of a restore)
+            with ctx.deadline(f"restore: reading round {rnd}"):
+                for k in mine:
+                    bad = _read_item(ctx, files, plan, k, by_item, offsets, outs, data)
+                    if bad is not None:
+                        damaged.append(bad)
+        _exchange(ctx, plan, round_items, by_item, data, outs, offsets)
+    return outs, damaged
+
+
+def _read_item(ctx: Reader, files: ShardFiles, plan: RestorePlan, k: int, by_item: dict[int, list[int]], offsets: list[tuple[slice, ...]], outs: dict[str, np.ndarray], data: dict[int, np.ndarray]) -> tuple[str, str, str, str] | None:  # fmt: skip
+    """Read and verify item ``k`` (straight into the output when this rank is its only
+    consumer, else into ``data[k]``); returns its damage, or None."""
+    item = plan.items[k]
+    name = plan.targets[item.tensor][0]
+    art = plan.artifacts[item.tensor]
+    shard = art.shards[item.shard]
+    direct = _direct(ctx, plan, k, by_item, offsets[item.tensor])
+    try:
+        if direct is not None:
+            buf = files.read_chunk(art, shard, item.chunk, outs[name], direct or None)
+        else:
+            buf = data[k] = files.read_chunk(art, shard, item.chunk, np.empty(item.shape, dtype=outs[name].dtype))  # fmt: skip
+    except IntegrityError as exc:
+        return (name, shard.id, str(exc).split(f"{shard.id!r}: ", 1)[-1], exc.file)
+    except Exception as exc:  # local: reported with the damage, agreed by the caller
+        return (name, shard.id, f"chunk {item.chunk} cannot be read: {type(exc).__name__}: {exc}", str(files.ckpt / shard.file))  # fmt: skip
+    got = chunk_hash(buf)
+    if got != shard.chunks[item.chunk]:
+        rows = f"rows {item.region[0].start}.." if item.region else "the scalar"
+        return (name, shard.id, f"chunk {item.chunk} ({rows}) content hash {got} does not match the manifest's {shard.chunks[item.chunk]} (read by rank {ctx.rank})", str(files.ckpt / shard.file))  # fmt: skip
+    return None
+
+
+def _direct(ctx: Reader, plan: RestorePlan, k: int, by_item: dict[int, list[int]], block: tuple[slice, ...]) -> tuple[slice, ...] | None:  # fmt: skip
+    """Where item ``k`` lands in this rank's output when this rank is its only consumer
+    (read straight into the output, no copy), else None."""
+    pieces = by_item.get(k, [])
+    if len(pieces) != 1 or plan.pieces[pieces[0]].dest != ctx.rank:
+        return None
+    region = plan.items[k].region
+    if plan.pieces[pieces[0]].region != region:
+        return None
+    return _relative(region, block)
+
+
+def _exchange(ctx: Reader, plan: RestorePlan, round_items: list[int], by_item: dict[int, list[int]], data: dict[int, np.ndarray], outs: dict[str, np.ndarray], offsets: list[tuple[slice, ...]]) -> None:  # fmt: skip
+    """Send every piece of this round's items to its rank (collective, one Alltoallv)."""
+    me, n = ctx.rank, ctx.size
+    sends: list[list[tuple[np.ndarray, int]]] = [[] for _ in range(n)]  # (view, nbytes)
+    recv_plan: list[list[int]] = [[] for _ in range(n)]
+    itemsizes = [np_dtype(t.dtype).itemsize for _, t in plan.targets]
+    for k in round_items:
+        item = plan.items[k]
+        name = plan.targets[item.tensor][0]
+        for pk in by_item.get(k, []):
+            p = plan.pieces[pk]
+            if item.reader == me and k in data:
+                local = _relative(p.region, item.region)
+                part = data[k][local]
+                if p.dest == me:
+                    out = _relative(p.region, offsets[item.tensor])
+                    outs[name][out] = part
+                else:
+                    sends[p.dest].append((part, part.size * itemsizes[item.tensor]))
+            elif p.dest == me and item.reader != me:
+                recv_plan[item.reader].append(pk)
+    if _nothing_moves(plan, round_items, by_item):
+        return
+    send_counts = [sum(nb for _, nb in parts) for parts in sends]
+    recv_counts = [
+        sum(
+            math.prod(plan.pieces[pk].shape) * itemsizes[plan.items[plan.pieces[pk].item].tensor]
+            for pk in pks
+        )
+        for pks in recv_plan
+    ]
+    send = np.empty(sum(send_counts), dtype=np.uint8)  # packed in place: no extra copies
+    pos = 0
+    for parts in sends:
+        for part, nb in parts:
+            send[pos : pos + nb].view(part.dtype).reshape(part.shape)[...] = part
+            pos += nb
+    got = alltoallv_bytes(ctx.comm, send, send_counts, recv_counts, timeout_s=ctx.timeout_s, what="restore: exchange", phase="checkpoint")  # fmt: skip
+    del send
+    pos = 0
+    for src in range(n):
+        for pk in recv_plan[src]:
+            p = plan.pieces[pk]
+            item = plan.items[p.item]
+            name = plan.targets[item.tensor][0]
+            nbytes = math.prod(p.shape) * itemsizes[item.tensor]
+            out = _relative(p.region, offsets[item.tensor])
+            outs[name][out] = got[pos : pos + nbytes].view(outs[name].dtype).reshape(p.shape)
+            pos += nbytes
+
+
+def _nothing_moves(plan: RestorePlan, round_items: list[int], by_item: dict[int, list[int]]) -> bool:  # fmt: skip
+    """True when no piece of the round crosses ranks (decided from the plan: the same
+    answer on every rank, so all skip the exchange together)."""
+    return all(
+        plan.pieces[pk].dest == plan.items[k].reader for k in round_items for pk in by_item.get(k, [])
+    )  # fmt: skip
+
+
+def _relative(region: tuple[slice, ...], origin: tuple[slice, ...]) -> tuple[slice, ...]:
+    """``region`` (global) relative to the block that starts at ``origin``."""
+    return tuple(slice(r.start - o.start, r.stop - o.start) for r, o in zip(region, origin, strict=True))  # fmt: skip
