@@ -253,6 +253,9 @@ def _cmd_ckpt_inspect(args: argparse.Namespace) -> int:
     print(f"  merkle root   {m.merkle_root}")
     print(f"  manifest hash {doc['manifest_hash']}")
     print(f"  tensors       {len(m.artifacts)} ({len(_stored(m))} stored), {m.data_bytes} data bytes")  # fmt: skip
+    files = sorted({sh.file for a in m.artifacts for sh in a.shards})
+    span = "" if not files else f" ({files[0]})" if len(files) == 1 else f" ({files[0]} .. {files[-1]})"  # fmt: skip
+    print(f"  data files    {len(files)}{span}")
     rows = [["name", "class", "state", "dtype", "shape", "layout", "shards", "bytes", "merkle", "from"]]  # fmt: skip
     for a in m.artifacts:
         origin = f"{a.parent} ({a.rebuild})" if a.parent is not None else ""

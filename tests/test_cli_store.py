@@ -159,6 +159,7 @@ def test_ckpt_inspect_text_and_json(capsys: pytest.CaptureFixture[str], tmp_path
     assert "step          2" in out and "mesh          x=1" in out
     assert f"module hash   {'ab' * 32}" in out and f"merkle root   {m.merkle_root}" in out
     assert f"manifest hash {m.to_json()['manifest_hash']}" in out
+    assert "data files    1 (data-000000.h5)" in out
     rows = {ln.split()[0]: ln.split() for ln in out.splitlines()[9:]}
     assert rows["w"][:7] == ["w", "primary", "active", "f32", "[10,7]", "{x,-}", "1"]
     assert rows["w"][7] == "280" and rows["w"][8] == m.artifact("w").merkle_root[:12]
