@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -231,7 +232,7 @@ def _cmd_ckpt_ls(args: argparse.Namespace) -> int:
     from dtm_mpi.io.store import retired_files
 
     for p in retired_files(store):
-        print(f"{p.name}: retired by keep_last, not deleted yet (a crash interrupted it); `dtm ckpt rm --partial` removes it")  # fmt: skip
+        print(f"{p.name}: retired (by keep_last, a save that replaced its step, or dtm ckpt rm), not deleted yet; `dtm ckpt rm --partial` removes it")  # fmt: skip
     return 0
 
 
@@ -349,14 +350,27 @@ def _cmd_ckpt_rm(args: argparse.Namespace) -> int:
             write_latest(store, max(rest))
         else:
             (store / "latest").unlink(missing_ok=True)
-        remove_path(path)
-        fsync_dir(store)
+        _remove_checkpoint(store, path)
         print(f"removed {path}; {after}")
         return 0
-    remove_path(path)
-    fsync_dir(store)
+    _remove_checkpoint(store, path)
     print(f"removed {path}")
     return 0
+
+
+def _remove_checkpoint(store: Path, path: Path) -> None:
+    """Retire committed checkpoint ``path`` atomically (rename out of the checkpoint
+    namespace, fsync), then delete it: an interrupted removal leaves a ``.deleting-`` entry,
+    never a half-deleted checkpoint under its committed name."""
+    import secrets
+
+    from dtm_mpi.io.store import fsync_dir, remove_path
+
+    gone = store / f".deleting-{path.name}-{secrets.token_hex(4)}"
+    os.replace(path, gone)
+    fsync_dir(store)
+    remove_path(gone)
+    fsync_dir(store)
 
 
 # --- dtm store: reading -----------------------------------------------------------------------

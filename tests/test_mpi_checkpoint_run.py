@@ -160,3 +160,44 @@ def test_resume_needs_no_inputs_for_parameters_without_init(tmp_path: Path) -> N
     code, text, _ = mpirun(2, str(prog), "--steps", "3", "--resume", "--store", store, "-o", str(out))  # fmt: skip
     assert code == 0 and "after step 2" in text, text
     assert np.array_equal(np.load(out)["w_true"], np.load(w_true))
+
+
+ASYNC_FAULT = """
+import sys
+import numpy as np
+from mpi4py import MPI
+from dtm_mpi.io.checkpoint import CheckpointStore
+from dtm_mpi.io.plan import TensorSpec
+from dtm_mpi.ir.types import DType, Layout, TensorType
+from dtm_mpi.sharding.blocks import local_block
+from dtm_mpi.sharding.mesh import MeshShape
+comm = MPI.COMM_WORLD
+mesh = MeshShape((("x", comm.Get_size()),))
+t = TensorType(DType.F32, (50, 7), Layout((("x",), ())))
+blk = np.arange(350, dtype=np.float32).reshape(50, 7)[local_block(t.shape, t.layout, mesh, comm.Get_rank())]
+store = CheckpointStore(sys.argv[1], comm, timeout_s=30, ranks_per_file=1)
+handle = store.save_async(1, mesh, [(TensorSpec(f"t{i}", t), blk + i) for i in range(3)])
+try:
+    handle.wait()
+    print(f"[rank {comm.Get_rank()}] saved", flush=True)
+except Exception as exc:
+    print(f"[rank {comm.Get_rank()}] {type(exc).__name__}: {exc}", flush=True)
+"""
+
+
+def test_a_rank_failing_in_an_async_save_is_the_error_every_rank_reports(tmp_path: Path) -> None:
+    """The other ranks stop at the next vote without checking their unfinished files: the
+    error every rank raises is the failing rank's own, not a secondary "dataset is missing"."""
+    import os
+
+    script = tmp_path / "async_fault.py"
+    script.write_text(ASYNC_FAULT)
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1", DTM_FAULT="1:ckpt_write:raise")  # fmt: skip
+    cmd = ["mpirun", "--timeout", "60", "--bind-to", "none", "-n", "2", sys.executable, str(script), str(tmp_path / "s")]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90, env=env, check=False)
+    lines = sorted(ln for ln in proc.stdout.splitlines() if ln.startswith("[rank "))
+    assert len(lines) == 2, proc.stdout + proc.stderr
+    for rank, line in enumerate(lines):
+        assert line.startswith(f"[rank {rank}] StorageError: checkpoint 1: writing ckpt-00000001.partial-"), line  # fmt: skip
+        assert "failed on rank 1: injected failure" in line and "more rank" not in line, line

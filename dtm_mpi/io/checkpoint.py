@@ -29,8 +29,10 @@ raises it), and ``fallback=True`` to restore the newest checkpoint that verifies
 Derived artifacts that fail verification are rebuilt from their parent; ephemeral ones are
 never stored; a primary artifact with no healthy copy is an :class:`UnrecoverableError`.
 
-Bounded: every exchange of the store waits at most the timeout, and every HDF5 call runs
-under :func:`~dtm_mpi.comm.objects.io_deadline`.
+Bounded: every exchange of the store waits at most the timeout, and every HDF5 call on data
+files and the main file's write run under :func:`~dtm_mpi.comm.objects.io_deadline` (rank 0's
+small serial reads of the main file and the renames of the commit are not: they are local
+file-system calls, and the other ranks wait for their verdict with the timeout).
 """
 
 from __future__ import annotations
@@ -167,7 +169,7 @@ class SaveHandle:
 
     def cancel(self) -> bool:
         """Collective: call on all ranks. Stop the save at its next tensor boundary and remove
-        its partial file; returns True if it was cancelled, False if it had already committed
+        its partial checkpoint; returns True if it was cancelled, False if it had already committed
         (then the new checkpoint stands)."""
         self.cancel_requested = True
         try:
@@ -200,7 +202,6 @@ class CheckpointStore:
         self._pending: SaveHandle | None = None
         self._reaper: threading.Thread | None = None
         self._poisoned: BaseException | None = None
-        self._groups: dict[tuple[int, int], Any] = {}
         outcome: Any = None
         if self.rank == 0:
             try:
@@ -222,6 +223,8 @@ class CheckpointStore:
             raise agreed(outcome) if isinstance(outcome, DtmError) else outcome
         self.meta: StoreMeta = outcome[0]
         self.ranks_per_file: int = outcome[1]  # rank 0's choice, the same on every rank
+        self._groups: dict[int, Any] = {}
+        self._split_groups(self.comm)
 
     # -- small collective helpers ----------------------------------------------------------------
     def _bcast(self, obj: Any, what: str, comm: Any = None) -> Any:
@@ -281,6 +284,7 @@ class CheckpointStore:
         plan, blocks, hashes = self._prepare(step, mesh, tensors, copy=True)
         if self._io_comm is None:
             self._io_comm = self.comm.Dup()
+            self._split_groups(self._io_comm)
         handle = SaveHandle(self, step)
 
         def cancelled() -> bool:
@@ -363,16 +367,22 @@ class CheckpointStore:
             raise agreed(QuotaError(verdict))
 
     def _group_comm(self, comm: Any, plan: SavePlan) -> Any:
-        """The communicator of the ranks sharing this rank's data file (collective on
-        ``comm`` the first time for a group size; COMM_SELF for one rank per file)."""
+        """The communicator of the ranks sharing this rank's data file (made with ``comm``
+        by :meth:`_split_groups`; COMM_SELF for one rank per file)."""
         from mpi4py import MPI
 
         if plan.ranks_per_file == 1:
             return MPI.COMM_SELF
-        key = (id(comm), plan.ranks_per_file)
-        if key not in self._groups:
-            self._groups[key] = comm.Split(plan.file_index(self.rank), self.rank)
-        return self._groups[key]
+        return self._groups[id(comm)]
+
+    def _split_groups(self, comm: Any) -> None:
+        """Collective on ``comm``: split it into the data-file groups, once, when ``comm`` is
+        made (the constructor, the async writer's duplicate), where every rank is together:
+        not in the middle of a save, where a rank that timed out would leave the others
+        waiting in an unbounded ``MPI_Comm_split``."""
+        per_file = self.ranks_per_file or self.size
+        if per_file > 1 and id(comm) not in self._groups:
+            self._groups[id(comm)] = comm.Split(self.rank // per_file, self.rank)
 
     def _save(self, step: int, plan: SavePlan, blocks: dict[int, np.ndarray], hashes: dict[int, tuple[str, ...]], module_hash: str | None, comm: Any, control: tuple[Callable[[], bool], Callable[[int], None] | None] | None) -> Path:  # fmt: skip
         gathered = self._gather(hashes, f"checkpoint {step}: shard hashes", comm)
@@ -435,53 +445,58 @@ class CheckpointStore:
             return _collective_section(self.rank, what) if shared else nullcontext()
 
         error: BaseException | None = None
-        cancelled = False
+        cancelled = aborted = False
         f: Any = None
         try:
-            with section():
-                if shards:
-                    with self._deadline(f"checkpoint {step}: creating {path.name}"):
-                        f = open_file(str(path), "w", gcomm)
-                        f.attrs["dtm_format"] = DATA_FORMAT
-                        f.attrs["format_version"] = FORMAT_VERSION
-                        f.attrs["step"] = step
-                        f.attrs["file_index"] = index
-        except Exception as exc:
-            error = exc
-        for i, spec in enumerate(plan.specs):
-            if control is not None:
-                stop_here, before = control
-                if before is not None:
-                    before(i)
-                votes = self._gather((stop_here(), error is not None), f"checkpoint {step}: cancel check", comm)  # fmt: skip
-                if any(v[0] for v in votes):
-                    cancelled = True
-                    break
-                if any(v[1] for v in votes):
-                    break  # someone failed: the agreement after the loop reports it
-            if error is not None:
-                continue
             try:
                 with section():
-                    maybe_fail(self.rank, "ckpt_write")
-                    with self._deadline(f"checkpoint {step}: writing tensor {spec.name!r}"):
-                        for j, s in shards if f is not None else ():
-                            if j != i:
-                                continue
-                            dset = create_dataset(f, shard_dataset(spec.name, s.index), s.extent, np_dtype(spec.type.dtype))  # fmt: skip
-                            if s.owner == self.rank:
-                                write_whole(dset, blocks[i])
+                    if shards:
+                        with self._deadline(f"checkpoint {step}: creating {path.name}"):
+                            f = open_file(str(path), "w", gcomm)
+                            f.attrs["dtm_format"] = DATA_FORMAT
+                            f.attrs["format_version"] = FORMAT_VERSION
+                            f.attrs["step"] = step
+                            f.attrs["file_index"] = index
             except Exception as exc:
                 error = exc
-        if f is not None:
-            try:
-                with section(), self._deadline(f"checkpoint {step}: closing {path.name}"):
-                    if not cancelled and error is None:
-                        f.flush()
-                    f.close()
-            except Exception as exc:
-                error = error or exc
-        if f is not None and not cancelled and error is None and self.rank == plan.group(self.rank).start:  # fmt: skip
+            for i, spec in enumerate(plan.specs):
+                if control is not None:
+                    stop_here, before = control
+                    if before is not None:
+                        before(i)
+                    votes = self._gather((stop_here(), error is not None), f"checkpoint {step}: cancel check", comm)  # fmt: skip
+                    if any(v[0] for v in votes):
+                        cancelled = True
+                        break
+                    if any(v[1] for v in votes):
+                        aborted = True  # another rank failed: the agreement reports its error
+                        break
+                if error is not None:
+                    continue
+                try:
+                    with section():
+                        maybe_fail(self.rank, "ckpt_write")
+                        with self._deadline(f"checkpoint {step}: writing tensor {spec.name!r}"):
+                            for j, s in shards if f is not None else ():
+                                if j != i:
+                                    continue
+                                dset = create_dataset(f, shard_dataset(spec.name, s.index), s.extent, np_dtype(spec.type.dtype))  # fmt: skip
+                                if s.owner == self.rank:
+                                    write_whole(dset, blocks[i])
+                except Exception as exc:
+                    error = exc
+        finally:  # also when a vote timed out: never leave the file open
+            complete = not (cancelled or aborted) and error is None
+            if f is not None:
+                try:
+                    with section(), self._deadline(f"checkpoint {step}: closing {path.name}"):
+                        if complete:
+                            f.flush()
+                        f.close()
+                except Exception as exc:
+                    error = error or exc
+                    complete = False
+        if f is not None and complete and self.rank == plan.group(self.rank).start:
             try:
                 with self._deadline(f"checkpoint {step}: syncing and checking {path.name}"):
                     fd = os.open(path, os.O_RDONLY)
@@ -527,8 +542,7 @@ class CheckpointStore:
                 replaced = []
                 if final.exists():  # a checkpoint of the same step is replaced
                     old = self.path / f".deleting-{final.name}-{secrets.token_hex(4)}"
-                    replace_dir(tmp, final, old)
-                    replaced.append(old)
+                    replaced.append(replace_dir(tmp, final, old))
                 else:
                     os.replace(tmp, final)
                 committed = True
@@ -629,7 +643,10 @@ class CheckpointStore:
             if name not in types:
                 return UsageError(f"restore: 'into' names {name!r}, which is not a target")
             t = types[name]
-            want, dtype = local_shape(t.shape, t.layout, mesh, self.rank), np_dtype(t.dtype)
+            try:
+                want, dtype = local_shape(t.shape, t.layout, mesh, self.rank), np_dtype(t.dtype)
+            except DtmError as exc:  # a layout that does not fit the mesh: agreed by the caller
+                return UsageError(f"restore: tensor {name!r}: {exc}")
             if not isinstance(arr, np.ndarray) or tuple(arr.shape) != want or arr.dtype != dtype:
                 got = f"{arr.dtype}{list(arr.shape)}" if isinstance(arr, np.ndarray) else type(arr).__name__  # fmt: skip
                 return UsageError(f"restore: 'into' array for tensor {name!r} on rank {self.rank} is {got}, expected its block {dtype}{list(want)}")  # fmt: skip

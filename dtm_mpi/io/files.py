@@ -61,7 +61,8 @@ MAIN_FILE = "checkpoint.h5"
 def check_file_format(f: h5py.File, path: Path, kind: str = CKPT_FORMAT) -> None:
     """Raise :class:`ManifestError` unless ``f`` is a dtm file of ``kind`` and a version this
     reads."""
-    if f.attrs.get("dtm_format") != kind:
+    found = f.attrs.get("dtm_format")
+    if not isinstance(found, str) or found != kind:
         raise ManifestError(f"{path}: not a dtm {kind} file (no dtm_format={kind!r} attribute)")
     version = f.attrs.get("format_version")
     if isinstance(version, np.generic):
@@ -190,7 +191,7 @@ class ShardFiles:
                 raise damaged(f"data file cannot be read as HDF5 ({exc})") from None
             try:
                 check_file_format(f, path, DATA_FORMAT)
-            except ManifestError as exc:
+            except Exception as exc:
                 f.close()
                 raise damaged(str(exc).removeprefix(f"{path}: ")) from None
             self._open[s.file] = f

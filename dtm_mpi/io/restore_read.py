@@ -82,14 +82,18 @@ def _read_item(ctx: Reader, files: ShardFiles, plan: RestorePlan, k: int, by_ite
     art = plan.artifacts[item.tensor]
     shard = art.shards[item.shard]
     direct = _direct(ctx, plan, k, by_item, offsets[item.tensor])
+    if direct is None:  # sent on: it must exist even if the read fails (the plan fixes the
+        data[k] = np.empty(item.shape, dtype=outs[name].dtype)  # bytes every rank expects)
     try:
         if direct is not None:
             buf = files.read_chunk(art, shard, item.chunk, outs[name], direct or None)
         else:
-            buf = data[k] = files.read_chunk(art, shard, item.chunk, np.empty(item.shape, dtype=outs[name].dtype))  # fmt: skip
-    except IntegrityError as exc:
-        return (name, shard.id, str(exc).split(f"{shard.id!r}: ", 1)[-1], exc.file)
+            buf = files.read_chunk(art, shard, item.chunk, data[k])
     except Exception as exc:  # local: reported with the damage, agreed by the caller
+        if direct is None:
+            data[k][...] = 0
+        if isinstance(exc, IntegrityError):
+            return (name, shard.id, str(exc).split(f"{shard.id!r}: ", 1)[-1], exc.file)
         return (name, shard.id, f"chunk {item.chunk} cannot be read: {type(exc).__name__}: {exc}", str(files.ckpt / shard.file))  # fmt: skip
     got = chunk_hash(buf)
     if got != shard.chunks[item.chunk]:

@@ -121,21 +121,26 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(a))
 
 
-def replace_dir(new: Path, final: Path, old: Path) -> None:
+def replace_dir(new: Path, final: Path, old: Path) -> Path:
     """Put directory ``new`` in place of the existing ``final``, moving the replaced one to
-    ``old``. Atomic where the system swaps names (Linux): at every moment ``final`` is one
-    complete checkpoint. Elsewhere two renames (a crash between them leaves ``final``
-    absent; readers then fall back to the newest committed checkpoint), undone if the second
-    fails."""
+    ``old``; returns where the replaced one is. Atomic where the system swaps names (Linux):
+    at every moment ``final`` is one complete checkpoint. Elsewhere two renames (a crash
+    between them leaves ``final`` absent; readers then fall back to the newest committed
+    checkpoint), undone if the second fails. Raises only while ``final`` is still the old
+    checkpoint."""
     if _exchange(new, final):
-        os.replace(new, old)  # ``new`` now names the replaced checkpoint
-        return
+        try:
+            os.replace(new, old)  # ``new`` now names the replaced checkpoint
+        except OSError:
+            return new  # committed all the same; the old one stays under the partial name
+        return old
     os.replace(final, old)
     try:
         os.replace(new, final)
     except OSError:
         os.replace(old, final)
         raise
+    return old
 
 
 def remove_path(path: Path) -> None:

@@ -402,6 +402,34 @@ def test_checkpoints_of_different_ranks_per_file_in_one_store(comm: Any, mpi_tmp
     restore_on(mpi_tmp_path, comm, mesh, 2, all_ranks=all_ranks)
 
 
+def test_a_damaged_chunk_that_crosses_ranks_keeps_the_exchange_aligned(comm: Any, mpi_tmp_path: Path, all_ranks: Any) -> None:  # fmt: skip
+    """A chunk that cannot be read still sends its planned bytes: the other pieces of the
+    round stay where they belong. Replicated tensors in chunks of one row: every chunk is read
+    by one rank and sent to all others; the derived one's dataset is gone (rebuilt from its
+    parent), the primary one must arrive intact on every rank."""
+    import h5py
+
+    n, rank = comm.Get_size(), comm.Get_rank()
+    mesh = mesh_of(str(n))
+    rep = Layout(((), ()))
+    tp = TensorType(DType.F32, (4 * n, 2), rep)
+    td = TensorType(DType.F16, (4 * n, 2), rep)
+    p = np.arange(8 * n, dtype=np.float32).reshape(4 * n, 2) + 1
+    store = CheckpointStore(mpi_tmp_path, comm, timeout_s=60, chunk_bytes=8, ranks_per_file=1)
+    store.save(1, mesh, [
+        (TensorSpec("d", td, ArtifactClass.DERIVED, parent="p", rebuild="cast:f16"), np.full(p.shape, -1, np.float16)),
+        (TensorSpec("p", tp), p.copy()),
+    ])  # fmt: skip
+    if rank == 0:
+        with h5py.File(mpi_tmp_path / committed_name(1) / "data-000000.h5", "r+") as f:
+            del f["shards/d/0"]
+    comm.Barrier()
+    got = store.restore(mesh, [("d", td), ("p", tp)])
+    all_ranks(got.values["p"].tobytes() == p.tobytes(), f"p arrived shifted or partly: {got.values['p'].tolist()}")  # fmt: skip
+    all_ranks(got.values["d"].tobytes() == p.astype(np.float16).tobytes(), "d rebuilt from p")
+    store.close()
+
+
 def test_a_missing_data_file_fails_every_rank_and_derived_are_rebuilt(comm: Any, mpi_tmp_path: Path, all_ranks: Any, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     """The last rank's data file disappears: a primary tensor with a shard in it is an
     IntegrityError on every rank naming tensor, shard and that file; a derived tensor with a

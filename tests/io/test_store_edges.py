@@ -169,7 +169,10 @@ def test_retired_files_left_by_a_crash_are_counted_shown_and_removed(tmp_path: P
     assert disk_usage(tmp_path) == one + 1000
     capsys.readouterr()
     assert run(["ckpt", "ls", str(tmp_path)]) == 0
-    assert f"{orphan.name}: retired by keep_last, not deleted yet" in capsys.readouterr().out
+    assert (
+        f"{orphan.name}: retired (by keep_last, a save that replaced its step, or dtm ckpt rm), not deleted yet"
+        in capsys.readouterr().out
+    )
     assert run(["ckpt", "rm", str(tmp_path), "--partial"]) == 0
     assert not orphan.exists()
     orphan.mkdir()
