@@ -40,8 +40,7 @@ from __future__ import annotations
 import os
 import secrets
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,7 +48,6 @@ from typing import Any
 import numpy as np
 
 from dtm_mpi._version import __version__
-from dtm_mpi.comm.abort import abort_job
 from dtm_mpi.comm.objects import allgather_obj, bcast_obj, io_deadline
 from dtm_mpi.config import get_config
 from dtm_mpi.errors import (
@@ -65,17 +63,15 @@ from dtm_mpi.errors import (
     UsageError,
     agreed,
 )
-from dtm_mpi.faults import maybe_fail
+from dtm_mpi.io.commit import Retention, commit_partial
+from dtm_mpi.io.data_write import Writer, write_data_file
 from dtm_mpi.io.files import (
-    DATA_FORMAT,
-    FORMAT_VERSION,
     MAIN_FILE,
     ShardFiles,
-    read_manifest,
     read_manifest_bytes,
     write_main_file,
 )
-from dtm_mpi.io.h5 import ALIGN_BYTES, ALIGN_FROM, create_dataset, open_file, write_whole
+from dtm_mpi.io.h5 import ALIGN_BYTES, ALIGN_FROM
 from dtm_mpi.io.hashing import chunk_hash
 from dtm_mpi.io.manifest import (
     ArtifactRecord,
@@ -84,7 +80,6 @@ from dtm_mpi.io.manifest import (
     data_file_name,
     parse_manifest,
     recovery_actions,
-    shard_dataset,
     validate_manifest,
 )
 from dtm_mpi.io.plan import (  # fmt: skip
@@ -109,8 +104,6 @@ from dtm_mpi.io.store import (
     read_latest,
     read_meta,
     remove_path,
-    replace_dir,
-    retired_files,
     write_latest,
     write_meta,
 )
@@ -200,7 +193,7 @@ class CheckpointStore:
         self.chunk_bytes, self.round_bytes = chunk_bytes, round_bytes
         self._io_comm: Any = None
         self._pending: SaveHandle | None = None
-        self._reaper: threading.Thread | None = None
+        self._retention = Retention(self.path)
         self._poisoned: BaseException | None = None
         outcome: Any = None
         if self.rank == 0:
@@ -311,7 +304,7 @@ class CheckpointStore:
         try:
             self.wait()
         finally:
-            self._reap()
+            self._retention.wait()
             for g in self._groups.values():
                 g.Free()
             self._groups.clear()
@@ -352,7 +345,7 @@ class CheckpointStore:
         error: BaseException | None = None
         if self.rank == 0 and self.meta.quota_bytes is not None:
             try:
-                self._reap()  # retired checkpoints still being deleted count until gone
+                self._retention.wait()  # retired checkpoints still being deleted count until gone
                 shards = [s for per in plan.shards for s in per]
                 align = sum(ALIGN_BYTES for s in shards if s.nbytes >= ALIGN_FROM)
                 meta = (256 << 10) + (64 << 10) * len(plan.files) + (4 << 10) * len(shards)
@@ -402,7 +395,8 @@ class CheckpointStore:
         problem = self._bcast(problem, f"checkpoint {step}: creating {tmp.name}", comm)
         if problem is not None:
             raise agreed(StorageError(problem))
-        error, cancelled = self._write_data(step, plan, blocks, manifest, tmp, comm, control)
+        writer = Writer(self.rank, comm, self._group_comm(comm, plan), self._deadline, self._gather)
+        error, cancelled = write_data_file(writer, step, plan, blocks, manifest, tmp, control)
         if cancelled:
             self._gather(None, f"checkpoint {step}: files closed after the cancel", comm)
             problem = None
@@ -425,130 +419,17 @@ class CheckpointStore:
         self._agree(error, f"checkpoint {step}: writing {tmp.name}", comm)
         return self._commit(step, plan, tmp, final, comm)
 
-    def _write_data(self, step: int, plan: SavePlan, blocks: dict[int, np.ndarray], manifest: Manifest, tmp: Path, comm: Any, control: tuple[Callable[[], bool], Callable[[int], None] | None] | None) -> tuple[BaseException | None, bool]:  # fmt: skip
-        """Write this rank's data file (with the ranks sharing it): one dataset per shard,
-        each written by its owner; flush, close, fsync, and check it. Returns this rank's
-        error (local: the caller agrees on it) and whether the save was cancelled (agreed).
-
-        With one rank per file (the default) nothing here is collective but the cancel
-        votes, so a failure is simply reported. With several, HDF5's metadata calls are
-        collective over the file's ranks: a failure inside them ends the job (its peers
-        cannot be told; see :func:`_collective_section`)."""
-        index = plan.file_index(self.rank)
-        shards = plan.file_shards(index)
-        gcomm = self._group_comm(comm, plan)
-        path = tmp / data_file_name(index)
-        shared = plan.ranks_per_file > 1
-        what = f"checkpoint {step} (writing {path.name})"
-
-        def section() -> AbstractContextManager[None]:
-            return _collective_section(self.rank, what) if shared else nullcontext()
-
-        error: BaseException | None = None
-        cancelled = aborted = False
-        f: Any = None
-        try:
-            try:
-                with section():
-                    if shards:
-                        with self._deadline(f"checkpoint {step}: creating {path.name}"):
-                            f = open_file(str(path), "w", gcomm)
-                            f.attrs["dtm_format"] = DATA_FORMAT
-                            f.attrs["format_version"] = FORMAT_VERSION
-                            f.attrs["step"] = step
-                            f.attrs["file_index"] = index
-            except Exception as exc:
-                error = exc
-            for i, spec in enumerate(plan.specs):
-                if control is not None:
-                    stop_here, before = control
-                    if before is not None:
-                        before(i)
-                    votes = self._gather((stop_here(), error is not None), f"checkpoint {step}: cancel check", comm)  # fmt: skip
-                    if any(v[0] for v in votes):
-                        cancelled = True
-                        break
-                    if any(v[1] for v in votes):
-                        aborted = True  # another rank failed: the agreement reports its error
-                        break
-                if error is not None:
-                    continue
-                try:
-                    with section():
-                        maybe_fail(self.rank, "ckpt_write")
-                        with self._deadline(f"checkpoint {step}: writing tensor {spec.name!r}"):
-                            for j, s in shards if f is not None else ():
-                                if j != i:
-                                    continue
-                                dset = create_dataset(f, shard_dataset(spec.name, s.index), s.extent, np_dtype(spec.type.dtype))  # fmt: skip
-                                if s.owner == self.rank:
-                                    write_whole(dset, blocks[i])
-                except Exception as exc:
-                    error = exc
-        finally:  # also when a vote timed out: never leave the file open
-            complete = not (cancelled or aborted) and error is None
-            if f is not None:
-                try:
-                    with section(), self._deadline(f"checkpoint {step}: closing {path.name}"):
-                        if complete:
-                            f.flush()
-                        f.close()
-                except Exception as exc:
-                    error = error or exc
-                    complete = False
-        if f is not None and complete and self.rank == plan.group(self.rank).start:
-            try:
-                with self._deadline(f"checkpoint {step}: syncing and checking {path.name}"):
-                    fd = os.open(path, os.O_RDONLY)
-                    try:
-                        os.fsync(fd)
-                    finally:
-                        os.close(fd)
-                    self._check_data_file(tmp, manifest, plan, shards)
-            except Exception as exc:
-                error = exc
-        return error, cancelled
-
-    def _check_data_file(self, tmp: Path, manifest: Manifest, plan: SavePlan, shards: list[tuple[int, Any]]) -> None:  # fmt: skip
-        """Reopen the data file just written (serially) and check every shard dataset; with
-        ``DTM_CKPT_VERIFY=full`` also re-read and re-hash every chunk."""
-        full = get_config().ckpt_verify_full
-        with ShardFiles(tmp) as files:
-            for i, s in shards:
-                a = manifest.artifacts[i]
-                record = a.shards[s.index]
-                files.dataset(a, record)
-                for c in range(len(record.chunks) if full else 0):
-                    got = chunk_hash(files.read_chunk(a, record, c))
-                    if got != record.chunks[c]:
-                        raise IntegrityError(f"chunk {c} reads back with hash {got}, written as {record.chunks[c]}", tensor=a.name, shard=record.id, file=str(tmp / record.file))  # fmt: skip
-
     def _commit(self, step: int, plan: SavePlan, tmp: Path, final: Path, comm: Any) -> Path:
-        """Every rank wrote, synced and checked its part: rank 0 syncs the directory, checks
-        the main file and that exactly the planned files are there, renames the directory
-        (the commit), points ``latest`` at it and applies retention; every rank learns how
-        it went."""
+        """Every rank wrote, synced and checked its part: rank 0 commits (``io.commit``),
+        points ``latest`` at it and applies retention; every rank learns how it went."""
         verdict: str | None = None
         if self.rank == 0:
             committed = False
             try:
-                fsync_dir(tmp)
-                read_manifest(tmp)
-                want = sorted([MAIN_FILE, *(data_file_name(i) for i in plan.files)])
-                found = sorted(p.name for p in tmp.iterdir())
-                if found != want:
-                    raise StorageError(f"{tmp} holds {found}, expected {want}")
-                maybe_fail(0, "ckpt_commit")
-                replaced = []
-                if final.exists():  # a checkpoint of the same step is replaced
-                    old = self.path / f".deleting-{final.name}-{secrets.token_hex(4)}"
-                    replaced.append(replace_dir(tmp, final, old))
-                else:
-                    os.replace(tmp, final)
+                replaced = commit_partial(self.path, tmp, final, [data_file_name(i) for i in plan.files])  # fmt: skip
                 committed = True
-                fsync_dir(self.path)
                 write_latest(self.path, step)
-                self._retain(final, replaced)
+                self._retention.apply(self.meta.keep_last, final, replaced)
             except Exception as exc:  # decided on rank 0 alone: always broadcast
                 if committed:
                     verdict = f"checkpoint {step} is committed as {final.name}, but updating 'latest' or retention failed: {exc}"  # fmt: skip
@@ -558,40 +439,6 @@ class CheckpointStore:
         if verdict is not None:
             raise agreed(StorageError(verdict))
         return final
-
-    def _retain(self, keep_this: Path, doomed: list[Path]) -> None:
-        """Keep-last-K: delete the oldest committed checkpoints (by step), never
-        ``keep_this`` (the one just committed, which ``latest`` names), and ``doomed``
-        (already renamed away). Checkpoints are first renamed out of the checkpoint
-        namespace (instant, and no reader can pick them), then deleted by a background
-        thread: freeing a large checkpoint's blocks takes a while, and the save need not
-        wait for it (:meth:`close` does)."""
-        self._reap()
-        keep = self.meta.keep_last
-        doomed = [*doomed, *(p for p in retired_files(self.path) if p not in doomed)]  # left by an earlier crash  # fmt: skip
-        if keep is not None:
-            others = [e for e in list_checkpoints(self.path) if e.committed and e.path != keep_this]  # fmt: skip
-            for e in others[: max(0, len(others) - (keep - 1))]:  # DEPRECATED -> DELETED
-                gone = e.path.with_name(f".deleting-{e.path.name}-{secrets.token_hex(4)}")
-                os.replace(e.path, gone)
-                doomed.append(gone)
-        if not doomed:
-            return
-        fsync_dir(self.path)
-
-        def remove_all() -> None:
-            for p in doomed:
-                remove_path(p)
-
-        self._reaper = threading.Thread(target=remove_all, name="dtm-ckpt-retention", daemon=True)
-        self._reaper.start()
-
-    def _reap(self) -> None:
-        """Wait for the background deletion of retired checkpoints (and make it durable)."""
-        if self._reaper is not None:
-            self._reaper.join()
-            self._reaper = None
-            fsync_dir(self.path)
 
     # -- restore ---------------------------------------------------------------------------------
     def restore(self, mesh: MeshShape, targets: Sequence[tuple[str, TensorType]], *, step: int | None = None, fallback: bool = False, into: Mapping[str, np.ndarray] | None = None) -> Restored:  # fmt: skip
@@ -708,17 +555,3 @@ class CheckpointStore:
             except UnrecoverableError as exc:  # the same instruction on every rank
                 raise agreed(exc) from None
         return values
-
-
-@contextmanager
-def _collective_section(rank: int, what: str) -> Iterator[None]:
-    """A run of collective HDF5 calls. A failure inside it is local to this rank while its
-    peers wait inside HDF5 (holding the interpreter lock, so nothing can tell them): the
-    only way not to leave them hanging is to end the job now, with this rank's error."""
-    try:
-        yield
-    except BaseException as exc:
-        if isinstance(exc, DtmError) and exc.agreed:
-            raise
-        abort_job(1, f"dtm: error: rank {rank} failed during {what}: {type(exc).__name__}: {exc}\ndtm: aborting the job (its peers are inside collective HDF5 calls)")  # fmt: skip
-        raise

@@ -1,0 +1,159 @@
+"""A save's data files: each group of ``ranks_per_file`` ranks writes one, with parallel HDF5.
+
+The ranks of a group open ``data-NNNNNN.h5`` with the MPI-IO driver on their communicator,
+create one dataset per shard the file stores (collectively: parallel HDF5's metadata rule) and
+each owner writes its shard with an independent transfer; the file is flushed and closed, and
+the group's first rank fsyncs it and reopens it to check it. Between tensors an async save's
+ranks vote on a cancel (and on failures). With one rank per file nothing here is collective
+but those votes, so a failure is simply returned for the caller to agree on; with several, a
+failure inside the group's collective HDF5 calls ends the job (:func:`collective_section`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dtm_mpi.comm.abort import abort_job
+from dtm_mpi.config import get_config
+from dtm_mpi.errors import DtmError, IntegrityError
+from dtm_mpi.faults import maybe_fail
+from dtm_mpi.io.files import DATA_FORMAT, FORMAT_VERSION, ShardFiles
+from dtm_mpi.io.h5 import create_dataset, open_file, write_whole
+from dtm_mpi.io.hashing import chunk_hash
+from dtm_mpi.io.manifest import Manifest, data_file_name, shard_dataset
+from dtm_mpi.io.plan import SavePlan
+from dtm_mpi.ir.ops._common import np_dtype
+
+__all__ = ["Writer", "collective_section", "write_data_file"]
+
+
+@dataclass(frozen=True, slots=True)
+class Writer:
+    """Who writes: this rank, the job's communicator (votes), its data-file group's
+    communicator, the deadline each HDF5 step runs under, and the bounded allgather."""
+
+    rank: int
+    comm: Any
+    group_comm: Any
+    deadline: Callable[[str], AbstractContextManager[Any]]
+    gather: Callable[[Any, str, Any], list[Any]]
+
+
+def write_data_file(w: Writer, step: int, plan: SavePlan, blocks: dict[int, np.ndarray], manifest: Manifest, tmp: Path, control: tuple[Callable[[], bool], Callable[[int], None] | None] | None) -> tuple[BaseException | None, bool]:  # fmt: skip
+    """Write this rank's data file (with the ranks sharing it): one dataset per shard,
+    each written by its owner; flush, close, fsync, and check it. Returns this rank's
+    error (local: the caller agrees on it) and whether the save was cancelled (agreed).
+
+    With one rank per file (the default) nothing here is collective but the cancel
+    votes, so a failure is simply reported. With several, HDF5's metadata calls are
+    collective over the file's ranks: a failure inside them ends the job (its peers
+    cannot be told; see :func:`_collective_section`)."""
+    index = plan.file_index(w.rank)
+    shards = plan.file_shards(index)
+    path = tmp / data_file_name(index)
+    shared = plan.ranks_per_file > 1
+    what = f"checkpoint {step} (writing {path.name})"
+
+    def section() -> AbstractContextManager[None]:
+        return collective_section(w.rank, what) if shared else nullcontext()
+
+    error: BaseException | None = None
+    cancelled = aborted = False
+    f: Any = None
+    try:
+        try:
+            with section():
+                if shards:
+                    with w.deadline(f"checkpoint {step}: creating {path.name}"):
+                        f = open_file(str(path), "w", w.group_comm)
+                        f.attrs["dtm_format"] = DATA_FORMAT
+                        f.attrs["format_version"] = FORMAT_VERSION
+                        f.attrs["step"] = step
+                        f.attrs["file_index"] = index
+        except Exception as exc:
+            error = exc
+        for i, spec in enumerate(plan.specs):
+            if control is not None:
+                stop_here, before = control
+                if before is not None:
+                    before(i)
+                votes = w.gather((stop_here(), error is not None), f"checkpoint {step}: cancel check", w.comm)  # fmt: skip
+                if any(v[0] for v in votes):
+                    cancelled = True
+                    break
+                if any(v[1] for v in votes):
+                    aborted = True  # another rank failed: the agreement reports its error
+                    break
+            if error is not None:
+                continue
+            try:
+                with section():
+                    maybe_fail(w.rank, "ckpt_write")
+                    with w.deadline(f"checkpoint {step}: writing tensor {spec.name!r}"):
+                        for j, s in shards if f is not None else ():
+                            if j != i:
+                                continue
+                            dset = create_dataset(f, shard_dataset(spec.name, s.index), s.extent, np_dtype(spec.type.dtype))  # fmt: skip
+                            if s.owner == w.rank:
+                                write_whole(dset, blocks[i])
+            except Exception as exc:
+                error = exc
+    finally:  # also when a vote timed out: never leave the file open
+        complete = not (cancelled or aborted) and error is None
+        if f is not None:
+            try:
+                with section(), w.deadline(f"checkpoint {step}: closing {path.name}"):
+                    if complete:
+                        f.flush()
+                    f.close()
+            except Exception as exc:
+                error = error or exc
+                complete = False
+    if f is not None and complete and w.rank == plan.group(w.rank).start:
+        try:
+            with w.deadline(f"checkpoint {step}: syncing and checking {path.name}"):
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                _check_data_file(tmp, manifest, plan, shards)
+        except Exception as exc:
+            error = exc
+    return error, cancelled
+
+
+def _check_data_file(tmp: Path, manifest: Manifest, plan: SavePlan, shards: list[tuple[int, Any]]) -> None:  # fmt: skip
+    """Reopen the data file just written (serially) and check every shard dataset; with
+    ``DTM_CKPT_VERIFY=full`` also re-read and re-hash every chunk."""
+    full = get_config().ckpt_verify_full
+    with ShardFiles(tmp) as files:
+        for i, s in shards:
+            a = manifest.artifacts[i]
+            record = a.shards[s.index]
+            files.dataset(a, record)
+            for c in range(len(record.chunks) if full else 0):
+                got = chunk_hash(files.read_chunk(a, record, c))
+                if got != record.chunks[c]:
+                    raise IntegrityError(f"chunk {c} reads back with hash {got}, written as {record.chunks[c]}", tensor=a.name, shard=record.id, file=str(tmp / record.file))  # fmt: skip
+
+
+@contextmanager
+def collective_section(rank: int, what: str) -> Iterator[None]:
+    """A run of collective HDF5 calls. A failure inside it is local to this rank while its
+    peers wait inside HDF5 (holding the interpreter lock, so nothing can tell them): the
+    only way not to leave them hanging is to end the job now, with this rank's error."""
+    try:
+        yield
+    except BaseException as exc:
+        if isinstance(exc, DtmError) and exc.agreed:
+            raise
+        abort_job(1, f"dtm: error: rank {rank} failed during {what}: {type(exc).__name__}: {exc}\ndtm: aborting the job (its peers are inside collective HDF5 calls)")  # fmt: skip
+        raise
