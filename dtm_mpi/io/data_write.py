@@ -11,7 +11,6 @@ failure inside the group's collective HDF5 calls ends the job (:func:`collective
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from dtm_mpi.io.h5 import create_dataset, open_file, write_whole
 from dtm_mpi.io.hashing import chunk_hash
 from dtm_mpi.io.manifest import Manifest, data_file_name, shard_dataset
 from dtm_mpi.io.plan import SavePlan
+from dtm_mpi.io.store import fsync_path
 from dtm_mpi.ir.ops._common import np_dtype
 
 __all__ = ["Writer", "collective_section", "write_data_file"]
@@ -119,11 +119,7 @@ def write_data_file(w: Writer, step: int, plan: SavePlan, blocks: dict[int, np.n
     if f is not None and complete and w.rank == plan.group(w.rank).start:
         try:
             with w.deadline(f"checkpoint {step}: syncing and checking {path.name}"):
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                fsync_path(path)
                 _check_data_file(tmp, manifest, plan, shards)
         except Exception as exc:
             error = exc

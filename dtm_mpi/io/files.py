@@ -37,6 +37,7 @@ from dtm_mpi.io.manifest import (
     parse_manifest,
     validate_manifest,
 )
+from dtm_mpi.io.store import fsync_path
 from dtm_mpi.ir.ops._common import np_dtype
 
 __all__ = [
@@ -126,17 +127,7 @@ def write_main_file(ckpt: Path, manifest: Manifest, text: bytes) -> None:
         dm.attrs["content_type"] = "application/json"
         f.attrs["manifest_hash"] = manifest.to_json()["manifest_hash"]
         f.flush()
-    _fsync(path)
-
-
-def _fsync(path: Path) -> None:
-    import os
-
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(path)
 
 
 class ShardFiles:

@@ -33,6 +33,7 @@ __all__ = [
     "committed_name",
     "disk_usage",
     "fsync_dir",
+    "fsync_path",
     "legacy_files",
     "list_checkpoints",
     "meta_outdated",
@@ -152,12 +153,16 @@ def remove_path(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """``fsync`` the file or directory ``path`` (a directory: its entries)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+fsync_dir = fsync_path
 
 
 def _write_atomic(path: Path, text: str) -> None:
