@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     bck.add_argument("--csv", default=None, metavar="FILE", help="rows metric,value,baseline,ratio")
     bck.add_argument("--ranks-per-file", default=None, metavar="G",
                      help="ranks sharing a data file: an integer >= 1 or 'all' (default: DTM_CKPT_RANKS_PER_FILE, else 1)")  # fmt: skip
+    bck.add_argument("--cold", action="store_true",
+                     help="also time restores from storage: drop the page cache before each read (root)")  # fmt: skip
     bck.set_defaults(func=_cmd_bench_ckpt)
     bk = bsub.add_parser("kernels", help="GPU RawKernels vs a device copy and vs composed CuPy")
     bk.add_argument("--backend", default="cuda", choices=["cuda", "hip"], help="GPU backend")
@@ -188,7 +190,7 @@ def _cmd_bench_ckpt(args: argparse.Namespace) -> int:
         if word != "all" and not (word.isascii() and word.isdigit() and int(word) >= 1):
             raise UsageError(f"--ranks-per-file: expected an integer >= 1 or all, got {args.ranks_per_file!r}")  # fmt: skip
         per_file = 0 if word == "all" else int(word)
-    table = run_ckpt_bench(parse_size(args.bytes), args.tensors, args.dir, args.repeat, args.csv, per_file)  # fmt: skip
+    table = run_ckpt_bench(parse_size(args.bytes), args.tensors, args.dir, args.repeat, args.csv, per_file, args.cold)  # fmt: skip
     if table:
         print(table)
     return 0

@@ -16,6 +16,9 @@ order every round), best of ``repeat``:
   verify every chunk) in place, into arrays allocated once (``into=``), against every rank
   reading its raw file back with ``readinto`` into arrays allocated once. Both read what the
   page cache holds (dropping it needs privileges a job does not have).
+* ``restore_cold_GBps`` (with ``cold=True``, ``--cold``): the same restore and raw read with
+  the page cache dropped before each (``/proc/sys/vm/drop_caches``: needs root; refused
+  otherwise), as a restart on another node reads from storage. Best of ``repeat``.
 * ``reshard_restore_s``: the job shrinks by one rank: the N-rank checkpoint restored on the first
   N-1 ranks, against the same state saved on those N-1 ranks and restored there (the
   same-mesh time). With one rank there is nothing to shrink: 0.
@@ -74,6 +77,23 @@ def _reset_peak() -> bool:
         return False
 
 
+def _drop_caches(comm: Any) -> None:
+    """Collective: write back and drop the page cache of this node (every rank tries; root
+    only), so that the next read comes from storage."""
+    from mpi4py import MPI
+
+    ok = True
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w", encoding="ascii") as f:
+            f.write("3\n")
+    except OSError:
+        ok = False
+    if not comm.allreduce(ok, op=MPI.LAND):
+        raise UsageError("bench ckpt --cold: cannot drop the page cache (/proc/sys/vm/drop_caches needs root)")  # fmt: skip
+    comm.Barrier()
+
+
 def _timed(comm: Any, fn: Callable[[], object]) -> float:
     """The slowest rank's time of one call of ``fn`` (started together). Collective."""
     from dtm_mpi.bench.comm import slowest_rank_time
@@ -128,6 +148,7 @@ def _resize(comm: Any, store: Any, workdir: Path, saved: list[Any], repeat: int)
 def run_ckpt_bench(
     total_bytes: int = 1 << 30, tensors: int = 4, directory: str | None = None,
     repeat: int = 4, csv_path: str | None = None, ranks_per_file: int | None = None,
+    cold: bool = False,
 ) -> str:  # fmt: skip
     """Run the benchmark on every rank of the world; returns the table on rank 0.
 
@@ -205,7 +226,7 @@ def run_ckpt_bench(
         store.save(step[0], mesh, items)
 
     best = {"raw_w": 1e30, "save": 1e30, "raw_r": 1e30, "restore": 1e30, "transpose": 1e30,
-            "resize": 0.0, "resize_same": 0.0}  # fmt: skip
+            "resize": 0.0, "resize_same": 0.0, "raw_cold": 1e30, "cold": 1e30}  # fmt: skip
     try:
         for i in range(repeat):
             # The order alternates, so that neither side always writes right after the other's
@@ -216,6 +237,13 @@ def run_ckpt_bench(
             best["raw_r"] = min(best["raw_r"], _timed(comm, raw_read))
             best["restore"] = min(best["restore"], _timed(comm, lambda: store.restore(mesh, targets_same, into=into)))  # fmt: skip
             best["transpose"] = min(best["transpose"], _timed(comm, lambda: store.restore(mesh, targets_re)))  # fmt: skip
+        # After the warm rounds: a dropped cache would make the next writes start from cold
+        # pages (slow to touch on a VM) and disturb the save figures.
+        reads: list[tuple[str, Callable[[], object]]] = [("raw_cold", raw_read), ("cold", lambda: store.restore(mesh, targets_same, into=into))]  # fmt: skip
+        for i in range(repeat if cold else 0):  # the order alternates here too
+            for key, read in reads if i % 2 == 0 else reads[::-1]:
+                _drop_caches(comm)
+                best[key] = min(best[key], _timed(comm, read))
         if n > 1:  # the job shrinks by one rank: N -> N-1 against a checkpoint saved on N-1
             best["resize"], best["resize_same"] = _resize(comm, store, workdir, saved, repeat)
         got = store.restore(mesh, targets_same).values
@@ -240,6 +268,9 @@ def run_ckpt_bench(
             "peak_extra_rss_bytes", float(max(peak_save, peak_restore, peak_reshard)), float(shard)
         ),
     ]
+    if cold:
+        cold_row = CkptRow("restore_cold_GBps", all_bytes / best["cold"] / 1e9, all_bytes / best["raw_cold"] / 1e9)  # fmt: skip
+        rows_out.insert(2, cold_row)
     if rank != 0:
         return ""
     if csv_path:

@@ -49,3 +49,26 @@ def test_bench_ckpt_under_mpirun_writes_the_csv(tmp_path: Path) -> None:
     assert "peak extra RSS" in proc.stdout
     leftovers = [p for p in tmp_path.iterdir() if p.name.startswith("dtm-bench-ckpt-")]
     assert leftovers == [], "the benchmark leaves nothing behind"
+
+
+@pytest.mark.slow
+def test_bench_ckpt_cold_adds_the_restore_from_storage_row_or_says_why_not(tmp_path: Path) -> None:
+    """``--cold`` drops the page cache before each timed read: a row ``restore_cold_GBps``
+    where that is allowed (root), else one clear error on every rank."""
+    out = tmp_path / "ckpt.csv"
+    env = dict(os.environ)
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1", DTM_TIMEOUT="60")  # fmt: skip
+    cmd = ["mpirun", "--timeout", "120", "--bind-to", "none", "-n", "2", sys.executable, "-m",
+           "mpi4py", "-m", "dtm_mpi", "bench", "ckpt", "--bytes", "2M", "--tensors", "2",
+           "--repeat", "1", "--dir", str(tmp_path), "--csv", str(out), "--cold"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, check=False)
+    if not os.access("/proc/sys/vm/drop_caches", os.W_OK):
+        assert proc.returncode != 0 and "needs root" in proc.stdout + proc.stderr
+        return
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with out.open() as f:
+        rows = {r["metric"]: r for r in csv.DictReader(f)}
+    assert list(rows)[:3] == ["save_GBps", "restore_GBps", "restore_cold_GBps"]
+    cold = rows["restore_cold_GBps"]
+    assert float(cold["value"]) > 0 and float(cold["baseline"]) > 0, cold
