@@ -345,7 +345,8 @@ class CheckpointStore:
         error: BaseException | None = None
         if self.rank == 0 and self.meta.quota_bytes is not None:
             try:
-                self._retention.wait()  # retired checkpoints still being deleted count until gone
+                # retired checkpoints count until gone (bounded: the others wait for the verdict)
+                self._retention.wait(self.timeout_s / 2)
                 shards = [s for per in plan.shards for s in per]
                 align = sum(ALIGN_BYTES for s in shards if s.nbytes >= ALIGN_FROM)
                 meta = (256 << 10) + (64 << 10) * len(plan.files) + (4 << 10) * len(shards)
@@ -429,7 +430,7 @@ class CheckpointStore:
                 replaced = commit_partial(self.path, tmp, final, [data_file_name(i) for i in plan.files])  # fmt: skip
                 committed = True
                 write_latest(self.path, step)
-                self._retention.apply(self.meta.keep_last, final, replaced)
+                self._retention.apply(self.meta.keep_last, final, replaced, self.timeout_s / 2)
             except Exception as exc:  # decided on rank 0 alone: always broadcast
                 if committed:
                     verdict = f"checkpoint {step} is committed as {final.name}, but updating 'latest' or retention failed: {exc}"  # fmt: skip

@@ -51,11 +51,12 @@ class Retention:
         self.store = store
         self._reaper: threading.Thread | None = None
 
-    def apply(self, keep_last: int | None, keep_this: Path, doomed: list[Path]) -> None:
+    def apply(self, keep_last: int | None, keep_this: Path, doomed: list[Path], timeout_s: float | None = None) -> None:  # fmt: skip
         """Retire the oldest committed checkpoints beyond ``keep_last`` (by step), never
         ``keep_this`` (the one just committed, which ``latest`` names), and delete them, the
-        already-retired ``doomed`` and any ``.deleting-*`` entry an earlier crash left."""
-        self.wait()
+        already-retired ``doomed`` and any ``.deleting-*`` entry an earlier crash left
+        (after the previous deletion, waited at most ``timeout_s``)."""
+        self.wait(timeout_s)
         doomed = [*doomed, *(p for p in retired_files(self.store) if p not in doomed)]
         if keep_last is not None:
             others = [e for e in list_checkpoints(self.store) if e.committed and e.path != keep_this]  # fmt: skip
@@ -74,9 +75,13 @@ class Retention:
         self._reaper = threading.Thread(target=remove_all, name="dtm-ckpt-retention", daemon=True)
         self._reaper.start()
 
-    def wait(self) -> None:
-        """Wait for the background deletion (and make it durable)."""
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Wait for the background deletion (and make it durable); raises
+        :class:`StorageError` if it is still running after ``timeout_s`` (None: no bound, for
+        ``close``, where no other rank waits on this one)."""
         if self._reaper is not None:
-            self._reaper.join()
+            self._reaper.join(timeout_s)
+            if self._reaper.is_alive():
+                raise StorageError(f"store {self.store}: deleting retired checkpoints took more than {timeout_s} s; it goes on in the background")  # fmt: skip
             self._reaper = None
             fsync_dir(self.store)

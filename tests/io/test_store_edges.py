@@ -226,3 +226,22 @@ def test_a_timed_out_exchange_poisons_the_store(tmp_path: Path, monkeypatch: pyt
     monkeypatch.undo()
     with pytest.raises(PoisonedError, match="bcast did not complete"):
         s.restore(MESH, [("w", T32)])
+
+
+def test_retention_waits_for_a_slow_deletion_at_most_its_bound(tmp_path: Path) -> None:
+    """Rank 0 never waits unboundedly for the background deletion while other ranks wait for
+    its verdict: past the bound it is a StorageError (and the deletion goes on)."""
+    import threading
+
+    from dtm_mpi.errors import StorageError
+    from dtm_mpi.io.commit import Retention
+
+    release = threading.Event()
+    retention = Retention(tmp_path)
+    retention._reaper = threading.Thread(target=release.wait, daemon=True)
+    retention._reaper.start()
+    with pytest.raises(StorageError, match=r"deleting retired checkpoints took more than 0\.05 s"):
+        retention.wait(0.05)
+    release.set()
+    retention.wait(5)
+    assert retention._reaper is None
