@@ -198,8 +198,13 @@ class ShardFiles:
         """Chunk ``c`` of shard ``s``, unverified, into ``out`` when given (C-contiguous: the
         chunk's shape, or a larger array whose part ``within`` takes it), else a new array;
         returns the chunk's array (a view of ``out`` with ``within``)."""
+        return self.read_rows(a, s, c, c, out, within)
+
+    def read_rows(self, a: ArtifactRecord, s: ShardRecord, first: int, last: int, out: np.ndarray | None = None, within: tuple[slice, ...] | None = None) -> np.ndarray:  # fmt: skip
+        """Chunks ``first..last`` of shard ``s`` with one read (as :meth:`read_chunk`)."""
         dset = self.dataset(a, s)
-        region = s.local_chunk_region(c)
+        lo, hi = s.local_chunk_region(first), s.local_chunk_region(last)
+        region = (slice(lo[0].start, hi[0].stop), *lo[1:]) if lo else ()
         if out is None:
             out = np.empty(tuple(r.stop - r.start for r in region), dtype=dset.dtype)
         target, sel = out, within
@@ -210,7 +215,8 @@ class ShardFiles:
         try:
             dset.read_direct(target, source_sel=region or None, dest_sel=sel)
         except OSError as exc:
-            raise IntegrityError(f"chunk {c} cannot be read ({exc})", tensor=a.name, shard=s.id, file=str(self.ckpt / s.file)) from None  # fmt: skip
+            what = f"chunk {first}" if first == last else f"chunks {first}..{last}"
+            raise IntegrityError(f"{what} cannot be read ({exc})", tensor=a.name, shard=s.id, file=str(self.ckpt / s.file)) from None  # fmt: skip
         return out[within] if within is not None else out
 
 

@@ -59,10 +59,16 @@ def read_plan(ctx: Reader, files: ShardFiles, plan: RestorePlan, into: Mapping[s
     rounds: dict[int, list[int]] = {}
     for k, it in enumerate(plan.items):
         rounds.setdefault(it.round, []).append(k)
+    # Chunks only this rank consumes go straight into its output and take no part in an
+    # exchange: read them first, each run of consecutive chunks of a shard in one call.
+    direct = {k: d for k, it in enumerate(plan.items) if it.reader == me and (d := _direct(ctx, plan, k, by_item, offsets[it.tensor])) is not None}  # fmt: skip
+    for run in _direct_runs(plan, direct, outs):
+        with ctx.deadline(f"restore: reading {len(run)} chunk(s) of tensor {plan.targets[plan.items[run[0]].tensor][0]!r}"):  # fmt: skip
+            damaged.extend(_read_run(ctx, files, plan, run, direct, outs))
     for rnd in sorted(rounds):  # the same rounds on every rank: the plan is shared
         round_items = rounds[rnd]
         data: dict[int, np.ndarray] = {}
-        mine = [k for k in round_items if plan.items[k].reader == me]
+        mine = [k for k in round_items if plan.items[k].reader == me and k not in direct]
         if mine:
             # one deadline for the round's reads (arming one per chunk cost 5% of a restore)
             with ctx.deadline(f"restore: reading round {rnd}"):
@@ -72,6 +78,56 @@ def read_plan(ctx: Reader, files: ShardFiles, plan: RestorePlan, into: Mapping[s
                         damaged.append(bad)
         _exchange(ctx, plan, round_items, by_item, data, outs, offsets)
     return outs, damaged
+
+
+RUN_BYTES = 256 << 20
+"""Most bytes one read of a run of direct chunks takes (each read runs under one deadline)."""
+
+
+def _direct_runs(plan: RestorePlan, direct: dict[int, tuple[slice, ...]], outs: dict[str, np.ndarray]) -> list[list[int]]:  # fmt: skip
+    """The direct items as runs: consecutive chunks of one shard whose places in the output
+    follow each other as whole rows (one contiguous view), at most ``RUN_BYTES`` each."""
+    runs: list[list[int]] = []
+    size = 0
+    for k in sorted(direct, key=lambda k: (plan.items[k].tensor, plan.items[k].shard, plan.items[k].chunk)):  # fmt: skip
+        it, where = plan.items[k], direct[k]
+        out = outs[plan.targets[it.tensor][0]]
+        nbytes = out[where].nbytes if where else out.nbytes
+        if runs and where and out[where].flags.c_contiguous:
+            prev = plan.items[runs[-1][-1]]
+            last = direct[runs[-1][-1]]
+            if (prev.tensor, prev.shard, prev.chunk + 1) == (it.tensor, it.shard, it.chunk) and last and last[0].stop == where[0].start and last[1:] == where[1:] and size + nbytes <= RUN_BYTES:  # fmt: skip
+                runs[-1].append(k)
+                size += nbytes
+                continue
+        runs.append([k])
+        size = nbytes
+    return runs
+
+
+def _read_run(ctx: Reader, files: ShardFiles, plan: RestorePlan, run: list[int], direct: dict[int, tuple[slice, ...]], outs: dict[str, np.ndarray]) -> list[tuple[str, str, str, str]]:  # fmt: skip
+    """Read a run of direct chunks with one call and verify each; returns their damage."""
+    first, last = plan.items[run[0]], plan.items[run[-1]]
+    name = plan.targets[first.tensor][0]
+    art = plan.artifacts[first.tensor]
+    shard = art.shards[first.shard]
+    where = direct[run[0]]
+    if where:
+        where = (slice(where[0].start, direct[run[-1]][0].stop), *where[1:])
+    try:
+        files.read_rows(art, shard, first.chunk, last.chunk, outs[name], where or None)
+    except Exception as exc:  # local: reported with the damage, agreed by the caller
+        if isinstance(exc, IntegrityError):
+            return [(name, shard.id, str(exc).split(f"{shard.id!r}: ", 1)[-1], exc.file)]
+        return [(name, shard.id, f"chunks {first.chunk}..{last.chunk} cannot be read: {type(exc).__name__}: {exc}", str(files.ckpt / shard.file))]  # fmt: skip
+    damaged = []
+    for k in run:
+        item, at = plan.items[k], direct[k]
+        got = chunk_hash(outs[name][at] if at else outs[name])
+        if got != shard.chunks[item.chunk]:
+            rows = f"rows {item.region[0].start}.." if item.region else "the scalar"
+            damaged.append((name, shard.id, f"chunk {item.chunk} ({rows}) content hash {got} does not match the manifest's {shard.chunks[item.chunk]} (read by rank {ctx.rank})", str(files.ckpt / shard.file)))  # fmt: skip
+    return damaged
 
 
 def _read_item(ctx: Reader, files: ShardFiles, plan: RestorePlan, k: int, by_item: dict[int, list[int]], offsets: list[tuple[slice, ...]], outs: dict[str, np.ndarray], data: dict[int, np.ndarray]) -> tuple[str, str, str, str] | None:  # fmt: skip
