@@ -7,8 +7,9 @@ memory a kernel still reads), then takes one of two paths:
 
 * **direct**: MPI is GPU-aware (:mod:`dtm_mpi.comm.gpu_aware`), the inner comm is an
   :class:`~dtm_mpi.comm.mpi_comm.MpiComm` and the operation is one MPI call on contiguous
-  buffers: allreduce (the reductions MPI does natively, outside deterministic mode),
-  broadcast, send and recv. The device buffers go to MPI as they are, through MpiComm's own
+  buffers: allreduce and reduce-scatter (the reductions MPI does natively, outside
+  deterministic mode; reduce-scatter along the leading dims, non-empty pieces), allgather of
+  equal blocks along the leading dims, broadcast, send and recv. The device buffers go to MPI as they are, through MpiComm's own
   communicators, datatypes, deadline guard and accounting. A direct call is exactly the call
   MpiComm makes for a host array of the same shape, so ranks that take different paths
   (a host array here, a device array there) still match. Collectives go direct only as
@@ -52,8 +53,9 @@ from dtm_mpi.comm.interface import (
     allgather_traffic,
     allreduce_moved,
     broadcast_traffic,
+    reduce_scatter_traffic,
 )
-from dtm_mpi.comm.mpi_comm import MpiComm
+from dtm_mpi.comm.mpi_comm import MpiComm, reduce_scatter_call
 from dtm_mpi.errors import CommError, GpuAwareMpiError, agreed
 from dtm_mpi.sharding.mesh import MeshShape
 from dtm_mpi.sharding.steps import AllgatherSpec, AllreduceSpec, ExchangeSpec, ReduceScatterSpec
@@ -346,8 +348,30 @@ class DeviceComm:
             self.paths.host["reduce_scatter"] += 1
             return self.inner.reduce_scatter(x, axes, spec)
         self.ops.synchronize()
-        why = NO_DIRECT if self.awareness.aware else NOT_AWARE
-        return self._staged("reduce_scatter", why, x, lambda h: self.inner.reduce_scatter(h, axes, spec))  # fmt: skip
+        if self.awareness.aware and not _contiguous(x):
+            # contiguity is this rank's own: a contiguous copy keeps the decision (and so the
+            # MPI call every member makes) the same on every rank
+            x = self.ops.to_device(self._to_pinned(x))
+        mpi = self._direct(tuple(x.shape), x.dtype, True, True)
+        counts = list(spec.counts)
+        if not isinstance(mpi, str) and math.prod(x.shape[: spec.dim]) > 1:
+            mpi = "scattered along an inner dim (the pieces would need packing)"
+        if not isinstance(mpi, str) and min(counts) == 0:
+            mpi = "a member's piece is empty"
+        if not isinstance(mpi, str) and mpi._native(x, spec.op) is None:
+            mpi = "deterministic mode, or a reduction MPI does not do natively (float max/min, f16, bool): folded in group order"  # fmt: skip
+        if isinstance(mpi, str):
+            return self._staged("reduce_scatter", mpi, x, lambda h: self.inner.reduce_scatter(h, axes, spec))  # fmt: skip
+        comm = mpi.session.group(axes)
+        shape = list(x.shape)
+        shape[spec.dim] = spec.pieces[spec.position][1]
+        out = self.ops.empty(tuple(shape), x.dtype)  # this member's piece, reduced in place
+        mtype = mpi._native(x, spec.op)
+        name, extra = reduce_scatter_call(counts)  # the call MpiComm makes for these counts
+        mpi._call(comm, name, "reduce_scatter", axes, [x, mtype], [out, mtype], *extra, op=mpi._ops[spec.op])  # fmt: skip
+        mpi.stats.record("reduce_scatter", *reduce_scatter_traffic(int(x.nbytes), int(out.nbytes), len(counts)))  # fmt: skip
+        self.paths.direct["reduce_scatter"] += 1
+        return out
 
     def exchange(self, x: Any, axes: tuple[str, ...], spec: ExchangeSpec, what: str = "exchange") -> Any:  # fmt: skip
         """Collective: call on all ranks of the group."""

@@ -47,7 +47,7 @@ from dtm_mpi.sharding.steps import (
     back_to_back,
 )
 
-__all__ = ["MpiComm"]
+__all__ = ["MpiComm", "reduce_scatter_call"]
 
 
 def _starts(counts: list[int]) -> list[int]:
@@ -80,6 +80,17 @@ class _ExchangePlan:
             total,
         )
         self.traffic = exchange_traffic(spec, rank, 1)  # in elements
+
+
+def reduce_scatter_call(counts: list[int]) -> tuple[str, tuple[Any, ...]]:
+    """The MPI call of a reduce-scatter with these per-member ``counts`` and its arguments
+    before ``op``: ``Reduce_scatter_block`` when they are all equal, else ``Reduce_scatter``
+    with the counts. Decided by the counts alone (global: the same on every member), so every
+    member makes the same call on its first and later calls, whether its buffers are on the
+    host or (:class:`~dtm_mpi.comm.device.DeviceComm`) on a device."""
+    if len(set(counts)) <= 1:
+        return "Reduce_scatter_block", ()
+    return "Reduce_scatter", (counts,)
 
 
 class MpiComm:
@@ -341,16 +352,8 @@ class MpiComm:
         mtype = self._native(x, spec.op)
         if mtype is not None and max(counts, default=0) <= self.limit:
             out = empty_aligned(mine, dtype=x.dtype)
-            self._call(
-                comm,
-                "Reduce_scatter",
-                "reduce_scatter",
-                axes,
-                [packed, mtype],
-                [out, mtype],
-                counts,
-                op=self._ops[spec.op],
-            )
+            name, extra = reduce_scatter_call(counts)
+            self._call(comm, name, "reduce_scatter", axes, [packed, mtype], [out, mtype], *extra, op=self._ops[spec.op])  # fmt: skip
         else:  # every member's contribution to this member's piece, then a fold in group order
             udt = f"u{x.itemsize}"
             flat = packed.view(udt) if packed.size else np.empty(0, dtype=udt)
@@ -362,11 +365,9 @@ class MpiComm:
         sent, received = reduce_scatter_traffic(x.nbytes, out.nbytes, k)
         self._stats.record("reduce_scatter", sent, received)
         if mtype is not None and max(counts, default=0) <= self.limit and math.prod(x.shape[: spec.dim]) <= 1:  # fmt: skip
-            op = self._ops[spec.op]
-            extra: tuple[Any, ...] = (op,)
-            call = comm.Reduce_scatter_block
-            if len(set(counts)) > 1:  # counts are global: every member makes this same call
-                call, extra = comm.Reduce_scatter, (counts, op)
+            name, extra = reduce_scatter_call(counts)
+            call = getattr(comm, name)
+            extra = (*extra, self._ops[spec.op])
             self._keep(spec, x, axes, call, "reduce_scatter", (mtype,), (mtype,), extra,
                        tuple(out_shape), (sent, received))  # fmt: skip
         return out

@@ -144,8 +144,9 @@ def test_direct_path_for_allreduce_broadcast_send_recv(comm: Any, all_ranks: Any
         check_steps(comm, all_ranks, dc, mc)
         ring_and_broadcasts(comm, all_ranks, dc)
         p = dc.paths
-        # steps_for: 2 f32/f64 SUM allreduces direct, the 4 float max/min folded on the host
-        want_direct = {"allreduce": 2 * 2, "broadcast": 3 * size} if threaded else {}
+        # steps_for: 2 f32/f64 SUM allreduces direct, the 4 float max/min folded on the host;
+        # the reduce-scatter along dim 0 direct, the one along dim 1 staged
+        want_direct = {"allreduce": 2 * 2, "broadcast": 3 * size, "reduce_scatter": 2} if threaded else {}  # fmt: skip
         want_direct.update({"send": 1, "recv": 2})
         all_ranks(p.direct == want_direct, f"direct {p.direct} want {want_direct}")
         folded = 2 * 4 if threaded else 2 * 6
@@ -153,7 +154,9 @@ def test_direct_path_for_allreduce_broadcast_send_recv(comm: Any, all_ranks: Any
         # steps_for's gathers have uneven blocks (a rank's may be empty): staged, whatever
         # reason each rank gives first
         uneven = p.why["uneven blocks (Allgatherv)"] + p.why["empty array"] if threaded else 0
-        all_ranks(p.why[NO_DIRECT] + uneven == 2 * 5 and NOT_AWARE not in p.why, f"why {p.why}")
+        inner = p.why["scattered along an inner dim (the pieces would need packing)"]
+        all_ranks(p.why[NO_DIRECT] == 2 and NOT_AWARE not in p.why, f"why {p.why}")  # the exchange
+        all_ranks(not threaded or (uneven == 2 * 2 and inner == 2), f"why {p.why}")
         all_ranks(p.host == {"send": 1} and lines == [], f"host {p.host}; log {lines}")
         # the device buffers really went to MPI: the output is a fresh device array
         spec = AllreduceSpec(tuple(range(size)), rank, ReduceOp.SUM, 4)
@@ -171,6 +174,42 @@ def test_direct_path_for_allreduce_broadcast_send_recv(comm: Any, all_ranks: Any
         want = np.concatenate([np.arange(6, dtype=np.float64).reshape(2, 3) + 10 * r for r in range(size)])  # fmt: skip
         all_ranks(same(gathered, want), repr(gathered))
         all_ranks(p.direct["allgather"] == before + (1 if threaded else 0), f"direct {p.direct}")
+
+
+def test_direct_reduce_scatter_makes_the_host_ops_call(comm: Any, all_ranks: Any) -> None:
+    """A reduce-scatter along the leading dim hands device buffers straight to MPI, with the
+    call MpiComm makes for the same counts (Reduce_scatter_block for equal pieces,
+    Reduce_scatter otherwise) on its first and its later calls, so ranks passing host arrays
+    (MpiComm) and ranks passing device arrays (direct) make the same MPI call."""
+    from dtm_mpi.sharding.steps import ReduceScatterSpec
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    with endpoint(comm) as (session, mc):
+        if session.watchdog is None:
+            pytest.skip("MPI is not THREAD_MULTIPLE: collectives stage")
+        dc = DeviceComm(mc, FakeDeviceOps(), YES)
+        problems = []
+        devices = 0
+        for rows in (3 * size, 3 * size + 1):  # equal pieces, then uneven ones
+            b = -(-rows // size)
+            lens = [max(0, min(b, rows - i * b)) for i in range(size)]
+            starts = [min(i * b, rows) for i in range(size)]
+            spec = ReduceScatterSpec(tuple(range(size)), rank, ReduceOp.SUM, 0,
+                                     tuple(zip(starts, lens, strict=True)), tuple(n * 4 for n in lens))  # fmt: skip
+            full = np.arange(rows * 4, dtype=np.float64).reshape(rows, 4)
+            want = (size * full + sum(range(size)))[starts[rank] : starts[rank] + lens[rank]]
+            for round_ in range(3):  # MpiComm's first (unbound) and later (bound) calls
+                on_device = (rank + round_) % 2 == 0  # device and host ranks mix
+                devices += on_device
+                x = full + rank
+                got = dc.reduce_scatter(dev(x) if on_device else x, ("x",), spec)
+                ok = same(got, want) if on_device else isinstance(got, np.ndarray) and got.tobytes() == want.tobytes()  # fmt: skip
+                if not ok:
+                    problems.append(f"rows {rows} round {round_} device {on_device}: {got!r}")
+        all_ranks(not problems, "; ".join(problems)[:600])
+        paths = dc.paths
+        all_ranks(paths.direct["reduce_scatter"] == devices and not paths.staged, f"paths {paths}")
+        all_ranks(paths.host["reduce_scatter"] == 6 - devices, f"paths {paths}")
 
 
 def test_direct_path_falls_back_where_mpi_cannot_take_device_buffers(comm: Any, all_ranks: Any) -> None:  # fmt: skip
