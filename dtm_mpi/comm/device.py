@@ -8,8 +8,9 @@ memory a kernel still reads), then takes one of two paths:
 * **direct**: MPI is GPU-aware (:mod:`dtm_mpi.comm.gpu_aware`), the inner comm is an
   :class:`~dtm_mpi.comm.mpi_comm.MpiComm` and the operation is one MPI call on contiguous
   buffers: allreduce and reduce-scatter (the reductions MPI does natively, outside
-  deterministic mode; reduce-scatter along the leading dims, non-empty pieces), allgather of
-  equal blocks along the leading dims, broadcast, send and recv. The device buffers go to MPI as they are, through MpiComm's own
+  deterministic mode; reduce-scatter along the leading dims, non-empty pieces), allgather
+  along the leading dims (``Allgather`` for equal blocks, ``Allgatherv`` for uneven ones, as
+  MpiComm), broadcast, send and recv. The device buffers go to MPI as they are, through MpiComm's own
   communicators, datatypes, deadline guard and accounting. A direct call is exactly the call
   MpiComm makes for a host array of the same shape, so ranks that take different paths
   (a host array here, a device array there) still match. Collectives go direct only as
@@ -55,7 +56,7 @@ from dtm_mpi.comm.interface import (
     broadcast_traffic,
     reduce_scatter_traffic,
 )
-from dtm_mpi.comm.mpi_comm import MpiComm, reduce_scatter_call
+from dtm_mpi.comm.mpi_comm import MpiComm, reduce_scatter_call, starts_of
 from dtm_mpi.errors import CommError, GpuAwareMpiError, agreed
 from dtm_mpi.sharding.mesh import MeshShape
 from dtm_mpi.sharding.steps import AllgatherSpec, AllreduceSpec, ExchangeSpec, ReduceScatterSpec
@@ -305,19 +306,22 @@ class DeviceComm:
             return self.inner.allgather(x, axes, spec)
         self.ops.synchronize()
         mpi = self._direct(tuple(x.shape), x.dtype, _contiguous(x), True)
-        counts = spec.counts
-        if not isinstance(mpi, str) and len(set(counts)) != 1:
-            mpi = "uneven blocks (Allgatherv)"  # decided by the spec: alike on every rank
+        counts = list(spec.counts)
         if not isinstance(mpi, str) and math.prod(x.shape[: spec.dim]) > 1:
             mpi = "gathered along an inner dim (the blocks would need reordering)"
-        if isinstance(mpi, str):
+        if not isinstance(mpi, str) and max(counts) > mpi.limit:
+            mpi = "a block above one MPI message (DTM_MAX_MSG_ELEMS)"
+        if isinstance(mpi, str):  # a rank staging here makes MpiComm's call: the same one
             return self._staged("allgather", mpi, x, lambda h: self.inner.allgather(h, axes, spec))  # fmt: skip
         comm = mpi.session.group(axes)
         shape = list(x.shape)
         shape[spec.dim] = sum(spec.extents)
         out = self.ops.empty(tuple(shape), x.dtype)  # the blocks land in place, in rank order
         mtype = mpi._move[x.dtype.itemsize]
-        mpi._call(comm, "Allgather", "allgather", axes, [x, mtype], [out, mtype])
+        if len(set(counts)) == 1:  # as MpiComm: Allgather for equal blocks, else Allgatherv
+            mpi._call(comm, "Allgather", "allgather", axes, [x, mtype], [out, mtype])
+        else:
+            mpi._call(comm, "Allgatherv", "allgather", axes, [x, mtype], [out, (counts, starts_of(counts)), mtype])  # fmt: skip
         mpi.stats.record("allgather", *allgather_traffic(int(x.nbytes), int(out.nbytes), len(counts)))  # fmt: skip
         self.paths.direct["allgather"] += 1
         return out

@@ -47,10 +47,10 @@ from dtm_mpi.sharding.steps import (
     back_to_back,
 )
 
-__all__ = ["MpiComm", "reduce_scatter_call"]
+__all__ = ["MpiComm", "reduce_scatter_call", "starts_of"]
 
 
-def _starts(counts: list[int]) -> list[int]:
+def starts_of(counts: list[int]) -> list[int]:
     """Displacements of consecutive runs of ``counts`` elements (plain Python: these lists
     are short, and numpy's per-call overhead would dominate small messages)."""
     return [0, *itertools.accumulate(counts[:-1])]
@@ -71,7 +71,7 @@ class _ExchangePlan:
             self.sc[where[t.peer]] = t.count
         for t in spec.recvs:
             self.rc[where[t.peer]] = t.count
-        self.sd, self.rd = _starts(self.sc), _starts(self.rc)
+        self.sd, self.rd = starts_of(self.sc), starts_of(self.rc)
         self.recv_offsets = [self.rd[where[t.peer]] for t in spec.recvs]
         self.send_run = back_to_back(in_shape, [t.region for t in spec.sends])
         total = math.prod(spec.out_shape)
@@ -146,7 +146,7 @@ class MpiComm:
         (received in place; messages above the limit go in rounds through a staging buffer)."""
         mtype = self._move[send.itemsize]
         out = empty_aligned(sum(counts), dtype=send.dtype)
-        starts = _starts(counts)
+        starts = starts_of(counts)
         if max(counts, default=0) <= self.limit:
             self._call(
                 comm, "Allgatherv", what, axes, [send, mtype], [out, (counts, starts), mtype]
@@ -158,7 +158,7 @@ class MpiComm:
             lo = r * self.limit
             part = [max(0, min(self.limit, c - lo)) for c in counts]
             piece = empty_aligned(sum(part), dtype=send.dtype)
-            displs = _starts(part)
+            displs = starts_of(part)
             self._call(
                 comm,
                 "Allgatherv",
@@ -178,8 +178,8 @@ class MpiComm:
         of the group and is the same on every member, so all agree on the number of rounds."""
         mtype = self._move[sbuf.itemsize]
         rbuf = empty_aligned(sum(rc), dtype=sbuf.dtype)
-        sd = _starts(sc)
-        rd = _starts(rc)
+        sd = starts_of(sc)
+        rd = starts_of(rc)
         if max_count <= self.limit:
             self._call(
                 comm, "Alltoallv", what, axes, [sbuf, (sc, sd), mtype], [rbuf, (rc, rd), mtype]
@@ -193,8 +193,8 @@ class MpiComm:
                 [sbuf[d + lo : d + lo + n] for d, n in zip(sd, sc_r, strict=True)]
             )
             got = empty_aligned(sum(rc_r), dtype=sbuf.dtype)
-            sd_r = _starts(sc_r)
-            rd_r = _starts(rc_r)
+            sd_r = starts_of(sc_r)
+            rd_r = starts_of(rc_r)
             self._call(
                 comm,
                 "Alltoallv",

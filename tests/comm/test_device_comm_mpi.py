@@ -145,18 +145,19 @@ def test_direct_path_for_allreduce_broadcast_send_recv(comm: Any, all_ranks: Any
         ring_and_broadcasts(comm, all_ranks, dc)
         p = dc.paths
         # steps_for: 2 f32/f64 SUM allreduces direct, the 4 float max/min folded on the host;
-        # the reduce-scatter along dim 0 direct, the one along dim 1 staged
-        want_direct = {"allreduce": 2 * 2, "broadcast": 3 * size, "reduce_scatter": 2} if threaded else {}  # fmt: skip
+        # the reduce-scatter and the (uneven) allgather along dim 0 direct, those along dim 1
+        # staged
+        want_direct = {"allreduce": 2 * 2, "broadcast": 3 * size, "reduce_scatter": 2, "allgather": 2} if threaded else {}  # fmt: skip
         want_direct.update({"send": 1, "recv": 2})
         all_ranks(p.direct == want_direct, f"direct {p.direct} want {want_direct}")
         folded = 2 * 4 if threaded else 2 * 6
-        all_ranks(p.staged["allreduce"] == folded and p.staged["allgather"] == 4, f"staged {p.staged}")  # fmt: skip
-        # steps_for's gathers have uneven blocks (a rank's may be empty): staged, whatever
-        # reason each rank gives first
-        uneven = p.why["uneven blocks (Allgatherv)"] + p.why["empty array"] if threaded else 0
-        inner = p.why["scattered along an inner dim (the pieces would need packing)"]
+        gathers = 2 if threaded else 4
+        all_ranks(p.staged["allreduce"] == folded and p.staged["allgather"] == gathers, f"staged {p.staged}")  # fmt: skip
+        # the dim-1 gather: an inner dim, or (a rank's block of 5 columns at 4 ranks) empty
+        inner = p.why["gathered along an inner dim (the blocks would need reordering)"] + p.why["empty array"]  # fmt: skip
+        inner_rs = p.why["scattered along an inner dim (the pieces would need packing)"]
         all_ranks(p.why[NO_DIRECT] == 2 and NOT_AWARE not in p.why, f"why {p.why}")  # the exchange
-        all_ranks(not threaded or (uneven == 2 * 2 and inner == 2), f"why {p.why}")
+        all_ranks(not threaded or (inner == 2 and inner_rs == 2), f"why {p.why}")
         all_ranks(p.host == {"send": 1} and lines == [], f"host {p.host}; log {lines}")
         # the device buffers really went to MPI: the output is a fresh device array
         spec = AllreduceSpec(tuple(range(size)), rank, ReduceOp.SUM, 4)
@@ -210,6 +211,36 @@ def test_direct_reduce_scatter_makes_the_host_ops_call(comm: Any, all_ranks: Any
         paths = dc.paths
         all_ranks(paths.direct["reduce_scatter"] == devices and not paths.staged, f"paths {paths}")
         all_ranks(paths.host["reduce_scatter"] == 6 - devices, f"paths {paths}")
+
+
+def test_direct_uneven_allgather_meets_staging_and_host_ranks(comm: Any, all_ranks: Any) -> None:  # fmt: skip
+    """Uneven blocks along the leading dim go to MPI as device buffers with ``Allgatherv``,
+    the call MpiComm makes for them; a rank whose block is empty stages and a rank passing a
+    host array goes through MpiComm, and all of them still meet in the same MPI call."""
+    from dtm_mpi.sharding.steps import AllgatherSpec
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    with endpoint(comm) as (session, mc):
+        if session.watchdog is None:
+            pytest.skip("MPI is not THREAD_MULTIPLE: collectives stage")
+        dc = DeviceComm(mc, FakeDeviceOps(), YES)
+        rows = [r % 3 for r in range(size)]  # 0, 1, 2, 0, ...: rank 0's block is empty
+        spec = AllgatherSpec(tuple(range(size)), rank, 0, tuple(rows), tuple(n * 4 for n in rows))
+        blocks = [np.arange(n * 4, dtype=np.float32).reshape(n, 4) + 100 * r for r, n in enumerate(rows)]  # fmt: skip
+        want = np.concatenate(blocks)
+        problems = []
+        devices = 0
+        for round_ in range(3):
+            on_device = (rank + round_) % 2 == 1
+            devices += on_device and rows[rank] > 0
+            x = blocks[rank]
+            got = dc.allgather(dev(x) if on_device else x, ("x",), spec)
+            ok = same(got, want) if on_device else isinstance(got, np.ndarray) and got.tobytes() == want.tobytes()  # fmt: skip
+            if not ok:
+                problems.append(f"round {round_} device {on_device}: {got!r}")
+        all_ranks(not problems, "; ".join(problems)[:600])
+        all_ranks(dc.paths.direct["allgather"] == devices, f"paths {dc.paths}")
+        all_ranks(rank != 0 or dc.paths.why == {"empty array": dc.paths.staged["allgather"]}, f"paths {dc.paths}")  # fmt: skip
 
 
 def test_direct_path_falls_back_where_mpi_cannot_take_device_buffers(comm: Any, all_ranks: Any) -> None:  # fmt: skip
