@@ -10,7 +10,8 @@ memory a kernel still reads), then takes one of two paths:
   buffers: allreduce and reduce-scatter (the reductions MPI does natively, outside
   deterministic mode; reduce-scatter along the leading dims, non-empty pieces), allgather
   along the leading dims (``Allgather`` for equal blocks, ``Allgatherv`` for uneven ones, as
-  MpiComm), broadcast, send and recv. The device buffers go to MPI as they are, through MpiComm's own
+  MpiComm), all-to-all exchanges whose pieces are back to back in member order (``Alltoall``
+  for uniform specs, else ``Alltoallv``, as MpiComm), broadcast, send and recv. The device buffers go to MPI as they are, through MpiComm's own
   communicators, datatypes, deadline guard and accounting. A direct call is exactly the call
   MpiComm makes for a host array of the same shape, so ranks that take different paths
   (a host array here, a device array there) still match. Collectives go direct only as
@@ -383,8 +384,29 @@ class DeviceComm:
             self.paths.host[what] += 1
             return self.inner.exchange(x, axes, spec, what)
         self.ops.synchronize()
-        why = NO_DIRECT if self.awareness.aware else NOT_AWARE
-        return self._staged(what, why, x, lambda h: self.inner.exchange(h, axes, spec, what))
+        if self.awareness.aware and not _contiguous(x):  # as in reduce_scatter
+            x = self.ops.to_device(self._to_pinned(x))
+        mpi = self._direct(tuple(x.shape), x.dtype, True, True)
+        if not isinstance(mpi, str) and spec.max_count > mpi.limit:
+            mpi = "a message above one MPI message (DTM_MAX_MSG_ELEMS)"  # group-wide
+        plan = None if isinstance(mpi, str) else mpi._exchange_plan(spec, tuple(x.shape))
+        if plan is not None and not (plan.send_run == (0, x.size) and plan.recv_in_place):
+            mpi = "pieces not back to back (they would need packing)"
+        if isinstance(mpi, str):
+            # MpiComm's call for a rank that stages is an Alltoallv (non-uniform specs) or
+            # the Alltoall every member makes (uniform ones): the same as the direct ranks'
+            return self._staged(what, mpi, x, lambda h: self.inner.exchange(h, axes, spec, what))  # fmt: skip
+        assert plan is not None
+        comm = mpi.session.group(axes)
+        out = self.ops.empty(tuple(spec.out_shape), x.dtype)  # every piece lands in place
+        mtype = mpi._move[x.dtype.itemsize]
+        if spec.uniform:
+            mpi._call(comm, "Alltoall", what, axes, [x, mtype], [out, mtype])
+        else:
+            mpi._call(comm, "Alltoallv", what, axes, [x, (plan.sc, plan.sd), mtype], [out, (plan.rc, plan.rd), mtype])  # fmt: skip
+        mpi.stats.record(what, plan.traffic[0] * x.dtype.itemsize, plan.traffic[1] * x.dtype.itemsize)  # fmt: skip
+        self.paths.direct[what] += 1
+        return out
 
     def broadcast(self, x: Any, axes: tuple[str, ...], root: int) -> Any:
         """The root's own array on the root (as MpiComm: values are immutable), a new array

@@ -412,10 +412,13 @@ class MpiComm:
         if plan.recv_in_place and spec.max_count <= self.limit:  # straight into the output
             flat_out = out.reshape(-1).view(udt)
             mtype = self._move[x.itemsize]
-            # always the v-variant: whether counts are uniform is a per-rank fact, and every
-            # member of a group must make the same MPI call
-            self._call(comm, "Alltoallv", what, axes, [sbuf, (plan.sc, plan.sd), mtype],
-                       [flat_out, (plan.rc, plan.rd), mtype])  # fmt: skip
+            # every member of a group must make the same MPI call: Alltoall only where the spec
+            # says every member can (``uniform`` is a group-wide fact), as the bound calls do
+            if spec.uniform:
+                self._call(comm, "Alltoall", what, axes, [sbuf, mtype], [flat_out, mtype])
+            else:
+                self._call(comm, "Alltoallv", what, axes, [sbuf, (plan.sc, plan.sd), mtype],
+                           [flat_out, (plan.rc, plan.rd), mtype])  # fmt: skip
         else:
             rbuf = self._alltoallv(comm, sbuf, plan.sc, plan.rc, what, axes, spec.max_count)
             values = rbuf.view(x.dtype)

@@ -148,6 +148,8 @@ def test_direct_path_for_allreduce_broadcast_send_recv(comm: Any, all_ranks: Any
         # the reduce-scatter and the (uneven) allgather along dim 0 direct, those along dim 1
         # staged
         want_direct = {"allreduce": 2 * 2, "broadcast": 3 * size, "reduce_scatter": 2, "allgather": 2} if threaded else {}  # fmt: skip
+        if p.direct["all_to_all"]:
+            want_direct["all_to_all"] = p.direct["all_to_all"]  # checked below
         want_direct.update({"send": 1, "recv": 2})
         all_ranks(p.direct == want_direct, f"direct {p.direct} want {want_direct}")
         folded = 2 * 4 if threaded else 2 * 6
@@ -156,7 +158,12 @@ def test_direct_path_for_allreduce_broadcast_send_recv(comm: Any, all_ranks: Any
         # the dim-1 gather: an inner dim, or (a rank's block of 5 columns at 4 ranks) empty
         inner = p.why["gathered along an inner dim (the blocks would need reordering)"] + p.why["empty array"]  # fmt: skip
         inner_rs = p.why["scattered along an inner dim (the pieces would need packing)"]
-        all_ranks(p.why[NO_DIRECT] == 2 and NOT_AWARE not in p.why, f"why {p.why}")  # the exchange
+        # the exchange: column blocks of row blocks are not back to back (at 4 ranks the rank
+        # holding one row is: it goes direct and meets the others' Alltoallv)
+        packing = p.why["pieces not back to back (they would need packing)"]
+        all_ranks(not threaded or packing + p.direct["all_to_all"] == 2, f"why {p.why}")
+        all_ranks(p.direct["all_to_all"] == (2 if threaded and size == 4 and rank == 3 else 0), f"direct {p.direct}")  # fmt: skip
+        all_ranks(NOT_AWARE not in p.why and NO_DIRECT not in p.why, f"why {p.why}")
         all_ranks(not threaded or (inner == 2 and inner_rs == 2), f"why {p.why}")
         all_ranks(p.host == {"send": 1} and lines == [], f"host {p.host}; log {lines}")
         # the device buffers really went to MPI: the output is a fresh device array
@@ -241,6 +248,36 @@ def test_direct_uneven_allgather_meets_staging_and_host_ranks(comm: Any, all_ran
         all_ranks(not problems, "; ".join(problems)[:600])
         all_ranks(dc.paths.direct["allgather"] == devices, f"paths {dc.paths}")
         all_ranks(rank != 0 or dc.paths.why == {"empty array": dc.paths.staged["allgather"]}, f"paths {dc.paths}")  # fmt: skip
+
+
+def test_direct_exchange_of_back_to_back_pieces(comm: Any, all_ranks: Any) -> None:
+    """An all-to-all whose pieces are back to back in member order on every rank (rows of a
+    column-sharded [k, 3k] to row shards) is one ``Alltoall`` on device buffers, the call
+    MpiComm makes for the same uniform spec (first and later calls alike); the result equals
+    the host op's, with the same accounting."""
+    from dtm_mpi.sharding.steps import RedistStep, StepKind
+    from tests.comm.fake_device import _t
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    x = ("x",)
+    step = RedistStep(StepKind.ALL_TO_ALL, _t((size, 3 * size), ((), x)), _t((size, 3 * size), (x, ())), x, dim=1, dst_dim=0)  # fmt: skip
+    with endpoint(comm) as (session, mc):
+        if session.watchdog is None:
+            pytest.skip("MPI is not THREAD_MULTIPLE: collectives stage")
+        dc = DeviceComm(mc, FakeDeviceOps(), YES)
+        problems = []
+        for round_ in range(2):
+            inp = step_input(step, mc.mesh, rank, seed=round_)
+            want = run_spec(mc, step, mc.mesh, inp)
+            before = traffic(mc)
+            got = run_spec(dc, step, mc.mesh, dev(inp))
+            after = traffic(mc)
+            if not same(got, want):
+                problems.append(f"round {round_}: {got!r} want {want!r}")
+            if after == before:
+                problems.append("no traffic recorded")
+        all_ranks(not problems, "; ".join(problems)[:600])
+        all_ranks(dc.paths.direct["all_to_all"] == 2 and not dc.paths.staged, f"paths {dc.paths}")
 
 
 def test_direct_path_falls_back_where_mpi_cannot_take_device_buffers(comm: Any, all_ranks: Any) -> None:  # fmt: skip
