@@ -65,7 +65,6 @@ from dtm_mpi.sharding.steps import AllgatherSpec, AllreduceSpec, ExchangeSpec, R
 __all__ = ["DeviceComm", "DeviceOps", "DevicePaths", "PinnedPool"]
 
 NOT_AWARE = "MPI is not GPU-aware"
-NO_DIRECT = "no direct path for this operation"
 
 
 class DeviceOps(Protocol):

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dtm_mpi.comm.device import NO_DIRECT, NOT_AWARE, DeviceComm
+from dtm_mpi.comm.device import NOT_AWARE, DeviceComm
 from dtm_mpi.comm.gpu_aware import (
     Answer,
     GpuAwareness,
@@ -163,7 +163,7 @@ def test_direct_path_for_allreduce_broadcast_send_recv(comm: Any, all_ranks: Any
         packing = p.why["pieces not back to back (they would need packing)"]
         all_ranks(not threaded or packing + p.direct["all_to_all"] == 2, f"why {p.why}")
         all_ranks(p.direct["all_to_all"] == (2 if threaded and size == 4 and rank == 3 else 0), f"direct {p.direct}")  # fmt: skip
-        all_ranks(NOT_AWARE not in p.why and NO_DIRECT not in p.why, f"why {p.why}")
+        all_ranks(NOT_AWARE not in p.why, f"why {p.why}")
         all_ranks(not threaded or (inner == 2 and inner_rs == 2), f"why {p.why}")
         all_ranks(p.host == {"send": 1} and lines == [], f"host {p.host}; log {lines}")
         # the device buffers really went to MPI: the output is a fresh device array
