@@ -23,16 +23,21 @@ def test_ratio_is_value_over_baseline() -> None:
     assert CkptRow("x", 1.0, 0.0).ratio == 0.0
 
 
-@pytest.mark.slow
-def test_bench_ckpt_under_mpirun_writes_the_csv(tmp_path: Path) -> None:
-    out = tmp_path / "ckpt.csv"
+def bench_ckpt(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``dtm bench ckpt --repeat 1 --dir tmp_path ARGS`` on 2 ranks under mpirun."""
     env = dict(os.environ)
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_rmaps_base_oversubscribe="1", DTM_TIMEOUT="60")  # fmt: skip
     cmd = ["mpirun", "--timeout", "120", "--bind-to", "none", "-n", "2", sys.executable, "-m",
-           "mpi4py", "-m", "dtm_mpi", "bench", "ckpt", "--bytes", "4M", "--tensors", "3",
-           "--repeat", "1", "--dir", str(tmp_path), "--csv", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, check=False)
+           "mpi4py", "-m", "dtm_mpi", "bench", "ckpt", "--repeat", "1", "--dir", str(tmp_path),
+           *args]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, check=False)
+
+
+@pytest.mark.slow
+def test_bench_ckpt_under_mpirun_writes_the_csv(tmp_path: Path) -> None:
+    out = tmp_path / "ckpt.csv"
+    proc = bench_ckpt(tmp_path, "--bytes", "4M", "--tensors", "3", "--csv", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     with out.open() as f:
         rows = list(csv.DictReader(f))
@@ -56,13 +61,7 @@ def test_bench_ckpt_cold_adds_the_restore_from_storage_row_or_says_why_not(tmp_p
     """``--cold`` drops the page cache before each timed read: a row ``restore_cold_GBps``
     where that is allowed (root), else one clear error on every rank."""
     out = tmp_path / "ckpt.csv"
-    env = dict(os.environ)
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1", DTM_TIMEOUT="60")  # fmt: skip
-    cmd = ["mpirun", "--timeout", "120", "--bind-to", "none", "-n", "2", sys.executable, "-m",
-           "mpi4py", "-m", "dtm_mpi", "bench", "ckpt", "--bytes", "2M", "--tensors", "2",
-           "--repeat", "1", "--dir", str(tmp_path), "--csv", str(out), "--cold"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, check=False)
+    proc = bench_ckpt(tmp_path, "--bytes", "2M", "--tensors", "2", "--csv", str(out), "--cold")
     if not os.access("/proc/sys/vm/drop_caches", os.W_OK):
         assert proc.returncode != 0 and "needs root" in proc.stdout + proc.stderr
         return
