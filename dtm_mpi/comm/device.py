@@ -64,6 +64,7 @@ from dtm_mpi.sharding.steps import AllgatherSpec, AllreduceSpec, ExchangeSpec, R
 
 __all__ = ["DeviceComm", "DeviceOps", "DevicePaths", "PinnedPool"]
 
+NOT_NATIVE = "deterministic mode, or a reduction MPI does not do natively (float max/min, f16, bool): folded in group order"  # fmt: skip
 NOT_AWARE = "MPI is not GPU-aware"
 
 
@@ -273,6 +274,15 @@ class DeviceComm:
             return "MPI is not THREAD_MULTIPLE: collectives are non-blocking calls, which do not take device buffers"  # fmt: skip
         return mpi
 
+    def _contiguous_if_aware(self, x: Any) -> Any:
+        """``x``, or a contiguous device copy of it when MPI is GPU-aware and ``x`` is not
+        contiguous. For operations whose MPI call depends on the path: contiguity is this
+        rank's own fact, so staging on it could split the group's calls; the copy keeps the
+        decision the same on every rank."""
+        if self.awareness.aware and not _contiguous(x):
+            return self.ops.to_device(self._to_pinned(x))
+        return x
+
     def _note_staged(self, op: str, why: str) -> None:
         """Count a staged ``op``; the first staging because MPI is not GPU-aware is logged."""
         self.paths.staged[op] += 1
@@ -334,7 +344,7 @@ class DeviceComm:
         self.ops.synchronize()
         mpi = self._direct(tuple(x.shape), x.dtype, _contiguous(x), True)
         if not isinstance(mpi, str) and mpi._native(x, spec.op) is None:
-            mpi = "deterministic mode, or a reduction MPI does not do natively (float max/min, f16, bool): folded in group order"  # fmt: skip
+            mpi = NOT_NATIVE
         if isinstance(mpi, str):
             return self._staged("allreduce", mpi, x, lambda h: self.inner.allreduce(h, axes, spec))  # fmt: skip
         comm = mpi.session.group(axes)
@@ -352,10 +362,7 @@ class DeviceComm:
             self.paths.host["reduce_scatter"] += 1
             return self.inner.reduce_scatter(x, axes, spec)
         self.ops.synchronize()
-        if self.awareness.aware and not _contiguous(x):
-            # contiguity is this rank's own: a contiguous copy keeps the decision (and so the
-            # MPI call every member makes) the same on every rank
-            x = self.ops.to_device(self._to_pinned(x))
+        x = self._contiguous_if_aware(x)
         mpi = self._direct(tuple(x.shape), x.dtype, True, True)
         counts = list(spec.counts)
         if not isinstance(mpi, str) and math.prod(x.shape[: spec.dim]) > 1:
@@ -363,7 +370,7 @@ class DeviceComm:
         if not isinstance(mpi, str) and min(counts) == 0:
             mpi = "a member's piece is empty"
         if not isinstance(mpi, str) and mpi._native(x, spec.op) is None:
-            mpi = "deterministic mode, or a reduction MPI does not do natively (float max/min, f16, bool): folded in group order"  # fmt: skip
+            mpi = NOT_NATIVE
         if isinstance(mpi, str):
             return self._staged("reduce_scatter", mpi, x, lambda h: self.inner.reduce_scatter(h, axes, spec))  # fmt: skip
         comm = mpi.session.group(axes)
@@ -383,8 +390,7 @@ class DeviceComm:
             self.paths.host[what] += 1
             return self.inner.exchange(x, axes, spec, what)
         self.ops.synchronize()
-        if self.awareness.aware and not _contiguous(x):  # as in reduce_scatter
-            x = self.ops.to_device(self._to_pinned(x))
+        x = self._contiguous_if_aware(x)
         mpi = self._direct(tuple(x.shape), x.dtype, True, True)
         if not isinstance(mpi, str) and spec.max_count > mpi.limit:
             mpi = "a message above one MPI message (DTM_MAX_MSG_ELEMS)"  # group-wide

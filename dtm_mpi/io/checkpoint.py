@@ -96,7 +96,7 @@ from dtm_mpi.io.store import (
     StoreMeta,
     committed_name,
     disk_usage,
-    fsync_dir,
+    fsync_path,
     legacy_files,
     list_checkpoints,
     meta_outdated,
@@ -404,7 +404,7 @@ class CheckpointStore:
             if self.rank == 0:
                 try:
                     remove_path(tmp)
-                    fsync_dir(self.path)
+                    fsync_path(self.path)
                 except OSError as exc:
                     problem = f"checkpoint {step} was cancelled, but removing {tmp.name} failed: {exc}"  # fmt: skip
             problem = self._bcast(problem, "checkpoint cancel", comm)

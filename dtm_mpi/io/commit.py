@@ -18,7 +18,7 @@ from pathlib import Path
 from dtm_mpi.errors import StorageError
 from dtm_mpi.faults import maybe_fail
 from dtm_mpi.io.files import MAIN_FILE, read_manifest
-from dtm_mpi.io.store import fsync_dir, list_checkpoints, remove_path, replace_dir, retired_files
+from dtm_mpi.io.store import fsync_path, list_checkpoints, remove_path, replace_dir, retired_files
 
 __all__ = ["Retention", "commit_partial"]
 
@@ -27,7 +27,7 @@ def commit_partial(store: Path, tmp: Path, final: Path, data_files: list[str]) -
     """Check the partial checkpoint ``tmp`` and rename it to ``final`` (the commit), then
     fsync ``store``; returns the retired paths of a replaced checkpoint of the same step (for
     :class:`Retention` to delete). Raises before the rename if ``tmp`` is incomplete."""
-    fsync_dir(tmp)
+    fsync_path(tmp)
     read_manifest(tmp)
     want = sorted([MAIN_FILE, *data_files])
     found = sorted(p.name for p in tmp.iterdir())
@@ -40,7 +40,7 @@ def commit_partial(store: Path, tmp: Path, final: Path, data_files: list[str]) -
         replaced.append(replace_dir(tmp, final, old))
     else:
         os.replace(tmp, final)
-    fsync_dir(store)
+    fsync_path(store)
     return replaced
 
 
@@ -66,7 +66,7 @@ class Retention:
                 doomed.append(gone)
         if not doomed:
             return
-        fsync_dir(self.store)
+        fsync_path(self.store)
 
         def remove_all() -> None:
             for p in doomed:
@@ -84,4 +84,4 @@ class Retention:
             if self._reaper.is_alive():
                 raise StorageError(f"store {self.store}: deleting retired checkpoints took more than {timeout_s} s; it goes on in the background")  # fmt: skip
             self._reaper = None
-            fsync_dir(self.store)
+            fsync_path(self.store)

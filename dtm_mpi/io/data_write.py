@@ -21,11 +21,10 @@ import numpy as np
 
 from dtm_mpi.comm.abort import abort_job
 from dtm_mpi.config import get_config
-from dtm_mpi.errors import DtmError, IntegrityError
+from dtm_mpi.errors import DtmError
 from dtm_mpi.faults import maybe_fail
 from dtm_mpi.io.files import DATA_FORMAT, FORMAT_VERSION, ShardFiles
 from dtm_mpi.io.h5 import create_dataset, open_file, write_whole
-from dtm_mpi.io.hashing import chunk_hash
 from dtm_mpi.io.manifest import Manifest, data_file_name, shard_dataset
 from dtm_mpi.io.plan import SavePlan
 from dtm_mpi.io.store import fsync_path
@@ -136,9 +135,7 @@ def _check_data_file(tmp: Path, manifest: Manifest, plan: SavePlan, shards: list
             record = a.shards[s.index]
             files.dataset(a, record)
             for c in range(len(record.chunks) if full else 0):
-                got = chunk_hash(files.read_chunk(a, record, c))
-                if got != record.chunks[c]:
-                    raise IntegrityError(f"chunk {c} reads back with hash {got}, written as {record.chunks[c]}", tensor=a.name, shard=record.id, file=str(tmp / record.file))  # fmt: skip
+                files.read_verified(a, record, c)  # reads back what was written, or raises
 
 
 @contextmanager

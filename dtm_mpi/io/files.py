@@ -47,6 +47,7 @@ __all__ = [
     "MAIN_FILE",
     "ShardFiles",
     "check_file_format",
+    "chunk_mismatch",
     "read_manifest",
     "read_manifest_bytes",
     "verify_checkpoint",
@@ -200,6 +201,15 @@ class ShardFiles:
         returns the chunk's array (a view of ``out`` with ``within``)."""
         return self.read_rows(a, s, c, c, out, within)
 
+    def read_verified(self, a: ArtifactRecord, s: ShardRecord, c: int) -> np.ndarray:
+        """Chunk ``c`` of shard ``s``, checked against its content hash (an
+        :class:`IntegrityError` naming tensor, shard, chunk and file if it differs)."""
+        data = self.read_chunk(a, s, c)
+        problem = chunk_mismatch(s, c, data)
+        if problem is not None:
+            raise IntegrityError(problem, tensor=a.name, shard=s.id, file=str(self.ckpt / s.file))
+        return data
+
     def read_rows(self, a: ArtifactRecord, s: ShardRecord, first: int, last: int, out: np.ndarray | None = None, within: tuple[slice, ...] | None = None) -> np.ndarray:  # fmt: skip
         """Chunks ``first..last`` of shard ``s`` with one read (as :meth:`read_chunk`)."""
         dset = self.dataset(a, s)
@@ -218,6 +228,17 @@ class ShardFiles:
             what = f"chunk {first}" if first == last else f"chunks {first}..{last}"
             raise IntegrityError(f"{what} cannot be read ({exc})", tensor=a.name, shard=s.id, file=str(self.ckpt / s.file)) from None  # fmt: skip
         return out[within] if within is not None else out
+
+
+def chunk_mismatch(s: ShardRecord, c: int, data: np.ndarray) -> str | None:
+    """Why ``data`` is not chunk ``c`` of shard ``s`` (its content hash differs from the
+    manifest's), or None."""
+    got, want = chunk_hash(data), s.chunks[c]
+    if got == want:
+        return None
+    region = s.chunk_region(c)
+    rows = f"rows {region[0].start}..{region[0].stop - 1}" if region else "the scalar"
+    return f"chunk {c} ({rows}) content hash {got} does not match the manifest's {want}"
 
 
 def _virtual_problem(dset: Any, a: ArtifactRecord) -> str | None:
@@ -263,10 +284,8 @@ def verify_checkpoint(ckpt: Path) -> list[IntegrityError]:
         for a in manifest.artifacts:
             for s in a.shards:
                 try:
-                    for c, want in enumerate(s.chunks):
-                        got = chunk_hash(files.read_chunk(a, s, c))
-                        if got != want:
-                            raise IntegrityError(f"chunk {c} content hash {got} does not match the manifest's {want}", tensor=a.name, shard=s.id, file=str(ckpt / s.file))  # fmt: skip
+                    for c in range(len(s.chunks)):
+                        files.read_verified(a, s, c)
                 except IntegrityError as exc:
                     problems.append(exc)
     return problems

@@ -20,12 +20,16 @@ import numpy as np
 
 from dtm_mpi.comm.objects import alltoallv_bytes
 from dtm_mpi.errors import IntegrityError
-from dtm_mpi.io.files import ShardFiles
-from dtm_mpi.io.hashing import chunk_hash
+from dtm_mpi.io.files import ShardFiles, chunk_mismatch
+from dtm_mpi.io.manifest import ShardRecord
 from dtm_mpi.io.plan import RestorePlan
 from dtm_mpi.ir.ops._common import np_dtype
 
 __all__ = ["Reader", "read_plan"]
+
+
+Damage = tuple[str, str, str, str]
+"""(tensor, shard id, message, file): one damaged chunk, as the caller gathers it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +43,7 @@ class Reader:
     deadline: Callable[[str], AbstractContextManager[Any]]
 
 
-def read_plan(ctx: Reader, files: ShardFiles, plan: RestorePlan, into: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[tuple[str, str, str, str]]]:  # fmt: skip
+def read_plan(ctx: Reader, files: ShardFiles, plan: RestorePlan, into: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[Damage]]:  # fmt: skip
     """Read, verify and distribute every round of ``plan`` (collective: the exchanges),
     into the arrays of ``into`` where given (checked by the caller), else new ones.
     Reads are independent and serial (each chunk is whole rows of one shard dataset,
@@ -52,7 +56,7 @@ def read_plan(ctx: Reader, files: ShardFiles, plan: RestorePlan, into: Mapping[s
         block = plan.block(ti, me)
         outs[name] = into[name] if name in into else np.empty(tuple(s.stop - s.start for s in block), dtype=np_dtype(t.dtype))  # fmt: skip
         offsets.append(block)
-    damaged: list[tuple[str, str, str, str]] = []
+    damaged: list[Damage] = []
     by_item: dict[int, list[int]] = {}
     for k, p in enumerate(plan.pieces):
         by_item.setdefault(p.item, []).append(k)
@@ -105,7 +109,7 @@ def _direct_runs(plan: RestorePlan, direct: dict[int, tuple[slice, ...]], outs: 
     return runs
 
 
-def _read_run(ctx: Reader, files: ShardFiles, plan: RestorePlan, run: list[int], direct: dict[int, tuple[slice, ...]], outs: dict[str, np.ndarray]) -> list[tuple[str, str, str, str]]:  # fmt: skip
+def _read_run(ctx: Reader, files: ShardFiles, plan: RestorePlan, run: list[int], direct: dict[int, tuple[slice, ...]], outs: dict[str, np.ndarray]) -> list[Damage]:  # fmt: skip
     """Read a run of direct chunks with one call and verify each; returns their damage."""
     first, last = plan.items[run[0]], plan.items[run[-1]]
     name = plan.targets[first.tensor][0]
@@ -117,20 +121,12 @@ def _read_run(ctx: Reader, files: ShardFiles, plan: RestorePlan, run: list[int],
     try:
         files.read_rows(art, shard, first.chunk, last.chunk, outs[name], where or None)
     except Exception as exc:  # local: reported with the damage, agreed by the caller
-        if isinstance(exc, IntegrityError):
-            return [(name, shard.id, str(exc).split(f"{shard.id!r}: ", 1)[-1], exc.file)]
-        return [(name, shard.id, f"chunks {first.chunk}..{last.chunk} cannot be read: {type(exc).__name__}: {exc}", str(files.ckpt / shard.file))]  # fmt: skip
-    damaged = []
-    for k in run:
-        item, at = plan.items[k], direct[k]
-        got = chunk_hash(outs[name][at] if at else outs[name])
-        if got != shard.chunks[item.chunk]:
-            rows = f"rows {item.region[0].start}.." if item.region else "the scalar"
-            damaged.append((name, shard.id, f"chunk {item.chunk} ({rows}) content hash {got} does not match the manifest's {shard.chunks[item.chunk]} (read by rank {ctx.rank})", str(files.ckpt / shard.file)))  # fmt: skip
-    return damaged
+        return [_unreadable(files, name, shard, f"chunks {first.chunk}..{last.chunk}", exc)]
+    checked = (_verify(ctx, files, name, shard, plan.items[k].chunk, outs[name][direct[k]] if direct[k] else outs[name]) for k in run)  # fmt: skip
+    return [d for d in checked if d is not None]
 
 
-def _read_item(ctx: Reader, files: ShardFiles, plan: RestorePlan, k: int, by_item: dict[int, list[int]], offsets: list[tuple[slice, ...]], outs: dict[str, np.ndarray], data: dict[int, np.ndarray]) -> tuple[str, str, str, str] | None:  # fmt: skip
+def _read_item(ctx: Reader, files: ShardFiles, plan: RestorePlan, k: int, by_item: dict[int, list[int]], offsets: list[tuple[slice, ...]], outs: dict[str, np.ndarray], data: dict[int, np.ndarray]) -> Damage | None:  # fmt: skip
     """Read and verify item ``k`` (straight into the output when this rank is its only
     consumer, else into ``data[k]``); returns its damage, or None."""
     item = plan.items[k]
@@ -148,14 +144,23 @@ def _read_item(ctx: Reader, files: ShardFiles, plan: RestorePlan, k: int, by_ite
     except Exception as exc:  # local: reported with the damage, agreed by the caller
         if direct is None:
             data[k][...] = 0
-        if isinstance(exc, IntegrityError):
-            return (name, shard.id, str(exc).split(f"{shard.id!r}: ", 1)[-1], exc.file)
-        return (name, shard.id, f"chunk {item.chunk} cannot be read: {type(exc).__name__}: {exc}", str(files.ckpt / shard.file))  # fmt: skip
-    got = chunk_hash(buf)
-    if got != shard.chunks[item.chunk]:
-        rows = f"rows {item.region[0].start}.." if item.region else "the scalar"
-        return (name, shard.id, f"chunk {item.chunk} ({rows}) content hash {got} does not match the manifest's {shard.chunks[item.chunk]} (read by rank {ctx.rank})", str(files.ckpt / shard.file))  # fmt: skip
-    return None
+        return _unreadable(files, name, shard, f"chunk {item.chunk}", exc)
+    return _verify(ctx, files, name, shard, item.chunk, buf)
+
+
+def _unreadable(files: ShardFiles, name: str, shard: ShardRecord, what: str, exc: Exception) -> Damage:  # fmt: skip
+    """The damage of ``what`` (a chunk or a run of them) that could not be read."""
+    if isinstance(exc, IntegrityError):  # ShardFiles names the file and the problem
+        return (name, shard.id, str(exc).split(f"{shard.id!r}: ", 1)[-1], exc.file)
+    return (name, shard.id, f"{what} cannot be read: {type(exc).__name__}: {exc}", str(files.ckpt / shard.file))  # fmt: skip
+
+
+def _verify(ctx: Reader, files: ShardFiles, name: str, shard: ShardRecord, chunk: int, data: np.ndarray) -> Damage | None:  # fmt: skip
+    """The damage of chunk ``chunk`` read as ``data`` if its content hash differs, else None."""
+    problem = chunk_mismatch(shard, chunk, data)
+    if problem is None:
+        return None
+    return (name, shard.id, f"{problem} (read by rank {ctx.rank})", str(files.ckpt / shard.file))
 
 
 def _direct(ctx: Reader, plan: RestorePlan, k: int, by_item: dict[int, list[int]], block: tuple[slice, ...]) -> tuple[slice, ...] | None:  # fmt: skip

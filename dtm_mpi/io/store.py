@@ -32,7 +32,6 @@ __all__ = [
     "StoreMeta",
     "committed_name",
     "disk_usage",
-    "fsync_dir",
     "fsync_path",
     "legacy_files",
     "list_checkpoints",
@@ -162,9 +161,6 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-fsync_dir = fsync_path
-
-
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as f:
@@ -172,7 +168,7 @@ def _write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 def read_meta(store: Path) -> StoreMeta | None:
