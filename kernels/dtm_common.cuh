@@ -1,10 +1,12 @@
 // dtm_common.cuh: device helpers shared by every kernel in kernels/ (CUDA and HIP).
 //
 // How it is included: each .cu starts with the line `#include "dtm_common.cuh"`. The Python
-// loader (NVRTC through CuPy) replaces that line with the text of this file; nvcc resolves it
-// with `-I kernels`. So this header must stand alone under NVRTC: it includes only the fp16
-// header (CUDA) or the HIP runtime + fp16 headers (HIP), never <cmath>, <cstdio> or any
-// host-only header, and uses only CUDA/HIP device math functions.
+// loader (NVRTC through CuPy; hipRTC on ROCm) replaces that line with the text of this file;
+// nvcc and hipcc resolve it with `-I kernels`. So this header must stand alone under NVRTC and
+// hipRTC: it includes only the fp16 header (CUDA) or the HIP runtime + fp16 headers (hipcc),
+// nothing under hipRTC (which has both built in: including them again redefines __half and
+// friends), never <cmath>, <cstdio> or any host-only header, and uses only CUDA/HIP device
+// math functions.
 //
 // Portability rules (see kernels/README.md): warp shuffles go through dtm_shfl_xor; the warp
 // size is the runtime `warpSize` (32 on NVIDIA, 64 on most AMD GPUs), never a literal 32;
@@ -13,7 +15,9 @@
 #ifndef DTM_COMMON_CUH
 #define DTM_COMMON_CUH
 
-#if defined(__HIPCC__) || defined(__HIP_PLATFORM_AMD__)
+#if defined(__HIPCC_RTC__)
+#define DTM_HIP 1
+#elif defined(__HIPCC__) || defined(__HIP_PLATFORM_AMD__)
 #include <hip/hip_runtime.h>
 #include <hip/hip_fp16.h>
 #define DTM_HIP 1

@@ -7,6 +7,7 @@
 # 3. h5py 3.16.0 built against parallel HDF5 without build isolation (an isolated build compiles
 #    mpi4py from source with -O3 -g and needs ~20 GB of RAM).
 # 4. dtm_mpi in editable mode with [test,dev]; fail unless h5py.get_config().mpi is true.
+# Also (optional, as root on Debian): hipcc + ROCm device libraries for the AMD kernel builds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -40,6 +41,20 @@ if [ -z "$MPICC" ] || ! have_parallel_hdf5; then
 fi
 have_parallel_hdf5 || die "no parallel HDF5 found (pkg-config hdf5-openmpi, h5pcc or HDF5_DIR)"
 say "mpicc: $MPICC"
+
+# --- 1b. HIP toolchain for the AMD kernel build checks (optional) ---------------------------
+# tests/kernels/test_hip_sources.py compiles kernels/*.cu with hipcc and hipRTC for AMD GPUs (no
+# GPU needed). Without the tools those tests skip with a reason; DTM_SETUP_HIP=0 skips this.
+if [ "${DTM_SETUP_HIP:-1}" != 0 ] && ! command -v hipcc >/dev/null 2>&1 \
+   && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+   && apt-cache show hipcc >/dev/null 2>&1; then
+  say "installing Debian packages for the HIP kernel checks: hipcc libamdhip64-dev rocm-device-libs"
+  export DEBIAN_FRONTEND=noninteractive
+  hip_pkgs=(hipcc libamdhip64-dev rocm-device-libs)
+  apt-get install -y -qq --no-install-recommends "${hip_pkgs[@]}" >/dev/null 2>&1 \
+    || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends "${hip_pkgs[@]}" >/dev/null 2>&1; } \
+    || say "warning: could not install the HIP toolchain; the hipcc/hipRTC kernel checks will skip"
+fi
 
 # --- 2. virtual environment and build prerequisites ------------------------------------------
 if [ ! -x "$VENV/bin/python" ]; then
