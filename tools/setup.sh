@@ -7,7 +7,8 @@
 # 3. h5py 3.16.0 built against parallel HDF5 without build isolation (an isolated build compiles
 #    mpi4py from source with -O3 -g and needs ~20 GB of RAM).
 # 4. dtm_mpi in editable mode with [test,dev]; fail unless h5py.get_config().mpi is true.
-# Also (optional, as root on Debian): hipcc + ROCm device libraries for the AMD kernel builds.
+# Also (optional): hipcc + ROCm device libraries for the AMD kernel builds (as root on Debian),
+# and the NVRTC wheel for the CUDA kernel checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -110,5 +111,14 @@ if [ ! -f "$stamp" ] || [ setup.cfg -nt "$stamp" ] || [ pyproject.toml -nt "$sta
   pipq --no-build-isolation -e ".[test,dev]" || die "installing dtm_mpi failed"
   h5py_is_mpi || die "installing dtm_mpi replaced h5py with a serial build"
   touch "$stamp"
+fi
+# --- 5. NVRTC for the CUDA kernel checks (optional) ------------------------------------------
+# tests/kernels/test_cu_sources.py compiles the loader's exact text with NVRTC, the compiler
+# CuPy uses (no GPU needed); the wheel matches the CUDA 13.0 toolkit's headers. Without it that
+# test skips with a reason; DTM_SETUP_NVRTC=0 skips this.
+NVRTC_WHEEL=nvidia-cuda-nvrtc==13.0.88
+if [ "${DTM_SETUP_NVRTC:-1}" != 0 ] && [ "$(uname -s)" = Linux ] && ! need "$NVRTC_WHEEL"; then
+  say "installing $NVRTC_WHEEL (NVRTC, for the CUDA kernel checks)"
+  pipq "$NVRTC_WHEEL" || say "warning: could not install $NVRTC_WHEEL; the NVRTC kernel check will skip"
 fi
 "$VPY" -c 'import mpi4py, h5py, numpy, dtm_mpi; print("[setup] ok: dtm_mpi", dtm_mpi.__version__, "| mpi4py", mpi4py.__version__, "| h5py", h5py.__version__, "(mpi)", "| HDF5", h5py.version.hdf5_version, "| numpy", numpy.__version__)'

@@ -21,3 +21,21 @@ def evaluate(expr: Expr | int, values: Sequence[np.ndarray], dtype: Any) -> np.n
     with np.errstate(all="ignore"):
         fn = _UNARY[expr.op][0] if len(args) == 1 else _BINARY[expr.op]
         return np.asarray(fn(*args)).astype(dtype, copy=False)
+
+
+def generated_fused_kernels() -> list[tuple[str, str]]:
+    """``(name, source text)`` of kernels the fusion codegen writes, as the GPU backend hands
+    them to the runtime compiler: a bias + gelu + mul chain over f16 (a broadcast bias), and a
+    mixed f64/f32 chain of other unary and binary ops."""
+    from dtm_mpi.kernels.fused import FusedInput, fused_source
+    from dtm_mpi.kernels.sources import kernel_source
+
+    f16, f32, f64 = (np.dtype(t) for t in (np.float16, np.float32, np.float64))
+    chain = Expr("mul", (Expr("gelu", (Expr("add", (0, 1)),)), 2))
+    mixed = Expr("maximum", (Expr("rsqrt", (Expr("exp", (0,)),)), Expr("neg", (Expr("tanh", (1,)),))))  # fmt: skip
+    cases = [
+        (chain, [FusedInput(f16), FusedInput(f16, lastdim=True), FusedInput(f16)], f16),
+        (mixed, [FusedInput(f64), FusedInput(f32, lastdim=True)], f32),
+    ]
+    template = kernel_source("fused_elementwise.cu")
+    return [fused_source(expr, inputs, out, template) for expr, inputs, out in cases]

@@ -22,6 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from dtm_mpi.kernels.sources import kernel_source
+from tests.kernels.kernel_helpers import generated_fused_kernels
+
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ROOT / "kernels"
 HEADER = KERNELS / "dtm_common.cuh"
@@ -224,12 +227,14 @@ def _wheel_dirs(module: str) -> list[Path]:
 
 def _find_nvrtc() -> str | None:
     """libnvrtc: $DTM_NVRTC_LIB, the loader's search path, a toolkit, or the nvidia-cuda-nvrtc
-    wheel (which CuPy can use)."""
+    wheel (which CuPy can use; ``make setup`` installs it)."""
     candidates = [os.environ.get("DTM_NVRTC_LIB"), ctypes.util.find_library("nvrtc")]
     for root in _cuda_roots():
         candidates += sorted(str(p) for p in root.glob("lib*/libnvrtc.so*"))
-    for base in _wheel_dirs("nvidia.cuda_nvrtc"):
+    for base in _wheel_dirs("nvidia.cuda_nvrtc"):  # CUDA 12 wheels: nvidia/cuda_nvrtc/lib
         candidates += sorted(str(p) for p in base.glob("lib/libnvrtc.so*"))
+    for base in _wheel_dirs("nvidia"):  # CUDA 13 wheels: nvidia/cu13/lib
+        candidates += sorted(str(p) for p in base.glob("cu*/lib/libnvrtc.so*"))
     return next((c for c in candidates if c), None)
 
 
@@ -266,6 +271,9 @@ def test_nvrtc_compiles_the_loader_text() -> None:
     if path is None:
         pytest.skip("libnvrtc not found (set DTM_NVRTC_LIB or install the CUDA toolkit)")
     try:
+        # libnvrtc dlopens its builtins by name; a wheel keeps them beside it, off the search path
+        for builtins in sorted(Path(path).parent.glob("libnvrtc-builtins.so*")):
+            ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
         lib = ctypes.CDLL(path)
     except OSError as exc:
         pytest.skip(f"libnvrtc at {path} does not load: {exc}")
@@ -273,11 +281,11 @@ def test_nvrtc_compiles_the_loader_text() -> None:
     if not include_dirs:
         pytest.skip("cuda_fp16.h not found for NVRTC (no CUDA toolkit or nvidia-cuda-runtime)")
     options = ["-std=c++17", "--gpu-architecture=compute_80", f"-I{include_dirs[0]}"]
-    for filename in SOURCES:
-        text = _loader_text((KERNELS / filename).read_text(encoding="utf-8"))
-        assert sorted(_entries(_nvrtc_compile(lib, text, filename, options))) == sorted(
-            EXPECTED[filename]
-        )
+    for filename in SOURCES:  # the exact text the GPU backend hands to CuPy's RawModule
+        ptx = _nvrtc_compile(lib, kernel_source(filename), filename, options)
+        assert sorted(_entries(ptx)) == sorted(EXPECTED[filename])
+    for name, text in generated_fused_kernels():
+        assert _entries(_nvrtc_compile(lib, text, f"{name}.cu", options)) == [name]
     text = _loader_text(FUSED_F16 + (KERNELS / "fused_elementwise.cu").read_text(encoding="utf-8"))
     assert _entries(_nvrtc_compile(lib, text, "fused.cu", options)) == [
         "dtm_fused_bias_gelu_mul_f16"

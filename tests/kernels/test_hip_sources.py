@@ -18,11 +18,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from dtm_mpi.kernels.fused import Expr, FusedInput, fused_source
 from dtm_mpi.kernels.sources import kernel_source
+from tests.kernels.kernel_helpers import generated_fused_kernels
 from tests.kernels.test_cu_sources import (
     EXPECTED,
     FUSED_F16,
@@ -178,16 +177,7 @@ def test_hiprtc_compiles_the_loader_text(filename: str, arch: str) -> None:
 
 def test_hiprtc_compiles_generated_fused_kernels() -> None:
     """Kernels the fusion codegen writes (mixed f16/f32/f64, a broadcast bias) build too."""
-    f16, f32, f64 = (np.dtype(t) for t in (np.float16, np.float32, np.float64))
-    chain = Expr("mul", (Expr("gelu", (Expr("add", (0, 1)),)), 2))
-    every = Expr("maximum", (Expr("rsqrt", (Expr("exp", (0,)),)), Expr("neg", (Expr("tanh", (1,)),))))  # fmt: skip
-    template = kernel_source("fused_elementwise.cu")
-    cases = [
-        (chain, [FusedInput(f16), FusedInput(f16, lastdim=True), FusedInput(f16)], f16),
-        (every, [FusedInput(f64), FusedInput(f32, lastdim=True)], f32),
-    ]
-    for expr, inputs, out in cases:
-        name, text = fused_source(expr, inputs, out, template)
+    for name, text in generated_fused_kernels():
         assert _elf_functions(_hiprtc_compile(text, f"{name}.cu", "gfx90a")) == [name]
 
 
