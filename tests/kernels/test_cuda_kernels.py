@@ -1,5 +1,9 @@
-"""Every RawKernel against a float64 numpy reference on a GPU (marker ``gpu``; skipped with
-the reason where no device exists). Inputs are random and never all zero; outputs are
+"""Every RawKernel against a float64 numpy reference, run three ways: on a GPU (parameter
+``gpu``, marker ``gpu``; skipped with the reason where no device exists), and on the CPU
+emulator (``tests/kernels/gpu_emu.py``: the same kernel sources and the same launcher code,
+threads as fibers with strict barriers) at warp size 32 (``emu-w32``, as NVIDIA) and 64
+(``emu-w64``, as CDNA AMD GPUs), which also checks argument types against each kernel's C
+signature and writes outside the arrays. Inputs are random and never all zero; outputs are
 poisoned (NaN, or 99 for int8) before the launch, so a kernel that skips an element fails;
 sizes include ones that are not multiples of the block size (1, 31, 257 columns...).
 
@@ -14,7 +18,9 @@ import math
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -23,16 +29,13 @@ import pytest
 from dtm_mpi.errors import BackendError
 from dtm_mpi.kernels.backends import BackendKind
 
-pytestmark = pytest.mark.gpu
-
 DTYPES = [np.float16, np.float32, np.float64]
 SHAPES = [(1, 1), (3, 31), (257, 33), (5, 1000), (2, 4099)]
 RTOL = {np.float16: 2e-3, np.float32: 1e-5, np.float64: 1e-12}
 ATOL = {np.float16: 1e-3, np.float32: 1e-6, np.float64: 1e-12}
 
 
-@pytest.fixture(scope="module")
-def dev() -> Any:
+def _open_gpu() -> Any:
     from dtm_mpi.kernels.devices import open_backend
 
     why = []
@@ -42,6 +45,28 @@ def dev() -> Any:
         except BackendError as exc:
             why.append(str(exc))
     pytest.skip("no GPU here: " + "; ".join(why))
+
+
+@pytest.fixture(scope="module")
+def gpu() -> Any:
+    return _open_gpu()
+
+
+@pytest.fixture(scope="module", params=[pytest.param("gpu", marks=pytest.mark.gpu), "emu-w32", "emu-w64"])  # fmt: skip
+def dev(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A GPU backend, or the CPU emulator standing in for CuPy under the same launcher code."""
+    if request.param == "gpu":
+        yield _open_gpu()
+        return
+    from dtm_mpi.kernels import launch
+    from tests.kernels.gpu_emu import EmuCupy
+
+    cp = EmuCupy(int(request.param[-2:]))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(launch, "_cp", lambda: cp)
+        for cache in ("_MODULES", "_FUNCTIONS", "_FUSED", "_WARP"):
+            mp.setattr(launch, cache, {})
+        yield SimpleNamespace(name=request.param, ops=SimpleNamespace(cp=cp))
 
 
 def _x(shape: tuple[int, ...], dtype: Any, seed: int = 0) -> np.ndarray:
@@ -203,10 +228,11 @@ def test_every_elementwise_kernel_matches_numpy(dev: Any, op: str, dtype: Any) -
 EXAMPLES = Path(__file__).parents[2] / "examples"
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not on PATH")
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("name", ["tp_mlp", "dp_step", "attention", "collectives"])
-def test_examples_on_the_gpu_match_numpy(dev: Any, name: str, tmp_path: Path) -> None:
+def test_examples_on_the_gpu_match_numpy(gpu: Any, name: str, tmp_path: Path) -> None:
     """Whole programs at 2 ranks on the GPU (both ranks may share one device) against the
     numpy backend: the same outputs within the f32 tolerance."""
     import os
@@ -214,7 +240,7 @@ def test_examples_on_the_gpu_match_numpy(dev: Any, name: str, tmp_path: Path) ->
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_rmaps_base_oversubscribe="1")  # fmt: skip
     outs = {}
-    for backend in ("numpy", dev.name):
+    for backend in ("numpy", gpu.name):
         out = tmp_path / f"{backend}.npz"
         cmd = ["mpirun", "--timeout", "120", "--bind-to", "none", "-n", "2", sys.executable,
                "-m", "mpi4py", "-m", "dtm_mpi", "run", str(EXAMPLES / f"{name}.dtm"),
@@ -222,9 +248,9 @@ def test_examples_on_the_gpu_match_numpy(dev: Any, name: str, tmp_path: Path) ->
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, check=False)  # fmt: skip
         assert proc.returncode == 0, proc.stdout + proc.stderr
         outs[backend] = dict(np.load(out))
-    assert outs["numpy"].keys() == outs[dev.name].keys()
+    assert outs["numpy"].keys() == outs[gpu.name].keys()
     for k, want in outs["numpy"].items():
-        got = outs[dev.name][k]
+        got = outs[gpu.name][k]
         assert got.shape == want.shape and got.dtype == want.dtype, k
         if want.dtype.kind == "f":
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=k)

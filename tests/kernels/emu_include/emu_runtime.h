@@ -1,0 +1,351 @@
+// emu_runtime.h: runs the CUDA/HIP sources of kernels/ on the CPU, for tests (never a backend).
+//
+// A module is one kernel source (the loader's text) compiled by g++ as C++17 with this
+// directory first on the include path: the shim cuda_fp16.h includes this file. It supplies
+// what the sources use (the __global__/__device__/__shared__ qualifiers, threadIdx, blockIdx,
+// blockDim, gridDim, warpSize, __syncthreads, __shfl_xor_sync, __half and its conversions, the
+// bit casts, rsqrtf/rsqrt) and a launcher that runs a grid as the programming model defines it:
+//
+//   * blocks run one after another; the threads of a block run as fibers (a stack each) on one
+//     OS thread, switched only at __syncthreads and warp shuffles, so a launch is deterministic;
+//   * __shared__ variables are statics: one instance, used by one block at a time;
+//   * warpSize is chosen per launch: 32 as on NVIDIA GPUs, 64 as on CDNA AMD GPUs;
+//   * barriers are strict: a __syncthreads that some live thread of the block never reaches
+//     (it exited, or waits elsewhere), or a shuffle that some lane of the warp never reaches,
+//     is an error naming the block and the threads, never a hang.
+//
+// What it cannot show: speed, coalescing, the memory model beyond barriers, and the exact ulp
+// behaviour of the device math library (glibc's is used).
+#ifndef DTM_EMU_RUNTIME_H
+#define DTM_EMU_RUNTIME_H
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
+
+#ifndef DTM_EMU_NAMES_ONLY  // (defined when the loader only preprocesses to find kernel names)
+#include <math.h>  // libstdc++'s <math.h> also puts the float overloads (exp(float)...) in ::
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#if !defined(__x86_64__)
+#include <ucontext.h>
+#endif
+
+namespace emu {
+
+struct dim3u {
+  unsigned x, y, z;
+};
+
+struct Barrier {
+  unsigned expected = 0;
+  unsigned arrived = 0;
+  long gen = 0;
+};
+
+struct Fiber {
+  dim3u idx{0, 0, 0};
+  std::vector<unsigned char> stack;
+  void* sp = nullptr;  // saved stack pointer while switched out (x86-64)
+#if !defined(__x86_64__)
+  ucontext_t ctx;
+#endif
+  bool done = false;
+  Barrier* at = nullptr;  // blocked at this barrier until its generation moves past wait_gen
+  long wait_gen = 0;
+  const char* what = nullptr;
+};
+
+inline dim3u g_block_idx{0, 0, 0}, g_block_dim{1, 1, 1}, g_grid_dim{1, 1, 1};
+inline int g_warp_size = 32;
+inline Fiber* g_cur = nullptr;
+inline Barrier g_block_bar;
+inline std::vector<Barrier> g_warp_bars;
+inline std::vector<uint64_t> g_slots;  // one shuffle slot per thread
+inline void (*g_body)(void*) = nullptr;
+inline void* g_body_ctx = nullptr;
+inline void* g_sched_sp = nullptr;
+#if !defined(__x86_64__)
+inline ucontext_t g_sched_ctx;
+#endif
+constexpr size_t kStack = 64 * 1024;
+
+}  // namespace emu
+
+#if defined(__x86_64__)
+// Switch stacks: save the callee-saved registers and the stack pointer into *save, load `to`.
+extern "C" void emu_switch(void** save, void* to);
+asm(".text\n.globl emu_switch\n.hidden emu_switch\n.type emu_switch,@function\nemu_switch:\n"
+    "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
+    "  movq %rsp, (%rdi)\n  movq %rsi, %rsp\n"
+    "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n  ret\n"
+    ".size emu_switch, .-emu_switch\n");
+#endif
+
+namespace emu {
+
+inline void yield_to_scheduler() {
+#if defined(__x86_64__)
+  emu_switch(&g_cur->sp, g_sched_sp);
+#else
+  swapcontext(&g_cur->ctx, &g_sched_ctx);
+#endif
+}
+
+extern "C" inline void emu_fiber_entry() {
+  g_body(g_body_ctx);
+  g_cur->done = true;
+  yield_to_scheduler();  // never resumed
+  __builtin_trap();
+}
+
+inline void start(Fiber& f) {
+  f.done = false;
+  f.at = nullptr;
+  f.what = nullptr;
+#if defined(__x86_64__)
+  uintptr_t top = (reinterpret_cast<uintptr_t>(f.stack.data()) + kStack) & ~uintptr_t(15);
+  void** sp = reinterpret_cast<void**>(top);
+  *--sp = nullptr;                                          // the entry's "return address"
+  *--sp = reinterpret_cast<void*>(&emu_fiber_entry);        // where the first switch returns
+  for (int k = 0; k < 6; ++k) *--sp = nullptr;              // rbp rbx r12 r13 r14 r15
+  f.sp = sp;
+#else
+  getcontext(&f.ctx);
+  f.ctx.uc_stack.ss_sp = f.stack.data();
+  f.ctx.uc_stack.ss_size = kStack;
+  f.ctx.uc_link = nullptr;
+  makecontext(&f.ctx, reinterpret_cast<void (*)()>(&emu_fiber_entry), 0);
+#endif
+}
+
+inline void resume(Fiber& f) {
+  g_cur = &f;
+#if defined(__x86_64__)
+  emu_switch(&g_sched_sp, f.sp);
+#else
+  swapcontext(&g_sched_ctx, &f.ctx);
+#endif
+}
+
+// Arrive at `b`; the last arrival releases everyone, earlier ones wait for it.
+inline void wait(Barrier& b, const char* what) {
+  const long gen = b.gen;
+  if (++b.arrived == b.expected) {
+    b.arrived = 0;
+    ++b.gen;
+    return;
+  }
+  g_cur->at = &b;
+  g_cur->wait_gen = gen;
+  g_cur->what = what;
+  yield_to_scheduler();
+}
+
+inline void syncthreads() { wait(g_block_bar, "__syncthreads"); }
+
+template <class V>
+inline V shfl_xor(V v, int lane_mask) {
+  static_assert(sizeof(V) <= sizeof(uint64_t), "shuffle of a value wider than 8 bytes");
+  const unsigned t = g_cur->idx.x, ws = (unsigned)g_warp_size;
+  const unsigned lane = t % ws, base = t - lane;
+  uint64_t bits = 0;
+  memcpy(&bits, &v, sizeof(V));
+  g_slots[t] = bits;
+  wait(g_warp_bars[t / ws], "a warp shuffle");
+  const unsigned src = lane ^ (unsigned)lane_mask;
+  const uint64_t got = g_slots[base + (src < ws ? src : lane)];
+  wait(g_warp_bars[t / ws], "a warp shuffle");
+  V r;
+  memcpy(&r, &got, sizeof(V));
+  return r;
+}
+
+inline void describe_deadlock(std::vector<Fiber>& fibers, char* err, size_t n) {
+  unsigned sync = 0, shfl = 0, exited = 0, first_sync = 0, first_shfl = 0, first_exit = 0;
+  for (unsigned t = 0; t < fibers.size(); ++t) {
+    Fiber& f = fibers[t];
+    if (f.done) {
+      if (!exited++) first_exit = t;
+    } else if (f.at == &g_block_bar) {
+      if (!sync++) first_sync = t;
+    } else {
+      if (!shfl++) first_shfl = t;
+    }
+  }
+  snprintf(err, n,
+           "deadlock in block %u of %u (blockDim %u, warpSize %d): %u thread(s) wait at "
+           "__syncthreads (first: thread %u), %u at a warp shuffle (first: thread %u), %u "
+           "exited (first: thread %u): a barrier not reached by every thread it waits for",
+           g_block_idx.x, g_grid_dim.x, g_block_dim.x, g_warp_size, sync, first_sync, shfl,
+           first_shfl, exited, first_exit);
+}
+
+// Run `body` as every thread of a grid of `grid` blocks of `block` threads; 0 or 1 with `err`.
+inline int run(unsigned grid, unsigned block, int warp, void (*body)(void*), void* ctx,
+               char* err, size_t n) {
+  if (warp != 32 && warp != 64) return snprintf(err, n, "warpSize %d: only 32 or 64", warp), 1;
+  if (block < 1 || block > 1024) return snprintf(err, n, "blockDim %u not in 1..1024", block), 1;
+  if (grid < 1) return snprintf(err, n, "gridDim %u: at least 1", grid), 1;
+  std::vector<Fiber> fibers(block);
+  for (unsigned t = 0; t < block; ++t) {
+    fibers[t].idx = dim3u{t, 0, 0};
+    fibers[t].stack.resize(kStack);
+  }
+  g_body = body;
+  g_body_ctx = ctx;
+  g_warp_size = warp;
+  g_block_dim = dim3u{block, 1, 1};
+  g_grid_dim = dim3u{grid, 1, 1};
+  g_slots.assign(block, 0);
+  const unsigned nwarps = (block + (unsigned)warp - 1) / (unsigned)warp;
+  for (unsigned b = 0; b < grid; ++b) {
+    g_block_idx = dim3u{b, 0, 0};
+    g_block_bar = Barrier{block, 0, 0};
+    g_warp_bars.assign(nwarps, Barrier{});
+    for (unsigned w = 0; w < nwarps; ++w)
+      g_warp_bars[w].expected = std::min((unsigned)warp, block - w * (unsigned)warp);
+    for (Fiber& f : fibers) start(f);
+    for (;;) {
+      bool progressed = false, live = false;
+      for (Fiber& f : fibers) {
+        if (f.done) continue;
+        live = true;
+        if (f.at != nullptr && f.at->gen == f.wait_gen) continue;  // still blocked
+        f.at = nullptr;
+        resume(f);
+        progressed = true;
+      }
+      if (!live) break;
+      if (!progressed) {
+        describe_deadlock(fibers, err, n);
+        g_cur = nullptr;
+        return 1;
+      }
+    }
+  }
+  g_cur = nullptr;
+  return 0;
+}
+
+template <class P, class... Ps, size_t... I>
+inline std::tuple<P, Ps...> unpack(void** args, std::index_sequence<I...>) {
+  return std::tuple<P, Ps...>{*static_cast<std::remove_cv_t<std::remove_reference_t<
+      std::tuple_element_t<I, std::tuple<P, Ps...>>>>*>(args[I])...};
+}
+
+// Launch `fn` with `args` (args[i] points at the value of parameter i, as CuPy packs them).
+template <class... P>
+inline int launch(void (*fn)(P...), unsigned grid, unsigned block, int warp, void** args,
+                  char* err, size_t n) {
+  struct Call {
+    void (*fn)(P...);
+    std::tuple<P...> values;
+  } call{fn, unpack<P...>(args, std::index_sequence_for<P...>{})};
+  auto body = [](void* ctx) {
+    Call* c = static_cast<Call*>(ctx);
+    std::apply(c->fn, c->values);
+  };
+  return run(grid, block, warp, body, &call, err, n);
+}
+
+template <class T>
+inline std::string kind() {
+  typedef std::remove_cv_t<T> U;
+  if constexpr (std::is_pointer_v<U>) {
+    return "p" + kind<std::remove_pointer_t<U>>();
+  } else if constexpr (std::is_floating_point_v<U>) {
+    return "f" + std::to_string(sizeof(U));
+  } else if constexpr (std::is_integral_v<U>) {
+    return (std::is_signed_v<U> ? "i" : "u") + std::to_string(sizeof(U));
+  } else {
+    return "h" + std::to_string(sizeof(U));  // __half
+  }
+}
+
+// The parameter kinds of `fn`, space-separated: "pf4" (float*), "ph2" (__half*), "i8", "f8"...
+template <class... P>
+inline std::string signature(void (*)(P...)) {
+  std::string s;
+  ((s += (s.empty() ? "" : " ") + kind<P>()), ...);
+  return s;
+}
+
+}  // namespace emu
+
+#define threadIdx (::emu::g_cur->idx)
+#define blockIdx (::emu::g_block_idx)
+#define blockDim (::emu::g_block_dim)
+#define gridDim (::emu::g_grid_dim)
+#define warpSize (::emu::g_warp_size)
+
+inline void __syncthreads() { ::emu::syncthreads(); }
+template <class V>
+inline V __shfl_xor_sync(unsigned, V v, int lane_mask) {
+  return ::emu::shfl_xor(v, lane_mask);
+}
+template <class V>
+inline V __shfl_xor(V v, int lane_mask, int = 0) {
+  return ::emu::shfl_xor(v, lane_mask);
+}
+
+// ---- bit casts and device math that glibc lacks ----------------------------------------------
+inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
+inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
+inline double __longlong_as_double(long long i) { double d; memcpy(&d, &i, 8); return d; }
+inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+inline double rsqrt(double x) { return 1.0 / sqrt(x); }
+
+// ---- __half: IEEE binary16 storage, conversions rounded to nearest even ----------------------
+struct __half {
+  unsigned short x;
+};
+
+inline float __half2float(__half h) {
+  const uint32_t s = (uint32_t)(h.x & 0x8000u) << 16, e = (h.x >> 10) & 0x1fu, m = h.x & 0x3ffu;
+  if (e == 0) {  // zero or subnormal: m * 2^-24, exact in float
+    const float v = (float)m * 5.9604644775390625e-8f;
+    return s ? -v : v;
+  }
+  const uint32_t bits = e == 31 ? (s | 0x7f800000u | (m << 13)) : (s | ((e + 112u) << 23) | (m << 13));
+  return __uint_as_float(bits);
+}
+
+inline __half __float2half_rn(float f) {
+  const uint32_t x = __float_as_uint(f), sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+  __half h;
+  if (ax >= 0x7f800000u) {  // inf, or NaN (kept quiet, payload's top bits)
+    h.x = (unsigned short)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u | ((ax >> 13) & 0x3ffu) : 0u));
+  } else if (ax >= 0x477ff000u) {  // >= 65520: rounds to infinity
+    h.x = (unsigned short)(sign | 0x7c00u);
+  } else if (ax <= 0x33000000u) {  // <= 2^-25: rounds to zero (2^-25 ties to even 0)
+    h.x = (unsigned short)sign;
+  } else if ((ax >> 23) < 113u) {  // half subnormal: units of 2^-24
+    const uint32_t e = ax >> 23, m = (ax & 0x7fffffu) | 0x800000u, shift = 126u - e;
+    uint32_t q = m >> shift;
+    const uint32_t rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+    if (rem > half || (rem == half && (q & 1u))) ++q;
+    h.x = (unsigned short)(sign | q);
+  } else {
+    uint32_t q = (((ax >> 23) - 112u) << 10) | ((ax >> 13) & 0x3ffu);
+    const uint32_t rem = ax & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (q & 1u))) ++q;  // a carry moves into the exponent
+    h.x = (unsigned short)(sign | q);
+  }
+  return h;
+}
+
+#endif  // DTM_EMU_NAMES_ONLY
+#endif  // DTM_EMU_RUNTIME_H

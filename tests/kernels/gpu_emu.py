@@ -1,0 +1,254 @@
+"""A CPU stand-in for CuPy that runs the real kernel sources, for tests only (never a backend).
+
+``dtm_mpi.kernels.launch`` calls ``cupy.RawModule(code=...)`` and launches kernels with
+``fn(grid, block, args)``. :class:`EmuCupy` answers those calls: the code (the loader's exact
+text, or a generated fused kernel) is compiled by the host C++ compiler against
+``emu_include/emu_runtime.h``, which runs each block's threads as fibers with strict barriers
+and warp shuffles at a chosen warp size (32 as on NVIDIA GPUs, 64 as on CDNA AMD GPUs). Arrays
+are numpy arrays (``.get()`` as CuPy's) allocated between poisoned red zones.
+
+Each launch checks what a GPU would not tell you plainly: every argument's type against the
+kernel's C signature (a ``np.int32`` passed for ``long long``, a float32 array for ``__half*``),
+writes past either end of an array argument, and barriers that not every thread reaches (an
+error naming the block and the threads, not a hang).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+INCLUDE = Path(__file__).with_name("emu_include")
+CXX = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+FLAGS = ("-std=c++17", "-O1", "-fPIC", "-Wall", "-Wno-unused-function")
+REDZONE = 64
+POISON = 0xA5
+_KINDS = {
+    np.dtype(np.float16): "h2", np.dtype(np.float32): "f4", np.dtype(np.float64): "f8",
+    np.dtype(np.int8): "i1", np.dtype(np.uint8): "u1", np.dtype(np.int32): "i4",
+    np.dtype(np.int64): "i8",
+}  # fmt: skip
+_SCALARS = {"i1": np.int8, "u1": np.uint8, "i4": np.int32, "u4": np.uint32, "i8": np.int64,
+            "u8": np.uint64, "f4": np.float32, "f8": np.float64}  # fmt: skip
+
+
+class EmuError(RuntimeError):
+    """A launch the emulator refused or a kernel that misbehaved (the message says which)."""
+
+
+class EmuArray(np.ndarray):
+    """A numpy array standing in for a CuPy device array."""
+
+    _emu_base: np.ndarray | None = None
+
+    def get(self) -> np.ndarray:
+        return np.array(self)
+
+    def __array_finalize__(self, obj: Any) -> None:
+        self._emu_base = None  # views and results carry no red zones of their own
+
+
+def _alloc(shape: Sequence[int] | int, dtype: Any) -> EmuArray:
+    dtype = np.dtype(dtype)
+    shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
+    nbytes = math.prod(shape) * dtype.itemsize
+    base = np.full(nbytes + 2 * REDZONE, POISON, dtype=np.uint8)
+    arr = base[REDZONE : REDZONE + nbytes].view(dtype).reshape(shape).view(EmuArray)
+    arr._emu_base = base
+    return arr
+
+
+def _redzones_intact(arr: EmuArray) -> bool:
+    base = arr._emu_base
+    assert base is not None
+    return bool((base[:REDZONE] == POISON).all() and (base[REDZONE + arr.nbytes :] == POISON).all())  # fmt: skip
+
+
+class _Device:
+    def __init__(self, warp: int) -> None:
+        self.id = 0
+        self.attributes = {"WarpSize": warp}
+
+
+class _Cuda:
+    def __init__(self, owner: EmuCupy) -> None:
+        self._owner = owner
+
+    def Device(self, device: int = 0) -> _Device:
+        return _Device(self._owner.warp)
+
+
+def _cache_dir() -> Path:
+    d = Path(os.environ.get("DTM_EMU_CACHE") or Path(tempfile.gettempdir()) / f"dtm-gpu-emu-{os.getuid()}")  # fmt: skip
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _run(cmd: list[str]) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    if proc.returncode != 0:
+        raise EmuError(f"{' '.join(cmd)} failed:\n{proc.stdout}{proc.stderr}")
+    return proc.stdout
+
+
+def _pch(header: str) -> list[str]:
+    """``-include`` options for the runtime header, precompiled once per header text and flags
+    (g++ falls back to the plain header if the precompiled one does not fit)."""
+    d = _cache_dir() / ("pch-" + hashlib.sha256("\0".join([header, str(CXX), *FLAGS]).encode()).hexdigest()[:16])  # fmt: skip
+    h, gch = d / "emu_runtime.h", d / "emu_runtime.h.gch"
+    if not gch.exists():
+        d.mkdir(parents=True, exist_ok=True)
+        h.write_text(header, encoding="utf-8")
+        tmp = d / f"tmp-{os.getpid()}.gch"
+        _run([str(CXX), *FLAGS, "-x", "c++-header", str(h), "-o", str(tmp)])
+        os.replace(tmp, gch)
+    return ["-include", str(h)]
+
+
+def compile_module(code: str) -> tuple[ctypes.CDLL, list[str]]:
+    """Compile kernel source text for the emulator: the shared library and its kernel names
+    (the extern "C" functions of the text, found after preprocessing)."""
+    if CXX is None:
+        raise EmuError("no C++ compiler (g++) for the GPU emulator")
+    header = (INCLUDE / "emu_runtime.h").read_text(encoding="utf-8")
+    key = hashlib.sha256("\0".join([code, header, CXX, *FLAGS]).encode()).hexdigest()[:24]
+    so = _cache_dir() / f"{key}.so"
+    names_file = so.with_suffix(".names")
+    if not (so.exists() and names_file.exists()):
+        with tempfile.TemporaryDirectory(prefix="dtm_emu_") as tmp:
+            src = Path(tmp) / "module.cpp"
+            src.write_text(code, encoding="utf-8")
+            pre = _run([CXX, "-std=c++17", "-E", "-P", "-DDTM_EMU_NAMES_ONLY", "-I", str(INCLUDE), "-x", "c++", str(src)])  # fmt: skip
+            names = sorted({n for n in re.findall(r'extern\s+"C"\s+void\s+(\w+)\s*\(', pre) if not n.startswith("emu_")})  # fmt: skip
+            tramp = [
+                f'extern "C" int emu_launch__{n}(unsigned g, unsigned b, int w, void** a, char* e, size_t n)'
+                f" {{ return emu::launch(&{n}, g, b, w, a, e, n); }}\n"
+                f'extern "C" const char* emu_sig__{n}()'
+                f" {{ static const std::string s = emu::signature(&{n}); return s.c_str(); }}\n"
+                for n in names
+            ]
+            src.write_text(code + "\n" + "".join(tramp), encoding="utf-8")
+            out = Path(tmp) / "module.so"
+            _run([CXX, *FLAGS, "-shared", *_pch(header), "-I", str(INCLUDE), "-x", "c++", str(src), "-o", str(out)])  # fmt: skip
+            os.replace(out, so)
+            names_file.write_text("\n".join(names), encoding="utf-8")
+    names = [n for n in names_file.read_text(encoding="utf-8").split("\n") if n]
+    return ctypes.CDLL(str(so)), names
+
+
+class EmuFunction:
+    def __init__(self, owner: EmuCupy, lib: ctypes.CDLL, name: str) -> None:
+        self.owner, self.name = owner, name
+        self._launch = getattr(lib, f"emu_launch__{name}")
+        self._launch.restype = ctypes.c_int
+        self._launch.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_int,
+                                 ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_size_t]  # fmt: skip
+        sig = getattr(lib, f"emu_sig__{name}")
+        sig.restype = ctypes.c_char_p
+        self.params: list[str] = sig().decode().split()
+        self.launches = 0
+
+    def _arg(self, k: int, want: str, value: Any, keep: list[Any]) -> int:
+        where = f"{self.name}: argument {k}"
+        if want.startswith("p"):
+            if not isinstance(value, np.ndarray):
+                raise EmuError(f"{where} must be a device array ({want}); got {type(value).__name__}")  # fmt: skip
+            got = _KINDS.get(value.dtype, f"?{value.dtype}")
+            if got != want[1:]:
+                raise EmuError(f"{where}: the kernel takes a {want[1:]} pointer; got a {value.dtype} array")  # fmt: skip
+            if not value.flags.c_contiguous:
+                raise EmuError(f"{where}: array is not C-contiguous")
+            cell = ctypes.c_void_p(value.ctypes.data)
+        else:
+            if isinstance(value, bool) or not isinstance(value, (np.generic, int, float)):
+                raise EmuError(f"{where} must be a scalar ({want}); got {type(value).__name__}")
+            # CuPy passes a numpy scalar as its own type, a Python int as int64, float as float64
+            got = _KINDS.get(np.asarray(value).dtype) if isinstance(value, np.generic) else ("i8" if isinstance(value, int) else "f8")  # fmt: skip
+            if got != want:
+                raise EmuError(f"{where}: the kernel takes {want}; got {got} ({value!r})")
+            cell = np.array([value], dtype=_SCALARS[want])
+            keep.append(cell)
+            return int(cell.ctypes.data)
+        keep.append(cell)
+        return int(ctypes.addressof(cell))
+
+    def __call__(self, grid: Sequence[int], block: Sequence[int], args: Sequence[Any], **_: Any) -> None:  # fmt: skip
+        g, b = (*tuple(grid), 1, 1), (*tuple(block), 1, 1)
+        if g[1:3] != (1, 1) or b[1:3] != (1, 1):
+            raise EmuError(f"{self.name}: only 1-d grids and blocks are emulated; got {grid}, {block}")  # fmt: skip
+        if len(args) != len(self.params):
+            raise EmuError(f"{self.name} takes {len(self.params)} arguments ({' '.join(self.params)}); got {len(args)}")  # fmt: skip
+        keep: list[Any] = []
+        cells = [self._arg(k, want, v, keep) for k, (want, v) in enumerate(zip(self.params, args, strict=True))]  # fmt: skip
+        argv = (ctypes.c_void_p * max(1, len(cells)))(*cells)
+        err = ctypes.create_string_buffer(1024)
+        rc = self._launch(int(g[0]), int(b[0]), self.owner.warp, argv, err, len(err))
+        self.launches += 1
+        if rc != 0:
+            raise EmuError(f"{self.name}: {err.value.decode(errors='replace')}")
+        for k, v in enumerate(args):
+            if isinstance(v, EmuArray) and v._emu_base is not None and not _redzones_intact(v):
+                raise EmuError(f"{self.name}: wrote outside argument {k} ({v.dtype}{list(v.shape)})")  # fmt: skip
+
+
+class EmuModule:
+    def __init__(self, owner: EmuCupy, code: str, options: Sequence[str] = ()) -> None:
+        self.owner, self.code, self.options = owner, code, tuple(options)
+        self._lib: ctypes.CDLL | None = None
+        self.names: list[str] = []
+
+    def compile(self) -> None:
+        if self._lib is None:
+            self._lib, self.names = compile_module(self.code)
+            self.owner.compiled += 1
+
+    def get_function(self, name: str) -> EmuFunction:
+        self.compile()
+        assert self._lib is not None
+        if name not in self.names:
+            raise EmuError(f"no kernel {name!r} in this module (it has {', '.join(self.names)})")
+        return EmuFunction(self.owner, self._lib, name)
+
+
+class EmuCupy:
+    """The slice of CuPy's API that ``dtm_mpi.kernels.launch`` and the kernel tests use."""
+
+    def __init__(self, warp: int) -> None:
+        self.warp = warp
+        self.cuda = _Cuda(self)
+        self.compiled = 0
+
+    def RawModule(self, code: str, options: Sequence[str] = ()) -> EmuModule:
+        return EmuModule(self, code, options)
+
+    def empty(self, shape: Sequence[int] | int, dtype: Any = np.float64) -> EmuArray:
+        return _alloc(shape, dtype)
+
+    def full(self, shape: Sequence[int] | int, value: Any, dtype: Any = None) -> EmuArray:
+        arr = _alloc(shape, np.asarray(value).dtype if dtype is None else dtype)
+        arr[...] = value
+        return arr
+
+    def asarray(self, x: Any, dtype: Any = None) -> EmuArray:
+        if isinstance(x, EmuArray) and (dtype is None or np.dtype(dtype) == x.dtype):
+            return x
+        src = np.asarray(x, dtype=dtype)
+        arr = _alloc(src.shape, src.dtype)
+        arr[...] = src
+        return arr
+
+    def ascontiguousarray(self, x: Any, dtype: Any = None) -> EmuArray:
+        if isinstance(x, EmuArray) and x.flags.c_contiguous and (dtype is None or np.dtype(dtype) == x.dtype):  # fmt: skip
+            return x
+        return self.asarray(np.ascontiguousarray(x, dtype=dtype))
