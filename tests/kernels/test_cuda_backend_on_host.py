@@ -1,5 +1,6 @@
 """The GPU backends' kernel table run on the CPU: CuPy replaced by numpy (CuPy mirrors numpy's
-API) and each RawKernel launcher by a numpy twin of what its ``.cu`` source computes. This
+API) and each RawKernel launcher either by a numpy twin of what its ``.cu`` source computes or
+by the real launcher running the real kernels on the CPU emulator (``gpu_emu.py``). This
 checks the glue a GPU run depends on — which launcher each op calls and with what, result
 shapes and dtypes (0-d and empty blocks included), keepdims, the global count of ``mean``,
 softmax along any dim, quantisation scales' shape, fused groups — against the numpy backend
@@ -21,6 +22,7 @@ from dtm_mpi.kernels.backends import BackendKind
 from dtm_mpi.kernels.devices import ArrayBackend
 from dtm_mpi.kernels.fused import Expr, FusedInput
 from dtm_mpi.runtime.session import run_simulated
+from tests.kernels.gpu_emu import EmuCupy
 from tests.kernels.kernel_helpers import evaluate
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
@@ -71,9 +73,15 @@ def _fused(expr: Expr, inputs: Sequence[FusedInput], xs: Sequence[Any], dtype: A
     return np.ascontiguousarray(evaluate(expr, vals, acc)).astype(dtype)
 
 
-@pytest.fixture
-def on_host(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """CuPy -> numpy and every launcher -> its numpy twin; returns the launchers called."""
+TWINS = {"softmax": _softmax, "layer_norm": _layer_norm, "row_reduce": _row_reduce,
+         "quantize": _quantize, "dequantize": _dequantize, "fused": _fused}  # fmt: skip
+
+
+@pytest.fixture(params=["twins", "emu-w32", "emu-w64"])
+def on_host(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """CuPy -> numpy for the backend's array code, and every launcher either -> its numpy twin
+    (``twins``) or the real launcher running the real kernel sources on the CPU emulator at
+    warp size 32 or 64 (``emu-w32``, ``emu-w64``); returns the launchers called."""
     called: list[str] = []
 
     def spy(name: str, fn: Any) -> Any:
@@ -84,8 +92,14 @@ def on_host(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         return wrapped
 
     monkeypatch.setattr(cuda_backend, "_cp", lambda: np)
-    for name, fn in (("softmax", _softmax), ("layer_norm", _layer_norm), ("row_reduce", _row_reduce),
-                     ("quantize", _quantize), ("dequantize", _dequantize), ("fused", _fused)):  # fmt: skip
+    impls = TWINS
+    if request.param != "twins":
+        cp = EmuCupy(int(request.param[-2:]))
+        monkeypatch.setattr(launch, "_cp", lambda: cp)
+        for cache in ("_MODULES", "_FUNCTIONS", "_FUSED", "_WARP"):
+            monkeypatch.setattr(launch, cache, {})
+        impls = {name: getattr(launch, name) for name in TWINS}
+    for name, fn in impls.items():
         monkeypatch.setattr(launch, name, spy(name, fn))
     return called
 

@@ -8,7 +8,9 @@
 //
 //   * blocks run one after another; the threads of a block run as fibers (a stack each) on one
 //     OS thread, switched only at __syncthreads and warp shuffles, so a launch is deterministic;
-//   * __shared__ variables are statics: one instance, used by one block at a time;
+//   * __shared__ variables are thread_local statics: one instance per launching OS thread,
+//     used by one block at a time (launches from several threads, as the multi-rank simulator
+//     makes them, do not share anything);
 //   * warpSize is chosen per launch: 32 as on NVIDIA GPUs, 64 as on CDNA AMD GPUs;
 //   * barriers are strict: a __syncthreads that some live thread of the block never reaches
 //     (it exited, or waits elsewhere), or a shuffle that some lane of the warp never reaches,
@@ -24,7 +26,7 @@
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
-#define __shared__ static
+#define __shared__ static thread_local
 
 #ifndef DTM_EMU_NAMES_ONLY  // (defined when the loader only preprocesses to find kernel names)
 #include <math.h>  // libstdc++'s <math.h> also puts the float overloads (exp(float)...) in ::
@@ -67,17 +69,17 @@ struct Fiber {
   const char* what = nullptr;
 };
 
-inline dim3u g_block_idx{0, 0, 0}, g_block_dim{1, 1, 1}, g_grid_dim{1, 1, 1};
-inline int g_warp_size = 32;
-inline Fiber* g_cur = nullptr;
-inline Barrier g_block_bar;
-inline std::vector<Barrier> g_warp_bars;
-inline std::vector<uint64_t> g_slots;  // one shuffle slot per thread
-inline void (*g_body)(void*) = nullptr;
-inline void* g_body_ctx = nullptr;
-inline void* g_sched_sp = nullptr;
+inline thread_local dim3u g_block_idx{0, 0, 0}, g_block_dim{1, 1, 1}, g_grid_dim{1, 1, 1};
+inline thread_local int g_warp_size = 32;
+inline thread_local Fiber* g_cur = nullptr;
+inline thread_local Barrier g_block_bar;
+inline thread_local std::vector<Barrier> g_warp_bars;
+inline thread_local std::vector<uint64_t> g_slots;  // one shuffle slot per thread
+inline thread_local void (*g_body)(void*) = nullptr;
+inline thread_local void* g_body_ctx = nullptr;
+inline thread_local void* g_sched_sp = nullptr;
 #if !defined(__x86_64__)
-inline ucontext_t g_sched_ctx;
+inline thread_local ucontext_t g_sched_ctx;
 #endif
 constexpr size_t kStack = 64 * 1024;
 
