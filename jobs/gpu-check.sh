@@ -11,8 +11,10 @@
 #
 # Needs: a Python with numpy, mpi4py, h5py, xxhash, pytest, pytest-timeout and CuPy (PY; default
 # .venv/bin/python when it exists, else python3 — a GPU image's own Python usually has them
-# all); dtm_mpi is imported from this checkout. About 5 minutes on one GPU: each step is
-# bounded so the whole fits one 10-minute command.
+# all); dtm_mpi is imported from this checkout. MPI: the machine's own `mpirun` and mpi4py;
+# where either is missing or broken, the Open MPI (and mpi4py) wheels of jobs/gpu-wheels.sh,
+# carried in .whl/, are unpacked into /tmp (MPI_FROM_WHEEL=1 forces that). About 5 minutes on
+# one GPU: each step is bounded so the whole fits one 10-minute command.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${PY:-}" ]; then
@@ -36,6 +38,10 @@ print(f"[gpu-check] probe: {p}")
 raise SystemExit(f"[gpu-check] {why}" if why else 0)
 PYEOF
 
+# MPI for the examples test and bench comm: the machine's, else the carried wheels.
+source jobs/gpu-mpi.sh
+"$PY" -c 'from mpi4py import MPI; print("[gpu-check] MPI library:", MPI.Get_library_version().splitlines()[0])' 2>/dev/null || true
+
 status=0
 say "1/3 gpu tests"
 timeout 300 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/kernels 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
@@ -46,12 +52,12 @@ timeout 120 "$PY" -m dtm_mpi bench kernels --backend "$BACKEND" --rows 16384 --c
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
 say "3/3 dtm bench comm on device buffers (2 ranks)"
-if command -v mpirun >/dev/null 2>&1; then
+if mpi_works; then
   timeout 120 mpirun --timeout 110 --bind-to none -n 2 "$PY" -m mpi4py -m dtm_mpi bench comm \
     --backend "$BACKEND" --sizes 8,64K,1M,16M --repeat 5 --csv "$OUT/comm.csv" 2>&1 | tee "$OUT/comm.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 else
-  say "no mpirun on this machine: bench comm skipped"
+  say "no usable MPI on this machine: bench comm skipped"
 fi
 
 say "summary"
