@@ -163,6 +163,6 @@ def run_kernel_bench(
             w = csv.writer(f)
             w.writerow(["metric", "value", "baseline", "ratio"])
             for name, r in rows_out:
-                w.writerow([f"{r.case} {name} GBps", f"{r.gbps:.6g}", f"{r.copy_gbps:.6g}", f"{r.ratio:.3f}"])  # fmt: skip
-                w.writerow([f"{r.case} {name} s_vs_cupy", f"{r.kernel_s:.6g}", f"{r.composed_s:.6g}", f"{r.speedup:.3f}"])  # fmt: skip
+                w.writerow([f"{r.case} {name} GBps", f"{r.gbps:.6g}", f"{r.copy_gbps:.6g}", f"{r.ratio:.4g}"])  # fmt: skip
+                w.writerow([f"{r.case} {name} s_vs_cupy", f"{r.kernel_s:.6g}", f"{r.composed_s:.6g}", f"{r.speedup:.4g}"])  # fmt: skip
     return "\n".join(lines)

@@ -23,6 +23,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -81,12 +82,38 @@ class _Device:
         self.attributes = {"WarpSize": warp}
 
 
+class _Event:
+    """A CUDA event on the host clock (the emulator runs synchronously)."""
+
+    t = 0.0
+
+    def record(self, stream: Any = None) -> None:
+        self.t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _Stream:
+    def synchronize(self) -> None:
+        pass
+
+
 class _Cuda:
+    Event = _Event
+
     def __init__(self, owner: EmuCupy) -> None:
         self._owner = owner
 
     def Device(self, device: int = 0) -> _Device:
         return _Device(self._owner.warp)
+
+    def get_current_stream(self) -> _Stream:
+        return _Stream()
+
+    @staticmethod
+    def get_elapsed_time(start: _Event, stop: _Event) -> float:
+        return (stop.t - start.t) * 1e3  # milliseconds, as CuPy's
 
 
 def _cache_dir() -> Path:
@@ -222,12 +249,17 @@ class EmuModule:
 
 
 class EmuCupy:
-    """The slice of CuPy's API that ``dtm_mpi.kernels.launch`` and the kernel tests use."""
+    """CuPy as ``dtm_mpi.kernels.launch`` and the kernel tests see it: RawModule runs on the
+    emulator, array allocations get red zones, events use the host clock; any other attribute
+    is numpy's (CuPy mirrors numpy's API)."""
 
     def __init__(self, warp: int) -> None:
         self.warp = warp
         self.cuda = _Cuda(self)
         self.compiled = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(np, name)
 
     def RawModule(self, code: str, options: Sequence[str] = ()) -> EmuModule:
         return EmuModule(self, code, options)
