@@ -9,8 +9,10 @@ a block of calls, best of ``repeat`` alternating rounds.
 
 Sizes and bandwidths follow nccl-tests: ``bytes`` is the whole array (allreduce and broadcast:
 the buffer; allgather: the gathered output; reduce_scatter: the input; all_to_all: what one
-rank sends in total); ``algbw = bytes / time``; ``busbw = algbw * f`` with ``f = 2(n-1)/n``
-for allreduce, ``(n-1)/n`` for allgather, reduce_scatter and all_to_all, ``1`` for broadcast.
+rank sends in total), in float32 elements: the size asked for, rounded down to a multiple of
+the ranks, at least one element per rank (:func:`case_bytes`); ``algbw = bytes / time``;
+``busbw = algbw * f`` with ``f = 2(n-1)/n`` for allreduce, ``(n-1)/n`` for allgather,
+reduce_scatter and all_to_all, ``1`` for broadcast.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import numpy as np
 
 from dtm_mpi.errors import UsageError
 
-__all__ = ["BenchRow", "default_sizes", "parse_size", "run_comm_bench"]
+__all__ = ["BenchRow", "case_bytes", "default_sizes", "parse_size", "run_comm_bench"]
 
 BLOCK_BYTES = 8 << 20
 """Bytes per timed block (at least one call, at most 1000): about a millisecond of work."""
@@ -66,6 +68,11 @@ def default_sizes() -> list[int]:
     return [8, 64, 512, 4 << 10, 32 << 10, 256 << 10, 1 << 20, 8 << 20, 64 << 20]
 
 
+def case_bytes(nbytes: int, n: int) -> int:
+    """The bytes a case of ``nbytes`` moves on ``n`` ranks (see the module's docstring)."""
+    return 4 * max(n, nbytes // 4 // n * n)
+
+
 def slowest_rank_time(fn: Callable[[], object], iters: int, comm: Any) -> float:
     """The slowest rank's mean time of ``iters`` calls of ``fn``, started together.
 
@@ -83,10 +90,10 @@ def slowest_rank_time(fn: Callable[[], object], iters: int, comm: Any) -> float:
 class _DeviceRaw:
     """The raw path on device buffers, as a careful mpi4py user writes it: synchronise the
     stream, then hand the device buffers to MPI (GPU-aware MPI), or copy to host buffers,
-    call MPI there and copy back (otherwise)."""
+    call MPI there and copy back what MPI wrote (otherwise)."""
 
-    def __init__(self, backend: Any, aware: bool) -> None:
-        self.ops, self.aware = backend.ops, aware
+    def __init__(self, backend: Any, aware: bool, rank: int) -> None:
+        self.ops, self.aware, self.rank = backend.ops, aware, rank
         self._host: dict[tuple[int, int], np.ndarray] = {}
 
     def _staged(self, x: Any, slot: int, copy: bool = True) -> np.ndarray:
@@ -102,7 +109,10 @@ class _DeviceRaw:
         return twin
 
     def wrap(self, call: Callable[..., object], send: Any, recv: Any | None, **kw: Any) -> Callable[[], object]:  # fmt: skip
+        """A function making the buffer call ``call(send, recv, **kw)`` (``call(send,
+        **kw)``: in place, a broadcast) on device buffers."""
         ops = self.ops
+        in_place_root = recv is None and kw.get("root") == self.rank  # MPI only reads there
 
         def direct() -> object:
             ops.synchronize()
@@ -113,7 +123,7 @@ class _DeviceRaw:
             hs = self._staged(send, 0)
             if recv is None:
                 call(hs, **kw)
-                return ops.to_device(hs, send)
+                return send if in_place_root else ops.to_device(hs, send)
             hr = self._staged(recv, 1, copy=False)
             call(hs, hr, **kw)
             return ops.to_device(hr, recv)
@@ -145,33 +155,35 @@ def _cases(op: str, nbytes: int, comm_dtm: Any, raw: Any, n: int, rank: int, dev
         cp = device[0].ops.cp
         _ones = lambda count: cp.ones(count, dtype=np.float32)  # noqa: E731
         _empty = lambda count, dtype: cp.empty(count, dtype=dtype)  # noqa: E731
-        draw: _DeviceRaw = device[1]
-        raw = _WrappedRaw(raw, draw)
+
+    def raw_call(name: str, send: Any, recv: Any | None = None, **kw: Any) -> Callable[[], object]:  # fmt: skip
+        """The raw path's call, bound once: timing measures MPI's call, not its lookup."""
+        call = getattr(raw, name)
+        if device is not None:
+            draw: _DeviceRaw = device[1]
+            return draw.wrap(call, send, recv, **kw)
+        return (lambda: call(send, **kw)) if recv is None else (lambda: call(send, recv, **kw))
 
     group = tuple(range(n))
     axes = ("x",)
-    elems = max(n, nbytes // 4 // n * n)  # float32, divisible by n
+    elems = case_bytes(nbytes, n) // 4  # float32, divisible by n
     per = elems // n
     if op == "allreduce":
         x, out = _ones(elems), _empty(elems, np.float32)
         spec_ar = AllreduceSpec(group, rank, ReduceOp.SUM, elems)
-        return (lambda: comm_dtm.allreduce(x, axes, spec_ar)), (
-            lambda: raw.Allreduce(x, out, op=MPI.SUM)
-        )
+        return (lambda: comm_dtm.allreduce(x, axes, spec_ar)), raw_call("Allreduce", x, out, op=MPI.SUM)  # fmt: skip
     if op == "allgather":
         x, out = _ones(per), _empty(elems, np.float32)
         spec_ag = AllgatherSpec(group, rank, 0, (per,) * n, (per,) * n)
-        return (lambda: comm_dtm.allgather(x, axes, spec_ag)), (lambda: raw.Allgather(x, out))
+        return (lambda: comm_dtm.allgather(x, axes, spec_ag)), raw_call("Allgather", x, out)
     if op == "reduce_scatter":
         x, out = _ones(elems), _empty(per, np.float32)
         pieces = tuple((j * per, per) for j in range(n))
         spec_rs = ReduceScatterSpec(group, rank, ReduceOp.SUM, 0, pieces, (per,) * n)
-        return (lambda: comm_dtm.reduce_scatter(x, axes, spec_rs)), (
-            lambda: raw.Reduce_scatter_block(x, out, op=MPI.SUM)
-        )
+        return (lambda: comm_dtm.reduce_scatter(x, axes, spec_rs)), raw_call("Reduce_scatter_block", x, out, op=MPI.SUM)  # fmt: skip
     if op == "broadcast":
         x = _ones(elems)
-        return (lambda: comm_dtm.broadcast(x, axes, 0)), (lambda: raw.Bcast(x, root=0))
+        return (lambda: comm_dtm.broadcast(x, axes, 0)), raw_call("Bcast", x, root=0)
     x, out = _ones(elems), _empty(elems, np.float32)
 
     def region(j: int) -> tuple[slice, ...]:
@@ -183,25 +195,7 @@ def _cases(op: str, nbytes: int, comm_dtm: Any, raw: Any, n: int, rank: int, dev
         tuple(Transfer(j, region(j), per) for j in range(n)),
         (elems,), per, per,
     )  # fmt: skip
-    return (lambda: comm_dtm.exchange(x, axes, spec_ex, "all_to_all")), (
-        lambda: raw.Alltoall(x, out)
-    )
-
-
-class _WrappedRaw:
-    """mpi4py's buffer calls on device arrays through :class:`_DeviceRaw`, called like the
-    communicator's own (``raw.Allreduce(x, out, op=...)``)."""
-
-    def __init__(self, comm: Any, draw: _DeviceRaw) -> None:
-        self._comm, self._draw = comm, draw
-
-    def __getattr__(self, name: str) -> Callable[..., object]:
-        call = getattr(self._comm, name)
-
-        def bound(send: Any, recv: Any = None, **kw: Any) -> object:
-            return self._draw.wrap(call, send, recv, **kw)()
-
-        return bound
+    return (lambda: comm_dtm.exchange(x, axes, spec_ex, "all_to_all")), raw_call("Alltoall", x, out)  # fmt: skip
 
 
 def run_comm_bench(
@@ -248,14 +242,14 @@ def run_comm_bench(
             for _ in range(repeat):
                 best_d = min(best_d, slowest_rank_time(dtm_fn, iters, raw))
                 best_r = min(best_r, slowest_rank_time(raw_fn, iters, raw))
-            rows.append(BenchRow(op, n, nbytes, best_d, best_r))
+            rows.append(BenchRow(op, n, case_bytes(nbytes, n), best_d, best_r))
     raw.Free()
     session.close()
     if rank != 0:
         return ""
     head = ""
     if device is not None:
-        head = f"device buffers: {device[0].description}; {dtm_comm.describe()}\n"
+        head = f"{device[0].description}; {dtm_comm.describe()}\n"
     if csv_path:
         with open(csv_path, "w", newline="") as f:
             w = csv.writer(f)
@@ -281,7 +275,7 @@ def _device_setup(backend: str, world: Any, session: Any, inner: Any) -> tuple[A
     aware = agree_gpu_aware(session, detect_gpu_aware(None, opened.name, device=opened.device))
     return DeviceComm(inner, opened.ops, aware, log=lambda line: None), (
         opened,
-        _DeviceRaw(opened, aware.aware),
+        _DeviceRaw(opened, aware.aware, int(world.Get_rank())),
     )
 
 

@@ -7,6 +7,7 @@ Also the collective steps both device-comm test files run: every kind, uneven bl
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import numpy as np
@@ -255,3 +256,184 @@ def fake_cupy_environ(directory: str, mode: str) -> dict[str, str]:
     with open(os.path.join(directory, "cupy", "__init__.py"), "w", encoding="utf-8") as f:
         f.write(FAKE_CUPY)
     return dict(os.environ, PYTHONPATH=directory, FAKE_CUPY_MODE=mode)
+
+
+# --- a fake CuPy module for code that imports cupy itself -------------------------------------
+
+
+class FakeStream:
+    """CuPy's current stream, asynchronous as a GPU's: kernels (fills, copies, uploads) queue
+    here and run at :meth:`synchronize`, or when a download waits for the stream. MPI reads
+    and writes the memory directly, as it does a device buffer: a reader that did not
+    synchronise sees the memory before the queued work."""
+
+    def __init__(self) -> None:
+        self.queue: list[Any] = []
+        self.syncs = 0
+
+    def launch(self, work: Any) -> None:
+        self.queue.append(work)
+
+    def drain(self) -> None:
+        while self.queue:
+            self.queue.pop(0)()
+
+    def synchronize(self) -> None:
+        self.syncs += 1
+        self.drain()
+
+
+class FakeCupyArray(FakeDeviceArray):
+    """A ``cupy.ndarray`` over host memory: ``get`` and ``set`` check their arguments as
+    CuPy's do; implicit conversion to numpy is a ``TypeError``, as in CuPy."""
+
+    def __init__(self, host: np.ndarray, cp: FakeCupy) -> None:
+        super().__init__(host)
+        self._cp = cp
+
+    def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
+        raise TypeError("Implicit conversion to a NumPy array is not allowed (fake cupy)")
+
+    def get(self, stream: Any = None, order: str = "C", out: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
+        """A synchronous download: waits for the work queued on the stream first."""
+        self._cp.downloads += 1
+        self._cp.stream.drain()
+        if out is None:
+            return self.host.copy()
+        if not isinstance(out, np.ndarray):
+            raise TypeError("Only numpy.ndarray can be obtained from cupy.ndarray")
+        if out.dtype != self.dtype:
+            raise TypeError(f"{self.dtype} array cannot be obtained from {out.dtype} array")
+        if out.shape != self.shape:
+            raise ValueError(f"Shape mismatch. Old shape: {self.shape}, new shape: {out.shape}")
+        if not out.flags.c_contiguous:
+            raise ValueError("fake cupy: out must be C-contiguous")
+        np.copyto(out, self.host)
+        return out
+
+    def set(self, arr: np.ndarray, stream: Any = None) -> None:
+        """An upload, queued on the stream (it reads ``arr`` when it runs, as an asynchronous
+        copy does)."""
+        if not isinstance(arr, np.ndarray):
+            raise TypeError("Only numpy.ndarray can be set to cupy.ndarray")
+        if arr.dtype != self.dtype:
+            raise TypeError(f"{arr.dtype} array cannot be set to {self.dtype} array")
+        if arr.shape != self.shape:
+            raise ValueError(f"Shape mismatch. Old shape: {self.shape}, new shape: {arr.shape}")
+        self._cp.uploads += 1
+        self._cp.stream.launch(lambda: np.copyto(self.host, arr))
+
+
+class _FakeRuntime:
+    def __init__(self, cp: FakeCupy, devices: int, hip: bool) -> None:
+        self._cp, self._devices, self.is_hip = cp, devices, hip
+
+    def runtimeGetVersion(self) -> int:
+        return 60000000 if self.is_hip else 12080
+
+    def getDeviceCount(self) -> int:
+        return self._devices
+
+    def getDeviceProperties(self, device: int) -> dict[str, Any]:
+        return {"name": b"Fake GPU"}
+
+    def deviceSynchronize(self) -> None:
+        self._cp.stream.synchronize()
+
+
+class _FakeDevice:
+    def __init__(self, cp: FakeCupy, index: int) -> None:
+        if not 0 <= index < cp.cuda.runtime.getDeviceCount():
+            raise RuntimeError(f"cudaErrorInvalidDevice: invalid device ordinal {index}")
+        self._cp, self.id = cp, index
+
+    def use(self) -> None:
+        self._cp.device = self.id
+
+
+class _FakeCuda:
+    def __init__(self, cp: FakeCupy, devices: int, hip: bool) -> None:
+        self._cp = cp
+        self.runtime = _FakeRuntime(cp, devices, hip)
+
+    def Device(self, index: int = 0) -> _FakeDevice:
+        return _FakeDevice(self._cp, index)
+
+    def get_current_stream(self) -> FakeStream:
+        return self._cp.stream
+
+    def alloc_pinned_memory(self, nbytes: int) -> bytearray:
+        """Page-locked memory: an object with the buffer protocol (``numpy.frombuffer``)."""
+        self._cp.pinned_allocations += 1
+        return bytearray(nbytes)
+
+
+class FakeCupy(types.ModuleType):
+    """Just enough of CuPy for the device paths of ``dtm_mpi`` (``CupyDeviceOps``,
+    ``open_backend``, the benchmarks' buffers), on host memory. Put it in ``sys.modules``
+    as ``cupy`` (or import it from :func:`fake_cupy_package`'s directory).
+
+    Counters for tests: ``stream.syncs``, ``downloads``, ``uploads``,
+    ``pinned_allocations``; ``created`` lists the arrays made while ``recording``."""
+
+    __version__ = "13.0.0+fake"
+    float32, float64 = np.float32, np.float64
+
+    def __init__(self, devices: int = 1, hip: bool = False) -> None:
+        super().__init__("cupy", "fake CuPy: host memory posing as device memory (tests)")
+        self.ndarray = FakeCupyArray
+        self.stream = FakeStream()
+        self.cuda = _FakeCuda(self, devices, hip)
+        self.device: int | None = None
+        self.downloads = self.uploads = self.pinned_allocations = 0
+        self.recording = False
+        self.created: list[FakeCupyArray] = []
+
+    def _new(self, shape: Any, dtype: Any) -> FakeCupyArray:
+        host = np.empty(shape, dtype=dtype)
+        host.reshape(-1).view(np.uint8)[:] = 0xA5  # uninitialised memory: never all zeros
+        out = FakeCupyArray(host, self)
+        if self.recording:
+            self.created.append(out)
+        return out
+
+    def empty(self, shape: Any, dtype: Any = np.float64) -> FakeCupyArray:
+        return self._new(shape, dtype)
+
+    def full(self, shape: Any, value: Any, dtype: Any = None) -> FakeCupyArray:
+        out = self._new(shape, dtype if dtype is not None else np.asarray(value).dtype)
+        self.stream.launch(lambda: out.host.fill(value))  # a fill kernel, queued
+        return out
+
+    def ones(self, shape: Any, dtype: Any = np.float64) -> FakeCupyArray:
+        return self.full(shape, 1, dtype)
+
+    def zeros(self, shape: Any, dtype: Any = np.float64) -> FakeCupyArray:
+        return self.full(shape, 0, dtype)
+
+    def ascontiguousarray(self, x: FakeCupyArray) -> FakeCupyArray:
+        out = self._new(x.shape, x.dtype)
+        self.stream.launch(lambda: np.copyto(out.host, x.host))
+        return out
+
+    def asnumpy(self, x: FakeCupyArray) -> np.ndarray:
+        return x.get()
+
+
+def fake_cupy_package(directory: str, devices: int = 1) -> dict[str, str]:
+    """The environment for a child interpreter whose ``import cupy`` gives a :class:`FakeCupy`
+    (written under ``directory``; this checkout on ``PYTHONPATH`` for ``tests``)."""
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    os.makedirs(os.path.join(directory, "cupy"), exist_ok=True)
+    with open(os.path.join(directory, "cupy", "__init__.py"), "w", encoding="utf-8") as f:
+        f.write(
+            "import sys\n"
+            "from tests.comm.fake_device import FakeCupy\n"
+            f"_fake = FakeCupy(devices={devices})\n"
+            "_fake.__spec__ = __spec__\n"
+            "sys.modules[__name__] = _fake\n"
+        )
+    path = os.pathsep.join([directory, root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return dict(os.environ, PYTHONPATH=path)
