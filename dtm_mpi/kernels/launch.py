@@ -101,8 +101,18 @@ def _out(out: Arr | None, shape: tuple[int, ...], dtype: Any) -> Arr:
     return out
 
 
-def _rows(x: Arr) -> tuple[Arr, int, int]:
-    x = _cp().ascontiguousarray(x)
+def _dev(x: Arr, what: str, dtype: Any = None) -> Arr:
+    """``x`` as a C-contiguous device array (of ``dtype`` if given). A host (numpy) array is a
+    :class:`KernelError` naming ``what``: the GPU path uploads at its host boundary, never
+    implicitly here (CuPy's own answer would be a bare TypeError)."""
+    cp = _cp()
+    if isinstance(x, np.ndarray) and not isinstance(x, cp.ndarray):
+        raise KernelError(f"{what}: got a host (numpy) array; GPU kernels take device arrays")
+    return cp.ascontiguousarray(x) if dtype is None else cp.ascontiguousarray(x, dtype=dtype)
+
+
+def _rows(x: Arr, what: str) -> tuple[Arr, int, int]:
+    x = _dev(x, what)
     cols = int(x.shape[-1]) if x.ndim else 1
     rows = int(x.size // cols) if cols else int(math.prod(x.shape[:-1]))
     return x, rows, cols
@@ -111,7 +121,7 @@ def _rows(x: Arr) -> tuple[Arr, int, int]:
 def softmax(x: Arr, *, log: bool = False, out: Arr | None = None) -> Arr:
     """Softmax (``log``: log-softmax) along the last dim."""
     sfx = _suffix(x, "softmax")
-    x, rows, cols = _rows(x)
+    x, rows, cols = _rows(x, "softmax")
     y = _out(out, tuple(x.shape), x.dtype)
     if rows and cols:
         fn = function("softmax.cu", f"dtm_{'log_' if log else ''}softmax_{sfx}")
@@ -121,10 +131,9 @@ def softmax(x: Arr, *, log: bool = False, out: Arr | None = None) -> Arr:
 
 def layer_norm(x: Arr, gamma: Arr, beta: Arr, eps: float, *, out: Arr | None = None) -> Arr:
     """Normalise over the last dim, then ``* gamma + beta``."""
-    cp = _cp()
     sfx = _suffix(x, "layer_norm")
-    x, rows, cols = _rows(x)
-    g, b = cp.ascontiguousarray(gamma, dtype=x.dtype), cp.ascontiguousarray(beta, dtype=x.dtype)
+    x, rows, cols = _rows(x, "layer_norm")
+    g, b = _dev(gamma, "layer_norm gamma", x.dtype), _dev(beta, "layer_norm beta", x.dtype)
     y = _out(out, tuple(x.shape), x.dtype)
     if rows and cols:
         fn = function("layer_norm.cu", f"dtm_layer_norm_{sfx}")
@@ -137,7 +146,7 @@ def row_reduce(op: str, x: Arr, scale: float = 1.0, *, out: Arr | None = None) -
     if op not in ("sum", "max", "min"):
         raise KernelError(f"no row reduction {op!r}")
     sfx = _suffix(x, op)
-    x, rows, cols = _rows(x)
+    x, rows, cols = _rows(x, f"row {op}")
     y = _out(out, tuple(x.shape[:-1]), x.dtype)
     if rows:
         fn = function("row_reduce.cu", f"dtm_row_{op}_{sfx}")
@@ -162,9 +171,8 @@ def _warp() -> int:
 
 def quantize(x: Arr, block: int, *, out: tuple[Arr, Arr] | None = None) -> tuple[Arr, Arr]:
     """int8 values (shape of ``x``) and f32 scales (one per ``block`` consecutive elements)."""
-    cp = _cp()
     sfx = _suffix(x, "quantize")
-    x = cp.ascontiguousarray(x)
+    x = _dev(x, "quantize")
     if block < 1 or x.size % block:
         raise KernelError(f"quantize: {x.size} elements are not whole blocks of {block}")
     nblocks = x.size // block
@@ -178,13 +186,12 @@ def quantize(x: Arr, block: int, *, out: tuple[Arr, Arr] | None = None) -> tuple
 
 def dequantize(q: Arr, scales: Arr, block: int, dtype: Any, *, out: Arr | None = None) -> Arr:
     """``q * scale`` per block of ``block`` elements, as ``dtype`` (f16/f32/f64)."""
-    cp = _cp()
     dtype = np.dtype(dtype)
     sfx = SUFFIX.get(dtype)
     if sfx is None:
         raise KernelError(f"dequantize: result dtype {dtype} is not f16/f32/f64")
-    q = cp.ascontiguousarray(q)
-    s = cp.ascontiguousarray(scales, dtype=np.float32)
+    q = _dev(q, "dequantize values")
+    s = _dev(scales, "dequantize scales", np.float32)
     y = _out(out, tuple(q.shape), dtype)
     if q.size:
         fn = function("quant.cu", f"dtm_dequantize_{sfx}")
@@ -209,7 +216,7 @@ def fused(
     y = _out(out, tuple(shape), dtype)
     n = int(y.size)
     cols = int(shape[-1]) if len(shape) else 1
-    args = [cp.ascontiguousarray(x) for x in xs]
+    args = [_dev(x, f"fused kernel input {k}") for k, x in enumerate(xs)]
     if n:
         fn((_grid(n, THREADS),), (THREADS,), (*args, y, np.int64(n), np.int64(max(cols, 1))))
     return y
@@ -217,10 +224,9 @@ def fused(
 
 def bias_gelu(x: Arr, bias: Arr, *, out: Arr | None = None) -> Arr:
     """``gelu(x + bias)`` with ``bias`` a vector along the last dim (the fused MLP epilogue)."""
-    cp = _cp()
     sfx = _suffix(x, "bias_gelu")
-    x, _, cols = _rows(x)
-    b = cp.ascontiguousarray(bias, dtype=x.dtype)
+    x, _, cols = _rows(x, "bias_gelu")
+    b = _dev(bias, "bias_gelu bias", x.dtype)
     if b.size != cols:
         raise KernelError(f"bias_gelu: bias has {b.size} elements, the last dim {cols}")
     y = _out(out, tuple(x.shape), x.dtype)

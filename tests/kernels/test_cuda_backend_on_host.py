@@ -16,13 +16,14 @@ from typing import Any
 import numpy as np
 import pytest
 
+from dtm_mpi.errors import KernelError
 from dtm_mpi.ir import load_module
 from dtm_mpi.kernels import cuda_backend, launch
 from dtm_mpi.kernels.backends import BackendKind
 from dtm_mpi.kernels.devices import ArrayBackend
 from dtm_mpi.kernels.fused import Expr, FusedInput
 from dtm_mpi.runtime.session import run_simulated
-from tests.kernels.gpu_emu import EmuCupy
+from tests.kernels.gpu_emu import EmuArray, EmuCupy
 from tests.kernels.kernel_helpers import evaluate
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
@@ -193,3 +194,24 @@ def test_every_op_family_with_the_gpu_table(on_host: list[str], ranks: int) -> N
     _compare(got, want)
     for launcher in ("softmax", "layer_norm", "row_reduce", "quantize", "dequantize", "fused"):
         assert launcher in on_host, launcher
+
+
+def test_a_host_array_reaching_a_launcher_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Real CuPy refuses numpy arrays with a bare TypeError; the launchers name the input."""
+    cp = EmuCupy(32)
+    cp.ndarray = EmuArray  # type: ignore[attr-defined]  # numpy arrays are host arrays here
+    monkeypatch.setattr(launch, "_cp", lambda: cp)
+    for cache in ("_MODULES", "_FUNCTIONS", "_FUSED", "_WARP"):
+        monkeypatch.setattr(launch, cache, {})
+    host = np.ones((2, 8), np.float32)
+    dev = cp.asarray(host)
+    with pytest.raises(KernelError, match=r"^softmax: got a host \(numpy\) array"):
+        launch.softmax(host)
+    with pytest.raises(KernelError, match=r"^layer_norm gamma: got a host \(numpy\) array"):
+        launch.layer_norm(dev, host[0], cp.asarray(host[0]), 1e-5)
+    expr = Expr("add", (0, 1))
+    ins = [FusedInput(np.dtype(np.float32)), FusedInput(np.dtype(np.float32), lastdim=True)]
+    with pytest.raises(KernelError, match=r"^fused kernel input 1: got a host \(numpy\) array"):
+        launch.fused(expr, ins, [dev, host[0]], np.float32, (2, 8))
+    got = launch.fused(expr, ins, [dev, cp.asarray(host[0])], np.float32, (2, 8))
+    assert np.array_equal(got.get(), host + host[0])
