@@ -10,7 +10,8 @@ are numpy arrays (``.get()`` as CuPy's) allocated between poisoned red zones.
 Each launch checks what a GPU would not tell you plainly: every argument's type against the
 kernel's C signature (a ``np.int32`` passed for ``long long``, a float32 array for ``__half*``),
 writes past either end of an array argument, and barriers that not every thread reaches (an
-error naming the block and the threads, not a hang).
+error naming the block and the threads, not a hang). ``EmuCupy(64, hip=True)`` compiles the
+sources' HIP branch (``__shfl_xor``), as on an AMD GPU with 64-wide wavefronts.
 """
 
 from __future__ import annotations
@@ -143,20 +144,22 @@ def _pch(header: str) -> list[str]:
     return ["-include", str(h)]
 
 
-def compile_module(code: str) -> tuple[ctypes.CDLL, list[str]]:
+def compile_module(code: str, hip: bool = False) -> tuple[ctypes.CDLL, list[str]]:
     """Compile kernel source text for the emulator: the shared library and its kernel names
-    (the extern "C" functions of the text, found after preprocessing)."""
+    (the extern "C" functions of the text, found after preprocessing). ``hip``: as hipcc sees
+    it (``__HIP_PLATFORM_AMD__``: the sources take their HIP branch), else as nvcc does."""
+    defines = ["-D__HIP_PLATFORM_AMD__"] if hip else []
     if CXX is None:
         raise EmuError("no C++ compiler (g++) for the GPU emulator")
     header = (INCLUDE / "emu_runtime.h").read_text(encoding="utf-8")
-    key = hashlib.sha256("\0".join([code, header, CXX, *FLAGS]).encode()).hexdigest()[:24]
+    key = hashlib.sha256("\0".join([code, header, CXX, *FLAGS, *defines]).encode()).hexdigest()[:24]
     so = _cache_dir() / f"{key}.so"
     names_file = so.with_suffix(".names")
     if not (so.exists() and names_file.exists()):
-        with tempfile.TemporaryDirectory(prefix="dtm_emu_") as tmp:
+        with tempfile.TemporaryDirectory(prefix="tmp-", dir=_cache_dir()) as tmp:
             src = Path(tmp) / "module.cpp"
             src.write_text(code, encoding="utf-8")
-            pre = _run([CXX, "-std=c++17", "-E", "-P", "-DDTM_EMU_NAMES_ONLY", "-I", str(INCLUDE), "-x", "c++", str(src)])  # fmt: skip
+            pre = _run([CXX, "-std=c++17", "-E", "-P", "-DDTM_EMU_NAMES_ONLY", *defines, "-I", str(INCLUDE), "-x", "c++", str(src)])  # fmt: skip
             names = sorted({n for n in re.findall(r'extern\s+"C"\s+void\s+(\w+)\s*\(', pre) if not n.startswith("emu_")})  # fmt: skip
             tramp = [
                 f'extern "C" int emu_launch__{n}(unsigned g, unsigned b, int w, void** a, char* e, size_t n)'
@@ -167,9 +170,12 @@ def compile_module(code: str) -> tuple[ctypes.CDLL, list[str]]:
             ]
             src.write_text(code + "\n" + "".join(tramp), encoding="utf-8")
             out = Path(tmp) / "module.so"
-            _run([CXX, *FLAGS, "-shared", *_pch(header), "-I", str(INCLUDE), "-x", "c++", str(src), "-o", str(out)])  # fmt: skip
+            _run([CXX, *FLAGS, *defines, "-shared", *_pch(header), "-I", str(INCLUDE), "-x", "c++", str(src), "-o", str(out)])  # fmt: skip
+            # both atomically, the names first: a concurrent run that sees both sees them whole
+            tmp_names = Path(tmp) / "module.names"
+            tmp_names.write_text("\n".join(names), encoding="utf-8")
+            os.replace(tmp_names, names_file)
             os.replace(out, so)
-            names_file.write_text("\n".join(names), encoding="utf-8")
     names = [n for n in names_file.read_text(encoding="utf-8").split("\n") if n]
     return ctypes.CDLL(str(so)), names
 
@@ -237,7 +243,7 @@ class EmuModule:
 
     def compile(self) -> None:
         if self._lib is None:
-            self._lib, self.names = compile_module(self.code)
+            self._lib, self.names = compile_module(self.code, self.owner.hip)
             self.owner.compiled += 1
 
     def get_function(self, name: str) -> EmuFunction:
@@ -253,8 +259,8 @@ class EmuCupy:
     emulator, array allocations get red zones, events use the host clock; any other attribute
     is numpy's (CuPy mirrors numpy's API)."""
 
-    def __init__(self, warp: int) -> None:
-        self.warp = warp
+    def __init__(self, warp: int, hip: bool = False) -> None:
+        self.warp, self.hip = warp, hip
         self.cuda = _Cuda(self)
         self.compiled = 0
 

@@ -78,11 +78,12 @@ TWINS = {"softmax": _softmax, "layer_norm": _layer_norm, "row_reduce": _row_redu
          "quantize": _quantize, "dequantize": _dequantize, "fused": _fused}  # fmt: skip
 
 
-@pytest.fixture(params=["twins", "emu-w32", "emu-w64"])
+@pytest.fixture(params=["twins", "emu-cuda-w32", "emu-hip-w64"])
 def on_host(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """CuPy -> numpy for the backend's array code, and every launcher either -> its numpy twin
-    (``twins``) or the real launcher running the real kernel sources on the CPU emulator at
-    warp size 32 or 64 (``emu-w32``, ``emu-w64``); returns the launchers called."""
+    (``twins``) or the real launcher running the real kernel sources on the CPU emulator (the
+    CUDA branch at warp size 32, ``emu-cuda-w32``; the HIP branch at 64, ``emu-hip-w64``);
+    returns the launchers called."""
     called: list[str] = []
 
     def spy(name: str, fn: Any) -> Any:
@@ -95,7 +96,7 @@ def on_host(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(cuda_backend, "_cp", lambda: np)
     impls = TWINS
     if request.param != "twins":
-        cp = EmuCupy(int(request.param[-2:]))
+        cp = EmuCupy(int(request.param[-2:]), hip="hip" in request.param)
         monkeypatch.setattr(launch, "_cp", lambda: cp)
         for cache in ("_MODULES", "_FUNCTIONS", "_FUSED", "_WARP"):
             monkeypatch.setattr(launch, cache, {})

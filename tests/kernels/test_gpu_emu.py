@@ -168,3 +168,26 @@ def test_launch_shape_limits() -> None:
         fn((1,), (2048,), (cp.empty((8,), np.float32), np.int64(8)))
     with pytest.raises(EmuError, match=r"only 1-d grids"):
         fn((1, 2), (32,), (cp.empty((8,), np.float32), np.int64(8)))
+
+
+@pytest.mark.parametrize("hip", [False, True])
+def test_the_hip_build_takes_the_sources_hip_branch(hip: bool) -> None:
+    code = (
+        REDUCE
+        + """
+extern "C" __global__ void branch(int* out) {
+#ifdef DTM_HIP
+  *out = 1;
+#else
+  *out = 0;
+#endif
+}
+"""
+    )
+    cp = EmuCupy(64, hip=hip)
+    out = cp.full((1,), -1, np.int32)
+    _fn(cp, code, "branch")((1,), (64,), (out,))
+    assert out.get()[0] == int(hip)
+    x, sums, warp = np.arange(1, 101, dtype=np.float64), cp.full((2,), np.nan), cp.full((1,), 0, np.int32)  # fmt: skip
+    _fn(cp, code, "block_sum")((2,), (128,), (cp.asarray(x), sums, warp, np.int64(x.size)))
+    assert np.array_equal(sums.get(), [x.sum() * 128 * 2] * 2)
