@@ -33,9 +33,9 @@ class FakeDeviceArray:
     (tests only); there is deliberately no ``__array__``, so code that treats it as a host
     array fails instead of silently copying."""
 
-    def __init__(self, host: np.ndarray) -> None:
-        if not host.flags.c_contiguous:
-            raise ValueError("FakeDeviceArray wraps C-contiguous arrays only")
+    def __init__(self, host: np.ndarray, strided: bool = False) -> None:
+        if not (host.flags.c_contiguous or strided):
+            raise ValueError("FakeDeviceArray wraps C-contiguous arrays only (strided=True: a view)")  # fmt: skip
         self.host = host
 
     @property
@@ -65,7 +65,7 @@ class FakeDeviceArray:
             "typestr": self.host.dtype.str,
             "data": (int(self.host.ctypes.data), False),
             "version": 3,
-            "strides": None,
+            "strides": None if self.host.flags.c_contiguous else tuple(self.host.strides),
             "stream": None,
         }
 
@@ -127,6 +127,15 @@ def same(got: Any, want: np.ndarray) -> bool:
 def dev(x: np.ndarray) -> FakeDeviceArray:
     """A fake device copy of ``x``."""
     return FakeDeviceArray(np.array(x, order="C", copy=True))
+
+
+def dev_strided(x: np.ndarray) -> FakeDeviceArray:
+    """A fake device array holding ``x`` as a non-contiguous view (the transpose of a
+    contiguous copy of ``x.T``), as a transposed CuPy array is; 2-d, both extents > 1."""
+    assert x.ndim == 2 and min(x.shape) > 1
+    view = np.ascontiguousarray(x.T).T
+    assert not view.flags.c_contiguous and np.array_equal(view, x)
+    return FakeDeviceArray(view, strided=True)
 
 
 # --- the collective steps the tests run -------------------------------------------------------

@@ -280,6 +280,42 @@ def test_direct_exchange_of_back_to_back_pieces(comm: Any, all_ranks: Any) -> No
         all_ranks(dc.paths.direct["all_to_all"] == 2 and not dc.paths.staged, f"paths {dc.paths}")
 
 
+def test_non_contiguous_device_inputs_are_copied_not_staged(comm: Any, all_ranks: Any) -> None:  # fmt: skip
+    """Under GPU-aware MPI, a non-contiguous device input (a transposed view) is first copied
+    to a contiguous device array, so its rank makes the same direct MPI call as the ranks whose
+    input is contiguous: contiguity is a rank's own fact, and staging on it would split the
+    group's calls. Reduce-scatter and all-to-all, strided and contiguous ranks mixed."""
+    from dtm_mpi.sharding.steps import RedistStep, ReduceScatterSpec, StepKind
+    from tests.comm.fake_device import _t, dev_strided
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    strided = rank % 2 == 0
+    with endpoint(comm) as (session, mc):
+        if session.watchdog is None:
+            pytest.skip("MPI is not THREAD_MULTIPLE: collectives stage")
+        ops = FakeDeviceOps()
+        dc = DeviceComm(mc, ops, YES)
+        rows = 2 * size
+        pieces = tuple((2 * j, 2) for j in range(size))
+        spec = ReduceScatterSpec(tuple(range(size)), rank, ReduceOp.SUM, 0, pieces, (2 * 3,) * size)  # fmt: skip
+        full = np.arange(rows * 3, dtype=np.float32).reshape(rows, 3)
+        x = full * (rank + 1)
+        got = dc.reduce_scatter(dev_strided(x) if strided else dev(x), ("x",), spec)
+        want = (full * sum(range(1, size + 1)))[2 * rank : 2 * rank + 2]
+        all_ranks(same(got, want), repr(got))
+        all_ranks(ops.events.count("to_device") == (1 if strided else 0), f"events {ops.events}")  # fmt: skip
+
+        x_ = ("x",)
+        step = RedistStep(StepKind.ALL_TO_ALL, _t((size, 3 * size), ((), x_)), _t((size, 3 * size), (x_, ())), x_, dim=1, dst_dim=0)  # fmt: skip
+        inp = step_input(step, mc.mesh, rank, seed=3)
+        want_ex = run_spec(mc, step, mc.mesh, inp)
+        got_ex = run_spec(dc, step, mc.mesh, dev_strided(inp) if strided and min(inp.shape) > 1 else dev(inp))  # fmt: skip
+        all_ranks(same(got_ex, want_ex), f"{got_ex!r} want {want_ex!r}")
+        paths = dc.paths
+        all_ranks(paths.direct["reduce_scatter"] == 1 and paths.direct["all_to_all"] == 1, f"paths {paths}")  # fmt: skip
+        all_ranks(not paths.staged, f"paths {paths}")
+
+
 def test_direct_path_falls_back_where_mpi_cannot_take_device_buffers(comm: Any, all_ranks: Any) -> None:  # fmt: skip
     rank, size = comm.Get_rank(), comm.Get_size()
     spec = AllreduceSpec(tuple(range(size)), rank, ReduceOp.SUM, 10)
