@@ -9,14 +9,18 @@ are numpy arrays (``.get()`` as CuPy's) allocated between poisoned red zones.
 
 Each launch checks what a GPU would not tell you plainly: every argument's type against the
 kernel's C signature (a ``np.int32`` passed for ``long long``, a float32 array for ``__half*``),
-writes past either end of an array argument, and barriers that not every thread reaches (an
+writes past either end of an array argument (the red zones and fresh allocations hold 0xFF
+bytes, a NaN in every float type, so a read of them shows too), a numpy array where CuPy wants
+a device array, and barriers that not every thread reaches or reaches from different lines (an
 error naming the block and the threads, not a hang). ``EmuCupy(64, hip=True)`` compiles the
-sources' HIP branch (``__shfl_xor``), as on an AMD GPU with 64-wide wavefronts.
+sources as hipRTC does (their HIP branch, ``__shfl_xor``), as on an AMD GPU with 64-wide
+wavefronts; ``reverse=True`` runs blocks and threads in descending order.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import math
 import os
@@ -33,9 +37,12 @@ import numpy as np
 
 INCLUDE = Path(__file__).with_name("emu_include")
 CXX = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-FLAGS = ("-std=c++17", "-O1", "-fPIC", "-Wall", "-Wno-unused-function")
+# -ffp-contract=off: no fused multiply-adds on any host (x86-64 has none without -mfma anyway)
+# -fcf-protection=none: the hand-written stack switch has no shadow-stack support
+FLAGS = ("-std=c++17", "-O1", "-fPIC", "-Wall", "-Werror", "-Wno-unused-function",
+         "-ffp-contract=off", "-fcf-protection=none")  # fmt: skip
 REDZONE = 64
-POISON = 0xA5
+POISON = 0xFF  # NaN in f16, f32 and f64 (-1 in int8): a read of it shows
 _KINDS = {
     np.dtype(np.float16): "h2", np.dtype(np.float32): "f4", np.dtype(np.float64): "f8",
     np.dtype(np.int8): "i1", np.dtype(np.uint8): "u1", np.dtype(np.int32): "i4",
@@ -130,51 +137,81 @@ def _run(cmd: list[str]) -> str:
     return proc.stdout
 
 
-def _pch(header: str) -> list[str]:
-    """``-include`` options for the runtime header, precompiled once per header text and flags
-    (g++ falls back to the plain header if the precompiled one does not fit)."""
-    d = _cache_dir() / ("pch-" + hashlib.sha256("\0".join([header, str(CXX), *FLAGS]).encode()).hexdigest()[:16])  # fmt: skip
+TRAMPOLINE = (
+    'extern "C" int emu_launch__{n}(unsigned emu_g_, unsigned emu_b_, int emu_w_, int emu_r_,'
+    " void** emu_a_, char* emu_e_, size_t emu_n_) {{ return emu::launch(&{n}, emu_g_, emu_b_,"
+    " emu_w_, emu_r_ != 0, emu_a_, emu_e_, emu_n_); }}\n"
+    'extern "C" const char* emu_sig__{n}() {{ static const std::string s ='
+    " emu::signature(&{n}); return s.c_str(); }}\n"
+)
+"""One launcher and one signature query per kernel, appended to the module's text."""
+
+
+@functools.cache
+def _toolchain() -> str:
+    """What the binaries depend on besides the source: the runtime and shim headers, the
+    trampolines, the flags and the compiler's exact version (part of every cache key)."""
+    if CXX is None:
+        raise EmuError("no C++ compiler (g++) for the GPU emulator")
+    headers = [f"{f.relative_to(INCLUDE)}\0{f.read_text(encoding='utf-8')}" for f in sorted(INCLUDE.rglob("*.h"))]  # fmt: skip
+    version = _run([CXX, "-dumpfullversion", "-dumpmachine"])
+    return "\0".join([*headers, TRAMPOLINE, CXX, version, *FLAGS])
+
+
+def _replace_new(path: Path, data: bytes) -> None:
+    """Write ``path`` atomically (a unique temporary file, then a rename)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="tmp-")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def _pch() -> list[str]:
+    """``-include`` options for the runtime header, precompiled once per toolchain (threads of
+    one process and several processes may race to build it: each builds its own temporary
+    file and renames it into place)."""
+    d = _cache_dir() / ("pch-" + hashlib.sha256(_toolchain().encode()).hexdigest()[:16])
     h, gch = d / "emu_runtime.h", d / "emu_runtime.h.gch"
     if not gch.exists():
         d.mkdir(parents=True, exist_ok=True)
-        h.write_text(header, encoding="utf-8")
-        tmp = d / f"tmp-{os.getpid()}.gch"
-        _run([str(CXX), *FLAGS, "-x", "c++-header", str(h), "-o", str(tmp)])
+        if not h.exists():
+            _replace_new(h, (INCLUDE / "emu_runtime.h").read_bytes())
+        fd, tmp = tempfile.mkstemp(dir=d, prefix="tmp-", suffix=".gch")
+        os.close(fd)
+        _run([str(CXX), *FLAGS, "-x", "c++-header", str(h), "-o", tmp])
         os.replace(tmp, gch)
     return ["-include", str(h)]
 
 
-def compile_module(code: str, hip: bool = False) -> tuple[ctypes.CDLL, list[str]]:
+def compile_module(code: str, hip: bool = False, options: Sequence[str] = ()) -> tuple[ctypes.CDLL, list[str]]:  # fmt: skip
     """Compile kernel source text for the emulator: the shared library and its kernel names
-    (the extern "C" functions of the text, found after preprocessing). ``hip``: as hipcc sees
-    it (``__HIP_PLATFORM_AMD__``: the sources take their HIP branch), else as nvcc does."""
-    defines = ["-D__HIP_PLATFORM_AMD__"] if hip else []
-    if CXX is None:
-        raise EmuError("no C++ compiler (g++) for the GPU emulator")
-    header = (INCLUDE / "emu_runtime.h").read_text(encoding="utf-8")
-    key = hashlib.sha256("\0".join([code, header, CXX, *FLAGS, *defines]).encode()).hexdigest()[:24]
+    (the extern "C" functions of the text, found after preprocessing). ``hip``: as hipRTC sees
+    it (``__HIPCC_RTC__``: the sources take their HIP branch and include nothing, the runtime
+    header being pre-included), else as NVRTC does. ``options``: the RawModule's; ``-D``,
+    ``-U`` and ``-I`` are passed on, ``-std=c++17`` is what the emulator uses anyway, anything
+    else is refused rather than silently dropped."""
+    extra = []
+    for o in options:
+        if o.startswith(("-D", "-U", "-I")):
+            extra.append(o)
+        elif o != "-std=c++17":
+            raise EmuError(f"RawModule option {o!r} is not emulated")
+    defines = [*(["-D__HIPCC_RTC__"] if hip else []), *extra]
+    key = hashlib.sha256("\0".join([code, _toolchain(), *defines]).encode()).hexdigest()[:24]
     so = _cache_dir() / f"{key}.so"
     names_file = so.with_suffix(".names")
     if not (so.exists() and names_file.exists()):
         with tempfile.TemporaryDirectory(prefix="tmp-", dir=_cache_dir()) as tmp:
             src = Path(tmp) / "module.cpp"
             src.write_text(code, encoding="utf-8")
-            pre = _run([CXX, "-std=c++17", "-E", "-P", "-DDTM_EMU_NAMES_ONLY", *defines, "-I", str(INCLUDE), "-x", "c++", str(src)])  # fmt: skip
+            header = str(INCLUDE / "emu_runtime.h")
+            pre = _run([str(CXX), "-std=c++17", "-E", "-P", "-DDTM_EMU_NAMES_ONLY", *defines, "-include", header, "-I", str(INCLUDE), "-x", "c++", str(src)])  # fmt: skip
             names = sorted({n for n in re.findall(r'extern\s+"C"\s+void\s+(\w+)\s*\(', pre) if not n.startswith("emu_")})  # fmt: skip
-            tramp = [
-                f'extern "C" int emu_launch__{n}(unsigned g, unsigned b, int w, void** a, char* e, size_t n)'
-                f" {{ return emu::launch(&{n}, g, b, w, a, e, n); }}\n"
-                f'extern "C" const char* emu_sig__{n}()'
-                f" {{ static const std::string s = emu::signature(&{n}); return s.c_str(); }}\n"
-                for n in names
-            ]
-            src.write_text(code + "\n" + "".join(tramp), encoding="utf-8")
+            src.write_text(code + "\n" + "".join(TRAMPOLINE.format(n=n) for n in names), encoding="utf-8")  # fmt: skip
             out = Path(tmp) / "module.so"
-            _run([CXX, *FLAGS, *defines, "-shared", *_pch(header), "-I", str(INCLUDE), "-x", "c++", str(src), "-o", str(out)])  # fmt: skip
+            _run([str(CXX), *FLAGS, *defines, "-shared", *_pch(), "-I", str(INCLUDE), "-x", "c++", str(src), "-o", str(out)])  # fmt: skip
             # both atomically, the names first: a concurrent run that sees both sees them whole
-            tmp_names = Path(tmp) / "module.names"
-            tmp_names.write_text("\n".join(names), encoding="utf-8")
-            os.replace(tmp_names, names_file)
+            _replace_new(names_file, "\n".join(names).encode())
             os.replace(out, so)
     names = [n for n in names_file.read_text(encoding="utf-8").split("\n") if n]
     return ctypes.CDLL(str(so)), names
@@ -185,7 +222,7 @@ class EmuFunction:
         self.owner, self.name = owner, name
         self._launch = getattr(lib, f"emu_launch__{name}")
         self._launch.restype = ctypes.c_int
-        self._launch.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_int,
+        self._launch.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_int, ctypes.c_int,
                                  ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_size_t]  # fmt: skip
         sig = getattr(lib, f"emu_sig__{name}")
         sig.restype = ctypes.c_char_p
@@ -195,7 +232,7 @@ class EmuFunction:
     def _arg(self, k: int, want: str, value: Any, keep: list[Any]) -> int:
         where = f"{self.name}: argument {k}"
         if want.startswith("p"):
-            if not isinstance(value, np.ndarray):
+            if not isinstance(value, self.owner.ndarray):
                 raise EmuError(f"{where} must be a device array ({want}); got {type(value).__name__}")  # fmt: skip
             got = _KINDS.get(value.dtype, f"?{value.dtype}")
             if got != want[1:]:
@@ -226,7 +263,7 @@ class EmuFunction:
         cells = [self._arg(k, want, v, keep) for k, (want, v) in enumerate(zip(self.params, args, strict=True))]  # fmt: skip
         argv = (ctypes.c_void_p * max(1, len(cells)))(*cells)
         err = ctypes.create_string_buffer(1024)
-        rc = self._launch(int(g[0]), int(b[0]), self.owner.warp, argv, err, len(err))
+        rc = self._launch(int(g[0]), int(b[0]), self.owner.warp, int(self.owner.reverse), argv, err, len(err))  # fmt: skip
         self.launches += 1
         if rc != 0:
             raise EmuError(f"{self.name}: {err.value.decode(errors='replace')}")
@@ -243,7 +280,7 @@ class EmuModule:
 
     def compile(self) -> None:
         if self._lib is None:
-            self._lib, self.names = compile_module(self.code, self.owner.hip)
+            self._lib, self.names = compile_module(self.code, self.owner.hip, self.options)
             self.owner.compiled += 1
 
     def get_function(self, name: str) -> EmuFunction:
@@ -257,12 +294,30 @@ class EmuModule:
 class EmuCupy:
     """CuPy as ``dtm_mpi.kernels.launch`` and the kernel tests see it: RawModule runs on the
     emulator, array allocations get red zones, events use the host clock; any other attribute
-    is numpy's (CuPy mirrors numpy's API)."""
+    is numpy's (CuPy mirrors numpy's API).
 
-    def __init__(self, warp: int, hip: bool = False) -> None:
-        self.warp, self.hip = warp, hip
+    ``warp``: 32 or 64; ``hip``: compile the sources as hipRTC does; ``reverse``: run blocks
+    and threads in descending order; ``strict`` (default): only this module's arrays are device
+    arrays (``ndarray`` is :class:`EmuArray`), so a numpy array reaching a kernel is refused as
+    CuPy refuses it; ``strict=False`` where the surrounding code stands numpy in for CuPy."""
+
+    def __init__(self, warp: int, hip: bool = False, reverse: bool = False, strict: bool = True) -> None:  # fmt: skip
+        self.warp, self.hip, self.reverse, self.strict = warp, hip, reverse, strict
         self.cuda = _Cuda(self)
         self.compiled = 0
+
+    @property
+    def ndarray(self) -> type:
+        return EmuArray if self.strict else np.ndarray
+
+    def zeros(self, shape: Sequence[int] | int, dtype: Any = np.float64) -> EmuArray:
+        return self.full(shape, 0, dtype)
+
+    def ones(self, shape: Sequence[int] | int, dtype: Any = np.float64) -> EmuArray:
+        return self.full(shape, 1, dtype)
+
+    def empty_like(self, x: Any, dtype: Any = None) -> EmuArray:
+        return _alloc(np.shape(x), np.asarray(x).dtype if dtype is None else dtype)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(np, name)

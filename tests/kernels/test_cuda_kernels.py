@@ -2,7 +2,8 @@
 ``gpu``, marker ``gpu``; skipped with the reason where no device exists), and on the CPU
 emulator (``tests/kernels/gpu_emu.py``: the same kernel sources and the same launcher code,
 threads as fibers with strict barriers) with the CUDA branch at warp size 32 (``emu-cuda-w32``,
-as NVIDIA GPUs) and the HIP branch at 64 (``emu-hip-w64``, as CDNA AMD GPUs), which also checks
+as NVIDIA GPUs) and the HIP branch at 64 (``emu-hip-w64-reverse``, as CDNA AMD GPUs, blocks and threads
+run in descending order), which also checks
 argument types against each kernel's C signature and writes outside the arrays. Inputs are
 random and never all zero; outputs are poisoned (NaN, or 99 for int8) before the launch, so a
 kernel that skips an element fails;
@@ -53,7 +54,7 @@ def gpu() -> Any:
     return _open_gpu()
 
 
-@pytest.fixture(scope="module", params=[pytest.param("gpu", marks=pytest.mark.gpu), "emu-cuda-w32", "emu-hip-w64"])  # fmt: skip
+@pytest.fixture(scope="module", params=[pytest.param("gpu", marks=pytest.mark.gpu), "emu-cuda-w32", "emu-hip-w64-reverse"])  # fmt: skip
 def dev(request: pytest.FixtureRequest) -> Iterator[Any]:
     """A GPU backend, or the CPU emulator standing in for CuPy under the same launcher code."""
     if request.param == "gpu":
@@ -62,7 +63,11 @@ def dev(request: pytest.FixtureRequest) -> Iterator[Any]:
     from dtm_mpi.kernels import launch
     from tests.kernels.gpu_emu import EmuCupy
 
-    cp = EmuCupy(int(request.param[-2:]), hip="hip" in request.param)
+    cp = EmuCupy(
+        int(request.param.split("-")[2][1:]),
+        hip="hip" in request.param,
+        reverse="reverse" in request.param,
+    )
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(launch, "_cp", lambda: cp)
         for cache in ("_MODULES", "_FUNCTIONS", "_FUSED", "_WARP"):

@@ -6,6 +6,7 @@ an argument whose type is not the kernel's parameter type."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -81,18 +82,95 @@ extern "C" __global__ void block_sum(const double* x, double* out, int* warp, lo
 )
 
 
-@pytest.mark.parametrize("warp", [32, 64])
-@pytest.mark.parametrize("block", [64, 96, 192, 1024])
-def test_block_reduction_at_every_warp_size_and_warp_count(warp: int, block: int) -> None:
-    """96 threads are 3 warps at 32 lanes: the reduction handles counts that are not powers
-    of two; 1024 threads the most a block has."""
-    cp = EmuCupy(warp)
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize(("warp", "block"), [(32, 64), (32, 96), (32, 1024), (64, 64), (64, 192), (64, 1024)])  # fmt: skip
+def test_block_reduction_at_every_warp_size_and_warp_count(warp: int, block: int, reverse: bool) -> None:  # fmt: skip
+    """96 threads are 3 warps at 32 lanes, 192 are 3 at 64: the reduction handles counts that
+    are not powers of two; 1024 threads the most a block has; in either thread order."""
+    cp = EmuCupy(warp, reverse=reverse)
     x = np.arange(1, 1001, dtype=np.float64)
     out, got_warp = cp.full((3,), np.nan, np.float64), cp.full((1,), 0, np.int32)
     _fn(cp, REDUCE, "block_sum")((3,), (block,), (cp.asarray(x), out, got_warp, np.int64(x.size)))  # fmt: skip
     assert got_warp.get()[0] == warp
     total = x.sum()
     assert np.array_equal(out.get(), [total * block * 2.0] * 3)
+
+
+def test_a_shuffle_into_a_missing_lane_is_an_error() -> None:
+    """96 threads at 64 lanes leave a partial warp: its lanes 32..63 do not exist, and the
+    kernels' contract (blockDim a multiple of warpSize) rules it out."""
+    cp = EmuCupy(64)
+    out, w = cp.full((1,), np.nan, np.float64), cp.full((1,), 0, np.int32)
+    x = cp.asarray(np.ones(10))
+    with pytest.raises(EmuError, match=r"thread \d+ reads lane \d+ of a partial warp \(blockDim 96 is not a multiple of warpSize 64\)"):  # fmt: skip
+        _fn(cp, REDUCE, "block_sum")((1,), (96,), (x, out, w, np.int64(10)))
+
+
+SHUFFLE = (
+    HEADER
+    + """
+extern "C" __global__ void shfl(const int* masks, float* y, int nmasks) {
+  for (int k = 0; k < nmasks; ++k)
+    y[k * blockDim.x + threadIdx.x] = __shfl_xor_sync(0xffffffffu, (float)threadIdx.x, masks[k]);
+}
+extern "C" __global__ void racy(float* y) {
+  __shared__ float s[64];
+  s[threadIdx.x] = (float)threadIdx.x + 1.0f;
+  y[threadIdx.x] = s[(threadIdx.x + 1) % 64];  // no __syncthreads between the write and the read
+}
+"""
+)
+
+
+@pytest.mark.parametrize("warp", [32, 64])
+def test_shuffle_exchanges_with_lane_xor_mask(warp: int) -> None:
+    cp = EmuCupy(warp)
+    masks = np.array([1, 2, 5, 16, 31, warp - 1, warp, warp + 3], dtype=np.int32)
+    y = cp.full((len(masks), 128), np.nan, np.float32)
+    _fn(cp, SHUFFLE, "shfl")((1,), (128,), (cp.asarray(masks), y, np.int32(len(masks))))
+    t = np.arange(128)
+    lane, base = t % warp, t - t % warp
+    for k, m in enumerate(masks):
+        src = lane ^ m
+        want = np.where(src < warp, base + src, t)  # beyond the warp: a lane keeps its own value
+        assert np.array_equal(y.get()[k], want), (warp, m)
+
+
+def test_thread_order_exposes_a_missing_barrier() -> None:
+    """Reading a neighbour's write with no barrier between: the answer depends on the order the
+    threads run in, so the two orders differ (the kernel tests run both)."""
+    got = []
+    for reverse in (False, True):
+        cp = EmuCupy(32, reverse=reverse)
+        y = cp.full((64,), np.nan, np.float32)
+        _fn(cp, SHUFFLE, "racy")((1,), (64,), (y,))
+        got.append(y.get())
+    assert not np.array_equal(got[0], got[1])
+
+
+def test_launches_from_several_threads_stay_apart() -> None:
+    """The simulator's ranks launch from their own threads: shared memory and the emulator's
+    state are per thread, so concurrent block reductions all get their own sums."""
+    results: dict[int, np.ndarray] = {}
+    start = threading.Barrier(4)
+
+    def worker(i: int) -> None:
+        cp = EmuCupy(32 if i % 2 else 64)
+        x = cp.asarray(np.arange(1, 1001, dtype=np.float64) * (i + 1))
+        out, w = cp.full((4,), np.nan, np.float64), cp.full((1,), 0, np.int32)
+        fn = _fn(cp, REDUCE, "block_sum")
+        start.wait()
+        for _ in range(5):
+            fn((4,), (256,), (x, out, w, np.int64(1000)))
+        results[i] = out.get()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    for i in range(4):
+        assert np.array_equal(results[i], [500500.0 * (i + 1) * 256 * 2] * 4), i
 
 
 BROKEN = (
@@ -105,6 +183,14 @@ extern "C" __global__ void early_exit(float* y) {
 }
 extern "C" __global__ void split_barriers(float* y) {
   if (threadIdx.x < 32) __syncthreads(); else { __syncthreads(); __syncthreads(); }
+  y[threadIdx.x] = 1.0f;
+}
+extern "C" __global__ void divergent(float* y) {
+  if (threadIdx.x < 32) {
+    __syncthreads();
+  } else {
+    __syncthreads();
+  }
   y[threadIdx.x] = 1.0f;
 }
 extern "C" __global__ void partial_shuffle(float* y) {
@@ -123,7 +209,8 @@ extern "C" __global__ void takes_long(float* y, long long n) { if (threadIdx.x <
 
 DEADLOCKS = {
     "early_exit": r"deadlock in block 0 of 2 .*63 thread\(s\) wait at __syncthreads.*1 exited \(first: thread 5\)",
-    "split_barriers": r"deadlock in block 0 .*wait at __syncthreads",
+    "split_barriers": r"deadlock in block 0 .*32 thread\(s\) wait at __syncthreads.*32 exited",
+    "divergent": r"divergent __syncthreads in block 0: thread 32 at line \d+, other threads of the same barrier at line \d+",
     "partial_shuffle": r"deadlock in block 0 .*at a warp shuffle \(first: thread 0\).*exited \(first: thread 3\)",
 }  # fmt: skip
 
@@ -157,6 +244,8 @@ def test_arguments_must_have_the_kernels_types() -> None:
         fn((1,), (32,), (cp.empty((8,), np.float16), np.int64(8)))
     with pytest.raises(EmuError, match=r"takes_long takes 2 arguments"):
         fn((1,), (32,), (y,))
+    with pytest.raises(EmuError, match=r"argument 0 must be a device array \(pf4\); got ndarray"):
+        fn((1,), (32,), (np.zeros(8, np.float32), np.int64(8)))
     fn((1,), (32,), (y, 8))  # a Python int goes as int64, as CuPy passes it
     assert (y.get() == 0).all()
 

@@ -13,8 +13,12 @@
 //     makes them, do not share anything);
 //   * warpSize is chosen per launch: 32 as on NVIDIA GPUs, 64 as on CDNA AMD GPUs;
 //   * barriers are strict: a __syncthreads that some live thread of the block never reaches
-//     (it exited, or waits elsewhere), or a shuffle that some lane of the warp never reaches,
-//     is an error naming the block and the threads, never a hang.
+//     (it exited, or waits elsewhere), threads of one barrier arriving from different
+//     __syncthreads lines, a shuffle that some lane of the warp never reaches or that reads a
+//     lane a partial warp does not have, are errors naming the block and the threads, never a
+//     hang; so is a fiber stack overflow (a canary at each stack's bottom);
+//   * blocks and threads run in ascending order, or descending (`reverse`), so a read of
+//     another thread's write with no barrier between them shows up as a difference.
 //
 // What it cannot show: speed, coalescing, the memory model beyond barriers, and the exact ulp
 // behaviour of the device math library (glibc's is used).
@@ -54,6 +58,7 @@ struct Barrier {
   unsigned expected = 0;
   unsigned arrived = 0;
   long gen = 0;
+  int site = 0;  // __syncthreads: the source line of this generation's first arrival
 };
 
 struct Fiber {
@@ -78,10 +83,12 @@ inline thread_local std::vector<uint64_t> g_slots;  // one shuffle slot per thre
 inline thread_local void (*g_body)(void*) = nullptr;
 inline thread_local void* g_body_ctx = nullptr;
 inline thread_local void* g_sched_sp = nullptr;
+inline thread_local std::string g_fault;  // set by a fiber that hit an error; ends the launch
 #if !defined(__x86_64__)
 inline thread_local ucontext_t g_sched_ctx;
 #endif
 constexpr size_t kStack = 64 * 1024;
+constexpr uint64_t kCanary = 0x5ca1ab1ecafef00dULL;  // at the bottom of each fiber stack
 
 }  // namespace emu
 
@@ -155,7 +162,27 @@ inline void wait(Barrier& b, const char* what) {
   yield_to_scheduler();
 }
 
-inline void syncthreads() { wait(g_block_bar, "__syncthreads"); }
+// End this thread with an error that ends the launch (reported by `run`).
+[[noreturn]] inline void fault(const std::string& what) {
+  if (g_fault.empty()) g_fault = what;
+  g_cur->done = true;
+  yield_to_scheduler();
+  __builtin_trap();
+}
+
+// Every thread of a generation must arrive from the same __syncthreads (the same source line):
+// divergent barriers are undefined behaviour on GPUs even when the counts happen to match.
+inline void syncthreads(int line) {
+  Barrier& b = g_block_bar;
+  if (b.arrived == 0) {
+    b.site = line;
+  } else if (b.site != line) {
+    fault("divergent __syncthreads in block " + std::to_string(g_block_idx.x) + ": thread " +
+          std::to_string(g_cur->idx.x) + " at line " + std::to_string(line) +
+          ", other threads of the same barrier at line " + std::to_string(b.site));
+  }
+  wait(b, "__syncthreads");
+}
 
 template <class V>
 inline V shfl_xor(V v, int lane_mask) {
@@ -167,6 +194,10 @@ inline V shfl_xor(V v, int lane_mask) {
   g_slots[t] = bits;
   wait(g_warp_bars[t / ws], "a warp shuffle");
   const unsigned src = lane ^ (unsigned)lane_mask;
+  if (src < ws && base + src >= g_block_dim.x)  // a lane of a partial warp that does not exist
+    fault("warp shuffle in block " + std::to_string(g_block_idx.x) + ": thread " +
+          std::to_string(t) + " reads lane " + std::to_string(src) + " of a partial warp (blockDim " +
+          std::to_string(g_block_dim.x) + " is not a multiple of warpSize " + std::to_string(ws) + ")");
   const uint64_t got = g_slots[base + (src < ws ? src : lane)];
   wait(g_warp_bars[t / ws], "a warp shuffle");
   V r;
@@ -186,17 +217,26 @@ inline void describe_deadlock(std::vector<Fiber>& fibers, char* err, size_t n) {
       if (!shfl++) first_shfl = t;
     }
   }
-  snprintf(err, n,
-           "deadlock in block %u of %u (blockDim %u, warpSize %d): %u thread(s) wait at "
-           "__syncthreads (first: thread %u), %u at a warp shuffle (first: thread %u), %u "
-           "exited (first: thread %u): a barrier not reached by every thread it waits for",
-           g_block_idx.x, g_grid_dim.x, g_block_dim.x, g_warp_size, sync, first_sync, shfl,
-           first_shfl, exited, first_exit);
+  std::string s = "deadlock in block " + std::to_string(g_block_idx.x) + " of " +
+                  std::to_string(g_grid_dim.x) + " (blockDim " + std::to_string(g_block_dim.x) +
+                  ", warpSize " + std::to_string(g_warp_size) + "):";
+  auto part = [&](unsigned count, unsigned first, const char* what) {
+    s += " " + std::to_string(count) + " " + what;
+    if (count) s += " (first: thread " + std::to_string(first) + ")";
+    s += ",";
+  };
+  part(sync, first_sync, "thread(s) wait at __syncthreads");
+  part(shfl, first_shfl, "at a warp shuffle");
+  part(exited, first_exit, "exited");
+  s += " a barrier not reached by every thread it waits for";
+  snprintf(err, n, "%s", s.c_str());
 }
 
 // Run `body` as every thread of a grid of `grid` blocks of `block` threads; 0 or 1 with `err`.
-inline int run(unsigned grid, unsigned block, int warp, void (*body)(void*), void* ctx,
-               char* err, size_t n) {
+// `reverse`: run blocks and the threads of a block in descending order (a kernel that reads
+// another thread's write without a barrier between them gets a different answer).
+inline int run(unsigned grid, unsigned block, int warp, bool reverse, void (*body)(void*),
+               void* ctx, char* err, size_t n) {
   if (warp != 32 && warp != 64) return snprintf(err, n, "warpSize %d: only 32 or 64", warp), 1;
   if (block < 1 || block > 1024) return snprintf(err, n, "blockDim %u not in 1..1024", block), 1;
   if (grid < 1) return snprintf(err, n, "gridDim %u: at least 1", grid), 1;
@@ -205,6 +245,9 @@ inline int run(unsigned grid, unsigned block, int warp, void (*body)(void*), voi
     fibers[t].idx = dim3u{t, 0, 0};
     fibers[t].stack.resize(kStack);
   }
+  std::vector<Fiber*> order(block);
+  for (unsigned t = 0; t < block; ++t) order[t] = &fibers[reverse ? block - 1 - t : t];
+  g_fault.clear();
   g_body = body;
   g_body_ctx = ctx;
   g_warp_size = warp;
@@ -212,22 +255,37 @@ inline int run(unsigned grid, unsigned block, int warp, void (*body)(void*), voi
   g_grid_dim = dim3u{grid, 1, 1};
   g_slots.assign(block, 0);
   const unsigned nwarps = (block + (unsigned)warp - 1) / (unsigned)warp;
-  for (unsigned b = 0; b < grid; ++b) {
+  for (unsigned k = 0; k < grid; ++k) {
+    const unsigned b = reverse ? grid - 1 - k : k;
     g_block_idx = dim3u{b, 0, 0};
     g_block_bar = Barrier{block, 0, 0};
     g_warp_bars.assign(nwarps, Barrier{});
     for (unsigned w = 0; w < nwarps; ++w)
       g_warp_bars[w].expected = std::min((unsigned)warp, block - w * (unsigned)warp);
-    for (Fiber& f : fibers) start(f);
+    for (Fiber& f : fibers) {
+      memcpy(f.stack.data(), &kCanary, sizeof kCanary);
+      start(f);
+    }
     for (;;) {
       bool progressed = false, live = false;
-      for (Fiber& f : fibers) {
+      for (Fiber* fp : order) {
+        Fiber& f = *fp;
         if (f.done) continue;
         live = true;
         if (f.at != nullptr && f.at->gen == f.wait_gen) continue;  // still blocked
         f.at = nullptr;
         resume(f);
         progressed = true;
+        uint64_t canary;
+        memcpy(&canary, f.stack.data(), sizeof canary);
+        if (canary != kCanary)
+          g_fault = "thread " + std::to_string(f.idx.x) + " of block " + std::to_string(b) +
+                    " overflowed its " + std::to_string(kStack / 1024) + " KiB emulator stack";
+        if (!g_fault.empty()) {
+          snprintf(err, n, "%s", g_fault.c_str());
+          g_cur = nullptr;
+          return 1;
+        }
       }
       if (!live) break;
       if (!progressed) {
@@ -249,8 +307,8 @@ inline std::tuple<P, Ps...> unpack(void** args, std::index_sequence<I...>) {
 
 // Launch `fn` with `args` (args[i] points at the value of parameter i, as CuPy packs them).
 template <class... P>
-inline int launch(void (*fn)(P...), unsigned grid, unsigned block, int warp, void** args,
-                  char* err, size_t n) {
+inline int launch(void (*fn)(P...), unsigned grid, unsigned block, int warp, bool reverse,
+                  void** args, char* err, size_t n) {
   struct Call {
     void (*fn)(P...);
     std::tuple<P...> values;
@@ -259,7 +317,7 @@ inline int launch(void (*fn)(P...), unsigned grid, unsigned block, int warp, voi
     Call* c = static_cast<Call*>(ctx);
     std::apply(c->fn, c->values);
   };
-  return run(grid, block, warp, body, &call, err, n);
+  return run(grid, block, warp, reverse, body, &call, err, n);
 }
 
 template <class T>
@@ -292,7 +350,7 @@ inline std::string signature(void (*)(P...)) {
 #define gridDim (::emu::g_grid_dim)
 #define warpSize (::emu::g_warp_size)
 
-inline void __syncthreads() { ::emu::syncthreads(); }
+inline void __syncthreads(int line = __builtin_LINE()) { ::emu::syncthreads(line); }
 template <class V>
 inline V __shfl_xor_sync(unsigned, V v, int lane_mask) {
   return ::emu::shfl_xor(v, lane_mask);
