@@ -17,8 +17,8 @@ import pytest
 
 from dtm_mpi.bench import kernels as bench
 from dtm_mpi.errors import BackendError
-from dtm_mpi.kernels import devices, launch
-from tests.kernels.gpu_emu import EmuCupy
+from dtm_mpi.kernels import devices
+from tests.kernels.gpu_emu import EmuCupy, install
 
 CASES = ["softmax", "log_softmax", "layer_norm", "row_sum", "row_max", "bias_gelu",
          "fused gelu(x+b)*z", "quantize b32", "dequantize b32"]  # fmt: skip
@@ -26,10 +26,7 @@ CASES = ["softmax", "log_softmax", "layer_norm", "row_sum", "row_max", "bias_gel
 
 @pytest.fixture
 def emu(monkeypatch: pytest.MonkeyPatch) -> EmuCupy:
-    cp = EmuCupy(32, strict=False)  # the cases' inputs come from cp.random: numpy arrays
-    monkeypatch.setattr(launch, "_cp", lambda: cp)
-    for cache in ("_MODULES", "_FUNCTIONS", "_FUSED", "_WARP"):
-        monkeypatch.setattr(launch, cache, {})
+    cp = install(monkeypatch, EmuCupy(32, strict=False))  # cp.random gives numpy arrays
     dev = SimpleNamespace(ops=SimpleNamespace(cp=cp), description="CPU emulator (warp 32)")
     monkeypatch.setattr(devices, "open_backend", lambda kind: dev)
     return cp

@@ -345,3 +345,14 @@ class EmuCupy:
         if isinstance(x, EmuArray) and x.flags.c_contiguous and (dtype is None or np.dtype(dtype) == x.dtype):  # fmt: skip
             return x
         return self.asarray(np.ascontiguousarray(x, dtype=dtype))
+
+
+def install(mp: Any, cp: EmuCupy) -> EmuCupy:
+    """Make ``dtm_mpi.kernels.launch`` use ``cp`` through the monkeypatch ``mp``, with empty
+    compile caches (they are keyed by device id, which every emulator and a GPU share)."""
+    from dtm_mpi.kernels import launch
+
+    mp.setattr(launch, "_cp", lambda: cp)
+    for cache in ("_MODULES", "_FUNCTIONS", "_FUSED", "_WARP"):
+        mp.setattr(launch, cache, {})
+    return cp

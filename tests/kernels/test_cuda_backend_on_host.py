@@ -23,7 +23,7 @@ from dtm_mpi.kernels.backends import BackendKind
 from dtm_mpi.kernels.devices import ArrayBackend
 from dtm_mpi.kernels.fused import Expr, FusedInput
 from dtm_mpi.runtime.session import run_simulated
-from tests.kernels.gpu_emu import EmuCupy
+from tests.kernels.gpu_emu import EmuCupy, install
 from tests.kernels.kernel_helpers import evaluate
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
@@ -96,10 +96,7 @@ def on_host(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(cuda_backend, "_cp", lambda: np)
     impls = TWINS
     if request.param != "twins":
-        cp = EmuCupy(int(request.param[-2:]), hip="hip" in request.param, strict=False)
-        monkeypatch.setattr(launch, "_cp", lambda: cp)
-        for cache in ("_MODULES", "_FUNCTIONS", "_FUSED", "_WARP"):
-            monkeypatch.setattr(launch, cache, {})
+        install(monkeypatch, EmuCupy(int(request.param[-2:]), hip="hip" in request.param, strict=False))  # fmt: skip
         impls = {name: getattr(launch, name) for name in TWINS}
     for name, fn in impls.items():
         monkeypatch.setattr(launch, name, spy(name, fn))
@@ -199,10 +196,7 @@ def test_every_op_family_with_the_gpu_table(on_host: list[str], ranks: int) -> N
 
 def test_a_host_array_reaching_a_launcher_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """Real CuPy refuses numpy arrays with a bare TypeError; the launchers name the input."""
-    cp = EmuCupy(32)  # strict: numpy arrays are host arrays
-    monkeypatch.setattr(launch, "_cp", lambda: cp)
-    for cache in ("_MODULES", "_FUNCTIONS", "_FUSED", "_WARP"):
-        monkeypatch.setattr(launch, cache, {})
+    cp = install(monkeypatch, EmuCupy(32))  # strict: numpy arrays are host arrays
     host = np.ones((2, 8), np.float32)
     dev = cp.asarray(host)
     with pytest.raises(KernelError, match=r"^softmax: got a host \(numpy\) array"):

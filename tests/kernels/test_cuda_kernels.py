@@ -60,8 +60,7 @@ def dev(request: pytest.FixtureRequest) -> Iterator[Any]:
     if request.param == "gpu":
         yield _open_gpu()
         return
-    from dtm_mpi.kernels import launch
-    from tests.kernels.gpu_emu import EmuCupy
+    from tests.kernels.gpu_emu import EmuCupy, install
 
     cp = EmuCupy(
         int(request.param.split("-")[2][1:]),
@@ -69,9 +68,7 @@ def dev(request: pytest.FixtureRequest) -> Iterator[Any]:
         reverse="reverse" in request.param,
     )
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(launch, "_cp", lambda: cp)
-        for cache in ("_MODULES", "_FUNCTIONS", "_FUSED", "_WARP"):
-            mp.setattr(launch, cache, {})
+        install(mp, cp)
         yield SimpleNamespace(name=request.param, ops=SimpleNamespace(cp=cp))
 
 
