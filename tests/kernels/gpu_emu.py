@@ -306,6 +306,13 @@ class EmuCupy:
         self.cuda = _Cuda(self)
         self.compiled = 0
 
+    @classmethod
+    def named(cls, name: str, strict: bool = True) -> EmuCupy:
+        """The emulator a test parameter names: ``emu-<cuda|hip>-w<32|64>[-reverse]``."""
+        parts = name.split("-")
+        assert parts[0] == "emu" and parts[1] in ("cuda", "hip") and parts[2] in ("w32", "w64"), name  # fmt: skip
+        return cls(int(parts[2][1:]), hip=parts[1] == "hip", reverse="reverse" in parts[3:], strict=strict)  # fmt: skip
+
     @property
     def ndarray(self) -> type:
         return EmuArray if self.strict else np.ndarray

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,3 +40,31 @@ def generated_fused_kernels() -> list[tuple[str, str]]:
     ]
     template = kernel_source("fused_elementwise.cu")
     return [fused_source(expr, inputs, out, template) for expr, inputs, out in cases]
+
+
+def rtc_compile(lib: ctypes.CDLL, api: str, text: str, name: str, options: Sequence[str]) -> bytes:
+    """Compile ``text`` with NVRTC (``api="nvrtc"``: PTX text, NUL-terminated) or hipRTC
+    (``"hiprtc"``: a code object), which share one C API; asserts success, showing the log."""
+    label = {"nvrtc": "NVRTC", "hiprtc": "hipRTC"}[api]
+    out = "PTX" if api == "nvrtc" else "Code"
+
+    def call(fn: str, *args: object) -> int:
+        return int(getattr(lib, api + fn)(*args))
+
+    prog = ctypes.c_void_p()
+    rc = call("CreateProgram", ctypes.byref(prog), text.encode(), name.encode(), 0, None, None)
+    assert rc == 0, f"{api}CreateProgram: {rc}"
+    try:
+        opts = (ctypes.c_char_p * len(options))(*(o.encode() for o in options))
+        rc = call("CompileProgram", prog, len(options), opts)
+        size = ctypes.c_size_t()
+        call("GetProgramLogSize", prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value + 1)
+        call("GetProgramLog", prog, log)
+        assert rc == 0, f"{label} failed on {name}:\n{log.value.decode(errors='replace')}"
+        call(f"Get{out}Size", prog, ctypes.byref(size))
+        code = ctypes.create_string_buffer(size.value)
+        call(f"Get{out}", prog, code)
+        return code.raw
+    finally:
+        call("DestroyProgram", ctypes.byref(prog))

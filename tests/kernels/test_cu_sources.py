@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from dtm_mpi.kernels.sources import kernel_source
-from tests.kernels.kernel_helpers import generated_fused_kernels
+from tests.kernels.kernel_helpers import generated_fused_kernels, rtc_compile
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ROOT / "kernels"
@@ -246,23 +246,7 @@ def _fp16_include_dirs() -> list[str]:
 
 
 def _nvrtc_compile(lib: ctypes.CDLL, text: str, name: str, options: list[str]) -> str:
-    prog = ctypes.c_void_p()
-    rc = lib.nvrtcCreateProgram(ctypes.byref(prog), text.encode(), name.encode(), 0, None, None)
-    assert rc == 0, f"nvrtcCreateProgram: {rc}"
-    try:
-        opts = (ctypes.c_char_p * len(options))(*(o.encode() for o in options))
-        rc = lib.nvrtcCompileProgram(prog, len(options), opts)
-        size = ctypes.c_size_t()
-        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-        log = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetProgramLog(prog, log)
-        assert rc == 0, f"NVRTC failed on {name}:\n{log.value.decode(errors='replace')}"
-        lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
-        ptx = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetPTX(prog, ptx)
-        return ptx.value.decode()
-    finally:
-        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    return rtc_compile(lib, "nvrtc", text, name, options).rstrip(b"\0").decode()
 
 
 def test_nvrtc_compiles_the_loader_text() -> None:

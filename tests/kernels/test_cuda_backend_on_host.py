@@ -96,7 +96,7 @@ def on_host(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(cuda_backend, "_cp", lambda: np)
     impls = TWINS
     if request.param != "twins":
-        install(monkeypatch, EmuCupy(int(request.param[-2:]), hip="hip" in request.param, strict=False))  # fmt: skip
+        install(monkeypatch, EmuCupy.named(request.param, strict=False))
         impls = {name: getattr(launch, name) for name in TWINS}
     for name, fn in impls.items():
         monkeypatch.setattr(launch, name, spy(name, fn))

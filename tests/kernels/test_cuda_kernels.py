@@ -62,13 +62,8 @@ def dev(request: pytest.FixtureRequest) -> Iterator[Any]:
         return
     from tests.kernels.gpu_emu import EmuCupy, install
 
-    cp = EmuCupy(
-        int(request.param.split("-")[2][1:]),
-        hip="hip" in request.param,
-        reverse="reverse" in request.param,
-    )
     with pytest.MonkeyPatch.context() as mp:
-        install(mp, cp)
+        cp = install(mp, EmuCupy.named(request.param))
         yield SimpleNamespace(name=request.param, ops=SimpleNamespace(cp=cp))
 
 

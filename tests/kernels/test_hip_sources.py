@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from dtm_mpi.kernels.sources import kernel_source
-from tests.kernels.kernel_helpers import generated_fused_kernels
+from tests.kernels.kernel_helpers import generated_fused_kernels, rtc_compile
 from tests.kernels.test_cu_sources import (
     EXPECTED,
     FUSED_F16,
@@ -148,23 +148,7 @@ def _hiprtc_compile(text: str, name: str, arch: str) -> bytes:
     lib = _hiprtc()
     if isinstance(lib, str):
         pytest.skip(lib)
-    prog = ctypes.c_void_p()
-    rc = lib.hiprtcCreateProgram(ctypes.byref(prog), text.encode(), name.encode(), 0, None, None)
-    assert rc == 0, f"hiprtcCreateProgram: {rc}"
-    try:
-        options = [b"-std=c++17", f"--gpu-architecture={arch}".encode()]
-        rc = lib.hiprtcCompileProgram(prog, len(options), (ctypes.c_char_p * 2)(*options))
-        size = ctypes.c_size_t()
-        lib.hiprtcGetProgramLogSize(prog, ctypes.byref(size))
-        log = ctypes.create_string_buffer(size.value + 1)
-        lib.hiprtcGetProgramLog(prog, log)
-        assert rc == 0, f"hipRTC failed on {name}:\n{log.value.decode(errors='replace')}"
-        lib.hiprtcGetCodeSize(prog, ctypes.byref(size))
-        code = ctypes.create_string_buffer(size.value)
-        lib.hiprtcGetCode(prog, code)
-        return code.raw
-    finally:
-        lib.hiprtcDestroyProgram(ctypes.byref(prog))
+    return rtc_compile(lib, "hiprtc", text, name, ["-std=c++17", f"--gpu-architecture={arch}"])
 
 
 @pytest.mark.parametrize("arch", AMD_ARCHS)
