@@ -179,9 +179,11 @@ store = CheckpointStore(sys.argv[1], comm, timeout_s=30, ranks_per_file=1)
 handle = store.save_async(1, mesh, [(TensorSpec(f"t{i}", t), blk + i) for i in range(3)])
 try:
     handle.wait()
-    print(f"[rank {comm.Get_rank()}] saved", flush=True)
+    sys.stdout.write(f"[rank {comm.Get_rank()}] saved\\n")  # one write: ranks interleave
+    sys.stdout.flush()
 except Exception as exc:
-    print(f"[rank {comm.Get_rank()}] {type(exc).__name__}: {exc}", flush=True)
+    sys.stdout.write(f"[rank {comm.Get_rank()}] {type(exc).__name__}: {exc}\\n")
+    sys.stdout.flush()
 """
 
 
