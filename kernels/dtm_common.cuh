@@ -121,6 +121,11 @@ __device__ __forceinline__ double dtm_gelu(double v) {
   return 0.5 * v * (1.0 + tanh(k * (v + 0.044715 * v * v * v)));
 }
 
+// sigmoid(x) = 1 / (1 + exp(-x)), as the registry's numpy function: exp(-x) overflows to inf
+// for very negative x, giving exactly 0; NaN stays NaN.
+__device__ __forceinline__ float dtm_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ double dtm_sigmoid(double x) { return 1.0 / (1.0 + exp(-x)); }
+
 // +inf of the compute type, without INFINITY / CUDART_INF_F (not available under NVRTC).
 template <class A>
 __device__ __forceinline__ A dtm_inf();

@@ -11,7 +11,8 @@
 //                     `cols` (> 0) to index last-dim broadcast inputs as in1[i % cols], and the
 //                     helpers of dtm_common.cuh: dtm_load, dtm_store, dtm_exp, dtm_log,
 //                     dtm_tanh, dtm_sqrt, dtm_rsqrt, dtm_abs, dtm_neg, dtm_relu, dtm_gelu,
-//                     dtm_maximum, dtm_minimum.
+//                     dtm_sigmoid, dtm_maximum, dtm_minimum (each fusible op's `c_expr` in
+//                     the op registry, dtm_mpi/ir/ops/elementwise.py, names one of them).
 //
 //   extern "C" __global__ void DTM_FUSED_NAME(DTM_FUSED_PARAMS, long long n, long long cols)
 //

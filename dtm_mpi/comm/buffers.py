@@ -16,10 +16,11 @@ from typing import Any
 
 import numpy as np
 
+from dtm_mpi.sharding.retention import ALIGN_FROM, REUSE_UP_TO
+
 __all__ = ["OutputCache", "empty_aligned", "tune_allocator"]
 
 PAGE = 4096
-ALIGN_FROM = 64 << 10  # below this, alignment is not worth a page of slack
 
 
 def empty_aligned(shape: int | tuple[int, ...] | list[int], dtype: Any) -> np.ndarray:
@@ -48,9 +49,10 @@ def tune_allocator() -> bool:
     virtual machine. Process-wide, like a caching allocator; ``DTM_MALLOPT=0`` turns it off.
     Returns whether it was applied."""
     import ctypes
-    import os
 
-    if os.environ.get("DTM_MALLOPT", "1").strip() in ("0", "no", "false", "off"):
+    from dtm_mpi.config import get_config
+
+    if not get_config().mallopt:
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -75,7 +77,7 @@ class OutputCache:
     local name and the ``getrefcount`` argument. Buffers above ``REUSE_UP_TO`` are not kept: a
     kept buffer is memory the plan's accounting does not count."""
 
-    REUSE_UP_TO = 4 << 20
+    REUSE_UP_TO = REUSE_UP_TO
 
     def __init__(self) -> None:
         self._kept: dict[int, tuple[Any, np.ndarray, Any]] = {}

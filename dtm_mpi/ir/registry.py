@@ -1,6 +1,12 @@
 """The one op registry: each op declares, in one place, its text form (a small declarative
 format from which both the parser and the printer are derived), its shape and sharding rule
-(``infer``) and its numpy reference semantics on global values (``reference``).
+(``infer``), its numpy reference semantics on global values (``reference``), its kind (how
+the planner and the executor run it: :class:`OpKind`), its traits (:class:`Trait`), the
+pending reductions it is linear in (``linear_in``) and, for elementwise ops, its array
+function (``array_fn``, written against any numpy-like namespace) and the C expression of the
+generated GPU kernels (``c_expr``). Every other per-op table (the executor's communication
+ops, the fusible ops, the C expressions, the reference interpreter's identities) is derived
+from here: passes ask the kind or a trait, never a list of names.
 
 Format strings are whitespace-separated elements:
 
@@ -15,18 +21,75 @@ anything else                a literal keyword or punctuation token
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dtm_mpi.errors import SourceSpan, VerifyError
 from dtm_mpi.ir.nodes import Mesh, Module, Op
-from dtm_mpi.ir.types import TensorType
+from dtm_mpi.ir.types import ReduceOp, TensorType
 
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["OPS", "FormatElem", "OpContext", "OpDef", "lookup_op", "register_op"]
+__all__ = [
+    "OPS",
+    "FormatElem",
+    "OpContext",
+    "OpDef",
+    "OpKind",
+    "Trait",
+    "all_ops",
+    "lookup_op",
+    "ops_of_kind",
+    "ops_with",
+    "register_op",
+]
+
+
+class OpKind(enum.Enum):
+    """How an op runs: what the planner makes of it and what the reference does with it."""
+
+    LOCAL = "local"
+    """Computed by a backend kernel from the rank's local blocks."""
+    REDIST = "redist"
+    """A layout change (collectives, ``redistribute``): the identity on global values, run
+    as the redistribution plan from the operand's type to the result's layout."""
+    BROADCAST = "broadcast"
+    """Every rank takes the root's block along mesh axes (the identity on global values)."""
+    SEND = "send"
+    """Point-to-point: send blocks to another coordinate of an axis (no result)."""
+    RECV = "recv"
+    """Point-to-point: the paired send's blocks (``partial(sum)`` over the axis)."""
+    CALL = "call"
+    """The results of another function of the module."""
+
+    @property
+    def is_local(self) -> bool:
+        return self is OpKind.LOCAL
+
+    @property
+    def is_identity(self) -> bool:
+        """The identity on global values (only the layout changes)."""
+        return self in (OpKind.REDIST, OpKind.BROADCAST)
+
+
+class Trait(enum.Enum):
+    """Facts about an op that passes ask instead of lists of names."""
+
+    ELEMENTWISE = "elementwise"
+    """Operands share one shape and layout; a block of the result is the op of the blocks."""
+    FUSIBLE = "fusible"
+    """Elementwise with a C expression: on float dtypes it may join a generated GPU kernel."""
+    FLOAT_ONLY = "float_only"
+    """Operands must be floating (the rule rejects others)."""
+    NEEDS_STEP = "needs_step"
+    """The value depends on the executor's step (``step_index``)."""
+    LINEAR_ONE_SIDE = "linear_one_side"
+    """A binary op linear in each operand alone (``mul``): one side may be pending."""
+    LINEAR_FIRST = "linear_first"
+    """A binary op linear in its first operand only, on floats (``div``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,9 +195,24 @@ InferFn = Callable[[OpContext], tuple[TensorType, ...]]
 RefFn = Callable[[Op, Sequence["np.ndarray"], Sequence[TensorType]], tuple["np.ndarray", ...]]
 
 
+ShardExtents = Callable[[int, tuple[str, ...]], Sequence[tuple[int, int]]]
+"""``(size, axes)`` -> ``(start, length)`` of every shard of a dimension of that size split over
+those mesh axes of the bound mesh, in shard order (what the planner gives a plan check)."""
+
+PlanCheck = Callable[[Op, Sequence[TensorType], ShardExtents], "str | None"]
+"""A rule that depends on the bound mesh's sizes (which ``--mesh`` may change after ``dtm
+check``): ``check(op, operand types, extents)`` gives the broken rule's message, else None.
+The planner runs it on every rank before any communication and reports it at the op."""
+
+ArrayFn = Callable[..., Any]
+"""An elementwise op's array function: ``fn(xp, *arrays)`` with ``xp`` numpy or a namespace
+like it (CuPy), so one definition serves the reference and every array backend."""
+
+
 @dataclass(frozen=True, slots=True)
 class OpDef:
-    """One op: its name, text format, result count (``-1``: variadic), rules and semantics."""
+    """One op: its name, text format, result count (``-1``: variadic), rules and semantics,
+    kind and traits."""
 
     name: str
     format: tuple[FormatElem, ...]
@@ -143,11 +221,38 @@ class OpDef:
     reference: RefFn
     capability: str | None = None
     doc: str = ""
-    linear_in: tuple[str, ...] = field(default=())
+    kind: OpKind = OpKind.LOCAL
+    traits: frozenset[Trait] = frozenset()
+    linear_in: frozenset[ReduceOp] = frozenset()
+    """The pending reductions the op passes through (elementwise rules read it): a unary op
+    of ``partial(op: A)`` gives ``partial(op: A)``; a binary op needs both operands pending
+    alike unless a ``LINEAR_*`` trait says otherwise."""
+    c_expr: str | None = None
+    """The C expression of the generated kernels (``{0}``, ``{1}``: the operands), over the
+    device helpers of ``kernels/dtm_common.cuh``; None where the op is not generated."""
+    array_fn: ArrayFn | None = None
+    plan_check: PlanCheck | None = None
     exact_attrs: bool = True
     """No float or literal attributes: equal attribute tuples then print and infer alike, so
     the printer and verifier may cache by them (``0.0 == -0.0`` and ``1 == 1.0`` otherwise
     make equal keys for different ops)."""
+
+    def has(self, trait: Trait) -> bool:
+        return trait in self.traits
+
+    @property
+    def arity(self) -> int:
+        """The number of single operands of the format (``-1``: a variadic operand list)."""
+        return _arity(self.format)
+
+
+def _arity(elems: tuple[FormatElem, ...]) -> int:
+    n = 0
+    for el in elems:
+        if el.kind == "operands":
+            return -1
+        n += el.kind == "operand"
+    return n
 
 
 OPS: dict[str, OpDef] = {}
@@ -161,14 +266,24 @@ def register_op(
     reference: RefFn,
     capability: str | None = None,
     doc: str = "",
+    kind: OpKind = OpKind.LOCAL,
+    traits: frozenset[Trait] = frozenset(),
+    linear_in: frozenset[ReduceOp] = frozenset(),
+    c_expr: str | None = None,
+    array_fn: ArrayFn | None = None,
+    plan_check: PlanCheck | None = None,
 ) -> Callable[[InferFn], InferFn]:
     """Decorator registering ``infer`` as the shape+sharding rule of op ``name``."""
 
     def deco(infer: InferFn) -> InferFn:
         assert name not in OPS, f"op {name!r} registered twice"
         elems = _parse_format(fmt)
+        assert (Trait.FUSIBLE in traits) == (c_expr is not None), f"{name}: fusible iff c_expr"
+        assert Trait.FUSIBLE not in traits or Trait.ELEMENTWISE in traits, name
+        assert kind is OpKind.LOCAL or not traits, f"{name}: traits are for local ops"
         OPS[name] = OpDef(
-            name, elems, results, infer, reference, capability, doc,
+            name, elems, results, infer, reference, capability, doc, kind, frozenset(traits),
+            frozenset(linear_in), c_expr, array_fn, plan_check,
             exact_attrs=not _has_inexact(elems),
         )  # fmt: skip
         return infer
@@ -183,6 +298,22 @@ def _has_inexact(elems: tuple[FormatElem, ...]) -> bool:
 def lookup_op(name: str) -> OpDef | None:
     _load_ops()
     return OPS.get(name)
+
+
+def all_ops() -> dict[str, OpDef]:
+    """Every registered op (loading the registry on first use)."""
+    _load_ops()
+    return OPS
+
+
+def ops_of_kind(*kinds: OpKind) -> frozenset[str]:
+    """The names of the ops of these kinds."""
+    return frozenset(n for n, d in all_ops().items() if d.kind in kinds)
+
+
+def ops_with(trait: Trait) -> frozenset[str]:
+    """The names of the ops with ``trait``."""
+    return frozenset(n for n, d in all_ops().items() if trait in d.traits)
 
 
 def _load_ops() -> None:

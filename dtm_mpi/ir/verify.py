@@ -14,10 +14,10 @@ matching the signature.
 from __future__ import annotations
 
 from dtm_mpi.errors import SourceSpan, VerifyError
-from dtm_mpi.ir.nodes import Function, InitKind, Mesh, Module
+from dtm_mpi.ir.nodes import Function, InitKind, Mesh, Module, Op
 from dtm_mpi.ir.ops._common import KNOWN_CAPABILITIES
 from dtm_mpi.ir.parser import gc_paused
-from dtm_mpi.ir.registry import OPS, OpContext, lookup_op
+from dtm_mpi.ir.registry import OPS, OpContext, OpKind, lookup_op
 from dtm_mpi.ir.types import Partial, ReduceOp, TensorType
 
 __all__ = ["check_layout", "function_mesh", "verify_errors", "verify_module"]
@@ -52,6 +52,11 @@ def check_layout(t: TensorType, mesh: Mesh | None, span: SourceSpan, what: str) 
                 span,
             )
         seen.add(axis)
+
+
+def _is_call(op: Op) -> bool:
+    d = lookup_op(op.name)
+    return d is not None and d.kind is OpKind.CALL
 
 
 def function_mesh(module: Module, f: Function) -> Mesh | None:
@@ -106,8 +111,7 @@ def _check_functions(module: Module) -> None:
         )
     # no recursion: the call graph must be acyclic
     calls = {
-        f.name: [str(op.attr("callee")) for op in f.body if op.name == "call"]
-        for f in module.functions
+        f.name: [str(op.attr("callee")) for op in f.body if _is_call(op)] for f in module.functions
     }
     # iterative depth-first search (no Python recursion limit on long call chains)
     state: dict[str, int] = {}
@@ -130,7 +134,7 @@ def _check_functions(module: Module) -> None:
             if state.get(callee) == 1:
                 cycle = " -> ".join(f"@{n}" for n in [*path[path.index(callee) :], callee])
                 f = seen[name]
-                op = next(o for o in f.body if o.name == "call" and o.attr("callee") == callee)
+                op = next(o for o in f.body if _is_call(o) and o.attr("callee") == callee)
                 raise _err(f"recursive call: {cycle}; the call graph must be acyclic", op.span)
             if callee in calls and callee not in state:
                 state[callee] = 1
@@ -276,9 +280,9 @@ def _verify_function(module: Module, f: Function) -> None:
                     raise ctx.result_error(i, f"result type is {got} but the rule gives {want}")
             if key is not None:
                 inferred_cache[key] = inferred
-        if op.name in ("send", "recv"):
+        if opdef.kind in (OpKind.SEND, OpKind.RECV):
             pair = (op.attr("axis"), op.attr("src"), op.attr("dst"), op.attr("tag"))
-            if op.name == "send":
+            if opdef.kind is OpKind.SEND:
                 if pair in pending_sends:
                     raise _err(
                         f"a send on the same axis, coordinates and tag is still unmatched (at {pending_sends[pair][1]})",

@@ -25,19 +25,22 @@ from typing import Any
 import numpy as np
 
 from dtm_mpi.ir.ops._common import np_dtype
+from dtm_mpi.ir.registry import OPS, Trait, ops_with
 from dtm_mpi.kernels import launch
-from dtm_mpi.kernels.fused import BINARY_C, CTYPES, UNARY_C, Expr, FusedInput
+from dtm_mpi.kernels.fused import CTYPES, Expr, FusedInput
 from dtm_mpi.kernels.numpy_backend import extremum_identity, global_count
-from dtm_mpi.kernels.registry import COMM_OPS, Kernel, KernelContext, register_kernel
+from dtm_mpi.kernels.registry import (
+    COMM_OPS,
+    Kernel,
+    KernelContext,
+    Placement,
+    placement_of,
+    register_kernel,
+)
 
-__all__ = ["GPU_BACKENDS", "RAW_KERNEL_OPS"]
+__all__ = ["GPU_BACKENDS", "covered", "placement"]
 
 GPU_BACKENDS = ("cuda", "hip")
-RAW_KERNEL_OPS = frozenset(
-    {"softmax", "log_softmax", "layer_norm", "sum", "mean", "max", "min", "quantize",
-     "dequantize", *UNARY_C, *BINARY_C}
-)  # fmt: skip
-"""Ops that run as RawKernels (for float operands; others use CuPy's own functions)."""
 
 Arr = Any  # cupy.ndarray
 
@@ -48,10 +51,12 @@ def _cp() -> Any:
     return cupy
 
 
-def _register(*ops: str) -> Callable[[Kernel], Kernel]:
+def _register(*ops: str, placement: Placement | str = "CuPy") -> Callable[[Kernel], Kernel]:
+    """Register ``fn`` for both GPU backends with where it runs (``placement``)."""
+
     def deco(fn: Kernel) -> Kernel:
         for b in GPU_BACKENDS:
-            register_kernel(b, *ops)(fn)
+            register_kernel(b, *ops, placement=placement)(fn)
         return fn
 
     return deco
@@ -76,34 +81,29 @@ def _row_kernel(dtype: Any, dims: Sequence[int], ndim: int) -> bool:
 
 
 # -- elementwise -------------------------------------------------------------------------------
-def _elementwise(name: str, arity: int) -> None:
-    @_register(name)
+def _elementwise_placement(op: str, dtypes: Sequence[Any], attrs: dict[str, Any], rank: int) -> str:  # fmt: skip
+    return "generated kernel" if _generated(dtypes) else "CuPy"
+
+
+def _elementwise(name: str) -> None:
+    """Every ``FUSIBLE`` op of the registry: its generated kernel on floats, else (integers)
+    its registry array function on CuPy."""
+    opdef = OPS[name]
+    fn = opdef.array_fn
+    assert fn is not None, name
+
+    @_register(name, placement=_elementwise_placement)
     def kernel(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
         out = _out_dtype(ctx)
         if _generated([*(x.dtype for x in xs), out]):
-            expr = Expr(name, tuple(range(arity)))
+            expr = Expr(name, tuple(range(opdef.arity)))
             ins = [FusedInput(np.dtype(x.dtype)) for x in xs]
             return (launch.fused(expr, ins, list(xs), out, ctx.local_shapes[0]),)
-        return (_int_elementwise(name, xs).astype(out, copy=False),)
+        return (fn(_cp(), *xs).astype(out, copy=False),)
 
 
-def _int_elementwise(name: str, xs: Sequence[Arr]) -> Arr:
-    cp = _cp()
-    a = xs[0]
-    if name == "neg":
-        return cp.negative(a)
-    if name == "relu":
-        return cp.maximum(a, cp.zeros_like(a))
-    b = xs[1]
-    fn = {"add": cp.add, "sub": cp.subtract, "mul": cp.multiply, "div": cp.floor_divide,
-          "maximum": cp.maximum, "minimum": cp.minimum}[name]  # fmt: skip
-    return fn(a, b)
-
-
-for _name in UNARY_C:
-    _elementwise(_name, 1)
-for _name in BINARY_C:
-    _elementwise(_name, 2)
+for _name in sorted(ops_with(Trait.FUSIBLE)):
+    _elementwise(_name)
 
 
 @_register("compare")
@@ -124,14 +124,19 @@ def _cast(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
     return (xs[0].astype(_out_dtype(ctx)),)
 
 
-@_register("matmul")
+@_register("matmul", placement="cuBLAS/hipBLAS")
 def _matmul(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
     return (_cp().matmul(xs[0], xs[1]).astype(_out_dtype(ctx), copy=False),)
 
 
 # -- normalisations and reductions -------------------------------------------------------------
+def _softmax_placement(op: str, dtypes: Sequence[Any], attrs: dict[str, Any], rank: int) -> str:  # fmt: skip
+    dim = int(attrs.get("dim", -1)) % max(rank, 1)
+    return "RawKernel softmax.cu" + ("" if dim == rank - 1 else " (moved to the last dim)")
+
+
 def _softmax(name: str, log: bool) -> None:
-    @_register(name)
+    @_register(name, placement=_softmax_placement)
     def kernel(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
         cp = _cp()
         x = xs[0]
@@ -148,7 +153,7 @@ _softmax("softmax", False)
 _softmax("log_softmax", True)
 
 
-@_register("layer_norm")
+@_register("layer_norm", placement="RawKernel layer_norm.cu")
 def _layer_norm(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
     x, gamma, beta = xs
     if not _is_float(x):
@@ -156,8 +161,14 @@ def _layer_norm(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
     return (launch.layer_norm(x, gamma, beta, float(ctx.op.attr("eps"))),)  # type: ignore[arg-type]
 
 
+def _reduction_placement(op: str, dtypes: Sequence[Any], attrs: dict[str, Any], rank: int) -> str:  # fmt: skip
+    dims = tuple(int(d) % max(rank, 1) for d in attrs.get("dims", ()))
+    row = bool(dtypes) and _row_kernel(dtypes[0], dims, rank)
+    return "RawKernel row_reduce.cu" if row else "CuPy"
+
+
 def _reduction(name: str) -> None:
-    @_register(name)
+    @_register(name, placement=_reduction_placement)
     def kernel(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
         cp = _cp()
         x = xs[0]
@@ -186,7 +197,7 @@ for _name in ("sum", "mean", "max", "min"):
     _reduction(_name)
 
 
-@_register("quantize")
+@_register("quantize", placement="RawKernel quant.cu")
 def _quantize(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
     x = xs[0]
     if not _is_float(x):
@@ -195,7 +206,7 @@ def _quantize(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
     return (q, scales.reshape(ctx.local_shapes[1]))
 
 
-@_register("dequantize")
+@_register("dequantize", placement="RawKernel quant.cu")
 def _dequantize(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
     out = _out_dtype(ctx)
     return (launch.dequantize(xs[0], xs[1], int(ctx.op.attr("block")), out),)  # type: ignore[arg-type]
@@ -245,7 +256,7 @@ and uploaded once, then handed out again (values are never written in place)."""
 
 
 def _uploaded(name: str, steady: bool) -> None:
-    @_register(name)
+    @_register(name, placement="host, uploaded once" if steady else "host, uploaded each step")
     def kernel(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
         from dtm_mpi.kernels.registry import backend_kernels
 
@@ -273,27 +284,8 @@ def covered(ops: Sequence[str]) -> list[str]:
 
 
 def placement(op: str, operand_dtypes: Sequence[np.dtype[Any]], attrs: dict[str, Any], rank: int) -> str:  # fmt: skip
-    """Where the GPU backends run ``op`` (pure; mirrors the dispatch of the kernels above):
-    ``RawKernel <file>``, ``generated kernel``, ``cuBLAS``, ``CuPy`` or ``host, uploaded``.
-    ``rank``: the operand's rank; ``attrs``: the op's attributes."""
-    last = rank - 1
-    if op in UNARY_C or op in BINARY_C:
-        return "generated kernel" if _generated(operand_dtypes) else "CuPy"
-    if op in ("softmax", "log_softmax"):
-        dim = int(attrs.get("dim", -1)) % max(rank, 1)
-        return "RawKernel softmax.cu" + ("" if dim == last else " (moved to the last dim)")
-    if op == "layer_norm":
-        return "RawKernel layer_norm.cu"
-    if op in ("sum", "mean", "max", "min"):
-        dims = tuple(int(d) % max(rank, 1) for d in attrs.get("dims", ()))
-        row = bool(operand_dtypes) and _row_kernel(operand_dtypes[0], dims, rank)
-        return "RawKernel row_reduce.cu" if row else "CuPy"
-    if op in ("quantize", "dequantize"):
-        return "RawKernel quant.cu"
-    if op == "matmul":
-        return "cuBLAS/hipBLAS"
-    if op in ("iota", "constant"):
-        return "host, uploaded once"
-    if op in ("random", "step_index"):
-        return "host, uploaded each step"
-    return "CuPy"
+    """Where the GPU backends run ``op`` (pure): the placement rule its kernel registered
+    above -- ``RawKernel <file>``, ``generated kernel``, ``cuBLAS``, ``CuPy`` or ``host,
+    uploaded``. ``rank``: the operand's rank; ``attrs``: the op's attributes."""
+    where = placement_of("cuda", op, operand_dtypes, attrs, rank)
+    return "CuPy" if where is None else where

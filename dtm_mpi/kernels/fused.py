@@ -2,9 +2,9 @@
 kernel (the template ``kernels/fused_elementwise.cu`` plus ``#define`` lines).
 
 Pure: :func:`fused_source` turns an :class:`Expr` tree (leaves are inputs, nodes are the
-registry's elementwise ops) into source text; compiling and launching it is the GPU
-backend's business. A single op is the one-node case, so every float elementwise op of the
-GPU backends runs through this one path, and a chain the planner fuses
+registry's ``FUSIBLE`` ops, each with its ``c_expr``) into source text; compiling and
+launching it is the GPU backend's business. A single op is the one-node case, so every float
+elementwise op of the GPU backends runs through this one path, and a chain the planner fuses
 (:mod:`dtm_mpi.plan.fusion`) reads its inputs and writes its output once instead of once per
 op. Inputs are either full-size (indexed ``[i]``) or vectors along the last dim (indexed
 ``[i % cols]``: a broadcast bias).
@@ -19,21 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from dtm_mpi.errors import KernelError
+from dtm_mpi.ir.registry import Trait, lookup_op
 
-__all__ = ["BINARY_C", "CTYPES", "UNARY_C", "Expr", "FusedInput", "fused_name", "fused_source"]
-
-UNARY_C = {
-    "neg": "dtm_neg({0})", "exp": "dtm_exp({0})", "log": "dtm_log({0})",
-    "tanh": "dtm_tanh({0})", "relu": "dtm_relu({0})", "gelu": "dtm_gelu({0})",
-    "sqrt": "dtm_sqrt({0})", "rsqrt": "dtm_rsqrt({0})",
-}  # fmt: skip
-"""C expressions of the unary elementwise ops (device helpers of ``dtm_common.cuh``)."""
-
-BINARY_C = {
-    "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
-    "maximum": "dtm_maximum({0}, {1})", "minimum": "dtm_minimum({0}, {1})",
-}  # fmt: skip
-"""C expressions of the binary elementwise ops (floats: ``div`` is a true division)."""
+__all__ = ["CTYPES", "Expr", "FusedInput", "fused_name", "fused_source"]
 
 CTYPES = {np.dtype(np.float16): "__half", np.dtype(np.float32): "float",
           np.dtype(np.float64): "double"}  # fmt: skip
@@ -64,10 +52,10 @@ def _c_expr(e: Expr | int, n_inputs: int) -> str:
         if not 0 <= e < n_inputs:
             raise KernelError(f"fused expression refers to input {e} of {n_inputs}")
         return f"v{e}"
-    table = UNARY_C if len(e.args) == 1 else BINARY_C if len(e.args) == 2 else {}
-    if e.op not in table:
+    d = lookup_op(e.op)
+    if d is None or d.c_expr is None or not d.has(Trait.FUSIBLE) or d.arity != len(e.args):
         raise KernelError(f"op {e.op!r} with {len(e.args)} operand(s) cannot be fused")
-    return table[e.op].format(*(_c_expr(a, n_inputs) for a in e.args))
+    return d.c_expr.format(*(_c_expr(a, n_inputs) for a in e.args))
 
 
 def fused_name(expr: Expr, inputs: Sequence[FusedInput], out: np.dtype[np.generic]) -> str:

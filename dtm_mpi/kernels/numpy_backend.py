@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from dtm_mpi.ir.ops._common import as_dtype, np_dtype
+from dtm_mpi.ir.ops._common import as_dtype
 from dtm_mpi.ir.ops.create import random_values
 from dtm_mpi.ir.registry import OPS, lookup_op
 from dtm_mpi.ir.types import ReduceOp
@@ -90,7 +90,7 @@ def _iota(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
     line = np.arange(offsets[dim], offsets[dim] + shape[dim])
     view = [1] * len(shape)
     view[dim] = shape[dim]
-    return (np.broadcast_to(line.reshape(view), shape).astype(np_dtype(t.dtype)),)
+    return (as_dtype(np.broadcast_to(line.reshape(view), shape), t),)
 
 
 def global_flat_index(

@@ -7,34 +7,39 @@ the op registry (``dtm_mpi.ir.registry``) holds each op's global numpy semantics
 backend's kernel must agree with it on every block (tests/kernels check this op by op).
 
 Ops that move data between ranks (collectives, send/recv, redistribute) and ``call`` have no
-kernel: the executor runs them through the communication interface.
+kernel: the executor runs them through the communication interface (:data:`COMM_OPS`: the ops
+whose registry kind is not ``LOCAL``).
+
+A kernel may come with a placement rule (``dtm explain --backend``: where it runs, decided
+without running it); :func:`placement_of` reads what each kernel registered.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from dtm_mpi.errors import KernelError
 from dtm_mpi.ir.nodes import Op
+from dtm_mpi.ir.registry import OpKind, all_ops
 from dtm_mpi.ir.types import TensorType
 
 __all__ = [
     "COMM_OPS",
     "Kernel",
     "KernelContext",
+    "Placement",
     "backend_kernels",
     "has_kernel",
     "kernel_for",
+    "placement_of",
     "register_kernel",
 ]
 
-COMM_OPS = frozenset(
-    {"allreduce", "allgather", "reduce_scatter", "broadcast", "all_to_all", "send", "recv",
-     "redistribute", "call"}
-)  # fmt: skip
+COMM_OPS = frozenset(n for n, d in all_ops().items() if d.kind is not OpKind.LOCAL)
 """Ops the executor runs itself (communication and calls), never through a kernel."""
 
 
@@ -60,11 +65,20 @@ class KernelContext:
 
 Kernel = Callable[[KernelContext, Sequence[np.ndarray]], tuple[np.ndarray, ...]]
 
+Placement = Callable[[str, Sequence[np.dtype[Any]], dict[str, Any], int], str]
+"""Where a kernel runs: ``rule(op, operand dtypes, attributes, operand rank)`` -> a short text
+(``RawKernel softmax.cu``, ``generated kernel``, ``CuPy``, ...). Pure: no device needed."""
+
 _KERNELS: dict[str, dict[str, Kernel]] = {}
+_PLACEMENTS: dict[str, dict[str, Placement]] = {}
 
 
-def register_kernel(backend: str, *ops: str) -> Callable[[Kernel], Kernel]:
-    """Decorator registering ``fn`` as ``backend``'s kernel for each of ``ops``."""
+def register_kernel(
+    backend: str, *ops: str, placement: Placement | str | None = None
+) -> Callable[[Kernel], Kernel]:
+    """Decorator registering ``fn`` as ``backend``'s kernel for each of ``ops``, with its
+    placement rule (a fixed text, or a :data:`Placement` function) if given."""
+    rule = _fixed(placement) if isinstance(placement, str) else placement
 
     def deco(fn: Kernel) -> Kernel:
         table = _KERNELS.setdefault(backend, {})
@@ -72,9 +86,26 @@ def register_kernel(backend: str, *ops: str) -> Callable[[Kernel], Kernel]:
             assert name not in table, f"{backend} kernel for {name!r} registered twice"
             assert name not in COMM_OPS, f"{name!r} is run by the executor, not a kernel"
             table[name] = fn
+            if rule is not None:
+                _PLACEMENTS.setdefault(backend, {})[name] = rule
         return fn
 
     return deco
+
+
+def _fixed(text: str) -> Placement:
+    def rule(op: str, dtypes: Sequence[np.dtype[Any]], attrs: dict[str, Any], rank: int) -> str:
+        return text
+
+    return rule
+
+
+def placement_of(
+    backend: str, op: str, dtypes: Sequence[np.dtype[Any]], attrs: dict[str, Any], rank: int
+) -> str | None:
+    """Where ``backend``'s kernel for ``op`` runs (its registered rule), None without one."""
+    rule = _PLACEMENTS.get(backend, {}).get(op)
+    return None if rule is None else rule(op, dtypes, attrs, rank)
 
 
 def has_kernel(backend: str, op: str) -> bool:

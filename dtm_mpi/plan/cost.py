@@ -10,19 +10,19 @@ an op's results are allocated while its operands are still alive, plus the redis
 temporaries (its peak extra bytes) or, for a call, the callee's own peak; values are freed
 after their last use (:attr:`PlanOp.frees`). On the MPI path each repeated collective also
 keeps its last output buffer for reuse when it is between 64 KiB and 4 MiB
-(:class:`~dtm_mpi.comm.buffers.OutputCache`): :attr:`FunctionCost.retained` bounds that memory,
-which is not in any value's lifetime.
+(:mod:`dtm_mpi.sharding.retention`): :attr:`FunctionCost.retained` bounds that memory, which is
+not in any value's lifetime.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dtm_mpi.comm.buffers import ALIGN_FROM, OutputCache
 from dtm_mpi.ir.types import TensorType
 from dtm_mpi.plan.program import ExecPlan, FunctionPlan, OpKind, PlanOp
 from dtm_mpi.sharding.blocks import local_shape
 from dtm_mpi.sharding.mesh import MeshShape
+from dtm_mpi.sharding.retention import kept_bytes
 
 __all__ = ["FunctionCost", "OpCost", "function_cost", "local_bytes"]
 
@@ -58,8 +58,7 @@ class FunctionCost:
 
 def _kept(t: TensorType, mesh: MeshShape, rank: int) -> int:
     """The bytes the MPI path keeps for reuse after a collective with output ``t``."""
-    n = local_bytes(t, mesh, rank)
-    return n if ALIGN_FROM <= n <= OutputCache.REUSE_UP_TO else 0
+    return kept_bytes(local_bytes(t, mesh, rank))
 
 
 def _retained(p: PlanOp, plan: ExecPlan, rank: int) -> int:

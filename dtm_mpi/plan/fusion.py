@@ -1,8 +1,8 @@
 """Elementwise fusion: chains of float elementwise ops that a GPU backend runs as one kernel.
 
 Pure: a function of a :class:`~dtm_mpi.plan.program.FunctionPlan`, the same on every rank.
-A group is a tree of elementwise ops (``neg exp log tanh relu gelu sqrt rsqrt add sub mul div
-maximum minimum`` on f16/bf16/f32/f64) whose intermediate values are each used exactly once,
+A group is a tree of elementwise ops (those with the registry's ``FUSIBLE`` trait, on
+f16/bf16/f32/f64) whose intermediate values are each used exactly once,
 by the next op of the group, and are not returned: the group's last op (its root) computes the
 whole tree, reading each outside input once and writing one output, instead of one kernel and
 one full-size temporary per op. A ``broadcast_to`` of a replicated vector along the last dim
@@ -19,15 +19,12 @@ from collections import Counter
 from dataclasses import dataclass
 
 from dtm_mpi.ir.nodes import Op
+from dtm_mpi.ir.registry import OPS, Trait
 from dtm_mpi.ir.types import DType
 from dtm_mpi.plan.program import FunctionPlan, OpKind
 
-__all__ = ["FUSIBLE", "FusedGroup", "FusionNode", "fusion_groups"]
+__all__ = ["FusedGroup", "FusionNode", "fusion_groups"]
 
-FUSIBLE = frozenset(
-    {"neg", "exp", "log", "tanh", "relu", "gelu", "sqrt", "rsqrt",
-     "add", "sub", "mul", "div", "maximum", "minimum"}
-)  # fmt: skip
 _FLOATS = frozenset({DType.F16, DType.BF16, DType.F32, DType.F64})
 
 
@@ -56,7 +53,7 @@ class FusedGroup:
 
 def _fusible(op: Op) -> bool:
     return (
-        op.name in FUSIBLE
+        Trait.FUSIBLE in OPS[op.name].traits
         and len(op.results) == 1
         and all(t.dtype in _FLOATS for t in op.result_types)
     )

@@ -2,10 +2,12 @@
 
 :func:`compile_plan` is pure: every rank computes the identical :class:`ExecPlan` from
 (module, bound mesh), so every decidable error (a coordinate beyond the bound mesh, a layout
-the mesh cannot hold, an impossible redistribution) is raised on every rank before the first
-message. Each op of each function becomes a :class:`PlanOp`:
+the mesh cannot hold, an impossible redistribution, an op rule the bound sizes decide: the
+op's registry ``plan_check``, e.g. ``dequantize`` blocks that straddle shards) is raised on
+every rank before the first message. Each op of each function becomes a :class:`PlanOp` of
+the kind its registry entry declares (``dtm_mpi.ir.registry.OpKind``):
 
-* ``KERNEL`` — computed locally by the backend's kernel on local blocks;
+* ``KERNEL`` (registry ``LOCAL``) — computed locally by the backend's kernel on local blocks;
 * ``REDIST`` — ``allreduce``, ``allgather``, ``reduce_scatter``, ``all_to_all`` and
   ``redistribute`` all run the redistribution plan from the operand's type to the result's
   layout (``dtm_mpi.sharding``): exact under the uneven-split rule, so an IR collective
@@ -25,16 +27,16 @@ import enum
 from dataclasses import dataclass, replace
 
 from dtm_mpi.errors import PlanError, UsageError
+from dtm_mpi.ir import registry
 from dtm_mpi.ir.nodes import Function, Module, Op
 from dtm_mpi.ir.types import TensorType
 from dtm_mpi.ir.verify import function_mesh
-from dtm_mpi.kernels.registry import COMM_OPS
+from dtm_mpi.sharding.blocks import shard_bounds
 from dtm_mpi.sharding.mesh import MeshShape
 from dtm_mpi.sharding.redistribute import RedistPlan, plan_redistribute
 
 __all__ = ["ExecPlan", "FunctionPlan", "OpKind", "PlanOp", "compile_plan", "mesh_for"]
 
-_REDIST_OPS = frozenset({"allreduce", "allgather", "reduce_scatter", "all_to_all", "redistribute"})
 NO_MESH_AXIS = "_ranks"
 """The one axis of the mesh a module without meshes runs on: every value is replicated."""
 
@@ -46,6 +48,17 @@ class OpKind(enum.Enum):
     SEND = "send"
     RECV = "recv"
     CALL = "call"
+
+
+_KIND_OF = {
+    registry.OpKind.LOCAL: OpKind.KERNEL,
+    registry.OpKind.REDIST: OpKind.REDIST,
+    registry.OpKind.BROADCAST: OpKind.BROADCAST,
+    registry.OpKind.SEND: OpKind.SEND,
+    registry.OpKind.RECV: OpKind.RECV,
+    registry.OpKind.CALL: OpKind.CALL,
+}
+"""The plan kind of each registry kind (every op's kind is declared by its registry entry)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,10 +137,26 @@ def _axes(op: Op, key: str) -> tuple[str, ...]:
     return tuple(str(a) for a in value)
 
 
-def _plan_op(op: Op, mesh: MeshShape, src: TensorType | None) -> PlanOp:
-    """``src``: the type of the first operand (the value a redistribution starts from)."""
+def _extents(mesh: MeshShape) -> registry.ShardExtents:
+    def extents(n: int, axes: tuple[str, ...]) -> list[tuple[int, int]]:
+        k = mesh.group_size(axes)
+        return [shard_bounds(n, k, i) for i in range(k)]
+
+    return extents
+
+
+def _plan_op(op: Op, mesh: MeshShape, operand_types: tuple[TensorType, ...]) -> PlanOp:
     name = op.name
-    if name in _REDIST_OPS:
+    opdef = registry.lookup_op(name)
+    assert opdef is not None, name
+    kind = _KIND_OF[opdef.kind]
+    src = operand_types[0] if operand_types else None  # where a redistribution starts
+    if opdef.plan_check is not None:  # a rule the bound mesh's sizes decide
+        broken = opdef.plan_check(op, operand_types, _extents(mesh))
+        if broken is not None:
+            s = op.span
+            raise PlanError(f"{s.file}:{s.line}:{s.col}: {name}: {broken}")
+    if kind is OpKind.REDIST:
         assert src is not None
         dst = op.result_types[0]
         try:
@@ -136,22 +165,18 @@ def _plan_op(op: Op, mesh: MeshShape, src: TensorType | None) -> PlanOp:
             s = op.span
             raise PlanError(f"{s.file}:{s.line}:{s.col}: {name}: {err}") from None
         return PlanOp(op, OpKind.REDIST, plan)
-    if name == "broadcast":
+    if kind is OpKind.BROADCAST:
         axes = _axes(op, "axes")
         root = int(op.attr("root"))  # type: ignore[arg-type]
         _check_coord(op, "root", root, mesh.group_size(axes), axes)
         return PlanOp(op, OpKind.BROADCAST, axes=axes, root=root)
-    if name in ("send", "recv"):
+    if kind in (OpKind.SEND, OpKind.RECV):
         axes = _axes(op, "axis")
         src_c, dst_c = int(op.attr("src")), int(op.attr("dst"))  # type: ignore[arg-type]
         for key, c in (("src", src_c), ("dst", dst_c)):
             _check_coord(op, key, c, mesh.group_size(axes), axes)
-        kind = OpKind.SEND if name == "send" else OpKind.RECV
         return PlanOp(op, kind, axes=axes, root=src_c, dst=dst_c, tag=int(op.attr("tag")))  # type: ignore[arg-type]
-    if name == "call":
-        return PlanOp(op, OpKind.CALL)
-    assert name not in COMM_OPS, name
-    return PlanOp(op, OpKind.KERNEL)
+    return PlanOp(op, kind)
 
 
 def _plan_function(f: Function, mesh: MeshShape) -> FunctionPlan:
@@ -168,7 +193,7 @@ def _plan_function(f: Function, mesh: MeshShape) -> FunctionPlan:
     ops: list[PlanOp] = []
     for i, op in enumerate(f.body):
         operand_types = tuple(types[n] for n in op.operands)
-        p = _plan_op(op, mesh, operand_types[0] if operand_types else None)
+        p = _plan_op(op, mesh, operand_types)
         unused = [r for r in op.results if r not in last_use and r not in keep]
         frees = tuple(sorted(frees_at.get(i, []))) + tuple(unused)
         ops.append(replace(p, frees=frees, operand_types=operand_types))
@@ -188,7 +213,8 @@ def compile_plan(module: Module, mesh: MeshShape) -> ExecPlan:
         f = todo.pop()
         plans.append((f.name, _plan_function(f, mesh)))
         for op in f.body:
-            callee = module.function(str(op.attr("callee"))) if op.name == "call" else None
+            is_call = _KIND_OF[registry.OPS[op.name].kind] is OpKind.CALL
+            callee = module.function(str(op.attr("callee"))) if is_call else None
             if callee is not None and callee.name not in seen:
                 seen.add(callee.name)
                 todo.append(callee)

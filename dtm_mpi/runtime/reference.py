@@ -14,14 +14,10 @@ import numpy as np
 
 from dtm_mpi.errors import UsageError
 from dtm_mpi.ir.nodes import Function, Module
-from dtm_mpi.ir.registry import OPS, lookup_op
+from dtm_mpi.ir.registry import OPS, OpKind, Trait, lookup_op
 from dtm_mpi.runtime.values import check_inputs, init_global
 
 __all__ = ["StepResult", "evaluate_function", "run_reference"]
-
-_IDENTITY_OPS = frozenset(
-    {"allreduce", "allgather", "reduce_scatter", "broadcast", "all_to_all", "redistribute"}
-)
 
 StepResult = tuple[np.ndarray, ...]
 
@@ -35,22 +31,23 @@ def evaluate_function(
     sent: dict[tuple[object, ...], np.ndarray] = {}
     for op in f.body:
         xs = [env[n] for n in op.operands]
-        name = op.name
-        if name in _IDENTITY_OPS:
+        opdef = OPS[op.name]
+        kind = opdef.kind
+        if kind.is_identity:  # collectives, redistribute: only the layout changes
             outs: tuple[np.ndarray, ...] = (xs[0],)
-        elif name == "send":
+        elif kind is OpKind.SEND:
             sent[(op.attr("axis"), op.attr("src"), op.attr("dst"), op.attr("tag"))] = xs[0]
             outs = ()
-        elif name == "recv":
+        elif kind is OpKind.RECV:
             outs = (sent.pop((op.attr("axis"), op.attr("src"), op.attr("dst"), op.attr("tag"))),)
-        elif name == "call":
+        elif kind is OpKind.CALL:
             callee = module.function(str(op.attr("callee")))
             assert callee is not None
             outs = evaluate_function(module, callee, tuple(xs), step)
-        elif name == "step_index":
+        elif opdef.has(Trait.NEEDS_STEP):
             outs = (np.array(step, dtype=np.int64),)
         else:
-            outs = tuple(OPS[name].reference(op, xs, op.result_types))
+            outs = tuple(opdef.reference(op, xs, op.result_types))
         for r, v in zip(op.results, outs, strict=True):
             env[r] = v
     return tuple(env[r] for r in f.returns)

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from dtm_mpi.ir.ops.elementwise import _BINARY, _UNARY
+from dtm_mpi.ir.registry import lookup_op
 from dtm_mpi.kernels.fused import Expr
 
 
@@ -20,8 +20,9 @@ def evaluate(expr: Expr | int, values: Sequence[np.ndarray], dtype: Any) -> np.n
         return values[expr]
     args = [evaluate(a, values, dtype) for a in expr.args]
     with np.errstate(all="ignore"):
-        fn = _UNARY[expr.op][0] if len(args) == 1 else _BINARY[expr.op]
-        return np.asarray(fn(*args)).astype(dtype, copy=False)
+        opdef = lookup_op(expr.op)
+        assert opdef is not None and opdef.array_fn is not None, expr.op
+        return np.asarray(opdef.array_fn(np, *args)).astype(dtype, copy=False)
 
 
 def generated_fused_kernels() -> list[tuple[str, str]]:

@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 from dtm_mpi.errors import BackendError
+from dtm_mpi.ir.registry import OPS, Trait, ops_with
 from dtm_mpi.kernels.backends import BackendKind
 
 DTYPES = [np.float16, np.float32, np.float64]
@@ -199,10 +200,9 @@ def test_bias_gelu_and_fused_chain(dev: Any, shape: tuple[int, int], dtype: Any)
     _close(got, gelu * z.astype(np.float64), dtype, 8.0)
 
 
-@pytest.mark.parametrize("op", ["neg", "exp", "log", "tanh", "relu", "gelu", "sqrt", "rsqrt", "add", "sub", "mul", "div", "maximum", "minimum"])  # fmt: skip
+@pytest.mark.parametrize("op", sorted(ops_with(Trait.FUSIBLE)))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_elementwise_kernel_matches_numpy(dev: Any, op: str, dtype: Any) -> None:
-    from dtm_mpi.ir.ops.elementwise import _BINARY, _UNARY
     from dtm_mpi.kernels import launch
     from dtm_mpi.kernels.fused import Expr, FusedInput
 
@@ -212,10 +212,11 @@ def test_every_elementwise_kernel_matches_numpy(dev: Any, op: str, dtype: Any) -
     if op in ("log", "sqrt", "rsqrt"):
         a = np.abs(a) + np.asarray(0.1, dtype)
     a[0, 0] = np.nan  # NaN propagates through every op (numpy's maximum/minimum included)
-    args = (a,) if op in _UNARY else (a, b)
-    fn = _UNARY[op][0] if op in _UNARY else _BINARY[op]
+    opdef = OPS[op]
+    assert opdef.array_fn is not None
+    args = (a, b)[: opdef.arity]
     with np.errstate(all="ignore"):
-        want = np.asarray(fn(*(x.astype(np.float64) for x in args)))
+        want = np.asarray(opdef.array_fn(np, *(x.astype(np.float64) for x in args)))
     expr = Expr(op, tuple(range(len(args))))
     got = launch.fused(expr, [FusedInput(np.dtype(dtype))] * len(args), [cp.asarray(x) for x in args], dtype, shape, out=_poisoned(cp, shape, dtype))  # fmt: skip
     g = got.get().astype(np.float64)

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from dtm_mpi.errors import KernelError
-from dtm_mpi.kernels.fused import BINARY_C, UNARY_C, Expr, FusedInput, fused_name, fused_source
+from dtm_mpi.ir.registry import OPS, Trait, ops_with
+from dtm_mpi.kernels.fused import Expr, FusedInput, fused_name, fused_source
 from dtm_mpi.kernels.sources import INCLUDE_LINE, kernel_dir, kernel_files, kernel_source
 
 F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
@@ -30,12 +31,14 @@ def test_sources_are_found_and_the_header_inlined() -> None:
 
 
 def test_kernel_dir_override_and_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dtm_mpi.config import get_config
     from dtm_mpi.kernels import sources
 
     (tmp_path / "dtm_common.cuh").write_text("// header\n")
     (tmp_path / "x.cu").write_text(f"{INCLUDE_LINE}\n// body\n")
     (tmp_path / "bad.cu").write_text("// no include\n")
     monkeypatch.setenv("DTM_KERNEL_DIR", str(tmp_path))
+    get_config.cache_clear()
     sources.kernel_dir.cache_clear()
     sources.kernel_source.cache_clear()
     try:
@@ -46,6 +49,8 @@ def test_kernel_dir_override_and_missing(tmp_path: Path, monkeypatch: pytest.Mon
         with pytest.raises(KernelError, match="cannot read kernel source"):
             sources.kernel_source("missing.cu")
     finally:
+        monkeypatch.delenv("DTM_KERNEL_DIR")
+        get_config.cache_clear()
         sources.kernel_dir.cache_clear()
         sources.kernel_source.cache_clear()
 
@@ -99,10 +104,9 @@ def test_generated_kernels_compile_for_sm80_and_sm90(tmp_path: Path) -> None:
     template = kernel_source("fused_elementwise.cu")
     units: list[tuple[str, str]] = []
     for dt in (F16, F32, F64):
-        for op in UNARY_C:
-            units.append(fused_source(Expr(op, (0,)), [FusedInput(dt)], dt, template))
-        for op in BINARY_C:
-            units.append(fused_source(Expr(op, (0, 1)), [FusedInput(dt)] * 2, dt, template))
+        for op in sorted(ops_with(Trait.FUSIBLE)):
+            n = OPS[op].arity
+            units.append(fused_source(Expr(op, tuple(range(n))), [FusedInput(dt)] * n, dt, template))  # fmt: skip
     units.append(fused_source(BIAS_GELU_MUL, [FusedInput(F16), FusedInput(F32, True), FusedInput(F64)], F16, template))  # fmt: skip
     # one translation unit per kernel would take minutes: put them all in one file, each
     # behind its own defines (the template's include guards make the header appear once)

@@ -34,6 +34,21 @@ def test_placement_rules() -> None:
     assert placement("matmul", [F32, F32], {}, 2) == "cuBLAS/hipBLAS"
     assert placement("constant", [], {}, 0) == "host, uploaded once"
     assert placement("random", [], {}, 0) == "host, uploaded each step"
+    assert placement("sigmoid", [F32], {}, 2) == "generated kernel"
+    assert placement("abs", [I32], {}, 2) == "CuPy"
+    assert placement("quantize", [F32], {"block": 16}, 2) == "RawKernel quant.cu"
+
+
+def test_placement_is_what_each_kernel_registered() -> None:
+    """``placement`` reads the rule registered with each GPU kernel (it mirrors no dispatch):
+    every kernel of both GPU backends has one, and the two backends agree."""
+    from dtm_mpi.kernels.registry import backend_kernels, placement_of
+
+    for name in backend_kernels("cuda"):
+        where = placement_of("cuda", name, [F32], {"dims": (1,), "dim": -1}, 2)
+        assert where is not None, name
+        assert where == placement_of("hip", name, [F32], {"dims": (1,), "dim": -1}, 2), name
+        assert where == placement(name, [F32], {"dims": (1,), "dim": -1}, 2)
 
 
 def test_tp_mlp_placement() -> None:

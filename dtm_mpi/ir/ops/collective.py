@@ -26,7 +26,7 @@ import numpy as np
 
 from dtm_mpi.ir.nodes import Op
 from dtm_mpi.ir.ops._common import dim_index, mesh_axes_attr
-from dtm_mpi.ir.registry import OpContext, register_op
+from dtm_mpi.ir.registry import OpContext, OpKind, register_op
 from dtm_mpi.ir.types import Layout, Partial, ReduceOp, TensorType
 
 _REDUCE_ENUM = "enum(sum|max|min|prod)"
@@ -49,7 +49,7 @@ def _pending(ctx: OpContext, axes: tuple[str, ...]) -> Partial:
 
 
 @register_op("allreduce", f"$op:{_REDUCE_ENUM} $x:operand on $axes:axes", reference=_identity,
-             doc="complete a pending reduction over mesh axes")  # fmt: skip
+             kind=OpKind.REDIST, doc="complete a pending reduction over mesh axes")  # fmt: skip
 def _allreduce(ctx: OpContext) -> tuple[TensorType, ...]:
     axes = mesh_axes_attr(ctx, "axes")
     p = _pending(ctx, axes)
@@ -75,7 +75,7 @@ def _strip_inner(
     return dim, tuple(dims)
 
 
-@register_op("allgather", "$x:operand on $axes:axes", reference=_identity,
+@register_op("allgather", "$x:operand on $axes:axes", reference=_identity, kind=OpKind.REDIST,
              doc="gather the blocks of a sharded dim over mesh axes")  # fmt: skip
 def _allgather(ctx: OpContext) -> tuple[TensorType, ...]:
     axes = mesh_axes_attr(ctx, "axes")
@@ -85,7 +85,8 @@ def _allgather(ctx: OpContext) -> tuple[TensorType, ...]:
 
 
 @register_op("reduce_scatter", f"$op:{_REDUCE_ENUM} $x:operand on $axes:axes dim $dim:int",
-             reference=_identity, doc="complete a pending reduction, leaving dim sharded")  # fmt: skip
+             reference=_identity, kind=OpKind.REDIST,
+             doc="complete a pending reduction, leaving dim sharded")  # fmt: skip
 def _reduce_scatter(ctx: OpContext) -> tuple[TensorType, ...]:
     axes = mesh_axes_attr(ctx, "axes")
     t = ctx.operand_types[0]
@@ -97,7 +98,7 @@ def _reduce_scatter(ctx: OpContext) -> tuple[TensorType, ...]:
 
 
 @register_op("broadcast", "$x:operand on $axes:axes root $root:int", reference=_identity,
-             doc="every rank takes the root's block along mesh axes")  # fmt: skip
+             kind=OpKind.BROADCAST, doc="every rank takes the root's block along mesh axes")  # fmt: skip
 def _broadcast(ctx: OpContext) -> tuple[TensorType, ...]:
     axes = mesh_axes_attr(ctx, "axes")
     t = ctx.operand_types[0]
@@ -118,7 +119,8 @@ def _broadcast(ctx: OpContext) -> tuple[TensorType, ...]:
 
 
 @register_op("all_to_all", "$x:operand on $axes:axes from $src:int to $dst:int",
-             reference=_identity, doc="move the sharding over mesh axes from one dim to another")  # fmt: skip
+             reference=_identity, kind=OpKind.REDIST,
+             doc="move the sharding over mesh axes from one dim to another")  # fmt: skip
 def _all_to_all(ctx: OpContext) -> tuple[TensorType, ...]:
     axes = mesh_axes_attr(ctx, "axes")
     t = ctx.operand_types[0]
@@ -159,7 +161,7 @@ def _send_ref(op: Op, xs: Sequence[np.ndarray], rt: Sequence[TensorType]) -> tup
 
 
 @register_op("send", "$x:operand on $axis:axes from $src:int to $dst:int tag $tag:int",
-             results=0, reference=_send_ref, doc="send blocks to another coordinate of an axis")  # fmt: skip
+             results=0, reference=_send_ref, kind=OpKind.SEND, doc="send blocks to another coordinate of an axis")  # fmt: skip
 def _send(ctx: OpContext) -> tuple[TensorType, ...]:
     axis = _p2p_checks(ctx)
     t = ctx.operand_types[0]
@@ -176,7 +178,7 @@ def _recv_ref(op: Op, xs: Sequence[np.ndarray], rt: Sequence[TensorType]) -> tup
 
 
 @register_op("recv", "on $axis:axes from $src:int to $dst:int tag $tag:int", reference=_recv_ref,
-             doc="receive the blocks of the paired send")  # fmt: skip
+             kind=OpKind.RECV, doc="receive the blocks of the paired send")  # fmt: skip
 def _recv(ctx: OpContext) -> tuple[TensorType, ...]:
     axis = _p2p_checks(ctx)
     d = ctx.declared[0]
@@ -187,7 +189,7 @@ def _recv(ctx: OpContext) -> tuple[TensorType, ...]:
     return (d,)
 
 
-@register_op("redistribute", "$x:operand", reference=_identity,
+@register_op("redistribute", "$x:operand", reference=_identity, kind=OpKind.REDIST,
              doc="the same global value in the result's layout")  # fmt: skip
 def _redistribute(ctx: OpContext) -> tuple[TensorType, ...]:
     t, d = ctx.operand_types[0], ctx.declared[0]
@@ -208,7 +210,7 @@ def _call_ref(op: Op, xs: Sequence[np.ndarray], rt: Sequence[TensorType]) -> tup
 
 
 @register_op("call", "$callee:symbol ( $args:operands )", results=-1, reference=_call_ref,
-             doc="call a function of the module")  # fmt: skip
+             kind=OpKind.CALL, doc="call a function of the module")  # fmt: skip
 def _call(ctx: OpContext) -> tuple[TensorType, ...]:
     name = str(ctx.attr("callee"))
     f = ctx.module.function(name)

@@ -17,7 +17,7 @@ import numpy as np
 
 from dtm_mpi.ir.nodes import Attr, Op
 from dtm_mpi.ir.ops._common import as_dtype, dim_index, np_dtype
-from dtm_mpi.ir.registry import OpContext, register_op
+from dtm_mpi.ir.registry import OpContext, Trait, register_op
 from dtm_mpi.ir.types import DType, TensorType
 
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -90,7 +90,7 @@ def _constant_ref(
     t = rt[0]
     value = np.array(_flat(op.attr("value")), dtype=np.float64 if t.dtype.is_float else None)
     if value.size == 1:
-        return (np.full(t.shape, value.reshape(()), dtype=np_dtype(t.dtype)),)
+        return (as_dtype(np.full(t.shape, value.reshape(()), dtype=np_dtype(t.dtype)), t),)
     return (as_dtype(value.reshape(t.shape), t),)
 
 
@@ -121,9 +121,7 @@ def _iota_ref(op: Op, xs: Sequence[np.ndarray], rt: Sequence[TensorType]) -> tup
     dim = int(op.attr("dim"))  # type: ignore[arg-type]
     shape = [1] * t.rank
     shape[dim] = t.shape[dim]
-    return (
-        np.broadcast_to(np.arange(t.shape[dim]).reshape(shape), t.shape).astype(np_dtype(t.dtype)),
-    )
+    return (as_dtype(np.broadcast_to(np.arange(t.shape[dim]).reshape(shape), t.shape), t),)
 
 
 @register_op("iota", "dim $dim:int", reference=_iota_ref, doc="each element's index along dim")
@@ -186,7 +184,8 @@ def _step_ref(op: Op, xs: Sequence[np.ndarray], rt: Sequence[TensorType]) -> tup
     raise NotImplementedError("step_index is supplied by the executor")
 
 
-@register_op("step_index", "", reference=_step_ref, doc="the current step (0-based), i64[]")
+@register_op("step_index", "", reference=_step_ref, traits=frozenset({Trait.NEEDS_STEP}),
+             doc="the current step (0-based), i64[]")  # fmt: skip
 def _step_index(ctx: OpContext) -> tuple[TensorType, ...]:
     d = ctx.declared[0]
     if d.dtype is not DType.I64 or d.shape != () or not d.layout.is_replicated:

@@ -2,15 +2,18 @@
 
 Sharding rule: operands share one shape and one per-dimension layout, which the result keeps
 (use ``broadcast_to`` and ``redistribute`` explicitly). Pending reductions pass only through
-ops linear in them: ``neg`` and ``cast`` (float to float) of ``partial(sum)``; ``add``/``sub``
-of two identical ``partial(sum)``; ``mul`` with one ``partial(sum)`` side; ``div`` with a
-``partial(sum)`` numerator; ``maximum``/``minimum`` of two ``partial(max)``/``partial(min)``.
+ops linear in them (each entry's ``linear_in``): ``neg`` and ``cast`` (float to float) of
+``partial(sum)``; ``sigmoid`` of ``partial(max)``/``partial(min)`` (it is non-decreasing);
+``add``/``sub`` of two identical ``partial(sum)``; ``mul`` with one ``partial(sum)`` side;
+``div`` with a ``partial(sum)`` numerator (floats); ``maximum``/``minimum`` of two
+``partial(max)``/``partial(min)``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -24,121 +27,145 @@ from dtm_mpi.ir.ops._common import (
     same_dtype,
     same_shape,
 )  # fmt: skip
-from dtm_mpi.ir.registry import OpContext, register_op
+from dtm_mpi.ir.registry import OPS, OpContext, OpDef, Trait, register_op
 from dtm_mpi.ir.types import DType, ReduceOp, TensorType
 
 Arr = np.ndarray
 
 
-def _gelu(x: Arr) -> Arr:
+def _gelu(xp: Any, x: Arr) -> Any:
     # tanh approximation (documented in the spec)
     c = math.sqrt(2.0 / math.pi)
-    return 0.5 * x * (1.0 + np.tanh(c * (x + 0.044715 * x**3)))
+    return 0.5 * x * (1.0 + xp.tanh(c * (x + 0.044715 * x**3)))
 
 
-_UNARY: dict[str, tuple[Callable[[Arr], Arr], bool, bool]] = {
-    # name: (numpy semantics, float only, linear in partial(sum))
-    "neg": (np.negative, False, True),
-    "exp": (np.exp, True, False),
-    "log": (np.log, True, False),
-    "tanh": (np.tanh, True, False),
-    "relu": (lambda x: np.maximum(x, np.zeros_like(x)), False, False),
-    "gelu": (_gelu, True, False),
-    "sqrt": (np.sqrt, True, False),
-    "rsqrt": (lambda x: 1.0 / np.sqrt(x), True, False),
-}
+def _sigmoid(xp: Any, x: Arr) -> Any:
+    # 1 / (1 + exp(-x)): exp(-x) overflows to inf for very negative x, giving exactly 0
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + xp.exp(-x))
 
 
-def _unary_rule(
-    name: str, float_only: bool, linear: bool
-) -> Callable[[OpContext], tuple[TensorType, ...]]:
+def _div(xp: Any, a: Arr, b: Arr) -> Any:
+    return xp.divide(a, b) if a.dtype.kind == "f" else xp.floor_divide(a, b)
+
+
+_SUM, _MAX, _MIN = (frozenset({r}) for r in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN))
+_ELEMENTWISE = frozenset({Trait.ELEMENTWISE})
+_FUSIBLE = frozenset({Trait.ELEMENTWISE, Trait.FUSIBLE})
+
+
+def _unary_rule(opdef: Callable[[], OpDef]) -> Callable[[OpContext], tuple[TensorType, ...]]:
     def infer(ctx: OpContext) -> tuple[TensorType, ...]:
+        d = opdef()
         t = ctx.operand_types[0]
-        (require_float if float_only else require_numeric)(ctx, 0)
+        (require_float if d.has(Trait.FLOAT_ONLY) else require_numeric)(ctx, 0)
         p = t.layout.partial
-        if p is not None and not (linear and p.op is ReduceOp.SUM):
+        if p is not None and p.op not in d.linear_in:
             no_partial(ctx, 0)
         return (t,)
 
     return infer
 
 
-def _unary_ref(
-    fn: Callable[[Arr], Arr],
-) -> Callable[[Op, Sequence[Arr], Sequence[TensorType]], tuple[Arr, ...]]:
+def _elementwise_ref(name: str) -> Callable[[Op, Sequence[Arr], Sequence[TensorType]], tuple[Arr, ...]]:  # fmt: skip
     def ref(op: Op, xs: Sequence[Arr], rt: Sequence[TensorType]) -> tuple[Arr, ...]:
-        return (as_dtype(fn(xs[0]), rt[0]),)
+        fn = OPS[name].array_fn
+        assert fn is not None
+        with np.errstate(all="ignore"):
+            return (as_dtype(fn(np, *xs), rt[0]),)
 
     return ref
 
 
-for _name, (_fn, _float_only, _linear) in _UNARY.items():
-    register_op(_name, "$x:operand", reference=_unary_ref(_fn), doc=f"elementwise {_name}")(
-        _unary_rule(_name, _float_only, _linear)
-    )
+def _unary(
+    name: str,
+    fn: Callable[..., Arr],
+    c_expr: str,
+    *,
+    float_only: bool,
+    linear_in: frozenset[ReduceOp] = frozenset(),
+) -> None:
+    traits = _FUSIBLE | ({Trait.FLOAT_ONLY} if float_only else set())
+    register_op(
+        name, "$x:operand", reference=_elementwise_ref(name), doc=f"elementwise {name}",
+        traits=traits, linear_in=linear_in, c_expr=c_expr, array_fn=fn,
+    )(_unary_rule(lambda: OPS[name]))  # fmt: skip
 
-_BINARY: dict[str, Callable[[Arr, Arr], Arr]] = {
-    "add": np.add,
-    "sub": np.subtract,
-    "mul": np.multiply,
-    "div": lambda a, b: np.divide(a, b) if a.dtype.kind == "f" else np.floor_divide(a, b),
-    "maximum": np.maximum,
-    "minimum": np.minimum,
-}
+
+# One entry per op: numpy-like semantics, C expression (kernels/dtm_common.cuh), float only,
+# the pending reductions it passes through.
+_unary("neg", lambda xp, x: xp.negative(x), "dtm_neg({0})", float_only=False, linear_in=_SUM)
+_unary("exp", lambda xp, x: xp.exp(x), "dtm_exp({0})", float_only=True)
+_unary("log", lambda xp, x: xp.log(x), "dtm_log({0})", float_only=True)
+_unary("tanh", lambda xp, x: xp.tanh(x), "dtm_tanh({0})", float_only=True)
+_unary("relu", lambda xp, x: xp.maximum(x, xp.zeros_like(x)), "dtm_relu({0})", float_only=False)  # fmt: skip
+_unary("gelu", _gelu, "dtm_gelu({0})", float_only=True)
+_unary("sqrt", lambda xp, x: xp.sqrt(x), "dtm_sqrt({0})", float_only=True)
+_unary("rsqrt", lambda xp, x: 1.0 / xp.sqrt(x), "dtm_rsqrt({0})", float_only=True)
+# sigmoid is non-decreasing, so it commutes with max and min: sigmoid of partial(max) is the
+# partial(max) of the sigmoids (an empty block's -inf becomes 0, still below every value).
+# It is not linear in partial(sum).
+_unary("sigmoid", _sigmoid, "dtm_sigmoid({0})", float_only=True, linear_in=_MAX | _MIN)
+# abs is neither additive nor monotone: |a + b| != |a| + |b|, |max(-3, 1)| != max(3, 1).
+_unary("abs", lambda xp, x: xp.abs(x), "dtm_abs({0})", float_only=False)
 
 
-def _binary_partial(ctx: OpContext, name: str) -> None:
+def _binary_partial(ctx: OpContext, d: OpDef) -> None:
     pa, pb = (t.layout.partial for t in ctx.operand_types)
     if pa is None and pb is None:
         return
-    if name in ("add", "sub"):
-        if pa == pb and pa is not None and pa.op is ReduceOp.SUM:
-            return
-    elif name == "mul":
-        if (pa is None) != (pb is None) and (pa or pb).op is ReduceOp.SUM:  # type: ignore[union-attr]
-            return
-    elif name == "div":
+    if d.has(Trait.LINEAR_ONE_SIDE):  # f(a, sum b) = sum f(a, b), either side
+        one = pa if pb is None else pb if pa is None else None
+        ok = one is not None and one.op in d.linear_in
+    elif d.has(Trait.LINEAR_FIRST):  # f(sum a, b) = sum f(a, b) on floats (ints round)
         floats = ctx.operand_types[0].dtype.is_float
-        if floats and pb is None and pa is not None and pa.op is ReduceOp.SUM:
-            return
-    elif name in ("maximum", "minimum"):
-        want = ReduceOp.MAX if name == "maximum" else ReduceOp.MIN
-        if pa == pb and pa is not None and pa.op is want:
-            return
+        ok = floats and pb is None and pa is not None and pa.op in d.linear_in
+    else:  # f(sum a, sum b) = sum f(a, b): both pending alike
+        ok = pa == pb and pa is not None and pa.op in d.linear_in
+    if ok:
+        return
     bad = 0 if pa is not None else 1
     other = ctx.operand_types[1 - bad].layout.partial
     raise ctx.operand_error(
-        bad, f"{name} is not linear in {ctx.operand_types[bad].layout.partial} with the other "
+        bad, f"{d.name} is not linear in {ctx.operand_types[bad].layout.partial} with the other "
         f"operand {'being ' + str(other) if other else 'not pending'}; allreduce first"
     )  # fmt: skip
 
 
-def _binary_rule(name: str) -> Callable[[OpContext], tuple[TensorType, ...]]:
+def _binary_rule(opdef: Callable[[], OpDef]) -> Callable[[OpContext], tuple[TensorType, ...]]:
     def infer(ctx: OpContext) -> tuple[TensorType, ...]:
         require_numeric(ctx, 0)
         same_dtype(ctx, 0, 1)
         same_shape(ctx, 0, 1)
         same_dims(ctx, 0, 1)
-        _binary_partial(ctx, name)
+        _binary_partial(ctx, opdef())
         a, b = ctx.operand_types
         return (a if a.layout.partial is not None else b,)
 
     return infer
 
 
-def _binary_ref(
-    fn: Callable[[Arr, Arr], Arr],
-) -> Callable[[Op, Sequence[Arr], Sequence[TensorType]], tuple[Arr, ...]]:
-    def ref(op: Op, xs: Sequence[Arr], rt: Sequence[TensorType]) -> tuple[Arr, ...]:
-        with np.errstate(all="ignore"):
-            return (as_dtype(fn(xs[0], xs[1]), rt[0]),)
+def _binary(
+    name: str,
+    fn: Callable[..., Arr],
+    c_expr: str,
+    linear_in: frozenset[ReduceOp],
+    *extra: Trait,
+) -> None:
+    register_op(
+        name, "$lhs:operand , $rhs:operand", reference=_elementwise_ref(name),
+        doc=f"elementwise {name}", traits=_FUSIBLE | set(extra), linear_in=linear_in,
+        c_expr=c_expr, array_fn=fn,
+    )(_binary_rule(lambda: OPS[name]))  # fmt: skip
 
-    return ref
 
-
-for _name, _bfn in _BINARY.items():
-    register_op(_name, "$lhs:operand , $rhs:operand", reference=_binary_ref(_bfn),
-                doc=f"elementwise {_name}")(_binary_rule(_name))  # fmt: skip
+# C expressions on floats (the generated kernels): ``div`` is a true division there.
+_binary("add", lambda xp, a, b: xp.add(a, b), "({0} + {1})", _SUM)
+_binary("sub", lambda xp, a, b: xp.subtract(a, b), "({0} - {1})", _SUM)
+_binary("mul", lambda xp, a, b: xp.multiply(a, b), "({0} * {1})", _SUM, Trait.LINEAR_ONE_SIDE)
+_binary("div", _div, "({0} / {1})", _SUM, Trait.LINEAR_FIRST)
+_binary("maximum", lambda xp, a, b: xp.maximum(a, b), "dtm_maximum({0}, {1})", _MAX)
+_binary("minimum", lambda xp, a, b: xp.minimum(a, b), "dtm_minimum({0}, {1})", _MIN)
 
 _COMPARE = {"lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
             "eq": np.equal, "ne": np.not_equal}  # fmt: skip
@@ -149,7 +176,7 @@ def _compare_ref(op: Op, xs: Sequence[Arr], rt: Sequence[TensorType]) -> tuple[A
 
 
 @register_op("compare", "$pred:enum(lt|le|gt|ge|eq|ne) $lhs:operand , $rhs:operand",
-             reference=_compare_ref, doc="elementwise comparison, bool result")  # fmt: skip
+             reference=_compare_ref, doc="elementwise comparison, bool result", traits=_ELEMENTWISE)  # fmt: skip
 def _compare(ctx: OpContext) -> tuple[TensorType, ...]:
     same_dtype(ctx, 0, 1)
     same_shape(ctx, 0, 1)
@@ -164,7 +191,7 @@ def _where_ref(op: Op, xs: Sequence[Arr], rt: Sequence[TensorType]) -> tuple[Arr
 
 
 @register_op("where", "$cond:operand , $a:operand , $b:operand", reference=_where_ref,
-             doc="elementwise select: cond ? a : b")  # fmt: skip
+             doc="elementwise select: cond ? a : b", traits=_ELEMENTWISE)  # fmt: skip
 def _where(ctx: OpContext) -> tuple[TensorType, ...]:
     if ctx.operand_types[0].dtype is not DType.BOOL:
         raise ctx.operand_error(0, f"condition must be bool; got {ctx.operand_types[0].dtype}")
@@ -181,11 +208,13 @@ def _cast_ref(op: Op, xs: Sequence[Arr], rt: Sequence[TensorType]) -> tuple[Arr,
     return (as_dtype(xs[0], rt[0]),)
 
 
-@register_op("cast", "$x:operand", reference=_cast_ref, doc="convert to the result dtype")
+@register_op("cast", "$x:operand", reference=_cast_ref, doc="convert to the result dtype",
+             traits=_ELEMENTWISE, linear_in=_SUM)  # fmt: skip
 def _cast(ctx: OpContext) -> tuple[TensorType, ...]:
     t, d = ctx.operand_types[0], ctx.declared[0]
     p = t.layout.partial
-    if p is not None and not (p.op is ReduceOp.SUM and t.dtype.is_float and d.dtype.is_float):
+    linear = p is not None and p.op in OPS["cast"].linear_in  # float to float only (ints round)
+    if p is not None and not (linear and t.dtype.is_float and d.dtype.is_float):
         raise ctx.operand_error(
             0, f"cast of {p} to {d.dtype} is not linear; only float-to-float casts keep a "
             "pending sum"

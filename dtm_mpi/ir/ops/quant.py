@@ -3,7 +3,12 @@
 ``quantize``: for each block of ``block`` consecutive elements of the last dim,
 ``scale = max(|x|) / 127`` (1 where the block is all zeros) and ``q = round_half_even(x /
 scale)`` clipped to [-127, 127]. ``dequantize``: ``x = q * scale``. The last dim must be
-unsharded and divisible by ``block``; other dims keep their sharding in both results.
+divisible by ``block``; other dims keep their sharding in both results. ``quantize`` needs the
+last dim unsharded. ``dequantize`` takes values and scales that are not pending (a pending sum
+of i8 values would wrap, so its result would depend on the rank count) and, where the last dim
+is sharded, every shard must hold whole blocks: on the bound mesh, each shard of the values'
+last dim is ``block`` times the matching shard of the scales' (checked when planning, since
+``--mesh`` may change the sizes).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import numpy as np
 
 from dtm_mpi.ir.nodes import Op
 from dtm_mpi.ir.ops._common import as_dtype, no_partial, require_float, unsharded_dim
-from dtm_mpi.ir.registry import OpContext, register_op
+from dtm_mpi.ir.registry import OpContext, ShardExtents, register_op
 from dtm_mpi.ir.types import DType, Layout, TensorType
 
 
@@ -69,8 +74,29 @@ def _dequantize_ref(
     return (as_dtype(out.reshape(q.shape), rt[0]),)
 
 
+def _dequantize_blocks(op: Op, types: Sequence[TensorType], extents: ShardExtents) -> str | None:
+    """Every shard of the values' last dim holds whole blocks: ``block`` times the matching
+    shard of the scales' last dim (they share its axes)."""
+    q, s = types[0], types[1]
+    axes = q.layout.dims[-1] if q.rank else ()
+    if not axes:
+        return None
+    block = int(op.attr("block"))  # type: ignore[arg-type]
+    shards = zip(extents(q.shape[-1], axes), extents(s.shape[-1], axes), strict=True)
+    for i, ((q0, qn), (s0, sn)) in enumerate(shards):
+        if (q0, qn) != (s0 * block, sn * block):
+            return (
+                f"every shard of the last dim must hold whole blocks of {block}; split over "
+                f"{','.join(axes)}, shard {i} holds values {q0}..{q0 + qn - 1} but the scales of "
+                f"values {s0 * block}..{(s0 + sn) * block - 1} (make the last dim unsharded, "
+                "or a size whose shards are multiples of the block)"
+            )  # fmt: skip
+    return None
+
+
 @register_op("dequantize", "$q:operand , $scales:operand block $block:int",
-             reference=_dequantize_ref, capability="CAP_QUANT", doc="q * scale per block")  # fmt: skip
+             reference=_dequantize_ref, capability="CAP_QUANT", doc="q * scale per block",
+             plan_check=_dequantize_blocks)  # fmt: skip
 def _dequantize(ctx: OpContext) -> tuple[TensorType, ...]:
     q, s = ctx.operand_types
     d = ctx.declared[0]
@@ -78,6 +104,9 @@ def _dequantize(ctx: OpContext) -> tuple[TensorType, ...]:
         raise ctx.operand_error(0, f"quantised values must be i8; got {q.dtype}")
     if s.dtype is not DType.F32:
         raise ctx.operand_error(1, f"scales must be f32; got {s.dtype}")
+    no_partial(ctx, 0, "a pending sum of i8 values wraps, so its result would depend on the "
+               "rank count; dequantize each rank's values first, or allreduce them")  # fmt: skip
+    no_partial(ctx, 1, "dequantize needs complete scales; allreduce them first")
     block = _check_block(ctx, q)
     want = (*q.shape[:-1], q.shape[-1] // block)
     if s.shape != want or s.layout.dims != q.layout.dims:

@@ -63,10 +63,20 @@ def _reduce_rule(name: str):  # type: ignore[no-untyped-def]
     return infer
 
 
+def _identity(name: str, dtype: np.dtype[Any]) -> Any:
+    """The identity of ``max``/``min`` (spec §7.1): the value over an empty dimension."""
+    if dtype.kind == "f":
+        return -np.inf if name == "max" else np.inf
+    info = np.iinfo(dtype)
+    return info.min if name == "max" else info.max
+
+
 def _reduce_ref(name: str):  # type: ignore[no-untyped-def]
     def ref(op: Op, xs: Sequence[np.ndarray], rt: Sequence[TensorType]) -> tuple[np.ndarray, ...]:
         fn: Any = _NP[name]
-        out = fn(xs[0], axis=tuple(op.attr("dims")), keepdims=bool(op.attr("keepdims")))  # type: ignore[arg-type]
+        x = xs[0]
+        extra = {"initial": _identity(name, x.dtype)} if name in ("max", "min") else {}
+        out = fn(x, axis=tuple(op.attr("dims")), keepdims=bool(op.attr("keepdims")), **extra)  # type: ignore[arg-type]
         return (as_dtype(out, rt[0]),)
 
     return ref

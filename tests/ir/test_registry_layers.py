@@ -1,0 +1,154 @@
+"""Every layer covers every registered op: the registry is the one home of per-op facts, so
+adding an op is its entry, its kernels and its tests, and this file fails when a layer lacks
+it (a kernel, a device helper, the reference, the planner's kind, the GPU placement)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dtm_mpi.ir import load_module
+from dtm_mpi.ir.registry import OpKind, Trait, all_ops, ops_with
+from dtm_mpi.kernels.fused import Expr, FusedInput, fused_source
+from dtm_mpi.kernels.registry import COMM_OPS, backend_kernels
+from dtm_mpi.kernels.sources import kernel_source
+from dtm_mpi.plan import program
+from dtm_mpi.runtime.reference import run_reference
+from dtm_mpi.runtime.session import run_simulated
+
+ROOT = Path(__file__).parents[2]
+OPS = all_ops()
+LOCAL = sorted(n for n, d in OPS.items() if d.kind is OpKind.LOCAL)
+FUSIBLE = sorted(ops_with(Trait.FUSIBLE))
+F32 = np.dtype(np.float32)
+
+
+def test_comm_ops_are_the_ops_that_are_not_local() -> None:
+    assert frozenset(OPS) - frozenset(LOCAL) == COMM_OPS
+    assert {"allreduce", "send", "recv", "call", "redistribute", "broadcast"} <= COMM_OPS
+
+
+def test_every_kind_has_a_plan_kind() -> None:
+    assert set(program._KIND_OF) == set(OpKind)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cuda", "hip"])
+def test_every_local_op_has_a_kernel_and_no_other_op_does(backend: str) -> None:
+    table = backend_kernels(backend)
+    assert [n for n in LOCAL if n not in table] == []
+    assert not set(table) & COMM_OPS
+
+
+def test_traits_are_consistent() -> None:
+    for name, d in OPS.items():
+        assert d.reference is not None and d.doc, name
+        if d.c_expr is not None or d.has(Trait.FUSIBLE):
+            assert d.c_expr is not None and d.has(Trait.FUSIBLE), name
+            assert d.has(Trait.ELEMENTWISE) and d.array_fn is not None, name
+            assert d.arity in (1, 2) and d.n_results == 1, name
+            assert all(f"{{{i}}}" in d.c_expr for i in range(d.arity)), name
+        if d.has(Trait.LINEAR_ONE_SIDE) or d.has(Trait.LINEAR_FIRST):
+            assert d.arity == 2 and d.linear_in, name
+        if d.kind is not OpKind.LOCAL:
+            assert not d.traits and d.c_expr is None, name
+
+
+def _helpers(c_expr: str) -> list[str]:
+    return re.findall(r"\b(dtm_\w+)\(", c_expr)
+
+
+@pytest.mark.parametrize("name", FUSIBLE)
+def test_every_fusible_op_has_its_device_helper(name: str) -> None:
+    """``kernels/dtm_common.cuh`` (compiled by nvcc, NVRTC, hipcc, hipRTC and the emulator)
+    defines each helper the C expression names, for float and double."""
+    header = (ROOT / "kernels" / "dtm_common.cuh").read_text()
+    for helper in _helpers(OPS[name].c_expr or ""):
+        for ctype in ("float", "double"):
+            assert re.search(rf"\b{ctype} {helper}\({ctype} \w+", header), (helper, ctype)
+
+
+@pytest.mark.parametrize("name", FUSIBLE)
+def test_every_fusible_op_is_generated_and_placed_on_the_gpu(name: str) -> None:
+    from dtm_mpi.kernels.cuda_backend import placement
+
+    n = OPS[name].arity
+    template = kernel_source("fused_elementwise.cu")
+    _, code = fused_source(Expr(name, tuple(range(n))), [FusedInput(F32)] * n, F32, template)
+    assert (OPS[name].c_expr or "").format(*(f"v{i}" for i in range(n))) in code
+    assert placement(name, [F32] * n, {}, 2) == "generated kernel"
+
+
+def test_every_fusible_op_is_run_by_the_emulated_kernel_tests() -> None:
+    """tests/kernels/test_cuda_kernels.py runs each generated kernel on the emulator (and on a
+    GPU where there is one); its op list is the registry's, not a copy."""
+    text = (ROOT / "tests" / "kernels" / "test_cuda_kernels.py").read_text()
+    assert 'parametrize("op", sorted(ops_with(Trait.FUSIBLE)))' in text
+
+
+def _elementwise_module(name: str, dtype: str) -> str:
+    args = ", ".join(["%x", "%w"][: OPS[name].arity])
+    return f"""dtm 1.0
+module e
+mesh @m = [dp=2]
+entry func @main(%x: {dtype}[5,3]{{dp,-}}, %w: {dtype}[5,3]{{dp,-}}) -> {dtype}[5,3]{{dp,-}} on @m {{
+  %y = {name} {args} : {dtype}[5,3]{{dp,-}}
+  return %y
+}}
+"""
+
+
+@pytest.mark.parametrize("name", FUSIBLE)
+def test_every_fusible_op_runs_in_the_reference_and_the_executor(name: str) -> None:
+    """The reference interpreter and the executor (numpy backend, 3 ranks: uneven blocks)
+    compute the op's array function."""
+    d = OPS[name]
+    module = load_module(_elementwise_module(name, "f64"), "e.dtm")
+    rng = np.random.default_rng(2)
+    x, w = rng.random((5, 3)) + 0.5, rng.random((5, 3)) + 0.5
+    _, ref = run_reference(module, {"x": x, "w": w})
+    assert d.array_fn is not None
+    want = d.array_fn(np, *(x, w)[: d.arity])
+    np.testing.assert_array_equal(ref[0][0], want)
+    got = run_simulated(module, 3, binding={"dp": 3}, inputs={"x": x, "w": w})
+    np.testing.assert_array_equal(got.results[0][0], want)
+
+
+def _imports(path: Path) -> set[str]:
+    mods: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            mods.add(node.module)
+        elif isinstance(node, ast.Import):
+            mods.update(a.name for a in node.names)
+    return mods
+
+
+@pytest.mark.parametrize("layer", ["plan", "sharding", "ir"])
+def test_no_upward_imports(layer: str) -> None:
+    """``ir``, ``sharding`` and ``plan`` import neither ``kernels`` nor ``comm`` (nor the
+    runtime): the op facts they need are in the registry."""
+    bad = {}
+    for path in sorted((ROOT / "dtm_mpi" / layer).rglob("*.py")):
+        up = sorted(
+            m for m in _imports(path)
+            if m.startswith(("dtm_mpi.kernels", "dtm_mpi.comm", "dtm_mpi.runtime"))
+        )  # fmt: skip
+        if up:
+            bad[path.name] = up
+    assert bad == {}
+
+
+def test_no_second_table_of_op_names() -> None:
+    """The tables that used to repeat op names are gone (derived from the registry)."""
+    import dtm_mpi.kernels.cuda_backend as cuda
+    import dtm_mpi.kernels.fused as fused
+    import dtm_mpi.plan.fusion as fusion
+    import dtm_mpi.runtime.reference as reference
+
+    assert not hasattr(fused, "UNARY_C") and not hasattr(fused, "BINARY_C")
+    assert not hasattr(fusion, "FUSIBLE") and not hasattr(program, "_REDIST_OPS")
+    assert not hasattr(reference, "_IDENTITY_OPS") and not hasattr(cuda, "_int_elementwise")
