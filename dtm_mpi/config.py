@@ -1,24 +1,12 @@
 """Options read from environment variables, once, into a frozen value.
 
-=====================  =========  ==========================================================
-variable               default    meaning
-=====================  =========  ==========================================================
-``DTM_TIMEOUT``        ``300``    seconds any single wait may take before the session is
-                                  poisoned and the job ends (bounded completion)
-``DTM_FAULT``          unset      failure injection ``RANK:WHERE:KIND`` (KIND ``raise``,
-                                  ``hang`` or ``exit``; WHERE an op or phase name); several
-                                  separated by ``,``
-``DTM_DETERMINISTIC``  ``0``      ``1``: reductions combine contributions in a fixed order
-``DTM_MAX_MSG_ELEMS``  ``2**31-1`` largest element count of one MPI message; bigger ones are
-                                  split into chunks (tests set it tiny)
-``DTM_GPU_AWARE_MPI``  ``auto``   ``auto``, ``yes``/``1`` or ``no``/``0``: whether MPI takes device
-                                  buffers (``auto``: the MPI vendor's query, then a probe)
-``DTM_LOG``            ``warning`` log level of the ``dtm_mpi`` logger
-``DTM_CKPT_VERIFY``    ``manifest`` what a checkpoint save verifies before it commits:
-                                  ``manifest`` or ``full`` (re-read and re-hash every chunk)
-``DTM_CKPT_RANKS_PER_FILE`` ``1`` ranks that share one data file of a checkpoint (``all``:
-                                  one file for the job); 1 measured fastest on local disks
-=====================  =========  ==========================================================
+Every ``DTM_*`` variable the package reads is read here and nowhere else (a test scans the
+package for other reads): :data:`ENV_VARS` lists each one with the :class:`Config` field it
+sets, its parser and its default as ``README.md``'s "Configuration" table writes it (a test
+checks that table against :data:`ENV_VARS`, row for row, default for default). Yes/no
+variables share one parser: ``1``/``true``/``yes``/``on`` and ``0``/``false``/``no``/``off``
+(any case), empty for the default; anything else is a :class:`ConfigError` naming the
+variable and the accepted words.
 
 :func:`get_config` reads the process environment on first use and caches the result;
 :func:`load_config` is the pure parser (a mapping in, a :class:`Config` out) used by tests.
@@ -28,13 +16,17 @@ from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
 from dtm_mpi.errors import ConfigError
 
-__all__ = ["Config", "FaultKind", "FaultSpec", "GpuAwareMode", "get_config", "load_config"]
+__all__ = [
+    "ENV_VARS", "Config", "EnvVar", "FaultKind", "FaultSpec", "GpuAwareMode", "get_config",
+    "load_config",
+]  # fmt: skip
 
 MAX_MSG_ELEMS_DEFAULT = 2**31 - 1
 
@@ -73,6 +65,9 @@ class Config:
     log_level: str = "warning"
     ckpt_verify_full: bool = False
     ckpt_ranks_per_file: int = 1  # 0: all ranks share one data file
+    fuse: bool = True  # GPU backends run planned elementwise chains as one kernel
+    kernel_dir: str | None = None  # where the .cu sources are (None: look in the usual places)
+    mallopt: bool = True  # under MPI, keep collective-sized freed blocks in the heap
 
     def fault_at(self, rank: int, where: str) -> FaultSpec | None:
         """The fault injected for ``rank`` at ``where``, if any."""
@@ -82,18 +77,33 @@ class Config:
         return None
 
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
-def _parse_bool(name: str, raw: str) -> bool:
-    value = raw.strip().lower()
-    if value in _TRUE:
+def _bool_word(raw: str) -> bool | None:
+    """True/False for a yes/no word (any case, blanks ignored), None for any other text."""
+    word = raw.strip().lower()
+    if word in _TRUE:
         return True
-    if value in _FALSE:
+    if word in _FALSE:
         return False
-    raise ConfigError(f"{name}: expected one of 0/1/true/false/yes/no/on/off, got {raw!r}")
+    return None
+
+
+def _parse_bool(name: str, raw: str, default: bool) -> bool:
+    """The one parser of yes/no variables: a word of ``_TRUE`` or ``_FALSE``, or empty (the
+    default); anything else is an error naming the variable and the accepted words."""
+    if not raw.strip():
+        return default
+    value = _bool_word(raw)
+    if value is None:
+        raise ConfigError(
+            f"{name}: expected one of {'/'.join(_TRUE)} (on) or {'/'.join(_FALSE)} (off), "
+            f"got {raw!r}"
+        )
+    return value
 
 
 def _parse_positive_float(name: str, raw: str) -> float:
@@ -145,58 +155,89 @@ def parse_fault_specs(name: str, raw: str) -> tuple[FaultSpec, ...]:
     return tuple(specs)
 
 
+def _gpu_aware(name: str, raw: str) -> GpuAwareMode:
+    if raw.strip().lower() == "auto":
+        return GpuAwareMode.AUTO
+    value = _bool_word(raw)
+    if value is None:
+        raise ConfigError(f"{name}: expected auto, yes (1) or no (0), got {raw!r}")
+    return GpuAwareMode.YES if value else GpuAwareMode.NO
+
+
+def _log_level(name: str, raw: str) -> str:
+    level = raw.strip().lower()
+    if level not in _LOG_LEVELS:
+        raise ConfigError(f"{name}: expected one of {', '.join(_LOG_LEVELS)}, got {raw!r}")
+    return level
+
+
+def _ckpt_verify_full(name: str, raw: str) -> bool:
+    mode = raw.strip().lower()
+    if mode not in ("manifest", "full"):
+        raise ConfigError(f"{name}: expected manifest or full, got {raw!r}")
+    return mode == "full"
+
+
+def _ranks_per_file(name: str, raw: str) -> int:
+    word = raw.strip().lower()
+    if word == "all":
+        return 0
+    if word.isascii() and word.isdigit() and int(word) >= 1:
+        return int(word)
+    raise ConfigError(f"{name}: expected an integer >= 1 or all, got {raw!r}")
+
+
+def _directory(name: str, raw: str) -> str | None:
+    return raw.strip() or None  # empty: as if unset
+
+
+def _yes_no(default: bool) -> Callable[[str, str], bool]:
+    def parse(name: str, raw: str) -> bool:
+        return _parse_bool(name, raw, default)
+
+    return parse
+
+
+@dataclass(frozen=True, slots=True)
+class EnvVar:
+    """One ``DTM_*`` variable: the :class:`Config` field it sets, its parser (variable name
+    and raw text in, field value out; raises :class:`ConfigError`) and its default as the
+    README's table writes it (``—``: unset)."""
+
+    name: str
+    field: str
+    parse: Callable[[str, str], object]
+    default: str
+
+
+ENV_VARS: tuple[EnvVar, ...] = (
+    EnvVar("DTM_TIMEOUT", "timeout_s", _parse_positive_float, "300"),
+    EnvVar("DTM_FAULT", "faults", parse_fault_specs, "—"),
+    EnvVar("DTM_DETERMINISTIC", "deterministic", _yes_no(False), "0"),
+    EnvVar("DTM_MAX_MSG_ELEMS", "max_msg_elems", _parse_positive_int, str(MAX_MSG_ELEMS_DEFAULT)),
+    EnvVar("DTM_GPU_AWARE_MPI", "gpu_aware_mpi", _gpu_aware, "auto"),
+    EnvVar("DTM_FUSE", "fuse", _yes_no(True), "1"),
+    EnvVar("DTM_KERNEL_DIR", "kernel_dir", _directory, "—"),
+    EnvVar("DTM_LOG", "log_level", _log_level, "warning"),
+    EnvVar("DTM_CKPT_RANKS_PER_FILE", "ckpt_ranks_per_file", _ranks_per_file, "1"),
+    EnvVar("DTM_CKPT_VERIFY", "ckpt_verify_full", _ckpt_verify_full, "manifest"),
+    EnvVar("DTM_MALLOPT", "mallopt", _yes_no(True), "1"),
+)
+"""Every environment variable the package reads, in the README table's order."""
+
+
 def load_config(environ: Mapping[str, str]) -> Config:
     """Build a :class:`Config` from an environment mapping; raises :class:`ConfigError`."""
-    defaults = Config()
-    timeout_s = defaults.timeout_s
-    if (raw := environ.get("DTM_TIMEOUT")) is not None:
-        timeout_s = _parse_positive_float("DTM_TIMEOUT", raw)
-    faults: tuple[FaultSpec, ...] = ()
-    if (raw := environ.get("DTM_FAULT")) is not None:
-        faults = parse_fault_specs("DTM_FAULT", raw)
-    deterministic = defaults.deterministic
-    if (raw := environ.get("DTM_DETERMINISTIC")) is not None:
-        deterministic = _parse_bool("DTM_DETERMINISTIC", raw)
-    max_msg_elems = defaults.max_msg_elems
-    if (raw := environ.get("DTM_MAX_MSG_ELEMS")) is not None:
-        max_msg_elems = _parse_positive_int("DTM_MAX_MSG_ELEMS", raw)
-    gpu_aware = defaults.gpu_aware_mpi
-    if (raw := environ.get("DTM_GPU_AWARE_MPI")) is not None:
-        try:
-            word = raw.strip().lower()
-            word = {"1": "yes", "true": "yes", "on": "yes", "0": "no", "false": "no", "off": "no"}.get(word, word)  # fmt: skip
-            gpu_aware = GpuAwareMode(word)
-        except ValueError:
-            raise ConfigError(
-                f"DTM_GPU_AWARE_MPI: expected auto, yes (1) or no (0), got {raw!r}"
-            ) from None
-    log_level = defaults.log_level
-    if (raw := environ.get("DTM_LOG")) is not None:
-        log_level = raw.strip().lower()
-        if log_level not in _LOG_LEVELS:
-            raise ConfigError(f"DTM_LOG: expected one of {', '.join(_LOG_LEVELS)}, got {raw!r}")
-    verify_full = defaults.ckpt_verify_full
-    if (raw := environ.get("DTM_CKPT_VERIFY")) is not None:
-        mode = raw.strip().lower()
-        if mode not in ("manifest", "full"):
-            raise ConfigError(f"DTM_CKPT_VERIFY: expected manifest or full, got {raw!r}")
-        verify_full = mode == "full"
-    per_file = defaults.ckpt_ranks_per_file
-    if (raw := environ.get("DTM_CKPT_RANKS_PER_FILE")) is not None:
-        word = raw.strip().lower()
-        if word == "all":
-            per_file = 0
-        elif word.isascii() and word.isdigit() and int(word) >= 1:
-            per_file = int(word)
-        else:
-            raise ConfigError(f"DTM_CKPT_RANKS_PER_FILE: expected an integer >= 1 or all, got {raw!r}")  # fmt: skip
-    return Config(
-        timeout_s, faults, deterministic, max_msg_elems, gpu_aware, log_level, verify_full,
-        per_file,
-    )  # fmt: skip
+    values: dict[str, Any] = {}
+    for var in ENV_VARS:
+        raw = environ.get(var.name)
+        if raw is not None:
+            values[var.field] = var.parse(var.name, raw)
+    return Config(**values)
 
 
 @cache
 def get_config() -> Config:
-    """The process-wide configuration, read from ``os.environ`` on first call."""
+    """The process-wide configuration, read from ``os.environ`` on first call (a test that
+    changes the environment calls ``get_config.cache_clear()``)."""
     return load_config(os.environ)

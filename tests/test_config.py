@@ -3,11 +3,26 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from dtm_mpi.config import Config, FaultKind, FaultSpec, GpuAwareMode, load_config
+from dtm_mpi.comm.buffers import tune_allocator
+from dtm_mpi.config import (
+    ENV_VARS,
+    Config,
+    EnvVar,
+    FaultKind,
+    FaultSpec,
+    GpuAwareMode,
+    get_config,
+    load_config,
+)
 from dtm_mpi.errors import ConfigError
+from dtm_mpi.kernels import sources
+from dtm_mpi.kernels.backends import BackendKind
+from dtm_mpi.kernels.devices import ArrayBackend
 
 
 def test_defaults() -> None:
@@ -98,3 +113,132 @@ def test_ckpt_ranks_per_file(raw: str, want: int) -> None:
     every rank of the job in one file, as ``plan_save`` reads it)."""
     assert load_config({"DTM_CKPT_RANKS_PER_FILE": raw}).ckpt_ranks_per_file == want
     assert load_config({}).ckpt_ranks_per_file == 1  # the default: one file per rank
+
+
+# --- one parser for yes/no variables ----------------------------------------------------------
+
+_YES_NO = [("DTM_FUSE", "fuse", True), ("DTM_MALLOPT", "mallopt", True),
+           ("DTM_DETERMINISTIC", "deterministic", False)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "field", "default"), _YES_NO)
+@pytest.mark.parametrize("raw", ["0", "false", "no", "off", "FALSE", " Off "])
+def test_yes_no_off_words(name: str, field: str, default: bool, raw: str) -> None:
+    assert getattr(load_config({name: raw}), field) is False
+
+
+@pytest.mark.parametrize(("name", "field", "default"), _YES_NO)
+@pytest.mark.parametrize("raw", ["1", "true", "yes", "on", "True", " ON "])
+def test_yes_no_on_words(name: str, field: str, default: bool, raw: str) -> None:
+    assert getattr(load_config({name: raw}), field) is True
+
+
+@pytest.mark.parametrize(("name", "field", "default"), _YES_NO)
+def test_yes_no_default_and_bad_value(name: str, field: str, default: bool) -> None:
+    assert getattr(load_config({}), field) is default
+    assert getattr(load_config({name: ""}), field) is default  # empty: as if unset
+    with pytest.raises(ConfigError) as info:
+        load_config({name: "maybe"})
+    message = str(info.value)
+    assert message.startswith(f"{name}: ") and "'maybe'" in message
+    for word in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        assert word in message
+
+
+def test_kernel_dir() -> None:
+    assert load_config({}).kernel_dir is None
+    assert load_config({"DTM_KERNEL_DIR": "  "}).kernel_dir is None
+    assert load_config({"DTM_KERNEL_DIR": " /opt/k "}).kernel_dir == "/opt/k"
+
+
+@pytest.fixture
+def fresh_config(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    """``monkeypatch`` whose environment changes :func:`get_config` sees (its cache cleared
+    before and after)."""
+    get_config.cache_clear()
+    yield monkeypatch
+    monkeypatch.undo()
+    get_config.cache_clear()
+
+
+@pytest.mark.parametrize("raw", ["false", "no", "off", "0"])
+def test_fuse_false_turns_fusion_off(fresh_config: pytest.MonkeyPatch, raw: str) -> None:
+    """Regression: ``DTM_FUSE=false`` left fusion on (only 0/off/no were understood)."""
+    gpu = ArrayBackend(BackendKind.CUDA, device=0, ops=object())
+    fresh_config.setenv("DTM_FUSE", "1")
+    assert gpu.fuses
+    get_config.cache_clear()
+    fresh_config.setenv("DTM_FUSE", raw)
+    assert not gpu.fuses
+    assert not ArrayBackend(BackendKind.NUMPY).fuses  # the reference never fuses
+
+
+def test_fuse_bad_value_is_an_error(fresh_config: pytest.MonkeyPatch) -> None:
+    fresh_config.setenv("DTM_FUSE", "fast")
+    with pytest.raises(ConfigError, match=r"^DTM_FUSE: expected one of .*got 'fast'"):
+        _ = ArrayBackend(BackendKind.CUDA, device=0, ops=object()).fuses
+
+
+def test_mallopt_off(fresh_config: pytest.MonkeyPatch) -> None:
+    fresh_config.setenv("DTM_MALLOPT", "false")
+    assert tune_allocator() is False
+
+
+def test_kernel_dir_from_config(fresh_config: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    (tmp_path / sources.HEADER).write_text("// header\n")
+    fresh_config.setenv("DTM_KERNEL_DIR", str(tmp_path))
+    sources.kernel_dir.cache_clear()
+    try:
+        assert sources.kernel_dir() == tmp_path
+    finally:
+        sources.kernel_dir.cache_clear()
+
+
+# --- every variable in one place, and in README.md's table ------------------------------------
+
+README = Path(__file__).parents[1] / "README.md"
+
+
+def _readme_table() -> dict[str, str]:
+    """The rows of README.md's "Configuration" table: variable -> default (backticks off)."""
+    text = README.read_text(encoding="utf-8")
+    section = text.split("\n## Configuration\n", 1)[1].split("\n## ", 1)[0]
+    rows: dict[str, str] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and cells[0].startswith("`DTM_"):
+            name = cells[0].strip("`")
+            assert name not in rows, f"README.md lists {name} twice"
+            rows[name] = cells[1].strip("`")
+    return rows
+
+
+def test_env_vars_cover_every_config_field() -> None:
+    names = [v.name for v in ENV_VARS]
+    assert len(set(names)) == len(names)
+    assert sorted(v.field for v in ENV_VARS) == sorted(f.name for f in dataclasses.fields(Config))
+
+
+@pytest.mark.parametrize("var", ENV_VARS, ids=[v.name for v in ENV_VARS])
+def test_stated_default_is_the_config_default(var: EnvVar) -> None:
+    default = getattr(Config(), var.field)
+    if var.default == "—":
+        assert default in (None, ()), (
+            f"{var.name} is unset by default, but the field is {default!r}"
+        )
+    else:
+        assert var.parse(var.name, var.default) == default
+        assert getattr(load_config({var.name: var.default}), var.field) == default
+
+
+def test_readme_table_matches_config() -> None:
+    """README.md's table lists exactly the variables Config reads, each with its default."""
+    table = _readme_table()
+    stated = {v.name: v.default for v in ENV_VARS}
+    assert sorted(table) == sorted(stated), "README.md's Configuration table and ENV_VARS differ"
+    for name, default in stated.items():
+        assert table[name] == default, f"README.md gives {name} default {table[name]!r}, Config {default!r}"  # fmt: skip
+
+
+def test_readme_table_is_in_env_vars_order() -> None:
+    assert list(_readme_table()) == [v.name for v in ENV_VARS]

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dtm_mpi.errors import SourceSpan
+from dtm_mpi.ir.limits import MAX_INT_DIGITS
 from dtm_mpi.ir.nodes import Attr, Op, new_op
 from dtm_mpi.ir.registry import FormatElem, lookup_op
 from dtm_mpi.ir.types import DTYPE_NAMES
@@ -32,7 +33,7 @@ _DTYPES = "|".join(sorted(DTYPE_NAMES, key=len, reverse=True))
 _VALUE = r"%[A-Za-z0-9_.]+(?![A-Za-z0-9_.])"
 _SYMBOL = r"@[A-Za-z_][A-Za-z0-9_.]*(?![A-Za-z0-9_.])"
 _IDENT = rf"(?!(?:{_DTYPES})\[)[A-Za-z_][A-Za-z0-9_]*{_WORD_END}"
-_INT = r"[-+]?[0-9]{1,40}(?![A-Za-z0-9_.])"
+_INT = rf"[-+]?[0-9]{{1,{MAX_INT_DIGITS}}}(?![A-Za-z0-9_.])"
 _NUM = (
     r"(?>[-+]?(?:[0-9]+\.[0-9]*(?:[eE][-+]?[0-9]+)?|\.[0-9]+(?:[eE][-+]?[0-9]+)?"
     r"|[0-9]+[eE][-+]?[0-9]+|[0-9]+))(?![A-Za-z0-9_.])"

@@ -14,7 +14,7 @@ from dtm_mpi.errors import ParseError, SourceSpan
 from dtm_mpi.ir.fastpath import FastMatch, match_statement
 from dtm_mpi.ir.types import DTYPE_NAMES
 
-__all__ = ["Source", "Token", "line_tokens", "tokenize"]
+__all__ = ["Source", "Token", "leading_tokens", "line_tokens", "tokenize"]
 
 Token = tuple[str, str, int, int]
 
@@ -26,7 +26,8 @@ _TOKEN_RE = re.compile(
   | (?P<TYPE>(?:{_DTYPES})\[[^\]]*\](?:\{{[^}}]*\}})?(?:[ \t]*partial\([^)]*\))?)
   | (?P<VALUE>%[A-Za-z0-9_.]+)
   | (?P<SYMBOL>@[A-Za-z_][A-Za-z0-9_.]*)
-  | (?P<NUMBER>{_NUM}(?![A-Za-z_]))
+  | (?P<NUMBER>(?>{_NUM})(?![A-Za-z_]))
+  | (?P<BADNUMBER>(?>{_NUM})[A-Za-z0-9_]*)
   | (?P<IDENT>[A-Za-z_][A-Za-z0-9_]*)
   | (?P<STRING>"(?:[^"\\]|\\.)*")
   | (?P<ARROW>->)
@@ -35,6 +36,8 @@ _TOKEN_RE = re.compile(
     """,
     re.VERBOSE,
 )
+
+_BAD_KINDS = frozenset({"ERROR", "BADNUMBER"})
 
 
 class Source:
@@ -52,12 +55,29 @@ class Source:
     def line_text(self, line: int) -> str:
         if self._lines is None:
             self._lines = self.text.split("\n")
-        return self._lines[line - 1] if 1 <= line <= len(self._lines) else ""
+        text = self._lines[line - 1] if 1 <= line <= len(self._lines) else ""
+        return text[:-1] if text.endswith("\r") else text  # a CRLF line ends before its CR
 
     def error(
         self, cls: type[ParseError], message: str, line: int, col: int, length: int = 1
     ) -> ParseError:
         return cls(message, SourceSpan(self.file, line, col, max(1, length)), self.line_text(line))
+
+
+def _bad_character(source: Source, ch: str, lineno: int, col: int) -> ParseError:
+    if len(ch) > 1:  # a number running into a letter, '_' or more digits: 12x, 1_000, 0x10
+        shown = ch if len(ch) <= 24 else ch[:20] + "..."
+        return source.error(
+            ParseError,
+            f"malformed number {shown!r}: a number must not run into a letter or '_'",
+            lineno,
+            col,
+            len(ch),
+        )
+    if ch == '"':
+        return source.error(ParseError, "unterminated string literal", lineno, col)
+    shown = repr(ch) if ch.isprintable() else f"U+{ord(ch):04X}"
+    return source.error(ParseError, f"unexpected character {shown}", lineno, col)
 
 
 def line_tokens(source: Source, line: str, lineno: int) -> list[Token]:
@@ -69,14 +89,36 @@ def line_tokens(source: Source, line: str, lineno: int) -> list[Token]:
         kind = m.lastgroup
         if kind == "COMMENT":
             continue
-        if kind == "ERROR":
-            ch = m.group()
-            col = m.start() + 1
-            if ch == '"':
-                raise source.error(ParseError, "unterminated string literal", lineno, col)
-            shown = repr(ch) if ch.isprintable() else f"U+{ord(ch):04X}"
-            raise source.error(ParseError, f"unexpected character {shown}", lineno, col)
+        if kind in _BAD_KINDS:
+            raise _bad_character(source, m.group(), lineno, m.start() + 1)
         append((kind, m.group(), lineno, m.start() + 1))  # type: ignore[arg-type]
+    return out
+
+
+def leading_tokens(source: Source, count: int) -> list[Token]:
+    """The first ``count`` tokens of ``source`` (fewer if the text ends first), lexing nothing
+    after them: the reader decides on the header's version before it reads anything after the
+    header (docs/spec/ir.md, section 1). Raises :class:`ParseError` at a character before them
+    that starts no token."""
+    out: list[Token] = []
+    text = source.text
+    pos = 0
+    lineno = 0
+    while len(out) < count and pos <= len(text):
+        end = text.find("\n", pos)
+        if end < 0:
+            end = len(text)
+        lineno += 1
+        for m in _TOKEN_RE.finditer(text, pos, end):
+            kind = m.lastgroup
+            if kind == "COMMENT":
+                continue
+            if kind in _BAD_KINDS:
+                raise _bad_character(source, m.group(), lineno, m.start() - pos + 1)
+            out.append((kind, m.group(), lineno, m.start() - pos + 1))  # type: ignore[arg-type]
+            if len(out) == count:
+                break
+        pos = end + 1
     return out
 
 

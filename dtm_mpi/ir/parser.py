@@ -13,7 +13,8 @@ from collections.abc import Iterator
 
 from dtm_mpi.errors import ParseError, SourceSpan, VersionError
 from dtm_mpi.ir.fastpath import build_op
-from dtm_mpi.ir.lexer import Source, Token, line_tokens, tokenize
+from dtm_mpi.ir.lexer import Source, Token, leading_tokens, line_tokens, tokenize
+from dtm_mpi.ir.limits import MAX_INT_DIGITS, MAX_LITERAL_DEPTH, MAX_VERSION_CHARS
 from dtm_mpi.ir.nodes import Attr, Function, Init, InitKind, Mesh, Module, Op, Param, ResultSpec
 from dtm_mpi.ir.registry import FormatElem, lookup_op
 from dtm_mpi.ir.types import TensorType
@@ -36,7 +37,6 @@ def gc_paused() -> Iterator[None]:
 
 
 SUPPORTED_VERSION = (1, 0)
-MAX_LITERAL_DEPTH = 32
 _KIND_NAMES = {
     "VALUE": "an SSA value (%name)",
     "SYMBOL": "a symbol (@name)",
@@ -48,6 +48,10 @@ _KIND_NAMES = {
 }
 
 
+def _shorten(text: str) -> str:
+    return text if len(text) <= 24 else f"{text[:20]}..."
+
+
 def _describe(tok: Token) -> str:
     kind, text, _, _ = tok
     if kind == "EOF":
@@ -55,10 +59,64 @@ def _describe(tok: Token) -> str:
     return f"{text!r}" if kind in ("PUNCT", "ARROW", "IDENT") else f"{_KIND_NAMES[kind]} {text!r}"
 
 
+def _version(src: Source, vtok: Token) -> tuple[int, int]:
+    """The version a header's NUMBER token names; raises :class:`ParseError` for a token that
+    is not ``DIGITS.DIGITS`` (or is too long) and :class:`VersionError` for a version this
+    reader cannot read."""
+    text = vtok[1]
+    major_s, dot, minor_s = text.partition(".")
+    if not dot or not major_s.isdigit() or not minor_s.isdigit():
+        raise src.error(
+            ParseError,
+            f"expected a version MAJOR.MINOR such as 1.0, found {_shorten(text)!r}",
+            vtok[2],
+            vtok[3],
+            len(text),
+        )
+    if len(text) > MAX_VERSION_CHARS:
+        raise src.error(
+            ParseError,
+            f"version {_shorten(text)} is {len(text)} characters long; at most "
+            f"{MAX_VERSION_CHARS} are allowed",
+            vtok[2],
+            vtok[3],
+            len(text),
+        )
+    version = (int(major_s), int(minor_s))
+    sv = f"{SUPPORTED_VERSION[0]}.{SUPPORTED_VERSION[1]}"
+    if version[0] != SUPPORTED_VERSION[0]:
+        raise src.error(
+            VersionError,
+            f"unsupported IR major version {version[0]} (dtm {text}); this reader reads dtm {sv}",
+            vtok[2],
+            vtok[3],
+            len(text),
+        )
+    if version[1] > SUPPORTED_VERSION[1]:
+        raise src.error(
+            VersionError,
+            f"IR version dtm {text} is newer than this reader (dtm {sv})",
+            vtok[2],
+            vtok[3],
+            len(text),
+        )
+    return version
+
+
+def _check_header(src: Source) -> None:
+    """Decide on the header's version before lexing anything after it (docs/spec/ir.md,
+    section 1): a version error wins over any later lexical error. A text that does not start
+    with ``dtm NUMBER`` is left to the token parser, which reports what it finds."""
+    toks = leading_tokens(src, 2)
+    if len(toks) == 2 and toks[0][:2] == ("IDENT", "dtm") and toks[1][0] == "NUMBER":
+        _version(src, toks[1])
+
+
 class _Parser:
     def __init__(self, source: Source, *, fast: bool = True) -> None:
         self.src = source
         self.file = source.file
+        _check_header(source)
         self.toks = tokenize(source, fast=fast)
         self.i = 0
 
@@ -125,14 +183,20 @@ class _Parser:
 
     def integer(self, what: str) -> tuple[int, Token]:
         tok = self.take("NUMBER", what)
-        if len(tok[1]) > 40:
-            raise self.fail(f"expected {what}, found a {len(tok[1])}-digit number", tok)
-        try:
-            if len(tok[1]) > 40:
-                raise self.fail(f"integer literal {tok[1][:20]}... is too long", tok)
-            return int(tok[1]), tok
-        except ValueError:
-            raise self.fail(f"expected {what}, found {tok[1]!r}", tok) from None
+        text = tok[1]
+        digits = text.lstrip("+-")
+        if not digits.isdigit():
+            raise self.fail(f"expected {what}, found {_shorten(text)!r}", tok)
+        self.check_digits(tok, digits)
+        return int(text), tok
+
+    def check_digits(self, tok: Token, digits: str) -> None:
+        if len(digits) > MAX_INT_DIGITS:
+            raise self.fail(
+                f"integer {_shorten(tok[1])} has {len(digits)} digits; at most {MAX_INT_DIGITS} "
+                "are allowed",
+                tok,
+            )
 
     def number(self, what: str) -> tuple[float, Token]:
         tok = self.toks[self.i]
@@ -152,30 +216,7 @@ class _Parser:
             raise self.expected("the header 'dtm 1.0' at the start of the module")
         self.i += 1
         vtok = self.take("NUMBER", "a version such as 1.0 after 'dtm'")
-        major_s, dot, minor_s = vtok[1].partition(".")
-        if not dot or not major_s.isdigit() or not minor_s.isdigit():
-            raise self.fail(f"expected a version MAJOR.MINOR such as 1.0, found {vtok[1]!r}", vtok)
-        if len(vtok[1]) > 20:
-            raise self.fail(f"version number {vtok[1][:20]}... is too long", vtok)
-        version = (int(major_s), int(minor_s))
-        sv = f"{SUPPORTED_VERSION[0]}.{SUPPORTED_VERSION[1]}"
-        if version[0] != SUPPORTED_VERSION[0]:
-            raise self.src.error(
-                VersionError,
-                f"unsupported IR major version {version[0]} (dtm {vtok[1]}); this reader reads "
-                f"dtm {sv}",
-                vtok[2],
-                vtok[3],
-                len(vtok[1]),
-            )
-        if version[1] > SUPPORTED_VERSION[1]:
-            raise self.src.error(
-                VersionError,
-                f"IR version dtm {vtok[1]} is newer than this reader (dtm {sv})",
-                vtok[2],
-                vtok[3],
-                len(vtok[1]),
-            )
+        version = _version(self.src, vtok)
         self.expect("module", "'module NAME' after the header")
         name = self.take("IDENT", "a module name")[1]
         meshes: list[Mesh] = []
@@ -459,7 +500,9 @@ class _Parser:
     def literal(self, depth: int = 0) -> Attr:
         if self.accept("["):
             if depth >= MAX_LITERAL_DEPTH:
-                raise self.fail(f"literal nested deeper than {MAX_LITERAL_DEPTH} levels")
+                raise self.fail(
+                    f"literal nested deeper than {MAX_LITERAL_DEPTH} levels", self.toks[self.i - 1]
+                )
             items: list[Attr] = []
             if not self.at("]"):
                 while True:
@@ -472,8 +515,7 @@ class _Parser:
             return self.take("IDENT")[1] == "true"
         value, tok = self.number("a number or '[' in the literal")
         if tok[0] == "NUMBER" and all(c in "+-0123456789" for c in tok[1]):
-            if len(tok[1]) > 40:
-                raise self.fail(f"integer literal {tok[1][:20]}... is too long", tok)
+            self.check_digits(tok, tok[1].lstrip("+-"))
             return int(tok[1])
         return value
 

@@ -101,10 +101,11 @@ class ArrayBackend:
     @property
     def fuses(self) -> bool:
         """Whether this backend runs planned elementwise groups as one kernel (GPU backends;
-        numpy, the reference, runs op by op). ``DTM_FUSE=0`` turns fusion off."""
-        import os
+        numpy, the reference, runs op by op). ``DTM_FUSE=0`` (or ``false``, ``no``, ``off``)
+        turns fusion off (:mod:`dtm_mpi.config`)."""
+        from dtm_mpi.config import get_config
 
-        return self.ops is not None and os.environ.get("DTM_FUSE", "1").strip() not in ("0", "off", "no")  # fmt: skip
+        return self.ops is not None and get_config().fuse
 
     def run_fused(self, expr: Any, lastdim: Sequence[bool], xs: Sequence[Any], dtype: Any, shape: tuple[int, ...]) -> Any:  # fmt: skip
         """One generated kernel computing ``expr`` over ``xs`` (inputs flagged ``lastdim`` are

@@ -8,7 +8,6 @@ then the copy an installed wheel carries (``<prefix>/share/dtm_mpi/kernels``, fr
 
 from __future__ import annotations
 
-import os
 import site
 import sys
 from functools import cache
@@ -25,9 +24,11 @@ header's text (NVRTC cannot resolve includes relative to a file it never saw).""
 
 
 def _candidates() -> list[Path]:
+    from dtm_mpi.config import get_config
+
     out = []
-    env = os.environ.get("DTM_KERNEL_DIR", "").strip()
-    if env:
+    env = get_config().kernel_dir
+    if env is not None:
         out.append(Path(env))
     out.append(Path(__file__).resolve().parents[2] / "kernels")
     for prefix in (sys.prefix, getattr(site, "USER_BASE", None) or ""):

@@ -192,3 +192,53 @@ def test_cli_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     _one_line_error(capsys.readouterr().err)
     assert run(["hash", str(HERE / "valid" / "no_such_file.dtm")]) == 2
     _one_line_error(capsys.readouterr().err)
+
+
+TWO_ERRORS = """dtm 1.0
+module two
+
+func @g(%x: f32[4]) -> f32[4] {
+  %y = exp %undefined_a : f32[4]
+  return %y
+}
+
+entry func @f(%x: f32[4]) -> f32[4] {
+  %y = exp %undefined_b : f32[4]
+  return %y
+}
+"""
+
+
+@pytest.mark.parametrize("command", ["check", "fmt", "hash"])
+def test_cli_prints_diagnostics_in_order(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``dtm fmt`` and ``dtm hash`` print an invalid module's diagnostics as ``dtm check``
+    does: first error first, then one summary line (spec §10.3)."""
+    path = tmp_path / "two.dtm"
+    path.write_text(TWO_ERRORS, encoding="utf-8")
+    assert run([command, str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    first = err.index(f"{path}:5:12: verify error: use of undefined value %undefined_a")
+    second = err.index(f"{path}:10:12: verify error: use of undefined value %undefined_b")
+    assert first < second
+    last = err.rstrip().splitlines()[-1]
+    if command == "check":
+        assert last == "dtm check: 1 of 1 file(s) have errors"
+    else:
+        assert last == f"dtm: error: {path}: 2 error(s), see above"
+
+
+@pytest.mark.parametrize("bounds", ["high nan", "low nan", "low nan high nan"])
+def test_random_uniform_nan_bound_is_refused(bounds: str) -> None:
+    """A NaN bound of ``random uniform`` fails ``low <= high`` (spec §8.2.3). Not a golden
+    file: a module holding a NaN attribute never compares equal to itself, which the fast
+    path's module comparison needs."""
+    text = (
+        "dtm 1.0\nmodule bad\nentry func @main() -> f32[8] {\n"
+        f"  %y = random uniform seed 1 {bounds} : f32[8]\n  return %y\n}}\n"
+    )
+    _, errors = check_text(text, "t.dtm")
+    assert len(errors) == 1 and "random: need low <= high" in errors[0].message, errors
+    assert "nan" in errors[0].message
