@@ -5,7 +5,10 @@ Inputs map names (entry parameters without ``%``) to global arrays:
 * ``NAME.npy`` gives the array ``NAME`` (the file's stem);
 * ``FILE.npz`` gives each array it holds under its own name;
 * ``FILE.h5`` / ``FILE.hdf5`` gives each top-level dataset under its own name (read serially
-  with h5py; a parallel read comes with the tensor store, issue #6).
+  with h5py).
+
+A file that cannot be read (missing, a directory, corrupt, truncated, not the format its suffix
+says) is one :class:`~dtm_mpi.errors.UsageError` naming the file, never a library's exception.
 
 A name given twice is an error naming both files. Outputs go to one ``.npz`` written to a
 temporary file in the same directory and renamed into place, so a failed write never leaves a
@@ -48,8 +51,13 @@ def _load_one(path: Path) -> dict[str, np.ndarray]:
         raise UsageError(f"input file {path} does not exist") from None
     except IsADirectoryError:
         raise UsageError(f"input {path} is a directory, not a file") from None
-    except (OSError, ValueError) as err:
-        raise UsageError(f"cannot read input file {path}: {err}") from None
+    except PermissionError:
+        raise UsageError(f"cannot read input file {path}: permission denied") from None
+    except Exception as err:  # zipfile.BadZipFile, zlib.error, EOFError, h5py's OSError, ...
+        why = str(err).splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UsageError(
+            f"cannot read input file {path}: not a valid {suffix} file ({why})"
+        ) from None
     raise UsageError(f"input file {path}: unknown type {suffix!r} (use .npy, .npz, .h5 or .hdf5)")
 
 

@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from dtm_mpi._version import __version__
+from dtm_mpi.comm import handles
 from dtm_mpi.comm.objects import allgather_obj, bcast_obj, io_deadline
 from dtm_mpi.config import get_config
 from dtm_mpi.errors import (
@@ -63,14 +64,10 @@ from dtm_mpi.errors import (
     UsageError,
     agreed,
 )
+from dtm_mpi.io.backend import HDF5, ShardBackend
 from dtm_mpi.io.commit import Retention, commit_partial
 from dtm_mpi.io.data_write import Writer, write_data_file
-from dtm_mpi.io.files import (
-    MAIN_FILE,
-    ShardFiles,
-    read_manifest_bytes,
-    write_main_file,
-)
+from dtm_mpi.io.files import MAIN_FILE
 from dtm_mpi.io.h5 import ALIGN_BYTES, ALIGN_FROM
 from dtm_mpi.io.hashing import chunk_hash
 from dtm_mpi.io.manifest import (
@@ -103,7 +100,6 @@ from dtm_mpi.io.store import (
     partial_name,
     read_latest,
     read_meta,
-    remove_path,
     write_latest,
     write_meta,
 )
@@ -173,27 +169,27 @@ class SaveHandle:
 
 
 class CheckpointStore:
-    """Collective: construct on all ranks of ``comm`` (default ``MPI.COMM_WORLD``).
+    """Collective: construct on all ranks of ``comm`` (the communicator of the ranks that
+    save and restore together, from the caller: see :mod:`dtm_mpi.comm.handles`).
 
     ``quota_bytes`` and ``keep_last`` are stored in the store's ``store.json`` when given
     (rank 0 creates the store), else read from it."""
 
     def __init__(
-        self, path: str | os.PathLike[str], comm: Any = None, *, quota_bytes: int | None = None,
+        self, path: str | os.PathLike[str], comm: Any, *, quota_bytes: int | None = None,
         keep_last: int | None = None, timeout_s: float | None = None,
         chunk_bytes: int = CHUNK_BYTES, round_bytes: int = ROUND_BYTES,
-        ranks_per_file: int | None = None,
+        ranks_per_file: int | None = None, backend: ShardBackend = HDF5,
     ) -> None:  # fmt: skip
-        from mpi4py import MPI
-
         self.path = Path(path)
-        self.comm = comm if comm is not None else MPI.COMM_WORLD
+        self.comm = comm
+        self.backend = backend  # the format of the shards (io.backend); the rest is format-neutral
         self.rank, self.size = int(self.comm.Get_rank()), int(self.comm.Get_size())
         self.timeout_s = timeout_s if timeout_s is not None else get_config().timeout_s
         self.chunk_bytes, self.round_bytes = chunk_bytes, round_bytes
         self._io_comm: Any = None
         self._pending: SaveHandle | None = None
-        self._retention = Retention(self.path)
+        self._retention = Retention(self.path, backend)
         self._poisoned: BaseException | None = None
         outcome: Any = None
         if self.rank == 0:
@@ -269,14 +265,12 @@ class CheckpointStore:
     def save_async(self, step: int, mesh: MeshShape, tensors: Sequence[tuple[TensorSpec, np.ndarray | None]], *, module_hash: str | None = None, before_tensor: Callable[[int], None] | None = None) -> SaveHandle:  # fmt: skip
         """Collective: call on all ranks. Snapshot and hash the owned blocks now, write them in
         the background; ``before_tensor(i)`` (tests) runs in the writer before tensor ``i``."""
-        from mpi4py import MPI
-
         self.wait()
-        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        if not handles.thread_multiple():
             raise UsageError("async save needs MPI_THREAD_MULTIPLE (mpi4py's default); this MPI was initialised with less")  # fmt: skip
         plan, blocks, hashes = self._prepare(step, mesh, tensors, copy=True)
         if self._io_comm is None:
-            self._io_comm = self.comm.Dup()
+            self._io_comm = handles.dup(self.comm)
             self._split_groups(self._io_comm)
         handle = SaveHandle(self, step)
 
@@ -306,10 +300,10 @@ class CheckpointStore:
         finally:
             self._retention.wait()
             for g in self._groups.values():
-                g.Free()
+                handles.free(g)
             self._groups.clear()
             if self._io_comm is not None:
-                self._io_comm.Free()
+                handles.free(self._io_comm)
                 self._io_comm = None
 
     def _prepare(self, step: int, mesh: MeshShape, tensors: Sequence[tuple[TensorSpec, np.ndarray | None]], copy: bool) -> tuple[SavePlan, dict[int, np.ndarray], dict[int, tuple[str, ...]]]:  # fmt: skip
@@ -363,10 +357,8 @@ class CheckpointStore:
     def _group_comm(self, comm: Any, plan: SavePlan) -> Any:
         """The communicator of the ranks sharing this rank's data file (made with ``comm``
         by :meth:`_split_groups`; COMM_SELF for one rank per file)."""
-        from mpi4py import MPI
-
         if plan.ranks_per_file == 1:
-            return MPI.COMM_SELF
+            return handles.self_comm()
         return self._groups[id(comm)]
 
     def _split_groups(self, comm: Any) -> None:
@@ -376,7 +368,7 @@ class CheckpointStore:
         waiting in an unbounded ``MPI_Comm_split``."""
         per_file = self.ranks_per_file or self.size
         if per_file > 1 and id(comm) not in self._groups:
-            self._groups[id(comm)] = comm.Split(self.rank // per_file, self.rank)
+            self._groups[id(comm)] = handles.split(comm, self.rank // per_file, self.rank)
 
     def _save(self, step: int, plan: SavePlan, blocks: dict[int, np.ndarray], hashes: dict[int, tuple[str, ...]], module_hash: str | None, comm: Any, control: tuple[Callable[[], bool], Callable[[int], None] | None] | None) -> Path:  # fmt: skip
         gathered = self._gather(hashes, f"checkpoint {step}: shard hashes", comm)
@@ -396,14 +388,14 @@ class CheckpointStore:
         problem = self._bcast(problem, f"checkpoint {step}: creating {tmp.name}", comm)
         if problem is not None:
             raise agreed(StorageError(problem))
-        writer = Writer(self.rank, comm, self._group_comm(comm, plan), self._deadline, self._gather)
+        writer = Writer(self.rank, comm, self._group_comm(comm, plan), self._deadline, self._gather, self.backend)  # fmt: skip
         error, cancelled = write_data_file(writer, step, plan, blocks, manifest, tmp, control)
         if cancelled:
             self._gather(None, f"checkpoint {step}: files closed after the cancel", comm)
             problem = None
             if self.rank == 0:
                 try:
-                    remove_path(tmp)
+                    self.backend.remove(tmp)
                     fsync_path(self.path)
                 except OSError as exc:
                     problem = f"checkpoint {step} was cancelled, but removing {tmp.name} failed: {exc}"  # fmt: skip
@@ -414,7 +406,7 @@ class CheckpointStore:
         if self.rank == 0 and error is None:
             try:
                 with self._deadline(f"checkpoint {step}: writing {MAIN_FILE}"):
-                    write_main_file(tmp, manifest, text)
+                    self.backend.write_index(tmp, manifest, text)
             except Exception as exc:
                 error = exc
         self._agree(error, f"checkpoint {step}: writing {tmp.name}", comm)
@@ -427,7 +419,7 @@ class CheckpointStore:
         if self.rank == 0:
             committed = False
             try:
-                replaced = commit_partial(self.path, tmp, final, [data_file_name(i) for i in plan.files])  # fmt: skip
+                replaced = commit_partial(self.path, tmp, final, [data_file_name(i) for i in plan.files], self.backend)  # fmt: skip
                 committed = True
                 write_latest(self.path, step)
                 self._retention.apply(self.meta.keep_last, final, replaced, self.timeout_s / 2)
@@ -508,7 +500,7 @@ class CheckpointStore:
         text: Any = None
         if self.rank == 0:  # one reader of the small main file; every rank parses the same bytes
             try:
-                text = read_manifest_bytes(path)
+                text = self.backend.read_index(path)
             except Exception as exc:  # decided on rank 0 alone: always broadcast
                 text = str(exc) if isinstance(exc, ManifestError) else f"{path / MAIN_FILE}: {exc}"
         text = self._bcast(text, f"restore: reading the manifest of {path.name}")
@@ -520,7 +512,7 @@ class CheckpointStore:
             plan = plan_restore(manifest, targets, mesh, self.round_bytes, where)
         except DtmError as exc:  # decided from the same bytes on every rank: same error
             raise agreed(exc) from None
-        with ShardFiles(path, mpi_self=True) as files:
+        with self.backend.open_reader(path, handles.self_comm()) as files:
             reader = Reader(self.comm, self.rank, self.size, self.timeout_s, self._deadline)
             values, damaged = read_plan(reader, files, plan, into or {})
         bad = self._gather(damaged, f"restore {path.name}: verification")

@@ -17,18 +17,23 @@ from pathlib import Path
 
 from dtm_mpi.errors import StorageError
 from dtm_mpi.faults import maybe_fail
-from dtm_mpi.io.files import MAIN_FILE, read_manifest
-from dtm_mpi.io.store import fsync_path, list_checkpoints, remove_path, replace_dir, retired_files
+from dtm_mpi.io.backend import HDF5, ShardBackend
+from dtm_mpi.io.files import MAIN_FILE
+from dtm_mpi.io.manifest import parse_manifest, validate_manifest
+from dtm_mpi.io.store import fsync_path, list_checkpoints, replace_dir, retired_files
 
 __all__ = ["Retention", "commit_partial"]
 
 
-def commit_partial(store: Path, tmp: Path, final: Path, data_files: list[str]) -> list[Path]:
-    """Check the partial checkpoint ``tmp`` and rename it to ``final`` (the commit), then
-    fsync ``store``; returns the retired paths of a replaced checkpoint of the same step (for
-    :class:`Retention` to delete). Raises before the rename if ``tmp`` is incomplete."""
+def commit_partial(store: Path, tmp: Path, final: Path, data_files: list[str], backend: ShardBackend = HDF5) -> list[Path]:  # fmt: skip
+    """Check the partial checkpoint ``tmp`` (its manifest, read through ``backend``, parses
+    and validates; it holds exactly the main file and ``data_files``) and rename it to
+    ``final`` (the commit), then fsync ``store``; returns the retired paths of a replaced
+    checkpoint of the same step (for :class:`Retention` to delete). Raises before the rename
+    if ``tmp`` is incomplete."""
     fsync_path(tmp)
-    read_manifest(tmp)
+    where = str(tmp / MAIN_FILE)
+    validate_manifest(parse_manifest(backend.read_index(tmp), where), where)
     want = sorted([MAIN_FILE, *data_files])
     found = sorted(p.name for p in tmp.iterdir())
     if found != want:
@@ -47,8 +52,8 @@ def commit_partial(store: Path, tmp: Path, final: Path, data_files: list[str]) -
 class Retention:
     """Keep-last-K over one store directory, with deletion in the background."""
 
-    def __init__(self, store: Path) -> None:
-        self.store = store
+    def __init__(self, store: Path, backend: ShardBackend = HDF5) -> None:
+        self.store, self.backend = store, backend
         self._reaper: threading.Thread | None = None
 
     def apply(self, keep_last: int | None, keep_this: Path, doomed: list[Path], timeout_s: float | None = None) -> None:  # fmt: skip
@@ -70,7 +75,7 @@ class Retention:
 
         def remove_all() -> None:
             for p in doomed:
-                remove_path(p)
+                self.backend.remove(p)
 
         self._reaper = threading.Thread(target=remove_all, name="dtm-ckpt-retention", daemon=True)
         self._reaper.start()

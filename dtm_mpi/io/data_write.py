@@ -23,8 +23,8 @@ from dtm_mpi.comm.abort import abort_job
 from dtm_mpi.config import get_config
 from dtm_mpi.errors import DtmError
 from dtm_mpi.faults import maybe_fail
-from dtm_mpi.io.files import DATA_FORMAT, FORMAT_VERSION, ShardFiles
-from dtm_mpi.io.h5 import create_dataset, open_file, write_whole
+from dtm_mpi.io.backend import HDF5, ShardBackend, ShardWriter
+from dtm_mpi.io.files import DATA_FORMAT, FORMAT_VERSION
 from dtm_mpi.io.manifest import Manifest, data_file_name, shard_dataset
 from dtm_mpi.io.plan import SavePlan
 from dtm_mpi.io.store import fsync_path
@@ -43,6 +43,7 @@ class Writer:
     group_comm: Any
     deadline: Callable[[str], AbstractContextManager[Any]]
     gather: Callable[[Any, str, Any], list[Any]]
+    backend: ShardBackend = HDF5
 
 
 def write_data_file(w: Writer, step: int, plan: SavePlan, blocks: dict[int, np.ndarray], manifest: Manifest, tmp: Path, control: tuple[Callable[[], bool], Callable[[int], None] | None] | None) -> tuple[BaseException | None, bool]:  # fmt: skip
@@ -65,17 +66,14 @@ def write_data_file(w: Writer, step: int, plan: SavePlan, blocks: dict[int, np.n
 
     error: BaseException | None = None
     cancelled = aborted = False
-    f: Any = None
+    f: ShardWriter | None = None
     try:
         try:
             with section():
                 if shards:
                     with w.deadline(f"checkpoint {step}: creating {path.name}"):
-                        f = open_file(str(path), "w", w.group_comm)
-                        f.attrs["dtm_format"] = DATA_FORMAT
-                        f.attrs["format_version"] = FORMAT_VERSION
-                        f.attrs["step"] = step
-                        f.attrs["file_index"] = index
+                        attrs = {"dtm_format": DATA_FORMAT, "format_version": FORMAT_VERSION, "step": step, "file_index": index}  # fmt: skip
+                        f = w.backend.open_writer(path, w.group_comm, attrs, shared, len(shards))
         except Exception as exc:
             error = exc
         for i, spec in enumerate(plan.specs):
@@ -96,12 +94,9 @@ def write_data_file(w: Writer, step: int, plan: SavePlan, blocks: dict[int, np.n
                 with section():
                     maybe_fail(w.rank, "ckpt_write")
                     with w.deadline(f"checkpoint {step}: writing tensor {spec.name!r}"):
-                        for j, s in shards if f is not None else ():
-                            if j != i:
-                                continue
-                            dset = create_dataset(f, shard_dataset(spec.name, s.index), s.extent, np_dtype(spec.type.dtype))  # fmt: skip
-                            if s.owner == w.rank:
-                                write_whole(dset, blocks[i])
+                        for j, s in shards:
+                            if j == i and f is not None:
+                                f.write_shard(shard_dataset(spec.name, s.index), s.extent, np_dtype(spec.type.dtype), blocks[i] if s.owner == w.rank else None)  # fmt: skip
             except Exception as exc:
                 error = exc
     finally:  # also when a vote timed out: never leave the file open
@@ -109,31 +104,29 @@ def write_data_file(w: Writer, step: int, plan: SavePlan, blocks: dict[int, np.n
         if f is not None:
             try:
                 with section(), w.deadline(f"checkpoint {step}: closing {path.name}"):
-                    if complete:
-                        f.flush()
-                    f.close()
+                    error = f.close(error, complete)
             except Exception as exc:
                 error = error or exc
-                complete = False
+            complete = complete and error is None
     if f is not None and complete and w.rank == plan.group(w.rank).start:
         try:
             with w.deadline(f"checkpoint {step}: syncing and checking {path.name}"):
                 fsync_path(path)
-                _check_data_file(tmp, manifest, plan, shards)
+                _check_data_file(w.backend, tmp, manifest, shards)
         except Exception as exc:
             error = exc
     return error, cancelled
 
 
-def _check_data_file(tmp: Path, manifest: Manifest, plan: SavePlan, shards: list[tuple[int, Any]]) -> None:  # fmt: skip
+def _check_data_file(backend: ShardBackend, tmp: Path, manifest: Manifest, shards: list[tuple[int, Any]]) -> None:  # fmt: skip
     """Reopen the data file just written (serially) and check every shard dataset; with
     ``DTM_CKPT_VERIFY=full`` also re-read and re-hash every chunk."""
     full = get_config().ckpt_verify_full
-    with ShardFiles(tmp) as files:
+    with backend.open_reader(tmp) as files:
         for i, s in shards:
             a = manifest.artifacts[i]
             record = a.shards[s.index]
-            files.dataset(a, record)
+            files.check(a, record)
             for c in range(len(record.chunks) if full else 0):
                 files.read_verified(a, record, c)  # reads back what was written, or raises
 

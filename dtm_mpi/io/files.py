@@ -20,6 +20,8 @@ reading with checks (:class:`ShardFiles`) and verifying a whole checkpoint.
 from __future__ import annotations
 
 import json
+from contextlib import suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +48,14 @@ __all__ = [
     "FORMAT_VERSION",
     "MAIN_FILE",
     "ShardFiles",
+    "Verifier",
+    "VerifyItem",
     "check_file_format",
     "chunk_mismatch",
     "read_manifest",
     "read_manifest_bytes",
     "verify_checkpoint",
+    "verify_items",
     "write_main_file",
 ]
 
@@ -85,8 +90,8 @@ def read_manifest_bytes(ckpt: Path) -> bytes:
             return bytes(f["manifest"][()])
     except ManifestError:  # a StorageError is an OSError too: not an HDF5 read failure
         raise
-    except OSError as exc:
-        raise ManifestError(f"{path}: cannot be read as HDF5 ({exc})") from None
+    except Exception as exc:  # h5py: OSError, and KeyError/RuntimeError/... on damaged metadata
+        raise ManifestError(f"{path}: cannot be read as HDF5 ({_h5_reason(exc)})") from None
 
 
 def read_manifest(ckpt: Path) -> Manifest:
@@ -136,17 +141,15 @@ class ShardFiles:
     read-only, each data file once). Every lookup checks the file, its format, the dataset, its shape
     and element size, and raises :class:`IntegrityError` naming tensor, shard and file."""
 
-    def __init__(self, ckpt: Path, mpi_self: bool = False) -> None:
+    def __init__(self, ckpt: Path, mpio_comm: Any = None) -> None:
         self.ckpt = ckpt
         self._open: dict[str, h5py.File] = {}
         self._checked: dict[tuple[Any, ...], h5py.Dataset] = {}
-        # The MPI-IO driver on COMM_SELF (in MPI jobs): measured 10-20% faster reads than
-        # HDF5's default POSIX driver for these large contiguous requests.
+        # The MPI-IO driver on the caller's self communicator (in MPI jobs): measured 10-20%
+        # faster reads than HDF5's default POSIX driver for these large contiguous requests.
         self._driver: dict[str, Any] = {}
-        if mpi_self:
-            from mpi4py import MPI
-
-            self._driver = {"driver": "mpio", "comm": MPI.COMM_SELF}
+        if mpio_comm is not None:
+            self._driver = {"driver": "mpio", "comm": mpio_comm}
 
     def __enter__(self) -> ShardFiles:
         return self
@@ -157,8 +160,13 @@ class ShardFiles:
     def close(self) -> None:
         self._checked.clear()
         for f in self._open.values():
-            f.close()
+            with suppress(Exception):  # read-only: nothing to lose; damaged metadata may raise
+                f.close()
         self._open.clear()
+
+    def check(self, a: ArtifactRecord, s: ShardRecord) -> None:
+        """Raise :class:`IntegrityError` unless shard ``s`` is stored as the manifest says."""
+        self.dataset(a, s)
 
     def dataset(self, a: ArtifactRecord, s: ShardRecord) -> h5py.Dataset:
         key = (s.file, s.dataset, a.dtype.value, s.extent)
@@ -179,18 +187,24 @@ class ShardFiles:
                 raise damaged("data file is missing")
             try:
                 f = h5py.File(path, "r", **self._driver)
-            except OSError as exc:
-                raise damaged(f"data file cannot be read as HDF5 ({exc})") from None
+            except Exception as exc:
+                raise damaged(f"data file cannot be read as HDF5 ({_h5_reason(exc)})") from None
             try:
                 check_file_format(f, path, DATA_FORMAT)
             except Exception as exc:
                 f.close()
                 raise damaged(str(exc).removeprefix(f"{path}: ")) from None
             self._open[s.file] = f
-        if s.dataset not in f:
-            raise damaged(f"dataset {s.dataset} is missing")
-        dset = f[s.dataset]
-        if not isinstance(dset, h5py.Dataset) or tuple(dset.shape) != s.extent or dset.dtype.itemsize != np_dtype(a.dtype).itemsize:  # fmt: skip
+        try:  # damaged metadata: h5py raises KeyError, RuntimeError, OSError, ValueError, ...
+            if s.dataset not in f:
+                raise damaged(f"dataset {s.dataset} is missing")
+            dset = f[s.dataset]
+            bad = not isinstance(dset, h5py.Dataset) or tuple(dset.shape) != s.extent or dset.dtype.itemsize != np_dtype(a.dtype).itemsize  # fmt: skip
+        except IntegrityError:
+            raise
+        except Exception as exc:
+            raise damaged(f"dataset {s.dataset} cannot be read as HDF5 ({_h5_reason(exc)})") from None  # fmt: skip
+        if bad:
             got = f"{dset.dtype}{list(dset.shape)}" if isinstance(dset, h5py.Dataset) else "a group"
             raise damaged(f"dataset {s.dataset} is {got}, the manifest says {a.dtype}{list(s.extent)}")  # fmt: skip
         return dset
@@ -224,10 +238,16 @@ class ShardFiles:
             target, sel = out[within], None
         try:
             dset.read_direct(target, source_sel=region or None, dest_sel=sel)
-        except OSError as exc:
+        except Exception as exc:  # OSError, or anything h5py raises on damaged metadata
             what = f"chunk {first}" if first == last else f"chunks {first}..{last}"
-            raise IntegrityError(f"{what} cannot be read ({exc})", tensor=a.name, shard=s.id, file=str(self.ckpt / s.file)) from None  # fmt: skip
+            raise IntegrityError(f"{what} cannot be read ({_h5_reason(exc)})", tensor=a.name, shard=s.id, file=str(self.ckpt / s.file)) from None  # fmt: skip
         return out[within] if within is not None else out
+
+
+def _h5_reason(exc: BaseException) -> str:
+    """An HDF5 failure as one short text (h5py's KeyError text comes quoted)."""
+    text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+    return f"{type(exc).__name__}: {text}" if not isinstance(exc, OSError) else text
 
 
 def chunk_mismatch(s: ShardRecord, c: int, data: np.ndarray) -> str | None:
@@ -261,31 +281,86 @@ def _virtual_problem(dset: Any, a: ArtifactRecord) -> str | None:
     return None
 
 
-def verify_checkpoint(ckpt: Path) -> list[IntegrityError]:
-    """Re-read every stored chunk of checkpoint directory ``ckpt`` and compare it with its
-    content hash, and check the main file's virtual datasets; returns one error per damaged
-    shard or dataset (naming tensor, shard, chunk and file). Serial."""
-    manifest = read_manifest(ckpt)
+@dataclass(frozen=True, slots=True)
+class VerifyItem:
+    """One unit of :func:`verify_checkpoint`'s work: the main file's dataset of tensor
+    ``tensor`` (``shard`` is ``*``), or every chunk of one shard in its data file."""
+
+    tensor: str
+    shard: str
+    file: Path
+    artifact: int  # index into the manifest's artifacts
+    index: int | None  # shard index, None for the main file's dataset
+
+
+def verify_items(ckpt: Path, manifest: Manifest) -> list[VerifyItem]:
+    """What :func:`verify_checkpoint` checks, in order: the main file's datasets, then every
+    shard."""
     main = ckpt / MAIN_FILE
-    problems: list[IntegrityError] = []
-    with h5py.File(main, "r") as f:
-        for a in manifest.artifacts:
-            if a.cls is ArtifactClass.EPHEMERAL or a.dataset is None:
-                continue
+    out = [VerifyItem(a.name, "*", main, i, None) for i, a in enumerate(manifest.artifacts) if a.cls is not ArtifactClass.EPHEMERAL and a.dataset is not None]  # fmt: skip
+    for i, a in enumerate(manifest.artifacts):
+        out += [VerifyItem(a.name, s.id, ckpt / s.file, i, k) for k, s in enumerate(a.shards)]
+    return out
+
+
+class Verifier:
+    """Runs the :class:`VerifyItem` s of one checkpoint (files opened on first use, read-only;
+    close it, or use it as a context manager)."""
+
+    def __init__(self, ckpt: Path, manifest: Manifest) -> None:
+        self.ckpt, self.manifest = ckpt, manifest
+        self._main: h5py.File | None = None
+        self._files = ShardFiles(ckpt)
+
+    def __enter__(self) -> Verifier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._files.close()
+        if self._main is not None:
+            with suppress(Exception):
+                self._main.close()
+            self._main = None
+
+    def check(self, item: VerifyItem) -> IntegrityError | None:
+        """The damage ``item`` finds, or None."""
+        a = self.manifest.artifacts[item.artifact]
+        if item.index is not None:
+            s = a.shards[item.index]
+            try:
+                for c in range(len(s.chunks)):
+                    self._files.read_verified(a, s, c)
+            except IntegrityError as exc:
+                return exc
+            return None
+        assert a.dataset is not None
+        try:  # damaged metadata: h5py raises KeyError, RuntimeError, OSError, ...
+            if self._main is None:
+                self._main = h5py.File(item.file, "r")
+            f = self._main
             if a.dataset not in f:
-                problems.append(IntegrityError("dataset is missing", tensor=a.name, shard="*", file=str(main)))  # fmt: skip
-                continue
+                return IntegrityError("dataset is missing", tensor=a.name, shard="*", file=str(item.file))  # fmt: skip
             dset = f[a.dataset]
             problem = None if tuple(dset.shape) == a.shape else f"shape {list(dset.shape)} is not {list(a.shape)}"  # fmt: skip
             problem = problem or _virtual_problem(dset, a)
-            if problem is not None:
-                problems.append(IntegrityError(f"dataset {a.dataset} {problem}", tensor=a.name, shard="*", file=str(main)))  # fmt: skip
-    with ShardFiles(ckpt) as files:
-        for a in manifest.artifacts:
-            for s in a.shards:
-                try:
-                    for c in range(len(s.chunks)):
-                        files.read_verified(a, s, c)
-                except IntegrityError as exc:
-                    problems.append(exc)
-    return problems
+        except Exception as exc:
+            problem = f"cannot be read as HDF5 ({_h5_reason(exc)})"
+        if problem is None:
+            return None
+        return IntegrityError(f"dataset {a.dataset} {problem}", tensor=a.name, shard="*", file=str(item.file))  # fmt: skip
+
+
+def verify_checkpoint(ckpt: Path) -> list[IntegrityError]:
+    """Re-read every stored chunk of checkpoint directory ``ckpt`` and compare it with its
+    content hash, and check the main file's virtual datasets; returns one error per damaged
+    shard or dataset (naming tensor, shard, chunk and file). Serial, in this process (damaged
+    HDF5 metadata can crash or hang the HDF5 library itself: :func:`dtm_mpi.io.tools.verify`
+    runs this in a child process)."""
+    manifest = read_manifest(ckpt)
+    with Verifier(ckpt, manifest) as v:
+        return [
+            e for e in (v.check(item) for item in verify_items(ckpt, manifest)) if e is not None
+        ]

@@ -2,7 +2,7 @@
 
 Pure plan in (:class:`~dtm_mpi.io.plan.RestorePlan`, the same on every rank), thin execution
 here: per round, each rank reads the chunks the plan gives it from their data files
-(:class:`~dtm_mpi.io.files.ShardFiles`, serial independent reads; straight into the output
+(a :class:`~dtm_mpi.io.backend.ShardReader`, serial independent reads; straight into the output
 when it is the chunk's only consumer), checks each against its content hash, and one
 Alltoallv moves every piece to the ranks whose target block needs it. Damage is returned,
 not raised: the caller agrees on it and applies the recovery rules.
@@ -20,7 +20,8 @@ import numpy as np
 
 from dtm_mpi.comm.objects import alltoallv_bytes
 from dtm_mpi.errors import IntegrityError
-from dtm_mpi.io.files import ShardFiles, chunk_mismatch
+from dtm_mpi.io.backend import ShardReader
+from dtm_mpi.io.files import chunk_mismatch
 from dtm_mpi.io.manifest import ShardRecord
 from dtm_mpi.io.plan import RestorePlan
 from dtm_mpi.ir.ops._common import np_dtype
@@ -43,7 +44,7 @@ class Reader:
     deadline: Callable[[str], AbstractContextManager[Any]]
 
 
-def read_plan(ctx: Reader, files: ShardFiles, plan: RestorePlan, into: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[Damage]]:  # fmt: skip
+def read_plan(ctx: Reader, files: ShardReader, plan: RestorePlan, into: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[Damage]]:  # fmt: skip
     """Read, verify and distribute every round of ``plan`` (collective: the exchanges),
     into the arrays of ``into`` where given (checked by the caller), else new ones.
     Reads are independent and serial (each chunk is whole rows of one shard dataset,
@@ -109,7 +110,7 @@ def _direct_runs(plan: RestorePlan, direct: dict[int, tuple[slice, ...]], outs: 
     return runs
 
 
-def _read_run(ctx: Reader, files: ShardFiles, plan: RestorePlan, run: list[int], direct: dict[int, tuple[slice, ...]], outs: dict[str, np.ndarray]) -> list[Damage]:  # fmt: skip
+def _read_run(ctx: Reader, files: ShardReader, plan: RestorePlan, run: list[int], direct: dict[int, tuple[slice, ...]], outs: dict[str, np.ndarray]) -> list[Damage]:  # fmt: skip
     """Read a run of direct chunks with one call and verify each; returns their damage."""
     first, last = plan.items[run[0]], plan.items[run[-1]]
     name = plan.targets[first.tensor][0]
@@ -126,7 +127,7 @@ def _read_run(ctx: Reader, files: ShardFiles, plan: RestorePlan, run: list[int],
     return [d for d in checked if d is not None]
 
 
-def _read_item(ctx: Reader, files: ShardFiles, plan: RestorePlan, k: int, by_item: dict[int, list[int]], offsets: list[tuple[slice, ...]], outs: dict[str, np.ndarray], data: dict[int, np.ndarray]) -> Damage | None:  # fmt: skip
+def _read_item(ctx: Reader, files: ShardReader, plan: RestorePlan, k: int, by_item: dict[int, list[int]], offsets: list[tuple[slice, ...]], outs: dict[str, np.ndarray], data: dict[int, np.ndarray]) -> Damage | None:  # fmt: skip
     """Read and verify item ``k`` (straight into the output when this rank is its only
     consumer, else into ``data[k]``); returns its damage, or None."""
     item = plan.items[k]
@@ -148,14 +149,14 @@ def _read_item(ctx: Reader, files: ShardFiles, plan: RestorePlan, k: int, by_ite
     return _verify(ctx, files, name, shard, item.chunk, buf)
 
 
-def _unreadable(files: ShardFiles, name: str, shard: ShardRecord, what: str, exc: Exception) -> Damage:  # fmt: skip
+def _unreadable(files: ShardReader, name: str, shard: ShardRecord, what: str, exc: Exception) -> Damage:  # fmt: skip
     """The damage of ``what`` (a chunk or a run of them) that could not be read."""
     if isinstance(exc, IntegrityError):  # ShardFiles names the file and the problem
         return (name, shard.id, str(exc).split(f"{shard.id!r}: ", 1)[-1], exc.file)
     return (name, shard.id, f"{what} cannot be read: {type(exc).__name__}: {exc}", str(files.ckpt / shard.file))  # fmt: skip
 
 
-def _verify(ctx: Reader, files: ShardFiles, name: str, shard: ShardRecord, chunk: int, data: np.ndarray) -> Damage | None:  # fmt: skip
+def _verify(ctx: Reader, files: ShardReader, name: str, shard: ShardRecord, chunk: int, data: np.ndarray) -> Damage | None:  # fmt: skip
     """The damage of chunk ``chunk`` read as ``data`` if its content hash differs, else None."""
     problem = chunk_mismatch(shard, chunk, data)
     if problem is None:

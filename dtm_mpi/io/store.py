@@ -199,8 +199,19 @@ def meta_outdated(store: Path) -> bool:
 
 
 def write_meta(store: Path, meta: StoreMeta) -> None:
-    store.mkdir(parents=True, exist_ok=True)
+    """Write ``store.json``, creating the store directory (and its parents) first."""
+    _make_store_dir(store)
     _write_atomic(store / "store.json", json.dumps(meta.to_json(), indent=1) + "\n")
+
+
+def _make_store_dir(store: Path) -> None:
+    """Create the directory ``store``; a :class:`StorageError` saying which path is in the
+    way when it, or one of its parents, is not a directory."""
+    for p in (store, *store.parents):
+        if p.exists() and not p.is_dir():
+            what = "is a file" if p == store else f"cannot be created: {p} is a file"
+            raise StorageError(f"{what}, not a directory")
+    store.mkdir(parents=True, exist_ok=True)
 
 
 def read_latest(store: Path) -> int | None:

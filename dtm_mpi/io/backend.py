@@ -1,0 +1,269 @@
+"""The storage seam: what the checkpoint protocol needs from the format its shards are
+stored in, and that format's first implementation, today's parallel HDF5.
+
+The protocol (:mod:`dtm_mpi.io.checkpoint` with ``plan``, ``manifest``, ``hashing``,
+``commit``, ``store``, ``data_write``'s per-tensor loop and ``restore_read``) owns the manifest,
+the content hashes, the agreement between ranks, the atomic commit, retention, the quota and
+recovery; it knows a checkpoint as a directory holding an index (the main file) and data
+files, and talks to the format only through a :class:`ShardBackend`:
+
+* **open a writer** (:meth:`ShardBackend.open_writer`) on a data file, by the ranks that share
+  it; **write a shard** (:meth:`ShardWriter.write_shard`: every sharing rank declares it, its
+  owner gives the bytes); close it (:meth:`ShardWriter.close`, which reports, never raises);
+* **read a chunk** (:meth:`ShardBackend.open_reader`: a :class:`ShardReader` checks a shard
+  against its manifest record and reads chunks, or runs of them, into caller buffers);
+* the index: :meth:`ShardBackend.write_index` / :meth:`ShardBackend.read_index` (the manifest
+  bytes, stored by the format beside whatever lets other readers see whole tensors);
+* **list** (:meth:`ShardBackend.data_files`) and **remove** (:meth:`ShardBackend.remove`) the
+  files of a checkpoint directory.
+
+:data:`HDF5` is the implementation used everywhere (io/FORMAT.md, version 2: nothing on disk
+depends on this seam existing).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+from collections.abc import Mapping
+from contextlib import suppress
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from dtm_mpi.errors import DtmError, StorageError
+from dtm_mpi.io.manifest import ArtifactRecord, Manifest, ShardRecord
+
+__all__ = ["HDF5", "Hdf5Backend", "ShardBackend", "ShardReader", "ShardWriter"]
+
+_DATA_FILE = re.compile(r"data-[0-9]{6,}\.h5")
+
+
+class ShardWriter(Protocol):
+    """One data file being written by the ranks that share it."""
+
+    path: Path
+
+    def write_shard(self, dataset: str, extent: tuple[int, ...], dtype: np.dtype[Any], block: np.ndarray | None) -> None:  # fmt: skip
+        """Declare shard dataset ``dataset`` (every sharing rank, in the same order) and, on
+        the rank that owns it (``block`` given: its C-contiguous bytes), write it whole."""
+        ...
+
+    def close(self, error: BaseException | None, complete: bool) -> BaseException | None:
+        """Make the file durable when ``complete`` (every shard written, no ``error``) and
+        release it; returns the first error (``error`` or its own). It raises only where a
+        failure cannot be returned: inside a collective close of a file several ranks share."""
+        ...
+
+
+class ShardReader(Protocol):
+    """The data files of one checkpoint directory, opened for reading by this process."""
+
+    ckpt: Path
+
+    def __enter__(self) -> ShardReader: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+    def close(self) -> None: ...
+
+    def check(self, a: ArtifactRecord, s: ShardRecord) -> None:
+        """Raise :class:`~dtm_mpi.errors.IntegrityError` (tensor, shard, file) unless shard
+        ``s`` of ``a`` is stored as the manifest says (present, its extent, its element size)."""
+        ...
+
+    def read_chunk(self, a: ArtifactRecord, s: ShardRecord, c: int, out: np.ndarray | None = None, within: tuple[slice, ...] | None = None) -> np.ndarray: ...  # fmt: skip
+
+    def read_rows(self, a: ArtifactRecord, s: ShardRecord, first: int, last: int, out: np.ndarray | None = None, within: tuple[slice, ...] | None = None) -> np.ndarray: ...  # fmt: skip
+
+    def read_verified(self, a: ArtifactRecord, s: ShardRecord, c: int) -> np.ndarray: ...
+
+
+class ShardBackend(Protocol):
+    """A storage format for the shards of a checkpoint (see the module's docstring)."""
+
+    def open_writer(self, path: Path, comm: Any, attrs: Mapping[str, Any], shared: bool, nshards: int) -> ShardWriter:  # fmt: skip
+        """Collective over ``comm`` (the ranks sharing the file): create data file ``path``
+        with root attributes ``attrs`` for ``nshards`` shards (``shared``: several ranks)."""
+        ...
+
+    def open_reader(self, ckpt: Path, comm: Any = None) -> ShardReader:
+        """The data files of checkpoint directory ``ckpt`` for this process (``comm``: the
+        self communicator, for an MPI-IO driver; None: serial)."""
+        ...
+
+    def write_index(self, ckpt: Path, manifest: Manifest, text: bytes) -> None:
+        """Write, make durable, the checkpoint's main file: ``manifest`` (``text``, its
+        canonical bytes) and whatever shows readers the whole tensors."""
+        ...
+
+    def read_index(self, ckpt: Path) -> bytes:
+        """The manifest bytes stored in ``ckpt`` (a :class:`ManifestError` if unreadable)."""
+        ...
+
+    def data_files(self, ckpt: Path) -> list[Path]:
+        """The data files present in checkpoint directory ``ckpt``."""
+        ...
+
+    def remove(self, path: Path) -> None:
+        """Remove a checkpoint directory (or one of its files) and everything in it."""
+        ...
+
+
+# --- parallel HDF5 ---------------------------------------------------------------------------
+
+
+class _Hdf5Writer:
+    """A data file open with the MPI-IO driver on the communicator of its ranks."""
+
+    def __init__(self, path: Path, comm: Any, attrs: Mapping[str, Any], shared: bool, nshards: int) -> None:  # fmt: skip
+        from dtm_mpi.io.h5 import open_file
+
+        self.path, self.shared, self.nbytes = path, shared, 0
+        self.reserve = None if shared else path.parent / f".reserve{path.stem.removeprefix('data')}"
+        if self.reserve is not None:
+            _reserve(self.reserve, RESERVE_BYTES + RESERVE_PER_SHARD * nshards)
+        self.f: Any = None
+        try:
+            self.f = open_file(str(path), "w", comm)
+            for k, v in attrs.items():
+                self.f.attrs[k] = v
+        except BaseException as exc:
+            if self.f is not None and not shared:  # never leave it open (shared: the job ends)
+                with suppress(Exception):
+                    _close(self.f, path, exc, shared, False, 0, self.reserve)
+            self._unreserve()
+            raise
+
+    def write_shard(self, dataset: str, extent: tuple[int, ...], dtype: np.dtype[Any], block: np.ndarray | None) -> None:  # fmt: skip
+        from dtm_mpi.io.h5 import create_dataset, write_whole
+
+        dset = create_dataset(self.f, dataset, extent, dtype)
+        if block is not None:
+            self.nbytes += block.nbytes
+            write_whole(dset, block)
+
+    def close(self, error: BaseException | None, complete: bool) -> BaseException | None:
+        try:
+            return _close(self.f, self.path, error, self.shared, complete, self.nbytes, self.reserve)  # fmt: skip
+        except Exception as exc:
+            if self.shared:  # a collective close: the caller's collective section ends the job
+                raise
+            return error or exc
+        finally:
+            self._unreserve()
+
+    def _unreserve(self) -> None:
+        if self.reserve is not None:
+            with suppress(OSError):
+                self.reserve.unlink(missing_ok=True)
+
+
+class Hdf5Backend:
+    """Parallel HDF5 (io/FORMAT.md §4): one data file per group of ranks (MPI-IO driver),
+    one contiguous dataset ``/shards/<tensor>/<i>`` per shard, and a main file
+    ``checkpoint.h5`` with the manifest and a virtual dataset per tensor."""
+
+    def open_writer(self, path: Path, comm: Any, attrs: Mapping[str, Any], shared: bool, nshards: int) -> ShardWriter:  # fmt: skip
+        return _Hdf5Writer(path, comm, attrs, shared, nshards)
+
+    def open_reader(self, ckpt: Path, comm: Any = None) -> ShardReader:
+        from dtm_mpi.io.files import ShardFiles
+
+        return ShardFiles(ckpt, mpio_comm=comm)
+
+    def write_index(self, ckpt: Path, manifest: Manifest, text: bytes) -> None:
+        from dtm_mpi.io.files import write_main_file
+
+        write_main_file(ckpt, manifest, text)
+
+    def read_index(self, ckpt: Path) -> bytes:
+        from dtm_mpi.io.files import read_manifest_bytes
+
+        return read_manifest_bytes(ckpt)
+
+    def data_files(self, ckpt: Path) -> list[Path]:
+        return sorted(p for p in ckpt.iterdir() if _DATA_FILE.fullmatch(p.name))
+
+    def remove(self, path: Path) -> None:
+        from dtm_mpi.io.store import remove_path
+
+        remove_path(path)
+
+
+HDF5: ShardBackend = Hdf5Backend()
+"""The backend of every store today."""
+
+
+RESERVE_BYTES = 64 << 10
+RESERVE_PER_SHARD = 8 << 10
+"""Space each rank holds on the file system, in ``.reserve-NNNNNN`` beside its data file, from
+before it creates the file until it closes it: what HDF5's metadata may need at the close
+when the disk has filled meanwhile (see :func:`_close`)."""
+
+
+def _reserve(path: Path, nbytes: int) -> None:
+    """Allocate ``nbytes`` of disk to the new file ``path`` (a full disk fails here, with
+    ``ENOSPC``, before HDF5 writes anything). File systems without ``fallocate`` get none."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            os.close(fd)
+            fd = -1
+            path.unlink(missing_ok=True)
+            raise StorageError(f"{path}: {exc} (reserving {nbytes} bytes for the metadata of a checkpoint data file)") from None  # fmt: skip
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _close(f: Any, path: Path, error: BaseException | None, shared: bool, complete: bool, nbytes: int, reserve: Path | None = None) -> BaseException | None:  # fmt: skip
+    """Flush and close ``f`` (``complete``: the save wrote all of it); returns the first error.
+
+    HDF5 writes its cached metadata at the close, and a flush or close that fails (a full
+    disk) leaves HDF5 1.10's file object half-destroyed: the next close of it, at the latest
+    when the interpreter exits, crashes the process. So the space held in ``reserve`` (see
+    :data:`RESERVE_BYTES`) is released just before the close, and a file whose save failed
+    or stopped (it is never committed) is emptied first when only this rank writes it: the
+    close then finds the space its metadata needs even when other ranks filled the disk
+    (several ranks writing one file close it collectively: a failure there ends the job)."""
+    flush_failed = False
+    if error is None and complete:
+        try:
+            f.flush()
+        except Exception as exc:
+            error, flush_failed = exc, True
+    if error is not None and not isinstance(error, DtmError):
+        error = _name_no_space(error, path, nbytes)  # before the truncation frees space
+    if (error is not None or not complete) and not shared:
+        with suppress(OSError):
+            os.truncate(path, 0)  # garbage anyway: free its blocks for the metadata flush
+    if reserve is not None:  # the space held for this moment
+        with suppress(OSError):
+            reserve.unlink()
+    if flush_failed and not shared:  # HDF5 1.10 leaves its metadata cache mid-flush after
+        with suppress(Exception):  # a failed flush; another attempt (which fails) resets it,
+            f.flush()  # and only then can the close succeed (measured)
+    f.close()
+    return error
+
+
+def _name_no_space(error: BaseException, path: Path, nbytes: int) -> BaseException:
+    """``error`` (an HDF5 failure writing ``path``), naming a full file system as
+    ``No space left on device`` when that is the cause: MPI-IO and HDF5 report only "file
+    write failed", so the file system's free space decides."""
+    text = str(error)
+    if "No space left on device" in text:
+        return error
+    try:
+        st = os.statvfs(path.parent)
+    except OSError:
+        return error
+    free = st.f_bavail * st.f_frsize
+    if free >= nbytes + (1 << 20):
+        return error
+    return StorageError(f"{path}: [Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)} ({free} bytes free on its file system; HDF5: {text})")  # fmt: skip

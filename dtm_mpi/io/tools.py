@@ -1,0 +1,480 @@
+"""The store's serial tools as a public API: what ``dtm ckpt`` and ``dtm store`` do, for any
+caller (the CLI in :mod:`dtm_mpi.cli_store` only parses arguments and prints these results).
+
+* :func:`store_dir`, :func:`checkpoint_path`: a store directory and one of its committed
+  checkpoints, as a user names them (a :class:`UsageError` when they do not exist);
+* :func:`verify_checkpoints`: re-read and re-hash every chunk of one checkpoint or of every
+  checkpoint of a store, each in a child process (:func:`verify_isolated`): damaged HDF5
+  metadata can make the HDF5 library itself crash or loop, and that is reported as damage of
+  the tensor, shard and file being read, like any other;
+* :func:`remove_checkpoint`, :func:`remove_incomplete`: tidy a store (atomically: never a
+  half-deleted checkpoint under its committed name);
+* :func:`read_tensor`: one tensor's global value, every chunk verified;
+* :func:`put_tensor`: a new checkpoint with one tensor added or replaced (copy-on-write), its
+  derived tensors rebuilt, saved through :class:`~dtm_mpi.io.checkpoint.CheckpointStore` on
+  the communicator the caller gives (one process).
+
+Everything here is serial and bounded: a verification child that stops answering is ended
+after ``timeout_s`` seconds without progress.
+"""
+
+from __future__ import annotations
+
+import enum
+import faulthandler
+import json
+import os
+import secrets
+import select
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dtm_mpi.errors import IntegrityError, ManifestError, StorageError, UsageError
+from dtm_mpi.io.files import MAIN_FILE, ShardFiles, Verifier, read_manifest, verify_items
+from dtm_mpi.io.manifest import ArtifactClass, ArtifactRecord, Manifest
+from dtm_mpi.io.store import (
+    CheckpointEntry,
+    committed_name,
+    fsync_path,
+    list_checkpoints,
+    read_latest,
+    remove_path,
+    retired_files,
+    write_latest,
+)
+from dtm_mpi.ir.ops._common import np_dtype
+from dtm_mpi.ir.types import DType
+
+__all__ = [
+    "INCOMPLETE_NOTE",
+    "CheckStatus",
+    "CheckpointCheck",
+    "PutResult",
+    "checkpoint_path",
+    "committed",
+    "dtm_dtype",
+    "put_tensor",
+    "read_tensor",
+    "reason",
+    "remove_checkpoint",
+    "remove_incomplete",
+    "store_dir",
+    "stored",
+    "verify_checkpoints",
+    "verify_isolated",
+]
+
+INCOMPLETE_NOTE = "a save in progress, cancelled or killed; not loadable"
+
+
+# --- naming a store and a checkpoint ----------------------------------------------------------
+
+
+def store_dir(text: str | os.PathLike[str]) -> Path:
+    """The store directory ``text``; a :class:`UsageError` if it is not a directory."""
+    path = Path(text)
+    if not path.is_dir():
+        what = "is not a directory" if path.exists() else "does not exist"
+        raise UsageError(f"store {text} {what}")
+    return path
+
+
+def committed(store: Path) -> list[CheckpointEntry]:
+    """The committed checkpoints of ``store``, by step."""
+    return [e for e in list_checkpoints(store) if e.committed]
+
+
+def checkpoint_path(store: Path, step: int | None) -> Path:
+    """The committed checkpoint ``step`` of ``store`` (default: the one ``latest`` names)."""
+    if step is not None and step < 0:
+        raise UsageError(f"--step must be >= 0; got {step}")
+    if step is None:
+        latest = read_latest(store)
+        if latest is None:
+            raise StorageError(f"store {store} has no committed checkpoint")
+        return store / committed_name(latest)
+    path = store / committed_name(step)
+    if not path.is_dir():
+        have = ", ".join(str(e.step) for e in committed(store)) or "none"
+        raise UsageError(f"store {store} has no committed checkpoint {step} (it has: {have})")
+    return path
+
+
+def reason(exc: Exception, path: Path) -> str:
+    """``exc``'s message without the leading ``path: `` (the file is named beside it)."""
+    return str(exc).removeprefix(f"{path / MAIN_FILE}: ").removeprefix(f"{path}: ")
+
+
+def stored(m: Manifest) -> list[ArtifactRecord]:
+    """The artifacts of ``m`` that have data in the checkpoint (not ephemeral)."""
+    return [a for a in m.artifacts if a.cls is not ArtifactClass.EPHEMERAL]
+
+
+# --- verify -----------------------------------------------------------------------------------
+
+
+class CheckStatus(enum.Enum):
+    OK = "ok"
+    DAMAGED = "DAMAGED"  # readable manifest; some tensor, shard or file is not as it says
+    INVALID = "INVALID"  # no valid manifest: nothing in it can be trusted
+    INCOMPLETE = "INCOMPLETE"  # a partial (uncommitted) checkpoint directory
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointCheck:
+    """The verdict on one checkpoint directory: ``problems`` are one line each (for DAMAGED,
+    ``<file>: tensor 't' shard 's': <what>``; for INVALID, why)."""
+
+    path: Path
+    status: CheckStatus
+    problems: tuple[str, ...] = ()
+    tensors: int = 0  # stored tensors (OK)
+    data_bytes: int = 0  # bytes verified (OK)
+
+
+def verify_checkpoints(store: Path, step: int | None = None, every: bool = False, *, timeout_s: float = 300.0) -> list[CheckpointCheck]:  # fmt: skip
+    """Verify checkpoint ``step`` of ``store`` (default: the latest), or with ``every`` all of
+    its committed checkpoints, incomplete ones reported as such; one verdict per checkpoint."""
+    if not every:
+        return [verify_isolated(checkpoint_path(store, step), timeout_s=timeout_s)]
+    entries = list_checkpoints(store)
+    out = [verify_isolated(e.path, timeout_s=timeout_s) for e in entries if e.committed]
+    out += [CheckpointCheck(e.path, CheckStatus.INCOMPLETE, (INCOMPLETE_NOTE,)) for e in entries if not e.committed]  # fmt: skip
+    return out
+
+
+def _child(ckpt: Path, start: int, fd: int) -> None:  # pragma: no cover  (runs in the fork)
+    """The verification child: its findings as JSON lines on ``fd``, from item ``start``."""
+
+    def emit(*msg: Any) -> None:
+        os.write(fd, (json.dumps(msg) + "\n").encode())
+
+    try:
+        manifest = read_manifest(ckpt)
+    except ManifestError as exc:
+        emit("invalid", reason(exc, ckpt))
+        return
+    items = verify_items(ckpt, manifest)
+    emit("manifest", len(items), len(stored(manifest)), manifest.data_bytes)
+    with Verifier(ckpt, manifest) as v:
+        for k in range(start, len(items)):
+            emit("at", k)
+            err = v.check(items[k])
+            if err is not None:
+                emit("damage", k, str(err))
+    emit("done")
+
+
+def _run_child(ckpt: Path, start: int, timeout_s: float, on: Callable[[list[Any]], None]) -> str | None:  # fmt: skip
+    """Run :func:`_child` in a fork, passing each message to ``on``; returns None when it
+    finished, else how it ended (a signal, an exit code, or silence for ``timeout_s``)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover  (the child)
+        code = 0
+        try:
+            os.close(r)
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, 2)  # a crash report of the HDF5 library is not ours to print
+            faulthandler.disable()  # (it may write to a copy of stderr)
+            faulthandler.cancel_dump_traceback_later()
+            _child(ckpt, start, w)
+        except BaseException:
+            code = 3
+        finally:
+            os._exit(code)
+    os.close(w)
+    buf, done, ended = b"", False, None
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                ended = f"no progress within {timeout_s:g} s"
+                os.kill(pid, signal.SIGKILL)
+                break
+            ready, _, _ = select.select([r], [], [], min(left, 1.0))
+            if not ready:
+                continue
+            chunk = os.read(r, 1 << 16)
+            if not chunk:
+                break
+            deadline = time.monotonic() + timeout_s
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                msg = json.loads(line)
+                done = done or msg[0] == "done"
+                on(msg)
+    finally:
+        os.close(r)
+        _, status = os.waitpid(pid, 0)
+    if ended is None and not done:
+        if os.WIFSIGNALED(status):
+            sig = os.WTERMSIG(status)
+            ended = f"the HDF5 library crashed ({signal.Signals(sig).name})"
+        else:
+            ended = f"the verification ended early (exit code {os.waitstatus_to_exitcode(status)})"
+    return ended
+
+
+def verify_isolated(ckpt: Path, *, timeout_s: float = 300.0) -> CheckpointCheck:
+    """Verify checkpoint directory ``ckpt`` as :func:`~dtm_mpi.io.files.verify_checkpoint`
+    does, in a child process: if the HDF5 library crashes or makes no progress for
+    ``timeout_s`` seconds while reading a file (damaged metadata can do both), the tensor,
+    shard and file it was reading are reported damaged, and the rest is checked by a new
+    child. Without ``os.fork`` (not POSIX), in this process."""
+    if not hasattr(os, "fork"):
+        return _verify_here(ckpt)
+    state: dict[str, Any] = {"items": None, "at": -1, "invalid": None, "stored": 0, "bytes": 0}
+    problems: list[str] = []
+
+    def on(msg: list[Any]) -> None:
+        kind = msg[0]
+        if kind == "invalid":
+            state["invalid"] = msg[1]
+        elif kind == "manifest":
+            state["items"], state["stored"], state["bytes"] = msg[1], msg[2], msg[3]
+        elif kind == "at":
+            state["at"] = msg[1]
+        elif kind == "damage":
+            problems.append(msg[2])
+
+    start = 0
+    while True:
+        state["at"] = start - 1
+        ended = _run_child(ckpt, start, timeout_s, on)
+        if ended is None:
+            break
+        if state["items"] is None:  # before the manifest was read: the main file is damaged
+            return CheckpointCheck(ckpt, CheckStatus.INVALID, (f"{MAIN_FILE} cannot be read: {ended} reading it",))  # fmt: skip
+        k = state["at"]
+        if k < start:  # between items (opening nothing): nothing to name; stop here
+            problems.append(f"{ckpt}: {ended}")
+            break
+        item = verify_items(ckpt, read_manifest(ckpt))[k]  # the child parsed it: plain bytes
+        problems.append(str(IntegrityError(f"{ended} reading it: its HDF5 metadata is damaged", tensor=item.tensor, shard=item.shard, file=str(item.file))))  # fmt: skip
+        start = k + 1
+        if start >= state["items"]:
+            break
+    if state["invalid"] is not None:
+        return CheckpointCheck(ckpt, CheckStatus.INVALID, (state["invalid"],))
+    if problems:
+        return CheckpointCheck(ckpt, CheckStatus.DAMAGED, tuple(problems))
+    return CheckpointCheck(ckpt, CheckStatus.OK, (), state["stored"], state["bytes"])
+
+
+def _verify_here(ckpt: Path) -> CheckpointCheck:
+    from dtm_mpi.io.files import verify_checkpoint
+
+    try:
+        damaged = verify_checkpoint(ckpt)
+        m = read_manifest(ckpt)
+    except ManifestError as exc:
+        return CheckpointCheck(ckpt, CheckStatus.INVALID, (reason(exc, ckpt),))
+    if damaged:
+        return CheckpointCheck(ckpt, CheckStatus.DAMAGED, tuple(str(e) for e in damaged))
+    return CheckpointCheck(ckpt, CheckStatus.OK, (), len(stored(m)), m.data_bytes)
+
+
+# --- remove -----------------------------------------------------------------------------------
+
+
+def remove_incomplete(store: Path) -> list[Path]:
+    """Remove every partial (``*.partial-*``) checkpoint and every retired one of ``store``;
+    returns what was removed."""
+    gone = [e.path for e in list_checkpoints(store) if not e.committed] + retired_files(store)
+    for p in gone:
+        remove_path(p)
+    if gone:
+        fsync_path(store)
+    return gone
+
+
+def remove_checkpoint(store: Path, step: int, force: bool = False) -> tuple[Path, str | None]:
+    """Remove committed checkpoint ``step`` of ``store``; the one ``latest`` names only with
+    ``force`` (``latest`` then moves to the newest remaining one first: at every moment it names
+    a committed checkpoint). Returns the removed path and, for the latest, where ``latest``
+    points now."""
+    path = checkpoint_path(store, step)
+    after = None
+    if step == read_latest(store):
+        rest = [e.step for e in committed(store) if e.step != step]
+        after = f"'latest' names checkpoint {max(rest)}" if rest else "no checkpoint remains"
+        if not force:
+            raise UsageError(f"store {store}: checkpoint {step} is the latest one; add --force to remove it (then {after})")  # fmt: skip
+        if rest:
+            write_latest(store, max(rest))
+        else:
+            (store / "latest").unlink(missing_ok=True)
+    gone = store / f".deleting-{path.name}-{secrets.token_hex(4)}"
+    os.replace(path, gone)  # out of the checkpoint namespace at once, then deleted
+    fsync_path(store)
+    remove_path(gone)
+    fsync_path(store)
+    return path, after
+
+
+# --- read one tensor --------------------------------------------------------------------------
+
+
+def _artifact(m: Manifest, name: str, path: Path) -> ArtifactRecord:
+    if name not in m.names:
+        raise UsageError(f"{path}: no tensor {name!r} (it has: {', '.join(m.names) or 'none'})")
+    a = m.artifact(name)
+    if a.cls is ArtifactClass.EPHEMERAL or a.dataset is None:
+        raise UsageError(f"{path}: tensor {name!r} is ephemeral: recorded, never stored")
+    return a
+
+
+def read_tensor(path: Path, name: str, manifest: Manifest | None = None) -> np.ndarray:
+    """The global value of tensor ``name`` of checkpoint ``path`` (serial), every chunk read
+    from its data file and checked against the manifest's content hash; raises
+    :class:`IntegrityError` naming tensor, shard and file on a mismatch or a missing file.
+    bf16 comes back as stored (float32)."""
+    a = _artifact(manifest if manifest is not None else read_manifest(path), name, path)
+    out = np.empty(a.shape, dtype=np_dtype(a.dtype))
+    with ShardFiles(path) as files:
+        for s in a.shards:
+            for c in range(len(s.chunks)):
+                out[s.chunk_region(c)] = files.read_verified(a, s, c)
+    return out
+
+
+# --- put one tensor ---------------------------------------------------------------------------
+
+_NPY_KINDS: dict[tuple[str, int], str] = {
+    ("f", 2): "f16", ("f", 4): "f32", ("f", 8): "f64", ("i", 1): "i8", ("i", 4): "i32",
+    ("i", 8): "i64", ("u", 1): "u8", ("b", 1): "bool", ("u", 2): "bf16",
+}  # fmt: skip
+"""numpy (kind, itemsize) -> dtm dtype; uint16 holds the raw bits of bfloat16."""
+
+
+def dtm_dtype(value: np.ndarray, where: str) -> DType:
+    """The dtm dtype a numpy array of ``value``'s dtype stores as (uint16: bf16 bits)."""
+    dt = value.dtype
+    name = _NPY_KINDS.get((dt.kind, dt.itemsize)) if dt.fields is None and dt.subdtype is None else None  # fmt: skip
+    if name is None:
+        allowed = "float16, float32, float64, int8, int32, int64, uint8, bool, uint16 (the bits of bf16)"  # fmt: skip
+        raise UsageError(f"{where}: dtype {dt} is not a dtm dtype; use one of {allowed}")
+    return DType(name)
+
+
+def _as_block(value: np.ndarray, dtype: DType) -> np.ndarray:
+    """``value`` in the array type a save of a ``dtype`` tensor takes (native byte order,
+    C order); bf16 bits (uint16) become the binary32 values the runtime holds bf16 in."""
+    want = np_dtype(dtype)
+    if dtype is DType.BF16 and want == np.dtype(np.float32):
+        bits = np.array(value, dtype=np.uint32, order="C")
+        bits <<= np.uint32(16)  # in place: a 0-d array stays an array
+        return bits.view(np.float32)
+    return np.array(value, dtype=want, order="C")  # native order; 0-d stays 0-d
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    path: Path  # the new checkpoint
+    step: int
+    base: int | None  # the step it copies, None for a store's first checkpoint
+    tensors: int
+    replaced: bool  # NAME was in the base checkpoint
+    dtype: DType
+    shape: tuple[int, ...]
+    cls: ArtifactClass
+    rebuilt: tuple[str, ...]  # derived tensors recomputed from the new value
+
+
+def _depth(m: Manifest, name: str, ancestor: str) -> int:
+    """How many parent links lead from artifact ``name`` of ``m`` up to ``ancestor`` (0: it
+    does not derive from it)."""
+    seen: set[str] = set()
+    a, depth = m.artifact(name), 0
+    while a.parent is not None and a.parent not in seen:
+        depth += 1
+        if a.parent == ancestor:
+            return depth
+        seen.add(a.parent)
+        a = m.artifact(a.parent)
+    return 0
+
+
+def put_tensor(store: Path, comm: Any, name: str, value: np.ndarray, *, cls: str | None = None, parent: str | None = None, rebuild: str | None = None, step: int | None = None, where: str = "input") -> PutResult:  # fmt: skip
+    """Save a new checkpoint of ``store``: the latest one with tensor ``name`` set to ``value``
+    (added or replaced; copy-on-write: the old checkpoint stays), its derived tensors rebuilt
+    from it, as step ``step`` (default: one past the newest committed one). ``cls``
+    (``primary``/``derived``) defaults to the replaced tensor's, else primary. ``comm``: a
+    one-process communicator (the self communicator); the store's quota and retention apply
+    as for any save."""
+    from dtm_mpi.io.checkpoint import CheckpointStore, rebuild_value
+    from dtm_mpi.io.plan import CHUNK_BYTES, TensorSpec
+    from dtm_mpi.ir.types import Layout, TensorType
+    from dtm_mpi.sharding.mesh import MeshShape
+
+    if step is not None and step < 0:
+        raise UsageError(f"--step must be >= 0; got {step}")
+    if int(comm.Get_size()) != 1:
+        raise UsageError("put_tensor: the communicator must hold one process")
+    dtype = dtm_dtype(value, where)
+    newest = max((e.step for e in committed(store)), default=-1)
+    step = step if step is not None else newest + 1
+    if step <= newest:
+        raise UsageError(f"store {store}: --step {step} must be newer than every committed checkpoint (the newest is {newest}); a put never replaces a checkpoint")  # fmt: skip
+    base = read_latest(store)
+    old = read_manifest(store / committed_name(base)) if base is not None else None
+    replaced = old.artifact(name) if old is not None and name in old.names else None
+
+    # the class of NAME: as given, else the replaced tensor's (when it was stored), else primary
+    if cls is not None:
+        kind = ArtifactClass(cls.upper())
+    elif parent is not None or rebuild is not None:
+        kind = ArtifactClass.DERIVED
+    elif replaced is not None and replaced.cls is not ArtifactClass.EPHEMERAL:
+        kind, parent, rebuild = replaced.cls, replaced.parent, replaced.rebuild
+    else:
+        kind = ArtifactClass.PRIMARY
+    if kind is ArtifactClass.DERIVED and (parent is None or rebuild is None):
+        raise UsageError(f"tensor {name!r}: a derived artifact needs --parent and --rebuild")
+    if kind is ArtifactClass.PRIMARY and (parent is not None or rebuild is not None):
+        raise UsageError(f"tensor {name!r}: --parent and --rebuild are for --class derived only")  # fmt: skip
+    kept = [a for a in old.artifacts if a.name != name] if old is not None else []
+    stored_names = {a.name for a in kept if a.cls is not ArtifactClass.EPHEMERAL} | {name}
+    if parent is not None and (parent == name or parent not in stored_names):
+        raise UsageError(f"tensor {name!r}: parent {parent!r} is not another stored tensor of the checkpoint (stored: {', '.join(sorted(stored_names - {name})) or 'none'})")  # fmt: skip
+
+    mesh = MeshShape((("x", 1),))
+    rebuilt: list[str] = []
+    specs: list[tuple[TensorSpec, np.ndarray | None]] = []
+    ckpt = CheckpointStore(store, comm, chunk_bytes=old.chunk_bytes if old is not None else CHUNK_BYTES)  # fmt: skip
+    try:
+        targets = [(a.name, TensorType(a.dtype, a.shape, Layout.replicated(len(a.shape)))) for a in kept if a.cls is not ArtifactClass.EPHEMERAL]  # fmt: skip
+        values: dict[str, np.ndarray] = {}
+        if targets:
+            assert base is not None
+            values = ckpt.restore(mesh, targets, step=base).values
+        new_type = TensorType(dtype, tuple(value.shape), Layout.replicated(value.ndim))
+        new = (TensorSpec(name, new_type, kind, parent, rebuild), _as_block(value, dtype))
+        values[name] = new[1]
+        if old is not None:  # derived from NAME, directly or not: recompute, parents first
+            stale = [a for a in old.artifacts if _depth(old, a.name, name) > 0]
+            for a in sorted(stale, key=lambda a: _depth(old, a.name, name)):
+                assert a.parent is not None
+                values[a.name] = rebuild_value(a, values[a.parent])
+                rebuilt.append(a.name)
+        for a in old.artifacts if old is not None else ():
+            if a.name == name:
+                specs.append(new)
+                continue
+            t = TensorType(a.dtype, a.shape, Layout.replicated(len(a.shape)))
+            specs.append((TensorSpec(a.name, t, a.cls, a.parent, a.rebuild), values.get(a.name)))
+        if replaced is None:
+            specs.append(new)
+        path = ckpt.save(step, mesh, specs, module_hash=old.module_hash if old is not None else None)  # fmt: skip
+    finally:
+        ckpt.close()
+    return PutResult(path, step, base, len(specs), replaced is not None, dtype, tuple(value.shape), kind, tuple(rebuilt))  # fmt: skip
