@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dtm_mpi._version import __version__
+from dtm_mpi.cli_exec import add_exec_commands, runs_under_mpi
+from dtm_mpi.cli_store import add_store_commands
 from dtm_mpi.comm.abort import run_or_abort
-from dtm_mpi.errors import DiagnosticError, DtmError, UsageError
+from dtm_mpi.errors import DiagnosticError, UsageError, agreed
 
 if TYPE_CHECKING:
     from dtm_mpi.ir.nodes import Module
@@ -22,22 +24,26 @@ if TYPE_CHECKING:
 __all__ = ["build_parser", "main", "run"]
 
 
-class _InvalidModuleError(DtmError):
-    """The module has diagnostics (already printed); every rank reads the same file."""
-
-    agreed = True
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(f"{self.prog}: {message}")
+        # decided from the command line alone: the same on every rank (no rank aborts the job)
+        raise agreed(UsageError(f"{self.prog}: {message}"))
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``dtm`` parser: each group of subcommands is added by its module's
+    ``add_*_commands(sub)`` (the one way to register a subcommand: ``set_defaults(func=...)``
+    names the function that runs it)."""
     parser = _Parser(prog="dtm", description="Distributed Tensor Machine on MPI (dtm_mpi).")
     parser.add_argument("--version", action="version", version=f"dtm_mpi {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
+    for add_commands in COMMANDS:
+        add_commands(sub)
+    return parser
+
+
+def add_ir_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     check = sub.add_parser("check", help="parse and verify IR files; diagnostics as file:line:col")
     check.add_argument("files", nargs="+", metavar="FILE")
     check.set_defaults(func=_cmd_check)
@@ -49,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     hsh = sub.add_parser("hash", help="print the module hash of an IR file")
     hsh.add_argument("file", metavar="FILE")
     hsh.set_defaults(func=_cmd_hash)
+
+
+def add_bench_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="suite", metavar="SUITE", parser_class=_Parser)
     bsub.required = True
@@ -94,16 +103,17 @@ def build_parser() -> argparse.ArgumentParser:
     bk.add_argument("--repeat", type=int, default=5, help="timed blocks; the best is reported")
     bk.add_argument("--csv", default=None, metavar="FILE", help="rows metric,value,baseline,ratio")
     bk.set_defaults(func=_cmd_bench_kernels)
+
+
+def add_info_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     info = sub.add_parser("info", help="report the runtime: MPI, parallel HDF5, ranks (collective)")
     info.set_defaults(func=_cmd_info)
 
-    from dtm_mpi.cli_exec import add_exec_commands
 
-    add_exec_commands(sub)
-    from dtm_mpi.cli_store import add_store_commands
-
-    add_store_commands(sub)
-    return parser
+#: Every group of subcommands, in the order ``dtm --help`` lists them.
+COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (  # type: ignore[type-arg]
+    add_ir_commands, add_bench_commands, add_info_command, add_exec_commands, add_store_commands,
+)  # fmt: skip
 
 
 def _print_diagnostics(errors: Sequence[DiagnosticError]) -> None:
@@ -127,21 +137,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_checked(path: str) -> Module:
-    """The verified module in ``path``; diagnostics are printed and end the command."""
-    return _load(path)
-
-
 def _load(path: str) -> Module:
-    from dtm_mpi.ir import check_text
-    from dtm_mpi.ir.files import read_source
+    from dtm_mpi.runtime.request import load_module
 
-    module, errors = check_text(read_source(path), path)
-    if errors:
-        _print_diagnostics(errors)
-        raise _InvalidModuleError(f"{path}: {len(errors)} error(s), see above")
-    assert module is not None
-    return module
+    return load_module(path)
 
 
 def _cmd_fmt(args: argparse.Namespace) -> int:
@@ -182,15 +181,15 @@ def _cmd_bench_ir(args: argparse.Namespace) -> int:
 
 def _cmd_bench_ckpt(args: argparse.Namespace) -> int:
     from dtm_mpi.bench.ckpt import run_ckpt_bench
-    from dtm_mpi.bench.comm import parse_size
+    from dtm_mpi.units import parse_bytes, parse_ranks_per_file
 
     per_file = None
     if args.ranks_per_file is not None:
-        word = str(args.ranks_per_file).strip().lower()
-        if word != "all" and not (word.isascii() and word.isdigit() and int(word) >= 1):
-            raise UsageError(f"--ranks-per-file: expected an integer >= 1 or all, got {args.ranks_per_file!r}")  # fmt: skip
-        per_file = 0 if word == "all" else int(word)
-    table = run_ckpt_bench(parse_size(args.bytes), args.tensors, args.dir, args.repeat, args.csv, per_file, args.cold)  # fmt: skip
+        try:
+            per_file = parse_ranks_per_file(str(args.ranks_per_file))
+        except UsageError as exc:
+            raise UsageError(f"--ranks-per-file: {exc}") from None
+    table = run_ckpt_bench(parse_bytes(args.bytes), args.tensors, args.dir, args.repeat, args.csv, per_file, args.cold)  # fmt: skip
     if table:
         print(table)
     return 0
@@ -208,9 +207,10 @@ def _cmd_bench_kernels(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_comm(args: argparse.Namespace) -> int:
-    from dtm_mpi.bench.comm import parse_size, run_comm_bench
+    from dtm_mpi.bench.comm import run_comm_bench
+    from dtm_mpi.units import parse_bytes
 
-    sizes = [parse_size(x) for x in args.sizes.split(",")] if args.sizes else None
+    sizes = [parse_bytes(x) for x in args.sizes.split(",")] if args.sizes else None
     ops = [x.strip() for x in args.ops.split(",") if x.strip()]
     table = run_comm_bench(ops, sizes, repeat=args.repeat, csv_path=args.csv, backend=args.backend)
     if table:
@@ -229,7 +229,15 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` and run the command; raises :class:`~dtm_mpi.errors.DtmError`."""
-    args = build_parser().parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(words)
+    except UsageError as exc:
+        if runs_under_mpi(words):  # every rank of the job decides before any rank exits
+            from dtm_mpi.runtime.request import agree_arguments
+
+            agree_arguments(exc)
+        raise
     code: int = args.func(args)
     return code
 

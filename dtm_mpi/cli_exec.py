@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from dtm_mpi.errors import UsageError
+from dtm_mpi.errors import DtmError, UsageError, agreed
 
 if TYPE_CHECKING:
     from dtm_mpi.ir.nodes import Module
     from dtm_mpi.plan.program import ExecPlan
 
-__all__ = ["add_exec_commands"]
+__all__ = ["add_exec_commands", "byte_count", "runs_under_mpi"]
 
 
 def _mesh_arg(parser: argparse.ArgumentParser) -> None:
@@ -23,18 +24,13 @@ def _mesh_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def byte_count(text: str) -> int:
-    """``512``, ``64K``, ``1.5G``, ``2GiB``: a non-negative, finite number of bytes."""
-    units = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    scale = units.get(t[-1:], 1)
-    digits = t[:-1] if t[-1:] in units else t
+    """An argparse ``type``: :func:`dtm_mpi.units.parse_bytes`, its error kept as the message."""
+    from dtm_mpi.units import parse_bytes
+
     try:
-        value = float(digits) * scale
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (e.g. 512M, 2G)") from None
-    if not 0 <= value < 2**63:  # also refuses inf and nan
-        raise argparse.ArgumentTypeError(f"byte count must be a finite number >= 0; got {text!r}")
-    return int(value)
+        return parse_bytes(text)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_exec_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -72,7 +68,8 @@ def add_exec_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     rn.add_argument("--max-bytes-per-rank", type=byte_count, default=None, metavar="BYTES",
                     help="refuse to run a plan above BYTES of peak memory on any rank")  # fmt: skip
     rn.add_argument("--store", metavar="DIR", default=None,
-                    help="checkpoint store for the run's state (parallel HDF5; under mpirun)")  # fmt: skip
+                    help="checkpoint store: its latest checkpoint fills 'init store' parameters; "
+                    "under mpirun also the run's state (--checkpoint-every, --resume)")  # fmt: skip
     rn.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
                     help="save the state to --store after every N steps")  # fmt: skip
     rn.add_argument("--resume", action="store_true",
@@ -83,7 +80,10 @@ def add_exec_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[
 def _binding(args: argparse.Namespace) -> dict[str, int] | None:
     from dtm_mpi.sharding.mesh import parse_mesh_binding
 
-    return parse_mesh_binding(args.mesh) if args.mesh else None
+    try:
+        return parse_mesh_binding(args.mesh) if args.mesh else None
+    except UsageError as exc:  # decided from the command line: the same on every rank
+        raise agreed(exc) from None
 
 
 def _plan(module: Module, nranks: int | None, binding: dict[str, int] | None) -> ExecPlan:
@@ -105,10 +105,10 @@ def _plan(module: Module, nranks: int | None, binding: dict[str, int] | None) ->
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
-    from dtm_mpi.cli import load_checked
     from dtm_mpi.plan.explain import check_memory, explain_text
+    from dtm_mpi.runtime.request import load_module
 
-    plan = _plan(load_checked(args.file), args.ranks, _binding(args))
+    plan = _plan(load_module(args.file), args.ranks, _binding(args))
     sys.stdout.write(explain_text(plan))
     if args.backend != "numpy":
         from dtm_mpi.runtime.placement import placement_text
@@ -119,67 +119,29 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def runs_under_mpi(argv: Sequence[str]) -> bool:
+    """Whether ``argv`` asks for ``dtm run`` on the ranks of mpirun/srun (not ``--sim``)."""
+    words = [a for a in argv if not a.startswith("-")]
+    return bool(words) and words[0] == "run" and not any(a.startswith("--sim") for a in argv)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
-    from dtm_mpi.cli import load_checked
-    from dtm_mpi.config import get_config
-    from dtm_mpi.io.arrays import check_output_path, load_arrays, save_npz
-    from dtm_mpi.plan.explain import check_memory
-    from dtm_mpi.runtime.session import run_simulated, summary_lines
+    from dtm_mpi.runtime.launch import launch
+    from dtm_mpi.runtime.request import RunRequest, agree_arguments
 
-    if args.steps < 1:
-        raise UsageError(f"--steps must be >= 1; got {args.steps}")
-    if (args.checkpoint_every is not None or args.resume) and not args.store:
-        raise UsageError("--checkpoint-every and --resume need --store DIR")
-    if args.checkpoint_every is not None and args.checkpoint_every < 1:
-        raise UsageError(f"--checkpoint-every must be >= 1; got {args.checkpoint_every}")
-    if args.resume and args.input:
-        raise UsageError("--resume takes the state from the checkpoint; do not give -i inputs")
-    if args.backend == "numpy" and (args.require_gpu_aware_mpi or args.gpu_aware_mpi):
-        raise UsageError("--gpu-aware-mpi and --require-gpu-aware-mpi need --backend cuda or hip")  # fmt: skip
-    if args.sim is None:
-        from dtm_mpi.runtime.mpirun import MpiRunArgs, run_under_mpi
-
-        if args.output:
-            check_output_path(args.output)  # the same answer on every rank, before any work
-
-        return run_under_mpi(
-            MpiRunArgs(
-                args.file,
-                _binding(args),
-                tuple(args.input),
-                args.output,
-                args.steps,
-                args.backend,
-                args.max_bytes_per_rank,
-                args.store,
-                args.checkpoint_every,
-                args.resume,
-                args.gpu_aware_mpi,
-                args.require_gpu_aware_mpi,
-            )
-        )
-    if args.backend != "numpy":
-        raise UsageError(
-            f"the simulator (--sim) runs the numpy backend only; run --backend {args.backend} "
-            "under mpirun/srun (one rank per GPU)"
-        )
-    if args.store:
-        raise UsageError("--store needs the MPI runtime (run under mpirun/srun, without --sim)")
-    if args.output:
-        check_output_path(args.output)  # refused before any work
-    module = load_checked(args.file)
-    binding = _binding(args)
-    inputs = load_arrays(args.input)
-    if args.max_bytes_per_rank is not None:
-        check_memory(_plan(module, args.sim, binding), args.max_bytes_per_rank)
-    result = run_simulated(
-        module, args.sim, binding=binding, inputs=inputs, steps=args.steps,
-        backend=args.backend, timeout_s=get_config().timeout_s,
-    )  # fmt: skip
-    outputs = result.outputs()
-    for line in summary_lines(outputs):
-        print(line)
-    if args.output:
-        save_npz(args.output, outputs)
-        print(f"wrote {args.output}")
-    return 0
+    request = None
+    error: DtmError | None = None
+    try:
+        request = RunRequest(
+            args.file, _binding(args), tuple(args.input), args.output, args.steps,
+            args.backend, args.max_bytes_per_rank, args.store, args.checkpoint_every,
+            args.resume, args.gpu_aware_mpi, args.require_gpu_aware_mpi, args.sim,
+        )  # fmt: skip
+    except DtmError as exc:  # from the command line alone: the same on every rank
+        error = exc
+    if args.sim is None:  # under MPI: every rank decides before any rank may exit
+        agree_arguments(error)
+    if error is not None:
+        raise error
+    assert request is not None
+    return launch(request)

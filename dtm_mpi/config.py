@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from dtm_mpi.errors import ConfigError
+from dtm_mpi.errors import ConfigError, UsageError
 
 __all__ = [
     "ENV_VARS", "Config", "EnvVar", "FaultKind", "FaultSpec", "GpuAwareMode", "get_config",
@@ -179,12 +179,12 @@ def _ckpt_verify_full(name: str, raw: str) -> bool:
 
 
 def _ranks_per_file(name: str, raw: str) -> int:
-    word = raw.strip().lower()
-    if word == "all":
-        return 0
-    if word.isascii() and word.isdigit() and int(word) >= 1:
-        return int(word)
-    raise ConfigError(f"{name}: expected an integer >= 1 or all, got {raw!r}")
+    from dtm_mpi.units import parse_ranks_per_file
+
+    try:
+        return parse_ranks_per_file(raw)
+    except UsageError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
 
 
 def _directory(name: str, raw: str) -> str | None:

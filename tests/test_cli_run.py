@@ -369,3 +369,212 @@ def test_store_parameter_without_input(capsys: pytest.CaptureFixture[str]) -> No
     assert code == 2
     msg = one_line_error(err)
     assert msg.count("init store") == 1
+
+
+# --- the run request: refused before anything runs -------------------------------------------
+
+CUDA_ONLY = """dtm 1.0
+module cuda_only
+
+mesh @m = [dp=2]
+
+entry func @main(%x: f32[4]{dp} init ones) -> f32[4]{dp} on @m requires [CAP_CUDA] {
+  %y = exp %x : f32[4]{dp}
+  return %y
+}
+"""
+
+
+def test_sim_refuses_a_capability_the_backend_lacks(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Under mpirun such a module was refused; --sim ran it on numpy."""
+    path = tmp_path / "cuda_only.dtm"
+    path.write_text(CUDA_ONLY, encoding="utf-8")
+    out = tmp_path / "out.npz"
+    code, stdout, err = dtm(capsys, "run", str(path), "--sim", "2", "-o", str(out))
+    assert code == 1, err
+    msg = one_line_error(err)
+    assert "module cuda_only requires CAP_CUDA" in msg and "backend numpy" in msg
+    assert stdout == "" and not out.exists()  # nothing ran
+
+
+RESULT_KEY = """dtm 1.0
+module clash
+
+mesh @m = [dp=2]
+
+entry func @main(%x: f32[4]{dp} init ones, %result0: f32[4]{dp} init zeros) -> f32[4]{dp} on @m {
+  %y = add %x, %result0 : f32[4]{dp}
+  return %y
+}
+"""
+
+
+def test_parameter_named_like_a_result_key_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``%result0`` was written over result 0 in the -o file (data loss)."""
+    path = tmp_path / "clash.dtm"
+    path.write_text(RESULT_KEY, encoding="utf-8")
+    out = tmp_path / "out.npz"
+    code, stdout, err = dtm(capsys, "run", str(path), "--sim", "2", "-o", str(out))
+    assert code == 2, err
+    msg = one_line_error(err)
+    assert "parameter %result0 of @main" in msg and "'result0'" in msg
+    assert stdout == "" and not out.exists()
+    # a parameter named like a result that does not exist does not clash
+    path.write_text(RESULT_KEY.replace("result0", "result1"), encoding="utf-8")
+    code, _, err = dtm(capsys, "run", str(path), "--sim", "2", "-o", str(out))
+    assert code == 0, err
+    with np.load(out) as g:
+        assert sorted(g.files) == ["result0", "result1", "x"]
+        np.testing.assert_array_equal(g["result0"], np.ones(4, np.float32))
+        np.testing.assert_array_equal(g["result1"], np.zeros(4, np.float32))
+
+
+def _corrupt(tmp_path: Path, name: str, data: bytes) -> str:
+    path = tmp_path / name
+    path.write_bytes(data)
+    return str(path)
+
+
+def _truncated_npz(tmp_path: Path) -> str:
+    path = tmp_path / "cut.npz"
+    np.savez(path, x=x_input())
+    whole = path.read_bytes()
+    path.write_bytes(whole[: len(whole) // 2])
+    return str(path)
+
+
+CORRUPT_INPUTS = {
+    "npz-garbage": lambda p: _corrupt(p, "x.npz", b"PK\x03\x04 not a zip archive\n" * 4),
+    "npz-truncated": _truncated_npz,
+    "npy-garbage": lambda p: _corrupt(p, "x.npy", b"\x93NUMPY garbage"),
+    "h5-garbage": lambda p: _corrupt(p, "x.h5", b"not an HDF5 file" * 8),
+    "npz-empty": lambda p: _corrupt(p, "x.npz", b""),
+}
+
+
+@pytest.mark.parametrize("make", list(CORRUPT_INPUTS.values()), ids=list(CORRUPT_INPUTS))
+def test_unreadable_input_is_one_line_naming_the_file(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, make: Callable[[Path], str]
+) -> None:
+    """A corrupt .npz was an internal-error traceback with --sim."""
+    path = make(tmp_path)
+    code, stdout, err = dtm(capsys, "run", TP_MLP, "--sim", "2", "-i", path)
+    assert code == 2, err
+    msg = one_line_error(err)
+    assert f"cannot read input file {path}: " in msg
+    assert "internal error" not in err and stdout == ""
+
+
+ARG_ERRORS = {
+    "steps-negative": (["--steps", "-1"], "--steps must be >= 1"),
+    "resume-without-store": (["--resume"], "need --store DIR"),
+    "every-without-store": (["--checkpoint-every", "1"], "need --store DIR"),
+    "bad-option": (["--bogus"], "unrecognized arguments"),
+    "bad-mesh": (["--mesh", "dp=two"], "is not a positive integer"),
+    "bad-bytes": (["--max-bytes-per-rank", "lots"], "not a byte count"),
+    "sim-backend": (["--sim", "2", "--backend", "cuda"], "numpy backend only"),
+    "sim-resume": (["--sim", "2", "--store", "s", "--resume"], "need the MPI runtime"),
+}
+
+
+@pytest.mark.parametrize(("extra", "needle"), list(ARG_ERRORS.values()), ids=list(ARG_ERRORS))
+def test_argument_errors_are_agreed(extra: list[str], needle: str) -> None:
+    """Decided from the command line alone, so the same on every rank: marked agreed, every
+    rank prints its line and exits 2 instead of one rank aborting the others (whose lines
+    were then lost)."""
+    from dtm_mpi.cli import main
+    from dtm_mpi.errors import UsageError
+
+    with pytest.raises(UsageError) as info:
+        main(["run", TP_MLP, *extra])
+    assert needle in str(info.value)
+    assert info.value.agreed
+
+
+def test_store_that_is_a_file_is_one_clean_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    store = tmp_path / "store"
+    store.write_text("not a directory")
+    code, stdout, err = dtm(capsys, "run", CALLS_STATE, "--sim", "4", "--store", str(store))
+    assert code == 2, err
+    msg = one_line_error(err)
+    assert f"--store {store} is not a directory" in msg and "Errno" not in msg
+    assert stdout == ""
+
+
+def test_no_message_mentions_an_issue_number(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = dtm(capsys, "run", CALLS_STATE, "--sim", "2", "--mesh", "dp=1,tp=2")
+    assert code == 2
+    msg = one_line_error(err)
+    assert "issue" not in msg and "#" not in msg
+    assert "--store DIR" in msg and "-i/--input" in msg
+
+
+# --- init store --------------------------------------------------------------------------------
+
+
+def _store_with(tmp_path: Path, **tensors: np.ndarray) -> str:
+    """A checkpoint store (one committed checkpoint, step 3) holding ``tensors``, replicated."""
+    from mpi4py import MPI
+
+    from dtm_mpi.io.checkpoint import CheckpointStore
+    from dtm_mpi.io.plan import TensorSpec
+    from dtm_mpi.ir.types import DType, Layout, TensorType
+    from dtm_mpi.sharding.mesh import MeshShape
+
+    path = str(tmp_path / "store")
+    store = CheckpointStore(path, MPI.COMM_SELF, timeout_s=60)
+    mesh = MeshShape((("r", 1),))
+    items = []
+    for name, v in tensors.items():
+        t = TensorType(
+            DType(str(v.dtype).replace("float", "f")), v.shape, Layout.replicated(v.ndim)
+        )
+        items.append((TensorSpec(name, t), v))
+    store.save(3, mesh, items)
+    store.close()
+    return path
+
+
+def test_init_store_from_the_store_with_sim(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    data = np.random.default_rng(5).standard_normal((4, 8)).astype(np.float32)
+    store = _store_with(tmp_path, data=data)
+    out = tmp_path / "out.npz"
+    code, _, err = dtm(
+        capsys, "run", CALLS_STATE, "--sim", "4", "--mesh", "dp=2,tp=2", "--steps", "2",
+        "--store", store, "-o", str(out),
+    )  # fmt: skip
+    assert code == 0, err
+    params, history = run_reference(load(CALLS_STATE), {"data": data}, steps=2)
+    with np.load(out) as g:
+        np.testing.assert_array_equal(g["data"], data)
+        np.testing.assert_allclose(g["w"], params["%w"], rtol=RTOL, atol=ATOL)
+        np.testing.assert_array_equal(g["result2"], history[-1][2])
+    # an input still overrides the store
+    other = data + 1
+    np.save(tmp_path / "data.npy", other)
+    code, _, err = dtm(
+        capsys, "run", CALLS_STATE, "--sim", "2", "--mesh", "dp=1,tp=2", "--store", store,
+        "-i", str(tmp_path / "data.npy"), "-o", str(out),
+    )  # fmt: skip
+    assert code == 0, err
+    with np.load(out) as g:
+        np.testing.assert_array_equal(g["data"], other)
+
+
+def test_init_store_tensor_missing_from_the_store(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    store = _store_with(tmp_path, other=np.zeros((4, 8), np.float32))
+    code, stdout, err = dtm(capsys, "run", CALLS_STATE, "--sim", "2", "--mesh", "dp=1,tp=2", "--store", store)  # fmt: skip
+    assert code != 0
+    msg = one_line_error(err)
+    assert "data" in msg and "internal error" not in err
+    assert stdout == ""

@@ -31,7 +31,7 @@ from dtm_mpi.sharding.redistribute import plan_redistribute
 T = TypeVar("T")
 
 __all__ = [
-    "RankOutcome", "RunResult", "assemble", "initial_blocks", "output_values",
+    "RankOutcome", "RunResult", "assemble", "check_output_keys", "initial_blocks", "output_values",
     "run_rank", "run_simulated", "run_steps", "summary_lines",
 ]  # fmt: skip
 
@@ -118,11 +118,27 @@ def run_steps(
     return results
 
 
+def check_output_keys(entry: Function) -> None:
+    """Refuse an entry function whose outputs would share a key in the ``-o`` file: a
+    parameter named like a result key (``%result0`` beside result 0) would overwrite it."""
+    results = {f"result{i}" for i in range(len(entry.results))}
+    for p in entry.params:
+        key = p.name.lstrip("%")
+        if key in results:
+            raise UsageError(
+                f"parameter {p.name} of @{entry.name} would be written as {key!r}, the key of "
+                f"result {key.removeprefix('result')} of the output file: results and "
+                "parameters never share a key; rename the parameter"
+            )
+
+
 def output_values(
     entry: Function, results: Sequence[T], params: Sequence[T]
 ) -> list[tuple[str, TensorType, T]]:
     """What ``dtm run -o`` writes, as (name, type, value): the last step's results as
-    ``result0``, ``result1``, ... and the final value of every entry parameter by name."""
+    ``result0``, ``result1``, ... and the final value of every entry parameter by name
+    (never the same key twice: :func:`check_output_keys`)."""
+    check_output_keys(entry)
     named = [
         (f"result{i}", spec.type, v)
         for i, (spec, v) in enumerate(zip(entry.results, results, strict=True))
@@ -140,9 +156,15 @@ def summary_lines(outputs: Mapping[str, np.ndarray]) -> list[str]:
     return lines
 
 
-def initial_blocks(plan: ExecPlan, rank: int, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+def initial_blocks(
+    plan: ExecPlan,
+    rank: int,
+    inputs: Mapping[str, np.ndarray],
+    local: Mapping[str, np.ndarray] | None = None,
+) -> list[np.ndarray]:
     """This rank's blocks of the entry parameters: from ``inputs`` (global arrays by name)
-    where given, else from each parameter's init."""
+    where given, else from ``local`` (this rank's blocks by name, e.g. restored from a
+    checkpoint store), else from each parameter's init."""
     mesh = plan.mesh
     blocks: list[np.ndarray] = []
     for p in plan.entry_plan.function.params:
@@ -151,6 +173,8 @@ def initial_blocks(plan: ExecPlan, rank: int, inputs: Mapping[str, np.ndarray]) 
         if key in inputs:
             block = inputs[key][local_block(t.shape, t.layout, mesh, rank)]
             blocks.append(np.array(block, order="C"))
+        elif local is not None and key in local:
+            blocks.append(np.array(local[key], order="C"))
         else:
             offsets = local_offsets(t.shape, t.layout, mesh, rank)
             blocks.append(init_block(p, offsets, local_shape(t.shape, t.layout, mesh, rank)))

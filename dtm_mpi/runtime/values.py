@@ -2,8 +2,8 @@
 
 ``zeros``/``ones`` fill; ``normal``/``uniform`` are the seeded random tensor with offset 0,
 computed from global element indices, so a rank's block equals the same block of the global
-tensor whatever the layout or rank count. ``store`` values come from a tensor store (issue #6)
-and are not available here.
+tensor whatever the layout or rank count. ``store`` values come from the latest checkpoint of
+``dtm run --store DIR`` (:mod:`dtm_mpi.runtime.launch`), or from an input; not from here.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ def init_block(param: Param, offsets: Sequence[int], shape: Sequence[int]) -> np
         return np.ones(tuple(shape), dtype=dtype)
     if init.kind is InitKind.STORE:
         raise UsageError(
-            f"parameter {param.name} is 'init store': reading from a tensor store needs "
-            "--store (the tensor store is issue #6); supply it with --input instead"
+            f"parameter {param.name} is 'init store': its value comes from a checkpoint "
+            "store (--store DIR) or an input (--input)"
         )
     params = {k: float(v) for k, v in init.params if k != "seed"}
     seed = int(dict(init.params)["seed"])
@@ -70,12 +70,15 @@ def check_input(name: str, t: TensorType, value: np.ndarray, where: str) -> np.n
         )
     if have.kind not in "fiub":
         raise UsageError(f"input {name} from {where} has unsupported dtype {have}")
-    return np.array(value.astype(want, copy=False), order="C")
+    return np.array(as_dtype(value, t), order="C")  # bf16: rounded to bfloat16 values
 
 
-def check_inputs(module: Module, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+def check_inputs(
+    module: Module, inputs: Mapping[str, np.ndarray], *, store: bool = False
+) -> dict[str, np.ndarray]:
     """The inputs that match entry parameters, checked and converted (shape, dtype); a name
-    matching no parameter is an error naming the parameters."""
+    matching no parameter is an error naming the parameters, and so is a parameter without
+    init that no input supplies (or an ``init store`` one, unless a ``store`` fills it)."""
     entry = module.entry
     assert entry is not None
     names = {p.name.lstrip("%"): p for p in entry.params}
@@ -88,10 +91,16 @@ def check_inputs(module: Module, inputs: Mapping[str, np.ndarray]) -> dict[str, 
             )
         out[key] = check_input(key, names[key].type, np.asarray(value), "the inputs")
     for key, p in names.items():
-        if key not in out and (p.init is None or p.init.kind is InitKind.STORE):
-            how = "is 'init store' (the tensor store is issue #6)" if p.init else "has no init"
+        if key in out or (p.init is not None and (p.init.kind is not InitKind.STORE or store)):
+            continue
+        if p.init is None:
             raise UsageError(
-                f"parameter {p.name} of @{entry.name} {how} and no input supplies it; give it "
-                f"with -i/--input (.npy named {key}.npy, .npz or .h5 holding {key!r})"
+                f"parameter {p.name} of @{entry.name} has no init and no input supplies it; "
+                f"give it with -i/--input (.npy named {key}.npy, .npz or .h5 holding {key!r})"
             )
+        raise UsageError(
+            f"parameter {p.name} of @{entry.name} is 'init store' and nothing supplies it; "
+            f"give --store DIR (a checkpoint store holding {key!r}) or -i/--input (.npy "
+            f"named {key}.npy, .npz or .h5 holding {key!r})"
+        )
     return out

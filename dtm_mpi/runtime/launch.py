@@ -1,0 +1,54 @@
+"""``dtm run``: one launcher for one :class:`~dtm_mpi.runtime.request.RunRequest` -- on N
+simulated ranks in this process (``--sim N``), or on the ranks of ``mpirun``/``srun``
+(:mod:`dtm_mpi.runtime.mpirun`). Both take the same steps from :mod:`dtm_mpi.runtime.request`:
+the paths, the module, its capabilities and output keys (phase ``load``), the plan and the
+memory limit (``plan``), the inputs and ``init store`` parameters (``inputs``), the summary and
+the ``-o`` file (``output``)."""
+
+from __future__ import annotations
+
+from dtm_mpi.runtime.request import RunRequest
+
+__all__ = ["launch"]
+
+
+def launch(request: RunRequest) -> int:
+    """Run ``request``: on ``request.sim`` simulated ranks, else on every rank of the job
+    (collective). Returns the exit code (0), or raises / ends the job with one error."""
+    if request.sim is None:
+        from dtm_mpi.runtime.mpirun import run_under_mpi
+
+        return run_under_mpi(request)
+    return _run_simulated(request)
+
+
+# --- the simulator ---------------------------------------------------------------------------
+
+
+def _run_simulated(request: RunRequest) -> int:
+    from dtm_mpi.config import get_config
+    from dtm_mpi.io.arrays import load_arrays
+    from dtm_mpi.runtime.request import (
+        load_run,
+        plan_run,
+        read_store_globals,
+        store_params,
+        write_outputs,
+    )
+    from dtm_mpi.runtime.session import run_simulated
+    from dtm_mpi.runtime.values import check_inputs
+
+    assert request.sim is not None
+    module = load_run(request)
+    given = check_inputs(module, load_arrays(request.inputs), store=request.store is not None)
+    plan_run(module, request, request.sim)
+    missing = store_params(module, given)
+    if missing:
+        assert request.store is not None
+        given.update(read_store_globals(request.store, module, missing))
+    result = run_simulated(
+        module, request.sim, binding=request.binding, inputs=given, steps=request.steps,
+        backend=request.backend, timeout_s=get_config().timeout_s,
+    )  # fmt: skip
+    write_outputs(result.outputs(), request.output)
+    return 0

@@ -1,0 +1,279 @@
+"""``dtm run``: the run request and the steps both launchers share.
+
+A :class:`RunRequest` is decided from the command line alone, so its checks give the same
+answer on every rank (its errors are *agreed*; under MPI :func:`agree_arguments` also ends the
+phase on every rank together, so no rank exits -- and has the launcher kill the others --
+before every rank printed its line). :func:`dtm_mpi.runtime.launch.launch` runs it: with
+``sim`` on N simulated ranks in this process, else on the ranks of ``mpirun``/``srun``
+(:mod:`dtm_mpi.runtime.mpirun`). Both paths use the same steps from this module:
+
+* :func:`load_run` -- the output and store paths, the module (:func:`load_module`, the one
+  loader of IR files), the capabilities it requires, the keys of the output file;
+* :func:`plan_run` -- the plan for the bound mesh and the memory limit;
+* :func:`store_params` / :func:`read_store_globals` -- ``init store`` parameters filled from the
+  latest checkpoint of ``--store`` (by name, written on any mesh);
+* :func:`write_outputs` -- the summary lines and the ``-o`` file.
+
+Nothing here runs MPI at import time.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dtm_mpi.errors import (
+    BackendError,
+    DtmError,
+    InvalidModuleError,
+    RemoteFailureError,
+    UsageError,
+    agreed,
+)
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from dtm_mpi.ir.nodes import Module, Param
+    from dtm_mpi.plan.program import ExecPlan
+
+__all__ = [
+    "RunRequest", "agree_arguments", "capabilities", "check_capabilities", "load_module",
+    "load_run", "plan_run", "print_diagnostic", "read_store_globals", "store_params",
+    "write_outputs",
+]  # fmt: skip
+
+BACKENDS = ("numpy", "cuda", "hip")
+
+
+def _usage(message: str) -> UsageError:
+    """An error decided from the command line alone: the same on every rank."""
+    err = agreed(UsageError(message))
+    assert isinstance(err, UsageError)
+    return err
+
+
+@dataclass(frozen=True, slots=True)
+class RunRequest:
+    """What ``dtm run`` was asked to do; constructing it checks the arguments (agreed
+    :class:`~dtm_mpi.errors.UsageError`: the command line is the same on every rank)."""
+
+    file: str
+    binding: dict[str, int] | None = None  # --mesh sizes
+    inputs: tuple[str, ...] = ()  # -i files
+    output: str | None = None  # -o OUT.npz
+    steps: int = 1
+    backend: str = "numpy"
+    max_bytes_per_rank: int | None = None
+    store: str | None = None  # checkpoint store directory
+    checkpoint_every: int | None = None  # save the state after every N steps
+    resume: bool = False  # start from the store's latest checkpoint
+    gpu_aware: str | None = None  # --gpu-aware-mpi: auto | yes | no (None: DTM_GPU_AWARE_MPI)
+    require_gpu_aware: bool = False  # --require-gpu-aware-mpi
+    sim: int | None = None  # --sim N: simulated ranks in this process; None: under MPI
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise _usage(f"--steps must be >= 1; got {self.steps}")
+        if self.backend not in BACKENDS:
+            raise _usage(f"--backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
+        if (self.checkpoint_every is not None or self.resume) and not self.store:
+            raise _usage("--checkpoint-every and --resume need --store DIR")
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise _usage(f"--checkpoint-every must be >= 1; got {self.checkpoint_every}")
+        if self.resume and self.inputs:
+            raise _usage("--resume takes the state from the checkpoint; do not give -i inputs")
+        if self.backend == "numpy" and (self.require_gpu_aware or self.gpu_aware):
+            raise _usage("--gpu-aware-mpi and --require-gpu-aware-mpi need --backend cuda or hip")  # fmt: skip
+        if self.sim is None:
+            return
+        if self.sim < 1:
+            raise _usage(f"--sim needs at least 1 rank; got {self.sim}")
+        if self.backend != "numpy":
+            raise _usage(
+                f"the simulator (--sim) runs the numpy backend only; run --backend "
+                f"{self.backend} under mpirun/srun (one rank per GPU)"
+            )
+        if self.checkpoint_every is not None or self.resume:
+            raise _usage(
+                "--checkpoint-every and --resume need the MPI runtime (run under mpirun/srun, "
+                "without --sim); with --sim, --store only fills 'init store' parameters"
+            )
+
+
+def agree_arguments(error: DtmError | None) -> None:
+    """Under MPI (``dtm run`` without ``--sim``): end phase ``arguments`` on every rank of the
+    job together, so that no rank exits -- and has the launcher kill the others -- before
+    every rank has decided. Raises ``error`` (this rank's own), else the agreed failure of
+    the others; returns when every rank's command line was accepted.
+
+    Collective: call on all ranks."""
+    from dtm_mpi.comm.agreement import agree_or_raise
+    from dtm_mpi.comm.world import world_comm
+    from dtm_mpi.config import get_config
+
+    try:
+        agree_or_raise(world_comm(), phase="arguments", error=error, timeout_s=get_config().timeout_s)  # fmt: skip
+    except RemoteFailureError:
+        if error is not None:
+            raise agreed(error) from None
+        raise
+
+
+# --- the module --------------------------------------------------------------------------------
+
+
+def print_diagnostic(text: str) -> None:
+    """Write one (multi-line) diagnostic to stderr."""
+    sys.stderr.write(text.rstrip("\n") + "\n")
+
+
+def load_module(path: str, show: Callable[[str], None] | None = print_diagnostic) -> Module:
+    """The verified module in ``path``: the one loader of IR files. Diagnostics are passed to
+    ``show`` (full, with the source line and caret), then one agreed
+    :class:`~dtm_mpi.errors.InvalidModuleError` ends the command (every rank reads the same
+    text); with ``show=None`` the error itself names the first diagnostics on one line."""
+    from dtm_mpi.ir import check_text
+    from dtm_mpi.ir.files import read_source
+
+    module, errors = check_text(read_source(path), path)
+    if errors:
+        if show is not None:
+            for err in errors:
+                show(str(err))
+            raise InvalidModuleError(f"{path}: {len(errors)} error(s), see above")
+        heads = [f"{e.span}: {e.kind}: {e.message}" for e in errors[:3]]
+        more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+        raise InvalidModuleError("; ".join(heads) + more)
+    assert module is not None
+    return module
+
+
+def required_capabilities(module: Module) -> set[str]:
+    """Every capability a function of ``module`` declares in ``requires``."""
+    return {cap for f in module.functions for cap in f.requires}
+
+
+def capabilities(backend: str) -> tuple[str, ...]:
+    """What this runtime provides with kernel backend ``backend`` (sorted): int8 quantisation
+    and the tensor store always, ``CAP_CUDA``/``CAP_HIP`` with that backend, ``CAP_HDF5_MPI``
+    when h5py is built with MPI."""
+    caps = {"CAP_QUANT", "CAP_STORE"}
+    if backend == "cuda":
+        caps.add("CAP_CUDA")
+    elif backend == "hip":
+        caps.add("CAP_HIP")
+    try:
+        import h5py
+
+        if h5py.get_config().mpi:
+            caps.add("CAP_HDF5_MPI")
+    except ImportError:  # pragma: no cover  (h5py is a dependency)
+        pass
+    return tuple(sorted(caps))
+
+
+def check_capabilities(module: Module, backend: str) -> None:
+    """Refuse ``module`` before anything runs if it requires a capability this runtime does
+    not provide with ``backend``."""
+    missing = sorted(required_capabilities(module) - set(capabilities(backend)))
+    if missing:
+        raise BackendError(
+            f"module {module.name} requires {', '.join(missing)}, which this runtime (backend "
+            f"{backend}) does not provide"
+        )
+
+
+def _check_paths(request: RunRequest) -> None:
+    """The ``-o`` file and the ``--store`` directory, refused before any work (file-system
+    state: under MPI each rank decides, and the phase's agreement makes it one error)."""
+    from dtm_mpi.io.arrays import check_output_path
+
+    if request.output:
+        check_output_path(request.output)
+    if request.store:
+        store = Path(request.store)
+        if store.exists() and not store.is_dir():
+            raise UsageError(f"--store {request.store} is not a directory")
+        if not store.exists() and request.checkpoint_every is None:
+            raise UsageError(f"--store {request.store}: no such checkpoint store")
+
+
+def load_run(request: RunRequest, show: Callable[[str], None] | None = print_diagnostic) -> Module:
+    """Phase ``load``: the paths, the module, the capabilities it requires and the keys of the
+    output file -- everything decided before a plan is made."""
+    from dtm_mpi.runtime.session import check_output_keys
+
+    _check_paths(request)
+    module = load_module(request.file, show)
+    check_capabilities(module, request.backend)
+    entry = module.entry
+    if entry is None:
+        raise UsageError(f"module {module.name} has no entry function")
+    check_output_keys(entry)
+    return module
+
+
+def plan_run(module: Module, request: RunRequest, nranks: int) -> ExecPlan:
+    """Phase ``plan``: the plan on the mesh bound for ``nranks`` ranks; refused when its peak
+    memory on some rank is above ``--max-bytes-per-rank``."""
+    from dtm_mpi.plan.explain import check_memory
+    from dtm_mpi.plan.program import compile_plan, mesh_for
+
+    plan = compile_plan(module, mesh_for(module, nranks, request.binding))
+    if request.max_bytes_per_rank is not None:
+        check_memory(plan, request.max_bytes_per_rank)
+    return plan
+
+
+# --- init store ------------------------------------------------------------------------------
+
+
+def store_params(module: Module, given: Mapping[str, object]) -> list[Param]:
+    """The entry parameters declared ``init store`` that no input supplies."""
+    from dtm_mpi.ir.nodes import InitKind
+
+    entry = module.entry
+    assert entry is not None
+    return [
+        p
+        for p in entry.params
+        if p.init is not None and p.init.kind is InitKind.STORE and p.name.lstrip("%") not in given
+    ]
+
+
+def read_store_globals(store: str, module: Module, params: Sequence[Param]) -> dict[str, np.ndarray]:  # fmt: skip
+    """The global values of ``params`` (by name without ``%``) from the latest checkpoint of
+    ``store``, read in this process alone (one rank: every tensor whole, whatever mesh wrote
+    it). For the simulator; under MPI the ranks restore their blocks together."""
+    from dtm_mpi.comm.handles import self_comm
+    from dtm_mpi.config import get_config
+    from dtm_mpi.io.checkpoint import CheckpointStore
+    from dtm_mpi.plan.program import mesh_for
+
+    mesh = mesh_for(module, 1, None)
+    ckpt = CheckpointStore(store, self_comm(), timeout_s=get_config().timeout_s)
+    try:
+        got = ckpt.restore(mesh, [(p.name.lstrip("%"), p.type) for p in params])
+    finally:
+        ckpt.close()
+    return dict(got.values)
+
+
+# --- outputs ---------------------------------------------------------------------------------
+
+
+def write_outputs(outputs: Mapping[str, np.ndarray], output: str | None) -> None:
+    """Print one summary line per output, then write the ``-o`` file (if any)."""
+    from dtm_mpi.io.arrays import save_npz
+    from dtm_mpi.runtime.session import summary_lines
+
+    for line in summary_lines(outputs):
+        print(line)
+    if output:
+        save_npz(output, outputs)
+        print(f"wrote {output}")
+    sys.stdout.flush()
