@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from dtm_mpi.comm.buffers import ALIGN_FROM, OutputCache, empty_aligned
+from dtm_mpi.comm.buffers import OutputCache, empty_aligned
 from dtm_mpi.comm.interface import (
     CommStats,
     allgather_traffic,
@@ -39,6 +39,7 @@ from dtm_mpi.errors import CommError
 from dtm_mpi.ir.types import ReduceOp
 from dtm_mpi.sharding.collectives import reduce_arrays
 from dtm_mpi.sharding.mesh import MeshShape
+from dtm_mpi.sharding.retention import ALIGN_FROM
 from dtm_mpi.sharding.steps import (
     AllgatherSpec,
     AllreduceSpec,
