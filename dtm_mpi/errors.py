@@ -26,6 +26,7 @@ __all__ = [
     "GpuAwareMpiError",
     "HandshakeError",
     "IntegrityError",
+    "InvalidModuleError",
     "KernelError",
     "LayoutError",
     "LifecycleError",
@@ -130,6 +131,13 @@ class VerifyError(DiagnosticError):
     """A well-formed module breaks a rule of the IR (SSA, types, shapes, layouts, ...)."""
 
     kind = "verify error"
+
+
+class InvalidModuleError(DtmError, ValueError):
+    """A module file has diagnostics (printed before, or named in the message); agreed:
+    every rank reads the same text."""
+
+    agreed = True
 
 
 # --- sharding and planning --------------------------------------------------------------------

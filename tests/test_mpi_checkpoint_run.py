@@ -203,3 +203,48 @@ def test_a_rank_failing_in_an_async_save_is_the_error_every_rank_reports(tmp_pat
     for rank, line in enumerate(lines):
         assert line.startswith(f"[rank {rank}] StorageError: checkpoint 1: writing ckpt-00000001.partial-"), line  # fmt: skip
         assert "failed on rank 1: injected failure" in line and "more rank" not in line, line
+
+
+def _mount_tmpfs(where: Path, size_bytes: int) -> None:
+    """Mount a tmpfs of ``size_bytes`` at ``where`` (root only), else skip the test."""
+    import os
+
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    where.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes // 1024 + 1}k", "tmpfs", str(where)],
+                          capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip() or proc.returncode}")
+
+
+@pytest.mark.parametrize("ranks", [3, 4])
+def test_a_full_disk_during_a_save_fails_cleanly_naming_enospc(ranks: int, tmp_path: Path) -> None:
+    """A save that fills its file system fails on every rank with one error line naming
+    ``No space left on device``; the job exits with dtm's failure code (1), not a crash in
+    HDF5's file close at interpreter exit (139), with no traceback; the previous checkpoint
+    stays latest and verifies."""
+    from dtm_mpi.io.store import tree_bytes
+
+    probe = tmp_path / "probe"
+    code, text, _ = mpirun(ranks, MLP, "--steps", "1", "--checkpoint-every", "1", "--store", str(probe))  # fmt: skip
+    assert code == 0, text
+    one = tree_bytes(probe)  # one checkpoint: the second does not fit in 1.5 of them
+    disk = tmp_path / "disk"
+    _mount_tmpfs(disk, one * 3 // 2)
+    try:
+        store = disk / "store"
+        code, text, _ = mpirun(ranks, MLP, "--steps", "2", "--checkpoint-every", "1", "--store", str(store),
+                               env={"DTM_TIMEOUT": "60"})  # fmt: skip
+        assert code == 1, f"exit code {code}\n{text}"
+        assert "Traceback" not in text and "Exception ignored" not in text, text
+        assert "Segmentation fault" not in text, text
+        for rank in range(ranks):
+            lines = [ln for ln in text.splitlines() if ln.startswith(f"[rank {rank}] ")]
+            assert len(lines) == 1, (rank, text)
+            assert "checkpoint 2: " in lines[0] and "No space left on device" in lines[0], (rank, text)  # fmt: skip
+        assert (store / "latest").read_text().strip().endswith("1"), text
+        check = dtm("ckpt", "verify", str(store))
+        assert check.returncode == 0 and check.stdout.startswith(f"ok {store / 'ckpt-00000001'}: "), check.stdout + check.stderr  # fmt: skip
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True, timeout=60, check=False)

@@ -134,9 +134,10 @@ def test_failure_ends_every_rank_naming_the_failed_one(
 
 @pytest.mark.parametrize(("phase", "failed"), [("load", 1), ("plan", 2), ("load", 0)])
 def test_a_rank_hung_before_the_session_is_named(phase: str, failed: int, tmp_path: Path) -> None:
-    """Before the mesh is known there is no session and no liveness channel: the phase's
-    agreement goes through rank 0, which names the ranks that never arrived (and the others
-    name rank 0 when it is the one missing)."""
+    """Before the mesh is known there is no session: every rank sends its outcome of the
+    phase to every other, so each arrived rank knows which ranks never did, and the arrived
+    ranks agree on that list among themselves; every one of them prints the same line (rank 0
+    missing is no special case)."""
     timeout = 3
     marker = str(tmp_path / "never.npz")
     code, text, elapsed = mpirun(
@@ -144,16 +145,13 @@ def test_a_rank_hung_before_the_session_is_named(phase: str, failed: int, tmp_pa
         env={"DTM_TIMEOUT": str(timeout), "DTM_FAULT": f"{failed}:{phase}:hang"},
     )  # fmt: skip
     assert code != 0, text
-    assert elapsed < 2 * timeout + 6, f"took {elapsed:.1f} s\n{text}"
-    lines = [ln for ln in text.splitlines() if re.match(r"\[rank \d+\] dtm: error:", ln)]
+    assert elapsed < 3 * timeout + 10, f"took {elapsed:.1f} s\n{text}"
+    lines = [ln for ln in text.splitlines() if re.match(r"\[rank \d+\] dtm run:", ln)]
     reporters = sorted(int(re.match(r"\[rank (\d+)\]", ln).group(1)) for ln in lines)  # type: ignore[union-attr]
-    assert reporters and set(reporters) <= {r for r in range(3) if r != failed}, text
+    assert reporters == [r for r in range(3) if r != failed] or sorted(reporters) == [0, 1, 2], text
+    assert len({ln.split("] ", 1)[1] for ln in lines}) == 1, text  # the same line everywhere
     for ln in lines:
-        assert f"'{phase}'" in ln, ln
-        if failed == 0:
-            assert "rank 0 (which collects the outcomes) did not answer" in ln, ln
-        else:
-            assert f"rank(s) {failed} did not arrive" in ln, ln
+        assert f"phase '{phase}' did not end within {timeout} s: rank(s) {failed} did not arrive" in ln, ln  # fmt: skip
     time.sleep(0.5)
     assert _survivors(marker) == [], "processes survived the job"
 

@@ -18,6 +18,7 @@ reduce_scatter and all_to_all, ``1`` for broadcast.
 from __future__ import annotations
 
 import csv
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,7 @@ import numpy as np
 
 from dtm_mpi.errors import UsageError
 
-__all__ = ["BenchRow", "case_bytes", "default_sizes", "parse_size", "run_comm_bench"]
+__all__ = ["BenchRow", "case_bytes", "default_sizes", "run_comm_bench"]
 
 BLOCK_BYTES = 8 << 20
 """Bytes per timed block (at least one call, at most 1000): about a millisecond of work."""
@@ -52,17 +53,6 @@ class BenchRow:
         return self.raw_s / self.dtm_s if self.dtm_s > 0 else 0.0
 
 
-def parse_size(text: str) -> int:
-    units = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20,
-             "mib": 2**20, "g": 2**30, "gb": 2**30, "gib": 2**30}  # fmt: skip
-    t = text.strip().lower()
-    digits = t.rstrip("kmgib")
-    unit = t[len(digits) :]
-    if not digits.isdigit() or unit not in units:
-        raise UsageError(f"not a size: {text!r} (e.g. 8, 64K, 1M)")
-    return int(digits) * units[unit]
-
-
 def default_sizes() -> list[int]:
     """8 B to 64 MiB: every factor of 8 up to 256 KiB, then 1, 8 and 64 MiB."""
     return [8, 64, 512, 4 << 10, 32 << 10, 256 << 10, 1 << 20, 8 << 20, 64 << 20]
@@ -73,18 +63,28 @@ def case_bytes(nbytes: int, n: int) -> int:
     return 4 * max(n, nbytes // 4 // n * n)
 
 
-def slowest_rank_time(fn: Callable[[], object], iters: int, comm: Any) -> float:
-    """The slowest rank's mean time of ``iters`` calls of ``fn``, started together.
+def slowest_rank_time(
+    fn: Callable[[], object], iters: int, comm: Any,
+    guard: Callable[[Callable[[], Any]], Any] | None = None, guard_calls: bool = True,
+) -> float:  # fmt: skip
+    """The slowest rank's mean time of ``iters`` calls of ``fn``, started together. ``guard``
+    runs each blocking part within a deadline: the barrier, the result's reduction and, with
+    ``guard_calls``, the block of calls (the dtm path's calls bound themselves).
 
     Collective: call on all ranks of ``comm``."""
     from mpi4py import MPI
 
-    comm.Barrier()
-    start = MPI.Wtime()
-    for _ in range(iters):
-        fn()
-    elapsed = (MPI.Wtime() - start) / iters
-    return float(comm.allreduce(elapsed, op=MPI.MAX))
+    run = guard or (lambda f: f())
+
+    def block() -> float:
+        start = MPI.Wtime()
+        for _ in range(iters):
+            fn()
+        return float((MPI.Wtime() - start) / iters)
+
+    run(comm.Barrier)
+    elapsed = run(block) if guard_calls else block()
+    return float(run(lambda: comm.allreduce(elapsed, op=MPI.MAX)))
 
 
 class _DeviceRaw:
@@ -211,41 +211,18 @@ def run_comm_bench(
     Collective: call on all ranks."""
     from mpi4py import MPI
 
-    from dtm_mpi.comm.mpi_comm import MpiComm
-    from dtm_mpi.comm.mpi_session import MpiSession
-    from dtm_mpi.config import get_config
-    from dtm_mpi.sharding.mesh import MeshShape
+    from dtm_mpi.comm.presence import Presence
 
     for op in ops:
         if op not in OPS:
             raise UsageError(f"unknown op {op!r} (choose from {', '.join(OPS)})")
     world = MPI.COMM_WORLD
-    n, rank = int(world.Get_size()), int(world.Get_rank())
-    session = MpiSession(MeshShape((("x", n),)), [("x",)], timeout_s=get_config().timeout_s)
-    dtm_comm: Any = MpiComm(session, deterministic=False)
-    raw = world.Dup()
-    device = None
-    if backend != "numpy":
-        dtm_comm, device = _device_setup(backend, world, session, dtm_comm)
-    rows: list[BenchRow] = []
-    for op in ops:
-        for nbytes in sizes or default_sizes():
-            dtm_fn, raw_fn = _cases(op, nbytes, dtm_comm, raw, n, rank, device)
-            # short blocks, many alternating rounds, the best block of each path: on a shared
-            # machine noise only ever slows a block down, and one noisy block in a long run
-            # would decide the ratio
-            iters = max(1, min(1000, BLOCK_BYTES // max(nbytes, 1)))
-            for fn in (dtm_fn, raw_fn):  # warm up both paths
-                for _ in range(min(iters, 20)):
-                    fn()
-            best_d = best_r = float("inf")
-            for _ in range(repeat):
-                best_d = min(best_d, slowest_rank_time(dtm_fn, iters, raw))
-                best_r = min(best_r, slowest_rank_time(raw_fn, iters, raw))
-            rows.append(BenchRow(op, n, case_bytes(nbytes, n), best_d, best_r))
-    raw.Free()
-    session.close()
-    if rank != 0:
+    presence = Presence(world, LABEL)  # from here on, a rank that dies is named
+    try:
+        rows, dtm_comm, device = _run_cases(world, ops, sizes, repeat, backend)
+    finally:
+        presence.stop()
+    if int(world.Get_rank()) != 0:
         return ""
     head = ""
     if device is not None:
@@ -260,6 +237,82 @@ def run_comm_bench(
                 w.writerow([r.op, r.ranks, r.bytes, f"{r.dtm_s:.9f}", f"{r.raw_s:.9f}",
                             f"{r.busbw(r.dtm_s):.1f}", f"{r.busbw(r.raw_s):.1f}", f"{r.ratio:.3f}"])  # fmt: skip
     return head + format_table(rows)
+
+
+def _run_cases(world: Any, ops: Sequence[str], sizes: Sequence[int] | None, repeat: int, backend: str) -> tuple[list[BenchRow], Any, Any]:  # fmt: skip
+    """Both paths of every case, each timed block bounded by ``DTM_TIMEOUT``: the raw path
+    (blocking mpi4py calls on its own communicator) runs under the session's watchdog like
+    the dtm path, so a peer that dies, stops or fails ends every rank with one error naming
+    it, never a wait without end.
+
+    Collective: call on all ranks."""
+    from dtm_mpi.comm.mpi_comm import MpiComm
+    from dtm_mpi.comm.mpi_session import MpiSession
+    from dtm_mpi.config import get_config
+    from dtm_mpi.errors import DtmError
+    from dtm_mpi.sharding.mesh import MeshShape
+
+    n, rank = int(world.Get_size()), int(world.Get_rank())
+    timeout_s = get_config().timeout_s
+    session = MpiSession(MeshShape((("x", n),)), [("x",)], timeout_s=timeout_s)
+    session.label = LABEL
+    session.on_launcher_terminate()
+    try:
+        session.phase = "setup"
+        dtm_comm: Any = MpiComm(session, deterministic=False)
+        raw = world.Dup()
+        device = None
+        if backend != "numpy":
+            dtm_comm, device = _device_setup(backend, world, session, dtm_comm)
+        rows: list[BenchRow] = []
+        for op in ops:
+            for nbytes in sizes or default_sizes():
+                session.phase = f"{op} {case_bytes(nbytes, n)} B"
+                dtm_fn, raw_fn = _cases(op, nbytes, dtm_comm, raw, n, rank, device)
+                # short blocks, many alternating rounds, the best block of each path: on a
+                # shared machine noise only ever slows a block down, and one noisy block in a
+                # long run would decide the ratio
+                iters = max(1, min(1000, BLOCK_BYTES // max(nbytes, 1)))
+                guard = functools.partial(_bounded, session, op)
+                for _ in range(min(iters, 20)):  # warm up both paths
+                    dtm_fn()
+                guard(functools.partial(_repeat, raw_fn, min(iters, 20)))
+                best_d = best_r = float("inf")
+                for _ in range(repeat):
+                    best_d = min(best_d, slowest_rank_time(dtm_fn, iters, raw, guard, False))
+                    best_r = min(best_r, slowest_rank_time(raw_fn, iters, raw, guard))
+                rows.append(BenchRow(op, n, case_bytes(nbytes, n), best_d, best_r))
+        raw.Free()
+    except BaseException as exc:  # every failure ends every rank with one error
+        if isinstance(exc, DtmError) and exc.agreed and session.poisoned is None:
+            session.close()
+            raise
+        session.end_with(session.fail(exc))
+    session.close()
+    return rows, dtm_comm, device
+
+
+def _repeat(fn: Callable[[], object], times: int) -> None:
+    for _ in range(times):
+        fn()
+
+
+LABEL = "dtm bench comm"
+"""How this command's error lines start."""
+
+
+def _bounded(session: Any, op: str, block: Callable[[], Any]) -> Any:
+    """``block()`` (blocking MPI calls) within the session's deadline: with the watchdog, the
+    session's own guard (a peer that stops is named by the liveness check); without it, a
+    deadline thread that ends the job."""
+    got: list[Any] = []
+    if session.watchdog is not None:
+        session.guarded(lambda: got.append(block()), f"timed block of {op}", ("x",))
+        return got[0]
+    from dtm_mpi.comm.objects import io_deadline
+
+    with io_deadline(f"timed block of {op}", session.phase, session.rank, session.timeout_s):
+        return block()
 
 
 def _device_setup(backend: str, world: Any, session: Any, inner: Any) -> tuple[Any, tuple[Any, _DeviceRaw]]:  # fmt: skip

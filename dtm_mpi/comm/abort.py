@@ -3,14 +3,22 @@ other ranks waiting forever in a collective."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 from dtm_mpi.errors import DtmError, UsageError
 
-__all__ = ["abort_job", "mpi_world", "report", "run_or_abort", "write_line"]
+__all__ = ["ENDING", "abort_job", "mpi_world", "report", "run_or_abort", "write_line"]
+
+
+ENDING = threading.Lock()
+"""Held by the thread that prints this rank's last error line and ends the job: a rank prints
+one such line, whichever of its threads (main, watchdog, presence) finds the failure first."""
 
 
 def mpi_world() -> Any | None:
@@ -59,13 +67,33 @@ def abort_job(code: int, message: str) -> None:
         world.Abort(code)
 
 
+EARLY_TERM: list[int] = []
+"""The launcher's SIGTERM, when it came before the command's presence existed (a peer died
+while this rank was still starting): the presence reports it as soon as it starts."""
+
+
+def _early_term(signum: int, frame: object) -> None:
+    if _multi_rank():
+        EARLY_TERM.append(signum)  # the presence names the gone peers when it starts
+        return
+    signal.signal(signum, signal.SIG_DFL)  # not a job of several ranks: terminate as usual
+    os.kill(os.getpid(), signum)
+
+
 def run_or_abort(main: Callable[[], int]) -> int:
     """Run ``main`` and turn errors into exit codes: 2 for usage errors, 1 for other
     :class:`DtmError`, 1 with a traceback for anything else (a bug).
 
     Under MPI with several ranks, an error not known to be raised identically on every rank
-    (``DtmError.agreed``) aborts the whole job, so no peer is left blocked in a collective.
+    (``DtmError.agreed``) aborts the whole job, so no peer is left blocked in a collective;
+    the launcher's SIGTERM before the command is under way is kept for it to report.
     """
+    if (
+        _multi_rank()
+        and threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    ):
+        signal.signal(signal.SIGTERM, _early_term)
     try:
         return main()
     except SystemExit:

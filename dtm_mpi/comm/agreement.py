@@ -3,6 +3,7 @@ waits forever for a peer that will never arrive."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -11,7 +12,17 @@ import numpy as np
 
 from dtm_mpi.errors import CommTimeoutError, RankFailure, RemoteFailureError
 
-__all__ = ["agree_or_raise", "agree_outcome", "wait_bounded"]
+__all__ = ["active_wait", "agree_or_raise", "agree_outcome", "wait_bounded"]
+
+_ACTIVE: dict[int, str] = {}  # thread id -> the bounded wait it is in
+
+
+def active_wait() -> str:
+    """The bounded wait some thread of this rank is in ("" if none): a liveness answer
+    that says this rank is communicating, not hung."""
+    for what in list(_ACTIVE.values()):
+        return what
+    return ""
 
 
 def wait_bounded(request: Any, *, timeout_s: float, op: str, phase: str, rank: int) -> None:
@@ -22,21 +33,89 @@ def wait_bounded(request: Any, *, timeout_s: float, op: str, phase: str, rank: i
     """
     deadline = time.monotonic() + timeout_s
     pause = 0.0
-    while not request.Test():
-        if time.monotonic() > deadline:
-            raise CommTimeoutError(
-                f"{op} did not complete within {timeout_s:g} s on rank {rank} in phase "
-                f"{phase!r}: a peer has failed or is stuck",
-                op=op,
-                rank=rank,
-                phase=phase,
-            )
-        time.sleep(pause)
-        pause = min(0.001, pause + 0.00005)
+    me = threading.get_ident()
+    _ACTIVE[me] = f"{op} ({phase})"
+    try:
+        while not request.Test():
+            if time.monotonic() > deadline:
+                raise CommTimeoutError(
+                    f"{op} did not complete within {timeout_s:g} s on rank {rank} in phase "
+                    f"{phase!r}",
+                    op=op,
+                    rank=rank,
+                    phase=phase,
+                )
+            time.sleep(pause)
+            pause = min(0.001, pause + 0.00005)
+    finally:
+        _ACTIVE.pop(me, None)
 
 
 AGREE_TAG = 32766
-"""The point-to-point tag of agreements run without a session (one message each way)."""
+"""The point-to-point tag of agreements run without a session (one message to each peer)."""
+
+VIEW_TAG = 32765
+"""The tag of the second round of such an agreement: what each arrived rank heard."""
+
+
+def _collect(comm: Any, tag: int, want: set[int], deadline: float) -> dict[int, Any]:
+    """Receive one message with ``tag`` from each rank of ``want`` until ``deadline``
+    (monotonic); returns what came, by source."""
+    got: dict[int, Any] = {}
+    pause = 0.0
+    while want - set(got):
+        # one message per source: a fast peer's message of the next phase stays queued
+        for source in sorted(want - set(got)):
+            if comm.iprobe(source=source, tag=tag):
+                got[source] = comm.recv(source=source, tag=tag)
+        if not want - set(got) or time.monotonic() > deadline:
+            break
+        time.sleep(pause)
+        pause = min(0.002, pause + 0.0001)
+    return got
+
+
+def _agree_without_session(
+    comm: Any, ok: bool, message: str, phase: str, timeout_s: float
+) -> tuple[RankFailure, ...]:
+    """Every rank sends its outcome to every other rank and waits, within ``timeout_s``, for
+    all of theirs; so every rank that arrives knows by itself which ranks did. If some did
+    not arrive, the arrived ranks exchange what they heard (a second bounded round among
+    them) and take the union: every arrived rank names the same missing ranks and raises the
+    same :class:`CommTimeoutError`. Point-to-point only: nothing here can block on a rank
+    that is dead or stopped."""
+    rank, size = int(comm.Get_rank()), int(comm.Get_size())
+    start = time.monotonic()
+    sends = [comm.isend((phase, ok, message), dest=r, tag=AGREE_TAG) for r in range(size) if r != rank]  # fmt: skip
+    got = _collect(comm, AGREE_TAG, set(range(size)) - {rank}, start + timeout_s)
+    outcomes: dict[int, tuple[bool, str]] = {r: (bool(v[1]), str(v[2])) for r, v in got.items()}
+    outcomes[rank] = (ok, message)
+    missing = [r for r in range(size) if r not in outcomes]
+    if missing:
+        # a rank that arrived late for me arrived in time for another: exchange the views
+        arrived = sorted(outcomes)
+        sends += [comm.isend(dict(outcomes), dest=r, tag=VIEW_TAG) for r in arrived if r != rank]
+        # a peer that arrived just before my deadline reaches its own up to timeout_s later
+        views = _collect(comm, VIEW_TAG, set(arrived) - {rank}, time.monotonic() + timeout_s + 1.0)  # fmt: skip
+        for view in views.values():
+            for r, outcome in view.items():
+                outcomes.setdefault(int(r), (bool(outcome[0]), str(outcome[1])))
+        missing = [r for r in range(size) if r not in outcomes]
+        failures = tuple(
+            RankFailure(r, phase, outcomes[r][1]) for r in sorted(outcomes) if not outcomes[r][0]
+        )
+        listed = f"; {'; '.join(str(f) for f in failures)}" if failures else ""
+        err = CommTimeoutError(
+            f"phase {phase!r} did not end within {timeout_s:g} s: rank(s) "
+            f"{', '.join(map(str, missing))} did not arrive (hung, dead or still working)"
+            f"{listed}",
+            op="agreement", rank=rank, phase=phase,
+        )  # fmt: skip
+        err.silent = tuple(missing)
+        raise err
+    for req in sends:  # every peer arrived and receives: small messages complete at once
+        wait_bounded(req, timeout_s=timeout_s, op="agreement", phase=phase, rank=rank)
+    return tuple(RankFailure(r, phase, outcomes[r][1]) for r in range(size) if not outcomes[r][0])
 
 
 def agree_outcome(
@@ -54,12 +133,11 @@ def agree_outcome(
     failures, in rank order (empty when all succeeded). The wait for peers is bounded by
     ``timeout_s``. ``wait`` (a session's bounded wait, which also watches failure notices and
     names silent peers on expiry) runs the agreement as one non-blocking allgather. Without a
-    session (before the mesh is known) rank 0 collects every rank's outcome and sends back
-    the verdict, so a rank that never arrives is named: every rank that did arrive raises the
-    same :class:`CommTimeoutError` listing the missing ranks (rank 0 itself missing is named
-    by the others' longer deadline)."""
+    session (before the mesh is known) every rank sends its outcome to every other, so a rank
+    that never arrives is named: every rank that did arrive raises the same
+    :class:`CommTimeoutError` listing the missing ranks."""
     if wait is None:
-        return _agree_via_root(comm, ok, message, phase, timeout_s)
+        return _agree_without_session(comm, ok, message, phase, timeout_s)
     size = int(comm.Get_size())
     mine = np.array([0 if ok else 1], dtype=np.int32)
     everyone = np.zeros(size, dtype=np.int32)
@@ -71,72 +149,6 @@ def agree_outcome(
     # dead peer: it only moves the failure messages.
     messages = comm.allgather("" if ok else message)
     return tuple(RankFailure(r, phase, str(messages[r])) for r in failed)
-
-
-def _poll(probe: Callable[[], Any], deadline: float) -> Any:
-    """``probe()`` until it returns something or ``deadline`` (monotonic) passes (None)."""
-    pause = 0.0
-    while True:
-        got = probe()
-        if got is not None or time.monotonic() > deadline:
-            return got
-        time.sleep(pause)
-        pause = min(0.002, pause + 0.0001)
-
-
-def _agree_via_root(
-    comm: Any, ok: bool, message: str, phase: str, timeout_s: float
-) -> tuple[RankFailure, ...]:
-    from mpi4py import MPI
-
-    rank, size = int(comm.Get_rank()), int(comm.Get_size())
-    start = time.monotonic()
-    if rank != 0:
-        request = comm.isend((ok, message), dest=0, tag=AGREE_TAG)
-        # longer than the root's deadline, so the root's verdict on missing ranks arrives
-        grace = max(1.0, timeout_s / 4)
-        probe = _poll(lambda: comm.improbe(source=0, tag=AGREE_TAG), start + timeout_s + grace)
-        if probe is None:
-            raise CommTimeoutError(
-                f"agreement in phase {phase!r} did not complete within {timeout_s + grace:g} s "
-                f"on rank {rank}: rank 0 (which collects the outcomes) did not answer; it has "
-                "failed or is stuck",
-                op="agreement", rank=rank, phase=phase,
-            )  # fmt: skip
-        failures, missing = probe.recv()
-        request.wait()  # the root received it: complete
-    else:
-        outcomes: dict[int, tuple[bool, str]] = {0: (ok, message)}
-        status = MPI.Status()
-        deadline = start + timeout_s
-        while len(outcomes) < size:
-            got = _poll(
-                lambda: comm.improbe(source=MPI.ANY_SOURCE, tag=AGREE_TAG, status=status),
-                deadline,
-            )
-            if got is None:
-                break
-            outcomes[int(status.Get_source())] = got.recv()
-        failures = tuple(
-            RankFailure(r, phase, str(outcomes[r][1])) for r in sorted(outcomes)
-            if not outcomes[r][0]
-        )  # fmt: skip
-        missing = tuple(r for r in range(size) if r not in outcomes)
-        sends = [comm.isend((failures, missing), dest=r, tag=AGREE_TAG)
-                 for r in sorted(outcomes) if r != 0]  # fmt: skip
-        for req in sends:  # small messages to ranks that are waiting for them
-            wait_bounded(req, timeout_s=timeout_s, op="agreement", phase=phase, rank=rank)
-    if missing:
-        listed = f"; {'; '.join(str(f) for f in failures)}" if failures else ""
-        err = CommTimeoutError(
-            f"phase {phase!r} did not end within {timeout_s:g} s: rank(s) "
-            f"{', '.join(map(str, missing))} did not arrive (hung, dead or still working)"
-            f"{listed}",
-            op="agreement", rank=rank, phase=phase,
-        )  # fmt: skip
-        err.silent = tuple(missing)
-        raise err
-    return tuple(failures)
 
 
 def agree_or_raise(

@@ -22,6 +22,7 @@ __all__ = ["Control", "Liveness"]
 TAG_FAIL = 71
 TAG_PING = 72
 TAG_PONG = 73
+TAG_END = 74
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,50 +60,139 @@ class Control:
         self._pending: list[Any] = []  # isend requests and their payloads stay alive here
         self._status = mpi.Status()
         self.doing = doing  # what this rank is communicating now ("" = nothing)
-        self.phase: str = "session"
+        self._phase = "session"
+        self.seq = 0  # phases entered so far: every rank runs the same sequence of phases
+        # failed rank -> (reporter, phase, message): the failures this rank knows of
+        self.known: dict[int, tuple[int, str, str]] = {}
+        self.changed = 0.0  # when ``known`` last grew (monotonic)
+        self._ends: dict[int, str] = {}  # peers that printed their last line: the error
+
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        self._phase = value
+        self.seq += 1
+
+    def _merge(self, reporter: int, failures: list[tuple[int, str, str]]) -> None:
+        """Add ``failures`` as reported by ``reporter``. For a rank reported more than once,
+        its own report wins, then the lowest reporter's: every rank that holds the same reports
+        keeps the same message, whatever order they arrived in."""
+        for who, phase, message in failures:
+            rank = int(who)
+            old = self.known.get(rank)
+            if old is None or (reporter != rank, reporter) < (old[0] != rank, old[0]):
+                self.known[rank] = (reporter, str(phase), str(message))
+                self.changed = time.monotonic()
+
+    def error(self) -> RemoteFailureError | None:
+        """The failures known here as one error (None when none are)."""
+        if not self.known:
+            return None
+        ordered = tuple(RankFailure(r, ph, msg) for r, (_, ph, msg) in sorted(self.known.items()))
+        return RemoteFailureError(ordered[0].phase, ordered)
 
     def notify(self, failures: tuple[RankFailure, ...]) -> None:
         """Tell every peer about ``failures`` (this rank's own, or peers it found hung or
         dead); does not wait."""
-        payload = [(f.rank, f.phase, f.message) for f in failures]
+        payload = (self.rank, [(f.rank, f.phase, f.message) for f in failures])
         with self.lock:
+            self._merge(self.rank, list(payload[1]))
             for r in range(self.size):
                 if r != self.rank:
                     self._pending.append(self.ctrl.isend(payload, dest=r, tag=TAG_FAIL))
 
+    def _receive(self) -> bool:
+        """Take every failure notice waiting here (under the lock); True if there was one."""
+        got = False
+        while self.ctrl.Iprobe(self.MPI.ANY_SOURCE, TAG_FAIL, self._status):
+            reporter, failures = self.ctrl.recv(source=self._status.Get_source(), tag=TAG_FAIL)
+            self._merge(int(reporter), list(failures))
+            got = True
+        return got
+
     def poll(self) -> RemoteFailureError | None:
-        """Answer pending pings; return the failure notices received, if any (after a short
-        grace, to collect simultaneous failures)."""
+        """Answer pending pings; return the failures known here if a notice has arrived
+        (after a short grace, to collect simultaneous failures)."""
         with self.lock:
             self._answer()
-            if not self.ctrl.Iprobe(self.MPI.ANY_SOURCE, TAG_FAIL, self._status):
+            if not self._receive():
                 return None
-            failures: dict[int, RankFailure] = {}
             grace = time.monotonic() + 0.2
-            while True:
-                while self.ctrl.Iprobe(self.MPI.ANY_SOURCE, TAG_FAIL, self._status):
-                    payload = self.ctrl.recv(source=self._status.Get_source(), tag=TAG_FAIL)
-                    for rank, phase, message in payload:
-                        failures.setdefault(
-                            int(rank), RankFailure(int(rank), str(phase), str(message))
-                        )
-                if time.monotonic() > grace:
-                    break
+            while time.monotonic() < grace:
                 time.sleep(0.01)
-        ordered = tuple(failures[r] for r in sorted(failures))
-        return RemoteFailureError(ordered[0].phase, ordered)
+                self._answer()
+                self._receive()
+        return self.error()
+
+    def settle(self, quiet: float, bound: float) -> RemoteFailureError | None:
+        """Keep taking failure notices (and answering pings) until none has added anything
+        for ``quiet`` seconds, at most ``bound`` seconds: ranks that fail in the same step
+        each report their own failure, and every rank waits for the others' reports before it
+        prints, so all print the same list. Returns the failures known here."""
+        start = time.monotonic()
+        while True:
+            now = time.monotonic()
+            if now - max(self.changed, start) > quiet or now - start > bound:
+                break
+            with self.lock:
+                self._answer()
+                self._receive()
+            time.sleep(0.01)
+        return self.error()
+
+    def announce_end(self, error: str) -> None:
+        """Tell every peer that this rank printed ``error`` (its last line, without the rank
+        prefix) and is ending the job; does not wait."""
+        with self.lock:
+            for r in range(self.size):
+                if r != self.rank:
+                    self._pending.append(self.ctrl.isend(error, dest=r, tag=TAG_END))
+
+    def ended(self) -> str | None:
+        """The error a peer announced when it ended the job (the lowest such rank's), if
+        any: a rank killed by that end (a hung one, or one that had not yet noticed) prints
+        the same error instead of naming the peers the end has already killed."""
+        with self.lock:
+            while self.ctrl.Iprobe(self.MPI.ANY_SOURCE, TAG_END, self._status):
+                source = self._status.Get_source()
+                self._ends[int(source)] = str(self.ctrl.recv(source=source, tag=TAG_END))
+        return self._ends[min(self._ends)] if self._ends else None
+
+    def linger(self, seconds: float) -> None:
+        """Answer liveness pings for ``seconds`` (a rank that has printed its last line stays
+        visible while its peers still ask who is alive)."""
+        until = time.monotonic() + seconds
+        while time.monotonic() < until:
+            try:
+                with self.lock:
+                    self._answer()
+            except Exception:  # pragma: no cover  (MPI torn down under us)
+                return
+            time.sleep(0.01)
 
     def _answer(self) -> None:
         while self.ctrl.Iprobe(self.MPI.ANY_SOURCE, TAG_PING, self._status):
             source = self._status.Get_source()
             self.ctrl.recv(source=source, tag=TAG_PING)
-            answer = (self.rank, self.doing(), self.phase)
+            answer = (self.rank, self.doing(), self._phase, self.seq)
             self._pending.append(self.ctrl.isend(answer, dest=source, tag=TAG_PONG))
 
     def liveness(self, bound: float) -> Liveness:
-        """Ping every peer and wait ``bound`` seconds for the answers."""
+        """Ping every peer and wait up to ``bound`` seconds for all the answers."""
+        heard = self.survey(bound)
         peers = [r for r in range(self.size) if r != self.rank]
-        heard: dict[int, tuple[str, str]] = {}
+        silent = tuple(r for r in peers if r not in heard)
+        idle = tuple((r, heard[r][1]) for r in sorted(heard) if not heard[r][0])
+        return Liveness(silent, idle)
+
+    def survey(self, bound: float) -> dict[int, tuple[str, str, int]]:
+        """Ping every peer; the answers that came within ``bound`` seconds (stops as soon as
+        every peer answered): rank -> (what it communicates, its phase, its phase count)."""
+        peers = [r for r in range(self.size) if r != self.rank]
+        heard: dict[int, tuple[str, str, int]] = {}
         with self.lock:
             for r in peers:
                 self._pending.append(self.ctrl.isend(self.rank, dest=r, tag=TAG_PING))
@@ -111,11 +201,19 @@ class Control:
             with self.lock:
                 self._answer()
                 while self.ctrl.Iprobe(self.MPI.ANY_SOURCE, TAG_PONG, self._status):
-                    rank, doing, phase = self.ctrl.recv(
+                    rank, doing, phase, seq = self.ctrl.recv(
                         source=self._status.Get_source(), tag=TAG_PONG
                     )
-                    heard[int(rank)] = (str(doing), str(phase))
+                    heard[int(rank)] = (str(doing), str(phase), int(seq))
             time.sleep(0.005)
-        silent = tuple(r for r in peers if r not in heard)
-        idle = tuple((r, heard[r][1]) for r in sorted(heard) if not heard[r][0])
-        return Liveness(silent, idle)
+        return heard
+
+    def gone(self, bound: float) -> tuple[tuple[int, ...], str]:
+        """After the launcher's SIGTERM: the peers that do not answer a ping within
+        ``bound`` seconds, and the furthest phase this rank and the peers that answered are
+        in. Every surviving rank answers (and stays to answer, :meth:`linger`) until it is
+        killed, so the survivors name the same ranks."""
+        heard = self.survey(bound)
+        silent = tuple(r for r in range(self.size) if r != self.rank and r not in heard)
+        phases = [(self.seq, self._phase), *((s, ph) for _, ph, s in heard.values())]
+        return silent, max(phases)[1]

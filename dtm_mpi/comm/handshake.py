@@ -2,7 +2,7 @@
 and all ranks check they agree.
 
 Each rank contributes a :class:`Hello` (protocol version, dtm_mpi version, module hash, bound
-mesh, capabilities, backend, deterministic mode). The hellos are exchanged with two bounded
+mesh, capabilities, backend, deterministic mode, ``--steps``). The hellos are exchanged with two bounded
 non-blocking allgathers (lengths, then JSON bytes) and compared field by field on every rank,
 so a mismatch raises the same :class:`~dtm_mpi.errors.HandshakeError` everywhere, naming each
 differing field and which ranks hold which value.
@@ -39,6 +39,7 @@ class Hello:
     backend: str
     deterministic: bool
     gpu_aware: str = ""
+    steps: int = 0  # --steps: a rank told to run another number of steps would wait alone
 
 
 LOCAL_FIELDS = frozenset({"gpu_aware"})

@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from dtm_mpi.comm.abort import write_line
+from dtm_mpi.comm.abort import ENDING, write_line
 from dtm_mpi.comm.control import Control
 from dtm_mpi.comm.watchdog import Watchdog
 from dtm_mpi.errors import (
@@ -46,6 +46,10 @@ __all__ = ["MpiSession"]
 
 SPIN_S = 0.05
 """Seconds a wait polls without sleeping before it backs off."""
+
+SETTLE_QUIET_S = 0.3
+"""Before a rank prints a failure, it waits until no new failure notice has come for this
+long (ranks failing in the same step then all print the same list)."""
 
 
 class MpiSession:
@@ -79,18 +83,24 @@ class MpiSession:
         from dtm_mpi.comm.buffers import tune_allocator
 
         tune_allocator()
-        self.comm = base.Dup()
-        self.ctrl = base.Dup()
+        from dtm_mpi.comm.objects import io_deadline
+
+        # blocking collectives: bounded like every wait (a peer stopped here ends the job)
+        with io_deadline("creating the session's communicators", "session", self.rank, timeout_s):
+            self.comm = base.Dup()
+            self.ctrl = base.Dup()
         self.control = Control(MPI, self.ctrl, self.rank, self.size, self._doing)
         self.current: tuple[str, tuple[str, ...], float] | None = None  # op, axes, deadline
-        self._ending = threading.Lock()
         self._abandoned: list[Any] = []  # pending requests of a poisoned session
+        self._checking = ""  # set while this rank asks its peers who is alive
         self._joined = False
         self.watchdog: Watchdog | None = None
         if MPI.Query_thread() == MPI.THREAD_MULTIPLE:
             self.watchdog = Watchdog(self)
             self.watchdog.start()
-        self.node = base.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.node = self._create(
+            lambda: base.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank), "node communicator"
+        )
         self.local_rank = int(self.node.Get_rank())
         self.cart: Any = None
         self._groups: dict[tuple[str, ...], Any] = {}
@@ -105,15 +115,31 @@ class MpiSession:
         self.check()
         sizes = list(self.mesh.sizes)
         if self.mesh.axes:
-            self.cart = self.comm.Create_cart(sizes, periods=[False] * len(sizes), reorder=False)
+            self.cart = self._create(
+                lambda: self.comm.Create_cart(sizes, periods=[False] * len(sizes), reorder=False),
+                "mesh communicator",
+            )
         else:
-            self.cart = self.comm.Dup()
+            self.cart = self._create(self.comm.Dup, "mesh communicator")
         assert int(self.cart.Get_rank()) == self.rank
         for axes in groups:
             self.group(axes)
         self._joined = True
 
     # -- communicators -----------------------------------------------------------------------
+    def _create(self, make: Any, what: str) -> Any:
+        """``make()`` (a blocking collective that creates a communicator) within the
+        deadline: under the watchdog's guard (a peer that does not come is named), else under
+        a deadline thread that ends the job."""
+        out: list[Any] = []
+        if self.watchdog is not None:
+            self.guarded(lambda: out.append(make()), f"creating the {what}", ())
+            return out[0]
+        from dtm_mpi.comm.objects import io_deadline
+
+        with io_deadline(f"creating the {what}", self.phase, self.rank, self.timeout_s):
+            return make()
+
     def group(self, axes: tuple[str, ...]) -> Any:
         """The communicator of this rank's group along ``axes`` (members in
         :meth:`MeshShape.group_of` order). Created on first use: callers must ask for the same
@@ -131,14 +157,20 @@ class MpiSession:
             others = tuple(a for a in self.mesh.axis_names if a not in axes)
             color = self.mesh.index_along(self.rank, others) if others else 0
             key = self.mesh.index_along(self.rank, axes) if axes else 0
-            got = self.cart.Split(color, key)
+            got = self._create(lambda: self.cart.Split(color, key), "group communicators")
             self._groups[axes] = got
         return got
 
     def _doing(self) -> str:
         """What this rank is communicating now, for liveness answers ("" = nothing)."""
         current = self.current
-        return "" if current is None else f"{current[0]} on {','.join(current[1]) or '-'}"
+        if current is not None:
+            return f"{current[0]} on {','.join(current[1]) or '-'}"
+        if self.poisoned is not None:  # it has failed or seen a failure: not hung
+            return "ending the job after a failure"
+        from dtm_mpi.comm.agreement import active_wait
+
+        return self._checking or active_wait()  # a liveness check, or a store's exchange
 
     @property
     def phase(self) -> str:
@@ -148,6 +180,11 @@ class MpiSession:
     def phase(self, value: str) -> None:
         self._phase = value
         self.control.phase = value
+        from dtm_mpi.comm.presence import current
+
+        presence = current()
+        if presence is not None:  # it reports the launcher's SIGTERM, naming this phase
+            presence.phase = value
 
     # -- bounded waits -------------------------------------------------------------------------
     def check(self) -> None:
@@ -318,11 +355,20 @@ class MpiSession:
                 self.poisoned = exc
             return exc
         phase = getattr(exc, "phase", None) or self.phase
+        if self.phase.startswith(phase):  # "checkpoint" raised in phase "checkpoint 2"
+            phase = self.phase
         message = str(exc) or type(exc).__name__
         if not isinstance(exc, DtmError):
             message = f"{type(exc).__name__}: {message}"
+        if isinstance(exc, CommTimeoutError) and not exc.silent and self.size > 1:
+            exc = self._name_silent(exc)
+            known = self.control.poll() or self.control.error()
+            if not exc.silent and known is not None:  # a peer named the culprit first
+                if self.poisoned is None:
+                    self.poisoned = known
+                return known
         if isinstance(exc, CommTimeoutError) and exc.silent:
-            what = f"{exc.op} on axes {exc.axis or '-'}"
+            what = exc.op if exc.axis is None else f"{exc.op} on axes {exc.axis}"
             live = getattr(exc, "liveness", None)
             idle = dict(live.idle) if live is not None else {}
             failures = tuple(
@@ -343,19 +389,40 @@ class MpiSession:
             self.poisoned = err
         return err
 
+    def _name_silent(self, exc: CommTimeoutError) -> CommTimeoutError:
+        """A wait outside the session's own (a store's exchange) timed out on this rank: ask
+        every peer whether it is alive and what it does, and name those that do not answer
+        or are in no communication, as an expired session wait does."""
+        self._checking = f"liveness check after {exc.op}"  # kept: this rank is ending
+        live = self.control.liveness(min(2.0, max(0.5, self.timeout_s / 4)))
+        if not live.suspects:
+            return exc
+        err = CommTimeoutError(
+            f"{exc}; {live.describe()}", op=exc.op, axis=exc.axis, rank=self.rank,
+            phase=exc.phase,
+        )  # fmt: skip
+        err.silent = live.suspects
+        err.liveness = live  # type: ignore[attr-defined]
+        return err
+
     def on_launcher_terminate(self) -> None:
         """Report the launcher's SIGTERM (sent when a peer process died) as this rank's one
-        error line: raised as :class:`LauncherTerminatedError` in the main thread at its next
-        Python instruction, and — since the main thread may sit inside a blocking MPI call —
-        also seen by the watchdog through the signal wakeup descriptor, which the interpreter
-        writes at once from C."""
+        error line (:meth:`report_terminated`). With a watchdog, the watchdog reports it: it
+        sees the signal wakeup descriptor, which the interpreter writes at once from C (the
+        main thread may sit inside a blocking MPI call, and an exception raised from the
+        handler could land anywhere); without one, the main thread raises
+        :class:`LauncherTerminatedError` at its next Python instruction. Nothing to do when
+        a :class:`~dtm_mpi.comm.presence.Presence` runs: it reports it."""
         import signal
 
-        if threading.current_thread() is not threading.main_thread():
-            return
+        from dtm_mpi.comm.presence import current
+
+        if threading.current_thread() is not threading.main_thread() or current() is not None:
+            return  # a presence (started with the command) already reports it
 
         def handler(signum: int, frame: object) -> None:
-            raise self.terminated_error(signum)
+            if self.watchdog is None:  # else the watchdog reports it (from the wakeup byte):
+                raise self.terminated_error(signum)  # raising here could land anywhere
 
         signal.signal(signal.SIGTERM, handler)
         if self.watchdog is not None:
@@ -373,38 +440,54 @@ class MpiSession:
         )
 
     def report_terminated(self, exc: LauncherTerminatedError) -> None:
-        """Print one error naming the peers that are gone, then exit at once (the launcher
-        kills this process shortly anyway)."""
-        if not self._ending.acquire(blocking=False):  # already reporting (other thread)
+        """Print one error naming the peers that are gone (those that do not answer a ping
+        within ``SURVEY_S``) and the phase, keep answering pings so that the other survivors
+        name the same ranks, then exit (the launcher kills this process shortly anyway)."""
+        from dtm_mpi.comm.presence import LINGER_S, terminated_line
+
+        if not ENDING.acquire(blocking=False):  # already reporting (other thread)
             while True:
                 time.sleep(3600)
-        try:
-            silent = list(self.control.liveness(0.05).silent)
-        except Exception:  # the MPI library may already be torn down
-            silent = []
-        peers = self.size - 1
-        who = (
-            f"rank(s) {', '.join(map(str, silent))} exited or hung; "
-            if silent and len(silent) < peers
-            else ""
-        )
-        write_line(f"[rank {self.rank}] dtm run: {self.phase} failed: {who}{exc}")
+        write_line(f"[rank {self.rank}] {terminated_line(self.label, self.control, 15)}")
+        self.control.linger(LINGER_S)
         os._exit(1)
 
     def end_job(self, code: int, message: str) -> None:
         """Print ``message`` (rank-prefixed), give the peers a moment to print theirs, then
         abort the job: a poisoned session may hold pending requests, which ``MPI_Finalize``
         would wait for forever."""
+        self._end(code, lambda: message)
+
+    def end_with(self, err: BaseException, code: int = 1) -> None:
+        """End the job with ``err`` as this rank's one line. For failures of ranks (this
+        rank's own or peers'), first wait until no further failure notice has come for a
+        moment and report them all: ranks that fail in the same step print the same list."""
+
+        def text() -> str:
+            final = err
+            if isinstance(err, RemoteFailureError):
+                settled = self.control.settle(SETTLE_QUIET_S, min(3.0, self.timeout_s))
+                final = settled if settled is not None else err
+            return f"{self.label}: {final}"
+
+        self._end(code, text)
+
+    def _end(self, code: int, message: Any) -> None:
         import signal
 
-        if not self._ending.acquire(blocking=False):  # the watchdog is ending the job
+        if not ENDING.acquire(blocking=False):  # another thread is ending the job
             while True:
                 time.sleep(3600)
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # killed quietly: the error is printed
-        text = "\n".join(f"[rank {self.rank}] {line}" for line in message.splitlines())
-        write_line(text)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the error is printed: no second line
+        from dtm_mpi.comm.presence import current
+
+        error = message()
+        write_line("\n".join(f"[rank {self.rank}] {line}" for line in error.splitlines()))
         sys.stdout.flush()
+        presence = current()
+        for control in (self.control, *([presence.control] if presence is not None else [])):
+            control.announce_end(error)  # a peer killed by this end prints the same
         # give the peers time to print theirs, answering their liveness pings meanwhile
         until = time.monotonic() + min(2.0, max(0.6, self.timeout_s / 10))
         while time.monotonic() < until:
@@ -420,7 +503,7 @@ class MpiSession:
         """The watchdog's way out: one error line for this rank, then the job ends."""
         if self.poisoned is None:
             self.poisoned = err
-        self.end_job(1, f"{self.label}: {err}")
+        self.end_with(err)
 
     def close(self) -> None:
         """Free the communicators (only when not poisoned).

@@ -18,8 +18,6 @@ survives).
 
 from __future__ import annotations
 
-import sys
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,70 +32,65 @@ from dtm_mpi.errors import (
     UsageError,
     agreed,
 )
+from dtm_mpi.runtime.request import (
+    RunRequest,
+    capabilities,
+    load_run,
+    plan_run,
+    store_params,
+    write_outputs,
+)
 
 __all__ = ["MpiRunArgs", "open_backend_everywhere", "run_under_mpi"]
 
 
-@dataclass(frozen=True, slots=True)
-class MpiRunArgs:
-    file: str
-    binding: dict[str, int] | None
-    inputs: tuple[str, ...]
-    output: str | None
-    steps: int
-    backend: str
-    max_bytes_per_rank: int | None = None
-    store: str | None = None  # checkpoint store directory
-    checkpoint_every: int | None = None  # save the state after every N steps
-    resume: bool = False  # start from the store's latest checkpoint
-    gpu_aware: str | None = None  # --gpu-aware-mpi: auto | yes | no (None: DTM_GPU_AWARE_MPI)
-    require_gpu_aware: bool = False  # --require-gpu-aware-mpi
+#: What ``dtm run`` under MPI is given: the one run request of the launcher.
+MpiRunArgs = RunRequest
 
 
-def _capabilities() -> tuple[str, ...]:
-    caps = ["CAP_QUANT", "CAP_STORE"]
-    try:
-        import h5py
-
-        if h5py.get_config().mpi:
-            caps.append("CAP_HDF5_MPI")
-    except ImportError:  # pragma: no cover  (h5py is a dependency)
-        pass
-    return tuple(sorted(caps))
-
-
-def _required(module: object) -> set[str]:
-    from dtm_mpi.ir.nodes import Module
-
-    assert isinstance(module, Module)
-    return {cap for f in module.functions for cap in f.requires}
-
-
-def run_under_mpi(args: MpiRunArgs) -> int:
-    """Run on every rank of ``MPI.COMM_WORLD``; returns 0 or ends the job.
+def run_under_mpi(args: RunRequest) -> int:
+    """Run ``args`` (checked, :class:`~dtm_mpi.runtime.request.RunRequest`) on every rank of
+    ``MPI.COMM_WORLD``; returns 0 or ends the job. Reached through
+    :func:`~dtm_mpi.runtime.launch.launch`.
 
     Collective: call on all ranks."""
-    from dtm_mpi.comm.agreement import agree_or_raise
+    from dtm_mpi.comm.presence import Presence
     from dtm_mpi.comm.world import world_comm
+    from dtm_mpi.errors import CommTimeoutError
+
+    world = world_comm()
+    rank, size = int(world.Get_rank()), int(world.Get_size())
+    presence = Presence(world, "dtm run")  # from here on, a rank that dies is named
+    try:
+        return _load_and_run(args, world, rank, size, presence)
+    except CommTimeoutError as exc:  # a phase before the session: some rank(s) did not arrive
+        presence.end_job(1, f"dtm run: {exc}")  # every arrived rank prints it, then the abort
+        raise
+    finally:
+        presence.stop()
+
+
+def _load_and_run(args: RunRequest, world: Any, rank: int, size: int, presence: Any) -> int:
+    from dtm_mpi.comm.agreement import agree_or_raise
     from dtm_mpi.config import get_config
 
     config = get_config()
-    world = world_comm()
-    rank, size = int(world.Get_rank()), int(world.Get_size())
-
     # load: every rank reads and verifies; local failures agreed on the world communicator
+    presence.phase = "load"
     module = None
     error: BaseException | None = None
     try:
         from dtm_mpi.faults import maybe_fail
 
         maybe_fail(rank, "load")
-        module = _load(args.file)
+        module = load_run(args, show=None)  # paths, module, capabilities, output keys
     except (DtmError, OSError) as exc:
         error = exc
     agree_or_raise(world, phase="load", error=error, timeout_s=config.timeout_s)
     assert module is not None
+    presence.phase = "backend"
     backend = open_backend_everywhere(args.backend, world)
+    presence.phase = "plan"
     return _run_session(module, args, world, rank, size, backend)
 
 
@@ -127,16 +120,6 @@ def open_backend_everywhere(name: str, world: Any) -> Any:
     return backend
 
 
-def _load(path: str) -> object:
-    from dtm_mpi.ir import check_text
-    from dtm_mpi.ir.files import read_source
-
-    module, errors = check_text(read_source(path), path)
-    if errors:
-        raise UsageError("; ".join(str(e) for e in errors[:3]))
-    return module
-
-
 def _run_session(module: object, args: MpiRunArgs, world: Any, rank: int, size: int, backend: Any) -> int:  # fmt: skip
     from dtm_mpi.comm.agreement import agree_or_raise
     from dtm_mpi.comm.handshake import PROTOCOL_VERSION, Hello, handshake
@@ -146,7 +129,6 @@ def _run_session(module: object, args: MpiRunArgs, world: Any, rank: int, size: 
     from dtm_mpi.faults import maybe_fail
     from dtm_mpi.ir.hashing import module_hash
     from dtm_mpi.ir.nodes import Module
-    from dtm_mpi.plan.program import compile_plan, mesh_for
 
     assert isinstance(module, Module)
     config = get_config()
@@ -154,11 +136,7 @@ def _run_session(module: object, args: MpiRunArgs, world: Any, rank: int, size: 
     error: BaseException | None = None
     try:  # pure, but a rank given another module (or another --mesh) may fail alone
         maybe_fail(rank, "plan")
-        plan = compile_plan(module, mesh_for(module, size, args.binding))
-        if args.max_bytes_per_rank is not None:
-            from dtm_mpi.plan.explain import check_memory
-
-            check_memory(plan, args.max_bytes_per_rank)
+        plan = plan_run(module, args, size)
     except DtmError as exc:
         error = exc
     agree_or_raise(world, phase="plan", error=error, timeout_s=config.timeout_s)
@@ -171,18 +149,11 @@ def _run_session(module: object, args: MpiRunArgs, world: Any, rank: int, size: 
         maybe_fail(rank, "handshake")
         local_aware = _detect_gpu_aware(args, backend)
         hello = Hello(
-            PROTOCOL_VERSION, __version__, module_hash(module), str(mesh), _capabilities(),
+            PROTOCOL_VERSION, __version__, module_hash(module), str(mesh), capabilities(args.backend),
             args.backend, config.deterministic,
-            gpu_aware="" if local_aware is None else str(local_aware),
+            gpu_aware="" if local_aware is None else str(local_aware), steps=args.steps,
         )  # fmt: skip
-        handshake(session, hello)
-        missing = sorted(_required(module) - set(hello.capabilities))
-        if missing:  # decided from what every rank shares: the same error everywhere
-            raise HandshakeError(
-                f"module {module.name} requires {', '.join(missing)}, which this runtime "
-                f"(backend {args.backend}) does not provide",
-                phase="handshake",
-            )
+        handshake(session, hello)  # the module's requirements were checked in phase load
         session.join_mesh(_groups(plan))
         comm = MpiComm(
             session, deterministic=config.deterministic, max_msg_elems=config.max_msg_elems
@@ -200,8 +171,7 @@ def _run_session(module: object, args: MpiRunArgs, world: Any, rank: int, size: 
             write_line(f"[rank {rank}] dtm run: {exc}")
             session.close()
             return 1
-        err = session.fail(exc)
-        session.end_job(1, f"dtm run: {err}")
+        session.end_with(session.fail(exc))
     session.close()
     return 0
 
@@ -271,15 +241,10 @@ def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, ra
     from dtm_mpi.comm.mpi_comm import MpiComm
     from dtm_mpi.comm.mpi_session import MpiSession
     from dtm_mpi.faults import maybe_fail
-    from dtm_mpi.io.arrays import load_arrays, save_npz
+    from dtm_mpi.io.arrays import load_arrays
     from dtm_mpi.plan.program import ExecPlan
     from dtm_mpi.runtime.executor import Executor, gather_to_root
-    from dtm_mpi.runtime.session import (
-        initial_blocks,
-        output_values,
-        run_steps,
-        summary_lines,
-    )
+    from dtm_mpi.runtime.session import initial_blocks, output_values, run_steps
     from dtm_mpi.runtime.values import check_inputs
 
     assert isinstance(session, MpiSession) and isinstance(comm, MpiComm)
@@ -289,17 +254,20 @@ def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, ra
     session.phase = "inputs"
     error: BaseException | None = None
     blocks: list[np.ndarray] = []
+    given: dict[str, np.ndarray] = {}
     try:
         maybe_fail(rank, "inputs")
         if not args.resume:  # a resumed run takes every parameter from the checkpoint
-            given = check_inputs(plan.module, load_arrays(list(args.inputs)))
-            blocks = initial_blocks(plan, rank, given)
+            given = check_inputs(plan.module, load_arrays(list(args.inputs)), store=bool(args.store))  # fmt: skip
     except LauncherTerminatedError:
         raise
     except DtmError as exc:
         error = exc
     session.agree("inputs", error)
     ckpt = _Checkpoints(session, plan, args, rank, backend) if args.store else None
+    if not args.resume:  # 'init store' parameters no input supplies: from the store
+        local = ckpt.read_init_store(store_params(plan.module, given)) if ckpt is not None else {}
+        blocks = initial_blocks(plan, rank, given, local)
     first = ckpt.resume(blocks) if ckpt is not None and args.resume else 0
     blocks[:] = [backend.to_device(b) for b in blocks]  # the state lives on the backend
 
@@ -332,12 +300,7 @@ def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, ra
     error = None
     if rank == 0:
         try:
-            for line in summary_lines(outputs):
-                print(line)
-            if args.output:
-                save_npz(args.output, outputs)
-                print(f"wrote {args.output}")
-            sys.stdout.flush()
+            write_outputs(outputs, args.output)
         except (DtmError, OSError) as exc:
             error = exc
     session.agree("output", error)
@@ -348,6 +311,7 @@ class _Checkpoints:
     parameters) saved to and resumed from a checkpoint store (collective methods)."""
 
     def __init__(self, session: Any, plan: Any, args: MpiRunArgs, rank: int, backend: Any) -> None:  # fmt: skip
+        from dtm_mpi.comm import handles
         from dtm_mpi.config import get_config
         from dtm_mpi.io.checkpoint import CheckpointStore
         from dtm_mpi.ir.hashing import module_hash
@@ -355,17 +319,27 @@ class _Checkpoints:
         assert args.store is not None
         self.session, self.plan, self.rank, self.backend = session, plan, rank, backend
         session.phase = "checkpoint store"
-        self.comm = session.comm.Dup()
+        self.comm = handles.dup(session.comm)
         self.store = CheckpointStore(args.store, self.comm, timeout_s=get_config().timeout_s)
         entry = plan.entry_plan.function
         self.targets = [(p.name.lstrip("%"), p.type) for p in entry.params]
         self.module_hash = module_hash(plan.module)
         self.steps = args.steps
 
+    def read_init_store(self, params: list[Any]) -> dict[str, np.ndarray]:
+        """This rank's blocks of the ``init store`` parameters ``params``, by name, from the
+        store's latest checkpoint (written on any mesh)."""
+        if not params:
+            return {}
+        self.session.phase = "init store"
+        names = [p.name.lstrip("%") for p in params]
+        got = self.store.restore(self.plan.mesh, [(t_name, t) for t_name, t in self.targets if t_name in names])  # fmt: skip
+        if self.rank == 0:
+            print(f"{', '.join(names)} from {got.path} (after step {got.step})", flush=True)
+        return dict(got.values)
+
     def resume(self, blocks: list[np.ndarray]) -> int:
         """Replace ``blocks`` by the latest checkpoint's state; returns its step."""
-        from dtm_mpi.errors import UsageError
-
         self.session.phase = "resume"
         got = self.store.restore(self.plan.mesh, self.targets)
         if got.module_hash != self.module_hash:
@@ -396,5 +370,7 @@ class _Checkpoints:
             print(f"checkpoint {path} (after step {done})", flush=True)
 
     def close(self) -> None:
+        from dtm_mpi.comm import handles
+
         self.store.close()
-        self.comm.Free()
+        handles.free(self.comm)

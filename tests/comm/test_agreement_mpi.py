@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from dtm_mpi.comm.agreement import agree_outcome, wait_bounded
+from dtm_mpi.comm.agreement import AGREE_TAG, agree_outcome, wait_bounded
 from dtm_mpi.errors import CommTimeoutError
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -45,3 +47,30 @@ def test_wait_is_bounded_when_a_peer_never_arrives(comm) -> None:
     finally:
         sub.Free()
     comm.Barrier()
+
+
+def test_without_a_session_every_arrived_rank_names_the_missing_one(comm) -> None:
+    """The agreement before a session exists: a rank that never arrives is named, alike, by
+    every rank that did (none of them waits for it beyond the deadline)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    missing = size - 1
+    if rank != missing:
+        with pytest.raises(CommTimeoutError) as info:
+            agree_outcome(comm, ok=rank != 0, message=f"bad {rank}", phase="load", timeout_s=1.0)
+        text = str(info.value)
+        assert info.value.silent == (missing,)
+        assert f"phase 'load' did not end within 1 s: rank(s) {missing} did not arrive" in text
+        assert "rank 0 (load): bad 0" in text  # what the arrived ranks said is kept
+    else:  # late: take the outcomes the others sent, so nothing stays queued for later tests
+        time.sleep(3.0)
+        for r in range(size - 1):
+            comm.recv(source=r, tag=AGREE_TAG)
+    texts = comm.allgather(None if rank == missing else text)
+    assert len({t for t in texts if t is not None}) == 1  # one agreed error
+
+
+def test_without_a_session_all_arrived_is_agreed(comm) -> None:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    for phase in ("load", "backend", "plan"):  # back to back: no phase's message is mistaken
+        failures = agree_outcome(comm, ok=rank != size - 1, message="x", phase=phase, timeout_s=30)
+        assert [(f.rank, f.phase) for f in failures] == [(size - 1, phase)]
