@@ -123,7 +123,7 @@ def _print_diagnostics(errors: Sequence[DiagnosticError]) -> None:
 
 def _cmd_check(args: argparse.Namespace) -> int:
     from dtm_mpi.ir import check_text
-    from dtm_mpi.ir.files import read_source
+    from dtm_mpi.ir.source_files import read_source
 
     texts = [(path, read_source(path)) for path in args.files]
     failed = 0
@@ -145,7 +145,7 @@ def _load(path: str) -> Module:
 
 def _cmd_fmt(args: argparse.Namespace) -> int:
     from dtm_mpi.ir import print_module
-    from dtm_mpi.ir.files import read_source
+    from dtm_mpi.ir.source_files import read_source
 
     original = read_source(args.file)
     text = print_module(_load(args.file))

@@ -137,7 +137,7 @@ def _stored(m: Manifest) -> list[ArtifactRecord]:
 
 
 def _cmd_ckpt_ls(args: argparse.Namespace) -> int:
-    from dtm_mpi.io.files import read_manifest
+    from dtm_mpi.io.ckpt_files import read_manifest
     from dtm_mpi.io.store import disk_usage, legacy_files, list_checkpoints, read_latest, read_meta
     from dtm_mpi.io.tools import INCOMPLETE_NOTE, reason, store_dir
 
@@ -185,7 +185,7 @@ def _cmd_ckpt_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_ckpt_inspect(args: argparse.Namespace) -> int:
-    from dtm_mpi.io.files import read_manifest
+    from dtm_mpi.io.ckpt_files import read_manifest
     from dtm_mpi.io.tools import checkpoint_path, store_dir
 
     path = checkpoint_path(store_dir(args.store), args.step)
@@ -222,7 +222,7 @@ def _cmd_ckpt_inspect(args: argparse.Namespace) -> int:
 def _stored_manifest(path: Path) -> dict[str, Any]:
     """The manifest JSON as stored in checkpoint ``path`` (fields this version does not know
     included)."""
-    from dtm_mpi.io.files import read_manifest_bytes
+    from dtm_mpi.io.ckpt_files import read_manifest_bytes
 
     doc: dict[str, Any] = json.loads(read_manifest_bytes(path))
     return doc
@@ -273,7 +273,7 @@ def _cmd_ckpt_rm(args: argparse.Namespace) -> int:
 
 
 def _cmd_store_ls(args: argparse.Namespace) -> int:
-    from dtm_mpi.io.files import read_manifest
+    from dtm_mpi.io.ckpt_files import read_manifest
     from dtm_mpi.io.tools import checkpoint_path, store_dir
 
     path = checkpoint_path(store_dir(args.store), args.step)
@@ -291,7 +291,7 @@ def _cmd_store_ls(args: argparse.Namespace) -> int:
 
 def _cmd_store_get(args: argparse.Namespace) -> int:
     from dtm_mpi.io.arrays import check_output_path, save_npy
-    from dtm_mpi.io.files import read_manifest
+    from dtm_mpi.io.ckpt_files import read_manifest
     from dtm_mpi.io.tools import checkpoint_path, read_tensor, store_dir
     from dtm_mpi.ir.types import DType
 

@@ -523,7 +523,7 @@ def _store_with(tmp_path: Path, **tensors: np.ndarray) -> str:
     from mpi4py import MPI
 
     from dtm_mpi.io.checkpoint import CheckpointStore
-    from dtm_mpi.io.plan import TensorSpec
+    from dtm_mpi.io.ckpt_plan import TensorSpec
     from dtm_mpi.ir.types import DType, Layout, TensorType
     from dtm_mpi.sharding.mesh import MeshShape
 

@@ -15,7 +15,7 @@ caller can see it; the plug-ins import the registry, never the other way at impo
 Each excused edge must still exist (a stale excuse fails), and no module-level edge is ever
 excused. Imports under ``if TYPE_CHECKING:`` count for the upward and mpi4py rules (they
 still couple the layers) but not for cycles (they never run). An edge goes to the module named
-(``from dtm_mpi.io import files`` -> ``dtm_mpi.io.files`` when that is a module, else the package
+(``from dtm_mpi.io import files`` -> ``dtm_mpi.io.ckpt_files`` when that is a module, else the package
 ``dtm_mpi.io``); the implicit import of parent packages' ``__init__`` is not an edge (every
 submodule would otherwise depend on the facade, and the facade on them).
 """
@@ -37,8 +37,8 @@ ABOVE_PURE = ("dtm_mpi.kernels", "dtm_mpi.comm")
 _BACKEND = "a backend's kernels load on first use"
 PLUGIN_LOADS: dict[tuple[str, str], str] = {
     ("dtm_mpi.ir.registry", "dtm_mpi.ir.ops"): "the op table loads the op definitions",
-    ("dtm_mpi.kernels.registry", "dtm_mpi.kernels.numpy_backend"): _BACKEND,
-    ("dtm_mpi.kernels.registry", "dtm_mpi.kernels.cuda_backend"): _BACKEND,
+    ("dtm_mpi.kernels.dispatch", "dtm_mpi.kernels.numpy_backend"): _BACKEND,
+    ("dtm_mpi.kernels.dispatch", "dtm_mpi.kernels.cuda_backend"): _BACKEND,
 }
 """Lazy imports excused from the cycle rule (see the module's docstring)."""
 
@@ -329,6 +329,6 @@ def test_checker_finds_upward_and_mpi4py(tmp_path: Path) -> None:
         },
     )
     up = sorted((i.source, i.target) for i in upward_imports(root))
-    assert up == [("dtm_mpi.plan.p", "dtm_mpi.kernels.registry"), ("dtm_mpi.sharding.s", "dtm_mpi.comm.x")]  # fmt: skip
+    assert up == [("dtm_mpi.plan.p", "dtm_mpi.kernels.dispatch"), ("dtm_mpi.sharding.s", "dtm_mpi.comm.x")]  # fmt: skip
     mpi = sorted((i.source, i.target) for i in mpi4py_imports(root))
     assert mpi == [("dtm_mpi.io.f", "mpi4py.MPI"), ("dtm_mpi.runtime.r", "mpi4py")]

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dtm_mpi.runtime.session import run_simulated
+from dtm_mpi.runtime.simulate import run_simulated
 from tests.test_mpi_run import EXAMPLES, _survivors, load, mpirun
 
 pytestmark = [pytest.mark.slow]
@@ -167,7 +167,7 @@ import sys
 import numpy as np
 from mpi4py import MPI
 from dtm_mpi.io.checkpoint import CheckpointStore
-from dtm_mpi.io.plan import TensorSpec
+from dtm_mpi.io.ckpt_plan import TensorSpec
 from dtm_mpi.ir.types import DType, Layout, TensorType
 from dtm_mpi.sharding.blocks import local_block
 from dtm_mpi.sharding.mesh import MeshShape

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from dtm_mpi.ir import parse_module, verify_module
-from dtm_mpi.runtime.session import run_simulated
+from dtm_mpi.runtime.simulate import run_simulated
 
 ROOT = Path(__file__).parent.parent
 EXAMPLES = ROOT / "examples"

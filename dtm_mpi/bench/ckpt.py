@@ -122,7 +122,7 @@ def _resize(comm: Any, store: Any, workdir: Path, saved: list[Any], repeat: int)
     from mpi4py import MPI
 
     from dtm_mpi.io.checkpoint import CheckpointStore
-    from dtm_mpi.io.plan import TensorSpec
+    from dtm_mpi.io.ckpt_plan import TensorSpec
     from dtm_mpi.sharding.mesh import MeshShape
 
     n, rank = int(comm.Get_size()), int(comm.Get_rank())
@@ -157,7 +157,7 @@ def run_ckpt_bench(
     from mpi4py import MPI
 
     from dtm_mpi.io.checkpoint import CheckpointStore
-    from dtm_mpi.io.plan import TensorSpec
+    from dtm_mpi.io.ckpt_plan import TensorSpec
     from dtm_mpi.ir.types import DType, Layout, TensorType
     from dtm_mpi.sharding.blocks import local_block, local_shape
     from dtm_mpi.sharding.mesh import MeshShape

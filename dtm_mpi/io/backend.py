@@ -170,17 +170,17 @@ class Hdf5Backend:
         return _Hdf5Writer(path, comm, attrs, shared, nshards)
 
     def open_reader(self, ckpt: Path, comm: Any = None) -> ShardReader:
-        from dtm_mpi.io.files import ShardFiles
+        from dtm_mpi.io.ckpt_files import ShardFiles
 
         return ShardFiles(ckpt, mpio_comm=comm)
 
     def write_index(self, ckpt: Path, manifest: Manifest, text: bytes) -> None:
-        from dtm_mpi.io.files import write_main_file
+        from dtm_mpi.io.ckpt_files import write_main_file
 
         write_main_file(ckpt, manifest, text)
 
     def read_index(self, ckpt: Path) -> bytes:
-        from dtm_mpi.io.files import read_manifest_bytes
+        from dtm_mpi.io.ckpt_files import read_manifest_bytes
 
         return read_manifest_bytes(ckpt)
 

@@ -1,6 +1,6 @@
 """Checkpoints in parallel HDF5: save with atomic commit, restore onto any mesh.
 
-**Save** (collective; :meth:`CheckpointStore.save`): the plan is pure (``io.plan``); the quota
+**Save** (collective; :meth:`CheckpointStore.save`): the plan is pure (``io.ckpt_plan``); the quota
 is checked before a byte is written; each rank hashes the chunks of the blocks it owns from
 memory; rank 0 creates the directory ``ckpt-N.partial-T``; the ranks of each data-file group
 (``ranks_per_file``, default 1: one file per writing rank) open ``data-NNNNNN.h5`` with the
@@ -21,7 +21,7 @@ rest on a duplicate communicator. :meth:`SaveHandle.wait` joins it; :meth:`SaveH
 their files, and rank 0 removes the partial directory. A later save, a restore, or :meth:`close`
 waits for the pending one first.
 
-**Restore** (collective; :meth:`CheckpointStore.restore`): onto any mesh and layout (``io.plan``:
+**Restore** (collective; :meth:`CheckpointStore.restore`): onto any mesh and layout (``io.ckpt_plan``:
 each stored chunk read once by one rank from its data file, verified in memory, its pieces
 sent where they are needed; ``into=`` restores in place), with
 an :class:`IntegrityError` naming tensor, shard and file on any mismatch (agreed: every rank
@@ -65,9 +65,18 @@ from dtm_mpi.errors import (
     agreed,
 )
 from dtm_mpi.io.backend import HDF5, ShardBackend
+from dtm_mpi.io.ckpt_files import MAIN_FILE
+from dtm_mpi.io.ckpt_plan import (  # fmt: skip
+    CHUNK_BYTES,
+    ROUND_BYTES,
+    SavePlan,
+    TensorSpec,
+    plan_manifest,
+    plan_restore,
+    plan_save,
+)
 from dtm_mpi.io.commit import Retention, commit_partial
 from dtm_mpi.io.data_write import Writer, write_data_file
-from dtm_mpi.io.files import MAIN_FILE
 from dtm_mpi.io.h5 import ALIGN_BYTES, ALIGN_FROM
 from dtm_mpi.io.hashing import chunk_hash
 from dtm_mpi.io.manifest import (
@@ -78,15 +87,6 @@ from dtm_mpi.io.manifest import (
     parse_manifest,
     recovery_actions,
     validate_manifest,
-)
-from dtm_mpi.io.plan import (  # fmt: skip
-    CHUNK_BYTES,
-    ROUND_BYTES,
-    SavePlan,
-    TensorSpec,
-    plan_manifest,
-    plan_restore,
-    plan_save,
 )
 from dtm_mpi.io.restore_read import Reader, read_plan
 from dtm_mpi.io.store import (
@@ -103,7 +103,7 @@ from dtm_mpi.io.store import (
     write_latest,
     write_meta,
 )
-from dtm_mpi.ir.ops._common import np_dtype
+from dtm_mpi.ir.dtypes import np_dtype
 from dtm_mpi.ir.types import TensorType
 from dtm_mpi.sharding.blocks import local_shape
 from dtm_mpi.sharding.mesh import MeshShape

@@ -18,7 +18,7 @@ from pathlib import Path
 from dtm_mpi.errors import StorageError
 from dtm_mpi.faults import maybe_fail
 from dtm_mpi.io.backend import HDF5, ShardBackend
-from dtm_mpi.io.files import MAIN_FILE
+from dtm_mpi.io.ckpt_files import MAIN_FILE
 from dtm_mpi.io.manifest import parse_manifest, validate_manifest
 from dtm_mpi.io.store import fsync_path, list_checkpoints, replace_dir, retired_files
 

@@ -24,11 +24,11 @@ from dtm_mpi.config import get_config
 from dtm_mpi.errors import DtmError
 from dtm_mpi.faults import maybe_fail
 from dtm_mpi.io.backend import HDF5, ShardBackend, ShardWriter
-from dtm_mpi.io.files import DATA_FORMAT, FORMAT_VERSION
+from dtm_mpi.io.ckpt_files import DATA_FORMAT, FORMAT_VERSION
+from dtm_mpi.io.ckpt_plan import SavePlan
 from dtm_mpi.io.manifest import Manifest, data_file_name, shard_dataset
-from dtm_mpi.io.plan import SavePlan
 from dtm_mpi.io.store import fsync_path
-from dtm_mpi.ir.ops._common import np_dtype
+from dtm_mpi.ir.dtypes import np_dtype
 
 __all__ = ["Writer", "collective_section", "write_data_file"]
 

@@ -1,6 +1,6 @@
 """Restore's read and exchange: every stored chunk read once, verified, sent where needed.
 
-Pure plan in (:class:`~dtm_mpi.io.plan.RestorePlan`, the same on every rank), thin execution
+Pure plan in (:class:`~dtm_mpi.io.ckpt_plan.RestorePlan`, the same on every rank), thin execution
 here: per round, each rank reads the chunks the plan gives it from their data files
 (a :class:`~dtm_mpi.io.backend.ShardReader`, serial independent reads; straight into the output
 when it is the chunk's only consumer), checks each against its content hash, and one
@@ -21,10 +21,10 @@ import numpy as np
 from dtm_mpi.comm.objects import alltoallv_bytes
 from dtm_mpi.errors import IntegrityError
 from dtm_mpi.io.backend import ShardReader
-from dtm_mpi.io.files import chunk_mismatch
+from dtm_mpi.io.ckpt_files import chunk_mismatch
+from dtm_mpi.io.ckpt_plan import RestorePlan
 from dtm_mpi.io.manifest import ShardRecord
-from dtm_mpi.io.plan import RestorePlan
-from dtm_mpi.ir.ops._common import np_dtype
+from dtm_mpi.ir.dtypes import np_dtype
 
 __all__ = ["Reader", "read_plan"]
 

@@ -5,7 +5,7 @@ Layout (io/FORMAT.md §2)::
     STORE/store.json                        {"format": "dtm-store", "version": 2,
                                              "quota_bytes": null | N, "keep_last": null | K}
     STORE/ckpt-00000005/                    a committed checkpoint (step 5): a directory of
-                                            checkpoint.h5 and data-NNNNNN.h5 files (io/files.py)
+                                            checkpoint.h5 and data-NNNNNN.h5 files (io/ckpt_files.py)
     STORE/ckpt-00000006.partial-3f2a9c01/   a save in progress, cancelled or killed: incomplete
     STORE/latest                            "ckpt-00000005\\n" (replaced atomically)
 

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from dtm_mpi.errors import IntegrityError, ManifestError, StorageError, UsageError
-from dtm_mpi.io.files import MAIN_FILE, ShardFiles, Verifier, read_manifest, verify_items
+from dtm_mpi.io.ckpt_files import MAIN_FILE, ShardFiles, Verifier, read_manifest, verify_items
 from dtm_mpi.io.manifest import ArtifactClass, ArtifactRecord, Manifest
 from dtm_mpi.io.store import (
     CheckpointEntry,
@@ -48,7 +48,7 @@ from dtm_mpi.io.store import (
     retired_files,
     write_latest,
 )
-from dtm_mpi.ir.ops._common import np_dtype
+from dtm_mpi.ir.dtypes import np_dtype
 from dtm_mpi.ir.types import DType
 
 __all__ = [
@@ -225,7 +225,7 @@ def _run_child(ckpt: Path, start: int, timeout_s: float, on: Callable[[list[Any]
 
 
 def verify_isolated(ckpt: Path, *, timeout_s: float = 300.0) -> CheckpointCheck:
-    """Verify checkpoint directory ``ckpt`` as :func:`~dtm_mpi.io.files.verify_checkpoint`
+    """Verify checkpoint directory ``ckpt`` as :func:`~dtm_mpi.io.ckpt_files.verify_checkpoint`
     does, in a child process: if the HDF5 library crashes or makes no progress for
     ``timeout_s`` seconds while reading a file (damaged metadata can do both), the tensor,
     shard and file it was reading are reported damaged, and the rest is checked by a new
@@ -271,7 +271,7 @@ def verify_isolated(ckpt: Path, *, timeout_s: float = 300.0) -> CheckpointCheck:
 
 
 def _verify_here(ckpt: Path) -> CheckpointCheck:
-    from dtm_mpi.io.files import verify_checkpoint
+    from dtm_mpi.io.ckpt_files import verify_checkpoint
 
     try:
         damaged = verify_checkpoint(ckpt)
@@ -412,7 +412,7 @@ def put_tensor(store: Path, comm: Any, name: str, value: np.ndarray, *, cls: str
     one-process communicator (the self communicator); the store's quota and retention apply
     as for any save."""
     from dtm_mpi.io.checkpoint import CheckpointStore, rebuild_value
-    from dtm_mpi.io.plan import CHUNK_BYTES, TensorSpec
+    from dtm_mpi.io.ckpt_plan import CHUNK_BYTES, TensorSpec
     from dtm_mpi.ir.types import Layout, TensorType
     from dtm_mpi.sharding.mesh import MeshShape
 

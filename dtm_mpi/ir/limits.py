@@ -2,7 +2,7 @@
 
 One home for the parser's and the fast path's limits; the type token's limits (rank, dimension
 size) live beside its parser in :mod:`dtm_mpi.ir.typetext` and the command line's input size in
-:mod:`dtm_mpi.ir.files`. ``tests/ir/test_limits.py`` checks the values the specification states
+:mod:`dtm_mpi.ir.source_files`. ``tests/ir/test_limits.py`` checks the values the specification states
 against these constants.
 """
 

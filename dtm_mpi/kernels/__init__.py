@@ -6,7 +6,7 @@ Backend selection (:mod:`dtm_mpi.kernels.backends`) and device binding
 an error, never a CPU fall-through.
 """
 
-from dtm_mpi.kernels.registry import (
+from dtm_mpi.kernels.dispatch import (
     COMM_OPS,
     Kernel,
     KernelContext,

@@ -24,12 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from dtm_mpi.ir.ops._common import np_dtype
+from dtm_mpi.ir.dtypes import np_dtype
 from dtm_mpi.ir.registry import OPS, Trait, ops_with
 from dtm_mpi.kernels import launch
-from dtm_mpi.kernels.fused import CTYPES, Expr, FusedInput
-from dtm_mpi.kernels.numpy_backend import extremum_identity, global_count
-from dtm_mpi.kernels.registry import (
+from dtm_mpi.kernels.dispatch import (
     COMM_OPS,
     Kernel,
     KernelContext,
@@ -37,6 +35,8 @@ from dtm_mpi.kernels.registry import (
     placement_of,
     register_kernel,
 )
+from dtm_mpi.kernels.fused import CTYPES, Expr, FusedInput
+from dtm_mpi.kernels.numpy_backend import extremum_identity, global_count
 
 __all__ = ["GPU_BACKENDS", "covered", "placement"]
 
@@ -258,7 +258,7 @@ and uploaded once, then handed out again (values are never written in place)."""
 def _uploaded(name: str, steady: bool) -> None:
     @_register(name, placement="host, uploaded once" if steady else "host, uploaded each step")
     def kernel(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
-        from dtm_mpi.kernels.registry import backend_kernels
+        from dtm_mpi.kernels.dispatch import backend_kernels
 
         key = (id(ctx.op), ctx.local_shapes, ctx.offsets)
         if steady:
@@ -278,7 +278,7 @@ for _name, _steady in (("iota", True), ("constant", True), ("random", False), ("
 
 def covered(ops: Sequence[str]) -> list[str]:
     """The ops of ``ops`` (besides those the executor runs) this backend has no kernel for."""
-    from dtm_mpi.kernels.registry import has_kernel
+    from dtm_mpi.kernels.dispatch import has_kernel
 
     return [o for o in ops if o not in COMM_OPS and not has_kernel("cuda", o)]
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from dtm_mpi.errors import BackendError
 from dtm_mpi.kernels.backends import BackendKind, backend_problem, choose_device, probe_devices
-from dtm_mpi.kernels.registry import Kernel, backend_kernels
+from dtm_mpi.kernels.dispatch import Kernel, backend_kernels
 
 __all__ = ["ArrayBackend", "CupyDeviceOps", "numpy_backend", "open_backend"]
 

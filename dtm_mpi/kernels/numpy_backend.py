@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from dtm_mpi.ir.ops._common import as_dtype
+from dtm_mpi.ir.dtypes import as_dtype
 from dtm_mpi.ir.ops.create import random_values
 from dtm_mpi.ir.registry import OPS, lookup_op
 from dtm_mpi.ir.types import ReduceOp
-from dtm_mpi.kernels.registry import COMM_OPS, KernelContext, has_kernel, register_kernel
+from dtm_mpi.kernels.dispatch import COMM_OPS, KernelContext, has_kernel, register_kernel
 from dtm_mpi.sharding.collectives import reduction_identity
 
 __all__ = ["extremum_identity", "global_count", "reference_kernel", "slice_index"]

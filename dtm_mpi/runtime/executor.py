@@ -18,12 +18,12 @@ from dtm_mpi.comm.interface import Comm
 from dtm_mpi.config import get_config
 from dtm_mpi.errors import CommError, DtmError, KernelError
 from dtm_mpi.faults import maybe_fail
-from dtm_mpi.ir.ops._common import np_dtype
+from dtm_mpi.ir.dtypes import np_dtype
 from dtm_mpi.ir.types import TensorType
 from dtm_mpi.kernels.backends import parse_backend
 from dtm_mpi.kernels.devices import ArrayBackend, open_backend
+from dtm_mpi.kernels.dispatch import Kernel, KernelContext, backend_kernels
 from dtm_mpi.kernels.fused import Expr
-from dtm_mpi.kernels.registry import Kernel, KernelContext, backend_kernels
 from dtm_mpi.plan.fusion import FusedGroup, FusionNode, fusion_groups
 from dtm_mpi.plan.program import ExecPlan, FunctionPlan, OpKind, PlanOp
 from dtm_mpi.sharding.blocks import block_owners, local_offsets, local_shape

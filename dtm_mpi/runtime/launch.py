@@ -35,7 +35,7 @@ def _run_simulated(request: RunRequest) -> int:
         store_params,
         write_outputs,
     )
-    from dtm_mpi.runtime.session import run_simulated
+    from dtm_mpi.runtime.simulate import run_simulated
     from dtm_mpi.runtime.values import check_inputs
 
     assert request.sim is not None

@@ -244,7 +244,7 @@ def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, ra
     from dtm_mpi.io.arrays import load_arrays
     from dtm_mpi.plan.program import ExecPlan
     from dtm_mpi.runtime.executor import Executor, gather_to_root
-    from dtm_mpi.runtime.session import initial_blocks, output_values, run_steps
+    from dtm_mpi.runtime.simulate import initial_blocks, output_values, run_steps
     from dtm_mpi.runtime.values import check_inputs
 
     assert isinstance(session, MpiSession) and isinstance(comm, MpiComm)
@@ -358,7 +358,7 @@ class _Checkpoints:
         return got.step
 
     def save(self, done: int, blocks: list[np.ndarray]) -> None:
-        from dtm_mpi.io.plan import TensorSpec
+        from dtm_mpi.io.ckpt_plan import TensorSpec
 
         self.session.phase = f"checkpoint {done}"
         items = [

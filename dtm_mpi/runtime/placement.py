@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from dtm_mpi.ir.ops._common import np_dtype
+from dtm_mpi.ir.dtypes import np_dtype
 from dtm_mpi.kernels.cuda_backend import placement
 from dtm_mpi.plan.fusion import fusion_groups
 from dtm_mpi.plan.program import ExecPlan, OpKind

@@ -137,7 +137,7 @@ def load_module(path: str, show: Callable[[str], None] | None = print_diagnostic
     :class:`~dtm_mpi.errors.InvalidModuleError` ends the command (every rank reads the same
     text); with ``show=None`` the error itself names the first diagnostics on one line."""
     from dtm_mpi.ir import check_text
-    from dtm_mpi.ir.files import read_source
+    from dtm_mpi.ir.source_files import read_source
 
     module, errors = check_text(read_source(path), path)
     if errors:
@@ -205,7 +205,7 @@ def _check_paths(request: RunRequest) -> None:
 def load_run(request: RunRequest, show: Callable[[str], None] | None = print_diagnostic) -> Module:
     """Phase ``load``: the paths, the module, the capabilities it requires and the keys of the
     output file -- everything decided before a plan is made."""
-    from dtm_mpi.runtime.session import check_output_keys
+    from dtm_mpi.runtime.simulate import check_output_keys
 
     _check_paths(request)
     module = load_module(request.file, show)
@@ -269,7 +269,7 @@ def read_store_globals(store: str, module: Module, params: Sequence[Param]) -> d
 def write_outputs(outputs: Mapping[str, np.ndarray], output: str | None) -> None:
     """Print one summary line per output, then write the ``-o`` file (if any)."""
     from dtm_mpi.io.arrays import save_npz
-    from dtm_mpi.runtime.session import summary_lines
+    from dtm_mpi.runtime.simulate import summary_lines
 
     for line in summary_lines(outputs):
         print(line)

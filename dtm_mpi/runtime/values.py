@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from dtm_mpi.errors import UsageError
+from dtm_mpi.ir.dtypes import as_dtype, np_dtype
 from dtm_mpi.ir.nodes import InitKind, Module, Param
-from dtm_mpi.ir.ops._common import as_dtype, np_dtype
 from dtm_mpi.ir.ops.create import random_values
 from dtm_mpi.ir.types import TensorType
 from dtm_mpi.kernels.numpy_backend import global_flat_index

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dtm_mpi.ir.ops._common import np_dtype
+from dtm_mpi.ir.dtypes import np_dtype
 from dtm_mpi.ir.types import TensorType
 
 
@@ -69,7 +69,7 @@ def shard_at(ckpt: Path, tensor: str, index: tuple[int, ...]) -> tuple[Path, str
     """Where element ``index`` (global) of ``tensor`` is stored in checkpoint directory
     ``ckpt``: (data file path, shard dataset, shard id, byte offset of the element inside
     the shard's dataset)."""
-    from dtm_mpi.io.files import read_manifest
+    from dtm_mpi.io.ckpt_files import read_manifest
     from dtm_mpi.io.manifest import stored_itemsize
 
     a = read_manifest(ckpt).artifact(tensor)

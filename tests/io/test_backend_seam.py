@@ -18,9 +18,9 @@ import pytest
 from dtm_mpi.errors import IntegrityError, ManifestError
 from dtm_mpi.io.backend import HDF5, ShardBackend, ShardReader, ShardWriter
 from dtm_mpi.io.checkpoint import CheckpointStore
-from dtm_mpi.io.files import MAIN_FILE, chunk_mismatch
+from dtm_mpi.io.ckpt_files import MAIN_FILE, chunk_mismatch
+from dtm_mpi.io.ckpt_plan import TensorSpec
 from dtm_mpi.io.manifest import ArtifactRecord, Manifest, ShardRecord
-from dtm_mpi.io.plan import TensorSpec
 from dtm_mpi.io.store import committed_name, list_checkpoints, remove_path
 from dtm_mpi.ir.types import DType, Layout, TensorType
 from dtm_mpi.sharding.mesh import MeshShape

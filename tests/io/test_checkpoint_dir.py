@@ -23,9 +23,9 @@ import pytest
 from dtm_mpi.cli import run
 from dtm_mpi.errors import ManifestError, StorageError
 from dtm_mpi.io.checkpoint import CheckpointStore
-from dtm_mpi.io.files import MAIN_FILE, read_manifest, verify_checkpoint
+from dtm_mpi.io.ckpt_files import MAIN_FILE, read_manifest, verify_checkpoint
+from dtm_mpi.io.ckpt_plan import TensorSpec
 from dtm_mpi.io.manifest import ArtifactClass
-from dtm_mpi.io.plan import TensorSpec
 from dtm_mpi.io.store import (
     committed_name,
     disk_usage,

@@ -16,9 +16,9 @@ import pytest
 
 from dtm_mpi.errors import CancelledError, IntegrityError, QuotaError, StorageError
 from dtm_mpi.io.checkpoint import CheckpointStore
-from dtm_mpi.io.files import MAIN_FILE, read_manifest
+from dtm_mpi.io.ckpt_files import MAIN_FILE, read_manifest
+from dtm_mpi.io.ckpt_plan import TensorSpec
 from dtm_mpi.io.manifest import ArtifactClass
-from dtm_mpi.io.plan import TensorSpec
 from dtm_mpi.io.store import committed_name, list_checkpoints, read_latest
 from dtm_mpi.ir.types import DType, Layout, TensorType
 from dtm_mpi.sharding.blocks import local_block
@@ -60,7 +60,7 @@ def tensors(mesh: MeshShape, transposed: bool = False) -> list[tuple[str, Tensor
 
 def global_value(name: str, t: TensorType) -> np.ndarray:
     rng = np.random.default_rng(zlib.crc32(name.encode()))
-    from dtm_mpi.ir.ops._common import np_dtype
+    from dtm_mpi.ir.dtypes import np_dtype
 
     dt = np_dtype(t.dtype)
     if dt == np.bool_:
@@ -307,7 +307,7 @@ def test_restore_in_place_into_callers_arrays(comm: Any, mpi_tmp_path: Path, all
     save_on(mpi_tmp_path, comm, src, 2)
     rank = comm.Get_rank()
     targets = tensors(dst, True)
-    from dtm_mpi.ir.ops._common import np_dtype
+    from dtm_mpi.ir.dtypes import np_dtype
 
     mine = {
         name: np.full(local_shape(t.shape, t.layout, dst, rank), 7, dtype=np_dtype(t.dtype))

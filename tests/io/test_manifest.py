@@ -23,6 +23,7 @@ import pytest
 import xxhash
 
 from dtm_mpi.errors import LifecycleError, ManifestError
+from dtm_mpi.io.ckpt_plan import TensorSpec, plan_manifest, plan_save
 from dtm_mpi.io.hashing import canonical_json, chunk_hash, merkle_root, sha256_hex, shard_hash
 from dtm_mpi.io.manifest import (
     FORMAT,
@@ -43,7 +44,6 @@ from dtm_mpi.io.manifest import (
     transition,
     validate_manifest,
 )
-from dtm_mpi.io.plan import TensorSpec, plan_manifest, plan_save
 from dtm_mpi.ir.types import DType, Layout, Partial, ReduceOp, TensorType
 from dtm_mpi.sharding.mesh import MeshShape
 

@@ -18,9 +18,9 @@ import pytest
 from dtm_mpi.cli import run
 from dtm_mpi.errors import IntegrityError, ManifestError, PoisonedError, QuotaError, UsageError
 from dtm_mpi.io.checkpoint import CheckpointStore
-from dtm_mpi.io.files import MAIN_FILE
+from dtm_mpi.io.ckpt_files import MAIN_FILE
+from dtm_mpi.io.ckpt_plan import TensorSpec
 from dtm_mpi.io.manifest import ArtifactClass, Lifecycle, parse_manifest
-from dtm_mpi.io.plan import TensorSpec
 from dtm_mpi.io.store import committed_name, disk_usage, list_checkpoints, read_latest, tree_bytes
 from dtm_mpi.ir.types import DType, Layout, TensorType
 from dtm_mpi.sharding.mesh import MeshShape

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from dtm_mpi.errors import StorageError
-from dtm_mpi.io.files import MAIN_FILE, Verifier, VerifyItem
+from dtm_mpi.io.ckpt_files import MAIN_FILE, Verifier, VerifyItem
 from dtm_mpi.io.store import committed_name
 from dtm_mpi.io.tools import CheckStatus, verify_isolated
 from tests.io.io_helpers import flip_byte

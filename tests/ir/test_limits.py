@@ -12,7 +12,7 @@ import pytest
 
 from dtm_mpi.errors import ParseError, VersionError
 from dtm_mpi.ir import check_text, limits, parse_module, typetext
-from dtm_mpi.ir import files as ir_files
+from dtm_mpi.ir import source_files as ir_files
 
 SPEC = Path(__file__).parents[2] / "docs" / "spec" / "ir.md"
 

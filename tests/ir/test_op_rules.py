@@ -12,7 +12,7 @@ from dtm_mpi.ir import load_module
 from dtm_mpi.ir.registry import OPS, lookup_op
 from dtm_mpi.ir.types import ReduceOp
 from dtm_mpi.runtime.reference import run_reference
-from dtm_mpi.runtime.session import run_simulated
+from dtm_mpi.runtime.simulate import run_simulated
 
 DEQ_PARTIAL = """dtm 1.0
 module deq

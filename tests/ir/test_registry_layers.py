@@ -13,12 +13,12 @@ import pytest
 
 from dtm_mpi.ir import load_module
 from dtm_mpi.ir.registry import OpKind, Trait, all_ops, ops_with
+from dtm_mpi.kernels.dispatch import COMM_OPS, backend_kernels
 from dtm_mpi.kernels.fused import Expr, FusedInput, fused_source
-from dtm_mpi.kernels.registry import COMM_OPS, backend_kernels
 from dtm_mpi.kernels.sources import kernel_source
 from dtm_mpi.plan import program
 from dtm_mpi.runtime.reference import run_reference
-from dtm_mpi.runtime.session import run_simulated
+from dtm_mpi.runtime.simulate import run_simulated
 
 ROOT = Path(__file__).parents[2]
 OPS = all_ops()

@@ -18,7 +18,7 @@ from dtm_mpi.kernels.backends import (
     parse_backend,
     probe_devices,
 )
-from dtm_mpi.kernels.registry import COMM_OPS, backend_kernels
+from dtm_mpi.kernels.dispatch import COMM_OPS, backend_kernels
 
 HAVE_CUPY = importlib.util.find_spec("cupy") is not None
 

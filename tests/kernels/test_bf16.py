@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from dtm_mpi.ir import load_module
-from dtm_mpi.ir.ops._common import round_bf16
+from dtm_mpi.ir.dtypes import round_bf16
 from dtm_mpi.runtime.reference import run_reference
-from dtm_mpi.runtime.session import run_simulated
+from dtm_mpi.runtime.simulate import run_simulated
 
 SOURCE = """dtm 1.0
 module b

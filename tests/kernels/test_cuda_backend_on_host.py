@@ -22,7 +22,7 @@ from dtm_mpi.kernels import cuda_backend, launch
 from dtm_mpi.kernels.backends import BackendKind
 from dtm_mpi.kernels.devices import ArrayBackend
 from dtm_mpi.kernels.fused import Expr, FusedInput
-from dtm_mpi.runtime.session import run_simulated
+from dtm_mpi.runtime.simulate import run_simulated
 from tests.kernels.gpu_emu import EmuCupy, install
 from tests.kernels.kernel_helpers import evaluate
 

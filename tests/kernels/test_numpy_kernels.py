@@ -15,7 +15,7 @@ from dtm_mpi.ir.registry import OPS, lookup_op
 from dtm_mpi.ir.types import Layout, ReduceOp, TensorType
 from dtm_mpi.kernels import COMM_OPS, KernelContext, backend_kernels, kernel_for
 from dtm_mpi.runtime.reference import run_reference
-from dtm_mpi.runtime.session import run_simulated
+from dtm_mpi.runtime.simulate import run_simulated
 from dtm_mpi.sharding import MeshShape, local_block, local_offsets, local_shape, reduce_arrays
 
 LITERAL = "[" + ", ".join(

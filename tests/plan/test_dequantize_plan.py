@@ -12,7 +12,7 @@ from dtm_mpi.errors import PlanError
 from dtm_mpi.ir import load_module
 from dtm_mpi.plan.program import compile_plan, mesh_for
 from dtm_mpi.runtime.reference import run_reference
-from dtm_mpi.runtime.session import run_simulated
+from dtm_mpi.runtime.simulate import run_simulated
 
 # 48 values = 3 blocks of 16 along the last dim, split over tp: at tp=3 every shard holds one
 # whole block (16 values, 1 scale); at tp=2 the values split 24/24 and the scales 2/1.

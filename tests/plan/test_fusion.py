@@ -17,7 +17,7 @@ from dtm_mpi.kernels.backends import BackendKind
 from dtm_mpi.kernels.devices import ArrayBackend
 from dtm_mpi.plan.fusion import FusionNode, fusion_groups
 from dtm_mpi.plan.program import compile_plan, mesh_for
-from dtm_mpi.runtime.session import run_simulated
+from dtm_mpi.runtime.simulate import run_simulated
 from tests.kernels.kernel_helpers import evaluate
 
 MLP = """dtm 1.0

@@ -13,13 +13,13 @@ import pytest
 
 from dtm_mpi.errors import PlanError
 from dtm_mpi.ir import parse_module, verify_module
+from dtm_mpi.ir.dtypes import np_dtype
 from dtm_mpi.ir.nodes import InitKind, Module
-from dtm_mpi.ir.ops._common import np_dtype
 from dtm_mpi.ir.registry import OPS, lookup_op
 from dtm_mpi.ir.verify import function_mesh
 from dtm_mpi.plan.program import compile_plan, mesh_for
 from dtm_mpi.runtime.reference import run_reference
-from dtm_mpi.runtime.session import RunResult, run_simulated
+from dtm_mpi.runtime.simulate import RunResult, run_simulated
 
 VALID = Path(__file__).parent.parent / "ir" / "valid"
 GOLDENS = sorted(p.stem for p in VALID.glob("*.dtm"))

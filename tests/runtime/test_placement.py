@@ -42,7 +42,7 @@ def test_placement_rules() -> None:
 def test_placement_is_what_each_kernel_registered() -> None:
     """``placement`` reads the rule registered with each GPU kernel (it mirrors no dispatch):
     every kernel of both GPU backends has one, and the two backends agree."""
-    from dtm_mpi.kernels.registry import backend_kernels, placement_of
+    from dtm_mpi.kernels.dispatch import backend_kernels, placement_of
 
     for name in backend_kernels("cuda"):
         where = placement_of("cuda", name, [F32], {"dims": (1,), "dim": -1}, 2)

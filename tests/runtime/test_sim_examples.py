@@ -15,7 +15,7 @@ from dtm_mpi.ir.nodes import Module
 from dtm_mpi.plan.cost import function_cost
 from dtm_mpi.plan.program import compile_plan, mesh_for
 from dtm_mpi.runtime.reference import run_reference
-from dtm_mpi.runtime.session import run_simulated
+from dtm_mpi.runtime.simulate import run_simulated
 
 EXAMPLES = Path(__file__).parent.parent.parent / "examples"
 NAMES = ["tp_mlp", "dp_step", "attention", "collectives", "pipeline"]

@@ -14,11 +14,11 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "ir"))
 from test_properties import Case, Style, render, valid_cases
 
 from dtm_mpi.ir import check_text
+from dtm_mpi.ir.dtypes import np_dtype
 from dtm_mpi.ir.nodes import InitKind
-from dtm_mpi.ir.ops._common import np_dtype
 from dtm_mpi.ir.types import DType
 from dtm_mpi.runtime.reference import run_reference
-from dtm_mpi.runtime.session import run_simulated
+from dtm_mpi.runtime.simulate import run_simulated
 
 
 def _close(a: np.ndarray, b: np.ndarray, what: str, dtype: DType) -> None:

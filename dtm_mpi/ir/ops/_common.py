@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
 from dtm_mpi.ir.registry import OpContext
 from dtm_mpi.ir.types import DType, Layout, Partial, ReduceOp, TensorType
 
@@ -112,30 +110,3 @@ def layout_of(
     t: TensorType, dims: tuple[tuple[str, ...], ...], partial: Partial | None
 ) -> TensorType:
     return t.with_layout(Layout(dims, partial))
-
-
-def np_dtype(dtype: DType) -> np.dtype[np.generic]:
-    if dtype is DType.BF16:
-        return np.dtype(np.float32)  # reference semantics compute bf16 in float32
-    return np.dtype(dtype.numpy_name)
-
-
-def as_dtype(a: np.ndarray, t: TensorType) -> np.ndarray:
-    """``a`` as values of ``t``'s dtype: bf16 values are float32 arrays holding numbers that
-    bfloat16 represents (each result rounded to nearest, ties to even, spec §4.2)."""
-    out = np.asarray(a).astype(np_dtype(t.dtype), copy=False)
-    return round_bf16(out) if t.dtype is DType.BF16 else out
-
-
-def round_bf16(x: np.ndarray) -> np.ndarray:
-    """float32 values rounded to the nearest bfloat16 (ties to even), still float32: the top
-    16 bits of the result are the bfloat16's raw bits, the low 16 are zero. Infinities stay,
-    NaN stays NaN (quiet), finite values beyond bfloat16's range become infinities."""
-    f = np.array(x, dtype=np.float32, order="C")  # a copy
-    bits = f.reshape(-1).view(np.uint32)  # 1-d: array arithmetic wraps without warnings
-    lsb = (bits >> np.uint32(16)) & np.uint32(1)
-    rounded = ((bits + np.uint32(0x7FFF) + lsb) & np.uint32(0xFFFF0000)).view(np.float32)
-    nan = np.isnan(rounded) | np.isnan(f.reshape(-1))
-    if nan.any():
-        rounded[nan] = np.float32(np.nan)
-    return rounded.reshape(f.shape)

@@ -15,8 +15,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dtm_mpi.ir.dtypes import as_dtype, np_dtype
 from dtm_mpi.ir.nodes import Attr, Op
-from dtm_mpi.ir.ops._common import as_dtype, dim_index, np_dtype
+from dtm_mpi.ir.ops._common import dim_index
 from dtm_mpi.ir.registry import OpContext, Trait, register_op
 from dtm_mpi.ir.types import DType, TensorType
 

@@ -17,16 +17,16 @@ from typing import Any
 
 import numpy as np
 
+from dtm_mpi.ir.dtypes import as_dtype
 from dtm_mpi.ir.nodes import Op
 from dtm_mpi.ir.ops._common import (
-    as_dtype,
     no_partial,
     require_float,
     require_numeric,
     same_dims,
     same_dtype,
     same_shape,
-)  # fmt: skip
+)
 from dtm_mpi.ir.registry import OPS, OpContext, OpDef, Trait, register_op
 from dtm_mpi.ir.types import DType, ReduceOp, TensorType
 

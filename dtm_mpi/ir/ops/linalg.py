@@ -11,8 +11,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dtm_mpi.ir.dtypes import as_dtype
 from dtm_mpi.ir.nodes import Op
-from dtm_mpi.ir.ops._common import as_dtype, merge_partial, require_numeric, same_dtype
+from dtm_mpi.ir.ops._common import merge_partial, require_numeric, same_dtype
 from dtm_mpi.ir.registry import OpContext, register_op
 from dtm_mpi.ir.types import Layout, ReduceOp, TensorType
 

@@ -17,8 +17,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dtm_mpi.ir.dtypes import as_dtype
 from dtm_mpi.ir.nodes import Op
-from dtm_mpi.ir.ops._common import as_dtype, no_partial, require_float, unsharded_dim
+from dtm_mpi.ir.ops._common import no_partial, require_float, unsharded_dim
 from dtm_mpi.ir.registry import OpContext, ShardExtents, register_op
 from dtm_mpi.ir.types import DType, Layout, TensorType
 

@@ -12,16 +12,16 @@ from typing import Any
 
 import numpy as np
 
+from dtm_mpi.ir.dtypes import as_dtype
 from dtm_mpi.ir.nodes import Op
 from dtm_mpi.ir.ops._common import (
-    as_dtype,
     dim_index,
     merge_partial,
     no_partial,
     require_float,
     require_numeric,
     unsharded_dim,
-)  # fmt: skip
+)
 from dtm_mpi.ir.registry import OpContext, register_op
 from dtm_mpi.ir.types import Layout, ReduceOp, TensorType
 

@@ -14,8 +14,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dtm_mpi.ir.dtypes import as_dtype
 from dtm_mpi.ir.nodes import Op
-from dtm_mpi.ir.ops._common import as_dtype, dim_index, same_dtype, unsharded_dim
+from dtm_mpi.ir.ops._common import dim_index, same_dtype, unsharded_dim
 from dtm_mpi.ir.registry import OpContext, register_op
 from dtm_mpi.ir.types import Layout, TensorType
 

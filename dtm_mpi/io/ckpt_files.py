@@ -40,7 +40,7 @@ from dtm_mpi.io.manifest import (
     validate_manifest,
 )
 from dtm_mpi.io.store import fsync_path
-from dtm_mpi.ir.ops._common import np_dtype
+from dtm_mpi.ir.dtypes import np_dtype
 
 __all__ = [
     "CKPT_FORMAT",

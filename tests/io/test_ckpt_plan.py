@@ -20,9 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dtm_mpi.errors import LayoutError, ManifestError, UsageError
-from dtm_mpi.io.hashing import chunk_hash
-from dtm_mpi.io.manifest import ArtifactClass, Manifest
-from dtm_mpi.io.plan import (
+from dtm_mpi.io.ckpt_plan import (
     CHUNK_BYTES,
     ROUND_BYTES,
     Piece,
@@ -34,6 +32,8 @@ from dtm_mpi.io.plan import (
     plan_restore,
     plan_save,
 )
+from dtm_mpi.io.hashing import chunk_hash
+from dtm_mpi.io.manifest import ArtifactClass, Manifest
 from dtm_mpi.ir.types import DType, Layout, Partial, ReduceOp, TensorType
 from dtm_mpi.sharding.mesh import MeshShape
 
