@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dtm_mpi._version import __version__
 from dtm_mpi.cli_exec import add_exec_commands, runs_under_mpi
@@ -25,9 +25,14 @@ __all__ = ["build_parser", "main", "run"]
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)  # --si is not --sim: options are spelled out
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> None:  # type: ignore[override]
         # decided from the command line alone: the same on every rank (no rank aborts the job)
-        raise agreed(UsageError(f"{self.prog}: {message}"))
+        where = "" if self.prog == "dtm" else f"{self.prog}: "  # the line starts "dtm: error:"
+        raise agreed(UsageError(f"{where}{message}"))
 
 
 def build_parser() -> argparse.ArgumentParser:

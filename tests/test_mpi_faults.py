@@ -34,6 +34,9 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
     full.update(
         OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
         OMPI_MCA_rmaps_base_oversubscribe="1", PYTHONUNBUFFERED="1",
+        # the launcher's SIGKILL follows its SIGTERM after this many seconds (default 1): the
+        # survivors' lines must not depend on a loaded 2-core machine answering within one
+        OMPI_MCA_odls_base_sigkill_timeout="3",
     )  # fmt: skip
     full.update(extra)
     return full

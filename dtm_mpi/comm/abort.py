@@ -72,12 +72,39 @@ EARLY_TERM: list[int] = []
 while this rank was still starting): the presence reports it as soon as it starts."""
 
 
+EARLY_TERM_GRACE_S = 2.0
+"""How long a kept SIGTERM waits for a presence to report it; then it terminates the process
+as usual (commands without a presence, e.g. ``dtm bench ckpt``, are not left running)."""
+
+
 def _early_term(signum: int, frame: object) -> None:
     if _multi_rank():
         EARLY_TERM.append(signum)  # the presence names the gone peers when it starts
+        timer = threading.Timer(EARLY_TERM_GRACE_S, _terminate_unless_taken, args=(signum,))
+        timer.daemon = True
+        timer.start()
         return
-    signal.signal(signum, signal.SIG_DFL)  # not a job of several ranks: terminate as usual
+    _terminate(signum)  # not a job of several ranks: terminate as usual
+
+
+def _terminate_unless_taken(signum: int) -> None:
+    if EARLY_TERM:  # no presence took it
+        _terminate(signum)
+
+
+def _terminate(signum: int) -> None:
+    signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
+
+
+def take_early_term() -> int | None:
+    """The SIGTERM kept before the command's presence existed, if any (taken: it will not
+    also terminate the process)."""
+    if not EARLY_TERM:
+        return None
+    signum = EARLY_TERM[0]
+    EARLY_TERM.clear()
+    return signum
 
 
 def run_or_abort(main: Callable[[], int]) -> int:

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from dtm_mpi.comm.abort import write_line
+from dtm_mpi.comm.abort import ENDING, write_line
 from dtm_mpi.comm.agreement import wait_bounded
 
 __all__ = ["allgather_obj", "alltoallv_bytes", "bcast_obj", "io_deadline"]
@@ -95,14 +95,30 @@ class _Deadlines(threading.Thread):
             for what, phase, rank, deadline, timeout_s in list(self.current.values()):
                 if now <= deadline:
                     continue
-                write_line(
-                    f"[rank {rank}] dtm: error: {what} did not complete within {timeout_s:g} s "
-                    f"on rank {rank} in phase {phase!r}: a peer has failed or is stuck; "
-                    "aborting the job"
+                _end_job(
+                    rank,
+                    f"dtm: error: {what} did not complete within {timeout_s:g} s on rank "
+                    f"{rank} in phase {phase!r}: a peer has failed or is stuck; aborting the job",
                 )
-                from mpi4py import MPI
 
-                MPI.COMM_WORLD.Abort(1)
+
+def _end_job(rank: int, message: str) -> None:  # pragma: no cover  (ends the process)
+    """This rank's one line (unless another thread of it is already ending the job), told to
+    the peers through the command's presence where one runs (a rank the abort kills then
+    prints this line, not a wrong culprit), then the abort."""
+    from mpi4py import MPI
+
+    from dtm_mpi.comm.presence import current
+
+    if not ENDING.acquire(blocking=False):  # another thread of this rank is ending the job
+        while True:
+            time.sleep(3600)
+    write_line(f"[rank {rank}] {message}")
+    presence = current()
+    if presence is not None:
+        presence.control.announce_end(message)
+        presence.control.linger(1.0)
+    MPI.COMM_WORLD.Abort(1)
 
 
 _WATCH: list[_Deadlines] = []  # started on first use (no thread at import time)

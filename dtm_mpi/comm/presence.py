@@ -96,10 +96,11 @@ class Presence:
                 )
                 self._thread.start()
         _CURRENT[:] = [self]
-        from dtm_mpi.comm.abort import EARLY_TERM
+        from dtm_mpi.comm.abort import take_early_term
 
-        if EARLY_TERM and self.size > 1:  # a peer died while this rank was starting
-            self.report_terminated(EARLY_TERM[0])
+        early = take_early_term() if self.size > 1 else None
+        if early is not None:  # a peer died while this rank was starting
+            self.report_terminated(early)
 
     def _doing(self) -> str:
         return self.waiting

@@ -64,6 +64,11 @@ DATA_FORMAT = "dtm-checkpoint-data"
 FORMAT_VERSION = 2
 MAIN_FILE = "checkpoint.h5"
 
+H5_ERRORS: tuple[type[BaseException], ...] = (OSError, KeyError, RuntimeError, ValueError)
+"""What h5py raises on a damaged file (fuzzed metadata: tests/io/test_verify_damage.py). Other
+exceptions (TypeError, AttributeError, MemoryError, ...) are bugs or resource errors, never
+reported as damage: damage can make a restore fall back to an older checkpoint."""
+
 
 def check_file_format(f: h5py.File, path: Path, kind: str = CKPT_FORMAT) -> None:
     """Raise :class:`ManifestError` unless ``f`` is a dtm file of ``kind`` and a version this
@@ -90,7 +95,7 @@ def read_manifest_bytes(ckpt: Path) -> bytes:
             return bytes(f["manifest"][()])
     except ManifestError:  # a StorageError is an OSError too: not an HDF5 read failure
         raise
-    except Exception as exc:  # h5py: OSError, and KeyError/RuntimeError/... on damaged metadata
+    except H5_ERRORS as exc:  # h5py: OSError, and KeyError/RuntimeError/... on damaged metadata
         raise ManifestError(f"{path}: cannot be read as HDF5 ({_h5_reason(exc)})") from None
 
 
@@ -187,11 +192,11 @@ class ShardFiles:
                 raise damaged("data file is missing")
             try:
                 f = h5py.File(path, "r", **self._driver)
-            except Exception as exc:
+            except H5_ERRORS as exc:
                 raise damaged(f"data file cannot be read as HDF5 ({_h5_reason(exc)})") from None
             try:
                 check_file_format(f, path, DATA_FORMAT)
-            except Exception as exc:
+            except H5_ERRORS as exc:
                 f.close()
                 raise damaged(str(exc).removeprefix(f"{path}: ")) from None
             self._open[s.file] = f
@@ -202,7 +207,7 @@ class ShardFiles:
             bad = not isinstance(dset, h5py.Dataset) or tuple(dset.shape) != s.extent or dset.dtype.itemsize != np_dtype(a.dtype).itemsize  # fmt: skip
         except IntegrityError:
             raise
-        except Exception as exc:
+        except H5_ERRORS as exc:
             raise damaged(f"dataset {s.dataset} cannot be read as HDF5 ({_h5_reason(exc)})") from None  # fmt: skip
         if bad:
             got = f"{dset.dtype}{list(dset.shape)}" if isinstance(dset, h5py.Dataset) else "a group"
@@ -238,7 +243,7 @@ class ShardFiles:
             target, sel = out[within], None
         try:
             dset.read_direct(target, source_sel=region or None, dest_sel=sel)
-        except Exception as exc:  # OSError, or anything h5py raises on damaged metadata
+        except H5_ERRORS as exc:  # OSError, or what h5py raises on damaged metadata
             what = f"chunk {first}" if first == last else f"chunks {first}..{last}"
             raise IntegrityError(f"{what} cannot be read ({_h5_reason(exc)})", tensor=a.name, shard=s.id, file=str(self.ckpt / s.file)) from None  # fmt: skip
         return out[within] if within is not None else out
@@ -346,7 +351,7 @@ class Verifier:
             dset = f[a.dataset]
             problem = None if tuple(dset.shape) == a.shape else f"shape {list(dset.shape)} is not {list(a.shape)}"  # fmt: skip
             problem = problem or _virtual_problem(dset, a)
-        except Exception as exc:
+        except H5_ERRORS as exc:
             problem = f"cannot be read as HDF5 ({_h5_reason(exc)})"
         if problem is None:
             return None
@@ -357,7 +362,7 @@ def verify_checkpoint(ckpt: Path) -> list[IntegrityError]:
     """Re-read every stored chunk of checkpoint directory ``ckpt`` and compare it with its
     content hash, and check the main file's virtual datasets; returns one error per damaged
     shard or dataset (naming tensor, shard, chunk and file). Serial, in this process (damaged
-    HDF5 metadata can crash or hang the HDF5 library itself: :func:`dtm_mpi.io.tools.verify`
+    HDF5 metadata can crash or hang the HDF5 library itself: :func:`dtm_mpi.io.tools.verify_isolated`
     runs this in a child process)."""
     manifest = read_manifest(ckpt)
     with Verifier(ckpt, manifest) as v:

@@ -214,7 +214,11 @@ def _run_child(ckpt: Path, start: int, timeout_s: float, on: Callable[[list[Any]
                 on(msg)
     finally:
         os.close(r)
-        _, status = os.waitpid(pid, 0)
+        reaped, status = os.waitpid(pid, os.WNOHANG)
+        if reaped == 0:  # still running: left by an exception here (Ctrl-C) or at the deadline
+            if ended is None and not done:
+                os.kill(pid, signal.SIGKILL)
+            _, status = os.waitpid(pid, 0)  # it exits: killed, or done and closing
     if ended is None and not done:
         if os.WIFSIGNALED(status):
             sig = os.WTERMSIG(status)

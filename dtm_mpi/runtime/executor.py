@@ -18,8 +18,8 @@ from dtm_mpi.comm.interface import Comm
 from dtm_mpi.config import get_config
 from dtm_mpi.errors import CommError, DtmError, KernelError
 from dtm_mpi.faults import maybe_fail
-from dtm_mpi.ir.dtypes import np_dtype
-from dtm_mpi.ir.types import TensorType
+from dtm_mpi.ir.dtypes import np_dtype, round_bf16
+from dtm_mpi.ir.types import DType, TensorType
 from dtm_mpi.kernels.backends import parse_backend
 from dtm_mpi.kernels.devices import ArrayBackend, open_backend
 from dtm_mpi.kernels.dispatch import Kernel, KernelContext, backend_kernels
@@ -277,7 +277,10 @@ class Executor:
             return outs
         if kind is OpKind.REDIST:
             assert p.redist is not None
-            return (run_redistribution(p.redist, self._specs(p), xs[0], self.comm, self.backend),)
+            out = run_redistribution(p.redist, self._specs(p), xs[0], self.comm, self.backend)
+            if op.result_types[0].dtype is DType.BF16 and isinstance(out, np.ndarray):
+                out = round_bf16(out)  # a reduction over ranks adds bf16 values in binary32
+            return (out,)
         if kind is OpKind.BROADCAST:
             return (self.comm.broadcast(xs[0], p.axes, p.root),)
         if kind is OpKind.SEND:

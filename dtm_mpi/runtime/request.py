@@ -181,9 +181,18 @@ def check_capabilities(module: Module, backend: str) -> None:
     not provide with ``backend``."""
     missing = sorted(required_capabilities(module) - set(capabilities(backend)))
     if missing:
+        where = next(
+            (
+                f"{span.file}:{span.line}:{span.col}: "
+                for f in module.functions
+                for cap, span in zip(f.requires, f.requires_spans, strict=False)
+                if cap == missing[0] and span.line > 0
+            ),
+            "",
+        )
         raise BackendError(
-            f"module {module.name} requires {', '.join(missing)}, which this runtime (backend "
-            f"{backend}) does not provide"
+            f"{where}module {module.name} requires {', '.join(missing)}, which this runtime "
+            f"(backend {backend}) does not provide"
         )
 
 

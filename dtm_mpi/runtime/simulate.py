@@ -125,8 +125,9 @@ def check_output_keys(entry: Function) -> None:
     for p in entry.params:
         key = p.name.lstrip("%")
         if key in results:
+            where = f"{p.span.file}:{p.span.line}:{p.span.col}: " if p.span.line > 0 else ""
             raise UsageError(
-                f"parameter {p.name} of @{entry.name} would be written as {key!r}, the key of "
+                f"{where}parameter {p.name} of @{entry.name} would be written as {key!r}, the key of "
                 f"result {key.removeprefix('result')} of the output file: results and "
                 "parameters never share a key; rename the parameter"
             )

@@ -48,7 +48,7 @@ def _unary_module(op: str, dtype: str, partial: str, reduce: str) -> str:
     return f"""dtm 1.0
 module u
 mesh @m = [tp=2]
-entry func @main(%x: {dtype}[4,6]{{-,tp}}) -> {dtype}[4] on @m {{
+entry func @main(%x: {dtype}[4,3]{{-,tp}}) -> {dtype}[4] on @m {{
   %r = {reduce} %x dims [1] : {dtype}[4] partial({partial}: tp)
   %y = {op} %r : {dtype}[4] partial({partial}: tp)
   %z = allreduce {partial} %y on tp : {dtype}[4]
@@ -62,9 +62,9 @@ entry func @main(%x: {dtype}[4,6]{{-,tp}}) -> {dtype}[4] on @m {{
 def test_sigmoid_passes_pending_max_and_min(reduce: str, partial: str, ranks: int) -> None:
     """sigmoid is non-decreasing, so it commutes with max and min: the distributed value
     (sigmoid of each rank's partial, then the reduction) equals the reference at every rank
-    count, empty blocks (-inf / +inf identities) included."""
+    count, empty blocks (-inf / +inf identities: 3 columns over 4 ranks) included."""
     module = load_module(_unary_module("sigmoid", "f32", partial, reduce), "u.dtm")
-    x = np.random.default_rng(1).standard_normal((4, 6)).astype(np.float32) * 4
+    x = np.random.default_rng(1).standard_normal((4, 3)).astype(np.float32) * 4
     got = run_simulated(module, ranks, binding={"tp": ranks}, inputs={"x": x})
     _, want = run_reference(module, {"x": x})
     np.testing.assert_array_equal(got.results[0][0], want[0][0])
@@ -152,3 +152,20 @@ def test_max_min_over_an_empty_dim_are_the_identities(nranks: int) -> None:
     sim = run_simulated(module, nranks)
     for ref, got in zip(history[0], sim.results[0], strict=True):
         np.testing.assert_array_equal(ref, got)
+
+
+def test_sigmoid_of_f16_is_computed_in_binary32() -> None:
+    """As the GPU kernels do: exp(12) overflows f16, yet sigmoid(-12) ~ 6.1e-6 is an f16
+    number, so the reference must not give 0 there."""
+    src = """dtm 1.0
+module s
+entry func @main(%x: f16[3]) -> f16[3] {
+  %y = sigmoid %x : f16[3]
+  return %y
+}
+"""
+    x = np.array([-12.0, 0.0, 12.0], dtype=np.float16)
+    _, got = run_reference(load_module(src, "s.dtm"), {"x": x})
+    want = (1 / (1 + np.exp(-x.astype(np.float64)))).astype(np.float16)
+    np.testing.assert_array_equal(got[0][0], want)
+    assert got[0][0][0] > 0

@@ -56,3 +56,28 @@ def test_bf16_results_are_rounded_in_the_reference_and_the_numpy_kernels(ranks: 
     np.testing.assert_array_equal(ref[0][0], b)
     np.testing.assert_array_equal(ref[0][1], round_bf16(round_bf16(np.exp(b)) + b))
     np.testing.assert_array_equal(got.results[0][1], ref[0][1])  # elementwise: exact
+
+
+SHARDED_CONTRACTION = """dtm 1.0
+module c
+mesh @m = [tp=2]
+entry func @main(%x: f32[4,8]{-,tp} init normal(seed=5, std=1.0), %w: f32[8,4]{tp,-} init normal(seed=6, std=1.0)) -> (bf16[4,4], bf16[4]) on @m {
+  %xb = cast %x : bf16[4,8]{-,tp}
+  %wb = cast %w : bf16[8,4]{tp,-}
+  %p = matmul %xb, %wb : bf16[4,4] partial(sum: tp)
+  %y = allreduce sum %p on tp : bf16[4,4]
+  %q = sum %xb dims [1] : bf16[4] partial(sum: tp)
+  %z = allreduce sum %q on tp : bf16[4]
+  return %y, %z
+}
+"""
+
+
+@pytest.mark.parametrize("nranks", [2, 3, 4])
+def test_bf16_sums_over_ranks_are_rounded(nranks: int) -> None:
+    """A contraction or reduction over a sharded dim adds the ranks' bf16 blocks in binary32;
+    the completed value is rounded again, so it is still a bfloat16 number."""
+    module = load_module(SHARDED_CONTRACTION, "c.dtm")
+    result = run_simulated(module, nranks)
+    for value in result.results[0]:
+        assert not _bits_low(value).any(), value

@@ -40,7 +40,11 @@ def _gelu(xp: Any, x: Arr) -> Any:
 
 
 def _sigmoid(xp: Any, x: Arr) -> Any:
-    # 1 / (1 + exp(-x)): exp(-x) overflows to inf for very negative x, giving exactly 0
+    # 1 / (1 + exp(-x)): exp(-x) overflows to inf for very negative x, giving exactly 0. f16 is
+    # computed in binary32 (as the GPU kernels do), else exp(-x) overflows f16 from x < -11
+    # and the result would be 0 where f16 holds it (sigmoid(-12) ~ 6e-6).
+    if x.dtype == np.float16:
+        x = x.astype(np.float32)
     with np.errstate(over="ignore"):
         return 1.0 / (1.0 + xp.exp(-x))
 
