@@ -329,6 +329,6 @@ def test_checker_finds_upward_and_mpi4py(tmp_path: Path) -> None:
         },
     )
     up = sorted((i.source, i.target) for i in upward_imports(root))
-    assert up == [("dtm_mpi.plan.p", "dtm_mpi.kernels.dispatch"), ("dtm_mpi.sharding.s", "dtm_mpi.comm.x")]  # fmt: skip
+    assert up == [("dtm_mpi.plan.p", "dtm_mpi.kernels.registry"), ("dtm_mpi.sharding.s", "dtm_mpi.comm.x")]  # fmt: skip
     mpi = sorted((i.source, i.target) for i in mpi4py_imports(root))
     assert mpi == [("dtm_mpi.io.f", "mpi4py.MPI"), ("dtm_mpi.runtime.r", "mpi4py")]

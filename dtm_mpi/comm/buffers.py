@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from dtm_mpi.sharding.retention import ALIGN_FROM, REUSE_UP_TO
+from dtm_mpi.sharding.retention import ALIGN_FROM
 
 __all__ = ["OutputCache", "empty_aligned", "tune_allocator"]
 
@@ -74,10 +74,9 @@ class OutputCache:
     of it, any more. The executor frees values after their last use, so each step usually gets
     the same warm, page-aligned buffer instead of a fresh allocation (what a caching allocator
     does). Reference counts decide: a free buffer is referenced only by the cache's tuple, the
-    local name and the ``getrefcount`` argument. Buffers above ``REUSE_UP_TO`` are not kept: a
-    kept buffer is memory the plan's accounting does not count."""
-
-    REUSE_UP_TO = REUSE_UP_TO
+    local name and the ``getrefcount`` argument. Every size is kept (one buffer per op): the
+    planner counts it (``dtm_mpi.sharding.retention.kept_bytes``, "kept outputs" in ``dtm
+    explain``, and ``--max-bytes-per-rank``)."""
 
     def __init__(self) -> None:
         self._kept: dict[int, tuple[Any, np.ndarray, Any]] = {}
@@ -90,6 +89,5 @@ class OutputCache:
             if sys.getrefcount(out) == 3 and (owner is None or sys.getrefcount(owner) == 4):
                 return out
         out = empty_aligned(shape, dtype) if big else np.empty(shape, dtype)
-        if out.nbytes <= self.REUSE_UP_TO:
-            self._kept[id(key)] = (key, out, out.base)
+        self._kept[id(key)] = (key, out, out.base)
         return out

@@ -9,7 +9,7 @@ Memory: the bytes of the local arrays alive on a rank. Entry parameters are aliv
 an op's results are allocated while its operands are still alive, plus the redistribution's
 temporaries (its peak extra bytes) or, for a call, the callee's own peak; values are freed
 after their last use (:attr:`PlanOp.frees`). On the MPI path each repeated collective also
-keeps its last output buffer for reuse when it is between 64 KiB and 4 MiB
+keeps its last output buffer for reuse when it is 64 KiB or more
 (:mod:`dtm_mpi.sharding.retention`): :attr:`FunctionCost.retained` bounds that memory, which is
 not in any value's lifetime.
 """

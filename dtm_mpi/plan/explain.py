@@ -82,7 +82,7 @@ def explain_text(plan: ExecPlan) -> str:
         f"  bytes received: {per_rank([human_bytes(b) for b in entry_cost.received])}",
         f"  peak memory:    {per_rank([human_bytes(b) for b in entry_cost.peak])}",
         f"  + kept outputs: {per_rank([human_bytes(b) for b in entry_cost.retained])}"
-        "  (MPI: collective outputs of 64 KiB..4 MiB kept for reuse, at most)",
+        "  (MPI: collective outputs of 64 KiB or more kept for reuse, one per op, at most)",
     ]
     return "\n".join(lines) + "\n"
 
