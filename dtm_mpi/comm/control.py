@@ -60,8 +60,9 @@ class Control:
         self._pending: list[Any] = []  # isend requests and their payloads stay alive here
         self._status = mpi.Status()
         self.doing = doing  # what this rank is communicating now ("" = nothing)
-        self._phase = "session"
-        self.seq = 0  # phases entered so far: every rank runs the same sequence of phases
+        # (phase, phases entered so far: every rank runs the same sequence of phases), one
+        # value so that the other thread never reads a new phase with the old count
+        self._where: tuple[str, int] = ("session", 0)
         # failed rank -> (reporter, phase, message): the failures this rank knows of
         self.known: dict[int, tuple[int, str, str]] = {}
         self.changed = 0.0  # when ``known`` last grew (monotonic)
@@ -69,12 +70,15 @@ class Control:
 
     @property
     def phase(self) -> str:
-        return self._phase
+        return self._where[0]
 
     @phase.setter
     def phase(self, value: str) -> None:
-        self._phase = value
-        self.seq += 1
+        self._where = (value, self._where[1] + 1)
+
+    @property
+    def seq(self) -> int:
+        return self._where[1]
 
     def _merge(self, reporter: int, failures: list[tuple[int, str, str]]) -> None:
         """Add ``failures`` as reported by ``reporter``. For a rank reported more than once,
@@ -177,7 +181,8 @@ class Control:
         while self.ctrl.Iprobe(self.MPI.ANY_SOURCE, TAG_PING, self._status):
             source = self._status.Get_source()
             self.ctrl.recv(source=source, tag=TAG_PING)
-            answer = (self.rank, self.doing(), self._phase, self.seq)
+            phase, seq = self._where
+            answer = (self.rank, self.doing(), phase, seq)
             self._pending.append(self.ctrl.isend(answer, dest=source, tag=TAG_PONG))
 
     def liveness(self, bound: float) -> Liveness:
@@ -215,5 +220,6 @@ class Control:
         killed, so the survivors name the same ranks."""
         heard = self.survey(bound)
         silent = tuple(r for r in range(self.size) if r != self.rank and r not in heard)
-        phases = [(self.seq, self._phase), *((s, ph) for _, ph, s in heard.values())]
+        phase, seq = self._where
+        phases = [(seq, phase), *((s, ph) for _, ph, s in heard.values())]
         return silent, max(phases)[1]

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from dtm_mpi.comm.world import world_comm  # the one definition (re-exported here)
+
 __all__ = ["dup", "free", "self_comm", "split", "thread_multiple", "world_comm", "world_size"]
 
 
@@ -22,13 +24,6 @@ def self_comm() -> Any:
     from mpi4py import MPI
 
     return MPI.COMM_SELF
-
-
-def world_comm() -> Any:
-    """``MPI.COMM_WORLD``: every process of the job."""
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD
 
 
 def world_size() -> int:
