@@ -23,9 +23,9 @@ memory a kernel still reads), then takes one of two paths:
 
 Float max/min stay staged even when MPI is GPU-aware: MpiComm folds them in group order on
 the host because MPI implementations drop NaN there, and a device array must give the host
-array's result. The direct path uses MpiComm's own helpers (``_call``, ``_native``,
-``_move``, ``_ops``, ``_sends``, ``limit``) rather than copies of them: this module is
-MpiComm's friend within ``dtm_mpi.comm``, so the two cannot drift apart.
+array's result. The direct path uses MpiComm's public primitives (``call``, ``native_type``,
+``move_type``, ``reduce_op``, ``exchange_plan``, ``post_send``, ``recv_into``, ``limit``) rather than copies
+of them, so the two cannot drift apart.
 
 Host numpy arrays pass straight through to the inner comm. :attr:`DeviceComm.paths` counts
 which path each operation took (and why it staged) for the run log and tests.
@@ -266,7 +266,7 @@ class DeviceComm:
             return "empty array"
         if not contiguous:
             return "not C-contiguous"
-        if np.dtype(dtype).itemsize not in mpi._move:
+        if mpi.move_type(np.dtype(dtype).itemsize) is None:
             return f"no MPI type moves {np.dtype(dtype).itemsize}-byte items"
         if size > mpi.limit:
             return "more elements than one MPI message (DTM_MAX_MSG_ELEMS)"
@@ -327,11 +327,11 @@ class DeviceComm:
         shape = list(x.shape)
         shape[spec.dim] = sum(spec.extents)
         out = self.ops.empty(tuple(shape), x.dtype)  # the blocks land in place, in rank order
-        mtype = mpi._move[x.dtype.itemsize]
+        mtype = mpi.move_type(x.dtype.itemsize)
         if len(set(counts)) == 1:  # as MpiComm: Allgather for equal blocks, else Allgatherv
-            mpi._call(comm, "Allgather", "allgather", axes, [x, mtype], [out, mtype])
+            mpi.call(comm, "Allgather", "allgather", axes, [x, mtype], [out, mtype])
         else:
-            mpi._call(comm, "Allgatherv", "allgather", axes, [x, mtype], [out, (counts, starts_of(counts)), mtype])  # fmt: skip
+            mpi.call(comm, "Allgatherv", "allgather", axes, [x, mtype], [out, (counts, starts_of(counts)), mtype])  # fmt: skip
         mpi.stats.record("allgather", *allgather_traffic(int(x.nbytes), int(out.nbytes), len(counts)))  # fmt: skip
         self.paths.direct["allgather"] += 1
         return out
@@ -343,14 +343,14 @@ class DeviceComm:
             return self.inner.allreduce(x, axes, spec)
         self.ops.synchronize()
         mpi = self._direct(tuple(x.shape), x.dtype, _contiguous(x), True)
-        if not isinstance(mpi, str) and mpi._native(x, spec.op) is None:
+        if not isinstance(mpi, str) and mpi.native_type(x, spec.op) is None:
             mpi = NOT_NATIVE
         if isinstance(mpi, str):
             return self._staged("allreduce", mpi, x, lambda h: self.inner.allreduce(h, axes, spec))  # fmt: skip
         comm = mpi.session.group(axes)
-        mtype = mpi._native(x, spec.op)
+        mtype = mpi.native_type(x, spec.op)
         out = self.ops.empty(tuple(x.shape), x.dtype)
-        mpi._call(comm, "Allreduce", "allreduce", axes, [x, mtype], [out, mtype], op=mpi._ops[spec.op])  # fmt: skip
+        mpi.call(comm, "Allreduce", "allreduce", axes, [x, mtype], [out, mtype], op=mpi.reduce_op(spec.op))  # fmt: skip
         moved = allreduce_moved(_like(x), len(spec.group), spec.position)
         mpi.stats.record("allreduce", moved, moved)
         self.paths.direct["allreduce"] += 1
@@ -369,7 +369,7 @@ class DeviceComm:
             mpi = "scattered along an inner dim (the pieces would need packing)"
         if not isinstance(mpi, str) and min(counts) == 0:
             mpi = "a member's piece is empty"
-        if not isinstance(mpi, str) and mpi._native(x, spec.op) is None:
+        if not isinstance(mpi, str) and mpi.native_type(x, spec.op) is None:
             mpi = NOT_NATIVE
         if isinstance(mpi, str):
             return self._staged("reduce_scatter", mpi, x, lambda h: self.inner.reduce_scatter(h, axes, spec))  # fmt: skip
@@ -377,9 +377,9 @@ class DeviceComm:
         shape = list(x.shape)
         shape[spec.dim] = spec.pieces[spec.position][1]
         out = self.ops.empty(tuple(shape), x.dtype)  # this member's piece, reduced in place
-        mtype = mpi._native(x, spec.op)
+        mtype = mpi.native_type(x, spec.op)
         name, extra = reduce_scatter_call(counts)  # the call MpiComm makes for these counts
-        mpi._call(comm, name, "reduce_scatter", axes, [x, mtype], [out, mtype], *extra, op=mpi._ops[spec.op])  # fmt: skip
+        mpi.call(comm, name, "reduce_scatter", axes, [x, mtype], [out, mtype], *extra, op=mpi.reduce_op(spec.op))  # fmt: skip
         mpi.stats.record("reduce_scatter", *reduce_scatter_traffic(int(x.nbytes), int(out.nbytes), len(counts)))  # fmt: skip
         self.paths.direct["reduce_scatter"] += 1
         return out
@@ -394,7 +394,7 @@ class DeviceComm:
         mpi = self._direct(tuple(x.shape), x.dtype, True, True)
         if not isinstance(mpi, str) and spec.max_count > mpi.limit:
             mpi = "a message above one MPI message (DTM_MAX_MSG_ELEMS)"  # group-wide
-        plan = None if isinstance(mpi, str) else mpi._exchange_plan(spec, tuple(x.shape))
+        plan = None if isinstance(mpi, str) else mpi.exchange_plan(spec, tuple(x.shape))
         if plan is not None and not (plan.send_run == (0, x.size) and plan.recv_in_place):
             mpi = "pieces not back to back (they would need packing)"
         if isinstance(mpi, str):
@@ -404,11 +404,11 @@ class DeviceComm:
         assert plan is not None
         comm = mpi.session.group(axes)
         out = self.ops.empty(tuple(spec.out_shape), x.dtype)  # every piece lands in place
-        mtype = mpi._move[x.dtype.itemsize]
+        mtype = mpi.move_type(x.dtype.itemsize)
         if spec.uniform:
-            mpi._call(comm, "Alltoall", what, axes, [x, mtype], [out, mtype])
+            mpi.call(comm, "Alltoall", what, axes, [x, mtype], [out, mtype])
         else:
-            mpi._call(comm, "Alltoallv", what, axes, [x, (plan.sc, plan.sd), mtype], [out, (plan.rc, plan.rd), mtype])  # fmt: skip
+            mpi.call(comm, "Alltoallv", what, axes, [x, (plan.sc, plan.sd), mtype], [out, (plan.rc, plan.rd), mtype])  # fmt: skip
         mpi.stats.record(what, plan.traffic[0] * x.dtype.itemsize, plan.traffic[1] * x.dtype.itemsize)  # fmt: skip
         self.paths.direct[what] += 1
         return out
@@ -432,7 +432,7 @@ class DeviceComm:
         comm = mpi.session.group(axes)
         is_root = int(comm.Get_rank()) == root
         buf = x if is_root else self.ops.empty(tuple(x.shape), x.dtype)
-        mpi._call(comm, "Bcast", "broadcast", axes, [buf, mpi._move[x.dtype.itemsize]], root=root)  # fmt: skip
+        mpi.call(comm, "Bcast", "broadcast", axes, [buf, mpi.move_type(x.dtype.itemsize)], root=root)  # fmt: skip
         mpi.stats.record("broadcast", *broadcast_traffic(int(x.nbytes), int(comm.Get_size()), is_root))  # fmt: skip
         self.paths.direct["broadcast"] += 1
         return buf
@@ -452,8 +452,7 @@ class DeviceComm:
             self.inner.send(self._to_pinned(x), peer, tag)  # copies: the buffer is free again
             return
         mpi.session.check()
-        req = mpi.session.cart.Isend([x, mpi._move[x.dtype.itemsize]], dest=peer, tag=tag)
-        mpi._sends.append((req, x))  # MpiComm's flush waits for it (bounded)
+        mpi.post_send(x, x.dtype.itemsize, peer, tag)  # MpiComm's flush waits for it (bounded)
         mpi.stats.record("send", int(x.nbytes), 0)
         self.paths.direct["send"] += 1
 
@@ -476,14 +475,7 @@ class DeviceComm:
             self._note_staged("recv", mpi)
             return self.ops.to_device(self.inner.recv(shape, dtype, peer, tag))
         out = self.ops.empty(tuple(shape), np.dtype(dtype))
-        mtype = mpi._move[np.dtype(dtype).itemsize]
-        status = mpi.MPI.Status()
-        session = mpi.session
-        if session.watchdog is not None:
-            session.guarded(session.cart.Recv, "recv", (), [out, mtype], source=peer, tag=tag, status=status)  # fmt: skip
-        else:
-            session.wait(session.cart.Irecv([out, mtype], source=peer, tag=tag), "recv", status=status)  # fmt: skip
-        got, want = int(status.Get_count(mtype)), math.prod(shape)
+        got, want = mpi.recv_into(out, np.dtype(dtype).itemsize, peer, tag), math.prod(shape)
         if got != want:
             raise CommError(
                 f"rank {self.rank}: recv from rank {peer} tag {tag} got {got} elements, "

@@ -22,7 +22,16 @@ from typing import Protocol
 import numpy as np
 
 from dtm_mpi.sharding.mesh import MeshShape
-from dtm_mpi.sharding.steps import AllgatherSpec, AllreduceSpec, ExchangeSpec, ReduceScatterSpec
+from dtm_mpi.sharding.steps import (
+    AllgatherSpec,
+    AllreduceSpec,
+    ExchangeSpec,
+    ReduceScatterSpec,
+    allgather_traffic,
+    allreduce_moved_items,
+    exchange_traffic,
+    reduce_scatter_traffic,
+)
 
 __all__ = [
     "Comm", "CommStats", "allgather_traffic", "allreduce_moved", "broadcast_traffic",
@@ -30,40 +39,20 @@ __all__ = [
 ]  # fmt: skip
 
 
+# The logical bytes a member sends and receives in each collective: the step-kind table's own
+# formulas (dtm_mpi.sharding.steps, re-exported here), shared by every Comm implementation.
+
+
 def allreduce_moved(x: np.ndarray, group_size: int, position: int) -> int:
     """The logical bytes one member sends (= receives) in an allreduce of ``x``: a
     reduce-scatter of the flat array in §5 pieces, then an allgather of the reduced pieces
     (the accounting of ``dtm_mpi.sharding.redistribute``)."""
-    k, m = group_size, x.size
-    b = -(-m // k) if k else 0
-    own = max(0, min(b, m - position * b))
-    return ((m - own) + (k - 1) * own) * x.itemsize
-
-
-# The logical bytes a member sends and receives in each collective, the same rules as the
-# planner's accounting (dtm_mpi.sharding.redistribute), shared by every Comm implementation.
-
-
-def allgather_traffic(in_nbytes: int, out_nbytes: int, group_size: int) -> tuple[int, int]:
-    """Its block to every other member; every other member's block."""
-    return (group_size - 1) * in_nbytes, out_nbytes - in_nbytes
-
-
-def reduce_scatter_traffic(in_nbytes: int, out_nbytes: int, group_size: int) -> tuple[int, int]:
-    """Every piece but its own, to its owner; its piece from every other member."""
-    return in_nbytes - out_nbytes, (group_size - 1) * out_nbytes
+    return allreduce_moved_items(x.size, group_size, position) * x.itemsize
 
 
 def broadcast_traffic(nbytes: int, group_size: int, is_root: bool) -> tuple[int, int]:
     """The root sends its block to every other member; the others receive it."""
     return ((group_size - 1) * nbytes, 0) if is_root else (0, nbytes)
-
-
-def exchange_traffic(spec: ExchangeSpec, rank: int, itemsize: int) -> tuple[int, int]:
-    """The transfers to and from other ranks (a rank's copy to itself moves nothing)."""
-    sent = sum(t.count for t in spec.sends if t.peer != rank)
-    received = sum(t.count for t in spec.recvs if t.peer != rank)
-    return sent * itemsize, received * itemsize
 
 
 @dataclass(slots=True)

@@ -48,7 +48,7 @@ from dtm_mpi.sharding.steps import (
     back_to_back,
 )
 
-__all__ = ["MpiComm", "reduce_scatter_call", "starts_of"]
+__all__ = ["ExchangePlan", "MpiComm", "reduce_scatter_call", "starts_of"]
 
 
 def starts_of(counts: list[int]) -> list[int]:
@@ -57,7 +57,7 @@ def starts_of(counts: list[int]) -> list[int]:
     return [0, *itertools.accumulate(counts[:-1])]
 
 
-class _ExchangePlan:
+class ExchangePlan:
     """Counts, displacements and the zero-copy decisions of one exchange on one rank."""
 
     __slots__ = ("rc", "rd", "recv_in_place", "recv_offsets", "sc", "sd",
@@ -113,7 +113,7 @@ class MpiComm:
             for k, v in (("f4", mpi.FLOAT), ("f8", mpi.DOUBLE), ("i1", mpi.INT8_T),
                          ("i4", mpi.INT32_T), ("i8", mpi.INT64_T), ("u1", mpi.UINT8_T))
         }  # fmt: skip
-        self._plans: dict[tuple[int, tuple[int, ...]], _ExchangePlan] = {}
+        self._plans: dict[tuple[int, tuple[int, ...]], ExchangePlan] = {}
         # bound calls for repeated steps, by id of the step spec: (spec, dtype, axes, shape, fn)
         self._prepared: dict[int, tuple[Any, Any, tuple[str, ...], tuple[int, ...], Any]] = {}
         self._bcast: dict[tuple[Any, ...], Callable[[np.ndarray], np.ndarray]] = {}
@@ -149,9 +149,7 @@ class MpiComm:
         out = empty_aligned(sum(counts), dtype=send.dtype)
         starts = starts_of(counts)
         if max(counts, default=0) <= self.limit:
-            self._call(
-                comm, "Allgatherv", what, axes, [send, mtype], [out, (counts, starts), mtype]
-            )
+            self.call(comm, "Allgatherv", what, axes, [send, mtype], [out, (counts, starts), mtype])
             return out
         rounds = max(-(-c // self.limit) for c in counts)
         me = int(comm.Get_rank())
@@ -160,7 +158,7 @@ class MpiComm:
             part = [max(0, min(self.limit, c - lo)) for c in counts]
             piece = empty_aligned(sum(part), dtype=send.dtype)
             displs = starts_of(part)
-            self._call(
+            self.call(
                 comm,
                 "Allgatherv",
                 what,
@@ -182,7 +180,7 @@ class MpiComm:
         sd = starts_of(sc)
         rd = starts_of(rc)
         if max_count <= self.limit:
-            self._call(
+            self.call(
                 comm, "Alltoallv", what, axes, [sbuf, (sc, sd), mtype], [rbuf, (rc, rd), mtype]
             )
             return rbuf
@@ -196,7 +194,7 @@ class MpiComm:
             got = empty_aligned(sum(rc_r), dtype=sbuf.dtype)
             sd_r = starts_of(sc_r)
             rd_r = starts_of(rc_r)
-            self._call(
+            self.call(
                 comm,
                 "Alltoallv",
                 what,
@@ -230,7 +228,7 @@ class MpiComm:
             return functools.partial(self._outputs.get, key, shape, dtype, True)
         return functools.partial(np.empty, shape, dtype)
 
-    def _call(self, comm: Any, name: str, what: str, axes: tuple[str, ...], *args: Any, **kwargs: Any) -> None:  # fmt: skip
+    def call(self, comm: Any, name: str, what: str, axes: tuple[str, ...], *args: Any, **kwargs: Any) -> None:  # fmt: skip
         """Run MPI operation ``name`` (e.g. ``Allreduce``) on ``comm`` within the deadline:
         the blocking call under the watchdog's guard where the watchdog runs (MPI's fastest
         paths), else the non-blocking variant and the session's polling wait."""
@@ -243,7 +241,7 @@ class MpiComm:
                 getattr(comm, "I" + name[0].lower() + name[1:])(*args, **kwargs), what, axes
             )
 
-    def _native(self, x: np.ndarray, op: ReduceOp) -> Any | None:
+    def native_type(self, x: np.ndarray, op: ReduceOp) -> Any | None:
         """The MPI datatype to reduce ``x`` with MPI's own ``op``, or None to gather and fold
         in group order: in deterministic mode, for types MPI lacks (f16, bool), and for float
         max/min (MPI implementations drop NaN there; the fold keeps numpy's NaN rule)."""
@@ -252,6 +250,39 @@ class MpiComm:
         if x.dtype.kind == "f" and op in (ReduceOp.MAX, ReduceOp.MIN):
             return None
         return self._by_dtype.get(x.dtype)
+
+    # -- primitives of the direct device path (DeviceComm) ----------------------------------
+    # DeviceComm hands device buffers to MPI through these, so its calls are exactly the
+    # calls this class makes for host arrays (same datatypes, operations, deadline guard).
+    def move_type(self, itemsize: int) -> Any | None:
+        """The MPI datatype that moves items of ``itemsize`` bytes bit-exactly (the unsigned
+        integer of that size), or None where MPI has none."""
+        return self._move.get(itemsize)
+
+    def reduce_op(self, op: ReduceOp) -> Any:
+        """MPI's own operation for ``op``."""
+        return self._ops[op]
+
+    def post_send(self, buf: Any, itemsize: int, peer: int, tag: int) -> None:
+        """Point-to-point (not collective): post one ``Isend`` of ``buf`` (items of
+        ``itemsize`` bytes, at most :attr:`limit` of them) to ``peer`` and keep ``buf`` alive
+        until :meth:`flush` has waited for it."""
+        req = self.session.cart.Isend([buf, self._move[itemsize]], dest=peer, tag=tag)
+        self._sends.append((req, buf))
+
+    def recv_into(self, buf: Any, itemsize: int, peer: int, tag: int) -> int:
+        """Point-to-point (not collective): a bounded wait for one message from ``peer`` with
+        ``tag`` into ``buf`` (room for items of ``itemsize`` bytes, at most :attr:`limit`);
+        returns the number of items received."""
+        mtype = self._move[itemsize]
+        status = self.MPI.Status()
+        session = self.session
+        if session.watchdog is not None:
+            session.guarded(session.cart.Recv, "recv", (), [buf, mtype], source=peer, tag=tag, status=status)  # fmt: skip
+        else:
+            req = session.cart.Irecv([buf, mtype], source=peer, tag=tag)
+            session.wait(req, "recv", status=status)
+        return int(status.Get_count(mtype))
 
     # -- the interface ------------------------------------------------------------------------
     def allgather(self, x: np.ndarray, axes: tuple[str, ...], spec: AllgatherSpec) -> np.ndarray:
@@ -265,7 +296,7 @@ class MpiComm:
             send = self._flat(x)
             flat = empty_aligned(counts[0] * len(counts), dtype=send.dtype)
             mtype = self._move[x.itemsize]
-            self._call(comm, "Allgather", "allgather", axes, [send, mtype], [flat, mtype])
+            self.call(comm, "Allgather", "allgather", axes, [send, mtype], [flat, mtype])
         else:
             flat = self._allgatherv(comm, self._flat(x), list(counts), "allgather", axes)
         values = flat.view(x.dtype)
@@ -296,7 +327,7 @@ class MpiComm:
             return p[4](x)  # type: ignore[no-any-return]
         comm = self.session.group(axes)
         k = len(spec.group)
-        mtype = self._native(x, spec.op)
+        mtype = self.native_type(x, spec.op)
         if mtype is None:  # gather and fold in group order
             flat = self._allgatherv(comm, self._flat(x), [x.size] * k, "allreduce", axes)
             parts = flat.view(x.dtype).reshape(k, *x.shape)
@@ -308,13 +339,13 @@ class MpiComm:
             send = x if x.flags.c_contiguous else np.ascontiguousarray(x)
             out = empty_aligned(x.shape, dtype=x.dtype)
             op = self._ops[spec.op]
-            self._call(comm, "Allreduce", "allreduce", axes, [send, mtype], [out, mtype], op=op)
+            self.call(comm, "Allreduce", "allreduce", axes, [send, mtype], [out, mtype], op=op)
         else:
             send = np.ascontiguousarray(x).reshape(-1)
             flat_out = np.empty_like(send)
             for lo in range(0, send.size, self.limit):
                 hi = min(send.size, lo + self.limit)
-                self._call(
+                self.call(
                     comm,
                     "Allreduce",
                     "allreduce",
@@ -350,11 +381,11 @@ class MpiComm:
         out_shape = list(x.shape)
         out_shape[spec.dim] = spec.pieces[spec.position][1]
         mine = counts[spec.position]
-        mtype = self._native(x, spec.op)
+        mtype = self.native_type(x, spec.op)
         if mtype is not None and max(counts, default=0) <= self.limit:
             out = empty_aligned(mine, dtype=x.dtype)
             name, extra = reduce_scatter_call(counts)
-            self._call(comm, name, "reduce_scatter", axes, [packed, mtype], [out, mtype], *extra, op=self._ops[spec.op])  # fmt: skip
+            self.call(comm, name, "reduce_scatter", axes, [packed, mtype], [out, mtype], *extra, op=self._ops[spec.op])  # fmt: skip
         else:  # every member's contribution to this member's piece, then a fold in group order
             udt = f"u{x.itemsize}"
             flat = packed.view(udt) if packed.size else np.empty(0, dtype=udt)
@@ -373,13 +404,13 @@ class MpiComm:
                        tuple(out_shape), (sent, received))  # fmt: skip
         return out
 
-    def _exchange_plan(self, spec: ExchangeSpec, in_shape: tuple[int, ...]) -> _ExchangePlan:
+    def exchange_plan(self, spec: ExchangeSpec, in_shape: tuple[int, ...]) -> ExchangePlan:
         """What one exchange needs beyond the spec, computed once per (spec, input shape):
         the executor reuses its specs every step, and this keeps small exchanges cheap."""
         key = (id(spec), in_shape)
         got = self._plans.get(key)
         if got is None or got.spec is not spec:
-            got = _ExchangePlan(spec, in_shape, self.rank)
+            got = ExchangePlan(spec, in_shape, self.rank)
             self._plans[key] = got
         return got
 
@@ -391,7 +422,7 @@ class MpiComm:
         if p and p[0] is spec and p[1] is x.dtype and p[2] == axes and p[3] == x.shape and x.flags.c_contiguous:  # fmt: skip
             return p[4](x)  # type: ignore[no-any-return]
         comm = self.session.group(axes)
-        plan = self._exchange_plan(spec, x.shape)
+        plan = self.exchange_plan(spec, x.shape)
         traffic = (plan.traffic[0] * x.itemsize, plan.traffic[1] * x.itemsize)
         if plan.send_run == (0, x.size) and plan.recv_in_place and spec.max_count <= self.limit:
             # everything in place: one call, no copies (bound for the next calls)
@@ -416,9 +447,9 @@ class MpiComm:
             # every member of a group must make the same MPI call: Alltoall only where the spec
             # says every member can (``uniform`` is a group-wide fact), as the bound calls do
             if spec.uniform:
-                self._call(comm, "Alltoall", what, axes, [sbuf, mtype], [flat_out, mtype])
+                self.call(comm, "Alltoall", what, axes, [sbuf, mtype], [flat_out, mtype])
             else:
-                self._call(comm, "Alltoallv", what, axes, [sbuf, (plan.sc, plan.sd), mtype],
+                self.call(comm, "Alltoallv", what, axes, [sbuf, (plan.sc, plan.sd), mtype],
                            [flat_out, (plan.rc, plan.rd), mtype])  # fmt: skip
         else:
             rbuf = self._alltoallv(comm, sbuf, plan.sc, plan.rc, what, axes, spec.max_count)
@@ -441,7 +472,7 @@ class MpiComm:
         flat = self._flat(buf)
         mtype = self._move[buf.itemsize]
         for lo in range(0, max(flat.size, 1), self.limit):
-            self._call(
+            self.call(
                 comm, "Bcast", "broadcast", axes, [flat[lo : lo + self.limit], mtype], root=root
             )
         k = int(comm.Get_size())
@@ -461,10 +492,8 @@ class MpiComm:
         """Point-to-point (not collective): posts the transfer and returns; :meth:`flush`
         (or the end of the step) waits for it, bounded."""
         flat = self._flat(np.array(x, order="C"))  # a private copy: the caller may reuse x
-        mtype = self._move[x.itemsize]
         for lo in range(0, max(flat.size, 1), self.limit):
-            req = self.session.cart.Isend([flat[lo : lo + self.limit], mtype], dest=peer, tag=tag)
-            self._sends.append((req, flat))
+            self.post_send(flat[lo : lo + self.limit], x.itemsize, peer, tag)
         self._stats.record("send", x.nbytes, 0)
 
     def flush(self) -> None:
@@ -480,20 +509,13 @@ class MpiComm:
         """Point-to-point (not collective): a bounded wait for the paired send."""
         out = empty_aligned(shape, dtype=dtype)
         flat = self._flat(out)
-        mtype = self._move[out.itemsize]
-        status = self.MPI.Status()
         for lo in range(0, max(flat.size, 1), self.limit):
             part = flat[lo : lo + self.limit]
-            if self.session.watchdog is not None:
-                recv = self.session.cart.Recv
-                self.session.guarded(recv, "recv", (), [part, mtype], source=peer, tag=tag, status=status)  # fmt: skip
-            else:
-                req = self.session.cart.Irecv([part, mtype], source=peer, tag=tag)
-                self.session.wait(req, "recv", status=status)
-            if status.Get_count(mtype) != part.size:
+            got = self.recv_into(part, out.itemsize, peer, tag)
+            if got != part.size:
                 raise CommError(
                     f"rank {self.rank}: recv from rank {peer} tag {tag} got "
-                    f"{status.Get_count(mtype)} elements, expected {part.size}",
+                    f"{got} elements, expected {part.size}",
                     rank=self.rank,
                 )
         self._stats.record("recv", 0, out.nbytes)

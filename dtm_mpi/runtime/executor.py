@@ -9,7 +9,7 @@ the op and its source line, so the agreed error of a distributed run says where 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -26,24 +26,50 @@ from dtm_mpi.kernels.dispatch import Kernel, KernelContext, backend_kernels
 from dtm_mpi.kernels.fused import Expr
 from dtm_mpi.plan.fusion import FusedGroup, FusionNode, fusion_groups
 from dtm_mpi.plan.program import ExecPlan, FunctionPlan, OpKind, PlanOp
+from dtm_mpi.sharding import collectives
 from dtm_mpi.sharding.blocks import block_owners, local_offsets, local_shape
-from dtm_mpi.sharding.collectives import make_partial
 from dtm_mpi.sharding.redistribute import RedistPlan, plan_redistribute
-from dtm_mpi.sharding.steps import (
-    AllgatherSpec,
-    AllreduceSpec,
-    ExchangeSpec,
-    MakePartialSpec,
-    ReduceScatterSpec,
-    SliceSpec,
-    StepSpec,
-)
+from dtm_mpi.sharding.steps import STEP_KINDS, StepKind, StepRule, StepSpec
 
-__all__ = ["Executor", "gather_to_root", "run_redistribution"]
+__all__ = ["STEP_RUNNERS", "Executor", "gather_to_root", "run_redistribution"]
 
 OUTPUT_TAG = 32767
 """The point-to-point tag of output gathers (the largest tag every MPI must support; messages
 between two ranks with one tag arrive in the order sent)."""
+
+
+_StepRunner = Callable[[np.ndarray, tuple[str, ...], StepSpec, Comm, Callable[..., np.ndarray]], np.ndarray]  # fmt: skip
+
+
+def _step_runner(rule: StepRule) -> _StepRunner:
+    """How this rank runs a step of ``rule``'s kind: a collective calls the communicator's
+    method the table names; a local kind runs its function of ``sharding.collectives``."""
+    if rule.kind.is_collective:
+        method, extra = rule.method, rule.args
+        if not extra:  # the common case, kept to one lookup and one call
+
+            def collective(x: np.ndarray, axes: tuple[str, ...], spec: StepSpec, comm: Comm,
+                           full: Callable[..., np.ndarray]) -> np.ndarray:  # fmt: skip
+                return getattr(comm, method)(x, axes, spec)  # type: ignore[no-any-return]
+
+            return collective
+
+        def collective_with(x: np.ndarray, axes: tuple[str, ...], spec: StepSpec, comm: Comm,
+                            full: Callable[..., np.ndarray]) -> np.ndarray:  # fmt: skip
+            return getattr(comm, method)(x, axes, spec, *extra)  # type: ignore[no-any-return]
+
+        return collective_with
+    local = getattr(collectives, rule.method)
+
+    def alone(x: np.ndarray, axes: tuple[str, ...], spec: StepSpec, comm: Comm,
+              full: Callable[..., np.ndarray]) -> np.ndarray:  # fmt: skip
+        return local(x, spec, full)  # type: ignore[no-any-return]
+
+    return alone
+
+
+STEP_RUNNERS: dict[StepKind, _StepRunner] = {k: _step_runner(r) for k, r in STEP_KINDS.items()}
+"""Each step kind's runner on one rank, built once from :data:`STEP_KINDS`."""
 
 
 def run_redistribution(
@@ -51,24 +77,13 @@ def run_redistribution(
     backend: ArrayBackend | None = None,
 ) -> np.ndarray:  # fmt: skip
     """Run ``plan`` on this rank's block ``x`` (``specs``: this rank's step specs; ``x`` an
-    array of ``backend``, numpy by default).
+    array of ``backend``, numpy by default). Each step goes through its kind's runner
+    (:data:`STEP_RUNNERS`, from the step-kind table :data:`STEP_KINDS`).
 
     Collective: call on all ranks."""
+    full = np.full if backend is None else backend.full
     for step, spec in zip(plan.steps, specs, strict=True):
-        axes = step.axes
-        if isinstance(spec, SliceSpec):
-            x = x[spec.region].copy(order="C")
-        elif isinstance(spec, MakePartialSpec):
-            x = make_partial(x, spec, np.full if backend is None else backend.full)
-        elif isinstance(spec, AllgatherSpec):
-            x = comm.allgather(x, axes, spec)
-        elif isinstance(spec, AllreduceSpec):
-            x = comm.allreduce(x, axes, spec)
-        elif isinstance(spec, ReduceScatterSpec):
-            x = comm.reduce_scatter(x, axes, spec)
-        elif isinstance(spec, ExchangeSpec):
-            x = comm.exchange(x, axes, spec, step.kind.value)
-        # RelabelSpec: nothing moves
+        x = STEP_RUNNERS[step.kind](x, step.axes, spec, comm, full)
     return x
 
 

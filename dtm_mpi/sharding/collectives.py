@@ -29,11 +29,12 @@ from dtm_mpi.sharding.blocks import local_shape
 from dtm_mpi.sharding.mesh import MeshShape
 from dtm_mpi.sharding.redistribute import RedistPlan
 from dtm_mpi.sharding.steps import (
-    AllgatherSpec,
+    STEP_KINDS,
     ExchangeSpec,
     MakePartialSpec,
     RedistStep,
     ReduceScatterSpec,
+    RelabelSpec,
     SliceSpec,
     StepKind,
     block_bounds,
@@ -51,6 +52,14 @@ __all__ = [
     "reduce_arrays",
     "reduce_scatter",
     "reduction_identity",
+    "reference_all_to_all",
+    "reference_allgather",
+    "reference_allreduce",
+    "reference_exchange",
+    "reference_local",
+    "reference_reduce_scatter",
+    "relabel",
+    "slice_block",
 ]
 
 Array = np.ndarray[Any, np.dtype[Any]]
@@ -155,6 +164,16 @@ def exchange(inputs: Sequence[Array], specs: Sequence[ExchangeSpec]) -> list[Arr
     return outs
 
 
+def slice_block(a: Array, spec: SliceSpec, full: Callable[..., Array] = np.full) -> Array:
+    """One rank's SLICE: a C-ordered copy of ``a[spec.region]``."""
+    return a[spec.region].copy(order="C")
+
+
+def relabel(a: Array, spec: RelabelSpec, full: Callable[..., Array] = np.full) -> Array:
+    """One rank's RELABEL: ``a`` itself (nothing moves)."""
+    return a
+
+
 def make_partial(a: Array, spec: MakePartialSpec, full: Callable[..., Array] = np.full) -> Array:
     """One rank's MAKE_PARTIAL: ``a`` placed at ``spec.region`` of an identity-filled array
     (``a`` itself when it fills the output; all identity unless ``spec.keep``). ``full``:
@@ -167,6 +186,75 @@ def make_partial(a: Array, spec: MakePartialSpec, full: Callable[..., Array] = n
     return out
 
 
+# --- reference semantics per step kind, named by STEP_KINDS[kind].reference -----------------
+# Each takes one group's members in group order (a single rank for local kinds) and returns
+# each member's output.
+
+
+def reference_local(
+    step: RedistStep, mesh: MeshShape, group: tuple[int, ...], members: list[Array],
+    specs: list[Any],
+) -> list[Array]:  # fmt: skip
+    """A local kind: every rank runs the kind's own function (``STEP_KINDS[kind].method``)."""
+    run = _LOCAL[step.kind]
+    return [run(a, spec, np.full) for a, spec in zip(members, specs, strict=True)]
+
+
+def reference_allgather(
+    step: RedistStep, mesh: MeshShape, group: tuple[int, ...], members: list[Array],
+    specs: list[Any],
+) -> list[Array]:  # fmt: skip
+    return allgather(members, _require_dim(step))
+
+
+def reference_allreduce(
+    step: RedistStep, mesh: MeshShape, group: tuple[int, ...], members: list[Array],
+    specs: list[Any],
+) -> list[Array]:  # fmt: skip
+    if step.op is None:
+        raise PlanError(f"cannot run step {step}")
+    return allreduce(members, step.op)
+
+
+def reference_reduce_scatter(
+    step: RedistStep, mesh: MeshShape, group: tuple[int, ...], members: list[Array],
+    specs: list[Any],
+) -> list[Array]:  # fmt: skip
+    first = specs[0]
+    if not isinstance(first, ReduceScatterSpec):
+        raise PlanError(f"cannot run step {step}")
+    return reduce_scatter(members, first.op, first.dim, first.pieces)
+
+
+def reference_all_to_all(
+    step: RedistStep, mesh: MeshShape, group: tuple[int, ...], members: list[Array],
+    specs: list[Any],
+) -> list[Array]:  # fmt: skip
+    if step.dim is None or step.dst_dim is None:
+        raise PlanError(f"cannot run step {step}")
+    j = step.dst_dim
+    origin = block_bounds(step.in_type, mesh, group[0])[j][0]
+    pieces = [
+        (block_bounds(step.out_type, mesh, r)[j][0] - origin,
+         block_bounds(step.out_type, mesh, r)[j][1])
+        for r in group
+    ]  # fmt: skip
+    return all_to_all(members, step.dim, j, pieces)
+
+
+def reference_exchange(
+    step: RedistStep, mesh: MeshShape, group: tuple[int, ...], members: list[Array],
+    specs: list[Any],
+) -> list[Array]:  # fmt: skip
+    return exchange(members, specs)
+
+
+def _require_dim(step: RedistStep) -> int:
+    if step.dim is None:
+        raise PlanError(f"cannot run step {step}")
+    return step.dim
+
+
 def _check_shape(a: Array, t: TensorType, mesh: MeshShape, rank: int, what: str) -> None:
     want = local_shape(t.shape, t.layout, mesh, rank)
     if a.shape != want:
@@ -174,25 +262,20 @@ def _check_shape(a: Array, t: TensorType, mesh: MeshShape, rank: int, what: str)
 
 
 def apply_step(step: RedistStep, mesh: MeshShape, arrays: Sequence[Array]) -> list[Array]:
-    """Run ``step`` on every rank's local array (``arrays[r]`` for rank ``r``)."""
-    kind = step.kind
-    out: list[Array | None] = [None] * mesh.size
-    if not kind.is_collective:
-        for r, a in enumerate(arrays):
-            spec = rank_spec(step, mesh, r)
-            if isinstance(spec, SliceSpec):
-                out[r] = a[spec.region].copy()
-            elif isinstance(spec, MakePartialSpec):
-                out[r] = make_partial(a, spec)
-            else:
-                out[r] = a
+    """Run ``step`` on every rank's local array (``arrays[r]`` for rank ``r``) with the
+    reference semantics of its kind (``STEP_KINDS[step.kind].reference``)."""
+    reference = _REFERENCE[step.kind]
+    if step.kind.is_collective:
+        groups: Sequence[tuple[int, ...]] = mesh.groups(step.axes)
     else:
-        for group in mesh.groups(step.axes):
-            members = [arrays[r] for r in group]
-            specs = [rank_spec(step, mesh, r) for r in group]
-            results = _group_step(step, mesh, group, members, specs)
-            for r, res in zip(group, results, strict=True):
-                out[r] = res
+        groups = [(r,) for r in range(mesh.size)]
+    out: list[Array | None] = [None] * mesh.size
+    for group in groups:
+        members = [arrays[r] for r in group]
+        specs = [rank_spec(step, mesh, r) for r in group]
+        results = reference(step, mesh, group, members, specs)
+        for r, res in zip(group, results, strict=True):
+            out[r] = res
     done: list[Array] = []
     for r, got in enumerate(out):
         if got is None:  # pragma: no cover - groups partition the ranks
@@ -200,34 +283,6 @@ def apply_step(step: RedistStep, mesh: MeshShape, arrays: Sequence[Array]) -> li
         _check_shape(got, step.out_type, mesh, r, "output")
         done.append(got)
     return done
-
-
-def _group_step(
-    step: RedistStep,
-    mesh: MeshShape,
-    group: tuple[int, ...],
-    members: list[Array],
-    specs: list[Any],
-) -> list[Array]:
-    kind, first = step.kind, specs[0]
-    if kind is StepKind.ALLGATHER and isinstance(first, AllgatherSpec):
-        return allgather(members, first.dim)
-    if kind is StepKind.ALLREDUCE and step.op is not None:
-        return allreduce(members, step.op)
-    if kind is StepKind.REDUCE_SCATTER and isinstance(first, ReduceScatterSpec):
-        return reduce_scatter(members, first.op, first.dim, first.pieces)
-    if kind is StepKind.ALL_TO_ALL and step.dim is not None and step.dst_dim is not None:
-        j = step.dst_dim
-        origin = block_bounds(step.in_type, mesh, group[0])[j][0]
-        pieces = [
-            (block_bounds(step.out_type, mesh, r)[j][0] - origin,
-             block_bounds(step.out_type, mesh, r)[j][1])
-            for r in group
-        ]  # fmt: skip
-        return all_to_all(members, step.dim, j, pieces)
-    if kind is StepKind.EXCHANGE:
-        return exchange(members, specs)
-    raise PlanError(f"cannot run step {step}")  # pragma: no cover
 
 
 def apply_plan(plan: RedistPlan, mesh: MeshShape, arrays: Sequence[Array]) -> list[Array]:
@@ -243,3 +298,14 @@ def apply_plan(plan: RedistPlan, mesh: MeshShape, arrays: Sequence[Array]) -> li
     for step in plan.steps:
         current = apply_step(step, mesh, current)
     return current
+
+
+_Reference = Callable[[RedistStep, MeshShape, tuple[int, ...], list[Array], list[Any]], list[Array]]
+_REFERENCE: dict[StepKind, _Reference] = {
+    kind: globals()[rule.reference] for kind, rule in STEP_KINDS.items()
+}
+"""Each kind's reference semantics, resolved once from :data:`STEP_KINDS`."""
+_LOCAL: dict[StepKind, Callable[..., Array]] = {
+    kind: globals()[rule.method] for kind, rule in STEP_KINDS.items() if not kind.is_collective
+}
+"""Each local kind's per-rank function, resolved once from :data:`STEP_KINDS`."""

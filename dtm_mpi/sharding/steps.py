@@ -28,12 +28,21 @@ Kinds (:class:`StepKind`):
 
 The structured collectives are only planned where they are exact under the §5 convention
 (:func:`~dtm_mpi.sharding.blocks.splits_nest`); their specs assume it.
+
+**One table per step kind.** :data:`STEP_KINDS` holds, for every kind, one :class:`StepRule`:
+its spec builder (what :func:`rank_spec` calls), its traffic formula (:func:`step_traffic`),
+its reference semantics (named in :mod:`dtm_mpi.sharding.collectives`, which ``apply_step``
+runs) and its implementation: the communicator method of the ``Comm`` protocol for a
+collective (the executor's ``STEP_RUNNERS`` call it), the per-rank function of
+:mod:`~dtm_mpi.sharding.collectives` for a local kind. A new kind is one new entry.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from dtm_mpi.errors import PlanError
 from dtm_mpi.ir.types import ReduceOp, TensorType
@@ -48,13 +57,19 @@ __all__ = [
     "RedistStep",
     "ReduceScatterSpec",
     "RelabelSpec",
+    "STEP_KINDS",
     "SliceSpec",
     "StepKind",
+    "StepRule",
     "StepSpec",
     "StepTraffic",
     "Transfer",
+    "allgather_traffic",
+    "allreduce_moved_items",
     "block_bounds",
+    "exchange_traffic",
     "rank_spec",
+    "reduce_scatter_traffic",
     "step_traffic",
     "step_volume",
 ]
@@ -352,49 +367,66 @@ def _op(step: RedistStep) -> ReduceOp:
     return step.op
 
 
-def rank_spec(step: RedistStep, mesh: MeshShape, rank: int) -> StepSpec:
-    """What ``rank`` needs to execute ``step`` on ``mesh`` (a pure function of its arguments)."""
-    kind = step.kind
-    if kind is StepKind.RELABEL:
-        return RelabelSpec()
-    if kind is StepKind.SLICE:
-        src = block_bounds(step.in_type, mesh, rank)
-        return SliceSpec(_region(block_bounds(step.out_type, mesh, rank), src))
-    if kind is StepKind.MAKE_PARTIAL:
-        split = set(step.in_type.layout.sharded_axes)
-        replicated = tuple(a for a in step.axes if a not in split)
-        src = block_bounds(step.in_type, mesh, rank)
-        dst = block_bounds(step.out_type, mesh, rank)
-        return MakePartialSpec(
-            mesh.index_along(rank, replicated) == 0,
-            _op(step),
-            _region(src, dst),
-            tuple(n for _, n in dst),
-        )
-    if kind in (StepKind.ALL_TO_ALL, StepKind.EXCHANGE):
-        return _exchange(step, mesh, rank)
+def _spec_relabel(step: RedistStep, mesh: MeshShape, rank: int) -> RelabelSpec:
+    return RelabelSpec()
+
+
+def _spec_slice(step: RedistStep, mesh: MeshShape, rank: int) -> SliceSpec:
+    src = block_bounds(step.in_type, mesh, rank)
+    return SliceSpec(_region(block_bounds(step.out_type, mesh, rank), src))
+
+
+def _spec_make_partial(step: RedistStep, mesh: MeshShape, rank: int) -> MakePartialSpec:
+    split = set(step.in_type.layout.sharded_axes)
+    replicated = tuple(a for a in step.axes if a not in split)
+    src = block_bounds(step.in_type, mesh, rank)
+    dst = block_bounds(step.out_type, mesh, rank)
+    return MakePartialSpec(
+        mesh.index_along(rank, replicated) == 0,
+        _op(step),
+        _region(src, dst),
+        tuple(n for _, n in dst),
+    )
+
+
+def _spec_allreduce(step: RedistStep, mesh: MeshShape, rank: int) -> AllreduceSpec:
+    group = mesh.group_of(rank, step.axes)
+    count = _numel([n for _, n in block_bounds(step.in_type, mesh, rank)])
+    return AllreduceSpec(group, group.index(rank), _op(step), count)
+
+
+def _spec_allgather(step: RedistStep, mesh: MeshShape, rank: int) -> AllgatherSpec:
+    group = mesh.group_of(rank, step.axes)
+    dim = _require(step.dim, "dim", step)
+    blocks = [[n for _, n in block_bounds(step.in_type, mesh, r)] for r in group]
+    return AllgatherSpec(
+        group,
+        group.index(rank),
+        dim,
+        tuple(b[dim] for b in blocks),
+        tuple(_numel(b) for b in blocks),
+    )
+
+
+def _spec_reduce_scatter(step: RedistStep, mesh: MeshShape, rank: int) -> ReduceScatterSpec:
     group = mesh.group_of(rank, step.axes)
     position = group.index(rank)
-    if kind is StepKind.ALLREDUCE:
-        count = _numel([n for _, n in block_bounds(step.in_type, mesh, rank)])
-        return AllreduceSpec(group, position, _op(step), count)
     dim = _require(step.dim, "dim", step)
-    if kind is StepKind.ALLGATHER:
-        blocks = [[n for _, n in block_bounds(step.in_type, mesh, r)] for r in group]
-        return AllgatherSpec(
-            group, position, dim, tuple(b[dim] for b in blocks), tuple(_numel(b) for b in blocks)
-        )
-    if kind is StepKind.REDUCE_SCATTER:
-        start, length = block_bounds(step.in_type, mesh, rank)[dim]
-        pieces, counts = [], []
-        for r in group:
-            out = [n for _, n in block_bounds(step.out_type, mesh, r)]
-            s = block_bounds(step.out_type, mesh, r)[dim][0] - start
-            s = min(max(s, 0), length)
-            pieces.append((s, out[dim]))
-            counts.append(_numel(out))
-        return ReduceScatterSpec(group, position, _op(step), dim, tuple(pieces), tuple(counts))
-    raise PlanError(f"unknown step kind {kind}")  # pragma: no cover
+    start, length = block_bounds(step.in_type, mesh, rank)[dim]
+    pieces, counts = [], []
+    for r in group:
+        out = [n for _, n in block_bounds(step.out_type, mesh, r)]
+        s = block_bounds(step.out_type, mesh, r)[dim][0] - start
+        s = min(max(s, 0), length)
+        pieces.append((s, out[dim]))
+        counts.append(_numel(out))
+    return ReduceScatterSpec(group, position, _op(step), dim, tuple(pieces), tuple(counts))
+
+
+def rank_spec(step: RedistStep, mesh: MeshShape, rank: int) -> StepSpec:
+    """What ``rank`` needs to execute ``step`` on ``mesh`` (a pure function of its arguments;
+    the builder of the step kind's :data:`STEP_KINDS` entry)."""
+    return STEP_KINDS[step.kind].build(step, mesh, rank)
 
 
 # --- per-rank traffic ------------------------------------------------------------------------
@@ -416,37 +448,86 @@ def _leading_contiguous(extents: list[int], dim: int) -> bool:
     return _numel(extents[:dim]) <= 1
 
 
-def step_traffic(step: RedistStep, mesh: MeshShape, rank: int) -> StepTraffic:
-    """The bytes ``rank`` sends, receives and stages in ``step``."""
-    item = step.in_type.dtype.itemsize
-    kind = step.kind
-    if not kind.is_collective:
-        return StepTraffic(0, 0, 0)
-    in_ext = [n for _, n in block_bounds(step.in_type, mesh, rank)]
-    out_ext = [n for _, n in block_bounds(step.out_type, mesh, rank)]
-    k = mesh.group_size(step.axes)
-    if kind is StepKind.ALLGATHER:
-        dim = _require(step.dim, "dim", step)
-        staging = 0 if _leading_contiguous(out_ext, dim) else _numel(out_ext)
-        return StepTraffic(
-            (k - 1) * _numel(in_ext) * item, (_numel(out_ext) - _numel(in_ext)) * item,
-            staging * item,
-        )  # fmt: skip
-    if kind is StepKind.ALLREDUCE:
-        m = _numel(in_ext)
-        b = -(-m // k)
-        own = max(0, min(b, m - mesh.index_along(rank, step.axes) * b))
-        moved = (m - own) + (k - 1) * own
-        return StepTraffic(moved * item, moved * item, 0)
-    if kind is StepKind.REDUCE_SCATTER:
-        dim = _require(step.dim, "dim", step)
-        staging = 0 if _leading_contiguous(in_ext, dim) else _numel(in_ext)
-        own = _numel(out_ext)
-        return StepTraffic((_numel(in_ext) - own) * item, (k - 1) * own * item, staging * item)
-    spec = _exchange(step, mesh, rank)
+# The formulas, in bytes of one member, shared by the planner (below) and by every
+# communicator's own accounting (dtm_mpi.comm.interface re-exports them).
+
+
+def allgather_traffic(in_nbytes: int, out_nbytes: int, group_size: int) -> tuple[int, int]:
+    """ALLGATHER (sent, received): its block to every other member; every other member's
+    block."""
+    return (group_size - 1) * in_nbytes, out_nbytes - in_nbytes
+
+
+def reduce_scatter_traffic(in_nbytes: int, out_nbytes: int, group_size: int) -> tuple[int, int]:
+    """REDUCE_SCATTER (sent, received): every piece but its own, to its owner; its piece from
+    every other member."""
+    return in_nbytes - out_nbytes, (group_size - 1) * out_nbytes
+
+
+def allreduce_moved_items(count: int, group_size: int, position: int) -> int:
+    """ALLREDUCE: the items one member sends (= receives), counted as a reduce-scatter of the
+    flat array in §5 pieces, then an allgather of the reduced pieces."""
+    k, m = group_size, count
+    b = -(-m // k) if k else 0
+    own = max(0, min(b, m - position * b))
+    return (m - own) + (k - 1) * own
+
+
+def exchange_traffic(spec: ExchangeSpec, rank: int, itemsize: int) -> tuple[int, int]:
+    """ALL_TO_ALL, EXCHANGE (sent, received): the transfers to and from other ranks (a rank's
+    copy to itself moves nothing)."""
     sent = sum(t.count for t in spec.sends if t.peer != rank)
     received = sum(t.count for t in spec.recvs if t.peer != rank)
-    return StepTraffic(sent * item, received * item, (sent + received) * item)
+    return sent * itemsize, received * itemsize
+
+
+def _traffic_local(step: RedistStep, mesh: MeshShape, rank: int) -> StepTraffic:
+    return StepTraffic(0, 0, 0)
+
+
+def _extents(t: TensorType, mesh: MeshShape, rank: int) -> list[int]:
+    return [n for _, n in block_bounds(t, mesh, rank)]
+
+
+def _traffic_allgather(step: RedistStep, mesh: MeshShape, rank: int) -> StepTraffic:
+    item = step.in_type.dtype.itemsize
+    in_ext, out_ext = _extents(step.in_type, mesh, rank), _extents(step.out_type, mesh, rank)
+    k = mesh.group_size(step.axes)
+    dim = _require(step.dim, "dim", step)
+    staging = 0 if _leading_contiguous(out_ext, dim) else _numel(out_ext)
+    sent, received = allgather_traffic(_numel(in_ext) * item, _numel(out_ext) * item, k)
+    return StepTraffic(sent, received, staging * item)
+
+
+def _traffic_allreduce(step: RedistStep, mesh: MeshShape, rank: int) -> StepTraffic:
+    item = step.in_type.dtype.itemsize
+    k = mesh.group_size(step.axes)
+    m = _numel(_extents(step.in_type, mesh, rank))
+    moved = allreduce_moved_items(m, k, mesh.index_along(rank, step.axes))
+    return StepTraffic(moved * item, moved * item, 0)
+
+
+def _traffic_reduce_scatter(step: RedistStep, mesh: MeshShape, rank: int) -> StepTraffic:
+    item = step.in_type.dtype.itemsize
+    in_ext, out_ext = _extents(step.in_type, mesh, rank), _extents(step.out_type, mesh, rank)
+    k = mesh.group_size(step.axes)
+    dim = _require(step.dim, "dim", step)
+    staging = 0 if _leading_contiguous(in_ext, dim) else _numel(in_ext)
+    sent, received = reduce_scatter_traffic(_numel(in_ext) * item, _numel(out_ext) * item, k)
+    return StepTraffic(sent, received, staging * item)
+
+
+def _traffic_exchange(step: RedistStep, mesh: MeshShape, rank: int) -> StepTraffic:
+    sent, received = exchange_traffic(
+        _exchange(step, mesh, rank), rank, step.in_type.dtype.itemsize
+    )
+    return StepTraffic(sent, received, sent + received)
+
+
+def step_traffic(step: RedistStep, mesh: MeshShape, rank: int) -> StepTraffic:
+    """The bytes ``rank`` sends, receives and stages in ``step`` (the traffic formula of the
+    step kind's :data:`STEP_KINDS` entry)."""
+    return STEP_KINDS[step.kind].traffic(step, mesh, rank)
 
 
 def step_volume(step: RedistStep, mesh: MeshShape) -> int:
@@ -460,3 +541,56 @@ def step_volume(step: RedistStep, mesh: MeshShape) -> int:
         own = _intersect(src, dst)
         total += _numel([n for _, n in dst]) - (_numel([n for _, n in own]) if own else 0)
     return total * step.in_type.dtype.itemsize
+
+
+# --- the step-kind table ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StepRule:
+    """Everything about one :class:`StepKind`, in one place (:data:`STEP_KINDS`).
+
+    * ``spec``: the class of its per-rank specs; ``build``: the builder (:func:`rank_spec`);
+    * ``traffic``: its accounting (:func:`step_traffic`; the rules of
+      :mod:`dtm_mpi.sharding.redistribute`);
+    * ``reference``: its reference semantics, the name of a function of
+      :mod:`dtm_mpi.sharding.collectives` taking ``(step, mesh, group, members, specs)`` (the
+      arrays and specs of one group's members in group order; a single rank for local kinds)
+      and returning each member's output (``apply_step`` calls it);
+    * ``method``, ``args``: its implementation. For a collective kind, the method of every
+      communicator (the ``Comm`` protocol of ``dtm_mpi.comm.interface``: the simulator,
+      ``MpiComm``, ``DeviceComm``) the executor calls as ``method(x, axes, spec, *args)``; for
+      a local kind, the function of :mod:`dtm_mpi.sharding.collectives` every rank runs alone
+      as ``method(x, spec, full)`` (``full``: the array module's ``full``)."""
+
+    kind: StepKind
+    spec: type[StepSpec]
+    build: Callable[[RedistStep, MeshShape, int], StepSpec]
+    traffic: Callable[[RedistStep, MeshShape, int], StepTraffic]
+    reference: str
+    method: str
+    args: tuple[str, ...] = ()
+
+
+STEP_KINDS: Mapping[StepKind, StepRule] = MappingProxyType({
+    r.kind: r
+    for r in (
+        StepRule(StepKind.SLICE, SliceSpec, _spec_slice, _traffic_local,
+                 "reference_local", "slice_block"),
+        StepRule(StepKind.RELABEL, RelabelSpec, _spec_relabel, _traffic_local,
+                 "reference_local", "relabel"),
+        StepRule(StepKind.MAKE_PARTIAL, MakePartialSpec, _spec_make_partial, _traffic_local,
+                 "reference_local", "make_partial"),
+        StepRule(StepKind.ALLGATHER, AllgatherSpec, _spec_allgather, _traffic_allgather,
+                 "reference_allgather", "allgather"),
+        StepRule(StepKind.ALLREDUCE, AllreduceSpec, _spec_allreduce, _traffic_allreduce,
+                 "reference_allreduce", "allreduce"),
+        StepRule(StepKind.REDUCE_SCATTER, ReduceScatterSpec, _spec_reduce_scatter,
+                 _traffic_reduce_scatter, "reference_reduce_scatter", "reduce_scatter"),
+        StepRule(StepKind.ALL_TO_ALL, ExchangeSpec, _exchange, _traffic_exchange,
+                 "reference_all_to_all", "exchange", ("all_to_all",)),
+        StepRule(StepKind.EXCHANGE, ExchangeSpec, _exchange, _traffic_exchange,
+                 "reference_exchange", "exchange", ("exchange",)),
+    )
+})  # fmt: skip
+"""The step-kind table: one :class:`StepRule` per :class:`StepKind`."""
