@@ -90,6 +90,10 @@ class Trait(enum.Enum):
     """A binary op linear in each operand alone (``mul``): one side may be pending."""
     LINEAR_FIRST = "linear_first"
     """A binary op linear in its first operand only, on floats (``div``)."""
+    BROADCASTS = "broadcasts"
+    """The result repeats the operand along the result's leading dims (numpy broadcasting,
+    ``broadcast_to``): a generated kernel may read a vector operand as ``v[i % cols]``
+    instead of running the op."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -64,7 +64,7 @@ def _bias_vector(op: Op, operand_type: object) -> bool:
     vector is the result's last dim, which is unsharded)."""
     from dtm_mpi.ir.types import TensorType
 
-    if op.name != "broadcast_to" or not isinstance(operand_type, TensorType):
+    if not OPS[op.name].has(Trait.BROADCASTS) or not isinstance(operand_type, TensorType):
         return False
     out = op.result_types[0]
     return (
@@ -101,7 +101,7 @@ class _Tree:
         is used once, here), else None."""
         k = self.producer.get(name)
         ok = k is not None and k not in self.taken and self.uses[name] == 1
-        return k if ok and k is not None and self.ops[k].kind is OpKind.KERNEL else None
+        return k if ok and k is not None and self.ops[k].kind is OpKind.LOCAL else None
 
     def build(self, j: int) -> FusionNode:
         self.members.append(j)
@@ -134,7 +134,7 @@ def fusion_groups(fp: FunctionPlan, min_size: int = 2) -> tuple[FusedGroup, ...]
     groups: list[FusedGroup] = []
     for i in range(len(fp.ops) - 1, -1, -1):
         p = fp.ops[i]
-        if i in taken or p.kind is not OpKind.KERNEL or not _fusible(p.op):
+        if i in taken or p.kind is not OpKind.LOCAL or not _fusible(p.op):
             continue
         tree = _Tree(fp, uses, taken)
         root = tree.build(i)

@@ -7,7 +7,7 @@ op's registry ``plan_check``, e.g. ``dequantize`` blocks that straddle shards) i
 every rank before the first message. Each op of each function becomes a :class:`PlanOp` of
 the kind its registry entry declares (``dtm_mpi.ir.registry.OpKind``):
 
-* ``KERNEL`` (registry ``LOCAL``) — computed locally by the backend's kernel on local blocks;
+* ``LOCAL`` — computed locally by the backend's kernel on local blocks;
 * ``REDIST`` — ``allreduce``, ``allgather``, ``reduce_scatter``, ``all_to_all`` and
   ``redistribute`` all run the redistribution plan from the operand's type to the result's
   layout (``dtm_mpi.sharding``): exact under the uneven-split rule, so an IR collective
@@ -23,7 +23,6 @@ the kind its registry entry declares (``dtm_mpi.ir.registry.OpKind``):
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, replace
 
 from dtm_mpi.errors import PlanError, UsageError
@@ -41,24 +40,8 @@ NO_MESH_AXIS = "_ranks"
 """The one axis of the mesh a module without meshes runs on: every value is replicated."""
 
 
-class OpKind(enum.Enum):
-    KERNEL = "kernel"
-    REDIST = "redist"
-    BROADCAST = "broadcast"
-    SEND = "send"
-    RECV = "recv"
-    CALL = "call"
-
-
-_KIND_OF = {
-    registry.OpKind.LOCAL: OpKind.KERNEL,
-    registry.OpKind.REDIST: OpKind.REDIST,
-    registry.OpKind.BROADCAST: OpKind.BROADCAST,
-    registry.OpKind.SEND: OpKind.SEND,
-    registry.OpKind.RECV: OpKind.RECV,
-    registry.OpKind.CALL: OpKind.CALL,
-}
-"""The plan kind of each registry kind (every op's kind is declared by its registry entry)."""
+OpKind = registry.OpKind
+"""A plan op's kind is its registry entry's kind (re-exported: the plan's users import it here)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +132,7 @@ def _plan_op(op: Op, mesh: MeshShape, operand_types: tuple[TensorType, ...]) -> 
     name = op.name
     opdef = registry.lookup_op(name)
     assert opdef is not None, name
-    kind = _KIND_OF[opdef.kind]
+    kind = opdef.kind
     src = operand_types[0] if operand_types else None  # where a redistribution starts
     if opdef.plan_check is not None:  # a rule the bound mesh's sizes decide
         broken = opdef.plan_check(op, operand_types, _extents(mesh))
@@ -213,7 +196,7 @@ def compile_plan(module: Module, mesh: MeshShape) -> ExecPlan:
         f = todo.pop()
         plans.append((f.name, _plan_function(f, mesh)))
         for op in f.body:
-            is_call = _KIND_OF[registry.OPS[op.name].kind] is OpKind.CALL
+            is_call = registry.OPS[op.name].kind is OpKind.CALL
             callee = module.function(str(op.attr("callee"))) if is_call else None
             if callee is not None and callee.name not in seen:
                 seen.add(callee.name)

@@ -279,7 +279,7 @@ class Executor:
     def _run_op(self, p: PlanOp, xs: list[np.ndarray], step: int) -> tuple[np.ndarray, ...]:
         kind = p.kind
         op = p.op
-        if kind is OpKind.KERNEL:
+        if kind is OpKind.LOCAL:
             kernel, ctx = self._kernel(p, step)
             with np.errstate(all="ignore"):  # IEEE results (inf, nan) are the op's semantics
                 outs = kernel(ctx, xs)

@@ -23,7 +23,7 @@ def placement_text(plan: ExecPlan, backend: str) -> str:
         where: Counter[str] = Counter()
         ops_of: dict[str, Counter[str]] = {}
         for i, p in enumerate(fp.ops):
-            if p.kind is not OpKind.KERNEL or i in fused:
+            if p.kind is not OpKind.LOCAL or i in fused:
                 continue
             t = p.operand_types[0] if p.operand_types else p.op.result_types[0]
             dtypes = [np_dtype(o.dtype) for o in p.operand_types]

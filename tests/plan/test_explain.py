@@ -69,7 +69,7 @@ def test_forward_has_one_allreduce_over_tp(plan4: ExecPlan) -> None:
     comms = [(c.plan_op.op.name, c.comm) for c in cost.ops if c.comm]
     assert comms == [("allreduce", ("allreduce sum on tp",))]
     kinds = [p.kind for p in fp.ops]
-    assert kinds == [OpKind.KERNEL, OpKind.KERNEL, OpKind.KERNEL, OpKind.REDIST]
+    assert kinds == [OpKind.LOCAL, OpKind.LOCAL, OpKind.LOCAL, OpKind.REDIST]
 
 
 def test_forward_allreduce_bytes_by_hand(plan4: ExecPlan) -> None:
@@ -85,7 +85,7 @@ def test_forward_allreduce_bytes_by_hand(plan4: ExecPlan) -> None:
     assert cost.sent == (32768,) * 4 and cost.received == (32768,) * 4
     # the kernels move nothing
     for c in cost.ops:
-        if c.plan_op.kind is OpKind.KERNEL:
+        if c.plan_op.kind is OpKind.LOCAL:
             assert c.sent == (0,) * 4 and c.received == (0,) * 4 and c.comm == ()
 
 

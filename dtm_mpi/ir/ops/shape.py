@@ -17,7 +17,7 @@ import numpy as np
 from dtm_mpi.ir.dtypes import as_dtype
 from dtm_mpi.ir.nodes import Op
 from dtm_mpi.ir.ops._common import dim_index, same_dtype, unsharded_dim
-from dtm_mpi.ir.registry import OpContext, register_op
+from dtm_mpi.ir.registry import OpContext, Trait, register_op
 from dtm_mpi.ir.types import Layout, TensorType
 
 Arr = np.ndarray
@@ -83,7 +83,7 @@ def _broadcast_ref(op: Op, xs: Sequence[Arr], rt: Sequence[TensorType]) -> tuple
 
 
 @register_op("broadcast_to", "$x:operand", reference=_broadcast_ref,
-             doc="numpy broadcasting to the result shape")  # fmt: skip
+             doc="numpy broadcasting to the result shape", traits=frozenset({Trait.BROADCASTS}))  # fmt: skip
 def _broadcast_to(ctx: OpContext) -> tuple[TensorType, ...]:
     t, d = ctx.operand_types[0], ctx.declared[0]
     if d.dtype is not t.dtype:
