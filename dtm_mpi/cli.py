@@ -17,6 +17,7 @@ from dtm_mpi.cli_exec import add_exec_commands, runs_under_mpi
 from dtm_mpi.cli_store import add_store_commands
 from dtm_mpi.comm.abort import run_or_abort
 from dtm_mpi.errors import DiagnosticError, UsageError, agreed
+from dtm_mpi.kernels.backends import BACKEND_NAMES
 
 if TYPE_CHECKING:
     from dtm_mpi.ir.nodes import Module
@@ -82,7 +83,7 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
         "--repeat", type=int, default=30, help="alternating rounds; the best block is reported"
     )
     bcomm.add_argument("--csv", default=None, metavar="FILE", help="write one row per (op, bytes)")
-    bcomm.add_argument("--backend", default="numpy", choices=["numpy", "cuda", "hip"],
+    bcomm.add_argument("--backend", default="numpy", choices=BACKEND_NAMES,
                        help="buffers: host (numpy) or device arrays on each rank's GPU")  # fmt: skip
     bcomm.set_defaults(func=_cmd_bench_comm)
     bck = bsub.add_parser(

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from dtm_mpi.errors import DtmError, UsageError, agreed
+from dtm_mpi.kernels.backends import BACKEND_NAMES
 
 if TYPE_CHECKING:
     from dtm_mpi.ir.nodes import Module
@@ -41,7 +42,7 @@ def add_exec_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     _mesh_arg(ex)
     ex.add_argument("--max-bytes-per-rank", type=byte_count, default=None, metavar="BYTES",
                     help="refuse a plan whose peak memory on any rank is above BYTES")  # fmt: skip
-    ex.add_argument("--backend", default="numpy", choices=["numpy", "cuda", "hip"],
+    ex.add_argument("--backend", default="numpy", choices=BACKEND_NAMES,
                     help="also show where each op runs on this GPU backend (needs no GPU)")  # fmt: skip
     ex.set_defaults(func=_cmd_explain)
 
@@ -57,7 +58,7 @@ def add_exec_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     rn.add_argument("-i", "--input", action="append", default=[], metavar="FILE",
                     help="inputs (.npy named by file stem, .npz, .h5); repeatable")  # fmt: skip
     rn.add_argument("-o", "--output", metavar="OUT.npz", help="write final state and results")
-    rn.add_argument("--backend", default="numpy", choices=["numpy", "cuda", "hip"],
+    rn.add_argument("--backend", default="numpy", choices=BACKEND_NAMES,
                     help="kernel backend: numpy (CPU), cuda or hip (CuPy on the rank's GPU, "
                     "chosen by node-local rank); a GPU backend without a GPU is an error")  # fmt: skip
     rn.add_argument("--gpu-aware-mpi", default=None, choices=["auto", "yes", "no"],

@@ -24,6 +24,7 @@ from typing import Any
 from dtm_mpi.errors import BackendError, UsageError
 
 __all__ = [
+    "BACKEND_NAMES",
     "BackendKind",
     "DeviceProbe",
     "backend_problem",
@@ -45,6 +46,10 @@ class BackendKind(enum.Enum):
     @property
     def vendor(self) -> str:
         return {"numpy": "CPU", "cuda": "CUDA", "hip": "ROCm/HIP"}[self.value]
+
+
+BACKEND_NAMES = tuple(k.value for k in BackendKind)
+"""Every backend's name, for ``--backend`` choices (the one list: :class:`BackendKind`)."""
 
 
 def parse_backend(text: str) -> BackendKind:

@@ -27,6 +27,7 @@ import numpy as np
 from dtm_mpi.ir.dtypes import np_dtype
 from dtm_mpi.ir.registry import OPS, Trait, ops_with
 from dtm_mpi.kernels import launch
+from dtm_mpi.kernels.backends import BackendKind
 from dtm_mpi.kernels.dispatch import (
     COMM_OPS,
     Kernel,
@@ -40,7 +41,7 @@ from dtm_mpi.kernels.numpy_backend import extremum_identity, global_count
 
 __all__ = ["GPU_BACKENDS", "covered", "placement"]
 
-GPU_BACKENDS = ("cuda", "hip")
+GPU_BACKENDS = tuple(k.value for k in BackendKind if k.is_gpu)
 
 Arr = Any  # cupy.ndarray
 

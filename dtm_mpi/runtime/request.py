@@ -33,6 +33,7 @@ from dtm_mpi.errors import (
     UsageError,
     agreed,
 )
+from dtm_mpi.kernels.backends import BACKEND_NAMES
 
 if TYPE_CHECKING:
     import numpy as np
@@ -46,7 +47,7 @@ __all__ = [
     "write_outputs",
 ]  # fmt: skip
 
-BACKENDS = ("numpy", "cuda", "hip")
+BACKENDS = BACKEND_NAMES
 
 
 def _usage(message: str) -> UsageError:
