@@ -1,7 +1,7 @@
 """The communication interface: the only way the executor moves data between ranks.
 
 Two implementations: the in-process simulator (:mod:`dtm_mpi.comm.sim`, N ranks as threads of
-one process, for unit tests and ``dtm run --sim N``) and MPI (issue #5). Every method is
+one process, for unit tests and ``dtm run --sim N``) and MPI (:mod:`dtm_mpi.comm.mpi_comm`). Every method is
 collective over the group of ranks along ``axes`` (the ranks equal to this one on every other
 mesh axis, in :meth:`MeshShape.group_of` order) unless it says otherwise, and every wait is
 bounded: a peer that never arrives raises :class:`~dtm_mpi.errors.CommTimeoutError` naming the
