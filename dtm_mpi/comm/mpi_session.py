@@ -350,6 +350,8 @@ class MpiSession:
         (for a timeout, the peers that did not answer; else this rank)."""
         if isinstance(exc, RemoteFailureError):
             return exc
+        if isinstance(exc, PoisonedError):  # not a failure of this rank: the earlier one is
+            return self.fail(exc.cause)
         if isinstance(exc, DtmError) and exc.agreed:  # raised alike on every rank
             if self.poisoned is None:
                 self.poisoned = exc
