@@ -7,18 +7,35 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 from dtm_mpi.errors import DtmError, UsageError
 
-__all__ = ["ENDING", "abort_job", "mpi_world", "report", "run_or_abort", "write_line"]
+__all__ = [
+    "ENDING",
+    "abort_job",
+    "claim_ending",
+    "mpi_world",
+    "report",
+    "run_or_abort",
+    "write_line",
+]
 
 
 ENDING = threading.Lock()
 """Held by the thread that prints this rank's last error line and ends the job: a rank prints
 one such line, whichever of its threads (main, watchdog, presence) finds the failure first."""
+
+
+def claim_ending() -> None:
+    """Take this rank's one last line (:data:`ENDING`); a thread that finds another thread of
+    the rank already ending the job parks here until the process ends."""
+    if not ENDING.acquire(blocking=False):
+        while True:
+            time.sleep(3600)
 
 
 def mpi_world() -> Any | None:

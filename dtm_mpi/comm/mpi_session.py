@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from dtm_mpi.comm.abort import ENDING, write_line
+from dtm_mpi.comm.abort import claim_ending, write_line
 from dtm_mpi.comm.control import Control
 from dtm_mpi.comm.watchdog import Watchdog
 from dtm_mpi.errors import (
@@ -447,9 +447,7 @@ class MpiSession:
         name the same ranks, then exit (the launcher kills this process shortly anyway)."""
         from dtm_mpi.comm.presence import LINGER_S, terminated_line
 
-        if not ENDING.acquire(blocking=False):  # already reporting (other thread)
-            while True:
-                time.sleep(3600)
+        claim_ending()  # else another thread of this rank is ending the job
         write_line(f"[rank {self.rank}] {terminated_line(self.label, self.control, 15)}")
         self.control.linger(LINGER_S)
         os._exit(1)
@@ -477,9 +475,7 @@ class MpiSession:
     def _end(self, code: int, message: Any) -> None:
         import signal
 
-        if not ENDING.acquire(blocking=False):  # another thread is ending the job
-            while True:
-                time.sleep(3600)
+        claim_ending()  # else another thread of this rank is ending the job
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the error is printed: no second line
         from dtm_mpi.comm.presence import current

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from dtm_mpi.comm.abort import ENDING, write_line
+from dtm_mpi.comm.abort import claim_ending, write_line
 from dtm_mpi.comm.agreement import wait_bounded
 
 __all__ = ["allgather_obj", "alltoallv_bytes", "bcast_obj", "io_deadline"]
@@ -110,9 +110,7 @@ def _end_job(rank: int, message: str) -> None:  # pragma: no cover  (ends the pr
 
     from dtm_mpi.comm.presence import current
 
-    if not ENDING.acquire(blocking=False):  # another thread of this rank is ending the job
-        while True:
-            time.sleep(3600)
+    claim_ending()  # else another thread of this rank is ending the job
     write_line(f"[rank {rank}] {message}")
     presence = current()
     if presence is not None:

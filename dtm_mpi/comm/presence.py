@@ -19,10 +19,9 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from typing import Any
 
-from dtm_mpi.comm.abort import ENDING, write_line
+from dtm_mpi.comm.abort import claim_ending, write_line
 from dtm_mpi.comm.control import Control
 
 __all__ = ["LINGER_S", "SURVEY_S", "Presence", "current", "terminated_line"]
@@ -139,9 +138,7 @@ class Presence:
     def report_terminated(self, signum: int) -> None:
         """The launcher is ending the job: print one line naming the peers that are gone and
         the phase, keep answering pings, then exit."""
-        if not ENDING.acquire(blocking=False):  # this rank already printed its line
-            while True:
-                time.sleep(3600)
+        claim_ending()  # else another thread of this rank is ending the job
         write_line(f"[rank {self.rank}] {terminated_line(self.label, self.control, signum)}")
         self.control.linger(LINGER_S)
         os._exit(1)
@@ -149,9 +146,7 @@ class Presence:
     def end_job(self, code: int, message: str) -> None:
         """Print ``message`` (rank-prefixed), answer pings a moment so the peers print theirs,
         then abort the job."""
-        if not ENDING.acquire(blocking=False):
-            while True:
-                time.sleep(3600)
+        claim_ending()  # else another thread of this rank is ending the job
         write_line("\n".join(f"[rank {self.rank}] {ln}" for ln in message.splitlines()))
         self.control.announce_end(message)
         self.control.linger(1.0)

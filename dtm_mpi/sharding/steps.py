@@ -489,13 +489,19 @@ def _extents(t: TensorType, mesh: MeshShape, rank: int) -> list[int]:
     return [n for _, n in block_bounds(t, mesh, rank)]
 
 
-def _traffic_allgather(step: RedistStep, mesh: MeshShape, rank: int) -> StepTraffic:
+def _traffic_gather_scatter(step: RedistStep, mesh: MeshShape, rank: int) -> StepTraffic:
+    """Allgather and reduce-scatter along one dim: the bytes by the kind's formula; the block
+    of the full side (the allgather's output, the reduce-scatter's input) is staged through a
+    packed buffer unless its pieces along ``dim`` are contiguous."""
     item = step.in_type.dtype.itemsize
     in_ext, out_ext = _extents(step.in_type, mesh, rank), _extents(step.out_type, mesh, rank)
     k = mesh.group_size(step.axes)
     dim = _require(step.dim, "dim", step)
-    staging = 0 if _leading_contiguous(out_ext, dim) else _numel(out_ext)
-    sent, received = allgather_traffic(_numel(in_ext) * item, _numel(out_ext) * item, k)
+    gather = step.kind is StepKind.ALLGATHER
+    full = out_ext if gather else in_ext
+    staging = 0 if _leading_contiguous(full, dim) else _numel(full)
+    formula = allgather_traffic if gather else reduce_scatter_traffic
+    sent, received = formula(_numel(in_ext) * item, _numel(out_ext) * item, k)
     return StepTraffic(sent, received, staging * item)
 
 
@@ -505,16 +511,6 @@ def _traffic_allreduce(step: RedistStep, mesh: MeshShape, rank: int) -> StepTraf
     m = _numel(_extents(step.in_type, mesh, rank))
     moved = allreduce_moved_items(m, k, mesh.index_along(rank, step.axes))
     return StepTraffic(moved * item, moved * item, 0)
-
-
-def _traffic_reduce_scatter(step: RedistStep, mesh: MeshShape, rank: int) -> StepTraffic:
-    item = step.in_type.dtype.itemsize
-    in_ext, out_ext = _extents(step.in_type, mesh, rank), _extents(step.out_type, mesh, rank)
-    k = mesh.group_size(step.axes)
-    dim = _require(step.dim, "dim", step)
-    staging = 0 if _leading_contiguous(in_ext, dim) else _numel(in_ext)
-    sent, received = reduce_scatter_traffic(_numel(in_ext) * item, _numel(out_ext) * item, k)
-    return StepTraffic(sent, received, staging * item)
 
 
 def _traffic_exchange(step: RedistStep, mesh: MeshShape, rank: int) -> StepTraffic:
@@ -581,12 +577,12 @@ STEP_KINDS: Mapping[StepKind, StepRule] = MappingProxyType({
                  "reference_local", "relabel"),
         StepRule(StepKind.MAKE_PARTIAL, MakePartialSpec, _spec_make_partial, _traffic_local,
                  "reference_local", "make_partial"),
-        StepRule(StepKind.ALLGATHER, AllgatherSpec, _spec_allgather, _traffic_allgather,
+        StepRule(StepKind.ALLGATHER, AllgatherSpec, _spec_allgather, _traffic_gather_scatter,
                  "reference_allgather", "allgather"),
         StepRule(StepKind.ALLREDUCE, AllreduceSpec, _spec_allreduce, _traffic_allreduce,
                  "reference_allreduce", "allreduce"),
         StepRule(StepKind.REDUCE_SCATTER, ReduceScatterSpec, _spec_reduce_scatter,
-                 _traffic_reduce_scatter, "reference_reduce_scatter", "reduce_scatter"),
+                 _traffic_gather_scatter, "reference_reduce_scatter", "reduce_scatter"),
         StepRule(StepKind.ALL_TO_ALL, ExchangeSpec, _exchange, _traffic_exchange,
                  "reference_all_to_all", "exchange", ("all_to_all",)),
         StepRule(StepKind.EXCHANGE, ExchangeSpec, _exchange, _traffic_exchange,
