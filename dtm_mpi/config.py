@@ -25,7 +25,7 @@ from dtm_mpi.errors import ConfigError, UsageError
 
 __all__ = [
     "ENV_VARS", "Config", "EnvVar", "FaultKind", "FaultSpec", "GpuAwareMode", "get_config",
-    "load_config",
+    "launcher_node_ranks", "load_config",
 ]  # fmt: skip
 
 MAX_MSG_ELEMS_DEFAULT = 2**31 - 1
@@ -65,6 +65,7 @@ class Config:
     log_level: str = "warning"
     ckpt_verify_full: bool = False
     ckpt_ranks_per_file: int = 1  # 0: all ranks share one data file
+    ckpt_hash_thread: bool | None = None  # None: where the rank has a spare core
     fuse: bool = True  # GPU backends run planned elementwise chains as one kernel
     kernel_dir: str | None = None  # where the .cu sources are (None: look in the usual places)
     mallopt: bool = True  # under MPI, keep collective-sized freed blocks in the heap
@@ -178,6 +179,15 @@ def _ckpt_verify_full(name: str, raw: str) -> bool:
     return mode == "full"
 
 
+def _auto_yes_no(name: str, raw: str) -> bool | None:
+    """``auto`` (or empty): None, the caller decides; else a yes/no word."""
+    if raw.strip().lower() in ("", "auto"):
+        return None
+    if (value := _bool_word(raw)) is None:
+        raise ConfigError(f"{name}: expected auto, {'/'.join(_TRUE)} or {'/'.join(_FALSE)}, got {raw!r}")  # fmt: skip
+    return value
+
+
 def _ranks_per_file(name: str, raw: str) -> int:
     from dtm_mpi.units import parse_ranks_per_file
 
@@ -221,6 +231,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("DTM_LOG", "log_level", _log_level, "warning"),
     EnvVar("DTM_CKPT_RANKS_PER_FILE", "ckpt_ranks_per_file", _ranks_per_file, "1"),
     EnvVar("DTM_CKPT_VERIFY", "ckpt_verify_full", _ckpt_verify_full, "manifest"),
+    EnvVar("DTM_CKPT_HASH_THREAD", "ckpt_hash_thread", _auto_yes_no, "auto"),
     EnvVar("DTM_MALLOPT", "mallopt", _yes_no(True), "1"),
 )
 """Every environment variable the package reads, in the README table's order."""
@@ -241,3 +252,18 @@ def get_config() -> Config:
     """The process-wide configuration, read from ``os.environ`` on first call (a test that
     changes the environment calls ``get_config.cache_clear()``)."""
     return load_config(os.environ)
+
+
+LAUNCHER_NODE_RANKS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
+"""Where Open MPI, MPICH/Hydra and Slurm tell a process how many ranks share its node."""
+
+
+def launcher_node_ranks(environ: Mapping[str, str] | None = None) -> int | None:
+    """How many ranks the launcher put on this node (the first of :data:`LAUNCHER_NODE_RANKS`
+    that holds a positive integer; Slurm's ``2(x3)`` form counts its first number), or None."""
+    env = os.environ if environ is None else environ
+    for name in LAUNCHER_NODE_RANKS:
+        head = env.get(name, "").split("(")[0].split(",")[0].strip()
+        if head.isdigit() and int(head) > 0:
+            return int(head)
+    return None

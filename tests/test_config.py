@@ -17,6 +17,7 @@ from dtm_mpi.config import (
     FaultSpec,
     GpuAwareMode,
     get_config,
+    launcher_node_ranks,
     load_config,
 )
 from dtm_mpi.errors import ConfigError
@@ -77,6 +78,7 @@ def test_frozen() -> None:
         ({"DTM_GPU_AWARE_MPI": "perhaps"}, "DTM_GPU_AWARE_MPI"),
         ({"DTM_LOG": "loud"}, "DTM_LOG"),
         ({"DTM_CKPT_VERIFY": "some"}, "DTM_CKPT_VERIFY: expected manifest or full"),
+        ({"DTM_CKPT_HASH_THREAD": "two"}, "DTM_CKPT_HASH_THREAD: expected auto, 1/true"),
         (
             {"DTM_CKPT_RANKS_PER_FILE": "0"},
             "DTM_CKPT_RANKS_PER_FILE: expected an integer >= 1 or all, got '0'",
@@ -242,3 +244,23 @@ def test_readme_table_matches_config() -> None:
 
 def test_readme_table_is_in_env_vars_order() -> None:
     assert list(_readme_table()) == [v.name for v in ENV_VARS]
+
+
+@pytest.mark.parametrize(("raw", "want"), [("auto", None), ("", None), (" AUTO ", None), ("1", True), ("off", False)])  # fmt: skip
+def test_ckpt_hash_thread(raw: str, want: bool | None) -> None:
+    assert load_config({"DTM_CKPT_HASH_THREAD": raw}).ckpt_hash_thread is want
+
+
+@pytest.mark.parametrize(
+    ("env", "want"),
+    [
+        ({}, None),
+        ({"OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, 4),
+        ({"MPI_LOCALNRANKS": "3", "SLURM_NTASKS_PER_NODE": "8"}, 3),
+        ({"SLURM_NTASKS_PER_NODE": "2(x3)"}, 2),
+        ({"SLURM_NTASKS_PER_NODE": "5,3"}, 5),
+        ({"OMPI_COMM_WORLD_LOCAL_SIZE": "0", "SLURM_NTASKS_PER_NODE": "x"}, None),
+    ],
+)
+def test_launcher_node_ranks(env: dict[str, str], want: int | None) -> None:
+    assert launcher_node_ranks(env) == want

@@ -11,7 +11,9 @@ not raised: the caller agrees on it and applies the recovery rules.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from dtm_mpi.comm.objects import alltoallv_bytes
+from dtm_mpi.config import get_config, launcher_node_ranks
 from dtm_mpi.errors import IntegrityError
 from dtm_mpi.io.backend import ShardReader
 from dtm_mpi.io.ckpt_files import chunk_mismatch
@@ -26,7 +29,7 @@ from dtm_mpi.io.ckpt_plan import RestorePlan
 from dtm_mpi.io.manifest import ShardRecord
 from dtm_mpi.ir.dtypes import np_dtype
 
-__all__ = ["Reader", "read_plan"]
+__all__ = ["Reader", "hash_thread_wanted", "read_plan"]
 
 
 Damage = tuple[str, str, str, str]
@@ -67,9 +70,15 @@ def read_plan(ctx: Reader, files: ShardReader, plan: RestorePlan, into: Mapping[
     # Chunks only this rank consumes go straight into its output and take no part in an
     # exchange: read them first, each run of consecutive chunks of a shard in one call.
     direct = {k: d for k, it in enumerate(plan.items) if it.reader == me and (d := _direct(ctx, plan, k, by_item, offsets[it.tensor])) is not None}  # fmt: skip
-    for run in _direct_runs(plan, direct, outs):
-        with ctx.deadline(f"restore: reading {len(run)} chunk(s) of tensor {plan.targets[plan.items[run[0]].tensor][0]!r}"):  # fmt: skip
-            damaged.extend(_read_run(ctx, files, plan, run, direct, outs))
+    threaded = hash_thread_wanted()
+    runs = _direct_runs(plan, direct, outs, PIPELINED_RUN_BYTES if threaded else RUN_BYTES)
+    if threaded and len(runs) > 1:
+        damaged.extend(_read_runs_pipelined(ctx, files, plan, runs, direct, outs))
+    else:
+        for run in runs:
+            with ctx.deadline(f"restore: reading {len(run)} chunk(s) of tensor {plan.targets[plan.items[run[0]].tensor][0]!r}"):  # fmt: skip
+                failed = _read_run(files, plan, run, direct, outs)
+                damaged.extend(failed or _verify_run(ctx, files, plan, run, direct, outs))
     for rnd in sorted(rounds):  # the same rounds on every rank: the plan is shared
         round_items = rounds[rnd]
         data: dict[int, np.ndarray] = {}
@@ -88,10 +97,27 @@ def read_plan(ctx: Reader, files: ShardReader, plan: RestorePlan, into: Mapping[
 RUN_BYTES = 256 << 20
 """Most bytes one read of a run of direct chunks takes (each read runs under one deadline)."""
 
+PIPELINED_RUN_BYTES = 16 << 20
+"""The same when a second thread verifies one run while the next is read (smaller runs: the
+first read and the last hash are the parts that do not overlap)."""
 
-def _direct_runs(plan: RestorePlan, direct: dict[int, tuple[slice, ...]], outs: dict[str, np.ndarray]) -> list[list[int]]:  # fmt: skip
+
+def hash_thread_wanted() -> bool:
+    """Whether restores verify on a second thread: ``DTM_CKPT_HASH_THREAD``, or where it is
+    ``auto``, whether this rank may run on at least twice as many CPUs as its share of the
+    node (its affinity, and the CPUs divided among the ranks its launcher put on the node).
+    Hashing (XXH3, GIL released) then overlaps the next read instead of following it."""
+    chosen = get_config().ckpt_hash_thread
+    if chosen is not None:
+        return chosen
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)  # fmt: skip
+    share = (os.cpu_count() or 1) // (launcher_node_ranks() or 1)
+    return min(cpus, share) >= 2
+
+
+def _direct_runs(plan: RestorePlan, direct: dict[int, tuple[slice, ...]], outs: dict[str, np.ndarray], limit: int) -> list[list[int]]:  # fmt: skip
     """The direct items as runs: consecutive chunks of one shard whose places in the output
-    follow each other as whole rows (one contiguous view), at most ``RUN_BYTES`` each."""
+    follow each other as whole rows (one contiguous view), at most ``limit`` bytes each."""
     runs: list[list[int]] = []
     size = 0
     for k in sorted(direct, key=lambda k: (plan.items[k].tensor, plan.items[k].shard, plan.items[k].chunk)):  # fmt: skip
@@ -101,7 +127,7 @@ def _direct_runs(plan: RestorePlan, direct: dict[int, tuple[slice, ...]], outs: 
         if runs and where and out[where].flags.c_contiguous:
             prev = plan.items[runs[-1][-1]]
             last = direct[runs[-1][-1]]
-            if (prev.tensor, prev.shard, prev.chunk + 1) == (it.tensor, it.shard, it.chunk) and last and last[0].stop == where[0].start and last[1:] == where[1:] and size + nbytes <= RUN_BYTES:  # fmt: skip
+            if (prev.tensor, prev.shard, prev.chunk + 1) == (it.tensor, it.shard, it.chunk) and last and last[0].stop == where[0].start and last[1:] == where[1:] and size + nbytes <= limit:  # fmt: skip
                 runs[-1].append(k)
                 size += nbytes
                 continue
@@ -110,8 +136,8 @@ def _direct_runs(plan: RestorePlan, direct: dict[int, tuple[slice, ...]], outs: 
     return runs
 
 
-def _read_run(ctx: Reader, files: ShardReader, plan: RestorePlan, run: list[int], direct: dict[int, tuple[slice, ...]], outs: dict[str, np.ndarray]) -> list[Damage]:  # fmt: skip
-    """Read a run of direct chunks with one call and verify each; returns their damage."""
+def _read_run(files: ShardReader, plan: RestorePlan, run: list[int], direct: dict[int, tuple[slice, ...]], outs: dict[str, np.ndarray]) -> list[Damage]:  # fmt: skip
+    """Read a run of direct chunks with one call; its damage if the read fails, else []."""
     first, last = plan.items[run[0]], plan.items[run[-1]]
     name = plan.targets[first.tensor][0]
     art = plan.artifacts[first.tensor]
@@ -123,8 +149,38 @@ def _read_run(ctx: Reader, files: ShardReader, plan: RestorePlan, run: list[int]
         files.read_rows(art, shard, first.chunk, last.chunk, outs[name], where or None)
     except Exception as exc:  # local: reported with the damage, agreed by the caller
         return [_unreadable(files, name, shard, f"chunks {first.chunk}..{last.chunk}", exc)]
+    return []
+
+
+def _verify_run(ctx: Reader, files: ShardReader, plan: RestorePlan, run: list[int], direct: dict[int, tuple[slice, ...]], outs: dict[str, np.ndarray]) -> list[Damage]:  # fmt: skip
+    """The damage of the chunks of a run that was read (their content hashes checked)."""
+    first = plan.items[run[0]]
+    name = plan.targets[first.tensor][0]
+    shard = plan.artifacts[first.tensor].shards[first.shard]
     checked = (_verify(ctx, files, name, shard, plan.items[k].chunk, outs[name][direct[k]] if direct[k] else outs[name]) for k in run)  # fmt: skip
     return [d for d in checked if d is not None]
+
+
+def _read_runs_pipelined(ctx: Reader, files: ShardReader, plan: RestorePlan, runs: list[list[int]], direct: dict[int, tuple[slice, ...]], outs: dict[str, np.ndarray]) -> list[Damage]:  # fmt: skip
+    """Read the runs in order while one worker thread verifies the run read before; every
+    wait (a read, the previous run's hashes) runs under the restore's deadline."""
+    damaged: list[Damage] = []
+    with ThreadPoolExecutor(1, thread_name_prefix="dtm-restore-hash") as pool:
+        pending: Future[list[Damage]] | None = None
+        for run in runs:
+            with ctx.deadline(f"restore: reading {len(run)} chunk(s) of tensor {plan.targets[plan.items[run[0]].tensor][0]!r}"):  # fmt: skip
+                failed = _read_run(files, plan, run, direct, outs)
+                if pending is not None:
+                    damaged.extend(pending.result())
+                    pending = None
+                if failed:
+                    damaged.extend(failed)
+                else:
+                    pending = pool.submit(_verify_run, ctx, files, plan, run, direct, outs)
+        if pending is not None:
+            with ctx.deadline("restore: verifying the last chunks read"):
+                damaged.extend(pending.result())
+    return damaged
 
 
 def _read_item(ctx: Reader, files: ShardReader, plan: RestorePlan, k: int, by_item: dict[int, list[int]], offsets: list[tuple[slice, ...]], outs: dict[str, np.ndarray], data: dict[int, np.ndarray]) -> Damage | None:  # fmt: skip

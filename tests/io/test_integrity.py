@@ -130,7 +130,15 @@ def test_the_good_file_verifies_and_restores(good: tuple[Path, dict[str, np.ndar
     assert sum(n for _, _, n in extents) >= m.data_bytes
 
 
-def test_every_flipped_data_byte_is_found(good: tuple[Path, dict[str, np.ndarray]], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+@pytest.mark.parametrize("hash_thread", [False, True], ids=["inline-hash", "hash-thread"])
+def test_every_flipped_data_byte_is_found(good: tuple[Path, dict[str, np.ndarray]], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, hash_thread: bool) -> None:  # fmt: skip
+    """Also with restore's hashes checked on a second thread while the next run is read."""
+    import dtm_mpi.io.restore_read as restore_read
+
+    monkeypatch.setattr(restore_read, "hash_thread_wanted", lambda: hash_thread)
+    pipelined = []
+    real = restore_read._read_runs_pipelined
+    monkeypatch.setattr(restore_read, "_read_runs_pipelined", lambda *a: pipelined.append(1) or real(*a))  # fmt: skip
     path, _ = good
     extents = data_extents(path)
     total = sum(n for _, _, n in extents)
@@ -175,6 +183,7 @@ def test_every_flipped_data_byte_is_found(good: tuple[Path, dict[str, np.ndarray
             assert f"DAMAGED {data}: tensor {tensor!r} shard {shard!r}: chunk " in out, (where, out)  # fmt: skip
         shutil.rmtree(bad.parent)
     assert hit == {name for name, _ in TENSORS}
+    assert bool(pipelined) == hash_thread
 
 
 def test_a_flipped_manifest_byte_makes_it_unloadable(good: tuple[Path, dict[str, np.ndarray]], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
