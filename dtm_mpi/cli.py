@@ -61,6 +61,13 @@ def add_ir_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     hsh = sub.add_parser("hash", help="print the module hash of an IR file")
     hsh.add_argument("file", metavar="FILE")
     hsh.set_defaults(func=_cmd_hash)
+    grad = sub.add_parser("grad", help="add the reverse-mode gradient of a function; print the module")  # fmt: skip
+    grad.add_argument("file", metavar="FILE")
+    grad.add_argument("--wrt", required=True, metavar="P[,P...]", help="the parameters to differentiate with respect to")  # fmt: skip
+    grad.add_argument("--function", metavar="NAME", help="the function (default: the entry function)")  # fmt: skip
+    grad.add_argument("--loss", type=int, default=0, metavar="N", help="which result is the loss (a float scalar; default 0)")  # fmt: skip
+    grad.add_argument("-o", "--output", metavar="OUT", help="write the module to OUT instead of stdout")  # fmt: skip
+    grad.set_defaults(func=_cmd_grad)
 
 
 def add_bench_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -175,6 +182,32 @@ def _cmd_hash(args: argparse.Namespace) -> int:
     from dtm_mpi.ir import module_hash
 
     print(module_hash(_load(args.file)))
+    return 0
+
+
+def _cmd_grad(args: argparse.Namespace) -> int:
+    from dtm_mpi.errors import GradientError
+    from dtm_mpi.ir import print_module
+    from dtm_mpi.ir.autodiff import grad_module
+    from dtm_mpi.ir.source_files import read_source
+
+    module = _load(args.file)
+    name = args.function or (module.entry.name if module.entry is not None else "")
+    wrt = [w.strip() for w in args.wrt.split(",") if w.strip()]
+    if not wrt:
+        raise UsageError("--wrt: name at least one parameter")
+    try:
+        text = print_module(grad_module(module, name, wrt, loss=args.loss))
+    except GradientError as err:
+        lines = read_source(args.file).splitlines()
+        if 0 < err.span.line <= len(lines) and err.source_line is None:
+            err.with_source(lines[err.span.line - 1])
+        _print_diagnostics([err])
+        return 1
+    if args.output:
+        Path(args.output).write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
     return 0
 
 

@@ -133,6 +133,14 @@ class VerifyError(DiagnosticError):
     kind = "verify error"
 
 
+class GradientError(DiagnosticError):
+    """A gradient that cannot be formed: it would flow through an op without a gradient
+    rule, or the differentiated value is not a float scalar. Located at the op (in an IR file,
+    or the user's Python line for traced code)."""
+
+    kind = "error"
+
+
 class InvalidModuleError(DtmError, ValueError):
     """A module file has diagnostics (printed before, or named in the message); agreed:
     every rank reads the same text."""

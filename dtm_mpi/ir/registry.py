@@ -4,7 +4,8 @@ format from which both the parser and the printer are derived), its shape and sh
 the planner and the executor run it: :class:`OpKind`), its traits (:class:`Trait`), the
 pending reductions it is linear in (``linear_in``) and, for elementwise ops, its array
 function (``array_fn``, written against any numpy-like namespace) and the C expression of the
-generated GPU kernels (``c_expr``). Every other per-op table (the executor's communication
+generated GPU kernels (``c_expr``), and its gradient rule (``grad``, used by
+:mod:`dtm_mpi.ir.autodiff`). Every other per-op table (the executor's communication
 ops, the fusible ops, the C expressions, the reference interpreter's identities) is derived
 from here: passes ask the kind or a trait, never a list of names.
 
@@ -32,6 +33,8 @@ from dtm_mpi.ir.types import ReduceOp, TensorType
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from dtm_mpi.ir.grad_context import GradRule
 
 __all__ = [
     "OPS",
@@ -236,6 +239,9 @@ class OpDef:
     device helpers of ``kernels/dtm_common.cuh``; None where the op is not generated."""
     array_fn: ArrayFn | None = None
     plan_check: PlanCheck | None = None
+    grad: GradRule | None = None
+    """The gradient rule (:mod:`dtm_mpi.ir.grad_context`): the operands' cotangents from the
+    results'. None: a gradient cannot flow through the op (the reverse pass says so)."""
     exact_attrs: bool = True
     """No float or literal attributes: equal attribute tuples then print and infer alike, so
     the printer and verifier may cache by them (``0.0 == -0.0`` and ``1 == 1.0`` otherwise
@@ -276,6 +282,7 @@ def register_op(
     c_expr: str | None = None,
     array_fn: ArrayFn | None = None,
     plan_check: PlanCheck | None = None,
+    grad: GradRule | None = None,
 ) -> Callable[[InferFn], InferFn]:
     """Decorator registering ``infer`` as the shape+sharding rule of op ``name``."""
 
@@ -287,7 +294,7 @@ def register_op(
         assert kind is OpKind.LOCAL or not traits, f"{name}: traits are for local ops"
         OPS[name] = OpDef(
             name, elems, results, infer, reference, capability, doc, kind, frozenset(traits),
-            frozenset(linear_in), c_expr, array_fn, plan_check,
+            frozenset(linear_in), c_expr, array_fn, plan_check, grad,
             exact_attrs=not _has_inexact(elems),
         )  # fmt: skip
         return infer

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dtm_mpi.ir.build import Value, complete_layout
+from dtm_mpi.ir.grad_context import GradContext
 from dtm_mpi.ir.nodes import Op
 from dtm_mpi.ir.ops._common import dim_index, mesh_axes_attr
 from dtm_mpi.ir.registry import OpContext, OpKind, register_op
@@ -34,6 +36,15 @@ _REDUCE_ENUM = "enum(sum|max|min|prod)"
 
 def _identity(op: Op, xs: Sequence[np.ndarray], rt: Sequence[TensorType]) -> tuple[np.ndarray, ...]:
     return (xs[0],)
+
+
+def _d_layout(c: GradContext) -> tuple[Value]:
+    """The adjoint of a layout change: the cotangent taken to the operand's layout (the
+    inverse redistribution: an allgather's is a slice, or a reduce-scatter where the
+    cotangent is a pending sum; a reduce-scatter's an allgather; a completed sum's the
+    identity on the replicated cotangent). Cotangents are of global values, so a pending
+    max or min is no different: its producer's rule sees the completed value)."""
+    return (c.b.to_layout(c.g, complete_layout(c.xs[0].type.layout), span=c.span),)
 
 
 def _pending(ctx: OpContext, axes: tuple[str, ...]) -> Partial:
@@ -49,7 +60,7 @@ def _pending(ctx: OpContext, axes: tuple[str, ...]) -> Partial:
 
 
 @register_op("allreduce", f"$op:{_REDUCE_ENUM} $x:operand on $axes:axes", reference=_identity,
-             kind=OpKind.REDIST, doc="complete a pending reduction over mesh axes")  # fmt: skip
+             kind=OpKind.REDIST, doc="complete a pending reduction over mesh axes", grad=_d_layout)  # fmt: skip
 def _allreduce(ctx: OpContext) -> tuple[TensorType, ...]:
     axes = mesh_axes_attr(ctx, "axes")
     p = _pending(ctx, axes)
@@ -76,7 +87,7 @@ def _strip_inner(
 
 
 @register_op("allgather", "$x:operand on $axes:axes", reference=_identity, kind=OpKind.REDIST,
-             doc="gather the blocks of a sharded dim over mesh axes")  # fmt: skip
+             doc="gather the blocks of a sharded dim over mesh axes", grad=_d_layout)  # fmt: skip
 def _allgather(ctx: OpContext) -> tuple[TensorType, ...]:
     axes = mesh_axes_attr(ctx, "axes")
     t = ctx.operand_types[0]
@@ -86,7 +97,7 @@ def _allgather(ctx: OpContext) -> tuple[TensorType, ...]:
 
 @register_op("reduce_scatter", f"$op:{_REDUCE_ENUM} $x:operand on $axes:axes dim $dim:int",
              reference=_identity, kind=OpKind.REDIST,
-             doc="complete a pending reduction, leaving dim sharded")  # fmt: skip
+             doc="complete a pending reduction, leaving dim sharded", grad=_d_layout)  # fmt: skip
 def _reduce_scatter(ctx: OpContext) -> tuple[TensorType, ...]:
     axes = mesh_axes_attr(ctx, "axes")
     t = ctx.operand_types[0]
@@ -98,7 +109,7 @@ def _reduce_scatter(ctx: OpContext) -> tuple[TensorType, ...]:
 
 
 @register_op("broadcast", "$x:operand on $axes:axes root $root:int", reference=_identity,
-             kind=OpKind.BROADCAST, doc="every rank takes the root's block along mesh axes")  # fmt: skip
+             kind=OpKind.BROADCAST, doc="every rank takes the root's block along mesh axes", grad=_d_layout)  # fmt: skip
 def _broadcast(ctx: OpContext) -> tuple[TensorType, ...]:
     axes = mesh_axes_attr(ctx, "axes")
     t = ctx.operand_types[0]
@@ -120,7 +131,7 @@ def _broadcast(ctx: OpContext) -> tuple[TensorType, ...]:
 
 @register_op("all_to_all", "$x:operand on $axes:axes from $src:int to $dst:int",
              reference=_identity, kind=OpKind.REDIST,
-             doc="move the sharding over mesh axes from one dim to another")  # fmt: skip
+             doc="move the sharding over mesh axes from one dim to another", grad=_d_layout)  # fmt: skip
 def _all_to_all(ctx: OpContext) -> tuple[TensorType, ...]:
     axes = mesh_axes_attr(ctx, "axes")
     t = ctx.operand_types[0]
@@ -190,7 +201,7 @@ def _recv(ctx: OpContext) -> tuple[TensorType, ...]:
 
 
 @register_op("redistribute", "$x:operand", reference=_identity, kind=OpKind.REDIST,
-             doc="the same global value in the result's layout")  # fmt: skip
+             doc="the same global value in the result's layout", grad=_d_layout)  # fmt: skip
 def _redistribute(ctx: OpContext) -> tuple[TensorType, ...]:
     t, d = ctx.operand_types[0], ctx.declared[0]
     if (t.dtype, t.shape) != (d.dtype, d.shape):

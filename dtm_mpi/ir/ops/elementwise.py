@@ -17,7 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from dtm_mpi.ir.build import Value
 from dtm_mpi.ir.dtypes import as_dtype
+from dtm_mpi.ir.grad_context import GradContext, GradRule
 from dtm_mpi.ir.nodes import Op
 from dtm_mpi.ir.ops._common import (
     no_partial,
@@ -88,30 +90,52 @@ def _unary(
     *,
     float_only: bool,
     linear_in: frozenset[ReduceOp] = frozenset(),
+    grad: Callable[[GradContext], Value],
 ) -> None:
     traits = _FUSIBLE | ({Trait.FLOAT_ONLY} if float_only else set())
     register_op(
         name, "$x:operand", reference=_elementwise_ref(name), doc=f"elementwise {name}",
         traits=traits, linear_in=linear_in, c_expr=c_expr, array_fn=fn,
+        grad=lambda c: (grad(c),),
     )(_unary_rule(lambda: OPS[name]))  # fmt: skip
 
 
+# Gradient rules (g: the result's cotangent, x: the operand, y: the result).
+
+
+def _d_gelu(c: GradContext) -> Value:
+    """d gelu/dx of the tanh form: 0.5 (1 + t) + 0.5 x (1 - t^2) k (1 + 3 a x^2), with
+    t = tanh(k (x + a x^3)), k = sqrt(2/pi), a = 0.044715."""
+    x = c.xs[0]
+    k, a = math.sqrt(2.0 / math.pi), 0.044715
+    x2 = c.mul(x, x)
+    t = c.apply("tanh", c.scale(c.add(x, c.scale(c.mul(x2, x), a)), k))
+    left = c.scale(c.add(c.const(1.0, t), t), 0.5)
+    sech2 = c.sub(c.const(1.0, t), c.mul(t, t))
+    inner = c.scale(c.add(c.const(1.0, x2), c.scale(x2, 3 * a)), 0.5 * k)
+    return c.add(left, c.mul(c.mul(x, sech2), inner))
+
+
+def _positive(c: GradContext, x: Value) -> Value:
+    return c.compare("gt", x, c.const(0, x))
+
+
 # One entry per op: numpy-like semantics, C expression (kernels/dtm_common.cuh), float only,
-# the pending reductions it passes through.
-_unary("neg", lambda xp, x: xp.negative(x), "dtm_neg({0})", float_only=False, linear_in=_SUM)
-_unary("exp", lambda xp, x: xp.exp(x), "dtm_exp({0})", float_only=True)
-_unary("log", lambda xp, x: xp.log(x), "dtm_log({0})", float_only=True)
-_unary("tanh", lambda xp, x: xp.tanh(x), "dtm_tanh({0})", float_only=True)
-_unary("relu", lambda xp, x: xp.maximum(x, xp.zeros_like(x)), "dtm_relu({0})", float_only=False)  # fmt: skip
-_unary("gelu", _gelu, "dtm_gelu({0})", float_only=True)
-_unary("sqrt", lambda xp, x: xp.sqrt(x), "dtm_sqrt({0})", float_only=True)
-_unary("rsqrt", lambda xp, x: 1.0 / xp.sqrt(x), "dtm_rsqrt({0})", float_only=True)
+# the pending reductions it passes through, the gradient (g: the result's cotangent).
+_unary("neg", lambda xp, x: xp.negative(x), "dtm_neg({0})", float_only=False, linear_in=_SUM, grad=lambda c: c.neg(c.g))  # fmt: skip
+_unary("exp", lambda xp, x: xp.exp(x), "dtm_exp({0})", float_only=True, grad=lambda c: c.mul(c.g, c.ys[0]))  # fmt: skip
+_unary("log", lambda xp, x: xp.log(x), "dtm_log({0})", float_only=True, grad=lambda c: c.div(c.g, c.xs[0]))  # fmt: skip
+_unary("tanh", lambda xp, x: xp.tanh(x), "dtm_tanh({0})", float_only=True, grad=lambda c: c.mul(c.g, c.sub(c.const(1.0, c.ys[0]), c.mul(c.ys[0], c.ys[0]))))  # fmt: skip
+_unary("relu", lambda xp, x: xp.maximum(x, xp.zeros_like(x)), "dtm_relu({0})", float_only=False, grad=lambda c: c.where(_positive(c, c.xs[0]), c.g, c.const(0, c.xs[0])))  # fmt: skip
+_unary("gelu", _gelu, "dtm_gelu({0})", float_only=True, grad=lambda c: c.mul(c.g, _d_gelu(c)))
+_unary("sqrt", lambda xp, x: xp.sqrt(x), "dtm_sqrt({0})", float_only=True, grad=lambda c: c.div(c.scale(c.g, 0.5), c.ys[0]))  # fmt: skip
+_unary("rsqrt", lambda xp, x: 1.0 / xp.sqrt(x), "dtm_rsqrt({0})", float_only=True, grad=lambda c: c.mul(c.scale(c.g, -0.5), c.mul(c.ys[0], c.mul(c.ys[0], c.ys[0]))))  # fmt: skip
 # sigmoid is non-decreasing, so it commutes with max and min: sigmoid of partial(max) is the
 # partial(max) of the sigmoids (an empty block's -inf becomes 0, still below every value).
 # It is not linear in partial(sum).
-_unary("sigmoid", _sigmoid, "dtm_sigmoid({0})", float_only=True, linear_in=_MAX | _MIN)
+_unary("sigmoid", _sigmoid, "dtm_sigmoid({0})", float_only=True, linear_in=_MAX | _MIN, grad=lambda c: c.mul(c.g, c.mul(c.ys[0], c.sub(c.const(1.0, c.ys[0]), c.ys[0]))))  # fmt: skip
 # abs is neither additive nor monotone: |a + b| != |a| + |b|, |max(-3, 1)| != max(3, 1).
-_unary("abs", lambda xp, x: xp.abs(x), "dtm_abs({0})", float_only=False)
+_unary("abs", lambda xp, x: xp.abs(x), "dtm_abs({0})", float_only=False, grad=lambda c: c.where(c.compare("ge", c.xs[0], c.const(0, c.xs[0])), c.g, c.neg(c.g)))  # fmt: skip
 
 
 def _binary_partial(ctx: OpContext, d: OpDef) -> None:
@@ -155,21 +179,43 @@ def _binary(
     c_expr: str,
     linear_in: frozenset[ReduceOp],
     *extra: Trait,
+    grad: GradRule,
 ) -> None:
     register_op(
         name, "$lhs:operand , $rhs:operand", reference=_elementwise_ref(name),
         doc=f"elementwise {name}", traits=_FUSIBLE | set(extra), linear_in=linear_in,
-        c_expr=c_expr, array_fn=fn,
+        c_expr=c_expr, array_fn=fn, grad=grad,
     )(_binary_rule(lambda: OPS[name]))  # fmt: skip
 
 
+def _d_div(c: GradContext) -> tuple[Value | None, Value | None]:
+    if not c.xs[0].type.dtype.is_float:
+        return (None, None)  # floor division: no gradient (the operands are not float)
+    da = c.div(c.g, c.xs[1]) if c.wants[0] else None
+    db = c.neg(c.div(c.mul(c.g, c.ys[0]), c.xs[1])) if c.wants[1] else None
+    return (da, db)
+
+
+def _d_pick(pred: str) -> GradRule:
+    """maximum (``ge``) / minimum (``le``): the cotangent goes to the operand picked (the
+    lhs on a tie)."""
+
+    def rule(c: GradContext) -> tuple[Value | None, Value | None]:
+        first = c.compare(pred, c.xs[0], c.xs[1])
+        zero = c.const(0, c.ys[0])
+        return (c.where(first, c.g, zero), c.where(first, zero, c.g))
+
+    return rule
+
+
 # C expressions on floats (the generated kernels): ``div`` is a true division there.
-_binary("add", lambda xp, a, b: xp.add(a, b), "({0} + {1})", _SUM)
-_binary("sub", lambda xp, a, b: xp.subtract(a, b), "({0} - {1})", _SUM)
-_binary("mul", lambda xp, a, b: xp.multiply(a, b), "({0} * {1})", _SUM, Trait.LINEAR_ONE_SIDE)
-_binary("div", _div, "({0} / {1})", _SUM, Trait.LINEAR_FIRST)
-_binary("maximum", lambda xp, a, b: xp.maximum(a, b), "dtm_maximum({0}, {1})", _MAX)
-_binary("minimum", lambda xp, a, b: xp.minimum(a, b), "dtm_minimum({0}, {1})", _MIN)
+_binary("add", lambda xp, a, b: xp.add(a, b), "({0} + {1})", _SUM, grad=lambda c: (c.g, c.g))
+_binary("sub", lambda xp, a, b: xp.subtract(a, b), "({0} - {1})", _SUM, grad=lambda c: (c.g, c.neg(c.g)))  # fmt: skip
+_binary("mul", lambda xp, a, b: xp.multiply(a, b), "({0} * {1})", _SUM, Trait.LINEAR_ONE_SIDE,
+        grad=lambda c: (c.mul(c.g, c.xs[1]) if c.wants[0] else None, c.mul(c.g, c.xs[0]) if c.wants[1] else None))  # fmt: skip
+_binary("div", _div, "({0} / {1})", _SUM, Trait.LINEAR_FIRST, grad=_d_div)
+_binary("maximum", lambda xp, a, b: xp.maximum(a, b), "dtm_maximum({0}, {1})", _MAX, grad=_d_pick("ge"))  # fmt: skip
+_binary("minimum", lambda xp, a, b: xp.minimum(a, b), "dtm_minimum({0}, {1})", _MIN, grad=_d_pick("le"))  # fmt: skip
 
 _COMPARE = {"lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
             "eq": np.equal, "ne": np.not_equal}  # fmt: skip
@@ -194,8 +240,13 @@ def _where_ref(op: Op, xs: Sequence[Arr], rt: Sequence[TensorType]) -> tuple[Arr
     return (as_dtype(np.where(xs[0], xs[1], xs[2]), rt[0]),)
 
 
+def _d_where(c: GradContext) -> tuple[Value | None, Value | None, Value | None]:
+    zero = c.const(0, c.ys[0])
+    return (None, c.where(c.xs[0], c.g, zero), c.where(c.xs[0], zero, c.g))
+
+
 @register_op("where", "$cond:operand , $a:operand , $b:operand", reference=_where_ref,
-             doc="elementwise select: cond ? a : b", traits=_ELEMENTWISE)  # fmt: skip
+             doc="elementwise select: cond ? a : b", traits=_ELEMENTWISE, grad=_d_where)  # fmt: skip
 def _where(ctx: OpContext) -> tuple[TensorType, ...]:
     if ctx.operand_types[0].dtype is not DType.BOOL:
         raise ctx.operand_error(0, f"condition must be bool; got {ctx.operand_types[0].dtype}")
@@ -212,8 +263,15 @@ def _cast_ref(op: Op, xs: Sequence[Arr], rt: Sequence[TensorType]) -> tuple[Arr,
     return (as_dtype(xs[0], rt[0]),)
 
 
+def _d_cast(c: GradContext) -> tuple[Value | None]:
+    """Float to float: the cotangent cast back. From an integer or bool: nothing flows."""
+    if not (c.xs[0].type.dtype.is_float and c.ys[0].type.dtype.is_float):
+        return (None,)
+    return (c.cast(c.g, c.xs[0].type.dtype),)
+
+
 @register_op("cast", "$x:operand", reference=_cast_ref, doc="convert to the result dtype",
-             traits=_ELEMENTWISE, linear_in=_SUM)  # fmt: skip
+             traits=_ELEMENTWISE, linear_in=_SUM, grad=_d_cast)  # fmt: skip
 def _cast(ctx: OpContext) -> tuple[TensorType, ...]:
     t, d = ctx.operand_types[0], ctx.declared[0]
     p = t.layout.partial

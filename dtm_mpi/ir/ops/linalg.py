@@ -11,7 +11,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dtm_mpi.ir.build import Value
 from dtm_mpi.ir.dtypes import as_dtype
+from dtm_mpi.ir.grad_context import GradContext
 from dtm_mpi.ir.nodes import Op
 from dtm_mpi.ir.ops._common import merge_partial, require_numeric, same_dtype
 from dtm_mpi.ir.registry import OpContext, register_op
@@ -24,8 +26,17 @@ def _matmul_ref(
     return (as_dtype(np.matmul(xs[0], xs[1]), rt[0]),)
 
 
+def _d_matmul(c: GradContext) -> tuple[Value | None, Value | None]:
+    """d(a @ b) = g @ b^T for a and a^T @ g for b (last two dims swapped)."""
+    a, b = c.xs
+    swap = (*range(a.type.rank - 2), a.type.rank - 1, a.type.rank - 2)
+    da = c.apply("matmul", c.g, c.transpose(b, swap)) if c.wants[0] else None
+    db = c.apply("matmul", c.transpose(a, swap), c.g) if c.wants[1] else None
+    return (da, db)
+
+
 @register_op("matmul", "$lhs:operand , $rhs:operand", reference=_matmul_ref,
-             doc="batched matrix product")  # fmt: skip
+             doc="batched matrix product", grad=_d_matmul)  # fmt: skip
 def _matmul(ctx: OpContext) -> tuple[TensorType, ...]:
     a, b = ctx.operand_types
     require_numeric(ctx, 0)

@@ -7,12 +7,15 @@ softmax/log_softmax/layer_norm need their normalised dim unsharded and no pendin
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from dtm_mpi.ir.build import Value
 from dtm_mpi.ir.dtypes import as_dtype
+from dtm_mpi.ir.grad_context import GradContext, GradRule
 from dtm_mpi.ir.nodes import Op
 from dtm_mpi.ir.ops._common import (
     dim_index,
@@ -82,8 +85,27 @@ def _reduce_ref(name: str):  # type: ignore[no-untyped-def]
     return ref
 
 
+def _reduce_grad(name: str) -> GradRule:
+    """sum: the cotangent spread over each reduced group; mean: also divided by the group's
+    size; max/min: the cotangent goes to every element equal to the group's result."""
+
+    def rule(c: GradContext) -> tuple[Value]:
+        x = c.xs[0].type
+        dims: tuple[int, ...] = c.attr("dims")  # type: ignore[assignment]
+        keep = bool(c.attr("keepdims"))
+        g = c.unreduce(c.g, x, dims, keep)
+        if name == "mean":
+            return (c.scale(g, 1.0 / math.prod(x.shape[d] for d in dims)),)
+        if name in ("max", "min"):
+            hit = c.compare("eq", c.xs[0], c.unreduce(c.ys[0], x, dims, keep))
+            return (c.where(hit, g, c.const(0, g)),)
+        return (g,)
+
+    return rule
+
+
 for _name in ("sum", "mean", "max", "min"):
-    register_op(_name, "$x:operand dims $dims:ints $keepdims:flag(keepdims)",
+    register_op(_name, "$x:operand dims $dims:ints $keepdims:flag(keepdims)", grad=_reduce_grad(_name),
                 reference=_reduce_ref(_name), doc=f"{_name} over dims")(_reduce_rule(_name))  # fmt: skip
 
 
@@ -97,11 +119,26 @@ def _softmax_np(x: np.ndarray, dim: int, log: bool) -> np.ndarray:
     return out
 
 
+def _d_softmax(c: GradContext) -> tuple[Value]:
+    """y (g - sum(g y)) along dim."""
+    y, dim = c.ys[0], int(c.attr("dim"))  # type: ignore[arg-type]
+    s = c.unreduce(c.reduce_sum(c.mul(c.g, y), [dim], keepdims=True), y.type, [dim], True)
+    return (c.mul(y, c.sub(c.g, s)),)
+
+
+def _d_log_softmax(c: GradContext) -> tuple[Value]:
+    """g - exp(y) sum(g) along dim."""
+    y, dim = c.ys[0], int(c.attr("dim"))  # type: ignore[arg-type]
+    s = c.unreduce(c.reduce_sum(c.g, [dim], keepdims=True), y.type, [dim], True)
+    return (c.sub(c.g, c.mul(c.apply("exp", y), s)),)
+
+
 def _softmax_family(name: str, log: bool) -> None:
     def ref(op: Op, xs: Sequence[np.ndarray], rt: Sequence[TensorType]) -> tuple[np.ndarray, ...]:
         return (as_dtype(_softmax_np(xs[0], int(op.attr("dim")), log), rt[0]),)  # type: ignore[arg-type]
 
-    @register_op(name, "$x:operand dim $dim:int", reference=ref, doc=f"{name} along dim")
+    @register_op(name, "$x:operand dim $dim:int", reference=ref, doc=f"{name} along dim",
+                 grad=_d_log_softmax if log else _d_softmax)  # fmt: skip
     def infer(ctx: OpContext) -> tuple[TensorType, ...]:
         t = ctx.operand_types[0]
         require_float(ctx, 0)
@@ -126,7 +163,31 @@ def _layer_norm_ref(
     return (as_dtype((xf - mean) / np.sqrt(var + eps) * gamma + beta, rt[0]),)
 
 
-@register_op("layer_norm", "$x:operand , $gamma:operand , $beta:operand eps $eps:float",
+def _d_layer_norm(c: GradContext) -> tuple[Value | None, ...]:
+    """With xh = (x - mean) r, r = 1/sqrt(var + eps), over the last dim (size n):
+    dx = r (dxh - mean(dxh) - xh mean(dxh xh)), dxh = g gamma; dgamma = sum(g xh) and
+    dbeta = sum(g) over the leading dims."""
+    x, gamma, _ = c.xs
+    t = x.type
+    last, n = t.rank - 1, t.shape[-1]
+    lead = list(range(last))
+
+    def row_mean(v: Value) -> Value:  # mean over the last dim, spread back over it
+        return c.unreduce(c.scale(c.reduce_sum(v, [last], keepdims=True), 1.0 / n), t, [last], True)  # fmt: skip
+
+    centred = c.sub(x, row_mean(x))
+    var = row_mean(c.mul(centred, centred))
+    r = c.apply("rsqrt", c.add(var, c.const(float(c.attr("eps")), var)))  # type: ignore[arg-type]
+    xh = c.mul(centred, r)
+    g = c.g
+    dxh = c.mul(g, c.broadcast(c.reshape(gamma, (1,) * last + (n,)), t.shape)) if c.wants[0] else None  # fmt: skip
+    dx = c.mul(r, c.sub(c.sub(dxh, row_mean(dxh)), c.mul(xh, row_mean(c.mul(dxh, xh))))) if dxh is not None else None  # fmt: skip
+    dgamma = c.reshape(c.reduce_sum(c.mul(g, xh), lead), (n,)) if c.wants[1] else None
+    dbeta = c.reshape(c.reduce_sum(g, lead), (n,)) if c.wants[2] else None
+    return (dx, dgamma, dbeta)
+
+
+@register_op("layer_norm", "$x:operand , $gamma:operand , $beta:operand eps $eps:float", grad=_d_layer_norm,
              reference=_layer_norm_ref, doc="normalise over the last dim, then scale and shift")  # fmt: skip
 def _layer_norm(ctx: OpContext) -> tuple[TensorType, ...]:
     x = ctx.operand_types[0]

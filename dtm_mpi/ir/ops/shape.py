@@ -14,7 +14,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dtm_mpi.ir.build import Value
 from dtm_mpi.ir.dtypes import as_dtype
+from dtm_mpi.ir.grad_context import GradContext
 from dtm_mpi.ir.nodes import Op
 from dtm_mpi.ir.ops._common import dim_index, same_dtype, unsharded_dim
 from dtm_mpi.ir.registry import OpContext, Trait, register_op
@@ -27,7 +29,8 @@ def _reshape_ref(op: Op, xs: Sequence[Arr], rt: Sequence[TensorType]) -> tuple[A
     return (as_dtype(np.reshape(xs[0], rt[0].shape), rt[0]),)
 
 
-@register_op("reshape", "$x:operand", reference=_reshape_ref, doc="row-major reshape")
+@register_op("reshape", "$x:operand", reference=_reshape_ref, doc="row-major reshape",
+             grad=lambda c: (c.reshape(c.g, c.xs[0].type.shape),))  # fmt: skip
 def _reshape(ctx: OpContext) -> tuple[TensorType, ...]:
     t, d = ctx.operand_types[0], ctx.declared[0]
     if t.numel != d.numel:
@@ -64,8 +67,13 @@ def _transpose_ref(op: Op, xs: Sequence[Arr], rt: Sequence[TensorType]) -> tuple
     return (np.array(np.transpose(xs[0], perm), order="C"),)
 
 
+def _d_transpose(c: GradContext) -> tuple[Value]:
+    perm: tuple[int, ...] = c.attr("perm")  # type: ignore[assignment]
+    return (c.transpose(c.g, sorted(range(len(perm)), key=perm.__getitem__)),)
+
+
 @register_op("transpose", "$x:operand perm $perm:ints", reference=_transpose_ref,
-             doc="permute dims")  # fmt: skip
+             doc="permute dims", grad=_d_transpose)  # fmt: skip
 def _transpose(ctx: OpContext) -> tuple[TensorType, ...]:
     t = ctx.operand_types[0]
     perm: tuple[int, ...] = ctx.attr("perm")
@@ -82,7 +90,15 @@ def _broadcast_ref(op: Op, xs: Sequence[Arr], rt: Sequence[TensorType]) -> tuple
     return (np.array(np.broadcast_to(xs[0], rt[0].shape), order="C"),)
 
 
-@register_op("broadcast_to", "$x:operand", reference=_broadcast_ref,
+def _d_broadcast_to(c: GradContext) -> tuple[Value]:
+    """The cotangent summed over the repeated dims (the leading ones and the size-1 ones)."""
+    x, y = c.xs[0].type, c.ys[0].type
+    lead = y.rank - x.rank
+    dims = [*range(lead), *(lead + i for i, s in enumerate(x.shape) if s == 1 and y.shape[lead + i] != 1)]  # fmt: skip
+    return (c.reshape(c.reduce_sum(c.g, dims, keepdims=True), x.shape),)
+
+
+@register_op("broadcast_to", "$x:operand", reference=_broadcast_ref, grad=_d_broadcast_to,
              doc="numpy broadcasting to the result shape", traits=frozenset({Trait.BROADCASTS}))  # fmt: skip
 def _broadcast_to(ctx: OpContext) -> tuple[TensorType, ...]:
     t, d = ctx.operand_types[0], ctx.declared[0]
@@ -112,8 +128,26 @@ def _slice_ref(op: Op, xs: Sequence[Arr], rt: Sequence[TensorType]) -> tuple[Arr
     return (np.array(xs[0][idx], order="C"),)
 
 
+def _d_slice(c: GradContext) -> tuple[Value]:
+    """The cotangent put back in its box, zeros around it (a concat per cut dim)."""
+    x = c.xs[0].type
+    g = c.g
+    start: tuple[int, ...] = c.attr("start")  # type: ignore[assignment]
+    limit: tuple[int, ...] = c.attr("limit")  # type: ignore[assignment]
+    for d, (a, b) in enumerate(zip(start, limit, strict=True)):
+        parts = []
+        for lo, hi in ((0, a), (b, x.shape[d])):
+            if hi > lo:
+                shape = (*g.type.shape[:d], hi - lo, *g.type.shape[d + 1 :])
+                parts.append(c.zeros(TensorType(g.type.dtype, shape, g.type.layout.with_partial(None))))  # fmt: skip
+        if parts:
+            pieces = [parts[0], g, *parts[1:]] if a > 0 else [g, *parts]
+            g = c.b.apply1("concat", pieces, {"dim": d}, span=c.span, hint="g")
+    return (g,)
+
+
 @register_op("slice", "$x:operand start $start:ints limit $limit:ints", reference=_slice_ref,
-             doc="the box [start, limit) of the operand")  # fmt: skip
+             doc="the box [start, limit) of the operand", grad=_d_slice)  # fmt: skip
 def _slice(ctx: OpContext) -> tuple[TensorType, ...]:
     t = ctx.operand_types[0]
     start: tuple[int, ...] = ctx.attr("start")
@@ -137,8 +171,24 @@ def _concat_ref(op: Op, xs: Sequence[Arr], rt: Sequence[TensorType]) -> tuple[Ar
     return (np.concatenate(list(xs), axis=int(op.attr("dim"))),)  # type: ignore[arg-type]
 
 
+def _d_concat(c: GradContext) -> list[Value | None]:
+    d = int(c.attr("dim"))  # type: ignore[arg-type]
+    out: list[Value | None] = []
+    at = 0
+    for x, want in zip(c.xs, c.wants, strict=True):
+        n = x.type.shape[d]
+        if want:
+            start = tuple(at if i == d else 0 for i in range(x.type.rank))
+            limit = tuple(at + n if i == d else s for i, s in enumerate(c.g.type.shape))
+            out.append(c.apply("slice", c.g, start=start, limit=limit))
+        else:
+            out.append(None)
+        at += n
+    return out
+
+
 @register_op("concat", "$xs:operands dim $dim:int", reference=_concat_ref,
-             doc="join operands along dim")  # fmt: skip
+             doc="join operands along dim", grad=_d_concat)  # fmt: skip
 def _concat(ctx: OpContext) -> tuple[TensorType, ...]:
     ts = ctx.operand_types
     if not ts:
