@@ -141,6 +141,13 @@ class GradientError(DiagnosticError):
     kind = "error"
 
 
+class TraceError(DiagnosticError):
+    """An error in traced Python code (shapes, layouts, dtypes), located at the user's file
+    and line, with that line's text."""
+
+    kind = "error"
+
+
 class InvalidModuleError(DtmError, ValueError):
     """A module file has diagnostics (printed before, or named in the message); agreed:
     every rank reads the same text."""

@@ -107,8 +107,8 @@ h5py_is_mpi || die "h5py is not built with MPI (h5py.get_config().mpi is False);
 # --- 4. the package ---------------------------------------------------------------------------
 stamp="$VENV/.dtm-installed"
 if [ ! -f "$stamp" ] || [ setup.cfg -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  say "installing dtm_mpi (editable) with [test,dev]"
-  pipq --no-build-isolation -e ".[test,dev]" || die "installing dtm_mpi failed"
+  say "installing dtm_mpi (editable) with [test,dev,train]"
+  pipq --no-build-isolation -e ".[test,dev,train]" || die "installing dtm_mpi failed"
   h5py_is_mpi || die "installing dtm_mpi replaced h5py with a serial build"
   touch "$stamp"
 fi

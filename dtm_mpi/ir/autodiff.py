@@ -16,7 +16,7 @@ function, ``@NAME_grad``, returning the function's results and then the gradient
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from dtm_mpi.errors import GradientError, SourceSpan, UsageError
 from dtm_mpi.ir.build import FunctionBuilder, Value, complete_layout
@@ -52,15 +52,16 @@ def copy_body(b: FunctionBuilder, module: Module, f: Function, args: Mapping[str
     return env
 
 
-def backward(b: FunctionBuilder, body: Sequence[Op], loss: Value, wrt: Sequence[Value]) -> list[Value]:  # fmt: skip
+def backward(b: FunctionBuilder, body: Sequence[Op], loss: Value, wrt: Sequence[Value], *, stop: Collection[str] = ()) -> list[Value]:  # fmt: skip
     """Emit into ``b`` the gradients of ``loss`` (a float scalar computed by ``body``, ops
     already in ``b``) with respect to ``wrt``, each in its value's type (a zero constant
-    where the loss does not depend on it)."""
+    where the loss does not depend on it). No gradient flows into the values named in
+    ``stop`` (treated as constants: the frontend's ``detach``)."""
     if loss.type.shape != () or not loss.type.dtype.is_float:
         raise GradientError(f"the differentiated value {loss.name} must be a float scalar; it is {loss.type}", _span_of(body, loss.name))  # fmt: skip
     reached = {w.name for w in wrt}  # float values that depend on a differentiated input
     for op in body:
-        if any(n in reached for n in op.operands):
+        if any(n in reached for n in op.operands) and not any(n in stop for n in op.results):
             reached.update(n for n, t in zip(op.results, op.result_types, strict=True) if t.dtype.is_float)  # fmt: skip
     cts: dict[str, Value] = {}
     if loss.name in reached:

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dtm_mpi.ir.build import Value, complete_layout
+from dtm_mpi.ir.build import Value
 from dtm_mpi.ir.grad_context import GradContext
 from dtm_mpi.ir.nodes import Op
 from dtm_mpi.ir.ops._common import dim_index, mesh_axes_attr
@@ -39,12 +39,13 @@ def _identity(op: Op, xs: Sequence[np.ndarray], rt: Sequence[TensorType]) -> tup
 
 
 def _d_layout(c: GradContext) -> tuple[Value]:
-    """The adjoint of a layout change: the cotangent taken to the operand's layout (the
-    inverse redistribution: an allgather's is a slice, or a reduce-scatter where the
-    cotangent is a pending sum; a reduce-scatter's an allgather; a completed sum's the
-    identity on the replicated cotangent). Cotangents are of global values, so a pending
-    max or min is no different: its producer's rule sees the completed value)."""
-    return (c.b.to_layout(c.g, complete_layout(c.xs[0].type.layout), span=c.span),)
+    """The adjoint of a layout change is the identity on global values: the cotangent passes
+    unchanged. A cotangent may have any layout, so nothing moves here; where a consumer's
+    rule or the parameter's layout needs another one, the builder converts it there (an
+    allgather's adjoint becomes a slice, or a reduce-scatter where the cotangent is a pending
+    sum; a reduce-scatter's an allgather; a completed sum's the identity on the replicated
+    cotangent). Cotangents are of global values, so a pending max or min is no different."""
+    return (c.g,)
 
 
 def _pending(ctx: OpContext, axes: tuple[str, ...]) -> Partial:

@@ -1,0 +1,22 @@
+"""The Python frontend: write a model with traced tensors, get a verified IR module with its
+backward pass and optimizer, and run it (in-process on simulated ranks, or on the ranks of
+``mpirun``/``srun``).
+
+    from dtm_mpi import frontend as dtm
+
+    mesh = dtm.Mesh(dp=2, tp=2)
+    model = dtm.nn.MLP(64, 256)
+    step = dtm.train_step(model, loss_fn, mesh=mesh, inputs={...}, optimizer=dtm.optim.AdamW())
+
+The IR stays the contract: the frontend only emits modules (``step.text``); ``dtm run`` and
+the run API execute them.
+"""
+
+from __future__ import annotations
+
+from dtm_mpi.frontend import functional, nn, optim
+from dtm_mpi.frontend.mesh import Mesh
+from dtm_mpi.frontend.tensor import Tensor
+from dtm_mpi.frontend.trace import Input, TracedStep, eval_step, train_step
+
+__all__ = ["Input", "Mesh", "Tensor", "TracedStep", "eval_step", "functional", "nn", "optim", "train_step"]  # fmt: skip

@@ -1,0 +1,98 @@
+"""Functions of traced tensors beyond their methods: activations, normalisation, selection,
+one-hot labels and the vocab-parallel cross-entropy."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dtm_mpi.frontend.tensor import Tensor, broadcast_pair, current_tracer, trace_error
+from dtm_mpi.ir.types import DType, Layout, TensorType
+
+__all__ = [
+    "accuracy", "concat", "cross_entropy", "gelu", "layer_norm", "log_softmax", "one_hot",
+    "relu", "sigmoid", "softmax", "tanh", "where",
+]  # fmt: skip
+
+
+def relu(x: Tensor) -> Tensor:
+    return x.relu()
+
+
+def gelu(x: Tensor) -> Tensor:
+    return x.gelu()
+
+
+def tanh(x: Tensor) -> Tensor:
+    return x.tanh()
+
+
+def sigmoid(x: Tensor) -> Tensor:
+    return x.sigmoid()
+
+
+def softmax(x: Tensor, dim: int = -1) -> Tensor:
+    return x.softmax(dim)
+
+
+def log_softmax(x: Tensor, dim: int = -1) -> Tensor:
+    return x.log_softmax(dim)
+
+
+def where(cond: Tensor, a: Tensor | float, b: Tensor | float) -> Tensor:
+    """``cond ? a : b`` elementwise (broadcasting; Python numbers take the other's dtype)."""
+    like = a if isinstance(a, Tensor) else b
+    if not isinstance(like, Tensor):
+        raise trace_error("where needs a traced tensor as a or b")
+    ta = a if isinstance(a, Tensor) else like._lift(a)
+    tb = b if isinstance(b, Tensor) else like._lift(b)
+    ta, tb = broadcast_pair(ta, tb)
+    c, ta = broadcast_pair(cond, ta)
+    c, tb = broadcast_pair(c, tb)
+    return current_tracer().apply("where", [c, ta, tb])
+
+
+def concat(xs: Sequence[Tensor], dim: int = 0) -> Tensor:
+    if not xs:
+        raise trace_error("concat needs at least one tensor")
+    return current_tracer().apply("concat", list(xs), {"dim": xs[0]._dims(dim)[0]})
+
+
+def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, eps: float = 1e-5) -> Tensor:
+    return current_tracer().apply("layer_norm", [x, gamma, beta], {"eps": float(eps)})
+
+
+def one_hot(labels: Tensor, classes: int, dtype: str | DType = DType.F32, like: Tensor | None = None) -> Tensor:  # fmt: skip
+    """``labels`` (integers, any shape S) as a ``[*S, classes]`` tensor of 0/1 in ``dtype``,
+    laid out like ``like`` where given (e.g. the logits, vocab split over ``tp``)."""
+    tr = current_tracer()
+    if labels.dtype.is_float or labels.dtype is DType.BOOL:
+        raise trace_error(f"labels must be integers; got {labels.dtype}")
+    shape = (*labels.shape, classes)
+    layout = like.layout.with_partial(None) if like is not None and like.shape == shape else Layout.replicated(len(shape))  # fmt: skip
+    ids = tr.apply("iota", [], {"dim": len(shape) - 1}, [TensorType(labels.dtype, shape, layout)])
+    lab = labels.reshape((*labels.shape, 1)).broadcast_to(shape)
+    hot = lab.eq(ids)
+    return hot.cast(dtype)
+
+
+def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
+    """Mean cross-entropy of ``logits`` ``[..., C]`` against integer ``labels`` ``[...]``.
+    Vocab-parallel as Megatron computes it: with the class dim split (over ``tp``), each
+    rank's max, sum of exponentials and target logit are completed by allreduces of a
+    scalar per row, never by gathering the logits."""
+    last = logits.ndim - 1
+    m = logits.max(last, keepdims=True).detach()  # the shift only steadies exp
+    shifted = logits - m
+    sumexp = shifted.exp().sum(last, keepdims=True)
+    target = (shifted * one_hot(labels, logits.shape[-1], logits.dtype, like=logits)).sum(last, keepdims=True)  # fmt: skip
+    return (sumexp.log() - target).mean()
+
+
+def accuracy(logits: Tensor, labels: Tensor) -> Tensor:
+    """The fraction of rows whose largest logit is the label's (a float scalar; a tie
+    counts as a hit)."""
+    last = logits.ndim - 1
+    m = logits.max(last, keepdims=True)
+    hot = one_hot(labels, logits.shape[-1], logits.dtype, like=logits)
+    hit = (logits * hot).sum(last, keepdims=True) >= m
+    return hit.cast(logits.dtype).mean()

@@ -1,0 +1,433 @@
+"""Traced tensors: numpy-like values whose operations append IR ops to the function being
+traced.
+
+A :class:`Tensor` stands for an SSA value of the function being built. Its operators and
+methods emit registry ops through :meth:`FunctionBuilder.apply`, so every result's type and
+layout come from the op's own rule, and where a rule needs other layouts the collective or
+``redistribute`` is inserted (sharding propagation). numpy broadcasting is spelled out as
+``reshape`` + ``broadcast_to``; Python numbers become constants of the other operand's dtype.
+Every op carries the user's source line, and a rule's refusal is a :class:`TraceError` there.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+import linecache
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from dtm_mpi.errors import SourceSpan, TraceError, VerifyError
+from dtm_mpi.ir.build import FunctionBuilder, Value
+from dtm_mpi.ir.nodes import Attr
+from dtm_mpi.ir.types import DType, Layout, TensorType
+
+__all__ = ["Tensor", "Tracer", "as_layout", "current_tracer", "parse_dtype", "tracing", "user_span"]
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def user_span() -> SourceSpan:
+    """The place in the user's code (the first frame outside this package) making the call."""
+    frame = inspect.currentframe()
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE + os.sep):  # fmt: skip
+        frame = frame.f_back
+    if frame is None:
+        return SourceSpan("<frontend>", 0, 0)
+    info = inspect.getframeinfo(frame, context=0)
+    pos = info.positions
+    col = (pos.col_offset + 1) if pos is not None and pos.col_offset is not None else 1
+    length = (pos.end_col_offset - pos.col_offset) if pos is not None and pos.col_offset is not None and pos.end_col_offset is not None and pos.end_lineno == pos.lineno else 1  # fmt: skip
+    return SourceSpan(info.filename, info.lineno, col, max(1, length))
+
+
+def trace_error(err: VerifyError | str, span: SourceSpan | None = None) -> TraceError:
+    """``err`` as an error at the user's line (with that line's text)."""
+    message = err.message if isinstance(err, VerifyError) else err
+    where = span or (err.span if isinstance(err, VerifyError) else user_span())
+    out = TraceError(message, where)
+    line = linecache.getline(where.file, where.line)
+    if line:
+        out.with_source(line)
+    return out
+
+
+def parse_dtype(dtype: str | DType) -> DType:
+    if isinstance(dtype, DType):
+        return dtype
+    try:
+        return DType(dtype)
+    except ValueError:
+        raise TraceError(f"unknown dtype {dtype!r} (one of {', '.join(d.value for d in DType)})", user_span()) from None  # fmt: skip
+
+
+def as_layout(spec: Sequence[str | Sequence[str] | None] | Layout | None, rank: int) -> Layout:
+    """A layout from the user's spelling: one entry per dim, ``None``/``"-"`` (not split),
+    an axis name, or a tuple of axis names (major first); None: replicated."""
+    if isinstance(spec, Layout):
+        return spec
+    if spec is None:
+        return Layout.replicated(rank)
+    spec = tuple(spec)
+    if len(spec) != rank:
+        raise TraceError(f"layout {spec!r} needs one entry per dim ({rank})", user_span())
+    dims: list[tuple[str, ...]] = []
+    for entry in spec:
+        if entry is None or entry == "-":
+            dims.append(())
+        elif isinstance(entry, str):
+            dims.append((entry,))
+        else:
+            dims.append(tuple(entry))
+    return Layout(tuple(dims))
+
+
+class Tracer:
+    """The function being traced: its builder, and the values the user detached."""
+
+    def __init__(self, builder: FunctionBuilder) -> None:
+        self.b = builder
+        self.detached: set[str] = set()
+
+    def apply(self, name: str, xs: Sequence[Tensor], attrs: dict[str, Attr] | None = None, declared: Sequence[TensorType] = (), *, hint: str | None = None) -> Tensor:  # fmt: skip
+        span = user_span()
+        for x in xs:
+            if x.tracer is not self:
+                raise trace_error("a tensor of another traced function is used here", span)
+        try:
+            out = self.b.apply1(name, [x.value for x in xs], attrs or {}, declared, span=span, hint=hint)  # fmt: skip
+        except VerifyError as err:
+            raise trace_error(err) from None
+        return Tensor(out, self)
+
+    def constant(self, value: float | int | bool, like: TensorType) -> Tensor:
+        return Tensor(self.b.constant(value, like, span=user_span()), self)
+
+    def to_layout(self, x: Tensor, layout: Layout) -> Tensor:
+        try:
+            return Tensor(self.b.to_layout(x.value, layout, span=user_span()), self)
+        except VerifyError as err:
+            raise trace_error(err) from None
+
+
+_CURRENT: contextvars.ContextVar[Tracer | None] = contextvars.ContextVar("dtm_tracer", default=None)  # fmt: skip
+
+
+def current_tracer() -> Tracer:
+    t = _CURRENT.get()
+    if t is None:
+        raise TraceError("no function is being traced here (tensors exist only inside a traced function)", user_span())  # fmt: skip
+    return t
+
+
+@contextmanager
+def tracing(tracer: Tracer) -> Iterator[Tracer]:
+    token = _CURRENT.set(tracer)
+    try:
+        yield tracer
+    finally:
+        _CURRENT.reset(token)
+
+
+Operand = "Tensor | float | int | bool"
+
+
+class Tensor:
+    """A traced value (see the module docstring)."""
+
+    __slots__ = ("tracer", "value")
+    __array_priority__ = 1000  # numpy scalars on the left defer to us
+
+    def __init__(self, value: Value, tracer: Tracer) -> None:
+        self.value = value
+        self.tracer = tracer
+
+    # --- facts -----------------------------------------------------------------------------
+
+    @property
+    def type(self) -> TensorType:
+        return self.value.type
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.value.type.shape
+
+    @property
+    def ndim(self) -> int:
+        return self.value.type.rank
+
+    @property
+    def dtype(self) -> DType:
+        return self.value.type.dtype
+
+    @property
+    def layout(self) -> Layout:
+        return self.value.type.layout
+
+    def __repr__(self) -> str:
+        return f"Tensor({self.value.name}: {self.value.type})"
+
+    def __bool__(self) -> bool:
+        raise trace_error("a traced tensor has no truth value while tracing (use where(...) to select)")  # fmt: skip
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _apply(self, name: str, *xs: Tensor, declared: Sequence[TensorType] = (), **attrs: Attr) -> Tensor:  # fmt: skip
+        return self.tracer.apply(name, [self, *xs], attrs, declared)
+
+    def _lift(self, other: Any) -> Tensor:
+        if isinstance(other, Tensor):
+            return other
+        if isinstance(other, bool | int | float) or (hasattr(other, "dtype") and getattr(other, "shape", None) == ()):  # fmt: skip
+            value = other.item() if hasattr(other, "item") else other
+            return self.tracer.constant(value, self.type.with_layout(self.layout.with_partial(None)))  # fmt: skip
+        raise trace_error(f"cannot combine a traced tensor with {type(other).__name__} (use a Python number or a traced tensor)")  # fmt: skip
+
+    def _binary(self, name: str, other: Any, *, swap: bool = False, **attrs: Attr) -> Tensor:
+        a, b = self, self._lift(other)
+        if swap:
+            a, b = b, a
+        a, b = broadcast_pair(a, b)
+        return a.tracer.apply(name, [a, b], attrs)
+
+    # --- arithmetic ------------------------------------------------------------------------
+
+    def __add__(self, o: Any) -> Tensor:
+        return self._binary("add", o)
+
+    def __radd__(self, o: Any) -> Tensor:
+        return self._binary("add", o, swap=True)
+
+    def __sub__(self, o: Any) -> Tensor:
+        return self._binary("sub", o)
+
+    def __rsub__(self, o: Any) -> Tensor:
+        return self._binary("sub", o, swap=True)
+
+    def __mul__(self, o: Any) -> Tensor:
+        return self._binary("mul", o)
+
+    def __rmul__(self, o: Any) -> Tensor:
+        return self._binary("mul", o, swap=True)
+
+    def __truediv__(self, o: Any) -> Tensor:
+        return self._binary("div", o)
+
+    def __rtruediv__(self, o: Any) -> Tensor:
+        return self._binary("div", o, swap=True)
+
+    def __neg__(self) -> Tensor:
+        return self._apply("neg")
+
+    def __pow__(self, k: int) -> Tensor:
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise trace_error(f"** takes a positive integer power; got {k!r}")
+        out = self
+        for _ in range(k - 1):
+            out = out * self
+        return out
+
+    def __matmul__(self, o: Tensor) -> Tensor:
+        if not isinstance(o, Tensor):
+            raise trace_error("@ needs a traced tensor on both sides")
+        return self.tracer.apply("matmul", [self, o])
+
+    def __rmatmul__(self, o: Tensor) -> Tensor:
+        return o.__matmul__(self)
+
+    # comparisons give bool tensors
+    def __lt__(self, o: Any) -> Tensor:
+        return self._binary("compare", o, pred="lt")
+
+    def __le__(self, o: Any) -> Tensor:
+        return self._binary("compare", o, pred="le")
+
+    def __gt__(self, o: Any) -> Tensor:
+        return self._binary("compare", o, pred="gt")
+
+    def __ge__(self, o: Any) -> Tensor:
+        return self._binary("compare", o, pred="ge")
+
+    def eq(self, o: Any) -> Tensor:
+        return self._binary("compare", o, pred="eq")
+
+    def ne(self, o: Any) -> Tensor:
+        return self._binary("compare", o, pred="ne")
+
+    # --- elementwise -----------------------------------------------------------------------
+
+    def exp(self) -> Tensor:
+        return self._apply("exp")
+
+    def log(self) -> Tensor:
+        return self._apply("log")
+
+    def tanh(self) -> Tensor:
+        return self._apply("tanh")
+
+    def relu(self) -> Tensor:
+        return self._apply("relu")
+
+    def gelu(self) -> Tensor:
+        return self._apply("gelu")
+
+    def sigmoid(self) -> Tensor:
+        return self._apply("sigmoid")
+
+    def sqrt(self) -> Tensor:
+        return self._apply("sqrt")
+
+    def rsqrt(self) -> Tensor:
+        return self._apply("rsqrt")
+
+    def abs(self) -> Tensor:
+        return self._apply("abs")
+
+    def cast(self, dtype: str | DType) -> Tensor:
+        d = parse_dtype(dtype)
+        if d is self.dtype:
+            return self
+        return self._apply("cast", declared=[self.type.with_dtype(d)])
+
+    astype = cast
+
+    # --- reductions ------------------------------------------------------------------------
+
+    def _dims(self, dims: int | Sequence[int] | None) -> tuple[int, ...]:
+        if dims is None:
+            return tuple(range(self.ndim))
+        items = (dims,) if isinstance(dims, int) else tuple(dims)
+        out = []
+        for d in items:
+            if not -self.ndim <= d < self.ndim:
+                raise trace_error(f"dim {d} is out of range for a rank-{self.ndim} tensor")
+            out.append(d % self.ndim)
+        return tuple(out)
+
+    def _reduce(self, name: str, dims: int | Sequence[int] | None, keepdims: bool) -> Tensor:
+        ds = self._dims(dims)
+        if not ds:
+            return self
+        return self._apply(name, dims=ds, keepdims=keepdims)
+
+    def sum(self, dims: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
+        return self._reduce("sum", dims, keepdims)
+
+    def mean(self, dims: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
+        return self._reduce("mean", dims, keepdims)
+
+    def max(self, dims: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
+        return self._reduce("max", dims, keepdims)
+
+    def min(self, dims: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
+        return self._reduce("min", dims, keepdims)
+
+    def softmax(self, dim: int = -1) -> Tensor:
+        return self._apply("softmax", dim=self._dims(dim)[0])
+
+    def log_softmax(self, dim: int = -1) -> Tensor:
+        return self._apply("log_softmax", dim=self._dims(dim)[0])
+
+    # --- shapes and layouts ----------------------------------------------------------------
+
+    def reshape(self, *shape: int | Sequence[int]) -> Tensor:
+        first = shape[0] if shape else ()
+        dims: tuple[int, ...] = tuple(first) if len(shape) == 1 and not isinstance(first, int) else tuple(int(s) for s in shape)  # type: ignore[arg-type]  # fmt: skip
+        size = 1
+        for n in self.shape:
+            size *= n
+        if dims.count(-1) == 1:
+            known = 1
+            for n in dims:
+                known *= n if n != -1 else 1
+            dims = tuple(size // known if n == -1 else n for n in dims)
+        target = tuple(int(n) for n in dims)
+        if target == self.shape:
+            return self
+        return self._apply("reshape", declared=[TensorType(self.dtype, target, Layout.replicated(len(target)))])  # fmt: skip
+
+    def transpose(self, *perm: int) -> Tensor:
+        p = tuple(perm) if perm else tuple(reversed(range(self.ndim)))
+        return self._apply("transpose", perm=tuple(d % self.ndim for d in p))
+
+    @property
+    def T(self) -> Tensor:  # noqa: N802 (numpy's name)
+        if self.ndim < 2:
+            return self
+        return self.transpose(*range(self.ndim - 2), self.ndim - 1, self.ndim - 2)
+
+    def broadcast_to(self, shape: Sequence[int]) -> Tensor:
+        target = tuple(shape)
+        if target == self.shape:
+            return self
+        return self._apply("broadcast_to", declared=[TensorType(self.dtype, target, Layout.replicated(len(target)))])  # fmt: skip
+
+    def __getitem__(self, index: Any) -> Tensor:
+        items = index if isinstance(index, tuple) else (index,)
+        if len(items) > self.ndim:
+            raise trace_error(f"too many indices ({len(items)}) for a rank-{self.ndim} tensor")
+        start, limit, drop = [], [], []
+        for d, size in enumerate(self.shape):
+            it = items[d] if d < len(items) else slice(None)
+            if isinstance(it, int):
+                i = it % size if -size <= it < size else None
+                if i is None:
+                    raise trace_error(f"index {it} is out of range for dim {d} of size {size}")
+                start.append(i)
+                limit.append(i + 1)
+                drop.append(d)
+            elif isinstance(it, slice):
+                a, b, step = it.indices(size)
+                if step != 1:
+                    raise trace_error("slices with a step are not supported")
+                start.append(a)
+                limit.append(max(a, b))
+            else:
+                raise trace_error(f"index {it!r}: use ints and slices")
+        out = self
+        if tuple(start) != (0,) * self.ndim or tuple(limit) != self.shape:
+            out = self._apply("slice", start=tuple(start), limit=tuple(limit))
+        if drop:
+            out = out.reshape(tuple(s for d, s in enumerate(out.shape) if d not in drop))
+        return out
+
+    def redistribute(self, layout: Sequence[str | Sequence[str] | None] | Layout) -> Tensor:
+        """The same value in another layout (explicit, as DTensor's ``redistribute``)."""
+        return self.tracer.to_layout(self, as_layout(layout, self.ndim))
+
+    def complete(self) -> Tensor:
+        """The pending reduction of this value finished (an ``allreduce``; no-op if none)."""
+        return self.tracer.to_layout(self, self.layout.with_partial(None))
+
+    def detach(self) -> Tensor:
+        """This value with no gradient flowing back through it (a copy the reverse pass
+        treats as a constant)."""
+        out = self._apply("redistribute", declared=[self.type])
+        self.tracer.detached.add(out.value.name)
+        return out
+
+
+def broadcast_pair(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """``a`` and ``b`` broadcast to one shape (numpy rules; dims of size 1 repeated)."""
+    if a.shape == b.shape:
+        return a, b
+    ra, rb = a.ndim, b.ndim
+    n = max(ra, rb)
+    sa = (1,) * (n - ra) + a.shape
+    sb = (1,) * (n - rb) + b.shape
+    shape = []
+    for d, (x, y) in enumerate(zip(sa, sb, strict=True)):
+        if x != y and 1 not in (x, y):
+            raise trace_error(f"shapes {list(a.shape)} and {list(b.shape)} do not broadcast (dim {d}: {x} vs {y})")  # fmt: skip
+        shape.append(max(x, y))
+    return _expand(a, tuple(shape)), _expand(b, tuple(shape))
+
+
+def _expand(x: Tensor, shape: tuple[int, ...]) -> Tensor:
+    if x.shape == shape:
+        return x
+    if x.ndim < len(shape):
+        x = x.reshape((1,) * (len(shape) - x.ndim) + x.shape) if x.ndim else x.reshape((1,) * len(shape))  # fmt: skip
+    return x.broadcast_to(shape)

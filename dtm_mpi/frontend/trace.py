@@ -1,0 +1,202 @@
+"""Tracing Python into IR modules: a training step (forward, reverse pass, optimizer) and an
+evaluation step.
+
+:func:`train_step` traces ``loss_fn(model, **inputs)`` into the entry function of a new
+module: the inputs are its plain parameters (fed each step), the model's parameters and the
+optimizer's state are ``state`` parameters with their ``init``, and the results are the loss,
+the metrics, then the new parameters and state (``updates``). The module is verified and in
+canonical form (``dtm fmt`` leaves its text unchanged), and its hash depends only on the code
+and the arguments, so every rank -- and every later run, on any mesh -- traces the same
+program. :func:`eval_step` traces a forward-only function of the same model (no state: the
+weights are inputs).
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from dtm_mpi.errors import TraceError, UsageError, VerifyError
+from dtm_mpi.frontend.mesh import Mesh
+from dtm_mpi.frontend.nn import Module as Layer
+from dtm_mpi.frontend.optim import Optimizer, clip_by_global_norm
+from dtm_mpi.frontend.tensor import (  # fmt: skip
+    Tensor,
+    Tracer,
+    as_layout,
+    parse_dtype,
+    trace_error,
+    tracing,
+    user_span,
+)
+from dtm_mpi.ir import module_hash, print_module
+from dtm_mpi.ir.autodiff import backward
+from dtm_mpi.ir.build import FunctionBuilder, Value
+from dtm_mpi.ir.nodes import Module
+from dtm_mpi.ir.parser import parse_module
+from dtm_mpi.ir.types import Layout, TensorType
+from dtm_mpi.ir.verify import verify_module
+
+__all__ = ["Input", "TracedStep", "bound_parameter", "eval_step", "train_step"]
+
+
+@dataclass(frozen=True)
+class Input:
+    """A per-step input: global shape, dtype and layout (e.g. the batch dim over ``dp``)."""
+
+    shape: tuple[int, ...]
+    dtype: str = "f32"
+    layout: Sequence[Any] | None = None
+
+    def type(self) -> TensorType:
+        return TensorType(parse_dtype(self.dtype), tuple(self.shape), as_layout(self.layout, len(self.shape)))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TracedStep:
+    """A traced, verified module and the roles of its entry parameters and results."""
+
+    module: Module
+    inputs: tuple[str, ...]
+    """Entry parameters fed each step (names without ``%``)."""
+    params: tuple[str, ...]
+    """The model's parameters (``state``), by path."""
+    state: tuple[str, ...] = ()
+    """The optimizer's state parameters."""
+    metrics: tuple[str, ...] = ()
+    """Names of the leading results (``loss`` first for a training step)."""
+    mesh: Mesh = field(default_factory=lambda: Mesh(x=1))
+
+    @property
+    def text(self) -> str:
+        return print_module(self.module)
+
+    @property
+    def hash(self) -> str:
+        return module_hash(self.module)
+
+    def input_type(self, name: str) -> TensorType:
+        entry = self.module.entry
+        assert entry is not None
+        for p in entry.params:
+            if p.name == "%" + name:
+                return p.type
+        raise UsageError(f"no input {name!r} (inputs: {', '.join(self.inputs)})")
+
+
+_BOUND: contextvars.ContextVar[dict[tuple[int, str], Tensor] | None] = contextvars.ContextVar("dtm_bound", default=None)  # fmt: skip
+
+
+def bound_parameter(owner: Layer, name: str) -> Tensor:
+    """The traced value of ``owner``'s parameter ``name`` in the step being traced."""
+    bound = _BOUND.get()
+    if bound is None:
+        raise TraceError("layers run only inside a traced step (train_step / eval_step)", user_span())  # fmt: skip
+    got = bound.get((id(owner), name))
+    if got is None:
+        raise trace_error(f"{type(owner).__name__} has no parameter {name!r} in this model")
+    return got
+
+
+def _module_name(name: str) -> str:
+    if not name.replace("_", "a").isalnum() or name[0].isdigit():
+        raise UsageError(f"program name {name!r}: use letters, digits and '_'")
+    return name
+
+
+def _trace(model: Layer, fn: Callable[..., Any], mesh: Mesh, inputs: Mapping[str, Input], name: str, *, weights_as_state: bool, seed: int) -> tuple[Tracer, list[Value], list[tuple[str, Value]], Any]:  # fmt: skip
+    b = FunctionBuilder(mesh.ir(), module_name=_module_name(name))
+    tr = Tracer(b)
+    given = []
+    for key, spec in inputs.items():
+        if not isinstance(spec, Input):
+            raise UsageError(f"input {key!r}: expected an Input(shape, dtype, layout); got {spec!r}")  # fmt: skip
+        given.append(b.add_param(key, spec.type()))
+    bound: dict[tuple[int, str], Tensor] = {}
+    weights: list[tuple[str, Value]] = []
+    for path, owner, attr, p in model.named_parameters():
+        init = p.ir_init(path, seed)
+        v = b.add_param(path, p.type(), state=weights_as_state, init=init if weights_as_state else None)  # fmt: skip
+        bound[(id(owner), attr)] = Tensor(v, tr)
+        weights.append((path, v))
+    token = _BOUND.set(bound)
+    try:
+        with tracing(tr):
+            out = fn(model, **{k: Tensor(v, tr) for k, v in zip(inputs, given, strict=True)})
+    finally:
+        _BOUND.reset(token)
+    return tr, given, weights, out
+
+
+def _split_outputs(out: Any, what: str) -> tuple[list[tuple[str, Tensor]], str]:
+    """(name, scalar tensor) of what the traced function returned: a tensor (``loss``), or
+    (loss, {name: tensor}), or {name: tensor}."""
+    if isinstance(out, Tensor):
+        return [("loss", out)], "loss"
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], Tensor) and isinstance(out[1], Mapping):  # fmt: skip
+        return [("loss", out[0]), *out[1].items()], "loss"
+    if isinstance(out, Mapping) and all(isinstance(v, Tensor) for v in out.values()):
+        return list(out.items()), ""
+    raise UsageError(f"the {what} function must return a scalar tensor, (loss, {{name: tensor}}) or {{name: tensor}}; got {type(out).__name__}")  # fmt: skip
+
+
+def _finish(tr: Tracer, name: str, mesh: Mesh, results: list[Value | tuple[Value, str | None]]) -> Module:  # fmt: skip
+    f = tr.b.function(name, results, entry=True)
+    module = Module((1, 0), tr.b.module.name, (mesh.ir(),), (f,))
+    try:
+        verify_module(module)
+    except VerifyError as err:  # a bug of the frontend, not of the user's code
+        raise AssertionError(f"the traced module does not verify: {err}") from err
+    return parse_module(print_module(module), f"<traced {module.name}>")
+
+
+def train_step(model: Layer, loss_fn: Callable[..., Any], *, mesh: Mesh, inputs: Mapping[str, Input], optimizer: Optimizer, clip_norm: float | None = None, seed: int = 0, name: str = "train") -> TracedStep:  # fmt: skip
+    """Trace one training step of ``model``: ``loss_fn(model, **inputs)`` returns the loss
+    (a float scalar) or (loss, {metric: scalar}); the gradients of the loss with respect to
+    every parameter come from the reverse pass, optionally clipped to global norm
+    ``clip_norm``, and ``optimizer`` emits the update."""
+    tr, _, weights, out = _trace(model, loss_fn, mesh, inputs, name, weights_as_state=True, seed=seed)  # fmt: skip
+    named, _ = _split_outputs(out, "loss")
+    scalars = []
+    for key, t in named:
+        if t.shape != () or not t.dtype.is_float:
+            raise trace_error(f"{key} must be a float scalar; it is {t.type}")
+        with tracing(tr):
+            scalars.append((key, t.complete()))
+    loss = scalars[0][1]
+    with tracing(tr):
+        grads_v = backward(tr.b, list(tr.b.ops), loss.value, [v for _, v in weights], stop=tr.detached)  # fmt: skip
+        grads = [Tensor(g, tr) for g in grads_v]
+        if clip_norm is not None:
+            grads, _ = clip_by_global_norm(grads, clip_norm)
+        n_before = len(tr.b.params)
+        news = optimizer.update(tr, [(p, Tensor(v, tr)) for p, v in weights], grads)
+        opt_params = tr.b.params[n_before:]
+        if len(news) != len(weights) + len(opt_params):
+            raise AssertionError("the optimizer returned a value per parameter and per state")
+        news = [n.redistribute(Layout(v.type.layout.dims)) if n.type != v.type else n for n, v in zip(news, [w for _, w in weights] + [tr.b.value(p.name) for p in opt_params], strict=True)]  # fmt: skip
+    results: list[Value | tuple[Value, str | None]] = [t.value for _, t in scalars]
+    results += [(n.value, v.name) for n, (_, v) in zip(news, weights, strict=False)]
+    results += [(n.value, p.name) for n, p in zip(news[len(weights) :], opt_params, strict=True)]
+    module = _finish(tr, "train_step", mesh, results)
+    return TracedStep(
+        module, tuple(inputs), tuple(p for p, _ in weights),
+        tuple(p.name.lstrip("%") for p in opt_params), tuple(k for k, _ in scalars), mesh,
+    )  # fmt: skip
+
+
+def eval_step(model: Layer, metric_fn: Callable[..., Any], *, mesh: Mesh, inputs: Mapping[str, Input], seed: int = 0, name: str = "eval") -> TracedStep:  # fmt: skip
+    """Trace ``metric_fn(model, **inputs)`` (a scalar, (loss, {name: scalar}) or {name:
+    scalar}) with the model's weights as plain inputs: what to run on held-out data."""
+    tr, _, weights, out = _trace(model, metric_fn, mesh, inputs, name, weights_as_state=False, seed=seed)  # fmt: skip
+    named, _ = _split_outputs(out, "metric")
+    results: list[Value | tuple[Value, str | None]] = []
+    with tracing(tr):
+        for key, t in named:
+            if t.shape != ():
+                raise trace_error(f"metric {key} must be a scalar; it is {t.type}")
+            results.append(t.complete().value)
+    module = _finish(tr, "eval_step", mesh, results)
+    return TracedStep(module, tuple(inputs), tuple(p for p, _ in weights), (), tuple(k for k, _ in named), mesh)  # fmt: skip
