@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtm_mpi.errors import UsageError
+from dtm_mpi.frontend.binding import bound_parameter
 from dtm_mpi.frontend.functional import gelu, layer_norm
 from dtm_mpi.frontend.tensor import Tensor, as_layout
 from dtm_mpi.ir.nodes import Init, InitKind
@@ -70,8 +71,6 @@ class Module:
 
     def param(self, name: str) -> Tensor:
         """The traced value of parameter ``name`` of this module (inside a traced step)."""
-        from dtm_mpi.frontend.trace import bound_parameter
-
         return bound_parameter(self, name)
 
     def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Module, str, Parameter]]:

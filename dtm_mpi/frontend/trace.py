@@ -13,12 +13,12 @@ weights are inputs).
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dtm_mpi.errors import TraceError, UsageError, VerifyError
+from dtm_mpi.errors import UsageError, VerifyError
+from dtm_mpi.frontend.binding import BOUND as _BOUND
 from dtm_mpi.frontend.mesh import Mesh
 from dtm_mpi.frontend.nn import Module as Layer
 from dtm_mpi.frontend.optim import Optimizer, clip_by_global_norm
@@ -29,7 +29,6 @@ from dtm_mpi.frontend.tensor import (  # fmt: skip
     parse_dtype,
     trace_error,
     tracing,
-    user_span,
 )
 from dtm_mpi.ir import module_hash, print_module
 from dtm_mpi.ir.autodiff import backward
@@ -39,7 +38,7 @@ from dtm_mpi.ir.parser import parse_module
 from dtm_mpi.ir.types import Layout, TensorType
 from dtm_mpi.ir.verify import verify_module
 
-__all__ = ["Input", "TracedStep", "bound_parameter", "eval_step", "train_step"]
+__all__ = ["Input", "TracedStep", "eval_step", "train_step"]
 
 
 @dataclass(frozen=True)
@@ -84,20 +83,6 @@ class TracedStep:
             if p.name == "%" + name:
                 return p.type
         raise UsageError(f"no input {name!r} (inputs: {', '.join(self.inputs)})")
-
-
-_BOUND: contextvars.ContextVar[dict[tuple[int, str], Tensor] | None] = contextvars.ContextVar("dtm_bound", default=None)  # fmt: skip
-
-
-def bound_parameter(owner: Layer, name: str) -> Tensor:
-    """The traced value of ``owner``'s parameter ``name`` in the step being traced."""
-    bound = _BOUND.get()
-    if bound is None:
-        raise TraceError("layers run only inside a traced step (train_step / eval_step)", user_span())  # fmt: skip
-    got = bound.get((id(owner), name))
-    if got is None:
-        raise trace_error(f"{type(owner).__name__} has no parameter {name!r} in this model")
-    return got
 
 
 def _module_name(name: str) -> str:
