@@ -15,8 +15,12 @@ the run API execute them.
 from __future__ import annotations
 
 from dtm_mpi.frontend import functional, nn, optim
+from dtm_mpi.frontend.fit import ArrayLoader, FitResult, fit
 from dtm_mpi.frontend.mesh import Mesh
 from dtm_mpi.frontend.tensor import Tensor
 from dtm_mpi.frontend.trace import Input, TracedStep, eval_step, train_step
 
-__all__ = ["Input", "Mesh", "Tensor", "TracedStep", "eval_step", "functional", "nn", "optim", "train_step"]  # fmt: skip
+__all__ = [
+    "ArrayLoader", "FitResult", "Input", "Mesh", "Tensor", "TracedStep", "eval_step", "fit",
+    "functional", "nn", "optim", "train_step",
+]  # fmt: skip

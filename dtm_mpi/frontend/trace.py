@@ -33,7 +33,7 @@ from dtm_mpi.frontend.tensor import (  # fmt: skip
 from dtm_mpi.ir import module_hash, print_module
 from dtm_mpi.ir.autodiff import backward
 from dtm_mpi.ir.build import FunctionBuilder, Value
-from dtm_mpi.ir.nodes import Module
+from dtm_mpi.ir.nodes import Init, InitKind, Module
 from dtm_mpi.ir.parser import parse_module
 from dtm_mpi.ir.types import Layout, TensorType
 from dtm_mpi.ir.verify import verify_module
@@ -91,7 +91,7 @@ def _module_name(name: str) -> str:
     return name
 
 
-def _trace(model: Layer, fn: Callable[..., Any], mesh: Mesh, inputs: Mapping[str, Input], name: str, *, weights_as_state: bool, seed: int) -> tuple[Tracer, list[Value], list[tuple[str, Value]], Any]:  # fmt: skip
+def _trace(model: Layer, fn: Callable[..., Any], mesh: Mesh, inputs: Mapping[str, Input], name: str, *, weights_as_state: bool, seed: int, from_store: bool = False) -> tuple[Tracer, list[Value], list[tuple[str, Value]], Any]:  # fmt: skip
     b = FunctionBuilder(mesh.ir(), module_name=_module_name(name))
     tr = Tracer(b)
     given = []
@@ -102,8 +102,8 @@ def _trace(model: Layer, fn: Callable[..., Any], mesh: Mesh, inputs: Mapping[str
     bound: dict[tuple[int, str], Tensor] = {}
     weights: list[tuple[str, Value]] = []
     for path, owner, attr, p in model.named_parameters():
-        init = p.ir_init(path, seed)
-        v = b.add_param(path, p.type(), state=weights_as_state, init=init if weights_as_state else None)  # fmt: skip
+        init = p.ir_init(path, seed) if weights_as_state else Init(InitKind.STORE) if from_store else None  # fmt: skip
+        v = b.add_param(path, p.type(), state=weights_as_state, init=init)
         bound[(id(owner), attr)] = Tensor(v, tr)
         weights.append((path, v))
     token = _BOUND.set(bound)
@@ -172,10 +172,12 @@ def train_step(model: Layer, loss_fn: Callable[..., Any], *, mesh: Mesh, inputs:
     )  # fmt: skip
 
 
-def eval_step(model: Layer, metric_fn: Callable[..., Any], *, mesh: Mesh, inputs: Mapping[str, Input], seed: int = 0, name: str = "eval") -> TracedStep:  # fmt: skip
+def eval_step(model: Layer, metric_fn: Callable[..., Any], *, mesh: Mesh, inputs: Mapping[str, Input], seed: int = 0, name: str = "eval", weights_from_store: bool = False) -> TracedStep:  # fmt: skip
     """Trace ``metric_fn(model, **inputs)`` (a scalar, (loss, {name: scalar}) or {name:
-    scalar}) with the model's weights as plain inputs: what to run on held-out data."""
-    tr, _, weights, out = _trace(model, metric_fn, mesh, inputs, name, weights_as_state=False, seed=seed)  # fmt: skip
+    scalar}) with the model's weights as plain parameters: given as values to :func:`fit`,
+    or with ``weights_from_store`` declared ``init store`` (read by name from the latest
+    checkpoint of the run's store, written on any mesh). What to run on held-out data."""
+    tr, _, weights, out = _trace(model, metric_fn, mesh, inputs, name, weights_as_state=False, seed=seed, from_store=weights_from_store)  # fmt: skip
     named, _ = _split_outputs(out, "metric")
     results: list[Value | tuple[Value, str | None]] = []
     with tracing(tr):

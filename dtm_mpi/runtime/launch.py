@@ -40,7 +40,11 @@ def _run_simulated(request: RunRequest) -> int:
 
     assert request.sim is not None
     module = load_run(request)
-    given = check_inputs(module, load_arrays(request.inputs), store=request.store is not None)
+    arrays = load_arrays(request.inputs)
+    if request.hooks is not None and request.hooks.values:
+        arrays.update(request.hooks.values)
+    fed = request.hooks.fed if request.hooks is not None else ()
+    given = check_inputs(module, arrays, store=request.store is not None, fed=fed)
     plan_run(module, request, request.sim)
     missing = store_params(module, given)
     if missing:
@@ -48,7 +52,10 @@ def _run_simulated(request: RunRequest) -> int:
         given.update(read_store_globals(request.store, module, missing))
     result = run_simulated(
         module, request.sim, binding=request.binding, inputs=given, steps=request.steps,
-        backend=request.backend, timeout_s=get_config().timeout_s,
+        backend=request.backend, timeout_s=get_config().timeout_s, hooks=request.hooks,
     )  # fmt: skip
-    write_outputs(result.outputs(), request.output)
+    if request.hooks is not None and request.hooks.on_outputs is not None:
+        request.hooks.on_outputs(result.outputs())
+    else:
+        write_outputs(result.outputs(), request.output)
     return 0

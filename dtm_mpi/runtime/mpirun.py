@@ -244,7 +244,7 @@ def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, ra
     from dtm_mpi.io.arrays import load_arrays
     from dtm_mpi.plan.program import ExecPlan
     from dtm_mpi.runtime.executor import Executor, gather_to_root
-    from dtm_mpi.runtime.simulate import initial_blocks, output_values, run_steps
+    from dtm_mpi.runtime.simulate import StepFeeder, initial_blocks, output_values, run_steps
     from dtm_mpi.runtime.values import check_inputs
 
     assert isinstance(session, MpiSession) and isinstance(comm, MpiComm)
@@ -258,7 +258,11 @@ def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, ra
     try:
         maybe_fail(rank, "inputs")
         if not args.resume:  # a resumed run takes every parameter from the checkpoint
-            given = check_inputs(plan.module, load_arrays(list(args.inputs)), store=bool(args.store))  # fmt: skip
+            arrays = load_arrays(list(args.inputs))
+            if args.hooks is not None and args.hooks.values:
+                arrays.update(args.hooks.values)
+            fed = args.hooks.fed if args.hooks is not None else ()
+            given = check_inputs(plan.module, arrays, store=bool(args.store), fed=fed)
     except LauncherTerminatedError:
         raise
     except DtmError as exc:
@@ -267,13 +271,20 @@ def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, ra
     ckpt = _Checkpoints(session, plan, args, rank, backend) if args.store else None
     if not args.resume:  # 'init store' parameters no input supplies: from the store
         local = ckpt.read_init_store(store_params(plan.module, given)) if ckpt is not None else {}
-        blocks = initial_blocks(plan, rank, given, local)
+        blocks = initial_blocks(plan, rank, given, local, fed=args.hooks.fed if args.hooks is not None else ())  # fmt: skip
     first = ckpt.resume(blocks) if ckpt is not None and args.resume else 0
     blocks[:] = [backend.to_device(b) for b in blocks]  # the state lives on the backend
+    feeder = StepFeeder(plan, rank, args.hooks) if args.hooks is not None else None
 
     def before_step(step: int) -> None:
         session.phase = f"step {step}"
         maybe_fail(rank, "step")
+        if feeder is not None:
+            feeder.feed(step, blocks, backend.to_device)
+
+    def on_results(step: int, results: tuple[Any, ...]) -> None:
+        if feeder is not None:
+            feeder.report(step, results, backend.to_host)
 
     def commit(step: int) -> None:  # every rank finished the step: its state updates apply
         session.agree(f"step {step}", None)
@@ -285,7 +296,7 @@ def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, ra
     executor = Executor(plan, dcomm, backend)
     results = run_steps(
         executor, blocks, args.steps, first=first, before_step=before_step, commit=commit,
-        after_step=after_step,
+        after_step=after_step, on_results=on_results,
     )  # fmt: skip
     if ckpt is not None:
         ckpt.close()
@@ -300,7 +311,10 @@ def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, ra
     error = None
     if rank == 0:
         try:
-            write_outputs(outputs, args.output)
+            if args.hooks is not None and args.hooks.on_outputs is not None:
+                args.hooks.on_outputs(outputs)
+            else:
+                write_outputs(outputs, args.output)
         except (DtmError, OSError) as exc:
             error = exc
     session.agree("output", error)

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from dtm_mpi.plan.program import ExecPlan
 
 __all__ = [
-    "RunRequest", "agree_arguments", "capabilities", "check_capabilities", "load_module",
+    "RunHooks", "RunRequest", "agree_arguments", "capabilities", "check_capabilities", "load_module",
     "load_run", "plan_run", "print_diagnostic", "read_store_globals", "store_params",
     "write_outputs",
 ]  # fmt: skip
@@ -55,6 +55,30 @@ def _usage(message: str) -> UsageError:
     err = agreed(UsageError(message))
     assert isinstance(err, UsageError)
     return err
+
+
+Feed = Callable[[int, "Mapping[str, tuple[slice, ...]]"], "Mapping[str, np.ndarray]"]
+"""``feed(step, regions)``: this rank's blocks of the fed inputs for ``step``: for each input
+name, the block of the step's global value at ``regions[name]`` (a loader reads only those)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunHooks:
+    """What a run started from Python (not the command line) adds to a request: the inputs
+    fed each step, and where rank 0 hands the per-step metrics and the final outputs."""
+
+    feed: Feed | None = None
+    fed: tuple[str, ...] = ()
+    """The entry parameters ``feed`` supplies (names without ``%``)."""
+    on_step: Callable[[int, dict[str, float]], None] | None = None
+    """Rank 0, after each step committed: the step and its scalar results by name."""
+    metric_names: tuple[str, ...] = ()
+    """Names of the leading scalar results (else ``result0``, ...)."""
+    on_outputs: Callable[[dict[str, np.ndarray]], None] | None = None
+    """Rank 0, at the end: the outputs (what ``-o`` would write), instead of printing them."""
+    values: Mapping[str, np.ndarray] | None = None
+    """Global values of (other) entry parameters, as ``-i`` files would give them (each
+    rank takes its block)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +99,8 @@ class RunRequest:
     gpu_aware: str | None = None  # --gpu-aware-mpi: auto | yes | no (None: DTM_GPU_AWARE_MPI)
     require_gpu_aware: bool = False  # --require-gpu-aware-mpi
     sim: int | None = None  # --sim N: simulated ranks in this process; None: under MPI
+    module: Module | None = None  # a module built in Python (``file`` then only names it)
+    hooks: RunHooks | None = None  # a run started from Python: fed inputs, metrics, outputs
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -218,7 +244,7 @@ def load_run(request: RunRequest, show: Callable[[str], None] | None = print_dia
     from dtm_mpi.runtime.simulate import check_output_keys
 
     _check_paths(request)
-    module = load_module(request.file, show)
+    module = request.module if request.module is not None else load_module(request.file, show)
     check_capabilities(module, request.backend)
     entry = module.entry
     if entry is None:

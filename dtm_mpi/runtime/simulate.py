@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from dtm_mpi.comm.interface import Comm, CommStats
 from dtm_mpi.errors import UsageError
+from dtm_mpi.ir.dtypes import np_dtype
 from dtm_mpi.ir.nodes import Function, Module
 from dtm_mpi.ir.types import Layout, TensorType
 from dtm_mpi.kernels.devices import ArrayBackend
@@ -28,11 +29,14 @@ from dtm_mpi.sharding.collectives import apply_plan
 from dtm_mpi.sharding.mesh import MeshShape
 from dtm_mpi.sharding.redistribute import plan_redistribute
 
+if TYPE_CHECKING:
+    from dtm_mpi.runtime.request import RunHooks
+
 T = TypeVar("T")
 
 __all__ = [
-    "RankOutcome", "RunResult", "assemble", "check_output_keys", "initial_blocks", "output_values",
-    "run_rank", "run_simulated", "run_steps", "summary_lines",
+    "RankOutcome", "RunResult", "StepFeeder", "assemble", "check_output_keys", "initial_blocks",
+    "output_values", "run_rank", "run_simulated", "run_steps", "summary_lines",
 ]  # fmt: skip
 
 
@@ -61,6 +65,53 @@ class RunResult:
         return {name: v for name, _, v in named}
 
 
+class StepFeeder:
+    """Puts a run's fed inputs (:class:`~dtm_mpi.runtime.request.RunHooks`) into this rank's
+    parameter blocks before each step, and reports each step's scalar results on rank 0."""
+
+    def __init__(self, plan: ExecPlan, rank: int, hooks: RunHooks) -> None:
+        entry = plan.entry_plan.function
+        self.hooks, self.rank = hooks, rank
+        index = {p.name.lstrip("%"): i for i, p in enumerate(entry.params)}
+        self.slots: list[tuple[str, int, TensorType, tuple[slice, ...]]] = []
+        for name in hooks.fed:
+            if name not in index:
+                raise UsageError(f"fed input {name!r} is not a parameter of @{entry.name}")
+            t = entry.params[index[name]].type
+            self.slots.append((name, index[name], t, local_block(t.shape, t.layout, plan.mesh, rank)))  # fmt: skip
+        self.entry = entry
+
+    def feed(self, step: int, blocks: list[np.ndarray], to_device: Callable[[np.ndarray], np.ndarray] = lambda a: a) -> None:  # fmt: skip
+        """Replace the fed inputs' blocks by the loader's blocks for ``step`` (checked)."""
+        if self.hooks.feed is None or not self.slots:
+            return
+        got = self.hooks.feed(step, {name: region for name, _, _, region in self.slots})
+        for name, i, t, region in self.slots:
+            if name not in got:
+                raise UsageError(
+                    f"step {step}: the data loader gave no {name!r} (rank {self.rank})"
+                )
+            want = tuple(r.stop - r.start for r in region)
+            block = np.asarray(got[name])
+            if block.shape != want:
+                raise UsageError(f"step {step}: the data loader gave {name!r} of shape {list(block.shape)} on rank {self.rank}; its block of {t} is {list(want)}")  # fmt: skip
+            dtype = np_dtype(t.dtype)
+            if block.dtype != dtype and not np.can_cast(block.dtype, dtype, "same_kind"):
+                raise UsageError(f"step {step}: the data loader gave {name!r} as {block.dtype}; the input is {t.dtype}")  # fmt: skip
+            blocks[i] = to_device(np.ascontiguousarray(block, dtype=dtype))
+
+    def report(self, step: int, results: Sequence[Any], to_host: Callable[[Any], np.ndarray] = np.asarray) -> None:  # fmt: skip
+        """Rank 0: hand the step's scalar results to ``on_step``."""
+        if self.rank != 0 or self.hooks.on_step is None:
+            return
+        names = self.hooks.metric_names
+        metrics: dict[str, float] = {}
+        for i, (spec, value) in enumerate(zip(self.entry.results, results, strict=True)):
+            if spec.type.shape == () and spec.type.layout.partial is None and spec.updates is None:  # fmt: skip
+                metrics[names[i] if i < len(names) else f"result{i}"] = float(to_host(value))
+        self.hooks.on_step(step, metrics)
+
+
 def run_rank(
     plan: ExecPlan,
     comm: Comm,
@@ -68,14 +119,23 @@ def run_rank(
     *,
     steps: int = 1,
     backend: str | ArrayBackend = "numpy",
+    hooks: RunHooks | None = None,
 ) -> RankOutcome:
     """Run ``steps`` steps of the entry function on this rank. ``inputs``: global arrays of
-    (some) entry parameters, by name; the others get their declared init.
+    (some) entry parameters, by name; the others get their declared init; ``hooks``: inputs
+    fed each step, metrics reported on rank 0.
 
     Collective: call on all ranks."""
-    args = initial_blocks(plan, comm.rank, inputs)
+    args = initial_blocks(plan, comm.rank, inputs, fed=hooks.fed if hooks is not None else ())
     history: list[tuple[np.ndarray, ...]] = []
-    run_steps(Executor(plan, comm, backend), args, steps, history=history)
+    feeder = StepFeeder(plan, comm.rank, hooks) if hooks is not None else None
+    last = run_steps(
+        Executor(plan, comm, backend), args, steps, history=history if feeder is None else None,
+        before_step=(lambda step: feeder.feed(step, args)) if feeder is not None else None,
+        on_results=feeder.report if feeder is not None else None,
+    )  # fmt: skip
+    if feeder is not None:  # a training loop: keep the last step's results only
+        history.append(last)
     return RankOutcome(tuple(args), history, comm.stats)
 
 
@@ -89,12 +149,13 @@ def run_steps(
     commit: Callable[[int], None] | None = None,
     after_step: Callable[[int], None] | None = None,
     history: list[tuple[np.ndarray, ...]] | None = None,
+    on_results: Callable[[int, tuple[np.ndarray, ...]], None] | None = None,
 ) -> tuple[np.ndarray, ...]:
     """Run the entry function ``steps`` times on this rank's ``blocks`` of its parameters,
     replacing each state parameter by the result that ``updates`` it after every step (spec
     §7.3: all updates of a step take effect together). ``commit(step)`` runs before the
     updates are applied (under MPI: the agreement that every rank finished the step),
-    ``after_step(step)`` after (e.g. a checkpoint of the new state); ``first`` is the first
+    ``on_results(step, results)`` then, ``after_step(step)`` after (e.g. a checkpoint of the new state); ``first`` is the first
     step's index (a resumed run continues the step count); ``history`` collects every step's
     results. Returns the last step's results.
 
@@ -108,6 +169,8 @@ def run_steps(
         results = executor.run(blocks, step)
         if commit is not None:
             commit(step)
+        if on_results is not None:
+            on_results(step, results)
         if history is not None:
             history.append(results)
         for spec, value in zip(entry.results, results, strict=True):
@@ -162,10 +225,12 @@ def initial_blocks(
     rank: int,
     inputs: Mapping[str, np.ndarray],
     local: Mapping[str, np.ndarray] | None = None,
+    fed: Sequence[str] = (),
 ) -> list[np.ndarray]:
     """This rank's blocks of the entry parameters: from ``inputs`` (global arrays by name)
     where given, else from ``local`` (this rank's blocks by name, e.g. restored from a
-    checkpoint store), else from each parameter's init."""
+    checkpoint store), else zeros for the inputs a loader feeds (``fed``), else from each
+    parameter's init."""
     mesh = plan.mesh
     blocks: list[np.ndarray] = []
     for p in plan.entry_plan.function.params:
@@ -176,6 +241,8 @@ def initial_blocks(
             blocks.append(np.array(block, order="C"))
         elif local is not None and key in local:
             blocks.append(np.array(local[key], order="C"))
+        elif key in fed:  # a loader gives it before each step
+            blocks.append(np.zeros(local_shape(t.shape, t.layout, mesh, rank), dtype=np_dtype(t.dtype)))  # fmt: skip
         else:
             offsets = local_offsets(t.shape, t.layout, mesh, rank)
             blocks.append(init_block(p, offsets, local_shape(t.shape, t.layout, mesh, rank)))
@@ -197,6 +264,7 @@ def run_simulated(
     steps: int = 1,
     backend: str | ArrayBackend = "numpy",
     timeout_s: float = 60.0,
+    hooks: RunHooks | None = None,
 ) -> RunResult:
     """Run a *verified* module on ``nranks`` simulated ranks and return global values."""
     from dtm_mpi.comm.sim import run_ranks
@@ -205,12 +273,12 @@ def run_simulated(
         raise UsageError(f"--sim needs at least 1 rank; got {nranks}")
     if steps < 1:
         raise UsageError(f"--steps must be >= 1; got {steps}")
-    given = check_inputs(module, inputs or {})
+    given = check_inputs(module, inputs or {}, fed=hooks.fed if hooks is not None else ())
     mesh = mesh_for(module, nranks, binding)
     plan = compile_plan(module, mesh)
     outcomes = run_ranks(
         mesh,
-        lambda comm: run_rank(plan, comm, given, steps=steps, backend=backend),
+        lambda comm: run_rank(plan, comm, given, steps=steps, backend=backend, hooks=hooks),
         timeout_s=timeout_s,
     )
     entry = plan.entry_plan.function
@@ -223,6 +291,6 @@ def run_simulated(
             assemble(spec.type, mesh, [o.results[s][j] for o in outcomes])
             for j, spec in enumerate(entry.results)
         )
-        for s in range(steps)
+        for s in range(len(outcomes[0].results))
     ]
     return RunResult(entry, params, results, [o.stats for o in outcomes])

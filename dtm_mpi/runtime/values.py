@@ -74,11 +74,16 @@ def check_input(name: str, t: TensorType, value: np.ndarray, where: str) -> np.n
 
 
 def check_inputs(
-    module: Module, inputs: Mapping[str, np.ndarray], *, store: bool = False
+    module: Module,
+    inputs: Mapping[str, np.ndarray],
+    *,
+    store: bool = False,
+    fed: Sequence[str] = (),
 ) -> dict[str, np.ndarray]:
     """The inputs that match entry parameters, checked and converted (shape, dtype); a name
     matching no parameter is an error naming the parameters, and so is a parameter without
-    init that no input supplies (or an ``init store`` one, unless a ``store`` fills it)."""
+    init that no input supplies (or an ``init store`` one, unless a ``store`` fills it) and
+    a loader does not feed (``fed``)."""
     entry = module.entry
     assert entry is not None
     names = {p.name.lstrip("%"): p for p in entry.params}
@@ -91,7 +96,7 @@ def check_inputs(
             )
         out[key] = check_input(key, names[key].type, np.asarray(value), "the inputs")
     for key, p in names.items():
-        if key in out or (p.init is not None and (p.init.kind is not InitKind.STORE or store)):
+        if key in out or key in fed or (p.init is not None and (p.init.kind is not InitKind.STORE or store)):  # fmt: skip
             continue
         if p.init is None:
             raise UsageError(

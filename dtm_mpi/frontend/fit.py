@@ -1,0 +1,145 @@
+"""Running traced steps from Python: one call, on simulated ranks or the ranks of the job.
+
+:func:`fit` runs a :class:`~dtm_mpi.frontend.trace.TracedStep` through the same launcher as
+``dtm run`` (:func:`dtm_mpi.runtime.launch.launch`): with ``sim=N`` on N simulated ranks in
+this process, otherwise under ``mpirun``/``srun`` on every rank of the job (every rank calls
+it) with the handshake, the bounded waits, checkpoints in the parallel-HDF5 store and
+``resume``. Each step, every rank's loader is asked for *its* blocks of the step's batch only
+(:class:`ArrayLoader` reads just those rows). Rank 0 gets the metrics of every step, a
+progress bar (tqdm; ``quiet`` for batch jobs) and the final parameters.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dtm_mpi.errors import UsageError
+from dtm_mpi.frontend.trace import TracedStep
+
+__all__ = ["ArrayLoader", "FitResult", "fit"]
+
+
+class ArrayLoader:
+    """Batches of ``batch_size`` rows drawn from arrays sharing their first dim (numpy
+    arrays or memmaps): step ``s`` takes rows ``[k B, (k+1) B)`` of epoch ``s // K``'s
+    permutation (``K`` whole batches per epoch; seeded: the same on every rank and in every
+    run, so a resumed run sees the batches the uninterrupted one would). A rank is given the
+    regions of the global batch its blocks cover and reads only those rows."""
+
+    def __init__(self, arrays: Mapping[str, np.ndarray], batch_size: int, *, shuffle: bool = True, seed: int = 0) -> None:  # fmt: skip
+        if not arrays:
+            raise UsageError("ArrayLoader needs at least one array")
+        lengths = {k: len(v) for k, v in arrays.items()}
+        if len(set(lengths.values())) != 1:
+            raise UsageError(f"ArrayLoader: the arrays have different lengths {lengths}")
+        self.arrays = dict(arrays)
+        self.n = next(iter(lengths.values()))
+        if not 1 <= batch_size <= self.n:
+            raise UsageError(f"batch_size must be 1..{self.n}; got {batch_size}")
+        self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
+        self.per_epoch = self.n // batch_size
+        self._order: tuple[int, np.ndarray] | None = None
+
+    def rows(self, step: int) -> np.ndarray:
+        """The row indices of step ``step``'s batch."""
+        epoch, k = divmod(step, self.per_epoch)
+        if self._order is None or self._order[0] != epoch:
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.n) if self.shuffle else np.arange(self.n)  # fmt: skip
+            self._order = (epoch, order)
+        return self._order[1][k * self.batch_size : (k + 1) * self.batch_size]
+
+    def __call__(self, step: int, regions: Mapping[str, tuple[slice, ...]]) -> dict[str, np.ndarray]:  # fmt: skip
+        rows = self.rows(step)
+        out = {}
+        for name, region in regions.items():
+            if name not in self.arrays:
+                raise UsageError(f"the loader has no array {name!r} (it has {', '.join(self.arrays)})")  # fmt: skip
+            out[name] = np.asarray(self.arrays[name][rows[region[0]]][(slice(None), *region[1:])])  # fmt: skip
+        return out
+
+
+@dataclass
+class FitResult:
+    """What a run gives back on rank 0 (elsewhere: empty)."""
+
+    metrics: list[dict[str, float]] = field(default_factory=list)
+    """Each step's scalar results by name, with ``step`` (0-based)."""
+    outputs: dict[str, np.ndarray] = field(default_factory=dict)
+    """The final value of every entry parameter (weights, optimizer state) and the last
+    step's results (``result0``, ...), global arrays."""
+
+    def last(self, name: str) -> float:
+        return self.metrics[-1][name]
+
+
+class _Progress:
+    """Rank 0's progress line: tqdm with loss, step time and throughput."""
+
+    def __init__(self, total: int, samples: int, quiet: bool, log_every: int) -> None:
+        self.total, self.samples, self.quiet, self.log_every = total, samples, quiet, log_every
+        self.bar: Any = None
+        self.t = time.perf_counter()
+
+    def __call__(self, step: int, metrics: dict[str, float]) -> None:
+        now = time.perf_counter()
+        dt, self.t = now - self.t, now
+        if self.quiet:
+            if self.log_every and (step + 1) % self.log_every == 0:
+                shown = " ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+                print(f"step {step + 1}/{self.total}: {shown} ({dt * 1e3:.1f} ms, {self.samples / dt:.0f} samples/s)", flush=True)  # fmt: skip
+            return
+        if self.bar is None:
+            from tqdm import tqdm  # type: ignore[import-untyped]
+
+            self.bar = tqdm(total=self.total, initial=step, file=sys.stderr, dynamic_ncols=True, unit="step")  # fmt: skip
+        self.bar.set_postfix({**{k: f"{v:.4g}" for k, v in metrics.items()}, "ms": f"{dt * 1e3:.1f}", "samples/s": f"{self.samples / dt:.0f}"}, refresh=False)  # fmt: skip
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def fit(step: TracedStep, loader: Callable[[int, Mapping[str, tuple[slice, ...]]], Mapping[str, np.ndarray]], *, steps: int, sim: int | None = None, mesh: Mapping[str, int] | None = None, store: str | None = None, checkpoint_every: int | None = None, resume: bool = False, backend: str = "numpy", quiet: bool = False, log_every: int = 0, on_step: Callable[[int, dict[str, float]], None] | None = None, values: Mapping[str, np.ndarray] | None = None) -> FitResult:  # fmt: skip
+    """Run ``steps`` steps of ``step`` (a training step updates its state; an evaluation
+    step is run once or more on fed inputs), feeding ``loader(step, regions)`` each step.
+
+    ``sim``: simulated ranks in this process (None: the ranks of the MPI job; call on every
+    rank). ``mesh``: axis sizes binding the module's mesh (as ``dtm run --mesh``). ``store``,
+    ``checkpoint_every``, ``resume``: as ``dtm run`` (MPI only, except that an evaluation
+    step's ``init store`` weights are read from ``store`` in both modes). ``values``: global
+    values of other parameters (an evaluation step's weights), by name."""
+    from dtm_mpi.runtime.launch import launch
+    from dtm_mpi.runtime.request import RunHooks, RunRequest
+
+    result = FitResult()
+    first = step.inputs[0] if step.inputs else None
+    samples = step.input_type(first).shape[0] if first is not None and step.input_type(first).shape else 1  # fmt: skip
+    progress = _Progress(steps, samples, quiet, log_every)
+
+    def report(i: int, metrics: dict[str, float]) -> None:
+        result.metrics.append({"step": float(i), **metrics})
+        progress(i, metrics)
+        if on_step is not None:
+            on_step(i, metrics)
+
+    def keep(outputs: dict[str, np.ndarray]) -> None:
+        result.outputs.update(outputs)
+
+    hooks = RunHooks(loader, step.inputs, report, step.metrics, keep, dict(values) if values else None)  # fmt: skip
+    request = RunRequest(
+        f"<traced {step.module.name}>", binding=dict(mesh) if mesh else None, steps=steps,
+        backend=backend, store=store, checkpoint_every=checkpoint_every, resume=resume,
+        sim=sim, module=step.module, hooks=hooks,
+    )  # fmt: skip
+    try:
+        launch(request)
+    finally:
+        progress.close()
+    return result
