@@ -20,7 +20,7 @@ import sys
 import numpy as np
 
 from dtm_mpi import frontend as dtm
-from dtm_mpi.frontend import functional as F
+from dtm_mpi.frontend import functional as fn
 
 BATCH = 64
 HIDDEN = 256
@@ -39,7 +39,7 @@ def data() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
 
 def model() -> dtm.nn.Module:
     return dtm.nn.Sequential(
-        dtm.nn.ColumnParallelLinear(64, HIDDEN), F.gelu, dtm.nn.RowParallelLinear(HIDDEN, 10)
+        dtm.nn.ColumnParallelLinear(64, HIDDEN), fn.gelu, dtm.nn.RowParallelLinear(HIDDEN, 10)
     )
 
 
@@ -47,7 +47,7 @@ def loss_fn(
     m: dtm.nn.Module, x: dtm.Tensor, y: dtm.Tensor
 ) -> tuple[dtm.Tensor, dict[str, dtm.Tensor]]:
     logits = m(x)
-    return F.cross_entropy(logits, y), {"acc": F.accuracy(logits, y)}
+    return fn.cross_entropy(logits, y), {"acc": fn.accuracy(logits, y)}
 
 
 def main(argv: list[str]) -> int:
@@ -115,7 +115,7 @@ def _held_out(net: dtm.nn.Module, mesh: dtm.Mesh, sizes: dict[str, int], xt: np.
     weights read from the store's latest checkpoint (or, simulated, the final weights)."""
     ev = dtm.eval_step(
         net,
-        lambda m, x, y: {"acc": F.accuracy(m(x), y)},
+        lambda m, x, y: {"acc": fn.accuracy(m(x), y)},
         mesh=mesh,
         name="digits_eval",
         inputs={
