@@ -95,11 +95,13 @@ def main(argv: list[str]) -> int:
     rank0 = bool(res.metrics) or bool(res.outputs)
     if rank0 and args.store:
         _append_metrics(os.path.join(args.store, "metrics.csv"), res.metrics)
-    acc = _held_out(net, mesh, sizes, xt, yt, args, res)
+    # held out: under MPI the weights come from the store (rank 0 alone holds the outputs)
+    acc = _held_out(net, mesh, sizes, xt, yt, args, res) if args.store or args.sim else float("nan")
     if rank0 and args.out:
         np.savez(args.out, **res.outputs)
     if rank0:
-        print(f"step {args.steps}: train loss {res.last('loss'):.4f}, held-out accuracy {acc:.4f} ({len(yt)} images)", flush=True)  # fmt: skip
+        held = f"held-out accuracy {acc:.4f} ({len(yt)} images)" if acc == acc else "held-out accuracy: give --store (or --sim)"  # fmt: skip
+        print(f"step {args.steps}: train loss {res.last('loss'):.4f}, {held}", flush=True)
         if args.plot:
             _plot(
                 os.path.join(args.store, "metrics.csv") if args.store else None,
@@ -171,4 +173,10 @@ def _plot(csv_path: str | None, rows: list[dict[str, float]], out: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from dtm_mpi.errors import DtmError
+
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except DtmError as err:  # one line (the same on every rank for a distributed failure)
+        print(f"digits: {err}", file=sys.stderr, flush=True)
+        sys.exit(1)

@@ -41,20 +41,24 @@ class Parameter:
     their arguments, ``zeros``, ``ones``)."""
 
     shape: tuple[int, ...]
-    dtype: DType = DType.F32
-    layout: Layout | None = None
+    dtype: DType | str = DType.F32
+    layout: Layout | Sequence[Any] | None = None
+    """Per dim: None (not split), an axis name, or a tuple of axis names; None: replicated."""
     init: str = "normal"
     args: tuple[tuple[str, float], ...] = (("std", 0.02),)
+    seed: int | None = None
+    """The init's seed (default: derived from the parameter's path and the model's seed)."""
 
     def type(self) -> TensorType:
-        return TensorType(self.dtype, self.shape, self.layout or Layout.replicated(len(self.shape)))  # fmt: skip
+        dtype = self.dtype if isinstance(self.dtype, DType) else DType(self.dtype)
+        return TensorType(dtype, tuple(self.shape), as_layout(self.layout, len(self.shape)))
 
     def ir_init(self, path: str, seed: int) -> Init:
         kind = InitKind(self.init)
         if kind in (InitKind.ZEROS, InitKind.ONES):
             return Init(kind)
         digest = hashlib.sha256(f"{seed}:{path}".encode()).digest()
-        s = int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+        s = self.seed if self.seed is not None else int.from_bytes(digest[:4], "little") & 0x7FFFFFFF  # fmt: skip
         order = ("mean", "std") if kind is InitKind.NORMAL else ("low", "high")
         given = dict(self.args)
         return Init(kind, (("seed", s), *((k, float(given[k])) for k in order if k in given)))

@@ -1,0 +1,70 @@
+"""The Python frontend under real ``mpirun`` (examples/digits.py): trained on 2, 3 and 4 ranks
+with the runtime's checkpoints, resumed on another mesh (within float32 reassociation of the
+uninterrupted run) and on the same mesh (bitwise, deterministic mode), held-out accuracy read
+through an evaluation step whose weights come from the store."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.slow]
+DIGITS = str(Path(__file__).resolve().parents[2] / "examples" / "digits.py")
+
+
+def digits(ranks: int, mesh: str, *args: str) -> str:
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1", PYTHONUNBUFFERED="1", DTM_TIMEOUT="60",
+               DTM_DETERMINISTIC="1")  # fmt: skip
+    cmd = ["mpirun", "--timeout", "120", "--bind-to", "none", "-n", str(ranks), sys.executable,
+           "-m", "mpi4py", DIGITS, "--quiet", "--mesh", mesh, *args]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    return out
+
+
+def test_trained_on_4_ranks_resumed_on_3_equals_the_uninterrupted_run(tmp_path: Path) -> None:
+    store = str(tmp_path / "store")
+    first = digits(4, "dp=2,tp=2", "--steps", "30", "--store", store, "--checkpoint-every", "30")
+    assert "checkpoint" in first and "after step 30" in first
+    out = digits(3, "dp=1,tp=3", "--steps", "60", "--store", store, "--checkpoint-every", "30",
+                 "--resume", "-o", str(tmp_path / "resumed.npz"), "--plot", str(tmp_path / "p.png"))  # fmt: skip
+    assert "resumed from" in out and "after step 30" in out, out
+    acc = float(re.search(r"held-out accuracy ([0-9.]+)", out).group(1))  # type: ignore[union-attr]
+    assert acc > 0.8, out  # 60 steps of 64 images: well past chance (0.1)
+    assert (tmp_path / "p.png").stat().st_size > 1000
+    digits(2, "dp=2,tp=1", "--steps", "60", "-o", str(tmp_path / "straight.npz"))
+    resumed, straight = np.load(tmp_path / "resumed.npz"), np.load(tmp_path / "straight.npz")
+    assert sorted(resumed.files) == sorted(straight.files)
+    for k in straight.files:
+        np.testing.assert_allclose(resumed[k], straight[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def test_resumed_on_the_same_mesh_is_bitwise(tmp_path: Path) -> None:
+    store = str(tmp_path / "store")
+    digits(2, "dp=1,tp=2", "--steps", "20", "--store", store, "--checkpoint-every", "20")
+    digits(2, "dp=1,tp=2", "--steps", "40", "--store", store, "--checkpoint-every", "20", "--resume",
+           "-o", str(tmp_path / "resumed.npz"))  # fmt: skip
+    digits(2, "dp=1,tp=2", "--steps", "40", "-o", str(tmp_path / "straight.npz"))
+    resumed, straight = np.load(tmp_path / "resumed.npz"), np.load(tmp_path / "straight.npz")
+    for k in straight.files:
+        assert np.array_equal(resumed[k], straight[k]), k
+
+
+def test_a_bad_mesh_is_one_line_on_every_rank(tmp_path: Path) -> None:
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1", DTM_TIMEOUT="30")  # fmt: skip
+    proc = subprocess.run(["mpirun", "--timeout", "60", "--bind-to", "none", "-n", "3", sys.executable, "-m",
+                           "mpi4py", DIGITS, "--quiet", "--mesh", "dp=2,tp=2", "--steps", "2"],
+                          capture_output=True, text=True, timeout=90, env=env, check=False)  # fmt: skip
+    assert proc.returncode != 0
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("digits:")]
+    assert len(lines) == 3 and len(set(lines)) == 1, proc.stderr
+    assert "has 4 rank(s), but the job has 3" in lines[0] and "Traceback" not in proc.stderr
