@@ -100,7 +100,7 @@ def main(argv: list[str]) -> int:
     if rank0 and args.out:
         np.savez(args.out, **res.outputs)
     if rank0:
-        held = f"held-out accuracy {acc:.4f} ({len(yt)} images)" if acc == acc else "held-out accuracy: give --store (or --sim)"  # fmt: skip
+        held = f"held-out accuracy {acc:.4f} ({len(yt)} images)" if not np.isnan(acc) else "held-out accuracy: give --store (or --sim)"  # fmt: skip
         print(f"step {args.steps}: train loss {res.last('loss'):.4f}, {held}", flush=True)
         if args.plot:
             _plot(

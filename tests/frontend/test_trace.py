@@ -22,17 +22,25 @@ from dtm_mpi.runtime.values import init_global
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 MESH = dtm.Mesh(dp=2, tp=2)
-BINDINGS = [(1, {"dp": 1, "tp": 1}), (2, {"dp": 1, "tp": 2}), (3, {"dp": 1, "tp": 3}), (4, {"dp": 2, "tp": 2})]  # fmt: skip
+BINDINGS = [
+    (1, {"dp": 1, "tp": 1}),
+    (2, {"dp": 1, "tp": 2}),
+    (3, {"dp": 1, "tp": 3}),
+    (4, {"dp": 2, "tp": 2}),
+]
 
 
 def mlp(dtype: str = "f32") -> dtm.nn.Module:
     return dtm.nn.Sequential(
-        dtm.nn.ColumnParallelLinear(6, 10, dtype=dtype), fn.gelu,
+        dtm.nn.ColumnParallelLinear(6, 10, dtype=dtype),
+        fn.gelu,
         dtm.nn.RowParallelLinear(10, 4, dtype=dtype),
-    )  # fmt: skip
+    )
 
 
-def ce_loss(m: dtm.nn.Module, x: dtm.Tensor, y: dtm.Tensor) -> tuple[dtm.Tensor, dict[str, dtm.Tensor]]:  # fmt: skip
+def ce_loss(
+    m: dtm.nn.Module, x: dtm.Tensor, y: dtm.Tensor
+) -> tuple[dtm.Tensor, dict[str, dtm.Tensor]]:
     logits = m(x)
     return fn.cross_entropy(logits, y), {"acc": fn.accuracy(logits, y)}
 
@@ -46,7 +54,9 @@ def test_a_traced_step_is_verified_canonical_and_hashes_the_same_every_time() ->
     text = a.text
     assert print_module(load_module(text)) == text  # dtm fmt fixed point
     assert a.hash == b.hash and a.text == b.text
-    c = dtm.train_step(mlp(), ce_loss, mesh=MESH, inputs=INPUTS, optimizer=dtm.optim.AdamW(), seed=1)  # fmt: skip
+    c = dtm.train_step(
+        mlp(), ce_loss, mesh=MESH, inputs=INPUTS, optimizer=dtm.optim.AdamW(), seed=1
+    )
     assert c.hash != a.hash  # another init seed is another program
     entry = a.module.entry
     assert entry is not None and entry.name == "train_step"
@@ -54,7 +64,10 @@ def test_a_traced_step_is_verified_canonical_and_hashes_the_same_every_time() ->
     assert a.params == ("layers.0.weight", "layers.0.bias", "layers.1.weight", "layers.1.bias")
     assert len(a.state) == 8 and all(s.startswith(("opt.m.", "opt.v.")) for s in a.state)
     types = {p.name: str(p.type) for p in entry.params}
-    assert types["%layers.0.weight"] == "f32[6,10]{-,tp}" and types["%layers.1.weight"] == "f32[10,4]{tp,-}"  # fmt: skip
+    assert (
+        types["%layers.0.weight"] == "f32[6,10]{-,tp}"
+        and types["%layers.1.weight"] == "f32[10,4]{tp,-}"
+    )
     # the data-parallel gradient reduction comes out of the reverse pass
     assert any(op.name == "allreduce" and op.attr("axes") == ("dp",) for op in entry.body)
 
@@ -81,7 +94,12 @@ def test_propagation_reproduces_the_hand_written_types_of_tp_mlp() -> None:
         seen.update({"%h": str(h.type), "%a": str(a.type), "%p": str(p.type), "%y": str(y.type)})
         return {"s": y.sum()}
 
-    dtm.eval_step(Fwd(), run, mesh=dtm.Mesh(dp=2, tp=2), inputs={"x": dtm.Input((64, 256), "f32", ("dp", None))})  # fmt: skip
+    dtm.eval_step(
+        Fwd(),
+        run,
+        mesh=dtm.Mesh(dp=2, tp=2),
+        inputs={"x": dtm.Input((64, 256), "f32", ("dp", None))},
+    )
     assert seen == want
 
 
@@ -99,7 +117,9 @@ def test_a_shape_error_names_the_users_line() -> None:
 
 def test_a_loss_that_is_not_a_scalar_is_named() -> None:
     with pytest.raises(TraceError, match="loss must be a float scalar; it is f32\\[8,4\\]"):
-        dtm.train_step(mlp(), lambda m, x, y: m(x), mesh=MESH, inputs=INPUTS, optimizer=dtm.optim.SGD(0.1))  # fmt: skip
+        dtm.train_step(
+            mlp(), lambda m, x, y: m(x), mesh=MESH, inputs=INPUTS, optimizer=dtm.optim.SGD(0.1)
+        )
 
 
 def test_a_gradient_through_an_op_without_a_rule_names_the_op_and_line() -> None:
@@ -110,7 +130,15 @@ def test_a_gradient_through_an_op_without_a_rule_names_the_op_and_line() -> None
 
     b = FunctionBuilder(None)
     x = b.add_param("x", TensorType(DType.F32, (4, 8), Layout.replicated(2)))
-    q, s = b.emit("quantize", [x], {"block": 8}, [TensorType(DType.I8, (4, 8), Layout.replicated(2)), TensorType(DType.F32, (4, 1), Layout.replicated(2))])  # fmt: skip
+    q, s = b.emit(
+        "quantize",
+        [x],
+        {"block": 8},
+        [
+            TensorType(DType.I8, (4, 8), Layout.replicated(2)),
+            TensorType(DType.F32, (4, 1), Layout.replicated(2)),
+        ],
+    )
     y = b.emit1("dequantize", [q, s], {"block": 8}, [x.type])
     loss = b.emit1("sum", [y], {"dims": (0, 1)})
     with pytest.raises(GradientError, match="dequantize has no gradient rule"):
@@ -130,18 +158,22 @@ def _layer_models() -> list[tuple[str, dtm.nn.Module, dict[str, dtm.Input]]]:
                 dtm.nn.RowParallelLinear(7, 3, dtype="f64"),
             ),
             x,
-        ),  # fmt: skip
+        ),
         (
             "layernorm",
             dtm.nn.Sequential(dtm.nn.Linear(6, 6, dtype="f64"), dtm.nn.LayerNorm(6, dtype="f64")),
             x,
-        ),  # fmt: skip
+        ),
         ("mlp", dtm.nn.MLP(6, 9, dtype="f64"), x),
     ]
 
 
-@pytest.mark.parametrize(("name", "model", "inputs"), _layer_models(), ids=[m[0] for m in _layer_models()])  # fmt: skip
-def test_layer_gradients_match_finite_differences_on_1_to_4_ranks(name: str, model: dtm.nn.Module, inputs: dict[str, dtm.Input]) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "model", "inputs"), _layer_models(), ids=[m[0] for m in _layer_models()]
+)
+def test_layer_gradients_match_finite_differences_on_1_to_4_ranks(
+    name: str, model: dtm.nn.Module, inputs: dict[str, dtm.Input]
+) -> None:
     """One SGD step with lr 1 gives w - dL/dw: compared with central differences of the
     traced loss (an eval step), at every binding."""
 
@@ -154,7 +186,11 @@ def test_layer_gradients_match_finite_differences_on_1_to_4_ranks(name: str, mod
     x = np.random.default_rng(1).normal(size=(5, 6))
     entry = step.module.entry
     assert entry is not None
-    w0 = {p.name.lstrip("%"): init_global(p) for p in entry.params if p.name.lstrip("%") in step.params}  # fmt: skip
+    w0 = {
+        p.name.lstrip("%"): init_global(p)
+        for p in entry.params
+        if p.name.lstrip("%") in step.params
+    }
     ref = ev.module
 
     def L(w: dict[str, np.ndarray]) -> float:
@@ -173,7 +209,9 @@ def test_layer_gradients_match_finite_differences_on_1_to_4_ranks(name: str, mod
         res = run_simulated(step.module, nranks, binding=binding, inputs={"x": x})
         for k in step.params:
             got = w0[k] - res.params[k]
-            np.testing.assert_allclose(got, grads[k], rtol=1e-6, atol=1e-7, err_msg=f"{name}: d/d{k} at {binding}")  # fmt: skip
+            np.testing.assert_allclose(
+                got, grads[k], rtol=1e-6, atol=1e-7, err_msg=f"{name}: d/d{k} at {binding}"
+            )
 
 
 def test_tp_mlp_rebuilt_from_the_frontend_matches_the_hand_written_module() -> None:
@@ -186,8 +224,12 @@ def test_tp_mlp_rebuilt_from_the_frontend_matches_the_hand_written_module() -> N
 
     class TpMlp(dtm.nn.Module):
         def __init__(self) -> None:
-            self.w1 = dtm.nn.Parameter((256, 1024), DType.F32, (None, "tp"), "normal", (("std", 0.02),), seed=1)  # fmt: skip
-            self.w2 = dtm.nn.Parameter((1024, 256), DType.F32, ("tp", None), "normal", (("std", 0.02),), seed=2)  # fmt: skip
+            self.w1 = dtm.nn.Parameter(
+                (256, 1024), DType.F32, (None, "tp"), "normal", (("std", 0.02),), seed=1
+            )
+            self.w2 = dtm.nn.Parameter(
+                (1024, 256), DType.F32, ("tp", None), "normal", (("std", 0.02),), seed=2
+            )
 
         def forward(self, x: dtm.Tensor) -> dtm.Tensor:
             return (x @ self.param("w1")).gelu() @ self.param("w2")
@@ -196,7 +238,10 @@ def test_tp_mlp_rebuilt_from_the_frontend_matches_the_hand_written_module() -> N
         d = m(x) - target
         return (d * d).mean()
 
-    inputs = {"x": dtm.Input((64, 256), "f32", ("dp", None)), "target": dtm.Input((64, 256), "f32", ("dp", None))}  # fmt: skip
+    inputs = {
+        "x": dtm.Input((64, 256), "f32", ("dp", None)),
+        "target": dtm.Input((64, 256), "f32", ("dp", None)),
+    }
     step = dtm.train_step(TpMlp(), loss, mesh=MESH, inputs=inputs, optimizer=dtm.optim.SGD(0.1))
     data = {k: init_global(params[k]) for k in ("x", "target")}
     want = run_simulated(hand, 4, binding={"dp": 2, "tp": 2}, steps=5)
@@ -210,17 +255,36 @@ def test_fit_on_simulated_ranks_learns_and_reports_every_step() -> None:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(96, 6)).astype(np.float32)
     y = (x[:, 0] + x[:, 1] > 0).astype(np.int32) + 2 * (x[:, 2] > 0).astype(np.int32)
-    step = dtm.train_step(mlp(), ce_loss, mesh=MESH, inputs=INPUTS, optimizer=dtm.optim.AdamW(lr=3e-2))  # fmt: skip
+    step = dtm.train_step(
+        mlp(), ce_loss, mesh=MESH, inputs=INPUTS, optimizer=dtm.optim.AdamW(lr=3e-2)
+    )
     seen: list[int] = []
-    res = dtm.fit(step, dtm.ArrayLoader({"x": x, "y": y}, 8, seed=1), steps=60, sim=4, mesh={"dp": 2, "tp": 2}, quiet=True, on_step=lambda i, m: seen.append(i))  # fmt: skip
+    res = dtm.fit(
+        step,
+        dtm.ArrayLoader({"x": x, "y": y}, 8, seed=1),
+        steps=60,
+        sim=4,
+        mesh={"dp": 2, "tp": 2},
+        quiet=True,
+        on_step=lambda i, m: seen.append(i),
+    )
     assert seen == list(range(60)) and len(res.metrics) == 60
     first = np.mean([m["loss"] for m in res.metrics[:5]])
     last = np.mean([m["loss"] for m in res.metrics[-5:]])
     assert last < 0.6 * first, (first, last)
     assert set(step.params) <= set(res.outputs)
     # the same batches on another mesh: the same run up to float32 reassociation
-    res3 = dtm.fit(step, dtm.ArrayLoader({"x": x, "y": y}, 8, seed=1), steps=60, sim=3, mesh={"dp": 1, "tp": 3}, quiet=True)  # fmt: skip
-    np.testing.assert_allclose([m["loss"] for m in res3.metrics], [m["loss"] for m in res.metrics], rtol=1e-4)  # fmt: skip
+    res3 = dtm.fit(
+        step,
+        dtm.ArrayLoader({"x": x, "y": y}, 8, seed=1),
+        steps=60,
+        sim=3,
+        mesh={"dp": 1, "tp": 3},
+        quiet=True,
+    )
+    np.testing.assert_allclose(
+        [m["loss"] for m in res3.metrics], [m["loss"] for m in res.metrics], rtol=1e-4
+    )
 
 
 def test_the_loader_gives_each_rank_only_its_rows() -> None:
@@ -231,6 +295,8 @@ def test_the_loader_gives_each_rank_only_its_rows() -> None:
     half = loader(6, {"x": (slice(4, 8), slice(1, 3))})["x"]
     np.testing.assert_array_equal(whole, x[rows])
     np.testing.assert_array_equal(half, x[rows[4:8], 1:3])
-    assert sorted(np.concatenate([loader.rows(s) for s in range(5)]).tolist()) == list(range(40))  # one epoch: every row once  # fmt: skip
+    assert sorted(np.concatenate([loader.rows(s) for s in range(5)]).tolist()) == list(
+        range(40)
+    )  # one epoch: every row once
     with pytest.raises(UsageError, match="different lengths"):
         dtm.ArrayLoader({"x": x, "y": x[:5]}, 4)
