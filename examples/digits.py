@@ -92,7 +92,7 @@ def main(argv: list[str]) -> int:
         quiet=args.quiet,
         log_every=50,
     )
-    rank0 = bool(res.metrics) or bool(res.outputs)
+    rank0 = bool(res.outputs)  # rank 0 holds the outputs (every rank has the metrics)
     if rank0 and args.store:
         _append_metrics(os.path.join(args.store, "metrics.csv"), res.metrics)
     # held out: under MPI the weights come from the store (rank 0 alone holds the outputs)

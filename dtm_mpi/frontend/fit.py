@@ -5,8 +5,8 @@
 this process, otherwise under ``mpirun``/``srun`` on every rank of the job (every rank calls
 it) with the handshake, the bounded waits, checkpoints in the parallel-HDF5 store and
 ``resume``. Each step, every rank's loader is asked for *its* blocks of the step's batch only
-(:class:`ArrayLoader` reads just those rows). Rank 0 gets the metrics of every step, a
-progress bar (tqdm; ``quiet`` for batch jobs) and the final parameters.
+(:class:`ArrayLoader` reads just those rows). Every rank gets the metrics of every step; rank
+0 shows a progress bar (tqdm; ``quiet`` for batch jobs) and gets the final parameters.
 """
 
 from __future__ import annotations
@@ -66,13 +66,13 @@ class ArrayLoader:
 
 @dataclass
 class FitResult:
-    """What a run gives back on rank 0 (elsewhere: empty)."""
+    """What a run gives back: the metrics on every rank, the outputs on rank 0."""
 
     metrics: list[dict[str, float]] = field(default_factory=list)
-    """Each step's scalar results by name, with ``step`` (0-based)."""
+    """Each step's scalar results by name, with ``step`` (0-based); the same on every rank."""
     outputs: dict[str, np.ndarray] = field(default_factory=dict)
-    """The final value of every entry parameter (weights, optimizer state) and the last
-    step's results (``result0``, ...), global arrays."""
+    """Rank 0 (elsewhere empty): the final value of every entry parameter (weights, optimizer
+    state) and the last step's results (``result0``, ...), global arrays."""
 
     def last(self, name: str) -> float:
         return self.metrics[-1][name]
@@ -123,7 +123,11 @@ def fit(step: TracedStep, loader: Callable[[int, Mapping[str, tuple[slice, ...]]
     samples = step.input_type(first).shape[0] if first is not None and step.input_type(first).shape else 1  # fmt: skip
     progress = _Progress(steps, samples, quiet, log_every)
 
-    def report(i: int, metrics: dict[str, float]) -> None:
+    def report(i: int, rank: int, metrics: dict[str, float]) -> None:
+        if rank != 0:  # simulated ranks share this process: rank 0 reports for all
+            if sim is None:
+                result.metrics.append({"step": float(i), **metrics})
+            return
         result.metrics.append({"step": float(i), **metrics})
         progress(i, metrics)
         if on_step is not None:

@@ -70,8 +70,9 @@ class RunHooks:
     feed: Feed | None = None
     fed: tuple[str, ...] = ()
     """The entry parameters ``feed`` supplies (names without ``%``)."""
-    on_step: Callable[[int, dict[str, float]], None] | None = None
-    """Rank 0, after each step committed: the step and its scalar results by name."""
+    on_step: Callable[[int, int, dict[str, float]], None] | None = None
+    """Every rank, after each step committed: the step, the rank and the step's complete
+    scalar results by name (the same on every rank)."""
     metric_names: tuple[str, ...] = ()
     """Names of the leading scalar results (else ``result0``, ...)."""
     on_outputs: Callable[[dict[str, np.ndarray]], None] | None = None

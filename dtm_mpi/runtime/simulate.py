@@ -67,7 +67,7 @@ class RunResult:
 
 class StepFeeder:
     """Puts a run's fed inputs (:class:`~dtm_mpi.runtime.request.RunHooks`) into this rank's
-    parameter blocks before each step, and reports each step's scalar results on rank 0."""
+    parameter blocks before each step, and reports each step's scalar results."""
 
     def __init__(self, plan: ExecPlan, rank: int, hooks: RunHooks) -> None:
         entry = plan.entry_plan.function
@@ -101,15 +101,15 @@ class StepFeeder:
             blocks[i] = to_device(np.ascontiguousarray(block, dtype=dtype))
 
     def report(self, step: int, results: Sequence[Any], to_host: Callable[[Any], np.ndarray] = np.asarray) -> None:  # fmt: skip
-        """Rank 0: hand the step's scalar results to ``on_step``."""
-        if self.rank != 0 or self.hooks.on_step is None:
+        """Hand the step's complete scalar results to ``on_step``."""
+        if self.hooks.on_step is None:
             return
         names = self.hooks.metric_names
         metrics: dict[str, float] = {}
         for i, (spec, value) in enumerate(zip(self.entry.results, results, strict=True)):
             if spec.type.shape == () and spec.type.layout.partial is None and spec.updates is None:  # fmt: skip
                 metrics[names[i] if i < len(names) else f"result{i}"] = float(to_host(value))
-        self.hooks.on_step(step, metrics)
+        self.hooks.on_step(step, self.rank, metrics)
 
 
 def run_rank(
