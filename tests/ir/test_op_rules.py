@@ -169,3 +169,36 @@ entry func @main(%x: f16[3]) -> f16[3] {
     want = (1 / (1 + np.exp(-x.astype(np.float64)))).astype(np.float16)
     np.testing.assert_array_equal(got[0][0], want)
     assert got[0][0][0] > 0
+
+
+RESHAPE = """dtm 1.0
+module r
+mesh @m = [dp=2, tp=2]
+entry func @f(%x: f64[2,3,8]{dp,-,tp} init normal(seed=1)) -> (f64[2,3,4,2]{dp,-,tp,-}, f64[2,3,8]{dp,-,tp}, f64[6,8]{-,tp}) on @m {
+  %h = reshape %x : f64[2,3,4,2]{dp,-,tp,-}
+  %e = exp %h : f64[2,3,4,2]{dp,-,tp,-}
+  %b = reshape %e : f64[2,3,8]{dp,-,tp}
+  %c = allgather %b on dp : f64[2,3,8]{-,-,tp}
+  %d = reshape %c : f64[6,8]{-,tp}
+  return %h, %b, %d
+}
+"""
+
+
+@pytest.mark.parametrize(("nranks", "binding"), [(1, {"dp": 1, "tp": 1}), (2, {"dp": 1, "tp": 2}), (4, {"dp": 2, "tp": 2}), (8, {"dp": 2, "tp": 4})])  # fmt: skip
+def test_reshape_moves_a_split_to_the_major_factor_and_back(nranks: int, binding: dict[str, int]) -> None:  # fmt: skip
+    m = load_module(RESHAPE)
+    want = run_reference(m)[1][0]
+    got = run_simulated(m, nranks, binding=binding).results[0]
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_reshape_split_that_does_not_align_is_a_plan_error() -> None:
+    from dtm_mpi.errors import PlanError
+
+    with pytest.raises(PlanError, match="does not land on whole rows of result dim 2"):
+        run_simulated(load_module(RESHAPE), 3, binding={"dp": 1, "tp": 3})
+    bad = RESHAPE.replace("%h = reshape %x : f64[2,3,4,2]{dp,-,tp,-}", "%h = reshape %x : f64[2,24]")  # fmt: skip
+    with pytest.raises(VerifyError, match="no counterpart in \\[2, 24\\]"):
+        load_module(bad)

@@ -1,8 +1,10 @@
 """Shape ops: reshape, transpose, broadcast_to, slice, concat.
 
-Sharding rules: ``transpose`` permutes the layout; ``reshape`` keeps a sharded dim only where
-the same dim (same size, same product of leading dims) exists in the result, every other dim
-of a sharded reshape being replicated; ``broadcast_to`` keeps the layout of kept dims and
+Sharding rules: ``transpose`` permutes the layout; ``reshape`` keeps a sharded dim where the
+same dim (same size, same product of leading dims) exists in the result, or moves its split to
+the major dim it splits into (``[B,T,D]{-,-,tp}`` -> ``[B,T,H,hd]{-,-,tp,-}``: heads over tp)
+or to the dim it merges into with unsharded dims after it (the reverse), where every shard
+stays whole on the bound mesh (a plan check); every other dim is replicated; ``broadcast_to`` keeps the layout of kept dims and
 replicates new ones; ``slice`` and ``concat`` need the dims they change unsharded. All are
 linear, so pending reductions pass through.
 """
@@ -19,7 +21,7 @@ from dtm_mpi.ir.dtypes import as_dtype
 from dtm_mpi.ir.grad_context import GradContext
 from dtm_mpi.ir.nodes import Op
 from dtm_mpi.ir.ops._common import dim_index, same_dtype, unsharded_dim
-from dtm_mpi.ir.registry import OpContext, Trait, register_op
+from dtm_mpi.ir.registry import OpContext, ShardExtents, Trait, register_op
 from dtm_mpi.ir.types import Layout, TensorType
 
 Arr = np.ndarray
@@ -29,8 +31,61 @@ def _reshape_ref(op: Op, xs: Sequence[Arr], rt: Sequence[TensorType]) -> tuple[A
     return (as_dtype(np.reshape(xs[0], rt[0].shape), rt[0]),)
 
 
+def _reshape_moves(x: TensorType, shape: Sequence[int]) -> list[tuple[int, int, int, int]]:
+    """Where each split dim of ``x`` goes in a reshape to ``shape``: (operand dim i, result
+    dim j, kind, factor), kind 0: the same dim (same size, same product of leading dims);
+    1: dim i splits into result dims j.. with the split on the major one (size s = factor x
+    shape[j]); 2: operand dims i.. (only i split) merge into result dim j (shape[j] = factor x
+    size of i). Raises ValueError with the reason where a split dim has no place."""
+    moves = []
+    for i, axes in enumerate(x.layout.dims):
+        if not axes:
+            continue
+        s, prefix = x.shape[i], math.prod(x.shape[:i])
+        at = [j for j in range(len(shape)) if math.prod(shape[:j]) == prefix]
+        same = [j for j in at if shape[j] == s]
+        if same:
+            moves.append((i, same[0], 0, 1))
+            continue
+        split = [j for j in at if s > 0 and shape[j] > 1 and s % shape[j] == 0 and any(math.prod(shape[j : k + 1]) == s for k in range(j, len(shape)))]  # fmt: skip
+        if split:
+            moves.append((i, split[0], 1, s // shape[split[0]]))
+            continue
+        merge = [j for j in at for m in range(i + 1, x.rank) if s > 0 and math.prod(x.shape[i : m + 1]) == shape[j] and not any(x.layout.dims[i + 1 : m + 1])]  # fmt: skip
+        if merge:
+            moves.append((i, merge[0], 2, shape[merge[0]] // s))
+            continue
+        raise ValueError(
+            f"dim {i} is sharded over {','.join(axes)} but has no counterpart in {list(shape)} "
+            "(the same dim, its split into dims with the split on the first, or its merge with "
+            "unsharded dims after it); redistribute to replicate it before reshaping"
+        )
+    return moves
+
+
+def _reshape_aligned(op: Op, types: Sequence[TensorType], extents: ShardExtents) -> str | None:
+    """A split or merged sharded dim keeps every shard whole: the shards of the new dim,
+    scaled by the factor, are the shards of the old one (true for even splits; an uneven
+    split may not align on the bound mesh)."""
+    x, r = types[0], op.result_types[0]
+    for i, j, kind, f in _reshape_moves(x, r.shape):
+        if kind == 0:
+            continue
+        axes = x.layout.dims[i]
+        old, new = extents(x.shape[i], axes), extents(r.shape[j], axes)
+        want = [(a * f, n * f) for a, n in new] if kind == 1 else [(a // f, n // f) if a % f == 0 and n % f == 0 else (-1, -1) for a, n in new]  # fmt: skip
+        if list(old) != want:
+            return (
+                f"dim {i} (size {x.shape[i]}) split over {','.join(axes)} does not land on whole "
+                f"{'rows of' if kind == 1 else 'blocks of'} result dim {j} (size {r.shape[j]}) on "
+                f"this mesh: its shards are {[(a, a + n) for a, n in old]}; make the sizes divide "
+                "evenly by the axes, or replicate the dim first"
+            )
+    return None
+
+
 @register_op("reshape", "$x:operand", reference=_reshape_ref, doc="row-major reshape",
-             grad=lambda c: (c.reshape(c.g, c.xs[0].type.shape),))  # fmt: skip
+             grad=lambda c: (c.reshape(c.g, c.xs[0].type.shape),), plan_check=_reshape_aligned)  # fmt: skip
 def _reshape(ctx: OpContext) -> tuple[TensorType, ...]:
     t, d = ctx.operand_types[0], ctx.declared[0]
     if t.numel != d.numel:
@@ -38,27 +93,19 @@ def _reshape(ctx: OpContext) -> tuple[TensorType, ...]:
             0, f"reshape must keep the element count; {list(t.shape)} has {t.numel}, "
             f"{list(d.shape)} has {d.numel}"
         )  # fmt: skip
+    try:
+        moves = _reshape_moves(t, d.shape)
+    except ValueError as exc:
+        raise ctx.operand_error(0, str(exc)) from None
     dims: list[tuple[str, ...]] = [() for _ in d.shape]
-    for i, axes in enumerate(t.layout.dims):
-        if not axes:
-            continue
-        prefix = math.prod(t.shape[:i])
-        match = [
-            j
-            for j in range(d.rank)
-            if d.shape[j] == t.shape[i] and math.prod(d.shape[:j]) == prefix
-        ]
-        if not match:
+    for i, j, _, _ in moves:
+        axes = t.layout.dims[i]
+        if dims[j]:
             raise ctx.operand_error(
-                0, f"dim {i} is sharded over {','.join(axes)} but has no counterpart in "
-                f"{list(d.shape)}; redistribute to replicate it before reshaping"
-            )  # fmt: skip
-        if dims[match[0]]:
-            raise ctx.operand_error(
-                0, f"dims sharded over {','.join(dims[match[0]])} and {','.join(axes)} would land on one "
+                0, f"dims sharded over {','.join(dims[j])} and {','.join(axes)} would land on one "
                 f"dim of {list(d.shape)}; redistribute first"
             )  # fmt: skip
-        dims[match[0]] = axes
+        dims[j] = axes
     return (TensorType(t.dtype, d.shape, Layout(tuple(dims), t.layout.partial)),)
 
 
