@@ -25,7 +25,7 @@ MPIRUN  := mpirun --timeout $(MPI_JOB_TIMEOUT) --bind-to none
 PYTEST_1 := $(PY) -m pytest -q -m "not mpi"
 PYTEST_MPI := $(PY) -m mpi4py -m pytest -q --with-mpi -m mpi --timeout-method=thread
 
-.PHONY: help setup test test-unit test-mpi lint type demo gpu-check clean
+.PHONY: help setup test test-unit test-mpi lint type demo demo-gpt gpu-check clean
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
@@ -55,6 +55,9 @@ type: setup ## mypy --strict on dtm_mpi
 
 demo: setup ## the main job on 4 local ranks
 	@bash jobs/demo.sh
+
+demo-gpt: setup ## the character-level GPT: 4 ranks (2x2), resumed on 3 (1x3), validation vs bigram
+	@bash jobs/gpt.sh
 
 gpu-check: ## on a machine with a GPU: gpu tests, dtm bench kernels, dtm bench comm on device buffers
 	@bash jobs/gpu-check.sh

@@ -112,7 +112,8 @@ def fit(step: TracedStep, loader: Callable[[int, Mapping[str, tuple[slice, ...]]
 
     ``sim``: simulated ranks in this process (None: the ranks of the MPI job; call on every
     rank). ``mesh``: axis sizes binding the module's mesh (as ``dtm run --mesh``). ``store``,
-    ``checkpoint_every``, ``resume``: as ``dtm run`` (MPI only, except that an evaluation
+    ``checkpoint_every``, ``resume``: as ``dtm run``, and a checkpoint after the last step
+    too (MPI only, except that an evaluation
     step's ``init store`` weights are read from ``store`` in both modes). ``values``: global
     values of other parameters (an evaluation step's weights), by name."""
     from dtm_mpi.runtime.launch import launch
@@ -136,7 +137,7 @@ def fit(step: TracedStep, loader: Callable[[int, Mapping[str, tuple[slice, ...]]
     def keep(outputs: dict[str, np.ndarray]) -> None:
         result.outputs.update(outputs)
 
-    hooks = RunHooks(loader, step.inputs, report, step.metrics, keep, dict(values) if values else None)  # fmt: skip
+    hooks = RunHooks(loader, step.inputs, report, step.metrics, keep, values=dict(values) if values else None)
     request = RunRequest(
         f"<traced {step.module.name}>", binding=dict(mesh) if mesh else None, steps=steps,
         backend=backend, store=store, checkpoint_every=checkpoint_every, resume=resume,

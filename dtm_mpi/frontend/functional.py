@@ -9,7 +9,7 @@ from dtm_mpi.frontend.tensor import Tensor, broadcast_pair, current_tracer, trac
 from dtm_mpi.ir.types import DType, Layout, TensorType
 
 __all__ = [
-    "accuracy", "concat", "cross_entropy", "gelu", "layer_norm", "log_softmax", "one_hot",
+    "accuracy", "causal_mask", "concat", "cross_entropy", "gelu", "layer_norm", "log_softmax", "one_hot",
     "relu", "sigmoid", "softmax", "tanh", "where",
 ]  # fmt: skip
 
@@ -61,14 +61,18 @@ def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, eps: float = 1e-5) -> Ten
     return current_tracer().apply("layer_norm", [x, gamma, beta], {"eps": float(eps)})
 
 
-def one_hot(labels: Tensor, classes: int, dtype: str | DType = DType.F32, like: Tensor | None = None) -> Tensor:  # fmt: skip
+def one_hot(labels: Tensor, classes: int, dtype: str | DType = DType.F32, like: Tensor | None = None, class_axis: str | None = None) -> Tensor:  # fmt: skip
     """``labels`` (integers, any shape S) as a ``[*S, classes]`` tensor of 0/1 in ``dtype``,
-    laid out like ``like`` where given (e.g. the logits, vocab split over ``tp``)."""
+    laid out like ``like`` where given (e.g. the logits, vocab split over ``tp``), else like
+    the labels with the class dim split over ``class_axis`` (None: not split)."""
     tr = current_tracer()
     if labels.dtype.is_float or labels.dtype is DType.BOOL:
         raise trace_error(f"labels must be integers; got {labels.dtype}")
     shape = (*labels.shape, classes)
-    layout = like.layout.with_partial(None) if like is not None and like.shape == shape else Layout.replicated(len(shape))  # fmt: skip
+    if like is not None and like.shape == shape:
+        layout = like.layout.with_partial(None)
+    else:
+        layout = Layout((*labels.layout.dims, (class_axis,) if class_axis else ()))
     ids = tr.apply("iota", [], {"dim": len(shape) - 1}, [TensorType(labels.dtype, shape, layout)])
     lab = labels.reshape((*labels.shape, 1)).broadcast_to(shape)
     hot = lab.eq(ids)
@@ -86,6 +90,19 @@ def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
     sumexp = shifted.exp().sum(last, keepdims=True)
     target = (shifted * one_hot(labels, logits.shape[-1], logits.dtype, like=logits)).sum(last, keepdims=True)  # fmt: skip
     return (sumexp.log() - target).mean()
+
+
+def causal_mask(scores: Tensor, fill: float = -1e9) -> Tensor:
+    """``scores`` ``[..., T, T]`` with every entry above the diagonal (a query's later keys)
+    replaced by ``fill``: position i attends to positions 0..i."""
+    tr = current_tracer()
+    t = scores.shape[-1]
+    if scores.ndim < 2 or scores.shape[-2] != t:
+        raise trace_error(f"causal_mask needs [..., T, T] scores; got {list(scores.shape)}")
+    pair = TensorType(DType.I32, (t, t), Layout.replicated(2))
+    row = tr.apply("iota", [], {"dim": 0}, [pair])
+    col = tr.apply("iota", [], {"dim": 1}, [pair])
+    return where(row >= col, scores, fill)
 
 
 def accuracy(logits: Tensor, labels: Tensor) -> Tensor:

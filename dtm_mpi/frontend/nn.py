@@ -30,8 +30,8 @@ from dtm_mpi.ir.nodes import Init, InitKind
 from dtm_mpi.ir.types import DType, Layout, TensorType
 
 __all__ = [
-    "ColumnParallelLinear", "LayerNorm", "Linear", "MLP", "Module", "Parameter",
-    "RowParallelLinear", "Sequential",
+    "ColumnParallelLinear", "Embedding", "LayerNorm", "Linear", "MLP", "Module",
+    "MultiHeadAttention", "Parameter", "RowParallelLinear", "Sequential", "TransformerBlock",
 ]  # fmt: skip
 
 
@@ -108,10 +108,12 @@ class Linear(Module):
         self.bias = Parameter((n_out,), dt, as_layout(bias_layout, 1), init, args) if bias else None  # fmt: skip
 
     def forward(self, x: Tensor) -> Tensor:
-        y = x @ self.param("weight")
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, x.shape[-1]) if x.ndim > 2 else x  # [B, T, D] -> [B*T, D]
+        y = flat @ self.param("weight")
         if self.bias is not None:
             y = y + self.param("bias")
-        return y
+        return y.reshape((*lead, y.shape[-1])) if x.ndim > 2 else y
 
 
 class ColumnParallelLinear(Linear):
@@ -149,6 +151,85 @@ class MLP(Module):
 
     def forward(self, x: Tensor) -> Tensor:
         out: Tensor = self.down(gelu(self.up(x)))
+        return out
+
+
+class Embedding(Module):
+    """Rows of a ``[vocab, dim]`` table by integer ids, **vocab-parallel** over ``axis`` as
+    Megatron does: each rank holds a range of the vocabulary, looks up the ids that fall in
+    it (a one-hot product: zero rows for the others) and one allreduce sums the ranks'
+    partial rows. Its gradient is the matching scatter-add (the product's transpose)."""
+
+    def __init__(self, vocab: int, dim: int, *, axis: str | None = "tp", std: float = 0.02, dtype: str | DType = DType.F32) -> None:  # fmt: skip
+        dt = DType(dtype) if isinstance(dtype, str) else dtype
+        self.weight = Parameter((vocab, dim), dt, (axis, None), "normal", (("std", std),))
+        self.axis = axis
+
+    def forward(self, ids: Tensor) -> Tensor:
+        from dtm_mpi.frontend.functional import one_hot
+
+        w = self.param("weight")
+        flat = ids.reshape(-1) if ids.ndim != 1 else ids
+        hot = one_hot(flat, w.shape[0], w.dtype, class_axis=self.axis)
+        rows = (hot @ w).complete()
+        return rows.reshape((*ids.shape, w.shape[1])) if ids.ndim != 1 else rows
+
+
+class MultiHeadAttention(Module):
+    """Causal multi-head self-attention with the **heads over** ``axis``: each head's
+    projections are slices of ``[heads, dim, head_dim]`` weights split along the heads, so a
+    rank computes whole heads (any number of heads on any number of ranks), and the output
+    projection sums the heads' contributions (a pending sum, one allreduce), as Megatron's
+    column- then row-parallel attention does."""
+
+    def __init__(self, dim: int, heads: int, *, axis: str = "tp", dtype: str | DType = DType.F32) -> None:  # fmt: skip
+        if dim % heads:
+            raise UsageError(f"dim {dim} is not a multiple of heads {heads}")
+        dt = DType(dtype) if isinstance(dtype, str) else dtype
+        hd = dim // heads
+        init, args = _uniform(dim)
+        split = (axis, None, None)
+        self.wq = Parameter((heads, dim, hd), dt, split, init, args)
+        self.wk = Parameter((heads, dim, hd), dt, split, init, args)
+        self.wv = Parameter((heads, dim, hd), dt, split, init, args)
+        self.wo = Parameter((heads, hd, dim), dt, split, *_uniform(dim))
+        self.bo = Parameter((dim,), dt, None, "zeros", ())
+        self.heads, self.head_dim, self.axis = heads, hd, axis
+
+    def _per_head(self, x: Tensor, name: str, lay: tuple[Any, ...]) -> Tensor:
+        w = self.param(name)  # [H, D, E] -> [B, H, D, E], laid out like the activations
+        b = x.shape[0]
+        return w.reshape((1, *w.shape)).broadcast_to((b, *w.shape)).redistribute(lay)
+
+    def forward(self, x: Tensor) -> Tensor:
+        from dtm_mpi.frontend.functional import causal_mask
+
+        b, t, d = x.shape
+        h = self.heads
+        batch = x.layout.dims[0] or None
+        lay = (batch, self.axis, None, None)
+        xh = x.reshape(b, 1, t, d).broadcast_to((b, h, t, d)).redistribute(lay)
+        q = xh @ self._per_head(x, "wq", lay)  # [B, H, T, E]
+        k = xh @ self._per_head(x, "wk", lay)
+        v = xh @ self._per_head(x, "wv", lay)
+        scores = causal_mask((q @ k.T) * (1.0 / math.sqrt(self.head_dim)))
+        o = scores.softmax(-1) @ v  # [B, H, T, E]
+        out = (o @ self._per_head(x, "wo", lay)).sum(1)  # [B, T, D], pending over the heads
+        return out + self.param("bo")
+
+
+class TransformerBlock(Module):
+    """Pre-norm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
+
+    def __init__(self, dim: int, heads: int, *, hidden: int | None = None, axis: str = "tp", dtype: str | DType = DType.F32) -> None:  # fmt: skip
+        self.ln1 = LayerNorm(dim, dtype=dtype)
+        self.attn = MultiHeadAttention(dim, heads, axis=axis, dtype=dtype)
+        self.ln2 = LayerNorm(dim, dtype=dtype)
+        self.mlp = MLP(dim, hidden or 4 * dim, axis=axis, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln1(x))
+        out: Tensor = x + self.mlp(self.ln2(x))
         return out
 
 

@@ -290,7 +290,9 @@ def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, ra
         session.agree(f"step {step}", None)
 
     def after_step(step: int) -> None:  # the new state is in blocks
-        if ckpt is not None and args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+        every = args.checkpoint_every
+        last = step + 1 == args.steps and args.hooks is not None and args.hooks.save_final
+        if ckpt is not None and every and ((step + 1) % every == 0 or last):
             ckpt.save(step + 1, blocks)
 
     executor = Executor(plan, dcomm, backend)

@@ -77,6 +77,9 @@ class RunHooks:
     """Names of the leading scalar results (else ``result0``, ...)."""
     on_outputs: Callable[[dict[str, np.ndarray]], None] | None = None
     """Rank 0, at the end: the outputs (what ``-o`` would write), instead of printing them."""
+    save_final: bool = True
+    """With ``checkpoint_every``: also save after the last step (a Python run's last state is
+    what an evaluation step reads from the store)."""
     values: Mapping[str, np.ndarray] | None = None
     """Global values of (other) entry parameters, as ``-i`` files would give them (each
     rank takes its block)."""

@@ -5,6 +5,7 @@ through an evaluation step whose weights come from the store."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -49,7 +50,9 @@ def test_trained_on_4_ranks_resumed_on_3_equals_the_uninterrupted_run(tmp_path: 
 
 def test_resumed_on_the_same_mesh_is_bitwise(tmp_path: Path) -> None:
     store = str(tmp_path / "store")
-    digits(2, "dp=1,tp=2", "--steps", "20", "--store", store, "--checkpoint-every", "20")
+    digits(2, "dp=1,tp=2", "--steps", "20", "--store", store, "--checkpoint-every", "15")
+    # every 15 steps, and after the last: the state an evaluation step reads from the store
+    assert sorted(p.name for p in Path(store).glob("ckpt-*")) == ["ckpt-00000015", "ckpt-00000020"]
     digits(2, "dp=1,tp=2", "--steps", "40", "--store", store, "--checkpoint-every", "20", "--resume",
            "-o", str(tmp_path / "resumed.npz"))  # fmt: skip
     digits(2, "dp=1,tp=2", "--steps", "40", "-o", str(tmp_path / "straight.npz"))
@@ -68,3 +71,32 @@ def test_a_bad_mesh_is_one_line_on_every_rank(tmp_path: Path) -> None:
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("digits:")]
     assert len(lines) == 3 and len(set(lines)) == 1, proc.stderr
     assert "has 4 rank(s), but the job has 3" in lines[0] and "Traceback" not in proc.stderr
+
+
+GPT = str(Path(__file__).resolve().parents[2] / "examples" / "gpt.py")
+
+
+def test_the_gpt_example_trains_checkpoints_and_resumes_on_another_mesh(tmp_path: Path) -> None:
+    """The plumbing of examples/gpt.py under mpirun (its quality run is in the note and
+    docs/PERFORMANCE.md): heads and vocabulary over tp=2, then 2 heads on tp=3 ranks."""
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1", PYTHONUNBUFFERED="1", DTM_TIMEOUT="60")  # fmt: skip
+    store = str(tmp_path / "store")
+
+    def gpt(ranks: int, mesh: str, *args: str) -> str:
+        cmd = ["mpirun", "--timeout", "150", "--bind-to", "none", "-n", str(ranks), sys.executable,
+               "-m", "mpi4py", GPT, "--quiet", "--mesh", mesh, "--store", store, "--val-batches", "1", *args]  # fmt: skip
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=180, env=env, check=False
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout
+
+    first = gpt(2, "dp=1,tp=2", "--steps", "6", "--checkpoint-every", "6")
+    assert "validation loss" in first and "bigram baseline" in first, first
+    out = gpt(3, "dp=1,tp=3", "--steps", "12", "--checkpoint-every", "6", "--resume")
+    assert "resumed from" in out and "after step 6" in out, out
+    loss = float(re.search(r"validation loss ([0-9.]+)", out).group(1))  # type: ignore[union-attr]
+    assert 0 < loss < math.log(96) + 0.5, (
+        out
+    )  # below a uniform guess over the 96 characters (plus noise)
