@@ -78,6 +78,11 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
     bir.add_argument("--ops", type=int, default=100_000, help="ops in the generated module")
     bir.add_argument("--repeat", type=int, default=3, help="runs; the best is reported")
     bir.set_defaults(func=_cmd_bench_ir)
+    bfe = bsub.add_parser("frontend", help="frontend: GPT trace+autodiff time; generated MLP step vs numpy")  # fmt: skip
+    bfe.add_argument("--layers", type=int, default=12, help="transformer blocks of the traced GPT")
+    bfe.add_argument("--repeat", type=int, default=3, help="traces; the best is reported")
+    bfe.add_argument("--steps", type=int, default=5, help="timed training steps of each side")
+    bfe.set_defaults(func=_cmd_bench_frontend)
     bcomm = bsub.add_parser(
         "comm", help="collectives: dtm_mpi vs raw mpi4py on the same buffers (under mpirun)"
     )
@@ -208,6 +213,16 @@ def _cmd_grad(args: argparse.Namespace) -> int:
         Path(args.output).write_text(text, encoding="utf-8")
     else:
         sys.stdout.write(text)
+    return 0
+
+
+def _cmd_bench_frontend(args: argparse.Namespace) -> int:
+    from dtm_mpi.bench.frontend import run_frontend_bench
+
+    for key in ("layers", "repeat", "steps"):
+        if getattr(args, key) < 1:
+            raise UsageError(f"--{key} must be >= 1; got {getattr(args, key)}")
+    print(run_frontend_bench(layers=args.layers, repeat=args.repeat, steps=args.steps))
     return 0
 
 

@@ -137,7 +137,9 @@ def fit(step: TracedStep, loader: Callable[[int, Mapping[str, tuple[slice, ...]]
     def keep(outputs: dict[str, np.ndarray]) -> None:
         result.outputs.update(outputs)
 
-    hooks = RunHooks(loader, step.inputs, report, step.metrics, keep, values=dict(values) if values else None)
+    hooks = RunHooks(
+        loader, step.inputs, report, step.metrics, keep, values=dict(values) if values else None
+    )
     request = RunRequest(
         f"<traced {step.module.name}>", binding=dict(mesh) if mesh else None, steps=steps,
         backend=backend, store=store, checkpoint_every=checkpoint_every, resume=resume,

@@ -12,7 +12,9 @@ Every op carries the user's source line, and a rule's refusal is a :class:`Trace
 from __future__ import annotations
 
 import contextvars
+import functools
 import inspect
+import itertools
 import linecache
 import os
 from collections.abc import Iterator, Sequence
@@ -30,17 +32,27 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def user_span() -> SourceSpan:
-    """The place in the user's code (the first frame outside this package) making the call."""
+    """The place in the user's code (the first frame outside this package) making the call:
+    file, line, and the column span of the expression where Python records it."""
     frame = inspect.currentframe()
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE + os.sep):  # fmt: skip
+    while frame is not None and _inside(frame.f_code.co_filename):
         frame = frame.f_back
     if frame is None:
         return SourceSpan("<frontend>", 0, 0)
-    info = inspect.getframeinfo(frame, context=0)
-    pos = info.positions
-    col = (pos.col_offset + 1) if pos is not None and pos.col_offset is not None else 1
-    length = (pos.end_col_offset - pos.col_offset) if pos is not None and pos.col_offset is not None and pos.end_col_offset is not None and pos.end_lineno == pos.lineno else 1  # fmt: skip
-    return SourceSpan(info.filename, info.lineno, col, max(1, length))
+    code, line = frame.f_code, frame.f_lineno
+    pos = next(itertools.islice(code.co_positions(), frame.f_lasti // 2, None), None)
+    if pos is None or pos[0] != line:
+        return SourceSpan(code.co_filename, line or 0, 1)
+    _, end_line, col, end_col = pos
+    if col is None:
+        return SourceSpan(code.co_filename, line, 1)
+    length = end_col - col if end_line == line and end_col is not None else 1
+    return SourceSpan(code.co_filename, line, col + 1, max(1, length))
+
+
+@functools.cache
+def _inside(filename: str) -> bool:
+    return os.path.abspath(filename).startswith(_PACKAGE + os.sep)
 
 
 def trace_error(err: VerifyError | str, span: SourceSpan | None = None) -> TraceError:

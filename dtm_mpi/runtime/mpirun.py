@@ -351,7 +351,8 @@ class _Checkpoints:
         names = [p.name.lstrip("%") for p in params]
         got = self.store.restore(self.plan.mesh, [(t_name, t) for t_name, t in self.targets if t_name in names])  # fmt: skip
         if self.rank == 0:
-            print(f"{', '.join(names)} from {got.path} (after step {got.step})", flush=True)
+            shown = ", ".join(names) if len(names) <= 4 else f"{len(names)} parameters ({', '.join(names[:3])}, ...)"  # fmt: skip
+            print(f"{shown} from {got.path} (after step {got.step})", flush=True)
         return dict(got.values)
 
     def resume(self, blocks: list[np.ndarray]) -> int:

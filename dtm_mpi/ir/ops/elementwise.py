@@ -38,7 +38,7 @@ Arr = np.ndarray
 def _gelu(xp: Any, x: Arr) -> Any:
     # tanh approximation (documented in the spec)
     c = math.sqrt(2.0 / math.pi)
-    return 0.5 * x * (1.0 + xp.tanh(c * (x + 0.044715 * x**3)))
+    return 0.5 * x * (1.0 + xp.tanh(c * (x + 0.044715 * (x * x * x))))  # x*x*x: pow is 10x slower
 
 
 def _sigmoid(xp: Any, x: Arr) -> Any:
