@@ -15,14 +15,13 @@ function, ``@NAME_grad``, returning the function's results and then the gradient
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Collection, Mapping, Sequence
 
 from dtm_mpi.errors import GradientError, SourceSpan, UsageError
 from dtm_mpi.ir.build import FunctionBuilder, Value, complete_layout
 from dtm_mpi.ir.grad_context import GradContext
 from dtm_mpi.ir.nodes import NO_SPAN, Function, Module, Op
-from dtm_mpi.ir.registry import lookup_op
+from dtm_mpi.ir.registry import OpKind, lookup_op
 from dtm_mpi.ir.verify import function_mesh, verify_module
 
 __all__ = ["backward", "copy_body", "grad_function", "grad_module"]
@@ -60,25 +59,39 @@ def backward(b: FunctionBuilder, body: Sequence[Op], loss: Value, wrt: Sequence[
     if loss.type.shape != () or not loss.type.dtype.is_float:
         raise GradientError(f"the differentiated value {loss.name} must be a float scalar; it is {loss.type}", _span_of(body, loss.name))  # fmt: skip
     reached = {w.name for w in wrt}  # float values that depend on a differentiated input
+    sends: set[tuple[object, ...]] = set()  # transfers whose sent value depends on one
     for op in body:
-        if any(n in reached for n in op.operands) and not any(n in stop for n in op.results):
+        key = (op.attr("axis"), op.attr("src"), op.attr("dst"), op.attr("tag"))
+        if op.name == "send" and op.operands[0] in reached:
+            sends.add(key)
+        from_send = op.name == "recv" and key in sends
+        if (from_send or any(n in reached for n in op.operands)) and not any(n in stop for n in op.results):  # fmt: skip
             reached.update(n for n, t in zip(op.results, op.result_types, strict=True) if t.dtype.is_float)  # fmt: skip
     cts: dict[str, Value] = {}
     if loss.name in reached:
         cts[loss.name] = b.constant(1.0, loss.type)
-    tags = itertools.count(max((int(t) for op in body if isinstance(t := op.attr("tag"), int)), default=-1) + 1)  # fmt: skip
+    base = max((int(t) for op in body if isinstance(t := op.attr("tag"), int)), default=-1) + 1
+    returned: set[tuple[object, ...]] = set()  # forward transfers whose cotangent was sent back
     for op in reversed(body):
         out = tuple(cts.get(n) for n in op.results)
-        if all(ct is None for ct in out):
-            continue
-        wants = tuple(n in reached and b.types[n].dtype.is_float for n in op.operands)
-        if not any(wants):
-            continue
         opdef = lookup_op(op.name)
         assert opdef is not None
+        key = (op.attr("axis"), op.attr("src"), op.attr("dst"), op.attr("tag"))
+        if opdef.kind is OpKind.SEND:
+            if key not in returned:
+                continue  # nothing reached the paired recv
+        elif all(ct is None for ct in out):
+            continue
+        elif opdef.kind is OpKind.RECV:
+            if key not in sends:
+                continue  # the sent value needs no gradient
+            returned.add(key)
+        wants = tuple(n in reached and b.types[n].dtype.is_float for n in op.operands)
+        if not any(wants) and opdef.kind is not OpKind.RECV:
+            continue
         if opdef.grad is None:
             raise GradientError(f"{op.name} has no gradient rule, and the gradient of {loss.name} must flow through it to {', '.join(n for n, w in zip(op.operands, wants, strict=True) if w)}", op.span)  # fmt: skip
-        ctx = GradContext(b, op, tuple(b.value(n) for n in op.operands), tuple(b.value(n) for n in op.results), out, wants, lambda: next(tags))  # fmt: skip
+        ctx = GradContext(b, op, tuple(b.value(n) for n in op.operands), tuple(b.value(n) for n in op.results), out, wants, lambda tag: base + tag)  # fmt: skip
         for name, want, ct in zip(op.operands, wants, opdef.grad(ctx), strict=True):
             if not want or ct is None:
                 continue

@@ -39,8 +39,9 @@ class GradContext:
     """The cotangent of each result, None where no gradient reaches it."""
     wants: tuple[bool, ...]
     """Which operands need a cotangent (float values the differentiated inputs reach)."""
-    new_tag: Callable[[], int]
-    """A point-to-point tag no other op of the function uses (for ``send``/``recv`` rules)."""
+    reverse_tag: Callable[[int], int]
+    """The tag of the backward transfer of the forward ``send``/``recv`` pair with this tag
+    (one no forward pair uses; the same for both ops of the pair)."""
 
     @property
     def span(self) -> SourceSpan:

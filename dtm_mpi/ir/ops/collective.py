@@ -172,7 +172,16 @@ def _send_ref(op: Op, xs: Sequence[np.ndarray], rt: Sequence[TensorType]) -> tup
     return ()
 
 
-@register_op("send", "$x:operand on $axis:axes from $src:int to $dst:int tag $tag:int",
+def _d_send(c: GradContext) -> tuple[Value]:
+    """The adjoint of a send is a receive of the cotangent its paired recv sent back."""
+    x = c.xs[0].type
+    axis = c.attr("axis")
+    assert isinstance(axis, tuple) and len(axis) == 1
+    got = c.b.emit1("recv", [], {"axis": axis, "src": c.attr("dst"), "dst": c.attr("src"), "tag": c.reverse_tag(int(c.attr("tag")))}, [x.with_layout(x.layout.with_partial(Partial(ReduceOp.SUM, axis)))], span=c.span, hint="g")  # type: ignore[arg-type]  # fmt: skip
+    return (got,)
+
+
+@register_op("send", "$x:operand on $axis:axes from $src:int to $dst:int tag $tag:int", grad=_d_send,
              results=0, reference=_send_ref, kind=OpKind.SEND, doc="send blocks to another coordinate of an axis")  # fmt: skip
 def _send(ctx: OpContext) -> tuple[TensorType, ...]:
     axis = _p2p_checks(ctx)
@@ -189,8 +198,17 @@ def _recv_ref(op: Op, xs: Sequence[np.ndarray], rt: Sequence[TensorType]) -> tup
     raise NotImplementedError("recv values come from the paired send (the verifier pairs them)")
 
 
+def _d_recv(c: GradContext) -> tuple[()]:
+    """The adjoint of a receive sends the cotangent back to the sender (completed and laid
+    out as the received value, as a send needs); the paired send's rule receives it."""
+    r = c.ys[0].type
+    g = c.b.to_layout(c.g, r.layout.with_partial(None), span=c.span)
+    c.b.emit("send", [g], {"axis": c.attr("axis"), "src": c.attr("dst"), "dst": c.attr("src"), "tag": c.reverse_tag(int(c.attr("tag")))}, span=c.span)  # type: ignore[arg-type]  # fmt: skip
+    return ()
+
+
 @register_op("recv", "on $axis:axes from $src:int to $dst:int tag $tag:int", reference=_recv_ref,
-             kind=OpKind.RECV, doc="receive the blocks of the paired send")  # fmt: skip
+             kind=OpKind.RECV, doc="receive the blocks of the paired send", grad=_d_recv)  # fmt: skip
 def _recv(ctx: OpContext) -> tuple[TensorType, ...]:
     axis = _p2p_checks(ctx)
     d = ctx.declared[0]
