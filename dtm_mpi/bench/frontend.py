@@ -66,7 +66,7 @@ def _numpy_step(x: np.ndarray, t: np.ndarray, w1: np.ndarray, w2: np.ndarray, lr
     """The MLP's training step written directly in numpy (the compute floor)."""
     h = x @ w1
     c = np.float32(math.sqrt(2.0 / math.pi))
-    th = np.tanh(c * (h + np.float32(0.044715) * h**3))
+    th = np.tanh(c * (h + np.float32(0.044715) * (h * h * h)))
     a = 0.5 * h * (1.0 + th)
     y = a @ w2
     d = y - t

@@ -25,7 +25,7 @@ import numpy as np
 from dtm_mpi.ir.dtypes import as_dtype
 from dtm_mpi.ir.ops.create import random_values
 from dtm_mpi.ir.registry import OPS, lookup_op
-from dtm_mpi.ir.types import ReduceOp
+from dtm_mpi.ir.types import Layout, ReduceOp, TensorType
 from dtm_mpi.kernels.dispatch import COMM_OPS, KernelContext, has_kernel, register_kernel
 from dtm_mpi.sharding.collectives import reduction_identity
 
@@ -132,6 +132,13 @@ def _random(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
 @register_kernel(BACKEND, "constant")
 def _constant(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
     opdef = OPS["constant"]
+    t = ctx.result_types[0]
+    if not isinstance(ctx.op.attr("value"), tuple):
+        # a splat: one element repeated (a read-only view; values are never written in
+        # place on this backend), not a filled block: the optimizer's and the reverse pass's
+        # scalars cost no memory traffic
+        (one,) = opdef.reference(ctx.op, xs, [TensorType(t.dtype, (), Layout(()))])
+        return (np.broadcast_to(one, tuple(ctx.local_shapes[0])),)
     (full,) = opdef.reference(ctx.op, xs, ctx.result_types)
     block = tuple(slice(o, o + n) for o, n in zip(ctx.offsets[0], ctx.local_shapes[0], strict=True))
     return (np.array(full[block], order="C"),)

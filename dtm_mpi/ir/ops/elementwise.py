@@ -211,8 +211,15 @@ def _d_pick(pred: str) -> GradRule:
 # C expressions on floats (the generated kernels): ``div`` is a true division there.
 _binary("add", lambda xp, a, b: xp.add(a, b), "({0} + {1})", _SUM, grad=lambda c: (c.g, c.g))
 _binary("sub", lambda xp, a, b: xp.subtract(a, b), "({0} - {1})", _SUM, grad=lambda c: (c.g, c.neg(c.g)))  # fmt: skip
-_binary("mul", lambda xp, a, b: xp.multiply(a, b), "({0} * {1})", _SUM, Trait.LINEAR_ONE_SIDE,
-        grad=lambda c: (c.mul(c.g, c.xs[1]) if c.wants[0] else None, c.mul(c.g, c.xs[0]) if c.wants[1] else None))  # fmt: skip
+
+
+def _d_mul(c: GradContext) -> tuple[Value | None, Value | None]:
+    if c.xs[0].name == c.xs[1].name:  # x * x: one cotangent, 2 g x
+        return (c.mul(c.scale(c.g, 2.0), c.xs[0]), None)
+    return (c.mul(c.g, c.xs[1]) if c.wants[0] else None, c.mul(c.g, c.xs[0]) if c.wants[1] else None)  # fmt: skip
+
+
+_binary("mul", lambda xp, a, b: xp.multiply(a, b), "({0} * {1})", _SUM, Trait.LINEAR_ONE_SIDE, grad=_d_mul)  # fmt: skip
 _binary("div", _div, "({0} / {1})", _SUM, Trait.LINEAR_FIRST, grad=_d_div)
 _binary("maximum", lambda xp, a, b: xp.maximum(a, b), "dtm_maximum({0}, {1})", _MAX, grad=_d_pick("ge"))  # fmt: skip
 _binary("minimum", lambda xp, a, b: xp.minimum(a, b), "dtm_minimum({0}, {1})", _MIN, grad=_d_pick("le"))  # fmt: skip

@@ -93,9 +93,9 @@ def _reduce_grad(name: str) -> GradRule:
         x = c.xs[0].type
         dims: tuple[int, ...] = c.attr("dims")  # type: ignore[assignment]
         keep = bool(c.attr("keepdims"))
+        if name == "mean":  # scaled before it is spread: one multiply per group
+            return (c.unreduce(c.scale(c.g, 1.0 / math.prod(x.shape[d] for d in dims)), x, dims, keep),)  # fmt: skip
         g = c.unreduce(c.g, x, dims, keep)
-        if name == "mean":
-            return (c.scale(g, 1.0 / math.prod(x.shape[d] for d in dims)),)
         if name in ("max", "min"):
             hit = c.compare("eq", c.xs[0], c.unreduce(c.ys[0], x, dims, keep))
             return (c.where(hit, g, c.const(0, g)),)
