@@ -361,3 +361,46 @@ def test_gpt_gradients_match_finite_differences_on_1_to_4_ranks() -> None:
                     grads[k][i],
                     fd,
                 )
+
+
+def test_propagation_reproduces_the_hand_written_types_of_attention() -> None:
+    """examples/attention.dtm (heads over tp, batch over dp) traced from its parameter layouts
+    with MultiHeadAttention's formulation: q, k, v, the scores, softmax, per-head output, the
+    pending sum over heads, its completion and the residual have the hand-written types."""
+    hand = load_module((EXAMPLES / "attention.dtm").read_text())
+    entry = hand.entry
+    assert entry is not None
+    want = {op.results[0]: str(op.result_types[0]) for op in entry.body}
+    seen: dict[str, str] = {}
+
+    class Attn(dtm.nn.Module):
+        def __init__(self) -> None:
+            for n in ("wq", "wk", "wv"):
+                setattr(self, n, dtm.nn.Parameter((4, 64, 16), "f32", ("tp", None, None)))
+            self.wo = dtm.nn.Parameter((4, 16, 64), "f32", ("tp", None, None))
+            self.gamma = dtm.nn.Parameter((64,), "f32", None, "ones", ())
+            self.beta = dtm.nn.Parameter((64,), "f32", None, "zeros", ())
+
+    def run(m: Attn, x: dtm.Tensor) -> dict[str, dtm.Tensor]:
+        lay = ("dp", "tp", None, None)
+        xs = x.reshape(4, 1, 16, 64).broadcast_to((4, 4, 16, 64)).redistribute(lay)
+
+        def per_head(name: str) -> dtm.Tensor:
+            w = m.param(name)
+            return w.reshape((1, *w.shape)).broadcast_to((4, *w.shape)).redistribute(lay)
+
+        q, k, v = (xs @ per_head(n) for n in ("wq", "wk", "wv"))
+        s = (q @ k.T) * 0.25
+        p = s.softmax(3)
+        o = p @ v
+        ob = o @ per_head("wo")
+        yp = ob.sum(1)
+        y = yp.complete()
+        r = x + y
+        out = fn.layer_norm(r, m.param("gamma"), m.param("beta"))
+        for key, t in (("%q", q), ("%k", k), ("%v", v), ("%s", s), ("%p", p), ("%o", o), ("%ob", ob), ("%yp", yp), ("%y", y), ("%r", r), ("%out", out)):  # fmt: skip
+            seen[key] = str(t.type)
+        return {"s": out.sum()}
+
+    dtm.eval_step(Attn(), run, mesh=MESH, inputs={"x": dtm.Input((4, 16, 64), "f32", ("dp", None, None))})  # fmt: skip
+    assert seen == {k: want[k] for k in seen}
