@@ -58,6 +58,8 @@ class ArrayLoader:
         rows = self.rows(step)
         out = {}
         for name, region in regions.items():
+            if not region:
+                raise UsageError(f"input {name!r} is a scalar: ArrayLoader draws rows of arrays; feed a scalar with a loader function")  # fmt: skip
             if name not in self.arrays:
                 raise UsageError(f"the loader has no array {name!r} (it has {', '.join(self.arrays)})")  # fmt: skip
             out[name] = np.asarray(self.arrays[name][rows[region[0]]][(slice(None), *region[1:])])  # fmt: skip

@@ -78,7 +78,15 @@ class Module:
         return bound_parameter(self, name)
 
     def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Module, str, Parameter]]:
-        """(path, owner, attribute, parameter) of every parameter, in attribute order."""
+        """(path, owner, attribute, parameter) of every parameter, in attribute order; a layer
+        used twice (tied weights) gives its parameters once, under the first path."""
+        seen: set[tuple[int, str]] = set()
+        for item in self._walk(prefix):
+            if (id(item[1]), item[2]) not in seen:
+                seen.add((id(item[1]), item[2]))
+                yield item
+
+    def _walk(self, prefix: str) -> Iterator[tuple[str, Module, str, Parameter]]:
         for key, value in vars(self).items():
             if key.startswith("_"):
                 continue
@@ -86,10 +94,10 @@ class Module:
             if isinstance(value, Parameter):
                 yield path, self, key, value
             elif isinstance(value, Module):
-                yield from value.named_parameters(path + ".")
+                yield from value._walk(path + ".")
             elif isinstance(value, list | tuple) and value and all(isinstance(v, Module) for v in value):  # fmt: skip
                 for i, sub in enumerate(value):
-                    yield from sub.named_parameters(f"{path}.{i}.")
+                    yield from sub._walk(f"{path}.{i}.")
 
 
 def _uniform(fan_in: int) -> tuple[str, tuple[tuple[str, float], ...]]:

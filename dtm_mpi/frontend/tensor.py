@@ -118,8 +118,12 @@ class Tracer:
         return Tensor(self.b.constant(value, like, span=user_span()), self)
 
     def to_layout(self, x: Tensor, layout: Layout) -> Tensor:
+        from dtm_mpi.ir.verify import check_layout
+
+        span = user_span()
         try:
-            return Tensor(self.b.to_layout(x.value, layout, span=user_span()), self)
+            check_layout(x.type.with_layout(layout), self.b.mesh, span, "the layout asked for:")
+            return Tensor(self.b.to_layout(x.value, layout, span=span), self)
         except VerifyError as err:
             raise trace_error(err) from None
 
@@ -194,6 +198,8 @@ class Tensor:
             return other
         if isinstance(other, bool | int | float) or (hasattr(other, "dtype") and getattr(other, "shape", None) == ()):  # fmt: skip
             value = other.item() if hasattr(other, "item") else other
+            if isinstance(value, float) and not self.dtype.is_float:
+                raise trace_error(f"a float ({value!r}) with a {self.dtype} tensor: cast the tensor first (.cast('f32')); its dtype would truncate the number")  # fmt: skip
             return self.tracer.constant(value, self.type.with_layout(self.layout.with_partial(None)))  # fmt: skip
         raise trace_error(f"cannot combine a traced tensor with {type(other).__name__} (use a Python number or a traced tensor)")  # fmt: skip
 
@@ -246,7 +252,9 @@ class Tensor:
             raise trace_error("@ needs a traced tensor on both sides")
         return self.tracer.apply("matmul", [self, o])
 
-    def __rmatmul__(self, o: Tensor) -> Tensor:
+    def __rmatmul__(self, o: Any) -> Tensor:
+        if not isinstance(o, Tensor):
+            raise trace_error("@ needs a traced tensor on both sides")
         return o.__matmul__(self)
 
     # comparisons give bool tensors
@@ -350,10 +358,15 @@ class Tensor:
         size = 1
         for n in self.shape:
             size *= n
+        written = list(dims)
+        if dims.count(-1) > 1 or any(n < -1 for n in dims):
+            raise trace_error(f"reshape to {written}: sizes must be >= 0, with at most one -1")
         if dims.count(-1) == 1:
             known = 1
             for n in dims:
                 known *= n if n != -1 else 1
+            if known == 0 or size % known:
+                raise trace_error(f"reshape of {list(self.shape)} ({size} elements) to {written}: no size for -1 gives that count")  # fmt: skip
             dims = tuple(size // known if n == -1 else n for n in dims)
         target = tuple(int(n) for n in dims)
         if target == self.shape:
@@ -362,6 +375,8 @@ class Tensor:
 
     def transpose(self, *perm: int) -> Tensor:
         p = tuple(perm) if perm else tuple(reversed(range(self.ndim)))
+        if sorted(d % self.ndim if -self.ndim <= d < self.ndim else -1 for d in p) != list(range(self.ndim)):  # fmt: skip
+            raise trace_error(f"transpose{p}: not a permutation of the {self.ndim} dims of {list(self.shape)}")  # fmt: skip
         return self._apply("transpose", perm=tuple(d % self.ndim for d in p))
 
     @property
@@ -383,6 +398,8 @@ class Tensor:
         start, limit, drop = [], [], []
         for d, size in enumerate(self.shape):
             it = items[d] if d < len(items) else slice(None)
+            if isinstance(it, bool):
+                raise trace_error(f"index {it!r}: use ints and slices")
             if isinstance(it, int):
                 i = it % size if -size <= it < size else None
                 if i is None:

@@ -13,11 +13,12 @@ weights are inputs).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dtm_mpi.errors import UsageError, VerifyError
+from dtm_mpi.errors import TraceError, UsageError, VerifyError
 from dtm_mpi.frontend.binding import BOUND as _BOUND
 from dtm_mpi.frontend.mesh import Mesh
 from dtm_mpi.frontend.nn import Module as Layer
@@ -29,6 +30,7 @@ from dtm_mpi.frontend.tensor import (  # fmt: skip
     parse_dtype,
     trace_error,
     tracing,
+    user_span,
 )
 from dtm_mpi.ir import module_hash, print_module
 from dtm_mpi.ir.autodiff import backward
@@ -98,12 +100,18 @@ def _trace(model: Layer, fn: Callable[..., Any], mesh: Mesh, inputs: Mapping[str
     for key, spec in inputs.items():
         if not isinstance(spec, Input):
             raise UsageError(f"input {key!r}: expected an Input(shape, dtype, layout); got {spec!r}")  # fmt: skip
-        given.append(b.add_param(key, spec.type()))
+        given.append(b.add_param(key, _checked(f"input {key!r}", key, spec.type, b)))
     bound: dict[tuple[int, str], Tensor] = {}
     weights: list[tuple[str, Value]] = []
     for path, owner, attr, p in model.named_parameters():
-        init = p.ir_init(path, seed) if weights_as_state else Init(InitKind.STORE) if from_store else None  # fmt: skip
-        v = b.add_param(path, p.type(), state=weights_as_state, init=init)
+        t = _checked(f"parameter {path!r} of {type(owner).__name__}", path, p.type, b)
+        if weights_as_state and not t.dtype.is_float:
+            raise UsageError(f"parameter {path!r} of {type(owner).__name__} is {t.dtype}: trained parameters are floating (an integer table is an input)")  # fmt: skip
+        try:
+            init = p.ir_init(path, seed) if weights_as_state else Init(InitKind.STORE) if from_store else None  # fmt: skip
+        except ValueError:
+            raise UsageError(f"parameter {path!r}: init {p.init!r} is not one of {', '.join(k.value for k in InitKind if k is not InitKind.STORE)}") from None  # fmt: skip
+        v = b.add_param(path, t, state=weights_as_state, init=init)
         bound[(id(owner), attr)] = Tensor(v, tr)
         weights.append((path, v))
     token = _BOUND.set(bound)
@@ -113,6 +121,30 @@ def _trace(model: Layer, fn: Callable[..., Any], mesh: Mesh, inputs: Mapping[str
     finally:
         _BOUND.reset(token)
     return tr, given, weights, out
+
+
+_NAME = re.compile(r"[A-Za-z0-9_.]+\Z")
+
+
+def _checked(what: str, name: str, make_type: Callable[[], TensorType], b: FunctionBuilder) -> TensorType:  # fmt: skip
+    """The type of an input or parameter, refused (one line naming it) where its name is not
+    an IR value name, a size is negative, or its layout names an axis the mesh lacks or one
+    axis twice."""
+    from dtm_mpi.ir.verify import check_layout
+
+    if not _NAME.match(name):
+        raise UsageError(f"{what}: names are letters, digits, '_' and '.'")
+    try:
+        t = make_type()
+    except (ValueError, TraceError) as exc:
+        raise UsageError(f"{what}: {getattr(exc, 'message', exc)}") from None
+    if any(not isinstance(n, int) or n < 0 for n in t.shape):
+        raise UsageError(f"{what}: sizes must be integers >= 0; got {list(t.shape)}")
+    try:
+        check_layout(t, b.mesh, user_span(), "")
+    except VerifyError as err:
+        raise UsageError(f"{what}: {err.message.strip()}") from None
+    return t
 
 
 def _split_outputs(out: Any, what: str) -> tuple[list[tuple[str, Tensor]], str]:
@@ -128,13 +160,17 @@ def _split_outputs(out: Any, what: str) -> tuple[list[tuple[str, Tensor]], str]:
 
 
 def _finish(tr: Tracer, name: str, mesh: Mesh, results: list[Value | tuple[Value, str | None]]) -> Module:  # fmt: skip
+    """The verified module, with the user's lines as its ops' spans (so a plan or run error
+    names them); checked to be its own canonical form (parsing its text gives it back)."""
     f = tr.b.function(name, results, entry=True)
     module = Module((1, 0), tr.b.module.name, (mesh.ir(),), (f,))
     try:
         verify_module(module)
     except VerifyError as err:  # a bug of the frontend, not of the user's code
         raise AssertionError(f"the traced module does not verify: {err}") from err
-    return parse_module(print_module(module), f"<traced {module.name}>")
+    if parse_module(print_module(module), f"<traced {module.name}>") != module:
+        raise AssertionError("the traced module is not in canonical form")
+    return module
 
 
 def train_step(model: Layer, loss_fn: Callable[..., Any], *, mesh: Mesh, inputs: Mapping[str, Input], optimizer: Optimizer, clip_norm: float | None = None, seed: int = 0, name: str = "train") -> TracedStep:  # fmt: skip

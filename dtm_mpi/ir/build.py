@@ -199,6 +199,9 @@ class FunctionBuilder:
         t = v.type
         if t.layout == layout:
             return v
+        from dtm_mpi.ir.verify import check_layout  # verify loads the ops, which use this module
+
+        check_layout(t.with_layout(layout), self.mesh, span, "layout")
         p = t.layout.partial
         if p is not None and layout.partial is None and p.op is ReduceOp.SUM:
             grown = [d for d, (a, b) in enumerate(zip(t.layout.dims, layout.dims, strict=True)) if a != b]  # fmt: skip
@@ -305,6 +308,10 @@ def _unsharded_along(b: FunctionBuilder, d: OpDef, xs: list[Value], attrs: Mappi
         dims.append(int(attrs["dim"]))  # type: ignore[arg-type]
     if d.name == "layer_norm":
         dims.append(-1)
+    if d.name == "slice" and xs:  # the dims the box cuts
+        start, limit = attrs.get("start"), attrs.get("limit")
+        if isinstance(start, tuple) and isinstance(limit, tuple):
+            dims += [i for i, (a, b, n) in enumerate(zip(start, limit, xs[0].type.shape, strict=False)) if (a, b) != (0, n)]  # fmt: skip
     if not dims:
         return None
     out = []

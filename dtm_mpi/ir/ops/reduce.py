@@ -87,7 +87,7 @@ def _reduce_ref(name: str):  # type: ignore[no-untyped-def]
 
 def _reduce_grad(name: str) -> GradRule:
     """sum: the cotangent spread over each reduced group; mean: also divided by the group's
-    size; max/min: the cotangent goes to every element equal to the group's result."""
+    size; max/min: the cotangent shared by the elements equal to the group's result."""
 
     def rule(c: GradContext) -> tuple[Value]:
         x = c.xs[0].type
@@ -96,9 +96,11 @@ def _reduce_grad(name: str) -> GradRule:
         if name == "mean":  # scaled before it is spread: one multiply per group
             return (c.unreduce(c.scale(c.g, 1.0 / math.prod(x.shape[d] for d in dims)), x, dims, keep),)  # fmt: skip
         g = c.unreduce(c.g, x, dims, keep)
-        if name in ("max", "min"):
+        if name in ("max", "min"):  # shared evenly by the elements that tie (as torch's amax)
             hit = c.compare("eq", c.xs[0], c.unreduce(c.ys[0], x, dims, keep))
-            return (c.where(hit, g, c.const(0, g)),)
+            ones = c.cast(hit, x.dtype)
+            count = c.unreduce(c.reduce_sum(ones, dims, keepdims=True), x, dims, True)
+            return (c.div(c.mul(g, ones), count),)
         return (g,)
 
     return rule
