@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dtm_mpi.errors import UsageError
+from dtm_mpi.errors import LayoutError, UsageError
 from dtm_mpi.ir.nodes import Mesh as IrMesh
+from dtm_mpi.sharding.mesh import MeshShape
 
 __all__ = ["Mesh"]
 
@@ -12,27 +13,28 @@ class Mesh:
     """A mesh of named axes, major axis first: ``Mesh(dp=2, tp=2)``. The sizes are the ones
     the module declares; a run may bind other sizes (``binding``), as ``dtm run --mesh``."""
 
-    __slots__ = ("axes", "name")
+    __slots__ = ("name", "shape")
 
     def __init__(self, name: str = "m", **axes: int) -> None:
         if not axes:
             raise UsageError("a mesh needs at least one axis, e.g. Mesh(dp=2, tp=2)")
-        for axis, size in axes.items():
-            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-                raise UsageError(f"mesh axis {axis!r} needs a size >= 1; got {size!r}")
+        try:
+            self.shape = MeshShape(tuple(axes.items()))  # the sharding layer's checks
+        except LayoutError as exc:
+            raise UsageError(str(exc)) from None
         self.name = name
-        self.axes: tuple[tuple[str, int], ...] = tuple(axes.items())
+
+    @property
+    def axes(self) -> tuple[tuple[str, int], ...]:
+        return self.shape.axes
 
     @property
     def axis_names(self) -> tuple[str, ...]:
-        return tuple(a for a, _ in self.axes)
+        return self.shape.axis_names
 
     @property
     def size(self) -> int:
-        n = 1
-        for _, s in self.axes:
-            n *= s
-        return n
+        return self.shape.size
 
     def ir(self) -> IrMesh:
         return IrMesh(self.name, self.axes)
