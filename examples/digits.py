@@ -21,6 +21,7 @@ import numpy as np
 
 from dtm_mpi import frontend as dtm
 from dtm_mpi.frontend import functional as fn
+from dtm_mpi.sharding.mesh import parse_mesh_binding
 
 BATCH = 64
 HIDDEN = 256
@@ -65,7 +66,7 @@ def main(argv: list[str]) -> int:
         "-o", "--out", default=None, help="write the final weights and optimizer state here (.npz)"
     )
     args = ap.parse_args(argv)
-    sizes = {k: int(v) for k, v in (kv.split("=") for kv in args.mesh.split(","))}
+    sizes = parse_mesh_binding(args.mesh)
     mesh = dtm.Mesh(dp=2, tp=2)  # the declared mesh; --mesh binds the sizes of this run
     xs, ys, xt, yt = data()
     net = model()

@@ -21,6 +21,7 @@ import numpy as np
 
 from dtm_mpi import frontend as dtm
 from dtm_mpi.frontend import functional as fn
+from dtm_mpi.sharding.mesh import parse_mesh_binding
 
 SOURCES = ("json", "textwrap.py", "string.py", "functools.py", "collections", "argparse.py", "csv.py", "dataclasses.py")  # fmt: skip
 CHARS = "\n" + "".join(chr(c) for c in range(32, 127))  # printable ASCII; anything else is "?"
@@ -76,23 +77,11 @@ class Windows:
         return out
 
 
-class GPT(dtm.nn.Module):
-    def __init__(self) -> None:
-        vocab = len(CHARS)
-        self.tok = dtm.nn.Embedding(vocab, DIM)
-        self.pos = dtm.nn.Parameter((CONTEXT, DIM), "f32", None, "normal", (("std", 0.02),))
-        self.blocks = [dtm.nn.TransformerBlock(DIM, HEADS) for _ in range(LAYERS)]
-        self.ln = dtm.nn.LayerNorm(DIM)
-        self.head = dtm.nn.ColumnParallelLinear(DIM, vocab, bias=False)  # vocab over tp
-
-    def forward(self, ids: dtm.Tensor) -> dtm.Tensor:
-        x = self.tok(ids) + self.param("pos")
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln(x))
+def gpt_model() -> dtm.nn.GPT:
+    return dtm.nn.GPT(len(CHARS), CONTEXT, DIM, HEADS, LAYERS)
 
 
-def loss_fn(m: GPT, ids: dtm.Tensor, tgt: dtm.Tensor) -> dtm.Tensor:
+def loss_fn(m: dtm.nn.GPT, ids: dtm.Tensor, tgt: dtm.Tensor) -> dtm.Tensor:
     logits = m(ids)
     return fn.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
 
@@ -112,10 +101,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--val-batches", type=int, default=8)
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
-    sizes = {k: int(v) for k, v in (kv.split("=") for kv in args.mesh.split(","))}
+    sizes = parse_mesh_binding(args.mesh)
     mesh = dtm.Mesh(dp=2, tp=2)
     train, val = corpus()
-    model = GPT()
+    model = gpt_model()
     step = dtm.train_step(model, loss_fn, mesh=mesh, inputs=INPUTS, clip_norm=1.0, name="gpt",
                           optimizer=dtm.optim.AdamW(lr=args.lr, weight_decay=0.01))  # fmt: skip
     res = dtm.fit(step, Windows(train, seed=1), steps=args.steps, sim=args.sim, mesh=sizes,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -11,18 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.mpi_env import mpirun_env
+
 CASES = Path(__file__).parent / "harness_cases"
 pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not on PATH")
 
 
 def _mpirun(case: str, ranks: int) -> tuple[int, str, float]:
-    env = dict(os.environ)
-    env.update(
-        OMPI_ALLOW_RUN_AS_ROOT="1",
-        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-        OMPI_MCA_rmaps_base_oversubscribe="1",
-        DTM_TEST_AGREE_TIMEOUT="3",
-    )
+    env = mpirun_env(DTM_TEST_AGREE_TIMEOUT="3")
     cmd = [
         "mpirun",
         "--timeout",

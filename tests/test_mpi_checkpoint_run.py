@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from dtm_mpi.runtime.simulate import run_simulated
+from tests.mpi_env import mpirun_env
 from tests.test_mpi_run import EXAMPLES, _survivors, load, mpirun
 
 pytestmark = [pytest.mark.slow]
@@ -190,12 +191,10 @@ except Exception as exc:
 def test_a_rank_failing_in_an_async_save_is_the_error_every_rank_reports(tmp_path: Path) -> None:
     """The other ranks stop at the next vote without checking their unfinished files: the
     error every rank raises is the failing rank's own, not a secondary "dataset is missing"."""
-    import os
 
     script = tmp_path / "async_fault.py"
     script.write_text(ASYNC_FAULT)
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1", DTM_FAULT="1:ckpt_write:raise")  # fmt: skip
+    env = mpirun_env(DTM_FAULT="1:ckpt_write:raise")
     cmd = ["mpirun", "--timeout", "60", "--bind-to", "none", "-n", "2", sys.executable, str(script), str(tmp_path / "s")]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90, env=env, check=False)
     lines = sorted(ln for ln in proc.stdout.splitlines() if ln.startswith("[rank "))

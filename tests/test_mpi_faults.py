@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.mpi_env import mpirun_env
+
 ROOT = Path(__file__).parent.parent
 TP_MLP = str(ROOT / "examples" / "tp_mlp.dtm")
 pytestmark = [
@@ -30,14 +32,12 @@ MESH = {2: "dp=1,tp=2", 3: "dp=1,tp=3", 4: "dp=2,tp=2"}
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:
-    full = dict(os.environ)
-    full.update(
-        OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-        OMPI_MCA_rmaps_base_oversubscribe="1", PYTHONUNBUFFERED="1",
+    full = mpirun_env(
+        PYTHONUNBUFFERED="1",
         # the launcher's SIGKILL follows its SIGTERM after this many seconds (default 1): the
         # survivors' lines must not depend on a loaded 2-core machine answering within one
         OMPI_MCA_odls_base_sigkill_timeout="3",
-    )  # fmt: skip
+    )
     full.update(extra)
     return full
 

@@ -5,7 +5,6 @@ with no process left behind; a handshake mismatch is reported on every rank."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -18,6 +17,7 @@ import pytest
 
 from dtm_mpi.ir import parse_module, verify_module
 from dtm_mpi.runtime.simulate import run_simulated
+from tests.mpi_env import mpirun_env
 
 ROOT = Path(__file__).parent.parent
 EXAMPLES = ROOT / "examples"
@@ -30,12 +30,7 @@ pytestmark = [
 def mpirun(
     ranks: int, *args: str, env: dict[str, str] | None = None, mpmd: list[list[str]] | None = None
 ) -> tuple[int, str, float]:
-    full = dict(os.environ)
-    full.update(
-        OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-        OMPI_MCA_rmaps_base_oversubscribe="1", PYTHONUNBUFFERED="1",
-    )  # fmt: skip
-    full.update(env or {})
+    full = mpirun_env(PYTHONUNBUFFERED="1", **(env or {}))
     prog = [sys.executable, "-m", "mpi4py", "-m", "dtm_mpi", "run"]
     cmd = ["mpirun", "--timeout", "60", "--bind-to", "none"]
     if mpmd:

@@ -6,7 +6,6 @@ another mesh, under MPI and with ``--sim``."""
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import subprocess
@@ -19,6 +18,7 @@ import pytest
 from dtm_mpi.ir import parse_module, verify_module
 from dtm_mpi.ir.nodes import Module
 from dtm_mpi.runtime.reference import run_reference
+from tests.mpi_env import mpirun_env
 from tests.test_mpi_run import EXAMPLES, mpirun
 
 pytestmark = [pytest.mark.slow]
@@ -38,11 +38,7 @@ def _lines(text: str, prefix: str = "dtm: error: ") -> dict[int, list[str]]:
 
 def _mpirun_slow_last(ranks: int, *args: str) -> tuple[int, str]:
     """``mpirun`` where the last rank starts 3 s after the others."""
-    env = dict(os.environ)
-    env.update(
-        OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-        OMPI_MCA_rmaps_base_oversubscribe="1", PYTHONUNBUFFERED="1", DTM_TIMEOUT="30",
-    )  # fmt: skip
+    env = mpirun_env(PYTHONUNBUFFERED="1", DTM_TIMEOUT="30")
     prog = [sys.executable, "-m", "mpi4py", "-m", "dtm_mpi", "run", *args]
     slow = ["sh", "-c", "sleep 3; exec " + " ".join(shlex.quote(a) for a in prog)]
     cmd = ["mpirun", "--timeout", "60", "--bind-to", "none", "-n", str(ranks - 1), *prog, ":", "-n", "1", *slow]  # fmt: skip

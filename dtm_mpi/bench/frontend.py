@@ -33,27 +33,12 @@ def _gpt_step(layers: int) -> Any:
 
     vocab, context, dim, heads, batch = 96, 128, 768, 12, 8
 
-    class GPT(dtm.nn.Module):
-        def __init__(self) -> None:
-            self.tok = dtm.nn.Embedding(vocab, dim)
-            self.pos = dtm.nn.Parameter((context, dim), "f32", None, "normal", (("std", 0.02),))
-            self.blocks = [dtm.nn.TransformerBlock(dim, heads) for _ in range(layers)]
-            self.ln = dtm.nn.LayerNorm(dim)
-            self.head = dtm.nn.ColumnParallelLinear(dim, vocab, bias=False)
-
-        def forward(self, ids: dtm.Tensor) -> dtm.Tensor:
-            x = self.tok(ids) + self.param("pos")
-            for block in self.blocks:
-                x = block(x)
-            out: dtm.Tensor = self.head(self.ln(x))
-            return out
-
-    def loss(m: GPT, ids: dtm.Tensor, tgt: dtm.Tensor) -> dtm.Tensor:
+    def loss(m: dtm.nn.GPT, ids: dtm.Tensor, tgt: dtm.Tensor) -> dtm.Tensor:
         logits = m(ids)
         return fn.cross_entropy(logits.reshape(-1, vocab), tgt.reshape(-1))
 
     spec = dtm.Input((batch, context), "i32", ("dp", None))
-    return dtm.train_step(GPT(), loss, mesh=dtm.Mesh(dp=2, tp=2), inputs={"ids": spec, "tgt": spec}, optimizer=dtm.optim.AdamW(), clip_norm=1.0, name="gpt")  # fmt: skip
+    return dtm.train_step(dtm.nn.GPT(vocab, context, dim, heads, layers), loss, mesh=dtm.Mesh(dp=2, tp=2), inputs={"ids": spec, "tgt": spec}, optimizer=dtm.optim.AdamW(), clip_norm=1.0, name="gpt")  # fmt: skip
 
 
 def _gelu(x: np.ndarray) -> np.ndarray:

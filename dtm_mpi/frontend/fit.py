@@ -127,14 +127,13 @@ def fit(step: TracedStep, loader: Callable[[int, Mapping[str, tuple[slice, ...]]
     progress = _Progress(steps, samples, quiet, log_every)
 
     def report(i: int, rank: int, metrics: dict[str, float]) -> None:
-        if rank != 0:  # simulated ranks share this process: rank 0 reports for all
-            if sim is None:
-                result.metrics.append({"step": float(i), **metrics})
+        if rank != 0 and sim is not None:  # simulated ranks share this process: rank 0 reports
             return
         result.metrics.append({"step": float(i), **metrics})
-        progress(i, metrics)
-        if on_step is not None:
-            on_step(i, metrics)
+        if rank == 0:
+            progress(i, metrics)
+            if on_step is not None:
+                on_step(i, metrics)
 
     def keep(outputs: dict[str, np.ndarray]) -> None:
         result.outputs.update(outputs)

@@ -30,7 +30,7 @@ from dtm_mpi.ir.nodes import Init, InitKind
 from dtm_mpi.ir.types import DType, Layout, TensorType
 
 __all__ = [
-    "ColumnParallelLinear", "Embedding", "LayerNorm", "Linear", "MLP", "Module",
+    "ColumnParallelLinear", "Embedding", "GPT", "LayerNorm", "Linear", "MLP", "Module",
     "MultiHeadAttention", "Parameter", "RowParallelLinear", "Sequential", "TransformerBlock",
 ]  # fmt: skip
 
@@ -238,6 +238,27 @@ class TransformerBlock(Module):
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln1(x))
         out: Tensor = x + self.mlp(self.ln2(x))
+        return out
+
+
+class GPT(Module):
+    """A decoder-only transformer: a vocab-parallel token embedding and learned positions,
+    ``layers`` :class:`TransformerBlock` s, a final layer norm and a vocab-parallel head;
+    ``ids`` ``[B, T]`` (T <= ``context``) give logits ``[B, T, vocab]`` with the vocabulary
+    split over ``axis`` (what :func:`~dtm_mpi.frontend.functional.cross_entropy` takes)."""
+
+    def __init__(self, vocab: int, context: int, dim: int, heads: int, layers: int, *, axis: str = "tp", dtype: str | DType = DType.F32) -> None:  # fmt: skip
+        self.tok = Embedding(vocab, dim, axis=axis, dtype=dtype)
+        self.pos = Parameter((context, dim), dtype, None, "normal", (("std", 0.02),))
+        self.blocks = [TransformerBlock(dim, heads, axis=axis, dtype=dtype) for _ in range(layers)]  # fmt: skip
+        self.ln = LayerNorm(dim, dtype=dtype)
+        self.head = ColumnParallelLinear(dim, vocab, axis=axis, bias=False, dtype=dtype)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        x = self.tok(ids) + self.param("pos")
+        for block in self.blocks:
+            x = block(x)
+        out: Tensor = self.head(self.ln(x))
         return out
 
 

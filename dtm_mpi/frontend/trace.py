@@ -37,7 +37,7 @@ from dtm_mpi.ir.autodiff import backward
 from dtm_mpi.ir.build import FunctionBuilder, Value
 from dtm_mpi.ir.nodes import Init, InitKind, Module
 from dtm_mpi.ir.parser import parse_module
-from dtm_mpi.ir.types import Layout, TensorType
+from dtm_mpi.ir.types import TensorType
 from dtm_mpi.ir.verify import verify_module
 
 __all__ = ["Input", "TracedStep", "eval_step", "train_step"]
@@ -147,15 +147,15 @@ def _checked(what: str, name: str, make_type: Callable[[], TensorType], b: Funct
     return t
 
 
-def _split_outputs(out: Any, what: str) -> tuple[list[tuple[str, Tensor]], str]:
+def _split_outputs(out: Any, what: str) -> list[tuple[str, Tensor]]:
     """(name, scalar tensor) of what the traced function returned: a tensor (``loss``), or
     (loss, {name: tensor}), or {name: tensor}."""
     if isinstance(out, Tensor):
-        return [("loss", out)], "loss"
+        return [("loss", out)]
     if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], Tensor) and isinstance(out[1], Mapping):  # fmt: skip
-        return [("loss", out[0]), *out[1].items()], "loss"
+        return [("loss", out[0]), *out[1].items()]
     if isinstance(out, Mapping) and all(isinstance(v, Tensor) for v in out.values()):
-        return list(out.items()), ""
+        return list(out.items())
     raise UsageError(f"the {what} function must return a scalar tensor, (loss, {{name: tensor}}) or {{name: tensor}}; got {type(out).__name__}")  # fmt: skip
 
 
@@ -179,7 +179,7 @@ def train_step(model: Layer, loss_fn: Callable[..., Any], *, mesh: Mesh, inputs:
     every parameter come from the reverse pass, optionally clipped to global norm
     ``clip_norm``, and ``optimizer`` emits the update."""
     tr, _, weights, out = _trace(model, loss_fn, mesh, inputs, name, weights_as_state=True, seed=seed)  # fmt: skip
-    named, _ = _split_outputs(out, "loss")
+    named = _split_outputs(out, "loss")
     scalars = []
     for key, t in named:
         if t.shape != () or not t.dtype.is_float:
@@ -197,10 +197,11 @@ def train_step(model: Layer, loss_fn: Callable[..., Any], *, mesh: Mesh, inputs:
         opt_params = tr.b.params[n_before:]
         if len(news) != len(weights) + len(opt_params):
             raise AssertionError("the optimizer returned a value per parameter and per state")
-        news = [n.redistribute(Layout(v.type.layout.dims)) if n.type != v.type else n for n, v in zip(news, [w for _, w in weights] + [tr.b.value(p.name) for p in opt_params], strict=True)]  # fmt: skip
+        # each new value in its parameter's layout (``updates`` needs the same type)
+        targets = [v for _, v in weights] + [tr.b.value(p.name) for p in opt_params]
+        news = [n if n.type == v.type else n.redistribute(v.type.layout) for n, v in zip(news, targets, strict=True)]  # fmt: skip
     results: list[Value | tuple[Value, str | None]] = [t.value for _, t in scalars]
-    results += [(n.value, v.name) for n, (_, v) in zip(news, weights, strict=False)]
-    results += [(n.value, p.name) for n, p in zip(news[len(weights) :], opt_params, strict=True)]
+    results += [(n.value, v.name) for n, v in zip(news, targets, strict=True)]
     module = _finish(tr, "train_step", mesh, results)
     return TracedStep(
         module, tuple(inputs), tuple(p for p, _ in weights),
@@ -214,7 +215,7 @@ def eval_step(model: Layer, metric_fn: Callable[..., Any], *, mesh: Mesh, inputs
     or with ``weights_from_store`` declared ``init store`` (read by name from the latest
     checkpoint of the run's store, written on any mesh). What to run on held-out data."""
     tr, _, weights, out = _trace(model, metric_fn, mesh, inputs, name, weights_as_state=False, seed=seed, from_store=weights_from_store)  # fmt: skip
-    named, _ = _split_outputs(out, "metric")
+    named = _split_outputs(out, "metric")
     results: list[Value | tuple[Value, str | None]] = []
     with tracing(tr):
         for key, t in named:

@@ -27,24 +27,19 @@ def launch(request: RunRequest) -> int:
 
 def _run_simulated(request: RunRequest) -> int:
     from dtm_mpi.config import get_config
-    from dtm_mpi.io.arrays import load_arrays
     from dtm_mpi.runtime.request import (
+        deliver_outputs,
+        given_inputs,
         load_run,
         plan_run,
         read_store_globals,
         store_params,
-        write_outputs,
     )
     from dtm_mpi.runtime.simulate import run_simulated
-    from dtm_mpi.runtime.values import check_inputs
 
     assert request.sim is not None
     module = load_run(request)
-    arrays = load_arrays(request.inputs)
-    if request.hooks is not None and request.hooks.values:
-        arrays.update(request.hooks.values)
-    fed = request.hooks.fed if request.hooks is not None else ()
-    given = check_inputs(module, arrays, store=request.store is not None, fed=fed)
+    given = given_inputs(request, module)
     plan_run(module, request, request.sim)
     missing = store_params(module, given)
     if missing:
@@ -54,8 +49,5 @@ def _run_simulated(request: RunRequest) -> int:
         module, request.sim, binding=request.binding, inputs=given, steps=request.steps,
         backend=request.backend, timeout_s=get_config().timeout_s, hooks=request.hooks,
     )  # fmt: skip
-    if request.hooks is not None and request.hooks.on_outputs is not None:
-        request.hooks.on_outputs(result.outputs())
-    else:
-        write_outputs(result.outputs(), request.output)
+    deliver_outputs(request, result.outputs())
     return 0

@@ -35,10 +35,11 @@ from dtm_mpi.errors import (
 from dtm_mpi.runtime.request import (
     RunRequest,
     capabilities,
+    deliver_outputs,
+    given_inputs,
     load_run,
     plan_run,
     store_params,
-    write_outputs,
 )
 
 __all__ = ["MpiRunArgs", "open_backend_everywhere", "run_under_mpi"]
@@ -241,11 +242,9 @@ def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, ra
     from dtm_mpi.comm.mpi_comm import MpiComm
     from dtm_mpi.comm.mpi_session import MpiSession
     from dtm_mpi.faults import maybe_fail
-    from dtm_mpi.io.arrays import load_arrays
     from dtm_mpi.plan.program import ExecPlan
     from dtm_mpi.runtime.executor import Executor, gather_to_root
     from dtm_mpi.runtime.simulate import StepFeeder, initial_blocks, output_values, run_steps
-    from dtm_mpi.runtime.values import check_inputs
 
     assert isinstance(session, MpiSession) and isinstance(comm, MpiComm)
     assert isinstance(plan, ExecPlan)
@@ -258,11 +257,7 @@ def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, ra
     try:
         maybe_fail(rank, "inputs")
         if not args.resume:  # a resumed run takes every parameter from the checkpoint
-            arrays = load_arrays(list(args.inputs))
-            if args.hooks is not None and args.hooks.values:
-                arrays.update(args.hooks.values)
-            fed = args.hooks.fed if args.hooks is not None else ()
-            given = check_inputs(plan.module, arrays, store=bool(args.store), fed=fed)
+            given = given_inputs(args, plan.module)
     except LauncherTerminatedError:
         raise
     except DtmError as exc:
@@ -271,7 +266,7 @@ def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, ra
     ckpt = _Checkpoints(session, plan, args, rank, backend) if args.store else None
     if not args.resume:  # 'init store' parameters no input supplies: from the store
         local = ckpt.read_init_store(store_params(plan.module, given)) if ckpt is not None else {}
-        blocks = initial_blocks(plan, rank, given, local, fed=args.hooks.fed if args.hooks is not None else ())  # fmt: skip
+        blocks = initial_blocks(plan, rank, given, local, fed=args.fed)
     first = ckpt.resume(blocks) if ckpt is not None and args.resume else 0
     blocks[:] = [backend.to_device(b) for b in blocks]  # the state lives on the backend
     feeder = StepFeeder(plan, rank, args.hooks) if args.hooks is not None else None
@@ -313,10 +308,7 @@ def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, ra
     error = None
     if rank == 0:
         try:
-            if args.hooks is not None and args.hooks.on_outputs is not None:
-                args.hooks.on_outputs(outputs)
-            else:
-                write_outputs(outputs, args.output)
+            deliver_outputs(args, outputs)
         except (DtmError, OSError) as exc:
             error = exc
     session.agree("output", error)

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from dtm_mpi.plan.program import ExecPlan
 
 __all__ = [
-    "RunHooks", "RunRequest", "agree_arguments", "capabilities", "check_capabilities", "load_module",
+    "RunHooks", "RunRequest", "agree_arguments", "deliver_outputs", "given_inputs", "capabilities", "check_capabilities", "load_module",
     "load_run", "plan_run", "print_diagnostic", "read_store_globals", "store_params",
     "write_outputs",
 ]  # fmt: skip
@@ -65,7 +65,8 @@ name, the block of the step's global value at ``regions[name]`` (a loader reads 
 @dataclass(frozen=True, slots=True)
 class RunHooks:
     """What a run started from Python (not the command line) adds to a request: the inputs
-    fed each step, and where rank 0 hands the per-step metrics and the final outputs."""
+    fed each step, where every rank hands the per-step metrics and rank 0 the final
+    outputs."""
 
     feed: Feed | None = None
     fed: tuple[str, ...] = ()
@@ -105,6 +106,11 @@ class RunRequest:
     sim: int | None = None  # --sim N: simulated ranks in this process; None: under MPI
     module: Module | None = None  # a module built in Python (``file`` then only names it)
     hooks: RunHooks | None = None  # a run started from Python: fed inputs, metrics, outputs
+
+    @property
+    def fed(self) -> tuple[str, ...]:
+        """The entry parameters a Python run's loader feeds each step (none from the CLI)."""
+        return self.hooks.fed if self.hooks is not None else ()
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -303,7 +309,28 @@ def read_store_globals(store: str, module: Module, params: Sequence[Param]) -> d
     return dict(got.values)
 
 
-# --- outputs ---------------------------------------------------------------------------------
+# --- inputs and outputs ----------------------------------------------------------------------
+
+
+def given_inputs(request: RunRequest, module: Module) -> dict[str, np.ndarray]:
+    """Phase ``inputs``: the arrays of the ``-i`` files and the values a Python run gives,
+    checked against the entry parameters (those a loader feeds need none)."""
+    from dtm_mpi.io.arrays import load_arrays
+    from dtm_mpi.runtime.values import check_inputs
+
+    arrays = load_arrays(list(request.inputs))
+    if request.hooks is not None and request.hooks.values:
+        arrays.update(request.hooks.values)
+    return check_inputs(module, arrays, store=bool(request.store), fed=request.fed)
+
+
+def deliver_outputs(request: RunRequest, outputs: dict[str, np.ndarray]) -> None:
+    """Rank 0, phase ``output``: to a Python run's ``on_outputs``, else printed and written
+    to the ``-o`` file."""
+    if request.hooks is not None and request.hooks.on_outputs is not None:
+        request.hooks.on_outputs(outputs)
+    else:
+        write_outputs(outputs, request.output)
 
 
 def write_outputs(outputs: Mapping[str, np.ndarray], output: str | None) -> None:

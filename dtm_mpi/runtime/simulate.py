@@ -123,7 +123,7 @@ def run_rank(
 ) -> RankOutcome:
     """Run ``steps`` steps of the entry function on this rank. ``inputs``: global arrays of
     (some) entry parameters, by name; the others get their declared init; ``hooks``: inputs
-    fed each step, metrics reported on rank 0.
+    fed each step, metrics reported after each step.
 
     Collective: call on all ranks."""
     args = initial_blocks(plan, comm.rank, inputs, fed=hooks.fed if hooks is not None else ())

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from dtm_mpi.bench.ckpt import CkptRow
+from tests.mpi_env import mpirun_env
 
 pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not on PATH")
 
@@ -25,9 +26,7 @@ def test_ratio_is_value_over_baseline() -> None:
 
 def bench_ckpt(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """``dtm bench ckpt --repeat 1 --dir tmp_path ARGS`` on 2 ranks under mpirun."""
-    env = dict(os.environ)
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1", DTM_TIMEOUT="60")  # fmt: skip
+    env = mpirun_env(DTM_TIMEOUT="60")
     cmd = ["mpirun", "--timeout", "120", "--bind-to", "none", "-n", "2", sys.executable, "-m",
            "mpi4py", "-m", "dtm_mpi", "bench", "ckpt", "--repeat", "1", "--dir", str(tmp_path),
            *args]  # fmt: skip

@@ -4,7 +4,6 @@ benchmark itself; speed is reported by the benchmark, never asserted in tests)."
 from __future__ import annotations
 
 import csv
-import os
 import shutil
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from dtm_mpi.bench.comm import BenchRow, default_sizes, format_table
+from tests.mpi_env import mpirun_env
 
 pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not on PATH")
 
@@ -30,9 +30,7 @@ def test_sizes_and_busbw_formulas() -> None:
 @pytest.mark.slow
 def test_bench_comm_under_mpirun_writes_the_csv(tmp_path: Path) -> None:
     out = tmp_path / "comm.csv"
-    env = dict(os.environ)
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1", DTM_TIMEOUT="60")  # fmt: skip
+    env = mpirun_env(DTM_TIMEOUT="60")
     cmd = ["mpirun", "--timeout", "120", "--bind-to", "none", "-n", "2", sys.executable, "-m",
            "mpi4py", "-m", "dtm_mpi", "bench", "comm", "--sizes", "8,4K", "--repeat", "1",
            "--csv", str(out)]  # fmt: skip

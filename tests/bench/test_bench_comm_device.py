@@ -33,6 +33,7 @@ import dtm_mpi.bench.comm as bench
 from dtm_mpi.comm.device import NOT_AWARE, DeviceComm
 from dtm_mpi.config import get_config
 from tests.comm.fake_device import FakeCupy, FakeCupyArray, fake_cupy_package
+from tests.mpi_env import mpirun_env
 
 HEADER = ["op", "ranks", "bytes", "dtm_s", "raw_s", "busbw_dtm", "busbw_raw", "ratio"]
 SIZES = [8, 100, 4096]  # 100 B: 25 floats, not a multiple of the ranks at 2, 3 or 4
@@ -267,9 +268,8 @@ def test_dtm_bench_comm_backend_cuda(tmp_path: Path, ranks: int, mode: str) -> N
     if shutil.which("mpirun") is None:  # (1 rank: MPI's singleton; its MPI is mpirun's)
         pytest.skip("mpirun not on PATH")
     out = tmp_path / "comm.csv"
-    env = fake_cupy_package(str(tmp_path / "fake"))
-    env.update(DTM_GPU_AWARE_MPI=mode, DTM_TIMEOUT="60", OMPI_ALLOW_RUN_AS_ROOT="1",
-               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1")  # fmt: skip
+    fake = fake_cupy_package(str(tmp_path / "fake"))
+    env = mpirun_env(PYTHONPATH=fake["PYTHONPATH"], DTM_GPU_AWARE_MPI=mode, DTM_TIMEOUT="60")
     cmd = [sys.executable, "-m", "mpi4py", "-m", "dtm_mpi", "bench", "comm", "--backend", "cuda",
            "--sizes", "8,100,4K", "--repeat", "1", "--csv", str(out)]  # fmt: skip
     if ranks > 1:

@@ -6,7 +6,6 @@ through an evaluation step whose weights come from the store."""
 from __future__ import annotations
 
 import math
-import os
 import re
 import subprocess
 import sys
@@ -15,14 +14,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.mpi_env import mpirun_env
+
 pytestmark = [pytest.mark.slow]
 DIGITS = str(Path(__file__).resolve().parents[2] / "examples" / "digits.py")
 
 
 def digits(ranks: int, mesh: str, *args: str) -> str:
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1", PYTHONUNBUFFERED="1", DTM_TIMEOUT="60",
-               DTM_DETERMINISTIC="1")  # fmt: skip
+    env = mpirun_env(PYTHONUNBUFFERED="1", DTM_TIMEOUT="60", DTM_DETERMINISTIC="1")
     cmd = ["mpirun", "--timeout", "120", "--bind-to", "none", "-n", str(ranks), sys.executable,
            "-m", "mpi4py", DIGITS, "--quiet", "--mesh", mesh, *args]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env, check=False)
@@ -62,8 +61,7 @@ def test_resumed_on_the_same_mesh_is_bitwise(tmp_path: Path) -> None:
 
 
 def test_a_bad_mesh_is_one_line_on_every_rank(tmp_path: Path) -> None:
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1", DTM_TIMEOUT="30")  # fmt: skip
+    env = mpirun_env(DTM_TIMEOUT="30")
     proc = subprocess.run(["mpirun", "--timeout", "60", "--bind-to", "none", "-n", "3", sys.executable, "-m",
                            "mpi4py", DIGITS, "--quiet", "--mesh", "dp=2,tp=2", "--steps", "2"],
                           capture_output=True, text=True, timeout=90, env=env, check=False)  # fmt: skip
@@ -79,8 +77,7 @@ GPT = str(Path(__file__).resolve().parents[2] / "examples" / "gpt.py")
 def test_the_gpt_example_trains_checkpoints_and_resumes_on_another_mesh(tmp_path: Path) -> None:
     """The plumbing of examples/gpt.py under mpirun (its quality run is in the note and
     docs/PERFORMANCE.md): heads and vocabulary over tp=2, then 2 heads on tp=3 ranks."""
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1", PYTHONUNBUFFERED="1", DTM_TIMEOUT="60")  # fmt: skip
+    env = mpirun_env(PYTHONUNBUFFERED="1", DTM_TIMEOUT="60")
     store = str(tmp_path / "store")
 
     def gpt(ranks: int, mesh: str, *args: str) -> str:

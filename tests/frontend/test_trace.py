@@ -22,6 +22,7 @@ from dtm_mpi.ir.types import DType, Layout, TensorType
 from dtm_mpi.runtime.reference import evaluate_function, run_reference
 from dtm_mpi.runtime.simulate import run_simulated
 from dtm_mpi.runtime.values import init_global
+from tests.ir.gradcheck import central_difference, numeric_gradient
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 MESH = dtm.Mesh(dp=2, tp=2)
@@ -199,15 +200,7 @@ def test_layer_gradients_match_finite_differences_on_1_to_4_ranks(
     def L(w: dict[str, np.ndarray]) -> float:
         return float(run_reference(ref, {"x": x, **w})[1][0][0])
 
-    grads = {}
-    for k, v in w0.items():
-        g = np.zeros_like(v)
-        for i in np.ndindex(v.shape):
-            hi, lo = {**w0, k: v.copy()}, {**w0, k: v.copy()}
-            hi[k][i] += 1e-6
-            lo[k][i] -= 1e-6
-            g[i] = (L(hi) - L(lo)) / 2e-6
-        grads[k] = g
+    grads = {k: numeric_gradient(L, w0, k) for k in w0}
     for nranks, binding in BINDINGS:
         res = run_simulated(step.module, nranks, binding=binding, inputs={"x": x})
         for k in step.params:
@@ -305,22 +298,7 @@ def test_the_loader_gives_each_rank_only_its_rows() -> None:
         dtm.ArrayLoader({"x": x, "y": x[:5]}, 4)
 
 
-class TinyGPT(dtm.nn.Module):
-    def __init__(self, vocab: int = 11, context: int = 6, dim: int = 8, heads: int = 2) -> None:
-        self.tok = dtm.nn.Embedding(vocab, dim, dtype="f64")
-        self.pos = dtm.nn.Parameter((context, dim), "f64", None, "normal", (("std", 0.02),))
-        self.blocks = [dtm.nn.TransformerBlock(dim, heads, dtype="f64") for _ in range(2)]
-        self.ln = dtm.nn.LayerNorm(dim, dtype="f64")
-        self.head = dtm.nn.ColumnParallelLinear(dim, vocab, bias=False, dtype="f64")
-
-    def forward(self, ids: dtm.Tensor) -> dtm.Tensor:
-        x = self.tok(ids) + self.param("pos")
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln(x))
-
-
-def lm_loss(m: TinyGPT, ids: dtm.Tensor, tgt: dtm.Tensor) -> dtm.Tensor:
+def lm_loss(m: dtm.nn.GPT, ids: dtm.Tensor, tgt: dtm.Tensor) -> dtm.Tensor:
     logits = m(ids)
     return fn.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
 
@@ -331,7 +309,7 @@ def test_gpt_gradients_match_finite_differences_on_1_to_4_ranks() -> None:
     central differences of the traced loss, at every binding."""
     b, t, v = 4, 6, 11
     inputs = {"ids": dtm.Input((b, t), "i32", ("dp", None)), "tgt": dtm.Input((b, t), "i32", ("dp", None))}  # fmt: skip
-    model = TinyGPT(v, t)
+    model = dtm.nn.GPT(v, t, 8, 2, 2, dtype="f64")
     step = dtm.train_step(model, lm_loss, mesh=MESH, inputs=inputs, optimizer=dtm.optim.SGD(1.0))
     ev = dtm.eval_step(model, lm_loss, mesh=MESH, inputs=inputs)
     rng = np.random.default_rng(0)
@@ -352,10 +330,7 @@ def test_gpt_gradients_match_finite_differences_on_1_to_4_ranks() -> None:
     for k in checked:
         v0 = w0[k]
         for i in list(np.ndindex(v0.shape))[:: max(1, v0.size // 5)][:5]:
-            hi, lo = {**w0, k: v0.copy()}, {**w0, k: v0.copy()}
-            hi[k][i] += 1e-6
-            lo[k][i] -= 1e-6
-            fd = (loss(hi) - loss(lo)) / 2e-6
+            fd = central_difference(loss, w0, k, i)
             for nranks, grads in got.items():
                 assert abs(grads[k][i] - fd) <= 1e-6 * max(1.0, abs(fd)), (
                     k,

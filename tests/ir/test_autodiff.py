@@ -21,6 +21,7 @@ from dtm_mpi.ir.types import DType, Layout, TensorType
 from dtm_mpi.ir.verify import verify_module
 from dtm_mpi.runtime.reference import evaluate_function
 from dtm_mpi.runtime.simulate import run_simulated
+from tests.ir.gradcheck import central_difference, numeric_gradient
 
 MESH = Mesh("m", (("dp", 2), ("tp", 2)))
 BINDINGS = [
@@ -126,13 +127,7 @@ def test_gradient_matches_finite_differences(case: Case) -> None:
 
     eps = 1e-3 if case.name == "cast-f32" else 1e-6  # f32 rounding: a coarser step
     for k, name in enumerate(names):
-        num = np.zeros_like(args[k])
-        for i in np.ndindex(args[k].shape):
-            hi = [a.copy() for a in args]
-            hi[k][i] += eps
-            lo = [a.copy() for a in args]
-            lo[k][i] -= eps
-            num[i] = (loss(tuple(hi)) - loss(tuple(lo))) / (2 * eps)
+        num = numeric_gradient(loss, args, k, eps)
         tol = 1e-2 if case.name == "cast-f32" else 1e-6
         np.testing.assert_allclose(outs[1 + k], num, rtol=tol, atol=tol * max(1.0, float(np.abs(num).max())), err_msg=f"{case.name}: d/d{name}")  # fmt: skip
 
@@ -282,19 +277,13 @@ def test_a_pipeline_hand_off_is_differentiated_by_sending_the_cotangent_back() -
     m = load_module(PIPELINE)
     assert m.entry is not None
 
-    def loss(x: np.ndarray, w: np.ndarray) -> float:
-        return float(evaluate_function(m, m.entry, (x, w), 0)[0])  # type: ignore[arg-type]
+    def loss(v: dict[str, np.ndarray]) -> float:
+        return float(evaluate_function(m, m.entry, (v["x"], v["w"]), 0)[0])  # type: ignore[arg-type]
 
     for k, name in ((1, "w"), (2, "x")):
-        v = values[name]
-        num = np.zeros_like(v)
-        for i in list(np.ndindex(v.shape))[::17]:
-            hi, lo = dict(values), dict(values)
-            hi[name], lo[name] = v.copy(), v.copy()
-            hi[name][i] += 1e-6
-            lo[name][i] -= 1e-6
-            num[i] = (loss(hi["x"], hi["w"]) - loss(lo["x"], lo["w"])) / 2e-6
-            assert abs(want[k][i] - num[i]) <= 1e-6 * max(1.0, abs(num[i])), (name, i)
+        for i in list(np.ndindex(values[name].shape))[::17]:
+            num = central_difference(loss, values, name, i)
+            assert abs(want[k][i] - num) <= 1e-6 * max(1.0, abs(num)), (name, i)
     for nranks, binding in ((2, {"pp": 2, "dp": 1}), (4, {"pp": 2, "dp": 2})):
         got = run_simulated(entry_g, nranks, binding=binding, inputs=values).results[0]
         for a, b in zip(got, want, strict=True):

@@ -31,6 +31,7 @@ import pytest
 from dtm_mpi.errors import BackendError
 from dtm_mpi.ir.registry import OPS, Trait, ops_with
 from dtm_mpi.kernels.backends import BackendKind
+from tests.mpi_env import mpirun_env
 
 DTYPES = [np.float16, np.float32, np.float64]
 SHAPES = [(1, 1), (3, 31), (257, 33), (5, 1000), (2, 4099)]
@@ -234,10 +235,8 @@ EXAMPLES = Path(__file__).parents[2] / "examples"
 def test_examples_on_the_gpu_match_numpy(gpu: Any, name: str, tmp_path: Path) -> None:
     """Whole programs at 2 ranks on the GPU (both ranks may share one device) against the
     numpy backend: the same outputs within the f32 tolerance."""
-    import os
 
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1")  # fmt: skip
+    env = mpirun_env()
     outs = {}
     for backend in ("numpy", gpu.name):
         out = tmp_path / f"{backend}.npz"

@@ -4,7 +4,6 @@ mid-run before the fix), and the same module runs where the shards hold whole bl
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -12,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.mpi_env import mpirun_env
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not on PATH"),
@@ -32,11 +33,7 @@ entry func @main(%x: f32[4,48] init normal(seed=1, std=1.0)) -> f32[4,48]{-,tp} 
 
 
 def _mpirun(ranks: int, *args: str) -> tuple[int, str]:
-    env = dict(os.environ)
-    env.update(
-        OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-        OMPI_MCA_rmaps_base_oversubscribe="1", PYTHONUNBUFFERED="1", DTM_TIMEOUT="60",
-    )  # fmt: skip
+    env = mpirun_env(PYTHONUNBUFFERED="1", DTM_TIMEOUT="60")
     cmd = ["mpirun", "--timeout", "200", "--bind-to", "none", "-n", str(ranks),
            sys.executable, "-m", "mpi4py", "-m", "dtm_mpi", "run", *args]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, check=False)
