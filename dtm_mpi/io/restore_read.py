@@ -14,7 +14,7 @@ import math
 import os
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,13 +72,7 @@ def read_plan(ctx: Reader, files: ShardReader, plan: RestorePlan, into: Mapping[
     direct = {k: d for k, it in enumerate(plan.items) if it.reader == me and (d := _direct(ctx, plan, k, by_item, offsets[it.tensor])) is not None}  # fmt: skip
     threaded = hash_thread_wanted()
     runs = _direct_runs(plan, direct, outs, PIPELINED_RUN_BYTES if threaded else RUN_BYTES)
-    if threaded and len(runs) > 1:
-        damaged.extend(_read_runs_pipelined(ctx, files, plan, runs, direct, outs))
-    else:
-        for run in runs:
-            with ctx.deadline(f"restore: reading {len(run)} chunk(s) of tensor {plan.targets[plan.items[run[0]].tensor][0]!r}"):  # fmt: skip
-                failed = _read_run(files, plan, run, direct, outs)
-                damaged.extend(failed or _verify_run(ctx, files, plan, run, direct, outs))
+    damaged.extend(_read_runs(ctx, files, plan, runs, direct, outs, threaded=threaded and len(runs) > 1))  # fmt: skip
     for rnd in sorted(rounds):  # the same rounds on every rank: the plan is shared
         round_items = rounds[rnd]
         data: dict[int, np.ndarray] = {}
@@ -161,11 +155,13 @@ def _verify_run(ctx: Reader, files: ShardReader, plan: RestorePlan, run: list[in
     return [d for d in checked if d is not None]
 
 
-def _read_runs_pipelined(ctx: Reader, files: ShardReader, plan: RestorePlan, runs: list[list[int]], direct: dict[int, tuple[slice, ...]], outs: dict[str, np.ndarray]) -> list[Damage]:  # fmt: skip
-    """Read the runs in order while one worker thread verifies the run read before; every
-    wait (a read, the previous run's hashes) runs under the restore's deadline."""
+def _read_runs(ctx: Reader, files: ShardReader, plan: RestorePlan, runs: list[list[int]], direct: dict[int, tuple[slice, ...]], outs: dict[str, np.ndarray], *, threaded: bool) -> list[Damage]:  # fmt: skip
+    """Read the runs in order and verify each: right after its read, or (``threaded``) on one
+    worker thread while the next run is read. Every wait (a read, a run's hashes) runs under
+    the restore's deadline."""
     damaged: list[Damage] = []
-    with ThreadPoolExecutor(1, thread_name_prefix="dtm-restore-hash") as pool:
+    with ExitStack() as stack:
+        pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="dtm-restore-hash")) if threaded else None  # fmt: skip
         pending: Future[list[Damage]] | None = None
         for run in runs:
             with ctx.deadline(f"restore: reading {len(run)} chunk(s) of tensor {plan.targets[plan.items[run[0]].tensor][0]!r}"):  # fmt: skip
@@ -175,6 +171,8 @@ def _read_runs_pipelined(ctx: Reader, files: ShardReader, plan: RestorePlan, run
                     pending = None
                 if failed:
                     damaged.extend(failed)
+                elif pool is None:
+                    damaged.extend(_verify_run(ctx, files, plan, run, direct, outs))
                 else:
                     pending = pool.submit(_verify_run, ctx, files, plan, run, direct, outs)
         if pending is not None:

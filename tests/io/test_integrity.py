@@ -137,8 +137,13 @@ def test_every_flipped_data_byte_is_found(good: tuple[Path, dict[str, np.ndarray
 
     monkeypatch.setattr(restore_read, "hash_thread_wanted", lambda: hash_thread)
     pipelined = []
-    real = restore_read._read_runs_pipelined
-    monkeypatch.setattr(restore_read, "_read_runs_pipelined", lambda *a: pipelined.append(1) or real(*a))  # fmt: skip
+    real = restore_read._read_runs
+
+    def spy(*args: Any, threaded: bool) -> Any:
+        pipelined.append(threaded)
+        return real(*args, threaded=threaded)
+
+    monkeypatch.setattr(restore_read, "_read_runs", spy)
     path, _ = good
     extents = data_extents(path)
     total = sum(n for _, _, n in extents)
@@ -183,7 +188,7 @@ def test_every_flipped_data_byte_is_found(good: tuple[Path, dict[str, np.ndarray
             assert f"DAMAGED {data}: tensor {tensor!r} shard {shard!r}: chunk " in out, (where, out)  # fmt: skip
         shutil.rmtree(bad.parent)
     assert hit == {name for name, _ in TENSORS}
-    assert bool(pipelined) == hash_thread
+    assert pipelined and any(pipelined) == hash_thread
 
 
 def test_a_flipped_manifest_byte_makes_it_unloadable(good: tuple[Path, dict[str, np.ndarray]], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
