@@ -10,7 +10,7 @@ from dtm_mpi.ir.types import DType, Layout, TensorType
 
 __all__ = [
     "accuracy", "causal_mask", "concat", "cross_entropy", "gelu", "layer_norm", "log_softmax", "one_hot",
-    "relu", "sigmoid", "softmax", "tanh", "where",
+    "relu", "scatter_add", "sigmoid", "softmax", "take", "tanh", "where",
 ]  # fmt: skip
 
 
@@ -55,6 +55,25 @@ def concat(xs: Sequence[Tensor], dim: int = 0) -> Tensor:
     if not xs:
         raise trace_error("concat needs at least one tensor")
     return current_tracer().apply("concat", list(xs), {"dim": xs[0]._dims(dim)[0]})
+
+
+def take(x: Tensor, indices: Tensor, dim: int = 0) -> Tensor:
+    """``x``'s rows along ``dim`` at integer ``indices`` (see :meth:`Tensor.take`)."""
+    return x.take(indices, dim)
+
+
+def scatter_add(updates: Tensor, indices: Tensor, size: int, dim: int = 0, axis: str | None = None) -> Tensor:  # fmt: skip
+    """Zeros of ``size`` rows along ``dim`` plus each row of ``updates`` added at its index
+    (the transpose of :func:`take`; repeated indices add up), with that dim split over
+    ``axis`` (None: not split)."""
+    if not isinstance(indices, Tensor) or indices.dtype.is_float or indices.dtype is DType.BOOL:
+        raise trace_error("scatter_add needs traced integer indices")
+    d = updates._dims(dim)[0]
+    k = indices.ndim
+    shape = (*updates.shape[:d], size, *updates.shape[d + k :])
+    dims = (*updates.layout.dims[:d], (axis,) if axis else (), *updates.layout.dims[d + k :])
+    want = TensorType(updates.dtype, shape, Layout(dims))
+    return current_tracer().apply("scatter_add", [updates, indices], {"dim": d}, [want])
 
 
 def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, eps: float = 1e-5) -> Tensor:

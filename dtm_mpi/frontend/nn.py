@@ -165,8 +165,8 @@ class MLP(Module):
 class Embedding(Module):
     """Rows of a ``[vocab, dim]`` table by integer ids, **vocab-parallel** over ``axis`` as
     Megatron does: each rank holds a range of the vocabulary, looks up the ids that fall in
-    it (a one-hot product: zero rows for the others) and one allreduce sums the ranks'
-    partial rows. Its gradient is the matching scatter-add (the product's transpose)."""
+    it (``take``: zero rows for the others) and one allreduce sums the ranks' partial rows.
+    Its gradient is the matching ``scatter_add`` into the rank's rows."""
 
     def __init__(self, vocab: int, dim: int, *, axis: str | None = "tp", std: float = 0.02, dtype: str | DType = DType.F32) -> None:  # fmt: skip
         dt = DType(dtype) if isinstance(dtype, str) else dtype
@@ -174,13 +174,7 @@ class Embedding(Module):
         self.axis = axis
 
     def forward(self, ids: Tensor) -> Tensor:
-        from dtm_mpi.frontend.functional import one_hot
-
-        w = self.param("weight")
-        flat = ids.reshape(-1) if ids.ndim != 1 else ids
-        hot = one_hot(flat, w.shape[0], w.dtype, class_axis=self.axis)
-        rows = (hot @ w).complete()
-        return rows.reshape((*ids.shape, w.shape[1])) if ids.ndim != 1 else rows
+        return self.param("weight").take(ids, 0).complete()
 
 
 class MultiHeadAttention(Module):

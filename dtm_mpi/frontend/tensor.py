@@ -350,6 +350,17 @@ class Tensor:
     def log_softmax(self, dim: int = -1) -> Tensor:
         return self._apply("log_softmax", dim=self._dims(dim)[0])
 
+    # --- indexing --------------------------------------------------------------------------
+
+    def take(self, indices: Tensor, dim: int = 0) -> Tensor:
+        """The rows along ``dim`` at integer ``indices`` (``numpy.take``): shape
+        ``self.shape[:dim] + indices.shape + self.shape[dim+1:]``. With ``dim`` split (a
+        vocab-parallel table) the result is a pending sum over its axes (``complete()`` it);
+        an index outside the dim is an error when the step runs."""
+        if not isinstance(indices, Tensor):
+            raise trace_error(f"take needs traced integer indices; got {type(indices).__name__}")
+        return self._apply("take", indices, dim=self._dims(dim)[0])
+
     # --- shapes and layouts ----------------------------------------------------------------
 
     def reshape(self, *shape: int | Sequence[int]) -> Tensor:

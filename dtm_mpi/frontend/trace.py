@@ -37,6 +37,7 @@ from dtm_mpi.ir.autodiff import backward
 from dtm_mpi.ir.build import FunctionBuilder, Value
 from dtm_mpi.ir.nodes import Init, InitKind, Module
 from dtm_mpi.ir.parser import parse_module
+from dtm_mpi.ir.registry import required_version
 from dtm_mpi.ir.types import TensorType
 from dtm_mpi.ir.verify import verify_module
 
@@ -163,7 +164,7 @@ def _finish(tr: Tracer, name: str, mesh: Mesh, results: list[Value | tuple[Value
     """The verified module, with the user's lines as its ops' spans (so a plan or run error
     names them); checked to be its own canonical form (parsing its text gives it back)."""
     f = tr.b.function(name, results, entry=True)
-    module = Module((1, 0), tr.b.module.name, (mesh.ir(),), (f,))
+    module = Module(required_version(f.body), tr.b.module.name, (mesh.ir(),), (f,))
     try:
         verify_module(module)
     except VerifyError as err:  # a bug of the frontend, not of the user's code

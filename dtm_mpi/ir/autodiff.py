@@ -21,7 +21,7 @@ from dtm_mpi.errors import GradientError, SourceSpan, UsageError
 from dtm_mpi.ir.build import FunctionBuilder, Value, complete_layout
 from dtm_mpi.ir.grad_context import GradContext
 from dtm_mpi.ir.nodes import NO_SPAN, Function, Module, Op
-from dtm_mpi.ir.registry import OpKind, lookup_op
+from dtm_mpi.ir.registry import OpKind, lookup_op, required_version
 from dtm_mpi.ir.verify import function_mesh, verify_module
 
 __all__ = ["backward", "copy_body", "grad_function", "grad_module"]
@@ -146,6 +146,12 @@ def grad_module(module: Module, name: str, wrt: Sequence[str], *, loss: int = 0)
     g = grad_function(module, name, wrt, loss=loss)
     if module.function(g.name) is not None:
         raise UsageError(f"module {module.name} already has a function @{g.name}")
-    out = Module(module.version, module.name, module.meshes, (*module.functions, g), module.span)
+    out = Module(
+        required_version(g.body, module.version),
+        module.name,
+        module.meshes,
+        (*module.functions, g),
+        module.span,
+    )
     verify_module(out)
     return out

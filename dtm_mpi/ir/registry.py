@@ -23,7 +23,7 @@ anything else                a literal keyword or punctuation token
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +48,7 @@ __all__ = [
     "ops_of_kind",
     "ops_with",
     "register_op",
+    "required_version",
 ]
 
 
@@ -246,6 +247,9 @@ class OpDef:
     """No float or literal attributes: equal attribute tuples then print and infer alike, so
     the printer and verifier may cache by them (``0.0 == -0.0`` and ``1 == 1.0`` otherwise
     make equal keys for different ops)."""
+    since: tuple[int, int] = (1, 0)
+    """The IR version that introduced the op: a module using it must declare that version
+    or a later one (the verifier checks; builders declare the least version their ops need)."""
 
     def has(self, trait: Trait) -> bool:
         return trait in self.traits
@@ -283,6 +287,7 @@ def register_op(
     array_fn: ArrayFn | None = None,
     plan_check: PlanCheck | None = None,
     grad: GradRule | None = None,
+    since: tuple[int, int] = (1, 0),
 ) -> Callable[[InferFn], InferFn]:
     """Decorator registering ``infer`` as the shape+sharding rule of op ``name``."""
 
@@ -295,7 +300,7 @@ def register_op(
         OPS[name] = OpDef(
             name, elems, results, infer, reference, capability, doc, kind, frozenset(traits),
             frozenset(linear_in), c_expr, array_fn, plan_check, grad,
-            exact_attrs=not _has_inexact(elems),
+            exact_attrs=not _has_inexact(elems), since=since,
         )  # fmt: skip
         return infer
 
@@ -315,6 +320,12 @@ def all_ops() -> dict[str, OpDef]:
     """Every registered op (loading the registry on first use)."""
     _load_ops()
     return OPS
+
+
+def required_version(ops: Iterable[Op], least: tuple[int, int] = (1, 0)) -> tuple[int, int]:
+    """The least IR version a module holding ``ops`` may declare (at least ``least``)."""
+    _load_ops()
+    return max([least, *(OPS[op.name].since for op in ops if op.name in OPS)])
 
 
 def ops_of_kind(*kinds: OpKind) -> frozenset[str]:

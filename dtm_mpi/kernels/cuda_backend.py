@@ -19,6 +19,7 @@ Importing this module needs no GPU and no CuPy (kernels import CuPy when they ru
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -248,6 +249,68 @@ def _slice(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
 @_register("concat")
 def _concat(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
     return (_cp().concatenate(list(xs), axis=int(ctx.op.attr("dim"))),)  # type: ignore[arg-type]
+
+
+# -- indexing: rows at indices and their scatter-add (RawKernels take.cu) -------------------------
+def _checked_indices(op: str, idx: Arr, size: int, dim: int, origin: Sequence[int]) -> Arr:
+    """The indices flattened to int64 on the device; one bound check (two scalars read
+    back), the numpy check's message on the host where one is out of range."""
+    from dtm_mpi.ir.ops.index import check_indices
+
+    flat = _cp().ascontiguousarray(idx.reshape(-1), dtype=np.int64)
+    if flat.size and (int(flat.min()) < 0 or int(flat.max()) >= size):
+        host = idx if isinstance(idx, np.ndarray) else idx.get()
+        check_indices(op, np.asarray(host), size, dim, origin)
+    return flat
+
+
+def _split3(shape: Sequence[int], d: int, k: int) -> tuple[int, int, int]:
+    """``shape`` as ``[pre, mid, post]`` around dims ``d .. d+k-1``."""
+    pre = math.prod(shape[:d])
+    return pre, math.prod(shape[d : d + k]), math.prod(shape[d + k :])
+
+
+def _index_placement(op: str, dtypes: Sequence[np.dtype[Any]], attrs: dict[str, Any], rank: int) -> str:  # fmt: skip
+    return "RawKernel take.cu" if dtypes and dtypes[0] in launch.SUFFIX else "host (integer rows), uploaded each step"  # fmt: skip
+
+
+def _on_host(name: str, ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
+    """The numpy kernel on the downloaded blocks, uploaded (integer and bool tables)."""
+    from dtm_mpi.kernels.dispatch import backend_kernels
+
+    host = [x if isinstance(x, np.ndarray) else x.get() for x in xs]
+    return tuple(_cp().asarray(o) for o in backend_kernels("numpy")[name](ctx, host))
+
+
+@_register("take", placement=_index_placement)
+def _take(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
+    x, idx = xs
+    d = int(ctx.op.attr("dim"))  # type: ignore[arg-type]
+    if np.dtype(x.dtype) not in launch.SUFFIX:
+        return _on_host("take", ctx, xs)
+    flat = _checked_indices("take", idx, ctx.operand_types[0].shape[d], d, ctx.operand_offsets[1])
+    x3 = x.reshape(_split3(x.shape, d, 1)) if x.flags.c_contiguous else _owned(x).reshape(_split3(x.shape, d, 1))  # fmt: skip
+    y = launch.take_rows(x3, flat, ctx.operand_offsets[0][d])
+    return (y.reshape(ctx.local_shapes[0]),)
+
+
+@_register("scatter_add", placement=_index_placement)
+def _scatter_add(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
+    cp = _cp()
+    u, idx = xs
+    d = int(ctx.op.attr("dim"))  # type: ignore[arg-type]
+    if np.dtype(u.dtype) not in launch.SUFFIX:
+        return _on_host("scatter_add", ctx, xs)
+    lo, n = ctx.offsets[0][d], ctx.local_shapes[0][d]
+    flat = _checked_indices("scatter_add", idx, ctx.result_types[0].shape[d], d, ctx.operand_offsets[1])  # fmt: skip
+    rows = cp.nonzero((flat >= lo) & (flat < lo + n))[0]  # ascending: the updates' order
+    keys = flat[rows] - lo
+    order = cp.argsort(keys, kind="stable")
+    perm = rows[order]
+    starts = cp.searchsorted(keys[order], cp.arange(n + 1, dtype=np.int64))
+    u3 = u.reshape(_split3(u.shape, d, idx.ndim)) if u.flags.c_contiguous else _owned(u).reshape(_split3(u.shape, d, idx.ndim))  # fmt: skip
+    y = launch.scatter_rows(u3, perm, starts, n)
+    return (y.reshape(ctx.local_shapes[0]),)
 
 
 # -- values made from global indices: the numpy kernel's block, uploaded -------------------------

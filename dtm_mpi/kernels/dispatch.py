@@ -53,6 +53,7 @@ class KernelContext:
     local_shapes: tuple[tuple[int, ...], ...]  # the shape of each result's local block
     offsets: tuple[tuple[int, ...], ...]  # the global index where each result block starts
     step: int = 0
+    operand_offsets: tuple[tuple[int, ...], ...] = ()  # where each operand's block starts
 
     @property
     def local_types(self) -> tuple[TensorType, ...]:

@@ -30,7 +30,9 @@ __all__ = [
     "layer_norm",
     "quantize",
     "row_reduce",
+    "scatter_rows",
     "softmax",
+    "take_rows",
     "unsupported",
 ]
 
@@ -233,4 +235,36 @@ def bias_gelu(x: Arr, bias: Arr, *, out: Arr | None = None) -> Arr:
     if x.size:
         fn = function("bias_gelu.cu", f"dtm_bias_gelu_{sfx}")
         fn((_grid(x.size, THREADS),), (THREADS,), (x, b, y, np.int64(x.size), np.int64(cols)))
+    return y
+
+
+def take_rows(x: Arr, idx: Arr, lo: int, *, out: Arr | None = None) -> Arr:
+    """``x`` ``[pre, n, post]`` (rows ``lo .. lo+n-1`` of a longer dim) at the int64 indices
+    ``idx`` ``[k]``: ``[pre, k, post]``, zeros for indices outside the block."""
+    sfx = _suffix(x, "take")
+    x = _dev(x, "take")
+    i = _dev(idx, "take indices", np.int64)
+    pre, n, post = (int(s) for s in x.shape)
+    k = int(i.size)
+    y = _out(out, (pre, k, post), x.dtype)
+    if y.size:
+        fn = function("take.cu", f"dtm_take_rows_{sfx}")
+        fn((_grid(y.size, THREADS),), (THREADS,), (x, i, y, np.int64(pre), np.int64(n), np.int64(k), np.int64(post), np.int64(lo)))  # fmt: skip
+    return y
+
+
+def scatter_rows(u: Arr, perm: Arr, starts: Arr, n: int, *, out: Arr | None = None) -> Arr:
+    """``[pre, n, post]``: row ``r`` the sum, in order, of the update rows ``perm[starts[r] ..
+    starts[r+1]-1]`` of ``u`` ``[pre, k, post]`` (deterministic; see ``kernels/take.cu``)."""
+    sfx = _suffix(u, "scatter_add")
+    u = _dev(u, "scatter_add")
+    p = _dev(perm, "scatter_add rows", np.int64)
+    st = _dev(starts, "scatter_add starts", np.int64)
+    pre, k, post = (int(s) for s in u.shape)
+    if st.size != n + 1:
+        raise KernelError(f"scatter_add: starts has {st.size} entries; {n + 1} needed")
+    y = _out(out, (pre, n, post), u.dtype)
+    if y.size:
+        fn = function("take.cu", f"dtm_scatter_rows_{sfx}")
+        fn((_grid(y.size, THREADS),), (THREADS,), (u, p, st, y, np.int64(pre), np.int64(n), np.int64(k), np.int64(post)))  # fmt: skip
     return y

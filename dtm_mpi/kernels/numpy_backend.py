@@ -12,6 +12,9 @@ where a block is not the op applied to blocks:
 * ``iota``, ``random`` and ``constant`` produce the rank's block of the global tensor from
   its global offsets (random values are a function of the global element index);
 * ``slice`` keeps the full local extent of the sharded dims it does not change;
+* ``take`` of a table split along the indexed dim looks up the indices in the rank's rows
+  (zeros for the others: its part of the pending sum), and ``scatter_add`` adds only the
+  updates whose indices fall in the rank's block of the result;
 * ``step_index`` is the executor's step.
 """
 
@@ -24,6 +27,7 @@ import numpy as np
 
 from dtm_mpi.ir.dtypes import as_dtype
 from dtm_mpi.ir.ops.create import random_values
+from dtm_mpi.ir.ops.index import scatter_rows, take_rows
 from dtm_mpi.ir.registry import OPS, lookup_op
 from dtm_mpi.ir.types import Layout, ReduceOp, TensorType
 from dtm_mpi.kernels.dispatch import COMM_OPS, KernelContext, has_kernel, register_kernel
@@ -160,6 +164,24 @@ def slice_index(ctx: KernelContext, shape: Sequence[int]) -> tuple[slice, ...]:
 def _slice(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
     x = xs[0]
     return (np.array(x[slice_index(ctx, x.shape)], order="C"),)
+
+
+@register_kernel(BACKEND, "take")
+def _take(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
+    d = int(ctx.op.attr("dim"))  # type: ignore[arg-type]
+    size = ctx.operand_types[0].shape[d]
+    return (
+        np.ascontiguousarray(
+            take_rows(xs[0], xs[1], d, ctx.operand_offsets[0][d], size, ctx.operand_offsets[1])
+        ),
+    )
+
+
+@register_kernel(BACKEND, "scatter_add")
+def _scatter_add(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
+    d = int(ctx.op.attr("dim"))  # type: ignore[arg-type]
+    lo, n, size = ctx.offsets[0][d], ctx.local_shapes[0][d], ctx.result_types[0].shape[d]
+    return (scatter_rows(xs[0], xs[1], d, lo, n, size, ctx.operand_offsets[1]),)
 
 
 @register_kernel(BACKEND, "step_index")

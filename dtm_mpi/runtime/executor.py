@@ -194,6 +194,9 @@ class Executor:
                     local_offsets(t.shape, t.layout, self.mesh, self.rank) for t in op.result_types
                 ),
                 step,
+                tuple(
+                    local_offsets(t.shape, t.layout, self.mesh, self.rank) for t in p.operand_types
+                ),
             )
             got = self._kernels[id(p)] = (kernel, ctx)
         if got[1].step != step:

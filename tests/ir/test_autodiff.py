@@ -16,7 +16,7 @@ from dtm_mpi.ir import load_module, print_module
 from dtm_mpi.ir.autodiff import backward, grad_module
 from dtm_mpi.ir.build import FunctionBuilder, Value
 from dtm_mpi.ir.nodes import Mesh, Module
-from dtm_mpi.ir.registry import all_ops
+from dtm_mpi.ir.registry import all_ops, required_version
 from dtm_mpi.ir.types import DType, Layout, TensorType
 from dtm_mpi.ir.verify import verify_module
 from dtm_mpi.runtime.reference import evaluate_function
@@ -53,6 +53,12 @@ def with_decl(name: str, shape: tuple[int, ...], **attrs: object) -> Callable[[F
     return lambda b, xs: b.apply1(name, xs, attrs, [TensorType(DType.F64, shape, Layout.replicated(len(shape)))])  # type: ignore[arg-type]  # fmt: skip
 
 
+def ids(b: FunctionBuilder, lay: str = "dp,-") -> Value:
+    """Integer indices [4, 3] into a dim of 7, with repeats (their gradients add up)."""
+    t = TensorType(DType.I64, (4, 3), layout(lay))
+    return b.emit1("constant", [], {"value": ((0, 6, 3), (3, 3, 5), (6, 1, 2), (4, 4, 4))}, [t])
+
+
 X = ("x", (5, 6), "dp,tp")
 Y = ("y", (5, 6), "dp,-")
 UNARY = ["neg", "exp", "tanh", "relu", "gelu", "sigmoid", "abs"]
@@ -70,6 +76,9 @@ CASES = [
     Case("broadcast_to", (("v", (1, 6), "-,tp"),), with_decl("broadcast_to", (4, 5, 6))),
     Case("slice", (("x", (7, 6), "-,tp"),), op("slice", start=(1, 0), limit=(5, 6))),
     Case("concat", (("a", (3, 6), "-,tp"), ("c", (2, 6), "-,tp")), op("concat", dim=0)),
+    Case("take-vocab-split", (("w", (7, 5), "tp,-"),), lambda b, xs: b.apply1("take", [xs[0], ids(b)], {"dim": 0})),
+    Case("take-inner-dim", (("t", (2, 7, 5), "-,-,tp"),), lambda b, xs: b.apply1("take", [xs[0], ids(b, "-,dp")], {"dim": 1})),
+    Case("scatter_add", (("u", (4, 3, 5), "dp,-,tp"),), lambda b, xs: b.apply1("scatter_add", [xs[0], ids(b)], {"dim": 0}, [TensorType(DType.F64, (7, 5), layout("-,tp"))])),
     *(Case(f"{n}-dims", (X,), op(n, dims=(0,))) for n in ("sum", "mean", "max", "min")),
     Case("sum-keepdims", (X,), op("sum", dims=(1,), keepdims=True)),
     Case("mean-all", (X,), op("mean", dims=(0, 1))),
@@ -99,7 +108,7 @@ def build(case: Case) -> tuple[Module, list[str]]:
     loss = b.complete(total)
     grads = backward(b, list(b.ops), loss, xs)
     f = b.function("step", [loss, *grads], entry=True)
-    module = Module((1, 0), b.module.name, (MESH,), (f,))
+    module = Module(required_version(f.body), b.module.name, (MESH,), (f,))
     verify_module(module)
     return load_module(print_module(module)), [n for n, _, _ in case.params]
 

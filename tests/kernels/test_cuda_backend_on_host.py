@@ -74,8 +74,26 @@ def _fused(expr: Expr, inputs: Sequence[FusedInput], xs: Sequence[Any], dtype: A
     return np.ascontiguousarray(evaluate(expr, vals, acc)).astype(dtype)
 
 
+def _take_rows(x: Any, idx: Any, lo: int, *, out: Any = None) -> Any:
+    n = x.shape[1]
+    inside = (idx >= lo) & (idx < lo + n)
+    y = np.zeros((x.shape[0], idx.size, x.shape[2]), x.dtype)
+    y[:, inside] = x[:, idx[inside] - lo]
+    return y
+
+
+def _scatter_rows(u: Any, perm: Any, starts: Any, n: int, *, out: Any = None) -> Any:
+    assert starts.size == n + 1 and np.all(np.diff(starts) >= 0)
+    y = np.zeros((u.shape[0], n, u.shape[2]), u.dtype)
+    for r in range(n):
+        for g in perm[starts[r] : starts[r + 1]]:
+            y[:, r] += u[:, g]
+    return y
+
+
 TWINS = {"softmax": _softmax, "layer_norm": _layer_norm, "row_reduce": _row_reduce,
-         "quantize": _quantize, "dequantize": _dequantize, "fused": _fused}  # fmt: skip
+         "quantize": _quantize, "dequantize": _dequantize, "fused": _fused,
+         "take_rows": _take_rows, "scatter_rows": _scatter_rows}  # fmt: skip
 
 
 @pytest.fixture(params=["twins", "emu-cuda-w32", "emu-hip-w64"])
@@ -192,6 +210,40 @@ def test_every_op_family_with_the_gpu_table(on_host: list[str], ranks: int) -> N
     _compare(got, want)
     for launcher in ("softmax", "layer_norm", "row_reduce", "quantize", "dequantize", "fused"):
         assert launcher in on_host, launcher
+
+
+INDEX_MODULE = """dtm 1.1
+module gpu_index
+
+mesh @m = [dp=2, tp=2]
+
+entry func @main(%w: f32[11,6]{tp,-} init normal(seed=1, std=1.0),
+                 %u: f32[4,3,6]{dp,-,-} init normal(seed=2, std=1.0),
+                 %t: f64[2,11,5]{-,-,tp} init normal(seed=3, std=1.0)) -> (
+    f32[4,3,6]{dp,-,-} partial(sum: tp), f32[11,6]{tp,-} partial(sum: dp), f64[2,4,3,5]{-,dp,-,tp}, i64[4,3]{dp,-}) on @m {
+  %ids = constant [[0, 10, 3], [3, 3, 7], [10, 1, 2], [5, 5, 5]] : i64[4,3]{dp,-}
+  %r = take %w, %ids dim 0 : f32[4,3,6]{dp,-,-} partial(sum: tp)
+  %s = scatter_add %u, %ids dim 0 : f32[11,6]{tp,-} partial(sum: dp)
+  %x = take %t, %ids dim 1 : f64[2,4,3,5]{-,dp,-,tp}
+  %tab = constant [[9, 8], [7, 6], [5, 4], [3, 2], [1, 0], [2, 2], [4, 4], [6, 6], [8, 8], [1, 1], [0, 0]] : i64[11,2]
+  %it = take %tab, %ids dim 0 : i64[4,3,2]{dp,-,-}
+  %i = sum %it dims [2] : i64[4,3]{dp,-}
+  return %r, %s, %x, %i
+}
+"""
+
+
+@pytest.mark.parametrize("ranks", [1, 3, 4])
+def test_take_and_scatter_add_with_the_gpu_table(on_host: list[str], ranks: int) -> None:
+    module = load_module(INDEX_MODULE, "gpu_index.dtm")
+    binding = {1: {"dp": 1, "tp": 1}, 3: {"dp": 1, "tp": 3}, 4: {"dp": 2, "tp": 2}}[ranks]
+    want = run_simulated(module, ranks, binding=binding).results
+    got = run_simulated(module, ranks, binding=binding, backend=HostCuda(BackendKind.CUDA)).results
+    for g, w in zip(got, want, strict=True):  # each step
+        _compare(
+            {str(i): np.asarray(a) for i, a in enumerate(g)}, {str(i): a for i, a in enumerate(w)}
+        )
+    assert "take_rows" in on_host and "scatter_rows" in on_host
 
 
 def test_a_host_array_reaching_a_launcher_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip

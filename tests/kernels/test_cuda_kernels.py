@@ -225,6 +225,38 @@ def test_every_elementwise_kernel_matches_numpy(dev: Any, op: str, dtype: Any) -
     np.testing.assert_allclose(g.reshape(-1)[1:], want.reshape(-1)[1:], rtol=RTOL[dtype] * 4, atol=ATOL[dtype])  # fmt: skip
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("pre", "n", "k", "post", "lo"), [(1, 11, 9, 6, 0), (3, 4, 37, 5, 4), (1, 0, 5, 3, 2), (2, 7, 0, 33, 0), (1, 300, 513, 1, 100)])  # fmt: skip
+def test_take_and_scatter_rows(dev: Any, pre: int, n: int, k: int, post: int, lo: int, dtype: Any) -> None:  # fmt: skip
+    """Rows at indices (some outside the block: zeros) bit exact, and their scatter-add in the
+    updates' order: bit-equal to numpy.add.at in f32/f64 (repeated indices included)."""
+    from dtm_mpi.kernels import launch
+
+    cp = dev.ops.cp
+    rng = np.random.default_rng(n + k)
+    size = lo + n + 3
+    idx = rng.integers(0, size, k).astype(np.int64)
+    idx[: k // 2] = idx[0] if k else 0  # many repeats of one row
+    x = _x((pre, n, post), dtype)
+    got = launch.take_rows(cp.asarray(x), cp.asarray(idx), lo, out=_poisoned(cp, (pre, k, post), dtype)).get()  # fmt: skip
+    inside = (idx >= lo) & (idx < lo + n)
+    want = np.zeros((pre, k, post), dtype)
+    want[:, inside] = x[:, idx[inside] - lo]
+    assert np.array_equal(got, want)
+    u = _x((pre, k, post), dtype, 1)
+    rows = np.nonzero(inside)[0]
+    keys = idx[rows] - lo
+    order = np.argsort(keys, kind="stable")
+    starts = np.searchsorted(keys[order], np.arange(n + 1))
+    got = launch.scatter_rows(cp.asarray(u), cp.asarray(rows[order]), cp.asarray(starts), n, out=_poisoned(cp, (pre, n, post), dtype)).get()  # fmt: skip
+    ref = np.zeros((pre, n, post), dtype)
+    np.add.at(np.moveaxis(ref, 1, 0), keys, np.moveaxis(u[:, rows], 1, 0))
+    if dtype == np.float16:  # the kernel sums in float, numpy in half
+        np.testing.assert_allclose(got.astype(np.float64), ref, rtol=RTOL[dtype] * math.sqrt(k + 1), atol=ATOL[dtype] * k)  # fmt: skip
+    else:
+        assert np.array_equal(got, ref)
+
+
 EXAMPLES = Path(__file__).parents[2] / "examples"
 
 

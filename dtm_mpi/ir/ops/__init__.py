@@ -4,6 +4,7 @@ from dtm_mpi.ir.ops import (  # noqa: F401
     collective,
     create,
     elementwise,
+    index,
     linalg,
     quant,
     reduce,
