@@ -80,6 +80,13 @@ class ShardReader(Protocol):
 
     def read_verified(self, a: ArtifactRecord, s: ShardRecord, c: int) -> np.ndarray: ...
 
+    def read_rows_checked(self, a: ArtifactRecord, s: ShardRecord, first: int, last: int, out: np.ndarray, within: tuple[slice, ...] | None = None) -> list[str | None] | None:  # fmt: skip
+        """Chunks ``first..last`` into ``out`` (as ``read_rows``), each checked against its
+        content hash as it is read: each
+        chunk's mismatch (None where it matches), or None where this reader cannot do both in
+        one pass (the caller reads, then verifies)."""
+        ...
+
 
 class ShardBackend(Protocol):
     """A storage format for the shards of a checkpoint (see the module's docstring)."""

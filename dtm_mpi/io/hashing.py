@@ -28,6 +28,7 @@ __all__ = [
     "CONTENT_HASH",
     "canonical_json",
     "chunk_hash",
+    "chunk_hasher",
     "merkle_root",
     "shard_hash",
     "sha256_hex",
@@ -43,6 +44,12 @@ def chunk_hash(data: np.ndarray | memoryview | bytes) -> str:
             data = np.ascontiguousarray(data)
         data = data.reshape(-1).view(np.uint8).data if data.size else b""
     return xxhash.xxh3_128_hexdigest(data)
+
+
+def chunk_hasher() -> Any:
+    """A streaming hasher whose ``hexdigest()`` after ``update``s with a chunk's bytes in order
+    equals :func:`chunk_hash` of the chunk."""
+    return xxhash.xxh3_128()
 
 
 def shard_hash(chunks: Iterable[str]) -> str:

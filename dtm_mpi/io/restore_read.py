@@ -146,6 +146,26 @@ def _read_run(files: ShardReader, plan: RestorePlan, run: list[int], direct: dic
     return []
 
 
+def _read_run_checked(ctx: Reader, files: ShardReader, plan: RestorePlan, run: list[int], direct: dict[int, tuple[slice, ...]], outs: dict[str, np.ndarray]) -> list[Damage] | None:  # fmt: skip
+    """Read a run of direct chunks hashing each piece while it is cached (one pass); the
+    run's damage, or None where the shard's storage does not allow it (read, then verify)."""
+    first, last = plan.items[run[0]], plan.items[run[-1]]
+    name = plan.targets[first.tensor][0]
+    art = plan.artifacts[first.tensor]
+    shard = art.shards[first.shard]
+    where = direct[run[0]]
+    if where:
+        where = (slice(where[0].start, direct[run[-1]][0].stop), *where[1:])
+    try:
+        problems = files.read_rows_checked(art, shard, first.chunk, last.chunk, outs[name], where or None)  # fmt: skip
+    except Exception as exc:  # local: reported with the damage, agreed by the caller
+        return [_unreadable(files, name, shard, f"chunks {first.chunk}..{last.chunk}", exc)]
+    if problems is None:
+        return None
+    file = str(files.ckpt / shard.file)
+    return [(name, shard.id, f"{p} (read by rank {ctx.rank})", file) for p in problems if p is not None]  # fmt: skip
+
+
 def _verify_run(ctx: Reader, files: ShardReader, plan: RestorePlan, run: list[int], direct: dict[int, tuple[slice, ...]], outs: dict[str, np.ndarray]) -> list[Damage]:  # fmt: skip
     """The damage of the chunks of a run that was read (their content hashes checked)."""
     first = plan.items[run[0]]
@@ -165,6 +185,12 @@ def _read_runs(ctx: Reader, files: ShardReader, plan: RestorePlan, runs: list[li
         pending: Future[list[Damage]] | None = None
         for run in runs:
             with ctx.deadline(f"restore: reading {len(run)} chunk(s) of tensor {plan.targets[plan.items[run[0]].tensor][0]!r}"):  # fmt: skip
+                # no spare core: hash each piece right after reading it, while it is cached;
+                # with one, hashing a run on the worker while the next is read is faster
+                checked = None if pool is not None else _read_run_checked(ctx, files, plan, run, direct, outs)  # fmt: skip
+                if checked is not None:  # read and verified in one pass
+                    damaged.extend(checked)
+                    continue
                 failed = _read_run(files, plan, run, direct, outs)
                 if pending is not None:
                     damaged.extend(pending.result())

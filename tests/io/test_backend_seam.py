@@ -90,6 +90,9 @@ class _NpyReader:
     def read_chunk(self, a: ArtifactRecord, s: ShardRecord, c: int, out: np.ndarray | None = None, within: tuple[slice, ...] | None = None) -> np.ndarray:  # fmt: skip
         return self.read_rows(a, s, c, c, out, within)
 
+    def read_rows_checked(self, a: ArtifactRecord, s: ShardRecord, first: int, last: int, out: np.ndarray, within: tuple[slice, ...] | None = None) -> list[str | None] | None:  # fmt: skip
+        return None  # no one-pass read: the restore reads, then verifies
+
     def read_verified(self, a: ArtifactRecord, s: ShardRecord, c: int) -> np.ndarray:
         data = self.read_chunk(a, s, c)
         problem = chunk_mismatch(s, c, data)

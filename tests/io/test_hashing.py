@@ -289,3 +289,17 @@ def test_roots_cover_content_the_manifest_hash_covers_where_it_is_stored() -> No
     assert moved != text
     with pytest.raises(ManifestError, match="manifest hash mismatch"):
         parse_manifest(moved)
+
+
+def test_the_streaming_chunk_hasher_equals_the_chunk_hash() -> None:
+    """Restore hashes a chunk piece by piece as it reads it; the digest must be the chunk's."""
+    from dtm_mpi.io.hashing import chunk_hash, chunk_hasher
+
+    rng = np.random.default_rng(5)
+    for n in (0, 1, 4095, 1 << 20, (1 << 20) + 17):
+        data = rng.integers(0, 256, n, dtype=np.uint8)
+        for piece in (1, 4096, 1 << 19):
+            h = chunk_hasher()
+            for i in range(0, n, piece):
+                h.update(data[i : i + piece])
+            assert h.hexdigest() == chunk_hash(data), (n, piece)

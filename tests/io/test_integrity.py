@@ -130,20 +130,29 @@ def test_the_good_file_verifies_and_restores(good: tuple[Path, dict[str, np.ndar
     assert sum(n for _, _, n in extents) >= m.data_bytes
 
 
-@pytest.mark.parametrize("hash_thread", [False, True], ids=["inline-hash", "hash-thread"])
-def test_every_flipped_data_byte_is_found(good: tuple[Path, dict[str, np.ndarray]], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, hash_thread: bool) -> None:  # fmt: skip
-    """Also with restore's hashes checked on a second thread while the next run is read."""
+@pytest.mark.parametrize("mode", ["one-pass", "inline-hash", "hash-thread"])
+def test_every_flipped_data_byte_is_found(good: tuple[Path, dict[str, np.ndarray]], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, mode: str) -> None:  # fmt: skip
+    """Without a spare core, restore hashes each piece as it reads it (one pass); with that
+    path off, each run is read, then hashed inline; with a spare core, hashed on a second
+    thread while the next run is read."""
     import dtm_mpi.io.restore_read as restore_read
 
+    hash_thread = mode == "hash-thread"
     monkeypatch.setattr(restore_read, "hash_thread_wanted", lambda: hash_thread)
-    pipelined = []
-    real = restore_read._read_runs
+    pipelined, one_pass = [], []
+    real, real_checked = restore_read._read_runs, restore_read._read_run_checked
 
     def spy(*args: Any, threaded: bool) -> Any:
         pipelined.append(threaded)
         return real(*args, threaded=threaded)
 
+    def checked(*args: Any) -> Any:
+        got = real_checked(*args) if mode == "one-pass" else None
+        one_pass.append(got is not None)
+        return got
+
     monkeypatch.setattr(restore_read, "_read_runs", spy)
+    monkeypatch.setattr(restore_read, "_read_run_checked", checked)
     path, _ = good
     extents = data_extents(path)
     total = sum(n for _, _, n in extents)
@@ -189,6 +198,10 @@ def test_every_flipped_data_byte_is_found(good: tuple[Path, dict[str, np.ndarray
         shutil.rmtree(bad.parent)
     assert hit == {name for name, _ in TENSORS}
     assert pipelined and any(pipelined) == hash_thread
+    if mode == "hash-thread":  # with a spare core whole runs are read, hashed on the worker
+        assert not one_pass
+    else:
+        assert one_pass and all(one_pass) == (mode == "one-pass")
 
 
 def test_a_flipped_manifest_byte_makes_it_unloadable(good: tuple[Path, dict[str, np.ndarray]], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
