@@ -288,9 +288,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(words)
     except UsageError as exc:
         if runs_under_mpi(words):  # every rank of the job decides before any rank exits
-            from dtm_mpi.runtime.request import agree_arguments
+            from dtm_mpi.runtime.mpirun import run_under_mpi
 
-            agree_arguments(exc)
+            refusal = exc
+
+            def refused() -> Any:
+                raise refusal
+
+            return run_under_mpi(refused)  # raises this error, agreed
         raise
     code: int = args.func(args)
     return code

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from dtm_mpi.errors import DtmError, UsageError, agreed
+from dtm_mpi.errors import UsageError, agreed
 from dtm_mpi.kernels.backends import BACKEND_NAMES
 
 if TYPE_CHECKING:
@@ -127,22 +127,19 @@ def runs_under_mpi(argv: Sequence[str]) -> bool:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from dtm_mpi.runtime.launch import launch
-    from dtm_mpi.runtime.request import RunRequest, agree_arguments
+    from dtm_mpi.runtime.request import RunRequest
 
-    request = None
-    error: DtmError | None = None
-    try:
-        request = RunRequest(
+    def request() -> RunRequest:
+        return RunRequest(
             args.file, _binding(args), tuple(args.input), args.output, args.steps,
             args.backend, args.max_bytes_per_rank, args.store, args.checkpoint_every,
             args.resume, args.gpu_aware_mpi, args.require_gpu_aware_mpi, args.sim,
         )  # fmt: skip
-    except DtmError as exc:  # from the command line alone: the same on every rank
-        error = exc
+
     if args.sim is None:  # under MPI: every rank decides before any rank may exit
-        agree_arguments(error)
-    if error is not None:
-        raise error
-    assert request is not None
-    return launch(request)
+        from dtm_mpi.runtime.mpirun import run_under_mpi
+
+        return run_under_mpi(request)
+    from dtm_mpi.runtime.launch import launch
+
+    return launch(request())

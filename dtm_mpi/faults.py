@@ -1,7 +1,8 @@
 """Failure injection for tests: ``DTM_FAULT=RANK:WHERE:KIND`` makes rank RANK fail at WHERE
-(an op name such as ``allreduce``, or a phase: ``load``, ``handshake``, ``plan``, ``inputs``,
-``step``, ``output``, or a checkpoint point: ``ckpt_write`` before each tensor a save
-writes, ``ckpt_commit`` on rank 0 just before the rename) with KIND ``raise`` (an error),
+(an op name such as ``allreduce``, or a phase: ``arguments``, ``load``, ``backend``,
+``handshake``, ``plan``, ``inputs``, ``step``, ``output``, or a checkpoint point:
+``ckpt_write`` before each tensor a save writes, ``ckpt_commit`` on rank 0 just before the
+rename) with KIND ``raise`` (an error),
 ``hang`` (sleeps until killed) or ``exit`` (``os._exit(3)``: the process dies without a word, as in a crash)."""
 
 from __future__ import annotations

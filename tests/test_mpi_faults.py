@@ -154,7 +154,7 @@ def test_ranks_failing_together_are_all_named_alike(ranks: int, where: str, mark
 
 
 @pytest.mark.parametrize("ranks", [2, 3, 4])
-@pytest.mark.parametrize("phase", ["load", "backend", "plan"])
+@pytest.mark.parametrize("phase", ["arguments", "load", "backend", "plan"])
 def test_a_rank_dying_before_the_session_is_named_by_every_survivor(
     ranks: int, phase: str, marker: str
 ) -> None:

@@ -18,6 +18,7 @@ __all__ = [
     "ENDING",
     "abort_job",
     "claim_ending",
+    "keep_early_term",
     "mpi_world",
     "report",
     "run_or_abort",
@@ -124,6 +125,19 @@ def take_early_term() -> int | None:
     return signum
 
 
+def keep_early_term() -> None:
+    """Under MPI with several ranks, keep the launcher's SIGTERM until the command's presence
+    reports it (:data:`EARLY_TERM`). Called first thing by ``python -m dtm_mpi`` (where MPI is
+    already initialised, as under ``python -m mpi4py`` with eager initialisation) and again
+    by :func:`run_or_abort`; a handler someone else installed is left alone."""
+    if (
+        _multi_rank()
+        and threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    ):
+        signal.signal(signal.SIGTERM, _early_term)
+
+
 def run_or_abort(main: Callable[[], int]) -> int:
     """Run ``main`` and turn errors into exit codes: 2 for usage errors, 1 for other
     :class:`DtmError`, 1 with a traceback for anything else (a bug).
@@ -132,12 +146,7 @@ def run_or_abort(main: Callable[[], int]) -> int:
     (``DtmError.agreed``) aborts the whole job, so no peer is left blocked in a collective;
     the launcher's SIGTERM before the command is under way is kept for it to report.
     """
-    if (
-        _multi_rank()
-        and threading.current_thread() is threading.main_thread()
-        and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-    ):
-        signal.signal(signal.SIGTERM, _early_term)
+    keep_early_term()
     try:
         return main()
     except SystemExit:

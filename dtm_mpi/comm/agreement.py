@@ -12,7 +12,13 @@ import numpy as np
 
 from dtm_mpi.errors import CommTimeoutError, RankFailure, RemoteFailureError
 
-__all__ = ["active_wait", "agree_or_raise", "agree_outcome", "wait_bounded"]
+__all__ = [
+    "active_wait",
+    "agree_or_raise",
+    "agree_outcome",
+    "exchange_without_session",
+    "wait_bounded",
+]
 
 _ACTIVE: dict[int, str] = {}  # thread id -> the bounded wait it is in
 
@@ -79,11 +85,26 @@ def _agree_without_session(
     comm: Any, ok: bool, message: str, phase: str, timeout_s: float
 ) -> tuple[RankFailure, ...]:
     """Every rank sends its outcome to every other rank and waits, within ``timeout_s``, for
-    all of theirs; so every rank that arrives knows by itself which ranks did. If some did
-    not arrive, the arrived ranks exchange what they heard (a second bounded round among
-    them) and take the union: every arrived rank names the same missing ranks and raises the
-    same :class:`CommTimeoutError`. Point-to-point only: nothing here can block on a rank
-    that is dead or stopped."""
+    all of theirs (:func:`exchange_without_session`); the failed ranks, in rank order."""
+    outcomes = _exchange(comm, ok, message, phase, timeout_s)
+    return tuple(RankFailure(r, phase, m) for r, (k, m) in sorted(outcomes.items()) if not k)
+
+
+def exchange_without_session(comm: Any, text: str, *, phase: str, timeout_s: float) -> list[str]:
+    """Collective: call on all ranks. Every rank's ``text``, in rank order, exchanged point to
+    point within ``timeout_s`` as the agreements before a session are: a rank that does not
+    arrive is named by every rank that did (the same :class:`CommTimeoutError`)."""
+    outcomes = _exchange(comm, True, text, phase, timeout_s)
+    return [outcomes[r][1] for r in range(int(comm.Get_size()))]
+
+
+def _exchange(comm: Any, ok: bool, message: str, phase: str, timeout_s: float) -> dict[int, tuple[bool, str]]:  # fmt: skip
+    """Every rank sends (``ok``, ``message``) to every other rank and waits, within
+    ``timeout_s``, for all of theirs; so every rank that arrives knows by itself which ranks
+    did. If some did not arrive, the arrived ranks exchange what they heard (a second bounded
+    round among them) and take the union: every arrived rank names the same missing ranks and
+    raises the same :class:`CommTimeoutError`. Point-to-point only: nothing here can block on
+    a rank that is dead or stopped."""
     rank, size = int(comm.Get_rank()), int(comm.Get_size())
     start = time.monotonic()
     sends = [comm.isend((phase, ok, message), dest=r, tag=AGREE_TAG) for r in range(size) if r != rank]  # fmt: skip
@@ -115,7 +136,7 @@ def _agree_without_session(
         raise err
     for req in sends:  # every peer arrived and receives: small messages complete at once
         wait_bounded(req, timeout_s=timeout_s, op="agreement", phase=phase, rank=rank)
-    return tuple(RankFailure(r, phase, outcomes[r][1]) for r in range(size) if not outcomes[r][0])
+    return outcomes
 
 
 def agree_outcome(

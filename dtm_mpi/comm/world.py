@@ -49,15 +49,17 @@ def world_comm() -> Any:
     return MPI.COMM_WORLD
 
 
-def node_local_rank(comm: Any) -> tuple[int, int]:
+def node_local_rank(comm: Any, *, phase: str, timeout_s: float) -> tuple[int, int]:
     """This rank's index among the ranks of ``comm`` on its node, and how many there are
-    (``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)``; what binds a rank to a GPU).
+    (what binds a rank to a GPU): the ranks' processor names exchanged point to point within
+    ``timeout_s``, so a rank that is gone is named by every other
+    (``MPI_Comm_split_type`` would wait for it for ever).
 
     Collective: call on all ranks."""
     from mpi4py import MPI
 
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    try:
-        return int(node.Get_rank()), int(node.Get_size())
-    finally:
-        node.Free()
+    from dtm_mpi.comm.agreement import exchange_without_session
+
+    names = exchange_without_session(comm, MPI.Get_processor_name(), phase=phase, timeout_s=timeout_s)  # fmt: skip
+    here = [r for r, n in enumerate(names) if n == names[int(comm.Get_rank())]]
+    return here.index(int(comm.Get_rank())), len(here)

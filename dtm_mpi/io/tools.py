@@ -27,6 +27,7 @@ import os
 import secrets
 import select
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -149,7 +150,7 @@ def verify_checkpoints(store: Path, step: int | None = None, every: bool = False
     return out
 
 
-def _child(ckpt: Path, start: int, fd: int) -> None:  # pragma: no cover  (runs in the fork)
+def _child(ckpt: Path, start: int, fd: int) -> None:  # pragma: no cover  (runs in the child)
     """The verification child: its findings as JSON lines on ``fd``, from item ``start``."""
 
     def emit(*msg: Any) -> None:
@@ -171,10 +172,14 @@ def _child(ckpt: Path, start: int, fd: int) -> None:  # pragma: no cover  (runs 
     emit("done")
 
 
-def _run_child(ckpt: Path, start: int, timeout_s: float, on: Callable[[list[Any]], None]) -> str | None:  # fmt: skip
-    """Run :func:`_child` in a fork, passing each message to ``on``; returns None when it
-    finished, else how it ended (a signal, an exit code, or silence for ``timeout_s``)."""
-    r, w = os.pipe()
+def _in_mpi() -> bool:
+    """Whether this process has initialised MPI (never initialising it)."""
+    from dtm_mpi.comm.abort import mpi_world
+
+    return mpi_world() is not None
+
+
+def _fork_child(ckpt: Path, start: int, r: int, w: int) -> int:
     pid = os.fork()
     if pid == 0:  # pragma: no cover  (the child)
         code = 0
@@ -189,6 +194,36 @@ def _run_child(ckpt: Path, start: int, timeout_s: float, on: Callable[[list[Any]
             code = 3
         finally:
             os._exit(code)
+    return pid
+
+
+def _spawn_child(ckpt: Path, start: int, w: int) -> int:
+    """``python -m dtm_mpi.io.tools CKPT START FD`` with MPI off and stderr dropped (no
+    Python runs in the child before the new interpreter: safe in an MPI process)."""
+    import dtm_mpi
+
+    os.set_inheritable(w, True)
+    env = dict(os.environ)
+    env["MPI4PY_RC_INITIALIZE"] = "0"  # the child reads files serially: no MPI
+    root = str(Path(dtm_mpi.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([root, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])  # fmt: skip
+    argv = [sys.executable, "-m", "dtm_mpi.io.tools", str(ckpt), str(start), str(w)]
+    quiet = [(os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)]
+    return os.posix_spawn(sys.executable, argv, env, file_actions=quiet)
+
+
+def _run_child(ckpt: Path, start: int, timeout_s: float, on: Callable[[list[Any]], None]) -> str | None:  # fmt: skip
+    """Run :func:`_child` in a child process, passing each message to ``on``; returns None
+    when it finished, else how it ended (a signal, an exit code, or silence for
+    ``timeout_s``). A fork, except where this process has initialised MPI (forking an MPI
+    process is unsafe): then a new interpreter, which never initialises MPI."""
+    r, w = os.pipe()
+    try:
+        pid = _spawn_child(ckpt, start, w) if _in_mpi() else _fork_child(ckpt, start, r, w)
+    except OSError:
+        os.close(r)
+        os.close(w)
+        raise
     os.close(w)
     buf, done, ended = b"", False, None
     deadline = time.monotonic() + timeout_s
@@ -482,3 +517,12 @@ def put_tensor(store: Path, comm: Any, name: str, value: np.ndarray, *, cls: str
     finally:
         ckpt.close()
     return PutResult(path, step, base, len(specs), replaced is not None, dtype, tuple(value.shape), kind, tuple(rebuilt))  # fmt: skip
+
+
+if __name__ == "__main__":  # pragma: no cover  (the verification child of _run_child)
+    faulthandler.disable()
+    try:
+        _child(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+    except BaseException:
+        os._exit(3)
+    os._exit(0)

@@ -18,6 +18,8 @@ survives).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import suppress
 from typing import Any
 
 import numpy as np
@@ -49,10 +51,12 @@ __all__ = ["MpiRunArgs", "open_backend_everywhere", "run_under_mpi"]
 MpiRunArgs = RunRequest
 
 
-def run_under_mpi(args: RunRequest) -> int:
+def run_under_mpi(args: RunRequest | Callable[[], RunRequest]) -> int:
     """Run ``args`` (checked, :class:`~dtm_mpi.runtime.request.RunRequest`) on every rank of
     ``MPI.COMM_WORLD``; returns 0 or ends the job. Reached through
-    :func:`~dtm_mpi.runtime.launch.launch`.
+    :func:`~dtm_mpi.runtime.launch.launch`. Given a function making the request from the
+    command line instead, every rank first decides whether its arguments are valid and all
+    agree (phase ``arguments``) before any may exit; a rank that dies meanwhile is named.
 
     Collective: call on all ranks."""
     from dtm_mpi.comm.presence import Presence
@@ -63,12 +67,36 @@ def run_under_mpi(args: RunRequest) -> int:
     rank, size = int(world.Get_rank()), int(world.Get_size())
     presence = Presence(world, "dtm run")  # from here on, a rank that dies is named
     try:
+        if not isinstance(args, RunRequest):
+            presence.phase = "arguments"
+            args = _agreed_request(args)
         return _load_and_run(args, world, rank, size, presence)
     except CommTimeoutError as exc:  # a phase before the session: some rank(s) did not arrive
         presence.end_job(1, f"dtm run: {exc}")  # every arrived rank prints it, then the abort
         raise
     finally:
         presence.stop()
+
+
+def _agreed_request(make: Callable[[], RunRequest]) -> RunRequest:
+    """The request ``make`` builds from the command line, once every rank built its own (a
+    rank's error raised, else the agreed failure of the others)."""
+    from dtm_mpi.comm.world import world_comm
+    from dtm_mpi.faults import maybe_fail
+    from dtm_mpi.runtime.request import agree_arguments
+
+    request = None
+    error: DtmError | None = None
+    try:
+        maybe_fail(int(world_comm().Get_rank()), "arguments")
+        request = make()
+    except DtmError as exc:  # from the command line alone: the same on every rank
+        error = exc
+    agree_arguments(error)
+    if error is not None:
+        raise error
+    assert request is not None
+    return request
 
 
 def _load_and_run(args: RunRequest, world: Any, rank: int, size: int, presence: Any) -> int:
@@ -109,7 +137,8 @@ def open_backend_everywhere(name: str, world: Any) -> Any:
     from dtm_mpi.kernels.devices import open_backend
 
     kind = parse_backend(name)
-    local_rank, local_size = node_local_rank(world) if kind.is_gpu else (0, 1)
+    timeout_s = get_config().timeout_s
+    local_rank, local_size = node_local_rank(world, phase="backend", timeout_s=timeout_s) if kind.is_gpu else (0, 1)  # fmt: skip
     backend = None
     error: BaseException | None = None
     try:
@@ -117,7 +146,7 @@ def open_backend_everywhere(name: str, world: Any) -> Any:
         backend = open_backend(kind, local_rank, local_size)
     except DtmError as exc:
         error = exc
-    agree_or_raise(world, phase="backend", error=error, timeout_s=get_config().timeout_s)
+    agree_or_raise(world, phase="backend", error=error, timeout_s=timeout_s)
     return backend
 
 
@@ -164,10 +193,7 @@ def _run_session(module: object, args: MpiRunArgs, world: Any, rank: int, size: 
     except LauncherTerminatedError as exc:  # a peer died: mpirun is killing the job
         session.report_terminated(exc)
     except BaseException as exc:  # every failure ends every rank with one error
-        everywhere = isinstance(exc, HandshakeError | RemoteFailureError) or (
-            isinstance(exc, DtmError) and exc.agreed
-        )
-        if everywhere and session.poisoned is None:
+        if _raised_everywhere(exc) and session.poisoned is None:
             # raised alike on every rank at the same point, nothing pending: a clean exit
             write_line(f"[rank {rank}] dtm run: {exc}")
             session.close()
@@ -175,6 +201,11 @@ def _run_session(module: object, args: MpiRunArgs, world: Any, rank: int, size: 
         session.end_with(session.fail(exc))
     session.close()
     return 0
+
+
+def _raised_everywhere(exc: BaseException) -> bool:
+    """Whether ``exc`` is raised alike on every rank at the same point (an agreed failure)."""
+    return isinstance(exc, HandshakeError | RemoteFailureError) or (isinstance(exc, DtmError) and exc.agreed)  # fmt: skip
 
 
 def _groups(plan: object) -> list[tuple[str, ...]]:
@@ -243,8 +274,8 @@ def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, ra
     from dtm_mpi.comm.mpi_session import MpiSession
     from dtm_mpi.faults import maybe_fail
     from dtm_mpi.plan.program import ExecPlan
-    from dtm_mpi.runtime.executor import Executor, gather_to_root
-    from dtm_mpi.runtime.simulate import StepFeeder, initial_blocks, output_values, run_steps
+    from dtm_mpi.runtime.executor import gather_to_root
+    from dtm_mpi.runtime.simulate import output_values
 
     assert isinstance(session, MpiSession) and isinstance(comm, MpiComm)
     assert isinstance(plan, ExecPlan)
@@ -264,9 +295,42 @@ def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, ra
         error = exc
     session.agree("inputs", error)
     ckpt = _Checkpoints(session, plan, args, rank, backend) if args.store else None
+    try:
+        results = _steps_with(ckpt, session, plan, args, rank, backend, dcomm, blocks, given)
+    except BaseException as exc:
+        if ckpt is not None and _raised_everywhere(exc) and session.poisoned is None:
+            with suppress(DtmError):  # every rank is here: close the store (collective)
+                ckpt.close()
+        raise
+    if ckpt is not None:
+        ckpt.close()
+
+    session.phase = "output"
+    maybe_fail(rank, "output")
+    outputs: dict[str, np.ndarray] = {}
+    for name, t, block in output_values(entry, results, blocks):
+        value = gather_to_root(t, backend.to_host(block), comm)
+        if value is not None:
+            outputs[name] = value
+    error = None
+    if rank == 0:
+        try:
+            deliver_outputs(args, outputs)
+        except (DtmError, OSError) as exc:
+            error = exc
+    session.agree("output", error)
+
+
+def _steps_with(ckpt: _Checkpoints | None, session: Any, plan: Any, args: MpiRunArgs, rank: int, backend: Any, dcomm: Any, blocks: list[Any], given: dict[str, np.ndarray]) -> tuple[Any, ...]:  # fmt: skip
+    """The initial state (inputs, ``init store``, or the resumed checkpoint), then the steps,
+    saving checkpoints; the last step's results."""
+    from dtm_mpi.faults import maybe_fail
+    from dtm_mpi.runtime.executor import Executor
+    from dtm_mpi.runtime.simulate import StepFeeder, initial_blocks, run_steps
+
     if not args.resume:  # 'init store' parameters no input supplies: from the store
         local = ckpt.read_init_store(store_params(plan.module, given)) if ckpt is not None else {}
-        blocks = initial_blocks(plan, rank, given, local, fed=args.fed)
+        blocks[:] = initial_blocks(plan, rank, given, local, fed=args.fed)
     first = ckpt.resume(blocks) if ckpt is not None and args.resume else 0
     blocks[:] = [backend.to_device(b) for b in blocks]  # the state lives on the backend
     feeder = StepFeeder(plan, rank, args.hooks) if args.hooks is not None else None
@@ -291,27 +355,10 @@ def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, ra
             ckpt.save(step + 1, blocks)
 
     executor = Executor(plan, dcomm, backend)
-    results = run_steps(
+    return run_steps(
         executor, blocks, args.steps, first=first, before_step=before_step, commit=commit,
         after_step=after_step, on_results=on_results,
     )  # fmt: skip
-    if ckpt is not None:
-        ckpt.close()
-
-    session.phase = "output"
-    maybe_fail(rank, "output")
-    outputs: dict[str, np.ndarray] = {}
-    for name, t, block in output_values(entry, results, blocks):
-        value = gather_to_root(t, backend.to_host(block), comm)
-        if value is not None:
-            outputs[name] = value
-    error = None
-    if rank == 0:
-        try:
-            deliver_outputs(args, outputs)
-        except (DtmError, OSError) as exc:
-            error = exc
-    session.agree("output", error)
 
 
 class _Checkpoints:

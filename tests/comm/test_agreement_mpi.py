@@ -74,3 +74,25 @@ def test_without_a_session_all_arrived_is_agreed(comm) -> None:
     for phase in ("load", "backend", "plan"):  # back to back: no phase's message is mistaken
         failures = agree_outcome(comm, ok=rank != size - 1, message="x", phase=phase, timeout_s=30)
         assert [(f.rank, f.phase) for f in failures] == [(size - 1, phase)]
+
+
+def test_node_local_rank_is_bounded_and_names_a_missing_rank(comm) -> None:
+    """What binds a rank to its GPU: on one host every rank is node-local; a rank that never
+    comes is named by every other, within the deadline (a Split_type would wait for ever)."""
+    from dtm_mpi.comm.world import node_local_rank
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    assert node_local_rank(comm, phase="backend", timeout_s=30) == (rank, size)
+    missing = size - 1
+    if rank != missing:
+        start = time.monotonic()
+        with pytest.raises(CommTimeoutError) as info:
+            node_local_rank(comm, phase="backend", timeout_s=1.0)
+        assert time.monotonic() - start < 10
+        assert info.value.silent == (missing,)
+        assert f"phase 'backend' did not end within 1 s: rank(s) {missing} did not arrive" in str(info.value)  # fmt: skip
+    else:
+        time.sleep(3.0)
+        for r in range(size - 1):
+            comm.recv(source=r, tag=AGREE_TAG)
+    comm.Barrier()

@@ -135,7 +135,11 @@ def test_flipped_metadata_bytes_are_reported_never_an_internal_error(good: Path,
 
 def _patched_check(monkeypatch: pytest.MonkeyPatch, crash: str, hang: str) -> None:
     """Make the verification crash (SIGSEGV, as HDF5 does on some damage) at shard
-    ``crash`` and loop at shard ``hang``: the child is a fork, so the patch applies there."""
+    ``crash`` and loop at shard ``hang``: the child is a fork (as in a process without MPI),
+    so the patch applies there."""
+    import dtm_mpi.io.tools as tools
+
+    monkeypatch.setattr(tools, "_in_mpi", lambda: False)
     original = Verifier.check
 
     def check(self: Verifier, item: VerifyItem) -> object:
@@ -178,11 +182,41 @@ def test_a_crash_reading_the_main_file_is_an_invalid_checkpoint(good: Path, monk
     def crash(_: Path) -> None:
         os.kill(os.getpid(), signal.SIGSEGV)
 
+    monkeypatch.setattr(tools, "_in_mpi", lambda: False)  # a fork: the patch applies
     monkeypatch.setattr(tools, "read_manifest", crash)
     ckpt = good / committed_name(1)
     got = verify_isolated(ckpt, timeout_s=30)
     assert got.status is CheckStatus.INVALID
     assert got.problems == (f"{MAIN_FILE} cannot be read: the HDF5 library crashed (SIGSEGV) reading it",)  # fmt: skip
+
+
+@pytest.mark.parametrize("mpi", [False, True], ids=["fork", "spawned"])
+def test_in_an_mpi_process_the_child_is_a_new_interpreter(good: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mpi: bool) -> None:  # fmt: skip
+    """Where the caller has initialised MPI the verification child is spawned (a fork of an
+    MPI process is unsafe) and finds the same damage."""
+    import dtm_mpi.io.tools as tools
+
+    monkeypatch.setattr(tools, "_in_mpi", lambda: mpi)
+    spawned: list[int] = []
+    real = tools._spawn_child
+    monkeypatch.setattr(tools, "_spawn_child", lambda *a: spawned.append(1) or real(*a))
+    bad = tmp_path / "s"
+    shutil.copytree(good, bad)
+    ckpt = bad / committed_name(1)
+    assert verify_isolated(ckpt, timeout_s=60).status is CheckStatus.OK
+    flip_byte(ckpt / DATA, "/shards/mask/0", 0)
+    got = verify_isolated(ckpt, timeout_s=60)
+    assert got.status is CheckStatus.DAMAGED and len(got.problems) == 1 and "'mask'" in got.problems[0], got  # fmt: skip
+    assert bool(spawned) == mpi
+
+
+def test_in_mpi_never_initialises_mpi() -> None:
+    import subprocess
+    import sys
+
+    code = "from dtm_mpi.io.tools import _in_mpi as m; a = m(); from mpi4py import MPI; MPI.COMM_WORLD.Get_rank(); print(a, m())"  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    assert out.stdout.split() == ["False", "True"]
 
 
 def test_verify_all_counts_damaged_checkpoints_not_problems(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
