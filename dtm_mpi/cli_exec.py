@@ -74,7 +74,17 @@ def add_exec_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     rn.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
                     help="save the state to --store after every N steps")  # fmt: skip
     rn.add_argument("--resume", action="store_true",
-                    help="start from the latest checkpoint in --store and run up to --steps")  # fmt: skip
+                    help="start from the newest checkpoint in --store that verifies (saying which "
+                    "newer ones it skipped and why) and run up to --steps")  # fmt: skip
+    rn.add_argument("--checkpoint-async", action="store_true",
+                    help="write each checkpoint while the next steps run (its hashes taken when "
+                    "the step ends)")  # fmt: skip
+    rn.add_argument("--keep-last", type=int, default=None, metavar="K",
+                    help="keep only the K newest checkpoints in --store (kept in store.json)")  # fmt: skip
+    rn.add_argument("--quota", type=byte_count, default=None, metavar="BYTES",
+                    help="refuse a checkpoint that would take --store above BYTES")  # fmt: skip
+    rn.add_argument("--log-every", type=int, default=None, metavar="N",
+                    help="print the step time and throughput on rank 0 every N steps")  # fmt: skip
     rn.set_defaults(func=_cmd_run)
 
 
@@ -134,6 +144,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
             args.file, _binding(args), tuple(args.input), args.output, args.steps,
             args.backend, args.max_bytes_per_rank, args.store, args.checkpoint_every,
             args.resume, args.gpu_aware_mpi, args.require_gpu_aware_mpi, args.sim,
+            checkpoint_async=args.checkpoint_async, keep_last=args.keep_last, quota=args.quota,
+            log_every=args.log_every,
         )  # fmt: skip
 
     if args.sim is None:  # under MPI: every rank decides before any rank may exit

@@ -37,6 +37,8 @@ __all__ = [
     "QuotaError",
     "RankFailure",
     "RemoteFailureError",
+    "RunStopped",
+    "EXIT_REQUEUE",
     "SourceSpan",
     "StorageError",
     "UnrecoverableError",
@@ -213,6 +215,29 @@ class CommTimeoutError(CommError):
 
 class LauncherTerminatedError(CommError):
     """The launcher (mpirun/srun) is ending the job, e.g. because a peer process died."""
+
+
+EXIT_REQUEUE = 75
+"""The exit code of a run that stopped on a signal (SIGUSR1, or a scheduler's SIGTERM) after
+saving its state: "saved, requeue me" (``EX_TEMPFAIL``); ``--resume`` continues it."""
+
+
+class RunStopped(SystemExit):
+    """A run stopped at a step boundary on a signal, every rank together, after saving its
+    state (not an error: a ``SystemExit`` whose code is :data:`EXIT_REQUEUE` when a checkpoint
+    was saved, else 1). ``step``: the steps done; ``checkpoint``: the saved one, or None."""
+
+    def __init__(self, step: int, signal_name: str, checkpoint: str | None) -> None:
+        super().__init__(EXIT_REQUEUE if checkpoint is not None else 1)
+        self.step, self.signal_name, self.checkpoint = step, signal_name, checkpoint
+
+    def __str__(self) -> str:
+        if self.checkpoint is None:
+            return f"stopped by {self.signal_name} after step {self.step}; nothing saved (no --store)"  # fmt: skip
+        return (
+            f"stopped by {self.signal_name} after step {self.step}: checkpoint {self.checkpoint} "
+            f"saved; continue with --resume (exit code {EXIT_REQUEUE}: requeue)"
+        )
 
 
 class PoisonedError(CommError):

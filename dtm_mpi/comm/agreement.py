@@ -157,19 +157,39 @@ def agree_outcome(
     session (before the mesh is known) every rank sends its outcome to every other, so a rank
     that never arrives is named: every rank that did arrive raises the same
     :class:`CommTimeoutError` listing the missing ranks."""
+    failures, _ = agree_outcome_flagged(comm, ok=ok, message=message, phase=phase, timeout_s=timeout_s, wait=wait)  # fmt: skip
+    return failures
+
+
+def agree_outcome_flagged(
+    comm: Any,
+    *,
+    ok: bool,
+    message: str,
+    phase: str,
+    timeout_s: float,
+    wait: Callable[[Any, str], None] | None = None,
+    flag: bool = False,
+) -> tuple[tuple[RankFailure, ...], bool]:
+    """:func:`agree_outcome`, and whether any rank raised ``flag`` (e.g. a stop request),
+    agreed in the same exchange (the same answer on every rank)."""
     if wait is None:
-        return _agree_without_session(comm, ok, message, phase, timeout_s)
+        mine_view = "1" if flag else "0"
+        outcomes = _exchange(comm, ok, message if not ok else mine_view, phase, timeout_s)
+        failures = tuple(RankFailure(r, phase, m) for r, (k, m) in sorted(outcomes.items()) if not k)  # fmt: skip
+        return failures, any(k and m == "1" for k, m in outcomes.values()) or flag
     size = int(comm.Get_size())
-    mine = np.array([0 if ok else 1], dtype=np.int32)
+    mine = np.array([(0 if ok else 1) | (2 if flag else 0)], dtype=np.int32)
     everyone = np.zeros(size, dtype=np.int32)
     wait(comm.Iallgather(mine, everyone), "agreement")
-    failed = [r for r in range(size) if everyone[r]]
+    failed = [r for r in range(size) if everyone[r] & 1]
+    flagged = bool(np.any(everyone & 2))
     if not failed:
-        return ()
+        return (), flagged
     # Every rank has reached this point (the allgather completed), so this cannot block on a
     # dead peer: it only moves the failure messages.
     messages = comm.allgather("" if ok else message)
-    return tuple(RankFailure(r, phase, str(messages[r])) for r in failed)
+    return tuple(RankFailure(r, phase, str(messages[r])) for r in failed), flagged
 
 
 def agree_or_raise(
@@ -179,13 +199,16 @@ def agree_or_raise(
     error: BaseException | None,
     timeout_s: float,
     wait: Callable[[Any, str], None] | None = None,
-) -> None:
+    flag: bool = False,
+) -> bool:
     """Collective: call on all ranks. End ``phase``: if any rank failed it (``error`` is its
     own failure, or None), every rank raises the same :class:`RemoteFailureError` listing each
-    failed rank and its message."""
+    failed rank and its message. Returns whether any rank raised ``flag`` (the same on every
+    rank)."""
     message = "" if error is None else (str(error) or type(error).__name__)
-    failures = agree_outcome(
-        comm, ok=error is None, message=message, phase=phase, timeout_s=timeout_s, wait=wait
-    )
+    failures, flagged = agree_outcome_flagged(
+        comm, ok=error is None, message=message, phase=phase, timeout_s=timeout_s, wait=wait, flag=flag
+    )  # fmt: skip
     if failures:
         raise RemoteFailureError(phase, failures)
+    return flagged

@@ -327,17 +327,18 @@ class MpiSession:
             self._abandoned.append(request)
         raise cause
 
-    def agree(self, phase: str, error: BaseException | None) -> None:
+    def agree(self, phase: str, error: BaseException | None, *, flag: bool = False) -> bool:
         """End ``phase``: every rank says whether it succeeded; if any failed, every rank
         raises the same :class:`RemoteFailureError` listing each failed rank and its message.
+        Returns whether any rank raised ``flag`` (a stop request: the same on every rank).
 
         Collective: call on all ranks."""
         from dtm_mpi.comm.agreement import agree_or_raise
 
         self.check()
-        agree_or_raise(
-            self.comm, phase=phase, error=error, timeout_s=self.timeout_s, wait=self.wait
-        )
+        return agree_or_raise(
+            self.comm, phase=phase, error=error, timeout_s=self.timeout_s, wait=self.wait, flag=flag
+        )  # fmt: skip
 
     # -- failures ------------------------------------------------------------------------------
     def notify_failure(self, phase: str, message: str) -> None:

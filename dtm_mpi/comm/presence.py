@@ -24,7 +24,15 @@ from typing import Any
 from dtm_mpi.comm.abort import claim_ending, write_line
 from dtm_mpi.comm.control import Control
 
-__all__ = ["LINGER_S", "SURVEY_S", "Presence", "current", "terminated_line"]
+__all__ = [
+    "LINGER_S",
+    "STOP_SIGNALS",
+    "SURVEY_S",
+    "Presence",
+    "current",
+    "survey_after_term",
+    "terminated_line",
+]
 
 SURVEY_S = 0.5
 """Seconds a rank that got the launcher's SIGTERM waits for its peers' answers (the launcher
@@ -42,18 +50,29 @@ def current() -> Presence | None:
     return _CURRENT[0] if _CURRENT else None
 
 
-def terminated_line(label: str, control: Control, signum: int) -> str:
-    """A rank's line when the launcher ends the job: the error a peer announced as it ended
-    the job (this rank is collateral: hung, or it had not noticed yet), else the peers that do
-    not answer a ping on ``control`` within ``SURVEY_S`` and the furthest phase."""
+Survey = tuple[tuple[int, ...], str, "str | None"]
+"""What a rank learns after the launcher's SIGTERM: the peers that do not answer, the furthest
+phase, and the error a peer announced as it ended the job (if any)."""
+
+
+def survey_after_term(control: Control) -> Survey:
+    """The peers that do not answer a ping on ``control`` within ``SURVEY_S``, the furthest
+    phase, and the end a peer announced (then no survey is needed)."""
     try:
         announced = control.ended()
         if announced is not None:
-            return announced
+            return (), control.phase, announced
         gone, phase = control.gone(SURVEY_S)
-        announced = control.ended()  # came while surveying
+        return gone, phase, control.ended()  # an end may come while surveying
     except Exception:  # pragma: no cover  (the MPI library may already be torn down)
-        gone, phase, announced = (), control.phase, None
+        return (), control.phase, None
+
+
+def terminated_line(label: str, control: Control, signum: int, survey: Survey | None = None) -> str:  # fmt: skip
+    """A rank's line when the launcher ends the job: the error a peer announced as it ended
+    the job (this rank is collateral: hung, or it had not noticed yet), else the peers that do
+    not answer a ping on ``control`` within ``SURVEY_S`` and the furthest phase."""
+    gone, phase, announced = survey if survey is not None else survey_after_term(control)
     if announced is not None:
         return announced
     if gone:
@@ -61,6 +80,13 @@ def terminated_line(label: str, control: Control, signum: int) -> str:
     else:
         what = "no rank reported a failure"
     return f"{label}: {phase} failed: {what}; the launcher is ending the job (signal {signum})"
+
+
+STOP_SIGNALS = (signal.SIGUSR1,)
+"""Signals that ask a run to stop at the next step boundary and save (Slurm:
+``#SBATCH --signal=USR1@120``, ``scancel --signal=USR1``); mpirun and srun forward them to
+every rank. A SIGTERM while every peer answers is taken as the same request (a scheduler's
+time limit or preemption) where the command can stop."""
 
 
 class Presence:
@@ -78,10 +104,16 @@ class Presence:
         self.control.phase = "start"
         self.waiting: str = ""  # the agreement this rank waits in ("" = none)
         self._stop = threading.Event()
+        self.stop_signal: int | None = None  # a stop was asked for (the first such signal)
+        self.stoppable = False  # the command can stop at a step boundary and save (set by it)
+        self._old_stop: dict[int, Any] = {}
         self._thread: threading.Thread | None = None
         self._fd: int | None = None
         self._old_handler: Any = None
         self._old_fd = -1
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._old_stop[int(sig)] = signal.signal(sig, self._on_stop_signal)
         if threading.current_thread() is threading.main_thread() and self.size > 1:
             self._old_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
             if MPI.Query_thread() == MPI.THREAD_MULTIPLE:
@@ -114,8 +146,34 @@ class Presence:
 
     def _on_sigterm(self, signum: int, frame: object) -> None:
         if self._thread is None:  # no thread to do it: report from the main thread
-            self.report_terminated(signum)
+            self._sigterm(signum)
         # else: the thread saw the wakeup byte and reports (the main thread may be inside MPI)
+
+    def _on_stop_signal(self, signum: int, frame: object) -> None:
+        self.request_stop(signum)
+
+    def request_stop(self, signum: int) -> None:
+        """A stop was asked for (``signum``): the command stops at its next step boundary,
+        agreed with every rank, and saves. A second request ends this rank now, without
+        saving (a save in progress is never committed half-written: the store keeps its
+        last checkpoint)."""
+        if self.stop_signal is None:
+            self.stop_signal = signum
+            return
+        claim_ending()
+        name = signal.Signals(signum).name
+        write_line(f"[rank {self.rank}] {self.label}: a second stop signal ({name}) in phase {self.phase}: ending now without saving; the store keeps its last committed checkpoint")  # fmt: skip
+        os._exit(128 + signum)
+
+    def _sigterm(self, signum: int) -> None:
+        """The launcher's (or a scheduler's) SIGTERM: a peer is gone (report it and end), or,
+        every peer answering and the command able to stop, a stop request."""
+        survey = survey_after_term(self.control) if self.size > 1 else ((), self.phase, None)
+        gone, _, announced = survey
+        if self.stoppable and not gone and announced is None:
+            self.request_stop(signum)
+            return
+        self.report_terminated(signum, survey)
 
     def _run(self) -> None:
         assert self._fd is not None
@@ -127,7 +185,9 @@ class Presence:
             except OSError:  # pragma: no cover  (closed at stop)
                 return
             if int(signal.SIGTERM) in data:
-                self.report_terminated(int(signal.SIGTERM))
+                self._sigterm(int(signal.SIGTERM))
+                if self.stop_signal is not None:  # taken as a stop request: keep answering
+                    continue
                 return
             try:
                 with self.control.lock:
@@ -135,11 +195,13 @@ class Presence:
             except Exception:  # pragma: no cover  (MPI finalised under us)
                 return
 
-    def report_terminated(self, signum: int) -> None:
+    def report_terminated(self, signum: int, survey: Survey | None = None) -> None:
         """The launcher is ending the job: print one line naming the peers that are gone and
         the phase, keep answering pings, then exit."""
         claim_ending()  # else another thread of this rank is ending the job
-        write_line(f"[rank {self.rank}] {terminated_line(self.label, self.control, signum)}")
+        write_line(
+            f"[rank {self.rank}] {terminated_line(self.label, self.control, signum, survey)}"
+        )
         self.control.linger(LINGER_S)
         os._exit(1)
 
@@ -164,5 +226,8 @@ class Presence:
                 os.close(self._fd)
                 os.close(self._wfd)
             signal.signal(signal.SIGTERM, self._old_handler or signal.SIG_DFL)
+        if threading.current_thread() is threading.main_thread():
+            for sig, old in self._old_stop.items():
+                signal.signal(sig, old if old is not None else signal.SIG_DFL)
         if _CURRENT and _CURRENT[0] is self:
             _CURRENT.clear()

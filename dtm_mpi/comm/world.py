@@ -6,7 +6,7 @@ import os
 import socket
 from typing import Any
 
-__all__ = ["describe_world", "node_local_rank", "world_comm"]
+__all__ = ["describe_world", "finalize_world", "node_local_rank", "world_comm"]
 
 
 def describe_world() -> str:
@@ -63,3 +63,15 @@ def node_local_rank(comm: Any, *, phase: str, timeout_s: float) -> tuple[int, in
     names = exchange_without_session(comm, MPI.Get_processor_name(), phase=phase, timeout_s=timeout_s)  # fmt: skip
     here = [r for r, n in enumerate(names) if n == names[int(comm.Get_rank())]]
     return here.index(int(comm.Get_rank())), len(here)
+
+
+def finalize_world() -> None:
+    """End MPI in this process now (collective over the world: every rank calls it), so that
+    a chosen non-zero exit code (a run stopped after saving) reaches the launcher as it is,
+    not as an abort (``python -m mpi4py`` aborts the job on a non-zero exit with MPI still
+    initialised)."""
+    import sys
+
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()

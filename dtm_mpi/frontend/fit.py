@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from dtm_mpi.errors import UsageError
+from dtm_mpi.errors import EXIT_REQUEUE, UsageError
 from dtm_mpi.frontend.trace import TracedStep
 
 __all__ = ["ArrayLoader", "FitResult", "fit"]
@@ -108,16 +108,19 @@ class _Progress:
             self.bar.close()
 
 
-def fit(step: TracedStep, loader: Callable[[int, Mapping[str, tuple[slice, ...]]], Mapping[str, np.ndarray]], *, steps: int, sim: int | None = None, mesh: Mapping[str, int] | None = None, store: str | None = None, checkpoint_every: int | None = None, resume: bool = False, backend: str = "numpy", quiet: bool = False, log_every: int = 0, on_step: Callable[[int, dict[str, float]], None] | None = None, values: Mapping[str, np.ndarray] | None = None) -> FitResult:  # fmt: skip
+def fit(step: TracedStep, loader: Callable[[int, Mapping[str, tuple[slice, ...]]], Mapping[str, np.ndarray]], *, steps: int, sim: int | None = None, mesh: Mapping[str, int] | None = None, store: str | None = None, checkpoint_every: int | None = None, resume: bool = False, checkpoint_async: bool = False, keep_last: int | None = None, quota: int | None = None, backend: str = "numpy", quiet: bool = False, log_every: int = 0, on_step: Callable[[int, dict[str, float]], None] | None = None, values: Mapping[str, np.ndarray] | None = None) -> FitResult:  # fmt: skip
     """Run ``steps`` steps of ``step`` (a training step updates its state; an evaluation
     step is run once or more on fed inputs), feeding ``loader(step, regions)`` each step.
 
     ``sim``: simulated ranks in this process (None: the ranks of the MPI job; call on every
     rank). ``mesh``: axis sizes binding the module's mesh (as ``dtm run --mesh``). ``store``,
-    ``checkpoint_every``, ``resume``: as ``dtm run``, and a checkpoint after the last step
-    too (MPI only, except that an evaluation
+    ``checkpoint_every``, ``resume``, ``checkpoint_async``, ``keep_last``, ``quota``: as ``dtm
+    run``, and a checkpoint after the last step too (MPI only, except that an evaluation
     step's ``init store`` weights are read from ``store`` in both modes). ``values``: global
-    values of other parameters (an evaluation step's weights), by name."""
+    values of other parameters (an evaluation step's weights), by name. Under MPI, SIGUSR1
+    (or a scheduler's SIGTERM) stops every rank after the same step and saves the state to
+    ``store``; the process then exits with code 75 ("saved, requeue me"; ``resume=True``
+    continues)."""
     from dtm_mpi.runtime.launch import launch
     from dtm_mpi.runtime.request import RunHooks, RunRequest
 
@@ -144,10 +147,13 @@ def fit(step: TracedStep, loader: Callable[[int, Mapping[str, tuple[slice, ...]]
     request = RunRequest(
         f"<traced {step.module.name}>", binding=dict(mesh) if mesh else None, steps=steps,
         backend=backend, store=store, checkpoint_every=checkpoint_every, resume=resume,
+        checkpoint_async=checkpoint_async, keep_last=keep_last, quota=quota,
         sim=sim, module=step.module, hooks=hooks,
     )  # fmt: skip
     try:
-        launch(request)
+        code = launch(request)
     finally:
         progress.close()
+    if code == EXIT_REQUEUE:  # stopped on a signal after saving: end the job, "requeue me"
+        raise SystemExit(code)
     return result

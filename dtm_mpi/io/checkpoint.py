@@ -41,7 +41,7 @@ import os
 import secrets
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +127,7 @@ class Restored:
     path: Path
     values: dict[str, np.ndarray]  # this rank's local blocks, by tensor name
     module_hash: str | None = None  # of the program that wrote it
+    skipped: tuple[str, ...] = ()  # newer checkpoints a fallback restore passed over, and why
 
 
 class SaveHandle:
@@ -463,10 +464,11 @@ class CheckpointStore:
         candidates = self._bcast(candidates, "restore: choosing the checkpoint")
         if isinstance(candidates, str):
             raise agreed(StorageError(candidates))
-        errors = []
+        errors: list[str] = []
         for s in candidates:
             try:
-                return self._restore_file(s, mesh, targets, into)
+                got = self._restore_file(s, mesh, targets, into)
+                return replace(got, skipped=tuple(errors)) if errors else got
             except (IntegrityError, ManifestError, UnrecoverableError, StorageError) as exc:
                 if not fallback or isinstance(exc, UsageError):
                     raise

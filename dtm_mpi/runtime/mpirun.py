@@ -18,6 +18,8 @@ survives).
 
 from __future__ import annotations
 
+import signal
+import time
 from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
@@ -27,10 +29,12 @@ import numpy as np
 from dtm_mpi._version import __version__
 from dtm_mpi.comm.abort import write_line
 from dtm_mpi.errors import (
+    EXIT_REQUEUE,
     DtmError,
     HandshakeError,
     LauncherTerminatedError,
     RemoteFailureError,
+    RunStopped,
     UsageError,
     agreed,
 )
@@ -60,7 +64,7 @@ def run_under_mpi(args: RunRequest | Callable[[], RunRequest]) -> int:
 
     Collective: call on all ranks."""
     from dtm_mpi.comm.presence import Presence
-    from dtm_mpi.comm.world import world_comm
+    from dtm_mpi.comm.world import finalize_world, world_comm
     from dtm_mpi.errors import CommTimeoutError
 
     world = world_comm()
@@ -70,12 +74,15 @@ def run_under_mpi(args: RunRequest | Callable[[], RunRequest]) -> int:
         if not isinstance(args, RunRequest):
             presence.phase = "arguments"
             args = _agreed_request(args)
-        return _load_and_run(args, world, rank, size, presence)
+        code = _load_and_run(args, world, rank, size, presence)
     except CommTimeoutError as exc:  # a phase before the session: some rank(s) did not arrive
         presence.end_job(1, f"dtm run: {exc}")  # every arrived rank prints it, then the abort
         raise
     finally:
         presence.stop()
+    if code == EXIT_REQUEUE:  # stopped together after saving: end MPI so the code is seen
+        finalize_world()
+    return code
 
 
 def _agreed_request(make: Callable[[], RunRequest]) -> RunRequest:
@@ -189,7 +196,7 @@ def _run_session(module: object, args: MpiRunArgs, world: Any, rank: int, size: 
             session, deterministic=config.deterministic, max_msg_elems=config.max_msg_elems
         )
         dcomm = _device_comm(session, comm, args, backend, local_aware)
-        _run_steps(session, comm, plan, args, rank, backend, dcomm)
+        code = _run_steps(session, comm, plan, args, rank, backend, dcomm)
     except LauncherTerminatedError as exc:  # a peer died: mpirun is killing the job
         session.report_terminated(exc)
     except BaseException as exc:  # every failure ends every rank with one error
@@ -200,7 +207,7 @@ def _run_session(module: object, args: MpiRunArgs, world: Any, rank: int, size: 
             return 1
         session.end_with(session.fail(exc))
     session.close()
-    return 0
+    return code
 
 
 def _raised_everywhere(exc: BaseException) -> bool:
@@ -269,7 +276,7 @@ def _device_comm(session: Any, comm: Any, args: MpiRunArgs, backend: Any, local:
     )  # fmt: skip
 
 
-def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, rank: int, backend: Any, dcomm: Any) -> None:  # fmt: skip
+def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, rank: int, backend: Any, dcomm: Any) -> int:  # fmt: skip
     from dtm_mpi.comm.mpi_comm import MpiComm
     from dtm_mpi.comm.mpi_session import MpiSession
     from dtm_mpi.faults import maybe_fail
@@ -297,6 +304,12 @@ def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, ra
     ckpt = _Checkpoints(session, plan, args, rank, backend) if args.store else None
     try:
         results = _steps_with(ckpt, session, plan, args, rank, backend, dcomm, blocks, given)
+    except RunStopped as stop:  # every rank stopped after the same step, the state saved
+        if ckpt is not None:
+            ckpt.close()
+        if rank == 0:
+            write_line(f"dtm run: {stop}")
+        return int(stop.code)  # type: ignore[arg-type]
     except BaseException as exc:
         if ckpt is not None and _raised_everywhere(exc) and session.poisoned is None:
             with suppress(DtmError):  # every rank is here: close the store (collective)
@@ -319,11 +332,13 @@ def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, ra
         except (DtmError, OSError) as exc:
             error = exc
     session.agree("output", error)
+    return 0
 
 
 def _steps_with(ckpt: _Checkpoints | None, session: Any, plan: Any, args: MpiRunArgs, rank: int, backend: Any, dcomm: Any, blocks: list[Any], given: dict[str, np.ndarray]) -> tuple[Any, ...]:  # fmt: skip
     """The initial state (inputs, ``init store``, or the resumed checkpoint), then the steps,
     saving checkpoints; the last step's results."""
+    from dtm_mpi.comm.presence import current as current_presence
     from dtm_mpi.faults import maybe_fail
     from dtm_mpi.runtime.executor import Executor
     from dtm_mpi.runtime.simulate import StepFeeder, initial_blocks, run_steps
@@ -345,20 +360,56 @@ def _steps_with(ckpt: _Checkpoints | None, session: Any, plan: Any, args: MpiRun
         if feeder is not None:
             feeder.report(step, results, backend.to_host)
 
+    presence = current_presence()
+    stopping: list[bool] = [False]
+    log = _StepLog(args.log_every, args.steps, first) if rank == 0 and args.log_every else None
+
     def commit(step: int) -> None:  # every rank finished the step: its state updates apply
-        session.agree(f"step {step}", None)
+        asked = presence is not None and presence.stop_signal is not None
+        stopping[0] = session.agree(f"step {step}", None, flag=asked)  # a stop: all, this step
 
     def after_step(step: int) -> None:  # the new state is in blocks
+        if log is not None:
+            log.step_done(step)
         every = args.checkpoint_every
         last = step + 1 == args.steps and args.hooks is not None and args.hooks.save_final
+        if stopping[0]:
+            path = ckpt.save(step + 1, blocks, sync=True) if ckpt is not None else None
+            signum = presence.stop_signal if presence is not None else None
+            name = signal.Signals(signum).name if signum is not None else "a peer's signal"
+            raise RunStopped(step + 1, name, path)
         if ckpt is not None and every and ((step + 1) % every == 0 or last):
             ckpt.save(step + 1, blocks)
 
     executor = Executor(plan, dcomm, backend)
-    return run_steps(
-        executor, blocks, args.steps, first=first, before_step=before_step, commit=commit,
-        after_step=after_step, on_results=on_results,
-    )  # fmt: skip
+    if presence is not None:
+        presence.stoppable = True  # a signal now asks for a stop at the next step boundary
+    try:
+        return run_steps(
+            executor, blocks, args.steps, first=first, before_step=before_step, commit=commit,
+            after_step=after_step, on_results=on_results,
+        )  # fmt: skip
+    finally:
+        if presence is not None:
+            presence.stoppable = False
+
+
+class _StepLog:
+    """Rank 0's progress line every ``every`` steps: the mean step time since the last line
+    and the throughput."""
+
+    def __init__(self, every: int, steps: int, first: int) -> None:
+        self.every, self.steps = every, steps
+        self.since, self.count = time.perf_counter(), 0
+
+    def step_done(self, step: int) -> None:
+        self.count += 1
+        if (step + 1) % self.every and step + 1 != self.steps:
+            return
+        now = time.perf_counter()
+        per = (now - self.since) / max(1, self.count)
+        print(f"step {step + 1}/{self.steps}: {per * 1e3:.3f} ms/step, {1.0 / per if per > 0 else float('inf'):.1f} steps/s", flush=True)  # fmt: skip
+        self.since, self.count = now, 0
 
 
 class _Checkpoints:
@@ -375,7 +426,9 @@ class _Checkpoints:
         self.session, self.plan, self.rank, self.backend = session, plan, rank, backend
         session.phase = "checkpoint store"
         self.comm = handles.dup(session.comm)
-        self.store = CheckpointStore(args.store, self.comm, timeout_s=get_config().timeout_s)
+        self.store = CheckpointStore(args.store, self.comm, timeout_s=get_config().timeout_s, keep_last=args.keep_last, quota_bytes=args.quota)  # fmt: skip
+        self.background = args.checkpoint_async
+        self.pending: Any = None  # the save writing in the background (SaveHandle)
         entry = plan.entry_plan.function
         self.targets = [(p.name.lstrip("%"), p.type) for p in entry.params]
         self.module_hash = module_hash(plan.module)
@@ -397,7 +450,10 @@ class _Checkpoints:
     def resume(self, blocks: list[np.ndarray]) -> int:
         """Replace ``blocks`` by the latest checkpoint's state; returns its step."""
         self.session.phase = "resume"
-        got = self.store.restore(self.plan.mesh, self.targets)
+        got = self.store.restore(self.plan.mesh, self.targets, fallback=True)
+        if self.rank == 0:
+            for why in got.skipped:  # newer checkpoints that do not restore and verify
+                print(f"resume: skipped {why}", flush=True)
         if got.module_hash != self.module_hash:
             raise agreed(UsageError(
                 f"{got.path} was written by module hash {got.module_hash}; this module's is "
@@ -413,20 +469,41 @@ class _Checkpoints:
             print(f"resumed from {got.path} (after step {got.step})", flush=True)
         return got.step
 
-    def save(self, done: int, blocks: list[np.ndarray]) -> None:
+    def save(self, done: int, blocks: list[np.ndarray], *, sync: bool = False) -> str:
+        """Save the state after step ``done``: in the background with ``--checkpoint-async``
+        (unless ``sync``), else now; returns the checkpoint's path."""
         from dtm_mpi.io.ckpt_plan import TensorSpec
+        from dtm_mpi.io.store import committed_name
 
+        self.finish_pending()
         self.session.phase = f"checkpoint {done}"
         items = [
             (TensorSpec(name, t), self.backend.to_host(blocks[i]))
             for i, (name, t) in enumerate(self.targets)
         ]  # device state is copied to the host first (the store writes host memory)
+        if self.background and not sync:  # snapshot and hashes now, the writing overlaps
+            self.pending = self.store.save_async(done, self.plan.mesh, items, module_hash=self.module_hash)  # fmt: skip
+            return str(self.store.path / committed_name(done))
         path = self.store.save(done, self.plan.mesh, items, module_hash=self.module_hash)
         if self.rank == 0:
             print(f"checkpoint {path} (after step {done})", flush=True)
+        return str(path)
+
+    def finish_pending(self) -> None:
+        """Wait for the background save (its error raised, agreed), and report it."""
+        if self.pending is None:
+            return
+        handle, self.pending = self.pending, None
+        self.session.phase = f"checkpoint {handle.step}"
+        path = handle.wait()
+        if self.rank == 0:
+            print(f"checkpoint {path} (after step {handle.step}, written in the background)", flush=True)  # fmt: skip
 
     def close(self) -> None:
         from dtm_mpi.comm import handles
 
-        self.store.close()
+        try:
+            self.finish_pending()
+        finally:
+            self.store.close()
         handles.free(self.comm)

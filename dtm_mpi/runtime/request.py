@@ -106,6 +106,10 @@ class RunRequest:
     sim: int | None = None  # --sim N: simulated ranks in this process; None: under MPI
     module: Module | None = None  # a module built in Python (``file`` then only names it)
     hooks: RunHooks | None = None  # a run started from Python: fed inputs, metrics, outputs
+    checkpoint_async: bool = False  # write checkpoints while the next steps run
+    keep_last: int | None = None  # the store keeps this many newest checkpoints
+    quota: int | None = None  # the store's byte quota
+    log_every: int | None = None  # rank 0 prints step time and throughput every N steps
 
     @property
     def fed(self) -> tuple[str, ...]:
@@ -121,6 +125,14 @@ class RunRequest:
             raise _usage("--checkpoint-every and --resume need --store DIR")
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
             raise _usage(f"--checkpoint-every must be >= 1; got {self.checkpoint_every}")
+        if (self.checkpoint_async or self.keep_last is not None or self.quota is not None) and not self.store:  # fmt: skip
+            raise _usage("--checkpoint-async, --keep-last and --quota need --store DIR")
+        if self.keep_last is not None and self.keep_last < 1:
+            raise _usage(f"--keep-last must be >= 1; got {self.keep_last}")
+        if self.quota is not None and self.quota < 1:
+            raise _usage(f"--quota must be >= 1 byte; got {self.quota}")
+        if self.log_every is not None and self.log_every < 1:
+            raise _usage(f"--log-every must be >= 1; got {self.log_every}")
         if self.resume and self.inputs:
             raise _usage("--resume takes the state from the checkpoint; do not give -i inputs")
         if self.backend == "numpy" and (self.require_gpu_aware or self.gpu_aware):
@@ -134,10 +146,11 @@ class RunRequest:
                 f"the simulator (--sim) runs the numpy backend only; run --backend "
                 f"{self.backend} under mpirun/srun (one rank per GPU)"
             )
-        if self.checkpoint_every is not None or self.resume:
+        if self.checkpoint_every is not None or self.resume or self.checkpoint_async or self.keep_last is not None or self.quota is not None:  # fmt: skip
             raise _usage(
-                "--checkpoint-every and --resume need the MPI runtime (run under mpirun/srun, "
-                "without --sim); with --sim, --store only fills 'init store' parameters"
+                "--checkpoint-every, --resume, --checkpoint-async, --keep-last and --quota need "
+                "the MPI runtime (run under mpirun/srun, without --sim); with --sim, --store only "
+                "fills 'init store' parameters"
             )
 
 
@@ -244,7 +257,8 @@ def _check_paths(request: RunRequest) -> None:
         store = Path(request.store)
         if store.exists() and not store.is_dir():
             raise UsageError(f"--store {request.store} is not a directory")
-        if not store.exists() and request.checkpoint_every is None:
+        if not store.exists() and request.checkpoint_every is None and request.sim is not None:
+            # (under MPI a new store takes the checkpoint of a stop on a signal)
             raise UsageError(f"--store {request.store}: no such checkpoint store")
 
 
