@@ -90,15 +90,23 @@ def _agree_without_session(
     return tuple(RankFailure(r, phase, m) for r, (k, m) in sorted(outcomes.items()) if not k)
 
 
+EXCHANGE_TAG = 32764
+"""The tag of :func:`exchange_without_session` (apart from the agreements': an exchange and
+the agreement after it never take each other's messages)."""
+
+EXCHANGE_VIEW_TAG = 32763
+
+
 def exchange_without_session(comm: Any, text: str, *, phase: str, timeout_s: float) -> list[str]:
     """Collective: call on all ranks. Every rank's ``text``, in rank order, exchanged point to
-    point within ``timeout_s`` as the agreements before a session are: a rank that does not
-    arrive is named by every rank that did (the same :class:`CommTimeoutError`)."""
-    outcomes = _exchange(comm, True, text, phase, timeout_s)
+    point within ``timeout_s`` as the agreements before a session are (on tags of its own): a
+    rank that does not arrive is named by every rank that did (the same
+    :class:`CommTimeoutError`)."""
+    outcomes = _exchange(comm, True, text, phase, timeout_s, (EXCHANGE_TAG, EXCHANGE_VIEW_TAG))
     return [outcomes[r][1] for r in range(int(comm.Get_size()))]
 
 
-def _exchange(comm: Any, ok: bool, message: str, phase: str, timeout_s: float) -> dict[int, tuple[bool, str]]:  # fmt: skip
+def _exchange(comm: Any, ok: bool, message: str, phase: str, timeout_s: float, tags: tuple[int, int] = (AGREE_TAG, VIEW_TAG)) -> dict[int, tuple[bool, str]]:  # fmt: skip
     """Every rank sends (``ok``, ``message``) to every other rank and waits, within
     ``timeout_s``, for all of theirs; so every rank that arrives knows by itself which ranks
     did. If some did not arrive, the arrived ranks exchange what they heard (a second bounded
@@ -107,17 +115,18 @@ def _exchange(comm: Any, ok: bool, message: str, phase: str, timeout_s: float) -
     a rank that is dead or stopped."""
     rank, size = int(comm.Get_rank()), int(comm.Get_size())
     start = time.monotonic()
-    sends = [comm.isend((phase, ok, message), dest=r, tag=AGREE_TAG) for r in range(size) if r != rank]  # fmt: skip
-    got = _collect(comm, AGREE_TAG, set(range(size)) - {rank}, start + timeout_s)
+    tag, view_tag = tags
+    sends = [comm.isend((phase, ok, message), dest=r, tag=tag) for r in range(size) if r != rank]  # fmt: skip
+    got = _collect(comm, tag, set(range(size)) - {rank}, start + timeout_s)
     outcomes: dict[int, tuple[bool, str]] = {r: (bool(v[1]), str(v[2])) for r, v in got.items()}
     outcomes[rank] = (ok, message)
     missing = [r for r in range(size) if r not in outcomes]
     if missing:
         # a rank that arrived late for me arrived in time for another: exchange the views
         arrived = sorted(outcomes)
-        sends += [comm.isend(dict(outcomes), dest=r, tag=VIEW_TAG) for r in arrived if r != rank]
+        sends += [comm.isend(dict(outcomes), dest=r, tag=view_tag) for r in arrived if r != rank]
         # a peer that arrived just before my deadline reaches its own up to timeout_s later
-        views = _collect(comm, VIEW_TAG, set(arrived) - {rank}, time.monotonic() + timeout_s + 1.0)  # fmt: skip
+        views = _collect(comm, view_tag, set(arrived) - {rank}, time.monotonic() + timeout_s + 1.0)  # fmt: skip
         for view in views.values():
             for r, outcome in view.items():
                 outcomes.setdefault(int(r), (bool(outcome[0]), str(outcome[1])))

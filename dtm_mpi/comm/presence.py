@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from typing import Any
 
 from dtm_mpi.comm.abort import claim_ending, write_line
@@ -82,6 +83,10 @@ def terminated_line(label: str, control: Control, signum: int, survey: Survey | 
     return f"{label}: {phase} failed: {what}; the launcher is ending the job (signal {signum})"
 
 
+DUPLICATE_S = 2.0
+"""A second stop signal this soon after the first is the same signal delivered twice (a
+scheduler signalling every task, and the launcher forwarding it too), not a second request."""
+
 STOP_SIGNALS = (signal.SIGUSR1,)
 """Signals that ask a run to stop at the next step boundary and save (Slurm:
 ``#SBATCH --signal=USR1@120``, ``scancel --signal=USR1``); mpirun and srun forward them to
@@ -105,6 +110,7 @@ class Presence:
         self.waiting: str = ""  # the agreement this rank waits in ("" = none)
         self._stop = threading.Event()
         self.stop_signal: int | None = None  # a stop was asked for (the first such signal)
+        self._stop_at = 0.0
         self.stoppable = False  # the command can stop at a step boundary and save (set by it)
         self._old_stop: dict[int, Any] = {}
         self._thread: threading.Thread | None = None
@@ -158,7 +164,9 @@ class Presence:
         saving (a save in progress is never committed half-written: the store keeps its
         last checkpoint)."""
         if self.stop_signal is None:
-            self.stop_signal = signum
+            self.stop_signal, self._stop_at = signum, time.monotonic()
+            return
+        if time.monotonic() - self._stop_at < DUPLICATE_S:  # one signal delivered twice
             return
         claim_ending()
         name = signal.Signals(signum).name

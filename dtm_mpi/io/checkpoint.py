@@ -268,7 +268,7 @@ class CheckpointStore:
         the background; ``before_tensor(i)`` (tests) runs in the writer before tensor ``i``."""
         self.wait()
         if not handles.thread_multiple():
-            raise UsageError("async save needs MPI_THREAD_MULTIPLE (mpi4py's default); this MPI was initialised with less")  # fmt: skip
+            raise agreed(UsageError("async save needs MPI_THREAD_MULTIPLE (mpi4py's default); this MPI was initialised with less"))  # fmt: skip
         plan, blocks, hashes = self._prepare(step, mesh, tensors, copy=True)
         if self._io_comm is None:
             self._io_comm = handles.dup(self.comm)

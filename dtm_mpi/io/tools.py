@@ -28,8 +28,10 @@ import secrets
 import select
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -197,9 +199,10 @@ def _fork_child(ckpt: Path, start: int, r: int, w: int) -> int:
     return pid
 
 
-def _spawn_child(ckpt: Path, start: int, w: int) -> int:
-    """``python -m dtm_mpi.io.tools CKPT START FD`` with MPI off and stderr dropped (no
-    Python runs in the child before the new interpreter: safe in an MPI process)."""
+def _spawn_child(ckpt: Path, start: int, w: int, errors: str) -> int:
+    """``python -m dtm_mpi.io.tools CKPT START FD`` with MPI off and stderr in the file
+    ``errors`` (no Python runs in the child before the new interpreter: safe in an MPI
+    process)."""
     import dtm_mpi
 
     os.set_inheritable(w, True)
@@ -208,8 +211,8 @@ def _spawn_child(ckpt: Path, start: int, w: int) -> int:
     root = str(Path(dtm_mpi.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join([root, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])  # fmt: skip
     argv = [sys.executable, "-m", "dtm_mpi.io.tools", str(ckpt), str(start), str(w)]
-    quiet = [(os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)]
-    return os.posix_spawn(sys.executable, argv, env, file_actions=quiet)
+    aside = [(os.POSIX_SPAWN_OPEN, 2, errors, os.O_WRONLY | os.O_TRUNC, 0)]
+    return os.posix_spawn(sys.executable, argv, env, file_actions=aside)
 
 
 def _run_child(ckpt: Path, start: int, timeout_s: float, on: Callable[[list[Any]], None]) -> str | None:  # fmt: skip
@@ -217,14 +220,30 @@ def _run_child(ckpt: Path, start: int, timeout_s: float, on: Callable[[list[Any]
     when it finished, else how it ended (a signal, an exit code, or silence for
     ``timeout_s``). A fork, except where this process has initialised MPI (forking an MPI
     process is unsafe): then a new interpreter, which never initialises MPI."""
+    errors = None
     r, w = os.pipe()
     try:
-        pid = _spawn_child(ckpt, start, w) if _in_mpi() else _fork_child(ckpt, start, r, w)
+        if _in_mpi():
+            fd, errors = tempfile.mkstemp(prefix="dtm-verify-", suffix=".err")
+            os.close(fd)
+            pid = _spawn_child(ckpt, start, w, errors)
+        else:
+            pid = _fork_child(ckpt, start, r, w)
     except OSError:
         os.close(r)
         os.close(w)
         raise
     os.close(w)
+    try:
+        return _watch_child(pid, r, timeout_s, on, errors)
+    finally:
+        if errors is not None:
+            with suppress(OSError):
+                os.unlink(errors)
+
+
+def _watch_child(pid: int, r: int, timeout_s: float, on: Callable[[list[Any]], None], errors: str | None) -> str | None:  # fmt: skip
+    """Read the child's messages from ``r`` until it finishes, crashes or falls silent."""
     buf, done, ended = b"", False, None
     deadline = time.monotonic() + timeout_s
     try:
@@ -260,7 +279,22 @@ def _run_child(ckpt: Path, start: int, timeout_s: float, on: Callable[[list[Any]
             ended = f"the HDF5 library crashed ({signal.Signals(sig).name})"
         else:
             ended = f"the verification ended early (exit code {os.waitstatus_to_exitcode(status)})"
+            said = _last_line(errors)
+            if said:  # a spawned child that could not run (its interpreter's last words)
+                ended += f": {said}"
     return ended
+
+
+def _last_line(path: str | None) -> str:
+    """The last non-empty line of the file ``path`` ('' if none or unreadable)."""
+    if path is None:
+        return ""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return ""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else ""
 
 
 def verify_isolated(ckpt: Path, *, timeout_s: float = 300.0) -> CheckpointCheck:

@@ -170,11 +170,8 @@ def _slice(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
 def _take(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
     d = int(ctx.op.attr("dim"))  # type: ignore[arg-type]
     size = ctx.operand_types[0].shape[d]
-    return (
-        np.ascontiguousarray(
-            take_rows(xs[0], xs[1], d, ctx.operand_offsets[0][d], size, ctx.operand_offsets[1])
-        ),
-    )
+    y = take_rows(xs[0], xs[1], d, ctx.operand_offsets[0][d], size, ctx.operand_offsets[1])
+    return (np.asarray(y, order="C"),)  # (ascontiguousarray would make a 0-d result 1-d)
 
 
 @register_kernel(BACKEND, "scatter_add")

@@ -145,7 +145,11 @@ def open_backend_everywhere(name: str, world: Any) -> Any:
 
     kind = parse_backend(name)
     timeout_s = get_config().timeout_s
-    local_rank, local_size = node_local_rank(world, phase="backend", timeout_s=timeout_s) if kind.is_gpu else (0, 1)  # fmt: skip
+    # every rank, whatever its backend, takes part (a rank alone on a GPU backend is then
+    # refused by the agreement below, naming its reason, instead of waiting for the others)
+    local_rank, local_size = node_local_rank(world, phase="backend", timeout_s=timeout_s)
+    if not kind.is_gpu:
+        local_rank, local_size = 0, 1
     backend = None
     error: BaseException | None = None
     try:
@@ -373,7 +377,7 @@ def _steps_with(ckpt: _Checkpoints | None, session: Any, plan: Any, args: MpiRun
             log.step_done(step)
         every = args.checkpoint_every
         last = step + 1 == args.steps and args.hooks is not None and args.hooks.save_final
-        if stopping[0]:
+        if stopping[0] and step + 1 < args.steps:  # (after the last step: just finish)
             path = ckpt.save(step + 1, blocks, sync=True) if ckpt is not None else None
             signum = presence.stop_signal if presence is not None else None
             name = signal.Signals(signum).name if signum is not None else "a peer's signal"
@@ -505,5 +509,7 @@ class _Checkpoints:
         try:
             self.finish_pending()
         finally:
-            self.store.close()
-        handles.free(self.comm)
+            try:
+                self.store.close()
+            finally:
+                handles.free(self.comm)

@@ -257,8 +257,8 @@ def _check_paths(request: RunRequest) -> None:
         store = Path(request.store)
         if store.exists() and not store.is_dir():
             raise UsageError(f"--store {request.store} is not a directory")
-        if not store.exists() and request.checkpoint_every is None and request.sim is not None:
-            # (under MPI a new store takes the checkpoint of a stop on a signal)
+        if not store.exists() and (request.resume or (request.checkpoint_every is None and request.sim is not None)):  # fmt: skip
+            # (under MPI a new store takes the checkpoints, or the one of a stop on a signal)
             raise UsageError(f"--store {request.store}: no such checkpoint store")
 
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from dtm_mpi.comm.agreement import AGREE_TAG, agree_outcome, wait_bounded
+from dtm_mpi.comm.agreement import AGREE_TAG, EXCHANGE_TAG, agree_outcome, wait_bounded
 from dtm_mpi.errors import CommTimeoutError
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -94,5 +94,5 @@ def test_node_local_rank_is_bounded_and_names_a_missing_rank(comm) -> None:
     else:
         time.sleep(3.0)
         for r in range(size - 1):
-            comm.recv(source=r, tag=AGREE_TAG)
+            comm.recv(source=r, tag=EXCHANGE_TAG)
     comm.Barrier()

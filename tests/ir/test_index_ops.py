@@ -120,3 +120,34 @@ def test_an_index_out_of_range_is_named_with_its_global_place(bad: str, where: s
         run_simulated(module, ranks, binding=binding, inputs=_inputs())
     text = str(err.value)
     assert f"take: {where} is outside [0, 11) of dim 0" in text and "emb.dtm:8:8" in text, text
+
+
+SMALL_INDEX = """dtm 1.1
+module s
+mesh @m = [tp=2]
+entry func @main(%x: f32[5]{tp}, %t: f32[512,4]{tp,-}, %g: f32[3,4]) -> (f32[] partial(sum: tp), f32[3,4] partial(sum: tp), f32[512,4]{tp,-}) on @m {
+  %i = constant 3 : i64[]
+  %r = take %x, %i dim 0 : f32[] partial(sum: tp)
+  %u = constant [1, 200, 255] : u8[3]
+  %q = take %t, %u dim 0 : f32[3,4] partial(sum: tp)
+  %s = scatter_add %g, %u dim 0 : f32[512,4]{tp,-}
+  return %r, %q, %s
+}
+"""
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_scalar_index_and_u8_indices_past_a_blocks_start(ranks: int) -> None:
+    """A 0-d index gives a 0-d value; u8 indices into rows beyond 255 of the rank's block
+    (its rows start at 256) are compared in a wide type, not wrapped or overflowed."""
+    module = load_module(SMALL_INDEX, "s.dtm")
+    rng = np.random.default_rng(2)
+    vals = {"x": rng.standard_normal(5).astype(np.float32), "t": rng.standard_normal((512, 4)).astype(np.float32), "g": rng.standard_normal((3, 4)).astype(np.float32)}  # fmt: skip
+    r, q, s = run_simulated(module, ranks, binding={"tp": ranks}, inputs=vals).results[0]
+    assert r.shape == () and r == vals["x"][3]
+    assert np.array_equal(q, vals["t"][[1, 200, 255]])
+    want = np.zeros((512, 4), np.float32)
+    want[[1, 200, 255]] = vals["g"]
+    assert np.array_equal(s, want)
+    _, ref = run_reference(module, vals)
+    assert ref[0][0].shape == ()

@@ -52,6 +52,7 @@ def take_rows(x: Arr, idx: Arr, dim: int, lo: int, size: int, origin: Sequence[i
     of ``size`` rows: indices outside the block give zeros (the rank's part of the pending
     sum)."""
     check_indices("take", idx, size, dim, origin)
+    idx = idx.astype(np.int64, copy=False)  # a block past a small index dtype's range
     n = x.shape[dim]
     if lo == 0 and n == size:
         return np.take(x, idx, axis=dim)
@@ -69,6 +70,7 @@ def scatter_rows(u: Arr, idx: Arr, dim: int, lo: int, n: int, size: int, origin:
     ``size`` rows: zeros plus each update whose index falls in the block, added in the order
     of the updates (``numpy.add.at``; deterministic)."""
     check_indices("scatter_add", idx, size, dim, origin)
+    idx = idx.astype(np.int64, copy=False)
     k = idx.ndim
     pre, post = u.shape[:dim], u.shape[dim + k :]
     out = np.zeros((*pre, n, *post), dtype=u.dtype)
@@ -88,7 +90,7 @@ def scatter_rows(u: Arr, idx: Arr, dim: int, lo: int, n: int, size: int, origin:
 
 def _take_ref(op: Op, xs: Sequence[Arr], rt: Sequence[TensorType]) -> tuple[Arr, ...]:
     d = int(op.attr("dim"))  # type: ignore[arg-type]
-    return (np.ascontiguousarray(take_rows(xs[0], xs[1], d, 0, xs[0].shape[d])),)
+    return (np.asarray(take_rows(xs[0], xs[1], d, 0, xs[0].shape[d]), order="C"),)
 
 
 def _d_take(c: GradContext) -> tuple[Value | None, None]:
