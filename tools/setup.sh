@@ -8,7 +8,8 @@
 #    mpi4py from source with -O3 -g and needs ~20 GB of RAM).
 # 4. dtm_mpi in editable mode with [test,dev]; fail unless h5py.get_config().mpi is true.
 # Also (optional): hipcc + ROCm device libraries for the AMD kernel builds (as root on Debian),
-# and the NVRTC wheel for the CUDA kernel checks.
+# Slurm (slurmctld slurmd slurm-client munge, as root on Debian) for the tests against a real
+# scheduler, and the NVRTC wheel for the CUDA kernel checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -55,6 +56,22 @@ if [ "${DTM_SETUP_HIP:-1}" != 0 ] && ! command -v hipcc >/dev/null 2>&1 \
   apt-get install -y -qq --no-install-recommends "${hip_pkgs[@]}" >/dev/null 2>&1 \
     || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends "${hip_pkgs[@]}" >/dev/null 2>&1; } \
     || say "warning: could not install the HIP toolchain; the hipcc/hipRTC kernel checks will skip"
+fi
+
+# --- 1c. Slurm for the tests against a real scheduler (optional) ----------------------------
+# tests/test_slurm.py starts a private single-node cluster (its own munge key, config and ports
+# on loopback, in a temporary directory; never a system Slurm) and submits the job scripts of
+# jobs/ to it. Without the packages, or without root, those tests skip with a reason;
+# DTM_SETUP_SLURM=0 skips this. Debian's packages are not started here (no init in CI).
+if [ "${DTM_SETUP_SLURM:-1}" != 0 ] && ! command -v slurmctld >/dev/null 2>&1 \
+   && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+   && apt-cache show slurmctld >/dev/null 2>&1; then
+  say "installing Debian packages for the Slurm tests: slurmctld slurmd slurm-client munge"
+  export DEBIAN_FRONTEND=noninteractive
+  slurm_pkgs=(slurmctld slurmd slurm-client munge)
+  apt-get install -y -qq "${slurm_pkgs[@]}" >/dev/null 2>&1 \
+    || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq "${slurm_pkgs[@]}" >/dev/null 2>&1; } \
+    || say "warning: could not install Slurm; the tests against a real Slurm will skip"
 fi
 
 # --- 2. virtual environment and build prerequisites ------------------------------------------
