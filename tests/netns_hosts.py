@@ -1,0 +1,112 @@
+"""Several "hosts" on one machine for the multi-host tests: Linux network namespaces joined by
+a veth pair (made here as root, removed afterwards), Open MPI between them over TCP only.
+
+``mpirun`` runs inside the first namespace and starts its daemons in the others through
+``plm_rsh_agent`` = a small script running ``ip netns exec HOST sh -c CMD`` (the launch agent
+in place of ssh); ``btl tcp,self`` (no shared memory at all) on the namespaces' subnet only.
+``tc`` on the veth ends adds delay and loss (``netem``, where the kernel has it) or a slow link
+(``tbf``). :func:`why_not` says what is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.mpi_env import mpirun_env
+
+SUBNET = "10.77.{}.0/24"
+
+
+def why_not() -> str | None:
+    """Why namespaces cannot be made here (None: they can)."""
+    if shutil.which("ip") is None:
+        return "iproute2's ip is not installed"
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    probe = f"dtmprobe{uuid.uuid4().hex[:6]}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, check=False)  # fmt: skip
+    if made.returncode != 0:
+        return f"cannot create a network namespace here: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
+    return None
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], capture_output=True, text=True, check=True)
+
+
+@dataclass
+class Hosts:
+    """Two namespaces ``names`` with addresses ``addrs`` on one veth pair ``links``."""
+
+    names: tuple[str, str]
+    addrs: tuple[str, str]
+    links: tuple[str, str]
+    subnet: str
+    agent: Path
+
+    def mpirun(self, slots: tuple[int, int], *prog: str, timeout: float = 300, env: dict[str, str] | None = None, mpirun_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:  # fmt: skip
+        """``mpirun`` from the first host with ``slots[i]`` ranks on host ``i`` (ranks in host
+        order), over TCP only."""
+        hostfile = self.agent.parent / f"hosts-{slots[0]}-{slots[1]}"
+        hostfile.write_text("".join(f"{n} slots={s}\n" for n, s in zip(self.names, slots, strict=True) if s))  # fmt: skip
+        full = mpirun_env(**(env or {}))
+        forwarded = [a for k in full if k.startswith(("DTM_", "OMPI_ALLOW", "PYTHON")) for a in ("-x", k)]  # fmt: skip
+        cmd = ["ip", "netns", "exec", self.names[0], "mpirun", "--hostfile", str(hostfile),
+               "-n", str(sum(slots)), "--timeout", str(int(timeout) - 10),
+               "--mca", "plm_rsh_agent", str(self.agent), "--mca", "btl", "tcp,self",
+               "--mca", "btl_tcp_if_include", self.subnet, "--mca", "oob_tcp_if_include", self.subnet,
+               "--mca", "rmaps_base_oversubscribe", "1", *forwarded, *mpirun_args, *prog]  # fmt: skip
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full, check=False)  # fmt: skip
+
+    def shape(self, qdisc: str) -> str | None:
+        """Put ``tc`` queueing discipline ``qdisc`` (``netem delay 20ms loss 2%``, ``tbf rate
+        8mbit burst 32kbit latency 50ms``) on both ends of the link; the reason it cannot
+        be (e.g. a kernel without ``sch_netem``), else None."""
+        for ns, link in zip(self.names, self.links, strict=True):
+            got = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", link, "root", *qdisc.split()], capture_output=True, text=True, check=False)  # fmt: skip
+            if got.returncode != 0:
+                return f"tc qdisc {qdisc.split(maxsplit=1)[0]}: {got.stderr.strip() or got.returncode} (this kernel lacks it)"  # fmt: skip
+        return None
+
+    def unshape(self) -> None:
+        for ns, link in zip(self.names, self.links, strict=True):
+            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", link, "root"], capture_output=True, check=False)  # fmt: skip
+
+    def remove(self) -> None:
+        for ns in self.names:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+        shutil.rmtree(self.agent.parent, ignore_errors=True)
+
+
+def make_hosts() -> Hosts:
+    tag = uuid.uuid4().hex[:6]
+    names = (f"dtm-{tag}-a", f"dtm-{tag}-b")
+    links = (f"dtm{tag}a", f"dtm{tag}b")
+    octet = int(tag[:2], 16) % 200 + 20
+    subnet = SUBNET.format(octet)
+    addrs = (f"10.77.{octet}.1", f"10.77.{octet}.2")
+    work = Path(tempfile.mkdtemp(prefix="dtm-hosts-"))
+    agent = work / "netns-rsh"
+    agent.write_text('#!/bin/sh\n# Open MPI launch agent: run the daemon command in the host\'s namespace\nhost=$1; shift\nexec ip netns exec "$host" /bin/sh -c "$*"\n')  # fmt: skip
+    agent.chmod(0o755)
+    hosts = Hosts(names, addrs, links, subnet, agent)
+    try:
+        for ns in names:
+            _ip("netns", "add", ns)
+        _ip("link", "add", links[0], "type", "veth", "peer", "name", links[1])
+        for ns, link, addr in zip(names, links, addrs, strict=True):
+            _ip("link", "set", link, "netns", ns)
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", link)
+            _ip("-n", ns, "link", "set", link, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+    except BaseException:
+        hosts.remove()
+        raise
+    return hosts

@@ -1,0 +1,118 @@
+"""Across two "hosts" (network namespaces joined by a veth pair; Open MPI between them over
+TCP only, launched into the other namespace as ssh would): the examples agree with the
+simulator, a checkpoint saved on 2+2 ranks resumes on 2+1, the digits demo trains and resumes
+across them, and on a plain, a lossy and delayed (``tc netem``, where the kernel has it) or a
+slow (``tc tbf``) link a hung rank is still named by every other and nothing hangs. Skipped with the reason where namespaces cannot be made (not root)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dtm_mpi.runtime.simulate import run_simulated
+from tests.netns_hosts import Hosts, make_hosts, why_not
+from tests.test_mpi_run import EXAMPLES, load
+
+ROOT = Path(__file__).parent.parent
+DTM = (sys.executable, "-m", "mpi4py", "-m", "dtm_mpi")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not on PATH"),
+    pytest.mark.skipif(why_not() is not None, reason=why_not() or ""),
+]
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[Hosts]:
+    made = make_hosts()
+    try:
+        yield made
+    finally:
+        made.remove()
+
+
+def test_the_ranks_are_on_two_hosts_and_talk_over_tcp(hosts: Hosts) -> None:
+    code = ("from mpi4py import MPI; import os; c = MPI.COMM_WORLD; "
+            "print('net', c.rank, os.readlink('/proc/self/ns/net'), c.allreduce(c.rank + 1))")  # fmt: skip
+    got = hosts.mpirun((2, 2), sys.executable, "-c", code, timeout=120)
+    assert got.returncode == 0, got.stdout + got.stderr
+    rows = [ln.split() for ln in got.stdout.splitlines() if ln.startswith("net ")]
+    by_rank = {int(r[1]): r[2] for r in rows}
+    assert sorted(by_rank) == [0, 1, 2, 3] and all(r[3] == "10" for r in rows)
+    assert by_rank[0] == by_rank[1] != by_rank[2] == by_rank[3]  # two ranks per namespace
+
+
+@pytest.mark.parametrize(("name", "slots", "mesh"), [("tp_mlp", (2, 2), "dp=2,tp=2"), ("collectives", (2, 1), None), ("pipeline", (1, 1), None)])  # fmt: skip
+def test_examples_across_hosts_equal_the_simulator(hosts: Hosts, name: str, slots: tuple[int, int], mesh: str | None, tmp_path: Path) -> None:  # fmt: skip
+    out = tmp_path / "out.npz"
+    args = ["--mesh", mesh] if mesh else []
+    got = hosts.mpirun(slots, *DTM, "run", str(EXAMPLES / f"{name}.dtm"), *args, "--steps", "2", "-o", str(out), env={"DTM_TIMEOUT": "60"})  # fmt: skip
+    assert got.returncode == 0, got.stdout + got.stderr
+    binding = {k: int(v) for k, v in (kv.split("=") for kv in mesh.split(","))} if mesh else None
+    want = run_simulated(load(name), sum(slots), binding=binding, steps=2).outputs()
+    saved = np.load(out)
+    for key, value in want.items():
+        np.testing.assert_allclose(saved[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_a_checkpoint_saved_on_two_plus_two_resumes_on_two_plus_one(hosts: Hosts, tmp_path: Path) -> None:  # fmt: skip
+    store, out = tmp_path / "store", tmp_path / "out.npz"
+    mlp = str(EXAMPLES / "tp_mlp.dtm")
+    got = hosts.mpirun((2, 2), *DTM, "run", mlp, "--mesh", "dp=2,tp=2", "--steps", "2", "--checkpoint-every", "2", "--store", str(store), env={"DTM_TIMEOUT": "60"})  # fmt: skip
+    assert got.returncode == 0, got.stdout + got.stderr
+    verify = subprocess.run([sys.executable, "-m", "dtm_mpi", "ckpt", "verify", str(store)], capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    got = hosts.mpirun((2, 1), *DTM, "run", mlp, "--mesh", "dp=1,tp=3", "--steps", "4", "--resume", "--store", str(store), "-o", str(out), env={"DTM_TIMEOUT": "60"})  # fmt: skip
+    assert got.returncode == 0 and "(after step 2)" in got.stdout, got.stdout + got.stderr
+    want = run_simulated(load("tp_mlp"), 4, binding={"dp": 2, "tp": 2}, steps=4).outputs()
+    saved = np.load(out)
+    for key, value in want.items():
+        np.testing.assert_allclose(saved[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_the_digits_demo_trains_and_resumes_across_hosts(hosts: Hosts, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    demo = (sys.executable, "-m", "mpi4py", str(ROOT / "examples" / "digits.py"), "--quiet", "--store", str(store))  # fmt: skip
+    got = hosts.mpirun((2, 2), *demo, "--mesh", "dp=2,tp=2", "--steps", "120", "--checkpoint-every", "120", env={"DTM_TIMEOUT": "120"})  # fmt: skip
+    assert got.returncode == 0, got.stdout + got.stderr
+    got = hosts.mpirun((2, 1), *demo, "--mesh", "dp=1,tp=3", "--steps", "200", "--resume", env={"DTM_TIMEOUT": "120"})  # fmt: skip
+    assert got.returncode == 0, got.stdout + got.stderr
+    m = re.search(r"held-out accuracy ([0-9.]+)", got.stdout)
+    assert m is not None, got.stdout + got.stderr
+    assert float(m.group(1)) >= 0.9, got.stdout
+
+
+LINKS = {
+    "plain": None,
+    "netem-delay-loss": "netem delay 20ms 5ms loss 2%",
+    "tbf-slow-link": "tbf rate 8mbit burst 32kbit latency 100ms",
+}
+
+
+@pytest.mark.parametrize("link", list(LINKS))
+def test_a_hung_rank_is_named_by_every_other_on_any_link(hosts: Hosts, link: str, tmp_path: Path) -> None:  # fmt: skip
+    """Rank 3 (on the second host) hangs in a step: the bounded waits of the others, over a
+    plain, a lossy and delayed (netem), or a slow (tbf) link, name it; nothing hangs."""
+    qdisc = LINKS[link]
+    if qdisc is not None:
+        why = hosts.shape(qdisc)
+        if why is not None:
+            pytest.skip(why)
+    try:
+        got = hosts.mpirun((2, 2), *DTM, "run", str(EXAMPLES / "tp_mlp.dtm"), "--mesh", "dp=2,tp=2", "--steps", "3", "-o", str(tmp_path / "never.npz"),
+                           env={"DTM_TIMEOUT": "10", "DTM_FAULT": "3:allreduce:hang"}, timeout=240)  # fmt: skip
+    finally:
+        hosts.unshape()
+    text = got.stdout + got.stderr
+    assert got.returncode != 0, text
+    lines = {int(m.group(1)): m.group(2) for m in re.finditer(r"^\[rank (\d+)\] (dtm run: .*)$", text, re.M)}  # fmt: skip
+    assert {0, 1, 2} <= set(lines), text
+    assert len({lines[r] for r in (0, 1, 2)}) == 1, text
+    assert re.search(r"rank\(s\) 3\b", lines[0]) and "Traceback" not in text, lines[0]
