@@ -87,6 +87,36 @@ def add_exec_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[
                     help="print the step time and throughput on rank 0 every N steps")  # fmt: skip
     rn.set_defaults(func=_cmd_run)
 
+    # fmt: off
+    la = sub.add_parser(
+        "launch",
+        help="run a 'dtm run' job under mpirun; relaunch it on the slots left when ranks or hosts are lost",
+        description="dtm launch [options] -- FILE [dtm run options]: start the job under mpirun; "
+        "if it fails, probe the hosts, shrink the first --mesh axis to the slots left, relaunch "
+        "with --resume (the newest checkpoint that verifies), at most --max-restarts times. "
+        "Exit 75 (stopped on a signal after saving) is passed on for the scheduler to requeue.",
+    )
+    # fmt: on
+    la.add_argument(
+        "-n",
+        "--ranks",
+        type=int,
+        default=None,
+        help="ranks of the first launch (default: the host file's slots, else the --mesh product)",
+    )  # fmt: skip
+    la.add_argument("--hostfile", default=None, metavar="FILE",
+                    help="hosts and slots (Open MPI's format); a host that stops answering --probe is dropped")  # fmt: skip
+    la.add_argument("--max-restarts", type=int, default=3, metavar="K",
+                    help="relaunches after failures before giving up (default 3)")  # fmt: skip
+    la.add_argument("--probe", default=None, metavar="CMD",
+                    help="command checking that a host is alive, {host} replaced (default: ssh HOST true)")  # fmt: skip
+    la.add_argument("--mpirun", default="mpirun", metavar="CMD",
+                    help="the launcher command, as one shell-quoted string (default: mpirun)")  # fmt: skip
+    la.add_argument("--mpirun-args", default="", metavar="ARGS",
+                    help="extra mpirun arguments, as one shell-quoted string")  # fmt: skip
+    la.add_argument("run_args", nargs=argparse.REMAINDER, metavar="-- FILE [run options]")
+    la.set_defaults(func=_cmd_launch)
+
 
 def _binding(args: argparse.Namespace) -> dict[str, int] | None:
     from dtm_mpi.sharding.mesh import parse_mesh_binding
@@ -155,3 +185,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from dtm_mpi.runtime.launch import launch
 
     return launch(request())
+
+
+def _cmd_launch(args: argparse.Namespace) -> int:
+    import shlex
+
+    from dtm_mpi.runtime.elastic import DEFAULT_PROBE, launch_elastic
+
+    run_args = list(args.run_args)
+    if run_args[:1] == ["--"]:
+        run_args = run_args[1:]
+    if not run_args:
+        raise UsageError("dtm launch needs the run's arguments after --: dtm launch [options] -- FILE [run options]")  # fmt: skip
+    return launch_elastic(
+        run_args, ranks=args.ranks, hostfile=args.hostfile, max_restarts=args.max_restarts,
+        probe=args.probe or DEFAULT_PROBE, mpirun=shlex.split(args.mpirun), mpirun_args=shlex.split(args.mpirun_args),
+    )  # fmt: skip

@@ -1,5 +1,6 @@
-"""Several "hosts" on one machine for the multi-host tests: Linux network namespaces joined by
-a veth pair (made here as root, removed afterwards), Open MPI between them over TCP only.
+"""Several "hosts" on one machine for the multi-host tests: Linux network namespaces, each
+joined by a veth pair to a bridge in a "switch" namespace (made here as root, removed
+afterwards), Open MPI between them over TCP only.
 
 ``mpirun`` runs inside the first namespace and starts its daemons in the others through
 ``plm_rsh_agent`` = a small script running ``ip netns exec HOST sh -c CMD`` (the launch agent
@@ -43,13 +44,15 @@ def _ip(*args: str) -> None:
 
 @dataclass
 class Hosts:
-    """Two namespaces ``names`` with addresses ``addrs`` on one veth pair ``links``."""
+    """Two namespaces ``names`` with addresses ``addrs`` on their links ``links`` (each a veth
+    to the bridge of namespace ``switch``)."""
 
     names: tuple[str, str]
     addrs: tuple[str, str]
     links: tuple[str, str]
     subnet: str
     agent: Path
+    switch: str = ""  # the namespace of the bridge joining the hosts
 
     def mpirun(self, slots: tuple[int, int], *prog: str, timeout: float = 300, env: dict[str, str] | None = None, mpirun_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:  # fmt: skip
         """``mpirun`` from the first host with ``slots[i]`` ranks on host ``i`` (ranks in host
@@ -80,14 +83,18 @@ class Hosts:
             subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", link, "root"], capture_output=True, check=False)  # fmt: skip
 
     def remove(self) -> None:
-        for ns in self.names:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+        for ns in (*self.names, self.switch):
+            if ns:
+                subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
         shutil.rmtree(self.agent.parent, ignore_errors=True)
 
 
 def make_hosts() -> Hosts:
+    """Two host namespaces, each with a veth pair to a bridge in a third "switch" namespace (so
+    removing one host leaves the other's link up, as a lost node does)."""
     tag = uuid.uuid4().hex[:6]
     names = (f"dtm-{tag}-a", f"dtm-{tag}-b")
+    switch = f"dtm-{tag}-sw"
     links = (f"dtm{tag}a", f"dtm{tag}b")
     octet = int(tag[:2], 16) % 200 + 20
     subnet = SUBNET.format(octet)
@@ -96,13 +103,19 @@ def make_hosts() -> Hosts:
     agent = work / "netns-rsh"
     agent.write_text('#!/bin/sh\n# Open MPI launch agent: run the daemon command in the host\'s namespace\nhost=$1; shift\nexec ip netns exec "$host" /bin/sh -c "$*"\n')  # fmt: skip
     agent.chmod(0o755)
-    hosts = Hosts(names, addrs, links, subnet, agent)
+    hosts = Hosts(names, addrs, links, subnet, agent, switch)
     try:
-        for ns in names:
+        for ns in (*names, switch):
             _ip("netns", "add", ns)
-        _ip("link", "add", links[0], "type", "veth", "peer", "name", links[1])
-        for ns, link, addr in zip(names, links, addrs, strict=True):
+        _ip("-n", switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", switch, "link", "set", "br0", "up")
+        for i, (ns, link, addr) in enumerate(zip(names, links, addrs, strict=True)):
+            port = f"p{tag}{i}"
+            _ip("link", "add", link, "type", "veth", "peer", "name", port)
             _ip("link", "set", link, "netns", ns)
+            _ip("link", "set", port, "netns", switch)
+            _ip("-n", switch, "link", "set", port, "master", "br0")
+            _ip("-n", switch, "link", "set", port, "up")
             _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", link)
             _ip("-n", ns, "link", "set", link, "up")
             _ip("-n", ns, "link", "set", "lo", "up")

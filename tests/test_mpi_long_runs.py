@@ -186,3 +186,35 @@ def test_a_quota_too_small_is_one_agreed_error(tmp_path: Path) -> None:
     assert len({ln.split("] ", 1)[1] for ln in lines}) == 1 and len(lines) == 3, text
     assert "quota" in text.lower() and "Traceback" not in text, text
     assert not list(store.glob("ckpt-*"))
+
+
+def test_dtm_launch_relaunches_after_a_killed_rank_and_ends_like_an_uninterrupted_run(tmp_path: Path) -> None:  # fmt: skip
+    """A rank SIGKILLed after the first checkpoints: the elastic launcher relaunches on the
+    same slots with --resume, losing only the steps since the last checkpoint, and the final
+    weights equal an uninterrupted run's bit for bit (deterministic mode, same mesh)."""
+    store, out = tmp_path / "store", tmp_path / "launched.npz"
+    steps = 30
+    cmd = [sys.executable, "-m", "dtm_mpi", "launch", "--max-restarts", "2", "--mpirun-args", "--bind-to none",
+           "--", MLP, "--mesh", MESH[3], "--steps", str(steps), "--store", str(store),
+           "--checkpoint-every", "4", "--log-every", "1", "-o", str(out)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=mpirun_env(PYTHONUNBUFFERED="1", OMPI_MCA_odls_base_sigkill_timeout="5", **DET))  # fmt: skip
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + 150
+    for line in proc.stdout:  # until a step after the second checkpoint
+        lines.append(line)
+        m = re.match(rf"step (\d+)/{steps}: ", line)
+        if m and int(m.group(1)) >= 9:
+            break
+        assert time.monotonic() < deadline, "".join(lines)
+    os.kill(rank_pid(str(out), 1), signal.SIGKILL)
+    rest, _ = proc.communicate(timeout=300)
+    text = "".join(lines) + rest
+    assert proc.returncode == 0, text
+    assert "dtm launch: attempt 2: 3 rank(s), mesh dp=1,tp=3 (resuming)" in text, text
+    m = re.search(r"resumed from \S+ckpt-(\d+) \(after step (\d+)\)", text)
+    assert m is not None and int(m.group(2)) >= 8, text
+    want = run_simulated(load("tp_mlp"), 3, binding={"dp": 1, "tp": 3}, steps=steps).outputs()
+    got = np.load(out)
+    assert all(got[k].tobytes() == v.tobytes() for k, v in want.items())

@@ -6,6 +6,7 @@ slow (``tc tbf``) link a hung rank is still named by every other and nothing han
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 import subprocess
@@ -116,3 +117,63 @@ def test_a_hung_rank_is_named_by_every_other_on_any_link(hosts: Hosts, link: str
     assert {0, 1, 2} <= set(lines), text
     assert len({lines[r] for r in (0, 1, 2)}) == 1, text
     assert re.search(r"rank\(s\) 3\b", lines[0]) and "Traceback" not in text, lines[0]
+
+
+@pytest.mark.timeout(420)
+def test_dtm_launch_drops_a_lost_host_and_finishes_on_the_other(tmp_path: Path) -> None:
+    """Host b is lost mid-run (its processes killed, its namespace removed): the elastic
+    launcher probes the hosts, drops b, shrinks dp to the 2 slots left and resumes from the
+    last checkpoint on host a; the result matches the uninterrupted run (another mesh:
+    float32 reassociation only)."""
+    import os
+    import signal
+    import time
+
+    from tests.mpi_env import mpirun_env
+
+    own = make_hosts()
+    try:
+        hostfile = tmp_path / "hosts"
+        hostfile.write_text(f"{own.names[0]} slots=2\n{own.names[1]} slots=2\n")
+        store, out = tmp_path / "store", tmp_path / "out.npz"
+        env = mpirun_env(PYTHONUNBUFFERED="1", DTM_TIMEOUT="30", OMPI_MCA_odls_base_sigkill_timeout="5")  # fmt: skip
+        forwarded = " ".join(f"-x {k}" for k in env if k.startswith(("DTM_", "OMPI_ALLOW", "PYTHON")))  # fmt: skip
+        # a lost host sends no FIN: its daemon is declared gone after ~11 s of TCP keepalives
+        # (Open MPI's default: 8 minutes), so the job ends and the launcher can act
+        keepalive = "--mca oob_tcp_keepalive_time 5 --mca oob_tcp_keepalive_intvl 2 --mca oob_tcp_keepalive_probes 3"  # fmt: skip
+        mpirun_args = (f"--mca plm_rsh_agent {own.agent} --mca btl tcp,self --mca btl_tcp_if_include {own.subnet} "
+                       f"--mca oob_tcp_if_include {own.subnet} --mca rmaps_base_oversubscribe 1 {keepalive} {forwarded}")  # fmt: skip
+        steps = 24
+        cmd = [sys.executable, "-m", "dtm_mpi", "launch", "--hostfile", str(hostfile), "--max-restarts", "2",
+               "--mpirun", f"ip netns exec {own.names[0]} mpirun", "--mpirun-args", mpirun_args,
+               "--probe", f"{own.agent} {{host}} true",
+               "--", str(EXAMPLES / "tp_mlp.dtm"), "--mesh", "dp=2,tp=2", "--steps", str(steps),
+               "--store", str(store), "--checkpoint-every", "4", "--log-every", "1", "-o", str(out)]  # fmt: skip
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+        assert proc.stdout is not None
+        lines: list[str] = []
+        deadline = time.monotonic() + 200
+        for line in proc.stdout:
+            lines.append(line)
+            m = re.match(rf"step (\d+)/{steps}: ", line)
+            if m and int(m.group(1)) >= 9:
+                break
+            assert time.monotonic() < deadline, "".join(lines)
+        pids = subprocess.run(["ip", "netns", "pids", own.names[1]], capture_output=True, text=True, check=False).stdout.split()  # fmt: skip
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        subprocess.run(["ip", "netns", "del", own.names[1]], capture_output=True, check=False)
+        rest, _ = proc.communicate(timeout=400)
+        text = "".join(lines) + rest
+        assert proc.returncode == 0, text
+        assert f"lost host(s) {own.names[1]}" in text, text
+        assert f"attempt 2: 2 rank(s), mesh dp=1,tp=2 on {own.names[0]}:2 (resuming)" in text, text
+        m = re.search(r"resumed from \S+ \(after step (\d+)\)", text)
+        assert m is not None and int(m.group(1)) >= 8, text
+        want = run_simulated(load("tp_mlp"), 4, binding={"dp": 2, "tp": 2}, steps=steps).outputs()
+        saved = np.load(out)
+        for key, value in want.items():
+            np.testing.assert_allclose(saved[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+    finally:
+        own.remove()
