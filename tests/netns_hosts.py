@@ -119,7 +119,30 @@ def make_hosts() -> Hosts:
             _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", link)
             _ip("-n", ns, "link", "set", link, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
+        _wait_connected(hosts)
     except BaseException:
         hosts.remove()
         raise
     return hosts
+
+
+def _wait_connected(hosts: Hosts, timeout: float = 20.0) -> None:
+    """Until a TCP connection from the second host reaches the first (the bridge has learnt
+    the addresses): a launch right after would otherwise fail to reach a daemon."""
+    import sys
+    import time
+
+    port = 40000 + int(hosts.addrs[0].split(".")[2])
+    server = subprocess.Popen(["ip", "netns", "exec", hosts.names[0], sys.executable, "-c",
+                               f"import socket; s = socket.create_server(('{hosts.addrs[0]}', {port})); s.settimeout({timeout}); s.accept()"])  # fmt: skip
+    try:
+        deadline = time.monotonic() + timeout
+        probe = f"import socket; socket.create_connection(('{hosts.addrs[0]}', {port}), timeout=1).close()"
+        while time.monotonic() < deadline:
+            if subprocess.run(["ip", "netns", "exec", hosts.names[1], sys.executable, "-c", probe], capture_output=True, check=False).returncode == 0:  # fmt: skip
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"hosts {hosts.names}: no TCP connection within {timeout:g} s")
+    finally:
+        server.kill()
+        server.wait()
