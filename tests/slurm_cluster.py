@@ -21,6 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+REQUEUE_SETTLE_S = 8.0
+"""How long a requeued job waits before the test moves its start to now."""
+
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scancel", "scontrol", "sinfo")  # fmt: skip
 
 
@@ -84,14 +87,20 @@ class SlurmCluster:
         it may start again (Slurm's delay); with ``hurry_requeue`` the test, as the operator,
         moves its start to now."""
         deadline = time.monotonic() + timeout
+        held_since: float | None = None
         while time.monotonic() < deadline:
             st = self.state(job)
             if not st:
                 return
-            if hurry_requeue and st == "PENDING":
-                info = self.run("scontrol", "show", "job", str(job), check=False).stdout
-                if "Reason=BeginTime" in info:
+            info = self.run("scontrol", "show", "job", str(job), check=False).stdout if st == "PENDING" else ""  # fmt: skip
+            if hurry_requeue and "Reason=BeginTime" in info:
+                held_since = held_since if held_since is not None else time.monotonic()
+                # a few seconds first: slurmd finishes cleaning up the job's previous run
+                # (Slurm's own delay is about two minutes; a restart at once can collide)
+                if time.monotonic() - held_since > REQUEUE_SETTLE_S:
                     self.run("scontrol", "update", f"jobid={job}", "StartTime=now", check=False)
+            else:
+                held_since = None
             time.sleep(0.5)
         raise AssertionError(f"job {job} still {self.state(job)} after {timeout:g} s")
 
