@@ -130,8 +130,10 @@ def _direct_runs(plan: RestorePlan, direct: dict[int, tuple[slice, ...]], outs: 
     return runs
 
 
-def _read_run(files: ShardReader, plan: RestorePlan, run: list[int], direct: dict[int, tuple[slice, ...]], outs: dict[str, np.ndarray]) -> list[Damage]:  # fmt: skip
-    """Read a run of direct chunks with one call; its damage if the read fails, else []."""
+def _read_run(ctx: Reader, files: ShardReader, plan: RestorePlan, run: list[int], direct: dict[int, tuple[slice, ...]], outs: dict[str, np.ndarray], *, checked: bool) -> list[Damage] | None:  # fmt: skip
+    """Read a run of direct chunks with one call: its damage if the read fails, else [].
+    ``checked``: also verify each piece while it is cached (one pass); None then where the
+    shard's storage does not allow it (the caller reads, then verifies)."""
     first, last = plan.items[run[0]], plan.items[run[-1]]
     name = plan.targets[first.tensor][0]
     art = plan.artifacts[first.tensor]
@@ -140,23 +142,9 @@ def _read_run(files: ShardReader, plan: RestorePlan, run: list[int], direct: dic
     if where:
         where = (slice(where[0].start, direct[run[-1]][0].stop), *where[1:])
     try:
-        files.read_rows(art, shard, first.chunk, last.chunk, outs[name], where or None)
-    except Exception as exc:  # local: reported with the damage, agreed by the caller
-        return [_unreadable(files, name, shard, f"chunks {first.chunk}..{last.chunk}", exc)]
-    return []
-
-
-def _read_run_checked(ctx: Reader, files: ShardReader, plan: RestorePlan, run: list[int], direct: dict[int, tuple[slice, ...]], outs: dict[str, np.ndarray]) -> list[Damage] | None:  # fmt: skip
-    """Read a run of direct chunks hashing each piece while it is cached (one pass); the
-    run's damage, or None where the shard's storage does not allow it (read, then verify)."""
-    first, last = plan.items[run[0]], plan.items[run[-1]]
-    name = plan.targets[first.tensor][0]
-    art = plan.artifacts[first.tensor]
-    shard = art.shards[first.shard]
-    where = direct[run[0]]
-    if where:
-        where = (slice(where[0].start, direct[run[-1]][0].stop), *where[1:])
-    try:
+        if not checked:
+            files.read_rows(art, shard, first.chunk, last.chunk, outs[name], where or None)
+            return []
         problems = files.read_rows_checked(art, shard, first.chunk, last.chunk, outs[name], where or None)  # fmt: skip
     except Exception as exc:  # local: reported with the damage, agreed by the caller
         return [_unreadable(files, name, shard, f"chunks {first.chunk}..{last.chunk}", exc)]
@@ -187,11 +175,11 @@ def _read_runs(ctx: Reader, files: ShardReader, plan: RestorePlan, runs: list[li
             with ctx.deadline(f"restore: reading {len(run)} chunk(s) of tensor {plan.targets[plan.items[run[0]].tensor][0]!r}"):  # fmt: skip
                 # no spare core: hash each piece right after reading it, while it is cached;
                 # with one, hashing a run on the worker while the next is read is faster
-                checked = None if pool is not None else _read_run_checked(ctx, files, plan, run, direct, outs)  # fmt: skip
+                checked = None if pool is not None else _read_run(ctx, files, plan, run, direct, outs, checked=True)  # fmt: skip
                 if checked is not None:  # read and verified in one pass
                     damaged.extend(checked)
                     continue
-                failed = _read_run(files, plan, run, direct, outs)
+                failed = _read_run(ctx, files, plan, run, direct, outs, checked=False) or []
                 if pending is not None:
                     damaged.extend(pending.result())
                     pending = None

@@ -140,19 +140,21 @@ def test_every_flipped_data_byte_is_found(good: tuple[Path, dict[str, np.ndarray
     hash_thread = mode == "hash-thread"
     monkeypatch.setattr(restore_read, "hash_thread_wanted", lambda: hash_thread)
     pipelined, one_pass = [], []
-    real, real_checked = restore_read._read_runs, restore_read._read_run_checked
+    real, real_read = restore_read._read_runs, restore_read._read_run
 
     def spy(*args: Any, threaded: bool) -> Any:
         pipelined.append(threaded)
         return real(*args, threaded=threaded)
 
-    def checked(*args: Any) -> Any:
-        got = real_checked(*args) if mode == "one-pass" else None
+    def read(*args: Any, checked: bool) -> Any:
+        if not checked:
+            return real_read(*args, checked=False)
+        got = real_read(*args, checked=True) if mode == "one-pass" else None
         one_pass.append(got is not None)
         return got
 
     monkeypatch.setattr(restore_read, "_read_runs", spy)
-    monkeypatch.setattr(restore_read, "_read_run_checked", checked)
+    monkeypatch.setattr(restore_read, "_read_run", read)
     path, _ = good
     extents = data_extents(path)
     total = sum(n for _, _, n in extents)
