@@ -5,9 +5,8 @@
 # its backward pass by autodiff, AdamW) trains on scikit-learn's digits under mpirun on 4 ranks
 # (dp=2 x tp=2) with a checkpoint in the parallel-HDF5 store, resumes on 3 ranks (dp=1 x tp=3:
 # another layout of every tensor), prints the held-out accuracy (>= 0.95 required) and writes
-# the loss/accuracy plot; the final weights are checked against an uninterrupted 4-rank run
-# (float32 reassociation only across meshes) and, resumed on the same mesh, bitwise
-# (DTM_DETERMINISTIC=1).
+# the loss/accuracy plot; the final weights are checked bit for bit against an uninterrupted
+# 4-rank run (DTM_DETERMINISTIC=1: exact sums, the same bits on every mesh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -46,12 +45,9 @@ echo "== digits: resume on $RESUME_RANKS ranks ($RESUME_MESH) up to step $STEPS"
 "${RUN[@]}" -n "$RESUME_RANKS" "${DIGITS[@]}" --mesh "$RESUME_MESH" --steps "$STEPS" --resume \
   --store "$work/store" --plot "$PLOT" -o "$work/resumed.npz" | tee "$work/resumed.log"
 
-echo "== digits: uninterrupted, $STEPS steps on $RANKS ranks ($MESH); and resumed on the same mesh"
+echo "== digits: uninterrupted, $STEPS steps on $RANKS ranks ($MESH)"
 "${RUN[@]}" -n "$RANKS" "${DIGITS[@]}" --mesh "$MESH" --steps "$STEPS" --store "$work/straight" \
   -o "$work/straight.npz" | tail -n 1
-"${RUN[@]}" -n "$RANKS" "${DIGITS[@]}" --mesh "$MESH" --steps "$CKPT_AT" --store "$work/same" | tail -n 1
-"${RUN[@]}" -n "$RANKS" "${DIGITS[@]}" --mesh "$MESH" --steps "$STEPS" --store "$work/same" \
-  --resume -o "$work/same.npz" | tail -n 1
 
 "$PY" - "$work" <<'PY'
 import re
@@ -60,16 +56,13 @@ import numpy as np
 work = sys.argv[1]
 acc = float(re.search(r"held-out accuracy ([0-9.]+)", open(f"{work}/resumed.log").read()).group(1))
 assert acc >= 0.95, f"held-out accuracy {acc} < 0.95"
-resumed, straight, same = (np.load(f"{work}/{n}.npz") for n in ("resumed", "straight", "same"))
-worst = 0.0
+resumed, straight = (np.load(f"{work}/{n}.npz") for n in ("resumed", "straight"))
+assert sorted(resumed.files) == sorted(straight.files)
 for k in straight.files:
     a, b = resumed[k], straight[k]
     assert a.shape == b.shape and a.dtype == b.dtype, (k, a.shape, b.shape)
-    worst = max(worst, float(np.max(np.abs(a.astype("f8") - b.astype("f8")), initial=0.0)))
-    # another mesh adds the same numbers in another order: float32 reassociation only
-    assert np.allclose(a, b, rtol=1e-4, atol=1e-6), f"{k} differs after resume"
-    assert np.array_equal(same[k], b), f"{k}: resumed on the same mesh is not bitwise equal"
-print(f"held-out accuracy {acc:.4f} >= 0.95; resumed on {len(straight.files)} outputs: same mesh "
-      f"bitwise equal, another mesh within {worst:.1e} of the uninterrupted run")
+    assert a.tobytes() == b.tobytes(), f"{k}: resumed on another mesh is not bitwise equal"
+print(f"held-out accuracy {acc:.4f} >= 0.95; all {len(straight.files)} outputs resumed on another "
+      "mesh are bitwise equal to the uninterrupted run's")
 PY
 

@@ -81,15 +81,6 @@ def _collect(comm: Any, tag: int, want: set[int], deadline: float) -> dict[int, 
     return got
 
 
-def _agree_without_session(
-    comm: Any, ok: bool, message: str, phase: str, timeout_s: float
-) -> tuple[RankFailure, ...]:
-    """Every rank sends its outcome to every other rank and waits, within ``timeout_s``, for
-    all of theirs (:func:`exchange_without_session`); the failed ranks, in rank order."""
-    outcomes = _exchange(comm, ok, message, phase, timeout_s)
-    return tuple(RankFailure(r, phase, m) for r, (k, m) in sorted(outcomes.items()) if not k)
-
-
 EXCHANGE_TAG = 32764
 """The tag of :func:`exchange_without_session` (apart from the agreements': an exchange and
 the agreement after it never take each other's messages)."""

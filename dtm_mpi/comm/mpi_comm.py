@@ -243,9 +243,10 @@ class MpiComm:
 
     def native_type(self, x: np.ndarray, op: ReduceOp) -> Any | None:
         """The MPI datatype to reduce ``x`` with MPI's own ``op``, or None to gather and fold
-        in group order: in deterministic mode, for types MPI lacks (f16, bool), and for float
-        max/min (MPI implementations drop NaN there; the fold keeps numpy's NaN rule)."""
-        if self.deterministic:
+        in group order: floats in deterministic mode (integer sums are exact in any order), types
+        MPI lacks (f16, bool), and float max/min (MPI implementations drop NaN there; the fold
+        keeps numpy's NaN rule)."""
+        if self.deterministic and x.dtype.kind == "f":
             return None
         if x.dtype.kind == "f" and op in (ReduceOp.MAX, ReduceOp.MIN):
             return None

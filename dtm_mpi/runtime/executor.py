@@ -19,17 +19,18 @@ from dtm_mpi.config import get_config
 from dtm_mpi.errors import CommError, DtmError, KernelError
 from dtm_mpi.faults import maybe_fail
 from dtm_mpi.ir.dtypes import np_dtype, round_bf16
-from dtm_mpi.ir.types import DType, TensorType
+from dtm_mpi.ir.types import DType, ReduceOp, TensorType
 from dtm_mpi.kernels.backends import parse_backend
 from dtm_mpi.kernels.devices import ArrayBackend, open_backend
 from dtm_mpi.kernels.dispatch import Kernel, KernelContext, backend_kernels
+from dtm_mpi.kernels.exact import EXACT_RULES, Levels, applies, exact_axes
 from dtm_mpi.kernels.fused import Expr
 from dtm_mpi.plan.fusion import FusedGroup, FusionNode, fusion_groups
 from dtm_mpi.plan.program import ExecPlan, FunctionPlan, OpKind, PlanOp
 from dtm_mpi.sharding import collectives
 from dtm_mpi.sharding.blocks import block_owners, local_offsets, local_shape
 from dtm_mpi.sharding.redistribute import RedistPlan, plan_redistribute
-from dtm_mpi.sharding.steps import STEP_KINDS, StepKind, StepRule, StepSpec
+from dtm_mpi.sharding.steps import STEP_KINDS, AllreduceSpec, StepKind, StepRule, StepSpec
 
 __all__ = ["STEP_RUNNERS", "Executor", "gather_to_root", "run_redistribution"]
 
@@ -156,10 +157,16 @@ def _expr(node: FusionNode | int) -> Expr | int:
 
 
 class Executor:
-    """Runs ``plan`` on one rank through ``comm`` with ``backend``'s kernels."""
+    """Runs ``plan`` on one rank through ``comm`` with ``backend``'s kernels; in deterministic
+    mode (``DTM_DETERMINISTIC``, or ``deterministic=``) the ops that sum floats run their
+    exact forms (:mod:`dtm_mpi.kernels.exact`), so results do not depend on the mesh."""
 
-    def __init__(self, plan: ExecPlan, comm: Comm, backend: str | ArrayBackend = "numpy") -> None:
+    def __init__(
+        self, plan: ExecPlan, comm: Comm, backend: str | ArrayBackend = "numpy",
+        deterministic: bool | None = None,
+    ) -> None:  # fmt: skip
         self.plan = plan
+        self.deterministic = get_config().deterministic if deterministic is None else deterministic
         self.comm = comm
         self.mesh = plan.mesh
         self.rank = comm.rank
@@ -172,6 +179,7 @@ class Executor:
         # per-op facts of this rank, computed once (the plan, and so its ops, outlive them)
         self._kernels: dict[int, tuple[Kernel, KernelContext]] = {}
         self._specs_of: dict[int, tuple[StepSpec, ...]] = {}
+        self._exact_specs: dict[tuple[tuple[str, ...], ReduceOp, int], AllreduceSpec] = {}
 
     # -- per-op facts, computed once per rank -------------------------------------------------
     def local_shape(self, t: TensorType) -> tuple[int, ...]:
@@ -279,11 +287,46 @@ class Executor:
         xs = [env[n] for n in group.inputs]
         return (self.backend.run_fused(_expr(group.tree), group.lastdim, xs, np_dtype(t.dtype), shape),)  # fmt: skip
 
+    def _exact_spec(self, axes: tuple[str, ...], op: ReduceOp, count: int) -> AllreduceSpec:
+        key = (axes, op, count)
+        got = self._exact_specs.get(key)
+        if got is None:
+            group = self.mesh.group_of(self.rank, axes)
+            got = self._exact_specs[key] = AllreduceSpec(group, group.index(self.rank), op, count)
+        return got
+
+    def _exact_allreduce(self, x: np.ndarray, axes: tuple[str, ...], op: ReduceOp) -> np.ndarray:
+        return self.comm.allreduce(x, axes, self._exact_spec(axes, op, x.size))
+
+    def _run_exact(self, ctx: KernelContext, xs: list[np.ndarray]) -> np.ndarray:
+        """The op's exact form (deterministic mode). Where its result is a pending sum, the
+        group's exponents are max-allreduced and its integer levels sum-allreduced (exact in
+        any order), and the group's first rank holds the whole result, the others zeros: the
+        pending sum the plan reduces later adds only zeros to it, which is exact too."""
+        rule = EXACT_RULES[ctx.op.name]
+        axes = exact_axes(ctx.op, self.mesh)
+        host = [self.backend.to_host(x) for x in xs]
+        exps = rule.exponents(ctx, host)
+        if axes:
+            exps = self._exact_allreduce(exps, axes, ReduceOp.MAX)
+        got = rule.levels(ctx, host, exps)
+        if axes:
+            plain = got.plain
+            if plain is not None:  # the outputs an infinity or NaN reaches: their sum is order-free
+                plain = self._exact_allreduce(plain, axes, ReduceOp.SUM)
+            got = Levels(self._exact_allreduce(got.levels, axes, ReduceOp.SUM), plain)
+        out = np.asarray(rule.finish(ctx, got, exps), order="C")  # (0-d stays 0-d)
+        if axes and self.mesh.index_along(self.rank, axes) != 0:
+            out = np.zeros_like(out)
+        return self.backend.to_device(out)  # type: ignore[no-any-return]
+
     def _run_op(self, p: PlanOp, xs: list[np.ndarray], step: int) -> tuple[np.ndarray, ...]:
         kind = p.kind
         op = p.op
         if kind is OpKind.LOCAL:
             kernel, ctx = self._kernel(p, step)
+            if self.deterministic and applies(op):
+                return (self._run_exact(ctx, xs),)
             with np.errstate(all="ignore"):  # IEEE results (inf, nan) are the op's semantics
                 outs = kernel(ctx, xs)
             for out, want in zip(outs, ctx.local_shapes, strict=True):

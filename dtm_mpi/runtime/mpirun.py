@@ -195,7 +195,7 @@ def _run_session(module: object, args: MpiRunArgs, world: Any, rank: int, size: 
             gpu_aware="" if local_aware is None else str(local_aware), steps=args.steps,
         )  # fmt: skip
         handshake(session, hello)  # the module's requirements were checked in phase load
-        session.join_mesh(_groups(plan))
+        session.join_mesh(_groups(plan, config.deterministic))
         comm = MpiComm(
             session, deterministic=config.deterministic, max_msg_elems=config.max_msg_elems
         )
@@ -219,10 +219,11 @@ def _raised_everywhere(exc: BaseException) -> bool:
     return isinstance(exc, HandshakeError | RemoteFailureError) or (isinstance(exc, DtmError) and exc.agreed)  # fmt: skip
 
 
-def _groups(plan: object) -> list[tuple[str, ...]]:
-    """Every group of axes the run communicates over (the plan, then the reductions pending
-    on outputs), in a fixed order: groups are created once, collectively, before any data
-    moves."""
+def _groups(plan: object, deterministic: bool) -> list[tuple[str, ...]]:
+    """Every group of axes the run communicates over (the plan, the exact sums of
+    deterministic mode, then the reductions pending on outputs), in a fixed order: groups are
+    created once, collectively, before any data moves."""
+    from dtm_mpi.kernels.exact import applies, exact_axes
     from dtm_mpi.plan.program import ExecPlan, OpKind
     from dtm_mpi.sharding.redistribute import plan_redistribute
 
@@ -240,6 +241,8 @@ def _groups(plan: object) -> list[tuple[str, ...]]:
                 add([s.axes for s in p.redist.steps if s.kind.is_collective])
             elif p.kind is OpKind.BROADCAST:
                 add([p.axes])
+            elif p.kind is OpKind.LOCAL and deterministic and applies(p.op):
+                add([axes for axes in [exact_axes(p.op, plan.mesh)] if axes])
     entry = plan.entry_plan.function
     for t in [r.type for r in entry.results] + [p.type for p in entry.params]:
         if t.layout.partial is not None:  # gather_to_root reduces first

@@ -120,17 +120,19 @@ def run_rank(
     steps: int = 1,
     backend: str | ArrayBackend = "numpy",
     hooks: RunHooks | None = None,
+    deterministic: bool | None = None,
 ) -> RankOutcome:
     """Run ``steps`` steps of the entry function on this rank. ``inputs``: global arrays of
     (some) entry parameters, by name; the others get their declared init; ``hooks``: inputs
-    fed each step, metrics reported after each step.
+    fed each step, metrics reported after each step; ``deterministic``: the exact sums of
+    deterministic mode (default: ``DTM_DETERMINISTIC``).
 
     Collective: call on all ranks."""
     args = initial_blocks(plan, comm.rank, inputs, fed=hooks.fed if hooks is not None else ())
     history: list[tuple[np.ndarray, ...]] = []
     feeder = StepFeeder(plan, comm.rank, hooks) if hooks is not None else None
     last = run_steps(
-        Executor(plan, comm, backend), args, steps, history=history if feeder is None else None,
+        Executor(plan, comm, backend, deterministic), args, steps, history=history if feeder is None else None,
         before_step=(lambda step: feeder.feed(step, args)) if feeder is not None else None,
         on_results=feeder.report if feeder is not None else None,
     )  # fmt: skip
@@ -265,8 +267,10 @@ def run_simulated(
     backend: str | ArrayBackend = "numpy",
     timeout_s: float = 60.0,
     hooks: RunHooks | None = None,
+    deterministic: bool | None = None,
 ) -> RunResult:
-    """Run a *verified* module on ``nranks`` simulated ranks and return global values."""
+    """Run a *verified* module on ``nranks`` simulated ranks and return global values
+    (``deterministic``: as :func:`run_rank`)."""
     from dtm_mpi.comm.sim import run_ranks
 
     if nranks < 1:
@@ -278,7 +282,15 @@ def run_simulated(
     plan = compile_plan(module, mesh)
     outcomes = run_ranks(
         mesh,
-        lambda comm: run_rank(plan, comm, given, steps=steps, backend=backend, hooks=hooks),
+        lambda comm: run_rank(
+            plan,
+            comm,
+            given,
+            steps=steps,
+            backend=backend,
+            hooks=hooks,
+            deterministic=deterministic,
+        ),
         timeout_s=timeout_s,
     )
     entry = plan.entry_plan.function

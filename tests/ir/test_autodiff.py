@@ -155,6 +155,26 @@ def test_backward_pass_runs_distributed(case: Case) -> None:
             np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-10, err_msg=f"{case.name} result {i} at {binding}")  # fmt: skip
 
 
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_backward_pass_has_the_same_bits_on_every_mesh_in_deterministic_mode(case: Case) -> None:
+    """Deterministic mode's exact sums: the loss and gradients on 1-4 ranks and every mesh
+    shape are bit for bit those of one rank (and still the reference's values)."""
+    module, _ = build(case)
+    entry = module.entry
+    assert entry is not None
+    values = draw(module, case.positive, seed=2)
+    want = evaluate_function(module, entry, tuple(values[p.name.lstrip("%")] for p in entry.params), 0)  # fmt: skip
+    first: tuple[np.ndarray, ...] | None = None
+    for nranks, binding in BINDINGS:
+        got = run_simulated(module, nranks, binding=binding, inputs=values, deterministic=True).results[0]  # fmt: skip
+        if first is None:
+            first = got
+            for i, (g, w) in enumerate(zip(got, want, strict=True)):
+                np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-10, err_msg=f"{case.name} result {i}")  # fmt: skip
+        for i, (g, f) in enumerate(zip(got, first, strict=True)):
+            assert g.tobytes() == f.tobytes(), f"{case.name} result {i} at {binding} differs from 1 rank"  # fmt: skip
+
+
 def test_every_local_float_op_with_operands_has_a_rule_or_is_listed() -> None:
     """A new op must state its gradient (or be listed here as having none, with the reason)."""
     none = {

@@ -23,8 +23,9 @@ pytestmark = pytest.mark.mpi(min_size=2)
 SUBSET = ["matmul-k-sharded", "reduce_scatter", "allgather", "layer_norm", "log_softmax", "chain", "max-dims", "slice"]  # fmt: skip
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["plain", "exact"])
 @pytest.mark.parametrize("name", SUBSET)
-def test_backward_pass_under_mpi_matches_the_reference(comm: Any, name: str) -> None:
+def test_backward_pass_under_mpi_matches_the_reference(comm: Any, name: str, deterministic: bool) -> None:  # fmt: skip
     case = next(c for c in CASES if c.name == name)
     module, _ = build(case)
     entry = module.entry
@@ -36,10 +37,12 @@ def test_backward_pass_under_mpi_matches_the_reference(comm: Any, name: str) -> 
     plan = compile_plan(module, mesh_for(module, size, binding))
     session = MpiSession(plan.mesh, timeout_s=60, world=comm, join=False)
     try:
-        session.join_mesh(_groups(plan))
+        session.join_mesh(_groups(plan, deterministic))
         mc = MpiComm(session)
         rank = comm.Get_rank()
-        results = Executor(plan, mc, "numpy").run(initial_blocks(plan, rank, values), 0)
+        results = Executor(plan, mc, "numpy", deterministic).run(
+            initial_blocks(plan, rank, values), 0
+        )
         for i, (spec, block) in enumerate(zip(entry.results, results, strict=True)):
             got = gather_to_root(spec.type, block, mc)
             if rank == 0:

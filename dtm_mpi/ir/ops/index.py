@@ -26,7 +26,7 @@ from dtm_mpi.ir.ops._common import dim_index, merge_partial, no_partial, require
 from dtm_mpi.ir.registry import OpContext, register_op
 from dtm_mpi.ir.types import Layout, Partial, ReduceOp, TensorType
 
-__all__ = ["check_indices", "scatter_rows", "take_rows"]
+__all__ = ["check_indices", "scatter_rows", "scatter_window", "take_rows"]
 
 Arr = np.ndarray
 IR_1_1 = (1, 1)
@@ -65,21 +65,28 @@ def take_rows(x: Arr, idx: Arr, dim: int, lo: int, size: int, origin: Sequence[i
     return np.where(keep, rows, np.zeros((), dtype=x.dtype))
 
 
-def scatter_rows(u: Arr, idx: Arr, dim: int, lo: int, n: int, size: int, origin: Sequence[int] = ()) -> Arr:  # fmt: skip
-    """The block ``[lo, lo + n)`` along ``dim`` of ``scatter_add(u, idx, dim)`` into a dim of
-    ``size`` rows: zeros plus each update whose index falls in the block, added in the order
-    of the updates (``numpy.add.at``; deterministic)."""
+def scatter_window(u: Arr, idx: Arr, dim: int, lo: int, n: int, size: int, origin: Sequence[int] = ()) -> tuple[Arr, Arr]:  # fmt: skip
+    """The updates of ``scatter_add(u, idx, dim)`` that land in the block ``[lo, lo + n)``
+    along ``dim`` of a dim of ``size`` rows: their indices relative to the block (1-d int64)
+    and their rows (along ``dim``, in the updates' order), after the indices are checked."""
     check_indices("scatter_add", idx, size, dim, origin)
-    idx = idx.astype(np.int64, copy=False)
+    flat = idx.astype(np.int64, copy=False).reshape(-1)
     k = idx.ndim
-    pre, post = u.shape[:dim], u.shape[dim + k :]
-    out = np.zeros((*pre, n, *post), dtype=u.dtype)
-    flat = idx.reshape(-1)
-    rows = u.reshape((*pre, flat.size, *post))
+    rows = u.reshape((*u.shape[:dim], flat.size, *u.shape[dim + k :]))
     if lo != 0 or n != size:
         inside = (flat >= lo) & (flat < lo + n)
         flat = flat[inside] - lo
         rows = np.compress(inside, rows, axis=dim)
+    return flat, rows
+
+
+def scatter_rows(u: Arr, idx: Arr, dim: int, lo: int, n: int, size: int, origin: Sequence[int] = ()) -> Arr:  # fmt: skip
+    """The block ``[lo, lo + n)`` along ``dim`` of ``scatter_add(u, idx, dim)`` into a dim of
+    ``size`` rows: zeros plus each update whose index falls in the block, added in the order
+    of the updates (``numpy.add.at``; deterministic)."""
+    flat, rows = scatter_window(u, idx, dim, lo, n, size, origin)
+    k = idx.ndim
+    out = np.zeros((*u.shape[:dim], n, *u.shape[dim + k :]), dtype=u.dtype)
     # rows along the first axis, as numpy's fast path for add.at wants them
     np.add.at(np.moveaxis(out, dim, 0), flat, np.moveaxis(rows, dim, 0))
     return out

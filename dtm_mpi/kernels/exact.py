@@ -1,0 +1,317 @@
+"""Reproducible arithmetic: the sums of deterministic mode, exact in any order and on any mesh.
+
+A float sum depends on its order, and the order depends on the mesh: a contraction split over
+``k`` ranks is added in ``k`` pieces, and the local BLAS blocks differently for different block
+shapes. In deterministic mode (``DTM_DETERMINISTIC=1``) the ops that sum — ``matmul`` over K,
+``sum``/``mean`` over dims, ``scatter_add`` at repeated indices — are computed so that no order
+can change a bit (the idea of Ozaki's error-free matrix product and of Demmel-Nguyen's
+pre-rounded sums):
+
+1. Each group of addends (a row of the lhs over K, a column of the rhs, the elements reduced
+   into one output) has its largest binary exponent ``e`` taken over the *whole* group, on
+   every rank holding part of it (a max-allreduce of small integers where the group is split).
+2. Every value is cut at fixed places below ``2^e`` into ``L`` integer slices of ``w`` bits
+   (:func:`slices`); ``w`` follows from the group's global size, so that every sum of slices
+   is an integer below ``2^53``. float64 BLAS and numpy add such integers exactly, in whatever
+   order and blocking, and so do the ranks (an int64 allreduce).
+3. The level sums are scaled back and added in one fixed order in float64, then rounded once to
+   the result's dtype.
+
+What is kept: every value's bits down to ``L * w`` bits below its group's largest (64 for
+sums; 40 for float32 and 60 for float64 matmuls of K up to 2^13: at least float32's 24 bits of
+every element within 2^-16 of the group's largest, and a dropped remainder below 2^-39 of the
+largest product). Infinities and NaNs give what IEEE gives in any order: the outputs they
+reach are computed plainly (their value is order-free) and the others exactly.
+
+An op's exact form is an :class:`ExactRule`, registered here by op name (:data:`EXACT_RULES`);
+the executor runs it in deterministic mode, doing the two allreduces where the result is a
+pending sum. Every function here is pure numpy on host arrays.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from dtm_mpi.ir.dtypes import as_dtype
+from dtm_mpi.ir.nodes import Op
+from dtm_mpi.ir.ops.index import scatter_window
+from dtm_mpi.ir.types import DType
+from dtm_mpi.kernels.dispatch import KernelContext
+from dtm_mpi.sharding.mesh import MeshShape
+
+__all__ = [
+    "EXACT_RULES",
+    "NONFINITE_EXP",
+    "ZERO_EXP",
+    "ExactRule",
+    "Levels",
+    "applies",
+    "exact_axes",
+    "exponents",
+    "slices",
+]
+
+Arr = np.ndarray
+
+ZERO_EXP = -4096
+"""The exponent of a zero: below every float64's, so a zero never widens its group."""
+NONFINITE_EXP = 4096
+"""The exponent of an infinity or NaN: above every finite one, so a group holding one says so."""
+SUM_BITS = 64
+"""How many bits below its group's largest a sum keeps of every element."""
+
+
+def exponents(x: Arr) -> Arr:
+    """Each element's binary exponent ``e`` with ``|x| < 2^e`` (int64): :data:`ZERO_EXP` for
+    zeros, :data:`NONFINITE_EXP` for infinities and NaNs."""
+    v = np.asarray(x, dtype=np.float64)
+    _, e = np.frexp(v)
+    out = e.astype(np.int64)
+    out[v == 0] = ZERO_EXP
+    out[~np.isfinite(v)] = NONFINITE_EXP
+    return out
+
+
+def group_max(e: Arr, axis: tuple[int, ...]) -> Arr:
+    """The largest exponent over ``axis`` (kept as size-1 dims; :data:`ZERO_EXP` if empty)."""
+    out: Arr = np.max(e, axis=axis, keepdims=True, initial=ZERO_EXP)
+    return out
+
+
+def slices(x: Arr, e: Arr, w: int, count: int) -> list[Arr]:
+    """``x`` cut into ``count`` integer-valued float64 slices of ``w`` bits below ``2^e``
+    (``e`` broadcast against ``x``, at least each element's exponent): ``x`` equals
+    ``sum(s_l * 2^(e - (l + 1) w))`` up to a remainder below ``2^(e - count w)``. Infinities
+    and NaNs give zero slices (their outputs are computed plainly)."""
+    v = np.asarray(x, dtype=np.float64)
+    v = np.where(np.isfinite(v), v, 0.0)
+    r = np.ldexp(v, (w - e).astype(np.int32))
+    out = []
+    for _ in range(count):
+        q = np.trunc(r)
+        out.append(q)
+        r = np.ldexp(r - q, w)  # the fraction, exact
+    return out
+
+
+def _scale_back(levels: Arr, e: Arr, w: int, first: int) -> Arr:
+    """``sum(levels[l] * 2^(e - (l + first) w))`` in float64, smallest level first (one
+    fixed order), with ``-0.0`` made ``+0.0``."""
+    total = np.zeros(levels.shape[1:], dtype=np.float64)
+    for level in range(levels.shape[0] - 1, -1, -1):
+        total = total + np.ldexp(levels[level].astype(np.float64), (e - (level + first) * w).astype(np.int32))  # fmt: skip
+    return total + 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Levels:
+    """A rank's part of an exact result: integer level sums (int64, ``[L, *block]``; summed
+    over the ranks of a pending sum exactly) and, where some output is reached by an infinity
+    or NaN, the plain float64 partial of the block (its sum over ranks is order-free there)."""
+
+    levels: Arr
+    plain: Arr | None
+
+
+@dataclass(frozen=True, slots=True)
+class ExactRule:
+    """How deterministic mode computes one op exactly on a rank's blocks.
+
+    ``exponents(ctx, xs)``: the groups' largest exponents (one int64 array; max-allreduced
+    over the pending sum's axes); ``levels(ctx, xs, exps)``: this rank's :class:`Levels`
+    (sum-allreduced); ``finish(ctx, levels, exps)``: the result block (the result's dtype)."""
+
+    exponents: Callable[[KernelContext, Sequence[Arr]], Arr]
+    levels: Callable[[KernelContext, Sequence[Arr], Arr], Levels]
+    finish: Callable[[KernelContext, Levels, Arr], Arr]
+
+
+EXACT_RULES: dict[str, ExactRule] = {}
+"""The ops deterministic mode computes exactly, by name."""
+
+
+def applies(op: Op) -> bool:
+    """Whether an op's exact form is needed: it has one and sums floats."""
+    return op.name in EXACT_RULES and op.result_types[0].dtype.is_float
+
+
+def exact_axes(op: Op, mesh: MeshShape) -> tuple[str, ...]:
+    """The axes over which the exact form of ``op`` sums its pending result across ranks:
+    the pending sum's axes longer than 1, in their order (none without a pending sum)."""
+    partial = op.result_types[0].layout.partial
+    if partial is None:
+        return ()
+    return tuple(a for a in partial.axes if mesh.axis_size(a) > 1)
+
+
+def _nonfinite(e: Arr) -> Arr:
+    return e >= NONFINITE_EXP
+
+
+# --- matmul ------------------------------------------------------------------------------------
+
+
+def _matmul_plan(ctx: KernelContext) -> tuple[int, int]:
+    """(slices per operand, bits per slice) of a matmul: level ``d`` adds the ``d + 1`` slice
+    products ``s + t = d`` over K, ``(d + 1) K 2^(2w) <= 2^53``."""
+    k = ctx.operand_types[0].shape[-1]
+    count = 3 if ctx.result_types[0].dtype is DType.F64 else 2
+    return count, (53 - max(k, 1).bit_length() - count.bit_length()) // 2
+
+
+def _matmul_exponents(ctx: KernelContext, xs: Sequence[Arr]) -> Arr:
+    a, b = xs
+    rows = group_max(exponents(a), (-1,))[..., 0]  # [..., M]
+    cols = group_max(exponents(b), (-2,))[..., 0, :]  # [..., N]
+    return np.concatenate([rows, cols], axis=-1)
+
+
+def _split(ctx: KernelContext, exps: Arr) -> tuple[Arr, Arr]:
+    """The lhs rows' and the rhs columns' exponents."""
+    m = ctx.local_shapes[0][-2]
+    return exps[..., :m], exps[..., m:]
+
+
+def _matmul_levels(ctx: KernelContext, xs: Sequence[Arr], exps: Arr) -> Levels:
+    a, b = xs
+    count, w = _matmul_plan(ctx)
+    rows, cols = _split(ctx, exps)
+    sa = slices(a, rows[..., :, None], w, count)
+    sb = slices(b, cols[..., None, :], w, count)
+    out = []
+    for d in range(count):  # the products s + t = d, as one product over (d + 1) K
+        lhs = sa[0] if d == 0 else np.concatenate(sa[: d + 1], axis=-1)
+        rhs = sb[0] if d == 0 else np.concatenate(sb[d::-1], axis=-2)
+        out.append(np.matmul(lhs, rhs).astype(np.int64))
+    levels = np.stack(out)
+    special = _nonfinite(rows)[..., :, None] | _nonfinite(cols)[..., None, :]
+    plain = None
+    if special.any():
+        with np.errstate(all="ignore"):
+            full = np.matmul(np.asarray(a, np.float64), np.asarray(b, np.float64))
+        plain = np.where(special, full, 0.0)
+    return Levels(levels, plain)
+
+
+def _matmul_finish(ctx: KernelContext, got: Levels, exps: Arr) -> Arr:
+    _, w = _matmul_plan(ctx)
+    rows, cols = _split(ctx, exps)
+    e = rows[..., :, None] + cols[..., None, :]
+    special = _nonfinite(rows)[..., :, None] | _nonfinite(cols)[..., None, :]
+    e = np.where(special, 0, e)
+    with np.errstate(all="ignore"):
+        value = _scale_back(got.levels, e, w, 2)
+    if got.plain is not None:
+        value = np.where(special, got.plain, value)
+    return as_dtype(value, ctx.result_types[0])
+
+
+# --- sum and mean ------------------------------------------------------------------------------
+
+
+def _reduce_dims(ctx: KernelContext) -> tuple[int, ...]:
+    rank = ctx.operand_types[0].rank
+    dims: tuple[int, ...] = ctx.op.attr("dims")  # type: ignore[assignment]
+    return tuple(sorted(int(d) % rank for d in dims))
+
+
+def _count(ctx: KernelContext) -> int:
+    return math.prod(ctx.operand_types[0].shape[d] for d in _reduce_dims(ctx))
+
+
+def _sum_plan(n: int) -> tuple[int, int]:
+    """(slices, bits per slice) of a sum of ``n`` addends: ``n 2^w <= 2^53``."""
+    w = 53 - max(n, 1).bit_length()
+    return max(2, -(-SUM_BITS // w)), w
+
+
+def _sum_exponents(ctx: KernelContext, xs: Sequence[Arr]) -> Arr:
+    return group_max(exponents(xs[0]), _reduce_dims(ctx))
+
+
+def _sum_levels(ctx: KernelContext, xs: Sequence[Arr], exps: Arr) -> Levels:
+    dims = _reduce_dims(ctx)
+    count, w = _sum_plan(_count(ctx))
+    parts = slices(xs[0], exps, w, count)
+    levels = np.stack([np.sum(s, axis=dims, keepdims=True).astype(np.int64) for s in parts])
+    special = _nonfinite(exps)
+    plain = None
+    if special.any():
+        with np.errstate(all="ignore"):
+            full = np.sum(np.asarray(xs[0], np.float64), axis=dims, keepdims=True)
+        plain = np.where(special, full, 0.0)
+    return Levels(levels, plain)
+
+
+def _sum_finish(ctx: KernelContext, got: Levels, exps: Arr) -> Arr:
+    _, w = _sum_plan(_count(ctx))
+    special = _nonfinite(exps)
+    with np.errstate(all="ignore"):
+        value = _scale_back(got.levels, np.where(special, 0, exps), w, 1)
+        if got.plain is not None:
+            value = np.where(special, got.plain, value)
+        if ctx.op.name == "mean":
+            n = _count(ctx)
+            value = value / n if n else value * np.nan
+    if not ctx.op.attr("keepdims"):
+        value = np.squeeze(value, axis=_reduce_dims(ctx))
+    return as_dtype(value, ctx.result_types[0])
+
+
+# --- scatter_add -------------------------------------------------------------------------------
+
+
+def _scatter_window(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[int, int, Arr, Arr]:
+    """(dim, block rows, the updates' block-relative indices, their rows moved to axis 0)."""
+    d = int(ctx.op.attr("dim"))  # type: ignore[arg-type]
+    lo, n, size = ctx.offsets[0][d], ctx.local_shapes[0][d], ctx.result_types[0].shape[d]
+    flat, rows = scatter_window(xs[0], xs[1], d, lo, n, size, ctx.operand_offsets[1])
+    return d, n, flat, np.moveaxis(rows, d, 0)
+
+
+def _scatter_plan(ctx: KernelContext) -> tuple[int, int]:
+    return _sum_plan(math.prod(ctx.operand_types[1].shape))
+
+
+def _scatter_exponents(ctx: KernelContext, xs: Sequence[Arr]) -> Arr:
+    d, _, flat, rows = _scatter_window(ctx, xs)
+    out = np.full(ctx.local_shapes[0], ZERO_EXP, dtype=np.int64)
+    np.maximum.at(np.moveaxis(out, d, 0), flat, exponents(rows))
+    return out
+
+
+def _scatter_levels(ctx: KernelContext, xs: Sequence[Arr], exps: Arr) -> Levels:
+    d, _, flat, rows = _scatter_window(ctx, xs)
+    count, w = _scatter_plan(ctx)
+    at = np.moveaxis(exps, d, 0)
+    parts = slices(rows, at[flat], w, count)
+    levels = np.zeros((count, *ctx.local_shapes[0]), dtype=np.float64)
+    for level, part in enumerate(parts):
+        np.add.at(np.moveaxis(levels[level], d, 0), flat, part)  # integers below 2^53: exact
+    special = _nonfinite(exps)
+    plain = None
+    if special.any():
+        full = np.zeros(ctx.local_shapes[0], dtype=np.float64)
+        with np.errstate(all="ignore"):
+            np.add.at(np.moveaxis(full, d, 0), flat, np.asarray(rows, np.float64))
+        plain = np.where(special, full, 0.0)
+    return Levels(levels.astype(np.int64), plain)
+
+
+def _scatter_finish(ctx: KernelContext, got: Levels, exps: Arr) -> Arr:
+    _, w = _scatter_plan(ctx)
+    special = _nonfinite(exps)
+    with np.errstate(all="ignore"):
+        value = _scale_back(got.levels, np.where(special, 0, exps), w, 1)
+    if got.plain is not None:
+        value = np.where(special, got.plain, value)
+    return as_dtype(value, ctx.result_types[0])
+
+
+EXACT_RULES["matmul"] = ExactRule(_matmul_exponents, _matmul_levels, _matmul_finish)
+EXACT_RULES["sum"] = EXACT_RULES["mean"] = ExactRule(_sum_exponents, _sum_levels, _sum_finish)
+EXACT_RULES["scatter_add"] = ExactRule(_scatter_exponents, _scatter_levels, _scatter_finish)

@@ -1,0 +1,181 @@
+"""Deterministic mode's exact sums (dtm_mpi/kernels/exact.py) on 1-4 simulated ranks: the same
+bits on every mesh, within a rounding of the exactly rounded sum, IEEE's infinities and NaNs,
+no negative zeros; and the GPU backend (on the host emulator) gives the numpy path's bits."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from dtm_mpi.ir import parse_module, verify_module
+from dtm_mpi.ir.nodes import Module
+from dtm_mpi.kernels.exact import ZERO_EXP, exponents, slices
+from dtm_mpi.runtime.simulate import run_simulated
+
+RANKS = (1, 2, 3, 4)
+
+
+def module(body: str, params: str, result: str, version: str = "1.0") -> Module:
+    text = f"""dtm {version}
+module exact
+mesh @m = [tp=4]
+entry func @f({params}) -> ({result}) on @m {{
+{body}
+}}
+"""
+    m = parse_module(text, "exact.dtm")
+    verify_module(m)
+    return m
+
+
+def matmul_module(t: str) -> Module:
+    return module(
+        f"  %p = matmul %a, %b : {t}[6,5] partial(sum: tp)\n"
+        f"  %c = allreduce sum %p on tp : {t}[6,5]\n  return %c",
+        f"%a: {t}[6,37]{{-,tp}}, %b: {t}[37,5]{{tp,-}}",
+        f"{t}[6,5]",
+    )
+
+
+def on_every_mesh(m: Module, inputs: dict[str, np.ndarray]) -> np.ndarray:
+    """The result on 1-4 ranks, asserted bitwise equal across them."""
+    outs = [run_simulated(m, n, inputs=inputs, deterministic=True).results[0][0] for n in RANKS]
+    for n, out in zip(RANKS, outs, strict=True):
+        assert out.dtype == outs[0].dtype and out.tobytes() == outs[0].tobytes(), (
+            f"{n} ranks differ"
+        )
+    return outs[0]
+
+
+def wide(rng: np.random.Generator, shape: tuple[int, ...], spread: int = 12) -> np.ndarray:
+    """Values over 2^-spread .. 2^spread of both signs: reassociation shows in their sums."""
+    return (rng.normal(size=shape) * np.exp2(rng.integers(-spread, spread, size=shape))).astype(np.float32)  # fmt: skip
+
+
+def exactly_rounded_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Each output as math.fsum of the float64 products (exact for float32 operands)."""
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    return np.array([[math.fsum(a64[i] * b64[:, j]) for j in range(b.shape[1])] for i in range(a.shape[0])])  # fmt: skip
+
+
+def test_matmul_over_a_split_k_has_the_same_bits_on_every_mesh_and_is_accurate() -> None:
+    rng = np.random.default_rng(3)
+    a, b = wide(rng, (6, 37)), wide(rng, (37, 5))
+    got = on_every_mesh(matmul_module("f32"), {"a": a, "b": b})
+    plain = [run_simulated(matmul_module("f32"), n, inputs={"a": a, "b": b}, deterministic=False).results[0][0] for n in RANKS]  # fmt: skip
+    assert len({p.tobytes() for p in plain}) > 1  # without it, the meshes do differ
+    ref = exactly_rounded_matmul(a, b)
+    bound = 37 * 2.0**-38 * np.abs(a).max(axis=1)[:, None] * np.abs(b).max(axis=0)[None, :]
+    ulp = np.spacing(np.abs(ref).astype(np.float32)).astype(np.float64)
+    assert np.all(np.abs(got.astype(np.float64) - ref) <= ulp + bound)
+
+
+def test_matmul_f64_keeps_float64_accuracy() -> None:
+    rng = np.random.default_rng(4)
+    a, b = rng.normal(size=(6, 37)), rng.normal(size=(37, 5))
+    got = on_every_mesh(matmul_module("f64"), {"a": a, "b": b})
+    ref = a @ b
+    np.testing.assert_allclose(got, ref, rtol=1e-13, atol=1e-13)
+
+
+def test_cancellation_is_exact() -> None:
+    """1e8 + 1 - 1e8, spread over the ranks: the float32 loop says 0 or 1 by its order."""
+    a = np.zeros((6, 37), np.float32)
+    a[:, 0], a[:, 20], a[:, 36] = 1e8, 1.0, -1e8
+    b = np.ones((37, 5), np.float32)
+    got = on_every_mesh(matmul_module("f32"), {"a": a, "b": b})
+    assert np.all(got == 1.0)
+
+
+def test_infinities_nans_and_zeros_are_ieee_and_zero_is_positive() -> None:
+    rng = np.random.default_rng(5)
+    a, b = wide(rng, (6, 37), 4), wide(rng, (37, 5), 4)
+    a[0, 3] = np.inf  # row 0: +-inf (or NaN where b is 0 there)
+    a[1, 30] = np.nan  # row 1: NaN everywhere
+    b[7, 2] = -np.inf  # column 2: -+inf
+    a[2] = 0.0
+    a[2, 5] = -0.0  # row 2 of zeros and a negative zero
+    b[5, :] = 3.0
+    got = on_every_mesh(matmul_module("f32"), {"a": a, "b": b})
+    want = exactly_rounded_matmul(np.where(np.isfinite(a), a, 0), np.where(np.isfinite(b), b, 0))
+    with np.errstate(all="ignore"):
+        ieee = a.astype(np.float64) @ b.astype(np.float64)
+    special = ~np.isfinite(ieee)
+    assert np.array_equal(np.isnan(got), np.isnan(ieee)) and np.array_equal(np.isinf(got), np.isinf(ieee))  # fmt: skip
+    assert np.array_equal(np.sign(got[special & ~np.isnan(ieee)]), np.sign(ieee[special & ~np.isnan(ieee)]))  # fmt: skip
+    finite = ~special
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-6, atol=1e-30)
+    row2 = got[2, [0, 1, 3, 4]]
+    assert np.all(row2 == 0) and not np.any(np.signbit(row2))
+
+
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_sum_and_mean_over_a_split_dim(op: str) -> None:
+    rng = np.random.default_rng(6)
+    x = wide(rng, (5, 41), 20)
+    m = module(
+        f"  %p = {op} %x dims [1] : f32[5] partial(sum: tp)\n"
+        "  %s = allreduce sum %p on tp : f32[5]\n  return %s",
+        "%x: f32[5,41]{-,tp}",
+        "f32[5]",
+    )
+    got = on_every_mesh(m, {"x": x})
+    ref = np.array([math.fsum(r) for r in x.astype(np.float64)]) / (41 if op == "mean" else 1)
+    assert np.array_equal(got, ref.astype(np.float32))  # 64 bits kept, then one rounding
+
+
+def test_sum_to_a_scalar_keeps_its_shape() -> None:
+    rng = np.random.default_rng(7)
+    x = wide(rng, (5, 41))
+    m = module(
+        "  %p = sum %x dims [0, 1] : f32[] partial(sum: tp)\n"
+        "  %s = allreduce sum %p on tp : f32[]\n  return %s",
+        "%x: f32[5,41]{-,tp}",
+        "f32[]",
+    )
+    got = on_every_mesh(m, {"x": x})
+    assert got.shape == () and got == np.float32(math.fsum(x.astype(np.float64).ravel()))
+
+
+def test_scatter_add_with_repeated_indices_split_over_ranks() -> None:
+    rng = np.random.default_rng(8)
+    u = wide(rng, (12, 3), 16)
+    idx = np.array([0, 2, 2, 5, 0, 2, 1, 1, 5, 0, 2, 4], dtype=np.int64)
+    m = module(
+        "  %s = scatter_add %u, %i dim 0 : f32[6,3] partial(sum: tp)\n"
+        "  %g = allreduce sum %s on tp : f32[6,3]\n  return %g",
+        "%u: f32[12,3]{tp,-}, %i: i64[12]{tp}", "f32[6,3]", version="1.1",
+    )  # fmt: skip
+    got = on_every_mesh(m, {"u": u, "i": idx})
+    ref = np.zeros((6, 3))
+    for r in range(6):
+        for c in range(3):
+            ref[r, c] = math.fsum(u[idx == r, c].astype(np.float64))
+    assert np.array_equal(got, ref.astype(np.float32))
+
+
+def test_slices_recompose_the_value() -> None:
+    rng = np.random.default_rng(9)
+    x = wide(rng, (50,), 30).astype(np.float64)
+    x[3] = 0.0
+    e = np.full(x.shape, int(exponents(x).max()))
+    parts = slices(x, e, 26, 4)  # 104 bits: every float64 here is whole
+    assert all(np.all(p == np.trunc(p)) and np.all(np.abs(p) < 2.0**26) for p in parts)
+    back = sum(np.ldexp(p, e - (i + 1) * 26) for i, p in enumerate(parts))
+    assert np.array_equal(back, x)
+    assert exponents(np.array([0.0, 1.0, 0.75, np.inf]))[0] == ZERO_EXP
+    assert list(exponents(np.array([1.0, 0.75]))) == [1, 0]
+
+
+def test_the_gpu_backend_on_the_host_emulator_gives_the_numpy_bits() -> None:
+    from dtm_mpi.kernels.devices import BackendKind
+    from tests.kernels.test_cuda_backend_on_host import HostCuda
+
+    rng = np.random.default_rng(10)
+    a, b = wide(rng, (6, 37)), wide(rng, (37, 5))
+    want = on_every_mesh(matmul_module("f32"), {"a": a, "b": b})
+    got = run_simulated(matmul_module("f32"), 3, inputs={"a": a, "b": b}, deterministic=True,
+                        backend=HostCuda(BackendKind.CUDA)).results[0][0]  # fmt: skip
+    assert np.asarray(got).tobytes() == want.tobytes()
