@@ -113,6 +113,17 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
     bck.add_argument("--cold", action="store_true",
                      help="also time restores from storage: drop the page cache before each read (root)")  # fmt: skip
     bck.set_defaults(func=_cmd_bench_ckpt)
+    bca = bsub.add_parser(
+        "ckpt-async", help="the training loop without, with synchronous and with async checkpoints (under mpirun)"
+    )  # fmt: skip
+    bca.add_argument("--batch", type=int, default=256, help="rows of each step's batch")
+    bca.add_argument("--width", type=int, default=1024, help="the MLP's input and output width")
+    bca.add_argument("--hidden", type=int, default=4096, help="the MLP's hidden width (split over the ranks)")  # fmt: skip
+    bca.add_argument("--steps", type=int, default=9, help="steps of each loop")
+    bca.add_argument("--every", type=int, default=2, help="a checkpoint every N steps")
+    bca.add_argument("--dir", default=None, help="directory on the file system to measure")
+    bca.add_argument("--repeat", type=int, default=3, help="loops per mode (alternating); best reported")  # fmt: skip
+    bca.set_defaults(func=_cmd_bench_ckpt_async)
     bk = bsub.add_parser("kernels", help="GPU RawKernels vs a device copy and vs composed CuPy")
     bk.add_argument("--backend", default="cuda", choices=["cuda", "hip"], help="GPU backend")
     bk.add_argument("--rows", type=int, default=16384, help="rows of each [rows, cols] case")
@@ -244,6 +255,15 @@ def _cmd_bench_ckpt(args: argparse.Namespace) -> int:
         except UsageError as exc:
             raise UsageError(f"--ranks-per-file: {exc}") from None
     table = run_ckpt_bench(parse_bytes(args.bytes), args.tensors, args.dir, args.repeat, args.csv, per_file, args.cold)  # fmt: skip
+    if table:
+        print(table)
+    return 0
+
+
+def _cmd_bench_ckpt_async(args: argparse.Namespace) -> int:
+    from dtm_mpi.bench.ckpt import run_ckpt_async_bench
+
+    table = run_ckpt_async_bench(args.batch, args.width, args.hidden, args.steps, args.every, args.dir, args.repeat)  # fmt: skip
     if table:
         print(table)
     return 0

@@ -38,6 +38,7 @@ import csv
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +48,7 @@ import numpy as np
 
 from dtm_mpi.errors import UsageError
 
-__all__ = ["CkptRow", "run_ckpt_bench"]
+__all__ = ["CkptRow", "run_ckpt_async_bench", "run_ckpt_bench"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,4 +295,115 @@ def run_ckpt_bench(
         f"peak extra RSS: save {peak_save / 2**20:.1f} MiB, restore {peak_restore / 2**20:.1f} "
         f"MiB, resharded restore {peak_reshard / 2**20:.1f} MiB (local shard {shard / 2**20:.1f} MiB)"
     )
+    return "\n".join(lines)
+
+
+# --- async checkpoints in the training loop: `dtm bench ckpt-async` ------------------------------
+
+
+def _tp_mlp_step(batch: int, width: int, hidden: int, ranks: int) -> Any:
+    """A training step whose state every rank shares in equal parts: an MLP ``width ->
+    hidden -> width`` (column- then row-parallel over ``tp``, every rank) with AdamW (the
+    weights and two moments per weight: the state a checkpoint holds)."""
+    from dtm_mpi import frontend as dtm
+    from dtm_mpi.frontend import functional as fn
+
+    model = dtm.nn.Sequential(
+        dtm.nn.ColumnParallelLinear(width, hidden, bias=False), fn.gelu,
+        dtm.nn.RowParallelLinear(hidden, width, bias=False),
+    )  # fmt: skip
+
+    def loss(m: Any, x: dtm.Tensor, t: dtm.Tensor) -> dtm.Tensor:
+        d: dtm.Tensor = m(x) - t
+        return (d * d).mean()
+
+    spec = dtm.Input((batch, width), "f32")
+    return dtm.train_step(model, loss, mesh=dtm.Mesh(tp=ranks), inputs={"x": spec, "t": spec},
+                          optimizer=dtm.optim.AdamW(1e-3), name="mlp")  # fmt: skip
+
+
+def run_ckpt_async_bench(
+    batch: int = 256, width: int = 1024, hidden: int = 4096, steps: int = 9, every: int = 2,
+    directory: str | None = None, repeat: int = 3,
+) -> str:  # fmt: skip
+    """Time the training loop of ``dtm run`` (the steps, the per-step agreement, the saves)
+    on every rank of the world, three ways in the same run: no checkpoints, a checkpoint
+    every ``every`` steps written synchronously, and the same written in the background
+    (``--checkpoint-async``). Reported: the loop times (best of ``repeat``, the modes
+    alternating) and the part of the synchronous saves' cost the async ones hide,
+    ``1 - (async - none) / (sync - none)``; returns the table on rank 0.
+
+    Collective: call on all ranks."""
+    from mpi4py import MPI
+
+    from dtm_mpi.comm.mpi_comm import MpiComm
+    from dtm_mpi.comm.mpi_session import MpiSession
+    from dtm_mpi.config import get_config
+    from dtm_mpi.kernels.backends import parse_backend
+    from dtm_mpi.kernels.devices import open_backend
+    from dtm_mpi.plan.program import compile_plan, mesh_for
+    from dtm_mpi.runtime.mpirun import plan_groups, run_loop
+    from dtm_mpi.runtime.request import RunHooks, RunRequest
+
+    if steps < 2 or every < 1 or every >= steps or repeat < 1:
+        raise UsageError("need --steps >= 2, 1 <= --every < --steps, --repeat >= 1")
+    world = MPI.COMM_WORLD
+    rank, n = int(world.Get_rank()), int(world.Get_size())
+    if hidden % n or batch < 1:
+        raise UsageError(f"--hidden {hidden} must divide over the {n} ranks")
+    step = _tp_mlp_step(batch, width, hidden, n)
+    plan = compile_plan(step.module, mesh_for(step.module, n, {"tp": n}))
+    root = directory if directory is not None else tempfile.gettempdir()
+    base = world.bcast(tempfile.mkdtemp(prefix="dtm-bench-ckpt-async-", dir=root) if rank == 0 else None)  # fmt: skip
+    workdir = Path(base)
+    rng = np.random.default_rng(0)  # the same batch every step, on every rank
+    data = {k: rng.standard_normal((batch, width)).astype(np.float32) for k in ("x", "t")}
+
+    def feed(s: int, regions: Any) -> dict[str, np.ndarray]:
+        return {k: data[k][r] for k, r in regions.items()}
+
+    hooks = RunHooks(feed, ("x", "t"), save_final=False)
+    config = get_config()
+    session = MpiSession(plan.mesh, timeout_s=config.timeout_s, world=world, join=False)
+    backend = open_backend(parse_backend("numpy"))
+    state_bytes = 0
+    best = {"none": 1e30, "sync": 1e30, "async": 1e30}
+    try:
+        session.join_mesh(plan_groups(plan, config.deterministic))
+        comm = MpiComm(session, deterministic=config.deterministic, max_msg_elems=config.max_msg_elems)  # fmt: skip
+        modes = ["none", "sync", "async"]
+        for i in range(repeat):
+            for mode in modes if i % 2 == 0 else modes[::-1]:
+                request = RunRequest(
+                    "<bench>", module=step.module, steps=steps, hooks=hooks,
+                    store=None if mode == "none" else str(workdir / f"{mode}-{i}"),
+                    checkpoint_every=None if mode == "none" else every,
+                    checkpoint_async=mode == "async", keep_last=1 if mode != "none" else None,
+                )  # fmt: skip
+                world.Barrier()
+                t0 = time.perf_counter()
+                blocks = run_loop(session, comm, plan, request, rank, backend)
+                elapsed = float(world.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+                best[mode] = min(best[mode], elapsed)
+                state_bytes = int(world.allreduce(sum(int(b.nbytes) for b in blocks if b.ndim == 2 and b.shape != (batch, width)), op=MPI.SUM))  # fmt: skip
+    finally:
+        session.close()
+        world.Barrier()
+        if rank == 0:
+            shutil.rmtree(workdir, ignore_errors=True)
+    if rank != 0:
+        return ""
+    saves = steps // every
+    sync_cost, async_cost = best["sync"] - best["none"], best["async"] - best["none"]
+    hidden_part = 1.0 - async_cost / sync_cost if sync_cost > 0 else float("nan")
+    lines = [
+        f"dtm bench ckpt-async: {n} ranks, MLP {width}->{hidden}->{width} tp={n}, AdamW, batch {batch}; "
+        f"state {state_bytes / 2**20:.1f} MiB; {steps} steps, a checkpoint every {every} ({saves} saves); "
+        f"loop times best of {repeat}, in {root}",
+        f"{'mode':<26}{'loop s':>10}{'per step ms':>14}{'saves cost s':>14}",
+        f"{'no checkpoints':<26}{best['none']:>10.3f}{best['none'] / steps * 1e3:>14.1f}{0.0:>14.3f}",
+        f"{'synchronous saves':<26}{best['sync']:>10.3f}{best['sync'] / steps * 1e3:>14.1f}{sync_cost:>14.3f}",
+        f"{'async saves':<26}{best['async']:>10.3f}{best['async'] / steps * 1e3:>14.1f}{async_cost:>14.3f}",
+        f"hidden by async: {hidden_part * 100:.0f}% of the synchronous saves' cost (target >= 80%)",
+    ]  # fmt: skip
     return "\n".join(lines)

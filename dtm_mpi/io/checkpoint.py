@@ -16,7 +16,10 @@ any moment leaves ``latest`` naming a committed, verified checkpoint.
 
 **Async save** (:meth:`CheckpointStore.save_async`): the owned blocks are copied and hashed
 (a snapshot: later updates of the caller's arrays do not leak in), then a writer thread does the
-rest on a duplicate communicator. :meth:`SaveHandle.wait` joins it; :meth:`SaveHandle.cancel`
+rest on a duplicate communicator. A caller whose arrays are never written in place (the
+runtime's values are immutable) passes ``copy=False``: the snapshot is then the hashes and
+references to the arrays, and a write of one of them before the save ends would fail the
+save's verification (its bytes no longer match the snapshot's hashes), never pass unnoticed. :meth:`SaveHandle.wait` joins it; :meth:`SaveHandle.cancel`
 (collective) stops it at the next tensor boundary — the writer threads agree on the stop, close
 their files, and rank 0 removes the partial directory. A later save, a restore, or :meth:`close`
 waits for the pending one first.
@@ -263,13 +266,15 @@ class CheckpointStore:
         plan, blocks, hashes = self._prepare(step, mesh, tensors, copy=False)
         return self._save(step, plan, blocks, hashes, module_hash, self.comm, None)
 
-    def save_async(self, step: int, mesh: MeshShape, tensors: Sequence[tuple[TensorSpec, np.ndarray | None]], *, module_hash: str | None = None, before_tensor: Callable[[int], None] | None = None) -> SaveHandle:  # fmt: skip
+    def save_async(self, step: int, mesh: MeshShape, tensors: Sequence[tuple[TensorSpec, np.ndarray | None]], *, module_hash: str | None = None, before_tensor: Callable[[int], None] | None = None, copy: bool = True) -> SaveHandle:  # fmt: skip
         """Collective: call on all ranks. Snapshot and hash the owned blocks now, write them in
-        the background; ``before_tensor(i)`` (tests) runs in the writer before tensor ``i``."""
+        the background; ``before_tensor(i)`` (tests) runs in the writer before tensor ``i``.
+        ``copy=False``: the caller never writes the arrays in place, so the snapshot keeps
+        references instead of copies (a write before the save ends fails its verification)."""
         self.wait()
         if not handles.thread_multiple():
             raise agreed(UsageError("async save needs MPI_THREAD_MULTIPLE (mpi4py's default); this MPI was initialised with less"))  # fmt: skip
-        plan, blocks, hashes = self._prepare(step, mesh, tensors, copy=True)
+        plan, blocks, hashes = self._prepare(step, mesh, tensors, copy=copy)
         if self._io_comm is None:
             self._io_comm = handles.dup(self.comm)
             self._split_groups(self._io_comm)

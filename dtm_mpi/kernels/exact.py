@@ -17,11 +17,19 @@ pre-rounded sums):
 3. The level sums are scaled back and added in one fixed order in float64, then rounded once to
    the result's dtype.
 
-What is kept: every value's bits down to ``L * w`` bits below its group's largest (64 for
-sums; 40 for float32 and 60 for float64 matmuls of K up to 2^13: at least float32's 24 bits of
-every element within 2^-16 of the group's largest, and a dropped remainder below 2^-39 of the
-largest product). Infinities and NaNs give what IEEE gives in any order: the outputs they
-reach are computed plainly (their value is order-free) and the others exactly.
+What is kept: for ``sum``/``mean``/``scatter_add``, every addend's bits down to 64 below its
+group's largest (``w = 53 - bitlen(n)`` for ``n`` addends, as many slices as 64 bits need);
+for ``matmul``, each operand's bits down to ``L w`` below its row's (column's) largest, with
+``w = (51 - bitlen(K)) // 2`` (20 for K <= 1024, 18 for K <= 8192) and ``L`` = 2 (float32 and
+narrower) or 3 (float64), the slice products with ``s + t >= L`` dropped. A matmul output is
+so within ``K 2^(1 - L w)`` of (its row's largest) x (its column's largest) of the exact
+product (2^-29 of it at K = 1024 in float32): an element far below its row's or column's
+largest loses bits first. The kept value is rounded once, correctly (error-free sums of the
+levels, round-to-odd, one rounding to nearest), except ``mean``, whose sum is rounded before
+the division. Infinities and NaNs: an output whose terms include one gets what IEEE gives for
+those terms alone (NaN for a NaN, for ``inf * 0`` or for both infinities, else the infinity),
+counted exactly and so the same in any order. Zeros are ``+0.0`` and NaNs the one positive
+quiet NaN (:func:`canonical`).
 
 An op's exact form is an :class:`ExactRule`, registered here by op name (:data:`EXACT_RULES`);
 the executor runs it in deterministic mode, doing the two allreduces where the result is a
@@ -39,7 +47,7 @@ import numpy as np
 from dtm_mpi.ir.dtypes import as_dtype
 from dtm_mpi.ir.nodes import Op
 from dtm_mpi.ir.ops.index import scatter_window
-from dtm_mpi.ir.types import DType
+from dtm_mpi.ir.types import DType, TensorType
 from dtm_mpi.kernels.dispatch import KernelContext
 from dtm_mpi.sharding.mesh import MeshShape
 
@@ -50,6 +58,7 @@ __all__ = [
     "ExactRule",
     "Levels",
     "applies",
+    "canonical",
     "exact_axes",
     "exponents",
     "slices",
@@ -86,7 +95,7 @@ def slices(x: Arr, e: Arr, w: int, count: int) -> list[Arr]:
     """``x`` cut into ``count`` integer-valued float64 slices of ``w`` bits below ``2^e``
     (``e`` broadcast against ``x``, at least each element's exponent): ``x`` equals
     ``sum(s_l * 2^(e - (l + 1) w))`` up to a remainder below ``2^(e - count w)``. Infinities
-    and NaNs give zero slices (their outputs are computed plainly)."""
+    and NaNs give zero slices (their outputs are counted apart)."""
     v = np.asarray(x, dtype=np.float64)
     v = np.where(np.isfinite(v), v, 0.0)
     r = np.ldexp(v, (w - e).astype(np.int32))
@@ -98,23 +107,80 @@ def slices(x: Arr, e: Arr, w: int, count: int) -> list[Arr]:
     return out
 
 
-def _scale_back(levels: Arr, e: Arr, w: int, first: int) -> Arr:
-    """``sum(levels[l] * 2^(e - (l + first) w))`` in float64, smallest level first (one
-    fixed order), with ``-0.0`` made ``+0.0``."""
-    total = np.zeros(levels.shape[1:], dtype=np.float64)
+def _two_sum(a: Arr, b: Arr) -> tuple[Arr, Arr]:
+    """``(s, err)`` with ``s = fl(a + b)`` and ``s + err == a + b`` exactly (Knuth)."""
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
+def _scale_back(levels: Arr, e: Arr, w: int, first: int) -> tuple[Arr, Arr]:
+    """``sum(levels[l] * 2^(e - (l + first) w))`` as ``hi + lo`` (``hi`` the float64 nearest
+    to it, ``lo`` the rest), added smallest level first with error-free sums: one fixed
+    order, whatever the mesh."""
+    hi = np.zeros(levels.shape[1:], dtype=np.float64)
+    lo = np.zeros_like(hi)
     for level in range(levels.shape[0] - 1, -1, -1):
-        total = total + np.ldexp(levels[level].astype(np.float64), (e - (level + first) * w).astype(np.int32))  # fmt: skip
-    return total + 0.0
+        term = np.ldexp(levels[level].astype(np.float64), (e - (level + first) * w).astype(np.int32))  # fmt: skip
+        hi, err = _two_sum(hi, term)
+        lo = lo + err
+    return _two_sum(hi, lo)
+
+
+def _odd(x: Arr, rest: Arr, dtype: type) -> Arr:
+    """``x + rest`` (``rest`` beyond ``x``'s precision: only its sign matters) rounded to
+    ``dtype`` by round-to-odd: ``x`` cast, then moved to its odd neighbour towards the value
+    when inexact. Rounding that result once more to nearest (to a format at least 2 bits
+    narrower) rounds the exact value correctly: no double rounding."""
+    c: Arr = x.astype(dtype)
+    back = c.astype(np.float64)
+    below = np.where(back != x, x - back, 0.0) + np.where(back == x, rest, 0.0)  # what c misses
+    bits: Arr = c.view(np.uint32 if dtype is np.float32 else np.uint64)
+    even = (bits & 1) == 0
+    fix = (below != 0) & even & np.isfinite(c)
+    return np.where(fix, np.nextafter(c, np.where(below > 0, np.inf, -np.inf).astype(dtype)), c)
+
+
+def _rounded(hi: Arr, lo: Arr, t: TensorType) -> Arr:
+    """``hi + lo`` rounded once, to nearest, to ``t``'s dtype (bf16 values as float32)."""
+    if t.dtype is DType.F64:
+        return hi  # hi is already the nearest float64
+    if t.dtype is DType.BF16:
+        return as_dtype(_odd(hi, lo, np.float32), t)  # odd float32, then bf16's one rounding
+    return as_dtype(_odd64(hi, lo), t)  # odd float64, then the one rounding
+
+
+def _odd64(hi: Arr, lo: Arr) -> Arr:
+    """``hi + lo`` as the float64 rounded to odd (``hi`` nearest, ``lo`` the exact rest)."""
+    bits: Arr = hi.view(np.uint64)
+    fix = (lo != 0) & ((bits & 1) == 0) & np.isfinite(hi)
+    return np.where(fix, np.nextafter(hi, np.where(lo > 0, np.inf, -np.inf)), hi)
+
+
+def _special_value(counts: Arr) -> Arr:
+    """What IEEE gives for a sum whose terms include ``counts = [+inf terms, -inf terms,
+    NaN terms]`` (finite terms cannot change it): NaN for a NaN or both infinities, else the
+    infinity. The same in any order."""
+    pos, neg, nan = counts[0] > 0, counts[1] > 0, counts[2] > 0
+    return np.where(nan | (pos & neg), np.nan, np.where(pos, np.inf, -np.inf))
+
+
+def canonical(x: Arr) -> Arr:
+    """``-0.0`` as ``+0.0`` and every NaN as the one positive quiet NaN (the sign and payload
+    of a NaN, and the sign of a zero, depend on the order of operations)."""
+    out = np.where(x == 0, np.zeros((), x.dtype), x)
+    return np.where(np.isnan(out), np.array(np.nan, x.dtype), out)
 
 
 @dataclass(frozen=True, slots=True)
 class Levels:
-    """A rank's part of an exact result: integer level sums (int64, ``[L, *block]``; summed
-    over the ranks of a pending sum exactly) and, where some output is reached by an infinity
-    or NaN, the plain float64 partial of the block (its sum over ranks is order-free there)."""
+    """A rank's part of an exact result: integer level sums (int64, ``[L, *block]``) and,
+    where some output is reached by an infinity or NaN, the counts of its terms that are
+    +inf, -inf and NaN (int64, ``[3, *block]``); both are summed over the ranks of a pending
+    sum exactly, in any order."""
 
     levels: Arr
-    plain: Arr | None
+    specials: Arr | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,25 +255,37 @@ def _matmul_levels(ctx: KernelContext, xs: Sequence[Arr], exps: Arr) -> Levels:
         out.append(np.matmul(lhs, rhs).astype(np.int64))
     levels = np.stack(out)
     special = _nonfinite(rows)[..., :, None] | _nonfinite(cols)[..., None, :]
-    plain = None
-    if special.any():
-        with np.errstate(all="ignore"):
-            full = np.matmul(np.asarray(a, np.float64), np.asarray(b, np.float64))
-        plain = np.where(special, full, 0.0)
-    return Levels(levels, plain)
+    return Levels(levels, _matmul_specials(a, b) if special.any() else None)
+
+
+def _matmul_specials(a: Arr, b: Arr) -> Arr:
+    """The +inf, -inf and NaN terms ``a[i, k] * b[k, j]`` of every output, counted by
+    products of 0/1 matrices (exact)."""
+
+    def ind(x: Arr) -> dict[str, Arr]:
+        v = np.asarray(x, np.float64)
+        with np.errstate(invalid="ignore"):
+            return {"pi": (v == np.inf) * 1.0, "ni": (v == -np.inf) * 1.0, "nan": np.isnan(v) * 1.0,
+                    "p": (v > 0) * 1.0, "n": (v < 0) * 1.0, "z": (v == 0) * 1.0}  # fmt: skip
+
+    x, y = ind(a), ind(b)
+    mm = np.matmul
+    pos = mm(x["pi"], y["p"]) + mm(x["ni"], y["n"]) + mm(x["p"], y["pi"]) + mm(x["n"], y["ni"])
+    neg = mm(x["pi"], y["n"]) + mm(x["ni"], y["p"]) + mm(x["p"], y["ni"]) + mm(x["n"], y["pi"])
+    nan = (mm(x["nan"], np.ones_like(y["nan"])) + mm(np.ones_like(x["nan"]), y["nan"])
+           + mm(x["pi"] + x["ni"], y["z"]) + mm(x["z"], y["pi"] + y["ni"]))  # fmt: skip
+    return np.stack([pos, neg, nan]).astype(np.int64)
 
 
 def _matmul_finish(ctx: KernelContext, got: Levels, exps: Arr) -> Arr:
     _, w = _matmul_plan(ctx)
     rows, cols = _split(ctx, exps)
-    e = rows[..., :, None] + cols[..., None, :]
     special = _nonfinite(rows)[..., :, None] | _nonfinite(cols)[..., None, :]
-    e = np.where(special, 0, e)
-    with np.errstate(all="ignore"):
-        value = _scale_back(got.levels, e, w, 2)
-    if got.plain is not None:
-        value = np.where(special, got.plain, value)
-    return as_dtype(value, ctx.result_types[0])
+    e = np.where(special, 0, rows[..., :, None] + cols[..., None, :])
+    hi, lo = _scale_back(got.levels, e, w, 2)
+    if got.specials is not None:
+        hi = np.where(special, _special_value(got.specials), hi)
+    return _rounded(hi, lo, ctx.result_types[0])
 
 
 # --- sum and mean ------------------------------------------------------------------------------
@@ -238,28 +316,32 @@ def _sum_levels(ctx: KernelContext, xs: Sequence[Arr], exps: Arr) -> Levels:
     count, w = _sum_plan(_count(ctx))
     parts = slices(xs[0], exps, w, count)
     levels = np.stack([np.sum(s, axis=dims, keepdims=True).astype(np.int64) for s in parts])
-    special = _nonfinite(exps)
-    plain = None
-    if special.any():
-        with np.errstate(all="ignore"):
-            full = np.sum(np.asarray(xs[0], np.float64), axis=dims, keepdims=True)
-        plain = np.where(special, full, 0.0)
-    return Levels(levels, plain)
+    specials = None
+    if _nonfinite(exps).any():
+        v = np.asarray(xs[0], np.float64)
+        specials = np.stack([np.sum(m, axis=dims, keepdims=True) for m in _special_terms(v)])
+    return Levels(levels, specials)
+
+
+def _special_terms(v: Arr) -> tuple[Arr, Arr, Arr]:
+    """Which values are +inf, -inf and NaN (int64 0/1)."""
+    return ((v == np.inf).astype(np.int64), (v == -np.inf).astype(np.int64), np.isnan(v).astype(np.int64))  # fmt: skip
 
 
 def _sum_finish(ctx: KernelContext, got: Levels, exps: Arr) -> Arr:
     _, w = _sum_plan(_count(ctx))
     special = _nonfinite(exps)
-    with np.errstate(all="ignore"):
-        value = _scale_back(got.levels, np.where(special, 0, exps), w, 1)
-        if got.plain is not None:
-            value = np.where(special, got.plain, value)
-        if ctx.op.name == "mean":
-            n = _count(ctx)
-            value = value / n if n else value * np.nan
+    hi, lo = _scale_back(got.levels, np.where(special, 0, exps), w, 1)
+    if got.specials is not None:
+        hi = np.where(special, _special_value(got.specials), hi)
+    t = ctx.result_types[0]
+    if ctx.op.name == "mean":  # the sum rounded to odd, then divided (rounded) by the count
+        n = _count(ctx)
+        hi = _odd64(hi, lo) / n if n else hi * np.nan
+        lo = np.zeros_like(hi)
     if not ctx.op.attr("keepdims"):
-        value = np.squeeze(value, axis=_reduce_dims(ctx))
-    return as_dtype(value, ctx.result_types[0])
+        hi, lo = np.squeeze(hi, axis=_reduce_dims(ctx)), np.squeeze(lo, axis=_reduce_dims(ctx))
+    return _rounded(hi, lo, t)
 
 
 # --- scatter_add -------------------------------------------------------------------------------
@@ -292,24 +374,21 @@ def _scatter_levels(ctx: KernelContext, xs: Sequence[Arr], exps: Arr) -> Levels:
     levels = np.zeros((count, *ctx.local_shapes[0]), dtype=np.float64)
     for level, part in enumerate(parts):
         np.add.at(np.moveaxis(levels[level], d, 0), flat, part)  # integers below 2^53: exact
-    special = _nonfinite(exps)
-    plain = None
-    if special.any():
-        full = np.zeros(ctx.local_shapes[0], dtype=np.float64)
-        with np.errstate(all="ignore"):
-            np.add.at(np.moveaxis(full, d, 0), flat, np.asarray(rows, np.float64))
-        plain = np.where(special, full, 0.0)
-    return Levels(levels.astype(np.int64), plain)
+    specials = None
+    if _nonfinite(exps).any():
+        specials = np.zeros((3, *ctx.local_shapes[0]), dtype=np.int64)
+        for k, m in enumerate(_special_terms(np.asarray(rows, np.float64))):
+            np.add.at(np.moveaxis(specials[k], d, 0), flat, m)
+    return Levels(levels.astype(np.int64), specials)
 
 
 def _scatter_finish(ctx: KernelContext, got: Levels, exps: Arr) -> Arr:
     _, w = _scatter_plan(ctx)
     special = _nonfinite(exps)
-    with np.errstate(all="ignore"):
-        value = _scale_back(got.levels, np.where(special, 0, exps), w, 1)
-    if got.plain is not None:
-        value = np.where(special, got.plain, value)
-    return as_dtype(value, ctx.result_types[0])
+    hi, lo = _scale_back(got.levels, np.where(special, 0, exps), w, 1)
+    if got.specials is not None:
+        hi = np.where(special, _special_value(got.specials), hi)
+    return _rounded(hi, lo, ctx.result_types[0])
 
 
 EXACT_RULES["matmul"] = ExactRule(_matmul_exponents, _matmul_levels, _matmul_finish)

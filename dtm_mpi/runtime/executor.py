@@ -23,7 +23,7 @@ from dtm_mpi.ir.types import DType, ReduceOp, TensorType
 from dtm_mpi.kernels.backends import parse_backend
 from dtm_mpi.kernels.devices import ArrayBackend, open_backend
 from dtm_mpi.kernels.dispatch import Kernel, KernelContext, backend_kernels
-from dtm_mpi.kernels.exact import EXACT_RULES, Levels, applies, exact_axes
+from dtm_mpi.kernels.exact import EXACT_RULES, Levels, applies, canonical, exact_axes
 from dtm_mpi.kernels.fused import Expr
 from dtm_mpi.plan.fusion import FusedGroup, FusionNode, fusion_groups
 from dtm_mpi.plan.program import ExecPlan, FunctionPlan, OpKind, PlanOp
@@ -240,6 +240,11 @@ class Executor:
         faults = bool(get_config().faults)
         env: dict[str, np.ndarray] = {p.name: a for p, a in zip(f.params, args, strict=True)}
         fused = self._fused(fp)
+        # deterministic mode: the pending sums every rank of their group holds whole (the
+        # results of exact ops, and local ops of them); turned back into the plain form of a
+        # pending sum (first rank whole, others -0.0) before anything else reads them
+        resolved: set[str] = set()
+        types = {v.name: v.type for v in f.params}
         for index, p in enumerate(fp.ops):
             op = p.op
             group = None
@@ -250,8 +255,21 @@ class Executor:
             try:
                 if faults:
                     maybe_fail(self.rank, op.name)
+                keeps = False
+                if resolved:
+                    keeps = group is None and self._keeps_resolved(p, resolved)
+                    if not keeps:
+                        for n in op.operands:
+                            if n in resolved:
+                                self._materialize(n, types[n], env)
+                                resolved.discard(n)
                 if group is not None:
                     outs = self._run_group(p, group, env)
+                elif self.deterministic and p.kind is OpKind.LOCAL and applies(op):
+                    _, ctx = self._kernel(p, step)
+                    outs = (self._run_exact(ctx, [env[n] for n in op.operands], [n in resolved for n in op.operands]),)  # fmt: skip
+                    if op.result_types[0].layout.partial is not None:
+                        keeps = True
                 else:
                     outs = self._run_op(p, [env[n] for n in op.operands], step)
             except DtmError as err:
@@ -262,10 +280,18 @@ class Executor:
                 raise KernelError(
                     f"{op.name} at {p.where} failed on rank {self.rank}: {type(exc).__name__}: {exc}"
                 ) from exc
-            for r, v in zip(op.results, outs, strict=True):
+            for r, v, t in zip(op.results, outs, op.result_types, strict=True):
                 env[r] = v
+                if self.deterministic:
+                    types[r] = t
+                    if keeps and t.layout.partial is not None:
+                        resolved.add(r)
             for name in p.frees if fused is None else fused.frees[index]:
                 env.pop(name, None)
+                resolved.discard(name)
+        for r in f.returns:  # what leaves the function is in the plain form
+            if r in resolved:
+                self._materialize(r, types[r], env)
         return tuple(env[r] for r in f.returns)
 
     def _fused(self, fp: FunctionPlan) -> _Fusion | None:
@@ -298,35 +324,69 @@ class Executor:
     def _exact_allreduce(self, x: np.ndarray, axes: tuple[str, ...], op: ReduceOp) -> np.ndarray:
         return self.comm.allreduce(x, axes, self._exact_spec(axes, op, x.size))
 
-    def _run_exact(self, ctx: KernelContext, xs: list[np.ndarray]) -> np.ndarray:
+    def _run_exact(self, ctx: KernelContext, xs: list[np.ndarray], resolved: Sequence[bool]) -> np.ndarray:  # fmt: skip
         """The op's exact form (deterministic mode). Where its result is a pending sum, the
         group's exponents are max-allreduced and its integer levels sum-allreduced (exact in
-        any order), and the group's first rank holds the whole result, the others zeros: the
-        pending sum the plan reduces later adds only zeros to it, which is exact too."""
+        any order), so every rank of the group ends with the whole result: a *resolved*
+        pending sum (see :meth:`run_function`). An operand that is itself resolved is whole on
+        every rank of its group: only the group's first rank contributes its levels."""
         rule = EXACT_RULES[ctx.op.name]
         axes = exact_axes(ctx.op, self.mesh)
         host = [self.backend.to_host(x) for x in xs]
-        exps = rule.exponents(ctx, host)
-        if axes:
-            exps = self._exact_allreduce(exps, axes, ReduceOp.MAX)
-        got = rule.levels(ctx, host, exps)
-        if axes:
-            plain = got.plain
-            if plain is not None:  # the outputs an infinity or NaN reaches: their sum is order-free
-                plain = self._exact_allreduce(plain, axes, ReduceOp.SUM)
-            got = Levels(self._exact_allreduce(got.levels, axes, ReduceOp.SUM), plain)
-        out = np.asarray(rule.finish(ctx, got, exps), order="C")  # (0-d stays 0-d)
-        if axes and self.mesh.index_along(self.rank, axes) != 0:
-            out = np.zeros_like(out)
+        with np.errstate(all="ignore"):  # IEEE results (inf, nan) are the op's semantics
+            exps = rule.exponents(ctx, host)
+            if axes:
+                exps = self._exact_allreduce(exps, axes, ReduceOp.MAX)
+            got = rule.levels(ctx, host, exps)
+            if axes:
+                duplicate = any(
+                    r and self.mesh.index_along(self.rank, a) != 0
+                    for r, a in zip(resolved, self._operand_axes(ctx), strict=True)
+                )
+                levels, specials = got.levels, got.specials
+                if duplicate:  # this rank's operand repeats the first rank's: no contribution
+                    levels = np.zeros_like(levels)
+                    specials = None if specials is None else np.zeros_like(specials)
+                if specials is not None:  # where an infinity or NaN is: counted, order-free
+                    specials = self._exact_allreduce(specials, axes, ReduceOp.SUM)
+                got = Levels(self._exact_allreduce(levels, axes, ReduceOp.SUM), specials)
+            out = np.asarray(canonical(rule.finish(ctx, got, exps)), order="C")  # (0-d stays 0-d)
         return self.backend.to_device(out)  # type: ignore[no-any-return]
+
+    def _operand_axes(self, ctx: KernelContext) -> tuple[tuple[str, ...], ...]:
+        return tuple(
+            tuple(a for a in t.layout.partial.axes if self.mesh.axis_size(a) > 1)
+            if t.layout.partial is not None else ()
+            for t in ctx.operand_types
+        )  # fmt: skip
+
+    def _keeps_resolved(self, p: PlanOp, resolved: set[str]) -> bool:
+        """Whether ``p`` can run on whole (resolved) pending sums and give one: an op with an
+        exact form, or a local op whose pending operands are all resolved and whose result is
+        pending over the same axes (it then computes the whole value on every rank)."""
+        if p.kind is not OpKind.LOCAL:
+            return False
+        if applies(p.op):
+            return True
+        pending = [(n, t) for n, t in zip(p.op.operands, p.operand_types, strict=True) if t.layout.partial is not None]  # fmt: skip
+        result = p.op.result_types[0].layout.partial if len(p.op.result_types) == 1 else None
+        return bool(pending) and all(n in resolved and t.layout.partial == result for n, t in pending)  # fmt: skip
+
+    def _materialize(self, name: str, t: TensorType, env: dict[str, np.ndarray]) -> None:
+        """A resolved pending sum ``name`` back to the plain form of a pending sum: the
+        group's first rank keeps the whole value, the others hold -0.0 (the additive identity
+        of IEEE: any value plus -0.0 is that value, -0.0 included)."""
+        partial = t.layout.partial
+        axes = tuple(a for a in partial.axes if self.mesh.axis_size(a) > 1) if partial else ()
+        if axes and self.mesh.index_along(self.rank, axes) != 0:
+            x = env[name]
+            env[name] = self.backend.full(tuple(x.shape), -0.0, x.dtype)
 
     def _run_op(self, p: PlanOp, xs: list[np.ndarray], step: int) -> tuple[np.ndarray, ...]:
         kind = p.kind
         op = p.op
         if kind is OpKind.LOCAL:
             kernel, ctx = self._kernel(p, step)
-            if self.deterministic and applies(op):
-                return (self._run_exact(ctx, xs),)
             with np.errstate(all="ignore"):  # IEEE results (inf, nan) are the op's semantics
                 outs = kernel(ctx, xs)
             for out, want in zip(outs, ctx.local_shapes, strict=True):

@@ -48,7 +48,7 @@ from dtm_mpi.runtime.request import (
     store_params,
 )
 
-__all__ = ["MpiRunArgs", "open_backend_everywhere", "run_under_mpi"]
+__all__ = ["MpiRunArgs", "open_backend_everywhere", "plan_groups", "run_loop", "run_under_mpi"]
 
 
 #: What ``dtm run`` under MPI is given: the one run request of the launcher.
@@ -195,7 +195,7 @@ def _run_session(module: object, args: MpiRunArgs, world: Any, rank: int, size: 
             gpu_aware="" if local_aware is None else str(local_aware), steps=args.steps,
         )  # fmt: skip
         handshake(session, hello)  # the module's requirements were checked in phase load
-        session.join_mesh(_groups(plan, config.deterministic))
+        session.join_mesh(plan_groups(plan, config.deterministic))
         comm = MpiComm(
             session, deterministic=config.deterministic, max_msg_elems=config.max_msg_elems
         )
@@ -219,7 +219,7 @@ def _raised_everywhere(exc: BaseException) -> bool:
     return isinstance(exc, HandshakeError | RemoteFailureError) or (isinstance(exc, DtmError) and exc.agreed)  # fmt: skip
 
 
-def _groups(plan: object, deterministic: bool) -> list[tuple[str, ...]]:
+def plan_groups(plan: object, deterministic: bool) -> list[tuple[str, ...]]:
     """Every group of axes the run communicates over (the plan, the exact sums of
     deterministic mode, then the reductions pending on outputs), in a fixed order: groups are
     created once, collectively, before any data moves."""
@@ -401,6 +401,23 @@ def _steps_with(ckpt: _Checkpoints | None, session: Any, plan: Any, args: MpiRun
             presence.stoppable = False
 
 
+def run_loop(session: Any, comm: Any, plan: Any, request: MpiRunArgs, rank: int, backend: Any) -> list[Any]:  # fmt: skip
+    """The training loop of a run on a joined session: the initial state, the steps with their
+    commit agreements, the checkpoints (the pending one finished); without the agreement on
+    inputs and without outputs (what ``dtm bench ckpt-async`` times). Returns this rank's
+    final state blocks.
+
+    Collective: call on all ranks."""
+    ckpt = _Checkpoints(session, plan, request, rank, backend) if request.store else None
+    blocks: list[Any] = []
+    try:
+        _steps_with(ckpt, session, plan, request, rank, backend, comm, blocks, {})
+    finally:
+        if ckpt is not None:
+            ckpt.close()
+    return blocks
+
+
 class _StepLog:
     """Rank 0's progress line every ``every`` steps: the mean step time since the last line
     and the throughput."""
@@ -440,6 +457,7 @@ class _Checkpoints:
         self.targets = [(p.name.lstrip("%"), p.type) for p in entry.params]
         self.module_hash = module_hash(plan.module)
         self.steps = args.steps
+        self.fed = frozenset(args.fed)
 
     def read_init_store(self, params: list[Any]) -> dict[str, np.ndarray]:
         """This rank's blocks of the ``init store`` parameters ``params``, by name, from the
@@ -489,7 +507,11 @@ class _Checkpoints:
             for i, (name, t) in enumerate(self.targets)
         ]  # device state is copied to the host first (the store writes host memory)
         if self.background and not sync:  # snapshot and hashes now, the writing overlaps
-            self.pending = self.store.save_async(done, self.plan.mesh, items, module_hash=self.module_hash)  # fmt: skip
+            # The runtime never writes a value in place (a step makes new arrays, and the
+            # comm layer reuses a buffer only when nobody else holds it), so the snapshot
+            # keeps references; a loader's arrays are the caller's, and copied.
+            items = [(spec, np.array(a, copy=True) if spec.name in self.fed else a) for spec, a in items]  # fmt: skip
+            self.pending = self.store.save_async(done, self.plan.mesh, items, module_hash=self.module_hash, copy=False)  # fmt: skip
             return str(self.store.path / committed_name(done))
         path = self.store.save(done, self.plan.mesh, items, module_hash=self.module_hash)
         if self.rank == 0:

@@ -14,7 +14,7 @@ from dtm_mpi.comm.mpi_comm import MpiComm
 from dtm_mpi.comm.mpi_session import MpiSession
 from dtm_mpi.plan.program import compile_plan, mesh_for
 from dtm_mpi.runtime.executor import Executor, gather_to_root
-from dtm_mpi.runtime.mpirun import _groups
+from dtm_mpi.runtime.mpirun import plan_groups
 from dtm_mpi.runtime.reference import evaluate_function
 from dtm_mpi.runtime.simulate import initial_blocks
 from tests.ir.test_autodiff import CASES, build, draw
@@ -37,7 +37,7 @@ def test_backward_pass_under_mpi_matches_the_reference(comm: Any, name: str, det
     plan = compile_plan(module, mesh_for(module, size, binding))
     session = MpiSession(plan.mesh, timeout_s=60, world=comm, join=False)
     try:
-        session.join_mesh(_groups(plan, deterministic))
+        session.join_mesh(plan_groups(plan, deterministic))
         mc = MpiComm(session)
         rank = comm.Get_rank()
         results = Executor(plan, mc, "numpy", deterministic).run(

@@ -179,3 +179,77 @@ def test_the_gpu_backend_on_the_host_emulator_gives_the_numpy_bits() -> None:
     got = run_simulated(matmul_module("f32"), 3, inputs={"a": a, "b": b}, deterministic=True,
                         backend=HostCuda(BackendKind.CUDA)).results[0][0]  # fmt: skip
     assert np.asarray(got).tobytes() == want.tobytes()
+
+
+PENDING = "%a: f32[2,4]{-,tp}, %b: f32[4,2]{tp,-}, %w: f32[2,2]"
+
+
+@pytest.mark.parametrize("then", ["mul %p, %w", "div %p, %w", "matmul %p, %w"])
+def test_an_infinity_applied_to_a_pending_exact_result_is_the_same_on_every_mesh(then: str) -> None:
+    """The pending result is whole on every rank until the plan reduces it, so a later
+    ``* inf`` or ``/ 0`` meets the value, not another rank's zeros (which would give NaN)."""
+    m = module(
+        f"  %p = matmul %a, %b : f32[2,2] partial(sum: tp)\n  %q = {then} : f32[2,2] partial(sum: tp)\n"
+        "  %c = allreduce sum %q on tp : f32[2,2]\n  return %c", PENDING, "f32[2,2]",
+    )  # fmt: skip
+    w = np.full((2, 2), 0.0 if then.startswith("div") else np.inf, np.float32)
+    if then.startswith("matmul"):
+        w = np.array([[np.inf, 1], [1, 1]], np.float32)
+    got = on_every_mesh(m, {"a": np.ones((2, 4), np.float32), "b": np.ones((4, 2), np.float32), "w": w})  # fmt: skip
+    want = np.array([[np.inf, 8], [np.inf, 8]], np.float32) if then.startswith("matmul") else np.full((2, 2), np.inf, np.float32)  # fmt: skip
+    assert np.array_equal(got, want)
+
+
+def test_underflow_to_zero_is_positive_and_nans_are_canonical() -> None:
+    a = np.zeros((6, 37), np.float32)
+    a[:, 0] = 1e-30
+    b = np.zeros((37, 5), np.float32)
+    b[0, :] = -1e-30  # the product underflows: -0.0 in float32 arithmetic
+    got = on_every_mesh(matmul_module("f32"), {"a": a, "b": b})
+    assert np.all(got == 0) and not np.any(np.signbit(got))
+    m = module(
+        "  %p = sum %x dims [1] : f32[2] partial(sum: tp)\n  %s = allreduce sum %p on tp : f32[2]\n  return %s",
+        "%x: f32[2,4]{-,tp}",
+        "f32[2]",
+    )
+    x = np.array([[np.inf, 1, -np.inf, np.nan], [np.nan, -np.inf, np.inf, 1]], np.float32)
+    got = on_every_mesh(m, {"x": x})
+    assert list(got.view(np.uint32)) == [0x7FC00000, 0x7FC00000]
+
+
+def test_an_infinity_decides_whatever_the_finite_terms_overflow_to() -> None:
+    m = module(
+        "  %p = sum %x dims [0] : f64[] partial(sum: tp)\n  %s = allreduce sum %p on tp : f64[]\n  return %s",
+        "%x: f64[4]{tp}",
+        "f64[]",
+    )
+    got = on_every_mesh(m, {"x": np.array([np.inf, 1e308, -1.7e308, -1.7e308])})
+    assert got == np.inf
+
+
+@pytest.mark.parametrize(("dtype", "values", "want"), [
+    ("f32", [1.0, 2.0**-24, 2.0**-80], 1 + 2.0**-23),  # a tie broken by the third term
+    ("bf16", [1.0, 2.0**-8, 2.0**-30], 1 + 2.0**-7),
+])  # fmt: skip
+def test_the_exact_sum_is_rounded_once(dtype: str, values: list[float], want: float) -> None:
+    m = module(
+        f"  %p = sum %x dims [0] : {dtype}[] partial(sum: tp)\n  %s = allreduce sum %p on tp : {dtype}[]\n  return %s",
+        f"%x: {dtype}[3]{{tp}}",
+        f"{dtype}[]",
+    )
+    got = on_every_mesh(m, {"x": np.array(values, np.float32)})
+    assert float(got) == want
+
+
+def test_overflow_to_infinity_warns_nothing() -> None:
+    import warnings
+
+    m = module(
+        "  %p = sum %x dims [0] : f32[] partial(sum: tp)\n  %s = allreduce sum %p on tp : f32[]\n  return %s",
+        "%x: f32[2]{tp}",
+        "f32[]",
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = on_every_mesh(m, {"x": np.array([3e38, 3e38], np.float32)})
+    assert got == np.inf
