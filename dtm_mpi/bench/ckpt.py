@@ -385,7 +385,9 @@ def run_ckpt_async_bench(
                 blocks = run_loop(session, comm, plan, request, rank, backend)
                 elapsed = float(world.allreduce(time.perf_counter() - t0, op=MPI.MAX))
                 best[mode] = min(best[mode], elapsed)
-                state_bytes = int(world.allreduce(sum(int(b.nbytes) for b in blocks if b.ndim == 2 and b.shape != (batch, width)), op=MPI.SUM))  # fmt: skip
+                names = [p.name.lstrip("%") for p in plan.entry_plan.function.params]
+                mine = sum(int(b.nbytes) for k, b in zip(names, blocks, strict=True) if k not in hooks.fed)  # fmt: skip
+                state_bytes = int(world.allreduce(mine, op=MPI.SUM))
     finally:
         session.close()
         world.Barrier()
@@ -398,7 +400,7 @@ def run_ckpt_async_bench(
     hidden_part = 1.0 - async_cost / sync_cost if sync_cost > 0 else float("nan")
     lines = [
         f"dtm bench ckpt-async: {n} ranks, MLP {width}->{hidden}->{width} tp={n}, AdamW, batch {batch}; "
-        f"state {state_bytes / 2**20:.1f} MiB; {steps} steps, a checkpoint every {every} ({saves} saves); "
+        f"state {state_bytes / 2**20:.4g} MiB; {steps} steps, a checkpoint every {every} ({saves} saves); "
         f"loop times best of {repeat}, in {root}",
         f"{'mode':<26}{'loop s':>10}{'per step ms':>14}{'saves cost s':>14}",
         f"{'no checkpoints':<26}{best['none']:>10.3f}{best['none'] / steps * 1e3:>14.1f}{0.0:>14.3f}",

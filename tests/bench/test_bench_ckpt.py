@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -70,3 +71,22 @@ def test_bench_ckpt_cold_adds_the_restore_from_storage_row_or_says_why_not(tmp_p
     assert list(rows)[:3] == ["save_GBps", "restore_GBps", "restore_cold_GBps"]
     cold = rows["restore_cold_GBps"]
     assert float(cold["value"]) > 0 and float(cold["baseline"]) > 0, cold
+
+
+@pytest.mark.slow
+def test_bench_ckpt_async_times_the_loop_three_ways(tmp_path: Path) -> None:
+    env = mpirun_env(DTM_TIMEOUT="60")
+    cmd = ["mpirun", "--timeout", "120", "--bind-to", "none", "-n", "2", sys.executable, "-m",
+           "mpi4py", "-m", "dtm_mpi", "bench", "ckpt-async", "--batch", "16", "--width", "32",
+           "--hidden", "64", "--steps", "3", "--every", "1", "--repeat", "1", "--dir", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    rows = {ln.split("  ")[0]: ln.split() for ln in lines if ln.startswith(("no checkpoints", "synchronous", "async"))}  # fmt: skip
+    assert sorted(rows) == ["async saves", "no checkpoints", "synchronous saves"], proc.stdout
+    assert all(float(r[-3]) > 0 for r in rows.values())  # every loop ran and was timed
+    state = re.search(r"state ([0-9.]+) MiB", proc.stdout)
+    # 32x64 and 64x32 float32 weights, each with AdamW's two moments
+    assert state is not None and float(state.group(1)) == pytest.approx(6 * 32 * 64 * 4 / 2**20, rel=0.01)  # fmt: skip
+    assert re.search(r"hidden by async: -?[0-9]+% of the synchronous saves' cost", proc.stdout)
+    assert [p for p in tmp_path.iterdir() if p.name.startswith("dtm-bench-ckpt-async-")] == []
