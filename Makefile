@@ -22,7 +22,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 export DTM_TEST_AGREE_TIMEOUT
 
 MPIRUN  := mpirun --timeout $(MPI_JOB_TIMEOUT) --bind-to none
-PYTEST_1 := $(PY) -m pytest -q -m "not mpi"
+PYTEST_1 := $(PY) -m pytest -q -m "not mpi" --durations=30
 PYTEST_MPI := $(PY) -m mpi4py -m pytest -q --with-mpi -m mpi --timeout-method=thread
 
 .PHONY: help setup test test-unit test-mpi lint type demo demo-gpt gpu-check clean

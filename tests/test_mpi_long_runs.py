@@ -77,7 +77,7 @@ def resumed_equals_uninterrupted(ranks: int, store: Path, done: int, tmp_path: P
         assert got[key].tobytes() == value.tobytes(), f"{key} differs bitwise after the stop"
 
 
-@pytest.mark.parametrize("ranks", [3, 4])
+@pytest.mark.parametrize("ranks", [4])  # 3 ranks: tests/test_mpi_kills.py (at a random moment)
 def test_sigusr1_stops_every_rank_after_one_step_saves_and_resumes_bitwise(ranks: int, tmp_path: Path) -> None:  # fmt: skip
     store, marker = tmp_path / "store", str(tmp_path / "never.npz")
     proc, lines = started(ranks, store, marker)

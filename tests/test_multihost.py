@@ -82,9 +82,9 @@ def test_a_checkpoint_saved_on_two_plus_two_resumes_on_two_plus_one(hosts: Hosts
 def test_the_digits_demo_trains_and_resumes_across_hosts(hosts: Hosts, tmp_path: Path) -> None:
     store = tmp_path / "store"
     demo = (sys.executable, "-m", "mpi4py", str(ROOT / "examples" / "digits.py"), "--quiet", "--store", str(store))  # fmt: skip
-    got = hosts.mpirun((2, 2), *demo, "--mesh", "dp=2,tp=2", "--steps", "120", "--checkpoint-every", "120", env={"DTM_TIMEOUT": "120"})  # fmt: skip
+    got = hosts.mpirun((2, 2), *demo, "--mesh", "dp=2,tp=2", "--steps", "60", "--checkpoint-every", "60", env={"DTM_TIMEOUT": "120"})  # fmt: skip
     assert got.returncode == 0, got.stdout + got.stderr
-    got = hosts.mpirun((2, 1), *demo, "--mesh", "dp=1,tp=3", "--steps", "200", "--resume", env={"DTM_TIMEOUT": "120"})  # fmt: skip
+    got = hosts.mpirun((2, 1), *demo, "--mesh", "dp=1,tp=3", "--steps", "100", "--resume", env={"DTM_TIMEOUT": "120"})  # fmt: skip
     assert got.returncode == 0, got.stdout + got.stderr
     m = re.search(r"held-out accuracy ([0-9.]+)", got.stdout)
     assert m is not None, got.stdout + got.stderr
