@@ -85,6 +85,10 @@ def add_exec_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[
                     help="refuse a checkpoint that would take --store above BYTES")  # fmt: skip
     rn.add_argument("--log-every", type=int, default=None, metavar="N",
                     help="print the step time and throughput on rank 0 every N steps")  # fmt: skip
+    rn.add_argument("--resize-at", action="append", default=[], metavar="STEP:MESH",
+                    help="live resize: after step STEP, continue on the mesh bound as MESH (fewer "
+                    "ranks leave, more are spawned; the state moves in memory); repeatable")  # fmt: skip
+    rn.add_argument("--join-at", type=int, default=None, help=argparse.SUPPRESS)
     rn.set_defaults(func=_cmd_run)
 
     # fmt: off
@@ -116,6 +120,15 @@ def add_exec_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[
                     help="extra mpirun arguments, as one shell-quoted string")  # fmt: skip
     la.add_argument("run_args", nargs=argparse.REMAINDER, metavar="-- FILE [run options]")
     la.set_defaults(func=_cmd_launch)
+
+
+def _resizes(args: argparse.Namespace) -> tuple[tuple[int, dict[str, int]], ...]:
+    from dtm_mpi.runtime.request import parse_resize
+
+    try:
+        return tuple(parse_resize(text) for text in args.resize_at)
+    except UsageError as exc:  # decided from the command line: the same on every rank
+        raise agreed(exc) from None
 
 
 def _binding(args: argparse.Namespace) -> dict[str, int] | None:
@@ -175,7 +188,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             args.backend, args.max_bytes_per_rank, args.store, args.checkpoint_every,
             args.resume, args.gpu_aware_mpi, args.require_gpu_aware_mpi, args.sim,
             checkpoint_async=args.checkpoint_async, keep_last=args.keep_last, quota=args.quota,
-            log_every=args.log_every,
+            log_every=args.log_every, resize_at=_resizes(args), join_at=args.join_at,
         )  # fmt: skip
 
     if args.sim is None:  # under MPI: every rank decides before any rank may exit

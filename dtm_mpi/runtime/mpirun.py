@@ -18,10 +18,12 @@ survives).
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 from collections.abc import Callable
 from contextlib import suppress
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -161,57 +163,152 @@ def open_backend_everywhere(name: str, world: Any) -> Any:
     return backend
 
 
+@dataclass
+class _Live:
+    """The run's session, communicators, plan and checkpoints on its current mesh: replaced
+    together at a live resize (``session`` is None once this rank has left the run)."""
+
+    session: Any
+    plan: Any
+    rank: int
+    comm: Any = None
+    dcomm: Any = None
+    ckpt: _Checkpoints | None = None
+    local_aware: Any = None
+    worlds: list[Any] = field(default_factory=list)  # communicators resizes made (kept to the end)
+
+
+def _ranks(binding: dict[str, int] | None) -> int:
+    return math.prod(binding.values()) if binding else 1
+
+
+def _param_types(plan: Any) -> list[Any]:
+    return [p.type for p in plan.entry_plan.function.params]
+
+
 def _run_session(module: object, args: MpiRunArgs, world: Any, rank: int, size: int, backend: Any) -> int:  # fmt: skip
     from dtm_mpi.comm.agreement import agree_or_raise
-    from dtm_mpi.comm.handshake import PROTOCOL_VERSION, Hello, handshake
-    from dtm_mpi.comm.mpi_comm import MpiComm
-    from dtm_mpi.comm.mpi_session import MpiSession
     from dtm_mpi.config import get_config
     from dtm_mpi.faults import maybe_fail
-    from dtm_mpi.ir.hashing import module_hash
     from dtm_mpi.ir.nodes import Module
 
     assert isinstance(module, Module)
     config = get_config()
+    if args.join_at is not None:  # spawned by a live resize: join the running ranks
+        return _join_session(module, args, rank, backend)
     plan = None
     error: BaseException | None = None
     try:  # pure, but a rank given another module (or another --mesh) may fail alone
         maybe_fail(rank, "plan")
         plan = plan_run(module, args, size)
+        for step, binding in args.resize_at:  # every mesh the run will have, checked now
+            try:
+                plan_run(module, replace(args, binding=binding), _ranks(binding))
+            except DtmError as exc:
+                raise agreed(UsageError(f"--resize-at {step}: {exc}")) from None
     except DtmError as exc:
         error = exc
     agree_or_raise(world, phase="plan", error=error, timeout_s=config.timeout_s)
     assert plan is not None
-    mesh = plan.mesh
-    session = MpiSession(mesh, timeout_s=config.timeout_s, join=False)
-    session.on_launcher_terminate()
-    try:
-        session.phase = "handshake"
+    live = _Live(_new_session(plan, None), plan, rank)
+
+    def body() -> int:
+        live.session.phase = "handshake"
         maybe_fail(rank, "handshake")
-        local_aware = _detect_gpu_aware(args, backend)
-        hello = Hello(
-            PROTOCOL_VERSION, __version__, module_hash(module), str(mesh), capabilities(args.backend),
-            args.backend, config.deterministic,
-            gpu_aware="" if local_aware is None else str(local_aware), steps=args.steps,
-        )  # fmt: skip
-        handshake(session, hello)  # the module's requirements were checked in phase load
-        session.join_mesh(plan_groups(plan, config.deterministic))
-        comm = MpiComm(
-            session, deterministic=config.deterministic, max_msg_elems=config.max_msg_elems
-        )
-        dcomm = _device_comm(session, comm, args, backend, local_aware)
-        code = _run_steps(session, comm, plan, args, rank, backend, dcomm)
+        live.local_aware = _detect_gpu_aware(args, backend)
+        _join(live, module, args, backend)
+        return _run_steps(live, module, args, backend)
+
+    return _guarded(live, body)
+
+
+def _new_session(plan: Any, world: Any) -> Any:
+    """A session on ``world`` (``MPI.COMM_WORLD`` when None) for ``plan``'s mesh. Collective."""
+    from dtm_mpi.comm.mpi_session import MpiSession
+    from dtm_mpi.config import get_config
+
+    session = MpiSession(plan.mesh, timeout_s=get_config().timeout_s, world=world, join=False)
+    session.on_launcher_terminate()
+    return session
+
+
+def _join(live: _Live, module: Any, args: MpiRunArgs, backend: Any) -> None:
+    """The handshake (module hash, mesh, versions, capabilities, backend; joining ranks
+    included), the plan's group communicators, and the communication interface. Collective."""
+    from dtm_mpi.comm.handshake import PROTOCOL_VERSION, Hello, handshake
+    from dtm_mpi.comm.mpi_comm import MpiComm
+    from dtm_mpi.config import get_config
+    from dtm_mpi.ir.hashing import module_hash
+
+    config = get_config()
+    session, plan = live.session, live.plan
+    hello = Hello(
+        PROTOCOL_VERSION, __version__, module_hash(module), str(plan.mesh), capabilities(args.backend),
+        args.backend, config.deterministic,
+        gpu_aware="" if live.local_aware is None else str(live.local_aware), steps=args.steps,
+    )  # fmt: skip
+    handshake(session, hello)  # the module's requirements were checked in phase load
+    session.join_mesh(plan_groups(plan, config.deterministic))
+    live.comm = MpiComm(session, deterministic=config.deterministic, max_msg_elems=config.max_msg_elems)  # fmt: skip
+    live.dcomm = _device_comm(session, live.comm, args, backend, live.local_aware)
+
+
+def _guarded(live: _Live, body: Callable[[], int]) -> int:
+    """Run ``body``; every failure ends every rank of the current session with one error."""
+    try:
+        code = body()
     except LauncherTerminatedError as exc:  # a peer died: mpirun is killing the job
-        session.report_terminated(exc)
+        if live.session is None:
+            raise
+        live.session.report_terminated(exc)
+        raise
     except BaseException as exc:  # every failure ends every rank with one error
+        session = live.session
+        if session is None:  # between two sessions of a resize: nothing to agree on
+            raise
         if _raised_everywhere(exc) and session.poisoned is None:
             # raised alike on every rank at the same point, nothing pending: a clean exit
-            write_line(f"[rank {rank}] dtm run: {exc}")
+            write_line(f"[rank {live.rank}] dtm run: {exc}")
             session.close()
             return 1
         session.end_with(session.fail(exc))
-    session.close()
+        raise
+    if live.session is not None:
+        live.session.close()
     return code
+
+
+def _join_session(module: Any, args: MpiRunArgs, child_rank: int, backend: Any) -> int:
+    """A rank spawned by a live resize after step ``args.join_at``: merge with the running
+    ranks, take part in the new session's handshake, receive this rank's part of the state
+    in memory, and run the remaining steps."""
+    from dtm_mpi.comm.resize import join_parents
+    from dtm_mpi.config import get_config
+    from dtm_mpi.runtime.remesh import move_blocks
+    from dtm_mpi.sharding.remesh import plan_remesh
+
+    step = args.join_at
+    assert step is not None
+    timeout = get_config().timeout_s
+    world = join_parents(child_rank, timeout, f"resize after step {step}")
+    if world is None:
+        raise agreed(UsageError("--join-at is for the ranks a live resize spawns (MPI_Comm_spawn)"))  # fmt: skip
+    binding = dict(args.resize_at)[step]
+    plan = plan_run(module, replace(args, binding=binding), _ranks(binding))
+    before = args.mesh_before(step)
+    old = plan_run(module, replace(args, binding=before), _ranks(before))
+    rank = int(world.Get_rank())
+    live = _Live(_new_session(plan, world), plan, rank, worlds=[world])
+
+    def body() -> int:
+        live.session.phase = f"resize after step {step}"
+        live.local_aware = _detect_gpu_aware(args, backend)
+        _join(live, module, args, backend)
+        moved = move_blocks(plan_remesh(_param_types(old), old.mesh, _param_types(plan), plan.mesh), rank, None, live.comm)  # fmt: skip
+        assert moved is not None
+        return _run_steps(live, module, args, backend, joined=(step, moved))
+
+    return _guarded(live, body)
 
 
 def _raised_everywhere(exc: BaseException) -> bool:
@@ -283,53 +380,51 @@ def _device_comm(session: Any, comm: Any, args: MpiRunArgs, backend: Any, local:
     )  # fmt: skip
 
 
-def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, rank: int, backend: Any, dcomm: Any) -> int:  # fmt: skip
-    from dtm_mpi.comm.mpi_comm import MpiComm
-    from dtm_mpi.comm.mpi_session import MpiSession
+def _run_steps(live: _Live, module: Any, args: MpiRunArgs, backend: Any, joined: tuple[int, list[np.ndarray]] | None = None) -> int:  # fmt: skip
     from dtm_mpi.faults import maybe_fail
-    from dtm_mpi.plan.program import ExecPlan
     from dtm_mpi.runtime.executor import gather_to_root
     from dtm_mpi.runtime.simulate import output_values
 
-    assert isinstance(session, MpiSession) and isinstance(comm, MpiComm)
-    assert isinstance(plan, ExecPlan)
-    entry = plan.entry_plan.function
-
-    session.phase = "inputs"
+    session, rank = live.session, live.rank
     error: BaseException | None = None
     blocks: list[np.ndarray] = []
     given: dict[str, np.ndarray] = {}
+    if joined is None:
+        session.phase = "inputs"
+        try:
+            maybe_fail(rank, "inputs")
+            if not args.resume:  # a resumed run takes every parameter from the checkpoint
+                given = given_inputs(args, live.plan.module)
+        except LauncherTerminatedError:
+            raise
+        except DtmError as exc:
+            error = exc
+        session.agree("inputs", error)
+    live.ckpt = _Checkpoints(session, live.plan, args, rank, backend) if args.store else None
     try:
-        maybe_fail(rank, "inputs")
-        if not args.resume:  # a resumed run takes every parameter from the checkpoint
-            given = given_inputs(args, plan.module)
-    except LauncherTerminatedError:
-        raise
-    except DtmError as exc:
-        error = exc
-    session.agree("inputs", error)
-    ckpt = _Checkpoints(session, plan, args, rank, backend) if args.store else None
-    try:
-        results = _steps_with(ckpt, session, plan, args, rank, backend, dcomm, blocks, given)
+        results = _steps_with(live, module, args, backend, blocks, given, joined)
     except RunStopped as stop:  # every rank stopped after the same step, the state saved
-        if ckpt is not None:
-            ckpt.close()
+        if live.ckpt is not None:
+            live.ckpt.close()
         if rank == 0:
             write_line(f"dtm run: {stop}")
         return int(stop.code)  # type: ignore[arg-type]
     except BaseException as exc:
-        if ckpt is not None and _raised_everywhere(exc) and session.poisoned is None:
+        if live.ckpt is not None and live.session is not None and _raised_everywhere(exc) and live.session.poisoned is None:  # fmt: skip
             with suppress(DtmError):  # every rank is here: close the store (collective)
-                ckpt.close()
+                live.ckpt.close()
         raise
-    if ckpt is not None:
-        ckpt.close()
+    if results is None:  # this rank left the run at a live resize
+        return 0
+    if live.ckpt is not None:
+        live.ckpt.close()
 
+    session, plan = live.session, live.plan
     session.phase = "output"
     maybe_fail(rank, "output")
     outputs: dict[str, np.ndarray] = {}
-    for name, t, block in output_values(entry, results, blocks):
-        value = gather_to_root(t, backend.to_host(block), comm)
+    for name, t, block in output_values(plan.entry_plan.function, results, blocks):
+        value = gather_to_root(t, backend.to_host(block), live.comm)
         if value is not None:
             outputs[name] = value
     error = None
@@ -342,30 +437,37 @@ def _run_steps(session: object, comm: object, plan: object, args: MpiRunArgs, ra
     return 0
 
 
-def _steps_with(ckpt: _Checkpoints | None, session: Any, plan: Any, args: MpiRunArgs, rank: int, backend: Any, dcomm: Any, blocks: list[Any], given: dict[str, np.ndarray]) -> tuple[Any, ...]:  # fmt: skip
-    """The initial state (inputs, ``init store``, or the resumed checkpoint), then the steps,
-    saving checkpoints; the last step's results."""
+def _steps_with(live: _Live, module: Any, args: MpiRunArgs, backend: Any, blocks: list[Any], given: dict[str, np.ndarray], joined: tuple[int, list[np.ndarray]] | None = None) -> tuple[Any, ...] | None:  # fmt: skip
+    """The initial state (inputs, ``init store``, the resumed checkpoint, or a joining rank's
+    moved blocks), then the steps, saving checkpoints and resizing the mesh live where asked;
+    the last step's results (None on a rank that left at a resize)."""
     from dtm_mpi.comm.presence import current as current_presence
     from dtm_mpi.faults import maybe_fail
     from dtm_mpi.runtime.executor import Executor
     from dtm_mpi.runtime.simulate import StepFeeder, initial_blocks, run_steps
 
-    if not args.resume:  # 'init store' parameters no input supplies: from the store
-        local = ckpt.read_init_store(store_params(plan.module, given)) if ckpt is not None else {}
-        blocks[:] = initial_blocks(plan, rank, given, local, fed=args.fed)
-    first = ckpt.resume(blocks) if ckpt is not None and args.resume else 0
+    rank = live.rank
+    if joined is not None:
+        first = joined[0]
+        blocks[:] = joined[1]
+    else:
+        ckpt = live.ckpt
+        if not args.resume:  # 'init store' parameters no input supplies: from the store
+            local = ckpt.read_init_store(store_params(live.plan.module, given)) if ckpt is not None else {}  # fmt: skip
+            blocks[:] = initial_blocks(live.plan, rank, given, local, fed=args.fed)
+        first = ckpt.resume(blocks) if ckpt is not None and args.resume else 0
     blocks[:] = [backend.to_device(b) for b in blocks]  # the state lives on the backend
-    feeder = StepFeeder(plan, rank, args.hooks) if args.hooks is not None else None
+    feeder: list[StepFeeder | None] = [None]
 
     def before_step(step: int) -> None:
-        session.phase = f"step {step}"
+        live.session.phase = f"step {step}"
         maybe_fail(rank, "step")
-        if feeder is not None:
-            feeder.feed(step, blocks, backend.to_device)
+        if feeder[0] is not None:
+            feeder[0].feed(step, blocks, backend.to_device)
 
     def on_results(step: int, results: tuple[Any, ...]) -> None:
-        if feeder is not None:
-            feeder.report(step, results, backend.to_host)
+        if feeder[0] is not None:
+            feeder[0].report(step, results, backend.to_host)
 
     presence = current_presence()
     stopping: list[bool] = [False]
@@ -373,13 +475,14 @@ def _steps_with(ckpt: _Checkpoints | None, session: Any, plan: Any, args: MpiRun
 
     def commit(step: int) -> None:  # every rank finished the step: its state updates apply
         asked = presence is not None and presence.stop_signal is not None
-        stopping[0] = session.agree(f"step {step}", None, flag=asked)  # a stop: all, this step
+        stopping[0] = live.session.agree(f"step {step}", None, flag=asked)  # a stop: all, this step
 
     def after_step(step: int) -> None:  # the new state is in blocks
         if log is not None:
             log.step_done(step)
         every = args.checkpoint_every
         last = step + 1 == args.steps and args.hooks is not None and args.hooks.save_final
+        ckpt = live.ckpt
         if stopping[0] and step + 1 < args.steps:  # (after the last step: just finish)
             path = ckpt.save(step + 1, blocks, sync=True) if ckpt is not None else None
             signum = presence.stop_signal if presence is not None else None
@@ -388,17 +491,89 @@ def _steps_with(ckpt: _Checkpoints | None, session: Any, plan: Any, args: MpiRun
         if ckpt is not None and every and ((step + 1) % every == 0 or last):
             ckpt.save(step + 1, blocks)
 
-    executor = Executor(plan, dcomm, backend)
+    resizes = [(s, b) for s, b in args.resize_at if s > first]
     if presence is not None:
         presence.stoppable = True  # a signal now asks for a stop at the next step boundary
     try:
-        return run_steps(
-            executor, blocks, args.steps, first=first, before_step=before_step, commit=commit,
-            after_step=after_step, on_results=on_results,
-        )  # fmt: skip
+        while True:
+            end = resizes[0][0] if resizes else args.steps
+            feeder[0] = StepFeeder(live.plan, rank, args.hooks) if args.hooks is not None else None  # fmt: skip
+            results = run_steps(
+                Executor(live.plan, live.dcomm, backend), blocks, end, first=first,
+                before_step=before_step, commit=commit, after_step=after_step, on_results=on_results,
+            )  # fmt: skip
+            if not resizes:
+                return results
+            step, binding = resizes.pop(0)
+            moved = _resize(live, module, args, backend, step, binding, blocks)
+            if moved is None:
+                return None
+            blocks[:] = moved
+            first = end
     finally:
         if presence is not None:
             presence.stoppable = False
+
+
+def _resize(live: _Live, module: Any, args: MpiRunArgs, backend: Any, step: int, binding: dict[str, int], blocks: list[Any]) -> list[Any] | None:  # fmt: skip
+    """The live resize after ``step``: the pending checkpoint finished and the store closed;
+    to fewer ranks, the state moved in memory to the first ones, the others leaving (None
+    returned); to more, new ranks spawned and merged, then the state moved. A new session for
+    the new mesh (its handshake includes the joining ranks), the plan, the store. Collective
+    over the old and new ranks."""
+    import sys
+
+    from dtm_mpi.comm.resize import spawn_and_merge, split_first
+    from dtm_mpi.config import get_config
+    from dtm_mpi.runtime.remesh import move_blocks
+    from dtm_mpi.sharding.remesh import plan_remesh
+
+    session, rank = live.session, live.rank
+    phase = f"resize after step {step}"
+    session.phase = phase
+    timeout = get_config().timeout_s
+    if live.ckpt is not None:
+        live.ckpt.close()  # the pending save finished, on the old ranks
+        live.ckpt = None
+    plan = plan_run(module, replace(args, binding=binding), _ranks(binding))
+    move = plan_remesh(_param_types(live.plan), live.plan.mesh, _param_types(plan), plan.mesh)
+    host = [backend.to_host(b) for b in blocks]
+    n_old, n_new = int(session.size), plan.mesh.size
+    moved = None
+    if n_new <= n_old:
+        moved = move_blocks(move, rank, host, live.comm)  # on the old ranks, before they split
+        world = split_first(session.comm, n_new, rank, timeout, phase)
+    else:
+        argv = ["-m", "mpi4py", "-m", "dtm_mpi", *_without_join(sys.argv[1:]), "--join-at", str(step)]  # fmt: skip
+        world = spawn_and_merge(session.comm, n_new - n_old, argv, rank, timeout, phase)
+    live.session = None
+    session.close()
+    if world is None:  # this rank leaves: its process waits in MPI_Finalize for the job's end
+        return None
+    live.worlds.append(world)
+    live.session, live.plan = _new_session(plan, world), plan
+    live.session.phase = phase
+    _join(live, module, args, backend)
+    if moved is None:  # grown: the joining ranks take part in the move
+        moved = move_blocks(move, rank, host, live.comm)
+    assert moved is not None
+    if rank == 0:
+        print(f"resized after step {step}: {n_old} -> {n_new} rank(s), mesh {plan.mesh}", flush=True)
+    live.ckpt = _Checkpoints(live.session, plan, args, rank, backend) if args.store else None
+    return [backend.to_device(b) for b in moved]
+
+
+def _without_join(argv: list[str]) -> list[str]:
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--join-at":
+            skip = True
+        elif not a.startswith("--join-at="):
+            out.append(a)
+    return out
 
 
 def run_loop(session: Any, comm: Any, plan: Any, request: MpiRunArgs, rank: int, backend: Any) -> list[Any]:  # fmt: skip
@@ -408,13 +583,14 @@ def run_loop(session: Any, comm: Any, plan: Any, request: MpiRunArgs, rank: int,
     final state blocks.
 
     Collective: call on all ranks."""
-    ckpt = _Checkpoints(session, plan, request, rank, backend) if request.store else None
+    live = _Live(session, plan, rank, comm=comm, dcomm=comm)
+    live.ckpt = _Checkpoints(session, plan, request, rank, backend) if request.store else None
     blocks: list[Any] = []
     try:
-        _steps_with(ckpt, session, plan, request, rank, backend, comm, blocks, {})
+        _steps_with(live, plan.module, request, backend, blocks, {})
     finally:
-        if ckpt is not None:
-            ckpt.close()
+        if live.ckpt is not None:
+            live.ckpt.close()
     return blocks
 
 

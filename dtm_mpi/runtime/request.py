@@ -110,6 +110,8 @@ class RunRequest:
     keep_last: int | None = None  # the store keeps this many newest checkpoints
     quota: int | None = None  # the store's byte quota
     log_every: int | None = None  # rank 0 prints step time and throughput every N steps
+    resize_at: tuple[tuple[int, dict[str, int]], ...] = ()  # live resizes: after step S, this mesh
+    join_at: int | None = None  # set by the runtime for the ranks it spawns at a resize
 
     @property
     def fed(self) -> tuple[str, ...]:
@@ -133,6 +135,7 @@ class RunRequest:
             raise _usage(f"--quota must be >= 1 byte; got {self.quota}")
         if self.log_every is not None and self.log_every < 1:
             raise _usage(f"--log-every must be >= 1; got {self.log_every}")
+        self._check_resizes()
         if self.resume and self.inputs:
             raise _usage("--resume takes the state from the checkpoint; do not give -i inputs")
         if self.backend == "numpy" and (self.require_gpu_aware or self.gpu_aware):
@@ -146,12 +149,46 @@ class RunRequest:
                 f"the simulator (--sim) runs the numpy backend only; run --backend "
                 f"{self.backend} under mpirun/srun (one rank per GPU)"
             )
+        if self.resize_at:
+            raise _usage("--resize-at needs the MPI runtime (run under mpirun/srun, without --sim)")  # fmt: skip
         if self.checkpoint_every is not None or self.resume or self.checkpoint_async or self.keep_last is not None or self.quota is not None:  # fmt: skip
             raise _usage(
                 "--checkpoint-every, --resume, --checkpoint-async, --keep-last and --quota need "
                 "the MPI runtime (run under mpirun/srun, without --sim); with --sim, --store only "
                 "fills 'init store' parameters"
             )
+
+
+    def _check_resizes(self) -> None:
+        last = 0
+        for step, binding in self.resize_at:
+            if step <= last or step >= self.steps:
+                raise _usage(f"--resize-at {step}: resizes come after steps 1 .. {self.steps - 1} (--steps {self.steps}), in increasing order")  # fmt: skip
+            if self.binding is None or set(binding) != set(self.binding):
+                raise _usage(f"--resize-at {step}: give --mesh, and bind the same axes at every resize ({', '.join(sorted(self.binding or {})) or 'none'} in --mesh, {', '.join(sorted(binding))} here)")  # fmt: skip
+            last = step
+        if self.resize_at and self.module is not None:
+            raise _usage("a live resize spawns ranks running 'dtm run FILE': it needs a module file, not one built in Python")  # fmt: skip
+        if self.join_at is not None and self.join_at not in [s for s, _ in self.resize_at]:
+            raise _usage(f"--join-at {self.join_at} is not a step of --resize-at")
+
+    def mesh_before(self, step: int) -> dict[str, int] | None:
+        """The mesh binding the run has up to step ``step`` (after the resizes before it)."""
+        binding = self.binding
+        for s, b in self.resize_at:
+            if s < step:
+                binding = b
+        return binding
+
+
+def parse_resize(text: str) -> tuple[int, dict[str, int]]:
+    """``STEP:MESH`` (``--resize-at``): after step STEP, the mesh bound as MESH (``dp=1,tp=3``)."""
+    from dtm_mpi.sharding.mesh import parse_mesh_binding
+
+    step, colon, mesh = text.partition(":")
+    if not colon or not step.strip().isdigit():
+        raise _usage(f"--resize-at {text!r}: expected STEP:MESH, e.g. 4:dp=1,tp=3")
+    return int(step), parse_mesh_binding(mesh)
 
 
 def agree_arguments(error: DtmError | None) -> None:
