@@ -88,7 +88,10 @@ def add_exec_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     rn.add_argument("--resize-at", action="append", default=[], metavar="STEP:MESH",
                     help="live resize: after step STEP, continue on the mesh bound as MESH (fewer "
                     "ranks leave, more are spawned; the state moves in memory); repeatable")  # fmt: skip
-    rn.add_argument("--join-at", type=int, default=None, help=argparse.SUPPRESS)
+    rn.add_argument("--resize-file", default=None, metavar="PATH",
+                    help="live resize on request: when PATH appears, holding a mesh binding (e.g. "
+                    "dp=1,tp=3), the run resizes to it after the current step and consumes the file")  # fmt: skip
+    rn.add_argument("--join-at", default=None, help=argparse.SUPPRESS)
     rn.set_defaults(func=_cmd_run)
 
     # fmt: off
@@ -129,6 +132,17 @@ def _resizes(args: argparse.Namespace) -> tuple[tuple[int, dict[str, int]], ...]
         return tuple(parse_resize(text) for text in args.resize_at)
     except UsageError as exc:  # decided from the command line: the same on every rank
         raise agreed(exc) from None
+
+
+def _join(args: argparse.Namespace) -> tuple[int, dict[str, int], dict[str, int]] | None:
+    from dtm_mpi.runtime.request import parse_join
+
+    if args.join_at is None:
+        return None
+    try:
+        return parse_join(args.join_at)
+    except (UsageError, ValueError) as exc:
+        raise agreed(UsageError(f"--join-at {args.join_at!r}: {exc}")) from None
 
 
 def _binding(args: argparse.Namespace) -> dict[str, int] | None:
@@ -188,7 +202,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
             args.backend, args.max_bytes_per_rank, args.store, args.checkpoint_every,
             args.resume, args.gpu_aware_mpi, args.require_gpu_aware_mpi, args.sim,
             checkpoint_async=args.checkpoint_async, keep_last=args.keep_last, quota=args.quota,
-            log_every=args.log_every, resize_at=_resizes(args), join_at=args.join_at,
+            log_every=args.log_every, resize_at=_resizes(args), resize_file=args.resize_file,
+            join=_join(args),
         )  # fmt: skip
 
     if args.sim is None:  # under MPI: every rank decides before any rank may exit

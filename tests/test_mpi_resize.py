@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from dtm_mpi.errors import UsageError
-from dtm_mpi.runtime.request import RunRequest, parse_resize
+from dtm_mpi.runtime.request import RunRequest, join_argument, parse_join, parse_resize
 from dtm_mpi.runtime.simulate import run_simulated
+from tests.mpi_env import mpirun_env
 from tests.test_mpi_run import EXAMPLES, load, mpirun
 
 MLP = str(EXAMPLES / "tp_mlp.dtm")
@@ -73,7 +74,9 @@ def test_a_schedule_that_does_not_fit_the_module_is_one_agreed_error(tmp_path: P
     code, text, _ = mpirun(2, MLP, "--mesh", "dp=1,tp=2", "--steps", "3", "--max-bytes-per-rank", "4M", "--resize-at", "1:dp=1,tp=1", env=DET)  # fmt: skip
     assert code != 0
     lines = [ln for ln in text.splitlines() if "dtm: error: plan failed" in ln]
-    assert len(lines) == 2 and all("--resize-at 1:" in ln and "max-bytes-per-rank" in ln for ln in lines), text
+    assert len(lines) == 2 and all(
+        "--resize-at 1:" in ln and "max-bytes-per-rank" in ln for ln in lines
+    ), text
     assert "Traceback" not in text, text
 
 
@@ -81,16 +84,59 @@ def test_a_schedule_that_does_not_fit_the_module_is_one_agreed_error(tmp_path: P
     ({"resize_at": ((3, {"dp": 1, "tp": 3}),)}, "resizes come after steps 1 .. 2"),
     ({"resize_at": ((2, {"dp": 1, "tp": 3}), (1, {"dp": 2, "tp": 2}))}, "in increasing order"),
     ({"resize_at": ((1, {"tp": 3}),)}, "bind the same axes at every resize"),
-    ({"resize_at": ((1, {"dp": 1, "tp": 3}),), "sim": 2}, "--resize-at needs the MPI runtime"),
-    ({"join_at": 2, "resize_at": ((1, {"dp": 1, "tp": 3}),)}, "--join-at 2 is not a step of --resize-at"),
+    ({"resize_at": ((1, {"dp": 1, "tp": 3}),), "sim": 2}, "--resize-at and --resize-file need the MPI runtime"),
+    ({"resize_file": "req", "sim": 2}, "--resize-at and --resize-file need the MPI runtime"),
 ])  # fmt: skip
 def test_bad_schedules_are_usage_errors(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(UsageError, match=re.escape(message)):
         RunRequest(MLP, {"dp": 2, "tp": 2}, steps=3, **kwargs)  # type: ignore[arg-type]
 
 
-def test_parse_resize() -> None:
+def test_parse_resize_and_join() -> None:
     assert parse_resize("4:dp=1,tp=3") == (4, {"dp": 1, "tp": 3})
+    assert parse_join(join_argument(4, {"dp": 2, "tp": 2}, {"dp": 1, "tp": 3})) == (4, {"dp": 2, "tp": 2}, {"dp": 1, "tp": 3})  # fmt: skip
     for bad in ("dp=1", "x:dp=1", "4:"):
         with pytest.raises(UsageError):
             parse_resize(bad)
+
+
+@needs_mpirun
+@pytest.mark.slow
+def test_a_resize_asked_for_in_a_file_while_the_run_goes_on(tmp_path: Path) -> None:
+    """--resize-file: the operator writes a mesh into the file; rank 0 sees it at a step's
+    commit, every rank resizes after that step; a request that does not fit is said and
+    ignored. Shrink, a bad request, then grow, and the result is the uninterrupted run's."""
+    request, out = tmp_path / "resize.req", tmp_path / "out.npz"
+    steps = 30
+    cmd = ["mpirun", "--timeout", "150", "--bind-to", "none", "-n", "4", sys.executable, "-m", "mpi4py", "-m",
+           "dtm_mpi", "run", MLP, "--mesh", "dp=2,tp=2", "--steps", str(steps), "--resize-file", str(request),
+           "--log-every", "1", "-o", str(out)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=mpirun_env(PYTHONUNBUFFERED="1", **DET))  # fmt: skip
+    assert proc.stdout is not None
+    asks = iter(["dp=1,tp=3", "dp=1,tp=3,pp=2", "dp=2,tp=2"])
+    lines: list[str] = []
+    pending = None
+    seen = 0
+    for line in proc.stdout:
+        lines.append(line)
+        if pending is None and re.match(rf"step \d+/{steps}: ", line):
+            pending = next(asks, None)
+            if pending is not None:
+                tmp = tmp_path / "req.tmp"
+                tmp.write_text(pending + "\n")
+                tmp.rename(request)  # appears whole
+        elif "resized after step" in line or "ignored:" in line:
+            seen += 1
+            pending = None
+    proc.wait(timeout=150)
+    text = "".join(lines)
+    assert proc.returncode == 0 and seen == 3, text
+    assert re.search(r"resized after step \d+: 4 -> 3 rank\(s\), mesh \[dp=1, tp=3\]", text), text
+    assert re.search(r"resize request \S+ after step \d+ ignored: it binds dp, pp, tp; the run's mesh has dp, tp", text), text  # fmt: skip
+    assert re.search(r"resized after step \d+: 3 -> 4 rank\(s\), mesh \[dp=2, tp=2\]", text), text
+    assert not request.exists()
+    got, want = (
+        np.load(out),
+        run_simulated(load("tp_mlp"), 1, steps=steps, deterministic=True).outputs(),
+    )
+    assert all(got[k].tobytes() == v.tobytes() for k, v in want.items())

@@ -169,21 +169,24 @@ def agree_outcome_flagged(
     phase: str,
     timeout_s: float,
     wait: Callable[[Any, str], None] | None = None,
-    flag: bool = False,
-) -> tuple[tuple[RankFailure, ...], bool]:
-    """:func:`agree_outcome`, and whether any rank raised ``flag`` (e.g. a stop request),
-    agreed in the same exchange (the same answer on every rank)."""
+    flag: int = 0,
+) -> tuple[tuple[RankFailure, ...], int]:
+    """:func:`agree_outcome`, and the flags (bits: e.g. a stop request, a resize request) any
+    rank raised, OR-ed, agreed in the same exchange (the same answer on every rank)."""
     if wait is None:
-        mine_view = "1" if flag else "0"
-        outcomes = _exchange(comm, ok, message if not ok else mine_view, phase, timeout_s)
+        outcomes = _exchange(comm, ok, message if not ok else str(int(flag)), phase, timeout_s)
         failures = tuple(RankFailure(r, phase, m) for r, (k, m) in sorted(outcomes.items()) if not k)  # fmt: skip
-        return failures, any(k and m == "1" for k, m in outcomes.values()) or flag
+        flags = int(flag)
+        for k, m in outcomes.values():
+            if k and m.isdigit():
+                flags |= int(m)
+        return failures, flags
     size = int(comm.Get_size())
-    mine = np.array([(0 if ok else 1) | (2 if flag else 0)], dtype=np.int32)
+    mine = np.array([(0 if ok else 1) | (int(flag) << 1)], dtype=np.int32)
     everyone = np.zeros(size, dtype=np.int32)
     wait(comm.Iallgather(mine, everyone), "agreement")
     failed = [r for r in range(size) if everyone[r] & 1]
-    flagged = bool(np.any(everyone & 2))
+    flagged = int(np.bitwise_or.reduce(everyone >> 1)) if size else 0
     if not failed:
         return (), flagged
     # Every rank has reached this point (the allgather completed), so this cannot block on a
@@ -199,12 +202,12 @@ def agree_or_raise(
     error: BaseException | None,
     timeout_s: float,
     wait: Callable[[Any, str], None] | None = None,
-    flag: bool = False,
-) -> bool:
+    flag: int = 0,
+) -> int:
     """Collective: call on all ranks. End ``phase``: if any rank failed it (``error`` is its
     own failure, or None), every rank raises the same :class:`RemoteFailureError` listing each
-    failed rank and its message. Returns whether any rank raised ``flag`` (the same on every
-    rank)."""
+    failed rank and its message. Returns the flag bits any rank raised, OR-ed (the same on
+    every rank)."""
     message = "" if error is None else (str(error) or type(error).__name__)
     failures, flagged = agree_outcome_flagged(
         comm, ok=error is None, message=message, phase=phase, timeout_s=timeout_s, wait=wait, flag=flag

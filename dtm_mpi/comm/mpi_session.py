@@ -327,10 +327,11 @@ class MpiSession:
             self._abandoned.append(request)
         raise cause
 
-    def agree(self, phase: str, error: BaseException | None, *, flag: bool = False) -> bool:
+    def agree(self, phase: str, error: BaseException | None, *, flag: int = 0) -> int:
         """End ``phase``: every rank says whether it succeeded; if any failed, every rank
         raises the same :class:`RemoteFailureError` listing each failed rank and its message.
-        Returns whether any rank raised ``flag`` (a stop request: the same on every rank).
+        Returns the flag bits any rank raised (e.g. a stop request), OR-ed: the same on every
+        rank.
 
         Collective: call on all ranks."""
         from dtm_mpi.comm.agreement import agree_or_raise

@@ -56,4 +56,3 @@ def join_parents(rank: int, timeout_s: float, phase: str) -> Any | None:
         merged = parent.Merge(high=True)
     parent.Free()
     return merged
-

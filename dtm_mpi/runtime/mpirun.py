@@ -19,11 +19,13 @@ survives).
 from __future__ import annotations
 
 import math
+import os
 import signal
 import time
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -45,6 +47,7 @@ from dtm_mpi.runtime.request import (
     capabilities,
     deliver_outputs,
     given_inputs,
+    join_argument,
     load_run,
     plan_run,
     store_params,
@@ -194,7 +197,7 @@ def _run_session(module: object, args: MpiRunArgs, world: Any, rank: int, size: 
 
     assert isinstance(module, Module)
     config = get_config()
-    if args.join_at is not None:  # spawned by a live resize: join the running ranks
+    if args.join is not None:  # spawned by a live resize: join the running ranks
         return _join_session(module, args, rank, backend)
     plan = None
     error: BaseException | None = None
@@ -279,23 +282,21 @@ def _guarded(live: _Live, body: Callable[[], int]) -> int:
 
 
 def _join_session(module: Any, args: MpiRunArgs, child_rank: int, backend: Any) -> int:
-    """A rank spawned by a live resize after step ``args.join_at``: merge with the running
-    ranks, take part in the new session's handshake, receive this rank's part of the state
-    in memory, and run the remaining steps."""
+    """A rank spawned by a live resize (``args.join``: after which step, from which mesh to
+    which): merge with the running ranks, take part in the new session's handshake, receive
+    this rank's part of the state in memory, and run the remaining steps."""
     from dtm_mpi.comm.resize import join_parents
     from dtm_mpi.config import get_config
     from dtm_mpi.runtime.remesh import move_blocks
     from dtm_mpi.sharding.remesh import plan_remesh
 
-    step = args.join_at
-    assert step is not None
+    assert args.join is not None
+    step, before, binding = args.join
     timeout = get_config().timeout_s
     world = join_parents(child_rank, timeout, f"resize after step {step}")
     if world is None:
         raise agreed(UsageError("--join-at is for the ranks a live resize spawns (MPI_Comm_spawn)"))  # fmt: skip
-    binding = dict(args.resize_at)[step]
     plan = plan_run(module, replace(args, binding=binding), _ranks(binding))
-    before = args.mesh_before(step)
     old = plan_run(module, replace(args, binding=before), _ranks(before))
     rank = int(world.Get_rank())
     live = _Live(_new_session(plan, world), plan, rank, worlds=[world])
@@ -473,9 +474,14 @@ def _steps_with(live: _Live, module: Any, args: MpiRunArgs, backend: Any, blocks
     stopping: list[bool] = [False]
     log = _StepLog(args.log_every, args.steps, first) if rank == 0 and args.log_every else None
 
+    requested: list[bool] = [False]
+
     def commit(step: int) -> None:  # every rank finished the step: its state updates apply
-        asked = presence is not None and presence.stop_signal is not None
-        stopping[0] = live.session.agree(f"step {step}", None, flag=asked)  # a stop: all, this step
+        asked = STOP_FLAG if presence is not None and presence.stop_signal is not None else 0
+        if rank == 0 and args.resize_file is not None and os.path.exists(args.resize_file):
+            asked |= RESIZE_FLAG  # rank 0 alone reads the request: one answer, agreed
+        flags = live.session.agree(f"step {step}", None, flag=asked)  # all, this step
+        stopping[0], requested[0] = bool(flags & STOP_FLAG), bool(flags & RESIZE_FLAG)
 
     def after_step(step: int) -> None:  # the new state is in blocks
         if log is not None:
@@ -490,6 +496,8 @@ def _steps_with(live: _Live, module: Any, args: MpiRunArgs, backend: Any, blocks
             raise RunStopped(step + 1, name, path)
         if ckpt is not None and every and ((step + 1) % every == 0 or last):
             ckpt.save(step + 1, blocks)
+        if requested[0] and step + 1 < args.steps:
+            raise _ResizeAskedError(step + 1)
 
     resizes = [(s, b) for s, b in args.resize_at if s > first]
     if presence is not None:
@@ -498,18 +506,27 @@ def _steps_with(live: _Live, module: Any, args: MpiRunArgs, backend: Any, blocks
         while True:
             end = resizes[0][0] if resizes else args.steps
             feeder[0] = StepFeeder(live.plan, rank, args.hooks) if args.hooks is not None else None  # fmt: skip
-            results = run_steps(
-                Executor(live.plan, live.dcomm, backend), blocks, end, first=first,
-                before_step=before_step, commit=commit, after_step=after_step, on_results=on_results,
-            )  # fmt: skip
-            if not resizes:
-                return results
-            step, binding = resizes.pop(0)
+            try:
+                results = run_steps(
+                    Executor(live.plan, live.dcomm, backend), blocks, end, first=first,
+                    before_step=before_step, commit=commit, after_step=after_step, on_results=on_results,
+                )  # fmt: skip
+            except _ResizeAskedError as asked:
+                requested[0] = False
+                step, wanted = asked.step, _requested_mesh(live, module, args, asked.step)
+                if wanted is None:  # not a mesh this run can take: said, and the run goes on
+                    first = step
+                    continue
+                binding = wanted
+            else:
+                if not resizes:
+                    return results
+                step, binding = resizes.pop(0)
             moved = _resize(live, module, args, backend, step, binding, blocks)
             if moved is None:
                 return None
             blocks[:] = moved
-            first = end
+            first = step
     finally:
         if presence is not None:
             presence.stoppable = False
@@ -544,7 +561,8 @@ def _resize(live: _Live, module: Any, args: MpiRunArgs, backend: Any, step: int,
         moved = move_blocks(move, rank, host, live.comm)  # on the old ranks, before they split
         world = split_first(session.comm, n_new, rank, timeout, phase)
     else:
-        argv = ["-m", "mpi4py", "-m", "dtm_mpi", *_without_join(sys.argv[1:]), "--join-at", str(step)]  # fmt: skip
+        join = join_argument(step, _binding_of(live.plan), binding)
+        argv = ["-m", "mpi4py", "-m", "dtm_mpi", *_without_join(sys.argv[1:]), "--join-at", join]  # fmt: skip
         world = spawn_and_merge(session.comm, n_new - n_old, argv, rank, timeout, phase)
     live.session = None
     session.close()
@@ -558,9 +576,61 @@ def _resize(live: _Live, module: Any, args: MpiRunArgs, backend: Any, step: int,
         moved = move_blocks(move, rank, host, live.comm)
     assert moved is not None
     if rank == 0:
-        print(f"resized after step {step}: {n_old} -> {n_new} rank(s), mesh {plan.mesh}", flush=True)
+        print(
+            f"resized after step {step}: {n_old} -> {n_new} rank(s), mesh {plan.mesh}", flush=True
+        )
     live.ckpt = _Checkpoints(live.session, plan, args, rank, backend) if args.store else None
     return [backend.to_device(b) for b in moved]
+
+
+STOP_FLAG, RESIZE_FLAG = 1, 2
+"""The bits a rank may raise in a step's commit agreement: a stop signal, a resize request."""
+
+
+class _ResizeAskedError(Exception):
+    """A resize request agreed at a step's commit: resize after step ``step`` (internal)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(step)
+        self.step = step
+
+
+def _binding_of(plan: Any) -> dict[str, int]:
+    return {name: size for name, size in plan.mesh.axes}
+
+
+def _requested_mesh(live: _Live, module: Any, args: MpiRunArgs, step: int) -> dict[str, int] | None:  # fmt: skip
+    """The mesh of a resize request (``--resize-file``): rank 0 reads and removes the file and
+    sends its text to every rank; every rank checks it alike (a mesh binding of the same axes
+    whose plan fits) and, if it does not, rank 0 says why and the run goes on unchanged."""
+    from dtm_mpi.comm.objects import bcast_obj
+    from dtm_mpi.config import get_config
+    from dtm_mpi.sharding.mesh import parse_mesh_binding
+
+    assert args.resize_file is not None
+    phase = f"resize request after step {step}"
+    live.session.phase = phase
+    text = ""
+    if live.rank == 0:
+        try:
+            text = Path(args.resize_file).read_text(encoding="utf-8").strip()
+            Path(args.resize_file).unlink()
+        except OSError as exc:
+            text = f"\0{exc}"
+    text = bcast_obj(live.session.comm, text, 0, timeout_s=get_config().timeout_s, what="the resize request", phase=phase)  # fmt: skip
+    why = text[1:] if text.startswith("\0") else ""
+    binding = None
+    if not why:
+        try:
+            binding = parse_mesh_binding(text)
+            if set(binding) != set(_binding_of(live.plan)):
+                raise UsageError(f"it binds {', '.join(sorted(binding))}; the run's mesh has {', '.join(sorted(_binding_of(live.plan)))}")  # fmt: skip
+            plan_run(module, replace(args, binding=binding), _ranks(binding))
+        except DtmError as exc:
+            why, binding = str(exc), None
+    if binding is None and live.rank == 0:
+        print(f"resize request {args.resize_file} after step {step} ignored: {why}", flush=True)
+    return binding
 
 
 def _without_join(argv: list[str]) -> list[str]:

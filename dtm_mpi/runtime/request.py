@@ -111,7 +111,10 @@ class RunRequest:
     quota: int | None = None  # the store's byte quota
     log_every: int | None = None  # rank 0 prints step time and throughput every N steps
     resize_at: tuple[tuple[int, dict[str, int]], ...] = ()  # live resizes: after step S, this mesh
-    join_at: int | None = None  # set by the runtime for the ranks it spawns at a resize
+    resize_file: str | None = None  # a live resize asked for while the job runs: MESH in this file
+    join: tuple[int, dict[str, int], dict[str, int]] | None = (
+        None  # spawned at a resize: (step, old, new)
+    )
 
     @property
     def fed(self) -> tuple[str, ...]:
@@ -149,8 +152,8 @@ class RunRequest:
                 f"the simulator (--sim) runs the numpy backend only; run --backend "
                 f"{self.backend} under mpirun/srun (one rank per GPU)"
             )
-        if self.resize_at:
-            raise _usage("--resize-at needs the MPI runtime (run under mpirun/srun, without --sim)")  # fmt: skip
+        if self.resize_at or self.resize_file:
+            raise _usage("--resize-at and --resize-file need the MPI runtime (run under mpirun/srun, without --sim)")  # fmt: skip
         if self.checkpoint_every is not None or self.resume or self.checkpoint_async or self.keep_last is not None or self.quota is not None:  # fmt: skip
             raise _usage(
                 "--checkpoint-every, --resume, --checkpoint-async, --keep-last and --quota need "
@@ -158,27 +161,38 @@ class RunRequest:
                 "fills 'init store' parameters"
             )
 
-
     def _check_resizes(self) -> None:
         last = 0
         for step, binding in self.resize_at:
             if step <= last or step >= self.steps:
                 raise _usage(f"--resize-at {step}: resizes come after steps 1 .. {self.steps - 1} (--steps {self.steps}), in increasing order")  # fmt: skip
-            if self.binding is None or set(binding) != set(self.binding):
-                raise _usage(f"--resize-at {step}: give --mesh, and bind the same axes at every resize ({', '.join(sorted(self.binding or {})) or 'none'} in --mesh, {', '.join(sorted(binding))} here)")  # fmt: skip
+            self._check_axes(f"--resize-at {step}", binding)
             last = step
-        if self.resize_at and self.module is not None:
+        if self.resize_file is not None:
+            self._check_axes("--resize-file", self.binding or {})
+        if (self.resize_at or self.resize_file) and self.module is not None:
             raise _usage("a live resize spawns ranks running 'dtm run FILE': it needs a module file, not one built in Python")  # fmt: skip
-        if self.join_at is not None and self.join_at not in [s for s, _ in self.resize_at]:
-            raise _usage(f"--join-at {self.join_at} is not a step of --resize-at")
 
-    def mesh_before(self, step: int) -> dict[str, int] | None:
-        """The mesh binding the run has up to step ``step`` (after the resizes before it)."""
-        binding = self.binding
-        for s, b in self.resize_at:
-            if s < step:
-                binding = b
-        return binding
+    def _check_axes(self, what: str, binding: dict[str, int]) -> None:
+        if self.binding is None or set(binding) != set(self.binding):
+            raise _usage(f"{what}: give --mesh, and bind the same axes at every resize ({', '.join(sorted(self.binding or {})) or 'none'} in --mesh, {', '.join(sorted(binding)) or 'none'} here)")  # fmt: skip
+
+
+def parse_join(text: str) -> tuple[int, dict[str, int], dict[str, int]]:
+    """``STEP:OLD:NEW`` (the hidden ``--join-at`` of a rank a live resize spawns)."""
+    from dtm_mpi.sharding.mesh import parse_mesh_binding
+
+    step, old, new = text.split(":")
+    return int(step), parse_mesh_binding(old), parse_mesh_binding(new)
+
+
+def join_argument(step: int, old: dict[str, int], new: dict[str, int]) -> str:
+    """The ``--join-at`` value :func:`parse_join` reads."""
+    return f"{step}:{binding_text(old)}:{binding_text(new)}"
+
+
+def binding_text(binding: dict[str, int]) -> str:
+    return ",".join(f"{k}={v}" for k, v in binding.items())
 
 
 def parse_resize(text: str) -> tuple[int, dict[str, int]]:
