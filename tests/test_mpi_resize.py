@@ -140,3 +140,34 @@ def test_a_resize_asked_for_in_a_file_while_the_run_goes_on(tmp_path: Path) -> N
         run_simulated(load("tp_mlp"), 1, steps=steps, deterministic=True).outputs(),
     )
     assert all(got[k].tobytes() == v.tobytes() for k, v in want.items())
+
+
+@needs_mpirun
+@pytest.mark.slow
+def test_a_stop_after_a_shrink_saves_and_exits_75_with_the_parked_rank(tmp_path: Path) -> None:
+    """The rank that left is parked (idle, still in the job): a stop signal forwarded to it
+    does not end it with the signal; rank 0 releases it after the save, and the job exits 75."""
+    import os
+    import signal
+
+    store, out = tmp_path / "store", tmp_path / "never.npz"
+    cmd = ["mpirun", "--timeout", "150", "--bind-to", "none", "-n", "4", sys.executable, "-m", "mpi4py", "-m",
+           "dtm_mpi", "run", MLP, "--mesh", "dp=2,tp=2", "--steps", "100000", "--resize-at", "2:dp=1,tp=3",
+           "--store", str(store), "--log-every", "1", "-o", str(out)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=mpirun_env(PYTHONUNBUFFERED="1", **DET))  # fmt: skip
+    assert proc.stdout is not None
+    lines: list[str] = []
+    resized = False
+    for line in proc.stdout:
+        lines.append(line)
+        resized = resized or "resized after step 2: 4 -> 3" in line
+        if resized and re.match(r"step ([4-9]|\d\d+)/100000: ", line):
+            os.kill(proc.pid, signal.SIGUSR1)
+            break
+    rest, _ = proc.communicate(timeout=120)
+    text = "".join(lines) + rest
+    assert proc.returncode == 75, text
+    m = re.search(r"stopped by SIGUSR1 after step (\d+): checkpoint", text)
+    assert m is not None and "exited on signal" not in text, text
+    verify = subprocess.run([sys.executable, "-m", "dtm_mpi", "ckpt", "verify", str(store)], capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert verify.returncode == 0 and f"ckpt-{int(m.group(1)):08d}" in verify.stdout, verify.stdout + verify.stderr  # fmt: skip

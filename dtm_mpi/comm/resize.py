@@ -1,12 +1,16 @@
 """The communicators of a live resize (the MPI side; the runtime decides when and what moves).
 
-* **Shrink**: the ranks of a session split its communicator; the first ``n`` stay (keeping their
-  numbers), the others get none back: they leave the computation. (In one MPI job, processes
-  end together: a leaving rank's process waits in ``MPI_Finalize``, idle and holding no state,
-  until the job ends.)
-* **Grow**: the ranks of a session spawn ``k`` new processes (``MPI_Comm_spawn``, running this
-  program with the arguments given) and merge with them: the old ranks keep their numbers, the
-  new ones follow. A spawned process finds its parents with :func:`join_parents`.
+* **Shrink**: the first ``n`` ranks stay (keeping their numbers), the others leave the
+  computation. A process of the launched job is *parked*: it keeps its place in the pool
+  communicator (a duplicate of the world every launched process keeps), waits idle for rank
+  0's call (:func:`wait_for_call`), and takes part in each later split of the pool
+  (:func:`split_pool`): a grow calls it back, the end of the run releases it. (A spawned
+  process leaves by :func:`split_first` and waits in ``MPI_Finalize``: in one MPI job,
+  processes end together.)
+* **Grow**: parked ranks are called back first; beyond them, the ranks of a session spawn ``k``
+  new processes (``MPI_Comm_spawn``, running this program with the arguments given) and merge
+  with them: the old ranks keep their numbers, the new ones follow. A spawned process finds its
+  parents with :func:`join_parents`.
 
 Each is a blocking collective, bounded like the session's own creation (a peer that does not
 arrive ends the job with a line naming the step).
@@ -15,12 +19,21 @@ arrive ends the job with a line naming the step).
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from dtm_mpi.comm.objects import io_deadline
 
-__all__ = ["join_parents", "spawn_and_merge", "split_first"]
+__all__ = [
+    "call_parked",
+    "join_parents",
+    "pool_comm",
+    "spawn_and_merge",
+    "split_first",
+    "split_pool",
+    "wait_for_call",
+]
 
 
 def split_first(comm: Any, n: int, rank: int, timeout_s: float, phase: str) -> Any | None:
@@ -56,3 +69,49 @@ def join_parents(rank: int, timeout_s: float, phase: str) -> Any | None:
         merged = parent.Merge(high=True)
     parent.Free()
     return merged
+
+
+# --- parked ranks: the ranks of the job that left at a shrink, waiting to be called back ------
+
+PARK_TAG = 32761
+"""The tag of rank 0's calls to parked ranks (on the pool communicator)."""
+
+PARK_POLL_S = 0.02
+"""How often a parked rank looks for a call (it is idle in between)."""
+
+
+def pool_comm(world: Any, rank: int, timeout_s: float) -> Any:
+    """A duplicate of ``world`` that every process of the job keeps for the run's resizes (a
+    shrink or a grow splits it; parked ranks wait on it). Collective over ``world``."""
+    with io_deadline("creating the resize communicator", "plan", rank, timeout_s):
+        return world.Dup()
+
+
+def split_pool(pool: Any, key: int | None, rank: int, timeout_s: float, phase: str) -> Any | None:
+    """The communicator of the pool's ranks given a ``key`` (their number in it), None on the
+    others. Collective over ``pool``: the running ranks and every parked one."""
+    from mpi4py import MPI
+
+    with io_deadline("splitting the job's communicator", phase, rank, timeout_s):
+        new = pool.Split(0 if key is not None else MPI.UNDEFINED, key=key if key is not None else 0)
+    return None if new == MPI.COMM_NULL else new
+
+
+def call_parked(
+    pool: Any, ranks: Sequence[int], message: Any, timeout_s: float, phase: str
+) -> None:
+    """Rank 0: send ``message`` to every parked rank in ``ranks`` (bounded)."""
+    from dtm_mpi.comm.agreement import wait_bounded
+
+    for request in [pool.isend(message, dest=r, tag=PARK_TAG) for r in ranks]:
+        wait_bounded(
+            request, timeout_s=timeout_s, op="calling the parked ranks", phase=phase, rank=0
+        )
+
+
+def wait_for_call(pool: Any) -> Any:
+    """A parked rank: the next message rank 0 sends it (waits, idle, as long as the job runs;
+    a job that fails meanwhile is ended by its launcher)."""
+    while not pool.iprobe(source=0, tag=PARK_TAG):
+        time.sleep(PARK_POLL_S)
+    return pool.recv(source=0, tag=PARK_TAG)

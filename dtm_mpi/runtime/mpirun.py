@@ -179,6 +179,11 @@ class _Live:
     ckpt: _Checkpoints | None = None
     local_aware: Any = None
     worlds: list[Any] = field(default_factory=list)  # communicators resizes made (kept to the end)
+    pool: Any = None  # every launched process's duplicate of the world, for resizes (or None)
+    members: list[int] | None = (
+        None  # the session's ranks as pool ranks (None once spawned ones join)
+    )
+    parked: list[int] = field(default_factory=list)  # pool ranks that left, waiting to be called
 
 
 def _ranks(binding: dict[str, int] | None) -> int:
@@ -213,7 +218,12 @@ def _run_session(module: object, args: MpiRunArgs, world: Any, rank: int, size: 
         error = exc
     agree_or_raise(world, phase="plan", error=error, timeout_s=config.timeout_s)
     assert plan is not None
-    live = _Live(_new_session(plan, None), plan, rank)
+    pool = None
+    if args.resize_at or args.resize_file:  # ranks that leave wait here to be called back
+        from dtm_mpi.comm.resize import pool_comm
+
+        pool = pool_comm(world, rank, config.timeout_s)
+    live = _Live(_new_session(plan, None), plan, rank, pool=pool, members=list(range(size)) if pool is not None else None)  # fmt: skip
 
     def body() -> int:
         live.session.phase = "handshake"
@@ -272,6 +282,7 @@ def _guarded(live: _Live, body: Callable[[], int]) -> int:
         if _raised_everywhere(exc) and session.poisoned is None:
             # raised alike on every rank at the same point, nothing pending: a clean exit
             write_line(f"[rank {live.rank}] dtm run: {exc}")
+            _release_parked(live)
             session.close()
             return 1
         session.end_with(session.fail(exc))
@@ -409,6 +420,7 @@ def _run_steps(live: _Live, module: Any, args: MpiRunArgs, backend: Any, joined:
             live.ckpt.close()
         if rank == 0:
             write_line(f"dtm run: {stop}")
+        _release_parked(live)
         return int(stop.code)  # type: ignore[arg-type]
     except BaseException as exc:
         if live.ckpt is not None and live.session is not None and _raised_everywhere(exc) and live.session.poisoned is None:  # fmt: skip
@@ -416,7 +428,7 @@ def _run_steps(live: _Live, module: Any, args: MpiRunArgs, backend: Any, joined:
                 live.ckpt.close()
         raise
     if results is None:  # this rank left the run at a live resize
-        return 0
+        return _parked(live, module, args, backend)
     if live.ckpt is not None:
         live.ckpt.close()
 
@@ -435,6 +447,7 @@ def _run_steps(live: _Live, module: Any, args: MpiRunArgs, backend: Any, joined:
         except (DtmError, OSError) as exc:
             error = exc
     session.agree("output", error)
+    _release_parked(live)
     return 0
 
 
@@ -535,12 +548,13 @@ def _steps_with(live: _Live, module: Any, args: MpiRunArgs, backend: Any, blocks
 def _resize(live: _Live, module: Any, args: MpiRunArgs, backend: Any, step: int, binding: dict[str, int], blocks: list[Any]) -> list[Any] | None:  # fmt: skip
     """The live resize after ``step``: the pending checkpoint finished and the store closed;
     to fewer ranks, the state moved in memory to the first ones, the others leaving (None
-    returned); to more, new ranks spawned and merged, then the state moved. A new session for
-    the new mesh (its handshake includes the joining ranks), the plan, the store. Collective
-    over the old and new ranks."""
+    returned: a launched process is then parked, :func:`_parked`); to more, parked ranks called
+    back and, beyond them, new ranks spawned and merged, then the state moved. A new session
+    for the new mesh (its handshake includes the joining ranks), the plan, the store.
+    Collective over the old and new ranks."""
     import sys
 
-    from dtm_mpi.comm.resize import spawn_and_merge, split_first
+    from dtm_mpi.comm.resize import call_parked, spawn_and_merge, split_first, split_pool
     from dtm_mpi.config import get_config
     from dtm_mpi.runtime.remesh import move_blocks
     from dtm_mpi.sharding.remesh import plan_remesh
@@ -549,24 +563,45 @@ def _resize(live: _Live, module: Any, args: MpiRunArgs, backend: Any, step: int,
     phase = f"resize after step {step}"
     session.phase = phase
     timeout = get_config().timeout_s
+    if binding == _binding_of(live.plan):  # already on that mesh (e.g. a run resumed there)
+        return blocks
     if live.ckpt is not None:
         live.ckpt.close()  # the pending save finished, on the old ranks
         live.ckpt = None
+    old_binding = _binding_of(live.plan)
     plan = plan_run(module, replace(args, binding=binding), _ranks(binding))
     move = plan_remesh(_param_types(live.plan), live.plan.mesh, _param_types(plan), plan.mesh)
     host = [backend.to_host(b) for b in blocks]
     n_old, n_new = int(session.size), plan.mesh.size
+    join = join_argument(step, old_binding, binding)
+    argv = ["-m", "mpi4py", "-m", "dtm_mpi", *_without_join(sys.argv[1:]), "--join-at", join]
     moved = None
-    if n_new <= n_old:
-        moved = move_blocks(move, rank, host, live.comm)  # on the old ranks, before they split
+    if n_new <= n_old:  # on the old ranks, before they split
+        moved = move_blocks(move, rank, host, live.comm)
+    if live.members is not None:  # every rank is a launched process: split the pool
+        members, parked = list(live.members), list(live.parked)
+        if n_new <= n_old:
+            new_members, parked = members[:n_new], sorted(parked + members[n_new:])
+        else:
+            back = parked[: n_new - n_old]
+            new_members, parked = members + back, parked[len(back) :]
+        extra = n_new - len(new_members)  # beyond the parked ranks: spawned
+        call = _Call(step, old_binding, binding, new_members, parked, extra, argv)
+        if rank == 0:  # every parked rank takes part in the split (those called back join)
+            call_parked(live.pool, live.parked, call, timeout, phase)
+        me = members[rank]
+        world = split_pool(live.pool, new_members.index(me) if me in new_members else None, rank, timeout, phase)  # fmt: skip
+        live.parked = parked
+        live.members = new_members if extra == 0 else None
+        if world is not None and extra > 0:
+            world = spawn_and_merge(world, extra, argv, rank, timeout, phase)
+    elif n_new <= n_old:
         world = split_first(session.comm, n_new, rank, timeout, phase)
     else:
-        join = join_argument(step, _binding_of(live.plan), binding)
-        argv = ["-m", "mpi4py", "-m", "dtm_mpi", *_without_join(sys.argv[1:]), "--join-at", join]  # fmt: skip
         world = spawn_and_merge(session.comm, n_new - n_old, argv, rank, timeout, phase)
     live.session = None
     session.close()
-    if world is None:  # this rank leaves: its process waits in MPI_Finalize for the job's end
+    if world is None:  # this rank leaves
         return None
     live.worlds.append(world)
     live.session, live.plan = _new_session(plan, world), plan
@@ -581,6 +616,74 @@ def _resize(live: _Live, module: Any, args: MpiRunArgs, backend: Any, step: int,
         )
     live.ckpt = _Checkpoints(live.session, plan, args, rank, backend) if args.store else None
     return [backend.to_device(b) for b in moved]
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """Rank 0's call to the parked ranks at a resize: the split of the pool they take part in
+    (``members``: the new session's pool ranks in order; ``extra`` ranks then spawned)."""
+
+    step: int
+    old: dict[str, int]
+    new: dict[str, int]
+    members: list[int]
+    parked: list[int]
+    extra: int
+    argv: list[str]
+
+
+def _parked(live: _Live, module: Any, args: MpiRunArgs, backend: Any) -> int:
+    """A rank that left at a shrink: a launched process waits, idle, for rank 0's calls: each
+    resize's split of the pool (called back when it is one of the new members: it then joins
+    the new session, receives its part of the state and runs the remaining steps), or the end
+    of the run (exit 0). A spawned process just ends (it waits in ``MPI_Finalize``)."""
+    from dtm_mpi.comm.presence import current as current_presence
+    from dtm_mpi.comm.resize import spawn_and_merge, split_pool, wait_for_call
+    from dtm_mpi.config import get_config
+    from dtm_mpi.runtime.remesh import move_blocks
+    from dtm_mpi.sharding.remesh import plan_remesh
+
+    if live.pool is None:
+        return 0
+    presence = current_presence()
+    if presence is not None:
+        presence.stoppable = True  # a scheduler's SIGTERM is the running ranks' stop, not an end
+    me, timeout = int(live.pool.Get_rank()), get_config().timeout_s
+    while True:
+        call = wait_for_call(live.pool)
+        if call is None:  # the run is over
+            return 0
+        assert isinstance(call, _Call)
+        phase = f"resize after step {call.step}"
+        key = call.members.index(me) if me in call.members else None
+        world = split_pool(live.pool, key, me, timeout, phase)
+        if world is None:
+            continue
+        assert key is not None
+        if call.extra > 0:
+            world = spawn_and_merge(world, call.extra, call.argv, key, timeout, phase)
+        plan = plan_run(module, replace(args, binding=call.new), _ranks(call.new))
+        old = plan_run(module, replace(args, binding=call.old), _ranks(call.old))
+        live.worlds.append(world)
+        live.session, live.plan, live.rank = _new_session(plan, world), plan, key
+        live.members = call.members if call.extra == 0 else None
+        live.parked = call.parked
+        live.session.phase = phase
+        _join(live, module, args, backend)
+        moved = move_blocks(plan_remesh(_param_types(old), old.mesh, _param_types(plan), plan.mesh), key, None, live.comm)  # fmt: skip
+        assert moved is not None
+        return _run_steps(live, module, args, backend, joined=(call.step, moved))
+
+
+def _release_parked(live: _Live) -> None:
+    """Rank 0 at the end of the run: the parked ranks may end (they exit 0)."""
+    if live.rank != 0 or live.pool is None or not live.parked:
+        return
+    from dtm_mpi.comm.resize import call_parked
+    from dtm_mpi.config import get_config
+
+    call_parked(live.pool, live.parked, None, get_config().timeout_s, "end")
+    live.parked = []
 
 
 STOP_FLAG, RESIZE_FLAG = 1, 2
@@ -646,22 +749,25 @@ def _without_join(argv: list[str]) -> list[str]:
     return out
 
 
-def run_loop(session: Any, comm: Any, plan: Any, request: MpiRunArgs, rank: int, backend: Any) -> list[Any]:  # fmt: skip
+def run_loop(session: Any, comm: Any, plan: Any, request: MpiRunArgs, rank: int, backend: Any) -> tuple[list[Any], float]:  # fmt: skip
     """The training loop of a run on a joined session: the initial state, the steps with their
-    commit agreements, the checkpoints (the pending one finished); without the agreement on
-    inputs and without outputs (what ``dtm bench ckpt-async`` times). Returns this rank's
-    final state blocks.
+    commit agreements, the checkpoints; without the agreement on inputs and without outputs
+    (what ``dtm bench ckpt-async`` times). Returns this rank's final state blocks and the
+    seconds from the first step to the last step's end (the pending checkpoint is finished
+    after that, not counted: in a long run it overlaps the steps that follow).
 
     Collective: call on all ranks."""
     live = _Live(session, plan, rank, comm=comm, dcomm=comm)
     live.ckpt = _Checkpoints(session, plan, request, rank, backend) if request.store else None
     blocks: list[Any] = []
     try:
+        start = time.perf_counter()
         _steps_with(live, plan.module, request, backend, blocks, {})
+        seconds = time.perf_counter() - start
     finally:
         if live.ckpt is not None:
             live.ckpt.close()
-    return blocks
+    return blocks, seconds
 
 
 class _StepLog:
