@@ -25,6 +25,7 @@ import pytest
 from dtm_mpi.runtime.simulate import run_simulated
 from tests.mpi_env import mpirun_env
 from tests.test_mpi_faults import rank_pid
+from tests.test_mpi_long_runs import resumed_equals_uninterrupted
 from tests.test_mpi_run import EXAMPLES, load
 
 pytestmark = [
@@ -207,3 +208,5 @@ def test_a_stop_signal_at_a_random_moment_saves_the_step_reached_and_leaves_no_p
     assert not [p for p in store.iterdir() if ".partial-" in p.name], (
         why + "a partial checkpoint is left"
     )
+    if how == "USR1":  # and the run resumes from it to the uninterrupted run's bits
+        resumed_equals_uninterrupted(3, store, int(m.group(1)), tmp_path)

@@ -80,11 +80,10 @@ def test_a_preempted_job_saves_requeues_resumes_and_equals_an_uninterrupted_one(
     assert "restart 1" in text and f"resumed from {m.group(2)} (after step {done})" in text, text
     assert out.exists(), text
 
-    straight, straight_out, straight_log = _submit(slurm, tmp_path, "straight", steps)
-    slurm.wait_gone(straight, 400, hurry_requeue=False)
-    assert straight_out.exists(), straight_log.read_text()
-    assert "stopped by" not in straight_log.read_text()
-    a, b = np.load(out), np.load(straight_out)
-    assert sorted(a.files) == sorted(b.files)
-    for key in b.files:
-        assert a[key].tobytes() == b[key].tobytes(), f"{key}: the preempted job differs from the uninterrupted one"  # fmt: skip
+    # deterministic mode gives the same bits on every mesh: the uninterrupted run is the
+    # simulator's (a second Slurm job of the same 40 steps adds nothing but time)
+    want = run_simulated(load("tp_mlp"), 1, steps=steps, deterministic=True).outputs()
+    got = np.load(out)
+    assert sorted(got.files) == sorted(want)
+    for key, value in want.items():
+        assert got[key].tobytes() == value.tobytes(), f"{key}: the preempted job differs from the uninterrupted one"  # fmt: skip
