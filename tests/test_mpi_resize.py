@@ -170,3 +170,23 @@ def test_a_stop_after_a_shrink_saves_and_exits_75_with_the_parked_rank(tmp_path:
     assert m is not None and "exited on signal" not in text, text
     verify = subprocess.run([sys.executable, "-m", "dtm_mpi", "ckpt", "verify", str(store)], capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
     assert verify.returncode == 0 and f"ckpt-{int(m.group(1)):08d}" in verify.stdout, verify.stdout + verify.stderr  # fmt: skip
+
+
+@needs_mpirun
+@pytest.mark.slow
+def test_growing_past_the_launched_ranks_spawns_them(tmp_path: Path) -> None:
+    """Launched with 3 ranks, the run grows to 4 after step 2: the fourth is spawned
+    (MPI_Comm_spawn), joins the handshake and gets its shards; then the run shrinks back to 3
+    (the spawned rank leaves). The result is the uninterrupted run's."""
+    out = tmp_path / "out.npz"
+    code, text, _ = mpirun(
+        3, MLP, "--mesh", "dp=1,tp=3", "--steps", "6", "--resize-at", "2:dp=2,tp=2", "--resize-at", "4:dp=1,tp=3",
+        "-o", str(out), env=DET,
+    )  # fmt: skip
+    assert code == 0, text
+    assert "resized after step 2: 3 -> 4 rank(s)" in text and "resized after step 4: 4 -> 3 rank(s)" in text, text  # fmt: skip
+    got, want = (
+        np.load(out),
+        run_simulated(load("tp_mlp"), 1, steps=6, deterministic=True).outputs(),
+    )
+    assert all(got[k].tobytes() == v.tobytes() for k, v in want.items())
