@@ -39,7 +39,7 @@ from dtm_mpi.io.manifest import (
     stored_itemsize,
 )
 from dtm_mpi.ir.types import TensorType
-from dtm_mpi.sharding.blocks import block_owners, local_block
+from dtm_mpi.sharding.blocks import block_owners, intersect_regions, local_block, region_size
 from dtm_mpi.sharding.mesh import MeshShape
 
 __all__ = [
@@ -283,20 +283,6 @@ class RestorePlan:
         return local_block(tt.shape, tt.layout, self.mesh, rank)
 
 
-def _intersect(a: tuple[slice, ...], b: tuple[slice, ...]) -> tuple[slice, ...] | None:
-    out = []
-    for x, y in zip(a, b, strict=True):
-        lo, hi = max(x.start, y.start), min(x.stop, y.stop)
-        if lo >= hi:
-            return None
-        out.append(slice(lo, hi))
-    return tuple(out)
-
-
-def _volume(region: tuple[slice, ...]) -> int:
-    return math.prod(s.stop - s.start for s in region)
-
-
 def plan_restore(
     manifest: Manifest, targets: Sequence[tuple[str, TensorType]], mesh: MeshShape,
     round_bytes: int = ROUND_BYTES, where: str = "checkpoint",
@@ -332,14 +318,14 @@ def plan_restore(
                 region = s.chunk_region(c)
                 needs = []
                 for r in ranks:
-                    got = _intersect(region, blocks[ti][r])
+                    got = intersect_regions(region, blocks[ti][r])
                     if got is not None:
                         needs.append((r, got))
                 if not needs:  # cannot happen for a tiling shard set; keep plans total
                     continue
-                best = max(_volume(g) for _, g in needs)
-                reader = min((load[r], r) for r, g in needs if _volume(g) == best)[1]
-                nbytes = _volume(region) * itemsize
+                best = max(region_size(g) for _, g in needs)
+                reader = min((load[r], r) for r, g in needs if region_size(g) == best)[1]
+                nbytes = region_size(region) * itemsize
                 rnd = load[reader] // max(1, round_bytes)
                 load[reader] += nbytes
                 staged.append((rnd, ti, s.index, region, c, reader))
@@ -368,7 +354,7 @@ def _check_message_sizes(plan: RestorePlan) -> None:
         item = plan.items[p.item]
         if p.dest != item.reader:
             key = (item.round, item.reader, p.dest)
-            nbytes = _volume(p.region) * stored_itemsize(plan.artifacts[item.tensor].dtype)
+            nbytes = region_size(p.region) * stored_itemsize(plan.artifacts[item.tensor].dtype)
             sizes[key] = sizes.get(key, 0) + nbytes
             if sizes[key] > MAX_MESSAGE:
                 name = plan.targets[item.tensor][0]

@@ -28,11 +28,13 @@ from dtm_mpi.sharding.mesh import MeshShape
 
 __all__ = [
     "block_owners",
+    "intersect_regions",
     "check_layout",
     "dim_bounds",
     "local_block",
     "local_offsets",
     "local_shape",
+    "region_size",
     "shard_bounds",
     "shard_index",
     "splits_nest",
@@ -152,3 +154,22 @@ def block_owners(
         if key not in owners:
             owners[key] = (rank, tuple(slice(s, s + n) for s, n in bounds))
     return list(owners.values())
+
+
+def intersect_regions(a: Sequence[slice], b: Sequence[slice]) -> tuple[slice, ...] | None:
+    """The common part of two regions (one ``slice(start, stop)`` per dim), None if empty."""
+    out = []
+    for x, y in zip(a, b, strict=True):
+        lo, hi = max(x.start, y.start), min(x.stop, y.stop)
+        if lo >= hi:
+            return None
+        out.append(slice(lo, hi))
+    return tuple(out)
+
+
+def region_size(region: Sequence[slice]) -> int:
+    """How many elements a region holds."""
+    n = 1
+    for s in region:
+        n *= s.stop - s.start
+    return n

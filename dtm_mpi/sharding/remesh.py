@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from dtm_mpi.errors import PlanError
 from dtm_mpi.ir.types import TensorType
-from dtm_mpi.sharding.blocks import local_block
+from dtm_mpi.sharding.blocks import intersect_regions, local_block, region_size
 from dtm_mpi.sharding.mesh import MeshShape
 
 __all__ = ["Piece", "RemeshPlan", "plan_remesh"]
@@ -65,24 +65,7 @@ class RemeshPlan:
 
     def moved_bytes(self) -> int:
         """Bytes crossing between processes (local copies excluded)."""
-        total = 0
-        for p in self.pieces:
-            if p.src != p.dst:
-                n = 1
-                for s in p.region:
-                    n *= s.stop - s.start
-                total += n * self.types_old[p.tensor].dtype.itemsize
-        return total
-
-
-def _intersect(a: Region, b: Region) -> Region | None:
-    out = []
-    for x, y in zip(a, b, strict=True):
-        lo, hi = max(x.start, y.start), min(x.stop, y.stop)
-        if lo >= hi:
-            return None
-        out.append(slice(lo, hi))
-    return tuple(out)
+        return sum(region_size(p.region) * self.types_old[p.tensor].dtype.itemsize for p in self.pieces if p.src != p.dst)  # fmt: skip
 
 
 def _holders(t: TensorType, mesh: MeshShape) -> list[tuple[Region, list[int]]]:
@@ -116,7 +99,7 @@ def plan_remesh(
             if any(s.stop <= s.start for s in want):
                 continue
             for region, ranks in held:
-                part = _intersect(want, region)
+                part = intersect_regions(want, region)
                 if part is None:
                     continue
                 src = dst if dst in ranks else ranks[dst % len(ranks)]
