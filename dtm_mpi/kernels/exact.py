@@ -60,6 +60,7 @@ __all__ = [
     "applies",
     "canonical",
     "exact_axes",
+    "pending_axes",
     "exponents",
     "slices",
 ]
@@ -205,13 +206,18 @@ def applies(op: Op) -> bool:
     return op.name in EXACT_RULES and op.result_types[0].dtype.is_float
 
 
-def exact_axes(op: Op, mesh: MeshShape) -> tuple[str, ...]:
-    """The axes over which the exact form of ``op`` sums its pending result across ranks:
-    the pending sum's axes longer than 1, in their order (none without a pending sum)."""
-    partial = op.result_types[0].layout.partial
+def pending_axes(t: TensorType, mesh: MeshShape) -> tuple[str, ...]:
+    """The axes over which a value of type ``t`` is a pending sum across ranks: its pending
+    sum's axes longer than 1, in their order (none when ``t`` is not pending)."""
+    partial = t.layout.partial
     if partial is None:
         return ()
     return tuple(a for a in partial.axes if mesh.axis_size(a) > 1)
+
+
+def exact_axes(op: Op, mesh: MeshShape) -> tuple[str, ...]:
+    """The axes over which the exact form of ``op`` sums its pending result across ranks."""
+    return pending_axes(op.result_types[0], mesh)
 
 
 def _nonfinite(e: Arr) -> Arr:

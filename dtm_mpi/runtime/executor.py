@@ -23,7 +23,14 @@ from dtm_mpi.ir.types import DType, ReduceOp, TensorType
 from dtm_mpi.kernels.backends import parse_backend
 from dtm_mpi.kernels.devices import ArrayBackend, open_backend
 from dtm_mpi.kernels.dispatch import Kernel, KernelContext, backend_kernels
-from dtm_mpi.kernels.exact import EXACT_RULES, Levels, applies, canonical, exact_axes
+from dtm_mpi.kernels.exact import (
+    EXACT_RULES,
+    Levels,
+    applies,
+    canonical,
+    exact_axes,
+    pending_axes,
+)
 from dtm_mpi.kernels.fused import Expr
 from dtm_mpi.plan.fusion import FusedGroup, FusionNode, fusion_groups
 from dtm_mpi.plan.program import ExecPlan, FunctionPlan, OpKind, PlanOp
@@ -354,11 +361,7 @@ class Executor:
         return self.backend.to_device(out)  # type: ignore[no-any-return]
 
     def _operand_axes(self, ctx: KernelContext) -> tuple[tuple[str, ...], ...]:
-        return tuple(
-            tuple(a for a in t.layout.partial.axes if self.mesh.axis_size(a) > 1)
-            if t.layout.partial is not None else ()
-            for t in ctx.operand_types
-        )  # fmt: skip
+        return tuple(pending_axes(t, self.mesh) for t in ctx.operand_types)
 
     def _keeps_resolved(self, p: PlanOp, resolved: set[str]) -> bool:
         """Whether ``p`` can run on whole (resolved) pending sums and give one: an op with an
@@ -376,8 +379,7 @@ class Executor:
         """A resolved pending sum ``name`` back to the plain form of a pending sum: the
         group's first rank keeps the whole value, the others hold -0.0 (the additive identity
         of IEEE: any value plus -0.0 is that value, -0.0 included)."""
-        partial = t.layout.partial
-        axes = tuple(a for a in partial.axes if self.mesh.axis_size(a) > 1) if partial else ()
+        axes = pending_axes(t, self.mesh)
         if axes and self.mesh.index_along(self.rank, axes) != 0:
             x = env[name]
             env[name] = self.backend.full(tuple(x.shape), -0.0, x.dtype)
