@@ -9,6 +9,7 @@ the op and its source line, so the agreed error of a distributed run says where 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -19,10 +20,17 @@ from dtm_mpi.config import get_config
 from dtm_mpi.errors import CommError, DtmError, KernelError
 from dtm_mpi.faults import maybe_fail
 from dtm_mpi.ir.dtypes import np_dtype, round_bf16
+from dtm_mpi.ir.registry import OPS, Trait
 from dtm_mpi.ir.types import DType, ReduceOp, TensorType
 from dtm_mpi.kernels.backends import parse_backend
 from dtm_mpi.kernels.devices import ArrayBackend, open_backend
-from dtm_mpi.kernels.dispatch import Kernel, KernelContext, backend_kernels
+from dtm_mpi.kernels.dispatch import (
+    BoundKernel,
+    Kernel,
+    KernelContext,
+    backend_kernels,
+    bind_kernel,
+)
 from dtm_mpi.kernels.exact import (
     EXACT_RULES,
     Levels,
@@ -126,6 +134,10 @@ def gather_to_root(t: TensorType, x: np.ndarray, comm: Comm, root: int = 0) -> n
     return out
 
 
+_Instr = tuple[PlanOp, tuple[str, ...], tuple[str, ...], tuple[str, ...], "BoundKernel | None"]
+"""One op as the executor's fast loop runs it: (op, operands, results, frees, bound call)."""
+
+
 @dataclass(frozen=True, slots=True)
 class _Fusion:
     roots: dict[int, FusedGroup]
@@ -187,6 +199,7 @@ class Executor:
         self._kernels: dict[int, tuple[Kernel, KernelContext]] = {}
         self._specs_of: dict[int, tuple[StepSpec, ...]] = {}
         self._exact_specs: dict[tuple[tuple[str, ...], ReduceOp, int], AllreduceSpec] = {}
+        self._programs: dict[int, list[_Instr]] = {}
 
     # -- per-op facts, computed once per rank -------------------------------------------------
     def local_shape(self, t: TensorType) -> tuple[int, ...]:
@@ -243,6 +256,71 @@ class Executor:
         self, fp: FunctionPlan, args: Sequence[np.ndarray], step: int
     ) -> tuple[np.ndarray, ...]:
         """Collective: call on all ranks."""
+        if self.deterministic or self.backend.fuses or get_config().faults:
+            return self._run_general(fp, args, step)
+        f = fp.function
+        env: dict[str, np.ndarray] = {p.name: a for p, a in zip(f.params, args, strict=True)}
+        p: PlanOp | None = None
+        try:
+            with np.errstate(all="ignore"):  # IEEE results (inf, nan) are the ops' semantics
+                for p, operands, results, frees, call in self._program(fp):
+                    if call is not None:  # a local op, bound once
+                        outs = call([env[n] for n in operands])
+                    else:
+                        outs = self._run_op(p, [env[n] for n in operands], step)
+                    for r, v in zip(results, outs, strict=True):
+                        env[r] = v
+                    for name in frees:
+                        env.pop(name, None)
+        except DtmError as err:
+            if p is not None and getattr(err, "phase", None) is None:
+                err.phase = f"step {step}, {p.op.name} at {p.where}"  # type: ignore[attr-defined]
+            raise
+        except Exception as exc:  # a kernel's numpy error: name the op and where
+            if p is None:
+                raise
+            raise KernelError(
+                f"{p.op.name} at {p.where} failed on rank {self.rank}: {type(exc).__name__}: {exc}"
+            ) from exc
+        return tuple(env[r] for r in f.returns)
+
+    def _program(self, fp: FunctionPlan) -> list[_Instr]:
+        """``fp``'s ops as this rank runs them (computed once): each op with its operand,
+        result and freed names and, for a local op that does not read the step, its kernel
+        bound to its context (:func:`~dtm_mpi.kernels.dispatch.bind_kernel`)."""
+        got = self._programs.get(id(fp))
+        if got is None:
+            got = []
+            for p in fp.ops:
+                op = p.op
+                call = None
+                if p.kind is OpKind.LOCAL and not OPS[op.name].has(Trait.NEEDS_STEP):
+                    kernel, ctx = self._kernel(p, 0)
+                    call = bind_kernel(self.backend.name, kernel, ctx)
+                    if call is None:  # the kernel with its context, its shapes checked
+                        call = functools.partial(self._checked, p, kernel, ctx)
+                got.append((p, op.operands, op.results, p.frees, call))
+            self._programs[id(fp)] = got
+        return got
+
+    def _checked(self, p: PlanOp, kernel: Kernel, ctx: KernelContext, xs: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:  # fmt: skip
+        outs = kernel(ctx, xs)
+        self._check_shapes(p, outs, ctx.local_shapes)
+        return outs
+
+    def _check_shapes(self, p: PlanOp, outs: Sequence[np.ndarray], wants: Sequence[tuple[int, ...]]) -> None:  # fmt: skip
+        for out, want in zip(outs, wants, strict=True):
+            if out.shape != want:
+                raise KernelError(
+                    f"{p.op.name} at {p.where}: kernel gave local shape {list(out.shape)} on "
+                    f"rank {self.rank}; the plan says {list(want)}"
+                )
+
+    def _run_general(
+        self, fp: FunctionPlan, args: Sequence[np.ndarray], step: int
+    ) -> tuple[np.ndarray, ...]:
+        """``run_function`` op by op with every feature: fused groups (GPU backends), exact
+        sums (deterministic mode) and injected faults."""
         f = fp.function
         faults = bool(get_config().faults)
         env: dict[str, np.ndarray] = {p.name: a for p, a in zip(f.params, args, strict=True)}
@@ -391,12 +469,7 @@ class Executor:
             kernel, ctx = self._kernel(p, step)
             with np.errstate(all="ignore"):  # IEEE results (inf, nan) are the op's semantics
                 outs = kernel(ctx, xs)
-            for out, want in zip(outs, ctx.local_shapes, strict=True):
-                if out.shape != want:
-                    raise KernelError(
-                        f"{op.name} at {p.where}: kernel gave local shape {list(out.shape)} on "
-                        f"rank {self.rank}; the plan says {list(want)}"
-                    )
+            self._check_shapes(p, outs, ctx.local_shapes)
             return outs
         if kind is OpKind.REDIST:
             assert p.redist is not None
