@@ -124,6 +124,24 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
     bca.add_argument("--dir", default=None, help="directory on the file system to measure")
     bca.add_argument("--repeat", type=int, default=3, help="loops per mode (alternating); best reported")  # fmt: skip
     bca.set_defaults(func=_cmd_bench_ckpt_async)
+    btr = bsub.add_parser(
+        "train", help="whole training steps: dtm at 1, 2 (4) ranks vs the numpy floor and PyTorch (starts mpirun)"
+    )  # fmt: skip
+    btr.add_argument("--models", default="digits,gpt,mlp", help="comma-separated: digits, gpt, mlp")
+    btr.add_argument("--ranks", default="1,2", help="comma-separated rank counts (1 is always run)")
+    btr.add_argument("--steps", type=int, default=8, help="timed steps per run")
+    btr.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    btr.add_argument("--rounds", type=int, default=2, help="runs of every configuration; best median reported")  # fmt: skip
+    btr.add_argument("--csv", default=None, metavar="FILE", help="one row per configuration")
+    btr.add_argument("--plot", default=None, metavar="PNG", help="bar chart of the step times")
+    btr.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer")
+    btr.add_argument("--mpirun", default="mpirun", help="the launcher command (split on spaces)")
+    btr.set_defaults(func=_cmd_bench_train)
+    bops = bsub.add_parser("ops", help="executor overhead per op: a chain of tiny elementwise ops vs numpy")  # fmt: skip
+    bops.add_argument("--ops", type=int, default=1000, help="ops in the chain")
+    bops.add_argument("--sizes", default="8,1024,65536", help="comma-separated element counts")
+    bops.add_argument("--repeat", type=int, default=30, help="runs of each; the best is reported")
+    bops.set_defaults(func=_cmd_bench_ops)
     bk = bsub.add_parser("kernels", help="GPU RawKernels vs a device copy and vs composed CuPy")
     bk.add_argument("--backend", default="cuda", choices=["cuda", "hip"], help="GPU backend")
     bk.add_argument("--rows", type=int, default=16384, help="rows of each [rows, cols] case")
@@ -234,6 +252,36 @@ def _cmd_bench_frontend(args: argparse.Namespace) -> int:
         if getattr(args, key) < 1:
             raise UsageError(f"--{key} must be >= 1; got {getattr(args, key)}")
     print(run_frontend_bench(layers=args.layers, repeat=args.repeat, steps=args.steps))
+    return 0
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--{what} takes comma-separated integers; got {text!r}") from None
+
+
+def _cmd_bench_train(args: argparse.Namespace) -> int:
+    from dtm_mpi.bench.train import run_train_bench
+
+    report, _ = run_train_bench(
+        models=[m.strip() for m in args.models.split(",") if m.strip()],
+        ranks=_int_list(args.ranks, "ranks"), steps=args.steps, warmup=args.warmup,
+        rounds=args.rounds, csv_path=args.csv, plot_path=args.plot, torch=not args.no_torch,
+        mpirun=args.mpirun.split(),
+    )  # fmt: skip
+    print(report)
+    return 0
+
+
+def _cmd_bench_ops(args: argparse.Namespace) -> int:
+    from dtm_mpi.bench.ops import run_ops_bench
+
+    sizes = _int_list(args.sizes, "sizes")
+    if args.ops < 1 or args.repeat < 1 or not sizes or min(sizes) < 1:
+        raise UsageError("need --ops >= 1, --repeat >= 1 and sizes >= 1")
+    print(run_ops_bench(args.ops, sizes, args.repeat))
     return 0
 
 

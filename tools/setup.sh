@@ -138,4 +138,12 @@ if [ "${DTM_SETUP_NVRTC:-1}" != 0 ] && [ "$(uname -s)" = Linux ] && ! need "$NVR
   say "installing $NVRTC_WHEEL (NVRTC, for the CUDA kernel checks)"
   pipq "$NVRTC_WHEEL" || say "warning: could not install $NVRTC_WHEEL; the NVRTC kernel check will skip"
 fi
+# --- 6. PyTorch (CPU) for the peer of `dtm bench train` (optional) ---------------------------
+# The 'bench' extra. A pinned CPU build (a plain `torch` would pull a CUDA build of several GB);
+# without it the torch peer and its tests skip with a reason. DTM_SETUP_TORCH=0 skips this.
+TORCH_PIN=torch==2.13.0
+if [ "${DTM_SETUP_TORCH:-1}" != 0 ] && ! "$VPY" -c 'import torch' >/dev/null 2>&1; then
+  say "installing $TORCH_PIN (CPU; the PyTorch peer of dtm bench train)"
+  pipq "$TORCH_PIN" || say "warning: could not install $TORCH_PIN; the PyTorch peer of dtm bench train will skip"
+fi
 "$VPY" -c 'import mpi4py, h5py, numpy, dtm_mpi; print("[setup] ok: dtm_mpi", dtm_mpi.__version__, "| mpi4py", mpi4py.__version__, "| h5py", h5py.__version__, "(mpi)", "| HDF5", h5py.version.hdf5_version, "| numpy", numpy.__version__)'

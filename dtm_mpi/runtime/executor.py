@@ -296,16 +296,16 @@ class Executor:
                 call = None
                 if p.kind is OpKind.LOCAL and not OPS[op.name].has(Trait.NEEDS_STEP):
                     kernel, ctx = self._kernel(p, 0)
-                    call = bind_kernel(self.backend.name, kernel, ctx)
-                    if call is None:  # the kernel with its context, its shapes checked
-                        call = functools.partial(self._checked, p, kernel, ctx)
+                    call = bind_kernel(self.backend.name, kernel, ctx) or functools.partial(kernel, ctx)  # fmt: skip
+                    if not OPS[op.name].has(Trait.ELEMENTWISE):  # shapes checked (elementwise:
+                        call = functools.partial(self._checked, p, call, ctx.local_shapes)  # same)
                 got.append((p, op.operands, op.results, p.frees, call))
             self._programs[id(fp)] = got
         return got
 
-    def _checked(self, p: PlanOp, kernel: Kernel, ctx: KernelContext, xs: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:  # fmt: skip
-        outs = kernel(ctx, xs)
-        self._check_shapes(p, outs, ctx.local_shapes)
+    def _checked(self, p: PlanOp, call: BoundKernel, wants: tuple[tuple[int, ...], ...], xs: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:  # fmt: skip
+        outs = call(xs)
+        self._check_shapes(p, outs, wants)
         return outs
 
     def _check_shapes(self, p: PlanOp, outs: Sequence[np.ndarray], wants: Sequence[tuple[int, ...]]) -> None:  # fmt: skip
