@@ -69,6 +69,8 @@ class Config:
     fuse: bool = True  # GPU backends run planned elementwise chains as one kernel
     kernel_dir: str | None = None  # where the .cu sources are (None: look in the usual places)
     mallopt: bool = True  # under MPI, keep collective-sized freed blocks in the heap
+    overlap: bool = False  # allreduces in buckets started when ready, on a side thread
+    bucket_bytes: int = 25 * 2**20  # the largest bucket of overlapped allreduces
 
     def fault_at(self, rank: int, where: str) -> FaultSpec | None:
         """The fault injected for ``rank`` at ``where``, if any."""
@@ -233,6 +235,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("DTM_CKPT_VERIFY", "ckpt_verify_full", _ckpt_verify_full, "manifest"),
     EnvVar("DTM_CKPT_HASH_THREAD", "ckpt_hash_thread", _auto_yes_no, "auto"),
     EnvVar("DTM_MALLOPT", "mallopt", _yes_no(True), "1"),
+    EnvVar("DTM_OVERLAP", "overlap", _yes_no(False), "0"),
+    EnvVar("DTM_BUCKET_BYTES", "bucket_bytes", _parse_positive_int, str(25 * 2**20)),
 )
 """Every environment variable the package reads, in the README table's order."""
 
@@ -256,6 +260,15 @@ def get_config() -> Config:
 
 LAUNCHER_NODE_RANKS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
 """Where Open MPI, MPICH/Hydra and Slurm tell a process how many ranks share its node."""
+
+
+def spare_cpu() -> bool:
+    """Whether this rank may run on at least twice as many CPUs as its share of the node
+    (its affinity, and the CPUs divided among the ranks its launcher put on the node): a
+    second thread of the rank then has a core of its own."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)  # fmt: skip
+    share = (os.cpu_count() or 1) // (launcher_node_ranks() or 1)
+    return min(cpus, share) >= 2
 
 
 def launcher_node_ranks(environ: Mapping[str, str] | None = None) -> int | None:

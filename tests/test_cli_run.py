@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from dtm_mpi.cli import run
+from dtm_mpi.config import get_config
 from dtm_mpi.ir import parse_module, verify_module
 from dtm_mpi.ir.nodes import Module
 from dtm_mpi.runtime.reference import run_reference
@@ -244,6 +245,20 @@ def test_explain_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert "function @train_step\n" in out and "function @forward\n" in out
     assert "allreduce sum on tp" in out
     assert "  communication steps: allreduce x4\n" in out
+    assert "overlapped allreduces" not in out  # DTM_OVERLAP is off by default
+
+
+def test_explain_shows_the_overlapped_buckets(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.setenv("DTM_OVERLAP", "1")
+    get_config.cache_clear()
+    try:
+        code, out, err = dtm(capsys, "explain", TP_MLP, "--mesh", "dp=2,tp=2")
+    finally:
+        monkeypatch.delenv("DTM_OVERLAP")
+        get_config.cache_clear()
+    assert code == 0, err
+    assert "  communication steps: allreduce x2\n" in out  # the tp one, and one bucket on dp
+    assert "@train_step bucket 1: allreduce sum on dp of " in out and "ops run meanwhile" in out
 
 
 def test_explain_ranks_default_to_declared_mesh(capsys: pytest.CaptureFixture[str]) -> None:

@@ -51,6 +51,26 @@ class TimedComm:
 
         return call
 
+    def start_allreduce(self, *args: Any) -> Any:
+        """Started (timed), and waited for through a handle whose wait is timed too."""
+        clock, outer = time.perf_counter, self
+        t0 = clock()
+        handle = self._inner.start_allreduce(*args)
+        self.seconds += clock() - t0
+
+        class Timed:
+            def test(self) -> bool:
+                return bool(handle.test())
+
+            def wait(self) -> Any:
+                t1 = clock()
+                try:
+                    return handle.wait()
+                finally:
+                    outer.seconds += clock() - t1
+
+        return Timed()
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 

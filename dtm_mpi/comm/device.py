@@ -52,6 +52,8 @@ from dtm_mpi.comm.gpu_aware import GpuAwareness
 from dtm_mpi.comm.interface import (
     Comm,
     CommStats,
+    Completed,
+    Pending,
     allgather_traffic,
     allreduce_moved,
     broadcast_traffic,
@@ -355,6 +357,10 @@ class DeviceComm:
         mpi.stats.record("allreduce", moved, moved)
         self.paths.direct["allreduce"] += 1
         return out
+
+    def start_allreduce(self, x: Any, axes: tuple[str, ...], spec: AllreduceSpec) -> Pending:
+        """Device buffers: the blocking allreduce (the stream is synchronised around MPI)."""
+        return Completed(self.allreduce(x, axes, spec))
 
     def reduce_scatter(self, x: Any, axes: tuple[str, ...], spec: ReduceScatterSpec) -> Any:
         """Collective: call on all ranks of the group."""

@@ -34,7 +34,7 @@ from dtm_mpi.sharding.steps import (
 )
 
 __all__ = [
-    "Comm", "CommStats", "allgather_traffic", "allreduce_moved", "broadcast_traffic",
+    "Comm", "CommStats", "Completed", "Pending", "allgather_traffic", "allreduce_moved", "broadcast_traffic",
     "exchange_traffic", "reduce_scatter_traffic",
 ]  # fmt: skip
 
@@ -87,6 +87,32 @@ class CommStats:
         return self
 
 
+class Pending(Protocol):
+    """A collective started and not yet waited for (:meth:`Comm.start_allreduce`)."""
+
+    def test(self) -> bool:
+        """Progress it; True once complete (never blocks)."""
+        ...
+
+    def wait(self) -> np.ndarray:
+        """Its result, within the run's deadline (raises as the blocking call would)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Completed:
+    """A collective that completed when it was started (a communicator without non-blocking
+    collectives runs the blocking one)."""
+
+    value: np.ndarray
+
+    def test(self) -> bool:
+        return True
+
+    def wait(self) -> np.ndarray:
+        return self.value
+
+
 class Comm(Protocol):
     """One rank's endpoint. ``rank`` is the rank on ``mesh`` (row-major coordinates)."""
 
@@ -109,6 +135,14 @@ class Comm(Protocol):
         """The ``spec.op`` fold of the members' arrays in group order.
 
         Collective: call on all ranks of the group."""
+        ...
+
+    def start_allreduce(self, x: np.ndarray, axes: tuple[str, ...], spec: AllreduceSpec) -> Pending:  # fmt: skip
+        """:meth:`allreduce` started, to be waited for later (``x`` is not to be written
+        until then): other work runs while it is in flight.
+
+        Collective: call on all ranks of the group, in the same order as their other
+        collectives on the group."""
         ...
 
     def reduce_scatter(

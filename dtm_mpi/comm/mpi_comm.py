@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,8 @@ import numpy as np
 from dtm_mpi.comm.buffers import OutputCache, empty_aligned
 from dtm_mpi.comm.interface import (
     CommStats,
+    Completed,
+    Pending,
     allgather_traffic,
     allreduce_moved,
     broadcast_traffic,
@@ -35,6 +38,7 @@ from dtm_mpi.comm.interface import (
     reduce_scatter_traffic,
 )
 from dtm_mpi.comm.mpi_session import MpiSession
+from dtm_mpi.config import get_config
 from dtm_mpi.errors import CommError
 from dtm_mpi.ir.types import ReduceOp
 from dtm_mpi.sharding.collectives import reduce_arrays
@@ -94,6 +98,28 @@ def reduce_scatter_call(counts: list[int]) -> tuple[str, tuple[Any, ...]]:
     return "Reduce_scatter", (counts,)
 
 
+class _SideCall:
+    """An allreduce run by this rank's side thread (:class:`_SideThread`): done when its
+    blocking call returned."""
+
+    __slots__ = ("axes", "done", "error", "out", "send", "session")
+
+    def __init__(self, session: MpiSession, out: np.ndarray, send: np.ndarray, axes: tuple[str, ...]) -> None:  # fmt: skip
+        self.session, self.out, self.send, self.axes = session, out, send, axes
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def test(self) -> bool:
+        return self.done.is_set()
+
+    def wait(self) -> np.ndarray:
+        if not self.done.is_set():
+            self.session.wait_event(self.done, "allreduce", self.axes)
+        if self.error is not None:
+            raise CommError(f"rank {self.session.rank}: overlapped allreduce on {','.join(self.axes)} failed: {self.error}") from self.error  # fmt: skip
+        return self.out
+
+
 class MpiComm:
     """This rank's endpoint over an :class:`MpiSession` (implements ``Comm``)."""
 
@@ -103,6 +129,7 @@ class MpiComm:
         mpi = session.MPI
         self.MPI = mpi
         self.session = session
+        self.side_thread = get_config().overlap
         self.deterministic = deterministic
         self.limit = max(1, int(max_msg_elems))
         self._stats = CommStats()
@@ -359,6 +386,29 @@ class MpiComm:
         moved = allreduce_moved(x, k, spec.position)
         self._stats.record("allreduce", moved, moved)
         return out
+
+    def start_allreduce(self, x: np.ndarray, axes: tuple[str, ...], spec: AllreduceSpec) -> Pending:  # fmt: skip
+        """The allreduce run by this rank's side thread on a duplicate of the group's
+        communicator (MPI's own reduction, one message) while this thread goes on; the
+        returned handle's ``wait`` waits within the deadline, watching for failure notices.
+        Where the blocking path would not make one native call (a fold in group order, a
+        message beyond ``max_msg_elems``), or without ``MPI_THREAD_MULTIPLE`` or
+        ``DTM_OVERLAP``, it runs the blocking path now.
+
+        Collective: call on all ranks of the group, in the same order."""
+        mtype = self.native_type(x, spec.op)
+        session = self.session
+        if mtype is None or x.size > self.limit or session.watchdog is None or not self.side_thread:  # fmt: skip
+            return Completed(self.allreduce(x, axes, spec))
+        session.check()
+        comm = session.side_group(axes)
+        send = np.ascontiguousarray(x)
+        out = empty_aligned(x.shape, dtype=x.dtype)
+        call = _SideCall(session, out, send, axes)
+        session.side_submit(call.done, call, comm.Allreduce, ([send, mtype], [out, mtype], self._ops[spec.op]))  # fmt: skip
+        moved = allreduce_moved(x, len(spec.group), spec.position)
+        self._stats.record("allreduce", moved, moved)
+        return call
 
     def reduce_scatter(
         self, x: np.ndarray, axes: tuple[str, ...], spec: ReduceScatterSpec

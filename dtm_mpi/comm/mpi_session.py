@@ -21,6 +21,7 @@ job must end with :meth:`MpiSession.end_job`, never with ``MPI_Finalize``.
 from __future__ import annotations
 
 import os
+import queue
 import sys
 import threading
 import time
@@ -50,6 +51,30 @@ SPIN_S = 0.05
 SETTLE_QUIET_S = 0.3
 """Before a rank prints a failure, it waits until no new failure notice has come for this
 long (ranks failing in the same step then all print the same list)."""
+
+
+class _SideThread:
+    """One thread per rank running overlapped collectives, in the order submitted, with MPI's
+    blocking calls on duplicated group communicators (MPI's fast paths; a non-blocking
+    collective moves only while its rank calls MPI, which a rank in a long kernel does not).
+    Each call's ``done`` event is set when it returned; its error goes to ``owner.error``."""
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[tuple[Any, Any, Any, tuple[Any, ...]] | None] = queue.SimpleQueue()  # fmt: skip
+        self.thread = threading.Thread(target=self._run, name="dtm-overlap", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            done, owner, fn, args = item
+            try:
+                fn(*args)
+            except BaseException as exc:  # handed to the waiting thread
+                owner.error = exc
+            done.set()
 
 
 class MpiSession:
@@ -104,6 +129,8 @@ class MpiSession:
         self.local_rank = int(self.node.Get_rank())
         self.cart: Any = None
         self._groups: dict[tuple[str, ...], Any] = {}
+        self._side: dict[tuple[str, ...], Any] = {}
+        self._side_thread: _SideThread | None = None
         if join:
             self.join_mesh(groups)
 
@@ -505,6 +532,41 @@ class MpiSession:
             self.poisoned = err
         self.end_with(err)
 
+    def side_group(self, axes: tuple[str, ...]) -> Any:
+        """A duplicate of :meth:`group` ``(axes)`` for collectives another thread of this rank
+        runs while this one runs its own on the group (overlapped allreduces); created on
+        first use within the deadline (the watchdog's guard: only with a watchdog).
+
+        Collective: call on all ranks of the group (on first use of ``axes``)."""
+        got = self._side.get(axes)
+        if got is None:
+            assert self.watchdog is not None
+            made: list[Any] = []
+            group = self.group(axes)
+            self.guarded(lambda: made.append(group.Dup()), "overlap communicator", axes)
+            got = self._side[axes] = made[0]
+        return got
+
+    def side_submit(self, done: Any, owner: Any, fn: Any, args: tuple[Any, ...]) -> None:
+        """Run ``fn(*args)`` (a blocking MPI call on a :meth:`side_group`) on this rank's side
+        thread after the calls submitted before; ``done`` (a ``threading.Event``) is set when
+        it returns, and an exception it raised is stored in ``owner.error``."""
+        if self._side_thread is None:
+            self._side_thread = _SideThread()
+        self._side_thread.queue.put((done, owner, fn, args))
+
+    def wait_event(self, done: Any, op: str, axes: tuple[str, ...]) -> None:
+        """Wait for ``done`` (a ``threading.Event`` another thread sets when its MPI call
+        returns) within the deadline, watching for failure notices as :meth:`wait` does."""
+        self.check()
+        deadline = time.monotonic() + self.timeout_s
+        while not done.wait(0.002):
+            remote = self.control.poll()
+            if remote is not None:
+                self._poison(remote)
+            if time.monotonic() > deadline:
+                self._poison(self.expired(op, axes))
+
     def close(self) -> None:
         """Free the communicators (only when not poisoned).
 
@@ -513,6 +575,13 @@ class MpiSession:
             self.watchdog.stop()
         if self.poisoned is not None:
             return
+        if self._side_thread is not None:  # idle once the steps waited for their calls
+            self._side_thread.queue.put(None)
+            self._side_thread.thread.join(timeout=self.timeout_s)
+            self._side_thread = None
+        for c in self._side.values():
+            c.Free()
+        self._side.clear()
         for c in self._groups.values():
             c.Free()
         self._groups.clear()

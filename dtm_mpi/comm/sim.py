@@ -24,6 +24,8 @@ import numpy as np
 
 from dtm_mpi.comm.interface import (
     CommStats,
+    Completed,
+    Pending,
     allgather_traffic,
     allreduce_moved,
     broadcast_traffic,
@@ -161,6 +163,10 @@ class SimComm:
         moved = allreduce_moved(x, len(contribs), pos)
         self._stats.record("allreduce", moved, moved)
         return reduce_arrays(contribs, spec.op)
+
+    def start_allreduce(self, x: np.ndarray, axes: tuple[str, ...], spec: AllreduceSpec) -> Pending:  # fmt: skip
+        """The simulator completes it at once (its ranks are threads meeting in order)."""
+        return Completed(self.allreduce(x, axes, spec))
 
     def reduce_scatter(
         self, x: np.ndarray, axes: tuple[str, ...], spec: ReduceScatterSpec

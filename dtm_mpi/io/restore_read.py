@@ -11,7 +11,6 @@ not raised: the caller agrees on it and applies the recovery rules.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack
@@ -21,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from dtm_mpi.comm.objects import alltoallv_bytes
-from dtm_mpi.config import get_config, launcher_node_ranks
+from dtm_mpi.config import get_config, spare_cpu
 from dtm_mpi.errors import IntegrityError
 from dtm_mpi.io.backend import ShardReader
 from dtm_mpi.io.ckpt_files import chunk_mismatch
@@ -102,11 +101,7 @@ def hash_thread_wanted() -> bool:
     node (its affinity, and the CPUs divided among the ranks its launcher put on the node).
     Hashing (XXH3, GIL released) then overlaps the next read instead of following it."""
     chosen = get_config().ckpt_hash_thread
-    if chosen is not None:
-        return chosen
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)  # fmt: skip
-    share = (os.cpu_count() or 1) // (launcher_node_ranks() or 1)
-    return min(cpus, share) >= 2
+    return spare_cpu() if chosen is None else chosen
 
 
 def _direct_runs(plan: RestorePlan, direct: dict[int, tuple[slice, ...]], outs: dict[str, np.ndarray], limit: int) -> list[list[int]]:  # fmt: skip

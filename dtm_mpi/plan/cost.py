@@ -19,10 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dtm_mpi.ir.types import TensorType
+from dtm_mpi.plan.overlap import Bucket
 from dtm_mpi.plan.program import ExecPlan, FunctionPlan, OpKind, PlanOp
 from dtm_mpi.sharding.blocks import local_shape
 from dtm_mpi.sharding.mesh import MeshShape
 from dtm_mpi.sharding.retention import kept_bytes
+from dtm_mpi.sharding.steps import allreduce_moved_items
 
 __all__ = ["FunctionCost", "OpCost", "function_cost", "local_bytes"]
 
@@ -114,6 +116,16 @@ def _traffic(p: PlanOp, plan: ExecPlan, rank: int, operand: TensorType | None) -
     return 0, 0
 
 
+def _bucket_traffic(b: Bucket, fp: FunctionPlan, plan: ExecPlan, rank: int) -> tuple[int, int]:
+    """A bucket's allreduce on ``rank``: its members' blocks as one flat message."""
+    mesh = plan.mesh
+    types = [fp.ops[m].op.result_types[0] for m in b.members]
+    count = sum(local_bytes(t, mesh, rank) for t in types) // types[0].dtype.itemsize
+    group = mesh.group_of(rank, b.axes)
+    moved = allreduce_moved_items(count, len(group), group.index(rank)) * types[0].dtype.itemsize
+    return moved, moved
+
+
 def _extra(p: PlanOp, plan: ExecPlan, rank: int) -> int:
     if p.kind is OpKind.REDIST and p.redist is not None:
         return p.redist.peak_extra_bytes(rank)
@@ -137,13 +149,18 @@ def function_cost(plan: ExecPlan, fp: FunctionPlan) -> FunctionCost:
     counts: dict[str, int] = {}
     retained = [0] * mesh.size
     ops: list[OpCost] = []
+    in_bucket = {m: b for b in fp.buckets for m in b.members}
     for p in fp.ops:
         op = p.op
         operand = p.operand_types[0] if p.operand_types else None
         shapes = tuple(
             tuple(local_shape(t.shape, t.layout, mesh, r) for t in op.result_types) for r in ranks
         )
-        traffic = [_traffic(p, plan, r, operand) for r in ranks]
+        bucket = in_bucket.get(len(ops))
+        if bucket is None:
+            traffic = [_traffic(p, plan, r, operand) for r in ranks]
+        else:  # the bucket's one message, at its first member
+            traffic = [_bucket_traffic(bucket, fp, plan, r) if len(ops) == min(bucket.members) else (0, 0) for r in ranks]  # fmt: skip
         during = []
         for r in ranks:
             new = sum(local_bytes(t, mesh, r) for t in op.result_types)
@@ -161,9 +178,12 @@ def function_cost(plan: ExecPlan, fp: FunctionPlan) -> FunctionCost:
                 for r in ranks:
                     live[r] -= local_bytes(freed, mesh, r)
         comm = _comm_of(p, plan)
+        if bucket is not None:  # one allreduce for the bucket, at its first member
+            comm = tuple(f"{c} (bucket of {len(bucket.members)}: ops {', '.join(map(str, bucket.members))}; in flight over ops {bucket.start}-{bucket.finish - 1})" for c in comm)  # fmt: skip
         for c in comm:
             kind = c.split(" ")[0]
-            counts[kind] = counts.get(kind, 0) + 1
+            if bucket is None or len(ops) == min(bucket.members):
+                counts[kind] = counts.get(kind, 0) + 1
         ops.append(
             OpCost(
                 p, shapes, comm, tuple(t[0] for t in traffic), tuple(t[1] for t in traffic),

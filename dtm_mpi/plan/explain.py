@@ -60,6 +60,21 @@ def _function_lines(plan: ExecPlan, name: str, cost: FunctionCost) -> list[str]:
     return [f"function @{name}", *("  " + line for line in _table(rows))]
 
 
+def _overlap_lines(plan: ExecPlan) -> list[str]:
+    """The allreduces that overlap computation, bucket by bucket (``DTM_OVERLAP``)."""
+    out = []
+    for name, fp in plan.functions:
+        for i, b in enumerate(fp.buckets, 1):
+            names = ", ".join(fp.ops[m].op.results[0] for m in b.members)
+            after = fp.ops[b.start - 1].op.name if b.start > 0 else "the start"
+            before = fp.ops[b.finish].op.name if b.finish < len(fp.ops) else "the return"
+            busy = sum(1 for j in b.overlapped if j not in b.members)
+            out.append(f"  @{name} bucket {i}: allreduce {b.op.value} on {','.join(b.axes)} of {names} ({human_bytes(b.nbytes)}): starts after op {b.start - 1} ({after}), completes before op {b.finish} ({before}); {busy} ops run meanwhile")  # fmt: skip
+    if not out:
+        return []
+    return ["overlapped allreduces (DTM_OVERLAP=1: started when ready on a side thread, completed when needed):", *out, ""]  # fmt: skip
+
+
 def explain_text(plan: ExecPlan) -> str:
     """The whole explanation of ``plan``."""
     mesh = plan.mesh
@@ -74,6 +89,7 @@ def explain_text(plan: ExecPlan) -> str:
             entry_cost = cost
         lines += [*_function_lines(plan, name, cost), ""]
     assert entry_cost is not None
+    lines += _overlap_lines(plan)
     counts = ", ".join(f"{k} x{n}" for k, n in entry_cost.collectives) or "none"
     lines += [
         "totals per step (entry function, calls included):",

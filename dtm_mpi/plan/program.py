@@ -24,6 +24,7 @@ the kind its registry entry declares (``dtm_mpi.ir.registry.OpKind``):
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 from dtm_mpi.errors import PlanError, UsageError
 from dtm_mpi.ir import registry
@@ -66,6 +67,11 @@ class PlanOp:
 class FunctionPlan:
     function: Function
     ops: tuple[PlanOp, ...]
+    buckets: tuple[Any, ...] = ()
+    """The allreduces that overlap computation (:class:`~dtm_mpi.plan.overlap.Bucket` s, in
+    start order): the executor's fast loop starts each bucket when its values are ready and
+    completes it before its results are needed; op by op (deterministic mode, GPU backends
+    with fused kernels, injected faults) its members run where they stand."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,8 +191,17 @@ def _plan_function(f: Function, mesh: MeshShape) -> FunctionPlan:
     return FunctionPlan(f, tuple(ops))
 
 
-def compile_plan(module: Module, mesh: MeshShape) -> ExecPlan:
-    """The plan of a *verified* module on the bound ``mesh`` (pure; identical on every rank)."""
+def compile_plan(module: Module, mesh: MeshShape, *, bucket_bytes: int | None = None) -> ExecPlan:
+    """The plan of a *verified* module on the bound ``mesh`` (pure; identical on every rank).
+    ``bucket_bytes``: the largest bucket of overlapped allreduces (0: none; None:
+    ``DTM_BUCKET_BYTES`` with ``DTM_OVERLAP=1``, else none)."""
+    from dtm_mpi.plan.overlap import overlap_buckets
+
+    if bucket_bytes is None:
+        from dtm_mpi.config import get_config
+
+        config = get_config()
+        bucket_bytes = config.bucket_bytes if config.overlap else 0
     entry = module.entry
     if entry is None:
         raise UsageError(f"module {module.name} has no entry function")
@@ -194,7 +209,10 @@ def compile_plan(module: Module, mesh: MeshShape) -> ExecPlan:
     todo, seen = [entry], {entry.name}
     while todo:  # the entry and every function it reaches (others may use other meshes)
         f = todo.pop()
-        plans.append((f.name, _plan_function(f, mesh)))
+        fp = _plan_function(f, mesh)
+        if bucket_bytes:
+            fp = replace(fp, buckets=overlap_buckets(fp, bucket_bytes))
+        plans.append((f.name, fp))
         for op in f.body:
             is_call = registry.OPS[op.name].kind is OpKind.CALL
             callee = module.function(str(op.attr("callee"))) if is_call else None

@@ -10,12 +10,13 @@ the op and its source line, so the agreed error of a distributed run says where 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-from dtm_mpi.comm.interface import Comm
+from dtm_mpi.comm.interface import Comm, Pending
 from dtm_mpi.config import get_config
 from dtm_mpi.errors import CommError, DtmError, KernelError
 from dtm_mpi.faults import maybe_fail
@@ -41,6 +42,7 @@ from dtm_mpi.kernels.exact import (
 )
 from dtm_mpi.kernels.fused import Expr
 from dtm_mpi.plan.fusion import FusedGroup, FusionNode, fusion_groups
+from dtm_mpi.plan.overlap import Bucket
 from dtm_mpi.plan.program import ExecPlan, FunctionPlan, OpKind, PlanOp
 from dtm_mpi.sharding import collectives
 from dtm_mpi.sharding.blocks import block_owners, local_offsets, local_shape
@@ -134,8 +136,19 @@ def gather_to_root(t: TensorType, x: np.ndarray, comm: Comm, root: int = 0) -> n
     return out
 
 
-_Instr = tuple[PlanOp, tuple[str, ...], tuple[str, ...], tuple[str, ...], "BoundKernel | None"]
-"""One op as the executor's fast loop runs it: (op, operands, results, frees, bound call)."""
+@dataclass(frozen=True, slots=True)
+class _Sched:
+    """Overlapped allreduces at one op: buckets to complete and to start before it, and
+    whether the op is a bucket's member (not run: its result comes with the bucket)."""
+
+    finish: tuple[Bucket, ...]
+    start: tuple[tuple[Bucket, tuple[str, ...]], ...]  # with the operands to drop once packed
+    skip: bool
+
+
+_Instr = tuple[PlanOp, tuple[str, ...], tuple[str, ...], tuple[str, ...], "BoundKernel | None", _Sched | None]  # fmt: skip
+"""One op as the executor's fast loop runs it: (op, operands, results, frees, bound call,
+overlap schedule)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,9 +274,19 @@ class Executor:
         f = fp.function
         env: dict[str, np.ndarray] = {p.name: a for p, a in zip(f.params, args, strict=True)}
         p: PlanOp | None = None
+        pending: dict[Bucket, tuple[Pending, list[tuple[int, ...]]]] = {}
         try:
             with np.errstate(all="ignore"):  # IEEE results (inf, nan) are the ops' semantics
-                for p, operands, results, frees, call in self._program(fp):
+                for p, operands, results, frees, call, sched in self._program(fp):
+                    if sched is not None:  # overlapped allreduces (plan.overlap)
+                        for b in sched.finish:
+                            self._finish_bucket(fp, b, pending.pop(b), env)
+                        for b, drops in sched.start:
+                            pending[b] = self._start_bucket(fp, b, env, drops)
+                        if sched.skip:  # a bucket member: its result comes with the bucket
+                            for name in frees:
+                                env.pop(name, None)
+                            continue
                     if call is not None:  # a local op, bound once
                         outs = call([env[n] for n in operands])
                     else:
@@ -272,6 +295,12 @@ class Executor:
                         env[r] = v
                     for name in frees:
                         env.pop(name, None)
+                    if pending:  # MPI moves a non-blocking collective only while called
+                        for handle, _ in pending.values():
+                            handle.test()
+                p = None
+                for b in list(pending):  # needed by the function's results
+                    self._finish_bucket(fp, b, pending.pop(b), env)
         except DtmError as err:
             if p is not None and getattr(err, "phase", None) is None:
                 err.phase = f"step {step}, {p.op.name} at {p.where}"  # type: ignore[attr-defined]
@@ -286,22 +315,77 @@ class Executor:
 
     def _program(self, fp: FunctionPlan) -> list[_Instr]:
         """``fp``'s ops as this rank runs them (computed once): each op with its operand,
-        result and freed names and, for a local op that does not read the step, its kernel
-        bound to its context (:func:`~dtm_mpi.kernels.dispatch.bind_kernel`)."""
+        result and freed names, for a local op that does not read the step its kernel bound
+        to its context (:func:`~dtm_mpi.kernels.dispatch.bind_kernel`), and where allreduces
+        overlap (:func:`~dtm_mpi.plan.overlap.overlap_buckets`) the buckets completed and
+        started before it, and whether it is a bucket's member (run with its bucket)."""
         got = self._programs.get(id(fp))
-        if got is None:
-            got = []
-            for p in fp.ops:
-                op = p.op
-                call = None
-                if p.kind is OpKind.LOCAL and not OPS[op.name].has(Trait.NEEDS_STEP):
-                    kernel, ctx = self._kernel(p, 0)
-                    call = bind_kernel(self.backend.name, kernel, ctx) or functools.partial(kernel, ctx)  # fmt: skip
-                    if not OPS[op.name].has(Trait.ELEMENTWISE):  # shapes checked (elementwise:
-                        call = functools.partial(self._checked, p, call, ctx.local_shapes)  # same)
-                got.append((p, op.operands, op.results, p.frees, call))
-            self._programs[id(fp)] = got
+        if got is not None:
+            return got
+        buckets: tuple[Bucket, ...] = fp.buckets
+        starts: dict[int, list[Bucket]] = {}
+        finishes: dict[int, list[Bucket]] = {}
+        members: dict[int, Bucket] = {}
+        for b in buckets:
+            starts.setdefault(b.start, []).append(b)
+            finishes.setdefault(b.finish, []).append(b)
+            for m in b.members:
+                members[m] = b
+        # a member's operand stays until its bucket starts (it may be freed before: by its
+        # member op, or by another op reading it last): dropped when the bucket has packed it
+        held: dict[int, set[str]] = {}
+        drops: dict[Bucket, tuple[str, ...]] = {}
+        for b in buckets:
+            names = {fp.ops[m].op.operands[0] for m in b.members}
+            freed = {n for j in range(b.start) for n in fp.ops[j].frees if n in names}
+            drops[b] = tuple(sorted(freed))
+            for j in range(b.start):
+                held.setdefault(j, set()).update(names)
+        got = []
+        for i, p in enumerate(fp.ops):
+            op = p.op
+            call = None
+            if p.kind is OpKind.LOCAL and not OPS[op.name].has(Trait.NEEDS_STEP):
+                kernel, ctx = self._kernel(p, 0)
+                call = bind_kernel(self.backend.name, kernel, ctx) or functools.partial(kernel, ctx)  # fmt: skip
+                if not OPS[op.name].has(Trait.ELEMENTWISE):  # shapes checked (elementwise:
+                    call = functools.partial(self._checked, p, call, ctx.local_shapes)  # same)
+            frees = p.frees
+            bucket = members.get(i)
+            if i in held:
+                frees = tuple(n for n in frees if n not in held[i])
+            sched = None
+            if i in starts or i in finishes or bucket is not None:
+                sched = _Sched(tuple(finishes.get(i, ())), tuple((b, drops[b]) for b in starts.get(i, ())), bucket is not None)  # fmt: skip
+            got.append((p, op.operands, op.results, frees, call, sched))
+        self._programs[id(fp)] = got
         return got
+
+    def _start_bucket(self, fp: FunctionPlan, b: Bucket, env: dict[str, np.ndarray], drops: tuple[str, ...]) -> tuple[Pending, list[tuple[int, ...]]]:  # fmt: skip
+        """Start bucket ``b``'s allreduce: its members' operands in one buffer (one alone as
+        it is); operands whose last use was their member op are dropped once packed."""
+        names = [fp.ops[m].op.operands[0] for m in b.members]
+        xs = [env[n] for n in names]
+        shapes = [tuple(x.shape) for x in xs]
+        buf = xs[0] if len(xs) == 1 else np.concatenate([x.reshape(-1) for x in xs])
+        spec = self._exact_spec(b.axes, b.op, int(buf.size))
+        handle = self.comm.start_allreduce(buf, b.axes, spec)
+        for n in drops:
+            env.pop(n, None)
+        return handle, shapes
+
+    def _finish_bucket(self, fp: FunctionPlan, b: Bucket, started: tuple[Pending, list[tuple[int, ...]]], env: dict[str, np.ndarray]) -> None:  # fmt: skip
+        """Wait for bucket ``b`` and hand each member its result."""
+        handle, shapes = started
+        out = handle.wait()
+        if len(shapes) == 1:
+            env[fp.ops[b.members[0]].op.results[0]] = out
+            return
+        flat, at = out.reshape(-1), 0
+        for m, shape in zip(b.members, shapes, strict=True):
+            n = math.prod(shape)
+            env[fp.ops[m].op.results[0]] = flat[at : at + n].reshape(shape)
+            at += n
 
     def _checked(self, p: PlanOp, call: BoundKernel, wants: tuple[tuple[int, ...], ...], xs: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:  # fmt: skip
         outs = call(xs)

@@ -224,3 +224,29 @@ def test_uniform_exchange_is_a_plain_alltoall(comm: Any) -> None:
         assert np.array_equal(got, want), (step, got, want)
     assert mc.stats.calls["all_to_all"] == 3
     session.close()
+
+
+def test_started_allreduces_complete_in_order_on_the_side_thread(comm: Any) -> None:
+    """``start_allreduce`` with ``DTM_OVERLAP``: several allreduces in flight on the side
+    thread (a duplicate of the group's communicator) while this thread runs a blocking
+    allreduce on the group itself; each handle's ``wait`` gives the sum, the accounting
+    counts each, and the session closes the thread and the duplicates."""
+    from dtm_mpi.sharding.steps import AllreduceSpec
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    mesh = MeshShape((("x", size),))
+    session = MpiSession(mesh, [("x",)], timeout_s=30, world=comm)
+    mc = MpiComm(session)
+    mc.side_thread = True
+    xs = [np.full(1000 * (i + 1), rank + i, dtype=np.float32) for i in range(4)]
+    handles = [mc.start_allreduce(x, ("x",), AllreduceSpec(tuple(range(size)), rank, ReduceOp.SUM, x.size)) for x in xs]  # fmt: skip
+    own = mc.allreduce(np.ones(5), ("x",), AllreduceSpec(tuple(range(size)), rank, ReduceOp.SUM, 5))  # fmt: skip
+    assert np.array_equal(own, np.full(5, float(size)))
+    for i, (x, h) in enumerate(zip(xs, handles, strict=True)):
+        got = h.wait()
+        assert h.test() and np.array_equal(got, np.full(x.size, sum(r + i for r in range(size)), dtype=np.float32))  # fmt: skip
+    assert mc.stats.calls["allreduce"] == 5
+    if size > 1:
+        assert session.watchdog is None or ("x",) in session._side
+    session.close()
+    assert session._side_thread is None

@@ -28,9 +28,11 @@ def load(name: str) -> Module:
     return module
 
 
-def plan_for(nranks: int, binding: dict[str, int]) -> ExecPlan:
+def plan_for(nranks: int, binding: dict[str, int], bucket_bytes: int = 0) -> ExecPlan:
+    """The example's plan; without overlapped buckets unless ``bucket_bytes`` (the by-hand
+    figures below count each allreduce where it stands)."""
     module = load("tp_mlp")
-    return compile_plan(module, mesh_for(module, nranks, binding))
+    return compile_plan(module, mesh_for(module, nranks, binding), bucket_bytes=bucket_bytes)
 
 
 def allreduce_bytes(m: int, k: int, pos: int, itemsize: int = F32) -> int:
@@ -119,6 +121,25 @@ def test_entry_totals_by_hand(plan4: ExecPlan) -> None:
     call = op_cost(entry, "%y")
     assert call.sent == (32768,) * 4
     assert call.comm == ("allreduce sum on tp (in @forward)",)
+
+
+def test_overlapped_buckets_count_one_message_each_by_hand() -> None:
+    plan = plan_for(4, {"dp": 2, "tp": 2}, bucket_bytes=25 * 2**20)
+    fp = plan.entry_plan
+    (bucket,) = fp.buckets  # %loss, %gw2 and %gw1 on dp: one message, started after %gw1p
+    names = [fp.ops[m].op.results[0] for m in bucket.members]
+    assert sorted(names) == ["%gw1", "%gw2", "%loss"] and bucket.axes == ("dp",)
+    index = {p.op.results[0]: i for i, p in enumerate(fp.ops) if p.op.results}
+    assert bucket.start == index["%gw1p"] + 1 and bucket.finish == index["%s1"]
+    entry = function_cost(plan, fp)
+    assert entry.collectives == (("allreduce", 2),)  # the call's tp allreduce and the bucket
+    one = allreduce_bytes(1 + 2 * 512 * 256, 2, 0)
+    assert entry.sent == (32768 + one,) * 4
+    first = op_cost(entry, fp.ops[min(bucket.members)].op.results[0])
+    assert first.sent == (one,) * 4 and "bucket of 3" in first.comm[0]
+    assert "bucket of 3" in explain_text(plan)
+    small = plan_for(4, {"dp": 2, "tp": 2}, bucket_bytes=4).entry_plan.buckets
+    assert sorted(len(b.members) for b in small) == [1, 1, 1]  # each started on its own
 
 
 def test_explain_text_rows_and_totals(plan4: ExecPlan) -> None:

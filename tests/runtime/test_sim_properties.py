@@ -4,15 +4,18 @@ mesh they declare and give the single-process numpy results."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import numpy as np
 from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "ir"))
 from test_properties import Case, Style, render, valid_cases
 
+from dtm_mpi.config import get_config
 from dtm_mpi.ir import check_text
 from dtm_mpi.ir.dtypes import np_dtype
 from dtm_mpi.ir.nodes import InitKind
@@ -41,6 +44,29 @@ def _close(a: np.ndarray, b: np.ndarray, what: str, dtype: DType) -> None:
 @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=valid_cases())
 def test_random_modules_match_reference(case: Case) -> None:
+    _matches_reference(case)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=valid_cases(), bucket=st.sampled_from([4, 64, 1 << 20]))
+def test_random_modules_match_reference_with_overlapped_buckets(case: Case, bucket: int) -> None:
+    """Allreduces in buckets started when ready (``DTM_OVERLAP``; small buckets: many of
+    them, values freed before their bucket starts, chains of allreduces) change nothing."""
+    saved = {k: os.environ.get(k) for k in ("DTM_OVERLAP", "DTM_BUCKET_BYTES")}
+    os.environ.update({"DTM_OVERLAP": "1", "DTM_BUCKET_BYTES": str(bucket)})
+    get_config.cache_clear()
+    try:
+        _matches_reference(case)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        get_config.cache_clear()
+
+
+def _matches_reference(case: Case) -> None:
     module, errors = check_text(render(case.spec, Style(case.names)), "prop.dtm")
     assert module is not None and not errors
     entry = module.entry

@@ -1,0 +1,106 @@
+"""Which allreduces overlap computation: buckets started as soon as their values are ready and
+completed just before their results are first needed (pure: every rank computes the same).
+
+A candidate is a ``REDIST`` op whose redistribution is one ``ALLREDUCE`` step of a float value
+(the data-parallel gradient completions the reverse pass emits, a tensor-parallel pending sum
+completed before its use). Its operand is *ready* after the op that defines it; its result is
+*needed* at its first use (the function's end for a returned value). In ready order, candidates
+over the same axes, reduction and dtype are packed into a **bucket** of at most
+``bucket_bytes`` (DDP's buckets: one message for many small gradients): the bucket *starts*
+after the last member's operand is ready and *completes* before the first member's result is
+needed. A bucket that would complete where it starts overlaps nothing and is not formed: its
+members run where they stand. What runs between a bucket's start and completion is what the
+allreduce overlaps; ``dtm explain`` lists every bucket with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dtm_mpi.ir.types import ReduceOp
+from dtm_mpi.plan.program import FunctionPlan, OpKind
+from dtm_mpi.sharding.steps import StepKind
+
+__all__ = ["BUCKET_BYTES", "Bucket", "overlap_buckets"]
+
+BUCKET_BYTES = 25 * 2**20
+"""The default bucket size (DDP's default, 25 MiB)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """Allreduces sent as one message: ``members`` (op indices, in ready order), started after
+    op ``start - 1`` (before op ``start``) and completed before op ``finish``."""
+
+    members: tuple[int, ...]
+    axes: tuple[str, ...]
+    op: ReduceOp
+    start: int
+    finish: int
+    nbytes: int  # global bytes of the members (each rank sends its blocks: at most this)
+
+    @property
+    def overlapped(self) -> range:
+        """The op indices that run while the bucket is in flight."""
+        return range(self.start, self.finish)
+
+
+def _candidate(fp: FunctionPlan, i: int) -> tuple[tuple[str, ...], ReduceOp, str] | None:
+    p = fp.ops[i]
+    if p.kind is not OpKind.REDIST or p.redist is None or len(p.redist.steps) != 1:
+        return None
+    step = p.redist.steps[0]
+    t = p.op.result_types[0]
+    if step.kind is not StepKind.ALLREDUCE or step.op is None or not t.dtype.is_float:
+        return None
+    return step.axes, step.op, t.dtype.value
+
+
+def overlap_buckets(fp: FunctionPlan, bucket_bytes: int = BUCKET_BYTES) -> tuple[Bucket, ...]:
+    """The buckets of ``fp`` (module doc), in start order."""
+    ops = fp.ops
+    defined: dict[str, int] = {p.name: -1 for p in fp.function.params}
+    first_use: dict[str, int] = {}
+    for i, p in enumerate(ops):
+        for n in p.op.operands:
+            first_use.setdefault(n, i)
+        for r in p.op.results:
+            defined[r] = i
+    end = len(ops)
+    cands = []
+    for i, p in enumerate(ops):
+        key = _candidate(fp, i)
+        if key is None:
+            continue
+        ready = defined.get(p.op.operands[0], -1) + 1
+        needed = first_use.get(p.op.results[0], end)
+        t = p.op.result_types[0]
+        cands.append((ready, i, needed, key, t.nbytes))
+    cands.sort()
+    buckets: list[Bucket] = []
+    open_: list[tuple[int, int, int, tuple[tuple[str, ...], ReduceOp, str], int]] = []
+
+    def close() -> None:
+        if open_:
+            start = max(c[0] for c in open_)
+            finish = min(c[2] for c in open_)
+            members = tuple(c[1] for c in open_)
+            # worth it where something runs in between other than the members themselves
+            if any(j not in members for j in range(start, finish)):
+                key = open_[0][3]
+                buckets.append(Bucket(members, key[0], key[1], start, finish, sum(c[4] for c in open_)))  # fmt: skip
+            open_.clear()
+
+    for c in cands:
+        if open_:
+            same = c[3] == open_[0][3]
+            fits = sum(x[4] for x in open_) + c[4] <= bucket_bytes
+            # the bucket would start after this one's operand: it must still finish later
+            keeps = max(c[0], *(x[0] for x in open_)) < min(c[2], *(x[2] for x in open_))
+            # nor may it reduce what a member gives (that arrives with the bucket)
+            chained = ops[c[1]].op.operands[0] in {ops[x[1]].op.results[0] for x in open_}
+            if not (same and fits and keeps) or chained:
+                close()
+        open_.append(c)
+    close()
+    return tuple(sorted(buckets, key=lambda b: (b.start, b.members)))
