@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from dtm_mpi.bench.train_models import mlp_numpy_step
+
 __all__ = ["run_frontend_bench"]
 
 TRACE_TARGET_S = 2.0
@@ -39,33 +41,6 @@ def _gpt_step(layers: int) -> Any:
 
     spec = dtm.Input((batch, context), "i32", ("dp", None))
     return dtm.train_step(dtm.nn.GPT(vocab, context, dim, heads, layers), loss, mesh=dtm.Mesh(dp=2, tp=2), inputs={"ids": spec, "tgt": spec}, optimizer=dtm.optim.AdamW(), clip_norm=1.0, name="gpt")  # fmt: skip
-
-
-def _gelu(x: np.ndarray) -> np.ndarray:
-    c = math.sqrt(2.0 / math.pi)
-    out: np.ndarray = 0.5 * x * (1.0 + np.tanh(c * (x + 0.044715 * x**3)))
-    return out
-
-
-def _numpy_step(x: np.ndarray, t: np.ndarray, w1: np.ndarray, w2: np.ndarray, lr: float) -> float:
-    """The MLP's training step written directly in numpy (the compute floor)."""
-    h = x @ w1
-    c = np.float32(math.sqrt(2.0 / math.pi))
-    th = np.tanh(c * (h + np.float32(0.044715) * (h * h * h)))
-    a = 0.5 * h * (1.0 + th)
-    y = a @ w2
-    d = y - t
-    loss = float(np.mean(d * d))
-    gy = d * np.float32(2.0 / d.size)
-    gw2 = a.T @ gy
-    ga = gy @ w2.T
-    dgelu = 0.5 * (1.0 + th) + 0.5 * h * (1.0 - th * th) * c * (
-        1.0 + np.float32(3 * 0.044715) * h * h
-    )
-    gw1 = x.T @ (ga * dgelu)
-    w1 -= np.float32(lr) * gw1
-    w2 -= np.float32(lr) * gw2
-    return loss
 
 
 def _mlp_module(batch: int, n_in: int, hidden: int) -> Any:
@@ -140,7 +115,7 @@ def run_frontend_bench(layers: int = 12, repeat: int = 3, steps: int = 5, batch:
                 if spec.updates is not None:
                     blocks[index[spec.updates]] = value
 
-        return _time_alternating(dtm_step, lambda: _numpy_step(x, t, nw1, nw2, 0.01), steps)
+        return _time_alternating(dtm_step, lambda: mlp_numpy_step(x, t, nw1, nw2, 0.01), steps)
 
     with threadpool_limits(limits=1, user_api="blas"):
         (td, tn), *_ = run_ranks(plan.mesh, measure, timeout_s=3600)

@@ -24,7 +24,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["GPT", "MLP", "MLP_LR", "MODELS", "ModelDef", "initial_state", "numpy_floor"]
+__all__ = [
+    "GPT",
+    "MLP",
+    "MLP_LR",
+    "MODELS",
+    "ModelDef",
+    "initial_state",
+    "mlp_numpy_step",
+    "numpy_floor",
+]
 
 Arr = np.ndarray
 POOL = 4
@@ -226,17 +235,22 @@ class MlpFloor:
         self.w2 = state["layers.1.weight"].copy()
 
     def step(self, batch: dict[str, Arr]) -> float:
-        x, t, w1, w2 = batch["x"], batch["t"], self.w1, self.w2
-        h = x @ w1
-        a, th = _gelu_fwd(h)
-        d = a @ w2 - t
-        loss = float(np.mean(d * d))
-        gy = d * np.float32(2.0 / d.size)
-        gw2 = a.T @ gy
-        gw1 = x.T @ ((gy @ w2.T) * _gelu_bwd(h, th))
-        w1 -= np.float32(MLP_LR) * gw1
-        w2 -= np.float32(MLP_LR) * gw2
-        return loss
+        return mlp_numpy_step(batch["x"], batch["t"], self.w1, self.w2, MLP_LR)
+
+
+def mlp_numpy_step(x: Arr, t: Arr, w1: Arr, w2: Arr, lr: float) -> float:
+    """The MLP's training step (``x @ w1``, gelu, ``@ w2``, mean-squared error against
+    ``t``, SGD) written directly in numpy; updates ``w1`` and ``w2`` in place."""
+    h = x @ w1
+    a, th = _gelu_fwd(h)
+    d = a @ w2 - t
+    loss = float(np.mean(d * d))
+    gy = d * np.float32(2.0 / d.size)
+    gw2 = a.T @ gy
+    gw1 = x.T @ ((gy @ w2.T) * _gelu_bwd(h, th))
+    w1 -= np.float32(lr) * gw1
+    w2 -= np.float32(lr) * gw2
+    return loss
 
 
 def _ln_fwd(x: Arr, g: Arr, b: Arr, eps: float = 1e-5) -> tuple[Arr, tuple[Arr, Arr]]:

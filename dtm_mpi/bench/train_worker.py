@@ -79,6 +79,15 @@ def _peak_rss() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def _rss() -> int:
+    """This process's resident memory now (``VmRSS``), in bytes."""
+    with open("/proc/self/status", encoding="ascii") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0  # pragma: no cover (not Linux)
+
+
 def _run_dtm(model: str, sizes: dict[str, int], steps: int, warmup: int) -> dict[str, Any]:
     from mpi4py import MPI
 
@@ -105,8 +114,13 @@ def _run_dtm(model: str, sizes: dict[str, int], steps: int, warmup: int) -> dict
         data = spec.batch_data(s)
         return {k: data[k][r] for k, r in regions.items()}
 
+    rss: list[tuple[float, int]] = []
+
     def on_step(s: int, rank: int, metrics: dict[str, float]) -> None:
-        marks.append(time.perf_counter())
+        now = time.perf_counter()
+        if not rss or now - rss[-1][0] >= 5.0:  # the soak's trace: every 5 s
+            rss.append((now, _rss()))
+        marks.append(now)
         comm_marks.append(timed[0].seconds if timed else 0.0)
         losses.append(float(metrics[step.metrics[0]]))
 
@@ -126,7 +140,8 @@ def _run_dtm(model: str, sizes: dict[str, int], steps: int, warmup: int) -> dict
     points = [start, *marks]
     times = [b - a for a, b in itertools.pairwise(points)][warmup:]
     comms = [b - a for a, b in itertools.pairwise([0.0, *comm_marks])][warmup:]
-    return {"times": times, "comm": comms, "losses": losses, "ops": len(plan.entry_plan.ops)}
+    trace = [(t - start, b) for t, b in rss]
+    return {"times": times, "comm": comms, "losses": losses, "ops": len(plan.entry_plan.ops), "rss_trace": trace}  # fmt: skip
 
 
 def _run_numpy(model: str, steps: int, warmup: int) -> dict[str, Any]:

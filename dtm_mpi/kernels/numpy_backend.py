@@ -235,7 +235,9 @@ def _bind(kernel: Kernel, ctx: KernelContext) -> BoundKernel | None:
 
     def call(xs: Sequence[Arr]) -> tuple[Arr, ...]:
         out = fn(np, *xs)
-        if exact and type(out) is np.ndarray and out.dtype == want:
+        if type(out) is not np.ndarray:  # numpy gives a scalar for 0-d operands
+            out = np.asarray(out)
+        if exact and out.dtype == want:
             return (out,)
         return (as_dtype(out, t),)
 

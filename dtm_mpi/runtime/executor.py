@@ -136,6 +136,31 @@ def gather_to_root(t: TensorType, x: np.ndarray, comm: Comm, root: int = 0) -> n
     return out
 
 
+CHUNK_ELEMS = 16384
+"""Elements per chunk of a fused chain on the CPU (64 KiB of float32 per array: the
+chain's inputs and intermediates stay in a core's L2 cache)."""
+
+
+def _unchecked(call: BoundKernel | None) -> BoundKernel | None:
+    """``call`` without its shape check (:meth:`Executor._checked`), where it has one."""
+    if isinstance(call, functools.partial) and getattr(call.func, "__name__", "") == "_checked":
+        return call.args[1]  # type: ignore[no-any-return]
+    return call
+
+
+@dataclass(frozen=True, slots=True)
+class _Chunked:
+    """A fused elementwise chain as the CPU runs it: its inputs, its ops in order (a bound
+    call with operand names and result; ``None``: a bias broadcast, its vector aliased), the
+    result name, local shape and dtype."""
+
+    inputs: tuple[str, ...]
+    steps: tuple[tuple[BoundKernel | None, tuple[str, ...], str], ...]
+    result: str
+    shape: tuple[int, ...]
+    dtype: np.dtype[np.generic]
+
+
 @dataclass(frozen=True, slots=True)
 class _Sched:
     """Overlapped allreduces at one op: buckets to complete and to start before it, and
@@ -213,6 +238,9 @@ class Executor:
         self._specs_of: dict[int, tuple[StepSpec, ...]] = {}
         self._exact_specs: dict[tuple[tuple[str, ...], ReduceOp, int], AllreduceSpec] = {}
         self._programs: dict[int, list[_Instr]] = {}
+        self._trusted: set[int] = set()  # programs whose kernels gave their shapes once
+        # fused elementwise chains on the CPU (DTM_FUSE): the numpy backend's fast loop
+        self.cpu_fuse = self.backend.name == "numpy" and not self.backend.fuses and get_config().fuse  # fmt: skip
 
     # -- per-op facts, computed once per rank -------------------------------------------------
     def local_shape(self, t: TensorType) -> tuple[int, ...]:
@@ -311,14 +339,19 @@ class Executor:
             raise KernelError(
                 f"{p.op.name} at {p.where} failed on rank {self.rank}: {type(exc).__name__}: {exc}"
             ) from exc
+        if id(fp) not in self._trusted:  # every kernel gave its planned shapes: unchecked
+            self._trusted.add(id(fp))  # from now on (shapes are static)
+            self._programs[id(fp)] = [(*ins[:4], _unchecked(ins[4]), ins[5]) for ins in self._programs[id(fp)]]  # fmt: skip
         return tuple(env[r] for r in f.returns)
 
     def _program(self, fp: FunctionPlan) -> list[_Instr]:
         """``fp``'s ops as this rank runs them (computed once): each op with its operand,
         result and freed names, for a local op that does not read the step its kernel bound
-        to its context (:func:`~dtm_mpi.kernels.dispatch.bind_kernel`), and where allreduces
-        overlap (:func:`~dtm_mpi.plan.overlap.overlap_buckets`) the buckets completed and
-        started before it, and whether it is a bucket's member (run with its bucket)."""
+        to its context (:func:`~dtm_mpi.kernels.dispatch.bind_kernel`); on the CPU each fused
+        elementwise chain (:func:`~dtm_mpi.plan.fusion.fusion_groups`, ``DTM_FUSE``) run at
+        its root in chunks, its other ops skipped; where allreduces overlap
+        (:func:`~dtm_mpi.plan.overlap.overlap_buckets`) the buckets completed and started
+        before each op, and whether it is a bucket's member (run with its bucket)."""
         got = self._programs.get(id(fp))
         if got is not None:
             return got
@@ -331,35 +364,95 @@ class Executor:
             finishes.setdefault(b.finish, []).append(b)
             for m in b.members:
                 members[m] = b
+        bound: list[BoundKernel | None] = []
+        for p in fp.ops:
+            call = None
+            if p.kind is OpKind.LOCAL and not OPS[p.op.name].has(Trait.NEEDS_STEP):
+                kernel, ctx = self._kernel(p, 0)
+                call = bind_kernel(self.backend.name, kernel, ctx) or functools.partial(kernel, ctx)  # fmt: skip
+                if not OPS[p.op.name].has(Trait.ELEMENTWISE):  # shapes checked (elementwise:
+                    call = functools.partial(self._checked, p, call, ctx.local_shapes)  # same)
+            bound.append(call)
+        frees_of = [p.frees for p in fp.ops]
+        chunked: dict[int, _Chunked] = {}
+        skipped: set[int] = set()
+        if self.cpu_fuse:
+            groups = [g for g in fusion_groups(fp) if self._chunkable(fp, g)]
+            frees_of = [_fused_frees(fp, groups)[i] for i in range(len(fp.ops))]
+            for g in groups:
+                chunked[g.root] = self._chunk_plan(fp, g, bound)
+                skipped.update(m for m in g.members if m != g.root)
         # a member's operand stays until its bucket starts (it may be freed before: by its
         # member op, or by another op reading it last): dropped when the bucket has packed it
         held: dict[int, set[str]] = {}
         drops: dict[Bucket, tuple[str, ...]] = {}
         for b in buckets:
             names = {fp.ops[m].op.operands[0] for m in b.members}
-            freed = {n for j in range(b.start) for n in fp.ops[j].frees if n in names}
+            freed = {n for j in range(b.start) for n in frees_of[j] if n in names}
             drops[b] = tuple(sorted(freed))
             for j in range(b.start):
                 held.setdefault(j, set()).update(names)
         got = []
         for i, p in enumerate(fp.ops):
             op = p.op
-            call = None
-            if p.kind is OpKind.LOCAL and not OPS[op.name].has(Trait.NEEDS_STEP):
-                kernel, ctx = self._kernel(p, 0)
-                call = bind_kernel(self.backend.name, kernel, ctx) or functools.partial(kernel, ctx)  # fmt: skip
-                if not OPS[op.name].has(Trait.ELEMENTWISE):  # shapes checked (elementwise:
-                    call = functools.partial(self._checked, p, call, ctx.local_shapes)  # same)
-            frees = p.frees
+            call = bound[i]
+            operands, results = op.operands, op.results
+            frees = frees_of[i]
+            if i in chunked:  # the root of a fused chain: the chain, evaluated in chunks
+                plan = chunked[i]
+                call, operands = functools.partial(self._run_chunked, plan), plan.inputs
             bucket = members.get(i)
             if i in held:
                 frees = tuple(n for n in frees if n not in held[i])
             sched = None
-            if i in starts or i in finishes or bucket is not None:
-                sched = _Sched(tuple(finishes.get(i, ())), tuple((b, drops[b]) for b in starts.get(i, ())), bucket is not None)  # fmt: skip
-            got.append((p, op.operands, op.results, frees, call, sched))
+            if i in starts or i in finishes or bucket is not None or i in skipped:
+                sched = _Sched(tuple(finishes.get(i, ())), tuple((b, drops[b]) for b in starts.get(i, ())), bucket is not None or i in skipped)  # fmt: skip
+            got.append((p, operands, results, frees, call, sched))
         self._programs[id(fp)] = got
         return got
+
+    def _chunkable(self, fp: FunctionPlan, g: FusedGroup) -> bool:
+        """Whether the CPU runs group ``g`` in chunks: every member an elementwise op with
+        an array function (the numpy backend's bound call) or an absorbed bias broadcast."""
+        for m in g.members:
+            name = fp.ops[m].op.name
+            if not (OPS[name].has(Trait.ELEMENTWISE) and OPS[name].array_fn is not None) and not OPS[name].has(Trait.BROADCASTS):  # fmt: skip
+                return False
+        return True
+
+    def _chunk_plan(self, fp: FunctionPlan, g: FusedGroup, bound: Sequence[BoundKernel | None]) -> _Chunked:  # fmt: skip
+        steps: list[tuple[BoundKernel | None, tuple[str, ...], str]] = []
+        for m in g.members:
+            op = fp.ops[m].op
+            if OPS[op.name].has(Trait.BROADCASTS):  # a bias: its vector, broadcast by numpy
+                steps.append((None, (op.operands[0],), op.results[0]))
+            else:
+                steps.append((bound[m], op.operands, op.results[0]))
+        t = fp.ops[g.root].op.result_types[0]
+        shape = self.local_shape(t)
+        return _Chunked(tuple(dict.fromkeys(g.inputs)), tuple(steps), g.result, shape, np_dtype(t.dtype))  # fmt: skip
+
+    def _run_chunked(self, plan: _Chunked, xs: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
+        """A fused elementwise chain on the CPU: its ops in order (each the op's own bound
+        call: the op-by-op results bit for bit) over blocks of ``CHUNK_ELEMS`` elements of
+        rows, so the intermediates stay in cache instead of one full array per op."""
+        shape = plan.shape
+        cols = shape[-1] if shape else 1
+        rows = math.prod(shape) // cols if cols else 0
+        step = max(1, CHUNK_ELEMS // max(cols, 1))
+        if len(shape) < 2 or rows <= step:  # small: the chain on whole arrays
+            env = dict(zip(plan.inputs, xs, strict=True))
+            for call, names, result in plan.steps:
+                env[result] = env[names[0]] if call is None else call([env[n] for n in names])[0]  # fmt: skip
+            return (env[plan.result],)
+        flat = [x if x.ndim == 1 else x.reshape(rows, cols) for x in xs]  # (1-d: a bias vector)
+        out = np.empty((rows, cols), dtype=plan.dtype)
+        for r0 in range(0, rows, step):
+            env = {n: (x if x.ndim == 1 else x[r0 : r0 + step]) for n, x in zip(plan.inputs, flat, strict=True)}  # fmt: skip
+            for call, names, result in plan.steps:
+                env[result] = env[names[0]] if call is None else call([env[n] for n in names])[0]  # fmt: skip
+            out[r0 : r0 + step] = env[plan.result]
+        return (out.reshape(shape),)
 
     def _start_bucket(self, fp: FunctionPlan, b: Bucket, env: dict[str, np.ndarray], drops: tuple[str, ...]) -> tuple[Pending, list[tuple[int, ...]]]:  # fmt: skip
         """Start bucket ``b``'s allreduce: its members' operands in one buffer (one alone as
