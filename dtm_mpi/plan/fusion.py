@@ -26,6 +26,9 @@ from dtm_mpi.plan.program import FunctionPlan, OpKind
 __all__ = ["FusedGroup", "FusionNode", "fusion_groups"]
 
 _FLOATS = frozenset({DType.F16, DType.BF16, DType.F32, DType.F64})
+MAX_DEPTH = 48
+"""The deepest chain one group absorbs (a longer chain is cut into groups): bounds the
+generated kernel's expression and the planner's recursion."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,14 +106,14 @@ class _Tree:
         ok = k is not None and k not in self.taken and self.uses[name] == 1
         return k if ok and k is not None and self.ops[k].kind is OpKind.LOCAL else None
 
-    def build(self, j: int) -> FusionNode:
+    def build(self, j: int, depth: int = 0) -> FusionNode:
         self.members.append(j)
         op = self.ops[j].op
         args: list[FusionNode | int] = []
         for name in op.operands:
             k = self._inner(name)
-            if k is not None and _fusible(self.ops[k].op):
-                args.append(self.build(k))
+            if k is not None and _fusible(self.ops[k].op) and depth < MAX_DEPTH:
+                args.append(self.build(k, depth + 1))
                 continue
             if k is not None:
                 inner = self.ops[k]

@@ -50,14 +50,14 @@ def test_examples_fused_on_the_cpu_equal_op_by_op_bit_for_bit(name: str, ranks: 
 CHAIN = """dtm 1.0
 module chain
 mesh @m = [x=2]
-entry func @f(%a: {t}[300,200], %b: {t}[200], %c: {t}[300,200]) -> ({t}[300,200]) on @m {{
-  %bb = broadcast_to %b : {t}[300,200]
-  %s = add %a, %bb : {t}[300,200]
-  %g = gelu %s : {t}[300,200]
-  %m = mul %g, %c : {t}[300,200]
-  %e = exp %m : {t}[300,200]
-  %d = div %e, %c : {t}[300,200]
-  %r = sub %d, %a : {t}[300,200]
+entry func @f(%a: {t}[800,200], %b: {t}[200], %c: {t}[800,200]) -> ({t}[800,200]) on @m {{
+  %bb = broadcast_to %b : {t}[800,200]
+  %s = add %a, %bb : {t}[800,200]
+  %g = gelu %s : {t}[800,200]
+  %m = mul %g, %c : {t}[800,200]
+  %e = exp %m : {t}[800,200]
+  %d = div %e, %c : {t}[800,200]
+  %r = sub %d, %a : {t}[800,200]
   return %r
 }}
 """
@@ -70,12 +70,12 @@ def test_a_chain_over_many_chunks_equals_op_by_op(dtype: str, monkeypatch: pytes
     plan = compile_plan(module, mesh_for(module, 2, None))
     (group,) = fusion_groups(plan.entry_plan)
     assert len(group.members) == 7  # the whole chain, the bias broadcast absorbed
-    rows, cols = 300, 200  # every rank computes the whole (replicated): several chunks of rows
-    assert rows > executor.CHUNK_ELEMS // cols
+    rows, cols = 800, 200  # every rank computes the whole (replicated): several chunks of rows
+    assert rows > executor.CHUNK_ELEMS // cols and rows * cols >= executor.MIN_CHUNKED_ELEMS
     rng = np.random.default_rng(3)
     np_t = np.float32 if dtype == "bf16" else np.dtype(dtype.replace("f", "float"))
-    a, b = rng.standard_normal((300, 200)).astype(np_t), rng.standard_normal(200).astype(np_t)
-    inputs = {"a": a, "b": b, "c": (rng.random((300, 200)) + 0.5).astype(np_t)}
+    a, b = rng.standard_normal((800, 200)).astype(np_t), rng.standard_normal(200).astype(np_t)
+    inputs = {"a": a, "b": b, "c": (rng.random((800, 200)) + 0.5).astype(np_t)}
     if dtype == "bf16":
         from dtm_mpi.ir.dtypes import round_bf16
 
@@ -86,3 +86,22 @@ def test_a_chain_over_many_chunks_equals_op_by_op(dtype: str, monkeypatch: pytes
     monkeypatch.setattr(executor, "CHUNK_ELEMS", 7 * cols)  # uneven last chunk
     odd = outputs(module, 2, True, monkeypatch, inputs=inputs)
     assert np.array_equal(next(iter(odd.values())), next(iter(want.values())), equal_nan=True)
+
+
+def test_a_long_vector_chain_in_chunks_equals_op_by_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    text = """dtm 1.0
+module vec
+entry func @f(%a: f32[200000], %c: f32[200000]) -> (f32[200000]) {
+  %s = mul %a, %c : f32[200000]
+  %g = tanh %s : f32[200000]
+  %r = sub %g, %a : f32[200000]
+  return %r
+}
+"""
+    module = parse_module(text, "vec.dtm")
+    verify_module(module)
+    rng = np.random.default_rng(5)
+    inputs = {k: rng.standard_normal(200000).astype(np.float32) for k in ("a", "c")}
+    want = outputs(module, 1, False, monkeypatch, inputs=inputs)
+    got = outputs(module, 1, True, monkeypatch, inputs=inputs)
+    assert np.array_equal(next(iter(got.values())), next(iter(want.values())))
