@@ -83,10 +83,10 @@ def _bias_vector(op: Op, operand_type: object) -> bool:
 class _Tree:
     """One group being built from its root down: the inputs met and the ops absorbed."""
 
-    def __init__(self, fp: FunctionPlan, uses: Counter[str], taken: set[int]) -> None:
+    def __init__(self, fp: FunctionPlan, uses: Counter[str], taken: set[int], producer: dict[str, int]) -> None:  # fmt: skip
         self.ops = fp.ops
         self.uses, self.taken = uses, taken
-        self.producer = {r: i for i, p in enumerate(fp.ops) for r in p.op.results}
+        self.producer = producer
         self.inputs: list[str] = []
         self.lastdim: list[bool] = []
         self.members: list[int] = []
@@ -135,11 +135,12 @@ def fusion_groups(fp: FunctionPlan, min_size: int = 2) -> tuple[FusedGroup, ...]
     uses.update(fp.function.returns)
     taken: set[int] = set()
     groups: list[FusedGroup] = []
+    producer = {r: i for i, p in enumerate(fp.ops) for r in p.op.results}
     for i in range(len(fp.ops) - 1, -1, -1):
         p = fp.ops[i]
         if i in taken or p.kind is not OpKind.LOCAL or not _fusible(p.op):
             continue
-        tree = _Tree(fp, uses, taken)
+        tree = _Tree(fp, uses, taken, producer)
         root = tree.build(i)
         if len(tree.members) < min_size:
             continue

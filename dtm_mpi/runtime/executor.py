@@ -382,7 +382,8 @@ class Executor:
         skipped: set[int] = set()
         if self.cpu_fuse:  # chains larger than a core's cache (smaller: op by op)
             groups = [g for g in fusion_groups(fp) if self._chunkable(fp, g)]
-            frees_of = [_fused_frees(fp, groups)[i] for i in range(len(fp.ops))]
+            fused_frees = _fused_frees(fp, groups)
+            frees_of = [fused_frees[i] for i in range(len(fp.ops))]
             for g in groups:
                 chunked[g.root] = self._chunk_plan(fp, g, bound)
                 skipped.update(m for m in g.members if m != g.root)
