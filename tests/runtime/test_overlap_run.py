@@ -11,8 +11,6 @@ import numpy as np
 import pytest
 
 from dtm_mpi.config import get_config
-from dtm_mpi.plan.overlap import overlap_buckets
-from dtm_mpi.plan.program import compile_plan, mesh_for
 from dtm_mpi.runtime.simulate import run_simulated
 from tests.runtime.test_sim_examples import NAMES, assert_matches, load
 
@@ -32,20 +30,6 @@ def overlap(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 @pytest.mark.parametrize("name", [n for n in NAMES if n != "pipeline"])
 def test_examples_with_overlapped_buckets_match_the_reference(overlap: None, name: str, nranks: int) -> None:  # fmt: skip
     assert_matches(load(name), nranks, None)
-
-
-def test_buckets_respect_the_size_and_start_after_their_values(overlap: None) -> None:
-    module = load("tp_mlp")
-    plan = compile_plan(module, mesh_for(module, 4, {"dp": 2, "tp": 2}))
-    fp = plan.entry_plan
-    assert fp.buckets, "the dp gradients form a bucket"
-    defined = {r: i for i, p in enumerate(fp.ops) for r in p.op.results}
-    for b in fp.buckets:
-        for m in b.members:
-            operand = fp.ops[m].op.operands[0]
-            assert defined.get(operand, -1) < b.start < b.finish
-    small = overlap_buckets(fp, bucket_bytes=8)
-    assert all(len(b.members) == 1 or b.nbytes <= 8 for b in small)
 
 
 def test_deterministic_mode_ignores_buckets_and_keeps_its_bits(overlap: None) -> None:
