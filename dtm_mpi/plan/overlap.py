@@ -16,10 +16,14 @@ allreduce overlaps; ``dtm explain`` lists every bucket with it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from dtm_mpi.ir.registry import OpKind
 from dtm_mpi.ir.types import ReduceOp
-from dtm_mpi.plan.program import FunctionPlan, OpKind
 from dtm_mpi.sharding.steps import StepKind
+
+if TYPE_CHECKING:  # the plan holds the buckets: compile_plan calls this module
+    from dtm_mpi.plan.program import FunctionPlan
 
 __all__ = ["BUCKET_BYTES", "Bucket", "overlap_buckets"]
 
