@@ -560,12 +560,18 @@ class MpiSession:
         returns) within the deadline, watching for failure notices as :meth:`wait` does."""
         self.check()
         deadline = time.monotonic() + self.timeout_s
-        while not done.wait(0.002):
-            remote = self.control.poll()
-            if remote is not None:
-                self._poison(remote)
-            if time.monotonic() > deadline:
-                self._poison(self.expired(op, axes))
+        if done.is_set():
+            return
+        self.current = (op, axes, deadline)  # what this rank waits in (liveness answers)
+        try:
+            while not done.wait(0.002):
+                remote = self.control.poll()
+                if remote is not None:
+                    self._poison(remote)
+                if time.monotonic() > deadline:
+                    self._poison(self.expired(op, axes))
+        finally:
+            self.current = None
 
     def close(self) -> None:
         """Free the communicators (only when not poisoned).

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dtm_mpi.ir.registry import OpKind
-from dtm_mpi.ir.types import ReduceOp
+from dtm_mpi.ir.types import DType, ReduceOp
 from dtm_mpi.sharding.steps import StepKind
 
 if TYPE_CHECKING:  # the plan holds the buckets: compile_plan calls this module
@@ -55,7 +55,8 @@ def _candidate(fp: FunctionPlan, i: int) -> tuple[tuple[str, ...], ReduceOp, str
         return None
     step = p.redist.steps[0]
     t = p.op.result_types[0]
-    if step.kind is not StepKind.ALLREDUCE or step.op is None or not t.dtype.is_float:
+    # bf16 is not: its reduction is rounded to bf16 afterwards, op by op
+    if step.kind is not StepKind.ALLREDUCE or step.op is None or not t.dtype.is_float or t.dtype is DType.BF16:  # fmt: skip
         return None
     return step.axes, step.op, t.dtype.value
 
@@ -72,12 +73,17 @@ def overlap_buckets(fp: FunctionPlan, bucket_bytes: int = BUCKET_BYTES) -> tuple
             defined[r] = i
     end = len(ops)
     cands = []
+    needed_of: dict[str, int] = {}  # a candidate's result: where it is surely there
     for i, p in enumerate(ops):
         key = _candidate(fp, i)
         if key is None:
             continue
-        ready = defined.get(p.op.operands[0], -1) + 1
+        operand = p.op.operands[0]
+        ready = defined.get(operand, -1) + 1
+        if operand in needed_of:  # the result of another candidate: it arrives with that
+            ready = max(ready, needed_of[operand])  # one's bucket, by its first use at most
         needed = first_use.get(p.op.results[0], end)
+        needed_of[p.op.results[0]] = needed
         t = p.op.result_types[0]
         cands.append((ready, i, needed, key, t.nbytes))
     cands.sort()

@@ -56,3 +56,16 @@ entry func @f(%a: f32[4,8]{dp,-}, %h: f32[4,8]{dp,-}, %w: f32[8]) -> (f32[8], f3
     for b in fp.buckets:
         results = {fp.ops[m].op.results[0] for m in b.members}
         assert not any(depends(fp.ops[m].op.operands[0], results) for m in b.members)
+
+
+def test_a_bucket_reducing_another_buckets_result_starts_once_that_one_completed() -> None:
+    from tests.runtime.test_overlap_run import CHAINED
+
+    module = parse_module(CHAINED, "chained.dtm")
+    verify_module(module)
+    fp = compile_plan(module, mesh_for(module, 4, None), bucket_bytes=1 << 20).entry_plan
+    finish_of = {fp.ops[m].op.results[0]: b.finish for b in fp.buckets for m in b.members}
+    for b in fp.buckets:
+        for m in b.members:
+            operand = fp.ops[m].op.operands[0]
+            assert b.start >= finish_of.get(operand, 0), (b, operand)

@@ -38,3 +38,54 @@ def test_deterministic_mode_ignores_buckets_and_keeps_its_bits(overlap: None) ->
     one = run_simulated(module, 1, steps=2, deterministic=True).outputs()
     for k, v in one.items():
         np.testing.assert_array_equal(got[k], v, err_msg=k)
+
+
+CHAINED = """dtm 1.0
+module chained
+mesh @m = [dp=2, tp=2]
+entry func @f(%a: f32[4,4]{dp,tp}, %w: f32[8]) -> (f32[], f32[8]) on @m {
+  %s = sum %a dims [0, 1] : f32[] partial(sum: dp,tp)
+  %b = allreduce sum %s on dp : f32[] partial(sum: tp)
+  %p = mul %w, %w : f32[8]
+  %d = allreduce sum %b on tp : f32[]
+  %q = mul %p, %w : f32[8]
+  %g = add %d, %d : f32[]
+  return %g, %q
+}
+"""
+
+BF16 = """dtm 1.0
+module halves
+mesh @m = [dp=2]
+entry func @f(%a: bf16[4,8]{dp,-}, %w: bf16[8]) -> (bf16[8], bf16[8]) on @m {
+  %s = sum %a dims [0] : bf16[8] partial(sum: dp)
+  %b = allreduce sum %s on dp : bf16[8]
+  %p = mul %w, %w : bf16[8]
+  %q = mul %p, %w : bf16[8]
+  %c = add %b, %q : bf16[8]
+  return %c, %b
+}
+"""
+
+
+@pytest.mark.parametrize("text", [CHAINED, BF16], ids=["allreduce-of-a-bucket-result", "bf16"])
+def test_chained_and_bf16_allreduces_with_overlap_equal_the_run_without(text: str, overlap: None, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    from dtm_mpi.ir import parse_module, verify_module
+    from dtm_mpi.ir.dtypes import round_bf16
+
+    module = parse_module(text, "case.dtm")
+    verify_module(module)
+    rng = np.random.default_rng(2)
+    inputs = {"a": rng.standard_normal((4, 4) if text is CHAINED else (4, 8)).astype(np.float32), "w": rng.standard_normal(8).astype(np.float32)}  # fmt: skip
+    if text is BF16:
+        inputs = {k: round_bf16(v) for k, v in inputs.items()}
+    sizes = dict(module.meshes[0].axes)
+    n = int(np.prod(list(sizes.values())))
+    got = run_simulated(module, n, binding=sizes, inputs=inputs, steps=1).outputs()
+    monkeypatch.setenv("DTM_OVERLAP", "0")
+    get_config.cache_clear()
+    want = run_simulated(module, n, binding=sizes, inputs=inputs, steps=1).outputs()
+    for k, v in want.items():
+        assert np.array_equal(got[k], v), k
+        if text is BF16:
+            assert np.array_equal(got[k], round_bf16(got[k])), f"{k} is not bf16"
