@@ -2,8 +2,9 @@
 and all ranks check they agree.
 
 Each rank contributes a :class:`Hello` (protocol version, dtm_mpi version, module hash, bound
-mesh, capabilities, backend, deterministic mode, ``--steps``). The hellos are exchanged with two bounded
-non-blocking allgathers (lengths, then JSON bytes) and compared field by field on every rank,
+mesh, capabilities, backend, deterministic mode, ``--steps``, the overlapped allreduces' bucket
+size). The hellos are exchanged with two bounded non-blocking allgathers (lengths, then JSON
+bytes) and compared field by field on every rank,
 so a mismatch raises the same :class:`~dtm_mpi.errors.HandshakeError` everywhere, naming each
 differing field and which ranks hold which value.
 
@@ -40,6 +41,7 @@ class Hello:
     deterministic: bool
     gpu_aware: str = ""
     steps: int = 0  # --steps: a rank told to run another number of steps would wait alone
+    buckets: int = 0  # the overlapped allreduces' bucket bytes (0: none): plans them alike
 
 
 LOCAL_FIELDS = frozenset({"gpu_aware"})

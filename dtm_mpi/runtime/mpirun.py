@@ -259,6 +259,7 @@ def _join(live: _Live, module: Any, args: MpiRunArgs, backend: Any) -> None:
         PROTOCOL_VERSION, __version__, module_hash(module), str(plan.mesh), capabilities(args.backend),
         args.backend, config.deterministic,
         gpu_aware="" if live.local_aware is None else str(live.local_aware), steps=args.steps,
+        buckets=config.bucket_bytes if config.overlap else 0,
     )  # fmt: skip
     handshake(session, hello)  # the module's requirements were checked in phase load
     session.join_mesh(plan_groups(plan, config.deterministic))

@@ -527,3 +527,12 @@ def test_probe_child_never_outlives_an_interrupted_wait(tmp_path: Path) -> None:
         time.sleep(0.05)
     else:
         pytest.fail(f"the probe child {pid} is still running")
+
+
+def test_ranks_planning_other_overlap_buckets_fail_the_handshake() -> None:
+    def hello(buckets: int) -> Hello:
+        return Hello(1, "0.1", "h", "x=2", (), "numpy", False, buckets=buckets)
+
+    compare_hellos([hello(0), hello(0)])
+    with pytest.raises(HandshakeError, match=r"buckets differs \(rank\(s\) 0: 26214400; rank\(s\) 1: 0\)"):  # fmt: skip
+        compare_hellos([hello(26214400), hello(0)])
