@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from dtm_mpi.bench.proc import status_kib
 from dtm_mpi.errors import UsageError
 
 __all__ = ["CkptRow", "run_ckpt_async_bench", "run_ckpt_bench"]
@@ -59,14 +60,6 @@ class CkptRow:
     @property
     def ratio(self) -> float:
         return self.value / self.baseline if self.baseline else 0.0
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
 
 
 def _reset_peak() -> bool:
@@ -107,10 +100,10 @@ def _peak_extra(comm: Any, fn: Callable[[], object]) -> int:
     from mpi4py import MPI
 
     comm.Barrier()
-    base = _rss_kib("VmRSS")
+    base = status_kib("VmRSS")
     ok = _reset_peak()
     keep = fn()
-    extra = (_rss_kib("VmHWM") - base) * 1024 if ok else -1
+    extra = (status_kib("VmHWM") - base) * 1024 if ok else -1
     del keep
     return int(comm.allreduce(extra, op=MPI.MAX))
 

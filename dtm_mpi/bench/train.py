@@ -119,7 +119,9 @@ def _command(c: TrainConfig, steps: int, warmup: int, out: str, mpirun: Sequence
     return [*py, *worker]
 
 
-def _run_one(c: TrainConfig, steps: int, warmup: int, workdir: Path, mpirun: Sequence[str], timeout_s: float) -> dict[str, object]:  # fmt: skip
+def _run_one(row: TrainRow, steps: int, warmup: int, workdir: Path, mpirun: Sequence[str], timeout_s: float) -> None:  # fmt: skip
+    """One round of ``row``'s configuration, recorded in ``row`` (or its error)."""
+    c = row.config
     out = workdir / f"{c.model}-{c.impl}-{c.ranks}-{c.mesh.replace(',', '_').replace('=', '')}"
     for old in workdir.glob(out.name + ".*"):
         old.unlink()
@@ -127,16 +129,21 @@ def _run_one(c: TrainConfig, steps: int, warmup: int, workdir: Path, mpirun: Seq
     try:
         done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout_s, check=False)  # fmt: skip
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout_s:.0f} s"}
+        row.error = f"timed out after {timeout_s:.0f} s"
+        return
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        return {"error": f"exit {done.returncode}: {' | '.join(tail)}"}
+        row.error = f"exit {done.returncode}: {' | '.join(tail)}"
+        return
     ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(c.ranks)]
     times = [max(r["times"][i] for r in ranks) for i in range(len(ranks[0]["times"]))]
     comm = [max(r["comm"][i] for r in ranks) if ranks[0]["comm"] else float("nan") for i in range(len(times))]  # fmt: skip
     median = statistics.median(times)
     share = statistics.median(comm) / median if ranks[0]["comm"] and median > 0 else float("nan")
-    return {"step_s": median, "comm_share": share, "rss": max(int(r["rss"]) for r in ranks), "loss": float(ranks[0]["losses"][-1])}  # fmt: skip
+    row.rounds.append(median)
+    if median <= min(row.rounds):  # the best round's figures
+        row.step_s, row.comm_share, row.loss = median, share, float(ranks[0]["losses"][-1])
+    row.peak_rss = max(row.peak_rss, *(int(r["rss"]) for r in ranks))
 
 
 def torch_available() -> str | None:
@@ -174,17 +181,7 @@ def run_train_bench(
     try:
         for r in range(rounds):
             for c in configs if r % 2 == 0 else configs[::-1]:
-                got = _run_one(c, steps, warmup, workdir, mpirun, timeout_s)
-                row = rows[c]
-                if "error" in got:
-                    row.error = str(got["error"])
-                    continue
-                row.rounds.append(float(got["step_s"]))  # type: ignore[arg-type]
-                if float(got["step_s"]) <= min(row.rounds):  # type: ignore[arg-type]
-                    row.step_s = float(got["step_s"])  # type: ignore[arg-type]
-                    row.comm_share = float(got["comm_share"])  # type: ignore[arg-type]
-                    row.loss = float(got["loss"])  # type: ignore[arg-type]
-                row.peak_rss = max(row.peak_rss, int(got["rss"]))  # type: ignore[call-overload]
+                _run_one(rows[c], steps, warmup, workdir, mpirun, timeout_s)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     table = list(rows.values())

@@ -14,13 +14,13 @@ import argparse
 import itertools
 import json
 import os
-import resource
 import sys
 import time
 from typing import Any
 
 import numpy as np
 
+from dtm_mpi.bench.proc import status_kib
 from dtm_mpi.bench.train_models import MODELS, initial_state, numpy_floor
 
 __all__ = ["TimedComm", "main"]
@@ -75,19 +75,6 @@ class TimedComm:
         return getattr(self._inner, name)
 
 
-def _peak_rss() -> int:
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
-def _rss() -> int:
-    """This process's resident memory now (``VmRSS``), in bytes."""
-    with open("/proc/self/status", encoding="ascii") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0  # pragma: no cover (not Linux)
-
-
 def _run_dtm(model: str, sizes: dict[str, int], steps: int, warmup: int) -> dict[str, Any]:
     from mpi4py import MPI
 
@@ -119,7 +106,7 @@ def _run_dtm(model: str, sizes: dict[str, int], steps: int, warmup: int) -> dict
     def on_step(s: int, rank: int, metrics: dict[str, float]) -> None:
         now = time.perf_counter()
         if not rss or now - rss[-1][0] >= 5.0:  # the soak's trace: every 5 s
-            rss.append((now, _rss()))
+            rss.append((now, status_kib("VmRSS") * 1024))
         marks.append(now)
         comm_marks.append(timed[0].seconds if timed else 0.0)
         losses.append(float(metrics[step.metrics[0]]))
@@ -209,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         got = _run_torch(args.model, args.impl.removeprefix("torch-"), args.steps, args.warmup, args.port)  # fmt: skip
         rank = int(got.pop("rank"))
-    got["rss"] = _peak_rss()
+    got["rss"] = status_kib("VmHWM") * 1024  # the peak resident memory
     with open(f"{args.out}.{rank}", "w", encoding="utf-8") as fh:
         json.dump(got, fh)
     return 0

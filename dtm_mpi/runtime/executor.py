@@ -145,13 +145,6 @@ op by op is as fast (measured: a 9-op chain over 512x4096 float32 1.5x faster in
 over 256x1024 1.4x, a 1-d chain of 65,536 elements 1.7x slower)."""
 
 
-def _unchecked(call: BoundKernel | None) -> BoundKernel | None:
-    """``call`` without its shape check (:meth:`Executor._checked`), where it has one."""
-    if isinstance(call, functools.partial) and getattr(call.func, "__name__", "") == "_checked":
-        return call.args[1]  # type: ignore[no-any-return]
-    return call
-
-
 @dataclass(frozen=True, slots=True)
 class _Chunked:
     """A fused elementwise chain as the CPU runs it: its inputs, its ops in order (a bound
@@ -240,9 +233,10 @@ class Executor:
         # per-op facts of this rank, computed once (the plan, and so its ops, outlive them)
         self._kernels: dict[int, tuple[Kernel, KernelContext]] = {}
         self._specs_of: dict[int, tuple[StepSpec, ...]] = {}
-        self._exact_specs: dict[tuple[tuple[str, ...], ReduceOp, int], AllreduceSpec] = {}
+        self._allreduce_specs: dict[tuple[tuple[str, ...], ReduceOp, int], AllreduceSpec] = {}
         self._programs: dict[int, list[_Instr]] = {}
-        self._trusted: set[int] = set()  # programs whose kernels gave their shapes once
+        # each program without its shape checks: it replaces the checked one after one run
+        self._unchecked: dict[int, list[_Instr]] = {}
         # fused elementwise chains on the CPU (DTM_FUSE): the numpy backend's fast loop
         self.cpu_fuse = self.backend.name == "numpy" and not self.backend.fuses and get_config().fuse  # fmt: skip
 
@@ -343,9 +337,9 @@ class Executor:
             raise KernelError(
                 f"{p.op.name} at {p.where} failed on rank {self.rank}: {type(exc).__name__}: {exc}"
             ) from exc
-        if id(fp) not in self._trusted:  # every kernel gave its planned shapes: unchecked
-            self._trusted.add(id(fp))  # from now on (shapes are static)
-            self._programs[id(fp)] = [(*ins[:4], _unchecked(ins[4]), ins[5]) for ins in self._programs[id(fp)]]  # fmt: skip
+        trusted = self._unchecked.pop(id(fp), None)
+        if trusted is not None:  # every kernel gave its planned shapes: unchecked from now
+            self._programs[id(fp)] = trusted  # on (shapes are static)
         return tuple(env[r] for r in f.returns)
 
     def _program(self, fp: FunctionPlan) -> list[_Instr]:
@@ -369,13 +363,14 @@ class Executor:
             for m in b.members:
                 members[m] = b
         bound: list[BoundKernel | None] = []
-        for p in fp.ops:
+        checked: dict[int, BoundKernel] = {}  # the first run's calls that check shapes
+        for i, p in enumerate(fp.ops):
             call = None
             if p.kind is OpKind.LOCAL and not OPS[p.op.name].has(Trait.NEEDS_STEP):
                 kernel, ctx = self._kernel(p, 0)
                 call = bind_kernel(self.backend.name, kernel, ctx) or functools.partial(kernel, ctx)  # fmt: skip
-                if not OPS[p.op.name].has(Trait.ELEMENTWISE):  # shapes checked (elementwise:
-                    call = functools.partial(self._checked, p, call, ctx.local_shapes)  # same)
+                if not OPS[p.op.name].has(Trait.ELEMENTWISE):  # (elementwise: the same shapes)
+                    checked[i] = functools.partial(self._checked, p, call, ctx.local_shapes)
             bound.append(call)
         frees_of = [p.frees for p in fp.ops]
         chunked: dict[int, _Chunked] = {}
@@ -413,8 +408,9 @@ class Executor:
             if i in starts or i in finishes or bucket is not None or i in skipped:
                 sched = _Sched(tuple(finishes.get(i, ())), tuple((b, drops[b]) for b in starts.get(i, ())), bucket is not None or i in skipped)  # fmt: skip
             got.append((p, operands, results, frees, call, sched))
-        self._programs[id(fp)] = got
-        return got
+        self._unchecked[id(fp)] = got
+        self._programs[id(fp)] = [(*ins[:4], checked.get(i, ins[4]), ins[5]) for i, ins in enumerate(got)]  # fmt: skip
+        return self._programs[id(fp)]
 
     def _chunkable(self, fp: FunctionPlan, g: FusedGroup) -> bool:
         """Whether the CPU runs group ``g`` in chunks: every member an elementwise op with
@@ -470,7 +466,7 @@ class Executor:
         xs = [env[n] for n in names]
         shapes = [tuple(x.shape) for x in xs]
         buf = xs[0] if len(xs) == 1 else np.concatenate([x.reshape(-1) for x in xs])
-        spec = self._exact_spec(b.axes, b.op, int(buf.size))
+        spec = self._allreduce_spec(b.axes, b.op, int(buf.size))
         handle = self.comm.start_allreduce(buf, b.axes, spec)
         for n in drops:
             env.pop(n, None)
@@ -584,16 +580,18 @@ class Executor:
         xs = [env[n] for n in group.inputs]
         return (self.backend.run_fused(_expr(group.tree), group.lastdim, xs, np_dtype(t.dtype), shape),)  # fmt: skip
 
-    def _exact_spec(self, axes: tuple[str, ...], op: ReduceOp, count: int) -> AllreduceSpec:
+    def _allreduce_spec(self, axes: tuple[str, ...], op: ReduceOp, count: int) -> AllreduceSpec:
         key = (axes, op, count)
-        got = self._exact_specs.get(key)
+        got = self._allreduce_specs.get(key)
         if got is None:
             group = self.mesh.group_of(self.rank, axes)
-            got = self._exact_specs[key] = AllreduceSpec(group, group.index(self.rank), op, count)
+            got = self._allreduce_specs[key] = AllreduceSpec(
+                group, group.index(self.rank), op, count
+            )
         return got
 
     def _exact_allreduce(self, x: np.ndarray, axes: tuple[str, ...], op: ReduceOp) -> np.ndarray:
-        return self.comm.allreduce(x, axes, self._exact_spec(axes, op, x.size))
+        return self.comm.allreduce(x, axes, self._allreduce_spec(axes, op, x.size))
 
     def _run_exact(self, ctx: KernelContext, xs: list[np.ndarray], resolved: Sequence[bool]) -> np.ndarray:  # fmt: skip
         """The op's exact form (deterministic mode). Where its result is a pending sum, the
