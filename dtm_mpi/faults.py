@@ -12,6 +12,7 @@ import time
 
 from dtm_mpi.config import FaultKind, get_config
 from dtm_mpi.errors import DtmError
+from dtm_mpi.log import log_info
 
 __all__ = ["InjectedFaultError", "maybe_fail"]
 
@@ -25,6 +26,7 @@ def maybe_fail(rank: int, where: str) -> None:
     fault = get_config().fault_at(rank, where)
     if fault is None:
         return
+    log_info(rank, f"DTM_FAULT={fault}: injecting {fault.kind.value} at {where}")
     if fault.kind is FaultKind.RAISE:
         raise InjectedFaultError(f"injected failure (DTM_FAULT={fault}) on rank {rank} at {where}")
     if fault.kind is FaultKind.HANG:

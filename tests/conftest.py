@@ -26,6 +26,10 @@ from typing import Any
 
 import pytest
 
+from tests.depth import register_profiles
+
+register_profiles()
+
 _HARNESS_KEY = pytest.StashKey["_MpiHarness"]()
 
 
@@ -73,6 +77,30 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
     request = harness.comm.Ibarrier()
     wait_bounded(request, timeout_s=60.0, op="barrier", phase="session end", rank=harness.rank)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Under ``--with-mpi``, a test file that marks no test ``mpi`` is not imported at all:
+    ``-m mpi`` would deselect every test in it, and each rank importing the whole suite (about
+    5 s of CPU a rank) only to deselect it costs the MPI suite more than its tests."""
+    name = collection_path.name
+    if _with_mpi(config) and name.startswith("test_") and name.endswith(".py"):
+        return b"mark.mpi" not in collection_path.read_bytes()
+    return None
+
+
+def _start_order(item: pytest.Item) -> int:
+    if item.get_closest_marker("xdist_group") is not None:
+        return 0  # a module that runs on one worker, one test after another: the longest chains
+    return 1 if item.get_closest_marker("slow") is not None else 2
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest work first, else in collection order (the sort is stable): the grouped
+    modules, then the other ``slow`` tests, then the rest. Under pytest-xdist the workers start
+    on the long jobs and the short tests fill in at the end, instead of one long test running
+    alone while the other workers have nothing left."""
+    items.sort(key=_start_order)
 
 
 def _harness(config: pytest.Config) -> _MpiHarness | None:

@@ -106,7 +106,10 @@ def make_hosts() -> Hosts:
     addrs = (f"10.77.{octet}.1", f"10.77.{octet}.2")
     work = Path(tempfile.mkdtemp(prefix="dtm-hosts-"))
     agent = work / "netns-rsh"
-    agent.write_text('#!/bin/sh\n# Open MPI launch agent: run the daemon command in the host\'s namespace\nhost=$1; shift\nexec ip netns exec "$host" /bin/sh -c "$*"\n')  # fmt: skip
+    # Open MPI launch agent: the daemon command in the host's namespace, with a session
+    # directory of the host's own (the hosts share one /tmp and one host name, and two daemons
+    # of a job making the same session directory at once fail: "mkdir ... File exists")
+    agent.write_text(f'#!/bin/sh\nhost=$1; shift\nmkdir -p "{work}/tmp-$host"\nexec ip netns exec "$host" env OMPI_MCA_orte_tmpdir_base="{work}/tmp-$host" /bin/sh -c "$*"\n')  # fmt: skip
     agent.chmod(0o755)
     hosts = Hosts(names, addrs, links, subnet, agent, switch)
     try:

@@ -21,8 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REQUEUE_SETTLE_S = 8.0
-"""How long a requeued job waits before the test moves its start to now."""
+REQUEUE_SETTLE_S = 1.0
+"""How long a requeued job waits, at least, before the test moves its start to now (and only
+once no step daemon of its previous run is left)."""
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scancel", "scontrol", "sinfo")  # fmt: skip
 
@@ -95,14 +96,21 @@ class SlurmCluster:
             info = self.run("scontrol", "show", "job", str(job), check=False).stdout if st == "PENDING" else ""  # fmt: skip
             if hurry_requeue and "Reason=BeginTime" in info:
                 held_since = held_since if held_since is not None else time.monotonic()
-                # a few seconds first: slurmd finishes cleaning up the job's previous run
-                # (Slurm's own delay is about two minutes; a restart at once can collide)
-                if time.monotonic() - held_since > REQUEUE_SETTLE_S:
+                # once slurmd has finished with the job's previous run (Slurm's own delay is
+                # about two minutes; a restart while a step daemon of the previous run is still
+                # there fails to launch its tasks)
+                if not self.step_daemons(job) and time.monotonic() - held_since > REQUEUE_SETTLE_S:
                     self.run("scontrol", "update", f"jobid={job}", "StartTime=now", check=False)
             else:
                 held_since = None
             time.sleep(0.5)
         raise AssertionError(f"job {job} still {self.state(job)} after {timeout:g} s")
+
+    @staticmethod
+    def step_daemons(job: int) -> list[str]:
+        """The ``slurmstepd`` processes still there for ``job`` (batch, extern or a step)."""
+        ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=False)
+        return [ln for ln in ps.stdout.splitlines() if ln.startswith(f"slurmstepd: [{job}.")]
 
     def stop(self) -> None:
         with contextlib.suppress(Exception):

@@ -16,16 +16,12 @@ import numpy as np
 import pytest
 
 from dtm_mpi.runtime.simulate import run_simulated
-from tests.mpi_env import mpirun_env
-from tests.test_mpi_run import EXAMPLES, _survivors, load, mpirun
+from tests.cli_entry import dtm
+from tests.mpi_env import gone, mpirun_env
+from tests.test_mpi_run import EXAMPLES, load, mpirun
 
 pytestmark = [pytest.mark.slow]
 MLP = str(EXAMPLES / "tp_mlp.dtm")
-
-
-def dtm(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "dtm_mpi", *args], capture_output=True,
-                          text=True, timeout=120, check=False)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -89,7 +85,7 @@ def test_rank_killed_during_a_save_leaves_latest_loadable(tmp_path: Path) -> Non
     assert re.search(r"INCOMPLETE", listing.stdout) and "ckpt-00000004" in listing.stdout, listing.stdout  # fmt: skip
     verify = dtm("ckpt", "verify", str(store))
     assert verify.returncode == 0 and "ok" in verify.stdout, verify.stdout + verify.stderr
-    assert _survivors(marker) == [], "processes survived the job"
+    assert gone(marker) == [], "processes survived the job"
     # the run resumes from step 2 as if nothing happened
     out = tmp_path / "out.npz"
     code, text, _ = mpirun(3, MLP, "--mesh", "dp=1,tp=3", "--steps", "4", "--resume",

@@ -7,12 +7,10 @@ on what is printed."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -20,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mpi_env import mpirun_env
+from tests.mpi_env import Job, gone, kill_leftovers, mpirun_env, rank_pid
 
 ROOT = Path(__file__).parent.parent
 TP_MLP = str(ROOT / "examples" / "tp_mlp.dtm")
@@ -31,23 +29,26 @@ pytestmark = [
 MESH = {2: "dp=1,tp=2", 3: "dp=1,tp=3", 4: "dp=2,tp=2"}
 
 
+SIGKILL_AFTER_TERM_S = "3"
+"""For jobs whose survivors report after the launcher's SIGTERM (a rank died or was killed):
+the launcher's SIGKILL follows its SIGTERM after this many seconds (Open MPI's default is 1),
+so the survivors' lines do not depend on a loaded 2-core machine answering within one. Other
+jobs keep the default: the launcher waits this long after every abort."""
+
+
 def _env(extra: dict[str, str]) -> dict[str, str]:
-    full = mpirun_env(
-        PYTHONUNBUFFERED="1",
-        # the launcher's SIGKILL follows its SIGTERM after this many seconds (default 1): the
-        # survivors' lines must not depend on a loaded 2-core machine answering within one
-        OMPI_MCA_odls_base_sigkill_timeout="3",
-    )
+    full = mpirun_env(PYTHONUNBUFFERED="1")
     full.update(extra)
     return full
 
 
 def launch(
     ranks: int, args: list[str], env: dict[str, str], *, command: str = "run",
-    mpmd: list[list[str]] | None = None, during: Callable[[], None] | None = None,
+    mpmd: list[list[str]] | None = None, during: Callable[[Job], None] | None = None,
 ) -> tuple[int, str, float]:  # fmt: skip
-    """Run ``dtm COMMAND`` under mpirun; ``during()`` runs while the job does (it may stop or
-    kill ranks). Returns the exit code, stdout+stderr and the seconds it took."""
+    """Run ``dtm COMMAND`` under mpirun; ``during(job)`` runs while the job does (it may wait
+    for lines, stop or kill ranks). Returns the exit code, stdout+stderr and the seconds it
+    took."""
     prog = [sys.executable, "-m", "mpi4py", "-m", "dtm_mpi", command]
     cmd = ["mpirun", "--timeout", "100", "--bind-to", "none"]
     if mpmd:
@@ -56,48 +57,13 @@ def launch(
     else:
         cmd += ["-n", str(ranks), *prog, *args]
     start = time.monotonic()
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(env)
-    )
+    job = Job(cmd, _env(env))
     try:
         if during is not None:
-            during()
-        out, _ = proc.communicate(timeout=150)
+            during(job)
     finally:
-        if proc.poll() is None:  # pragma: no cover  (the test failed: leave nothing behind)
-            proc.kill()
-            proc.communicate()
-    return proc.returncode, out, time.monotonic() - start
-
-
-def rank_pid(marker: str, rank: int, wait_s: float = 60.0) -> int:
-    """The pid of MPI rank ``rank`` of the job whose command line holds ``marker``."""
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                cmdline = (entry / "cmdline").read_bytes()
-                environ = (entry / "environ").read_bytes()
-            except OSError:
-                continue
-            ours = marker.encode() in cmdline and b"mpirun" not in cmdline.split(b"\0")[0]
-            if ours and f"OMPI_COMM_WORLD_RANK={rank}\0".encode() in environ + b"\0":
-                return int(entry.name)
-        time.sleep(0.1)
-    raise AssertionError(f"rank {rank} of the job with {marker} never started")
-
-
-def survivors(marker: str) -> list[str]:
-    ps = subprocess.run(["ps", "-eo", "pid,stat,args"], capture_output=True, text=True, check=False)
-    return [ln for ln in ps.stdout.splitlines() if marker in ln and "ps -eo" not in ln]
-
-
-def kill_leftovers(marker: str) -> None:
-    for line in survivors(marker):
-        with contextlib.suppress(ProcessLookupError, ValueError):
-            os.kill(int(line.split()[0]), signal.SIGKILL)
+        code, out = job.finish(150)
+    return code, out, time.monotonic() - start
 
 
 def error_lines(text: str, label: str = "dtm run") -> dict[int, list[str]]:
@@ -126,10 +92,7 @@ def assert_one_agreed_line(text: str, ranks: set[int], label: str = "dtm run") -
 def marker(tmp_path: Path) -> object:
     mark = str(tmp_path / "never.npz")  # unique in the process table
     yield mark
-    time.sleep(0.5)
-    left = survivors(mark)
-    kill_leftovers(mark)
-    assert left == [], "processes survived the job"
+    assert gone(mark) == [], "processes survived the job"
 
 
 # -- several ranks failing in the same step ------------------------------------------------------
@@ -164,7 +127,8 @@ def test_a_rank_dying_before_the_session_is_named_by_every_survivor(
     failed = 1
     code, text, _ = launch(
         ranks, [TP_MLP, "--mesh", MESH[ranks], "-o", marker],
-        {"DTM_TIMEOUT": "60", "DTM_FAULT": f"{failed}:{phase}:exit"},
+        {"DTM_TIMEOUT": "60", "DTM_FAULT": f"{failed}:{phase}:exit",
+         "OMPI_MCA_odls_base_sigkill_timeout": SIGKILL_AFTER_TERM_S},
     )  # fmt: skip
     assert code != 0, text
     line = assert_one_agreed_line(text, set(range(ranks)) - {failed})
@@ -175,18 +139,21 @@ def test_a_rank_dying_before_the_session_is_named_by_every_survivor(
 @pytest.mark.parametrize("ranks", [3, 4])
 def test_a_rank_killed_right_after_start_is_named(ranks: int, marker: str) -> None:
     """SIGKILL soon after the start, while the ranks are in phase load (rank 1 held there by
-    a hang). A kill in the first second or so, while the others still import Python modules,
-    cannot be reported by them: the launcher's SIGKILL comes a second after its SIGTERM."""
+    a hang), once every other rank waits in the load agreement (their logged lines say so).
+    A kill while the others still import Python modules cannot be reported by them."""
     failed = 1
 
-    def kill() -> None:
+    def kill(job: Job) -> None:
         pid = rank_pid(marker, failed)
-        time.sleep(6.0)  # the others reach the load agreement, even on a loaded machine
+        job.wait_for(rf"^\[rank {failed}\] dtm: DTM_FAULT=\S+: injecting hang at load")
+        for r in set(range(ranks)) - {failed}:
+            job.wait_for(rf"^\[rank {r}\] dtm: waiting for every rank to end phase load")
         os.kill(pid, signal.SIGKILL)
 
     code, text, _ = launch(
         ranks, [TP_MLP, "--mesh", MESH[ranks], "-o", marker],
-        {"DTM_TIMEOUT": "60", "DTM_FAULT": f"{failed}:load:hang"}, during=kill,
+        {"DTM_TIMEOUT": "60", "DTM_FAULT": f"{failed}:load:hang", "DTM_LOG": "debug",
+         "OMPI_MCA_odls_base_sigkill_timeout": SIGKILL_AFTER_TERM_S}, during=kill,
     )  # fmt: skip
     assert code != 0, text
     line = assert_one_agreed_line(text, set(range(ranks)) - {failed})
@@ -198,14 +165,19 @@ def test_a_rank_killed_right_after_start_is_named(ranks: int, marker: str) -> No
 def test_a_rank_killed_inside_a_run_is_named_by_every_survivor(ranks: int, marker: str) -> None:
     failed = ranks - 2
 
-    def kill() -> None:
+    def kill(job: Job) -> None:
         pid = rank_pid(marker, failed)
-        time.sleep(8.0)  # inside step 0 (the rank hangs there; the timeout is far)
+        # inside step 0: the rank hangs there (the timeout is far), the others wait for it
+        job.wait_for(rf"^\[rank {failed}\] dtm: DTM_FAULT=\S+: injecting hang at allreduce")
+        for r in set(range(ranks)) - {failed}:
+            job.wait_for(rf"^\[rank {r}\] dtm: phase step 0$")
+        time.sleep(0.2)  # (no line says "inside the allreduce": a guarded MPI call logs none)
         os.kill(pid, signal.SIGKILL)
 
     code, text, _ = launch(
         ranks, [TP_MLP, "--mesh", MESH[ranks], "-o", marker],
-        {"DTM_TIMEOUT": "60", "DTM_FAULT": f"{failed}:allreduce:hang"}, during=kill,
+        {"DTM_TIMEOUT": "60", "DTM_FAULT": f"{failed}:allreduce:hang", "DTM_LOG": "info",
+         "OMPI_MCA_odls_base_sigkill_timeout": SIGKILL_AFTER_TERM_S}, during=kill,
     )  # fmt: skip
     assert code != 0, text
     line = assert_one_agreed_line(text, set(range(ranks)) - {failed})
@@ -263,18 +235,16 @@ def test_a_save_names_the_rank_that_does_not_answer(
 def test_a_rank_stopped_while_saving_is_named(ranks: int, marker: str, tmp_path: Path) -> None:
     failed = 1
 
-    def stop() -> None:
+    def stop(job: Job) -> None:
         pid = rank_pid(marker, failed)
-        deadline = time.monotonic() + 60
-        while not list((tmp_path / "store").glob("*partial*")) and time.monotonic() < deadline:
-            time.sleep(0.1)  # the save has begun: rank 1 hangs in it
-        time.sleep(1.0)
-        os.kill(pid, signal.SIGSTOP)
+        job.wait_for(rf"^\[rank {failed}\] dtm: DTM_FAULT=\S+: injecting hang at ckpt_write")
+        os.kill(pid, signal.SIGSTOP)  # the save has begun: rank 1 hangs in it, now stopped
 
     code, text, _ = launch(
         ranks, [TP_MLP, "--mesh", MESH[ranks], "-o", marker, "--steps", "2",
                 "--checkpoint-every", "1", "--store", str(tmp_path / "store")],
-        {"DTM_TIMEOUT": "10", "DTM_FAULT": f"{failed}:ckpt_write:hang"}, during=stop,
+        {"DTM_TIMEOUT": "5", "DTM_FAULT": f"{failed}:ckpt_write:hang", "DTM_LOG": "info"},
+        during=stop,
     )  # fmt: skip
     assert code != 0, text
     others = set(range(ranks)) - {failed}
@@ -291,15 +261,16 @@ def test_a_rank_stopped_during_bench_comm_is_named(ranks: int, tmp_path: Path) -
     csv = str(tmp_path / "never.csv")
     failed = ranks - 1
 
-    def stop() -> None:
+    def stop(job: Job) -> None:
         pid = rank_pid(csv, failed)
-        time.sleep(5.0)  # inside the timed blocks (the run lasts minutes)
+        job.wait_for(rf"^\[rank {failed}\] dtm: phase \w+ \d+ B$")  # in the timed blocks
+        time.sleep(0.2)  # (the run lasts minutes)
         os.kill(pid, signal.SIGSTOP)
 
     try:
         code, text, elapsed = launch(
             ranks, ["comm", "--sizes", "8", "--repeat", "1000000", "--csv", csv],
-            {"DTM_TIMEOUT": "5"}, command="bench", during=stop,
+            {"DTM_TIMEOUT": "5", "DTM_LOG": "info"}, command="bench", during=stop,
         )  # fmt: skip
     finally:
         kill_leftovers(csv)

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 from dtm_mpi.runtime.simulate import run_simulated
-from tests.mpi_env import mpirun_env
-from tests.test_mpi_faults import rank_pid
+from tests.cli_entry import dtm
+from tests.mpi_env import Job, mpirun_env, rank_pid
 from tests.test_mpi_long_runs import resumed_equals_uninterrupted
 from tests.test_mpi_run import EXAMPLES, load
 
@@ -35,10 +35,6 @@ pytestmark = [
 MLP = str(EXAMPLES / "tp_mlp.dtm")
 DET = {"DTM_TIMEOUT": "60", "DTM_DETERMINISTIC": "1"}
 SEED = int(os.environ.get("DTM_KILL_SEED", time.time_ns() % 2**31))
-
-
-def dtm(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "dtm_mpi", *args], capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
 
 
 def store_is_sound(store: Path, last: int, why: str) -> None:
@@ -64,7 +60,7 @@ def test_a_rank_killed_at_random_moments_of_an_async_run_costs_only_the_steps_si
            "--", MLP, "--mesh", "dp=1,tp=3", "--steps", str(steps), "--store", str(store), "--checkpoint-async",
            "--checkpoint-every", str(every), "--log-every", "1", "-o", str(out)]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=mpirun_env(PYTHONUNBUFFERED="1", OMPI_MCA_odls_base_sigkill_timeout="5", **DET))  # fmt: skip
+                            env=mpirun_env(PYTHONUNBUFFERED="1", **DET))  # fmt: skip
     assert proc.stdout is not None
     lines: list[str] = []
     deadline = time.monotonic() + 200
@@ -117,7 +113,7 @@ def test_every_rank_killed_while_a_save_is_written_leaves_the_last_committed_che
            "-m", "dtm_mpi", "run", MLP, "--mesh", "dp=1,tp=3", "--steps", "100000", "--store", str(store),
            "--checkpoint-async", "--checkpoint-every", "2", "-o", marker]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=mpirun_env(PYTHONUNBUFFERED="1", OMPI_MCA_odls_base_sigkill_timeout="5", **DET))  # fmt: skip
+                            env=mpirun_env(PYTHONUNBUFFERED="1", **DET))  # fmt: skip
     try:
         pids = [rank_pid(marker, r) for r in range(3)]
         wanted = rng.randint(2, 5)  # a save after this many committed ones
@@ -174,32 +170,31 @@ def test_a_stop_signal_at_a_random_moment_saves_the_step_reached_and_leaves_no_p
     cmd = ["mpirun", "--timeout", "150", "--bind-to", "none", "-n", "3", sys.executable, "-m", "mpi4py",
            "-m", "dtm_mpi", "run", MLP, "--mesh", "dp=1,tp=3", "--steps", "100000", "--store", str(store),
            "--checkpoint-async", "--checkpoint-every", "2", "--log-every", "1", "-o", marker]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=mpirun_env(PYTHONUNBUFFERED="1", OMPI_MCA_odls_base_sigkill_timeout="5", **DET))  # fmt: skip
+    job = Job(cmd, mpirun_env(PYTHONUNBUFFERED="1", **DET))
     try:
         pids = [rank_pid(marker, r) for r in range(3)]
         deadline = time.monotonic() + 120
         if when == "save":
             wanted = rng.randint(1, 4)
             while True:
-                assert time.monotonic() < deadline and proc.poll() is None, why + "no save seen"
+                assert time.monotonic() < deadline and job.proc.poll() is None, why + "no save seen"  # fmt: skip
                 names = [p.name for p in store.iterdir()] if store.exists() else []
                 if sum(1 for n in names if re.fullmatch(r"ckpt-\d+", n)) >= wanted and any(".partial-" in n for n in names):  # fmt: skip
                     break
                 time.sleep(0.001)
-        else:
-            time.sleep(rng.uniform(1.0, 4.0))
+        else:  # a random moment of the run, once it is under way (however long start-up took)
+            job.wait_for(r"^step 1/100000: ", 120)
+            time.sleep(rng.uniform(0.0, 2.0))
         if how == "USR1":
-            os.kill(proc.pid, signal.SIGUSR1)
+            os.kill(job.proc.pid, signal.SIGUSR1)
         else:
             for pid in pids:
                 os.kill(pid, signal.SIGTERM)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=60)
-    assert proc.returncode == 75, why + out
+    except BaseException:
+        job.proc.kill()
+        raise
+    code, out = job.finish(120)
+    assert code == 75, why + out
     m = re.search(
         rf"^dtm run: stopped by SIG{how} after step (\d+): checkpoint \S+ saved", out, re.M
     )

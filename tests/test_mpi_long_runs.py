@@ -23,8 +23,7 @@ import pytest
 from dtm_mpi.comm.presence import DUPLICATE_S
 from dtm_mpi.errors import EXIT_REQUEUE
 from dtm_mpi.runtime.simulate import run_simulated
-from tests.mpi_env import mpirun_env
-from tests.test_mpi_faults import survivors
+from tests.mpi_env import mpirun_env, survivors
 from tests.test_mpi_run import EXAMPLES, load, mpirun
 
 pytestmark = [
@@ -42,7 +41,7 @@ def started(ranks: int, store: Path, marker: str, env: dict[str, str] | None = N
            sys.executable, "-m", "mpi4py", "-m", "dtm_mpi", "run", MLP, "--mesh", MESH[ranks],
            "--steps", "100000", "--store", str(store), "--log-every", "2", "-o", marker]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=mpirun_env(PYTHONUNBUFFERED="1", OMPI_MCA_odls_base_sigkill_timeout="5", **DET, **(env or {})))  # fmt: skip
+                            env=mpirun_env(PYTHONUNBUFFERED="1", **DET, **(env or {})))  # fmt: skip
     lines: list[str] = []
     assert proc.stdout is not None
     deadline = time.monotonic() + 120

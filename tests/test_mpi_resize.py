@@ -19,6 +19,7 @@ import pytest
 from dtm_mpi.errors import UsageError
 from dtm_mpi.runtime.request import RunRequest, join_argument, parse_join, parse_resize
 from dtm_mpi.runtime.simulate import run_simulated
+from tests.cli_entry import dtm
 from tests.mpi_env import mpirun_env
 from tests.test_mpi_run import EXAMPLES, load, mpirun
 
@@ -47,7 +48,7 @@ def test_4_to_3_to_4_live_equals_checkpoint_and_relaunch(meshes: tuple[str, str,
     assert code == 0, text
     assert f"resized after step 2: 4 -> 3 rank(s), mesh [{b.replace(',', ', ')}]" in text, text
     assert f"resized after step 4: 3 -> 4 rank(s), mesh [{c.replace(',', ', ')}]" in text, text
-    ls = subprocess.run([sys.executable, "-m", "dtm_mpi", "ckpt", "ls", str(live_store)], capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    ls = dtm("ckpt", "ls", str(live_store))
     meshes_saved = re.findall(r"^\s*(\d+)\s+committed.*\s(\S+)$", ls.stdout, re.M)
     assert meshes_saved == [("1", a), ("2", a), ("3", b), ("4", b), ("5", c), ("6", c)], ls.stdout
     # the same meshes by checkpoint and relaunch
@@ -168,7 +169,7 @@ def test_a_stop_after_a_shrink_saves_and_exits_75_with_the_parked_rank(tmp_path:
     assert proc.returncode == 75, text
     m = re.search(r"stopped by SIGUSR1 after step (\d+): checkpoint", text)
     assert m is not None and "exited on signal" not in text, text
-    verify = subprocess.run([sys.executable, "-m", "dtm_mpi", "ckpt", "verify", str(store)], capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    verify = dtm("ckpt", "verify", str(store))
     assert verify.returncode == 0 and f"ckpt-{int(m.group(1)):08d}" in verify.stdout, verify.stdout + verify.stderr  # fmt: skip
 
 

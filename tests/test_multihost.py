@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from dtm_mpi.runtime.simulate import run_simulated
+from tests.cli_entry import dtm
 from tests.netns_hosts import RTC, Hosts, make_hosts, why_not
 from tests.test_mpi_run import EXAMPLES, load
 
@@ -27,6 +28,7 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not on PATH"),
     pytest.mark.skipif(why_not() is not None, reason=why_not() or ""),
+    pytest.mark.xdist_group("netns-hosts"),  # one pair of hosts (module fixture), on one worker
 ]
 
 
@@ -69,7 +71,7 @@ def test_a_checkpoint_saved_on_two_plus_two_resumes_on_two_plus_one(hosts: Hosts
     mlp = str(EXAMPLES / "tp_mlp.dtm")
     got = hosts.mpirun((2, 2), *DTM, "run", mlp, "--mesh", "dp=2,tp=2", "--steps", "2", "--checkpoint-every", "2", "--store", str(store), env={"DTM_TIMEOUT": "60"})  # fmt: skip
     assert got.returncode == 0, got.stdout + got.stderr
-    verify = subprocess.run([sys.executable, "-m", "dtm_mpi", "ckpt", "verify", str(store)], capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    verify = dtm("ckpt", "verify", str(store))
     assert verify.returncode == 0, verify.stdout + verify.stderr
     got = hosts.mpirun((2, 1), *DTM, "run", mlp, "--mesh", "dp=1,tp=3", "--steps", "4", "--resume", "--store", str(store), "-o", str(out), env={"DTM_TIMEOUT": "60"})  # fmt: skip
     assert got.returncode == 0 and "(after step 2)" in got.stdout, got.stdout + got.stderr

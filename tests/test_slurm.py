@@ -22,7 +22,11 @@ from tests.test_mpi_run import EXAMPLES, load
 
 ROOT = Path(__file__).parent.parent
 JOB = ROOT / "jobs" / "slurm_train.sbatch"
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(why_not() is not None, reason=why_not() or "")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(why_not() is not None, reason=why_not() or ""),
+    pytest.mark.xdist_group("slurm"),  # one private cluster (module fixture), on one worker
+]
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,12 @@ PY=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 H5PY_VERSION=3.16.0
 MPI4PY_VERSION=4.1.2
-say() { printf '[setup] %s\n' "$*"; }
-die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
+say() { printf '[setup %3ss] %s\n' "$SECONDS" "$*"; }
+die() {
+  printf '[setup] error: %s\n' "$*" >&2
+  if [ -n "${optional_pid:-}" ]; then kill "$optional_pid" 2>/dev/null || true; fi
+  exit 1
+}
 
 have_parallel_hdf5() {
   [ -n "${HDF5_DIR:-}" ] && return 0
@@ -80,11 +84,13 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 VPY="$VENV/bin/python"
-# pip's output goes to a log, shown only when the step fails.
+# pip's output goes to a log, shown only when the step fails (PIPLOG: another log, for a pip
+# running beside this one).
 LOG="$VENV/setup.log"
 pipq() {
-  if ! "$VPY" -m pip install -q --disable-pip-version-check "$@" >"$LOG" 2>&1; then
-    grep -v "is ignored: it is neither a file nor a directory" "$LOG" >&2 || true
+  local log=${PIPLOG:-$LOG}
+  if ! "$VPY" -m pip install -q --disable-pip-version-check "$@" >"$log" 2>&1; then
+    grep -v "is ignored: it is neither a file nor a directory" "$log" >&2 || true
     return 1
   fi
 }
@@ -106,7 +112,33 @@ need "setuptools" && "$VPY" -c 'import setuptools,sys; sys.exit(int(setuptools._
 need cython pkgconfig numpy "mpi4py==$MPI4PY_VERSION" \
   || { say "installing cython pkgconfig numpy mpi4py==$MPI4PY_VERSION"; pipq cython pkgconfig numpy "mpi4py==$MPI4PY_VERSION"; }
 
-# --- 3. h5py against parallel HDF5 -----------------------------------------------------------
+# --- 3. optional wheels, installed beside the h5py build (it takes the CPU, they take the disk)
+# NVRTC for the CUDA kernel checks: tests/kernels/test_cu_sources.py compiles the loader's exact
+# text with NVRTC, the compiler CuPy uses (no GPU needed); the wheel matches the CUDA 13.0
+# toolkit's headers. Without it that test skips with a reason; DTM_SETUP_NVRTC=0 skips this.
+# PyTorch (CPU) for the peer of `dtm bench train` (the 'bench' extra): a pinned CPU build (a
+# plain `torch` would pull a CUDA build of several GB); without it the torch peer and its tests
+# skip with a reason. DTM_SETUP_TORCH=0 skips this. Neither shares a package with h5py; the
+# package's own install (step 5) waits for them.
+NVRTC_WHEEL=nvidia-cuda-nvrtc==13.0.88
+TORCH_PIN=torch==2.13.0
+optional_wheels() {
+  if [ "${DTM_SETUP_NVRTC:-1}" != 0 ] && [ "$(uname -s)" = Linux ] && ! need "$NVRTC_WHEEL"; then
+    say "installing $NVRTC_WHEEL (NVRTC, for the CUDA kernel checks)"
+    PIPLOG="$VENV/setup-optional.log" pipq "$NVRTC_WHEEL" || say "warning: could not install $NVRTC_WHEEL; the NVRTC kernel check will skip"
+  fi
+  if [ "${DTM_SETUP_TORCH:-1}" != 0 ] && ! "$VPY" -c 'import torch' >/dev/null 2>&1; then
+    say "installing $TORCH_PIN (CPU; the PyTorch peer of dtm bench train)"
+    PIPLOG="$VENV/setup-optional.log" pipq "$TORCH_PIN" || say "warning: could not install $TORCH_PIN; the PyTorch peer of dtm bench train will skip"
+  fi
+  return 0
+}
+optional_wheels &
+optional_pid=$!
+
+# --- 4. h5py against parallel HDF5 -----------------------------------------------------------
+# Its C extensions compile two at a time (setuptools' build_ext --parallel, given through an extra
+# distutils configuration: pip has no flag for it).
 h5py_is_mpi() { "$VPY" -c 'import h5py,sys; sys.exit(0 if h5py.get_config().mpi else 1)' 2>/dev/null; }
 if ! { need "h5py==$H5PY_VERSION" && h5py_is_mpi; }; then
   say "building h5py $H5PY_VERSION against parallel HDF5 (about 2 minutes)"
@@ -115,35 +147,22 @@ if ! { need "h5py==$H5PY_VERSION" && h5py_is_mpi; }; then
   (
     export CC="$MPICC" HDF5_MPI=ON CFLAGS="-O2 -g0"
     if [ -n "$pkgname" ]; then export HDF5_PKGCONFIG_NAME="$pkgname"; fi
+    DIST_EXTRA_CONFIG="$VENV/h5py-build.cfg"
+    printf '[build_ext]\nparallel = %s\n' "$(nproc 2>/dev/null || echo 2)" >"$DIST_EXTRA_CONFIG"
+    export DIST_EXTRA_CONFIG
     pipq --force-reinstall --no-deps --no-build-isolation --no-binary=h5py --no-cache-dir \
       "h5py==$H5PY_VERSION"
   ) || die "building h5py against parallel HDF5 failed (log: $LOG)"
 fi
 h5py_is_mpi || die "h5py is not built with MPI (h5py.get_config().mpi is False); a serial wheel slipped in"
+wait "$optional_pid" || true
 
-# --- 4. the package ---------------------------------------------------------------------------
+# --- 5. the package ---------------------------------------------------------------------------
 stamp="$VENV/.dtm-installed"
 if [ ! -f "$stamp" ] || [ setup.cfg -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   say "installing dtm_mpi (editable) with [test,dev,train]"
   pipq --no-build-isolation -e ".[test,dev,train]" || die "installing dtm_mpi failed"
   h5py_is_mpi || die "installing dtm_mpi replaced h5py with a serial build"
   touch "$stamp"
-fi
-# --- 5. NVRTC for the CUDA kernel checks (optional) ------------------------------------------
-# tests/kernels/test_cu_sources.py compiles the loader's exact text with NVRTC, the compiler
-# CuPy uses (no GPU needed); the wheel matches the CUDA 13.0 toolkit's headers. Without it that
-# test skips with a reason; DTM_SETUP_NVRTC=0 skips this.
-NVRTC_WHEEL=nvidia-cuda-nvrtc==13.0.88
-if [ "${DTM_SETUP_NVRTC:-1}" != 0 ] && [ "$(uname -s)" = Linux ] && ! need "$NVRTC_WHEEL"; then
-  say "installing $NVRTC_WHEEL (NVRTC, for the CUDA kernel checks)"
-  pipq "$NVRTC_WHEEL" || say "warning: could not install $NVRTC_WHEEL; the NVRTC kernel check will skip"
-fi
-# --- 6. PyTorch (CPU) for the peer of `dtm bench train` (optional) ---------------------------
-# The 'bench' extra. A pinned CPU build (a plain `torch` would pull a CUDA build of several GB);
-# without it the torch peer and its tests skip with a reason. DTM_SETUP_TORCH=0 skips this.
-TORCH_PIN=torch==2.13.0
-if [ "${DTM_SETUP_TORCH:-1}" != 0 ] && ! "$VPY" -c 'import torch' >/dev/null 2>&1; then
-  say "installing $TORCH_PIN (CPU; the PyTorch peer of dtm bench train)"
-  pipq "$TORCH_PIN" || say "warning: could not install $TORCH_PIN; the PyTorch peer of dtm bench train will skip"
 fi
 "$VPY" -c 'import mpi4py, h5py, numpy, dtm_mpi; print("[setup] ok: dtm_mpi", dtm_mpi.__version__, "| mpi4py", mpi4py.__version__, "| h5py", h5py.__version__, "(mpi)", "| HDF5", h5py.version.hdf5_version, "| numpy", numpy.__version__)'

@@ -12,17 +12,21 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from dtm_mpi.console import write_line
 from dtm_mpi.errors import DtmError, UsageError
 
 __all__ = [
     "ENDING",
+    "STOP_SIGNALS",
     "abort_job",
     "claim_ending",
+    "end_on_term",
     "keep_early_term",
     "mpi_world",
     "report",
     "run_or_abort",
-    "write_line",
+    "take_early_stop",
+    "take_early_term",
 ]
 
 
@@ -37,6 +41,16 @@ def claim_ending() -> None:
     if not ENDING.acquire(blocking=False):
         while True:
             time.sleep(3600)
+
+
+def end_on_term() -> None:
+    """Let the launcher's SIGTERM end this rank at once: called when the rank has printed its
+    last line and is ending the job. The abort that follows makes the launcher signal every
+    rank, and a rank inside ``MPI_Abort`` never runs a Python handler: with one, each would
+    wait for the launcher's SIGKILL (seconds later) instead. Main thread only (elsewhere a
+    no-op)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def mpi_world() -> Any | None:
@@ -56,13 +70,6 @@ def mpi_world() -> Any | None:
 def _multi_rank() -> bool:
     world = mpi_world()
     return world is not None and int(world.Get_size()) > 1
-
-
-def write_line(text: str) -> None:
-    """Write ``text`` and a newline to stderr in one call: the launcher forwards each rank's
-    output in chunks, and two writes (text, then newline) interleave with other ranks'."""
-    sys.stderr.write(text + "\n")
-    sys.stderr.flush()
 
 
 def report(message: str) -> None:
@@ -85,29 +92,51 @@ def abort_job(code: int, message: str) -> None:
         world.Abort(code)
 
 
+STOP_SIGNALS = (signal.SIGUSR1,)
+"""Signals that ask a run to stop at the next step boundary and save (Slurm:
+``#SBATCH --signal=USR1@120``, ``scancel --signal=USR1``); mpirun and srun forward them to
+every rank. A SIGTERM while every peer answers is taken as the same request (a scheduler's
+time limit or preemption) where the command can stop (see :mod:`dtm_mpi.comm.presence`)."""
+
 EARLY_TERM: list[int] = []
 """The launcher's SIGTERM, when it came before the command's presence existed (a peer died
 while this rank was still starting): the presence reports it as soon as it starts."""
 
+EARLY_STOP: list[int] = []
+"""A stop signal (SIGUSR1: a scheduler's preemption notice, ``scancel --signal=USR1``) that
+came before the command's presence existed: the presence takes it as its first stop request,
+so a run signalled while it starts stops at its first step boundary and saves (exit 75)
+instead of dying of the signal."""
 
 EARLY_TERM_GRACE_S = 2.0
-"""How long a kept SIGTERM waits for a presence to report it; then it terminates the process
-as usual (commands without a presence, e.g. ``dtm bench ckpt``, are not left running)."""
+"""How long a kept signal waits for a presence to take it; then it ends the process as the
+signal would have (commands without a presence, e.g. ``dtm bench ckpt``, are not left
+running)."""
 
 
 def _early_term(signum: int, frame: object) -> None:
     if _multi_rank():
-        EARLY_TERM.append(signum)  # the presence names the gone peers when it starts
-        timer = threading.Timer(EARLY_TERM_GRACE_S, _terminate_unless_taken, args=(signum,))
-        timer.daemon = True
-        timer.start()
+        _keep(EARLY_TERM, signum)  # the presence names the gone peers when it starts
         return
     _terminate(signum)  # not a job of several ranks: terminate as usual
 
 
-def _terminate_unless_taken(signum: int) -> None:
-    if EARLY_TERM:  # no presence took it
-        _terminate(signum)
+def _early_stop(signum: int, frame: object) -> None:
+    _keep(EARLY_STOP, signum)
+
+
+def _keep(kept: list[int], signum: int) -> None:
+    kept.append(signum)
+    timer = threading.Timer(EARLY_TERM_GRACE_S, _end_unless_taken, args=(kept, signum))
+    timer.daemon = True
+    timer.start()
+
+
+def _end_unless_taken(kept: list[int], signum: int) -> None:
+    if kept:  # no presence took it; this is not the main thread, which alone may reset it
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + signum)
 
 
 def _terminate(signum: int) -> None:
@@ -115,27 +144,40 @@ def _terminate(signum: int) -> None:
     os.kill(os.getpid(), signum)
 
 
-def take_early_term() -> int | None:
-    """The SIGTERM kept before the command's presence existed, if any (taken: it will not
-    also terminate the process)."""
-    if not EARLY_TERM:
+def _take(kept: list[int]) -> int | None:
+    if not kept:
         return None
-    signum = EARLY_TERM[0]
-    EARLY_TERM.clear()
+    signum = kept[0]
+    kept.clear()
     return signum
 
 
+def take_early_term() -> int | None:
+    """The SIGTERM kept before the command's presence existed, if any (taken: it will not
+    also end the process)."""
+    return _take(EARLY_TERM)
+
+
+def take_early_stop() -> int | None:
+    """The stop signal kept before the command's presence existed, if any (taken: it will
+    not also end the process)."""
+    return _take(EARLY_STOP)
+
+
 def keep_early_term() -> None:
-    """Under MPI with several ranks, keep the launcher's SIGTERM until the command's presence
-    reports it (:data:`EARLY_TERM`). Called first thing by ``python -m dtm_mpi`` (where MPI is
-    already initialised, as under ``python -m mpi4py`` with eager initialisation) and again
-    by :func:`run_or_abort`; a handler someone else installed is left alone."""
-    if (
-        _multi_rank()
-        and threading.current_thread() is threading.main_thread()
-        and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-    ):
+    """Keep the signals that come while a command starts until its presence takes them: under
+    MPI with several ranks the launcher's SIGTERM (:data:`EARLY_TERM`), and a stop signal
+    (:data:`EARLY_STOP`). Called first thing by ``python -m dtm_mpi`` (where MPI is already
+    initialised, as under ``python -m mpi4py`` with eager initialisation) and again by
+    :func:`run_or_abort`; a handler someone else installed is left alone. (A signal before
+    this runs, while the interpreter starts and imports MPI, still ends the process.)"""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if _multi_rank() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _early_term)
+    for sig in STOP_SIGNALS:
+        if signal.getsignal(sig) is signal.SIG_DFL:
+            signal.signal(sig, _early_stop)
 
 
 def run_or_abort(main: Callable[[], int]) -> int:

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from dtm_mpi.errors import CommTimeoutError, RankFailure, RemoteFailureError
+from dtm_mpi.log import log_debug
 
 __all__ = [
     "active_wait",
@@ -107,6 +108,7 @@ def _exchange(comm: Any, ok: bool, message: str, phase: str, timeout_s: float, t
     rank, size = int(comm.Get_rank()), int(comm.Get_size())
     start = time.monotonic()
     tag, view_tag = tags
+    log_debug(rank, f"waiting for every rank to end phase {phase}")
     sends = [comm.isend((phase, ok, message), dest=r, tag=tag) for r in range(size) if r != rank]  # fmt: skip
     got = _collect(comm, tag, set(range(size)) - {rank}, start + timeout_s)
     outcomes: dict[int, tuple[bool, str]] = {r: (bool(v[1]), str(v[2])) for r, v in got.items()}
@@ -182,6 +184,7 @@ def agree_outcome_flagged(
                 flags |= int(m)
         return failures, flags
     size = int(comm.Get_size())
+    log_debug(int(comm.Get_rank()), f"waiting for every rank to end phase {phase}")
     mine = np.array([(0 if ok else 1) | (int(flag) << 1)], dtype=np.int32)
     everyone = np.zeros(size, dtype=np.int32)
     wait(comm.Iallgather(mine, everyone), "agreement")

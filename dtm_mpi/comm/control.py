@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtm_mpi.errors import RankFailure, RemoteFailureError
+from dtm_mpi.log import info_enabled, log_info
 
 __all__ = ["Control", "Liveness"]
 
@@ -48,6 +49,16 @@ class Liveness:
         return "; ".join(parts)
 
 
+_LOGGED: list[tuple[int, str]] = []  # the last phase logged in this process (rank, phase)
+
+
+def _log_phase(rank: int, phase: str) -> None:
+    """Log ``phase`` once, though a rank's session and presence each enter it."""
+    if info_enabled() and _LOGGED[-1:] != [(rank, phase)]:
+        _LOGGED[:] = [(rank, phase)]
+        log_info(rank, f"phase {phase}")
+
+
 class Control:
     """The control channel over communicator ``ctrl`` (this rank is ``rank`` of ``size``)."""
 
@@ -75,6 +86,7 @@ class Control:
     @phase.setter
     def phase(self, value: str) -> None:
         self._where = (value, self._where[1] + 1)
+        _log_phase(self.rank, value)
 
     @property
     def seq(self) -> int:
@@ -165,14 +177,22 @@ class Control:
                 self._ends[int(source)] = str(self.ctrl.recv(source=source, tag=TAG_END))
         return self._ends[min(self._ends)] if self._ends else None
 
+    def all_ended(self) -> bool:
+        """Whether every peer has announced its end (each has printed its last line)."""
+        self.ended()
+        return len(self._ends) >= self.size - 1
+
     def linger(self, seconds: float) -> None:
         """Answer liveness pings for ``seconds`` (a rank that has printed its last line stays
-        visible while its peers still ask who is alive)."""
+        visible while its peers still ask who is alive), or until every peer has announced
+        its own end (none is left to ask)."""
         until = time.monotonic() + seconds
         while time.monotonic() < until:
             try:
                 with self.lock:
                     self._answer()
+                if self.all_ended():
+                    return
             except Exception:  # pragma: no cover  (MPI torn down under us)
                 return
             time.sleep(0.01)

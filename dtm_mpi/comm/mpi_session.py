@@ -28,9 +28,10 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from dtm_mpi.comm.abort import claim_ending, write_line
+from dtm_mpi.comm.abort import claim_ending, end_on_term
 from dtm_mpi.comm.control import Control
 from dtm_mpi.comm.watchdog import Watchdog
+from dtm_mpi.console import write_line
 from dtm_mpi.errors import (
     CommError,
     CommTimeoutError,
@@ -515,11 +516,15 @@ class MpiSession:
         presence = current()
         for control in (self.control, *([presence.control] if presence is not None else [])):
             control.announce_end(error)  # a peer killed by this end prints the same
-        # give the peers time to print theirs, answering their liveness pings meanwhile
+        end_on_term()  # printed: another rank's abort may end this one at once
+        # give the peers time to print theirs, answering their liveness pings meanwhile; no
+        # longer than until every peer has said it printed its own
         until = time.monotonic() + min(2.0, max(0.6, self.timeout_s / 10))
         while time.monotonic() < until:
             try:
                 self.control.poll()
+                if self.control.all_ended():
+                    break
             except Exception:  # pragma: no cover  (MPI going down under us)
                 break
             time.sleep(0.01)

@@ -23,8 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from dtm_mpi.comm.abort import claim_ending, write_line
+from dtm_mpi.comm.abort import claim_ending
 from dtm_mpi.comm.agreement import wait_bounded
+from dtm_mpi.console import write_line
 
 __all__ = ["allgather_obj", "alltoallv_bytes", "bcast_obj", "io_deadline"]
 

@@ -22,8 +22,9 @@ import threading
 import time
 from typing import Any
 
-from dtm_mpi.comm.abort import claim_ending, write_line
+from dtm_mpi.comm.abort import STOP_SIGNALS, claim_ending, end_on_term
 from dtm_mpi.comm.control import Control
+from dtm_mpi.console import write_line
 
 __all__ = [
     "LINGER_S",
@@ -87,12 +88,6 @@ DUPLICATE_S = 2.0
 """A second stop signal this soon after the first is the same signal delivered twice (a
 scheduler signalling every task, and the launcher forwarding it too), not a second request."""
 
-STOP_SIGNALS = (signal.SIGUSR1,)
-"""Signals that ask a run to stop at the next step boundary and save (Slurm:
-``#SBATCH --signal=USR1@120``, ``scancel --signal=USR1``); mpirun and srun forward them to
-every rank. A SIGTERM while every peer answers is taken as the same request (a scheduler's
-time limit or preemption) where the command can stop."""
-
 
 class Presence:
     """Start on every rank at the start of a command (not collective); :meth:`stop` at its
@@ -133,8 +128,11 @@ class Presence:
                 )
                 self._thread.start()
         _CURRENT[:] = [self]
-        from dtm_mpi.comm.abort import take_early_term
+        from dtm_mpi.comm.abort import take_early_stop, take_early_term
 
+        stop = take_early_stop()
+        if stop is not None:  # a stop was asked for while this rank was starting
+            self.request_stop(stop)
         early = take_early_term() if self.size > 1 else None
         if early is not None:  # a peer died while this rank was starting
             self.report_terminated(early)
@@ -219,6 +217,7 @@ class Presence:
         claim_ending()  # else another thread of this rank is ending the job
         write_line("\n".join(f"[rank {self.rank}] {ln}" for ln in message.splitlines()))
         self.control.announce_end(message)
+        end_on_term()
         self.control.linger(1.0)
         self.world.Abort(code)
         os._exit(code)  # pragma: no cover  (Abort does not return)

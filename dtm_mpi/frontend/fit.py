@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from dtm_mpi.console import say
 from dtm_mpi.errors import EXIT_REQUEUE, UsageError
 from dtm_mpi.frontend.trace import TracedStep
 
@@ -94,7 +95,7 @@ class _Progress:
         if self.quiet:
             if self.log_every and (step + 1) % self.log_every == 0:
                 shown = " ".join(f"{k} {v:.4g}" for k, v in metrics.items())
-                print(f"step {step + 1}/{self.total}: {shown} ({dt * 1e3:.1f} ms, {self.samples / dt:.0f} samples/s)", flush=True)  # fmt: skip
+                say(f"step {step + 1}/{self.total}: {shown} ({dt * 1e3:.1f} ms, {self.samples / dt:.0f} samples/s)")  # fmt: skip
             return
         if self.bar is None:
             from tqdm import tqdm  # type: ignore[import-untyped]

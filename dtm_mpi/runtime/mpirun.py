@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from dtm_mpi._version import __version__
-from dtm_mpi.comm.abort import write_line
+from dtm_mpi.console import say, write_line
 from dtm_mpi.errors import (
     EXIT_REQUEUE,
     DtmError,
@@ -386,10 +386,10 @@ def _device_comm(session: Any, comm: Any, args: MpiRunArgs, backend: Any, local:
     aware = agree_gpu_aware(session, local)
     rank = session.rank
     if rank == 0:
-        print(f"backend {backend.description}; GPU-aware MPI: {aware.describe()}", flush=True)
+        say(f"backend {backend.description}; GPU-aware MPI: {aware.describe()}")
     return DeviceComm(
         comm, backend.ops, aware, require_gpu_aware=args.require_gpu_aware,
-        log=(lambda line: print(f"dtm: {line}", flush=True)) if rank == 0 else (lambda line: None),
+        log=(lambda line: say(f"dtm: {line}")) if rank == 0 else (lambda line: None),
     )  # fmt: skip
 
 
@@ -612,9 +612,7 @@ def _resize(live: _Live, module: Any, args: MpiRunArgs, backend: Any, step: int,
         moved = move_blocks(move, rank, host, live.comm)
     assert moved is not None
     if rank == 0:
-        print(
-            f"resized after step {step}: {n_old} -> {n_new} rank(s), mesh {plan.mesh}", flush=True
-        )
+        say(f"resized after step {step}: {n_old} -> {n_new} rank(s), mesh {plan.mesh}")
     live.ckpt = _Checkpoints(live.session, plan, args, rank, backend) if args.store else None
     return [backend.to_device(b) for b in moved]
 
@@ -733,7 +731,7 @@ def _requested_mesh(live: _Live, module: Any, args: MpiRunArgs, step: int) -> di
         except DtmError as exc:
             why, binding = str(exc), None
     if binding is None and live.rank == 0:
-        print(f"resize request {args.resize_file} after step {step} ignored: {why}", flush=True)
+        say(f"resize request {args.resize_file} after step {step} ignored: {why}")
     return binding
 
 
@@ -785,7 +783,7 @@ class _StepLog:
             return
         now = time.perf_counter()
         per = (now - self.since) / max(1, self.count)
-        print(f"step {step + 1}/{self.steps}: {per * 1e3:.3f} ms/step, {1.0 / per if per > 0 else float('inf'):.1f} steps/s", flush=True)  # fmt: skip
+        say(f"step {step + 1}/{self.steps}: {per * 1e3:.3f} ms/step, {1.0 / per if per > 0 else float('inf'):.1f} steps/s")  # fmt: skip
         self.since, self.count = now, 0
 
 
@@ -822,7 +820,7 @@ class _Checkpoints:
         got = self.store.restore(self.plan.mesh, [(t_name, t) for t_name, t in self.targets if t_name in names])  # fmt: skip
         if self.rank == 0:
             shown = ", ".join(names) if len(names) <= 4 else f"{len(names)} parameters ({', '.join(names[:3])}, ...)"  # fmt: skip
-            print(f"{shown} from {got.path} (after step {got.step})", flush=True)
+            say(f"{shown} from {got.path} (after step {got.step})")
         return dict(got.values)
 
     def resume(self, blocks: list[np.ndarray]) -> int:
@@ -831,7 +829,7 @@ class _Checkpoints:
         got = self.store.restore(self.plan.mesh, self.targets, fallback=True)
         if self.rank == 0:
             for why in got.skipped:  # newer checkpoints that do not restore and verify
-                print(f"resume: skipped {why}", flush=True)
+                say(f"resume: skipped {why}")
         if got.module_hash != self.module_hash:
             raise agreed(UsageError(
                 f"{got.path} was written by module hash {got.module_hash}; this module's is "
@@ -844,7 +842,7 @@ class _Checkpoints:
             ))  # fmt: skip
         blocks[:] = [got.values[name] for name, _ in self.targets]
         if self.rank == 0:
-            print(f"resumed from {got.path} (after step {got.step})", flush=True)
+            say(f"resumed from {got.path} (after step {got.step})")
         return got.step
 
     def save(self, done: int, blocks: list[np.ndarray], *, sync: bool = False) -> str:
@@ -868,7 +866,7 @@ class _Checkpoints:
             return str(self.store.path / committed_name(done))
         path = self.store.save(done, self.plan.mesh, items, module_hash=self.module_hash)
         if self.rank == 0:
-            print(f"checkpoint {path} (after step {done})", flush=True)
+            say(f"checkpoint {path} (after step {done})")
         return str(path)
 
     def finish_pending(self) -> None:
@@ -879,7 +877,7 @@ class _Checkpoints:
         self.session.phase = f"checkpoint {handle.step}"
         path = handle.wait()
         if self.rank == 0:
-            print(f"checkpoint {path} (after step {handle.step}, written in the background)", flush=True)  # fmt: skip
+            say(f"checkpoint {path} (after step {handle.step}, written in the background)")  # fmt: skip
 
     def close(self) -> None:
         from dtm_mpi.comm import handles

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dtm_mpi.console import say
 from dtm_mpi.errors import (
     BackendError,
     DtmError,
@@ -404,8 +405,7 @@ def write_outputs(outputs: Mapping[str, np.ndarray], output: str | None) -> None
     from dtm_mpi.runtime.simulate import summary_lines
 
     for line in summary_lines(outputs):
-        print(line)
+        say(line)
     if output:
         save_npz(output, outputs)
-        print(f"wrote {output}")
-    sys.stdout.flush()
+        say(f"wrote {output}")

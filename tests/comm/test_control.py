@@ -49,3 +49,47 @@ def test_no_failure_is_no_error_and_phases_are_counted() -> None:
     c.phase = "load"
     c.phase = "plan"
     assert (c.phase, c.seq - start) == ("plan", 2)
+
+
+class _Status:
+    source = -1
+
+    def Get_source(self) -> int:
+        return self.source
+
+
+class _StatusMPI:
+    ANY_SOURCE = -1
+
+    @staticmethod
+    def Status() -> Any:
+        return _Status()
+
+
+class _Ends:
+    """A control communicator on which the given peers have announced their end."""
+
+    def __init__(self, ends: dict[int, str]) -> None:
+        self.ends = dict(ends)
+
+    def Iprobe(self, source: int, tag: int, status: _Status) -> bool:
+        from dtm_mpi.comm.control import TAG_END
+
+        if tag == TAG_END and self.ends:
+            status.source = min(self.ends)
+            return True
+        return False
+
+    def recv(self, source: int, tag: int) -> str:
+        return self.ends.pop(source)
+
+
+def test_a_rank_that_printed_its_last_line_stops_lingering_once_every_peer_has_too() -> None:
+    """Lingering answers the peers that still ask who is alive; once every peer announced its
+    end none will ask, and the job can end now (not seconds later)."""
+    everyone = Control(_StatusMPI, _Ends({1: "e", 2: "e", 3: "e"}), 0, 4, lambda: "")
+    everyone.linger(3600.0)  # returns at once
+    assert everyone.all_ended() and everyone.ended() == "e"
+    one_missing = Control(_StatusMPI, _Ends({1: "e", 3: "e"}), 0, 4, lambda: "")
+    one_missing.linger(0.05)  # the whole time: rank 2 may still ask
+    assert not one_missing.all_ended()

@@ -36,6 +36,7 @@ from dtm_mpi.io.hashing import chunk_hash
 from dtm_mpi.io.manifest import ArtifactClass, Manifest
 from dtm_mpi.ir.types import DType, Layout, Partial, ReduceOp, TensorType
 from dtm_mpi.sharding.mesh import MeshShape
+from tests.depth import examples
 
 MESHES = {
     "1": MeshShape((("x", 1),)),
@@ -430,7 +431,7 @@ def layouts(draw: st.DrawFn, mesh: MeshShape, ndim: int) -> Layout:
     return Layout(tuple(dims))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(st.data())
 def test_restore_property(data: st.DataObject) -> None:
     shape = tuple(data.draw(st.lists(st.integers(0, 9), max_size=3), label="shape"))

@@ -39,6 +39,7 @@ from dtm_mpi.io.manifest import (
     validate_manifest,
 )
 from dtm_mpi.ir.types import DType, Layout
+from tests.depth import examples
 
 EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 
@@ -157,7 +158,7 @@ def test_shard_hash_is_over_the_16_byte_digests() -> None:
     assert shard_hash(chunks) != ref_xxh("".join(chunks).encode())
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(st.binary(max_size=300), st.integers(1, 7))
 def test_chunks_then_shard_hash_property(data: bytes, pieces: int) -> None:
     step = max(1, math.ceil(len(data) / pieces))

@@ -16,6 +16,7 @@ from dtm_mpi.ir.nodes import Mesh, Module
 from dtm_mpi.ir.types import DType, Layout, TensorType
 from dtm_mpi.runtime.reference import evaluate_function
 from dtm_mpi.runtime.simulate import run_simulated
+from tests.depth import examples
 from tests.ir.gradcheck import numeric_gradient
 
 LAYOUTS = [((), ()), (("dp",), ()), ((), ("tp",)), (("dp",), ("tp",)), (("tp",), ("dp",)), (("dp", "tp"), ())]  # fmt: skip
@@ -62,7 +63,7 @@ def programs(draw: st.DrawFn) -> tuple[Module, int]:
     return load_module(print_module(Module((1, 0), "chain", (mesh,), (f,)))), dp * tp
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=programs(), seed=st.integers(0, 2**16))
 def test_random_chains_differentiate_correctly_on_their_mesh(case: tuple[Module, int], seed: int) -> None:  # fmt: skip
     module, nranks = case

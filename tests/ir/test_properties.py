@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 from dtm_mpi.errors import DiagnosticError, ParseError
 from dtm_mpi.ir import check_text, module_hash, parse_module, print_module
+from tests.depth import examples
 
 FILE = "prop.dtm"
 AXIS_POOL = ("dp", "tp", "pp", "ep", "sp", "x", "y_1")
@@ -39,12 +40,12 @@ NAME_CHARS = string.ascii_letters + string.digits + "_."
 COMMENT_CHARS = string.ascii_letters + string.digits + " \t\r%@{}[]()/:=,.-*é€∀\u2028\x0b\x0c"
 
 VALID_SETTINGS = settings(
-    max_examples=100,
+    max_examples=examples(100),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 FUZZ_SETTINGS = settings(
-    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 
 

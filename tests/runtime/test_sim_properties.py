@@ -22,6 +22,7 @@ from dtm_mpi.ir.nodes import InitKind
 from dtm_mpi.ir.types import DType
 from dtm_mpi.runtime.reference import run_reference
 from dtm_mpi.runtime.simulate import run_simulated
+from tests.depth import examples
 
 
 def _close(a: np.ndarray, b: np.ndarray, what: str, dtype: DType) -> None:
@@ -41,13 +42,13 @@ def _close(a: np.ndarray, b: np.ndarray, what: str, dtype: DType) -> None:
     np.testing.assert_allclose(a[ok], b[ok], rtol=tol, atol=tol * scale, err_msg=what)
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(120), deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=valid_cases())
 def test_random_modules_match_reference(case: Case) -> None:
     _matches_reference(case)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=valid_cases(), bucket=st.sampled_from([4, 64, 1 << 20]))
 def test_random_modules_match_reference_with_overlapped_buckets(case: Case, bucket: int) -> None:
     """Allreduces in buckets started when ready (``DTM_OVERLAP``; small buckets: many of

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from dtm_mpi.errors import LayoutError, UsageError
 from dtm_mpi.ir.nodes import Mesh
 from dtm_mpi.sharding import MeshShape, bind_mesh, parse_mesh_binding
+from tests.depth import examples
 
 MESH_2x3 = MeshShape((("dp", 2), ("tp", 3)))
 
@@ -63,7 +64,7 @@ def test_group_of_and_groups() -> None:
     assert MESH_2x3.group_size(("dp", "tp")) == 6
 
 
-@settings(max_examples=60)
+@settings(max_examples=examples(60))
 @given(meshes, st.data())
 def test_groups_partition_the_ranks(mesh: MeshShape, data: st.DataObject) -> None:
     perm = data.draw(st.permutations(mesh.axis_names))

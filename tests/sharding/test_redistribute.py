@@ -14,6 +14,7 @@ from sharding_helpers import MESHES, SHAPES, allowed, check_plan, layouts, tenso
 from dtm_mpi.errors import LayoutError, PlanError
 from dtm_mpi.ir.types import DType, Layout, Partial, ReduceOp, TensorType
 from dtm_mpi.sharding import MeshShape, StepKind, plan_redistribute, step_traffic
+from tests.depth import examples
 
 K = StepKind
 SUM, MAX = ReduceOp.SUM, ReduceOp.MAX
@@ -273,7 +274,7 @@ def cases(draw: st.DrawFn) -> tuple[TensorType, Layout, MeshShape]:
     return TensorType(dtype, shape, src), dst, mesh
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(250), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases(), st.integers(0, 2**32 - 1))
 def test_random_layouts(case: tuple[TensorType, Layout, MeshShape], seed: int) -> None:
     src, dst, mesh = case

@@ -1,0 +1,44 @@
+"""``dtm run`` of every example on the ranks of the MPI suite (2, 3 and 4), through the command's
+entry point in the suite's own processes: the outputs equal the simulator's bit for bit
+(deterministic mode). tests/test_mpi_run.py launches the command itself under ``mpirun`` (the
+process, its start-up and its failures)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dtm_mpi.cli import run
+from dtm_mpi.config import get_config
+from dtm_mpi.runtime.simulate import run_simulated
+from tests.test_mpi_run import EXAMPLES, load
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.fixture
+def deterministic(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setenv("DTM_DETERMINISTIC", "1")
+    monkeypatch.setenv("DTM_TIMEOUT", "60")
+    get_config.cache_clear()
+    yield
+    monkeypatch.undo()
+    get_config.cache_clear()
+
+
+@pytest.mark.parametrize("name", ["tp_mlp", "dp_step", "attention", "collectives", "pipeline"])
+def test_dtm_run_of_an_example_equals_the_simulator(name: str, comm: Any, mpi_tmp_path: Path, all_ranks: Any, deterministic: Any, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    out = mpi_tmp_path / "out.npz"
+    code = run(["run", str(EXAMPLES / f"{name}.dtm"), "--steps", "2", "-o", str(out)])
+    text = capsys.readouterr()
+    all_ranks(code == 0, f"dtm run exited {code}: {text.err}")
+    comm.Barrier()
+    got = np.load(out)
+    want = run_simulated(load(name), comm.Get_size(), steps=2, deterministic=True).outputs()
+    all_ranks(sorted(got.files) == sorted(want), f"{sorted(got.files)} != {sorted(want)}")
+    for key, value in want.items():
+        same = got[key].dtype == value.dtype and got[key].shape == value.shape and got[key].tobytes() == value.tobytes()  # fmt: skip
+        all_ranks(same, f"{key} differs from the simulator's")
