@@ -25,10 +25,11 @@ unexport PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX := $(abspath $(VENV))/pycache
 export DTM_TEST_AGREE_TIMEOUT
 
-# The single-process suite runs on every core (pytest-xdist: one worker per core; WORKERS=0 runs
-# it in this process, in order). Tests of a module that builds one costly thing (a Slurm cluster,
-# network namespaces) share an xdist_group and run on one worker.
-WORKERS ?= auto
+# The single-process suite runs on every core (pytest-xdist), two workers a core: the long tests
+# mostly wait (for the timeouts and failures they provoke, for launchers), so a core serves two.
+# WORKERS=0 runs it in this process, in order. Tests of a module that builds one costly thing (a
+# Slurm cluster, network namespaces) share an xdist_group and run on one worker.
+WORKERS ?= $(shell echo $$(( 2 * $$(nproc 2>/dev/null || echo 1) )))
 
 MPIRUN  := mpirun --timeout $(MPI_JOB_TIMEOUT) --bind-to none
 PYTEST_1 := $(PY) -m pytest -q -m "not mpi" -n $(WORKERS) --dist loadgroup --durations=30
