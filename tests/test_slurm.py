@@ -66,6 +66,7 @@ def _submit(slurm: SlurmCluster, tmp_path: Path, name: str, steps: int) -> tuple
     return job, out, Path(str(log).replace("%j", str(job)))
 
 
+@pytest.mark.timeout(700)  # (its own waits: 240 s for a step, 400 s for the requeued job)
 def test_a_preempted_job_saves_requeues_resumes_and_equals_an_uninterrupted_one(slurm: SlurmCluster, tmp_path: Path) -> None:  # fmt: skip
     steps = 40
     job, out, log = _submit(slurm, tmp_path, "preempted", steps)
