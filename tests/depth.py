@@ -17,7 +17,9 @@ def register_profiles() -> None:
     """Register the profiles and load ``ci`` (tests/conftest.py, before pytest's
     ``--hypothesis-profile`` loads another)."""
     for name, count in PROFILES.items():
-        settings.register_profile(name, max_examples=count)
+        # no per-example deadline: a loaded machine (workers two a core, other jobs) stretches
+        # any example past hypothesis' 200 ms, and a time limit is not what a property tests
+        settings.register_profile(name, max_examples=count, deadline=None)
     settings.load_profile("ci")
 
 

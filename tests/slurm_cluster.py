@@ -106,11 +106,22 @@ class SlurmCluster:
             time.sleep(0.5)
         raise AssertionError(f"job {job} still {self.state(job)} after {timeout:g} s")
 
-    @staticmethod
-    def step_daemons(job: int) -> list[str]:
-        """The ``slurmstepd`` processes still there for ``job`` (batch, extern or a step)."""
-        ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=False)
-        return [ln for ln in ps.stdout.splitlines() if ln.startswith(f"slurmstepd: [{job}.")]
+    def step_daemons(self, job: int | None = None) -> list[int]:
+        """The pids of this cluster's ``slurmstepd`` processes (those of ``job``: its batch,
+        extern or task steps). Another cluster's (an earlier run's) carry another
+        ``SLURM_CONF`` and the same job numbers."""
+        conf = f"SLURM_CONF={self.root / 'slurm.conf'}".encode()
+        title = f"slurmstepd: [{'' if job is None else f'{job}.'}".encode()
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                if (entry / "cmdline").read_bytes().startswith(title) and conf in (entry / "environ").read_bytes().split(b"\0"):  # fmt: skip
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+        return found
 
     def stop(self) -> None:
         with contextlib.suppress(Exception):
@@ -124,6 +135,29 @@ class SlurmCluster:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout=5)
+        # step daemons outlive slurmd (a job that was ending when the cluster stopped): they and
+        # what they run (the job script, srun, the tasks) must not be left behind
+        for pid in _with_descendants(self.step_daemons()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _with_descendants(pids: list[int]) -> list[int]:
+    """``pids`` and every process below them."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], list(pids)
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo += children.get(pid, [])
+    return found
 
 
 def start_cluster(cpus: int = 8) -> SlurmCluster:
