@@ -9,7 +9,11 @@
 # 4. dtm_mpi in editable mode with [test,dev]; fail unless h5py.get_config().mpi is true.
 # Also (optional): hipcc + ROCm device libraries for the AMD kernel builds (as root on Debian),
 # Slurm (slurmctld slurmd slurm-client munge, as root on Debian) for the tests against a real
-# scheduler, and the NVRTC wheel for the CUDA kernel checks.
+# scheduler, and the NVRTC and CPU PyTorch wheels.
+# What does not depend on each other runs side by side (each line says when it starts): the
+# system packages beside the venv's first installs, the optional wheels and the optional system
+# packages beside the h5py build (the CPU-bound part, about 100 s); the package's own install
+# waits for all of them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,7 +24,7 @@ MPI4PY_VERSION=4.1.2
 say() { printf '[setup %3ss] %s\n' "$SECONDS" "$*"; }
 die() {
   printf '[setup] error: %s\n' "$*" >&2
-  if [ -n "${optional_pid:-}" ]; then kill "$optional_pid" 2>/dev/null || true; fi
+  for pid in ${system_pid:-} ${optional_pid:-} ${optional_system_pid:-}; do kill "$pid" 2>/dev/null || true; done
   exit 1
 }
 
@@ -31,7 +35,10 @@ have_parallel_hdf5() {
   return 1
 }
 
-# --- 1. system MPI and parallel HDF5 ---------------------------------------------------------
+# --- 1. system packages (run beside the venv's first installs; h5py's build waits for them) ---
+# MPI + parallel HDF5: use what is present (HPC modules, or MPICC / HDF5_DIR set); else, as root
+# on Debian/Ubuntu, install openmpi-bin libopenmpi-dev libhdf5-openmpi-dev pkg-config.
+system_packages() {
 MPICC=${MPICC:-$(command -v mpicc || true)}
 if [ -z "$MPICC" ] || ! have_parallel_hdf5; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
@@ -40,14 +47,18 @@ if [ -z "$MPICC" ] || ! have_parallel_hdf5; then
     apt-get update -qq >/dev/null || die "apt-get update failed"
     apt-get install -y -qq openmpi-bin libopenmpi-dev libhdf5-openmpi-dev pkg-config >/dev/null \
       || die "apt-get install of Open MPI / parallel HDF5 failed"
-    MPICC=$(command -v mpicc) || die "mpicc still missing after installing openmpi"
+    command -v mpicc >/dev/null || die "mpicc still missing after installing openmpi"
   else
     die "need mpicc and a parallel HDF5 (load your site's MPI and HDF5 modules, or set MPICC and HDF5_DIR); not root, so cannot apt-get install them"
   fi
 fi
 have_parallel_hdf5 || die "no parallel HDF5 found (pkg-config hdf5-openmpi, h5pcc or HDF5_DIR)"
-say "mpicc: $MPICC"
+}
+system_packages &
+system_pid=$!
 
+# --- 1b, 1c: optional system packages, installed while h5py builds (apt after apt: one lock) --
+optional_system_packages() {
 # --- 1b. HIP toolchain for the AMD kernel build checks (optional) ---------------------------
 # tests/kernels/test_hip_sources.py compiles kernels/*.cu with hipcc and hipRTC for AMD GPUs (no
 # GPU needed). Without the tools those tests skip with a reason; DTM_SETUP_HIP=0 skips this.
@@ -77,6 +88,8 @@ if [ "${DTM_SETUP_SLURM:-1}" != 0 ] && ! command -v slurmctld >/dev/null 2>&1 \
     || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq "${slurm_pkgs[@]}" >/dev/null 2>&1; } \
     || say "warning: could not install Slurm; the tests against a real Slurm will skip"
 fi
+return 0
+}
 
 # --- 2. virtual environment and build prerequisites ------------------------------------------
 if [ ! -x "$VENV/bin/python" ]; then
@@ -109,8 +122,8 @@ PYEOF
 }
 need "setuptools" && "$VPY" -c 'import setuptools,sys; sys.exit(int(setuptools.__version__.split(".")[0]) < 77)' \
   || { say "upgrading pip/setuptools"; pipq --upgrade pip "setuptools>=77" wheel; }
-need cython pkgconfig numpy "mpi4py==$MPI4PY_VERSION" \
-  || { say "installing cython pkgconfig numpy mpi4py==$MPI4PY_VERSION"; pipq cython pkgconfig numpy "mpi4py==$MPI4PY_VERSION"; }
+need cython pkgconfig numpy \
+  || { say "installing cython pkgconfig numpy"; pipq cython pkgconfig numpy; }
 
 # --- 3. optional wheels, installed beside the h5py build (it takes the CPU, they take the disk)
 # NVRTC for the CUDA kernel checks: tests/kernels/test_cu_sources.py compiles the loader's exact
@@ -136,6 +149,14 @@ optional_wheels() {
 optional_wheels &
 optional_pid=$!
 
+wait "$system_pid" || die "the system packages could not be installed (above)"
+MPICC=${MPICC:-$(command -v mpicc)}
+say "mpicc: $MPICC"
+optional_system_packages &
+optional_system_pid=$!
+need "mpi4py==$MPI4PY_VERSION" \
+  || { say "installing mpi4py==$MPI4PY_VERSION"; pipq "mpi4py==$MPI4PY_VERSION"; }
+
 # --- 4. h5py against parallel HDF5 -----------------------------------------------------------
 # Its C extensions compile two at a time (setuptools' build_ext --parallel, given through an extra
 # distutils configuration: pip has no flag for it).
@@ -156,6 +177,7 @@ if ! { need "h5py==$H5PY_VERSION" && h5py_is_mpi; }; then
 fi
 h5py_is_mpi || die "h5py is not built with MPI (h5py.get_config().mpi is False); a serial wheel slipped in"
 wait "$optional_pid" || true
+wait "$optional_system_pid" || true
 
 # --- 5. the package ---------------------------------------------------------------------------
 stamp="$VENV/.dtm-installed"
