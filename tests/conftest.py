@@ -52,8 +52,24 @@ def _with_mpi(config: pytest.Config) -> bool:
     return bool(config.getoption("with_mpi", default=False))
 
 
+def _limit_worker_blas() -> None:
+    """Under pytest-xdist a worker's BLAS gets its share of the CPUs, as a rank's does (two
+    workers a core, each with a BLAS thread a core, would spin-wait for each other)."""
+    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if os.environ.get("PYTEST_XDIST_WORKER") and count.isdigit():
+        import numpy  # noqa: F401  (the BLAS must be loaded to be limited)
+
+        from dtm_mpi.config import blas_threads_share
+        from dtm_mpi.kernels.devices import limit_blas_threads
+
+        share = blas_threads_share(int(count))
+        if share is not None:
+            limit_blas_threads(share)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config: pytest.Config) -> None:
+    _limit_worker_blas()
     if not _with_mpi(config):
         return
     harness = _MpiHarness(config)

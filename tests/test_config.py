@@ -264,3 +264,25 @@ def test_ckpt_hash_thread(raw: str, want: bool | None) -> None:
 )
 def test_launcher_node_ranks(env: dict[str, str], want: int | None) -> None:
     assert launcher_node_ranks(env) == want
+
+
+@pytest.mark.parametrize(
+    ("local_size", "env", "cpus", "want"),
+    [
+        (1, {}, 2, None),  # alone on its node: the library decides
+        (3, {"OMP_NUM_THREADS": "2"}, 2, None),  # the user decided
+        (3, {"OPENBLAS_NUM_THREADS": "1"}, 2, None),
+        (3, {"OMP_NUM_THREADS": " "}, 2, "share"),  # (blank: not set)
+        (3, {}, 2, "share"),  # unbound: the node's CPUs divided, at least 1
+        (2, {}, 1, 1),  # bound to one CPU: that one
+    ],
+)
+def test_a_rank_s_blas_threads_are_its_share_of_the_node(local_size: int, env: dict[str, str], cpus: int, want: int | str | None) -> None:  # fmt: skip
+    import os
+
+    from dtm_mpi.config import blas_threads_share
+
+    node = os.cpu_count() or 1
+    bound = node if cpus >= 2 else 1  # "2": the whole node (as under --bind-to none)
+    got = blas_threads_share(local_size, env, cpus=bound)
+    assert got == (max(1, node // local_size) if want == "share" else want)

@@ -126,15 +126,33 @@ class ArrayBackend:
         return self.full(shape, 0, dtype)
 
 
+_BLAS_LIMITS: list[Any] = []  # the limit set (threadpoolctl keeps it while referenced)
+
+
+def limit_blas_threads(threads: int) -> None:
+    """Limit the BLAS libraries loaded in this process (OpenBLAS, MKL, BLIS: the one numpy
+    uses) to ``threads`` threads each, for the rest of the process."""
+    from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
+
+    _BLAS_LIMITS[:] = [threadpool_limits(limits=threads, user_api="blas")]
+
+
 def numpy_backend() -> ArrayBackend:
     return ArrayBackend(BackendKind.NUMPY)
 
 
 def open_backend(kind: BackendKind, local_rank: int = 0, local_size: int = 1) -> ArrayBackend:
     """The backend ``kind`` with this rank's GPU bound (node-local rank modulo the visible
-    devices). :class:`BackendError` naming what is missing when it cannot run: never a CPU
+    devices), or on the CPU with the BLAS limited to this rank's share of the node's CPUs
+    (``local_size`` ranks on the node; :func:`~dtm_mpi.config.blas_threads_share`).
+    :class:`BackendError` naming what is missing when it cannot run: never a CPU
     fall-through."""
     if not kind.is_gpu:
+        from dtm_mpi.config import blas_threads_share
+
+        share = blas_threads_share(local_size)
+        if share is not None:
+            limit_blas_threads(share)
         return numpy_backend()
     probe = probe_devices()
     problem = backend_problem(kind, probe)

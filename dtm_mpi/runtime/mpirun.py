@@ -152,9 +152,8 @@ def open_backend_everywhere(name: str, world: Any) -> Any:
     timeout_s = get_config().timeout_s
     # every rank, whatever its backend, takes part (a rank alone on a GPU backend is then
     # refused by the agreement below, naming its reason, instead of waiting for the others)
+    # (the node's ranks: the GPU a rank binds, or its share of the CPUs for the BLAS)
     local_rank, local_size = node_local_rank(world, phase="backend", timeout_s=timeout_s)
-    if not kind.is_gpu:
-        local_rank, local_size = 0, 1
     backend = None
     error: BaseException | None = None
     try:
