@@ -174,10 +174,11 @@ def _plot(csv_path: str | None, rows: list[dict[str, float]], out: str) -> None:
 
 
 if __name__ == "__main__":
+    from dtm_mpi.console import write_line
     from dtm_mpi.errors import DtmError
 
     try:
         sys.exit(main(sys.argv[1:]))
     except DtmError as err:  # one line (the same on every rank for a distributed failure)
-        print(f"digits: {err}", file=sys.stderr, flush=True)
+        write_line(f"digits: {err}")  # one write: ranks' lines stay apart
         sys.exit(1)

@@ -130,10 +130,11 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    from dtm_mpi.console import write_line
     from dtm_mpi.errors import DtmError
 
     try:
         sys.exit(main(sys.argv[1:]))
     except DtmError as err:
-        print(f"gpt: {err}", file=sys.stderr, flush=True)
+        write_line(f"gpt: {err}")  # one write: ranks' lines stay apart
         sys.exit(1)
