@@ -32,8 +32,10 @@ export DTM_TEST_AGREE_TIMEOUT
 WORKERS ?= $(shell echo $$(( 2 * $$(nproc 2>/dev/null || echo 1) )))
 
 MPIRUN  := mpirun --timeout $(MPI_JOB_TIMEOUT) --bind-to none
-PYTEST_1 := $(PY) -m pytest -q -m "not mpi" -n $(WORKERS) --dist loadgroup --durations=30
-PYTEST_MPI := $(PY) -m mpi4py -m pytest -q --with-mpi -m mpi --timeout-method=thread
+# More pytest arguments for both suites (`make test-unit PYTEST_ARGS="--junitxml=unit.xml -x"`).
+PYTEST_ARGS ?=
+PYTEST_1 := $(PY) -m pytest -q -m "not mpi" -n $(WORKERS) --dist loadgroup --durations=30 $(PYTEST_ARGS)
+PYTEST_MPI := $(PY) -m mpi4py -m pytest -q --with-mpi -m mpi --timeout-method=thread $(PYTEST_ARGS)
 
 .PHONY: help setup test test-unit test-mpi test-deep coverage lint type demo demo-gpt gpu-check clean
 help: ## list the targets
