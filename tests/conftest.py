@@ -119,6 +119,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=_start_order)
 
 
+#: Test time by test file (setup, call and teardown), and the tests seen in it: the suite's
+#: growth, printed after each run (under pytest-xdist the controller receives every report).
+_FILE_SECONDS: dict[str, float] = {}
+_FILE_TESTS: dict[str, set[str]] = {}
+_COSTLIEST_FILES = 15
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+    _FILE_TESTS.setdefault(path, set()).add(report.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:  # fmt: skip
+    if hasattr(config, "workerinput") or not _FILE_SECONDS:
+        return
+    total = sum(_FILE_SECONDS.values())
+    rows = sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:_COSTLIEST_FILES]
+    terminalreporter.write_sep("=", f"test time by file, the {len(rows)} costliest (setup, call, teardown)")  # fmt: skip
+    for path, seconds in rows:
+        terminalreporter.write_line(f"{seconds:8.1f} s {len(_FILE_TESTS[path]):6d} tests  {path}")  # fmt: skip
+    tests = sum(len(v) for v in _FILE_TESTS.values())
+    terminalreporter.write_line(f"{total:8.1f} s {tests:6d} tests  in {len(_FILE_SECONDS)} files")  # fmt: skip
+
+
 def _harness(config: pytest.Config) -> _MpiHarness | None:
     return config.stash.get(_HARNESS_KEY, None)
 
