@@ -123,7 +123,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 #: growth, printed after each run (under pytest-xdist the controller receives every report).
 _FILE_SECONDS: dict[str, float] = {}
 _FILE_TESTS: dict[str, set[str]] = {}
-_COSTLIEST_FILES = 15
+_COSTLIEST_FILES = 25
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
