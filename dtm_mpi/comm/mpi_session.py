@@ -332,7 +332,7 @@ class MpiSession:
         peer whose deadline came first and already named the culprit) wins: every rank then
         reports the same cause."""
         live = self.control.liveness(min(2.0, max(0.5, self.timeout_s / 4)))
-        remote = self.control.poll()
+        remote = self._named_meanwhile()
         if remote is not None:
             return remote
         who = f"; {live.describe()}" if live.suspects else ""
@@ -347,6 +347,13 @@ class MpiSession:
         err.silent = live.suspects
         err.liveness = live  # type: ignore[attr-defined]
         return err
+
+    def _named_meanwhile(self) -> RemoteFailureError | None:
+        """The failures a peer reported while this rank's wait expired: a notice that arrives
+        now, or one another thread of this rank (the watchdog, a waiting side thread) has
+        already taken. Reporting its own view instead would send a second report of the same
+        culprit after the peers had settled on the first and printed it."""
+        return self.control.poll() or self.control.error()
 
     def _poison(self, cause: BaseException, request: Any = None) -> None:
         if self.poisoned is None:
@@ -394,12 +401,17 @@ class MpiSession:
             message = f"{type(exc).__name__}: {message}"
         if isinstance(exc, CommTimeoutError) and not exc.silent and self.size > 1:
             exc = self._name_silent(exc)
-            known = self.control.poll() or self.control.error()
+            known = self._named_meanwhile()
             if not exc.silent and known is not None:  # a peer named the culprit first
                 if self.poisoned is None:
                     self.poisoned = known
                 return known
         if isinstance(exc, CommTimeoutError) and exc.silent:
+            known = self._named_meanwhile()
+            if known is not None:  # named by a peer while this rank asked who is alive
+                if self.poisoned is None:
+                    self.poisoned = known
+                return known
             what = exc.op if exc.axis is None else f"{exc.op} on axes {exc.axis}"
             live = getattr(exc, "liveness", None)
             idle = dict(live.idle) if live is not None else {}
