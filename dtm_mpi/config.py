@@ -262,11 +262,17 @@ LAUNCHER_NODE_RANKS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_N
 """Where Open MPI, MPICH/Hydra and Slurm tell a process how many ranks share its node."""
 
 
+def allowed_cpus() -> int:
+    """How many CPUs this process may run on (its affinity; the node's CPUs where the
+    platform has none)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)  # fmt: skip
+
+
 def spare_cpu() -> bool:
     """Whether this rank may run on at least twice as many CPUs as its share of the node
     (its affinity, and the CPUs divided among the ranks its launcher put on the node): a
     second thread of the rank then has a core of its own."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)  # fmt: skip
+    cpus = allowed_cpus()
     share = (os.cpu_count() or 1) // (launcher_node_ranks() or 1)
     return min(cpus, share) >= 2
 
@@ -294,7 +300,7 @@ def blas_threads_share(local_size: int, environ: Mapping[str, str] | None = None
         return None
     node = os.cpu_count() or 1
     if cpus is None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else node
+        cpus = allowed_cpus()
     if cpus >= node:  # not bound: the node's CPUs are shared by its ranks
         cpus = node // local_size
     return max(1, cpus)

@@ -59,12 +59,9 @@ def _limit_worker_blas() -> None:
     if os.environ.get("PYTEST_XDIST_WORKER") and count.isdigit():
         import numpy  # noqa: F401  (the BLAS must be loaded to be limited)
 
-        from dtm_mpi.config import blas_threads_share
-        from dtm_mpi.kernels.devices import limit_blas_threads
+        from dtm_mpi.kernels.devices import limit_blas_to_share
 
-        share = blas_threads_share(int(count))
-        if share is not None:
-            limit_blas_threads(share)
+        limit_blas_to_share(int(count))
 
 
 @pytest.hookimpl(trylast=True)

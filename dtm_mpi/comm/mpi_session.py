@@ -399,19 +399,15 @@ class MpiSession:
         message = str(exc) or type(exc).__name__
         if not isinstance(exc, DtmError):
             message = f"{type(exc).__name__}: {message}"
-        if isinstance(exc, CommTimeoutError) and not exc.silent and self.size > 1:
-            exc = self._name_silent(exc)
+        if isinstance(exc, CommTimeoutError):
+            if not exc.silent and self.size > 1:
+                exc = self._name_silent(exc)
             known = self._named_meanwhile()
-            if not exc.silent and known is not None:  # a peer named the culprit first
+            if known is not None:  # a peer named the culprit first (or while this rank asked)
                 if self.poisoned is None:
                     self.poisoned = known
                 return known
         if isinstance(exc, CommTimeoutError) and exc.silent:
-            known = self._named_meanwhile()
-            if known is not None:  # named by a peer while this rank asked who is alive
-                if self.poisoned is None:
-                    self.poisoned = known
-                return known
             what = exc.op if exc.axis is None else f"{exc.op} on axes {exc.axis}"
             live = getattr(exc, "liveness", None)
             idle = dict(live.idle) if live is not None else {}

@@ -137,6 +137,17 @@ def limit_blas_threads(threads: int) -> None:
     _BLAS_LIMITS[:] = [threadpool_limits(limits=threads, user_api="blas")]
 
 
+def limit_blas_to_share(local_size: int) -> None:
+    """Limit this process's BLAS to its share of the node's CPUs, ``local_size`` processes
+    sharing the node (:func:`~dtm_mpi.config.blas_threads_share`; nothing where the user set a
+    thread count or the process is alone)."""
+    from dtm_mpi.config import blas_threads_share
+
+    share = blas_threads_share(local_size)
+    if share is not None:
+        limit_blas_threads(share)
+
+
 def numpy_backend() -> ArrayBackend:
     return ArrayBackend(BackendKind.NUMPY)
 
@@ -148,11 +159,7 @@ def open_backend(kind: BackendKind, local_rank: int = 0, local_size: int = 1) ->
     :class:`BackendError` naming what is missing when it cannot run: never a CPU
     fall-through."""
     if not kind.is_gpu:
-        from dtm_mpi.config import blas_threads_share
-
-        share = blas_threads_share(local_size)
-        if share is not None:
-            limit_blas_threads(share)
+        limit_blas_to_share(local_size)
         return numpy_backend()
     probe = probe_devices()
     problem = backend_problem(kind, probe)
