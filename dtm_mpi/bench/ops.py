@@ -1,7 +1,7 @@
 """``dtm bench ops``: what the executor adds per op on tiny tensors.
 
 A chain of ``ops`` elementwise ops (``add``, ``mul``, ``sub`` in turn) on ``size``-element
-float32 vectors, run by the executor on one rank (the plan's fast loop: bound kernels), against
+float32 vectors, run by the executor on one rank (its one loop: bound kernels), against
 the same chain of numpy calls (``np.add``, ``np.multiply``, ``np.subtract``) in the same
 process; best of ``repeat`` runs of each, alternating. The executor's overhead per op is the
 difference divided by the number of ops (target: <= 5 us)."""

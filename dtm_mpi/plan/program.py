@@ -69,9 +69,8 @@ class FunctionPlan:
     ops: tuple[PlanOp, ...]
     buckets: tuple[Any, ...] = ()
     """The allreduces that overlap computation (:class:`~dtm_mpi.plan.overlap.Bucket` s, in
-    start order): the executor's fast loop starts each bucket when its values are ready and
-    completes it before its results are needed; op by op (deterministic mode, GPU backends
-    with fused kernels, injected faults) its members run where they stand."""
+    start order): the executor starts each bucket when its values are ready and completes it
+    before its results are needed, in every mode."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 
@@ -32,18 +32,22 @@ from dtm_mpi.kernels.dispatch import (
     backend_kernels,
     bind_kernel,
 )
-from dtm_mpi.kernels.exact import (
-    EXACT_RULES,
-    Levels,
-    applies,
-    canonical,
-    exact_axes,
-    pending_axes,
-)
+from dtm_mpi.kernels.exact import EXACT_RULES, pending_axes
+from dtm_mpi.kernels.exact_ranks import exact_across
 from dtm_mpi.kernels.fused import Expr
 from dtm_mpi.plan.fusion import FusedGroup, FusionNode, fusion_groups
 from dtm_mpi.plan.overlap import Bucket
 from dtm_mpi.plan.program import ExecPlan, FunctionPlan, OpKind, PlanOp
+from dtm_mpi.runtime.chunked import chunkable, chunked_chain, run_chunked
+from dtm_mpi.runtime.instructions import (
+    BucketStart,
+    Instr,
+    Resolution,
+    Sched,
+    fused_frees,
+    resolve_pending,
+    without_resolved,
+)
 from dtm_mpi.sharding import collectives
 from dtm_mpi.sharding.blocks import block_owners, local_offsets, local_shape
 from dtm_mpi.sharding.redistribute import RedistPlan, plan_redistribute
@@ -136,80 +140,6 @@ def gather_to_root(t: TensorType, x: np.ndarray, comm: Comm, root: int = 0) -> n
     return out
 
 
-CHUNK_ELEMS = 16384
-"""Elements per chunk of a fused chain on the CPU (64 KiB of float32 per array: the
-chain's inputs and intermediates stay in a core's L2 cache)."""
-MIN_CHUNKED_ELEMS = 8 * CHUNK_ELEMS
-"""The smallest chain run in chunks: below it the arrays fit in a core's cache anyway, and
-op by op is as fast (measured: a 9-op chain over 512x4096 float32 1.5x faster in chunks,
-over 256x1024 1.4x, a 1-d chain of 65,536 elements 1.7x slower)."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Chunked:
-    """A fused elementwise chain as the CPU runs it: its inputs, its ops in order (a bound
-    call with operand names, result and the intermediates it reads last; ``None``: a bias
-    broadcast, its vector aliased), the result name, local shape and dtype."""
-
-    inputs: tuple[str, ...]
-    steps: tuple[tuple[BoundKernel | None, tuple[str, ...], str, tuple[str, ...]], ...]
-    result: str
-    shape: tuple[int, ...]
-    dtype: np.dtype[np.generic]
-
-
-@dataclass(frozen=True, slots=True)
-class _Sched:
-    """Overlapped allreduces at one op: buckets to complete and to start before it, and
-    whether the op is a bucket's member (not run: its result comes with the bucket)."""
-
-    finish: tuple[Bucket, ...]
-    start: tuple[tuple[Bucket, tuple[str, ...]], ...]  # with the operands to drop once packed
-    skip: bool
-
-
-_Instr = tuple[PlanOp, tuple[str, ...], tuple[str, ...], tuple[str, ...], "BoundKernel | None", _Sched | None]  # fmt: skip
-"""One op as the executor's fast loop runs it: (op, operands, results, frees, bound call,
-overlap schedule)."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Fusion:
-    roots: dict[int, FusedGroup]
-    frees: dict[int, tuple[str, ...]]  # at a root: every member's frees
-    skip: frozenset[int]
-
-
-def _fused_frees(fp: FunctionPlan, groups: Sequence[FusedGroup]) -> dict[int, tuple[str, ...]]:
-    """What each op frees when groups run at their roots: a root frees what its members
-    freed, and an input of a group is never freed before the group's root reads it (an op
-    between a member and the root that was its last other user no longer frees it; the
-    root does)."""
-    frees = {i: list(p.frees) for i, p in enumerate(fp.ops)}
-    for g in sorted(groups, key=lambda g: g.root):
-        members = set(g.members)
-        frees[g.root] = [n for m in g.members for n in fp.ops[m].frees]
-        for m in g.members:
-            if m != g.root:
-                frees[m] = []
-        inputs = set(g.inputs)
-        for j in range(min(members), g.root):
-            if j in members:
-                continue
-            moved = [n for n in frees[j] if n in inputs]
-            if moved:
-                frees[j] = [n for n in frees[j] if n not in inputs]
-                frees[g.root] += moved
-    return {i: tuple(dict.fromkeys(v)) for i, v in frees.items()}
-
-
-def _expr(node: FusionNode | int) -> Expr | int:
-    """A planned fusion tree as the kernel generator's expression."""
-    if isinstance(node, int):
-        return node
-    return Expr(node.op, tuple(_expr(a) for a in node.args))
-
-
 class Executor:
     """Runs ``plan`` on one rank through ``comm`` with ``backend``'s kernels; in deterministic
     mode (``DTM_DETERMINISTIC``, or ``deterministic=``) the ops that sum floats run their
@@ -229,15 +159,18 @@ class Executor:
         else:
             self.backend = backend
         self.kernels = backend_kernels(self.backend.name)
-        self._fusion: dict[int, _Fusion] = {}
+        self.faults = bool(get_config().faults)  # DTM_FAULT: an instruction before each op
+        self._step = 0  # the step being run (read by the ops that depend on it, and calls)
         # per-op facts of this rank, computed once (the plan, and so its ops, outlive them)
         self._kernels: dict[int, tuple[Kernel, KernelContext]] = {}
         self._specs_of: dict[int, tuple[StepSpec, ...]] = {}
         self._allreduce_specs: dict[tuple[tuple[str, ...], ReduceOp, int], AllreduceSpec] = {}
-        self._programs: dict[int, list[_Instr]] = {}
+        self._programs: dict[int, list[Instr]] = {}
+        self._types: dict[int, dict[str, TensorType]] = {}
         # each program without its shape checks: it replaces the checked one after one run
-        self._unchecked: dict[int, list[_Instr]] = {}
-        # fused elementwise chains on the CPU (DTM_FUSE): the numpy backend's fast loop
+        self._unchecked: dict[int, list[Instr]] = {}
+        # fused elementwise chains on the CPU (DTM_FUSE) in chunks; a GPU backend's generated
+        # kernels (the numpy backend's op-by-op run stays the reference without DTM_FUSE)
         self.cpu_fuse = self.backend.name == "numpy" and not self.backend.fuses and get_config().fuse  # fmt: skip
 
     # -- per-op facts, computed once per rank -------------------------------------------------
@@ -294,29 +227,29 @@ class Executor:
     def run_function(
         self, fp: FunctionPlan, args: Sequence[np.ndarray], step: int
     ) -> tuple[np.ndarray, ...]:
-        """Collective: call on all ranks."""
-        if self.deterministic or self.backend.fuses or get_config().faults:
-            return self._run_general(fp, args, step)
+        """Run ``fp`` on this rank: its instructions (:mod:`dtm_mpi.runtime.instructions`) in
+        order, the one loop of every mode (fused chains, exact sums, overlapped allreduces and
+        injected faults are instructions and schedules of the program).
+
+        Collective: call on all ranks."""
+        self._step = step
         f = fp.function
         env: dict[str, np.ndarray] = {p.name: a for p, a in zip(f.params, args, strict=True)}
         p: PlanOp | None = None
         pending: dict[Bucket, tuple[Pending, list[tuple[int, ...]]]] = {}
         try:
             with np.errstate(all="ignore"):  # IEEE results (inf, nan) are the ops' semantics
-                for p, operands, results, frees, call, sched in self._program(fp):
-                    if sched is not None:  # overlapped allreduces (plan.overlap)
+                for p, operands, results, frees, call, sched in self._program(fp):  # noqa: B007  (p: for the error)
+                    if sched is not None:  # overlapped allreduces (plan.overlap), skipped ops
                         for b in sched.finish:
                             self._finish_bucket(fp, b, pending.pop(b), env)
-                        for b, drops in sched.start:
-                            pending[b] = self._start_bucket(fp, b, env, drops)
-                        if sched.skip:  # a bucket member: its result comes with the bucket
+                        for start in sched.start:
+                            pending[start.bucket] = self._start_bucket(fp, start, env)
+                        if sched.skip:
                             for name in frees:
                                 env.pop(name, None)
                             continue
-                    if call is not None:  # a local op, bound once
-                        outs = call([env[n] for n in operands])
-                    else:
-                        outs = self._run_op(p, [env[n] for n in operands], step)
+                    outs = call([env[n] for n in operands])
                     for r, v in zip(results, outs, strict=True):
                         env[r] = v
                     for name in frees:
@@ -342,133 +275,177 @@ class Executor:
             self._programs[id(fp)] = trusted  # on (shapes are static)
         return tuple(env[r] for r in f.returns)
 
-    def _program(self, fp: FunctionPlan) -> list[_Instr]:
-        """``fp``'s ops as this rank runs them (computed once): each op with its operand,
-        result and freed names, for a local op that does not read the step its kernel bound
-        to its context (:func:`~dtm_mpi.kernels.dispatch.bind_kernel`); on the CPU each fused
-        elementwise chain (:func:`~dtm_mpi.plan.fusion.fusion_groups`, ``DTM_FUSE``) run at
-        its root in chunks, its other ops skipped; where allreduces overlap
+    # -- the program: each op bound once ------------------------------------------------------
+    def _program(self, fp: FunctionPlan) -> list[Instr]:
+        """``fp``'s instructions on this rank (computed once): each op with its operand,
+        result and freed names and its call -- for a local op that does not read the step,
+        its kernel bound to its context (:func:`~dtm_mpi.kernels.dispatch.bind_kernel`); a
+        fused chain at its root (a GPU backend's generated kernel, or the CPU's chunks), its
+        other ops skipped; an exact sum (deterministic mode); where allreduces overlap
         (:func:`~dtm_mpi.plan.overlap.overlap_buckets`) the buckets completed and started
-        before each op, and whether it is a bucket's member (run with its bucket)."""
+        before each op. The first run checks the shapes of non-elementwise kernels' results;
+        later runs use the unchecked calls."""
         got = self._programs.get(id(fp))
         if got is not None:
             return got
-        buckets: tuple[Bucket, ...] = fp.buckets
+        res = resolve_pending(fp, fp.buckets) if self.deterministic else None
+        groups = self._groups(fp, res)
+        frees_of = fused_frees(fp, groups) if groups else [p.frees for p in fp.ops]
+        roots = {g.root: g for g in groups}
+        skipped = {m for g in groups for m in g.members if m != g.root}
+        members = {m for b in fp.buckets for m in b.members}
+        scheds = self._scheds(fp, frees_of, skipped | members, res)
+        frees_of = self._held(fp, frees_of)
+        checked: list[Instr] = []
+        trusted: list[Instr] = []
+        for i, p in enumerate(fp.ops):
+            if self.faults:  # DTM_FAULT: the op's fault point first
+                fault = (p, (), (), (), functools.partial(_fault_at, self.rank, p.op.name), None)
+                checked.append(fault)
+                trusted.append(fault)
+            sched = scheds.get(i)
+            if i in skipped or i in members:
+                assert sched is not None and sched.skip
+                skip = (p, (), (), frees_of[i], _never, sched)
+                checked.append(skip)
+                trusted.append(skip)
+                continue
+            for name in res.plain_before.get(i, ()) if res is not None else ():
+                plain = self._plain(p, name, self._type_of(fp, name), sched)
+                if plain is not None:
+                    checked.append(plain)
+                    trusted.append(plain)
+                    sched = None  # (given to the first instruction of the op)
+            operands, call, check = self._bind(fp, i, p, roots.get(i), res)
+            checked.append((p, operands, p.op.results, frees_of[i], check or call, sched))
+            trusted.append((p, operands, p.op.results, frees_of[i], call, sched))
+        for name in res.plain_at_return if res is not None else ():
+            plain = self._plain(fp.ops[-1], name, self._type_of(fp, name), None)
+            if plain is not None:
+                checked.append(plain)
+                trusted.append(plain)
+        self._unchecked[id(fp)] = trusted
+        self._programs[id(fp)] = checked
+        return checked
+
+    def _groups(self, fp: FunctionPlan, res: Resolution | None) -> list[FusedGroup]:
+        """The fused chains this rank runs at their roots: every group on a GPU backend, the
+        chains larger than a core's cache on the CPU (``DTM_FUSE``); in deterministic mode
+        none that touches a resolved pending sum (:func:`without_resolved`)."""
+        if not (self.backend.fuses or self.cpu_fuse):
+            return []
+        groups = list(fusion_groups(fp))
+        if not self.backend.fuses:
+            groups = [g for g in groups if chunkable(fp, g, math.prod(self.local_shape(fp.ops[g.root].op.result_types[0])))]  # fmt: skip
+        return without_resolved(groups, fp, res) if res is not None else list(groups)
+
+    def _scheds(self, fp: FunctionPlan, frees_of: Sequence[tuple[str, ...]], skipped: set[int], res: Resolution | None) -> dict[int, Sched]:  # fmt: skip
+        """Per op: the buckets completed and started before it, and whether it is skipped."""
         starts: dict[int, list[Bucket]] = {}
         finishes: dict[int, list[Bucket]] = {}
-        members: dict[int, Bucket] = {}
-        for b in buckets:
+        for b in fp.buckets:
             starts.setdefault(b.start, []).append(b)
             finishes.setdefault(b.finish, []).append(b)
-            for m in b.members:
-                members[m] = b
-        bound: list[BoundKernel | None] = []
-        checked: dict[int, BoundKernel] = {}  # the first run's calls that check shapes
-        for i, p in enumerate(fp.ops):
-            call = None
-            if p.kind is OpKind.LOCAL and not OPS[p.op.name].has(Trait.NEEDS_STEP):
-                kernel, ctx = self._kernel(p, 0)
-                call = bind_kernel(self.backend.name, kernel, ctx) or functools.partial(kernel, ctx)  # fmt: skip
-                if not OPS[p.op.name].has(Trait.ELEMENTWISE):  # (elementwise: the same shapes)
-                    checked[i] = functools.partial(self._checked, p, call, ctx.local_shapes)
-            bound.append(call)
-        frees_of = [p.frees for p in fp.ops]
-        chunked: dict[int, _Chunked] = {}
-        skipped: set[int] = set()
-        if self.cpu_fuse:  # chains larger than a core's cache (smaller: op by op)
-            groups = [g for g in fusion_groups(fp) if self._chunkable(fp, g)]
-            fused_frees = _fused_frees(fp, groups)
-            frees_of = [fused_frees[i] for i in range(len(fp.ops))]
-            for g in groups:
-                chunked[g.root] = self._chunk_plan(fp, g, bound)
-                skipped.update(m for m in g.members if m != g.root)
-        # a member's operand stays until its bucket starts (it may be freed before: by its
-        # member op, or by another op reading it last): dropped when the bucket has packed it
+        out: dict[int, Sched] = {}
+        for i in range(len(fp.ops)):
+            if i not in starts and i not in finishes and i not in skipped:
+                continue
+            begun = []
+            for b in starts.get(i, ()):
+                names = {fp.ops[m].op.operands[0] for m in b.members}
+                # an operand freed before the bucket starts is held, and dropped once packed
+                drops = tuple(sorted({n for j in range(b.start) for n in frees_of[j] if n in names}))  # fmt: skip
+                resolved = res.bucket_resolved.get(b) if res is not None else None
+                zeroed = tuple(
+                    bool(resolved and resolved[k]) and not self._first(self._type_of(fp, fp.ops[m].op.operands[0]))
+                    for k, m in enumerate(b.members)
+                )  # fmt: skip
+                begun.append(BucketStart(b, drops, zeroed))
+            out[i] = Sched(tuple(finishes.get(i, ())), tuple(begun), i in skipped)
+        return out
+
+    def _held(self, fp: FunctionPlan, frees_of: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
+        """``frees_of`` without the bucket members' operands before their bucket starts (a
+        member's operand stays until its bucket has packed it)."""
         held: dict[int, set[str]] = {}
-        drops: dict[Bucket, tuple[str, ...]] = {}
-        for b in buckets:
+        for b in fp.buckets:
             names = {fp.ops[m].op.operands[0] for m in b.members}
-            freed = {n for j in range(b.start) for n in frees_of[j] if n in names}
-            drops[b] = tuple(sorted(freed))
             for j in range(b.start):
                 held.setdefault(j, set()).update(names)
-        got = []
-        for i, p in enumerate(fp.ops):
-            op = p.op
-            call = bound[i]
-            operands, results = op.operands, op.results
-            frees = frees_of[i]
-            if i in chunked:  # the root of a fused chain: the chain, evaluated in chunks
-                plan = chunked[i]
-                call, operands = functools.partial(self._run_chunked, plan), plan.inputs
-            bucket = members.get(i)
-            if i in held:
-                frees = tuple(n for n in frees if n not in held[i])
-            sched = None
-            if i in starts or i in finishes or bucket is not None or i in skipped:
-                sched = _Sched(tuple(finishes.get(i, ())), tuple((b, drops[b]) for b in starts.get(i, ())), bucket is not None or i in skipped)  # fmt: skip
-            got.append((p, operands, results, frees, call, sched))
-        self._unchecked[id(fp)] = got
-        self._programs[id(fp)] = [(*ins[:4], checked.get(i, ins[4]), ins[5]) for i, ins in enumerate(got)]  # fmt: skip
-        return self._programs[id(fp)]
+        return [tuple(n for n in frees if n not in held[j]) if j in held else frees for j, frees in enumerate(frees_of)]  # fmt: skip
 
-    def _chunkable(self, fp: FunctionPlan, g: FusedGroup) -> bool:
-        """Whether the CPU runs group ``g`` in chunks: every member an elementwise op with
-        an array function (the numpy backend's bound call) or an absorbed bias broadcast."""
-        if math.prod(self.local_shape(fp.ops[g.root].op.result_types[0])) < MIN_CHUNKED_ELEMS:
-            return False
-        for m in g.members:
-            name = fp.ops[m].op.name
-            if not (OPS[name].has(Trait.ELEMENTWISE) and OPS[name].array_fn is not None) and not OPS[name].has(Trait.BROADCASTS):  # fmt: skip
-                return False
-        return True
+    def _bind(self, fp: FunctionPlan, i: int, p: PlanOp, group: FusedGroup | None, res: Resolution | None) -> tuple[tuple[str, ...], BoundKernel, BoundKernel | None]:  # fmt: skip
+        """Op ``i``'s operand names, its call, and the call checking its results' shapes on
+        the first run (None: the call itself)."""
+        if group is not None:
+            t = p.op.result_types[0]
+            shape = self.local_shape(t)
+            if self.backend.fuses:  # a generated kernel
+                kernel = functools.partial(self.backend.run_fused, _expr(group.tree), group.lastdim, dtype=np_dtype(t.dtype), shape=shape)  # fmt: skip
+                return group.inputs, _positional(kernel), None
+            plan = chunked_chain(fp, group, lambda m: self._bound_local(fp.ops[m])[0], shape)
+            return plan.inputs, functools.partial(run_chunked, plan), None
+        if res is not None and i in res.exact:
+            _, ctx = self._kernel(p, 0)
+            flags = res.operand_resolved[i]
+            duplicate = any(r and not self._first(t) for r, t in zip(flags, p.operand_types, strict=True))  # fmt: skip
+            return p.op.operands, functools.partial(self._run_exact, ctx, duplicate), None
+        if p.kind is OpKind.LOCAL and not OPS[p.op.name].has(Trait.NEEDS_STEP):
+            bound, check = self._bound_local(p)
+            return p.op.operands, bound, check
+        return p.op.operands, functools.partial(self._run_op, p), None
 
-    def _chunk_plan(self, fp: FunctionPlan, g: FusedGroup, bound: Sequence[BoundKernel | None]) -> _Chunked:  # fmt: skip
-        steps: list[tuple[BoundKernel | None, tuple[str, ...], str, tuple[str, ...]]] = []
-        made: set[str] = set()  # the chain's intermediates: each read once, then dropped
-        for m in g.members:
-            op = fp.ops[m].op
-            names = (op.operands[0],) if OPS[op.name].has(Trait.BROADCASTS) else op.operands
-            call = None if OPS[op.name].has(Trait.BROADCASTS) else bound[m]  # a bias: aliased
-            steps.append((call, names, op.results[0], tuple(n for n in dict.fromkeys(names) if n in made)))  # fmt: skip
-            made.add(op.results[0])
-        t = fp.ops[g.root].op.result_types[0]
-        shape = self.local_shape(t)
-        return _Chunked(tuple(dict.fromkeys(g.inputs)), tuple(steps), g.result, shape, np_dtype(t.dtype))  # fmt: skip
+    def _bound_local(self, p: PlanOp) -> tuple[BoundKernel, BoundKernel | None]:
+        """A local op's kernel bound to its context, and (non-elementwise ops: their result
+        shapes may differ from the plan's if a kernel is wrong) the same call checked."""
+        kernel, ctx = self._kernel(p, 0)
+        call: BoundKernel = bind_kernel(self.backend.name, kernel, ctx) or functools.partial(kernel, ctx)  # fmt: skip
+        if OPS[p.op.name].has(Trait.ELEMENTWISE):  # (elementwise: the operands' shapes)
+            return call, None
+        return call, functools.partial(self._checked, p, call, ctx.local_shapes)
 
-    def _run_chunked(self, plan: _Chunked, xs: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
-        """A fused elementwise chain on the CPU: its ops in order (each the op's own bound
-        call: the op-by-op results bit for bit) over blocks of ``CHUNK_ELEMS`` elements of
-        rows, so the intermediates stay in cache instead of one full array per op."""
-        shape = plan.shape
-        if len(shape) == 1:  # a vector: rows of one (a bias vector is the whole vector too)
-            shape2 = (shape[0], 1)
-            flat = [x.reshape(shape2) for x in xs]
-        else:
-            shape2 = (math.prod(shape[:-1]), shape[-1])
-            flat = [x if x.ndim == 1 else x.reshape(shape2) for x in xs]  # (1-d: a bias vector)
-        rows, cols = shape2
-        step = max(1, CHUNK_ELEMS // max(cols, 1))
-        out = np.empty(shape2, dtype=plan.dtype)
-        for r0 in range(0, rows, step):
-            env = {n: (x if x.ndim == 1 else x[r0 : r0 + step]) for n, x in zip(plan.inputs, flat, strict=True)}  # fmt: skip
-            for call, names, result, drops in plan.steps:
-                env[result] = env[names[0]] if call is None else call([env[n] for n in names])[0]  # fmt: skip
-                for n in drops:
-                    del env[n]
-            out[r0 : r0 + step] = env[plan.result]
-        return (out.reshape(shape),)
+    def _plain(self, p: PlanOp, name: str, t: TensorType, sched: Sched | None) -> Instr | None:
+        """The instruction turning resolved pending sum ``name`` back into its plain form on
+        this rank (None where this rank is its group's first: it keeps the whole value)."""
+        if self._first(t):
+            return None
+        shape, dtype = self.local_shape(t), np_dtype(t.dtype)
+        full = self.backend.full
 
-    def _start_bucket(self, fp: FunctionPlan, b: Bucket, env: dict[str, np.ndarray], drops: tuple[str, ...]) -> tuple[Pending, list[tuple[int, ...]]]:  # fmt: skip
-        """Start bucket ``b``'s allreduce: its members' operands in one buffer (one alone as
-        it is); operands whose last use was their member op are dropped once packed."""
-        names = [fp.ops[m].op.operands[0] for m in b.members]
-        xs = [env[n] for n in names]
+        def plain(xs: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
+            return (full(shape, -0.0, dtype),)
+
+        return (p, (name,), (name,), (), plain, sched)
+
+    def _first(self, t: TensorType) -> bool:
+        """Whether this rank is the first of the group over which ``t`` is a pending sum."""
+        axes = pending_axes(t, self.mesh)
+        return not axes or self.mesh.index_along(self.rank, axes) == 0
+
+    def _type_of(self, fp: FunctionPlan, name: str) -> TensorType:
+        """The type of value ``name`` of ``fp`` (every name, computed once per function)."""
+        types = self._types.get(id(fp))
+        if types is None:
+            types = {v.name: v.type for v in fp.function.params}
+            for q in fp.ops:
+                types.update(zip(q.op.results, q.op.result_types, strict=True))
+            self._types[id(fp)] = types
+        return types[name]
+
+    # -- what instructions call ---------------------------------------------------------------
+    def _start_bucket(self, fp: FunctionPlan, start: BucketStart, env: dict[str, np.ndarray]) -> tuple[Pending, list[tuple[int, ...]]]:  # fmt: skip
+        """Start a bucket's allreduce: its members' operands in one buffer (one alone as it
+        is; a resolved pending sum's plain form where this rank packs ``-0.0``); operands
+        whose last use was their member op are dropped once packed."""
+        b = start.bucket
+        xs = [env[fp.ops[m].op.operands[0]] for m in b.members]
+        if any(start.zeroed):
+            xs = [self.backend.full(tuple(x.shape), -0.0, x.dtype) if z else x for x, z in zip(xs, start.zeroed, strict=True)]  # fmt: skip
         shapes = [tuple(x.shape) for x in xs]
         buf = xs[0] if len(xs) == 1 else np.concatenate([x.reshape(-1) for x in xs])
         spec = self._allreduce_spec(b.axes, b.op, int(buf.size))
         handle = self.comm.start_allreduce(buf, b.axes, spec)
-        for n in drops:
+        for n in start.drops:
             env.pop(n, None)
         return handle, shapes
 
@@ -485,6 +462,16 @@ class Executor:
             env[fp.ops[m].op.results[0]] = flat[at : at + n].reshape(shape)
             at += n
 
+    def _allreduce_spec(self, axes: tuple[str, ...], op: ReduceOp, count: int) -> AllreduceSpec:
+        key = (axes, op, count)
+        got = self._allreduce_specs.get(key)
+        if got is None:
+            group = self.mesh.group_of(self.rank, axes)
+            got = self._allreduce_specs[key] = AllreduceSpec(
+                group, group.index(self.rank), op, count
+            )
+        return got
+
     def _checked(self, p: PlanOp, call: BoundKernel, wants: tuple[tuple[int, ...], ...], xs: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:  # fmt: skip
         outs = call(xs)
         self._check_shapes(p, outs, wants)
@@ -498,161 +485,22 @@ class Executor:
                     f"rank {self.rank}; the plan says {list(want)}"
                 )
 
-    def _run_general(
-        self, fp: FunctionPlan, args: Sequence[np.ndarray], step: int
-    ) -> tuple[np.ndarray, ...]:
-        """``run_function`` op by op with every feature: fused groups (GPU backends), exact
-        sums (deterministic mode) and injected faults."""
-        f = fp.function
-        faults = bool(get_config().faults)
-        env: dict[str, np.ndarray] = {p.name: a for p, a in zip(f.params, args, strict=True)}
-        fused = self._fused(fp)
-        # deterministic mode: the pending sums every rank of their group holds whole (the
-        # results of exact ops, and local ops of them); turned back into the plain form of a
-        # pending sum (first rank whole, others -0.0) before anything else reads them
-        resolved: set[str] = set()
-        types = {v.name: v.type for v in f.params}
-        for index, p in enumerate(fp.ops):
-            op = p.op
-            group = None
-            if fused is not None:
-                if index in fused.skip:  # computed by its group's root
-                    continue
-                group = fused.roots.get(index)
-            try:
-                if faults:
-                    maybe_fail(self.rank, op.name)
-                keeps = False
-                if resolved:
-                    keeps = group is None and self._keeps_resolved(p, resolved)
-                    if not keeps:
-                        for n in op.operands:
-                            if n in resolved:
-                                self._materialize(n, types[n], env)
-                                resolved.discard(n)
-                if group is not None:
-                    outs = self._run_group(p, group, env)
-                elif self.deterministic and p.kind is OpKind.LOCAL and applies(op):
-                    _, ctx = self._kernel(p, step)
-                    outs = (self._run_exact(ctx, [env[n] for n in op.operands], [n in resolved for n in op.operands]),)  # fmt: skip
-                    if op.result_types[0].layout.partial is not None:
-                        keeps = True
-                else:
-                    outs = self._run_op(p, [env[n] for n in op.operands], step)
-            except DtmError as err:
-                if getattr(err, "phase", None) is None:
-                    err.phase = f"step {step}, {op.name} at {p.where}"  # type: ignore[attr-defined]
-                raise
-            except Exception as exc:  # a kernel's numpy error: name the op and where
-                raise KernelError(
-                    f"{op.name} at {p.where} failed on rank {self.rank}: {type(exc).__name__}: {exc}"
-                ) from exc
-            for r, v, t in zip(op.results, outs, op.result_types, strict=True):
-                env[r] = v
-                if self.deterministic:
-                    types[r] = t
-                    if keeps and t.layout.partial is not None:
-                        resolved.add(r)
-            for name in p.frees if fused is None else fused.frees[index]:
-                env.pop(name, None)
-                resolved.discard(name)
-        for r in f.returns:  # what leaves the function is in the plain form
-            if r in resolved:
-                self._materialize(r, types[r], env)
-        return tuple(env[r] for r in f.returns)
-
-    def _fused(self, fp: FunctionPlan) -> _Fusion | None:
-        """The fused elementwise groups of ``fp`` where the backend runs them (GPU backends;
-        the numpy backend is the op-by-op reference), computed once per function."""
-        if not self.backend.fuses:
-            return None
-        got = self._fusion.get(id(fp))
-        if got is None:
-            groups = fusion_groups(fp)
-            roots = {g.root: g for g in groups}
-            skip = {m for g in groups for m in g.members if m != g.root}
-            got = self._fusion[id(fp)] = _Fusion(roots, _fused_frees(fp, groups), frozenset(skip))  # fmt: skip
-        return got
-
-    def _run_group(self, p: PlanOp, group: FusedGroup, env: dict[str, np.ndarray]) -> tuple[np.ndarray, ...]:  # fmt: skip
-        t = p.op.result_types[0]
-        shape = self.local_shape(t)
-        xs = [env[n] for n in group.inputs]
-        return (self.backend.run_fused(_expr(group.tree), group.lastdim, xs, np_dtype(t.dtype), shape),)  # fmt: skip
-
-    def _allreduce_spec(self, axes: tuple[str, ...], op: ReduceOp, count: int) -> AllreduceSpec:
-        key = (axes, op, count)
-        got = self._allreduce_specs.get(key)
-        if got is None:
-            group = self.mesh.group_of(self.rank, axes)
-            got = self._allreduce_specs[key] = AllreduceSpec(
-                group, group.index(self.rank), op, count
-            )
-        return got
-
-    def _exact_allreduce(self, x: np.ndarray, axes: tuple[str, ...], op: ReduceOp) -> np.ndarray:
-        return self.comm.allreduce(x, axes, self._allreduce_spec(axes, op, x.size))
-
-    def _run_exact(self, ctx: KernelContext, xs: list[np.ndarray], resolved: Sequence[bool]) -> np.ndarray:  # fmt: skip
-        """The op's exact form (deterministic mode). Where its result is a pending sum, the
-        group's exponents are max-allreduced and its integer levels sum-allreduced (exact in
-        any order), so every rank of the group ends with the whole result: a *resolved*
-        pending sum (see :meth:`run_function`). An operand that is itself resolved is whole on
-        every rank of its group: only the group's first rank contributes its levels."""
-        rule = EXACT_RULES[ctx.op.name]
-        axes = exact_axes(ctx.op, self.mesh)
+    def _run_exact(self, ctx: KernelContext, duplicate: bool, xs: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:  # fmt: skip
+        """The op's exact form (deterministic mode): computed on the host, across the ranks of
+        its pending group (:func:`~dtm_mpi.kernels.exact_ranks.exact_across`); every rank of
+        the group ends with the whole result (a resolved pending sum)."""
         host = [self.backend.to_host(x) for x in xs]
-        with np.errstate(all="ignore"):  # IEEE results (inf, nan) are the op's semantics
-            exps = rule.exponents(ctx, host)
-            if axes:
-                exps = self._exact_allreduce(exps, axes, ReduceOp.MAX)
-            got = rule.levels(ctx, host, exps)
-            if axes:
-                duplicate = any(
-                    r and self.mesh.index_along(self.rank, a) != 0
-                    for r, a in zip(resolved, self._operand_axes(ctx), strict=True)
-                )
-                levels, specials = got.levels, got.specials
-                if duplicate:  # this rank's operand repeats the first rank's: no contribution
-                    levels = np.zeros_like(levels)
-                    specials = None if specials is None else np.zeros_like(specials)
-                if specials is not None:  # where an infinity or NaN is: counted, order-free
-                    specials = self._exact_allreduce(specials, axes, ReduceOp.SUM)
-                got = Levels(self._exact_allreduce(levels, axes, ReduceOp.SUM), specials)
-            out = np.asarray(canonical(rule.finish(ctx, got, exps)), order="C")  # (0-d stays 0-d)
-        return self.backend.to_device(out)  # type: ignore[no-any-return]
+        out = exact_across(EXACT_RULES[ctx.op.name], ctx, host, self.comm, duplicate=duplicate)
+        return (self.backend.to_device(out),)
 
-    def _operand_axes(self, ctx: KernelContext) -> tuple[tuple[str, ...], ...]:
-        return tuple(pending_axes(t, self.mesh) for t in ctx.operand_types)
-
-    def _keeps_resolved(self, p: PlanOp, resolved: set[str]) -> bool:
-        """Whether ``p`` can run on whole (resolved) pending sums and give one: an op with an
-        exact form, or a local op whose pending operands are all resolved and whose result is
-        pending over the same axes (it then computes the whole value on every rank)."""
-        if p.kind is not OpKind.LOCAL:
-            return False
-        if applies(p.op):
-            return True
-        pending = [(n, t) for n, t in zip(p.op.operands, p.operand_types, strict=True) if t.layout.partial is not None]  # fmt: skip
-        result = p.op.result_types[0].layout.partial if len(p.op.result_types) == 1 else None
-        return bool(pending) and all(n in resolved and t.layout.partial == result for n, t in pending)  # fmt: skip
-
-    def _materialize(self, name: str, t: TensorType, env: dict[str, np.ndarray]) -> None:
-        """A resolved pending sum ``name`` back to the plain form of a pending sum: the
-        group's first rank keeps the whole value, the others hold -0.0 (the additive identity
-        of IEEE: any value plus -0.0 is that value, -0.0 included)."""
-        axes = pending_axes(t, self.mesh)
-        if axes and self.mesh.index_along(self.rank, axes) != 0:
-            x = env[name]
-            env[name] = self.backend.full(tuple(x.shape), -0.0, x.dtype)
-
-    def _run_op(self, p: PlanOp, xs: list[np.ndarray], step: int) -> tuple[np.ndarray, ...]:
+    def _run_op(self, p: PlanOp, xs: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
+        """An op that is not bound once: communication, calls, and local ops that read the
+        step (``NEEDS_STEP``)."""
         kind = p.kind
         op = p.op
         if kind is OpKind.LOCAL:
-            kernel, ctx = self._kernel(p, step)
-            with np.errstate(all="ignore"):  # IEEE results (inf, nan) are the op's semantics
-                outs = kernel(ctx, xs)
+            kernel, ctx = self._kernel(p, self._step)
+            outs = kernel(ctx, xs)
             self._check_shapes(p, outs, ctx.local_shapes)
             return outs
         if kind is OpKind.REDIST:
@@ -676,5 +524,36 @@ class Executor:
             return (self.backend.zeros(shape, dtype),)
         if kind is OpKind.CALL:
             callee = self.plan.function(str(op.attr("callee")))
-            return self.run_function(callee, xs, step)
+            step = self._step
+            try:
+                return self.run_function(callee, list(xs), step)
+            finally:
+                self._step = step
         raise CommError(f"unknown plan op kind {kind}")  # pragma: no cover
+
+
+def _fault_at(rank: int, where: str, xs: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
+    """An injected fault's instruction (``DTM_FAULT``): fails here if it names this rank and
+    op, else does nothing."""
+    maybe_fail(rank, where)
+    return ()
+
+
+def _never(xs: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:  # pragma: no cover
+    raise AssertionError("a skipped op's instruction is never called")
+
+
+def _positional(call: Callable[..., np.ndarray]) -> BoundKernel:
+    """A generated kernel's call as a bound call (operands in, one result out)."""
+
+    def run(xs: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
+        return (call(xs),)
+
+    return run
+
+
+def _expr(node: FusionNode | int) -> Expr | int:
+    """A planned fusion tree as the kernel generator's expression."""
+    if isinstance(node, int):
+        return node
+    return Expr(node.op, tuple(_expr(a) for a in node.args))

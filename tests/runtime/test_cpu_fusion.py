@@ -16,7 +16,7 @@ from dtm_mpi.ir import parse_module, verify_module
 from dtm_mpi.ir.nodes import Module
 from dtm_mpi.plan.fusion import fusion_groups
 from dtm_mpi.plan.program import compile_plan, mesh_for
-from dtm_mpi.runtime import executor
+from dtm_mpi.runtime import chunked
 from dtm_mpi.runtime.simulate import run_simulated
 from tests.runtime.test_sim_examples import NAMES, load
 
@@ -71,7 +71,7 @@ def test_a_chain_over_many_chunks_equals_op_by_op(dtype: str, monkeypatch: pytes
     (group,) = fusion_groups(plan.entry_plan)
     assert len(group.members) == 7  # the whole chain, the bias broadcast absorbed
     rows, cols = 800, 200  # every rank computes the whole (replicated): several chunks of rows
-    assert rows > executor.CHUNK_ELEMS // cols and rows * cols >= executor.MIN_CHUNKED_ELEMS
+    assert rows > chunked.CHUNK_ELEMS // cols and rows * cols >= chunked.MIN_CHUNKED_ELEMS
     rng = np.random.default_rng(3)
     np_t = np.float32 if dtype == "bf16" else np.dtype(dtype.replace("f", "float"))
     a, b = rng.standard_normal((800, 200)).astype(np_t), rng.standard_normal(200).astype(np_t)
@@ -83,7 +83,7 @@ def test_a_chain_over_many_chunks_equals_op_by_op(dtype: str, monkeypatch: pytes
     want = outputs(module, 2, False, monkeypatch, inputs=inputs)
     got = outputs(module, 2, True, monkeypatch, inputs=inputs)
     assert np.array_equal(got["result0"] if "result0" in got else next(iter(got.values())), next(iter(want.values())), equal_nan=True)  # fmt: skip
-    monkeypatch.setattr(executor, "CHUNK_ELEMS", 7 * cols)  # uneven last chunk
+    monkeypatch.setattr(chunked, "CHUNK_ELEMS", 7 * cols)  # uneven last chunk
     odd = outputs(module, 2, True, monkeypatch, inputs=inputs)
     assert np.array_equal(next(iter(odd.values())), next(iter(want.values())), equal_nan=True)
 

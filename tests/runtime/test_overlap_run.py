@@ -1,7 +1,7 @@
 """Overlapped allreduces (``DTM_OVERLAP=1``): buckets planned alike on every rank
-(:mod:`dtm_mpi.plan.overlap`), run by the executor's fast loop; the examples give the
-reference's values with exactly the collectives the plan counts (one per bucket), and in
-deterministic mode (op by op) the members run where they stand, with the same bits."""
+(:mod:`dtm_mpi.plan.overlap`), run by the executor's one loop; the examples give the
+reference's values with exactly the collectives the plan counts (one per bucket), and
+deterministic mode overlaps them too, with the same bits as on one rank."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_examples_with_overlapped_buckets_match_the_reference(overlap: None, nam
     assert_matches(load(name), nranks, None)
 
 
-def test_deterministic_mode_ignores_buckets_and_keeps_its_bits(overlap: None) -> None:
+def test_deterministic_mode_with_buckets_keeps_its_bits(overlap: None) -> None:
     module = load("tp_mlp")
     got = run_simulated(module, 4, binding={"dp": 2, "tp": 2}, steps=2, deterministic=True).outputs()  # fmt: skip
     one = run_simulated(module, 1, steps=2, deterministic=True).outputs()
