@@ -27,6 +27,7 @@ from dtm_mpi.errors import ManifestError, UsageError, agreed
 if TYPE_CHECKING:
     import numpy as np
 
+    from dtm_mpi.io.backend import ShardBackend
     from dtm_mpi.io.manifest import ArtifactRecord, Manifest
 
 __all__ = ["add_store_commands"]
@@ -137,17 +138,25 @@ def _stored(m: Manifest) -> list[ArtifactRecord]:
 
 
 def _cmd_ckpt_ls(args: argparse.Namespace) -> int:
-    from dtm_mpi.io.ckpt_files import read_manifest
-    from dtm_mpi.io.store import disk_usage, legacy_files, list_checkpoints, read_latest, read_meta
-    from dtm_mpi.io.tools import INCOMPLETE_NOTE, reason, store_dir
+    from dtm_mpi.io.store import (
+        DEFAULT_BACKEND,
+        disk_usage,
+        legacy_files,
+        list_checkpoints,
+        read_latest,
+        read_meta,
+    )
+    from dtm_mpi.io.tools import INCOMPLETE_NOTE, read_manifest, reason, store_backend, store_dir
 
     store = store_dir(args.store)
     meta = read_meta(store)
+    backend = store_backend(store)
     entries = list_checkpoints(store)
     quota = "none" if meta is None or meta.quota_bytes is None else f"{meta.quota_bytes} bytes"
     keep = "all" if meta is None or meta.keep_last is None else str(meta.keep_last)
+    name = DEFAULT_BACKEND if meta is None else meta.backend
     settings = "" if meta is not None else " (no store.json: defaults)"
-    print(f"store {store}: quota {quota}, keep_last {keep}, {disk_usage(store)} bytes in use by {len(entries)} checkpoint(s){settings}")  # fmt: skip
+    print(f"store {store}: quota {quota}, keep_last {keep}, {disk_usage(store)} bytes in use by {len(entries)} checkpoint(s), backend {name}{settings}")  # fmt: skip
     for p in legacy_files(store):
         print(f"{p.name}: a single-file checkpoint of format version 1, which this dtm_mpi does not read (not part of the store; it counts against the quota)")  # fmt: skip
     if not entries:
@@ -166,10 +175,10 @@ def _cmd_ckpt_ls(args: argparse.Namespace) -> int:
             if e.step == latest and not e.latest:
                 notes.append(f"{e.path.name}: latest because the 'latest' pointer is missing or names a missing file")  # fmt: skip
             try:
-                m = read_manifest(e.path)
+                m = read_manifest(e.path, backend)
             except ManifestError as exc:
                 row[1] = "INVALID"
-                notes.append(f"{e.path.name}: INVALID: {reason(exc, e.path)}")
+                notes.append(f"{e.path.name}: INVALID: {reason(exc, e.path, backend)}")
             else:
                 row[4:] = [str(len(_stored(m))), str(m.data_bytes), _mesh_text(m.mesh)]
         rows.append(row)
@@ -185,12 +194,14 @@ def _cmd_ckpt_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_ckpt_inspect(args: argparse.Namespace) -> int:
-    from dtm_mpi.io.ckpt_files import read_manifest
-    from dtm_mpi.io.tools import checkpoint_path, store_dir
+    from dtm_mpi.io.tools import checkpoint_path, read_manifest, store_backend, store_dir
 
-    path = checkpoint_path(store_dir(args.store), args.step)
-    m = read_manifest(path)  # validated first: an invalid manifest is an error, also for --json
-    doc = _stored_manifest(path)
+    store = store_dir(args.store)
+    backend = store_backend(store)
+    path = checkpoint_path(store, args.step)
+    # validated first: an invalid manifest is an error, also for --json
+    m = read_manifest(path, backend)
+    doc = _stored_manifest(path, backend)
     if args.json:
         print(json.dumps(doc, indent=2, sort_keys=True))
         return 0
@@ -219,12 +230,12 @@ def _cmd_ckpt_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stored_manifest(path: Path) -> dict[str, Any]:
+def _stored_manifest(path: Path, backend: ShardBackend) -> dict[str, Any]:
     """The manifest JSON as stored in checkpoint ``path`` (fields this version does not know
     included)."""
-    from dtm_mpi.io.ckpt_files import read_manifest_bytes
+    from dtm_mpi.io.tools import read_manifest_bytes
 
-    doc: dict[str, Any] = json.loads(read_manifest_bytes(path))
+    doc: dict[str, Any] = json.loads(read_manifest_bytes(path, backend))
     return doc
 
 
@@ -273,11 +284,11 @@ def _cmd_ckpt_rm(args: argparse.Namespace) -> int:
 
 
 def _cmd_store_ls(args: argparse.Namespace) -> int:
-    from dtm_mpi.io.ckpt_files import read_manifest
-    from dtm_mpi.io.tools import checkpoint_path, store_dir
+    from dtm_mpi.io.tools import checkpoint_path, read_manifest, store_backend, store_dir
 
-    path = checkpoint_path(store_dir(args.store), args.step)
-    m = read_manifest(path)
+    store = store_dir(args.store)
+    path = checkpoint_path(store, args.step)
+    m = read_manifest(path, store_backend(store))
     print(f"checkpoint {path} (step {m.step}): {len(m.artifacts)} tensor(s)")
     rows = [["name", "class", "dtype", "shape", "bytes", "from"]]
     for a in m.artifacts:
@@ -291,14 +302,21 @@ def _cmd_store_ls(args: argparse.Namespace) -> int:
 
 def _cmd_store_get(args: argparse.Namespace) -> int:
     from dtm_mpi.io.arrays import check_output_path, save_npy
-    from dtm_mpi.io.ckpt_files import read_manifest
-    from dtm_mpi.io.tools import checkpoint_path, read_tensor, store_dir
+    from dtm_mpi.io.tools import (
+        checkpoint_path,
+        read_manifest,
+        read_tensor,
+        store_backend,
+        store_dir,
+    )
     from dtm_mpi.ir.types import DType
 
     target = check_output_path(args.output, ".npy")
-    path = checkpoint_path(store_dir(args.store), args.step)
-    m = read_manifest(path)
-    value = read_tensor(path, args.name, m)
+    store = store_dir(args.store)
+    backend = store_backend(store)
+    path = checkpoint_path(store, args.step)
+    m = read_manifest(path, backend)
+    value = read_tensor(path, args.name, m, backend)
     save_npy(str(target), value)
     note = ""
     if m.artifact(args.name).dtype is DType.BF16:

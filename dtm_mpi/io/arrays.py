@@ -5,7 +5,8 @@ Inputs map names (entry parameters without ``%``) to global arrays:
 * ``NAME.npy`` gives the array ``NAME`` (the file's stem);
 * ``FILE.npz`` gives each array it holds under its own name;
 * ``FILE.h5`` / ``FILE.hdf5`` gives each top-level dataset under its own name (read serially
-  with h5py).
+  with h5py, by :func:`dtm_mpi.io.h5.read_top_datasets`: h5py lives in the HDF5 backend's
+  modules only).
 
 A file that cannot be read (missing, a directory, corrupt, truncated, not the format its suffix
 says) is one :class:`~dtm_mpi.errors.UsageError` naming the file, never a library's exception.
@@ -39,14 +40,11 @@ def _load_one(path: Path) -> dict[str, np.ndarray]:
             with np.load(path, allow_pickle=False) as data:
                 return {k: data[k] for k in data.files}
         if suffix in (".h5", ".hdf5"):
-            import h5py
+            # A user's input file, not the checkpoint store: HDF5 whatever backend a store
+            # uses. Read by the HDF5 backend's h5 module: h5py is imported nowhere else.
+            from dtm_mpi.io.h5 import read_top_datasets
 
-            out: dict[str, np.ndarray] = {}
-            with h5py.File(path, "r") as f:
-                for key, item in f.items():
-                    if isinstance(item, h5py.Dataset):
-                        out[key] = item[()]
-            return out
+            return read_top_datasets(path)
     except FileNotFoundError:
         raise UsageError(f"input file {path} does not exist") from None
     except IsADirectoryError:

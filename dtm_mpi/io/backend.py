@@ -15,10 +15,22 @@ files, and talks to the format only through a :class:`ShardBackend`:
 * the index: :meth:`ShardBackend.write_index` / :meth:`ShardBackend.read_index` (the manifest
   bytes, stored by the format beside whatever lets other readers see whole tensors);
 * **list** (:meth:`ShardBackend.data_files`) and **remove** (:meth:`ShardBackend.remove`) the
-  files of a checkpoint directory.
+  files of a checkpoint directory;
+* **verify** a checkpoint (:meth:`ShardBackend.verify_items`, :meth:`ShardBackend.open_verifier`:
+  every shard, and whatever the format keeps beside them), and estimate what a checkpoint
+  takes on disk beyond its data (:meth:`ShardBackend.overhead_bytes`, for the quota).
 
-:data:`HDF5` is the implementation used everywhere (io/FORMAT.md, version 2: nothing on disk
-depends on this seam existing).
+A backend is selected **by name**: :func:`register_backend` adds one to :data:`BACKENDS` (a
+module defining a backend registers it when imported), a store records the name of its
+backend in ``store.json`` (``"backend"``; io/FORMAT.md §2.2; a store that records none is
+``hdf5``) and every opener of the store (:class:`~dtm_mpi.io.checkpoint.CheckpointStore`, the
+tools of :mod:`dtm_mpi.io.tools`) gets it back with :func:`parse_backend_name`.
+
+:data:`HDF5` (``hdf5``) is the implementation of every store so far (io/FORMAT.md, version 2:
+nothing on disk depends on this seam existing but that optional field). Its modules,
+:mod:`dtm_mpi.io.ckpt_files` and :mod:`dtm_mpi.io.h5`, are the only ones that import h5py,
+and :class:`Hdf5Backend` here the only way the rest of dtm_mpi reaches them
+(tests/io/test_h5py_confined.py).
 """
 
 from __future__ import annotations
@@ -26,17 +38,30 @@ from __future__ import annotations
 import errno
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import suppress
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
-from dtm_mpi.errors import DtmError, StorageError
+from dtm_mpi.errors import DtmError, IntegrityError, StorageError, UsageError
 from dtm_mpi.io.manifest import ArtifactRecord, Manifest, ShardRecord
+from dtm_mpi.io.store import DEFAULT_BACKEND, remove_path
+from dtm_mpi.io.verification import VerifyItem
 
-__all__ = ["HDF5", "Hdf5Backend", "ShardBackend", "ShardReader", "ShardWriter"]
+__all__ = [
+    "BACKENDS",
+    "HDF5",
+    "CheckpointVerifier",
+    "Hdf5Backend",
+    "ShardBackend",
+    "ShardReader",
+    "ShardWriter",
+    "parse_backend_name",
+    "parse_optional_backend_name",
+    "register_backend",
+]
 
 _DATA_FILE = re.compile(r"data-[0-9]{6,}\.h5")
 
@@ -88,12 +113,58 @@ class ShardReader(Protocol):
         ...
 
 
+class CheckpointVerifier(Protocol):
+    """Checks the :class:`~dtm_mpi.io.verification.VerifyItem` s of one checkpoint (files
+    opened on first use, read-only)."""
+
+    def __enter__(self) -> CheckpointVerifier: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+    def close(self) -> None: ...
+
+    def check(self, item: VerifyItem) -> IntegrityError | None:
+        """The damage ``item`` finds (an :class:`IntegrityError` naming tensor, shard and
+        file), or None."""
+        ...
+
+
 class ShardBackend(Protocol):
     """A storage format for the shards of a checkpoint (see the module's docstring)."""
 
+    @property
+    def format_name(self) -> str:
+        """The format in messages (``HDF5``: "the HDF5 library crashed")."""
+        ...
+
+    @property
+    def parallel(self) -> bool:
+        """Whether this process has the format's parallel I/O (HDF5: an h5py built with MPI,
+        whose ``mpio`` driver writes every data file); what the runtime's ``CAP_HDF5_MPI``
+        capability reports."""
+        ...
+
+    def describe(self) -> str:
+        """The library behind the format, its version and whether it is parallel (one line,
+        for ``dtm info``)."""
+        ...
+
+    def index_path(self, ckpt: Path) -> Path:
+        """The main file (the index) of checkpoint directory ``ckpt``: what a committed
+        checkpoint holds beside its data files, and the file errors about its manifest name."""
+        ...
+
+    def overhead_bytes(self, shard_nbytes: Sequence[int], nfiles: int, manifest_bytes: int) -> int:  # fmt: skip
+        """At most how many bytes a checkpoint of shards of ``shard_nbytes`` bytes in
+        ``nfiles`` data files, with a manifest of ``manifest_bytes``, takes on disk beyond
+        the shards' own bytes (alignment, metadata, the index): the quota's estimate."""
+        ...
+
     def open_writer(self, path: Path, comm: Any, attrs: Mapping[str, Any], shared: bool, nshards: int) -> ShardWriter:  # fmt: skip
         """Collective over ``comm`` (the ranks sharing the file): create data file ``path``
-        with root attributes ``attrs`` for ``nshards`` shards (``shared``: several ranks)."""
+        for ``nshards`` shards (``shared``: several ranks), storing ``attrs`` with it (the
+        checkpoint's ``step`` and the file's ``file_index``; the format adds its own
+        identification, io/FORMAT.md §4.5 for HDF5)."""
         ...
 
     def open_reader(self, ckpt: Path, comm: Any = None) -> ShardReader:
@@ -117,6 +188,55 @@ class ShardBackend(Protocol):
     def remove(self, path: Path) -> None:
         """Remove a checkpoint directory (or one of its files) and everything in it."""
         ...
+
+    def verify_items(self, ckpt: Path, manifest: Manifest) -> list[VerifyItem]:
+        """What a verification of checkpoint ``ckpt`` (its validated ``manifest``) checks, in
+        order: whatever the format keeps beside the shards (shard ``*``), then every shard
+        (:func:`~dtm_mpi.io.verification.shard_items`)."""
+        ...
+
+    def open_verifier(self, ckpt: Path, manifest: Manifest) -> CheckpointVerifier:
+        """A verifier of the items of :meth:`verify_items` (serial, this process; a backend
+        with nothing beside the shards returns a
+        :class:`~dtm_mpi.io.verification.ShardVerifier` over its reader)."""
+        ...
+
+
+# --- the backends of this process, by name ---------------------------------------------------
+
+BACKENDS: dict[str, ShardBackend] = {}
+"""Every storage backend this process can open a store with, by the name a store records
+(read it; add to it with :func:`register_backend`)."""
+
+_NAME = re.compile(r"[a-z][a-z0-9_-]{0,63}")
+
+
+def register_backend(name: str, backend: ShardBackend) -> None:
+    """Make ``backend`` selectable by ``name`` (lowercase letters, digits, ``-`` and ``_``,
+    starting with a letter): what a store created with it records, and what opens it again.
+    A :class:`UsageError` when the name is malformed or already names another backend
+    (registering the same backend under its name again does nothing)."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise UsageError(f"storage backend name {name!r}: use lowercase letters, digits, '-' and '_', starting with a letter (at most 64)")  # fmt: skip
+    known = BACKENDS.get(name)
+    if known is not None and known is not backend:
+        raise UsageError(f"storage backend name {name!r} is taken (by {type(known).__name__}); register {type(backend).__name__} under another name")  # fmt: skip
+    BACKENDS[name] = backend
+
+
+def parse_optional_backend_name(name: str) -> ShardBackend | None:
+    """The backend registered as ``name``, or None."""
+    return BACKENDS.get(name)
+
+
+def parse_backend_name(name: str, store: str | os.PathLike[str]) -> ShardBackend:
+    """The backend registered as ``name`` (what store ``store`` records); a
+    :class:`StorageError` naming the store, the name and the registered ones when none is."""
+    found = parse_optional_backend_name(name)
+    if found is None:
+        have = ", ".join(repr(n) for n in sorted(BACKENDS)) or "none"
+        raise StorageError(f"store {store}: its storage backend {name!r} is not registered in this process (registered: {have}); the module that defines it registers it when imported")  # fmt: skip
+    return found
 
 
 # --- parallel HDF5 ---------------------------------------------------------------------------
@@ -171,10 +291,40 @@ class _Hdf5Writer:
 class Hdf5Backend:
     """Parallel HDF5 (io/FORMAT.md §4): one data file per group of ranks (MPI-IO driver),
     one contiguous dataset ``/shards/<tensor>/<i>`` per shard, and a main file
-    ``checkpoint.h5`` with the manifest and a virtual dataset per tensor."""
+    ``checkpoint.h5`` with the manifest and a virtual dataset per tensor. The adapter between
+    the protocol and the HDF5 modules (:mod:`dtm_mpi.io.ckpt_files`, :mod:`dtm_mpi.io.h5`),
+    which it imports on first use: importing this module does not import h5py."""
+
+    format_name = "HDF5"
+
+    @property
+    def parallel(self) -> bool:
+        from dtm_mpi.io.h5 import mpi_build
+
+        return mpi_build()
+
+    def describe(self) -> str:
+        from dtm_mpi.io.h5 import library_text
+
+        return library_text()
+
+    def index_path(self, ckpt: Path) -> Path:
+        from dtm_mpi.io.ckpt_files import MAIN_FILE
+
+        return ckpt / MAIN_FILE
+
+    def overhead_bytes(self, shard_nbytes: Sequence[int], nfiles: int, manifest_bytes: int) -> int:  # fmt: skip
+        from dtm_mpi.io.h5 import ALIGN_BYTES, ALIGN_FROM
+
+        align = sum(ALIGN_BYTES for n in shard_nbytes if n >= ALIGN_FROM)  # large shards' padding
+        meta = (256 << 10) + (64 << 10) * nfiles + (4 << 10) * len(shard_nbytes)  # HDF5 metadata
+        return align + 2 * manifest_bytes + meta  # the manifest counted twice: a margin
 
     def open_writer(self, path: Path, comm: Any, attrs: Mapping[str, Any], shared: bool, nshards: int) -> ShardWriter:  # fmt: skip
-        return _Hdf5Writer(path, comm, attrs, shared, nshards)
+        from dtm_mpi.io.ckpt_files import DATA_FORMAT, FORMAT_VERSION
+
+        tagged = {"dtm_format": DATA_FORMAT, "format_version": FORMAT_VERSION, **attrs}
+        return _Hdf5Writer(path, comm, tagged, shared, nshards)
 
     def open_reader(self, ckpt: Path, comm: Any = None) -> ShardReader:
         from dtm_mpi.io.ckpt_files import ShardFiles
@@ -195,13 +345,23 @@ class Hdf5Backend:
         return sorted(p for p in ckpt.iterdir() if _DATA_FILE.fullmatch(p.name))
 
     def remove(self, path: Path) -> None:
-        from dtm_mpi.io.store import remove_path
-
         remove_path(path)
+
+    def verify_items(self, ckpt: Path, manifest: Manifest) -> list[VerifyItem]:
+        from dtm_mpi.io.ckpt_files import verify_items
+
+        return verify_items(ckpt, manifest)
+
+    def open_verifier(self, ckpt: Path, manifest: Manifest) -> CheckpointVerifier:
+        from dtm_mpi.io.ckpt_files import Verifier
+
+        return Verifier(ckpt, manifest)
 
 
 HDF5: ShardBackend = Hdf5Backend()
-"""The backend of every store today."""
+"""The HDF5 backend, registered as ``hdf5``: what a store that records no backend uses."""
+
+register_backend(DEFAULT_BACKEND, HDF5)
 
 
 RESERVE_BYTES = 64 << 10

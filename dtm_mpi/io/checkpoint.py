@@ -1,4 +1,6 @@
-"""Checkpoints in parallel HDF5: save with atomic commit, restore onto any mesh.
+"""Checkpoints: save with atomic commit, restore onto any mesh, over the store's shard backend
+(:mod:`dtm_mpi.io.backend`, recorded by name in ``store.json``; parallel HDF5, described
+here, unless the store records another).
 
 **Save** (collective; :meth:`CheckpointStore.save`): the plan is pure (``io.ckpt_plan``); the quota
 is checked before a byte is written; each rank hashes the chunks of the blocks it owns from
@@ -67,8 +69,7 @@ from dtm_mpi.errors import (
     UsageError,
     agreed,
 )
-from dtm_mpi.io.backend import HDF5, ShardBackend
-from dtm_mpi.io.ckpt_files import MAIN_FILE
+from dtm_mpi.io.backend import ShardBackend, parse_backend_name, parse_optional_backend_name
 from dtm_mpi.io.ckpt_plan import (  # fmt: skip
     CHUNK_BYTES,
     ROUND_BYTES,
@@ -80,7 +81,6 @@ from dtm_mpi.io.ckpt_plan import (  # fmt: skip
 )
 from dtm_mpi.io.commit import Retention, commit_partial
 from dtm_mpi.io.data_write import Writer, write_data_file
-from dtm_mpi.io.h5 import ALIGN_BYTES, ALIGN_FROM
 from dtm_mpi.io.hashing import chunk_hash
 from dtm_mpi.io.manifest import (
     ArtifactRecord,
@@ -93,6 +93,7 @@ from dtm_mpi.io.manifest import (
 )
 from dtm_mpi.io.restore_read import Reader, read_plan
 from dtm_mpi.io.store import (
+    DEFAULT_BACKEND,
     StoreMeta,
     committed_name,
     disk_usage,
@@ -177,23 +178,24 @@ class CheckpointStore:
     save and restore together, from the caller: see :mod:`dtm_mpi.comm.handles`).
 
     ``quota_bytes`` and ``keep_last`` are stored in the store's ``store.json`` when given
-    (rank 0 creates the store), else read from it."""
+    (rank 0 creates the store), else read from it. So is the storage ``backend``, by the name it
+    is registered under (:func:`~dtm_mpi.io.backend.register_backend`): a new store records the
+    one given (default ``hdf5``); an existing one is opened with the one it records (``hdf5``
+    when it records none), and naming another is an error."""
 
     def __init__(
         self, path: str | os.PathLike[str], comm: Any, *, quota_bytes: int | None = None,
         keep_last: int | None = None, timeout_s: float | None = None,
         chunk_bytes: int = CHUNK_BYTES, round_bytes: int = ROUND_BYTES,
-        ranks_per_file: int | None = None, backend: ShardBackend = HDF5,
+        ranks_per_file: int | None = None, backend: str | None = None,
     ) -> None:  # fmt: skip
         self.path = Path(path)
         self.comm = comm
-        self.backend = backend  # the format of the shards (io.backend); the rest is format-neutral
         self.rank, self.size = int(self.comm.Get_rank()), int(self.comm.Get_size())
         self.timeout_s = timeout_s if timeout_s is not None else get_config().timeout_s
         self.chunk_bytes, self.round_bytes = chunk_bytes, round_bytes
         self._io_comm: Any = None
         self._pending: SaveHandle | None = None
-        self._retention = Retention(self.path, backend)
         self._poisoned: BaseException | None = None
         outcome: Any = None
         if self.rank == 0:
@@ -201,14 +203,7 @@ class CheckpointStore:
                 rpf = get_config().ckpt_ranks_per_file if ranks_per_file is None else ranks_per_file  # fmt: skip
                 if rpf < 0:
                     raise UsageError(f"ranks_per_file must be >= 1 (0: all ranks); got {rpf}")
-                meta = read_meta(self.path) or StoreMeta()
-                if quota_bytes is not None or keep_last is not None or not (self.path / "store.json").exists() or meta_outdated(self.path):  # fmt: skip
-                    meta = StoreMeta(
-                        quota_bytes if quota_bytes is not None else meta.quota_bytes,
-                        keep_last if keep_last is not None else meta.keep_last,
-                    )
-                    write_meta(self.path, meta)
-                outcome = (meta, rpf)
+                outcome = (self._settings(quota_bytes, keep_last, backend), rpf)
             except (OSError, DtmError) as exc:
                 outcome = StorageError(f"store {self.path}: {exc}")
         outcome = self._bcast(outcome, "open store")
@@ -216,8 +211,39 @@ class CheckpointStore:
             raise agreed(outcome) if isinstance(outcome, DtmError) else outcome
         self.meta: StoreMeta = outcome[0]
         self.ranks_per_file: int = outcome[1]  # rank 0's choice, the same on every rank
+        found: ShardBackend | StorageError
+        try:  # on every rank: a backend is registered by the process (its imports)
+            found = parse_backend_name(self.meta.backend, self.path)
+        except StorageError as exc:
+            found = exc
+        self._agree(found if isinstance(found, StorageError) else None, "opening the store")
+        assert not isinstance(found, StorageError)
+        self.backend: ShardBackend = found  # the format of the shards; the rest is format-neutral
+        self._retention = Retention(self.path, self.backend)
         self._groups: dict[int, Any] = {}
         self._split_groups(self.comm)
+
+    def _settings(self, quota_bytes: int | None, keep_last: int | None, backend: str | None) -> StoreMeta:  # fmt: skip
+        """Rank 0: the store's settings, from ``store.json`` and the constructor's arguments,
+        written back (creating the store) when they change it or the file is missing or old;
+        never for a backend this process has not registered (every rank then reports it)."""
+        found = read_meta(self.path)
+        recorded = found.backend if found is not None else DEFAULT_BACKEND
+        name = backend if backend is not None else recorded
+        if found is not None and name != recorded:
+            raise UsageError(f"{self.path / 'store.json'} records storage backend {recorded!r}; it cannot be opened with backend {name!r}")  # fmt: skip
+        if found is None and name != DEFAULT_BACKEND and self.path.is_dir() and (list_checkpoints(self.path) or legacy_files(self.path)):  # fmt: skip
+            raise UsageError(f"it holds checkpoints but no store.json: they are stored with backend {DEFAULT_BACKEND!r}; it cannot be opened with backend {name!r}")  # fmt: skip
+        meta = found or StoreMeta(backend=name)
+        if quota_bytes is not None or keep_last is not None or found is None or meta_outdated(self.path):  # fmt: skip
+            meta = StoreMeta(
+                quota_bytes if quota_bytes is not None else meta.quota_bytes,
+                keep_last if keep_last is not None else meta.keep_last,
+                name,
+            )
+            if parse_optional_backend_name(name) is not None:
+                write_meta(self.path, meta)
+        return meta
 
     # -- small collective helpers ----------------------------------------------------------------
     def _bcast(self, obj: Any, what: str, comm: Any = None) -> Any:
@@ -347,10 +373,8 @@ class CheckpointStore:
             try:
                 # retired checkpoints count until gone (bounded: the others wait for the verdict)
                 self._retention.wait(self.timeout_s / 2)
-                shards = [s for per in plan.shards for s in per]
-                align = sum(ALIGN_BYTES for s in shards if s.nbytes >= ALIGN_FROM)
-                meta = (256 << 10) + (64 << 10) * len(plan.files) + (4 << 10) * len(shards)
-                need = plan.data_bytes + align + 2 * manifest_bytes + meta
+                shards = [s.nbytes for per in plan.shards for s in per]
+                need = plan.data_bytes + self.backend.overhead_bytes(shards, len(plan.files), manifest_bytes)  # fmt: skip
                 used = disk_usage(self.path)
                 if used + need > self.meta.quota_bytes:
                     error = QuotaError(f"store {self.path}: checkpoint {step} needs about {need} bytes; {used} of the quota's {self.meta.quota_bytes} are in use")  # fmt: skip
@@ -411,7 +435,7 @@ class CheckpointStore:
             raise agreed(CancelledError(f"checkpoint {step} was cancelled; its partial checkpoint was removed and the previous checkpoint stands"))  # fmt: skip
         if self.rank == 0 and error is None:
             try:
-                with self._deadline(f"checkpoint {step}: writing {MAIN_FILE}"):
+                with self._deadline(f"checkpoint {step}: writing {self.backend.index_path(tmp).name}"):  # fmt: skip
                     self.backend.write_index(tmp, manifest, text)
             except Exception as exc:
                 error = exc
@@ -503,13 +527,13 @@ class CheckpointStore:
 
     def _restore_file(self, step: int, mesh: MeshShape, targets: Sequence[tuple[str, TensorType]], into: Mapping[str, np.ndarray] | None = None) -> Restored:  # fmt: skip
         path = self.path / committed_name(step)
-        where = str(path / MAIN_FILE)
+        where = str(self.backend.index_path(path))
         text: Any = None
         if self.rank == 0:  # one reader of the small main file; every rank parses the same bytes
             try:
                 text = self.backend.read_index(path)
             except Exception as exc:  # decided on rank 0 alone: always broadcast
-                text = str(exc) if isinstance(exc, ManifestError) else f"{path / MAIN_FILE}: {exc}"
+                text = str(exc) if isinstance(exc, ManifestError) else f"{where}: {exc}"
         text = self._bcast(text, f"restore: reading the manifest of {path.name}")
         try:
             if isinstance(text, str):

@@ -14,7 +14,9 @@ relative to the main file, so the directory can be moved). dtm_mpi itself reads 
 their data files, which names a missing file or dataset instead of getting fill values.
 
 Here: writing the main file (rank 0, serial), reading the manifest, opening shard datasets for
-reading with checks (:class:`ShardFiles`) and verifying a whole checkpoint.
+reading with checks (:class:`ShardFiles`) and verifying a whole checkpoint. One of the HDF5
+backend's modules (with :mod:`dtm_mpi.io.h5`): the rest of dtm_mpi reaches it only through
+:class:`~dtm_mpi.io.backend.Hdf5Backend` (tests/io/test_h5py_confined.py).
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 from contextlib import suppress
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ import h5py
 import numpy as np
 
 from dtm_mpi.errors import IntegrityError, ManifestError
-from dtm_mpi.io.hashing import chunk_hash, chunk_hasher
+from dtm_mpi.io.hashing import chunk_hasher
 from dtm_mpi.io.manifest import (
     ArtifactClass,
     ArtifactRecord,
@@ -41,6 +42,13 @@ from dtm_mpi.io.manifest import (
     validate_manifest,
 )
 from dtm_mpi.io.store import fsync_path
+from dtm_mpi.io.verification import (
+    ShardVerifier,
+    VerifyItem,
+    chunk_mismatch,
+    digest_mismatch,
+    shard_items,
+)
 from dtm_mpi.ir.dtypes import np_dtype
 
 __all__ = [
@@ -50,9 +58,7 @@ __all__ = [
     "MAIN_FILE",
     "ShardFiles",
     "Verifier",
-    "VerifyItem",
     "check_file_format",
-    "chunk_mismatch",
     "read_manifest",
     "read_manifest_bytes",
     "verify_checkpoint",
@@ -287,7 +293,7 @@ class ShardFiles:
                 piece = dest[at + off : at + min(nbytes, off + READ_PIECE)]
                 _pread_into(fd, piece, start + off, lambda why, c=c: IntegrityError(f"chunk {c} cannot be read ({why})", tensor=a.name, shard=s.id, file=str(self.ckpt / s.file)))  # fmt: skip
                 h.update(piece)
-            problems.append(_mismatch(s, c, h.hexdigest()))
+            problems.append(digest_mismatch(s, c, h.hexdigest()))
             at += nbytes
         return problems
 
@@ -325,22 +331,6 @@ def _h5_reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if not isinstance(exc, OSError) else text
 
 
-def chunk_mismatch(s: ShardRecord, c: int, data: np.ndarray) -> str | None:
-    """Why ``data`` is not chunk ``c`` of shard ``s`` (its content hash differs from the
-    manifest's), or None."""
-    return _mismatch(s, c, chunk_hash(data))
-
-
-def _mismatch(s: ShardRecord, c: int, got: str) -> str | None:
-    """Why chunk ``c`` of shard ``s`` with content hash ``got`` is not the manifest's, or None."""
-    want = s.chunks[c]
-    if got == want:
-        return None
-    region = s.chunk_region(c)
-    rows = f"rows {region[0].start}..{region[0].stop - 1}" if region else "the scalar"
-    return f"chunk {c} ({rows}) content hash {got} does not match the manifest's {want}"
-
-
 def _virtual_problem(dset: Any, a: ArtifactRecord) -> str | None:
     """Why the main file's dataset of ``a`` does not map its shards as the manifest says."""
     if not a.shards:
@@ -361,36 +351,23 @@ def _virtual_problem(dset: Any, a: ArtifactRecord) -> str | None:
     return None
 
 
-@dataclass(frozen=True, slots=True)
-class VerifyItem:
-    """One unit of :func:`verify_checkpoint`'s work: the main file's dataset of tensor
-    ``tensor`` (``shard`` is ``*``), or every chunk of one shard in its data file."""
-
-    tensor: str
-    shard: str
-    file: Path
-    artifact: int  # index into the manifest's artifacts
-    index: int | None  # shard index, None for the main file's dataset
-
-
 def verify_items(ckpt: Path, manifest: Manifest) -> list[VerifyItem]:
     """What :func:`verify_checkpoint` checks, in order: the main file's datasets, then every
     shard."""
     main = ckpt / MAIN_FILE
     out = [VerifyItem(a.name, "*", main, i, None) for i, a in enumerate(manifest.artifacts) if a.cls is not ArtifactClass.EPHEMERAL and a.dataset is not None]  # fmt: skip
-    for i, a in enumerate(manifest.artifacts):
-        out += [VerifyItem(a.name, s.id, ckpt / s.file, i, k) for k, s in enumerate(a.shards)]
-    return out
+    return out + shard_items(ckpt, manifest)
 
 
 class Verifier:
-    """Runs the :class:`VerifyItem` s of one checkpoint (files opened on first use, read-only;
-    close it, or use it as a context manager)."""
+    """Runs the :class:`~dtm_mpi.io.verification.VerifyItem` s of :func:`verify_items` for one
+    checkpoint: shards through :class:`ShardFiles`, the main file's virtual datasets here
+    (files opened on first use, read-only; close it, or use it as a context manager)."""
 
     def __init__(self, ckpt: Path, manifest: Manifest) -> None:
         self.ckpt, self.manifest = ckpt, manifest
         self._main: h5py.File | None = None
-        self._files = ShardFiles(ckpt)
+        self._shards = ShardVerifier(ShardFiles(ckpt), manifest)
 
     def __enter__(self) -> Verifier:
         return self
@@ -399,7 +376,7 @@ class Verifier:
         self.close()
 
     def close(self) -> None:
-        self._files.close()
+        self._shards.close()
         if self._main is not None:
             with suppress(Exception):
                 self._main.close()
@@ -407,15 +384,9 @@ class Verifier:
 
     def check(self, item: VerifyItem) -> IntegrityError | None:
         """The damage ``item`` finds, or None."""
-        a = self.manifest.artifacts[item.artifact]
         if item.index is not None:
-            s = a.shards[item.index]
-            try:
-                for c in range(len(s.chunks)):
-                    self._files.read_verified(a, s, c)
-            except IntegrityError as exc:
-                return exc
-            return None
+            return self._shards.check(item)
+        a = self.manifest.artifacts[item.artifact]
         assert a.dataset is not None
         try:  # damaged metadata: h5py raises KeyError, RuntimeError, OSError, ...
             if self._main is None:

@@ -18,7 +18,6 @@ from pathlib import Path
 from dtm_mpi.errors import StorageError
 from dtm_mpi.faults import maybe_fail
 from dtm_mpi.io.backend import HDF5, ShardBackend
-from dtm_mpi.io.ckpt_files import MAIN_FILE
 from dtm_mpi.io.manifest import parse_manifest, validate_manifest
 from dtm_mpi.io.store import fsync_path, list_checkpoints, replace_dir, retired_files
 
@@ -27,14 +26,15 @@ __all__ = ["Retention", "commit_partial"]
 
 def commit_partial(store: Path, tmp: Path, final: Path, data_files: list[str], backend: ShardBackend = HDF5) -> list[Path]:  # fmt: skip
     """Check the partial checkpoint ``tmp`` (its manifest, read through ``backend``, parses
-    and validates; it holds exactly the main file and ``data_files``) and rename it to
+    and validates; it holds exactly the backend's main file and ``data_files``) and rename it to
     ``final`` (the commit), then fsync ``store``; returns the retired paths of a replaced
     checkpoint of the same step (for :class:`Retention` to delete). Raises before the rename
     if ``tmp`` is incomplete."""
     fsync_path(tmp)
-    where = str(tmp / MAIN_FILE)
+    index = backend.index_path(tmp)
+    where = str(index)
     validate_manifest(parse_manifest(backend.read_index(tmp), where), where)
-    want = sorted([MAIN_FILE, *data_files])
+    want = sorted([index.name, *data_files])
     found = sorted(p.name for p in tmp.iterdir())
     if found != want:
         raise StorageError(f"{tmp} holds {found}, expected {want}")

@@ -1,4 +1,5 @@
-"""A save's data files: each group of ``ranks_per_file`` ranks writes one, with parallel HDF5.
+"""A save's data files: each group of ``ranks_per_file`` ranks writes one, through the
+store's backend (:class:`~dtm_mpi.io.backend.ShardBackend`); described here for parallel HDF5.
 
 The ranks of a group open ``data-NNNNNN.h5`` with the MPI-IO driver on their communicator,
 create one dataset per shard the file stores (collectively: parallel HDF5's metadata rule) and
@@ -24,7 +25,6 @@ from dtm_mpi.config import get_config
 from dtm_mpi.errors import DtmError
 from dtm_mpi.faults import maybe_fail
 from dtm_mpi.io.backend import HDF5, ShardBackend, ShardWriter
-from dtm_mpi.io.ckpt_files import DATA_FORMAT, FORMAT_VERSION
 from dtm_mpi.io.ckpt_plan import SavePlan
 from dtm_mpi.io.manifest import Manifest, data_file_name, shard_dataset
 from dtm_mpi.io.store import fsync_path
@@ -72,7 +72,7 @@ def write_data_file(w: Writer, step: int, plan: SavePlan, blocks: dict[int, np.n
             with section():
                 if shards:
                     with w.deadline(f"checkpoint {step}: creating {path.name}"):
-                        attrs = {"dtm_format": DATA_FORMAT, "format_version": FORMAT_VERSION, "step": step, "file_index": index}  # fmt: skip
+                        attrs = {"step": step, "file_index": index}  # the format adds its own
                         f = w.backend.open_writer(path, w.group_comm, attrs, shared, len(shards))
         except Exception as exc:
             error = exc

@@ -1,6 +1,9 @@
 """Thin parallel-HDF5 helpers for the data files of a checkpoint: open with ``driver='mpio'``
 on the communicator of the ranks that share the file, create shard datasets without fill, and
-write each shard whole from its owner.
+write each shard whole from its owner; what the h5py build offers (:func:`mpi_build`,
+:func:`library_text`); and reading a user's HDF5 input file (:func:`read_top_datasets`).
+One of the HDF5 backend's modules (with :mod:`dtm_mpi.io.ckpt_files`): no other module of
+dtm_mpi imports h5py (tests/io/test_h5py_confined.py).
 
 Dataset creation and attributes are collective over the file's communicator (every rank of it
 creates every dataset, in the same order: parallel HDF5's metadata rule); each shard's data is
@@ -12,12 +15,22 @@ filled (the data overwrites every byte anyway).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import h5py
 import numpy as np
 
-__all__ = ["ALIGN_BYTES", "ALIGN_FROM", "create_dataset", "open_file", "write_whole"]
+__all__ = [
+    "ALIGN_BYTES",
+    "ALIGN_FROM",
+    "create_dataset",
+    "library_text",
+    "mpi_build",
+    "open_file",
+    "read_top_datasets",
+    "write_whole",
+]
 
 ALIGN_FROM = 4 << 20
 ALIGN_BYTES = 1 << 20
@@ -52,3 +65,24 @@ def write_whole(dset: h5py.Dataset, data: np.ndarray) -> None:
     if not data.flags.c_contiguous:
         data = np.ascontiguousarray(data)
     dset.id.write(h5py.h5s.ALL, h5py.h5s.ALL, data)
+
+
+def mpi_build() -> bool:
+    """Whether this h5py is built with MPI (its ``mpio`` driver: parallel HDF5)."""
+    return bool(h5py.get_config().mpi)
+
+
+def library_text() -> str:
+    """h5py's and HDF5's versions and whether they are parallel, as one line."""
+    return f"h5py {h5py.__version__}, HDF5 {h5py.version.hdf5_version}, parallel: {mpi_build()}"
+
+
+def read_top_datasets(path: Path) -> dict[str, np.ndarray]:
+    """Every dataset at the top level of the HDF5 file ``path``, read whole (serially), by
+    name; groups are skipped. h5py's exceptions pass through (the caller names the file)."""
+    out: dict[str, np.ndarray] = {}
+    with h5py.File(path, "r") as f:
+        for key, item in f.items():
+            if isinstance(item, h5py.Dataset):
+                out[key] = item[()]
+    return out

@@ -23,9 +23,9 @@ from dtm_mpi.comm.objects import alltoallv_bytes
 from dtm_mpi.config import get_config, spare_cpu
 from dtm_mpi.errors import IntegrityError
 from dtm_mpi.io.backend import ShardReader
-from dtm_mpi.io.ckpt_files import chunk_mismatch
 from dtm_mpi.io.ckpt_plan import RestorePlan
 from dtm_mpi.io.manifest import ShardRecord
+from dtm_mpi.io.verification import chunk_mismatch
 from dtm_mpi.ir.dtypes import np_dtype
 
 __all__ = ["Reader", "hash_thread_wanted", "read_plan"]

@@ -3,7 +3,8 @@
 Layout (io/FORMAT.md §2)::
 
     STORE/store.json                        {"format": "dtm-store", "version": 2,
-                                             "quota_bytes": null | N, "keep_last": null | K}
+                                             "quota_bytes": null | N, "keep_last": null | K,
+                                             "backend": "hdf5"}
     STORE/ckpt-00000005/                    a committed checkpoint (step 5): a directory of
                                             checkpoint.h5 and data-NNNNNN.h5 files (io/ckpt_files.py)
     STORE/ckpt-00000006.partial-3f2a9c01/   a save in progress, cancelled or killed: incomplete
@@ -28,6 +29,7 @@ from pathlib import Path
 from dtm_mpi.errors import StorageError, UsageError
 
 __all__ = [
+    "DEFAULT_BACKEND",
     "CheckpointEntry",
     "StoreMeta",
     "committed_name",
@@ -54,15 +56,22 @@ _COMMITTED = re.compile(r"ckpt-([0-9]{8,})\Z")
 _PARTIAL = re.compile(r"ckpt-([0-9]{8,})\.partial-([0-9a-f]+)\Z")
 _LEGACY = re.compile(r"ckpt-([0-9]{8,})\.h5(\.partial-[0-9a-f]+)?\Z")
 
+DEFAULT_BACKEND = "hdf5"
+"""The storage backend (:mod:`dtm_mpi.io.backend`, by name) of a store whose ``store.json``
+records none: every store written before the field existed, and a store without
+``store.json``."""
+
 
 @dataclass(frozen=True, slots=True)
 class StoreMeta:
     quota_bytes: int | None = None
     keep_last: int | None = None
+    backend: str = DEFAULT_BACKEND  # the name of the backend its checkpoints are stored with
 
     def to_json(self) -> dict[str, object]:
         return {"format": STORE_FORMAT, "version": STORE_VERSION,
-                "quota_bytes": self.quota_bytes, "keep_last": self.keep_last}  # fmt: skip
+                "quota_bytes": self.quota_bytes, "keep_last": self.keep_last,
+                "backend": self.backend}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,19 +181,25 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def read_meta(store: Path) -> StoreMeta | None:
-    """The store's settings, or None when ``store`` has no ``store.json`` yet."""
+    """The store's settings, or None when ``store`` has no ``store.json`` yet (a
+    ``store.json`` without ``backend`` records :data:`DEFAULT_BACKEND`)."""
     p = store / "store.json"
     if not p.exists():
         return None
     try:
         doc = json.loads(p.read_text(encoding="utf-8"))
+        if not isinstance(doc, dict):
+            raise ValueError(f"a JSON object is expected, got {type(doc).__name__}")
         if doc.get("format") != STORE_FORMAT or doc.get("version") not in _READS or type(doc.get("version")) is not int:  # fmt: skip
             raise ValueError(f"format {doc.get('format')!r} version {doc.get('version')!r}")
         quota, keep = doc.get("quota_bytes"), doc.get("keep_last")
         for v in (quota, keep):
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"quota_bytes and keep_last are null or integers >= 1, got {v!r}")
-        return StoreMeta(quota, keep)
+        backend = doc.get("backend", DEFAULT_BACKEND)
+        if not isinstance(backend, str) or not backend:
+            raise ValueError(f"backend is the name of a storage backend (a string), got {backend!r}")  # fmt: skip
+        return StoreMeta(quota, keep, backend)
     except (OSError, ValueError) as exc:
         raise StorageError(f"{p}: not a dtm store settings file ({exc})") from None
 

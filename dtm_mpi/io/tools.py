@@ -3,10 +3,13 @@ caller (the CLI in :mod:`dtm_mpi.cli_store` only parses arguments and prints the
 
 * :func:`store_dir`, :func:`checkpoint_path`: a store directory and one of its committed
   checkpoints, as a user names them (a :class:`UsageError` when they do not exist);
+* :func:`store_backend`: the storage backend the store records (``store.json``), by which
+  every tool here reads and removes its checkpoints; :func:`read_manifest` and
+  :func:`read_manifest_bytes` through it;
 * :func:`verify_checkpoints`: re-read and re-hash every chunk of one checkpoint or of every
-  checkpoint of a store, each in a child process (:func:`verify_isolated`): damaged HDF5
-  metadata can make the HDF5 library itself crash or loop, and that is reported as damage of
-  the tensor, shard and file being read, like any other;
+  checkpoint of a store, each in a child process (:func:`verify_isolated`): damaged metadata
+  can make the format's library itself crash or loop (HDF5 does), and that is reported as
+  damage of the tensor, shard and file being read, like any other;
 * :func:`remove_checkpoint`, :func:`remove_incomplete`: tidy a store (atomically: never a
   half-deleted checkpoint under its committed name);
 * :func:`read_tensor`: one tensor's global value, every chunk verified;
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import enum
 import faulthandler
+import importlib
 import json
 import os
 import secrets
@@ -39,15 +43,22 @@ from typing import Any
 import numpy as np
 
 from dtm_mpi.errors import IntegrityError, ManifestError, StorageError, UsageError
-from dtm_mpi.io.ckpt_files import MAIN_FILE, ShardFiles, Verifier, read_manifest, verify_items
-from dtm_mpi.io.manifest import ArtifactClass, ArtifactRecord, Manifest
+from dtm_mpi.io.backend import ShardBackend, parse_backend_name
+from dtm_mpi.io.manifest import (
+    ArtifactClass,
+    ArtifactRecord,
+    Manifest,
+    parse_manifest,
+    validate_manifest,
+)
 from dtm_mpi.io.store import (
+    DEFAULT_BACKEND,
     CheckpointEntry,
     committed_name,
     fsync_path,
     list_checkpoints,
     read_latest,
-    remove_path,
+    read_meta,
     retired_files,
     write_latest,
 )
@@ -63,10 +74,13 @@ __all__ = [
     "committed",
     "dtm_dtype",
     "put_tensor",
+    "read_manifest",
+    "read_manifest_bytes",
     "read_tensor",
     "reason",
     "remove_checkpoint",
     "remove_incomplete",
+    "store_backend",
     "store_dir",
     "stored",
     "verify_checkpoints",
@@ -109,14 +123,57 @@ def checkpoint_path(store: Path, step: int | None) -> Path:
     return path
 
 
-def reason(exc: Exception, path: Path) -> str:
-    """``exc``'s message without the leading ``path: `` (the file is named beside it)."""
-    return str(exc).removeprefix(f"{path / MAIN_FILE}: ").removeprefix(f"{path}: ")
+def reason(exc: Exception, path: Path, backend: ShardBackend | None = None) -> str:
+    """``exc``'s message without the leading name of checkpoint ``path``'s main file (read
+    through ``backend``; default: its store's) or of ``path`` (the checkpoint is named beside
+    it)."""
+    index = _backend_of(path, backend).index_path(path)
+    return str(exc).removeprefix(f"{index}: ").removeprefix(f"{path}: ")
 
 
 def stored(m: Manifest) -> list[ArtifactRecord]:
     """The artifacts of ``m`` that have data in the checkpoint (not ephemeral)."""
     return [a for a in m.artifacts if a.cls is not ArtifactClass.EPHEMERAL]
+
+
+# --- the store's backend and its manifests ----------------------------------------------------
+
+
+def _recorded_backend(store: Path) -> str:
+    """The name of the storage backend ``store`` records (``hdf5`` when none)."""
+    meta = read_meta(store)
+    return meta.backend if meta is not None else DEFAULT_BACKEND
+
+
+def store_backend(store: Path) -> ShardBackend:
+    """The storage backend ``store`` records in its ``store.json`` (``hdf5`` when it records
+    none or has no ``store.json``); a :class:`StorageError` naming the store and the backend
+    when this process has none of that name, or when ``store.json`` is not valid."""
+    return parse_backend_name(_recorded_backend(store), store)
+
+
+def _backend_of(ckpt: Path, backend: ShardBackend | None) -> ShardBackend:
+    """``backend``, else the backend of the store that holds checkpoint directory ``ckpt``."""
+    return backend if backend is not None else store_backend(ckpt.parent)
+
+
+def read_manifest_bytes(ckpt: Path, backend: ShardBackend | None = None) -> bytes:
+    """The manifest text stored in checkpoint directory ``ckpt``, as stored (fields this
+    version does not know included; format checked, not parsed), read through ``backend``
+    (default: the backend of the store holding ``ckpt``); a :class:`ManifestError` naming the
+    file when it cannot be read."""
+    return _backend_of(ckpt, backend).read_index(ckpt)
+
+
+def read_manifest(ckpt: Path, backend: ShardBackend | None = None) -> Manifest:
+    """The validated manifest of checkpoint directory ``ckpt`` (serial read; ``backend`` as
+    for :func:`read_manifest_bytes`); a :class:`ManifestError` naming the file if it is not
+    one."""
+    b = _backend_of(ckpt, backend)
+    where = str(b.index_path(ckpt))
+    manifest = parse_manifest(b.read_index(ckpt), where)
+    validate_manifest(manifest, where)
+    return manifest
 
 
 # --- verify -----------------------------------------------------------------------------------
@@ -144,6 +201,7 @@ class CheckpointCheck:
 def verify_checkpoints(store: Path, step: int | None = None, every: bool = False, *, timeout_s: float = 300.0) -> list[CheckpointCheck]:  # fmt: skip
     """Verify checkpoint ``step`` of ``store`` (default: the latest), or with ``every`` all of
     its committed checkpoints, incomplete ones reported as such; one verdict per checkpoint."""
+    store_backend(store)  # a store this process cannot read is one error, before any verdict
     if not every:
         return [verify_isolated(checkpoint_path(store, step), timeout_s=timeout_s)]
     entries = list_checkpoints(store)
@@ -152,20 +210,21 @@ def verify_checkpoints(store: Path, step: int | None = None, every: bool = False
     return out
 
 
-def _child(ckpt: Path, start: int, fd: int) -> None:  # pragma: no cover  (runs in the child)
-    """The verification child: its findings as JSON lines on ``fd``, from item ``start``."""
+def _child(ckpt: Path, start: int, fd: int, backend: ShardBackend) -> None:  # pragma: no cover  # fmt: skip
+    """The verification child (it runs in the child: no coverage): its findings as JSON lines
+    on ``fd``, from item ``start``."""
 
     def emit(*msg: Any) -> None:
         os.write(fd, (json.dumps(msg) + "\n").encode())
 
     try:
-        manifest = read_manifest(ckpt)
+        manifest = read_manifest(ckpt, backend)
     except ManifestError as exc:
-        emit("invalid", reason(exc, ckpt))
+        emit("invalid", reason(exc, ckpt, backend))
         return
-    items = verify_items(ckpt, manifest)
+    items = backend.verify_items(ckpt, manifest)
     emit("manifest", len(items), len(stored(manifest)), manifest.data_bytes)
-    with Verifier(ckpt, manifest) as v:
+    with backend.open_verifier(ckpt, manifest) as v:
         for k in range(start, len(items)):
             emit("at", k)
             err = v.check(items[k])
@@ -181,17 +240,17 @@ def _in_mpi() -> bool:
     return mpi_world() is not None
 
 
-def _fork_child(ckpt: Path, start: int, r: int, w: int) -> int:
+def _fork_child(ckpt: Path, start: int, r: int, w: int, backend: ShardBackend) -> int:
     pid = os.fork()
     if pid == 0:  # pragma: no cover  (the child)
         code = 0
         try:
             os.close(r)
             null = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(null, 2)  # a crash report of the HDF5 library is not ours to print
+            os.dup2(null, 2)  # a crash report of the format's library is not ours to print
             faulthandler.disable()  # (it may write to a copy of stderr)
             faulthandler.cancel_dump_traceback_later()
-            _child(ckpt, start, w)
+            _child(ckpt, start, w, backend)
         except BaseException:
             code = 3
         finally:
@@ -199,10 +258,11 @@ def _fork_child(ckpt: Path, start: int, r: int, w: int) -> int:
     return pid
 
 
-def _spawn_child(ckpt: Path, start: int, w: int, errors: str) -> int:
-    """``python -m dtm_mpi.io.tools CKPT START FD`` with MPI off and stderr in the file
-    ``errors`` (no Python runs in the child before the new interpreter: safe in an MPI
-    process)."""
+def _spawn_child(ckpt: Path, start: int, w: int, errors: str, backend: ShardBackend, name: str) -> int:  # fmt: skip
+    """``python -m dtm_mpi.io.tools CKPT START FD NAME MODULE`` with MPI off and stderr in the
+    file ``errors`` (no Python runs in the child before the new interpreter: safe in an MPI
+    process). The child imports MODULE, the one defining ``backend``'s class (which registers
+    it), and reads through the backend registered as NAME."""
     import dtm_mpi
 
     os.set_inheritable(w, True)
@@ -210,40 +270,43 @@ def _spawn_child(ckpt: Path, start: int, w: int, errors: str) -> int:
     env["MPI4PY_RC_INITIALIZE"] = "0"  # the child reads files serially: no MPI
     root = str(Path(dtm_mpi.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join([root, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])  # fmt: skip
-    argv = [sys.executable, "-m", "dtm_mpi.io.tools", str(ckpt), str(start), str(w)]
+    module = type(backend).__module__
+    argv = [sys.executable, "-m", "dtm_mpi.io.tools", str(ckpt), str(start), str(w), name, module]
     aside = [(os.POSIX_SPAWN_OPEN, 2, errors, os.O_WRONLY | os.O_TRUNC, 0)]
     return os.posix_spawn(sys.executable, argv, env, file_actions=aside)
 
 
-def _run_child(ckpt: Path, start: int, timeout_s: float, on: Callable[[list[Any]], None]) -> str | None:  # fmt: skip
+def _run_child(ckpt: Path, start: int, timeout_s: float, on: Callable[[list[Any]], None], backend: ShardBackend, name: str) -> str | None:  # fmt: skip
     """Run :func:`_child` in a child process, passing each message to ``on``; returns None
     when it finished, else how it ended (a signal, an exit code, or silence for
     ``timeout_s``). A fork, except where this process has initialised MPI (forking an MPI
-    process is unsafe): then a new interpreter, which never initialises MPI."""
+    process is unsafe): then a new interpreter, which never initialises MPI. ``backend``
+    reads the checkpoint (registered as ``name``: how the new interpreter finds it)."""
     errors = None
     r, w = os.pipe()
     try:
         if _in_mpi():
             fd, errors = tempfile.mkstemp(prefix="dtm-verify-", suffix=".err")
             os.close(fd)
-            pid = _spawn_child(ckpt, start, w, errors)
+            pid = _spawn_child(ckpt, start, w, errors, backend, name)
         else:
-            pid = _fork_child(ckpt, start, r, w)
+            pid = _fork_child(ckpt, start, r, w, backend)
     except OSError:
         os.close(r)
         os.close(w)
         raise
     os.close(w)
     try:
-        return _watch_child(pid, r, timeout_s, on, errors)
+        return _watch_child(pid, r, timeout_s, on, errors, backend.format_name)
     finally:
         if errors is not None:
             with suppress(OSError):
                 os.unlink(errors)
 
 
-def _watch_child(pid: int, r: int, timeout_s: float, on: Callable[[list[Any]], None], errors: str | None) -> str | None:  # fmt: skip
-    """Read the child's messages from ``r`` until it finishes, crashes or falls silent."""
+def _watch_child(pid: int, r: int, timeout_s: float, on: Callable[[list[Any]], None], errors: str | None, format_name: str) -> str | None:  # fmt: skip
+    """Read the child's messages from ``r`` until it finishes, crashes (reported as a crash
+    of the ``format_name`` library) or falls silent."""
     buf, done, ended = b"", False, None
     deadline = time.monotonic() + timeout_s
     try:
@@ -276,7 +339,7 @@ def _watch_child(pid: int, r: int, timeout_s: float, on: Callable[[list[Any]], N
     if ended is None and not done:
         if os.WIFSIGNALED(status):
             sig = os.WTERMSIG(status)
-            ended = f"the HDF5 library crashed ({signal.Signals(sig).name})"
+            ended = f"the {format_name} library crashed ({signal.Signals(sig).name})"
         else:
             ended = f"the verification ended early (exit code {os.waitstatus_to_exitcode(status)})"
             said = _last_line(errors)
@@ -298,13 +361,15 @@ def _last_line(path: str | None) -> str:
 
 
 def verify_isolated(ckpt: Path, *, timeout_s: float = 300.0) -> CheckpointCheck:
-    """Verify checkpoint directory ``ckpt`` as :func:`~dtm_mpi.io.ckpt_files.verify_checkpoint`
-    does, in a child process: if the HDF5 library crashes or makes no progress for
-    ``timeout_s`` seconds while reading a file (damaged metadata can do both), the tensor,
-    shard and file it was reading are reported damaged, and the rest is checked by a new
-    child. Without ``os.fork`` (not POSIX), in this process."""
+    """Verify checkpoint directory ``ckpt`` through its store's backend (every item of its
+    ``verify_items``), in a child process: if the format's library (HDF5) crashes or makes no
+    progress for ``timeout_s`` seconds while reading a file (damaged metadata can do both),
+    the tensor, shard and file it was reading are reported damaged, and the rest is checked by
+    a new child. Without ``os.fork`` (not POSIX), in this process."""
+    name = _recorded_backend(ckpt.parent)
+    backend = parse_backend_name(name, ckpt.parent)
     if not hasattr(os, "fork"):
-        return _verify_here(ckpt)
+        return _verify_here(ckpt, backend)
     state: dict[str, Any] = {"items": None, "at": -1, "invalid": None, "stored": 0, "bytes": 0}
     problems: list[str] = []
 
@@ -322,17 +387,18 @@ def verify_isolated(ckpt: Path, *, timeout_s: float = 300.0) -> CheckpointCheck:
     start = 0
     while True:
         state["at"] = start - 1
-        ended = _run_child(ckpt, start, timeout_s, on)
+        ended = _run_child(ckpt, start, timeout_s, on, backend, name)
         if ended is None:
             break
         if state["items"] is None:  # before the manifest was read: the main file is damaged
-            return CheckpointCheck(ckpt, CheckStatus.INVALID, (f"{MAIN_FILE} cannot be read: {ended} reading it",))  # fmt: skip
+            return CheckpointCheck(ckpt, CheckStatus.INVALID, (f"{backend.index_path(ckpt).name} cannot be read: {ended} reading it",))  # fmt: skip
         k = state["at"]
         if k < start:  # between items (opening nothing): nothing to name; stop here
             problems.append(f"{ckpt}: {ended}")
             break
-        item = verify_items(ckpt, read_manifest(ckpt))[k]  # the child parsed it: plain bytes
-        problems.append(str(IntegrityError(f"{ended} reading it: its HDF5 metadata is damaged", tensor=item.tensor, shard=item.shard, file=str(item.file))))  # fmt: skip
+        items = backend.verify_items(ckpt, read_manifest(ckpt, backend))  # the child parsed it
+        item = items[k]
+        problems.append(str(IntegrityError(f"{ended} reading it: its {backend.format_name} metadata is damaged", tensor=item.tensor, shard=item.shard, file=str(item.file))))  # fmt: skip
         start = k + 1
         if start >= state["items"]:
             break
@@ -343,14 +409,14 @@ def verify_isolated(ckpt: Path, *, timeout_s: float = 300.0) -> CheckpointCheck:
     return CheckpointCheck(ckpt, CheckStatus.OK, (), state["stored"], state["bytes"])
 
 
-def _verify_here(ckpt: Path) -> CheckpointCheck:
-    from dtm_mpi.io.ckpt_files import verify_checkpoint
-
+def _verify_here(ckpt: Path, backend: ShardBackend) -> CheckpointCheck:
     try:
-        damaged = verify_checkpoint(ckpt)
-        m = read_manifest(ckpt)
+        m = read_manifest(ckpt, backend)
     except ManifestError as exc:
-        return CheckpointCheck(ckpt, CheckStatus.INVALID, (reason(exc, ckpt),))
+        return CheckpointCheck(ckpt, CheckStatus.INVALID, (reason(exc, ckpt, backend),))
+    with backend.open_verifier(ckpt, m) as v:
+        found = (v.check(item) for item in backend.verify_items(ckpt, m))
+        damaged = [e for e in found if e is not None]
     if damaged:
         return CheckpointCheck(ckpt, CheckStatus.DAMAGED, tuple(str(e) for e in damaged))
     return CheckpointCheck(ckpt, CheckStatus.OK, (), len(stored(m)), m.data_bytes)
@@ -362,9 +428,10 @@ def _verify_here(ckpt: Path) -> CheckpointCheck:
 def remove_incomplete(store: Path) -> list[Path]:
     """Remove every partial (``*.partial-*``) checkpoint and every retired one of ``store``;
     returns what was removed."""
+    backend = store_backend(store)
     gone = [e.path for e in list_checkpoints(store) if not e.committed] + retired_files(store)
     for p in gone:
-        remove_path(p)
+        backend.remove(p)
     if gone:
         fsync_path(store)
     return gone
@@ -376,6 +443,7 @@ def remove_checkpoint(store: Path, step: int, force: bool = False) -> tuple[Path
     a committed checkpoint). Returns the removed path and, for the latest, where ``latest``
     points now."""
     path = checkpoint_path(store, step)
+    backend = store_backend(store)
     after = None
     if step == read_latest(store):
         rest = [e.step for e in committed(store) if e.step != step]
@@ -389,7 +457,7 @@ def remove_checkpoint(store: Path, step: int, force: bool = False) -> tuple[Path
     gone = store / f".deleting-{path.name}-{secrets.token_hex(4)}"
     os.replace(path, gone)  # out of the checkpoint namespace at once, then deleted
     fsync_path(store)
-    remove_path(gone)
+    backend.remove(gone)
     fsync_path(store)
     return path, after
 
@@ -406,14 +474,15 @@ def _artifact(m: Manifest, name: str, path: Path) -> ArtifactRecord:
     return a
 
 
-def read_tensor(path: Path, name: str, manifest: Manifest | None = None) -> np.ndarray:
+def read_tensor(path: Path, name: str, manifest: Manifest | None = None, backend: ShardBackend | None = None) -> np.ndarray:  # fmt: skip
     """The global value of tensor ``name`` of checkpoint ``path`` (serial), every chunk read
-    from its data file and checked against the manifest's content hash; raises
-    :class:`IntegrityError` naming tensor, shard and file on a mismatch or a missing file.
-    bf16 comes back as stored (float32)."""
-    a = _artifact(manifest if manifest is not None else read_manifest(path), name, path)
+    from its data file (through ``backend``; default: its store's) and checked against the
+    manifest's content hash; raises :class:`IntegrityError` naming tensor, shard and file on a
+    mismatch or a missing file. bf16 comes back as stored (float32)."""
+    backend = _backend_of(path, backend)
+    a = _artifact(manifest if manifest is not None else read_manifest(path, backend), name, path)
     out = np.empty(a.shape, dtype=np_dtype(a.dtype))
-    with ShardFiles(path) as files:
+    with backend.open_reader(path) as files:
         for s in a.shards:
             for c in range(len(s.chunks)):
                 out[s.chunk_region(c)] = files.read_verified(a, s, c)
@@ -499,7 +568,7 @@ def put_tensor(store: Path, comm: Any, name: str, value: np.ndarray, *, cls: str
     if step <= newest:
         raise UsageError(f"store {store}: --step {step} must be newer than every committed checkpoint (the newest is {newest}); a put never replaces a checkpoint")  # fmt: skip
     base = read_latest(store)
-    old = read_manifest(store / committed_name(base)) if base is not None else None
+    old = read_manifest(store / committed_name(base), store_backend(store)) if base is not None else None  # fmt: skip
     replaced = old.artifact(name) if old is not None and name in old.names else None
 
     # the class of NAME: as given, else the replaced tensor's (when it was stored), else primary
@@ -553,10 +622,19 @@ def put_tensor(store: Path, comm: Any, name: str, value: np.ndarray, *, cls: str
     return PutResult(path, step, base, len(specs), replaced is not None, dtype, tuple(value.shape), kind, tuple(rebuilt))  # fmt: skip
 
 
+def _spawned(argv: list[str]) -> None:  # pragma: no cover  (the spawned verification child)
+    """``CKPT START FD NAME MODULE`` (see :func:`_spawn_child`)."""
+    ckpt, start, fd, name, module = Path(argv[0]), int(argv[1]), int(argv[2]), argv[3], argv[4]
+    importlib.import_module(module)  # registers the backend (a no-op for dtm_mpi's own)
+    _child(ckpt, start, fd, parse_backend_name(name, ckpt.parent))
+
+
 if __name__ == "__main__":  # pragma: no cover  (the verification child of _run_child)
     faulthandler.disable()
     try:
-        _child(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
-    except BaseException:
+        _spawned(sys.argv[1:])
+    except BaseException as exc:  # its last words, for the parent's report (stderr: a file)
+        with suppress(Exception):
+            print(f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         os._exit(3)
     os._exit(0)

@@ -220,7 +220,7 @@ def test_store_json_version_1_is_read_and_rewritten_as_version_2(tmp_path: Path,
     assert "quota 1000000000 bytes, keep_last 2" in capsys.readouterr().out
     assert json.loads((tmp_path / "store.json").read_text()) == v1
     store_at(tmp_path).close()  # opening the store rewrites it, settings kept
-    assert json.loads((tmp_path / "store.json").read_text()) == {**v1, "version": 2}
+    assert json.loads((tmp_path / "store.json").read_text()) == {**v1, "version": 2, "backend": "hdf5"}  # fmt: skip
     for step in (1, 2, 3):  # and they apply: keep_last 2
         save(tmp_path, step)
     assert [e.step for e in list_checkpoints(tmp_path)] == [2, 3]

@@ -20,9 +20,10 @@ import numpy as np
 import pytest
 
 from dtm_mpi.errors import StorageError
-from dtm_mpi.io.ckpt_files import MAIN_FILE, Verifier, VerifyItem
+from dtm_mpi.io.ckpt_files import MAIN_FILE, Verifier
 from dtm_mpi.io.store import committed_name
 from dtm_mpi.io.tools import CheckStatus, verify_isolated
+from dtm_mpi.io.verification import VerifyItem
 from tests.io.io_helpers import flip_byte
 from tests.test_cli_run import dtm
 from tests.test_cli_store import DATA, STORED, comm, make_store
@@ -179,7 +180,7 @@ def test_the_rest_is_verified_after_a_crash(good: Path, tmp_path: Path, monkeypa
 def test_a_crash_reading_the_main_file_is_an_invalid_checkpoint(good: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     import dtm_mpi.io.tools as tools
 
-    def crash(_: Path) -> None:
+    def crash(*_: object) -> None:
         os.kill(os.getpid(), signal.SIGSEGV)
 
     monkeypatch.setattr(tools, "_in_mpi", lambda: False)  # a fork: the patch applies
