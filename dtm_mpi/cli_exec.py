@@ -69,8 +69,8 @@ def add_exec_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     rn.add_argument("--max-bytes-per-rank", type=byte_count, default=None, metavar="BYTES",
                     help="refuse to run a plan above BYTES of peak memory on any rank")  # fmt: skip
     rn.add_argument("--store", metavar="DIR", default=None,
-                    help="checkpoint store: its latest checkpoint fills 'init store' parameters; "
-                    "under mpirun also the run's state (--checkpoint-every, --resume)")  # fmt: skip
+                    help="checkpoint store: its latest checkpoint fills 'init store' parameters, and it "
+                    "takes the run's state (--checkpoint-every, --resume; with --sim written by the one process)")  # fmt: skip
     rn.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
                     help="save the state to --store after every N steps")  # fmt: skip
     rn.add_argument("--resume", action="store_true",
@@ -194,16 +194,20 @@ def runs_under_mpi(argv: Sequence[str]) -> bool:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from dtm_mpi.runtime.policies import checkpoint_policy
     from dtm_mpi.runtime.request import RunRequest
 
     def request() -> RunRequest:
+        checkpoint = checkpoint_policy(
+            args.store, every=args.checkpoint_every, resume=args.resume,
+            background=args.checkpoint_async, keep_last=args.keep_last, quota=args.quota,
+        )  # fmt: skip
         return RunRequest(
-            args.file, _binding(args), tuple(args.input), args.output, args.steps,
-            args.backend, args.max_bytes_per_rank, args.store, args.checkpoint_every,
-            args.resume, args.gpu_aware_mpi, args.require_gpu_aware_mpi, args.sim,
-            checkpoint_async=args.checkpoint_async, keep_last=args.keep_last, quota=args.quota,
-            log_every=args.log_every, resize_at=_resizes(args), resize_file=args.resize_file,
-            join=_join(args),
+            args.file, binding=_binding(args), inputs=tuple(args.input), output=args.output,
+            steps=args.steps, backend=args.backend, max_bytes_per_rank=args.max_bytes_per_rank,
+            checkpoint=checkpoint, gpu_aware=args.gpu_aware_mpi,
+            require_gpu_aware=args.require_gpu_aware_mpi, sim=args.sim, log_every=args.log_every,
+            resize_at=_resizes(args), resize_file=args.resize_file, join=_join(args),
         )  # fmt: skip
 
     if args.sim is None:  # under MPI: every rank decides before any rank may exit

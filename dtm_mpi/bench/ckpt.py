@@ -337,7 +337,9 @@ def run_ckpt_async_bench(
     from dtm_mpi.kernels.devices import open_backend
     from dtm_mpi.plan.program import compile_plan, mesh_for
     from dtm_mpi.runtime.mpirun import plan_groups, run_loop
-    from dtm_mpi.runtime.request import RunHooks, RunRequest
+    from dtm_mpi.runtime.policies import CheckpointPolicy
+    from dtm_mpi.runtime.request import RunRequest
+    from dtm_mpi.runtime.step_loop import RunHooks
 
     if steps < 2 or every < 1 or every >= steps or repeat < 1:
         raise UsageError("need --steps >= 2, 1 <= --every < --steps, --repeat >= 1")
@@ -356,7 +358,7 @@ def run_ckpt_async_bench(
     def feed(s: int, regions: Any) -> dict[str, np.ndarray]:
         return {k: data[k][r] for k, r in regions.items()}
 
-    hooks = RunHooks(feed, ("x", "t"), save_final=False)
+    hooks = RunHooks(feed, ("x", "t"))
     config = get_config()
     session = MpiSession(plan.mesh, timeout_s=config.timeout_s, world=world, join=False)
     backend = open_backend(parse_backend("numpy"))
@@ -368,12 +370,10 @@ def run_ckpt_async_bench(
         modes = ["none", "sync", "async"]
         for i in range(repeat):
             for mode in modes if i % 2 == 0 else modes[::-1]:
-                request = RunRequest(
-                    "<bench>", module=step.module, steps=steps, hooks=hooks,
-                    store=None if mode == "none" else str(workdir / f"{mode}-{i}"),
-                    checkpoint_every=None if mode == "none" else every,
-                    checkpoint_async=mode == "async", keep_last=1 if mode != "none" else None,
+                checkpoint = None if mode == "none" else CheckpointPolicy(
+                    str(workdir / f"{mode}-{i}"), every, background=mode == "async", keep_last=1,
                 )  # fmt: skip
+                request = RunRequest("<bench>", module=step.module, steps=steps, hooks=hooks, checkpoint=checkpoint)  # fmt: skip
                 world.Barrier()
                 blocks, seconds = run_loop(session, comm, plan, request, rank, backend)
                 elapsed = float(world.allreduce(seconds, op=MPI.MAX))

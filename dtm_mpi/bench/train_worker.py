@@ -85,7 +85,8 @@ def _run_dtm(model: str, sizes: dict[str, int], steps: int, warmup: int) -> dict
     from dtm_mpi.kernels.devices import open_backend
     from dtm_mpi.plan.program import compile_plan, mesh_for
     from dtm_mpi.runtime.mpirun import plan_groups, run_loop
-    from dtm_mpi.runtime.request import RunHooks, RunRequest
+    from dtm_mpi.runtime.request import RunRequest
+    from dtm_mpi.runtime.step_loop import RunHooks
 
     world = MPI.COMM_WORLD
     n = int(world.Get_size())
@@ -111,7 +112,7 @@ def _run_dtm(model: str, sizes: dict[str, int], steps: int, warmup: int) -> dict
         comm_marks.append(timed[0].seconds if timed else 0.0)
         losses.append(float(metrics[step.metrics[0]]))
 
-    hooks = RunHooks(feed, tuple(step.inputs), on_step=on_step, metric_names=tuple(step.metrics), save_final=False)  # fmt: skip
+    hooks = RunHooks(feed, tuple(step.inputs), on_step=on_step, metric_names=tuple(step.metrics))
     config = get_config()
     session = MpiSession(plan.mesh, timeout_s=config.timeout_s, world=world, join=False)
     try:

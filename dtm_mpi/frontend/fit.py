@@ -116,14 +116,17 @@ def fit(step: TracedStep, loader: Callable[[int, Mapping[str, tuple[slice, ...]]
     ``sim``: simulated ranks in this process (None: the ranks of the MPI job; call on every
     rank). ``mesh``: axis sizes binding the module's mesh (as ``dtm run --mesh``). ``store``,
     ``checkpoint_every``, ``resume``, ``checkpoint_async``, ``keep_last``, ``quota``: as ``dtm
-    run``, and a checkpoint after the last step too (MPI only, except that an evaluation
-    step's ``init store`` weights are read from ``store`` in both modes). ``values``: global
+    run`` (:class:`~dtm_mpi.runtime.policies.CheckpointPolicy`), and a checkpoint after the
+    last step too, in both modes (an evaluation step's ``init store`` weights are read from
+    ``store``). ``values``: global
     values of other parameters (an evaluation step's weights), by name. Under MPI, SIGUSR1
     (or a scheduler's SIGTERM) stops every rank after the same step and saves the state to
     ``store``; the process then exits with code 75 ("saved, requeue me"; ``resume=True``
     continues)."""
     from dtm_mpi.runtime.launch import launch
-    from dtm_mpi.runtime.request import RunHooks, RunRequest
+    from dtm_mpi.runtime.policies import checkpoint_policy
+    from dtm_mpi.runtime.request import RunRequest
+    from dtm_mpi.runtime.step_loop import RunHooks
 
     result = FitResult()
     first = step.inputs[0] if step.inputs else None
@@ -145,11 +148,13 @@ def fit(step: TracedStep, loader: Callable[[int, Mapping[str, tuple[slice, ...]]
     hooks = RunHooks(
         loader, step.inputs, report, step.metrics, keep, values=dict(values) if values else None
     )
+    checkpoint = checkpoint_policy(
+        store, every=checkpoint_every, resume=resume, background=checkpoint_async,
+        keep_last=keep_last, quota=quota, save_final=True,
+    )  # fmt: skip
     request = RunRequest(
         f"<traced {step.module.name}>", binding=dict(mesh) if mesh else None, steps=steps,
-        backend=backend, store=store, checkpoint_every=checkpoint_every, resume=resume,
-        checkpoint_async=checkpoint_async, keep_last=keep_last, quota=quota,
-        sim=sim, module=step.module, hooks=hooks,
+        backend=backend, checkpoint=checkpoint, sim=sim, module=step.module, hooks=hooks,
     )  # fmt: skip
     try:
         code = launch(request)

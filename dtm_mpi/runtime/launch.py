@@ -39,15 +39,16 @@ def _run_simulated(request: RunRequest) -> int:
 
     assert request.sim is not None
     module = load_run(request)
-    given = given_inputs(request, module)
+    given = {} if request.resume else given_inputs(request, module)
     plan_run(module, request, request.sim)
-    missing = store_params(module, given)
+    missing = [] if request.resume else store_params(module, given)
     if missing:
         assert request.store is not None
         given.update(read_store_globals(request.store, module, missing))
     result = run_simulated(
         module, request.sim, binding=request.binding, inputs=given, steps=request.steps,
         backend=request.backend, timeout_s=get_config().timeout_s, hooks=request.hooks,
+        checkpoint=request.checkpoint, log_every=request.log_every,
     )  # fmt: skip
     deliver_outputs(request, result.outputs())
     return 0

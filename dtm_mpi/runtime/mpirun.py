@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 import time
 from collections.abc import Callable
 from contextlib import suppress
@@ -52,6 +51,7 @@ from dtm_mpi.runtime.request import (
     plan_run,
     store_params,
 )
+from dtm_mpi.runtime.step_loop import StepLoop
 
 __all__ = ["MpiRunArgs", "open_backend_everywhere", "plan_groups", "run_loop", "run_under_mpi"]
 
@@ -175,7 +175,7 @@ class _Live:
     rank: int
     comm: Any = None
     dcomm: Any = None
-    ckpt: _Checkpoints | None = None
+    ckpt: Any = None  # the run's StoreCheckpoints (None without --store)
     local_aware: Any = None
     worlds: list[Any] = field(default_factory=list)  # communicators resizes made (kept to the end)
     pool: Any = None  # every launched process's duplicate of the world, for resizes (or None)
@@ -412,7 +412,7 @@ def _run_steps(live: _Live, module: Any, args: MpiRunArgs, backend: Any, joined:
         except DtmError as exc:
             error = exc
         session.agree("inputs", error)
-    live.ckpt = _Checkpoints(session, live.plan, args, rank, backend) if args.store else None
+    live.ckpt = _checkpoints(live, args, backend)
     try:
         results = _steps_with(live, module, args, backend, blocks, given, joined)
     except RunStopped as stop:  # every rank stopped after the same step, the state saved
@@ -453,12 +453,12 @@ def _run_steps(live: _Live, module: Any, args: MpiRunArgs, backend: Any, joined:
 
 def _steps_with(live: _Live, module: Any, args: MpiRunArgs, backend: Any, blocks: list[Any], given: dict[str, np.ndarray], joined: tuple[int, list[np.ndarray]] | None = None) -> tuple[Any, ...] | None:  # fmt: skip
     """The initial state (inputs, ``init store``, the resumed checkpoint, or a joining rank's
-    moved blocks), then the steps, saving checkpoints and resizing the mesh live where asked;
-    the last step's results (None on a rank that left at a resize)."""
+    moved blocks), then the step loop (:mod:`dtm_mpi.runtime.step_loop`) on each mesh of the
+    run, resizing live where a loop ends for it; the last step's results (None on a rank that
+    left at a resize)."""
     from dtm_mpi.comm.presence import current as current_presence
-    from dtm_mpi.faults import maybe_fail
-    from dtm_mpi.runtime.executor import Executor
-    from dtm_mpi.runtime.simulate import StepFeeder, initial_blocks, run_steps
+    from dtm_mpi.runtime.simulate import initial_blocks
+    from dtm_mpi.runtime.step_loop import Progress
 
     rank = live.rank
     if joined is not None:
@@ -471,78 +471,80 @@ def _steps_with(live: _Live, module: Any, args: MpiRunArgs, backend: Any, blocks
             blocks[:] = initial_blocks(live.plan, rank, given, local, fed=args.fed)
         first = ckpt.resume(blocks) if ckpt is not None and args.resume else 0
     blocks[:] = [backend.to_device(b) for b in blocks]  # the state lives on the backend
-    feeder: list[StepFeeder | None] = [None]
-
-    def before_step(step: int) -> None:
-        live.session.phase = f"step {step}"
-        maybe_fail(rank, "step")
-        if feeder[0] is not None:
-            feeder[0].feed(step, blocks, backend.to_device)
-
-    def on_results(step: int, results: tuple[Any, ...]) -> None:
-        if feeder[0] is not None:
-            feeder[0].report(step, results, backend.to_host)
-
     presence = current_presence()
-    stopping: list[bool] = [False]
-    log = _StepLog(args.log_every, args.steps, first) if rank == 0 and args.log_every else None
-
-    requested: list[bool] = [False]
-
-    def commit(step: int) -> None:  # every rank finished the step: its state updates apply
-        asked = STOP_FLAG if presence is not None and presence.stop_signal is not None else 0
-        if rank == 0 and args.resize_file is not None and os.path.exists(args.resize_file):
-            asked |= RESIZE_FLAG  # rank 0 alone reads the request: one answer, agreed
-        flags = live.session.agree(f"step {step}", None, flag=asked)  # all, this step
-        stopping[0], requested[0] = bool(flags & STOP_FLAG), bool(flags & RESIZE_FLAG)
-
-    def after_step(step: int) -> None:  # the new state is in blocks
-        if log is not None:
-            log.step_done(step)
-        every = args.checkpoint_every
-        last = step + 1 == args.steps and args.hooks is not None and args.hooks.save_final
-        ckpt = live.ckpt
-        if stopping[0] and step + 1 < args.steps:  # (after the last step: just finish)
-            path = ckpt.save(step + 1, blocks, sync=True) if ckpt is not None else None
-            signum = presence.stop_signal if presence is not None else None
-            name = signal.Signals(signum).name if signum is not None else "a peer's signal"
-            raise RunStopped(step + 1, name, path)
-        if ckpt is not None and every and ((step + 1) % every == 0 or last):
-            ckpt.save(step + 1, blocks)
-        if requested[0] and step + 1 < args.steps:
-            raise _ResizeAskedError(step + 1)
-
-    resizes = [(s, b) for s, b in args.resize_at if s > first]
+    progress = Progress(args.log_every, args.steps) if rank == 0 and args.log_every else None
     if presence is not None:
         presence.stoppable = True  # a signal now asks for a stop at the next step boundary
     try:
         while True:
-            end = resizes[0][0] if resizes else args.steps
-            feeder[0] = StepFeeder(live.plan, rank, args.hooks) if args.hooks is not None else None  # fmt: skip
-            try:
-                results = run_steps(
-                    Executor(live.plan, live.dcomm, backend), blocks, end, first=first,
-                    before_step=before_step, commit=commit, after_step=after_step, on_results=on_results,
-                )  # fmt: skip
-            except _ResizeAskedError as asked:
-                requested[0] = False
-                step, wanted = asked.step, _requested_mesh(live, module, args, asked.step)
-                if wanted is None:  # not a mesh this run can take: said, and the run goes on
-                    first = step
-                    continue
-                binding = wanted
-            else:
-                if not resizes:
-                    return results
-                step, binding = resizes.pop(0)
-            moved = _resize(live, module, args, backend, step, binding, blocks)
+            end = _step_loop(live, args, backend, presence, progress).run(blocks, first)
+            if end.done == args.steps:
+                return end.results
+            binding = end.resize
+            if end.resize_requested:
+                binding = _requested_mesh(live, module, args, end.done)
+            if binding is None:  # not a mesh this run can take: said, and the run goes on
+                first = end.done
+                continue
+            moved = _resize(live, module, args, backend, end.done, binding, blocks)
             if moved is None:
                 return None
             blocks[:] = moved
-            first = step
+            first = end.done
     finally:
         if presence is not None:
             presence.stoppable = False
+
+
+class _SessionPolicies:
+    """The step loop's MPI policies on the run's current session: the phase, the commit
+    agreement (the flags every rank raised), the stop on a signal (the launcher's presence)
+    and the resize request (rank 0 alone sees the file: one answer, agreed)."""
+
+    def __init__(self, live: _Live, presence: Any, resize_file: str | None) -> None:
+        self.live, self.presence, self.resize_file = live, presence, resize_file
+
+    def phase(self, text: str) -> None:
+        self.live.session.phase = text
+
+    def agree(self, step: int, flags: int) -> int:
+        return int(self.live.session.agree(f"step {step}", None, flag=flags))
+
+    def asked(self) -> int | None:
+        return None if self.presence is None else self.presence.stop_signal
+
+    def resize_requested(self) -> bool:
+        return self.resize_file is not None and os.path.exists(self.resize_file)
+
+
+def _step_loop(live: _Live, args: MpiRunArgs, backend: Any, presence: Any, progress: Any) -> StepLoop:
+    """The step loop of ``args`` on the current session, with its MPI policies."""
+    from dtm_mpi.runtime.executor import Executor
+    from dtm_mpi.runtime.step_loop import Feed, StepLoop
+
+    policies = _SessionPolicies(live, presence, args.resize_file if live.rank == 0 else None)
+    policy = args.checkpoint
+    return StepLoop(
+        Executor(live.plan, live.dcomm, backend), args.steps,
+        feed=Feed(live.plan, live.rank, args.hooks, backend.to_device, backend.to_host) if args.hooks is not None else None,
+        commit=policies, checkpoints=live.ckpt,
+        checkpoint_every=policy.every if policy is not None else None,
+        save_final=policy is not None and policy.save_final,
+        stop=policies if presence is not None else None,
+        resize_at=args.resize_at,
+        resize_requested=policies.resize_requested if args.resize_file and live.rank == 0 else None,
+        progress=progress, phase=policies.phase,
+    )  # fmt: skip
+
+
+def _checkpoints(live: _Live, args: MpiRunArgs, backend: Any) -> Any:
+    """The run's checkpoints on the current session (None without ``--store``)."""
+    if args.checkpoint is None:
+        return None
+    from dtm_mpi.runtime.checkpoints import StoreCheckpoints
+
+    phase = _SessionPolicies(live, None, None).phase
+    return StoreCheckpoints(live.session.comm, live.plan, args.checkpoint, live.rank, backend, steps=args.steps, fed=args.fed, phase=phase)  # fmt: skip
 
 
 def _resize(live: _Live, module: Any, args: MpiRunArgs, backend: Any, step: int, binding: dict[str, int], blocks: list[Any]) -> list[Any] | None:  # fmt: skip
@@ -612,7 +614,7 @@ def _resize(live: _Live, module: Any, args: MpiRunArgs, backend: Any, step: int,
     assert moved is not None
     if rank == 0:
         say(f"resized after step {step}: {n_old} -> {n_new} rank(s), mesh {plan.mesh}")
-    live.ckpt = _Checkpoints(live.session, plan, args, rank, backend) if args.store else None
+    live.ckpt = _checkpoints(live, args, backend)
     return [backend.to_device(b) for b in moved]
 
 
@@ -684,18 +686,6 @@ def _release_parked(live: _Live) -> None:
     live.parked = []
 
 
-STOP_FLAG, RESIZE_FLAG = 1, 2
-"""The bits a rank may raise in a step's commit agreement: a stop signal, a resize request."""
-
-
-class _ResizeAskedError(Exception):
-    """A resize request agreed at a step's commit: resize after step ``step`` (internal)."""
-
-    def __init__(self, step: int) -> None:
-        super().__init__(step)
-        self.step = step
-
-
 def _binding_of(plan: Any) -> dict[str, int]:
     return {name: size for name, size in plan.mesh.axes}
 
@@ -756,7 +746,7 @@ def run_loop(session: Any, comm: Any, plan: Any, request: MpiRunArgs, rank: int,
 
     Collective: call on all ranks."""
     live = _Live(session, plan, rank, comm=comm, dcomm=comm)
-    live.ckpt = _Checkpoints(session, plan, request, rank, backend) if request.store else None
+    live.ckpt = _checkpoints(live, request, backend)
     blocks: list[Any] = []
     try:
         start = time.perf_counter()
@@ -766,125 +756,3 @@ def run_loop(session: Any, comm: Any, plan: Any, request: MpiRunArgs, rank: int,
         if live.ckpt is not None:
             live.ckpt.close()
     return blocks, seconds
-
-
-class _StepLog:
-    """Rank 0's progress line every ``every`` steps: the mean step time since the last line
-    and the throughput."""
-
-    def __init__(self, every: int, steps: int, first: int) -> None:
-        self.every, self.steps = every, steps
-        self.since, self.count = time.perf_counter(), 0
-
-    def step_done(self, step: int) -> None:
-        self.count += 1
-        if (step + 1) % self.every and step + 1 != self.steps:
-            return
-        now = time.perf_counter()
-        per = (now - self.since) / max(1, self.count)
-        say(f"step {step + 1}/{self.steps}: {per * 1e3:.3f} ms/step, {1.0 / per if per > 0 else float('inf'):.1f} steps/s")  # fmt: skip
-        self.since, self.count = now, 0
-
-
-class _Checkpoints:
-    """The run's state (every entry parameter, as PRIMARY artifacts named like the
-    parameters) saved to and resumed from a checkpoint store (collective methods)."""
-
-    def __init__(self, session: Any, plan: Any, args: MpiRunArgs, rank: int, backend: Any) -> None:  # fmt: skip
-        from dtm_mpi.comm import handles
-        from dtm_mpi.config import get_config
-        from dtm_mpi.io.checkpoint import CheckpointStore
-        from dtm_mpi.ir.hashing import module_hash
-
-        assert args.store is not None
-        self.session, self.plan, self.rank, self.backend = session, plan, rank, backend
-        session.phase = "checkpoint store"
-        self.comm = handles.dup(session.comm)
-        self.store = CheckpointStore(args.store, self.comm, timeout_s=get_config().timeout_s, keep_last=args.keep_last, quota_bytes=args.quota)  # fmt: skip
-        self.background = args.checkpoint_async
-        self.pending: Any = None  # the save writing in the background (SaveHandle)
-        entry = plan.entry_plan.function
-        self.targets = [(p.name.lstrip("%"), p.type) for p in entry.params]
-        self.module_hash = module_hash(plan.module)
-        self.steps = args.steps
-        self.fed = frozenset(args.fed)
-
-    def read_init_store(self, params: list[Any]) -> dict[str, np.ndarray]:
-        """This rank's blocks of the ``init store`` parameters ``params``, by name, from the
-        store's latest checkpoint (written on any mesh)."""
-        if not params:
-            return {}
-        self.session.phase = "init store"
-        names = [p.name.lstrip("%") for p in params]
-        got = self.store.restore(self.plan.mesh, [(t_name, t) for t_name, t in self.targets if t_name in names])  # fmt: skip
-        if self.rank == 0:
-            shown = ", ".join(names) if len(names) <= 4 else f"{len(names)} parameters ({', '.join(names[:3])}, ...)"  # fmt: skip
-            say(f"{shown} from {got.path} (after step {got.step})")
-        return dict(got.values)
-
-    def resume(self, blocks: list[np.ndarray]) -> int:
-        """Replace ``blocks`` by the latest checkpoint's state; returns its step."""
-        self.session.phase = "resume"
-        got = self.store.restore(self.plan.mesh, self.targets, fallback=True)
-        if self.rank == 0:
-            for why in got.skipped:  # newer checkpoints that do not restore and verify
-                say(f"resume: skipped {why}")
-        if got.module_hash != self.module_hash:
-            raise agreed(UsageError(
-                f"{got.path} was written by module hash {got.module_hash}; this module's is "
-                f"{self.module_hash}: refusing to resume another program's state"
-            ))  # fmt: skip
-        if got.step >= self.steps:
-            raise agreed(UsageError(
-                f"{got.path} holds the state after step {got.step}; --steps {self.steps} "
-                "leaves nothing to run (raise --steps)"
-            ))  # fmt: skip
-        blocks[:] = [got.values[name] for name, _ in self.targets]
-        if self.rank == 0:
-            say(f"resumed from {got.path} (after step {got.step})")
-        return got.step
-
-    def save(self, done: int, blocks: list[np.ndarray], *, sync: bool = False) -> str:
-        """Save the state after step ``done``: in the background with ``--checkpoint-async``
-        (unless ``sync``), else now; returns the checkpoint's path."""
-        from dtm_mpi.io.ckpt_plan import TensorSpec
-        from dtm_mpi.io.store import committed_name
-
-        self.finish_pending()
-        self.session.phase = f"checkpoint {done}"
-        items = [
-            (TensorSpec(name, t), self.backend.to_host(blocks[i]))
-            for i, (name, t) in enumerate(self.targets)
-        ]  # device state is copied to the host first (the store writes host memory)
-        if self.background and not sync:  # snapshot and hashes now, the writing overlaps
-            # The runtime never writes a value in place (a step makes new arrays, and the
-            # comm layer reuses a buffer only when nobody else holds it), so the snapshot
-            # keeps references; a loader's arrays are the caller's, and copied.
-            items = [(spec, np.array(a, copy=True) if spec.name in self.fed else a) for spec, a in items]  # fmt: skip
-            self.pending = self.store.save_async(done, self.plan.mesh, items, module_hash=self.module_hash, copy=False)  # fmt: skip
-            return str(self.store.path / committed_name(done))
-        path = self.store.save(done, self.plan.mesh, items, module_hash=self.module_hash)
-        if self.rank == 0:
-            say(f"checkpoint {path} (after step {done})")
-        return str(path)
-
-    def finish_pending(self) -> None:
-        """Wait for the background save (its error raised, agreed), and report it."""
-        if self.pending is None:
-            return
-        handle, self.pending = self.pending, None
-        self.session.phase = f"checkpoint {handle.step}"
-        path = handle.wait()
-        if self.rank == 0:
-            say(f"checkpoint {path} (after step {handle.step}, written in the background)")  # fmt: skip
-
-    def close(self) -> None:
-        from dtm_mpi.comm import handles
-
-        try:
-            self.finish_pending()
-        finally:
-            try:
-                self.store.close()
-            finally:
-                handles.free(self.comm)

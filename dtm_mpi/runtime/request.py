@@ -35,6 +35,8 @@ from dtm_mpi.errors import (
     agreed,
 )
 from dtm_mpi.kernels.backends import BACKEND_NAMES
+from dtm_mpi.runtime.policies import CheckpointPolicy
+from dtm_mpi.runtime.step_loop import RunHooks
 
 if TYPE_CHECKING:
     import numpy as np
@@ -58,35 +60,6 @@ def _usage(message: str) -> UsageError:
     return err
 
 
-Feed = Callable[[int, "Mapping[str, tuple[slice, ...]]"], "Mapping[str, np.ndarray]"]
-"""``feed(step, regions)``: this rank's blocks of the fed inputs for ``step``: for each input
-name, the block of the step's global value at ``regions[name]`` (a loader reads only those)."""
-
-
-@dataclass(frozen=True, slots=True)
-class RunHooks:
-    """What a run started from Python (not the command line) adds to a request: the inputs
-    fed each step, where every rank hands the per-step metrics and rank 0 the final
-    outputs."""
-
-    feed: Feed | None = None
-    fed: tuple[str, ...] = ()
-    """The entry parameters ``feed`` supplies (names without ``%``)."""
-    on_step: Callable[[int, int, dict[str, float]], None] | None = None
-    """Every rank, after each step committed: the step, the rank and the step's complete
-    scalar results by name (the same on every rank)."""
-    metric_names: tuple[str, ...] = ()
-    """Names of the leading scalar results (else ``result0``, ...)."""
-    on_outputs: Callable[[dict[str, np.ndarray]], None] | None = None
-    """Rank 0, at the end: the outputs (what ``-o`` would write), instead of printing them."""
-    save_final: bool = True
-    """With ``checkpoint_every``: also save after the last step (a Python run's last state is
-    what an evaluation step reads from the store)."""
-    values: Mapping[str, np.ndarray] | None = None
-    """Global values of (other) entry parameters, as ``-i`` files would give them (each
-    rank takes its block)."""
-
-
 @dataclass(frozen=True, slots=True)
 class RunRequest:
     """What ``dtm run`` was asked to do; constructing it checks the arguments (agreed
@@ -99,23 +72,28 @@ class RunRequest:
     steps: int = 1
     backend: str = "numpy"
     max_bytes_per_rank: int | None = None
-    store: str | None = None  # checkpoint store directory
-    checkpoint_every: int | None = None  # save the state after every N steps
-    resume: bool = False  # start from the store's latest checkpoint
+    checkpoint: CheckpointPolicy | None = None  # --store and its options
     gpu_aware: str | None = None  # --gpu-aware-mpi: auto | yes | no (None: DTM_GPU_AWARE_MPI)
     require_gpu_aware: bool = False  # --require-gpu-aware-mpi
     sim: int | None = None  # --sim N: simulated ranks in this process; None: under MPI
     module: Module | None = None  # a module built in Python (``file`` then only names it)
     hooks: RunHooks | None = None  # a run started from Python: fed inputs, metrics, outputs
-    checkpoint_async: bool = False  # write checkpoints while the next steps run
-    keep_last: int | None = None  # the store keeps this many newest checkpoints
-    quota: int | None = None  # the store's byte quota
     log_every: int | None = None  # rank 0 prints step time and throughput every N steps
     resize_at: tuple[tuple[int, dict[str, int]], ...] = ()  # live resizes: after step S, this mesh
     resize_file: str | None = None  # a live resize asked for while the job runs: MESH in this file
     join: tuple[int, dict[str, int], dict[str, int]] | None = (
         None  # spawned at a resize: (step, old, new)
     )
+
+    @property
+    def store(self) -> str | None:
+        """The checkpoint store directory (``--store``), if any."""
+        return self.checkpoint.store if self.checkpoint is not None else None
+
+    @property
+    def resume(self) -> bool:
+        """Whether the run starts from the store's newest checkpoint that verifies."""
+        return self.checkpoint is not None and self.checkpoint.resume
 
     @property
     def fed(self) -> tuple[str, ...]:
@@ -127,16 +105,6 @@ class RunRequest:
             raise _usage(f"--steps must be >= 1; got {self.steps}")
         if self.backend not in BACKENDS:
             raise _usage(f"--backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
-        if (self.checkpoint_every is not None or self.resume) and not self.store:
-            raise _usage("--checkpoint-every and --resume need --store DIR")
-        if self.checkpoint_every is not None and self.checkpoint_every < 1:
-            raise _usage(f"--checkpoint-every must be >= 1; got {self.checkpoint_every}")
-        if (self.checkpoint_async or self.keep_last is not None or self.quota is not None) and not self.store:  # fmt: skip
-            raise _usage("--checkpoint-async, --keep-last and --quota need --store DIR")
-        if self.keep_last is not None and self.keep_last < 1:
-            raise _usage(f"--keep-last must be >= 1; got {self.keep_last}")
-        if self.quota is not None and self.quota < 1:
-            raise _usage(f"--quota must be >= 1 byte; got {self.quota}")
         if self.log_every is not None and self.log_every < 1:
             raise _usage(f"--log-every must be >= 1; got {self.log_every}")
         self._check_resizes()
@@ -155,12 +123,6 @@ class RunRequest:
             )
         if self.resize_at or self.resize_file:
             raise _usage("--resize-at and --resize-file need the MPI runtime (run under mpirun/srun, without --sim)")  # fmt: skip
-        if self.checkpoint_every is not None or self.resume or self.checkpoint_async or self.keep_last is not None or self.quota is not None:  # fmt: skip
-            raise _usage(
-                "--checkpoint-every, --resume, --checkpoint-async, --keep-last and --quota need "
-                "the MPI runtime (run under mpirun/srun, without --sim); with --sim, --store only "
-                "fills 'init store' parameters"
-            )
 
     def _check_resizes(self) -> None:
         last = 0
@@ -262,19 +224,16 @@ def required_capabilities(module: Module) -> set[str]:
 def capabilities(backend: str) -> tuple[str, ...]:
     """What this runtime provides with kernel backend ``backend`` (sorted): int8 quantisation
     and the tensor store always, ``CAP_CUDA``/``CAP_HIP`` with that backend, ``CAP_HDF5_MPI``
-    when h5py is built with MPI."""
+    when the store's HDF5 backend writes in parallel (h5py built with MPI)."""
+    from dtm_mpi.io.backend import HDF5
+
     caps = {"CAP_QUANT", "CAP_STORE"}
     if backend == "cuda":
         caps.add("CAP_CUDA")
     elif backend == "hip":
         caps.add("CAP_HIP")
-    try:
-        import h5py
-
-        if h5py.get_config().mpi:
-            caps.add("CAP_HDF5_MPI")
-    except ImportError:  # pragma: no cover  (h5py is a dependency)
-        pass
+    if HDF5.parallel:
+        caps.add("CAP_HDF5_MPI")
     return tuple(sorted(caps))
 
 
@@ -309,8 +268,9 @@ def _check_paths(request: RunRequest) -> None:
         store = Path(request.store)
         if store.exists() and not store.is_dir():
             raise UsageError(f"--store {request.store} is not a directory")
-        if not store.exists() and (request.resume or (request.checkpoint_every is None and request.sim is not None)):  # fmt: skip
-            # (under MPI a new store takes the checkpoints, or the one of a stop on a signal)
+        saves = request.checkpoint is not None and request.checkpoint.every is not None
+        if not store.exists() and (request.resume or (not saves and request.sim is not None)):
+            # (a new store takes the checkpoints; under MPI also the one of a stop on a signal)
             raise UsageError(f"--store {request.store}: no such checkpoint store")
 
 

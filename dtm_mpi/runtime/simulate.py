@@ -9,9 +9,9 @@ a replicated layout (pending reductions completed in group order).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
@@ -23,6 +23,7 @@ from dtm_mpi.ir.types import Layout, TensorType
 from dtm_mpi.kernels.devices import ArrayBackend
 from dtm_mpi.plan.program import ExecPlan, compile_plan, mesh_for
 from dtm_mpi.runtime.executor import Executor
+from dtm_mpi.runtime.step_loop import Feed, Progress, RunHooks, StepLoop
 from dtm_mpi.runtime.values import check_inputs, init_block
 from dtm_mpi.sharding.blocks import local_block, local_offsets, local_shape
 from dtm_mpi.sharding.collectives import apply_plan
@@ -30,13 +31,14 @@ from dtm_mpi.sharding.mesh import MeshShape
 from dtm_mpi.sharding.redistribute import plan_redistribute
 
 if TYPE_CHECKING:
-    from dtm_mpi.runtime.request import RunHooks
+    from dtm_mpi.io.checkpoint import CheckpointStore
+    from dtm_mpi.runtime.policies import CheckpointPolicy
 
 T = TypeVar("T")
 
 __all__ = [
-    "RankOutcome", "RunResult", "StepFeeder", "assemble", "check_output_keys", "initial_blocks",
-    "output_values", "run_rank", "run_simulated", "run_steps", "summary_lines",
+    "RankOutcome", "RunResult", "assemble", "check_output_keys", "initial_blocks",
+    "output_values", "run_rank", "run_simulated", "summary_lines",
 ]  # fmt: skip
 
 
@@ -65,122 +67,49 @@ class RunResult:
         return {name: v for name, _, v in named}
 
 
-class StepFeeder:
-    """Puts a run's fed inputs (:class:`~dtm_mpi.runtime.request.RunHooks`) into this rank's
-    parameter blocks before each step, and reports each step's scalar results."""
-
-    def __init__(self, plan: ExecPlan, rank: int, hooks: RunHooks) -> None:
-        entry = plan.entry_plan.function
-        self.hooks, self.rank = hooks, rank
-        index = {p.name.lstrip("%"): i for i, p in enumerate(entry.params)}
-        self.slots: list[tuple[str, int, TensorType, tuple[slice, ...]]] = []
-        for name in hooks.fed:
-            if name not in index:
-                raise UsageError(f"fed input {name!r} is not a parameter of @{entry.name}")
-            t = entry.params[index[name]].type
-            self.slots.append((name, index[name], t, local_block(t.shape, t.layout, plan.mesh, rank)))  # fmt: skip
-        self.entry = entry
-
-    def feed(self, step: int, blocks: list[np.ndarray], to_device: Callable[[np.ndarray], np.ndarray] = lambda a: a) -> None:  # fmt: skip
-        """Replace the fed inputs' blocks by the loader's blocks for ``step`` (checked)."""
-        if self.hooks.feed is None or not self.slots:
-            return
-        got = self.hooks.feed(step, {name: region for name, _, _, region in self.slots})
-        for name, i, t, region in self.slots:
-            if name not in got:
-                raise UsageError(
-                    f"step {step}: the data loader gave no {name!r} (rank {self.rank})"
-                )
-            want = tuple(r.stop - r.start for r in region)
-            block = np.asarray(got[name])
-            if block.shape != want:
-                raise UsageError(f"step {step}: the data loader gave {name!r} of shape {list(block.shape)} on rank {self.rank}; its block of {t} is {list(want)}")  # fmt: skip
-            dtype = np_dtype(t.dtype)
-            if block.dtype != dtype and not np.can_cast(block.dtype, dtype, "same_kind"):
-                raise UsageError(f"step {step}: the data loader gave {name!r} as {block.dtype}; the input is {t.dtype}")  # fmt: skip
-            blocks[i] = to_device(np.ascontiguousarray(block, dtype=dtype))
-
-    def report(self, step: int, results: Sequence[Any], to_host: Callable[[Any], np.ndarray] = np.asarray) -> None:  # fmt: skip
-        """Hand the step's complete scalar results to ``on_step``."""
-        if self.hooks.on_step is None:
-            return
-        names = self.hooks.metric_names
-        metrics: dict[str, float] = {}
-        for i, (spec, value) in enumerate(zip(self.entry.results, results, strict=True)):
-            if spec.type.shape == () and spec.type.layout.partial is None and spec.updates is None:  # fmt: skip
-                metrics[names[i] if i < len(names) else f"result{i}"] = float(to_host(value))
-        self.hooks.on_step(step, self.rank, metrics)
-
-
 def run_rank(
     plan: ExecPlan,
     comm: Comm,
     inputs: Mapping[str, np.ndarray],
     *,
     steps: int = 1,
+    first: int = 0,
     backend: str | ArrayBackend = "numpy",
     hooks: RunHooks | None = None,
     deterministic: bool | None = None,
+    checkpoint: CheckpointPolicy | None = None,
+    store: CheckpointStore | None = None,
+    log_every: int | None = None,
 ) -> RankOutcome:
-    """Run ``steps`` steps of the entry function on this rank. ``inputs``: global arrays of
-    (some) entry parameters, by name; the others get their declared init; ``hooks``: inputs
-    fed each step, metrics reported after each step; ``deterministic``: the exact sums of
-    deterministic mode (default: ``DTM_DETERMINISTIC``).
+    """Run steps ``first`` .. ``steps - 1`` of the entry function on this rank (the step loop,
+    :class:`~dtm_mpi.runtime.step_loop.StepLoop`). ``inputs``: global arrays of (some) entry
+    parameters, by name; the others get their declared init; ``hooks``: inputs fed each step,
+    metrics reported after each step; ``deterministic``: the exact sums of deterministic mode
+    (default: ``DTM_DETERMINISTIC``); ``checkpoint``: its saves gathered to rank 0, which
+    writes them into ``store`` (:class:`~dtm_mpi.runtime.checkpoints.GatheredCheckpoints`);
+    ``log_every``: rank 0's progress line every N steps.
 
     Collective: call on all ranks."""
+    from dtm_mpi.runtime.checkpoints import GatheredCheckpoints
+
     args = initial_blocks(plan, comm.rank, inputs, fed=hooks.fed if hooks is not None else ())
+    executor = Executor(plan, comm, backend, deterministic)
     history: list[tuple[np.ndarray, ...]] = []
-    feeder = StepFeeder(plan, comm.rank, hooks) if hooks is not None else None
-    last = run_steps(
-        Executor(plan, comm, backend, deterministic), args, steps, history=history if feeder is None else None,
-        before_step=(lambda step: feeder.feed(step, args)) if feeder is not None else None,
-        on_results=feeder.report if feeder is not None else None,
+    saves = checkpoint is not None and checkpoint.every is not None
+    checkpoints = GatheredCheckpoints(comm, plan, store if comm.rank == 0 else None, executor.backend, background=checkpoint.background, fed=hooks.fed if hooks is not None else ()) if saves and checkpoint is not None else None  # fmt: skip
+    loop = StepLoop(
+        executor, steps, feed=Feed(plan, comm.rank, hooks) if hooks is not None else None,
+        checkpoints=checkpoints, checkpoint_every=checkpoint.every if checkpoint is not None else None,
+        save_final=checkpoint is not None and checkpoint.save_final,
+        history=history if hooks is None else None,
+        progress=Progress(log_every, steps) if log_every and comm.rank == 0 else None,
     )  # fmt: skip
-    if feeder is not None:  # a training loop: keep the last step's results only
-        history.append(last)
+    end = loop.run(args, first)
+    if checkpoints is not None:
+        checkpoints.finish_pending()
+    if hooks is not None or not history:  # a training loop: keep the last step's results only
+        history = [end.results]
     return RankOutcome(tuple(args), history, comm.stats)
-
-
-def run_steps(
-    executor: Executor,
-    blocks: list[np.ndarray],
-    steps: int,
-    *,
-    first: int = 0,
-    before_step: Callable[[int], None] | None = None,
-    commit: Callable[[int], None] | None = None,
-    after_step: Callable[[int], None] | None = None,
-    history: list[tuple[np.ndarray, ...]] | None = None,
-    on_results: Callable[[int, tuple[np.ndarray, ...]], None] | None = None,
-) -> tuple[np.ndarray, ...]:
-    """Run the entry function ``steps`` times on this rank's ``blocks`` of its parameters,
-    replacing each state parameter by the result that ``updates`` it after every step (spec
-    §7.3: all updates of a step take effect together). ``commit(step)`` runs before the
-    updates are applied (under MPI: the agreement that every rank finished the step),
-    ``on_results(step, results)`` then, ``after_step(step)`` after (e.g. a checkpoint of the new state); ``first`` is the first
-    step's index (a resumed run continues the step count); ``history`` collects every step's
-    results. Returns the last step's results.
-
-    Collective: call on all ranks."""
-    entry = executor.plan.entry_plan.function
-    index = {p.name: i for i, p in enumerate(entry.params)}
-    results: tuple[np.ndarray, ...] = ()
-    for step in range(first, steps):
-        if before_step is not None:
-            before_step(step)
-        results = executor.run(blocks, step)
-        if commit is not None:
-            commit(step)
-        if on_results is not None:
-            on_results(step, results)
-        if history is not None:
-            history.append(results)
-        for spec, value in zip(entry.results, results, strict=True):
-            if spec.updates is not None:
-                blocks[index[spec.updates]] = value
-        if after_step is not None:
-            after_step(step)
-    return results
 
 
 def check_output_keys(entry: Function) -> None:
@@ -268,31 +197,42 @@ def run_simulated(
     timeout_s: float = 60.0,
     hooks: RunHooks | None = None,
     deterministic: bool | None = None,
+    checkpoint: CheckpointPolicy | None = None,
+    log_every: int | None = None,
 ) -> RunResult:
     """Run a *verified* module on ``nranks`` simulated ranks and return global values
-    (``deterministic``: as :func:`run_rank`)."""
+    (``deterministic``, ``checkpoint``, ``log_every``: as :func:`run_rank`; with ``checkpoint.resume`` the
+    run starts from the newest checkpoint of its store that verifies, written on any mesh)."""
+    from dtm_mpi.comm.handles import self_comm
     from dtm_mpi.comm.sim import run_ranks
+    from dtm_mpi.runtime.checkpoints import open_store, restore_globals
 
     if nranks < 1:
         raise UsageError(f"--sim needs at least 1 rank; got {nranks}")
     if steps < 1:
         raise UsageError(f"--steps must be >= 1; got {steps}")
-    given = check_inputs(module, inputs or {}, fed=hooks.fed if hooks is not None else ())
+    first = 0
+    if checkpoint is not None and checkpoint.resume:  # every parameter from the checkpoint
+        given, first = restore_globals(checkpoint, module, steps)
+    else:
+        given = check_inputs(module, inputs or {}, fed=hooks.fed if hooks is not None else ())
     mesh = mesh_for(module, nranks, binding)
     plan = compile_plan(module, mesh)
-    outcomes = run_ranks(
-        mesh,
-        lambda comm: run_rank(
-            plan,
-            comm,
-            given,
-            steps=steps,
-            backend=backend,
-            hooks=hooks,
-            deterministic=deterministic,
-        ),
-        timeout_s=timeout_s,
-    )
+    saves = checkpoint is not None and checkpoint.every is not None
+    store = open_store(checkpoint, self_comm()) if saves and checkpoint is not None else None
+    try:
+        outcomes = run_ranks(
+            mesh,
+            lambda comm: run_rank(
+                plan, comm, given, steps=steps, first=first, backend=backend, hooks=hooks,
+                deterministic=deterministic, checkpoint=checkpoint, store=store,
+                log_every=log_every,
+            ),
+            timeout_s=timeout_s,
+        )  # fmt: skip
+    finally:
+        if store is not None:
+            store.close()
     entry = plan.entry_plan.function
     params = {
         p.name.lstrip("%"): assemble(p.type, mesh, [o.params[i] for o in outcomes])

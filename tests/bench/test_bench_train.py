@@ -17,8 +17,8 @@ from dtm_mpi.bench.ops import run_ops_bench
 from dtm_mpi.bench.train import configs_for, run_train_bench
 from dtm_mpi.bench.train_models import MODELS, initial_state, numpy_floor
 from dtm_mpi.errors import UsageError
-from dtm_mpi.runtime.request import RunHooks
 from dtm_mpi.runtime.simulate import run_simulated
+from dtm_mpi.runtime.step_loop import RunHooks
 from tests.mpi_env import mpirun_env
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
