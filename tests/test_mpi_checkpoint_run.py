@@ -50,6 +50,22 @@ def test_resume_on_another_mesh_equals_the_uninterrupted_run(
         np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
 
 
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_simulated_runs_checkpoint_resumes_under_mpirun_bit_for_bit(ranks: int, tmp_path: Path) -> None:  # fmt: skip
+    from dtm_mpi.runtime.policies import CheckpointPolicy
+
+    store, out = str(tmp_path / "store"), tmp_path / "resumed.npz"
+    run_simulated(load("tp_mlp"), 4, binding={"dp": 2, "tp": 2}, steps=2, deterministic=True, checkpoint=CheckpointPolicy(store, every=2))  # fmt: skip
+    env = {"DTM_TIMEOUT": "60", "DTM_DETERMINISTIC": "1"}
+    code, text, _ = mpirun(ranks, MLP, "--steps", "4", "--resume", "--store", store, "-o", str(out), env=env)  # fmt: skip
+    assert code == 0, text
+    assert "resumed from" in text and "after step 2" in text, text
+    want = run_simulated(load("tp_mlp"), 1, steps=4, deterministic=True).outputs()
+    got = np.load(out)
+    for key, value in want.items():
+        assert got[key].tobytes() == value.tobytes(), key
+
+
 def test_resume_on_the_same_mesh_is_bitwise(tmp_path: Path) -> None:
     store, out = str(tmp_path / "store"), tmp_path / "resumed.npz"
     env = {"DTM_TIMEOUT": "60", "DTM_DETERMINISTIC": "1"}
