@@ -492,7 +492,10 @@ ARG_ERRORS = {
     "bad-mesh": (["--mesh", "dp=two"], "is not a positive integer"),
     "bad-bytes": (["--max-bytes-per-rank", "lots"], "not a byte count"),
     "sim-backend": (["--sim", "2", "--backend", "cuda"], "numpy backend only"),
-    "sim-resize": (["--sim", "2", "--mesh", "dp=1,tp=2", "--resize-file", "req"], "need the MPI runtime"),
+    "sim-resize": (
+        ["--sim", "2", "--mesh", "dp=1,tp=2", "--resize-file", "req"],
+        "need the MPI runtime",
+    ),
 }
 
 

@@ -29,7 +29,15 @@ from dtm_mpi.plan.fusion import FusedGroup
 from dtm_mpi.plan.overlap import Bucket
 from dtm_mpi.plan.program import FunctionPlan, OpKind, PlanOp
 
-__all__ = ["BucketStart", "Instr", "Resolution", "Sched", "fused_frees", "resolve_pending", "without_resolved"]
+__all__ = [
+    "BucketStart",
+    "Instr",
+    "Resolution",
+    "Sched",
+    "fused_frees",
+    "resolve_pending",
+    "without_resolved",
+]
 
 
 @dataclass(frozen=True, slots=True)

@@ -517,7 +517,9 @@ class _SessionPolicies:
         return self.resize_file is not None and os.path.exists(self.resize_file)
 
 
-def _step_loop(live: _Live, args: MpiRunArgs, backend: Any, presence: Any, progress: Any) -> StepLoop:
+def _step_loop(
+    live: _Live, args: MpiRunArgs, backend: Any, presence: Any, progress: Any
+) -> StepLoop:
     """The step loop of ``args`` on the current session, with its MPI policies."""
     from dtm_mpi.runtime.executor import Executor
     from dtm_mpi.runtime.step_loop import Feed, StepLoop
