@@ -46,6 +46,7 @@ __all__ = [
     "VerifyError",
     "VersionError",
     "agreed",
+    "agreed_usage",
 ]
 
 
@@ -332,3 +333,11 @@ def agreed(exc: DtmError) -> DtmError:
     agreed through communication); returns it, for ``raise agreed(...)``."""
     exc.agreed = True
     return exc
+
+
+def agreed_usage(message: str) -> UsageError:
+    """A :class:`UsageError` decided from the command line (or the options) alone: the same on
+    every rank, so :func:`agreed`."""
+    err = UsageError(message)
+    err.agreed = True
+    return err

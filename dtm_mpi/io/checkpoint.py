@@ -87,9 +87,8 @@ from dtm_mpi.io.manifest import (
     Manifest,
     RecoveryAction,
     data_file_name,
-    parse_manifest,
+    parse_loadable_manifest,
     recovery_actions,
-    validate_manifest,
 )
 from dtm_mpi.io.restore_read import Reader, read_plan
 from dtm_mpi.io.store import (
@@ -538,8 +537,7 @@ class CheckpointStore:
         try:
             if isinstance(text, str):
                 raise ManifestError(text)
-            manifest = parse_manifest(text, where)
-            validate_manifest(manifest, where)
+            manifest = parse_loadable_manifest(text, where)
             plan = plan_restore(manifest, targets, mesh, self.round_bytes, where)
         except DtmError as exc:  # decided from the same bytes on every rank: same error
             raise agreed(exc) from None

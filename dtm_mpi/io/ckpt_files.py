@@ -38,8 +38,7 @@ from dtm_mpi.io.manifest import (
     Manifest,
     ShardRecord,
     layout_to_json,
-    parse_manifest,
-    validate_manifest,
+    parse_loadable_manifest,
 )
 from dtm_mpi.io.store import fsync_path
 from dtm_mpi.io.verification import (
@@ -108,10 +107,7 @@ def read_manifest_bytes(ckpt: Path) -> bytes:
 
 def read_manifest(ckpt: Path) -> Manifest:
     """The validated manifest of checkpoint directory ``ckpt`` (serial read)."""
-    where = str(ckpt / MAIN_FILE)
-    manifest = parse_manifest(read_manifest_bytes(ckpt), where)
-    validate_manifest(manifest, where)
-    return manifest
+    return parse_loadable_manifest(read_manifest_bytes(ckpt), str(ckpt / MAIN_FILE))
 
 
 def write_main_file(ckpt: Path, manifest: Manifest, text: bytes) -> None:

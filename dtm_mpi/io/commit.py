@@ -18,7 +18,7 @@ from pathlib import Path
 from dtm_mpi.errors import StorageError
 from dtm_mpi.faults import maybe_fail
 from dtm_mpi.io.backend import HDF5, ShardBackend
-from dtm_mpi.io.manifest import parse_manifest, validate_manifest
+from dtm_mpi.io.manifest import parse_loadable_manifest
 from dtm_mpi.io.store import fsync_path, list_checkpoints, replace_dir, retired_files
 
 __all__ = ["Retention", "commit_partial"]
@@ -33,7 +33,7 @@ def commit_partial(store: Path, tmp: Path, final: Path, data_files: list[str], b
     fsync_path(tmp)
     index = backend.index_path(tmp)
     where = str(index)
-    validate_manifest(parse_manifest(backend.read_index(tmp), where), where)
+    parse_loadable_manifest(backend.read_index(tmp), where)
     want = sorted([index.name, *data_files])
     found = sorted(p.name for p in tmp.iterdir())
     if found != want:

@@ -48,6 +48,7 @@ __all__ = [
     "data_file_name",
     "layout_from_json",
     "layout_to_json",
+    "parse_loadable_manifest",
     "parse_manifest",
     "recovery_actions",
     "shard_dataset",
@@ -478,3 +479,11 @@ def validate_manifest(m: Manifest, where: str = "manifest") -> None:
             raise ManifestError(f"{aw}: Merkle root does not match its shard hashes")
     if not _HEX64.match(m.merkle_root) or m.merkle_root != m.sealed().merkle_root:
         raise ManifestError(f"{where}: Merkle root does not match the artifacts' roots")
+
+
+def parse_loadable_manifest(text: bytes | str, where: str = "manifest") -> Manifest:
+    """The manifest in ``text``, parsed (:func:`parse_manifest`) and judged loadable
+    (:func:`validate_manifest`): what every reader of a stored checkpoint needs."""
+    manifest = parse_manifest(text, where)
+    validate_manifest(manifest, where)
+    return manifest

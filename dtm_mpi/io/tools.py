@@ -48,8 +48,7 @@ from dtm_mpi.io.manifest import (
     ArtifactClass,
     ArtifactRecord,
     Manifest,
-    parse_manifest,
-    validate_manifest,
+    parse_loadable_manifest,
 )
 from dtm_mpi.io.store import (
     DEFAULT_BACKEND,
@@ -171,9 +170,7 @@ def read_manifest(ckpt: Path, backend: ShardBackend | None = None) -> Manifest:
     one."""
     b = _backend_of(ckpt, backend)
     where = str(b.index_path(ckpt))
-    manifest = parse_manifest(b.read_index(ckpt), where)
-    validate_manifest(manifest, where)
-    return manifest
+    return parse_loadable_manifest(b.read_index(ckpt), where)
 
 
 # --- verify -----------------------------------------------------------------------------------

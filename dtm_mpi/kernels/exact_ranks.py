@@ -29,14 +29,13 @@ from dtm_mpi.comm.interface import Comm
 from dtm_mpi.ir.types import ReduceOp
 from dtm_mpi.kernels.dispatch import KernelContext
 from dtm_mpi.kernels.exact import ExactRule, Levels, canonical, exact_axes
-from dtm_mpi.sharding.steps import AllreduceSpec
+from dtm_mpi.sharding.steps import allreduce_spec
 
 __all__ = ["exact_across"]
 
 
 def _allreduce(comm: Comm, x: np.ndarray, axes: tuple[str, ...], op: ReduceOp) -> np.ndarray:
-    group = comm.mesh.group_of(comm.rank, axes)
-    return comm.allreduce(x, axes, AllreduceSpec(group, group.index(comm.rank), op, int(x.size)))
+    return comm.allreduce(x, axes, allreduce_spec(comm.mesh, comm.rank, axes, op, int(x.size)))
 
 
 def exact_across(

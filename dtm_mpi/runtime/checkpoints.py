@@ -35,10 +35,8 @@ if TYPE_CHECKING:
 __all__ = ["GatheredCheckpoints", "StoreCheckpoints", "check_resumable", "open_store", "restore_globals"]  # fmt: skip
 
 
-def _targets(plan_or_module: ExecPlan | Module) -> list[tuple[str, Any]]:
-    from dtm_mpi.plan.program import ExecPlan
-
-    module = plan_or_module.module if isinstance(plan_or_module, ExecPlan) else plan_or_module
+def _targets(module: Module) -> list[tuple[str, Any]]:
+    """The saved state: every entry parameter, by name without ``%``."""
     entry = module.entry
     assert entry is not None
     return [(p.name.lstrip("%"), p.type) for p in entry.params]
@@ -66,79 +64,39 @@ def check_resumable(got: Restored, module_hash: str, steps: int) -> None:
         ))  # fmt: skip
 
 
-def _say_resumed(got: Restored) -> None:
-    for why in got.skipped:  # newer checkpoints that do not restore and verify
-        say(f"resume: skipped {why}")
-    say(f"resumed from {got.path} (after step {got.step})")
+def _resumed(got: Restored, module_hash: str, steps: int, *, speak: bool) -> None:
+    """Say which newer checkpoints a resume skipped (``speak``: this rank reports), refuse
+    ``got`` if it cannot be resumed (:func:`check_resumable`), else say where the run resumes."""
+    if speak:
+        for why in got.skipped:  # newer checkpoints that do not restore and verify
+            say(f"resume: skipped {why}")
+    check_resumable(got, module_hash, steps)
+    if speak:
+        say(f"resumed from {got.path} (after step {got.step})")
 
 
-class StoreCheckpoints:
-    """Under MPI: the run's state saved to and resumed from ``policy``'s store, every rank
-    writing its blocks (collective methods); ``phase(text)`` names where the rank is."""
+class _Saves:
+    """Saving the state into ``store`` (every save gives it the module hash), now or with the
+    policy's ``background`` in a background thread, its completion reported when the next save
+    starts or the run ends; ``speak``: this rank says what was saved, ``phase(text)``: where
+    it is."""
 
-    def __init__(self, comm: Any, plan: ExecPlan, policy: CheckpointPolicy, rank: int, backend: ArrayBackend, *, steps: int, fed: Sequence[str], phase: Callable[[str], None]) -> None:  # fmt: skip
-        from dtm_mpi.comm import handles
-        from dtm_mpi.ir.hashing import module_hash
-
-        self.plan, self.rank, self.backend, self.phase = plan, rank, backend, phase
-        phase("checkpoint store")
-        self.comm = handles.dup(comm)
-        self.store = open_store(policy, self.comm)
-        self.background = policy.background
+    def __init__(self, policy: CheckpointPolicy, store: CheckpointStore | None, module_hash: str, *, speak: bool, phase: Callable[[str], None]) -> None:  # fmt: skip
+        self.policy, self.store, self.module_hash = policy, store, module_hash
+        self.speak, self.phase = speak, phase
         self.pending: Any = None  # the save writing in the background (SaveHandle)
-        self.targets = _targets(plan)
-        self.module_hash = module_hash(plan.module)
-        self.steps = steps
-        self.fed = frozenset(fed)
 
-    def read_init_store(self, params: Sequence[Param]) -> dict[str, np.ndarray]:
-        """This rank's blocks of the ``init store`` parameters ``params``, by name, from the
-        store's latest checkpoint (written on any mesh)."""
-        if not params:
-            return {}
-        self.phase("init store")
-        names = [p.name.lstrip("%") for p in params]
-        got = self.store.restore(self.plan.mesh, [(n, t) for n, t in self.targets if n in names])
-        if self.rank == 0:
-            shown = ", ".join(names) if len(names) <= 4 else f"{len(names)} parameters ({', '.join(names[:3])}, ...)"  # fmt: skip
-            say(f"{shown} from {got.path} (after step {got.step})")
-        return dict(got.values)
-
-    def resume(self, blocks: list[Any]) -> int:
-        """Replace ``blocks`` by the latest checkpoint's state that verifies; returns its
-        step."""
-        self.phase("resume")
-        got = self.store.restore(self.plan.mesh, self.targets, fallback=True)
-        if self.rank == 0:
-            for why in got.skipped:
-                say(f"resume: skipped {why}")
-        check_resumable(got, self.module_hash, self.steps)
-        blocks[:] = [got.values[name] for name, _ in self.targets]
-        if self.rank == 0:
-            say(f"resumed from {got.path} (after step {got.step})")
-        return got.step
-
-    def save(self, done: int, blocks: list[Any], *, sync: bool = False) -> str:
-        """Save the state after step ``done``: in the background with ``--checkpoint-async``
-        (unless ``sync``), else now; returns the checkpoint's path."""
-        from dtm_mpi.io.ckpt_plan import TensorSpec
+    def _write(self, done: int, mesh: Any, items: list[tuple[Any, np.ndarray | None]], sync: bool) -> str:  # fmt: skip
+        """Write ``items`` as the checkpoint after step ``done`` (after :meth:`finish_pending`);
+        returns its path."""
         from dtm_mpi.io.store import committed_name
 
-        self.finish_pending()
-        self.phase(f"checkpoint {done}")
-        items = [
-            (TensorSpec(name, t), self.backend.to_host(blocks[i]))
-            for i, (name, t) in enumerate(self.targets)
-        ]  # device state is copied to the host first (the store writes host memory)
-        if self.background and not sync:  # snapshot and hashes now, the writing overlaps
-            # The runtime never writes a value in place (a step makes new arrays, and the
-            # comm layer reuses a buffer only when nobody else holds it), so the snapshot
-            # keeps references; a loader's arrays are the caller's, and copied.
-            items = [(spec, np.array(a, copy=True) if spec.name in self.fed else a) for spec, a in items]  # fmt: skip
-            self.pending = self.store.save_async(done, self.plan.mesh, items, module_hash=self.module_hash, copy=False)  # fmt: skip
+        assert self.store is not None
+        if self.policy.background and not sync:  # snapshot and hashes now, the writing overlaps
+            self.pending = self.store.save_async(done, mesh, items, module_hash=self.module_hash, copy=False)  # fmt: skip
             return str(self.store.path / committed_name(done))
-        path = self.store.save(done, self.plan.mesh, items, module_hash=self.module_hash)
-        if self.rank == 0:
+        path = self.store.save(done, mesh, items, module_hash=self.module_hash)
+        if self.speak:
             say(f"checkpoint {path} (after step {done})")
         return str(path)
 
@@ -149,8 +107,71 @@ class StoreCheckpoints:
         handle, self.pending = self.pending, None
         self.phase(f"checkpoint {handle.step}")
         path = handle.wait()
-        if self.rank == 0:
+        if self.speak:
             say(f"checkpoint {path} (after step {handle.step}, written in the background)")
+
+
+def _nowhere(text: str) -> None:
+    """A phase nobody reads (the simulator's ranks name none)."""
+
+
+class StoreCheckpoints(_Saves):
+    """Under MPI: the run's state saved to and resumed from ``policy``'s store, every rank
+    writing its blocks (collective methods); ``phase(text)`` names where the rank is."""
+
+    def __init__(self, comm: Any, plan: ExecPlan, policy: CheckpointPolicy, rank: int, backend: ArrayBackend, *, steps: int, fed: Sequence[str], phase: Callable[[str], None]) -> None:  # fmt: skip
+        from dtm_mpi.comm import handles
+        from dtm_mpi.ir.hashing import module_hash
+
+        phase("checkpoint store")
+        self.comm = handles.dup(comm)
+        super().__init__(policy, open_store(policy, self.comm), module_hash(plan.module), speak=rank == 0, phase=phase)  # fmt: skip
+        self.plan, self.rank, self.backend = plan, rank, backend
+        self.targets = _targets(plan.module)
+        self.steps = steps
+        self.fed = frozenset(fed)
+
+    def read_init_store(self, params: Sequence[Param]) -> dict[str, np.ndarray]:
+        """This rank's blocks of the ``init store`` parameters ``params``, by name, from the
+        store's latest checkpoint (written on any mesh)."""
+        if not params:
+            return {}
+        self.phase("init store")
+        names = [p.name.lstrip("%") for p in params]
+        assert self.store is not None
+        got = self.store.restore(self.plan.mesh, [(n, t) for n, t in self.targets if n in names])
+        if self.speak:
+            shown = ", ".join(names) if len(names) <= 4 else f"{len(names)} parameters ({', '.join(names[:3])}, ...)"  # fmt: skip
+            say(f"{shown} from {got.path} (after step {got.step})")
+        return dict(got.values)
+
+    def resume(self, blocks: list[Any]) -> int:
+        """Replace ``blocks`` by the latest checkpoint's state that verifies; returns its
+        step."""
+        self.phase("resume")
+        assert self.store is not None
+        got = self.store.restore(self.plan.mesh, self.targets, fallback=True)
+        _resumed(got, self.module_hash, self.steps, speak=self.speak)
+        blocks[:] = [got.values[name] for name, _ in self.targets]
+        return got.step
+
+    def save(self, done: int, blocks: list[Any], *, sync: bool = False) -> str:
+        """Save the state after step ``done``: in the background with ``--checkpoint-async``
+        (unless ``sync``), else now; returns the checkpoint's path."""
+        from dtm_mpi.io.ckpt_plan import TensorSpec
+
+        self.finish_pending()
+        self.phase(f"checkpoint {done}")
+        items: list[tuple[Any, np.ndarray | None]] = [
+            (TensorSpec(name, t), self.backend.to_host(blocks[i]))
+            for i, (name, t) in enumerate(self.targets)
+        ]  # device state is copied to the host first (the store writes host memory)
+        if self.policy.background and not sync:
+            # The runtime never writes a value in place (a step makes new arrays, and the
+            # comm layer reuses a buffer only when nobody else holds it), so the snapshot
+            # keeps references; a loader's arrays are the caller's, and copied.
+            items = [(spec, np.array(a, copy=True) if spec.name in self.fed else a) for spec, a in items]  # fmt: skip
+        return self._write(done, self.plan.mesh, items, sync)
 
     def close(self) -> None:
         from dtm_mpi.comm import handles
@@ -159,6 +180,7 @@ class StoreCheckpoints:
             self.finish_pending()
         finally:
             try:
+                assert self.store is not None
                 self.store.close()
             finally:
                 handles.free(self.comm)
@@ -182,53 +204,34 @@ def restore_globals(policy: CheckpointPolicy, module: Module, steps: int) -> tup
         got = store.restore(_one_rank_mesh(module), _targets(module), fallback=True)
     finally:
         store.close()
-    check_resumable(got, module_hash(module), steps)
-    _say_resumed(got)
+    _resumed(got, module_hash(module), steps, speak=True)
     return dict(got.values), got.step
 
 
-class GatheredCheckpoints:
+class GatheredCheckpoints(_Saves):
     """On simulated ranks: each save gathers every rank's blocks to rank 0 through ``comm``
     (the communication interface), and rank 0 writes the global values into ``store`` (this
     process's, opened on ``MPI_COMM_SELF``; None on the other ranks) as a one-rank
-    checkpoint -- synchronously, or in the background with ``background``."""
+    checkpoint, when and how ``policy`` says."""
 
-    def __init__(self, comm: Comm, plan: ExecPlan, store: CheckpointStore | None, backend: ArrayBackend, *, background: bool = False, fed: Sequence[str] = ()) -> None:  # fmt: skip
+    def __init__(self, comm: Comm, plan: ExecPlan, policy: CheckpointPolicy, store: CheckpointStore | None, backend: ArrayBackend) -> None:  # fmt: skip
         from dtm_mpi.ir.hashing import module_hash
 
-        self.comm, self.plan, self.store, self.backend = comm, plan, store, backend
-        self.background = background
-        self.targets = _targets(plan)
+        super().__init__(policy, store, module_hash(plan.module), speak=store is not None, phase=_nowhere)  # fmt: skip
+        self.comm, self.backend = comm, backend
+        self.targets = _targets(plan.module)
         self.mesh = _one_rank_mesh(plan.module)
-        self.module_hash = module_hash(plan.module)
-        self.fed = frozenset(fed)
-        self.pending: Any = None  # rank 0: the save writing in the background (SaveHandle)
 
     def save(self, done: int, blocks: list[Any], *, sync: bool = False) -> str:
         """Save the state after step ``done`` (collective over the simulated ranks); returns
-        the checkpoint's path (on every rank)."""
+        the checkpoint's path (rank 0; the others its name)."""
         from dtm_mpi.io.ckpt_plan import TensorSpec
         from dtm_mpi.io.store import committed_name
         from dtm_mpi.runtime.executor import gather_to_root
 
         values = [gather_to_root(t, self.backend.to_host(b), self.comm) for (_, t), b in zip(self.targets, blocks, strict=True)]  # fmt: skip
-        self.comm.flush()
-        name = committed_name(done)
         if self.store is None:  # not rank 0: rank 0 writes (its failure stops every rank)
-            return name
-        items = [(TensorSpec(n, t), v) for (n, t), v in zip(self.targets, values, strict=True)]
+            return committed_name(done)
         self.finish_pending()
-        if self.background and not sync:  # (the gathered values are new arrays: no copy)
-            self.pending = self.store.save_async(done, self.mesh, items, module_hash=self.module_hash, copy=False)  # fmt: skip
-            return str(self.store.path / name)
-        path = self.store.save(done, self.mesh, items, module_hash=self.module_hash)
-        say(f"checkpoint {path} (after step {done})")
-        return str(path)
-
-    def finish_pending(self) -> None:
-        """Rank 0: wait for the background save (its error raised), and report it."""
-        if self.pending is None:
-            return
-        handle, self.pending = self.pending, None
-        path = handle.wait()
-        say(f"checkpoint {path} (after step {handle.step}, written in the background)")
+        items: list[tuple[Any, np.ndarray | None]] = [(TensorSpec(n, t), v) for (n, t), v in zip(self.targets, values, strict=True)]  # fmt: skip
+        return self._write(done, self.mesh, items, sync)  # (gathered arrays are new: no copy)

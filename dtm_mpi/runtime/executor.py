@@ -44,14 +44,23 @@ from dtm_mpi.runtime.instructions import (
     Instr,
     Resolution,
     Sched,
+    buckets_starting,
     fused_frees,
+    hold_bucket_operands,
     resolve_pending,
     without_resolved,
 )
 from dtm_mpi.sharding import collectives
 from dtm_mpi.sharding.blocks import block_owners, local_offsets, local_shape
 from dtm_mpi.sharding.redistribute import RedistPlan, plan_redistribute
-from dtm_mpi.sharding.steps import STEP_KINDS, AllreduceSpec, StepKind, StepRule, StepSpec
+from dtm_mpi.sharding.steps import (
+    STEP_KINDS,
+    AllreduceSpec,
+    StepKind,
+    StepRule,
+    StepSpec,
+    allreduce_spec,
+)
 
 __all__ = ["STEP_RUNNERS", "Executor", "gather_to_root", "run_redistribution"]
 
@@ -290,41 +299,33 @@ class Executor:
             return got
         res = resolve_pending(fp, fp.buckets) if self.deterministic else None
         groups = self._groups(fp, res)
-        frees_of = fused_frees(fp, groups) if groups else [p.frees for p in fp.ops]
         roots = {g.root: g for g in groups}
         skipped = {m for g in groups for m in g.members if m != g.root}
-        members = {m for b in fp.buckets for m in b.members}
-        scheds = self._scheds(fp, frees_of, skipped | members, res)
-        frees_of = self._held(fp, frees_of)
-        checked: list[Instr] = []
-        trusted: list[Instr] = []
+        skipped.update(m for b in fp.buckets for m in b.members)
+        frees_of, drops = hold_bucket_operands(fp, fused_frees(fp, groups) if groups else [p.frees for p in fp.ops])  # fmt: skip
+        scheds = self._scheds(fp, drops, skipped, res)
+        program: list[tuple[Instr, BoundKernel | None]] = []  # each with its first run's check
         for i, p in enumerate(fp.ops):
             if self.faults:  # DTM_FAULT: the op's fault point first
-                fault = (p, (), (), (), functools.partial(_fault_at, self.rank, p.op.name), None)
-                checked.append(fault)
-                trusted.append(fault)
+                program.append(((p, (), (), (), functools.partial(_fault_at, self.rank, p.op.name), None), None))  # fmt: skip
             sched = scheds.get(i)
-            if i in skipped or i in members:
+            if i in skipped:
                 assert sched is not None and sched.skip
-                skip = (p, (), (), frees_of[i], _never, sched)
-                checked.append(skip)
-                trusted.append(skip)
+                program.append(((p, (), (), frees_of[i], _never, sched), None))
                 continue
             for name in res.plain_before.get(i, ()) if res is not None else ():
                 plain = self._plain(p, name, self._type_of(fp, name), sched)
                 if plain is not None:
-                    checked.append(plain)
-                    trusted.append(plain)
+                    program.append((plain, None))
                     sched = None  # (given to the first instruction of the op)
             operands, call, check = self._bind(fp, i, p, roots.get(i), res)
-            checked.append((p, operands, p.op.results, frees_of[i], check or call, sched))
-            trusted.append((p, operands, p.op.results, frees_of[i], call, sched))
+            program.append(((p, operands, p.op.results, frees_of[i], call, sched), check))
         for name in res.plain_at_return if res is not None else ():
             plain = self._plain(fp.ops[-1], name, self._type_of(fp, name), None)
             if plain is not None:
-                checked.append(plain)
-                trusted.append(plain)
-        self._unchecked[id(fp)] = trusted
+                program.append((plain, None))
+        self._unchecked[id(fp)] = [ins for ins, _ in program]
+        checked = [ins if check is None else (*ins[:4], check, ins[5]) for ins, check in program]
         self._programs[id(fp)] = checked
         return checked
 
@@ -339,40 +340,25 @@ class Executor:
             groups = [g for g in groups if chunkable(fp, g, math.prod(self.local_shape(fp.ops[g.root].op.result_types[0])))]  # fmt: skip
         return without_resolved(groups, fp, res) if res is not None else list(groups)
 
-    def _scheds(self, fp: FunctionPlan, frees_of: Sequence[tuple[str, ...]], skipped: set[int], res: Resolution | None) -> dict[int, Sched]:  # fmt: skip
-        """Per op: the buckets completed and started before it, and whether it is skipped."""
-        starts: dict[int, list[Bucket]] = {}
+    def _scheds(self, fp: FunctionPlan, drops: dict[Bucket, tuple[str, ...]], skipped: set[int], res: Resolution | None) -> dict[int, Sched]:  # fmt: skip
+        """Per op: the buckets completed and started before it (``drops``: what each drops
+        once packed; where this rank packs ``-0.0``), and whether it is skipped."""
+        starts = buckets_starting(fp.buckets)
         finishes: dict[int, list[Bucket]] = {}
         for b in fp.buckets:
-            starts.setdefault(b.start, []).append(b)
             finishes.setdefault(b.finish, []).append(b)
         out: dict[int, Sched] = {}
-        for i in range(len(fp.ops)):
-            if i not in starts and i not in finishes and i not in skipped:
-                continue
+        for i in sorted(set(starts) | set(finishes) | skipped):
             begun = []
             for b in starts.get(i, ()):
-                names = {fp.ops[m].op.operands[0] for m in b.members}
-                # an operand freed before the bucket starts is held, and dropped once packed
-                drops = tuple(sorted({n for j in range(b.start) for n in frees_of[j] if n in names}))  # fmt: skip
                 resolved = res.bucket_resolved.get(b) if res is not None else None
                 zeroed = tuple(
                     bool(resolved and resolved[k]) and not self._first(self._type_of(fp, fp.ops[m].op.operands[0]))
                     for k, m in enumerate(b.members)
                 )  # fmt: skip
-                begun.append(BucketStart(b, drops, zeroed))
+                begun.append(BucketStart(b, drops[b], zeroed))
             out[i] = Sched(tuple(finishes.get(i, ())), tuple(begun), i in skipped)
         return out
-
-    def _held(self, fp: FunctionPlan, frees_of: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
-        """``frees_of`` without the bucket members' operands before their bucket starts (a
-        member's operand stays until its bucket has packed it)."""
-        held: dict[int, set[str]] = {}
-        for b in fp.buckets:
-            names = {fp.ops[m].op.operands[0] for m in b.members}
-            for j in range(b.start):
-                held.setdefault(j, set()).update(names)
-        return [tuple(n for n in frees if n not in held[j]) if j in held else frees for j, frees in enumerate(frees_of)]  # fmt: skip
 
     def _bind(self, fp: FunctionPlan, i: int, p: PlanOp, group: FusedGroup | None, res: Resolution | None) -> tuple[tuple[str, ...], BoundKernel, BoundKernel | None]:  # fmt: skip
         """Op ``i``'s operand names, its call, and the call checking its results' shapes on
@@ -466,10 +452,7 @@ class Executor:
         key = (axes, op, count)
         got = self._allreduce_specs.get(key)
         if got is None:
-            group = self.mesh.group_of(self.rank, axes)
-            got = self._allreduce_specs[key] = AllreduceSpec(
-                group, group.index(self.rank), op, count
-            )
+            got = self._allreduce_specs[key] = allreduce_spec(self.mesh, self.rank, axes, op, count)
         return got
 
     def _checked(self, p: PlanOp, call: BoundKernel, wants: tuple[tuple[int, ...], ...], xs: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:  # fmt: skip
@@ -524,11 +507,7 @@ class Executor:
             return (self.backend.zeros(shape, dtype),)
         if kind is OpKind.CALL:
             callee = self.plan.function(str(op.attr("callee")))
-            step = self._step
-            try:
-                return self.run_function(callee, list(xs), step)
-            finally:
-                self._step = step
+            return self.run_function(callee, list(xs), self._step)
         raise CommError(f"unknown plan op kind {kind}")  # pragma: no cover
 
 

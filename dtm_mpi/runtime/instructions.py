@@ -14,8 +14,9 @@ second loop:
   pending sum back into its plain form is an instruction of its own;
 * an injected fault (``DTM_FAULT``) is an instruction before its op.
 
-This module holds the pure parts: :func:`fused_frees` and :func:`resolve_pending` are functions
-of the plan and the mesh alone, the same on every rank.
+This module holds the pure parts: :func:`fused_frees`, :func:`hold_bucket_operands` and
+:func:`resolve_pending` are functions of the plan alone, the same on every rank (what differs
+by rank -- the bound calls, who holds ``-0.0`` -- is the executor's).
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ __all__ = [
     "Instr",
     "Resolution",
     "Sched",
+    "buckets_starting",
     "fused_frees",
+    "hold_bucket_operands",
     "resolve_pending",
     "without_resolved",
 ]
@@ -89,6 +92,29 @@ def fused_frees(fp: FunctionPlan, groups: Sequence[FusedGroup]) -> list[tuple[st
     return [tuple(dict.fromkeys(frees[i])) for i in range(len(fp.ops))]
 
 
+def buckets_starting(buckets: Sequence[Bucket]) -> dict[int, list[Bucket]]:
+    """``buckets`` by the op before which each starts."""
+    out: dict[int, list[Bucket]] = {}
+    for b in buckets:
+        out.setdefault(b.start, []).append(b)
+    return out
+
+
+def hold_bucket_operands(fp: FunctionPlan, frees_of: Sequence[tuple[str, ...]]) -> tuple[list[tuple[str, ...]], dict[Bucket, tuple[str, ...]]]:  # fmt: skip
+    """Each op's frees (``frees_of``) when ``fp``'s buckets overlap: a member's operand stays
+    until its bucket has packed it (no op before the bucket's start frees it); and per bucket
+    the operands it drops once packed (those an op before its start would have freed)."""
+    held: dict[int, set[str]] = {}
+    drops: dict[Bucket, tuple[str, ...]] = {}
+    for b in fp.buckets:
+        names = {fp.ops[m].op.operands[0] for m in b.members}
+        drops[b] = tuple(sorted({n for j in range(b.start) for n in frees_of[j] if n in names}))
+        for j in range(b.start):
+            held.setdefault(j, set()).update(names)
+    frees = [tuple(n for n in f if n not in held[j]) if j in held else f for j, f in enumerate(frees_of)]  # fmt: skip
+    return frees, drops
+
+
 @dataclass(frozen=True, slots=True)
 class Resolution:
     """Where deterministic mode's exact sums keep pending sums *resolved* (whole on every rank
@@ -129,11 +155,8 @@ def resolve_pending(fp: FunctionPlan, buckets: Sequence[Bucket]) -> Resolution:
     """The :class:`Resolution` of ``fp`` in deterministic mode, its ``buckets`` overlapped.
 
     Pure: the same on every rank (which rank packs or holds ``-0.0`` is the executor's)."""
-    starts: dict[int, list[Bucket]] = {}
-    members: set[int] = set()
-    for b in buckets:
-        starts.setdefault(b.start, []).append(b)
-        members.update(b.members)
+    starts = buckets_starting(buckets)
+    members = {m for b in buckets for m in b.members}
     resolved: set[str] = set()
     ever: set[str] = set()
     exact: set[int] = set()

@@ -18,6 +18,7 @@ survives).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -505,7 +506,7 @@ class _SessionPolicies:
         self.live, self.presence, self.resize_file = live, presence, resize_file
 
     def phase(self, text: str) -> None:
-        self.live.session.phase = text
+        _set_phase(self.live, text)
 
     def agree(self, step: int, flags: int) -> int:
         return int(self.live.session.agree(f"step {step}", None, flag=flags))
@@ -522,16 +523,13 @@ def _step_loop(
 ) -> StepLoop:
     """The step loop of ``args`` on the current session, with its MPI policies."""
     from dtm_mpi.runtime.executor import Executor
-    from dtm_mpi.runtime.step_loop import Feed, StepLoop
+    from dtm_mpi.runtime.step_loop import Feed
 
     policies = _SessionPolicies(live, presence, args.resize_file if live.rank == 0 else None)
-    policy = args.checkpoint
     return StepLoop(
         Executor(live.plan, live.dcomm, backend), args.steps,
         feed=Feed(live.plan, live.rank, args.hooks, backend.to_device, backend.to_host) if args.hooks is not None else None,
         commit=policies, checkpoints=live.ckpt,
-        checkpoint_every=policy.every if policy is not None else None,
-        save_final=policy is not None and policy.save_final,
         stop=policies if presence is not None else None,
         resize_at=args.resize_at,
         resize_requested=policies.resize_requested if args.resize_file and live.rank == 0 else None,
@@ -545,8 +543,13 @@ def _checkpoints(live: _Live, args: MpiRunArgs, backend: Any) -> Any:
         return None
     from dtm_mpi.runtime.checkpoints import StoreCheckpoints
 
-    phase = _SessionPolicies(live, None, None).phase
+    phase = functools.partial(_set_phase, live)
     return StoreCheckpoints(live.session.comm, live.plan, args.checkpoint, live.rank, backend, steps=args.steps, fed=args.fed, phase=phase)  # fmt: skip
+
+
+def _set_phase(live: _Live, text: str) -> None:
+    """Where this rank is, on the run's current session (for the agreed error of a failure)."""
+    live.session.phase = text
 
 
 def _resize(live: _Live, module: Any, args: MpiRunArgs, backend: Any, step: int, binding: dict[str, int], blocks: list[Any]) -> list[Any] | None:  # fmt: skip

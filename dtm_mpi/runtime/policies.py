@@ -10,15 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dtm_mpi.errors import UsageError, agreed
+from dtm_mpi.errors import agreed_usage
 
 __all__ = ["CheckpointPolicy", "checkpoint_policy"]
-
-
-def _usage(message: str) -> UsageError:
-    err = agreed(UsageError(message))
-    assert isinstance(err, UsageError)
-    return err
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,16 +33,22 @@ class CheckpointPolicy:
 
     def __post_init__(self) -> None:
         if self.every is not None and self.every < 1:
-            raise _usage(f"--checkpoint-every must be >= 1; got {self.every}")
+            raise agreed_usage(f"--checkpoint-every must be >= 1; got {self.every}")
         if self.keep_last is not None and self.keep_last < 1:
-            raise _usage(f"--keep-last must be >= 1; got {self.keep_last}")
+            raise agreed_usage(f"--keep-last must be >= 1; got {self.keep_last}")
         if self.quota is not None and self.quota < 1:
-            raise _usage(f"--quota must be >= 1 byte; got {self.quota}")
+            raise agreed_usage(f"--quota must be >= 1 byte; got {self.quota}")
 
     @property
     def saves(self) -> bool:
-        """Whether the run saves its state (every N steps; a stop on a signal saves anyway)."""
-        return self.every is not None or self.resume or self.background
+        """Whether the run saves its state every N steps (a stop on a signal saves anyway)."""
+        return self.every is not None
+
+    def due(self, done: int, steps: int) -> bool:
+        """Whether the state after step ``done`` (of ``steps``) is saved: every ``every``
+        steps, and after the last with ``save_final``."""
+        every = self.every
+        return every is not None and (done % every == 0 or (done == steps and self.save_final))
 
 
 def checkpoint_policy(
@@ -61,7 +61,7 @@ def checkpoint_policy(
     if store:
         return CheckpointPolicy(store, every, resume, background, keep_last, quota, save_final)
     if every is not None or resume:
-        raise _usage("--checkpoint-every and --resume need --store DIR")
+        raise agreed_usage("--checkpoint-every and --resume need --store DIR")
     if background or keep_last is not None or quota is not None:
-        raise _usage("--checkpoint-async, --keep-last and --quota need --store DIR")
+        raise agreed_usage("--checkpoint-async, --keep-last and --quota need --store DIR")
     return None

@@ -33,6 +33,7 @@ from dtm_mpi.errors import (
     RemoteFailureError,
     UsageError,
     agreed,
+    agreed_usage,
 )
 from dtm_mpi.kernels.backends import BACKEND_NAMES
 from dtm_mpi.runtime.policies import CheckpointPolicy
@@ -51,13 +52,6 @@ __all__ = [
 ]  # fmt: skip
 
 BACKENDS = BACKEND_NAMES
-
-
-def _usage(message: str) -> UsageError:
-    """An error decided from the command line alone: the same on every rank."""
-    err = agreed(UsageError(message))
-    assert isinstance(err, UsageError)
-    return err
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,43 +96,47 @@ class RunRequest:
 
     def __post_init__(self) -> None:
         if self.steps < 1:
-            raise _usage(f"--steps must be >= 1; got {self.steps}")
+            raise agreed_usage(f"--steps must be >= 1; got {self.steps}")
         if self.backend not in BACKENDS:
-            raise _usage(f"--backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
+            raise agreed_usage(
+                f"--backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}"
+            )
         if self.log_every is not None and self.log_every < 1:
-            raise _usage(f"--log-every must be >= 1; got {self.log_every}")
+            raise agreed_usage(f"--log-every must be >= 1; got {self.log_every}")
         self._check_resizes()
         if self.resume and self.inputs:
-            raise _usage("--resume takes the state from the checkpoint; do not give -i inputs")
+            raise agreed_usage(
+                "--resume takes the state from the checkpoint; do not give -i inputs"
+            )
         if self.backend == "numpy" and (self.require_gpu_aware or self.gpu_aware):
-            raise _usage("--gpu-aware-mpi and --require-gpu-aware-mpi need --backend cuda or hip")  # fmt: skip
+            raise agreed_usage("--gpu-aware-mpi and --require-gpu-aware-mpi need --backend cuda or hip")  # fmt: skip
         if self.sim is None:
             return
         if self.sim < 1:
-            raise _usage(f"--sim needs at least 1 rank; got {self.sim}")
+            raise agreed_usage(f"--sim needs at least 1 rank; got {self.sim}")
         if self.backend != "numpy":
-            raise _usage(
+            raise agreed_usage(
                 f"the simulator (--sim) runs the numpy backend only; run --backend "
                 f"{self.backend} under mpirun/srun (one rank per GPU)"
             )
         if self.resize_at or self.resize_file:
-            raise _usage("--resize-at and --resize-file need the MPI runtime (run under mpirun/srun, without --sim)")  # fmt: skip
+            raise agreed_usage("--resize-at and --resize-file need the MPI runtime (run under mpirun/srun, without --sim)")  # fmt: skip
 
     def _check_resizes(self) -> None:
         last = 0
         for step, binding in self.resize_at:
             if step <= last or step >= self.steps:
-                raise _usage(f"--resize-at {step}: resizes come after steps 1 .. {self.steps - 1} (--steps {self.steps}), in increasing order")  # fmt: skip
+                raise agreed_usage(f"--resize-at {step}: resizes come after steps 1 .. {self.steps - 1} (--steps {self.steps}), in increasing order")  # fmt: skip
             self._check_axes(f"--resize-at {step}", binding)
             last = step
         if self.resize_file is not None:
             self._check_axes("--resize-file", self.binding or {})
         if (self.resize_at or self.resize_file) and self.module is not None:
-            raise _usage("a live resize spawns ranks running 'dtm run FILE': it needs a module file, not one built in Python")  # fmt: skip
+            raise agreed_usage("a live resize spawns ranks running 'dtm run FILE': it needs a module file, not one built in Python")  # fmt: skip
 
     def _check_axes(self, what: str, binding: dict[str, int]) -> None:
         if self.binding is None or set(binding) != set(self.binding):
-            raise _usage(f"{what}: give --mesh, and bind the same axes at every resize ({', '.join(sorted(self.binding or {})) or 'none'} in --mesh, {', '.join(sorted(binding)) or 'none'} here)")  # fmt: skip
+            raise agreed_usage(f"{what}: give --mesh, and bind the same axes at every resize ({', '.join(sorted(self.binding or {})) or 'none'} in --mesh, {', '.join(sorted(binding)) or 'none'} here)")  # fmt: skip
 
 
 def parse_join(text: str) -> tuple[int, dict[str, int], dict[str, int]]:
@@ -164,7 +162,7 @@ def parse_resize(text: str) -> tuple[int, dict[str, int]]:
 
     step, colon, mesh = text.partition(":")
     if not colon or not step.strip().isdigit():
-        raise _usage(f"--resize-at {text!r}: expected STEP:MESH, e.g. 4:dp=1,tp=3")
+        raise agreed_usage(f"--resize-at {text!r}: expected STEP:MESH, e.g. 4:dp=1,tp=3")
     return int(step), parse_mesh_binding(mesh)
 
 
@@ -268,7 +266,7 @@ def _check_paths(request: RunRequest) -> None:
         store = Path(request.store)
         if store.exists() and not store.is_dir():
             raise UsageError(f"--store {request.store} is not a directory")
-        saves = request.checkpoint is not None and request.checkpoint.every is not None
+        saves = request.checkpoint is not None and request.checkpoint.saves
         if not store.exists() and (request.resume or (not saves and request.sim is not None)):
             # (a new store takes the checkpoints; under MPI also the one of a stop on a signal)
             raise UsageError(f"--store {request.store}: no such checkpoint store")

@@ -95,13 +95,12 @@ def run_rank(
     args = initial_blocks(plan, comm.rank, inputs, fed=hooks.fed if hooks is not None else ())
     executor = Executor(plan, comm, backend, deterministic)
     history: list[tuple[np.ndarray, ...]] = []
-    saves = checkpoint is not None and checkpoint.every is not None
-    checkpoints = GatheredCheckpoints(comm, plan, store if comm.rank == 0 else None, executor.backend, background=checkpoint.background, fed=hooks.fed if hooks is not None else ()) if saves and checkpoint is not None else None  # fmt: skip
+    checkpoints = None
+    if checkpoint is not None and checkpoint.saves:
+        checkpoints = GatheredCheckpoints(comm, plan, checkpoint, store if comm.rank == 0 else None, executor.backend)  # fmt: skip
     loop = StepLoop(
         executor, steps, feed=Feed(plan, comm.rank, hooks) if hooks is not None else None,
-        checkpoints=checkpoints, checkpoint_every=checkpoint.every if checkpoint is not None else None,
-        save_final=checkpoint is not None and checkpoint.save_final,
-        history=history if hooks is None else None,
+        checkpoints=checkpoints, history=history if hooks is None else None,
         progress=Progress(log_every, steps) if log_every and comm.rank == 0 else None,
     )  # fmt: skip
     end = loop.run(args, first)
@@ -218,8 +217,7 @@ def run_simulated(
         given = check_inputs(module, inputs or {}, fed=hooks.fed if hooks is not None else ())
     mesh = mesh_for(module, nranks, binding)
     plan = compile_plan(module, mesh)
-    saves = checkpoint is not None and checkpoint.every is not None
-    store = open_store(checkpoint, self_comm()) if saves and checkpoint is not None else None
+    store = open_store(checkpoint, self_comm()) if checkpoint is not None and checkpoint.saves else None  # fmt: skip
     try:
         outcomes = run_ranks(
             mesh,

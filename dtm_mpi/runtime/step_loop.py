@@ -12,8 +12,8 @@ when not selected:
 * **commit agreement** (:class:`CommitAgreement`): every rank finished the step before its
   updates apply, and the flags any rank raised (:data:`STOP_FLAG`, :data:`RESIZE_FLAG`) are
   seen by all at the same step;
-* **checkpoints** (:class:`Checkpoints`, with :class:`~dtm_mpi.runtime.policies.CheckpointPolicy`):
-  the state saved after every N steps, after the last, or when the run stops;
+* **checkpoints** (:class:`Checkpoints`, with its :class:`~dtm_mpi.runtime.policies.CheckpointPolicy`):
+  the state saved when the policy says it is due, or when the run stops;
 * **stop on signal** (:class:`StopSignal`): a signal asks every rank to stop after the same
   step, the state saved (:class:`~dtm_mpi.errors.RunStopped`);
 * **live resize**: planned (``resize_at``) or requested (``resize_requested``) resizes end the
@@ -47,6 +47,7 @@ from dtm_mpi.sharding.blocks import local_block
 if TYPE_CHECKING:
     from dtm_mpi.plan.program import ExecPlan
     from dtm_mpi.runtime.executor import Executor
+    from dtm_mpi.runtime.policies import CheckpointPolicy
 
 __all__ = [
     "RESIZE_FLAG", "STOP_FLAG", "Checkpoints", "CommitAgreement", "Feed", "LoopEnd", "Progress",
@@ -141,7 +142,11 @@ class StopSignal(Protocol):
 
 
 class Checkpoints(Protocol):
-    """The checkpoint policy's store: saves the state after a step (collective)."""
+    """The checkpoint policy (``policy``: when) and its store: saves the state after a step
+    (collective)."""
+
+    @property
+    def policy(self) -> CheckpointPolicy: ...
 
     def save(self, done: int, blocks: list[Any], *, sync: bool = False) -> str: ...
 
@@ -166,9 +171,9 @@ class Progress:
 
 @dataclass(frozen=True, slots=True)
 class LoopEnd:
-    """How a loop ended: after step ``done`` (its count of steps run, the first included),
-    with the last step's ``results``; ``resize``: a resize asked after that step (the mesh
-    binding planned, or None: read the request)."""
+    """How a loop ended: after step ``done`` (the steps done so far, from step 0), with the
+    last step's ``results``; before the last step only for a resize: to the mesh binding
+    ``resize`` planned (``--resize-at``), or ``resize_requested`` (read the request)."""
 
     done: int
     results: tuple[Any, ...]
@@ -186,15 +191,14 @@ class StepLoop:
     feed: Feed | None = None
     commit: CommitAgreement | None = None
     checkpoints: Checkpoints | None = None
-    checkpoint_every: int | None = None
-    save_final: bool = False
     stop: StopSignal | None = None
     resize_at: Sequence[tuple[int, dict[str, int]]] = ()
     resize_requested: Callable[[], bool] | None = None
     progress: Progress | None = None
     phase: Callable[[str], None] | None = None
     history: list[tuple[Any, ...]] | None = None
-    updates: list[tuple[int, int]] = field(default_factory=list)
+    updates: list[tuple[int, int]] = field(init=False, default_factory=list)
+    """(result, parameter) index pairs: the state updates of a step (from the entry function)."""
 
     def __post_init__(self) -> None:
         entry = self.executor.plan.entry_plan.function
@@ -231,7 +235,8 @@ class StepLoop:
                 self.progress.step_done(step)
             if flags & STOP_FLAG and done < self.steps:  # (after the last step: just finish)
                 self._stopped(done, blocks)
-            self._checkpoint(done, blocks)
+            if self.checkpoints is not None and self.checkpoints.policy.due(done, self.steps):
+                self.checkpoints.save(done, blocks)
             if done < self.steps and (flags & RESIZE_FLAG or done in planned):
                 return LoopEnd(done, results, planned.get(done), bool(flags & RESIZE_FLAG))
         return LoopEnd(self.steps, results)
@@ -243,13 +248,6 @@ class StepLoop:
         if self.resize_requested is not None and self.resize_requested():
             asked |= RESIZE_FLAG  # (one rank reads the request: one answer, agreed)
         return self.commit.agree(step, asked)
-
-    def _checkpoint(self, done: int, blocks: list[Any]) -> None:
-        every = self.checkpoint_every
-        if self.checkpoints is None or not every:
-            return
-        if done % every == 0 or (done == self.steps and self.save_final):
-            self.checkpoints.save(done, blocks)
 
     def _stopped(self, done: int, blocks: list[Any]) -> None:
         path = self.checkpoints.save(done, blocks, sync=True) if self.checkpoints is not None else None  # fmt: skip

@@ -66,6 +66,7 @@ __all__ = [
     "Transfer",
     "allgather_traffic",
     "allreduce_moved_items",
+    "allreduce_spec",
     "block_bounds",
     "exchange_traffic",
     "rank_spec",
@@ -389,10 +390,15 @@ def _spec_make_partial(step: RedistStep, mesh: MeshShape, rank: int) -> MakePart
     )
 
 
+def allreduce_spec(mesh: MeshShape, rank: int, axes: tuple[str, ...], op: ReduceOp, count: int) -> AllreduceSpec:  # fmt: skip
+    """Rank ``rank``'s part in an ``op`` allreduce of ``count`` elements over ``axes``."""
+    group = mesh.group_of(rank, axes)
+    return AllreduceSpec(group, group.index(rank), op, count)
+
+
 def _spec_allreduce(step: RedistStep, mesh: MeshShape, rank: int) -> AllreduceSpec:
-    group = mesh.group_of(rank, step.axes)
     count = _numel([n for _, n in block_bounds(step.in_type, mesh, rank)])
-    return AllreduceSpec(group, group.index(rank), _op(step), count)
+    return allreduce_spec(mesh, rank, step.axes, _op(step), count)
 
 
 def _spec_allgather(step: RedistStep, mesh: MeshShape, rank: int) -> AllgatherSpec:
