@@ -102,6 +102,16 @@ def on_host(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     (``twins``) or the real launcher running the real kernel sources on the CPU emulator (the
     CUDA branch at warp size 32, ``emu-cuda-w32``; the HIP branch at 64, ``emu-hip-w64``);
     returns the launchers called."""
+    impls = TWINS
+    if request.param != "twins":
+        install(monkeypatch, EmuCupy.named(request.param, strict=False))
+        impls = {name: getattr(launch, name) for name in TWINS}
+    return launchers_on_host(monkeypatch, impls)
+
+
+def launchers_on_host(monkeypatch: pytest.MonkeyPatch, impls: dict[str, Any] = TWINS) -> list[str]:  # fmt: skip
+    """CuPy -> numpy for the backend's array code and every launcher -> ``impls`` (default:
+    its numpy twin), each call recorded; returns the launchers called."""
     called: list[str] = []
 
     def spy(name: str, fn: Any) -> Any:
@@ -112,10 +122,6 @@ def on_host(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
         return wrapped
 
     monkeypatch.setattr(cuda_backend, "_cp", lambda: np)
-    impls = TWINS
-    if request.param != "twins":
-        install(monkeypatch, EmuCupy.named(request.param, strict=False))
-        impls = {name: getattr(launch, name) for name in TWINS}
     for name, fn in impls.items():
         monkeypatch.setattr(launch, name, spy(name, fn))
     return called

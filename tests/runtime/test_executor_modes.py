@@ -12,12 +12,11 @@ import pytest
 from dtm_mpi.config import get_config
 from dtm_mpi.errors import DtmError
 from dtm_mpi.ir import parse_module, verify_module
-from dtm_mpi.kernels import cuda_backend, launch
 from dtm_mpi.kernels.backends import BackendKind
 from dtm_mpi.plan.program import compile_plan, mesh_for
 from dtm_mpi.runtime import chunked, executor
 from dtm_mpi.runtime.simulate import RunResult, run_simulated
-from tests.kernels.test_cuda_backend_on_host import TWINS, HostCuda
+from tests.kernels.test_cuda_backend_on_host import HostCuda, launchers_on_host
 from tests.runtime.test_sim_examples import load
 
 
@@ -38,16 +37,7 @@ def _fresh_config() -> Iterator[None]:
 def gpu_on_host(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The cuda backend's kernel table on host arrays, its launchers numpy twins; returns the
     launchers called."""
-    called: list[str] = []
-    monkeypatch.setattr(cuda_backend, "_cp", lambda: np)
-    for name, fn in TWINS.items():
-
-        def spy(*a: object, _name: str = name, _fn: object = fn, **k: object) -> object:
-            called.append(_name)
-            return _fn(*a, **k)  # type: ignore[operator]
-
-        monkeypatch.setattr(launch, name, spy)
-    return called
+    return launchers_on_host(monkeypatch)
 
 
 def _bits(got: RunResult, want: RunResult) -> None:
