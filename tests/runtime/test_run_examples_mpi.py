@@ -42,3 +42,26 @@ def test_dtm_run_of_an_example_equals_the_simulator(name: str, comm: Any, mpi_tm
     for key, value in want.items():
         same = got[key].dtype == value.dtype and got[key].shape == value.shape and got[key].tobytes() == value.tobytes()  # fmt: skip
         all_ranks(same, f"{key} differs from the simulator's")
+
+
+@pytest.mark.parametrize("name", ["tp_mlp", "dp_step"])
+def test_dtm_run_with_overlapped_buckets_in_deterministic_mode_equals_the_simulator(name: str, comm: Any, mpi_tmp_path: Path, all_ranks: Any, deterministic: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    from dtm_mpi.plan.program import compile_plan, mesh_for
+
+    monkeypatch.setenv("DTM_OVERLAP", "1")
+    monkeypatch.setenv("DTM_BUCKET_BYTES", str(1 << 20))
+    get_config.cache_clear()
+    module = load(name)
+    plan = compile_plan(module, mesh_for(module, comm.Get_size(), None))
+    all_ranks(bool(plan.entry_plan.buckets), "the plan overlaps no allreduce")
+    out = mpi_tmp_path / "out.npz"
+    code = run(["run", str(EXAMPLES / f"{name}.dtm"), "--steps", "2", "-o", str(out)])
+    text = capsys.readouterr()
+    all_ranks(code == 0, f"dtm run exited {code}: {text.err}")
+    comm.Barrier()
+    got = np.load(out)
+    monkeypatch.setenv("DTM_OVERLAP", "0")
+    get_config.cache_clear()
+    want = run_simulated(module, 1, steps=2, deterministic=True).outputs()
+    for key, value in want.items():
+        all_ranks(got[key].tobytes() == value.tobytes(), f"{key} differs from one rank's")
