@@ -9,7 +9,8 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from dtm_mpi.console import write_line
@@ -18,6 +19,7 @@ from dtm_mpi.errors import DtmError, UsageError
 __all__ = [
     "ENDING",
     "STOP_SIGNALS",
+    "StopRequests",
     "abort_job",
     "claim_ending",
     "end_on_term",
@@ -25,6 +27,7 @@ __all__ = [
     "mpi_world",
     "report",
     "run_or_abort",
+    "stop_signals_caught",
     "take_early_stop",
     "take_early_term",
 ]
@@ -112,6 +115,66 @@ EARLY_TERM_GRACE_S = 2.0
 """How long a kept signal waits for a presence to take it; then it ends the process as the
 signal would have (commands without a presence, e.g. ``dtm bench ckpt``, are not left
 running)."""
+
+
+DUPLICATE_S = 2.0
+"""A second stop signal this soon after the first is the same signal delivered twice (a
+scheduler signalling every task, and the launcher forwarding it too), not a second request."""
+
+
+class StopRequests:
+    """A command's stop requests (a stop signal, or a scheduler's SIGTERM taken as one): the
+    first asks it to stop at its next step boundary, agreed with every rank, and save
+    (:meth:`asked` is its signal); the same signal delivered twice is one request; a later one
+    ends this process now, without saving (a save in progress is never committed half-written:
+    the store keeps its last checkpoint). ``who`` starts the line that says so; ``phase`` (if
+    given) says where the command was."""
+
+    def __init__(self, who: str, phase: Callable[[], str] | None = None) -> None:
+        self.who, self.phase = who, phase
+        self.signal: int | None = None
+        self._at = 0.0
+
+    def asked(self) -> int | None:
+        return self.signal
+
+    def request(self, signum: int) -> None:
+        if self.signal is None:
+            self.signal, self._at = signum, time.monotonic()
+            return
+        if time.monotonic() - self._at < DUPLICATE_S:  # one signal delivered twice
+            return
+        claim_ending()
+        name = signal.Signals(signum).name
+        where = f" in phase {self.phase()}" if self.phase is not None else ""
+        write_line(f"{self.who}: a second stop signal ({name}){where}: ending now without saving; the store keeps its last committed checkpoint")  # fmt: skip
+        os._exit(128 + signum)
+
+
+@contextmanager
+def stop_signals_caught(who: str) -> Iterator[StopRequests | None]:
+    """In a process that runs every rank itself (the simulator): while the block runs, a stop
+    signal (:data:`STOP_SIGNALS`) or a SIGTERM (a scheduler's time limit or preemption) is a
+    stop request of the yielded :class:`StopRequests` (one kept while the command started
+    included); the previous handlers are restored after. Yields None off the main thread,
+    where no handler can be installed (the run then ends as the signal says)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield None
+        return
+    requests = StopRequests(who)
+
+    def handler(signum: int, frame: object) -> None:
+        requests.request(signum)
+
+    old = {sig: signal.signal(sig, handler) for sig in (*STOP_SIGNALS, signal.SIGTERM)}
+    early = take_early_stop()
+    if early is not None:  # asked for while the command started
+        requests.request(early)
+    try:
+        yield requests
+    finally:
+        for sig, was in old.items():
+            signal.signal(sig, was if was is not None else signal.SIG_DFL)
 
 
 def _early_term(signum: int, frame: object) -> None:

@@ -19,10 +19,9 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from typing import Any
 
-from dtm_mpi.comm.abort import STOP_SIGNALS, claim_ending, end_on_term
+from dtm_mpi.comm.abort import STOP_SIGNALS, StopRequests, claim_ending, end_on_term
 from dtm_mpi.comm.control import Control
 from dtm_mpi.console import write_line
 
@@ -84,11 +83,6 @@ def terminated_line(label: str, control: Control, signum: int, survey: Survey | 
     return f"{label}: {phase} failed: {what}; the launcher is ending the job (signal {signum})"
 
 
-DUPLICATE_S = 2.0
-"""A second stop signal this soon after the first is the same signal delivered twice (a
-scheduler signalling every task, and the launcher forwarding it too), not a second request."""
-
-
 class Presence:
     """Start on every rank at the start of a command (not collective); :meth:`stop` at its
     end. ``label`` starts this rank's error line (``dtm run``, ``dtm bench comm``)."""
@@ -104,8 +98,7 @@ class Presence:
         self.control.phase = "start"
         self.waiting: str = ""  # the agreement this rank waits in ("" = none)
         self._stop = threading.Event()
-        self.stop_signal: int | None = None  # a stop was asked for (the first such signal)
-        self._stop_at = 0.0
+        self.stops = StopRequests(f"[rank {self.rank}] {label}", lambda: self.phase)
         self.stoppable = False  # the command can stop at a step boundary and save (set by it)
         self._old_stop: dict[int, Any] = {}
         self._thread: threading.Thread | None = None
@@ -156,20 +149,15 @@ class Presence:
     def _on_stop_signal(self, signum: int, frame: object) -> None:
         self.request_stop(signum)
 
+    @property
+    def stop_signal(self) -> int | None:
+        """The signal that asked the command to stop (the first such), if any."""
+        return self.stops.signal
+
     def request_stop(self, signum: int) -> None:
         """A stop was asked for (``signum``): the command stops at its next step boundary,
-        agreed with every rank, and saves. A second request ends this rank now, without
-        saving (a save in progress is never committed half-written: the store keeps its
-        last checkpoint)."""
-        if self.stop_signal is None:
-            self.stop_signal, self._stop_at = signum, time.monotonic()
-            return
-        if time.monotonic() - self._stop_at < DUPLICATE_S:  # one signal delivered twice
-            return
-        claim_ending()
-        name = signal.Signals(signum).name
-        write_line(f"[rank {self.rank}] {self.label}: a second stop signal ({name}) in phase {self.phase}: ending now without saving; the store keeps its last committed checkpoint")  # fmt: skip
-        os._exit(128 + signum)
+        agreed with every rank, and saves (:class:`~dtm_mpi.comm.abort.StopRequests`)."""
+        self.stops.request(signum)
 
     def _sigterm(self, signum: int) -> None:
         """The launcher's (or a scheduler's) SIGTERM: a peer is gone (report it and end), or,

@@ -26,7 +26,10 @@ def launch(request: RunRequest) -> int:
 
 
 def _run_simulated(request: RunRequest) -> int:
+    from dtm_mpi.comm.abort import stop_signals_caught
     from dtm_mpi.config import get_config
+    from dtm_mpi.console import write_line
+    from dtm_mpi.errors import RunStopped
     from dtm_mpi.runtime.request import (
         deliver_outputs,
         given_inputs,
@@ -45,10 +48,15 @@ def _run_simulated(request: RunRequest) -> int:
     if missing:
         assert request.store is not None
         given.update(read_store_globals(request.store, module, missing))
-    result = run_simulated(
-        module, request.sim, binding=request.binding, inputs=given, steps=request.steps,
-        backend=request.backend, timeout_s=get_config().timeout_s, hooks=request.hooks,
-        checkpoint=request.checkpoint, log_every=request.log_every,
-    )  # fmt: skip
+    try:
+        with stop_signals_caught("dtm run") as stop:  # a signal: stop after a step, saved
+            result = run_simulated(
+                module, request.sim, binding=request.binding, inputs=given, steps=request.steps,
+                backend=request.backend, timeout_s=get_config().timeout_s, hooks=request.hooks,
+                checkpoint=request.checkpoint, log_every=request.log_every, stop=stop,
+            )  # fmt: skip
+    except RunStopped as stopped:  # every rank after the same step, the state saved
+        write_line(f"dtm run: {stopped}")
+        return int(stopped.code)  # type: ignore[arg-type]
     deliver_outputs(request, result.outputs())
     return 0

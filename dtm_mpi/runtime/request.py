@@ -266,9 +266,7 @@ def _check_paths(request: RunRequest) -> None:
         store = Path(request.store)
         if store.exists() and not store.is_dir():
             raise UsageError(f"--store {request.store} is not a directory")
-        saves = request.checkpoint is not None and request.checkpoint.saves
-        if not store.exists() and (request.resume or (not saves and request.sim is not None)):
-            # (a new store takes the checkpoints; under MPI also the one of a stop on a signal)
+        if not store.exists() and request.resume:  # (a new store takes the checkpoints)
             raise UsageError(f"--store {request.store}: no such checkpoint store")
 
 

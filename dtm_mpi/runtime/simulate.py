@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 
 from dtm_mpi.comm.interface import Comm, CommStats
-from dtm_mpi.errors import UsageError
+from dtm_mpi.errors import RunStopped, UsageError
 from dtm_mpi.ir.dtypes import np_dtype
 from dtm_mpi.ir.nodes import Function, Module
 from dtm_mpi.ir.types import Layout, TensorType
 from dtm_mpi.kernels.devices import ArrayBackend
 from dtm_mpi.plan.program import ExecPlan, compile_plan, mesh_for
 from dtm_mpi.runtime.executor import Executor
-from dtm_mpi.runtime.step_loop import Feed, Progress, RunHooks, StepLoop
+from dtm_mpi.runtime.step_loop import CommCommit, Feed, Progress, RunHooks, StepLoop, StopSignal
 from dtm_mpi.runtime.values import check_inputs, init_block
 from dtm_mpi.sharding.blocks import local_block, local_offsets, local_shape
 from dtm_mpi.sharding.collectives import apply_plan
@@ -49,6 +49,8 @@ class RankOutcome:
     params: tuple[np.ndarray, ...]
     results: list[tuple[np.ndarray, ...]]
     stats: CommStats
+    stopped: RunStopped | None = None
+    """The stop every rank agreed on after the same step (its state saved), if one was asked."""
 
 
 @dataclass(slots=True)
@@ -80,6 +82,7 @@ def run_rank(
     checkpoint: CheckpointPolicy | None = None,
     store: CheckpointStore | None = None,
     log_every: int | None = None,
+    stop: StopSignal | None = None,
 ) -> RankOutcome:
     """Run steps ``first`` .. ``steps - 1`` of the entry function on this rank (the step loop,
     :class:`~dtm_mpi.runtime.step_loop.StepLoop`). ``inputs``: global arrays of (some) entry
@@ -87,7 +90,9 @@ def run_rank(
     metrics reported after each step; ``deterministic``: the exact sums of deterministic mode
     (default: ``DTM_DETERMINISTIC``); ``checkpoint``: its saves gathered to rank 0, which
     writes them into ``store`` (:class:`~dtm_mpi.runtime.checkpoints.GatheredCheckpoints`);
-    ``log_every``: rank 0's progress line every N steps.
+    ``log_every``: rank 0's progress line every N steps; ``stop``: a stop request (a signal) ends
+    the run after the step every rank agrees on (:class:`~dtm_mpi.runtime.step_loop.CommCommit`),
+    the state saved (the outcome's ``stopped``).
 
     Collective: call on all ranks."""
     from dtm_mpi.runtime.checkpoints import GatheredCheckpoints
@@ -96,16 +101,21 @@ def run_rank(
     executor = Executor(plan, comm, backend, deterministic)
     history: list[tuple[np.ndarray, ...]] = []
     checkpoints = None
-    if checkpoint is not None and checkpoint.saves:
+    if checkpoint is not None and (checkpoint.saves or stop is not None):  # (a stop saves)
         checkpoints = GatheredCheckpoints(comm, plan, checkpoint, store if comm.rank == 0 else None, executor.backend)  # fmt: skip
     loop = StepLoop(
         executor, steps, feed=Feed(plan, comm.rank, hooks) if hooks is not None else None,
-        checkpoints=checkpoints, history=history if hooks is None else None,
+        commit=CommCommit(comm) if stop is not None else None, checkpoints=checkpoints,
+        stop=stop, history=history if hooks is None else None,
         progress=Progress(log_every, steps) if log_every and comm.rank == 0 else None,
     )  # fmt: skip
-    end = loop.run(args, first)
-    if checkpoints is not None:
-        checkpoints.finish_pending()
+    try:
+        end = loop.run(args, first)
+    except RunStopped as stopped:  # every rank after the same step, the state saved
+        return RankOutcome(tuple(args), [], comm.stats, stopped)
+    finally:
+        if checkpoints is not None:
+            checkpoints.finish_pending()
     if hooks is not None or not history:  # a training loop: keep the last step's results only
         history = [end.results]
     return RankOutcome(tuple(args), history, comm.stats)
@@ -198,10 +208,13 @@ def run_simulated(
     deterministic: bool | None = None,
     checkpoint: CheckpointPolicy | None = None,
     log_every: int | None = None,
+    stop: StopSignal | None = None,
 ) -> RunResult:
     """Run a *verified* module on ``nranks`` simulated ranks and return global values
-    (``deterministic``, ``checkpoint``, ``log_every``: as :func:`run_rank`; with ``checkpoint.resume`` the
-    run starts from the newest checkpoint of its store that verifies, written on any mesh)."""
+    (``deterministic``, ``checkpoint``, ``log_every``, ``stop``: as :func:`run_rank`; with
+    ``checkpoint.resume`` the run starts from the newest checkpoint of its store that
+    verifies, written on any mesh). Raises :class:`~dtm_mpi.errors.RunStopped` when a stop
+    was agreed (rank 0's: it names the saved checkpoint)."""
     from dtm_mpi.comm.handles import self_comm
     from dtm_mpi.comm.sim import run_ranks
     from dtm_mpi.runtime.checkpoints import open_store, restore_globals
@@ -217,20 +230,23 @@ def run_simulated(
         given = check_inputs(module, inputs or {}, fed=hooks.fed if hooks is not None else ())
     mesh = mesh_for(module, nranks, binding)
     plan = compile_plan(module, mesh)
-    store = open_store(checkpoint, self_comm()) if checkpoint is not None and checkpoint.saves else None  # fmt: skip
+    saves = checkpoint is not None and (checkpoint.saves or stop is not None)  # (a stop saves)
+    store = open_store(checkpoint, self_comm()) if checkpoint is not None and saves else None
     try:
         outcomes = run_ranks(
             mesh,
             lambda comm: run_rank(
                 plan, comm, given, steps=steps, first=first, backend=backend, hooks=hooks,
                 deterministic=deterministic, checkpoint=checkpoint, store=store,
-                log_every=log_every,
+                log_every=log_every, stop=stop,
             ),
             timeout_s=timeout_s,
         )  # fmt: skip
     finally:
         if store is not None:
             store.close()
+    if outcomes[0].stopped is not None:  # (every rank agreed on it)
+        raise outcomes[0].stopped
     entry = plan.entry_plan.function
     params = {
         p.name.lstrip("%"): assemble(p.type, mesh, [o.params[i] for o in outcomes])

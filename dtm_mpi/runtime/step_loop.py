@@ -41,17 +41,19 @@ from dtm_mpi.console import say
 from dtm_mpi.errors import RunStopped, UsageError
 from dtm_mpi.faults import maybe_fail
 from dtm_mpi.ir.dtypes import np_dtype
-from dtm_mpi.ir.types import TensorType
+from dtm_mpi.ir.types import ReduceOp, TensorType
 from dtm_mpi.sharding.blocks import local_block
+from dtm_mpi.sharding.steps import allreduce_spec
 
 if TYPE_CHECKING:
+    from dtm_mpi.comm.interface import Comm
     from dtm_mpi.plan.program import ExecPlan
     from dtm_mpi.runtime.executor import Executor
     from dtm_mpi.runtime.policies import CheckpointPolicy
 
 __all__ = [
-    "RESIZE_FLAG", "STOP_FLAG", "Checkpoints", "CommitAgreement", "Feed", "LoopEnd", "Progress",
-    "RunHooks", "StepLoop", "StopSignal",
+    "RESIZE_FLAG", "STOP_FLAG", "Checkpoints", "CommCommit", "CommitAgreement", "Feed", "LoopEnd",
+    "Progress", "RunHooks", "StepLoop", "StopSignal",
 ]  # fmt: skip
 
 STOP_FLAG, RESIZE_FLAG = 1, 2
@@ -133,6 +135,21 @@ class CommitAgreement(Protocol):
     the OR of the flags every rank raised."""
 
     def agree(self, step: int, flags: int) -> int: ...
+
+
+class CommCommit:
+    """The commit agreement over a communication interface (the simulated ranks; under MPI
+    the session's bounded agreement is the policy): each flag's maximum over every rank, by
+    one allreduce over the whole mesh."""
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm, self.axes = comm, comm.mesh.axis_names
+        self.spec = allreduce_spec(comm.mesh, comm.rank, self.axes, ReduceOp.MAX, 2)
+
+    def agree(self, step: int, flags: int) -> int:
+        raised = np.array([flags & STOP_FLAG, flags & RESIZE_FLAG], dtype=np.int64)
+        seen = self.comm.allreduce(raised, self.axes, self.spec)
+        return int(seen[0]) | int(seen[1])
 
 
 class StopSignal(Protocol):
