@@ -91,7 +91,6 @@ def add_exec_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     rn.add_argument("--resize-file", default=None, metavar="PATH",
                     help="live resize on request: when PATH appears, holding a mesh binding (e.g. "
                     "dp=1,tp=3), the run resizes to it after the current step and consumes the file")  # fmt: skip
-    rn.add_argument("--join-at", default=None, help=argparse.SUPPRESS)
     rn.set_defaults(func=_cmd_run)
 
     # fmt: off
@@ -132,17 +131,6 @@ def _resizes(args: argparse.Namespace) -> tuple[tuple[int, dict[str, int]], ...]
         return tuple(parse_resize(text) for text in args.resize_at)
     except UsageError as exc:  # decided from the command line: the same on every rank
         raise agreed(exc) from None
-
-
-def _join(args: argparse.Namespace) -> tuple[int, dict[str, int], dict[str, int]] | None:
-    from dtm_mpi.runtime.request import parse_join
-
-    if args.join_at is None:
-        return None
-    try:
-        return parse_join(args.join_at)
-    except (UsageError, ValueError) as exc:
-        raise agreed(UsageError(f"--join-at {args.join_at!r}: {exc}")) from None
 
 
 def _binding(args: argparse.Namespace) -> dict[str, int] | None:
@@ -194,7 +182,7 @@ def runs_under_mpi(argv: Sequence[str]) -> bool:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from dtm_mpi.runtime.policies import checkpoint_policy
+    from dtm_mpi.runtime.policies import checkpoint_policy, resize_policy
     from dtm_mpi.runtime.request import RunRequest
 
     def request() -> RunRequest:
@@ -207,7 +195,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             steps=args.steps, backend=args.backend, max_bytes_per_rank=args.max_bytes_per_rank,
             checkpoint=checkpoint, gpu_aware=args.gpu_aware_mpi,
             require_gpu_aware=args.require_gpu_aware_mpi, sim=args.sim, log_every=args.log_every,
-            resize_at=_resizes(args), resize_file=args.resize_file, join=_join(args),
+            resize=resize_policy(_resizes(args), args.resize_file, relaunch=("-m", "dtm_mpi", *sys.argv[1:])),
         )  # fmt: skip
 
     if args.sim is None:  # under MPI: every rank decides before any rank may exit

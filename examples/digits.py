@@ -21,6 +21,7 @@ import numpy as np
 
 from dtm_mpi import frontend as dtm
 from dtm_mpi.frontend import functional as fn
+from dtm_mpi.runtime.request import parse_resize
 from dtm_mpi.sharding.mesh import parse_mesh_binding
 
 BATCH = 64
@@ -60,6 +61,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--store", default=None, help="checkpoint store directory")
     ap.add_argument("--checkpoint-every", type=int, default=None)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument(
+        "--resize-at",
+        action="append",
+        default=[],
+        metavar="STEP:MESH",
+        help="under MPI: after step STEP, continue on the mesh bound as MESH (live; repeatable)",
+    )
     ap.add_argument("--plot", default=None, help="write the loss/accuracy curves here (PNG)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar (batch jobs)")
     ap.add_argument(
@@ -92,6 +100,7 @@ def main(argv: list[str]) -> int:
         resume=args.resume,
         quiet=args.quiet,
         log_every=50,
+        resize_at=[parse_resize(text) for text in args.resize_at],
     )
     rank0 = bool(res.outputs)  # rank 0 holds the outputs (every rank has the metrics)
     if rank0 and args.store:

@@ -20,7 +20,7 @@ import h5py
 import numpy as np
 import pytest
 
-from dtm_mpi.comm.presence import DUPLICATE_S
+from dtm_mpi.comm.abort import DUPLICATE_S
 from dtm_mpi.errors import EXIT_REQUEUE
 from dtm_mpi.runtime.simulate import run_simulated
 from tests.mpi_env import mpirun_env, survivors

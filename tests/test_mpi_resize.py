@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from dtm_mpi.errors import UsageError
-from dtm_mpi.runtime.request import RunRequest, join_argument, parse_join, parse_resize
+from dtm_mpi.runtime.policies import ResizePolicy
+from dtm_mpi.runtime.request import RunRequest, parse_resize
 from dtm_mpi.runtime.simulate import run_simulated
 from tests.cli_entry import dtm
 from tests.mpi_env import mpirun_env
@@ -81,20 +82,19 @@ def test_a_schedule_that_does_not_fit_the_module_is_one_agreed_error(tmp_path: P
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"resize_at": ((3, {"dp": 1, "tp": 3}),)}, "resizes come after steps 1 .. 2"),
-    ({"resize_at": ((2, {"dp": 1, "tp": 3}), (1, {"dp": 2, "tp": 2}))}, "in increasing order"),
-    ({"resize_at": ((1, {"tp": 3}),)}, "bind the same axes at every resize"),
-    ({"resize_at": ((1, {"dp": 1, "tp": 3}),), "sim": 2}, "--resize-at and --resize-file need the MPI runtime"),
-    ({"resize_file": "req", "sim": 2}, "--resize-at and --resize-file need the MPI runtime"),
+    ({"resize": ResizePolicy(((3, {"dp": 1, "tp": 3}),))}, "resizes come after steps 1 .. 2"),
+    ({"resize": ResizePolicy(((2, {"dp": 1, "tp": 3}), (1, {"dp": 2, "tp": 2})))}, "in increasing order"),
+    ({"resize": ResizePolicy(((1, {"tp": 3}),))}, "bind the same axes at every resize"),
+    ({"resize": ResizePolicy(((1, {"dp": 1, "tp": 3}),)), "sim": 2}, "--resize-at and --resize-file need the MPI runtime"),
+    ({"resize": ResizePolicy(file="req"), "sim": 2}, "--resize-at and --resize-file need the MPI runtime"),
 ])  # fmt: skip
 def test_bad_schedules_are_usage_errors(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(UsageError, match=re.escape(message)):
         RunRequest(MLP, {"dp": 2, "tp": 2}, steps=3, **kwargs)  # type: ignore[arg-type]
 
 
-def test_parse_resize_and_join() -> None:
+def test_parse_resize() -> None:
     assert parse_resize("4:dp=1,tp=3") == (4, {"dp": 1, "tp": 3})
-    assert parse_join(join_argument(4, {"dp": 2, "tp": 2}, {"dp": 1, "tp": 3})) == (4, {"dp": 2, "tp": 2}, {"dp": 1, "tp": 3})  # fmt: skip
     for bad in ("dp=1", "x:dp=1", "4:"):
         with pytest.raises(UsageError):
             parse_resize(bad)

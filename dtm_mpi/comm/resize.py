@@ -4,13 +4,13 @@
   computation. A process of the launched job is *parked*: it keeps its place in the pool
   communicator (a duplicate of the world every launched process keeps), waits idle for rank
   0's call (:func:`wait_for_call`), and takes part in each later split of the pool
-  (:func:`split_pool`): a grow calls it back, the end of the run releases it. (A spawned
-  process leaves by :func:`split_first` and waits in ``MPI_Finalize``: in one MPI job,
-  processes end together.)
+  (:func:`split_pool`): a grow calls it back, the end of the run releases it. (Once ranks
+  were spawned, the leaving ones leave by :func:`split_first` and wait on the communicator
+  they left for the end of the run: in one MPI job, processes end together.)
 * **Grow**: parked ranks are called back first; beyond them, the ranks of a session spawn ``k``
   new processes (``MPI_Comm_spawn``, running this program with the arguments given) and merge
   with them: the old ranks keep their numbers, the new ones follow. A spawned process finds its
-  parents with :func:`join_parents`.
+  parents, and what it joins, with :func:`join_parents`.
 
 Each is a blocking collective, bounded like the session's own creation (a peer that does not
 arrive ends the job with a line naming the step).
@@ -46,29 +46,37 @@ def split_first(comm: Any, n: int, rank: int, timeout_s: float, phase: str) -> A
     return None if new == MPI.COMM_NULL else new
 
 
-def spawn_and_merge(comm: Any, count: int, argv: Sequence[str], rank: int, timeout_s: float, phase: str) -> Any:  # fmt: skip
+def spawn_and_merge(comm: Any, count: int, argv: Sequence[str], message: Any, rank: int, timeout_s: float, phase: str) -> Any:  # fmt: skip
     """Spawn ``count`` processes running ``python argv`` and merge with them: the returned
-    communicator holds ``comm``'s ranks first (their numbers kept), then the new ones.
-    Collective: call on every rank of ``comm``."""
+    communicator holds ``comm``'s ranks first (their numbers kept), then the new ones, which
+    are given rank 0's ``message`` (what they join: :func:`join_parents`). Collective: call
+    on every rank of ``comm``."""
+    from dtm_mpi.comm.objects import bcast_obj
+
     with io_deadline("spawning the joining ranks", phase, rank, timeout_s):
         inter = comm.Spawn(sys.executable, args=list(argv), maxprocs=count, root=0)
         merged = inter.Merge(high=False)
     inter.Free()
+    bcast_obj(merged, message, 0, timeout_s=timeout_s, what="what the joining ranks join", phase=phase)  # fmt: skip
     return merged
 
 
-def join_parents(rank: int, timeout_s: float, phase: str) -> Any | None:
+def join_parents(rank: int, timeout_s: float) -> tuple[Any, Any] | None:
     """In a process started by :func:`spawn_and_merge`: the merged communicator (the parents
-    first); None in a process nobody spawned."""
+    first) and the parents' message; None in a process nobody spawned."""
     from mpi4py import MPI
+
+    from dtm_mpi.comm.objects import bcast_obj
 
     parent = MPI.Comm.Get_parent()
     if parent == MPI.COMM_NULL:
         return None
+    phase = "joining a resized run"
     with io_deadline("joining the running job", phase, rank, timeout_s):
         merged = parent.Merge(high=True)
     parent.Free()
-    return merged
+    message = bcast_obj(merged, None, 0, timeout_s=timeout_s, what="what this rank joins", phase=phase)  # fmt: skip
+    return merged, message
 
 
 # --- parked ranks: the ranks of the job that left at a shrink, waiting to be called back ------

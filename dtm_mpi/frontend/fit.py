@@ -11,9 +11,10 @@ it) with the handshake, the bounded waits, checkpoints in the parallel-HDF5 stor
 
 from __future__ import annotations
 
+import os
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,7 +110,7 @@ class _Progress:
             self.bar.close()
 
 
-def fit(step: TracedStep, loader: Callable[[int, Mapping[str, tuple[slice, ...]]], Mapping[str, np.ndarray]], *, steps: int, sim: int | None = None, mesh: Mapping[str, int] | None = None, store: str | None = None, checkpoint_every: int | None = None, resume: bool = False, checkpoint_async: bool = False, keep_last: int | None = None, quota: int | None = None, backend: str = "numpy", quiet: bool = False, log_every: int = 0, on_step: Callable[[int, dict[str, float]], None] | None = None, values: Mapping[str, np.ndarray] | None = None) -> FitResult:  # fmt: skip
+def fit(step: TracedStep, loader: Callable[[int, Mapping[str, tuple[slice, ...]]], Mapping[str, np.ndarray]], *, steps: int, sim: int | None = None, mesh: Mapping[str, int] | None = None, store: str | None = None, checkpoint_every: int | None = None, resume: bool = False, checkpoint_async: bool = False, keep_last: int | None = None, quota: int | None = None, backend: str = "numpy", quiet: bool = False, log_every: int = 0, on_step: Callable[[int, dict[str, float]], None] | None = None, values: Mapping[str, np.ndarray] | None = None, resize_at: Sequence[tuple[int, Mapping[str, int]]] = (), resize_file: str | None = None) -> FitResult:  # fmt: skip
     """Run ``steps`` steps of ``step`` (a training step updates its state; an evaluation
     step is run once or more on fed inputs), feeding ``loader(step, regions)`` each step.
 
@@ -122,9 +123,14 @@ def fit(step: TracedStep, loader: Callable[[int, Mapping[str, tuple[slice, ...]]
     values of other parameters (an evaluation step's weights), by name. Under MPI, SIGUSR1
     (or a scheduler's SIGTERM) stops every rank after the same step and saves the state to
     ``store``; the process then exits with code 75 ("saved, requeue me"; ``resume=True``
-    continues)."""
+    continues). ``resize_at`` (``(step, mesh)`` pairs) and ``resize_file``: live resizes under
+    MPI, as ``dtm run --resize-at``/``--resize-file`` (:class:`~dtm_mpi.runtime.policies.ResizePolicy`):
+    ranks that leave wait inside ``fit`` until the run ends; ranks beyond those launched are
+    spawned running this script again with its arguments (``python -m mpi4py SCRIPT ARGS``),
+    whose ``fit`` call joins the run (the handshake checks it traced the same module) and
+    returns the metrics of the steps it took part in."""
     from dtm_mpi.runtime.launch import launch
-    from dtm_mpi.runtime.policies import checkpoint_policy
+    from dtm_mpi.runtime.policies import checkpoint_policy, resize_policy
     from dtm_mpi.runtime.request import RunRequest
     from dtm_mpi.runtime.step_loop import RunHooks
 
@@ -152,9 +158,13 @@ def fit(step: TracedStep, loader: Callable[[int, Mapping[str, tuple[slice, ...]]
         store, every=checkpoint_every, resume=resume, background=checkpoint_async,
         keep_last=keep_last, quota=quota, save_final=True,
     )  # fmt: skip
+    resize = resize_policy(
+        tuple((s, dict(b)) for s, b in resize_at), resize_file, relaunch=_relaunch()
+    )
     request = RunRequest(
         f"<traced {step.module.name}>", binding=dict(mesh) if mesh else None, steps=steps,
         backend=backend, checkpoint=checkpoint, sim=sim, module=step.module, hooks=hooks,
+        resize=resize,
     )  # fmt: skip
     try:
         code = launch(request)
@@ -163,3 +173,12 @@ def fit(step: TracedStep, loader: Callable[[int, Mapping[str, tuple[slice, ...]]
     if code == EXIT_REQUEUE:  # stopped on a signal after saving: end the job, "requeue me"
         raise SystemExit(code)
     return result
+
+
+def _relaunch() -> tuple[str, ...] | None:
+    """This program's command line, for the ranks a live resize spawns: the script file and
+    its arguments (None when Python was not started on a script: ``-c``, interactive)."""
+    script = sys.argv[0] if sys.argv else ""
+    if not script or script == "-c" or not os.path.isfile(script):
+        return None
+    return (os.path.abspath(script), *sys.argv[1:])

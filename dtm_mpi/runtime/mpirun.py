@@ -47,7 +47,6 @@ from dtm_mpi.runtime.request import (
     capabilities,
     deliver_outputs,
     given_inputs,
-    join_argument,
     load_run,
     plan_run,
     store_params,
@@ -184,6 +183,10 @@ class _Live:
         None  # the session's ranks as pool ranks (None once spawned ones join)
     )
     parked: list[int] = field(default_factory=list)  # pool ranks that left, waiting to be called
+    left: list[tuple[Any, list[int]]] = field(default_factory=list)
+    """Rank 0: the ranks that left at a shrink after ranks were spawned, by the communicator
+    they wait on until the run ends (they cannot be called back: not all are in the pool)."""
+    waits_on: Any = None  # a rank that so left: the communicator it waits on for the end
 
 
 def _ranks(binding: dict[str, int] | None) -> int:
@@ -202,14 +205,19 @@ def _run_session(module: object, args: MpiRunArgs, world: Any, rank: int, size: 
 
     assert isinstance(module, Module)
     config = get_config()
-    if args.join is not None:  # spawned by a live resize: join the running ranks
-        return _join_session(module, args, rank, backend)
+    from dtm_mpi.comm.resize import join_parents
+
+    joining = join_parents(rank, config.timeout_s)
+    if joining is not None:  # spawned by a live resize: join the running ranks
+        return _join_session(module, args, backend, *joining)
     plan = None
     error: BaseException | None = None
     try:  # pure, but a rank given another module (or another --mesh) may fail alone
         maybe_fail(rank, "plan")
         plan = plan_run(module, args, size)
-        for step, binding in args.resize_at:  # every mesh the run will have, checked now
+        for step, binding in (
+            args.resize.at if args.resize is not None else ()
+        ):  # every mesh the run will have, checked now
             try:
                 plan_run(module, replace(args, binding=binding), _ranks(binding))
             except DtmError as exc:
@@ -219,7 +227,7 @@ def _run_session(module: object, args: MpiRunArgs, world: Any, rank: int, size: 
     agree_or_raise(world, phase="plan", error=error, timeout_s=config.timeout_s)
     assert plan is not None
     pool = None
-    if args.resize_at or args.resize_file:  # ranks that leave wait here to be called back
+    if args.resize is not None:  # ranks that leave wait here to be called back
         from dtm_mpi.comm.resize import pool_comm
 
         pool = pool_comm(world, rank, config.timeout_s)
@@ -293,21 +301,14 @@ def _guarded(live: _Live, body: Callable[[], int]) -> int:
     return code
 
 
-def _join_session(module: Any, args: MpiRunArgs, child_rank: int, backend: Any) -> int:
-    """A rank spawned by a live resize (``args.join``: after which step, from which mesh to
-    which): merge with the running ranks, take part in the new session's handshake, receive
-    this rank's part of the state in memory, and run the remaining steps."""
-    from dtm_mpi.comm.resize import join_parents
-    from dtm_mpi.config import get_config
+def _join_session(module: Any, args: MpiRunArgs, backend: Any, world: Any, joins: tuple[int, dict[str, int], dict[str, int]]) -> int:  # fmt: skip
+    """A rank spawned by a live resize, merged with the running ranks in ``world``: ``joins``
+    after which step, from which mesh to which; take part in the new session's handshake,
+    receive this rank's part of the state in memory, and run the remaining steps."""
     from dtm_mpi.runtime.remesh import move_blocks
     from dtm_mpi.sharding.remesh import plan_remesh
 
-    assert args.join is not None
-    step, before, binding = args.join
-    timeout = get_config().timeout_s
-    world = join_parents(child_rank, timeout, f"resize after step {step}")
-    if world is None:
-        raise agreed(UsageError("--join-at is for the ranks a live resize spawns (MPI_Comm_spawn)"))  # fmt: skip
+    step, before, binding = joins
     plan = plan_run(module, replace(args, binding=binding), _ranks(binding))
     old = plan_run(module, replace(args, binding=before), _ranks(before))
     rank = int(world.Get_rank())
@@ -525,14 +526,15 @@ def _step_loop(
     from dtm_mpi.runtime.executor import Executor
     from dtm_mpi.runtime.step_loop import Feed
 
-    policies = _SessionPolicies(live, presence, args.resize_file if live.rank == 0 else None)
+    file = args.resize.file if args.resize is not None and live.rank == 0 else None
+    policies = _SessionPolicies(live, presence, file)
     return StepLoop(
         Executor(live.plan, live.dcomm, backend), args.steps,
         feed=Feed(live.plan, live.rank, args.hooks, backend.to_device, backend.to_host) if args.hooks is not None else None,
         commit=policies, checkpoints=live.ckpt,
         stop=policies if presence is not None else None,
-        resize_at=args.resize_at,
-        resize_requested=policies.resize_requested if args.resize_file and live.rank == 0 else None,
+        resize_at=args.resize.at if args.resize is not None else (),
+        resize_requested=policies.resize_requested if file is not None else None,
         progress=progress, phase=policies.phase,
     )  # fmt: skip
 
@@ -559,7 +561,6 @@ def _resize(live: _Live, module: Any, args: MpiRunArgs, backend: Any, step: int,
     back and, beyond them, new ranks spawned and merged, then the state moved. A new session
     for the new mesh (its handshake includes the joining ranks), the plan, the store.
     Collective over the old and new ranks."""
-    import sys
 
     from dtm_mpi.comm.resize import call_parked, spawn_and_merge, split_first, split_pool
     from dtm_mpi.config import get_config
@@ -580,8 +581,8 @@ def _resize(live: _Live, module: Any, args: MpiRunArgs, backend: Any, step: int,
     move = plan_remesh(_param_types(live.plan), live.plan.mesh, _param_types(plan), plan.mesh)
     host = [backend.to_host(b) for b in blocks]
     n_old, n_new = int(session.size), plan.mesh.size
-    join = join_argument(step, old_binding, binding)
-    argv = ["-m", "mpi4py", "-m", "dtm_mpi", *_without_join(sys.argv[1:]), "--join-at", join]
+    joins = (step, old_binding, binding)
+    argv = ["-m", "mpi4py", *(args.resize.relaunch or ())] if args.resize is not None else []
     moved = None
     if n_new <= n_old:  # on the old ranks, before they split
         moved = move_blocks(move, rank, host, live.comm)
@@ -593,6 +594,7 @@ def _resize(live: _Live, module: Any, args: MpiRunArgs, backend: Any, step: int,
             back = parked[: n_new - n_old]
             new_members, parked = members + back, parked[len(back) :]
         extra = n_new - len(new_members)  # beyond the parked ranks: spawned
+        _can_spawn(args, extra)
         call = _Call(step, old_binding, binding, new_members, parked, extra, argv)
         if rank == 0:  # every parked rank takes part in the split (those called back join)
             call_parked(live.pool, live.parked, call, timeout, phase)
@@ -601,11 +603,16 @@ def _resize(live: _Live, module: Any, args: MpiRunArgs, backend: Any, step: int,
         live.parked = parked
         live.members = new_members if extra == 0 else None
         if world is not None and extra > 0:
-            world = spawn_and_merge(world, extra, argv, rank, timeout, phase)
-    elif n_new <= n_old:
+            world = spawn_and_merge(world, extra, argv, joins, rank, timeout, phase)
+    elif n_new <= n_old:  # ranks were spawned: the last ones leave, and wait for the end
         world = split_first(session.comm, n_new, rank, timeout, phase)
+        if rank == 0:
+            live.left.append((live.worlds[-1], list(range(n_new, n_old))))
+        elif world is None:
+            live.waits_on = live.worlds[-1]
     else:
-        world = spawn_and_merge(session.comm, n_new - n_old, argv, rank, timeout, phase)
+        _can_spawn(args, n_new - n_old)
+        world = spawn_and_merge(session.comm, n_new - n_old, argv, joins, rank, timeout, phase)
     live.session = None
     session.close()
     if world is None:  # this rank leaves
@@ -621,6 +628,13 @@ def _resize(live: _Live, module: Any, args: MpiRunArgs, backend: Any, step: int,
         say(f"resized after step {step}: {n_old} -> {n_new} rank(s), mesh {plan.mesh}")
     live.ckpt = _checkpoints(live, args, backend)
     return [backend.to_device(b) for b in moved]
+
+
+def _can_spawn(args: MpiRunArgs, count: int) -> None:
+    """Refuse (alike on every rank) a grow that must spawn ranks of a program that cannot be
+    started again (a ``fit()`` not run from a script file)."""
+    if count > 0 and (args.resize is None or args.resize.relaunch is None):
+        raise agreed(UsageError(f"growing past the ranks the job was launched with spawns {count} more running this program again; it was not started from a script file (run it as 'python -m mpi4py SCRIPT.py')"))  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -641,18 +655,21 @@ def _parked(live: _Live, module: Any, args: MpiRunArgs, backend: Any) -> int:
     """A rank that left at a shrink: a launched process waits, idle, for rank 0's calls: each
     resize's split of the pool (called back when it is one of the new members: it then joins
     the new session, receives its part of the state and runs the remaining steps), or the end
-    of the run (exit 0). A spawned process just ends (it waits in ``MPI_Finalize``)."""
+    of the run (exit 0). A rank that left after ranks were spawned waits for the end only."""
     from dtm_mpi.comm.presence import current as current_presence
     from dtm_mpi.comm.resize import spawn_and_merge, split_pool, wait_for_call
     from dtm_mpi.config import get_config
     from dtm_mpi.runtime.remesh import move_blocks
     from dtm_mpi.sharding.remesh import plan_remesh
 
-    if live.pool is None:
-        return 0
     presence = current_presence()
     if presence is not None:
         presence.stoppable = True  # a scheduler's SIGTERM is the running ranks' stop, not an end
+    if live.waits_on is not None:  # it left after ranks were spawned: wait for the end
+        wait_for_call(live.waits_on)
+        return 0
+    if live.pool is None:
+        return 0
     me, timeout = int(live.pool.Get_rank()), get_config().timeout_s
     while True:
         call = wait_for_call(live.pool)
@@ -666,7 +683,7 @@ def _parked(live: _Live, module: Any, args: MpiRunArgs, backend: Any) -> int:
             continue
         assert key is not None
         if call.extra > 0:
-            world = spawn_and_merge(world, call.extra, call.argv, key, timeout, phase)
+            world = spawn_and_merge(world, call.extra, call.argv, (call.step, call.old, call.new), key, timeout, phase)  # fmt: skip
         plan = plan_run(module, replace(args, binding=call.new), _ranks(call.new))
         old = plan_run(module, replace(args, binding=call.old), _ranks(call.old))
         live.worlds.append(world)
@@ -681,14 +698,19 @@ def _parked(live: _Live, module: Any, args: MpiRunArgs, backend: Any) -> int:
 
 
 def _release_parked(live: _Live) -> None:
-    """Rank 0 at the end of the run: the parked ranks may end (they exit 0)."""
-    if live.rank != 0 or live.pool is None or not live.parked:
+    """Rank 0 at the end of the run: the ranks that left may end (they exit 0) -- together
+    with the run's, so that no process of the job leaves while its peers still use it."""
+    if live.rank != 0:
         return
     from dtm_mpi.comm.resize import call_parked
     from dtm_mpi.config import get_config
 
-    call_parked(live.pool, live.parked, None, get_config().timeout_s, "end")
-    live.parked = []
+    if live.pool is not None and live.parked:
+        call_parked(live.pool, live.parked, None, get_config().timeout_s, "end")
+        live.parked = []
+    for world, ranks in live.left:
+        call_parked(world, ranks, None, get_config().timeout_s, "end")
+    live.left = []
 
 
 def _binding_of(plan: Any) -> dict[str, int]:
@@ -703,14 +725,15 @@ def _requested_mesh(live: _Live, module: Any, args: MpiRunArgs, step: int) -> di
     from dtm_mpi.config import get_config
     from dtm_mpi.sharding.mesh import parse_mesh_binding
 
-    assert args.resize_file is not None
+    assert args.resize is not None and args.resize.file is not None
+    file = args.resize.file
     phase = f"resize request after step {step}"
     live.session.phase = phase
     text = ""
     if live.rank == 0:
         try:
-            text = Path(args.resize_file).read_text(encoding="utf-8").strip()
-            Path(args.resize_file).unlink()
+            text = Path(file).read_text(encoding="utf-8").strip()
+            Path(file).unlink()
         except OSError as exc:
             text = f"\0{exc}"
     text = bcast_obj(live.session.comm, text, 0, timeout_s=get_config().timeout_s, what="the resize request", phase=phase)  # fmt: skip
@@ -725,21 +748,8 @@ def _requested_mesh(live: _Live, module: Any, args: MpiRunArgs, step: int) -> di
         except DtmError as exc:
             why, binding = str(exc), None
     if binding is None and live.rank == 0:
-        say(f"resize request {args.resize_file} after step {step} ignored: {why}")
+        say(f"resize request {file} after step {step} ignored: {why}")
     return binding
-
-
-def _without_join(argv: list[str]) -> list[str]:
-    out: list[str] = []
-    skip = False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--join-at":
-            skip = True
-        elif not a.startswith("--join-at="):
-            out.append(a)
-    return out
 
 
 def run_loop(session: Any, comm: Any, plan: Any, request: MpiRunArgs, rank: int, backend: Any) -> tuple[list[Any], float]:  # fmt: skip

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from dtm_mpi.errors import agreed_usage
 
-__all__ = ["CheckpointPolicy", "checkpoint_policy"]
+__all__ = ["CheckpointPolicy", "ResizePolicy", "checkpoint_policy", "resize_policy"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,3 +65,42 @@ def checkpoint_policy(
     if background or keep_last is not None or quota is not None:
         raise agreed_usage("--checkpoint-async, --keep-last and --quota need --store DIR")
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class ResizePolicy:
+    """Live resizes of a run under MPI: planned after given steps (``at``: ``--resize-at
+    STEP:MESH``, in increasing step order) and asked for while the job runs (``file``:
+    ``--resize-file FILE``; the mesh written into it is read at a step's commit). A run that
+    grows past the ranks it was launched with spawns ranks running ``relaunch`` (after
+    ``python -m mpi4py``: the same command line, ``-m dtm_mpi run ...`` or the script calling
+    :func:`~dtm_mpi.frontend.fit.fit`); None where the program cannot be started again (it
+    then only shrinks and grows back)."""
+
+    at: tuple[tuple[int, dict[str, int]], ...] = ()
+    file: str | None = None
+    relaunch: tuple[str, ...] | None = None
+
+    def check(self, steps: int, binding: dict[str, int] | None) -> None:
+        """The schedule against the run's steps and mesh binding (agreed errors)."""
+        last = 0
+        for step, sizes in self.at:
+            if step <= last or step >= steps:
+                raise agreed_usage(f"--resize-at {step}: resizes come after steps 1 .. {steps - 1} (--steps {steps}), in increasing order")  # fmt: skip
+            _same_axes(f"--resize-at {step}", binding, sizes)
+            last = step
+        if self.file is not None:
+            _same_axes("--resize-file", binding, binding or {})
+
+
+def _same_axes(what: str, binding: dict[str, int] | None, sizes: dict[str, int]) -> None:
+    if binding is None or set(sizes) != set(binding):
+        raise agreed_usage(f"{what}: give --mesh, and bind the same axes at every resize ({', '.join(sorted(binding or {})) or 'none'} in --mesh, {', '.join(sorted(sizes)) or 'none'} here)")  # fmt: skip
+
+
+def resize_policy(
+    at: tuple[tuple[int, dict[str, int]], ...] = (), file: str | None = None,
+    relaunch: tuple[str, ...] | None = None,
+) -> ResizePolicy | None:  # fmt: skip
+    """The resize policy of these options (None when no resize is planned or asked for)."""
+    return ResizePolicy(tuple(at), file, relaunch) if at or file else None

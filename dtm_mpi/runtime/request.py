@@ -36,7 +36,7 @@ from dtm_mpi.errors import (
     agreed_usage,
 )
 from dtm_mpi.kernels.backends import BACKEND_NAMES
-from dtm_mpi.runtime.policies import CheckpointPolicy
+from dtm_mpi.runtime.policies import CheckpointPolicy, ResizePolicy
 from dtm_mpi.runtime.step_loop import RunHooks
 
 if TYPE_CHECKING:
@@ -73,11 +73,7 @@ class RunRequest:
     module: Module | None = None  # a module built in Python (``file`` then only names it)
     hooks: RunHooks | None = None  # a run started from Python: fed inputs, metrics, outputs
     log_every: int | None = None  # rank 0 prints step time and throughput every N steps
-    resize_at: tuple[tuple[int, dict[str, int]], ...] = ()  # live resizes: after step S, this mesh
-    resize_file: str | None = None  # a live resize asked for while the job runs: MESH in this file
-    join: tuple[int, dict[str, int], dict[str, int]] | None = (
-        None  # spawned at a resize: (step, old, new)
-    )
+    resize: ResizePolicy | None = None  # --resize-at, --resize-file: live resizes under MPI
 
     @property
     def store(self) -> str | None:
@@ -103,7 +99,8 @@ class RunRequest:
             )
         if self.log_every is not None and self.log_every < 1:
             raise agreed_usage(f"--log-every must be >= 1; got {self.log_every}")
-        self._check_resizes()
+        if self.resize is not None:
+            self.resize.check(self.steps, self.binding)
         if self.resume and self.inputs:
             raise agreed_usage(
                 "--resume takes the state from the checkpoint; do not give -i inputs"
@@ -119,41 +116,8 @@ class RunRequest:
                 f"the simulator (--sim) runs the numpy backend only; run --backend "
                 f"{self.backend} under mpirun/srun (one rank per GPU)"
             )
-        if self.resize_at or self.resize_file:
+        if self.resize is not None:
             raise agreed_usage("--resize-at and --resize-file need the MPI runtime (run under mpirun/srun, without --sim)")  # fmt: skip
-
-    def _check_resizes(self) -> None:
-        last = 0
-        for step, binding in self.resize_at:
-            if step <= last or step >= self.steps:
-                raise agreed_usage(f"--resize-at {step}: resizes come after steps 1 .. {self.steps - 1} (--steps {self.steps}), in increasing order")  # fmt: skip
-            self._check_axes(f"--resize-at {step}", binding)
-            last = step
-        if self.resize_file is not None:
-            self._check_axes("--resize-file", self.binding or {})
-        if (self.resize_at or self.resize_file) and self.module is not None:
-            raise agreed_usage("a live resize spawns ranks running 'dtm run FILE': it needs a module file, not one built in Python")  # fmt: skip
-
-    def _check_axes(self, what: str, binding: dict[str, int]) -> None:
-        if self.binding is None or set(binding) != set(self.binding):
-            raise agreed_usage(f"{what}: give --mesh, and bind the same axes at every resize ({', '.join(sorted(self.binding or {})) or 'none'} in --mesh, {', '.join(sorted(binding)) or 'none'} here)")  # fmt: skip
-
-
-def parse_join(text: str) -> tuple[int, dict[str, int], dict[str, int]]:
-    """``STEP:OLD:NEW`` (the hidden ``--join-at`` of a rank a live resize spawns)."""
-    from dtm_mpi.sharding.mesh import parse_mesh_binding
-
-    step, old, new = text.split(":")
-    return int(step), parse_mesh_binding(old), parse_mesh_binding(new)
-
-
-def join_argument(step: int, old: dict[str, int], new: dict[str, int]) -> str:
-    """The ``--join-at`` value :func:`parse_join` reads."""
-    return f"{step}:{binding_text(old)}:{binding_text(new)}"
-
-
-def binding_text(binding: dict[str, int]) -> str:
-    return ",".join(f"{k}={v}" for k, v in binding.items())
 
 
 def parse_resize(text: str) -> tuple[int, dict[str, int]]:

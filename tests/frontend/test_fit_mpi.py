@@ -88,3 +88,28 @@ def test_the_gpt_example_trains_checkpoints_and_resumes_on_another_mesh(tmp_path
     assert 0 < loss < math.log(96) + 0.5, (
         out
     )  # below a uniform guess over the 96 characters (plus noise)
+
+
+@pytest.mark.parametrize(
+    ("ranks", "meshes"),
+    [(3, ("dp=1,tp=3", "dp=2,tp=2", "dp=1,tp=3")), (4, ("dp=2,tp=2", "dp=1,tp=2", "dp=2,tp=2"))],
+    ids=["grow-spawns", "shrink-parks"],
+)
+def test_fit_resizes_live_and_equals_the_uninterrupted_run(ranks: int, meshes: tuple[str, str, str], tmp_path: Path) -> None:  # fmt: skip
+    """fit(resize_at=...) under mpirun: growing past the launched ranks spawns the script
+    again (its fit() call joins the run: the handshake checks the traced module), shrinking
+    parks the ranks that leave inside fit() until the run ends; the result is the
+    uninterrupted run's, bit for bit (deterministic mode)."""
+    a, b, c = meshes
+    out = digits(ranks, a, "--steps", "9", "--resize-at", f"3:{b}", "--resize-at", f"6:{c}", "-o", str(tmp_path / "live.npz"))  # fmt: skip
+    n = [math.prod(int(kv.split("=")[1]) for kv in m.split(",")) for m in meshes]
+    assert f"resized after step 3: {n[0]} -> {n[1]} rank(s)" in out, out
+    assert f"resized after step 6: {n[1]} -> {n[2]} rank(s)" in out, out
+    sim = subprocess.run([sys.executable, DIGITS, "--quiet", "--sim", "1", "--mesh", "dp=1,tp=1", "--steps", "9",
+                          "-o", str(tmp_path / "straight.npz")], capture_output=True, text=True, timeout=150,
+                         env=mpirun_env(DTM_DETERMINISTIC="1"), check=False)  # fmt: skip
+    assert sim.returncode == 0, sim.stdout + sim.stderr
+    live, straight = np.load(tmp_path / "live.npz"), np.load(tmp_path / "straight.npz")
+    assert sorted(live.files) == sorted(straight.files)
+    for k in straight.files:
+        assert live[k].tobytes() == straight[k].tobytes(), f"{k} differs bitwise"
