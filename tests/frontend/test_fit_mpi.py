@@ -113,3 +113,32 @@ def test_fit_resizes_live_and_equals_the_uninterrupted_run(ranks: int, meshes: t
     assert sorted(live.files) == sorted(straight.files)
     for k in straight.files:
         assert live[k].tobytes() == straight[k].tobytes(), f"{k} differs bitwise"
+
+
+def test_fit_under_mpirun_stops_on_a_signal_saves_and_exits_75(tmp_path: Path) -> None:
+    """SIGUSR1 to mpirun (forwarded to every rank) while fit() trains: every rank stops after
+    the same step, the state is saved, and the job exits 75 ("saved, requeue me")."""
+    import os
+    import signal
+
+    from dtm_mpi.errors import EXIT_REQUEUE
+    from dtm_mpi.io.store import list_checkpoints
+
+    store = tmp_path / "store"
+    env = mpirun_env(PYTHONUNBUFFERED="1", DTM_TIMEOUT="60")
+    cmd = ["mpirun", "--timeout", "120", "--bind-to", "none", "-n", "2", sys.executable, "-m", "mpi4py", DIGITS,
+           "--quiet", "--mesh", "dp=1,tp=2", "--steps", "1000000", "--store", str(store)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:  # rank 0's progress: the run is stepping
+        lines.append(line)
+        if line.startswith("step 50/"):
+            os.kill(proc.pid, signal.SIGUSR1)
+            break
+    rest, _ = proc.communicate(timeout=120)
+    text = "".join(lines) + rest
+    assert proc.returncode == EXIT_REQUEUE, text
+    m = re.search(r"stopped by SIGUSR1 after step (\d+): checkpoint", text)
+    assert m is not None, text
+    assert [c.step for c in list_checkpoints(store)] == [int(m.group(1))]

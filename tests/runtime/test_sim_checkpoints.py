@@ -86,25 +86,39 @@ def test_resume_refuses_another_programs_checkpoint_in_the_simulator(tmp_path: P
         run_simulated(load("tp_mlp"), 2, steps=2, checkpoint=CheckpointPolicy(str(store), resume=True))  # fmt: skip
 
 
-def test_fit_on_simulated_ranks_checkpoints_and_resumes_on_another_mesh(tmp_path: Path) -> None:
+def _tiny_fit(**kw: object) -> dtm.FitResult:
+    """A small tensor-parallel classifier trained by fit() with ``kw``."""
     fn = dtm.functional
     rng = np.random.default_rng(0)
     x = rng.standard_normal((64, 8)).astype(np.float32)
     y = (x[:, 0] > 0).astype(np.int32)
+    net = dtm.nn.Sequential(dtm.nn.ColumnParallelLinear(8, 16), fn.gelu, dtm.nn.RowParallelLinear(16, 2))  # fmt: skip
 
-    def run(**kw: object) -> dtm.FitResult:
-        net = dtm.nn.Sequential(dtm.nn.ColumnParallelLinear(8, 16), fn.gelu, dtm.nn.RowParallelLinear(16, 2))  # fmt: skip
+    def loss(m: dtm.nn.Module, x: dtm.Tensor, y: dtm.Tensor) -> tuple[dtm.Tensor, dict[str, dtm.Tensor]]:  # fmt: skip
+        return fn.cross_entropy(m(x), y), {}
 
-        def loss(m: dtm.nn.Module, x: dtm.Tensor, y: dtm.Tensor) -> tuple[dtm.Tensor, dict[str, dtm.Tensor]]:  # fmt: skip
-            return fn.cross_entropy(m(x), y), {}
+    step = dtm.train_step(
+        net, loss, mesh=dtm.Mesh(dp=2, tp=2), optimizer=dtm.optim.AdamW(lr=1e-2),
+        inputs={"x": dtm.Input((16, 8), "f32", ("dp", None)), "y": dtm.Input((16,), "i32", ("dp",))},
+        name="tiny",
+    )  # fmt: skip
+    return dtm.fit(step, dtm.ArrayLoader({"x": x, "y": y}, 16, seed=3), quiet=True, **kw)  # type: ignore[arg-type]
 
-        step = dtm.train_step(
-            net, loss, mesh=dtm.Mesh(dp=2, tp=2), optimizer=dtm.optim.AdamW(lr=1e-2),
-            inputs={"x": dtm.Input((16, 8), "f32", ("dp", None)), "y": dtm.Input((16,), "i32", ("dp",))},
-            name="tiny",
-        )  # fmt: skip
-        return dtm.fit(step, dtm.ArrayLoader({"x": x, "y": y}, 16, seed=3), quiet=True, **kw)  # type: ignore[arg-type]
 
+def test_fit_on_simulated_ranks_writes_in_the_background_keeps_the_last_within_a_quota_and_logs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    store = tmp_path / "s"
+    _tiny_fit(steps=5, sim=2, mesh={"dp": 1, "tp": 2}, store=str(store), checkpoint_every=1, checkpoint_async=True, keep_last=2, quota=10_000_000, log_every=2)  # fmt: skip
+    out = capsys.readouterr().out
+    assert "written in the background" in out, out
+    assert "step 2/5: loss " in out and "step 4/5: loss " in out and "step 3/5" not in out, out
+    assert _steps(store) == [4, 5]  # every step saved, the last two kept
+    assert all(c.status is CheckStatus.OK for c in verify_checkpoints(store))
+    with pytest.raises(DtmError, match=r"checkpoint 1 needs about \d+ bytes; 0 of the quota's 1000"):
+        _tiny_fit(steps=2, sim=2, mesh={"dp": 1, "tp": 2}, store=str(tmp_path / "q"), checkpoint_every=1, quota=1000)  # fmt: skip
+
+
+def test_fit_on_simulated_ranks_checkpoints_and_resumes_on_another_mesh(tmp_path: Path) -> None:
+    run = _tiny_fit
     store = str(tmp_path / "s")
     straight = run(steps=6, sim=2, mesh={"dp": 1, "tp": 2})
     run(steps=4, sim=4, mesh={"dp": 2, "tp": 2}, store=store, checkpoint_every=2)

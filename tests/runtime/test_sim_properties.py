@@ -25,7 +25,7 @@ from dtm_mpi.runtime.simulate import run_simulated
 from tests.depth import examples
 
 
-def _close(a: np.ndarray, b: np.ndarray, what: str, dtype: DType) -> None:
+def _close(a: np.ndarray, b: np.ndarray, what: str, dtype: DType, operands: float = 1.0) -> None:
     assert a.shape == b.shape and a.dtype == b.dtype, (what, a.shape, b.shape, a.dtype, b.dtype)
     if a.dtype.kind != "f":
         np.testing.assert_array_equal(a, b, err_msg=what)
@@ -35,10 +35,11 @@ def _close(a: np.ndarray, b: np.ndarray, what: str, dtype: DType) -> None:
     # round to inf on one side only.
     tol = 6e-2 if dtype is DType.BF16 else {2: 8e-3, 4: 2e-4, 8: 1e-9}[a.dtype.itemsize]
     # A sum of per-rank contributions (a pending value, a split matmul) rounds each one at
-    # its own scale, so an element that cancels is only as exact as the array's largest.
+    # its own scale, so an element that cancels is only as exact as the array's largest, or
+    # as the largest operand (``operands``) where every element cancels.
     big = np.finfo(a.dtype).max / 16
     ok = np.isfinite(b) & (np.abs(b) < big)
-    scale = max(1.0, float(np.abs(b[ok]).max(initial=0.0)))
+    scale = max(1.0, operands, float(np.abs(b[ok]).max(initial=0.0)))
     np.testing.assert_allclose(a[ok], b[ok], rtol=tol, atol=tol * scale, err_msg=what)
 
 
@@ -67,6 +68,15 @@ def test_random_modules_match_reference_with_overlapped_buckets(case: Case, buck
         get_config.cache_clear()
 
 
+def _largest(value: np.ndarray) -> float:
+    """The largest finite magnitude of a float array (0 for others)."""
+    v = np.asarray(value)
+    if v.dtype.kind != "f" or not v.size:
+        return 0.0
+    finite = np.abs(v[np.isfinite(v)].astype(np.float64))
+    return float(finite.max(initial=0.0))
+
+
 def _matches_reference(case: Case) -> None:
     module, errors = check_text(render(case.spec, Style(case.names)), "prop.dtm")
     assert module is not None and not errors
@@ -84,9 +94,10 @@ def _matches_reference(case: Case) -> None:
     }
     ref_params, ref_results = run_reference(module, inputs, steps=2)
     got = run_simulated(module, nranks, binding=sizes, inputs=inputs, steps=2)
+    operands = max([_largest(v) for v in (*inputs.values(), *ref_params.values())], default=1.0)
     for s in range(2):
         for i, (a, b) in enumerate(zip(got.results[s], ref_results[s], strict=True)):
-            _close(a, b, f"step {s} result {i}", entry.results[i].type.dtype)
+            _close(a, b, f"step {s} result {i}", entry.results[i].type.dtype, operands)
     types = {p.name: p.type.dtype for p in entry.params}
     for name, value in ref_params.items():
         _close(got.params[name.lstrip("%")], value, f"param {name}", types[name])
