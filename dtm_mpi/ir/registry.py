@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from dtm_mpi.errors import SourceSpan, VerifyError
@@ -94,6 +94,14 @@ class Trait(enum.Enum):
     """A binary op linear in each operand alone (``mul``): one side may be pending."""
     LINEAR_FIRST = "linear_first"
     """A binary op linear in its first operand only, on floats (``div``)."""
+    SUMS = "sums"
+    """Adds float values in an order the mesh decides: across ranks (its result is a pending
+    sum over the axes of a sharded dim it sums) or by a kernel whose order follows the block's
+    shape (a BLAS matmul). Deterministic mode computes it by its exact rule (:attr:`OpDef.exact`,
+    attached by :mod:`dtm_mpi.kernels.exact`), the same bits on every mesh."""
+    REDUCTION = "reduction"
+    """Reduces its operand over the dims of attribute ``dims`` (``sum``, ``mean``, ``max``,
+    ``min``): backends register one reduction kernel for each."""
     BROADCASTS = "broadcasts"
     """The result repeats the operand along the result's leading dims (numpy broadcasting,
     ``broadcast_to``): a generated kernel may read a vector operand as ``v[i % cols]``
@@ -250,6 +258,10 @@ class OpDef:
     since: tuple[int, int] = (1, 0)
     """The IR version that introduced the op: a module using it must declare that version
     or a later one (the verifier checks; builders declare the least version their ops need)."""
+    exact: object | None = None
+    """Deterministic mode's exact form of an op that sums floats (:data:`Trait.SUMS`): an
+    ``ExactRule`` attached by :mod:`dtm_mpi.kernels.exact` (:func:`attach_exact`), as backends
+    register their kernels (the IR layer does not import the kernels)."""
 
     def has(self, trait: Trait) -> bool:
         return trait in self.traits
@@ -305,6 +317,13 @@ def register_op(
         return infer
 
     return deco
+
+
+def attach_exact(name: str, rule: object) -> None:
+    """Attach deterministic mode's exact form to op ``name``, which must sum floats."""
+    op = all_ops()[name]
+    assert op.has(Trait.SUMS), f"{name}: an exact rule for an op that does not sum floats"
+    OPS[name] = replace(op, exact=rule)
 
 
 def _has_inexact(elems: tuple[FormatElem, ...]) -> bool:

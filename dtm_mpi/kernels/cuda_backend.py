@@ -195,7 +195,7 @@ def _reduction(name: str) -> None:
         return (fn(x, axis=dims, keepdims=keep).astype(out, copy=False),)
 
 
-for _name in ("sum", "mean", "max", "min"):
+for _name in sorted(ops_with(Trait.REDUCTION)):
     _reduction(_name)
 
 

@@ -31,7 +31,8 @@ those terms alone (NaN for a NaN, for ``inf * 0`` or for both infinities, else t
 counted exactly and so the same in any order. Zeros are ``+0.0`` and NaNs the one positive
 quiet NaN (:func:`canonical`).
 
-An op's exact form is an :class:`ExactRule`, registered here by op name (:data:`EXACT_RULES`);
+An op's exact form is an :class:`ExactRule`, attached here to the registry entry of each op that
+sums floats (:data:`~dtm_mpi.ir.registry.Trait.SUMS`, :attr:`~dtm_mpi.ir.registry.OpDef.exact`);
 the executor runs it in deterministic mode, doing the two allreduces where the result is a
 pending sum. Every function here is pure numpy on host arrays.
 """
@@ -47,17 +48,18 @@ import numpy as np
 from dtm_mpi.ir.dtypes import as_dtype
 from dtm_mpi.ir.nodes import Op
 from dtm_mpi.ir.ops.index import scatter_window
+from dtm_mpi.ir.registry import all_ops, attach_exact
 from dtm_mpi.ir.types import DType, TensorType
 from dtm_mpi.kernels.dispatch import KernelContext
 from dtm_mpi.sharding.mesh import MeshShape
 
 __all__ = [
-    "EXACT_RULES",
     "NONFINITE_EXP",
     "ZERO_EXP",
     "ExactRule",
     "Levels",
     "applies",
+    "exact_rule",
     "canonical",
     "exact_axes",
     "pending_axes",
@@ -197,13 +199,18 @@ class ExactRule:
     finish: Callable[[KernelContext, Levels, Arr], Arr]
 
 
-EXACT_RULES: dict[str, ExactRule] = {}
-"""The ops deterministic mode computes exactly, by name."""
+def exact_rule(op: Op) -> ExactRule | None:
+    """The exact form of ``op`` (from its registry entry), if it sums floats."""
+    entry = all_ops().get(op.name)
+    if entry is None or entry.exact is None or not op.result_types[0].dtype.is_float:
+        return None
+    assert isinstance(entry.exact, ExactRule), op.name
+    return entry.exact
 
 
 def applies(op: Op) -> bool:
     """Whether an op's exact form is needed: it has one and sums floats."""
-    return op.name in EXACT_RULES and op.result_types[0].dtype.is_float
+    return exact_rule(op) is not None
 
 
 def pending_axes(t: TensorType, mesh: MeshShape) -> tuple[str, ...]:
@@ -397,6 +404,7 @@ def _scatter_finish(ctx: KernelContext, got: Levels, exps: Arr) -> Arr:
     return _rounded(hi, lo, ctx.result_types[0])
 
 
-EXACT_RULES["matmul"] = ExactRule(_matmul_exponents, _matmul_levels, _matmul_finish)
-EXACT_RULES["sum"] = EXACT_RULES["mean"] = ExactRule(_sum_exponents, _sum_levels, _sum_finish)
-EXACT_RULES["scatter_add"] = ExactRule(_scatter_exponents, _scatter_levels, _scatter_finish)
+attach_exact("matmul", ExactRule(_matmul_exponents, _matmul_levels, _matmul_finish))
+attach_exact("sum", ExactRule(_sum_exponents, _sum_levels, _sum_finish))
+attach_exact("mean", ExactRule(_sum_exponents, _sum_levels, _sum_finish))
+attach_exact("scatter_add", ExactRule(_scatter_exponents, _scatter_levels, _scatter_finish))

@@ -32,7 +32,7 @@ from dtm_mpi.kernels.dispatch import (
     backend_kernels,
     bind_kernel,
 )
-from dtm_mpi.kernels.exact import EXACT_RULES, pending_axes
+from dtm_mpi.kernels.exact import exact_rule, pending_axes
 from dtm_mpi.kernels.exact_ranks import exact_across
 from dtm_mpi.kernels.fused import Expr
 from dtm_mpi.plan.fusion import FusedGroup, FusionNode, fusion_groups
@@ -473,7 +473,9 @@ class Executor:
         its pending group (:func:`~dtm_mpi.kernels.exact_ranks.exact_across`); every rank of
         the group ends with the whole result (a resolved pending sum)."""
         host = [self.backend.to_host(x) for x in xs]
-        out = exact_across(EXACT_RULES[ctx.op.name], ctx, host, self.comm, duplicate=duplicate)
+        rule = exact_rule(ctx.op)
+        assert rule is not None  # (bound only where it applies)
+        out = exact_across(rule, ctx, host, self.comm, duplicate=duplicate)
         return (self.backend.to_device(out),)
 
     def _run_op(self, p: PlanOp, xs: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:

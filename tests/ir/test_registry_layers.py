@@ -153,3 +153,37 @@ def test_no_second_table_of_op_names() -> None:
     assert not hasattr(fused, "UNARY_C") and not hasattr(fused, "BINARY_C")
     assert not hasattr(fusion, "FUSIBLE") and not hasattr(program, "_REDIST_OPS")
     assert not hasattr(reference, "_IDENTITY_OPS") and not hasattr(cuda, "_int_elementwise")
+
+
+def test_every_op_that_sums_floats_has_its_exact_rule_and_no_other_op_does() -> None:
+    """Whether an op sums floats is its registry entry's (``Trait.SUMS``), and so is its exact
+    rule (deterministic mode), attached by the kernels: neither without the other."""
+    import dtm_mpi.kernels.exact as exact
+
+    ops = all_ops()
+    summing = sorted(n for n, d in ops.items() if d.has(Trait.SUMS))
+    assert {"matmul", "sum", "mean", "scatter_add"} <= set(summing)
+    assert [n for n in summing if not isinstance(ops[n].exact, exact.ExactRule)] == []
+    assert sorted(n for n, d in ops.items() if d.exact is not None) == summing
+    assert not hasattr(exact, "EXACT_RULES")
+
+
+def test_an_op_adding_a_pending_sum_without_saying_it_sums_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A pending sum across ranks that an op adds is a float sum in the mesh's order: an op
+    whose entry does not say it sums (so deterministic mode has no exact rule) is refused
+    where its rule adds one."""
+    from dataclasses import replace
+
+    from dtm_mpi.ir import registry
+
+    monkeypatch.setitem(registry.OPS, "matmul", replace(OPS["matmul"], traits=frozenset()))
+    text = (ROOT / "examples" / "tp_mlp.dtm").read_text(encoding="utf-8")
+    with pytest.raises(AssertionError, match="matmul sums floats across ranks"):
+        load_module(text, "tp_mlp.dtm")
+
+
+@pytest.mark.parametrize("backend", ["cuda", "hip"])
+def test_the_gpu_reduction_kernels_are_the_registry_reductions(backend: str) -> None:
+    reductions = ops_with(Trait.REDUCTION)
+    assert reductions == {"sum", "mean", "max", "min"}
+    assert reductions <= set(backend_kernels(backend))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dtm_mpi.ir.registry import OpContext
+from dtm_mpi.ir.registry import OPS, OpContext, Trait
 from dtm_mpi.ir.types import DType, Layout, Partial, ReduceOp, TensorType
 
 KNOWN_CAPABILITIES = ("CAP_QUANT", "CAP_CUDA", "CAP_HIP", "CAP_HDF5_MPI", "CAP_STORE")
@@ -74,10 +74,22 @@ def same_dims(ctx: OpContext, i: int, j: int) -> None:
 
 
 def merge_partial(
-    ctx: OpContext, existing: Partial | None, op: ReduceOp, axes: Sequence[str]
+    ctx: OpContext,
+    existing: Partial | None,
+    op: ReduceOp,
+    axes: Sequence[str],
+    *,
+    zeros_elsewhere: bool = False,
 ) -> Partial | None:
+    """The result's pending reduction: ``existing`` (the operand's) with a pending ``op``
+    over ``axes`` added. A pending sum a new op adds is a sum of floats in the mesh's order,
+    so the op must say it sums (:data:`~dtm_mpi.ir.registry.Trait.SUMS`: deterministic mode
+    then has its exact rule), unless each element has one contributor, the other ranks
+    holding zeros (``zeros_elsewhere``: exact in any order)."""
     if not axes:
         return existing
+    summing = op is ReduceOp.SUM and not zeros_elsewhere
+    assert not summing or OPS[ctx.op.name].has(Trait.SUMS), f"{ctx.op.name} sums floats across ranks: give it Trait.SUMS and an exact rule"  # fmt: skip
     if existing is None:
         return Partial(op, tuple(axes))
     if existing.op is not op:

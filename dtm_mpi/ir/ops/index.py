@@ -23,7 +23,7 @@ from dtm_mpi.ir.build import Value
 from dtm_mpi.ir.grad_context import GradContext
 from dtm_mpi.ir.nodes import Op
 from dtm_mpi.ir.ops._common import dim_index, merge_partial, no_partial, require_numeric
-from dtm_mpi.ir.registry import OpContext, register_op
+from dtm_mpi.ir.registry import OpContext, Trait, register_op
 from dtm_mpi.ir.types import Layout, Partial, ReduceOp, TensorType
 
 __all__ = ["check_indices", "scatter_rows", "scatter_window", "take_rows"]
@@ -142,7 +142,7 @@ def _take(ctx: OpContext) -> tuple[TensorType, ...]:
             0, f"operand is {x.layout.partial} and split along the indexed dim {d}; "
             "a split dim gives a pending sum: allreduce it first"
         )  # fmt: skip
-    partial = merge_partial(ctx, x.layout.partial, ReduceOp.SUM, x.layout.dims[d])
+    partial = merge_partial(ctx, x.layout.partial, ReduceOp.SUM, x.layout.dims[d], zeros_elsewhere=True)  # fmt: skip
     dims = (*x.layout.dims[:d], *idx.layout.dims, *x.layout.dims[d + 1 :])
     _axes_once(ctx, dims, partial)
     shape = (*x.shape[:d], *idx.shape, *x.shape[d + 1 :])
@@ -167,7 +167,7 @@ def _d_scatter_add(c: GradContext) -> tuple[Value | None, None]:
 
 @register_op("scatter_add", "$u:operand , $idx:operand dim $dim:int", reference=_scatter_ref,
              doc="zeros plus rows added at integer indices along dim", grad=_d_scatter_add,
-             since=IR_1_1)  # fmt: skip
+             since=IR_1_1, traits=frozenset({Trait.SUMS}))  # fmt: skip
 def _scatter_add(ctx: OpContext) -> tuple[TensorType, ...]:
     u = ctx.operand_types[0]
     idx = _index_operand(ctx, 1)

@@ -16,7 +16,7 @@ from dtm_mpi.ir.dtypes import as_dtype
 from dtm_mpi.ir.grad_context import GradContext
 from dtm_mpi.ir.nodes import Op
 from dtm_mpi.ir.ops._common import merge_partial, require_numeric, same_dtype
-from dtm_mpi.ir.registry import OpContext, register_op
+from dtm_mpi.ir.registry import OpContext, Trait, register_op
 from dtm_mpi.ir.types import Layout, ReduceOp, TensorType
 
 
@@ -36,7 +36,7 @@ def _d_matmul(c: GradContext) -> tuple[Value | None, Value | None]:
 
 
 @register_op("matmul", "$lhs:operand , $rhs:operand", reference=_matmul_ref,
-             doc="batched matrix product", grad=_d_matmul)  # fmt: skip
+             doc="batched matrix product", grad=_d_matmul, traits=frozenset({Trait.SUMS}))  # fmt: skip
 def _matmul(ctx: OpContext) -> tuple[TensorType, ...]:
     a, b = ctx.operand_types
     require_numeric(ctx, 0)

@@ -25,7 +25,7 @@ from dtm_mpi.ir.ops._common import (
     require_numeric,
     unsharded_dim,
 )
-from dtm_mpi.ir.registry import OpContext, register_op
+from dtm_mpi.ir.registry import OpContext, Trait, register_op
 from dtm_mpi.ir.types import Layout, ReduceOp, TensorType
 
 _PARTIAL_OF = {"sum": ReduceOp.SUM, "mean": ReduceOp.SUM, "max": ReduceOp.MAX, "min": ReduceOp.MIN}
@@ -107,8 +107,10 @@ def _reduce_grad(name: str) -> GradRule:
 
 
 for _name in ("sum", "mean", "max", "min"):
+    _sums = {Trait.SUMS} if _PARTIAL_OF[_name] is ReduceOp.SUM else set()
     register_op(_name, "$x:operand dims $dims:ints $keepdims:flag(keepdims)", grad=_reduce_grad(_name),
-                reference=_reduce_ref(_name), doc=f"{_name} over dims")(_reduce_rule(_name))  # fmt: skip
+                reference=_reduce_ref(_name), doc=f"{_name} over dims",
+                traits=frozenset({Trait.REDUCTION, *_sums}))(_reduce_rule(_name))  # fmt: skip
 
 
 def _softmax_np(x: np.ndarray, dim: int, log: bool) -> np.ndarray:
