@@ -61,12 +61,29 @@ def add_ir_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     hsh = sub.add_parser("hash", help="print the module hash of an IR file")
     hsh.add_argument("file", metavar="FILE")
     hsh.set_defaults(func=_cmd_hash)
-    grad = sub.add_parser("grad", help="add the reverse-mode gradient of a function; print the module")  # fmt: skip
+    grad = sub.add_parser(
+        "grad", help="add the reverse-mode gradient of a function; print the module"
+    )
     grad.add_argument("file", metavar="FILE")
-    grad.add_argument("--wrt", required=True, metavar="P[,P...]", help="the parameters to differentiate with respect to")  # fmt: skip
-    grad.add_argument("--function", metavar="NAME", help="the function (default: the entry function)")  # fmt: skip
-    grad.add_argument("--loss", type=int, default=0, metavar="N", help="which result is the loss (a float scalar; default 0)")  # fmt: skip
-    grad.add_argument("-o", "--output", metavar="OUT", help="write the module to OUT instead of stdout")  # fmt: skip
+    grad.add_argument(
+        "--wrt",
+        required=True,
+        metavar="P[,P...]",
+        help="the parameters to differentiate with respect to",
+    )
+    grad.add_argument(
+        "--function", metavar="NAME", help="the function (default: the entry function)"
+    )
+    grad.add_argument(
+        "--loss",
+        type=int,
+        default=0,
+        metavar="N",
+        help="which result is the loss (a float scalar; default 0)",
+    )
+    grad.add_argument(
+        "-o", "--output", metavar="OUT", help="write the module to OUT instead of stdout"
+    )
     grad.set_defaults(func=_cmd_grad)
 
 
@@ -78,7 +95,9 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
     bir.add_argument("--ops", type=int, default=100_000, help="ops in the generated module")
     bir.add_argument("--repeat", type=int, default=3, help="runs; the best is reported")
     bir.set_defaults(func=_cmd_bench_ir)
-    bfe = bsub.add_parser("frontend", help="frontend: GPT trace+autodiff time; generated MLP step vs numpy")  # fmt: skip
+    bfe = bsub.add_parser(
+        "frontend", help="frontend: GPT trace+autodiff time; generated MLP step vs numpy"
+    )
     bfe.add_argument("--layers", type=int, default=12, help="transformer blocks of the traced GPT")
     bfe.add_argument("--repeat", type=int, default=3, help="traces; the best is reported")
     bfe.add_argument("--steps", type=int, default=5, help="timed training steps of each side")
@@ -86,8 +105,11 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
     bcomm = bsub.add_parser(
         "comm", help="collectives: dtm_mpi vs raw mpi4py on the same buffers (under mpirun)"
     )
-    bcomm.add_argument("--ops", default="allreduce,allgather,reduce_scatter,broadcast,all_to_all",
-                       help="comma-separated ops")  # fmt: skip
+    bcomm.add_argument(
+        "--ops",
+        default="allreduce,allgather,reduce_scatter,broadcast,all_to_all",
+        help="comma-separated ops",
+    )
     bcomm.add_argument(
         "--sizes", default=None, help="comma-separated sizes (8,64K,1M); default 8 B..64 MiB"
     )
@@ -95,8 +117,12 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
         "--repeat", type=int, default=30, help="alternating rounds; the best block is reported"
     )
     bcomm.add_argument("--csv", default=None, metavar="FILE", help="write one row per (op, bytes)")
-    bcomm.add_argument("--backend", default="numpy", choices=BACKEND_NAMES,
-                       help="buffers: host (numpy) or device arrays on each rank's GPU")  # fmt: skip
+    bcomm.add_argument(
+        "--backend",
+        default="numpy",
+        choices=BACKEND_NAMES,
+        help="buffers: host (numpy) or device arrays on each rank's GPU",
+    )
     bcomm.set_defaults(func=_cmd_bench_comm)
     bck = bsub.add_parser(
         "ckpt", help="checkpoint save/restore vs plain file writes and reads (under mpirun)"
@@ -108,36 +134,53 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
         "--repeat", type=int, default=4, help="rounds (write order alternates); best reported"
     )
     bck.add_argument("--csv", default=None, metavar="FILE", help="rows metric,value,baseline,ratio")
-    bck.add_argument("--ranks-per-file", default=None, metavar="G",
-                     help="ranks sharing a data file: an integer >= 1 or 'all' (default: DTM_CKPT_RANKS_PER_FILE, else 1)")  # fmt: skip
-    bck.add_argument("--cold", action="store_true",
-                     help="also time restores from storage: drop the page cache before each read (root)")  # fmt: skip
+    bck.add_argument(
+        "--ranks-per-file",
+        default=None,
+        metavar="G",
+        help="ranks sharing a data file: an integer >= 1 or 'all' (default: DTM_CKPT_RANKS_PER_FILE, else 1)",
+    )
+    bck.add_argument(
+        "--cold",
+        action="store_true",
+        help="also time restores from storage: drop the page cache before each read (root)",
+    )
     bck.set_defaults(func=_cmd_bench_ckpt)
     bca = bsub.add_parser(
-        "ckpt-async", help="the training loop without, with synchronous and with async checkpoints (under mpirun)"
-    )  # fmt: skip
+        "ckpt-async",
+        help="the training loop without, with synchronous and with async checkpoints (under mpirun)",
+    )
     bca.add_argument("--batch", type=int, default=256, help="rows of each step's batch")
     bca.add_argument("--width", type=int, default=1024, help="the MLP's input and output width")
-    bca.add_argument("--hidden", type=int, default=4096, help="the MLP's hidden width (split over the ranks)")  # fmt: skip
+    bca.add_argument(
+        "--hidden", type=int, default=4096, help="the MLP's hidden width (split over the ranks)"
+    )
     bca.add_argument("--steps", type=int, default=9, help="steps of each loop")
     bca.add_argument("--every", type=int, default=2, help="a checkpoint every N steps")
     bca.add_argument("--dir", default=None, help="directory on the file system to measure")
-    bca.add_argument("--repeat", type=int, default=3, help="loops per mode (alternating); best reported")  # fmt: skip
+    bca.add_argument(
+        "--repeat", type=int, default=3, help="loops per mode (alternating); best reported"
+    )
     bca.set_defaults(func=_cmd_bench_ckpt_async)
     btr = bsub.add_parser(
-        "train", help="whole training steps: dtm at 1, 2 (4) ranks vs the numpy floor and PyTorch (starts mpirun)"
-    )  # fmt: skip
+        "train",
+        help="whole training steps: dtm at 1, 2 (4) ranks vs the numpy floor and PyTorch (starts mpirun)",
+    )
     btr.add_argument("--models", default="digits,gpt,mlp", help="comma-separated: digits, gpt, mlp")
     btr.add_argument("--ranks", default="1,2", help="comma-separated rank counts (1 is always run)")
     btr.add_argument("--steps", type=int, default=8, help="timed steps per run")
     btr.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    btr.add_argument("--rounds", type=int, default=2, help="runs of every configuration; best median reported")  # fmt: skip
+    btr.add_argument(
+        "--rounds", type=int, default=2, help="runs of every configuration; best median reported"
+    )
     btr.add_argument("--csv", default=None, metavar="FILE", help="one row per configuration")
     btr.add_argument("--plot", default=None, metavar="PNG", help="bar chart of the step times")
     btr.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer")
     btr.add_argument("--mpirun", default="mpirun", help="the launcher command (split on spaces)")
     btr.set_defaults(func=_cmd_bench_train)
-    bops = bsub.add_parser("ops", help="executor overhead per op: a chain of tiny elementwise ops vs numpy")  # fmt: skip
+    bops = bsub.add_parser(
+        "ops", help="executor overhead per op: a chain of tiny elementwise ops vs numpy"
+    )
     bops.add_argument("--ops", type=int, default=1000, help="ops in the chain")
     bops.add_argument("--sizes", default="8,1024,65536", help="comma-separated element counts")
     bops.add_argument("--repeat", type=int, default=30, help="runs of each; the best is reported")
@@ -159,8 +202,12 @@ def add_info_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
 
 #: Every group of subcommands, in the order ``dtm --help`` lists them.
 COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (  # type: ignore[type-arg]
-    add_ir_commands, add_bench_commands, add_info_command, add_exec_commands, add_store_commands,
-)  # fmt: skip
+    add_ir_commands,
+    add_bench_commands,
+    add_info_command,
+    add_exec_commands,
+    add_store_commands,
+)
 
 
 def _print_diagnostics(errors: Sequence[DiagnosticError]) -> None:
@@ -267,10 +314,15 @@ def _cmd_bench_train(args: argparse.Namespace) -> int:
 
     report, _ = run_train_bench(
         models=[m.strip() for m in args.models.split(",") if m.strip()],
-        ranks=_int_list(args.ranks, "ranks"), steps=args.steps, warmup=args.warmup,
-        rounds=args.rounds, csv_path=args.csv, plot_path=args.plot, torch=not args.no_torch,
+        ranks=_int_list(args.ranks, "ranks"),
+        steps=args.steps,
+        warmup=args.warmup,
+        rounds=args.rounds,
+        csv_path=args.csv,
+        plot_path=args.plot,
+        torch=not args.no_torch,
         mpirun=args.mpirun.split(),
-    )  # fmt: skip
+    )
     print(report)
     return 0
 
@@ -302,7 +354,9 @@ def _cmd_bench_ckpt(args: argparse.Namespace) -> int:
             per_file = parse_ranks_per_file(str(args.ranks_per_file))
         except UsageError as exc:
             raise UsageError(f"--ranks-per-file: {exc}") from None
-    table = run_ckpt_bench(parse_bytes(args.bytes), args.tensors, args.dir, args.repeat, args.csv, per_file, args.cold)  # fmt: skip
+    table = run_ckpt_bench(
+        parse_bytes(args.bytes), args.tensors, args.dir, args.repeat, args.csv, per_file, args.cold
+    )
     if table:
         print(table)
     return 0
@@ -311,7 +365,9 @@ def _cmd_bench_ckpt(args: argparse.Namespace) -> int:
 def _cmd_bench_ckpt_async(args: argparse.Namespace) -> int:
     from dtm_mpi.bench.ckpt import run_ckpt_async_bench
 
-    table = run_ckpt_async_bench(args.batch, args.width, args.hidden, args.steps, args.every, args.dir, args.repeat)  # fmt: skip
+    table = run_ckpt_async_bench(
+        args.batch, args.width, args.hidden, args.steps, args.every, args.dir, args.repeat
+    )
     if table:
         print(table)
     return 0
@@ -323,7 +379,9 @@ def _cmd_bench_kernels(args: argparse.Namespace) -> int:
     dtypes = tuple(x.strip() for x in args.dtypes.split(",") if x.strip())
     bad = [d for d in dtypes if d not in ("f16", "f32", "f64")]
     if bad or not dtypes or args.rows < 1 or args.cols < 32 or args.cols % 32 or args.repeat < 1:
-        raise UsageError("need --dtypes from f16,f32,f64, --rows >= 1, --cols a multiple of 32, --repeat >= 1")  # fmt: skip
+        raise UsageError(
+            "need --dtypes from f16,f32,f64, --rows >= 1, --cols a multiple of 32, --repeat >= 1"
+        )
     print(run_kernel_bench(args.backend, args.rows, args.cols, dtypes, args.repeat, args.csv))
     return 0
 

@@ -19,9 +19,10 @@ __all__ = ["add_exec_commands", "byte_count", "runs_under_mpi"]
 
 def _mesh_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--mesh", metavar="AXIS=N,...",
+        "--mesh",
+        metavar="AXIS=N,...",
         help="bind mesh axis sizes (e.g. dp=2,tp=2); default: every rank on the first axis",
-    )  # fmt: skip
+    )
 
 
 def byte_count(text: str) -> int:
@@ -37,60 +38,139 @@ def byte_count(text: str) -> int:
 def add_exec_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ex = sub.add_parser("explain", help="per-op local shapes, communication, bytes, memory")
     ex.add_argument("file", metavar="FILE")
-    ex.add_argument("-n", "--ranks", type=int, default=None,
-                    help="number of ranks (default: the product of --mesh, else the declared mesh)")  # fmt: skip
+    ex.add_argument(
+        "-n",
+        "--ranks",
+        type=int,
+        default=None,
+        help="number of ranks (default: the product of --mesh, else the declared mesh)",
+    )
     _mesh_arg(ex)
-    ex.add_argument("--max-bytes-per-rank", type=byte_count, default=None, metavar="BYTES",
-                    help="refuse a plan whose peak memory on any rank is above BYTES")  # fmt: skip
-    ex.add_argument("--backend", default="numpy", choices=BACKEND_NAMES,
-                    help="also show where each op runs on this GPU backend (needs no GPU)")  # fmt: skip
+    ex.add_argument(
+        "--max-bytes-per-rank",
+        type=byte_count,
+        default=None,
+        metavar="BYTES",
+        help="refuse a plan whose peak memory on any rank is above BYTES",
+    )
+    ex.add_argument(
+        "--backend",
+        default="numpy",
+        choices=BACKEND_NAMES,
+        help="also show where each op runs on this GPU backend (needs no GPU)",
+    )
     ex.set_defaults(func=_cmd_explain)
 
     rn = sub.add_parser("run", help="run the entry function (--sim N: N simulated ranks)")
     rn.add_argument("file", metavar="FILE")
-    rn.add_argument("--sim", type=int, metavar="N", default=None,
-                    help="run N simulated ranks in this process (debugging); without --sim, "
-                    "run on the ranks of mpirun/srun")  # fmt: skip
+    rn.add_argument(
+        "--sim",
+        type=int,
+        metavar="N",
+        default=None,
+        help="run N simulated ranks in this process (debugging); without --sim, "
+        "run on the ranks of mpirun/srun",
+    )
     _mesh_arg(rn)
     rn.add_argument(
         "--steps", type=int, default=1, help="steps of the entry function (state carried)"
     )
-    rn.add_argument("-i", "--input", action="append", default=[], metavar="FILE",
-                    help="inputs (.npy named by file stem, .npz, .h5); repeatable")  # fmt: skip
+    rn.add_argument(
+        "-i",
+        "--input",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="inputs (.npy named by file stem, .npz, .h5); repeatable",
+    )
     rn.add_argument("-o", "--output", metavar="OUT.npz", help="write final state and results")
-    rn.add_argument("--backend", default="numpy", choices=BACKEND_NAMES,
-                    help="kernel backend: numpy (CPU), cuda or hip (CuPy on the rank's GPU, "
-                    "chosen by node-local rank); a GPU backend without a GPU is an error")  # fmt: skip
-    rn.add_argument("--gpu-aware-mpi", default=None, choices=["auto", "yes", "no"],
-                    help="whether MPI takes device buffers (default: DTM_GPU_AWARE_MPI, else "
-                    "auto: the MPI vendor's query, then a probe)")  # fmt: skip
-    rn.add_argument("--require-gpu-aware-mpi", action="store_true",
-                    help="refuse to stage device buffers through host memory")  # fmt: skip
-    rn.add_argument("--max-bytes-per-rank", type=byte_count, default=None, metavar="BYTES",
-                    help="refuse to run a plan above BYTES of peak memory on any rank")  # fmt: skip
-    rn.add_argument("--store", metavar="DIR", default=None,
-                    help="checkpoint store: its latest checkpoint fills 'init store' parameters, and it "
-                    "takes the run's state (--checkpoint-every, --resume; with --sim written by the one process)")  # fmt: skip
-    rn.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
-                    help="save the state to --store after every N steps")  # fmt: skip
-    rn.add_argument("--resume", action="store_true",
-                    help="start from the newest checkpoint in --store that verifies (saying which "
-                    "newer ones it skipped and why) and run up to --steps")  # fmt: skip
-    rn.add_argument("--checkpoint-async", action="store_true",
-                    help="write each checkpoint while the next steps run (its hashes taken when "
-                    "the step ends)")  # fmt: skip
-    rn.add_argument("--keep-last", type=int, default=None, metavar="K",
-                    help="keep only the K newest checkpoints in --store (kept in store.json)")  # fmt: skip
-    rn.add_argument("--quota", type=byte_count, default=None, metavar="BYTES",
-                    help="refuse a checkpoint that would take --store above BYTES")  # fmt: skip
-    rn.add_argument("--log-every", type=int, default=None, metavar="N",
-                    help="print the step time and throughput on rank 0 every N steps")  # fmt: skip
-    rn.add_argument("--resize-at", action="append", default=[], metavar="STEP:MESH",
-                    help="live resize: after step STEP, continue on the mesh bound as MESH (fewer "
-                    "ranks leave, more are spawned; the state moves in memory); repeatable")  # fmt: skip
-    rn.add_argument("--resize-file", default=None, metavar="PATH",
-                    help="live resize on request: when PATH appears, holding a mesh binding (e.g. "
-                    "dp=1,tp=3), the run resizes to it after the current step and consumes the file")  # fmt: skip
+    rn.add_argument(
+        "--backend",
+        default="numpy",
+        choices=BACKEND_NAMES,
+        help="kernel backend: numpy (CPU), cuda or hip (CuPy on the rank's GPU, "
+        "chosen by node-local rank); a GPU backend without a GPU is an error",
+    )
+    rn.add_argument(
+        "--gpu-aware-mpi",
+        default=None,
+        choices=["auto", "yes", "no"],
+        help="whether MPI takes device buffers (default: DTM_GPU_AWARE_MPI, else "
+        "auto: the MPI vendor's query, then a probe)",
+    )
+    rn.add_argument(
+        "--require-gpu-aware-mpi",
+        action="store_true",
+        help="refuse to stage device buffers through host memory",
+    )
+    rn.add_argument(
+        "--max-bytes-per-rank",
+        type=byte_count,
+        default=None,
+        metavar="BYTES",
+        help="refuse to run a plan above BYTES of peak memory on any rank",
+    )
+    rn.add_argument(
+        "--store",
+        metavar="DIR",
+        default=None,
+        help="checkpoint store: its latest checkpoint fills 'init store' parameters, and it "
+        "takes the run's state (--checkpoint-every, --resume; with --sim written by the one process)",
+    )
+    rn.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="save the state to --store after every N steps",
+    )
+    rn.add_argument(
+        "--resume",
+        action="store_true",
+        help="start from the newest checkpoint in --store that verifies (saying which "
+        "newer ones it skipped and why) and run up to --steps",
+    )
+    rn.add_argument(
+        "--checkpoint-async",
+        action="store_true",
+        help="write each checkpoint while the next steps run (its hashes taken when the step ends)",
+    )
+    rn.add_argument(
+        "--keep-last",
+        type=int,
+        default=None,
+        metavar="K",
+        help="keep only the K newest checkpoints in --store (kept in store.json)",
+    )
+    rn.add_argument(
+        "--quota",
+        type=byte_count,
+        default=None,
+        metavar="BYTES",
+        help="refuse a checkpoint that would take --store above BYTES",
+    )
+    rn.add_argument(
+        "--log-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="print the step time and throughput on rank 0 every N steps",
+    )
+    rn.add_argument(
+        "--resize-at",
+        action="append",
+        default=[],
+        metavar="STEP:MESH",
+        help="live resize: after step STEP, continue on the mesh bound as MESH (fewer "
+        "ranks leave, more are spawned; the state moves in memory); repeatable",
+    )
+    rn.add_argument(
+        "--resize-file",
+        default=None,
+        metavar="PATH",
+        help="live resize on request: when PATH appears, holding a mesh binding (e.g. "
+        "dp=1,tp=3), the run resizes to it after the current step and consumes the file",
+    )
     rn.set_defaults(func=_cmd_run)
 
     # fmt: off
@@ -109,17 +189,38 @@ def add_exec_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[
         type=int,
         default=None,
         help="ranks of the first launch (default: the host file's slots, else the --mesh product)",
-    )  # fmt: skip
-    la.add_argument("--hostfile", default=None, metavar="FILE",
-                    help="hosts and slots (Open MPI's format); a host that stops answering --probe is dropped")  # fmt: skip
-    la.add_argument("--max-restarts", type=int, default=3, metavar="K",
-                    help="relaunches after failures before giving up (default 3)")  # fmt: skip
-    la.add_argument("--probe", default=None, metavar="CMD",
-                    help="command checking that a host is alive, {host} replaced (default: ssh HOST true)")  # fmt: skip
-    la.add_argument("--mpirun", default="mpirun", metavar="CMD",
-                    help="the launcher command, as one shell-quoted string (default: mpirun)")  # fmt: skip
-    la.add_argument("--mpirun-args", default="", metavar="ARGS",
-                    help="extra mpirun arguments, as one shell-quoted string")  # fmt: skip
+    )
+    la.add_argument(
+        "--hostfile",
+        default=None,
+        metavar="FILE",
+        help="hosts and slots (Open MPI's format); a host that stops answering --probe is dropped",
+    )
+    la.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        metavar="K",
+        help="relaunches after failures before giving up (default 3)",
+    )
+    la.add_argument(
+        "--probe",
+        default=None,
+        metavar="CMD",
+        help="command checking that a host is alive, {host} replaced (default: ssh HOST true)",
+    )
+    la.add_argument(
+        "--mpirun",
+        default="mpirun",
+        metavar="CMD",
+        help="the launcher command, as one shell-quoted string (default: mpirun)",
+    )
+    la.add_argument(
+        "--mpirun-args",
+        default="",
+        metavar="ARGS",
+        help="extra mpirun arguments, as one shell-quoted string",
+    )
     la.add_argument("run_args", nargs=argparse.REMAINDER, metavar="-- FILE [run options]")
     la.set_defaults(func=_cmd_launch)
 
@@ -187,16 +288,30 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     def request() -> RunRequest:
         checkpoint = checkpoint_policy(
-            args.store, every=args.checkpoint_every, resume=args.resume,
-            background=args.checkpoint_async, keep_last=args.keep_last, quota=args.quota,
-        )  # fmt: skip
+            args.store,
+            every=args.checkpoint_every,
+            resume=args.resume,
+            background=args.checkpoint_async,
+            keep_last=args.keep_last,
+            quota=args.quota,
+        )
         return RunRequest(
-            args.file, binding=_binding(args), inputs=tuple(args.input), output=args.output,
-            steps=args.steps, backend=args.backend, max_bytes_per_rank=args.max_bytes_per_rank,
-            checkpoint=checkpoint, gpu_aware=args.gpu_aware_mpi,
-            require_gpu_aware=args.require_gpu_aware_mpi, sim=args.sim, log_every=args.log_every,
-            resize=resize_policy(_resizes(args), args.resize_file, relaunch=("-m", "dtm_mpi", *sys.argv[1:])),
-        )  # fmt: skip
+            args.file,
+            binding=_binding(args),
+            inputs=tuple(args.input),
+            output=args.output,
+            steps=args.steps,
+            backend=args.backend,
+            max_bytes_per_rank=args.max_bytes_per_rank,
+            checkpoint=checkpoint,
+            gpu_aware=args.gpu_aware_mpi,
+            require_gpu_aware=args.require_gpu_aware_mpi,
+            sim=args.sim,
+            log_every=args.log_every,
+            resize=resize_policy(
+                _resizes(args), args.resize_file, relaunch=("-m", "dtm_mpi", *sys.argv[1:])
+            ),
+        )
 
     if args.sim is None:  # under MPI: every rank decides before any rank may exit
         from dtm_mpi.runtime.mpirun import run_under_mpi
@@ -216,8 +331,15 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     if run_args[:1] == ["--"]:
         run_args = run_args[1:]
     if not run_args:
-        raise UsageError("dtm launch needs the run's arguments after --: dtm launch [options] -- FILE [run options]")  # fmt: skip
+        raise UsageError(
+            "dtm launch needs the run's arguments after --: dtm launch [options] -- FILE [run options]"
+        )
     return launch_elastic(
-        run_args, ranks=args.ranks, hostfile=args.hostfile, max_restarts=args.max_restarts,
-        probe=args.probe or DEFAULT_PROBE, mpirun=shlex.split(args.mpirun), mpirun_args=shlex.split(args.mpirun_args),
-    )  # fmt: skip
+        run_args,
+        ranks=args.ranks,
+        hostfile=args.hostfile,
+        max_restarts=args.max_restarts,
+        probe=args.probe or DEFAULT_PROBE,
+        mpirun=shlex.split(args.mpirun),
+        mpirun_args=shlex.split(args.mpirun_args),
+    )

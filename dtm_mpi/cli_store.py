@@ -62,18 +62,27 @@ def add_store_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
     ver.add_argument("store", metavar="STORE")
     which = ver.add_mutually_exclusive_group()
     _step_arg(which)
-    which.add_argument("--all", action="store_true",
-                       help="every committed checkpoint (incomplete ones count as problems)")  # fmt: skip
+    which.add_argument(
+        "--all",
+        action="store_true",
+        help="every committed checkpoint (incomplete ones count as problems)",
+    )
     ver.set_defaults(func=_cmd_ckpt_verify)
 
     rm = csub.add_parser("rm", help="remove a checkpoint, or every incomplete (partial) one")
     rm.add_argument("store", metavar="STORE")
     what = rm.add_mutually_exclusive_group(required=True)
     what.add_argument("--step", type=int, default=None, metavar="N", help="checkpoint step")
-    what.add_argument("--partial", action="store_true",
-                      help="every *.partial-* checkpoint (a save still running then fails at its commit)")  # fmt: skip
-    rm.add_argument("--force", action="store_true",
-                    help="also remove the checkpoint 'latest' names (latest moves to the newest remaining one)")  # fmt: skip
+    what.add_argument(
+        "--partial",
+        action="store_true",
+        help="every *.partial-* checkpoint (a save still running then fails at its commit)",
+    )
+    rm.add_argument(
+        "--force",
+        action="store_true",
+        help="also remove the checkpoint 'latest' names (latest moves to the newest remaining one)",
+    )
     rm.set_defaults(func=_cmd_ckpt_rm)
 
     store = sub.add_parser("store", help="read or write single tensors of a checkpoint store")
@@ -98,11 +107,19 @@ def add_store_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
     put.add_argument("store", metavar="STORE")
     put.add_argument("name", metavar="NAME")
     put.add_argument("file", metavar="FILE.npy")
-    put.add_argument("--class", dest="cls", choices=["primary", "derived"], default=None,
-                     help="artifact class (default: the replaced tensor's, else primary)")  # fmt: skip
+    put.add_argument(
+        "--class",
+        dest="cls",
+        choices=["primary", "derived"],
+        default=None,
+        help="artifact class (default: the replaced tensor's, else primary)",
+    )
     put.add_argument("--parent", default=None, help="parent tensor of a derived artifact")
-    put.add_argument("--rebuild", default=None,
-                     help="rebuild instruction of a derived artifact (e.g. copy, cast:f16)")  # fmt: skip
+    put.add_argument(
+        "--rebuild",
+        default=None,
+        help="rebuild instruction of a derived artifact (e.g. copy, cast:f16)",
+    )
     _step_arg(put, "one past the newest committed checkpoint; 0 for an empty store")
     put.set_defaults(func=_cmd_store_put)
 
@@ -123,7 +140,10 @@ def _table(rows: Sequence[Sequence[str]], right: Sequence[int] = ()) -> list[str
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     out = []
     for r in rows:
-        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))]  # fmt: skip
+        cells = [
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ]
         out.append("  ".join(cells).rstrip())
     return out
 
@@ -156,9 +176,13 @@ def _cmd_ckpt_ls(args: argparse.Namespace) -> int:
     keep = "all" if meta is None or meta.keep_last is None else str(meta.keep_last)
     name = DEFAULT_BACKEND if meta is None else meta.backend
     settings = "" if meta is not None else " (no store.json: defaults)"
-    print(f"store {store}: quota {quota}, keep_last {keep}, {disk_usage(store)} bytes in use by {len(entries)} checkpoint(s), backend {name}{settings}")  # fmt: skip
+    print(
+        f"store {store}: quota {quota}, keep_last {keep}, {disk_usage(store)} bytes in use by {len(entries)} checkpoint(s), backend {name}{settings}"
+    )
     for p in legacy_files(store):
-        print(f"{p.name}: a single-file checkpoint of format version 1, which this dtm_mpi does not read (not part of the store; it counts against the quota)")  # fmt: skip
+        print(
+            f"{p.name}: a single-file checkpoint of format version 1, which this dtm_mpi does not read (not part of the store; it counts against the quota)"
+        )
     if not entries:
         print("no checkpoints")
         return 0
@@ -173,7 +197,9 @@ def _cmd_ckpt_ls(args: argparse.Namespace) -> int:
         else:
             row[1] = "committed, latest" if e.step == latest else "committed"
             if e.step == latest and not e.latest:
-                notes.append(f"{e.path.name}: latest because the 'latest' pointer is missing or names a missing file")  # fmt: skip
+                notes.append(
+                    f"{e.path.name}: latest because the 'latest' pointer is missing or names a missing file"
+                )
             try:
                 m = read_manifest(e.path, backend)
             except ManifestError as exc:
@@ -189,7 +215,9 @@ def _cmd_ckpt_ls(args: argparse.Namespace) -> int:
     from dtm_mpi.io.store import retired_files
 
     for p in retired_files(store):
-        print(f"{p.name}: retired (by keep_last, a save that replaced its step, or dtm ckpt rm), not deleted yet; `dtm ckpt rm --partial` removes it")  # fmt: skip
+        print(
+            f"{p.name}: retired (by keep_last, a save that replaced its step, or dtm ckpt rm), not deleted yet; `dtm ckpt rm --partial` removes it"
+        )
     return 0
 
 
@@ -213,18 +241,37 @@ def _cmd_ckpt_inspect(args: argparse.Namespace) -> int:
     print(f"  chunk bytes   {m.chunk_bytes} ({m.hash_algorithm} per chunk)")
     print(f"  merkle root   {m.merkle_root}")
     print(f"  manifest hash {doc['manifest_hash']}")
-    print(f"  tensors       {len(m.artifacts)} ({len(_stored(m))} stored), {m.data_bytes} data bytes")  # fmt: skip
+    print(
+        f"  tensors       {len(m.artifacts)} ({len(_stored(m))} stored), {m.data_bytes} data bytes"
+    )
     files = sorted({sh.file for a in m.artifacts for sh in a.shards})
-    span = "" if not files else f" ({files[0]})" if len(files) == 1 else f" ({files[0]} .. {files[-1]})"  # fmt: skip
+    span = (
+        ""
+        if not files
+        else f" ({files[0]})"
+        if len(files) == 1
+        else f" ({files[0]} .. {files[-1]})"
+    )
     print(f"  data files    {len(files)}{span}")
-    rows = [["name", "class", "state", "dtype", "shape", "layout", "shards", "bytes", "merkle", "from"]]  # fmt: skip
+    rows = [
+        ["name", "class", "state", "dtype", "shape", "layout", "shards", "bytes", "merkle", "from"]
+    ]
     for a in m.artifacts:
         origin = f"{a.parent} ({a.rebuild})" if a.parent is not None else ""
-        rows.append([
-            a.name, a.cls.value.lower(), a.state.value.lower(), a.dtype.value,
-            _shape_text(a.shape), a.layout.dims_text(), str(len(a.shards)),
-            str(sum(s.nbytes for s in a.shards)), a.merkle_root[:12] if a.dataset is not None else "-", origin,
-        ])  # fmt: skip
+        rows.append(
+            [
+                a.name,
+                a.cls.value.lower(),
+                a.state.value.lower(),
+                a.dtype.value,
+                _shape_text(a.shape),
+                a.layout.dims_text(),
+                str(len(a.shards)),
+                str(sum(s.nbytes for s in a.shards)),
+                a.merkle_root[:12] if a.dataset is not None else "-",
+                origin,
+            ]
+        )
     for line in _table(rows, right=(6, 7)):
         print(line)
     return 0
@@ -259,7 +306,10 @@ def _cmd_ckpt_verify(args: argparse.Namespace) -> int:
     failed = [c for c in checks if c.status is not CheckStatus.OK]
     problems = sum(len(c.problems) or 1 for c in failed)
     if failed:
-        print(f"dtm ckpt verify: {len(failed)} of {len(checks)} checkpoint(s) of {store} failed ({problems} problem(s))", file=sys.stderr)  # fmt: skip
+        print(
+            f"dtm ckpt verify: {len(failed)} of {len(checks)} checkpoint(s) of {store} failed ({problems} problem(s))",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -294,7 +344,9 @@ def _cmd_store_ls(args: argparse.Namespace) -> int:
     for a in m.artifacts:
         origin = f"{a.parent} ({a.rebuild})" if a.parent is not None else ""
         stored = str(sum(s.nbytes for s in a.shards)) if a.dataset is not None else "-"
-        rows.append([a.name, a.cls.value.lower(), a.dtype.value, _shape_text(a.shape), stored, origin])  # fmt: skip
+        rows.append(
+            [a.name, a.cls.value.lower(), a.dtype.value, _shape_text(a.shape), stored, origin]
+        )
     for line in _table(rows, right=(4,)):
         print(line)
     return 0
@@ -322,7 +374,9 @@ def _cmd_store_get(args: argparse.Namespace) -> int:
     if m.artifact(args.name).dtype is DType.BF16:
         how = "its raw 16 bits" if value.dtype.kind == "u" else "binary32 values"
         note = f"; bf16 is stored as {value.dtype} ({how}) and written as {value.dtype}"
-    print(f"wrote {target}: tensor {args.name!r} of step {m.step}, {value.dtype}{_shape_text(value.shape)}, every chunk verified{note}")  # fmt: skip
+    print(
+        f"wrote {target}: tensor {args.name!r} of step {m.step}, {value.dtype}{_shape_text(value.shape)}, every chunk verified{note}"
+    )
     return 0
 
 
@@ -345,12 +399,25 @@ def _cmd_store_put(args: argparse.Namespace) -> int:
         raise UsageError(f"--step must be >= 0; got {args.step}")
     value = _load_npy(args.file)
     if handles.world_size() > 1:
-        raise agreed(UsageError("dtm store put is a serial tool: run it in one process, without mpirun"))  # fmt: skip
-    r = put_tensor(store, handles.self_comm(), args.name, value, cls=args.cls, parent=args.parent,
-                   rebuild=args.rebuild, step=args.step, where=args.file)  # fmt: skip
+        raise agreed(
+            UsageError("dtm store put is a serial tool: run it in one process, without mpirun")
+        )
+    r = put_tensor(
+        store,
+        handles.self_comm(),
+        args.name,
+        value,
+        cls=args.cls,
+        parent=args.parent,
+        rebuild=args.rebuild,
+        step=args.step,
+        where=args.file,
+    )
     what = "replaced" if r.replaced else "added"
     source = f"copy of step {r.base}" if r.base is not None else "first checkpoint of the store"
-    print(f"wrote {r.path}: step {r.step}, {r.tensors} tensor(s) ({source}); {what} {args.name!r}: {r.dtype}{_shape_text(r.shape)}, {r.cls.value.lower()}")  # fmt: skip
+    print(
+        f"wrote {r.path}: step {r.step}, {r.tensors} tensor(s) ({source}); {what} {args.name!r}: {r.dtype}{_shape_text(r.shape)}, {r.cls.value.lower()}"
+    )
     if r.rebuilt:
         print(f"rebuilt from the new value: {', '.join(r.rebuilt)} (derived)")
     return 0

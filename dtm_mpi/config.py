@@ -24,9 +24,16 @@ from typing import Any
 from dtm_mpi.errors import ConfigError, UsageError
 
 __all__ = [
-    "ENV_VARS", "Config", "EnvVar", "FaultKind", "FaultSpec", "GpuAwareMode", "get_config",
-    "launcher_node_ranks", "load_config",
-]  # fmt: skip
+    "ENV_VARS",
+    "Config",
+    "EnvVar",
+    "FaultKind",
+    "FaultSpec",
+    "GpuAwareMode",
+    "get_config",
+    "launcher_node_ranks",
+    "load_config",
+]
 
 MAX_MSG_ELEMS_DEFAULT = 2**31 - 1
 
@@ -186,7 +193,9 @@ def _auto_yes_no(name: str, raw: str) -> bool | None:
     if raw.strip().lower() in ("", "auto"):
         return None
     if (value := _bool_word(raw)) is None:
-        raise ConfigError(f"{name}: expected auto, {'/'.join(_TRUE)} or {'/'.join(_FALSE)}, got {raw!r}")  # fmt: skip
+        raise ConfigError(
+            f"{name}: expected auto, {'/'.join(_TRUE)} or {'/'.join(_FALSE)}, got {raw!r}"
+        )
     return value
 
 
@@ -265,7 +274,9 @@ LAUNCHER_NODE_RANKS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_N
 def allowed_cpus() -> int:
     """How many CPUs this process may run on (its affinity; the node's CPUs where the
     platform has none)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)  # fmt: skip
+    return (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    )
 
 
 def spare_cpu() -> bool:
@@ -287,7 +298,9 @@ BLAS_THREAD_VARIABLES = (
 """Where a user sets how many threads the BLAS library uses (then dtm leaves it alone)."""
 
 
-def blas_threads_share(local_size: int, environ: Mapping[str, str] | None = None, cpus: int | None = None) -> int | None:  # fmt: skip
+def blas_threads_share(
+    local_size: int, environ: Mapping[str, str] | None = None, cpus: int | None = None
+) -> int | None:
     """The BLAS threads a rank that shares its node with ``local_size - 1`` others should use:
     its share of the CPUs it may run on (its affinity, divided among the node's ranks where
     the affinity is the whole node), at least 1. None where a BLAS thread count is set in the

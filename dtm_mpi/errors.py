@@ -234,7 +234,9 @@ class RunStopped(SystemExit):
 
     def __str__(self) -> str:
         if self.checkpoint is None:
-            return f"stopped by {self.signal_name} after step {self.step}; nothing saved (no --store)"  # fmt: skip
+            return (
+                f"stopped by {self.signal_name} after step {self.step}; nothing saved (no --store)"
+            )
         return (
             f"stopped by {self.signal_name} after step {self.step}: checkpoint {self.checkpoint} "
             f"saved; continue with --resume (exit code {EXIT_REQUEUE}: requeue)"

@@ -23,7 +23,9 @@ def parse_bytes(text: str) -> int:
     rule and what was found."""
     m = _BYTES.fullmatch(text.strip())
     if m is None or (m.group(3) and m.group(3).lower() == "ib" and not m.group(2)):
-        raise UsageError(f"not a byte count: {text!r} (a number >= 0 with an optional unit K, M, G or T, e.g. 512M, 2G, 1.5GiB)")  # fmt: skip
+        raise UsageError(
+            f"not a byte count: {text!r} (a number >= 0 with an optional unit K, M, G or T, e.g. 512M, 2G, 1.5GiB)"
+        )
     value = float(m.group(1)) * UNITS[m.group(2).lower()]
     if not (math.isfinite(value) and value < 2**63):
         raise UsageError(f"byte count must be below 2**63; got {text!r}")

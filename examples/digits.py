@@ -110,7 +110,11 @@ def main(argv: list[str]) -> int:
     if rank0 and args.out:
         np.savez(args.out, **res.outputs)
     if rank0:
-        held = f"held-out accuracy {acc:.4f} ({len(yt)} images)" if not np.isnan(acc) else "held-out accuracy: give --store (or --sim)"  # fmt: skip
+        held = (
+            f"held-out accuracy {acc:.4f} ({len(yt)} images)"
+            if not np.isnan(acc)
+            else "held-out accuracy: give --store (or --sim)"
+        )
         print(f"step {args.steps}: train loss {res.last('loss'):.4f}, {held}", flush=True)
         if args.plot:
             _plot(
@@ -122,7 +126,15 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _held_out(net: dtm.nn.Module, mesh: dtm.Mesh, sizes: dict[str, int], xt: np.ndarray, yt: np.ndarray, args: argparse.Namespace, res: dtm.FitResult) -> float:  # fmt: skip
+def _held_out(
+    net: dtm.nn.Module,
+    mesh: dtm.Mesh,
+    sizes: dict[str, int],
+    xt: np.ndarray,
+    yt: np.ndarray,
+    args: argparse.Namespace,
+    res: dtm.FitResult,
+) -> float:
     """Accuracy on the held-out images: an evaluation step over all of them at once, its
     weights read from the store's latest checkpoint (or, simulated, the final weights)."""
     ev = dtm.eval_step(

@@ -23,7 +23,16 @@ from dtm_mpi import frontend as dtm
 from dtm_mpi.frontend import functional as fn
 from dtm_mpi.sharding.mesh import parse_mesh_binding
 
-SOURCES = ("json", "textwrap.py", "string.py", "functools.py", "collections", "argparse.py", "csv.py", "dataclasses.py")  # fmt: skip
+SOURCES = (
+    "json",
+    "textwrap.py",
+    "string.py",
+    "functools.py",
+    "collections",
+    "argparse.py",
+    "csv.py",
+    "dataclasses.py",
+)
 CHARS = "\n" + "".join(chr(c) for c in range(32, 127))  # printable ASCII; anything else is "?"
 BATCH, CONTEXT, DIM, HEADS, LAYERS = 24, 64, 96, 4, 2
 
@@ -34,7 +43,11 @@ def corpus() -> tuple[np.ndarray, np.ndarray]:
     texts = []
     for name in SOURCES:
         path = os.path.join(root, name)
-        files = [path] if path.endswith(".py") else sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".py"))  # fmt: skip
+        files = (
+            [path]
+            if path.endswith(".py")
+            else sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".py"))
+        )
         for f in files:
             with open(f, encoding="utf-8", errors="replace") as fh:
                 texts.append(fh.read())
@@ -86,7 +99,10 @@ def loss_fn(m: dtm.nn.GPT, ids: dtm.Tensor, tgt: dtm.Tensor) -> dtm.Tensor:
     return fn.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
 
 
-INPUTS = {"ids": dtm.Input((BATCH, CONTEXT), "i32", ("dp", None)), "tgt": dtm.Input((BATCH, CONTEXT), "i32", ("dp", None))}  # fmt: skip
+INPUTS = {
+    "ids": dtm.Input((BATCH, CONTEXT), "i32", ("dp", None)),
+    "tgt": dtm.Input((BATCH, CONTEXT), "i32", ("dp", None)),
+}
 
 
 def main(argv: list[str]) -> int:
@@ -105,27 +121,62 @@ def main(argv: list[str]) -> int:
     mesh = dtm.Mesh(dp=2, tp=2)
     train, val = corpus()
     model = gpt_model()
-    step = dtm.train_step(model, loss_fn, mesh=mesh, inputs=INPUTS, clip_norm=1.0, name="gpt",
-                          optimizer=dtm.optim.AdamW(lr=args.lr, weight_decay=0.01))  # fmt: skip
-    res = dtm.fit(step, Windows(train, seed=1), steps=args.steps, sim=args.sim, mesh=sizes,
-                  store=args.store, checkpoint_every=args.checkpoint_every, resume=args.resume,
-                  quiet=args.quiet, log_every=50)  # fmt: skip
+    step = dtm.train_step(
+        model,
+        loss_fn,
+        mesh=mesh,
+        inputs=INPUTS,
+        clip_norm=1.0,
+        name="gpt",
+        optimizer=dtm.optim.AdamW(lr=args.lr, weight_decay=0.01),
+    )
+    res = dtm.fit(
+        step,
+        Windows(train, seed=1),
+        steps=args.steps,
+        sim=args.sim,
+        mesh=sizes,
+        store=args.store,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
+        quiet=args.quiet,
+        log_every=50,
+    )
     rank0 = bool(res.outputs)
     val_loss = float("nan")
     if args.store or args.sim:
-        ev = dtm.eval_step(model, loss_fn, mesh=mesh, inputs=INPUTS, name="gpt_eval", weights_from_store=args.store is not None)  # fmt: skip
+        ev = dtm.eval_step(
+            model,
+            loss_fn,
+            mesh=mesh,
+            inputs=INPUTS,
+            name="gpt_eval",
+            weights_from_store=args.store is not None,
+        )
         weights = None if args.store else {k: v for k, v in res.outputs.items() if k in ev.params}
-        out = dtm.fit(ev, Windows(val, seed=2, fixed=True), steps=args.val_batches, sim=args.sim,
-                      mesh=sizes, store=args.store, quiet=True, values=weights)  # fmt: skip
+        out = dtm.fit(
+            ev,
+            Windows(val, seed=2, fixed=True),
+            steps=args.val_batches,
+            sim=args.sim,
+            mesh=sizes,
+            store=args.store,
+            quiet=True,
+            values=weights,
+        )
         val_loss = float(np.mean([m["loss"] for m in out.metrics])) if out.metrics else float("nan")
     if rank0:
         base = bigram_loss(train, val, len(CHARS))
-        print(f"corpus: {len(train)} train / {len(val)} validation characters from the standard library ({sysconfig.get_paths()['stdlib']})")  # fmt: skip
+        print(
+            f"corpus: {len(train)} train / {len(val)} validation characters from the standard library ({sysconfig.get_paths()['stdlib']})"
+        )
         if math.isnan(val_loss):
             print("validation: give --store (or --sim)")
         else:
             verdict = "below" if val_loss < base else "NOT below"
-            print(f"step {args.steps}: train loss {res.last('loss'):.4f}, validation loss {val_loss:.4f} nats/char, {verdict} the bigram baseline {base:.4f}")  # fmt: skip
+            print(
+                f"step {args.steps}: train loss {res.last('loss'):.4f}, validation loss {val_loss:.4f} nats/char, {verdict} the bigram baseline {base:.4f}"
+            )
     return 0
 
 

@@ -129,16 +129,18 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _FILE_TESTS.setdefault(path, set()).add(report.nodeid)
 
 
-def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:  # fmt: skip
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     if hasattr(config, "workerinput") or not _FILE_SECONDS:
         return
     total = sum(_FILE_SECONDS.values())
     rows = sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:_COSTLIEST_FILES]
-    terminalreporter.write_sep("=", f"test time by file, the {len(rows)} costliest (setup, call, teardown)")  # fmt: skip
+    terminalreporter.write_sep(
+        "=", f"test time by file, the {len(rows)} costliest (setup, call, teardown)"
+    )
     for path, seconds in rows:
-        terminalreporter.write_line(f"{seconds:8.1f} s {len(_FILE_TESTS[path]):6d} tests  {path}")  # fmt: skip
+        terminalreporter.write_line(f"{seconds:8.1f} s {len(_FILE_TESTS[path]):6d} tests  {path}")
     tests = sum(len(v) for v in _FILE_TESTS.values())
-    terminalreporter.write_line(f"{total:8.1f} s {tests:6d} tests  in {len(_FILE_SECONDS)} files")  # fmt: skip
+    terminalreporter.write_line(f"{total:8.1f} s {tests:6d} tests  in {len(_FILE_SECONDS)} files")
 
 
 def _harness(config: pytest.Config) -> _MpiHarness | None:

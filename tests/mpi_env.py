@@ -72,7 +72,9 @@ class Job:
     can wait for a moment of the run (a logged line) instead of sleeping."""
 
     def __init__(self, cmd: list[str], env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
         self.lines: list[str] = []
         self.times: list[float] = []  # when each line came (monotonic)
         self.ended = 0.0  # when the job ended (monotonic; set by finish)
@@ -100,8 +102,12 @@ class Job:
                 if m is not None:
                     return m, self.times[i]
             seen = len(self.lines)
-            assert self.proc.poll() is None or self._reader.is_alive(), f"the job ended before {pattern!r}:\n{self.text()}"  # fmt: skip
-            assert time.monotonic() < deadline, f"no line {pattern!r} within {timeout_s} s:\n{self.text()}"  # fmt: skip
+            assert self.proc.poll() is None or self._reader.is_alive(), (
+                f"the job ended before {pattern!r}:\n{self.text()}"
+            )
+            assert time.monotonic() < deadline, (
+                f"no line {pattern!r} within {timeout_s} s:\n{self.text()}"
+            )
             time.sleep(0.02)
 
     def text(self) -> str:

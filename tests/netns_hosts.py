@@ -36,7 +36,9 @@ def why_not() -> str | None:
     if os.geteuid() != 0:
         return "network namespaces need root"
     probe = f"dtmprobe{uuid.uuid4().hex[:6]}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, check=False)  # fmt: skip
+    made = subprocess.run(
+        ["ip", "netns", "add", probe], capture_output=True, text=True, check=False
+    )
     if made.returncode != 0:
         return f"cannot create a network namespace here: {made.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
@@ -59,33 +61,94 @@ class Hosts:
     agent: Path
     switch: str = ""  # the namespace of the bridge joining the hosts
 
-    def mpirun(self, slots: tuple[int, int], *prog: str, timeout: float = 300, env: dict[str, str] | None = None, mpirun_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    def mpirun(
+        self,
+        slots: tuple[int, int],
+        *prog: str,
+        timeout: float = 300,
+        env: dict[str, str] | None = None,
+        mpirun_args: tuple[str, ...] = (),
+    ) -> subprocess.CompletedProcess[str]:
         """``mpirun`` from the first host with ``slots[i]`` ranks on host ``i`` (ranks in host
         order), over TCP only."""
         hostfile = self.agent.parent / f"hosts-{slots[0]}-{slots[1]}"
-        hostfile.write_text("".join(f"{n} slots={s}\n" for n, s in zip(self.names, slots, strict=True) if s))  # fmt: skip
+        hostfile.write_text(
+            "".join(f"{n} slots={s}\n" for n, s in zip(self.names, slots, strict=True) if s)
+        )
         full = mpirun_env(**(env or {}))
-        forwarded = [a for k in full if k.startswith(("DTM_", "OMPI_ALLOW", "PYTHON")) for a in ("-x", k)]  # fmt: skip
-        cmd = ["ip", "netns", "exec", self.names[0], "mpirun", "--hostfile", str(hostfile),
-               "-n", str(sum(slots)), "--timeout", str(int(timeout) - 10),
-               "--mca", "plm_rsh_agent", str(self.agent), "--mca", "btl", "tcp,self",
-               "--mca", "btl_tcp_if_include", self.subnet, "--mca", "oob_tcp_if_include", self.subnet,
-               "--mca", "rmaps_base_oversubscribe", "1", *RTC, *forwarded, *mpirun_args, *prog]  # fmt: skip
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full, check=False)  # fmt: skip
+        forwarded = [
+            a for k in full if k.startswith(("DTM_", "OMPI_ALLOW", "PYTHON")) for a in ("-x", k)
+        ]
+        cmd = [
+            "ip",
+            "netns",
+            "exec",
+            self.names[0],
+            "mpirun",
+            "--hostfile",
+            str(hostfile),
+            "-n",
+            str(sum(slots)),
+            "--timeout",
+            str(int(timeout) - 10),
+            "--mca",
+            "plm_rsh_agent",
+            str(self.agent),
+            "--mca",
+            "btl",
+            "tcp,self",
+            "--mca",
+            "btl_tcp_if_include",
+            self.subnet,
+            "--mca",
+            "oob_tcp_if_include",
+            self.subnet,
+            "--mca",
+            "rmaps_base_oversubscribe",
+            "1",
+            *RTC,
+            *forwarded,
+            *mpirun_args,
+            *prog,
+        ]
+        return subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, env=full, check=False
+        )
 
     def shape(self, qdisc: str) -> str | None:
         """Put ``tc`` queueing discipline ``qdisc`` (``netem delay 20ms loss 2%``, ``tbf rate
         8mbit burst 32kbit latency 50ms``) on both ends of the link; the reason it cannot
         be (e.g. a kernel without ``sch_netem``), else None."""
         for ns, link in zip(self.names, self.links, strict=True):
-            got = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", link, "root", *qdisc.split()], capture_output=True, text=True, check=False)  # fmt: skip
+            got = subprocess.run(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    "tc",
+                    "qdisc",
+                    "replace",
+                    "dev",
+                    link,
+                    "root",
+                    *qdisc.split(),
+                ],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
             if got.returncode != 0:
-                return f"tc qdisc {qdisc.split(maxsplit=1)[0]}: {got.stderr.strip() or got.returncode} (this kernel lacks it)"  # fmt: skip
+                return f"tc qdisc {qdisc.split(maxsplit=1)[0]}: {got.stderr.strip() or got.returncode} (this kernel lacks it)"
         return None
 
     def unshape(self) -> None:
         for ns, link in zip(self.names, self.links, strict=True):
-            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", link, "root"], capture_output=True, check=False)  # fmt: skip
+            subprocess.run(
+                ["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", link, "root"],
+                capture_output=True,
+                check=False,
+            )
 
     def remove(self) -> None:
         for ns in (*self.names, self.switch):
@@ -109,7 +172,9 @@ def make_hosts() -> Hosts:
     # Open MPI launch agent: the daemon command in the host's namespace, with a session
     # directory of the host's own (the hosts share one /tmp and one host name, and two daemons
     # of a job making the same session directory at once fail: "mkdir ... File exists")
-    agent.write_text(f'#!/bin/sh\nhost=$1; shift\nmkdir -p "{work}/tmp-$host"\nexec ip netns exec "$host" env OMPI_MCA_orte_tmpdir_base="{work}/tmp-$host" /bin/sh -c "$*"\n')  # fmt: skip
+    agent.write_text(
+        f'#!/bin/sh\nhost=$1; shift\nmkdir -p "{work}/tmp-$host"\nexec ip netns exec "$host" env OMPI_MCA_orte_tmpdir_base="{work}/tmp-$host" /bin/sh -c "$*"\n'
+    )
     agent.chmod(0o755)
     hosts = Hosts(names, addrs, links, subnet, agent, switch)
     try:
@@ -141,13 +206,29 @@ def _wait_connected(hosts: Hosts, timeout: float = 20.0) -> None:
     import time
 
     port = 40000 + int(hosts.addrs[0].split(".")[2])
-    server = subprocess.Popen(["ip", "netns", "exec", hosts.names[0], sys.executable, "-c",
-                               f"import socket; s = socket.create_server(('{hosts.addrs[0]}', {port})); s.settimeout({timeout}); s.accept()"])  # fmt: skip
+    server = subprocess.Popen(
+        [
+            "ip",
+            "netns",
+            "exec",
+            hosts.names[0],
+            sys.executable,
+            "-c",
+            f"import socket; s = socket.create_server(('{hosts.addrs[0]}', {port})); s.settimeout({timeout}); s.accept()",
+        ]
+    )
     try:
         deadline = time.monotonic() + timeout
         probe = f"import socket; socket.create_connection(('{hosts.addrs[0]}', {port}), timeout=1).close()"
         while time.monotonic() < deadline:
-            if subprocess.run(["ip", "netns", "exec", hosts.names[1], sys.executable, "-c", probe], capture_output=True, check=False).returncode == 0:  # fmt: skip
+            if (
+                subprocess.run(
+                    ["ip", "netns", "exec", hosts.names[1], sys.executable, "-c", probe],
+                    capture_output=True,
+                    check=False,
+                ).returncode
+                == 0
+            ):
                 return
             time.sleep(0.2)
         raise RuntimeError(f"hosts {hosts.names}: no TCP connection within {timeout:g} s")

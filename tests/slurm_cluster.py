@@ -25,14 +25,26 @@ REQUEUE_SETTLE_S = 1.0
 """How long a requeued job waits, at least, before the test moves its start to now (and only
 once no step daemon of its previous run is left)."""
 
-DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scancel", "scontrol", "sinfo")  # fmt: skip
+DAEMONS = (
+    "munged",
+    "slurmctld",
+    "slurmd",
+    "sbatch",
+    "srun",
+    "squeue",
+    "scancel",
+    "scontrol",
+    "sinfo",
+)
 
 
 def why_not() -> str | None:
     """Why a private cluster cannot start here (None: it can)."""
-    missing = [d for d in DAEMONS if shutil.which(d) is None and not Path(f"/usr/sbin/{d}").exists()]  # fmt: skip
+    missing = [
+        d for d in DAEMONS if shutil.which(d) is None and not Path(f"/usr/sbin/{d}").exists()
+    ]
     if missing:
-        return f"Slurm is not installed ({', '.join(missing)} missing; make setup installs Debian's slurmctld slurmd slurm-client munge as root)"  # fmt: skip
+        return f"Slurm is not installed ({', '.join(missing)} missing; make setup installs Debian's slurmctld slurmd slurm-client munge as root)"
     if os.geteuid() != 0:
         return "the private Slurm daemons run as root here; not root"
     return None
@@ -71,11 +83,23 @@ class SlurmCluster:
         env.update(extra)
         return env
 
-    def run(self, *cmd: str, timeout: float = 60, check: bool = True, **extra: str) -> subprocess.CompletedProcess[str]:  # fmt: skip
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=self.env(**extra), check=check)  # fmt: skip
+    def run(
+        self, *cmd: str, timeout: float = 60, check: bool = True, **extra: str
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, env=self.env(**extra), check=check
+        )
 
     def sbatch(self, script: Path, *args: str, cwd: Path, **extra: str) -> int:
-        out = subprocess.run(["sbatch", "--parsable", *args, str(script)], capture_output=True, text=True, timeout=60, env=self.env(**extra), cwd=cwd, check=True)  # fmt: skip
+        out = subprocess.run(
+            ["sbatch", "--parsable", *args, str(script)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=self.env(**extra),
+            cwd=cwd,
+            check=True,
+        )
         return int(out.stdout.strip().split(";")[0])
 
     def state(self, job: int) -> str:
@@ -93,7 +117,11 @@ class SlurmCluster:
             st = self.state(job)
             if not st:
                 return
-            info = self.run("scontrol", "show", "job", str(job), check=False).stdout if st == "PENDING" else ""  # fmt: skip
+            info = (
+                self.run("scontrol", "show", "job", str(job), check=False).stdout
+                if st == "PENDING"
+                else ""
+            )
             if hurry_requeue and "Reason=BeginTime" in info:
                 held_since = held_since if held_since is not None else time.monotonic()
                 # once slurmd has finished with the job's previous run (Slurm's own delay is
@@ -117,7 +145,9 @@ class SlurmCluster:
             if not entry.name.isdigit():
                 continue
             try:
-                if (entry / "cmdline").read_bytes().startswith(title) and conf in (entry / "environ").read_bytes().split(b"\0"):  # fmt: skip
+                if (entry / "cmdline").read_bytes().startswith(title) and conf in (
+                    entry / "environ"
+                ).read_bytes().split(b"\0"):
                     found.append(int(entry.name))
             except OSError:
                 continue
@@ -209,15 +239,40 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubsc
     env = cluster.env()
     logs = open(root / "daemons.out", "ab")  # noqa: SIM115  (closed with the process group)
     try:
-        cluster.procs.append(subprocess.Popen(
-            [_exe("munged"), "--foreground", "--force", f"--key-file={key}", f"--socket={sock}",
-             f"--pid-file={munge}/munged.pid", f"--log-file={munge}/munged.log", f"--seed-file={munge}/seed"],
-            stdout=logs, stderr=logs, env=env,
-        ))  # fmt: skip
+        cluster.procs.append(
+            subprocess.Popen(
+                [
+                    _exe("munged"),
+                    "--foreground",
+                    "--force",
+                    f"--key-file={key}",
+                    f"--socket={sock}",
+                    f"--pid-file={munge}/munged.pid",
+                    f"--log-file={munge}/munged.log",
+                    f"--seed-file={munge}/seed",
+                ],
+                stdout=logs,
+                stderr=logs,
+                env=env,
+            )
+        )
         _wait(sock.exists, 20, "munged did not create its socket", root)
-        cluster.procs.append(subprocess.Popen([_exe("slurmctld"), "-D", "-i", "-f", conf], stdout=logs, stderr=logs, env=env))  # fmt: skip
-        cluster.procs.append(subprocess.Popen([_exe("slurmd"), "-D", "-f", conf, "-N", host], stdout=logs, stderr=logs, env=env))  # fmt: skip
-        _wait(lambda: "idle" in cluster.run("sinfo", "-h", "-o", "%t", check=False).stdout, 60, "the node did not become idle", root)  # fmt: skip
+        cluster.procs.append(
+            subprocess.Popen(
+                [_exe("slurmctld"), "-D", "-i", "-f", conf], stdout=logs, stderr=logs, env=env
+            )
+        )
+        cluster.procs.append(
+            subprocess.Popen(
+                [_exe("slurmd"), "-D", "-f", conf, "-N", host], stdout=logs, stderr=logs, env=env
+            )
+        )
+        _wait(
+            lambda: "idle" in cluster.run("sinfo", "-h", "-o", "%t", check=False).stdout,
+            60,
+            "the node did not become idle",
+            root,
+        )
     except BaseException:
         cluster.stop()
         raise
@@ -230,5 +285,9 @@ def _wait(ok: Callable[[], bool], timeout: float, what: str, root: Path) -> None
         if ok():
             return
         time.sleep(0.2)
-    logs = "".join((root / n).read_text(errors="replace")[-2000:] for n in ("daemons.out", "slurmctld.log", "slurmd.log") if (root / n).exists())  # fmt: skip
+    logs = "".join(
+        (root / n).read_text(errors="replace")[-2000:]
+        for n in ("daemons.out", "slurmctld.log", "slurmd.log")
+        if (root / n).exists()
+    )
     raise RuntimeError(f"private Slurm: {what} within {timeout:g} s\n{logs}")

@@ -99,9 +99,18 @@ def test_inputs_from_npz_and_h5(capsys: pytest.CaptureFixture[str], tmp_path: Pa
         f["target"] = target
     out = tmp_path / "out.npz"
     code, _, err = dtm(
-        capsys, "run", TP_MLP, "--sim", "1", "-i", str(tmp_path / "in.npz"),
-        "-i", str(tmp_path / "t.h5"), "-o", str(out),
-    )  # fmt: skip
+        capsys,
+        "run",
+        TP_MLP,
+        "--sim",
+        "1",
+        "-i",
+        str(tmp_path / "in.npz"),
+        "-i",
+        str(tmp_path / "t.h5"),
+        "-o",
+        str(out),
+    )
     assert code == 0, err
     _, history = run_reference(load(TP_MLP), {"x": x, "target": target}, steps=1)
     with np.load(out) as g:
@@ -248,7 +257,9 @@ def test_explain_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert "overlapped allreduces" not in out  # DTM_OVERLAP is off by default
 
 
-def test_explain_shows_the_overlapped_buckets(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_explain_shows_the_overlapped_buckets(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("DTM_OVERLAP", "1")
     get_config.cache_clear()
     try:
@@ -368,9 +379,20 @@ def test_store_parameter_from_input(capsys: pytest.CaptureFixture[str], tmp_path
     np.save(tmp_path / "data.npy", data)
     out = tmp_path / "out.npz"
     code, _, err = dtm(
-        capsys, "run", CALLS_STATE, "--sim", "4", "--mesh", "dp=2,tp=2", "--steps", "2",
-        "-i", str(tmp_path / "data.npy"), "-o", str(out),
-    )  # fmt: skip
+        capsys,
+        "run",
+        CALLS_STATE,
+        "--sim",
+        "4",
+        "--mesh",
+        "dp=2,tp=2",
+        "--steps",
+        "2",
+        "-i",
+        str(tmp_path / "data.npy"),
+        "-o",
+        str(out),
+    )
     assert code == 0, err
     params, history = run_reference(load(CALLS_STATE), {"data": data}, steps=2)
     with np.load(out) as g:
@@ -566,9 +588,20 @@ def test_init_store_from_the_store_with_sim(
     store = _store_with(tmp_path, data=data)
     out = tmp_path / "out.npz"
     code, _, err = dtm(
-        capsys, "run", CALLS_STATE, "--sim", "4", "--mesh", "dp=2,tp=2", "--steps", "2",
-        "--store", store, "-o", str(out),
-    )  # fmt: skip
+        capsys,
+        "run",
+        CALLS_STATE,
+        "--sim",
+        "4",
+        "--mesh",
+        "dp=2,tp=2",
+        "--steps",
+        "2",
+        "--store",
+        store,
+        "-o",
+        str(out),
+    )
     assert code == 0, err
     params, history = run_reference(load(CALLS_STATE), {"data": data}, steps=2)
     with np.load(out) as g:
@@ -579,9 +612,20 @@ def test_init_store_from_the_store_with_sim(
     other = data + 1
     np.save(tmp_path / "data.npy", other)
     code, _, err = dtm(
-        capsys, "run", CALLS_STATE, "--sim", "2", "--mesh", "dp=1,tp=2", "--store", store,
-        "-i", str(tmp_path / "data.npy"), "-o", str(out),
-    )  # fmt: skip
+        capsys,
+        "run",
+        CALLS_STATE,
+        "--sim",
+        "2",
+        "--mesh",
+        "dp=1,tp=2",
+        "--store",
+        store,
+        "-i",
+        str(tmp_path / "data.npy"),
+        "-o",
+        str(out),
+    )
     assert code == 0, err
     with np.load(out) as g:
         np.testing.assert_array_equal(g["data"], other)
@@ -591,7 +635,9 @@ def test_init_store_tensor_missing_from_the_store(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     store = _store_with(tmp_path, other=np.zeros((4, 8), np.float32))
-    code, stdout, err = dtm(capsys, "run", CALLS_STATE, "--sim", "2", "--mesh", "dp=1,tp=2", "--store", store)  # fmt: skip
+    code, stdout, err = dtm(
+        capsys, "run", CALLS_STATE, "--sim", "2", "--mesh", "dp=1,tp=2", "--store", store
+    )
     assert code != 0
     msg = one_line_error(err)
     assert "data" in msg and "internal error" not in err

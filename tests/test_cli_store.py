@@ -82,8 +82,12 @@ def serial_only() -> None:
 
 
 def restore_all(path: Path, step: int | None = None) -> dict[str, np.ndarray]:
-    m = read_manifest(path / committed_name(step if step is not None else read_latest(path) or 0))  # fmt: skip
-    targets = [(a.name, TensorType(a.dtype, a.shape, R(len(a.shape)))) for a in m.artifacts if a.dataset is not None]  # fmt: skip
+    m = read_manifest(path / committed_name(step if step is not None else read_latest(path) or 0))
+    targets = [
+        (a.name, TensorType(a.dtype, a.shape, R(len(a.shape))))
+        for a in m.artifacts
+        if a.dataset is not None
+    ]
     store = CheckpointStore(path, comm())
     try:
         return store.restore(MESH, targets, step=step).values
@@ -98,24 +102,43 @@ def same(a: np.ndarray, b: np.ndarray) -> bool:
 # --- dtm ckpt ls ------------------------------------------------------------------------------
 
 
-def test_ckpt_ls_shows_committed_latest_and_incomplete(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:  # fmt: skip
+def test_ckpt_ls_shows_committed_latest_and_incomplete(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     store = make_store(tmp_path / "s", keep_last=4)
     shutil.copytree(store / committed_name(2), store / "ckpt-00000009.partial-abcd")
     code, out, err = dtm(capsys, "ckpt", "ls", str(store))
     assert code == 0, err
     lines = out.splitlines()
-    usage = sum(tree_bytes(store / n) for n in (committed_name(1), committed_name(2), "ckpt-00000009.partial-abcd"))  # fmt: skip
+    usage = sum(
+        tree_bytes(store / n)
+        for n in (committed_name(1), committed_name(2), "ckpt-00000009.partial-abcd")
+    )
     assert disk_usage(store) == usage
-    assert f"store {store}: quota none, keep_last 4, {usage} bytes in use by 3 checkpoint(s)" in lines[0]  # fmt: skip
+    assert (
+        f"store {store}: quota none, keep_last 4, {usage} bytes in use by 3 checkpoint(s)"
+        in lines[0]
+    )
     rows = {ln.split()[0]: ln for ln in lines[2:] if ln.split() and ln.split()[0].isdigit()}
     m = read_manifest(store / committed_name(1))
     size = tree_bytes(store / committed_name(1))  # the whole directory
     assert size == sum(p.stat().st_size for p in (store / committed_name(1)).iterdir())
-    assert rows["1"].split() == ["1", "committed", committed_name(1), str(size), "6", str(m.data_bytes), "x=1"]  # fmt: skip
+    assert rows["1"].split() == [
+        "1",
+        "committed",
+        committed_name(1),
+        str(size),
+        "6",
+        str(m.data_bytes),
+        "x=1",
+    ]
     assert rows["2"].split()[:4] == ["2", "committed,", "latest", committed_name(2)]
     assert rows["9"].split()[:3] == ["9", "INCOMPLETE", "ckpt-00000009.partial-abcd"]
     assert rows["9"].split()[4:] == ["-", "-", "-"]
-    assert "ckpt-00000009.partial-abcd: INCOMPLETE: a save in progress, cancelled or killed; not loadable" in out  # fmt: skip
+    assert (
+        "ckpt-00000009.partial-abcd: INCOMPLETE: a save in progress, cancelled or killed; not loadable"
+        in out
+    )
     assert (store / "latest").read_text() == committed_name(2) + "\n"
     # without the pointer, latest is the newest committed checkpoint (what a restore loads)
     (store / "latest").unlink()
@@ -123,7 +146,9 @@ def test_ckpt_ls_shows_committed_latest_and_incomplete(capsys: pytest.CaptureFix
     assert f"{committed_name(2)}: latest because the 'latest' pointer is missing" in out
 
 
-def test_ckpt_ls_shows_an_invalid_manifest(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:  # fmt: skip
+def test_ckpt_ls_shows_an_invalid_manifest(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     store = make_store(tmp_path / "s", quota_bytes=10**9)
     flip_byte(store / committed_name(1) / MAIN_FILE, "/manifest", 40)
     code, out, err = dtm(capsys, "ckpt", "ls", str(store))
@@ -178,7 +203,9 @@ def test_ckpt_inspect_text_and_json(capsys: pytest.CaptureFixture[str], tmp_path
 # --- dtm ckpt verify --------------------------------------------------------------------------
 
 
-def test_ckpt_verify_ok_then_a_flipped_byte(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:  # fmt: skip
+def test_ckpt_verify_ok_then_a_flipped_byte(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     store = make_store(tmp_path / "s")
     latest = store / committed_name(2)
     m = read_manifest(latest)
@@ -186,7 +213,9 @@ def test_ckpt_verify_ok_then_a_flipped_byte(capsys: pytest.CaptureFixture[str], 
     assert code == 0, err
     assert out == f"ok {latest}: 6 tensors, {m.data_bytes} bytes verified\n"
 
-    flip_byte(latest / DATA, "/shards/w/0", 4 * 7 * 6 + 3)  # row 6 of 10; 2 rows of 28 bytes per 64-byte chunk  # fmt: skip
+    flip_byte(
+        latest / DATA, "/shards/w/0", 4 * 7 * 6 + 3
+    )  # row 6 of 10; 2 rows of 28 bytes per 64-byte chunk
     code, out, err = dtm(capsys, "ckpt", "verify", str(store))
     assert code == 1
     assert out.startswith(f"DAMAGED {latest / DATA}: tensor 'w' shard 'w:shard:0': chunk 3 "), out
@@ -197,7 +226,9 @@ def test_ckpt_verify_ok_then_a_flipped_byte(capsys: pytest.CaptureFixture[str], 
     assert f"ok {store / committed_name(1)}" in out and "DAMAGED" in out
 
 
-def test_ckpt_verify_all_counts_incomplete_files(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:  # fmt: skip
+def test_ckpt_verify_all_counts_incomplete_files(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     store = make_store(tmp_path / "s")
     assert dtm(capsys, "ckpt", "verify", str(store), "--all")[0] == 0
     shutil.copytree(store / committed_name(2), store / "ckpt-00000003.partial-0f")
@@ -220,7 +251,9 @@ def test_ckpt_rm(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
 
     code, out, err = dtm(capsys, "ckpt", "rm", str(store), "--step", "1")
     assert code == 0, err
-    assert not (store / committed_name(1)).exists() and pointer.read_text() == committed_name(3) + "\n"  # fmt: skip
+    assert (
+        not (store / committed_name(1)).exists() and pointer.read_text() == committed_name(3) + "\n"
+    )
 
     code, out, err = dtm(capsys, "ckpt", "rm", str(store), "--step", "3", "--force")
     assert code == 0, err
@@ -275,7 +308,9 @@ def test_store_get_is_bit_exact(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 
-def test_store_get_bf16_writes_the_stored_representation(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:  # fmt: skip
+def test_store_get_bf16_writes_the_stored_representation(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     import h5py
 
     bits = np.array([0x3F80, 0xC000, 0x7F80, 0x0001, 0x4049], dtype=np.uint16)
@@ -291,7 +326,9 @@ def test_store_get_bf16_writes_the_stored_representation(capsys: pytest.CaptureF
         stored = f["/tensors/b"][()]
     with h5py.File(path / DATA, "r") as f:
         assert same(f["/shards/b/0"][()], stored)
-    code, out, err = dtm(capsys, "store", "get", str(tmp_path / "s"), "b", "-o", str(tmp_path / "o.npy"))  # fmt: skip
+    code, out, err = dtm(
+        capsys, "store", "get", str(tmp_path / "s"), "b", "-o", str(tmp_path / "o.npy")
+    )
     assert code == 0, err
     got = np.load(tmp_path / "o.npy")
     assert same(got, stored) and f"bf16 is stored as {stored.dtype}" in out
@@ -303,7 +340,9 @@ def test_store_get_bf16_writes_the_stored_representation(capsys: pytest.CaptureF
         assert same(got, as_f32)
 
 
-def test_store_get_a_damaged_chunk_is_an_integrity_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:  # fmt: skip
+def test_store_get_a_damaged_chunk_is_an_integrity_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     store = make_store(tmp_path / "s")
     path = store / committed_name(2)
     flip_byte(path / DATA, "/shards/v/0", 33, 0x01)  # element 4 of 5
@@ -343,7 +382,9 @@ def test_store_get_usage_errors(capsys: pytest.CaptureFixture[str], tmp_path: Pa
 # --- dtm store put ----------------------------------------------------------------------------
 
 
-def test_store_put_replaces_copy_on_write(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:  # fmt: skip
+def test_store_put_replaces_copy_on_write(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     serial_only()
     store = make_store(tmp_path / "s")
     old = store / committed_name(2)
@@ -352,7 +393,10 @@ def test_store_put_replaces_copy_on_write(capsys: pytest.CaptureFixture[str], tm
     np.save(tmp_path / "w.npy", new_w)
     code, out, err = dtm(capsys, "store", "put", str(store), "w", str(tmp_path / "w.npy"))
     assert code == 0, err
-    assert f"wrote {store / committed_name(3)}: step 3, 7 tensor(s) (copy of step 2); replaced 'w': f32[10,7], primary" in out  # fmt: skip
+    assert (
+        f"wrote {store / committed_name(3)}: step 3, 7 tensor(s) (copy of step 2); replaced 'w': f32[10,7], primary"
+        in out
+    )
     assert read_latest(store) == 3
     assert {p.name: p.read_bytes() for p in old.iterdir()} == old_bytes  # the old one is untouched
     assert verify_checkpoint(store / committed_name(3)) == []
@@ -361,7 +405,13 @@ def test_store_put_replaces_copy_on_write(capsys: pytest.CaptureFixture[str], tm
     old = read_manifest(store / committed_name(2))
     assert m.names == old.names and m.module_hash == old.module_hash and m.chunk_bytes == 64
     for a, b in zip(m.artifacts, old.artifacts, strict=True):
-        assert (a.cls, a.parent, a.rebuild, a.dtype, a.shape) == (b.cls, b.parent, b.rebuild, b.dtype, b.shape)  # fmt: skip
+        assert (a.cls, a.parent, a.rebuild, a.dtype, a.shape) == (
+            b.cls,
+            b.parent,
+            b.rebuild,
+            b.dtype,
+            b.shape,
+        )
         assert (a.dataset is None) == (b.cls is ArtifactClass.EPHEMERAL)
     got, before = restore_all(store), values_at(2)
     assert same(got["w"], new_w)
@@ -373,7 +423,9 @@ def test_store_put_replaces_copy_on_write(capsys: pytest.CaptureFixture[str], tm
     assert same(restore_all(store, step=2)["w"], before["w"])
 
 
-def test_store_put_adds_a_tensor_with_its_class(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:  # fmt: skip
+def test_store_put_adds_a_tensor_with_its_class(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     serial_only()
     store = make_store(tmp_path / "s", steps=(1,))
     extra = np.arange(12, dtype=">i4").reshape(4, 3)  # big-endian in the file: stored native
@@ -384,7 +436,7 @@ def test_store_put_adds_a_tensor_with_its_class(capsys: pytest.CaptureFixture[st
     assert "added 'extra': i32[4,3], derived" in out
     m = read_manifest(store / committed_name(10))
     a = m.artifact("extra")
-    assert (a.cls, a.parent, a.rebuild, a.dtype) == (ArtifactClass.DERIVED, "w", "copy", DType.I32)  # fmt: skip
+    assert (a.cls, a.parent, a.rebuild, a.dtype) == (ArtifactClass.DERIVED, "w", "copy", DType.I32)
     assert m.names[-1] == "extra" and len(m.names) == len(TENSORS) + 1
     got = restore_all(store)
     assert same(got["extra"], extra.astype(np.int32))
@@ -399,7 +451,9 @@ def test_store_put_adds_a_tensor_with_its_class(capsys: pytest.CaptureFixture[st
     assert read_manifest(store / committed_name(11)).artifact("extra").parent == "w"
 
 
-def test_store_put_into_an_empty_store_and_retention(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:  # fmt: skip
+def test_store_put_into_an_empty_store_and_retention(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     serial_only()
     store = tmp_path / "s"
     CheckpointStore(store, comm(), keep_last=2).close()
@@ -484,5 +538,5 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path)
 def test_an_empty_store_has_no_latest(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     for argv in (["ckpt", "inspect"], ["ckpt", "verify"], ["store", "ls"]):
         code, _, err = dtm(capsys, *argv, str(tmp_path))
-        assert code == 1 and f"store {tmp_path} has no committed checkpoint" in one_line_error(err)  # fmt: skip
+        assert code == 1 and f"store {tmp_path} has no committed checkpoint" in one_line_error(err)
     assert dtm(capsys, "ckpt", "verify", str(tmp_path), "--all")[0] == 0

@@ -104,12 +104,16 @@ def test_bad_values_name_the_variable(env: dict[str, str], fragment: str) -> Non
         load_config(env)
 
 
-@pytest.mark.parametrize(("raw", "want"), [("1", "yes"), ("true", "yes"), ("0", "no"), ("off", "no"), ("auto", "auto")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("raw", "want"), [("1", "yes"), ("true", "yes"), ("0", "no"), ("off", "no"), ("auto", "auto")]
+)
 def test_gpu_aware_accepts_numeric_aliases(raw: str, want: str) -> None:
     assert load_config({"DTM_GPU_AWARE_MPI": raw}).gpu_aware_mpi.value == want
 
 
-@pytest.mark.parametrize(("raw", "want"), [("1", 1), ("4", 4), (" 2 ", 2), ("all", 0), ("ALL", 0), ("16", 16)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("raw", "want"), [("1", 1), ("4", 4), (" 2 ", 2), ("all", 0), ("ALL", 0), ("16", 16)]
+)
 def test_ckpt_ranks_per_file(raw: str, want: int) -> None:
     """Ranks sharing one data file of a checkpoint: an integer >= 1, or ``all`` (stored as 0:
     every rank of the job in one file, as ``plan_save`` reads it)."""
@@ -119,8 +123,11 @@ def test_ckpt_ranks_per_file(raw: str, want: int) -> None:
 
 # --- one parser for yes/no variables ----------------------------------------------------------
 
-_YES_NO = [("DTM_FUSE", "fuse", True), ("DTM_MALLOPT", "mallopt", True),
-           ("DTM_DETERMINISTIC", "deterministic", False)]  # fmt: skip
+_YES_NO = [
+    ("DTM_FUSE", "fuse", True),
+    ("DTM_MALLOPT", "mallopt", True),
+    ("DTM_DETERMINISTIC", "deterministic", False),
+]
 
 
 @pytest.mark.parametrize(("name", "field", "default"), _YES_NO)
@@ -239,14 +246,18 @@ def test_readme_table_matches_config() -> None:
     stated = {v.name: v.default for v in ENV_VARS}
     assert sorted(table) == sorted(stated), "README.md's Configuration table and ENV_VARS differ"
     for name, default in stated.items():
-        assert table[name] == default, f"README.md gives {name} default {table[name]!r}, Config {default!r}"  # fmt: skip
+        assert table[name] == default, (
+            f"README.md gives {name} default {table[name]!r}, Config {default!r}"
+        )
 
 
 def test_readme_table_is_in_env_vars_order() -> None:
     assert list(_readme_table()) == [v.name for v in ENV_VARS]
 
 
-@pytest.mark.parametrize(("raw", "want"), [("auto", None), ("", None), (" AUTO ", None), ("1", True), ("off", False)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("raw", "want"), [("auto", None), ("", None), (" AUTO ", None), ("1", True), ("off", False)]
+)
 def test_ckpt_hash_thread(raw: str, want: bool | None) -> None:
     assert load_config({"DTM_CKPT_HASH_THREAD": raw}).ckpt_hash_thread is want
 
@@ -277,7 +288,9 @@ def test_launcher_node_ranks(env: dict[str, str], want: int | None) -> None:
         (2, {}, 1, 1),  # bound to one CPU: that one
     ],
 )
-def test_a_rank_s_blas_threads_are_its_share_of_the_node(local_size: int, env: dict[str, str], cpus: int, want: int | str | None) -> None:  # fmt: skip
+def test_a_rank_s_blas_threads_are_its_share_of_the_node(
+    local_size: int, env: dict[str, str], cpus: int, want: int | str | None
+) -> None:
     import os
 
     from dtm_mpi.config import blas_threads_share

@@ -24,7 +24,9 @@ class _Writes(io.StringIO):
 
 
 @pytest.mark.parametrize(("func", "stream"), [(say, "stdout"), (write_line, "stderr")])
-def test_a_line_and_its_newline_are_one_write(func: object, stream: str, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_a_line_and_its_newline_are_one_write(
+    func: object, stream: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     fake = _Writes()
     monkeypatch.setattr(sys, stream, fake)
     func("checkpoint /s/ckpt-5 (after step 5)")  # type: ignore[operator]

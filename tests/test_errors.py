@@ -22,7 +22,7 @@ from dtm_mpi.errors import (
     UsageError,
     VerifyError,
     VersionError,
-)  # fmt: skip
+)
 
 
 def test_diagnostic_renders_location_line_and_caret() -> None:

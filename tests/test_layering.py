@@ -160,7 +160,7 @@ def _excused(imp: Import, target: str, excused: dict[tuple[str, str], str]) -> b
     return imp.lazy and (imp.source, target) in excused
 
 
-def import_cycles(root: Path, excused: dict[tuple[str, str], str] | None = None) -> list[list[str]]:  # fmt: skip
+def import_cycles(root: Path, excused: dict[tuple[str, str], str] | None = None) -> list[list[str]]:
     """The strongly connected components of more than one module (or a module importing
     itself) of the run-time import graph, less the ``excused`` lazy edges: each one is a
     cycle."""
@@ -255,9 +255,15 @@ def test_no_import_cycle() -> None:
 def test_every_excused_plugin_load_is_still_a_lazy_import() -> None:
     modules = module_names(ROOT)
     lazy = {(i.source, _resolve(i.target, modules)) for i in collect_imports(ROOT) if i.lazy}
-    eager = {(i.source, _resolve(i.target, modules)) for i in collect_imports(ROOT) if not i.lazy and not i.type_only}  # fmt: skip
+    eager = {
+        (i.source, _resolve(i.target, modules))
+        for i in collect_imports(ROOT)
+        if not i.lazy and not i.type_only
+    }
     for edge, why in PLUGIN_LOADS.items():
-        assert edge in lazy, f"{edge[0]} no longer imports {edge[1]} lazily ({why}): remove the excuse"  # fmt: skip
+        assert edge in lazy, (
+            f"{edge[0]} no longer imports {edge[1]} lazily ({why}): remove the excuse"
+        )
         assert edge not in eager, f"{edge[0]} imports {edge[1]} at module level: never excused"
 
 
@@ -305,7 +311,10 @@ def test_checker_excuses_only_named_lazy_edges(tmp_path: Path) -> None:
     excuse = {("dtm_mpi.registry", "dtm_mpi.plugin"): "plug-ins"}
     assert import_cycles(root, excuse) == []
     assert import_cycles(root) == [["dtm_mpi.plugin", "dtm_mpi.registry"]]
-    eager = _package(tmp_path / "b", {"registry.py": "import dtm_mpi.plugin\n", "plugin.py": "import dtm_mpi.registry\n"})  # fmt: skip
+    eager = _package(
+        tmp_path / "b",
+        {"registry.py": "import dtm_mpi.plugin\n", "plugin.py": "import dtm_mpi.registry\n"},
+    )
     assert import_cycles(eager, excuse) == [["dtm_mpi.plugin", "dtm_mpi.registry"]]
 
 
@@ -329,6 +338,9 @@ def test_checker_finds_upward_and_mpi4py(tmp_path: Path) -> None:
         },
     )
     up = sorted((i.source, i.target) for i in upward_imports(root))
-    assert up == [("dtm_mpi.plan.p", "dtm_mpi.kernels.registry"), ("dtm_mpi.sharding.s", "dtm_mpi.comm.x")]  # fmt: skip
+    assert up == [
+        ("dtm_mpi.plan.p", "dtm_mpi.kernels.registry"),
+        ("dtm_mpi.sharding.s", "dtm_mpi.comm.x"),
+    ]
     mpi = sorted((i.source, i.target) for i in mpi4py_imports(root))
     assert mpi == [("dtm_mpi.io.f", "mpi4py.MPI"), ("dtm_mpi.runtime.r", "mpi4py")]

@@ -39,27 +39,42 @@ def dtm_log(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     log.logger()  # back to the environment's level, without a handler of its own
 
 
-def test_info_shows_each_phase_once_per_change(dtm_log: Any, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_info_shows_each_phase_once_per_change(
+    dtm_log: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
     dtm_log("info")
     session, presence = (Control(_FakeMPI, None, 3, 4, lambda: "") for _ in range(2))
     for phase in ("load", "plan", "step 0"):
         session.phase = phase
         presence.phase = phase  # the same phase, entered again by the rank's presence
     err = capsys.readouterr().err.splitlines()
-    assert err == ["[rank 3] dtm: phase load", "[rank 3] dtm: phase plan", "[rank 3] dtm: phase step 0"]  # fmt: skip
+    assert err == [
+        "[rank 3] dtm: phase load",
+        "[rank 3] dtm: phase plan",
+        "[rank 3] dtm: phase step 0",
+    ]
 
 
-def test_info_shows_an_injected_fault_before_it_acts(dtm_log: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_info_shows_an_injected_fault_before_it_acts(
+    dtm_log: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("DTM_FAULT", "2:load:raise")
     dtm_log("info")
     maybe_fail(1, "load")  # another rank: nothing
     with pytest.raises(DtmError, match="injected failure"):
         maybe_fail(2, "load")
-    assert capsys.readouterr().err == "[rank 2] dtm: DTM_FAULT=2:load:raise: injecting raise at load\n"  # fmt: skip
+    assert (
+        capsys.readouterr().err == "[rank 2] dtm: DTM_FAULT=2:load:raise: injecting raise at load\n"
+    )
 
 
-@pytest.mark.parametrize(("level", "shown"), [(None, []), ("warning", []), ("info", ["info"]), ("debug", ["info", "debug"])])  # fmt: skip
-def test_the_level_decides_what_is_shown(level: str | None, shown: list[str], dtm_log: Any, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("level", "shown"),
+    [(None, []), ("warning", []), ("info", ["info"]), ("debug", ["info", "debug"])],
+)
+def test_the_level_decides_what_is_shown(
+    level: str | None, shown: list[str], dtm_log: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
     dtm_log(level)
     log.log_info(0, "info")
     log.log_debug(0, "debug")

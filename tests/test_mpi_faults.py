@@ -43,9 +43,14 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
 
 
 def launch(
-    ranks: int, args: list[str], env: dict[str, str], *, command: str = "run",
-    mpmd: list[list[str]] | None = None, during: Callable[[Job], None] | None = None,
-) -> tuple[int, str, float]:  # fmt: skip
+    ranks: int,
+    args: list[str],
+    env: dict[str, str],
+    *,
+    command: str = "run",
+    mpmd: list[list[str]] | None = None,
+    during: Callable[[Job], None] | None = None,
+) -> tuple[int, str, float]:
     """Run ``dtm COMMAND`` under mpirun; ``during(job)`` runs while the job does (it may wait
     for lines, stop or kill ranks). Returns the exit code, stdout+stderr and the seconds it
     took."""
@@ -104,9 +109,10 @@ def test_ranks_failing_together_are_all_named_alike(ranks: int, where: str, mark
     failed = [0, ranks - 1]
     fault = ",".join(f"{r}:{where}:raise" for r in failed)
     code, text, _ = launch(
-        ranks, [TP_MLP, "--mesh", MESH[ranks], "-o", marker],
+        ranks,
+        [TP_MLP, "--mesh", MESH[ranks], "-o", marker],
         {"DTM_TIMEOUT": "20", "DTM_FAULT": fault},
-    )  # fmt: skip
+    )
     assert code != 0, text
     line = assert_one_agreed_line(text, set(range(ranks)))
     assert f"failed on rank(s) {', '.join(map(str, failed))}:" in line, line
@@ -126,10 +132,14 @@ def test_a_rank_dying_before_the_session_is_named_by_every_survivor(
 ) -> None:
     failed = 1
     code, text, _ = launch(
-        ranks, [TP_MLP, "--mesh", MESH[ranks], "-o", marker],
-        {"DTM_TIMEOUT": "60", "DTM_FAULT": f"{failed}:{phase}:exit",
-         "OMPI_MCA_odls_base_sigkill_timeout": SIGKILL_AFTER_TERM_S},
-    )  # fmt: skip
+        ranks,
+        [TP_MLP, "--mesh", MESH[ranks], "-o", marker],
+        {
+            "DTM_TIMEOUT": "60",
+            "DTM_FAULT": f"{failed}:{phase}:exit",
+            "OMPI_MCA_odls_base_sigkill_timeout": SIGKILL_AFTER_TERM_S,
+        },
+    )
     assert code != 0, text
     line = assert_one_agreed_line(text, set(range(ranks)) - {failed})
     assert failed not in error_lines(text), text
@@ -151,10 +161,16 @@ def test_a_rank_killed_right_after_start_is_named(ranks: int, marker: str) -> No
         os.kill(pid, signal.SIGKILL)
 
     code, text, _ = launch(
-        ranks, [TP_MLP, "--mesh", MESH[ranks], "-o", marker],
-        {"DTM_TIMEOUT": "60", "DTM_FAULT": f"{failed}:load:hang", "DTM_LOG": "debug",
-         "OMPI_MCA_odls_base_sigkill_timeout": SIGKILL_AFTER_TERM_S}, during=kill,
-    )  # fmt: skip
+        ranks,
+        [TP_MLP, "--mesh", MESH[ranks], "-o", marker],
+        {
+            "DTM_TIMEOUT": "60",
+            "DTM_FAULT": f"{failed}:load:hang",
+            "DTM_LOG": "debug",
+            "OMPI_MCA_odls_base_sigkill_timeout": SIGKILL_AFTER_TERM_S,
+        },
+        during=kill,
+    )
     assert code != 0, text
     line = assert_one_agreed_line(text, set(range(ranks)) - {failed})
     # the phase is load unless the machine is so slow that a rank is not there yet
@@ -175,10 +191,16 @@ def test_a_rank_killed_inside_a_run_is_named_by_every_survivor(ranks: int, marke
         os.kill(pid, signal.SIGKILL)
 
     code, text, _ = launch(
-        ranks, [TP_MLP, "--mesh", MESH[ranks], "-o", marker],
-        {"DTM_TIMEOUT": "60", "DTM_FAULT": f"{failed}:allreduce:hang", "DTM_LOG": "info",
-         "OMPI_MCA_odls_base_sigkill_timeout": SIGKILL_AFTER_TERM_S}, during=kill,
-    )  # fmt: skip
+        ranks,
+        [TP_MLP, "--mesh", MESH[ranks], "-o", marker],
+        {
+            "DTM_TIMEOUT": "60",
+            "DTM_FAULT": f"{failed}:allreduce:hang",
+            "DTM_LOG": "info",
+            "OMPI_MCA_odls_base_sigkill_timeout": SIGKILL_AFTER_TERM_S,
+        },
+        during=kill,
+    )
     assert code != 0, text
     line = assert_one_agreed_line(text, set(range(ranks)) - {failed})
     assert re.match(rf"dtm run: [a-z0-9 ]+ failed: rank\(s\) {failed} exited", line), line
@@ -191,9 +213,10 @@ def test_every_arrived_rank_names_a_rank_hung_before_the_session(
 ) -> None:
     failed %= ranks
     code, text, elapsed = launch(
-        ranks, [TP_MLP, "--mesh", MESH[ranks], "-o", marker],
+        ranks,
+        [TP_MLP, "--mesh", MESH[ranks], "-o", marker],
         {"DTM_TIMEOUT": "4", "DTM_FAULT": f"{failed}:{phase}:hang"},
-    )  # fmt: skip
+    )
     assert code != 0, text
     assert elapsed < 60, text
     line = assert_one_agreed_line(text, set(range(ranks)) - {failed})
@@ -209,7 +232,9 @@ def test_one_rank_alone_on_another_backend_is_named_by_every_other(ranks: int, m
     # every rank takes part in the GPU binding's exchange, so the lone rank is not missing:
     # its failure to open the GPU backend (no CuPy or no GPU here) is agreed by all
     line = assert_one_agreed_line(text, set(range(ranks)), label="dtm")
-    assert line.startswith(f"dtm: error: backend failed on rank(s) {ranks - 1}: rank {ranks - 1} (backend): "), line  # fmt: skip
+    assert line.startswith(
+        f"dtm: error: backend failed on rank(s) {ranks - 1}: rank {ranks - 1} (backend): "
+    ), line
 
 
 # -- checkpoints: a rank hung or stopped while saving ---------------------------------------------
@@ -221,13 +246,28 @@ def test_a_save_names_the_rank_that_does_not_answer(
     ranks: int, where: str, failed: int, marker: str, tmp_path: Path
 ) -> None:
     code, text, _ = launch(
-        ranks, [TP_MLP, "--mesh", MESH[ranks], "-o", marker, "--steps", "2",
-                "--checkpoint-every", "1", "--store", str(tmp_path / "store")],
+        ranks,
+        [
+            TP_MLP,
+            "--mesh",
+            MESH[ranks],
+            "-o",
+            marker,
+            "--steps",
+            "2",
+            "--checkpoint-every",
+            "1",
+            "--store",
+            str(tmp_path / "store"),
+        ],
         {"DTM_TIMEOUT": "5", "DTM_FAULT": f"{failed}:{where}:hang"},
-    )  # fmt: skip
+    )
     assert code != 0, text
     line = assert_one_agreed_line(text, set(range(ranks)))
-    assert f"checkpoint 1 failed on rank(s) {failed}: rank {failed} (checkpoint 1): in no communication" in line  # fmt: skip
+    assert (
+        f"checkpoint 1 failed on rank(s) {failed}: rank {failed} (checkpoint 1): in no communication"
+        in line
+    )
     assert "launcher is ending" not in text, text
 
 
@@ -241,15 +281,30 @@ def test_a_rank_stopped_while_saving_is_named(ranks: int, marker: str, tmp_path:
         os.kill(pid, signal.SIGSTOP)  # the save has begun: rank 1 hangs in it, now stopped
 
     code, text, _ = launch(
-        ranks, [TP_MLP, "--mesh", MESH[ranks], "-o", marker, "--steps", "2",
-                "--checkpoint-every", "1", "--store", str(tmp_path / "store")],
+        ranks,
+        [
+            TP_MLP,
+            "--mesh",
+            MESH[ranks],
+            "-o",
+            marker,
+            "--steps",
+            "2",
+            "--checkpoint-every",
+            "1",
+            "--store",
+            str(tmp_path / "store"),
+        ],
         {"DTM_TIMEOUT": "5", "DTM_FAULT": f"{failed}:ckpt_write:hang", "DTM_LOG": "info"},
         during=stop,
-    )  # fmt: skip
+    )
     assert code != 0, text
     others = set(range(ranks)) - {failed}
     line = assert_one_agreed_line(text, others)
-    assert f"checkpoint 1 failed on rank(s) {failed}: rank {failed} (checkpoint 1): did not answer" in line  # fmt: skip
+    assert (
+        f"checkpoint 1 failed on rank(s) {failed}: rank {failed} (checkpoint 1): did not answer"
+        in line
+    )
     assert "launcher is ending" not in text and "Exception ignored" not in text, text
 
 
@@ -269,9 +324,12 @@ def test_a_rank_stopped_during_bench_comm_is_named(ranks: int, tmp_path: Path) -
 
     try:
         code, text, elapsed = launch(
-            ranks, ["comm", "--sizes", "8", "--repeat", "1000000", "--csv", csv],
-            {"DTM_TIMEOUT": "5", "DTM_LOG": "info"}, command="bench", during=stop,
-        )  # fmt: skip
+            ranks,
+            ["comm", "--sizes", "8", "--repeat", "1000000", "--csv", csv],
+            {"DTM_TIMEOUT": "5", "DTM_LOG": "info"},
+            command="bench",
+            during=stop,
+        )
     finally:
         kill_leftovers(csv)
     assert code != 0, text

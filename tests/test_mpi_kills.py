@@ -44,23 +44,56 @@ def store_is_sound(store: Path, last: int, why: str) -> None:
     latest = re.search(r"^\s*(\d+)\s+committed, latest\s", ls.stdout, re.M)
     assert latest is not None and int(latest.group(1)) == last, why + ls.stdout
     verify = dtm("ckpt", "verify", str(store))
-    assert verify.returncode == 0 and verify.stdout.startswith("ok "), why + verify.stdout + verify.stderr  # fmt: skip
+    assert verify.returncode == 0 and verify.stdout.startswith("ok "), (
+        why + verify.stdout + verify.stderr
+    )
 
 
 def uninterrupted(steps: int) -> dict[str, np.ndarray]:
-    return run_simulated(load("tp_mlp"), 3, binding={"dp": 1, "tp": 3}, steps=steps, deterministic=True).outputs()  # fmt: skip
+    return run_simulated(
+        load("tp_mlp"), 3, binding={"dp": 1, "tp": 3}, steps=steps, deterministic=True
+    ).outputs()
 
 
-def test_a_rank_killed_at_random_moments_of_an_async_run_costs_only_the_steps_since_the_last_save(tmp_path: Path) -> None:  # fmt: skip
+def test_a_rank_killed_at_random_moments_of_an_async_run_costs_only_the_steps_since_the_last_save(
+    tmp_path: Path,
+) -> None:
     rng = random.Random(SEED)
     why = f"(DTM_KILL_SEED={SEED}) "
     store, out = tmp_path / "store", tmp_path / "launched.npz"
     steps, every = 24, 3
-    cmd = [sys.executable, "-m", "dtm_mpi", "launch", "--max-restarts", "3", "--mpirun-args", "--bind-to none",
-           "--", MLP, "--mesh", "dp=1,tp=3", "--steps", str(steps), "--store", str(store), "--checkpoint-async",
-           "--checkpoint-every", str(every), "--log-every", "1", "-o", str(out)]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=mpirun_env(PYTHONUNBUFFERED="1", **DET))  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "dtm_mpi",
+        "launch",
+        "--max-restarts",
+        "3",
+        "--mpirun-args",
+        "--bind-to none",
+        "--",
+        MLP,
+        "--mesh",
+        "dp=1,tp=3",
+        "--steps",
+        str(steps),
+        "--store",
+        str(store),
+        "--checkpoint-async",
+        "--checkpoint-every",
+        str(every),
+        "--log-every",
+        "1",
+        "-o",
+        str(out),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=mpirun_env(PYTHONUNBUFFERED="1", **DET),
+    )
     assert proc.stdout is not None
     lines: list[str] = []
     deadline = time.monotonic() + 200
@@ -96,7 +129,9 @@ def test_a_rank_killed_at_random_moments_of_an_async_run_costs_only_the_steps_si
     attempts = re.split(r"^dtm launch: attempt \d+: .*$", text, flags=re.M)[1:]
     for n in range(2, len(kills) + 2):
         if re.search(rf"^dtm launch: attempt {n}: .*\(resuming\)$", text, re.M):
-            reached = max(int(s) for s in re.findall(rf"^step (\d+)/{steps}: ", attempts[n - 2], re.M))  # fmt: skip
+            reached = max(
+                int(s) for s in re.findall(rf"^step (\d+)/{steps}: ", attempts[n - 2], re.M)
+            )
             r = next(resumed, None)
             assert r is not None and r % every == 0 and reached - 2 * every <= r <= reached, (
                 why + text
@@ -109,15 +144,46 @@ def test_a_rank_killed_at_random_moments_of_an_async_run_costs_only_the_steps_si
     )
 
 
-def test_every_rank_killed_while_a_save_is_written_leaves_the_last_committed_checkpoint(tmp_path: Path) -> None:  # fmt: skip
+def test_every_rank_killed_while_a_save_is_written_leaves_the_last_committed_checkpoint(
+    tmp_path: Path,
+) -> None:
     rng = random.Random(SEED + 1)
     why = f"(DTM_KILL_SEED={SEED}) "
     store, marker = tmp_path / "store", str(tmp_path / "killed.npz")
-    cmd = ["mpirun", "--timeout", "150", "--bind-to", "none", "-n", "3", sys.executable, "-m", "mpi4py",
-           "-m", "dtm_mpi", "run", MLP, "--mesh", "dp=1,tp=3", "--steps", "100000", "--store", str(store),
-           "--checkpoint-async", "--checkpoint-every", "2", "-o", marker]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=mpirun_env(PYTHONUNBUFFERED="1", **DET))  # fmt: skip
+    cmd = [
+        "mpirun",
+        "--timeout",
+        "150",
+        "--bind-to",
+        "none",
+        "-n",
+        "3",
+        sys.executable,
+        "-m",
+        "mpi4py",
+        "-m",
+        "dtm_mpi",
+        "run",
+        MLP,
+        "--mesh",
+        "dp=1,tp=3",
+        "--steps",
+        "100000",
+        "--store",
+        str(store),
+        "--checkpoint-async",
+        "--checkpoint-every",
+        "2",
+        "-o",
+        marker,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=mpirun_env(PYTHONUNBUFFERED="1", **DET),
+    )
     try:
         pids = [rank_pid(marker, r) for r in range(3)]
         wanted = rng.randint(2, 5)  # a save after this many committed ones
@@ -142,7 +208,11 @@ def test_every_rank_killed_while_a_save_is_written_leaves_the_last_committed_che
             proc.communicate(timeout=60)
     killed_at = int(partial.split(".")[0].removeprefix("ckpt-"))
     why += f"killed while writing {partial}: "
-    committed = sorted(int(p.name.removeprefix("ckpt-")) for p in store.iterdir() if re.fullmatch(r"ckpt-\d+", p.name))  # fmt: skip
+    committed = sorted(
+        int(p.name.removeprefix("ckpt-"))
+        for p in store.iterdir()
+        if re.fullmatch(r"ckpt-\d+", p.name)
+    )
     last = max(committed)
     assert last <= killed_at, why  # (that save may have committed just before the kill)
     store_is_sound(store, last, why)
@@ -151,12 +221,40 @@ def test_every_rank_killed_while_a_save_is_written_leaves_the_last_committed_che
         assert re.search(r"INCOMPLETE\s+ckpt-\d+\.partial-", ls), why + ls
     out = tmp_path / "resumed.npz"
     done = subprocess.run(
-        ["mpirun", "--timeout", "150", "--bind-to", "none", "-n", "3", sys.executable, "-m", "mpi4py", "-m",
-         "dtm_mpi", "run", MLP, "--mesh", "dp=1,tp=3", "--steps", str(last + 2), "--store", str(store),
-         "--resume", "-o", str(out)],
-        capture_output=True, text=True, timeout=150, env=mpirun_env(**DET), check=False,
-    )  # fmt: skip
-    assert done.returncode == 0 and f"(after step {last})" in done.stdout, why + done.stdout + done.stderr  # fmt: skip
+        [
+            "mpirun",
+            "--timeout",
+            "150",
+            "--bind-to",
+            "none",
+            "-n",
+            "3",
+            sys.executable,
+            "-m",
+            "mpi4py",
+            "-m",
+            "dtm_mpi",
+            "run",
+            MLP,
+            "--mesh",
+            "dp=1,tp=3",
+            "--steps",
+            str(last + 2),
+            "--store",
+            str(store),
+            "--resume",
+            "-o",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=mpirun_env(**DET),
+        check=False,
+    )
+    assert done.returncode == 0 and f"(after step {last})" in done.stdout, (
+        why + done.stdout + done.stderr
+    )
     got, want = np.load(out), uninterrupted(last + 2)
     assert all(got[k].tobytes() == v.tobytes() for k, v in want.items()), (
         why + "resumed weights differ"
@@ -164,16 +262,44 @@ def test_every_rank_killed_while_a_save_is_written_leaves_the_last_committed_che
 
 
 @pytest.mark.parametrize(("how", "when"), [("USR1", "step"), ("TERM", "save")])
-def test_a_stop_signal_at_a_random_moment_saves_the_step_reached_and_leaves_no_partial(how: str, when: str, tmp_path: Path) -> None:  # fmt: skip
+def test_a_stop_signal_at_a_random_moment_saves_the_step_reached_and_leaves_no_partial(
+    how: str, when: str, tmp_path: Path
+) -> None:
     """SIGUSR1 to mpirun (forwarded to every rank), or a scheduler's SIGTERM to every rank;
     at a random step, or while an async save is being written: exit 75, the checkpoint of the
     step reached committed, latest and verified, nothing partial left."""
     rng = random.Random(SEED + 2)
     why = f"(DTM_KILL_SEED={SEED}) "
     store, marker = tmp_path / "store", str(tmp_path / "stopped.npz")
-    cmd = ["mpirun", "--timeout", "150", "--bind-to", "none", "-n", "3", sys.executable, "-m", "mpi4py",
-           "-m", "dtm_mpi", "run", MLP, "--mesh", "dp=1,tp=3", "--steps", "100000", "--store", str(store),
-           "--checkpoint-async", "--checkpoint-every", "2", "--log-every", "1", "-o", marker]  # fmt: skip
+    cmd = [
+        "mpirun",
+        "--timeout",
+        "150",
+        "--bind-to",
+        "none",
+        "-n",
+        "3",
+        sys.executable,
+        "-m",
+        "mpi4py",
+        "-m",
+        "dtm_mpi",
+        "run",
+        MLP,
+        "--mesh",
+        "dp=1,tp=3",
+        "--steps",
+        "100000",
+        "--store",
+        str(store),
+        "--checkpoint-async",
+        "--checkpoint-every",
+        "2",
+        "--log-every",
+        "1",
+        "-o",
+        marker,
+    ]
     job = Job(cmd, mpirun_env(PYTHONUNBUFFERED="1", **DET))
     try:
         pids = [rank_pid(marker, r) for r in range(3)]
@@ -181,9 +307,11 @@ def test_a_stop_signal_at_a_random_moment_saves_the_step_reached_and_leaves_no_p
         if when == "save":
             wanted = rng.randint(1, 4)
             while True:
-                assert time.monotonic() < deadline and job.proc.poll() is None, why + "no save seen"  # fmt: skip
+                assert time.monotonic() < deadline and job.proc.poll() is None, why + "no save seen"
                 names = [p.name for p in store.iterdir()] if store.exists() else []
-                if sum(1 for n in names if re.fullmatch(r"ckpt-\d+", n)) >= wanted and any(".partial-" in n for n in names):  # fmt: skip
+                if sum(1 for n in names if re.fullmatch(r"ckpt-\d+", n)) >= wanted and any(
+                    ".partial-" in n for n in names
+                ):
                     break
                 time.sleep(0.001)
         else:  # a random moment of the run, once it is under way (however long start-up took)

@@ -35,13 +35,43 @@ MESH = {2: "dp=1,tp=2", 3: "dp=1,tp=3", 4: "dp=2,tp=2"}
 DET = {"DTM_TIMEOUT": "60", "DTM_DETERMINISTIC": "1"}
 
 
-def started(ranks: int, store: Path, marker: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], list[str]]:  # fmt: skip
+def started(
+    ranks: int, store: Path, marker: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[str], list[str]]:
     """A long run (its output lines collected), returned once it has logged a step."""
-    cmd = ["mpirun", "--timeout", "150", "--bind-to", "none", "-n", str(ranks),
-           sys.executable, "-m", "mpi4py", "-m", "dtm_mpi", "run", MLP, "--mesh", MESH[ranks],
-           "--steps", "100000", "--store", str(store), "--log-every", "2", "-o", marker]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=mpirun_env(PYTHONUNBUFFERED="1", **DET, **(env or {})))  # fmt: skip
+    cmd = [
+        "mpirun",
+        "--timeout",
+        "150",
+        "--bind-to",
+        "none",
+        "-n",
+        str(ranks),
+        sys.executable,
+        "-m",
+        "mpi4py",
+        "-m",
+        "dtm_mpi",
+        "run",
+        MLP,
+        "--mesh",
+        MESH[ranks],
+        "--steps",
+        "100000",
+        "--store",
+        str(store),
+        "--log-every",
+        "2",
+        "-o",
+        marker,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=mpirun_env(PYTHONUNBUFFERED="1", **DET, **(env or {})),
+    )
     lines: list[str] = []
     assert proc.stdout is not None
     deadline = time.monotonic() + 120
@@ -59,7 +89,11 @@ def finish(proc: subprocess.Popen[str], lines: list[str]) -> tuple[int, str]:
 
 
 def stopped_step(text: str, signame: str) -> int:
-    m = re.search(rf"^dtm run: stopped by {signame} after step (\d+): checkpoint (\S+) saved; continue with --resume \(exit code 75: requeue\)$", text, re.M)  # fmt: skip
+    m = re.search(
+        rf"^dtm run: stopped by {signame} after step (\d+): checkpoint (\S+) saved; continue with --resume \(exit code 75: requeue\)$",
+        text,
+        re.M,
+    )
     assert m is not None, text
     assert text.count("stopped by") == 1 and "Traceback" not in text, text  # rank 0 alone
     return int(m.group(1))
@@ -67,10 +101,29 @@ def stopped_step(text: str, signame: str) -> int:
 
 def resumed_equals_uninterrupted(ranks: int, store: Path, done: int, tmp_path: Path) -> None:
     out = tmp_path / "resumed.npz"
-    code, text, _ = mpirun(ranks, MLP, "--mesh", MESH[ranks], "--steps", str(done + 2), "--resume", "--store", str(store), "-o", str(out), env=DET)  # fmt: skip
+    code, text, _ = mpirun(
+        ranks,
+        MLP,
+        "--mesh",
+        MESH[ranks],
+        "--steps",
+        str(done + 2),
+        "--resume",
+        "--store",
+        str(store),
+        "-o",
+        str(out),
+        env=DET,
+    )
     assert code == 0 and f"(after step {done})" in text, text
     sizes = dict(kv.split("=") for kv in MESH[ranks].split(","))
-    want = run_simulated(load("tp_mlp"), ranks, binding={k: int(v) for k, v in sizes.items()}, steps=done + 2, deterministic=True).outputs()  # fmt: skip
+    want = run_simulated(
+        load("tp_mlp"),
+        ranks,
+        binding={k: int(v) for k, v in sizes.items()},
+        steps=done + 2,
+        deterministic=True,
+    ).outputs()
     got = np.load(out)
     for key, value in want.items():
         assert got[key].tobytes() == value.tobytes(), f"{key} differs bitwise after the stop"
@@ -88,7 +141,7 @@ def test_a_signal_delivered_twice_is_one_stop(tmp_path: Path) -> None:
     stopped_step(text, "SIGUSR1")
 
 
-def test_a_second_signal_during_the_save_ends_at_once_and_commits_nothing(tmp_path: Path) -> None:  # fmt: skip
+def test_a_second_signal_during_the_save_ends_at_once_and_commits_nothing(tmp_path: Path) -> None:
     """Rank 1 hangs in the stop's save (injected); a second SIGUSR1, later than a duplicate
     would come, ends every rank without saving: no checkpoint is committed, nothing waits."""
     store, marker = tmp_path / "store", str(tmp_path / "never.npz")
@@ -109,7 +162,9 @@ def _flip_data_byte(ckpt: Path) -> None:
     data = sorted(ckpt.glob("data-*.h5"))[0]
     with h5py.File(data, "r") as f:
         names: list[str] = []
-        f.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) and o.size else None)  # fmt: skip
+        f.visititems(
+            lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) and o.size else None
+        )
         offset = f[names[0]].id.get_offset()
     with open(data, "r+b") as fh:
         fh.seek(offset + 5)
@@ -118,12 +173,37 @@ def _flip_data_byte(ckpt: Path) -> None:
         fh.write(bytes([b[0] ^ 0x40]))
 
 
-def test_resume_skips_a_newest_checkpoint_that_does_not_verify_and_says_why(tmp_path: Path) -> None:  # fmt: skip
+def test_resume_skips_a_newest_checkpoint_that_does_not_verify_and_says_why(tmp_path: Path) -> None:
     store, out = tmp_path / "store", tmp_path / "out.npz"
-    code, text, _ = mpirun(3, MLP, "--mesh", MESH[3], "--steps", "4", "--checkpoint-every", "2", "--store", str(store), env=DET)  # fmt: skip
+    code, text, _ = mpirun(
+        3,
+        MLP,
+        "--mesh",
+        MESH[3],
+        "--steps",
+        "4",
+        "--checkpoint-every",
+        "2",
+        "--store",
+        str(store),
+        env=DET,
+    )
     assert code == 0, text
     _flip_data_byte(store / "ckpt-00000004")
-    code, text, _ = mpirun(3, MLP, "--mesh", MESH[3], "--steps", "5", "--resume", "--store", str(store), "-o", str(out), env=DET)  # fmt: skip
+    code, text, _ = mpirun(
+        3,
+        MLP,
+        "--mesh",
+        MESH[3],
+        "--steps",
+        "5",
+        "--resume",
+        "--store",
+        str(store),
+        "-o",
+        str(out),
+        env=DET,
+    )
     assert code == 0, text
     assert re.search(r"resume: skipped step 4: .*content hash", text), text
     assert "ckpt-00000002 (after step 2)" in text, text
@@ -137,9 +217,25 @@ def test_resume_skips_a_newest_checkpoint_that_does_not_verify_and_says_why(tmp_
 def test_async_checkpoints_keep_last_and_log_every(tmp_path: Path) -> None:
     store, out = tmp_path / "store", tmp_path / "out.npz"
     code, text, _ = mpirun(
-        3, MLP, "--mesh", MESH[3], "--steps", "6", "--checkpoint-every", "1", "--checkpoint-async",
-        "--keep-last", "2", "--log-every", "3", "--store", str(store), "-o", str(out), env=DET,
-    )  # fmt: skip
+        3,
+        MLP,
+        "--mesh",
+        MESH[3],
+        "--steps",
+        "6",
+        "--checkpoint-every",
+        "1",
+        "--checkpoint-async",
+        "--keep-last",
+        "2",
+        "--log-every",
+        "3",
+        "--store",
+        str(store),
+        "-o",
+        str(out),
+        env=DET,
+    )
     assert code == 0, text
     assert text.count("written in the background") == 6, text
     assert re.search(r"^step 3/6: [0-9.]+ ms/step, [0-9.]+ steps/s$", text, re.M), text
@@ -154,7 +250,21 @@ def test_async_checkpoints_keep_last_and_log_every(tmp_path: Path) -> None:
 
 def test_a_quota_too_small_is_one_agreed_error(tmp_path: Path) -> None:
     store = tmp_path / "store"
-    code, text, _ = mpirun(3, MLP, "--mesh", MESH[3], "--steps", "2", "--checkpoint-every", "1", "--quota", "64K", "--store", str(store), env=DET)  # fmt: skip
+    code, text, _ = mpirun(
+        3,
+        MLP,
+        "--mesh",
+        MESH[3],
+        "--steps",
+        "2",
+        "--checkpoint-every",
+        "1",
+        "--quota",
+        "64K",
+        "--store",
+        str(store),
+        env=DET,
+    )
     assert code == 1, text
     lines = {ln for ln in text.splitlines() if ln.startswith("[rank ")}
     assert len({ln.split("] ", 1)[1] for ln in lines}) == 1 and len(lines) == 3, text

@@ -38,14 +38,32 @@ def ranks(mesh: str) -> int:
 
 @needs_mpirun
 @pytest.mark.slow
-@pytest.mark.parametrize("meshes", [("dp=2,tp=2", "dp=1,tp=3", "dp=2,tp=2")], ids=["tp3"])  # fmt: skip
-def test_4_to_3_to_4_live_equals_checkpoint_and_relaunch(meshes: tuple[str, str, str], tmp_path: Path) -> None:  # fmt: skip
+@pytest.mark.parametrize("meshes", [("dp=2,tp=2", "dp=1,tp=3", "dp=2,tp=2")], ids=["tp3"])
+def test_4_to_3_to_4_live_equals_checkpoint_and_relaunch(
+    meshes: tuple[str, str, str], tmp_path: Path
+) -> None:
     a, b, c = meshes
     live_store, out = tmp_path / "live", tmp_path / "live.npz"
     code, text, _ = mpirun(
-        4, MLP, "--mesh", a, "--steps", "6", "--resize-at", f"2:{b}", "--resize-at", f"4:{c}",
-        "--store", str(live_store), "--checkpoint-every", "1", "--checkpoint-async", "-o", str(out), env=DET,
-    )  # fmt: skip
+        4,
+        MLP,
+        "--mesh",
+        a,
+        "--steps",
+        "6",
+        "--resize-at",
+        f"2:{b}",
+        "--resize-at",
+        f"4:{c}",
+        "--store",
+        str(live_store),
+        "--checkpoint-every",
+        "1",
+        "--checkpoint-async",
+        "-o",
+        str(out),
+        env=DET,
+    )
     assert code == 0, text
     assert f"resized after step 2: 4 -> 3 rank(s), mesh [{b.replace(',', ', ')}]" in text, text
     assert f"resized after step 4: 3 -> 4 rank(s), mesh [{c.replace(',', ', ')}]" in text, text
@@ -56,9 +74,21 @@ def test_4_to_3_to_4_live_equals_checkpoint_and_relaunch(meshes: tuple[str, str,
     store = tmp_path / "relaunch"
     for n, mesh, steps, more in ((4, a, 2, ()), (3, b, 4, ("--resume",)), (4, c, 6, ("--resume",))):
         code, text, _ = mpirun(
-            n, MLP, "--mesh", mesh, "--steps", str(steps), "--store", str(store), "--checkpoint-every", "2", *more,
-            "-o", str(tmp_path / "relaunched.npz"), env=DET,
-        )  # fmt: skip
+            n,
+            MLP,
+            "--mesh",
+            mesh,
+            "--steps",
+            str(steps),
+            "--store",
+            str(store),
+            "--checkpoint-every",
+            "2",
+            *more,
+            "-o",
+            str(tmp_path / "relaunched.npz"),
+            env=DET,
+        )
         assert code == 0, text
     live, relaunched = np.load(out), np.load(tmp_path / "relaunched.npz")
     straight = run_simulated(load("tp_mlp"), 1, steps=6, deterministic=True).outputs()
@@ -72,7 +102,19 @@ def test_4_to_3_to_4_live_equals_checkpoint_and_relaunch(meshes: tuple[str, str,
 def test_a_schedule_that_does_not_fit_the_module_is_one_agreed_error(tmp_path: Path) -> None:
     """Every mesh of the schedule is planned before the first step: one rank would need more
     than --max-bytes-per-rank on the mesh of the resize."""
-    code, text, _ = mpirun(2, MLP, "--mesh", "dp=1,tp=2", "--steps", "3", "--max-bytes-per-rank", "4M", "--resize-at", "1:dp=1,tp=1", env=DET)  # fmt: skip
+    code, text, _ = mpirun(
+        2,
+        MLP,
+        "--mesh",
+        "dp=1,tp=2",
+        "--steps",
+        "3",
+        "--max-bytes-per-rank",
+        "4M",
+        "--resize-at",
+        "1:dp=1,tp=1",
+        env=DET,
+    )
     assert code != 0
     lines = [ln for ln in text.splitlines() if "dtm: error: plan failed" in ln]
     assert len(lines) == 2 and all(
@@ -81,13 +123,25 @@ def test_a_schedule_that_does_not_fit_the_module_is_one_agreed_error(tmp_path: P
     assert "Traceback" not in text, text
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"resize": ResizePolicy(((3, {"dp": 1, "tp": 3}),))}, "resizes come after steps 1 .. 2"),
-    ({"resize": ResizePolicy(((2, {"dp": 1, "tp": 3}), (1, {"dp": 2, "tp": 2})))}, "in increasing order"),
-    ({"resize": ResizePolicy(((1, {"tp": 3}),))}, "bind the same axes at every resize"),
-    ({"resize": ResizePolicy(((1, {"dp": 1, "tp": 3}),)), "sim": 2}, "--resize-at and --resize-file need the MPI runtime"),
-    ({"resize": ResizePolicy(file="req"), "sim": 2}, "--resize-at and --resize-file need the MPI runtime"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"resize": ResizePolicy(((3, {"dp": 1, "tp": 3}),))}, "resizes come after steps 1 .. 2"),
+        (
+            {"resize": ResizePolicy(((2, {"dp": 1, "tp": 3}), (1, {"dp": 2, "tp": 2})))},
+            "in increasing order",
+        ),
+        ({"resize": ResizePolicy(((1, {"tp": 3}),))}, "bind the same axes at every resize"),
+        (
+            {"resize": ResizePolicy(((1, {"dp": 1, "tp": 3}),)), "sim": 2},
+            "--resize-at and --resize-file need the MPI runtime",
+        ),
+        (
+            {"resize": ResizePolicy(file="req"), "sim": 2},
+            "--resize-at and --resize-file need the MPI runtime",
+        ),
+    ],
+)
 def test_bad_schedules_are_usage_errors(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(UsageError, match=re.escape(message)):
         RunRequest(MLP, {"dp": 2, "tp": 2}, steps=3, **kwargs)  # type: ignore[arg-type]
@@ -108,10 +162,39 @@ def test_a_resize_asked_for_in_a_file_while_the_run_goes_on(tmp_path: Path) -> N
     ignored. Shrink, a bad request, then grow, and the result is the uninterrupted run's."""
     request, out = tmp_path / "resize.req", tmp_path / "out.npz"
     steps = 30
-    cmd = ["mpirun", "--timeout", "150", "--bind-to", "none", "-n", "4", sys.executable, "-m", "mpi4py", "-m",
-           "dtm_mpi", "run", MLP, "--mesh", "dp=2,tp=2", "--steps", str(steps), "--resize-file", str(request),
-           "--log-every", "1", "-o", str(out)]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=mpirun_env(PYTHONUNBUFFERED="1", **DET))  # fmt: skip
+    cmd = [
+        "mpirun",
+        "--timeout",
+        "150",
+        "--bind-to",
+        "none",
+        "-n",
+        "4",
+        sys.executable,
+        "-m",
+        "mpi4py",
+        "-m",
+        "dtm_mpi",
+        "run",
+        MLP,
+        "--mesh",
+        "dp=2,tp=2",
+        "--steps",
+        str(steps),
+        "--resize-file",
+        str(request),
+        "--log-every",
+        "1",
+        "-o",
+        str(out),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=mpirun_env(PYTHONUNBUFFERED="1", **DET),
+    )
     assert proc.stdout is not None
     asks = iter(["dp=1,tp=3", "dp=1,tp=3,pp=2", "dp=2,tp=2"])
     lines: list[str] = []
@@ -132,7 +215,10 @@ def test_a_resize_asked_for_in_a_file_while_the_run_goes_on(tmp_path: Path) -> N
     text = "".join(lines)
     assert proc.returncode == 0 and seen == 3, text
     assert re.search(r"resized after step \d+: 4 -> 3 rank\(s\), mesh \[dp=1, tp=3\]", text), text
-    assert re.search(r"resize request \S+ after step \d+ ignored: it binds dp, pp, tp; the run's mesh has dp, tp", text), text  # fmt: skip
+    assert re.search(
+        r"resize request \S+ after step \d+ ignored: it binds dp, pp, tp; the run's mesh has dp, tp",
+        text,
+    ), text
     assert re.search(r"resized after step \d+: 3 -> 4 rank\(s\), mesh \[dp=2, tp=2\]", text), text
     assert not request.exists()
     got, want = (
@@ -151,10 +237,41 @@ def test_a_stop_after_a_shrink_saves_and_exits_75_with_the_parked_rank(tmp_path:
     import signal
 
     store, out = tmp_path / "store", tmp_path / "never.npz"
-    cmd = ["mpirun", "--timeout", "150", "--bind-to", "none", "-n", "4", sys.executable, "-m", "mpi4py", "-m",
-           "dtm_mpi", "run", MLP, "--mesh", "dp=2,tp=2", "--steps", "100000", "--resize-at", "2:dp=1,tp=3",
-           "--store", str(store), "--log-every", "1", "-o", str(out)]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=mpirun_env(PYTHONUNBUFFERED="1", **DET))  # fmt: skip
+    cmd = [
+        "mpirun",
+        "--timeout",
+        "150",
+        "--bind-to",
+        "none",
+        "-n",
+        "4",
+        sys.executable,
+        "-m",
+        "mpi4py",
+        "-m",
+        "dtm_mpi",
+        "run",
+        MLP,
+        "--mesh",
+        "dp=2,tp=2",
+        "--steps",
+        "100000",
+        "--resize-at",
+        "2:dp=1,tp=3",
+        "--store",
+        str(store),
+        "--log-every",
+        "1",
+        "-o",
+        str(out),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=mpirun_env(PYTHONUNBUFFERED="1", **DET),
+    )
     assert proc.stdout is not None
     lines: list[str] = []
     resized = False
@@ -170,7 +287,9 @@ def test_a_stop_after_a_shrink_saves_and_exits_75_with_the_parked_rank(tmp_path:
     m = re.search(r"stopped by SIGUSR1 after step (\d+): checkpoint", text)
     assert m is not None and "exited on signal" not in text, text
     verify = dtm("ckpt", "verify", str(store))
-    assert verify.returncode == 0 and f"ckpt-{int(m.group(1)):08d}" in verify.stdout, verify.stdout + verify.stderr  # fmt: skip
+    assert verify.returncode == 0 and f"ckpt-{int(m.group(1)):08d}" in verify.stdout, (
+        verify.stdout + verify.stderr
+    )
 
 
 @needs_mpirun
@@ -181,11 +300,25 @@ def test_growing_past_the_launched_ranks_spawns_them(tmp_path: Path) -> None:
     (the spawned rank leaves). The result is the uninterrupted run's."""
     out = tmp_path / "out.npz"
     code, text, _ = mpirun(
-        3, MLP, "--mesh", "dp=1,tp=3", "--steps", "6", "--resize-at", "2:dp=2,tp=2", "--resize-at", "4:dp=1,tp=3",
-        "-o", str(out), env=DET,
-    )  # fmt: skip
+        3,
+        MLP,
+        "--mesh",
+        "dp=1,tp=3",
+        "--steps",
+        "6",
+        "--resize-at",
+        "2:dp=2,tp=2",
+        "--resize-at",
+        "4:dp=1,tp=3",
+        "-o",
+        str(out),
+        env=DET,
+    )
     assert code == 0, text
-    assert "resized after step 2: 3 -> 4 rank(s)" in text and "resized after step 4: 4 -> 3 rank(s)" in text, text  # fmt: skip
+    assert (
+        "resized after step 2: 3 -> 4 rank(s)" in text
+        and "resized after step 4: 4 -> 3 rank(s)" in text
+    ), text
     got, want = (
         np.load(out),
         run_simulated(load("tp_mlp"), 1, steps=6, deterministic=True).outputs(),

@@ -61,9 +61,14 @@ CASES = [(n, 1) for n in ("tp_mlp", "dp_step", "attention", "collectives")] + [(
 def test_example_under_mpirun_equals_simulator(name: str, ranks: int, tmp_path: Path) -> None:
     out = tmp_path / "out.npz"
     code, text, _ = mpirun(
-        ranks, str(EXAMPLES / f"{name}.dtm"), "--steps", "2", "-o", str(out),
+        ranks,
+        str(EXAMPLES / f"{name}.dtm"),
+        "--steps",
+        "2",
+        "-o",
+        str(out),
         env={"DTM_DETERMINISTIC": "1", "DTM_TIMEOUT": "30"},
-    )  # fmt: skip
+    )
     assert code == 0, text
     got = np.load(out)
     want = run_simulated(load(name), ranks, steps=2, deterministic=True).outputs()
@@ -76,9 +81,14 @@ def test_example_under_mpirun_equals_simulator(name: str, ranks: int, tmp_path: 
 def test_explicit_mesh_under_mpirun(tmp_path: Path) -> None:
     out = tmp_path / "out.npz"
     code, text, _ = mpirun(
-        4, str(EXAMPLES / "collectives.dtm"), "--mesh", "dp=2,tp=2", "-o", str(out),
+        4,
+        str(EXAMPLES / "collectives.dtm"),
+        "--mesh",
+        "dp=2,tp=2",
+        "-o",
+        str(out),
         env={"DTM_DETERMINISTIC": "1"},
-    )  # fmt: skip
+    )
     assert code == 0, text
     want = run_simulated(
         load("collectives"), 4, binding={"dp": 2, "tp": 2}, deterministic=True
@@ -112,9 +122,14 @@ def test_failure_ends_every_rank_naming_the_failed_one(
     marker = str(tmp_path / "never.npz")  # unique in the process table
     binding = "dp=1,tp=3" if ranks == 3 else "dp=2,tp=2"
     code, text, elapsed = mpirun_from_fault(
-        ranks, str(EXAMPLES / "tp_mlp.dtm"), "--mesh", binding, "-o", marker,
+        ranks,
+        str(EXAMPLES / "tp_mlp.dtm"),
+        "--mesh",
+        binding,
+        "-o",
+        marker,
         env={"DTM_TIMEOUT": str(timeout), "DTM_FAULT": f"{failed}:allreduce:{kind}"},
-    )  # fmt: skip
+    )
     assert code != 0, text
     assert elapsed < 2 * timeout + 6, f"ended {elapsed:.1f} s after the fault\n{text}"
     lines = [ln for ln in text.splitlines() if re.match(r"\[rank \d+\] dtm run:", ln)]
@@ -149,9 +164,14 @@ def test_a_rank_hung_before_the_session_is_named(phase: str, failed: int, tmp_pa
     timeout = 3
     marker = str(tmp_path / "never.npz")
     code, text, elapsed = mpirun_from_fault(
-        3, str(EXAMPLES / "tp_mlp.dtm"), "--mesh", "dp=1,tp=3", "-o", marker,
+        3,
+        str(EXAMPLES / "tp_mlp.dtm"),
+        "--mesh",
+        "dp=1,tp=3",
+        "-o",
+        marker,
         env={"DTM_TIMEOUT": str(timeout), "DTM_FAULT": f"{failed}:{phase}:hang"},
-    )  # fmt: skip
+    )
     assert code != 0, text
     assert elapsed < 3 * timeout + 10, f"ended {elapsed:.1f} s after the fault\n{text}"
     lines = [ln for ln in text.splitlines() if re.match(r"\[rank \d+\] dtm run:", ln)]
@@ -159,7 +179,9 @@ def test_a_rank_hung_before_the_session_is_named(phase: str, failed: int, tmp_pa
     assert reporters == [r for r in range(3) if r != failed] or sorted(reporters) == [0, 1, 2], text
     assert len({ln.split("] ", 1)[1] for ln in lines}) == 1, text  # the same line everywhere
     for ln in lines:
-        assert f"phase '{phase}' did not end within {timeout} s: rank(s) {failed} did not arrive" in ln, ln  # fmt: skip
+        assert (
+            f"phase '{phase}' did not end within {timeout} s: rank(s) {failed} did not arrive" in ln
+        ), ln
     assert gone(marker) == [], "processes survived the job"
 
 
@@ -180,9 +202,12 @@ def test_handshake_mismatch_is_reported_on_every_rank(tmp_path: Path) -> None:
 
 def test_bad_input_on_every_rank_is_one_agreed_error(tmp_path: Path) -> None:
     code, text, _ = mpirun(
-        2, str(EXAMPLES / "tp_mlp.dtm"), "-i", str(tmp_path / "missing.npy"),
+        2,
+        str(EXAMPLES / "tp_mlp.dtm"),
+        "-i",
+        str(tmp_path / "missing.npy"),
         env={"DTM_TIMEOUT": "10"},
-    )  # fmt: skip
+    )
     assert code != 0
     lines = [ln for ln in text.splitlines() if "missing.npy" in ln and "[rank" in ln]
     assert len(lines) == 2 and all("inputs failed on rank(s) 0, 1" in ln for ln in lines), text
@@ -196,10 +221,14 @@ def test_bad_input_on_every_rank_is_one_agreed_error(tmp_path: Path) -> None:
 def test_gpu_backend_without_gpu_fails_on_every_rank(backend: str, ranks: int) -> None:
     """``--backend cuda|hip`` where CuPy is missing: one clear error on every rank, naming
     what is missing, before any data moves; never a CPU fall-through."""
-    code, text, _ = mpirun(ranks, str(EXAMPLES / "tp_mlp.dtm"), "--backend", backend, env={"DTM_TIMEOUT": "10"})  # fmt: skip
+    code, text, _ = mpirun(
+        ranks, str(EXAMPLES / "tp_mlp.dtm"), "--backend", backend, env={"DTM_TIMEOUT": "10"}
+    )
     assert code != 0
     lines = [ln for ln in text.splitlines() if "backend failed on rank(s)" in ln]
     assert sorted(ln.split("]")[0] for ln in lines) == [f"[rank {r}" for r in range(ranks)], text
     everyone = ", ".join(map(str, range(ranks)))
-    assert all(f"ranks {everyone} (backend): backend '{backend}' needs CuPy" in ln for ln in lines), text  # fmt: skip
+    assert all(
+        f"ranks {everyone} (backend): backend '{backend}' needs CuPy" in ln for ln in lines
+    ), text
     assert "loss" not in text and "summary" not in text

@@ -41,17 +41,33 @@ def _mpirun_slow_last(ranks: int, *args: str) -> tuple[int, str]:
     env = mpirun_env(PYTHONUNBUFFERED="1", DTM_TIMEOUT="30")
     prog = [sys.executable, "-m", "mpi4py", "-m", "dtm_mpi", "run", *args]
     slow = ["sh", "-c", "sleep 3; exec " + " ".join(shlex.quote(a) for a in prog)]
-    cmd = ["mpirun", "--timeout", "60", "--bind-to", "none", "-n", str(ranks - 1), *prog, ":", "-n", "1", *slow]  # fmt: skip
+    cmd = [
+        "mpirun",
+        "--timeout",
+        "60",
+        "--bind-to",
+        "none",
+        "-n",
+        str(ranks - 1),
+        *prog,
+        ":",
+        "-n",
+        "1",
+        *slow,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90, env=env, check=False)
     return proc.returncode, proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize(
     ("args", "needle"),
-    [(["--steps", "-1"], "--steps must be >= 1"), (["--resume"], "need --store DIR"),
-     (["--steps", "two"], "invalid int value")],
+    [
+        (["--steps", "-1"], "--steps must be >= 1"),
+        (["--resume"], "need --store DIR"),
+        (["--steps", "two"], "invalid int value"),
+    ],
     ids=["steps-negative", "resume-without-store", "unparsable"],
-)  # fmt: skip
+)
 def test_argument_errors_are_one_line_on_every_rank(args: list[str], needle: str) -> None:
     """Lines were missing in 3 of 10 runs: the first rank to exit had the launcher kill the
     others before they printed (here: always, as the last rank starts late). Now every rank
@@ -76,7 +92,9 @@ def test_corrupt_npz_is_one_agreed_line_naming_the_file(tmp_path: Path) -> None:
     assert len(lines) == 2, text
     bodies = {ln.split("] ", 1)[1] for ln in lines}
     assert len(bodies) == 1, text  # the same line on every rank
-    assert f"cannot read input file {bad}" in lines[0] and "inputs failed on rank(s) 0, 1" in lines[0], text  # fmt: skip
+    assert (
+        f"cannot read input file {bad}" in lines[0] and "inputs failed on rank(s) 0, 1" in lines[0]
+    ), text
     assert "Traceback" not in text and "BadZipFile" not in text.replace(f"{bad}", ""), text
 
 
@@ -116,13 +134,25 @@ def test_init_store_from_a_checkpoint_written_on_another_mesh(tmp_path: Path) ->
     data = np.random.default_rng(7).standard_normal((4, 8)).astype(np.float32)
     np.save(tmp_path / "data.npy", data)
     store = str(tmp_path / "store")
-    code, text, _ = mpirun(4, CALLS_STATE, "--mesh", "dp=2,tp=2", "-i", str(tmp_path / "data.npy"),
-                           "--checkpoint-every", "1", "--store", store, env={"DTM_TIMEOUT": "60"})  # fmt: skip
+    code, text, _ = mpirun(
+        4,
+        CALLS_STATE,
+        "--mesh",
+        "dp=2,tp=2",
+        "-i",
+        str(tmp_path / "data.npy"),
+        "--checkpoint-every",
+        "1",
+        "--store",
+        store,
+        env={"DTM_TIMEOUT": "60"},
+    )
     assert code == 0, text
     params, history = run_reference(_load(CALLS_STATE), {"data": data}, steps=2)
     out = tmp_path / "out.npz"
-    code, text, _ = mpirun(3, CALLS_STATE, "--steps", "2", "--store", store, "-o", str(out),
-                           env={"DTM_TIMEOUT": "60"})  # fmt: skip
+    code, text, _ = mpirun(
+        3, CALLS_STATE, "--steps", "2", "--store", store, "-o", str(out), env={"DTM_TIMEOUT": "60"}
+    )
     assert code == 0, text
     assert "data from" in text and "issue" not in text, text
     with np.load(out) as g:
@@ -131,10 +161,26 @@ def test_init_store_from_a_checkpoint_written_on_another_mesh(tmp_path: Path) ->
         np.testing.assert_array_equal(g["result2"], history[-1][2])
     sim = tmp_path / "sim.npz"
     proc = subprocess.run(
-        [sys.executable, "-m", "dtm_mpi", "run", CALLS_STATE, "--sim", "2", "--steps", "2",
-         "--store", store, "-o", str(sim)],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "dtm_mpi",
+            "run",
+            CALLS_STATE,
+            "--sim",
+            "2",
+            "--steps",
+            "2",
+            "--store",
+            store,
+            "-o",
+            str(sim),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     with np.load(sim) as g:
         np.testing.assert_array_equal(g["data"], data)
@@ -145,7 +191,9 @@ def test_store_that_is_a_file_is_one_line_on_every_rank(tmp_path: Path) -> None:
     """Was a raw ``[Errno 17] File exists`` from inside the store."""
     store = tmp_path / "store"
     store.write_text("a file")
-    code, text, _ = mpirun(2, MLP, "--checkpoint-every", "1", "--store", str(store), env={"DTM_TIMEOUT": "20"})  # fmt: skip
+    code, text, _ = mpirun(
+        2, MLP, "--checkpoint-every", "1", "--store", str(store), env={"DTM_TIMEOUT": "20"}
+    )
     assert code != 0, text
     lines = [ln for ln in text.splitlines() if re.match(r"\[rank \d\] dtm", ln)]
     assert sorted(ln.split("]")[0] for ln in lines) == ["[rank 0", "[rank 1"], text

@@ -42,11 +42,32 @@ def slurm() -> Iterator[SlurmCluster]:
 def test_srun_over_pmix_runs_a_dtm_job(slurm: SlurmCluster, tmp_path: Path) -> None:
     plugins = slurm.run("srun", "--mpi=list", check=False)
     if "pmix" not in plugins.stdout + plugins.stderr:
-        pytest.skip("this Slurm has no PMIx plugin (the job script then uses mpirun inside the allocation)")  # fmt: skip
+        pytest.skip(
+            "this Slurm has no PMIx plugin (the job script then uses mpirun inside the allocation)"
+        )
     out = tmp_path / "out.npz"
-    got = slurm.run("srun", "--mpi=pmix", "-n", "3", sys.executable, "-m", "mpi4py", "-m", "dtm_mpi", "run",
-                    str(EXAMPLES / "tp_mlp.dtm"), "--mesh", "dp=1,tp=3", "--steps", "2", "-o", str(out),
-                    timeout=240, check=False, DTM_DETERMINISTIC="1")  # fmt: skip
+    got = slurm.run(
+        "srun",
+        "--mpi=pmix",
+        "-n",
+        "3",
+        sys.executable,
+        "-m",
+        "mpi4py",
+        "-m",
+        "dtm_mpi",
+        "run",
+        str(EXAMPLES / "tp_mlp.dtm"),
+        "--mesh",
+        "dp=1,tp=3",
+        "--steps",
+        "2",
+        "-o",
+        str(out),
+        timeout=240,
+        check=False,
+        DTM_DETERMINISTIC="1",
+    )
     assert got.returncode == 0, got.stdout + got.stderr
     want = run_simulated(
         load("tp_mlp"), 3, binding={"dp": 1, "tp": 3}, steps=2, deterministic=True
@@ -58,27 +79,42 @@ def test_srun_over_pmix_runs_a_dtm_job(slurm: SlurmCluster, tmp_path: Path) -> N
 def _submit(slurm: SlurmCluster, tmp_path: Path, name: str, steps: int) -> tuple[int, Path, Path]:
     out, log = tmp_path / f"{name}.npz", tmp_path / f"{name}-%j.out"
     job = slurm.sbatch(
-        JOB, "--ntasks=4", f"--output={log}", cwd=ROOT,
-        PY=sys.executable, STORE=str(tmp_path / f"{name}-store"), STEPS=str(steps),
-        MESH="dp=2,tp=2", CKPT_EVERY="1000", LOG_EVERY="2", OUT=str(out), DTM_DETERMINISTIC="1",
+        JOB,
+        "--ntasks=4",
+        f"--output={log}",
+        cwd=ROOT,
+        PY=sys.executable,
+        STORE=str(tmp_path / f"{name}-store"),
+        STEPS=str(steps),
+        MESH="dp=2,tp=2",
+        CKPT_EVERY="1000",
+        LOG_EVERY="2",
+        OUT=str(out),
+        DTM_DETERMINISTIC="1",
         DTM_TIMEOUT="120",
-    )  # fmt: skip
+    )
     return job, out, Path(str(log).replace("%j", str(job)))
 
 
 @pytest.mark.timeout(700)  # (its own waits: 240 s for a step, 400 s for the requeued job)
-def test_a_preempted_job_saves_requeues_resumes_and_equals_an_uninterrupted_one(slurm: SlurmCluster, tmp_path: Path) -> None:  # fmt: skip
+def test_a_preempted_job_saves_requeues_resumes_and_equals_an_uninterrupted_one(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
     steps = 40
     job, out, log = _submit(slurm, tmp_path, "preempted", steps)
     deadline = time.monotonic() + 240
     while not (log.exists() and re.search(rf"^step \d+/{steps}: ", log.read_text(), re.M)):
         assert time.monotonic() < deadline, f"job {job} showed no step ({slurm.state(job)})"
-        assert slurm.state(job) in ("PENDING", "RUNNING", "CONFIGURING"), log.read_text() if log.exists() else ""  # fmt: skip
+        assert slurm.state(job) in ("PENDING", "RUNNING", "CONFIGURING"), (
+            log.read_text() if log.exists() else ""
+        )
         time.sleep(0.3)
     slurm.run("scancel", "--signal=USR1", str(job))  # to the job's steps: every task
     slurm.wait_gone(job, 400)
     text = log.read_text()
-    m = re.search(r"^dtm run: stopped by SIGUSR1 after step (\d+): checkpoint (\S+) saved", text, re.M)  # fmt: skip
+    m = re.search(
+        r"^dtm run: stopped by SIGUSR1 after step (\d+): checkpoint (\S+) saved", text, re.M
+    )
     assert m is not None, text
     done = int(m.group(1))
     assert done < steps and f"requeueing job {job}" in text, text
@@ -91,4 +127,6 @@ def test_a_preempted_job_saves_requeues_resumes_and_equals_an_uninterrupted_one(
     got = np.load(out)
     assert sorted(got.files) == sorted(want)
     for key, value in want.items():
-        assert got[key].tobytes() == value.tobytes(), f"{key}: the preempted job differs from the uninterrupted one"  # fmt: skip
+        assert got[key].tobytes() == value.tobytes(), (
+            f"{key}: the preempted job differs from the uninterrupted one"
+        )

@@ -11,10 +11,21 @@ from dtm_mpi.errors import UsageError
 from dtm_mpi.units import parse_bytes, parse_ranks_per_file
 
 GOOD = {
-    "0": 0, "512": 512, "64K": 65536, "64k": 65536, "1M": 2**20, "2G": 2 * 2**30,
-    "1T": 2**40, "1.5K": 1536, "1.5KiB": 1536, "2kb": 2048, "8 MiB": 8 * 2**20, "12B": 12,
-    ".5k": 512, " 7 ": 7,
-}  # fmt: skip
+    "0": 0,
+    "512": 512,
+    "64K": 65536,
+    "64k": 65536,
+    "1M": 2**20,
+    "2G": 2 * 2**30,
+    "1T": 2**40,
+    "1.5K": 1536,
+    "1.5KiB": 1536,
+    "2kb": 2048,
+    "8 MiB": 8 * 2**20,
+    "12B": 12,
+    ".5k": 512,
+    " 7 ": 7,
+}
 BAD = ["", "-1", "lots", "12Q", "inf", "nan", "1e400", "12ib", "K", "1..5K", "1,5K", "9" * 30]
 
 
@@ -49,7 +60,9 @@ def test_every_size_option_uses_the_one_parser(
     assert "not a byte count: '12Q'" in err and len(err.strip().splitlines()) == 1, err
 
 
-@pytest.mark.parametrize(("text", "want"), [("1", 1), ("4", 4), (" 16 ", 16), ("all", 0), ("ALL", 0), ("007", 7)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("text", "want"), [("1", 1), ("4", 4), (" 16 ", 16), ("all", 0), ("ALL", 0), ("007", 7)]
+)
 def test_ranks_per_file_valid(text: str, want: int) -> None:
     assert parse_ranks_per_file(text) == want
 

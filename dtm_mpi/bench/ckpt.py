@@ -84,7 +84,9 @@ def _drop_caches(comm: Any) -> None:
     except OSError:
         ok = False
     if not comm.allreduce(ok, op=MPI.LAND):
-        raise UsageError("bench ckpt --cold: cannot drop the page cache (/proc/sys/vm/drop_caches needs root)")  # fmt: skip
+        raise UsageError(
+            "bench ckpt --cold: cannot drop the page cache (/proc/sys/vm/drop_caches needs root)"
+        )
     comm.Barrier()
 
 
@@ -108,7 +110,9 @@ def _peak_extra(comm: Any, fn: Callable[[], object]) -> int:
     return int(comm.allreduce(extra, op=MPI.MAX))
 
 
-def _resize(comm: Any, store: Any, workdir: Path, saved: list[Any], repeat: int) -> tuple[float, float]:  # fmt: skip
+def _resize(
+    comm: Any, store: Any, workdir: Path, saved: list[Any], repeat: int
+) -> tuple[float, float]:
     """Restore times on the first N-1 ranks: the N-rank checkpoint (resharded) and the same
     state saved on those N-1 ranks (same mesh). Collective on ``comm``; the times are the
     slowest sub-rank's, valid on the sub-ranks (0.0 elsewhere)."""
@@ -140,10 +144,14 @@ def _resize(comm: Any, store: Any, workdir: Path, saved: list[Any], repeat: int)
 
 
 def run_ckpt_bench(
-    total_bytes: int = 1 << 30, tensors: int = 4, directory: str | None = None,
-    repeat: int = 4, csv_path: str | None = None, ranks_per_file: int | None = None,
+    total_bytes: int = 1 << 30,
+    tensors: int = 4,
+    directory: str | None = None,
+    repeat: int = 4,
+    csv_path: str | None = None,
+    ranks_per_file: int | None = None,
     cold: bool = False,
-) -> str:  # fmt: skip
+) -> str:
     """Run the benchmark on every rank of the world; returns the table on rank 0.
 
     Collective: call on all ranks."""
@@ -177,11 +185,16 @@ def run_ckpt_bench(
     ]
     local_bytes = sum(b.nbytes for b in blocks)
     all_bytes = int(comm.allreduce(local_bytes, op=MPI.SUM))
-    items = [(TensorSpec(f"t{i}", t), b) for i, (t, b) in enumerate(zip(saved, blocks, strict=True))]  # fmt: skip
+    items = [
+        (TensorSpec(f"t{i}", t), b) for i, (t, b) in enumerate(zip(saved, blocks, strict=True))
+    ]
     read_back = [np.empty_like(b) for b in blocks]
     restored = [np.empty_like(b) for b in blocks]
     into = {f"t{i}": a for i, a in enumerate(restored)}
-    into_re = {f"t{i}": np.empty(local_shape(t.shape, t.layout, mesh, rank), np.float32) for i, t in enumerate(resharded)}  # fmt: skip
+    into_re = {
+        f"t{i}": np.empty(local_shape(t.shape, t.layout, mesh, rank), np.float32)
+        for i, t in enumerate(resharded)
+    }
     for arr in into_re.values():
         arr.fill(0)  # touched once, like ``into``: the timing is the library's, not first touches
     raw_round = [0]
@@ -214,7 +227,9 @@ def run_ckpt_bench(
     finally:
         mem.close()
 
-    store = CheckpointStore(workdir / "store", comm, ranks_per_file=ranks_per_file)  # no retention: no deletes in the timing  # fmt: skip
+    store = CheckpointStore(
+        workdir / "store", comm, ranks_per_file=ranks_per_file
+    )  # no retention: no deletes in the timing
     per_file = store.ranks_per_file or n
     step = [0]
 
@@ -222,8 +237,17 @@ def run_ckpt_bench(
         step[0] += 1
         store.save(step[0], mesh, items)
 
-    best = {"raw_w": 1e30, "save": 1e30, "raw_r": 1e30, "restore": 1e30, "transpose": 1e30,
-            "resize": 0.0, "resize_same": 0.0, "raw_cold": 1e30, "cold": 1e30}  # fmt: skip
+    best = {
+        "raw_w": 1e30,
+        "save": 1e30,
+        "raw_r": 1e30,
+        "restore": 1e30,
+        "transpose": 1e30,
+        "resize": 0.0,
+        "resize_same": 0.0,
+        "raw_cold": 1e30,
+        "cold": 1e30,
+    }
     try:
         for i in range(repeat):
             # The order alternates, so that neither side always writes right after the other's
@@ -232,11 +256,19 @@ def run_ckpt_bench(
             for key, fn in writes if i % 2 == 0 else writes[::-1]:
                 best[key] = min(best[key], _timed(comm, fn))
             best["raw_r"] = min(best["raw_r"], _timed(comm, raw_read))
-            best["restore"] = min(best["restore"], _timed(comm, lambda: store.restore(mesh, targets_same, into=into)))  # fmt: skip
-            best["transpose"] = min(best["transpose"], _timed(comm, lambda: store.restore(mesh, targets_re, into=into_re)))  # fmt: skip
+            best["restore"] = min(
+                best["restore"], _timed(comm, lambda: store.restore(mesh, targets_same, into=into))
+            )
+            best["transpose"] = min(
+                best["transpose"],
+                _timed(comm, lambda: store.restore(mesh, targets_re, into=into_re)),
+            )
         # After the warm rounds: a dropped cache would make the next writes start from cold
         # pages (slow to touch on a VM) and disturb the save figures.
-        reads: list[tuple[str, Callable[[], object]]] = [("raw_cold", raw_read), ("cold", lambda: store.restore(mesh, targets_same, into=into))]  # fmt: skip
+        reads: list[tuple[str, Callable[[], object]]] = [
+            ("raw_cold", raw_read),
+            ("cold", lambda: store.restore(mesh, targets_same, into=into)),
+        ]
         for i in range(repeat if cold else 0):  # the order alternates here too
             for key, read in reads if i % 2 == 0 else reads[::-1]:
                 _drop_caches(comm)
@@ -266,7 +298,9 @@ def run_ckpt_bench(
         ),
     ]
     if cold:
-        cold_row = CkptRow("restore_cold_GBps", all_bytes / best["cold"] / 1e9, all_bytes / best["raw_cold"] / 1e9)  # fmt: skip
+        cold_row = CkptRow(
+            "restore_cold_GBps", all_bytes / best["cold"] / 1e9, all_bytes / best["raw_cold"] / 1e9
+        )
         rows_out.insert(2, cold_row)
     if rank != 0:
         return ""
@@ -301,23 +335,35 @@ def _tp_mlp_step(batch: int, width: int, hidden: int, ranks: int) -> Any:
     from dtm_mpi.frontend import functional as fn
 
     model = dtm.nn.Sequential(
-        dtm.nn.ColumnParallelLinear(width, hidden, bias=False), fn.gelu,
+        dtm.nn.ColumnParallelLinear(width, hidden, bias=False),
+        fn.gelu,
         dtm.nn.RowParallelLinear(hidden, width, bias=False),
-    )  # fmt: skip
+    )
 
     def loss(m: Any, x: dtm.Tensor, t: dtm.Tensor) -> dtm.Tensor:
         d: dtm.Tensor = m(x) - t
         return (d * d).mean()
 
     spec = dtm.Input((batch, width), "f32")
-    return dtm.train_step(model, loss, mesh=dtm.Mesh(tp=ranks), inputs={"x": spec, "t": spec},
-                          optimizer=dtm.optim.AdamW(1e-3), name="mlp")  # fmt: skip
+    return dtm.train_step(
+        model,
+        loss,
+        mesh=dtm.Mesh(tp=ranks),
+        inputs={"x": spec, "t": spec},
+        optimizer=dtm.optim.AdamW(1e-3),
+        name="mlp",
+    )
 
 
 def run_ckpt_async_bench(
-    batch: int = 256, width: int = 1024, hidden: int = 4096, steps: int = 9, every: int = 2,
-    directory: str | None = None, repeat: int = 3,
-) -> str:  # fmt: skip
+    batch: int = 256,
+    width: int = 1024,
+    hidden: int = 4096,
+    steps: int = 9,
+    every: int = 2,
+    directory: str | None = None,
+    repeat: int = 3,
+) -> str:
     """Time the training loop of ``dtm run`` (the steps, the per-step agreement, the saves)
     on every rank of the world, three ways in the same run: no checkpoints, a checkpoint
     every ``every`` steps written synchronously, and the same written in the background
@@ -350,7 +396,9 @@ def run_ckpt_async_bench(
     step = _tp_mlp_step(batch, width, hidden, n)
     plan = compile_plan(step.module, mesh_for(step.module, n, {"tp": n}))
     root = directory if directory is not None else tempfile.gettempdir()
-    base = world.bcast(tempfile.mkdtemp(prefix="dtm-bench-ckpt-async-", dir=root) if rank == 0 else None)  # fmt: skip
+    base = world.bcast(
+        tempfile.mkdtemp(prefix="dtm-bench-ckpt-async-", dir=root) if rank == 0 else None
+    )
     workdir = Path(base)
     rng = np.random.default_rng(0)  # the same batch every step, on every rank
     data = {k: rng.standard_normal((batch, width)).astype(np.float32) for k in ("x", "t")}
@@ -366,20 +414,33 @@ def run_ckpt_async_bench(
     best = {"none": 1e30, "sync": 1e30, "async": 1e30}
     try:
         session.join_mesh(plan_groups(plan, config.deterministic))
-        comm = MpiComm(session, deterministic=config.deterministic, max_msg_elems=config.max_msg_elems)  # fmt: skip
+        comm = MpiComm(
+            session, deterministic=config.deterministic, max_msg_elems=config.max_msg_elems
+        )
         modes = ["none", "sync", "async"]
         for i in range(repeat):
             for mode in modes if i % 2 == 0 else modes[::-1]:
-                checkpoint = None if mode == "none" else CheckpointPolicy(
-                    str(workdir / f"{mode}-{i}"), every, background=mode == "async", keep_last=1,
-                )  # fmt: skip
-                request = RunRequest("<bench>", module=step.module, steps=steps, hooks=hooks, checkpoint=checkpoint)  # fmt: skip
+                checkpoint = (
+                    None
+                    if mode == "none"
+                    else CheckpointPolicy(
+                        str(workdir / f"{mode}-{i}"),
+                        every,
+                        background=mode == "async",
+                        keep_last=1,
+                    )
+                )
+                request = RunRequest(
+                    "<bench>", module=step.module, steps=steps, hooks=hooks, checkpoint=checkpoint
+                )
                 world.Barrier()
                 blocks, seconds = run_loop(session, comm, plan, request, rank, backend)
                 elapsed = float(world.allreduce(seconds, op=MPI.MAX))
                 best[mode] = min(best[mode], elapsed)
                 names = [p.name.lstrip("%") for p in plan.entry_plan.function.params]
-                mine = sum(int(b.nbytes) for k, b in zip(names, blocks, strict=True) if k not in hooks.fed)  # fmt: skip
+                mine = sum(
+                    int(b.nbytes) for k, b in zip(names, blocks, strict=True) if k not in hooks.fed
+                )
                 state_bytes = int(world.allreduce(mine, op=MPI.SUM))
     finally:
         session.close()
@@ -400,5 +461,5 @@ def run_ckpt_async_bench(
         f"{'synchronous saves':<26}{best['sync']:>10.3f}{best['sync'] / steps * 1e3:>14.1f}{sync_cost:>14.3f}",
         f"{'async saves':<26}{best['async']:>10.3f}{best['async'] / steps * 1e3:>14.1f}{async_cost:>14.3f}",
         f"hidden by async: {hidden_part * 100:.0f}% of the synchronous saves' cost (target >= 80%)",
-    ]  # fmt: skip
+    ]
     return "\n".join(lines)

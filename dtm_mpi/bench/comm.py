@@ -64,9 +64,12 @@ def case_bytes(nbytes: int, n: int) -> int:
 
 
 def slowest_rank_time(
-    fn: Callable[[], object], iters: int, comm: Any,
-    guard: Callable[[Callable[[], Any]], Any] | None = None, guard_calls: bool = True,
-) -> float:  # fmt: skip
+    fn: Callable[[], object],
+    iters: int,
+    comm: Any,
+    guard: Callable[[Callable[[], Any]], Any] | None = None,
+    guard_calls: bool = True,
+) -> float:
     """The slowest rank's mean time of ``iters`` calls of ``fn``, started together. ``guard``
     runs each blocking part within a deadline: the barrier, the result's reduction and, with
     ``guard_calls``, the block of calls (the dtm path's calls bound themselves).
@@ -108,7 +111,9 @@ class _DeviceRaw:
         twin: np.ndarray = buf[: int(x.nbytes)].view(x.dtype).reshape(x.shape)
         return twin
 
-    def wrap(self, call: Callable[..., object], send: Any, recv: Any | None, **kw: Any) -> Callable[[], object]:  # fmt: skip
+    def wrap(
+        self, call: Callable[..., object], send: Any, recv: Any | None, **kw: Any
+    ) -> Callable[[], object]:
         """A function making the buffer call ``call(send, recv, **kw)`` (``call(send,
         **kw)``: in place, a broadcast) on device buffers."""
         ops = self.ops
@@ -131,7 +136,9 @@ class _DeviceRaw:
         return direct if self.aware else staged
 
 
-def _cases(op: str, nbytes: int, comm_dtm: Any, raw: Any, n: int, rank: int, device: Any = None) -> tuple[Callable[[], object], Callable[[], object]]:  # fmt: skip
+def _cases(
+    op: str, nbytes: int, comm_dtm: Any, raw: Any, n: int, rank: int, device: Any = None
+) -> tuple[Callable[[], object], Callable[[], object]]:
     from mpi4py import MPI
 
     from dtm_mpi.comm.buffers import empty_aligned
@@ -156,7 +163,7 @@ def _cases(op: str, nbytes: int, comm_dtm: Any, raw: Any, n: int, rank: int, dev
         _ones = lambda count: cp.ones(count, dtype=np.float32)  # noqa: E731
         _empty = lambda count, dtype: cp.empty(count, dtype=dtype)  # noqa: E731
 
-    def raw_call(name: str, send: Any, recv: Any | None = None, **kw: Any) -> Callable[[], object]:  # fmt: skip
+    def raw_call(name: str, send: Any, recv: Any | None = None, **kw: Any) -> Callable[[], object]:
         """The raw path's call, bound once: timing measures MPI's call, not its lookup."""
         call = getattr(raw, name)
         if device is not None:
@@ -171,7 +178,9 @@ def _cases(op: str, nbytes: int, comm_dtm: Any, raw: Any, n: int, rank: int, dev
     if op == "allreduce":
         x, out = _ones(elems), _empty(elems, np.float32)
         spec_ar = AllreduceSpec(group, rank, ReduceOp.SUM, elems)
-        return (lambda: comm_dtm.allreduce(x, axes, spec_ar)), raw_call("Allreduce", x, out, op=MPI.SUM)  # fmt: skip
+        return (lambda: comm_dtm.allreduce(x, axes, spec_ar)), raw_call(
+            "Allreduce", x, out, op=MPI.SUM
+        )
     if op == "allgather":
         x, out = _ones(per), _empty(elems, np.float32)
         spec_ag = AllgatherSpec(group, rank, 0, (per,) * n, (per,) * n)
@@ -180,7 +189,9 @@ def _cases(op: str, nbytes: int, comm_dtm: Any, raw: Any, n: int, rank: int, dev
         x, out = _ones(elems), _empty(per, np.float32)
         pieces = tuple((j * per, per) for j in range(n))
         spec_rs = ReduceScatterSpec(group, rank, ReduceOp.SUM, 0, pieces, (per,) * n)
-        return (lambda: comm_dtm.reduce_scatter(x, axes, spec_rs)), raw_call("Reduce_scatter_block", x, out, op=MPI.SUM)  # fmt: skip
+        return (lambda: comm_dtm.reduce_scatter(x, axes, spec_rs)), raw_call(
+            "Reduce_scatter_block", x, out, op=MPI.SUM
+        )
     if op == "broadcast":
         x = _ones(elems)
         return (lambda: comm_dtm.broadcast(x, axes, 0)), raw_call("Bcast", x, root=0)
@@ -190,18 +201,24 @@ def _cases(op: str, nbytes: int, comm_dtm: Any, raw: Any, n: int, rank: int, dev
         return (slice(j * per, (j + 1) * per),)
 
     spec_ex = ExchangeSpec(
-        group, rank,
+        group,
+        rank,
         tuple(Transfer(j, region(j), per) for j in range(n)),
         tuple(Transfer(j, region(j), per) for j in range(n)),
-        (elems,), per, per,
-    )  # fmt: skip
-    return (lambda: comm_dtm.exchange(x, axes, spec_ex, "all_to_all")), raw_call("Alltoall", x, out)  # fmt: skip
+        (elems,),
+        per,
+        per,
+    )
+    return (lambda: comm_dtm.exchange(x, axes, spec_ex, "all_to_all")), raw_call("Alltoall", x, out)
 
 
 def run_comm_bench(
-    ops: Sequence[str] = OPS, sizes: Sequence[int] | None = None, repeat: int = 30,
-    csv_path: str | None = None, backend: str = "numpy",
-) -> str:  # fmt: skip
+    ops: Sequence[str] = OPS,
+    sizes: Sequence[int] | None = None,
+    repeat: int = 30,
+    csv_path: str | None = None,
+    backend: str = "numpy",
+) -> str:
     """Run the benchmark on every rank of the world; returns the table on rank 0. With a
     GPU ``backend``, both paths move device buffers (each rank on its node-local GPU): the
     dtm path through :class:`~dtm_mpi.comm.device.DeviceComm`, the raw path synchronising
@@ -234,12 +251,24 @@ def run_comm_bench(
                 ["op", "ranks", "bytes", "dtm_s", "raw_s", "busbw_dtm", "busbw_raw", "ratio"]
             )
             for r in rows:
-                w.writerow([r.op, r.ranks, r.bytes, f"{r.dtm_s:.9f}", f"{r.raw_s:.9f}",
-                            f"{r.busbw(r.dtm_s):.1f}", f"{r.busbw(r.raw_s):.1f}", f"{r.ratio:.3f}"])  # fmt: skip
+                w.writerow(
+                    [
+                        r.op,
+                        r.ranks,
+                        r.bytes,
+                        f"{r.dtm_s:.9f}",
+                        f"{r.raw_s:.9f}",
+                        f"{r.busbw(r.dtm_s):.1f}",
+                        f"{r.busbw(r.raw_s):.1f}",
+                        f"{r.ratio:.3f}",
+                    ]
+                )
     return head + format_table(rows)
 
 
-def _run_cases(world: Any, ops: Sequence[str], sizes: Sequence[int] | None, repeat: int, backend: str) -> tuple[list[BenchRow], Any, Any]:  # fmt: skip
+def _run_cases(
+    world: Any, ops: Sequence[str], sizes: Sequence[int] | None, repeat: int, backend: str
+) -> tuple[list[BenchRow], Any, Any]:
     """Both paths of every case, each timed block bounded by ``DTM_TIMEOUT``: the raw path
     (blocking mpi4py calls on its own communicator) runs under the session's watchdog like
     the dtm path, so a peer that dies, stops or fails ends every rank with one error naming
@@ -315,7 +344,9 @@ def _bounded(session: Any, op: str, block: Callable[[], Any]) -> Any:
         return block()
 
 
-def _device_setup(backend: str, world: Any, session: Any, inner: Any) -> tuple[Any, tuple[Any, _DeviceRaw]]:  # fmt: skip
+def _device_setup(
+    backend: str, world: Any, session: Any, inner: Any
+) -> tuple[Any, tuple[Any, _DeviceRaw]]:
     """Open the GPU backend on every rank (node-local GPU), agree on GPU-aware MPI and wrap
     the dtm endpoint for device buffers (a rank without a GPU ends every rank's run).
 

@@ -40,7 +40,15 @@ def _gpt_step(layers: int) -> Any:
         return fn.cross_entropy(logits.reshape(-1, vocab), tgt.reshape(-1))
 
     spec = dtm.Input((batch, context), "i32", ("dp", None))
-    return dtm.train_step(dtm.nn.GPT(vocab, context, dim, heads, layers), loss, mesh=dtm.Mesh(dp=2, tp=2), inputs={"ids": spec, "tgt": spec}, optimizer=dtm.optim.AdamW(), clip_norm=1.0, name="gpt")  # fmt: skip
+    return dtm.train_step(
+        dtm.nn.GPT(vocab, context, dim, heads, layers),
+        loss,
+        mesh=dtm.Mesh(dp=2, tp=2),
+        inputs={"ids": spec, "tgt": spec},
+        optimizer=dtm.optim.AdamW(),
+        clip_norm=1.0,
+        name="gpt",
+    )
 
 
 def _mlp_module(batch: int, n_in: int, hidden: int) -> Any:
@@ -56,10 +64,19 @@ def _mlp_module(batch: int, n_in: int, hidden: int) -> Any:
         return (d * d).mean()
 
     spec = dtm.Input((batch, n_in), "f32")
-    return dtm.train_step(model, loss, mesh=dtm.Mesh(x=1), inputs={"x": spec, "t": spec}, optimizer=dtm.optim.SGD(0.01), name="mlp")  # fmt: skip
+    return dtm.train_step(
+        model,
+        loss,
+        mesh=dtm.Mesh(x=1),
+        inputs={"x": spec, "t": spec},
+        optimizer=dtm.optim.SGD(0.01),
+        name="mlp",
+    )
 
 
-def _time_alternating(a: Callable[[], object], b: Callable[[], object], steps: int) -> tuple[list[float], list[float]]:  # fmt: skip
+def _time_alternating(
+    a: Callable[[], object], b: Callable[[], object], steps: int
+) -> tuple[list[float], list[float]]:
     ta: list[float] = []
     tb: list[float] = []
     a()
@@ -72,7 +89,14 @@ def _time_alternating(a: Callable[[], object], b: Callable[[], object], steps: i
     return ta, tb
 
 
-def run_frontend_bench(layers: int = 12, repeat: int = 3, steps: int = 5, batch: int = 512, n_in: int = 1024, hidden: int = 4096) -> str:  # fmt: skip
+def run_frontend_bench(
+    layers: int = 12,
+    repeat: int = 3,
+    steps: int = 5,
+    batch: int = 512,
+    n_in: int = 1024,
+    hidden: int = 4096,
+) -> str:
     from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
 
     from dtm_mpi.comm.sim import run_ranks
@@ -90,7 +114,9 @@ def run_frontend_bench(layers: int = 12, repeat: int = 3, steps: int = 5, batch:
         assert entry is not None
         ops = len(entry.body)
     verdict = "met" if best <= TRACE_TARGET_S else "MISSED"
-    lines.append(f"trace + autodiff + optimizer + verify, GPT {layers} layers (768 wide, 12 heads): {ops} ops, {best:.2f} s (best of {repeat}); target <= {TRACE_TARGET_S:.0f} s: {verdict}")  # fmt: skip
+    lines.append(
+        f"trace + autodiff + optimizer + verify, GPT {layers} layers (768 wide, 12 heads): {ops} ops, {best:.2f} s (best of {repeat}); target <= {TRACE_TARGET_S:.0f} s: {verdict}"
+    )
 
     mlp = _mlp_module(batch, n_in, hidden)
     rng = np.random.default_rng(0)
@@ -104,7 +130,9 @@ def run_frontend_bench(layers: int = 12, repeat: int = 3, steps: int = 5, batch:
     nw1, nw2 = w1.copy(), w2.copy()
 
     def measure(comm: Any) -> tuple[list[float], list[float]]:
-        blocks = initial_blocks(plan, 0, {"x": x, "t": t, "layers.0.weight": w1, "layers.1.weight": w2})  # fmt: skip
+        blocks = initial_blocks(
+            plan, 0, {"x": x, "t": t, "layers.0.weight": w1, "layers.1.weight": w2}
+        )
         ex = Executor(plan, comm, "numpy")
         counter = [0]
 
@@ -122,5 +150,7 @@ def run_frontend_bench(layers: int = 12, repeat: int = 3, steps: int = 5, batch:
     md, mn = statistics.median(td), statistics.median(tn)
     ratio = md / mn
     verdict = "met" if ratio <= STEP_TARGET else "MISSED"
-    lines.append(f"MLP training step {batch}x{n_in}x{hidden} f32, 1 rank, 1 BLAS thread: generated {md * 1e3:.0f} ms, numpy {mn * 1e3:.0f} ms (medians of {steps}); ratio {ratio:.2f}, target <= {STEP_TARGET}: {verdict}")  # fmt: skip
+    lines.append(
+        f"MLP training step {batch}x{n_in}x{hidden} f32, 1 rank, 1 BLAS thread: generated {md * 1e3:.0f} ms, numpy {mn * 1e3:.0f} ms (medians of {steps}); ratio {ratio:.2f}, target <= {STEP_TARGET}: {verdict}"
+    )
     return "\n".join(lines)

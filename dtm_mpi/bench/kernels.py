@@ -63,7 +63,9 @@ def _time(cp: Any, fn: Callable[[], object], repeat: int, calls: int) -> float:
     return best
 
 
-def _cases(cp: Any, rows: int, cols: int, dtype: Any) -> list[tuple[str, int, Callable[[], object], Callable[[], object]]]:  # fmt: skip
+def _cases(
+    cp: Any, rows: int, cols: int, dtype: Any
+) -> list[tuple[str, int, Callable[[], object], Callable[[], object]]]:
     """(name, minimum bytes moved, kernel call, composed CuPy call) for each case."""
     from dtm_mpi.kernels import launch
     from dtm_mpi.kernels.fused import Expr, FusedInput
@@ -100,7 +102,11 @@ def _cases(cp: Any, rows: int, cols: int, dtype: Any) -> list[tuple[str, int, Ca
 
     qv, qs = launch.quantize(x, 32)
     chain = Expr("mul", (Expr("gelu", (Expr("add", (0, 1)),)), 2))
-    ins = [FusedInput(np.dtype(dtype)), FusedInput(np.dtype(dtype), lastdim=True), FusedInput(np.dtype(dtype))]  # fmt: skip
+    ins = [
+        FusedInput(np.dtype(dtype)),
+        FusedInput(np.dtype(dtype), lastdim=True),
+        FusedInput(np.dtype(dtype)),
+    ]
     return [
         ("softmax", 2 * big, lambda: launch.softmax(x, out=y), sm),
         ("log_softmax", 2 * big, lambda: launch.softmax(x, log=True, out=y), lsm),
@@ -125,9 +131,13 @@ def _cases(cp: Any, rows: int, cols: int, dtype: Any) -> list[tuple[str, int, Ca
 
 
 def run_kernel_bench(
-    backend: str = "cuda", rows: int = 16384, cols: int = 4096, dtypes: tuple[str, ...] = ("f32", "f16"),
-    repeat: int = 5, csv_path: str | None = None,
-) -> str:  # fmt: skip
+    backend: str = "cuda",
+    rows: int = 16384,
+    cols: int = 4096,
+    dtypes: tuple[str, ...] = ("f32", "f16"),
+    repeat: int = 5,
+    csv_path: str | None = None,
+) -> str:
     """Run every case on this process's GPU; returns the table (a
     :class:`~dtm_mpi.errors.BackendError` without a GPU)."""
     from dtm_mpi.kernels.backends import parse_backend
@@ -157,12 +167,28 @@ def run_kernel_bench(
         f"{'case':<22}{'dtype':>6}{'GB/s':>10}{'copy GB/s':>11}{'of copy':>9}{'vs CuPy':>9}",
     ]
     for name, r in rows_out:
-        lines.append(f"{r.case:<22}{name:>6}{r.gbps:>10.1f}{r.copy_gbps:>11.1f}{r.ratio:>9.2f}{r.speedup:>8.2f}x")  # fmt: skip
+        lines.append(
+            f"{r.case:<22}{name:>6}{r.gbps:>10.1f}{r.copy_gbps:>11.1f}{r.ratio:>9.2f}{r.speedup:>8.2f}x"
+        )
     if csv_path:
         with open(csv_path, "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(["metric", "value", "baseline", "ratio"])
             for name, r in rows_out:
-                w.writerow([f"{r.case} {name} GBps", f"{r.gbps:.6g}", f"{r.copy_gbps:.6g}", f"{r.ratio:.4g}"])  # fmt: skip
-                w.writerow([f"{r.case} {name} s_vs_cupy", f"{r.kernel_s:.6g}", f"{r.composed_s:.6g}", f"{r.speedup:.4g}"])  # fmt: skip
+                w.writerow(
+                    [
+                        f"{r.case} {name} GBps",
+                        f"{r.gbps:.6g}",
+                        f"{r.copy_gbps:.6g}",
+                        f"{r.ratio:.4g}",
+                    ]
+                )
+                w.writerow(
+                    [
+                        f"{r.case} {name} s_vs_cupy",
+                        f"{r.kernel_s:.6g}",
+                        f"{r.composed_s:.6g}",
+                        f"{r.speedup:.4g}",
+                    ]
+                )
     return "\n".join(lines)

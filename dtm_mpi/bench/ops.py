@@ -24,8 +24,12 @@ _UFUNCS = (np.add, np.multiply, np.subtract)
 
 def chain_module_text(ops: int, size: int) -> str:
     """The DTM text of the chain: ``%v{i} = op %v{i-1}, %b`` for ``ops`` ops."""
-    lines = ["dtm 1.0", "module chain", "mesh @m = [x=1]",
-             f"entry func @f(%a: f32[{size}], %b: f32[{size}]) -> (f32[{size}]) on @m {{"]  # fmt: skip
+    lines = [
+        "dtm 1.0",
+        "module chain",
+        "mesh @m = [x=1]",
+        f"entry func @f(%a: f32[{size}], %b: f32[{size}]) -> (f32[{size}]) on @m {{",
+    ]
     prev = "%a"
     for i in range(ops):
         lines.append(f"  %v{i} = {_OPS[i % 3]} {prev}, %b : f32[{size}]")
@@ -34,23 +38,29 @@ def chain_module_text(ops: int, size: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_ops_bench(ops: int = 1000, sizes: Sequence[int] = (8, 1024, 65536), repeat: int = 30) -> str:  # fmt: skip
+def run_ops_bench(
+    ops: int = 1000, sizes: Sequence[int] = (8, 1024, 65536), repeat: int = 30
+) -> str:
     from dtm_mpi.comm.sim import run_ranks
     from dtm_mpi.ir.parser import parse_module
     from dtm_mpi.ir.verify import verify_module
     from dtm_mpi.plan.program import compile_plan, mesh_for
 
-    head = f"dtm bench ops: a chain of {ops} elementwise float32 ops (add, mul, sub), 1 rank, best of {repeat}"  # fmt: skip
-    cols = f"{'elements':>9}{'dtm us/op':>11}{'numpy us/op':>13}{'overhead us/op':>16}  target <= {TARGET_US:.0f} us"  # fmt: skip
+    head = f"dtm bench ops: a chain of {ops} elementwise float32 ops (add, mul, sub), 1 rank, best of {repeat}"
+    cols = f"{'elements':>9}{'dtm us/op':>11}{'numpy us/op':>13}{'overhead us/op':>16}  target <= {TARGET_US:.0f} us"
     lines = [head, cols]
     for size in sizes:
         module = parse_module(chain_module_text(ops, size), "<bench ops>")
         verify_module(module)
         plan = compile_plan(module, mesh_for(module, 1, None))
-        ((d, n),) = run_ranks(plan.mesh, functools.partial(_measure, plan, ops, size, repeat), timeout_s=600)  # fmt: skip
+        ((d, n),) = run_ranks(
+            plan.mesh, functools.partial(_measure, plan, ops, size, repeat), timeout_s=600
+        )
         over = (d - n) / ops * 1e6
         verdict = "met" if over <= TARGET_US else "MISSED"
-        lines.append(f"{size:>9}{d / ops * 1e6:>11.2f}{n / ops * 1e6:>13.2f}{over:>16.2f}  {verdict}")  # fmt: skip
+        lines.append(
+            f"{size:>9}{d / ops * 1e6:>11.2f}{n / ops * 1e6:>13.2f}{over:>16.2f}  {verdict}"
+        )
     return "\n".join(lines)
 
 

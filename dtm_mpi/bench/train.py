@@ -72,7 +72,10 @@ class TrainRow:
 
 
 def _meshes(ranks: int) -> list[tuple[int, int]]:
-    return [(d, ranks // d) for d in sorted((d for d in range(1, ranks + 1) if ranks % d == 0), reverse=True)]  # fmt: skip
+    return [
+        (d, ranks // d)
+        for d in sorted((d for d in range(1, ranks + 1) if ranks % d == 0), reverse=True)
+    ]
 
 
 def configs_for(models: Sequence[str], ranks: Sequence[int], torch: bool) -> list[TrainConfig]:
@@ -102,16 +105,36 @@ def _free_port() -> int:
 
 def _env() -> dict[str, str]:
     env = dict(os.environ)
-    for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS"):  # fmt: skip
+    for k in (
+        "OMP_NUM_THREADS",
+        "OPENBLAS_NUM_THREADS",
+        "MKL_NUM_THREADS",
+        "VECLIB_MAXIMUM_THREADS",
+        "NUMEXPR_NUM_THREADS",
+    ):
         env[k] = "1"
     env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")  # more ranks than cores
     return env
 
 
-def _command(c: TrainConfig, steps: int, warmup: int, out: str, mpirun: Sequence[str]) -> list[str]:  # fmt: skip
+def _command(c: TrainConfig, steps: int, warmup: int, out: str, mpirun: Sequence[str]) -> list[str]:
     py = [sys.executable]
-    worker = ["-m", "dtm_mpi.bench.train_worker", "--impl", c.impl, "--model", c.model,
-              "--mesh", c.mesh, "--steps", str(steps), "--warmup", str(warmup), "--out", out]  # fmt: skip
+    worker = [
+        "-m",
+        "dtm_mpi.bench.train_worker",
+        "--impl",
+        c.impl,
+        "--model",
+        c.model,
+        "--mesh",
+        c.mesh,
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+        "--out",
+        out,
+    ]
     if c.impl == "dtm":
         return [*mpirun, "-n", str(c.ranks), *py, "-m", "mpi4py", *worker]
     if c.impl in ("torch-ddp", "torch-tp"):
@@ -119,7 +142,9 @@ def _command(c: TrainConfig, steps: int, warmup: int, out: str, mpirun: Sequence
     return [*py, *worker]
 
 
-def _run_one(row: TrainRow, steps: int, warmup: int, workdir: Path, mpirun: Sequence[str], timeout_s: float) -> None:  # fmt: skip
+def _run_one(
+    row: TrainRow, steps: int, warmup: int, workdir: Path, mpirun: Sequence[str], timeout_s: float
+) -> None:
     """One round of ``row``'s configuration, recorded in ``row`` (or its error)."""
     c = row.config
     out = workdir / f"{c.model}-{c.impl}-{c.ranks}-{c.mesh.replace(',', '_').replace('=', '')}"
@@ -127,7 +152,9 @@ def _run_one(row: TrainRow, steps: int, warmup: int, workdir: Path, mpirun: Sequ
         old.unlink()
     cmd = _command(c, steps, warmup, str(out), mpirun)
     try:
-        done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout_s, check=False)  # fmt: skip
+        done = subprocess.run(
+            cmd, env=_env(), capture_output=True, text=True, timeout=timeout_s, check=False
+        )
     except subprocess.TimeoutExpired:
         row.error = f"timed out after {timeout_s:.0f} s"
         return
@@ -137,7 +164,10 @@ def _run_one(row: TrainRow, steps: int, warmup: int, workdir: Path, mpirun: Sequ
         return
     ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(c.ranks)]
     times = [max(r["times"][i] for r in ranks) for i in range(len(ranks[0]["times"]))]
-    comm = [max(r["comm"][i] for r in ranks) if ranks[0]["comm"] else float("nan") for i in range(len(times))]  # fmt: skip
+    comm = [
+        max(r["comm"][i] for r in ranks) if ranks[0]["comm"] else float("nan")
+        for i in range(len(times))
+    ]
     median = statistics.median(times)
     share = statistics.median(comm) / median if ranks[0]["comm"] and median > 0 else float("nan")
     row.rounds.append(median)
@@ -158,11 +188,17 @@ def torch_available() -> str | None:
 
 
 def run_train_bench(
-    models: Sequence[str] = ("digits", "gpt", "mlp"), ranks: Sequence[int] = (1, 2),
-    steps: int = 8, warmup: int = 2, rounds: int = 2, csv_path: str | None = None,
-    plot_path: str | None = None, torch: bool = True, mpirun: Sequence[str] = ("mpirun",),
+    models: Sequence[str] = ("digits", "gpt", "mlp"),
+    ranks: Sequence[int] = (1, 2),
+    steps: int = 8,
+    warmup: int = 2,
+    rounds: int = 2,
+    csv_path: str | None = None,
+    plot_path: str | None = None,
+    torch: bool = True,
+    mpirun: Sequence[str] = ("mpirun",),
     timeout_s: float = 600.0,
-) -> tuple[str, list[TrainRow]]:  # fmt: skip
+) -> tuple[str, list[TrainRow]]:
     """Measure every configuration (:func:`configs_for`); returns the printed report and the
     rows (written as CSV to ``csv_path``, plotted to ``plot_path`` as PNG when given)."""
     bad = [m for m in models if m not in MODELS]
@@ -174,7 +210,9 @@ def run_train_bench(
         ranks = (1, *ranks)
     why_no_torch = torch_available() if torch else "not asked for (--no-torch)"
     if shutil.which(mpirun[0]) is None:
-        raise UsageError(f"{mpirun[0]} not found: dtm bench train starts its ranks with it (--mpirun)")  # fmt: skip
+        raise UsageError(
+            f"{mpirun[0]} not found: dtm bench train starts its ranks with it (--mpirun)"
+        )
     configs = configs_for(models, sorted(set(ranks)), why_no_torch is None)
     rows = {c: TrainRow(c) for c in configs}
     workdir = Path(tempfile.mkdtemp(prefix="dtm-bench-train-"))
@@ -200,10 +238,18 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _find(rows: Sequence[TrainRow], model: str, impl: str, ranks: int, mesh: str | None = None) -> TrainRow | None:  # fmt: skip
+def _find(
+    rows: Sequence[TrainRow], model: str, impl: str, ranks: int, mesh: str | None = None
+) -> TrainRow | None:
     for r in rows:
         c = r.config
-        if c.model == model and c.impl == impl and c.ranks == ranks and (mesh is None or c.mesh == mesh) and not r.error:  # fmt: skip
+        if (
+            c.model == model
+            and c.impl == impl
+            and c.ranks == ranks
+            and (mesh is None or c.mesh == mesh)
+            and not r.error
+        ):
             return r
     return None
 
@@ -217,13 +263,15 @@ def _derived(rows: Sequence[TrainRow], r: TrainRow) -> tuple[float, float]:
     return vs_floor, speedup
 
 
-def _report(rows: Sequence[TrainRow], steps: int, warmup: int, rounds: int, why_no_torch: str | None) -> str:  # fmt: skip
+def _report(
+    rows: Sequence[TrainRow], steps: int, warmup: int, rounds: int, why_no_torch: str | None
+) -> str:
     cores = _cores()
-    title = f"dtm bench train: {steps} steps after {warmup} warm-up, best round of {rounds} (round: median step, a step: its slowest rank); one BLAS thread per process; {cores} cores"  # fmt: skip
+    title = f"dtm bench train: {steps} steps after {warmup} warm-up, best round of {rounds} (round: median step, a step: its slowest rank); one BLAS thread per process; {cores} cores"
     lines = [title]
     if why_no_torch:
         lines.append(f"PyTorch peer skipped: {why_no_torch}")
-    head = f"{'model':<7}{'impl':<13}{'ranks':>5} {'mesh':<10}{'step ms':>10}{'x floor':>9}{'speedup':>9}{'samples/s':>11}{'tokens/s':>11}{'comm %':>8}{'RSS MiB':>9}{'loss':>10}"  # fmt: skip
+    head = f"{'model':<7}{'impl':<13}{'ranks':>5} {'mesh':<10}{'step ms':>10}{'x floor':>9}{'speedup':>9}{'samples/s':>11}{'tokens/s':>11}{'comm %':>8}{'RSS MiB':>9}{'loss':>10}"
     lines.append(head)
     for r in rows:
         c = r.config
@@ -237,7 +285,9 @@ def _report(rows: Sequence[TrainRow], steps: int, warmup: int, rounds: int, why_
         over = " (oversubscribed)" if c.ranks > cores else ""
         comm = f"{r.comm_share * 100:>8.1f}" if not math.isnan(r.comm_share) else f"{'-':>8}"
         sp = f"{speedup:>9.2f}" if not math.isnan(speedup) else f"{'-':>9}"
-        lines.append(f"{c.model:<7}{c.impl:<13}{c.ranks:>5} {c.mesh:<10}{r.step_s * 1e3:>10.2f}{vs_floor:>9.2f}{sp}{sps:>11.0f}{tokens}{comm}{r.peak_rss / 2**20:>9.0f}{r.loss:>10.5f}{over}")  # fmt: skip
+        lines.append(
+            f"{c.model:<7}{c.impl:<13}{c.ranks:>5} {c.mesh:<10}{r.step_s * 1e3:>10.2f}{vs_floor:>9.2f}{sp}{sps:>11.0f}{tokens}{comm}{r.peak_rss / 2**20:>9.0f}{r.loss:>10.5f}{over}"
+        )
     lines += _verdicts(rows)
     return "\n".join(lines)
 
@@ -249,22 +299,30 @@ def _verdicts(rows: Sequence[TrainRow]) -> list[str]:
         one, floor = _find(rows, m, "dtm", 1), _find(rows, m, "numpy", 1)
         if one and floor:
             ratio = one.step_s / floor.step_s
-            out.append(f"  {m}: 1 rank / numpy floor {ratio:.2f} (target <= {TARGET_FLOOR}): {'met' if ratio <= TARGET_FLOOR else 'MISSED'}")  # fmt: skip
+            out.append(
+                f"  {m}: 1 rank / numpy floor {ratio:.2f} (target <= {TARGET_FLOOR}): {'met' if ratio <= TARGET_FLOOR else 'MISSED'}"
+            )
         t1 = _find(rows, m, "torch-single", 1)
         if one and t1:
             ratio = t1.step_s / one.step_s
-            out.append(f"  {m}: 1 rank, torch / dtm {ratio:.2f} (target >= 1.0): {'met' if ratio >= 1.0 else 'MISSED'}")  # fmt: skip
+            out.append(
+                f"  {m}: 1 rank, torch / dtm {ratio:.2f} (target >= 1.0): {'met' if ratio >= 1.0 else 'MISSED'}"
+            )
         for impl, mesh in (("torch-ddp", "dp=2,tp=1"), ("torch-tp", "dp=1,tp=2")):
             t2, d2 = _find(rows, m, impl, 2), _find(rows, m, "dtm", 2, mesh)
             if t2 and d2:
                 ratio = t2.step_s / d2.step_s
-                out.append(f"  {m}: 2 ranks {mesh}, {impl} / dtm {ratio:.2f} (target >= {TARGET_TORCH_2}): {'met' if ratio >= TARGET_TORCH_2 else 'MISSED'}")  # fmt: skip
+                out.append(
+                    f"  {m}: 2 ranks {mesh}, {impl} / dtm {ratio:.2f} (target >= {TARGET_TORCH_2}): {'met' if ratio >= TARGET_TORCH_2 else 'MISSED'}"
+                )
     one = _find(rows, "mlp", "dtm", 1)
     for mesh in ("dp=2,tp=1", "dp=1,tp=2"):
         two = _find(rows, "mlp", "dtm", 2, mesh)
         if one and two:
             sp = one.step_s / two.step_s
-            out.append(f"  mlp: 2 ranks {mesh} speedup over 1 rank {sp:.2f} (target >= {TARGET_SPEEDUP}): {'met' if sp >= TARGET_SPEEDUP else 'MISSED'}")  # fmt: skip
+            out.append(
+                f"  mlp: 2 ranks {mesh} speedup over 1 rank {sp:.2f} (target >= {TARGET_SPEEDUP}): {'met' if sp >= TARGET_SPEEDUP else 'MISSED'}"
+            )
     return out
 
 
@@ -272,13 +330,51 @@ def _write_csv(path: str, rows: Sequence[TrainRow]) -> None:
     cores = _cores()
     with open(path, "w", newline="", encoding="utf-8") as fh:
         w = csv.writer(fh)
-        w.writerow(["model", "impl", "ranks", "mesh", "step_ms", "rounds_ms", "vs_numpy_floor", "speedup_vs_1_rank", "samples_per_s", "tokens_per_s", "comm_share", "peak_rss_mib", "loss", "threads_per_rank", "oversubscribed", "error"])  # fmt: skip
+        w.writerow(
+            [
+                "model",
+                "impl",
+                "ranks",
+                "mesh",
+                "step_ms",
+                "rounds_ms",
+                "vs_numpy_floor",
+                "speedup_vs_1_rank",
+                "samples_per_s",
+                "tokens_per_s",
+                "comm_share",
+                "peak_rss_mib",
+                "loss",
+                "threads_per_rank",
+                "oversubscribed",
+                "error",
+            ]
+        )
         for r in rows:
             c = r.config
             spec = MODELS[c.model]
             vs_floor, speedup = _derived(rows, r)
             sps = spec.batch / r.step_s if not math.isnan(r.step_s) else float("nan")
-            w.writerow([c.model, c.impl, c.ranks, c.mesh, f"{r.step_s * 1e3:.4f}", " ".join(f"{x * 1e3:.3f}" for x in r.rounds), f"{vs_floor:.4f}", f"{speedup:.4f}", f"{sps:.2f}", f"{sps * spec.tokens:.2f}", f"{r.comm_share:.4f}", f"{r.peak_rss / 2**20:.1f}", f"{r.loss:.6f}", 1, int(c.ranks > cores), r.error])  # fmt: skip
+            w.writerow(
+                [
+                    c.model,
+                    c.impl,
+                    c.ranks,
+                    c.mesh,
+                    f"{r.step_s * 1e3:.4f}",
+                    " ".join(f"{x * 1e3:.3f}" for x in r.rounds),
+                    f"{vs_floor:.4f}",
+                    f"{speedup:.4f}",
+                    f"{sps:.2f}",
+                    f"{sps * spec.tokens:.2f}",
+                    f"{r.comm_share:.4f}",
+                    f"{r.peak_rss / 2**20:.1f}",
+                    f"{r.loss:.6f}",
+                    1,
+                    int(c.ranks > cores),
+                    r.error,
+                ]
+            )
 
 
 def _plot(path: str, rows: Sequence[TrainRow]) -> str:
@@ -293,13 +389,27 @@ def _plot(path: str, rows: Sequence[TrainRow]) -> str:
     fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.5), squeeze=False)
     for ax, m in zip(axes[0], models, strict=True):
         mine = [r for r in rows if r.config.model == m and not r.error]
-        labels = [f"{r.config.impl}\n{r.config.ranks}r {r.config.mesh}" if r.config.ranks > 1 else f"{r.config.impl}\n1r" for r in mine]  # fmt: skip
-        colors = ["#4c72b0" if r.config.impl == "dtm" else "#55a868" if r.config.impl == "numpy" else "#c44e52" for r in mine]  # fmt: skip
+        labels = [
+            f"{r.config.impl}\n{r.config.ranks}r {r.config.mesh}"
+            if r.config.ranks > 1
+            else f"{r.config.impl}\n1r"
+            for r in mine
+        ]
+        colors = [
+            "#4c72b0"
+            if r.config.impl == "dtm"
+            else "#55a868"
+            if r.config.impl == "numpy"
+            else "#c44e52"
+            for r in mine
+        ]
         ax.bar(range(len(mine)), [r.step_s * 1e3 for r in mine], color=colors)
         ax.set_xticks(range(len(mine)), labels, rotation=60, ha="right", fontsize=7)
         ax.set_ylabel("step time (ms), lower is better")
         ax.set_title(MODELS[m].describe, fontsize=8)
-    fig.suptitle("dtm bench train: dtm (blue), numpy floor (green), PyTorch (red); one BLAS thread per rank")  # fmt: skip
+    fig.suptitle(
+        "dtm bench train: dtm (blue), numpy floor (green), PyTorch (red); one BLAS thread per rank"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

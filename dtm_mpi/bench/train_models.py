@@ -70,8 +70,15 @@ def _digits_step() -> Any:
     def loss(m: Any, x: dtm.Tensor, y: dtm.Tensor) -> dtm.Tensor:
         return fn.cross_entropy(m(x), y)
 
-    inputs = {"x": dtm.Input((64, 64), "f32", ("dp", None)), "y": dtm.Input((64,), "i32", ("dp",))}  # fmt: skip
-    return dtm.train_step(model, loss, mesh=dtm.Mesh(dp=2, tp=2), inputs=inputs, optimizer=dtm.optim.AdamW(lr=3e-3, weight_decay=1e-4), name="digits")  # fmt: skip
+    inputs = {"x": dtm.Input((64, 64), "f32", ("dp", None)), "y": dtm.Input((64,), "i32", ("dp",))}
+    return dtm.train_step(
+        model,
+        loss,
+        mesh=dtm.Mesh(dp=2, tp=2),
+        inputs=inputs,
+        optimizer=dtm.optim.AdamW(lr=3e-3, weight_decay=1e-4),
+        name="digits",
+    )
 
 
 GPT = {"vocab": 96, "context": 64, "dim": 96, "heads": 4, "layers": 2, "batch": 24}
@@ -89,7 +96,15 @@ def _gpt_step() -> Any:
         return fn.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
 
     spec = dtm.Input((g["batch"], g["context"]), "i32", ("dp", None))
-    return dtm.train_step(model, loss, mesh=dtm.Mesh(dp=2, tp=2), inputs={"ids": spec, "tgt": spec}, clip_norm=1.0, optimizer=dtm.optim.AdamW(lr=3e-3, weight_decay=0.01), name="gpt")  # fmt: skip
+    return dtm.train_step(
+        model,
+        loss,
+        mesh=dtm.Mesh(dp=2, tp=2),
+        inputs={"ids": spec, "tgt": spec},
+        clip_norm=1.0,
+        optimizer=dtm.optim.AdamW(lr=3e-3, weight_decay=0.01),
+        name="gpt",
+    )
 
 
 MLP = {"batch": 512, "n_in": 1024, "hidden": 4096}
@@ -102,21 +117,32 @@ def _mlp_step() -> Any:
 
     m = MLP
     model = dtm.nn.Sequential(
-        dtm.nn.ColumnParallelLinear(m["n_in"], m["hidden"], bias=False), fn.gelu,
+        dtm.nn.ColumnParallelLinear(m["n_in"], m["hidden"], bias=False),
+        fn.gelu,
         dtm.nn.RowParallelLinear(m["hidden"], m["n_in"], bias=False),
-    )  # fmt: skip
+    )
 
     def loss(mod: Any, x: dtm.Tensor, t: dtm.Tensor) -> dtm.Tensor:
         d: dtm.Tensor = mod(x) - t
         return (d * d).mean()
 
     spec = dtm.Input((m["batch"], m["n_in"]), "f32", ("dp", None))
-    return dtm.train_step(model, loss, mesh=dtm.Mesh(dp=2, tp=2), inputs={"x": spec, "t": spec}, optimizer=dtm.optim.SGD(MLP_LR), name="mlp")  # fmt: skip
+    return dtm.train_step(
+        model,
+        loss,
+        mesh=dtm.Mesh(dp=2, tp=2),
+        inputs={"x": spec, "t": spec},
+        optimizer=dtm.optim.SGD(MLP_LR),
+        name="mlp",
+    )
 
 
 def _digits_data(i: int) -> dict[str, Arr]:
     rng = np.random.default_rng([7, i])
-    return {"x": rng.random((64, 64), dtype=np.float32), "y": rng.integers(0, 10, 64).astype(np.int32)}  # fmt: skip
+    return {
+        "x": rng.random((64, 64), dtype=np.float32),
+        "y": rng.integers(0, 10, 64).astype(np.int32),
+    }
 
 
 def _gpt_data(i: int) -> dict[str, Arr]:
@@ -128,12 +154,26 @@ def _gpt_data(i: int) -> dict[str, Arr]:
 def _mlp_data(i: int) -> dict[str, Arr]:
     rng = np.random.default_rng([9, i])
     shape = (MLP["batch"], MLP["n_in"])
-    return {"x": rng.standard_normal(shape, dtype=np.float32), "t": rng.standard_normal(shape, dtype=np.float32)}  # fmt: skip
+    return {
+        "x": rng.standard_normal(shape, dtype=np.float32),
+        "t": rng.standard_normal(shape, dtype=np.float32),
+    }
 
 
-_DIGITS = ModelDef("digits", "digits MLP 64->256->10, batch 64, AdamW", 64, 1, _digits_step, _digits_data)  # fmt: skip
-_GPT = ModelDef("gpt", "GPT 2 blocks, width 96, 4 heads, context 64, batch 24, AdamW + clipping", GPT["batch"], GPT["context"], _gpt_step, _gpt_data)  # fmt: skip
-_MLP = ModelDef("mlp", "MLP 1024->4096->1024, batch 512, SGD", MLP["batch"], 1, _mlp_step, _mlp_data)  # fmt: skip
+_DIGITS = ModelDef(
+    "digits", "digits MLP 64->256->10, batch 64, AdamW", 64, 1, _digits_step, _digits_data
+)
+_GPT = ModelDef(
+    "gpt",
+    "GPT 2 blocks, width 96, 4 heads, context 64, batch 24, AdamW + clipping",
+    GPT["batch"],
+    GPT["context"],
+    _gpt_step,
+    _gpt_data,
+)
+_MLP = ModelDef(
+    "mlp", "MLP 1024->4096->1024, batch 512, SGD", MLP["batch"], 1, _mlp_step, _mlp_data
+)
 MODELS: dict[str, ModelDef] = {m.name: m for m in (_DIGITS, _GPT, _MLP)}
 
 
@@ -166,13 +206,23 @@ def _gelu_fwd(h: Arr) -> tuple[Arr, Arr]:
 
 
 def _gelu_bwd(h: Arr, th: Arr) -> Arr:
-    return 0.5 * (1.0 + th) + 0.5 * h * (1.0 - th * th) * np.float32(GELU_C) * (1.0 + np.float32(3 * GELU_A) * h * h)  # type: ignore[no-any-return]  # fmt: skip
+    return 0.5 * (1.0 + th) + 0.5 * h * (1.0 - th * th) * np.float32(GELU_C) * (  # type: ignore[no-any-return]
+        1.0 + np.float32(3 * GELU_A) * h * h
+    )
 
 
 class _AdamW:
     """AdamW as the frontend's optimizer writes it, in place."""
 
-    def __init__(self, params: dict[str, Arr], lr: float, wd: float, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> None:  # fmt: skip
+    def __init__(
+        self,
+        params: dict[str, Arr],
+        lr: float,
+        wd: float,
+        b1: float = 0.9,
+        b2: float = 0.999,
+        eps: float = 1e-8,
+    ) -> None:
         self.lr, self.wd, self.b1, self.b2, self.eps = lr, wd, b1, b2, eps
         self.m = {k: np.zeros_like(v) for k, v in params.items()}
         self.v = {k: np.zeros_like(v) for k, v in params.items()}
@@ -211,7 +261,10 @@ def _cross_entropy(logits: Arr, labels: Arr) -> tuple[float, Arr]:
 
 class DigitsFloor:
     def __init__(self, state: dict[str, Arr]) -> None:
-        self.p = {k: state[k].copy() for k in ("layers.0.weight", "layers.0.bias", "layers.1.weight", "layers.1.bias")}  # fmt: skip
+        self.p = {
+            k: state[k].copy()
+            for k in ("layers.0.weight", "layers.0.bias", "layers.1.weight", "layers.1.bias")
+        }
         self.opt = _AdamW(self.p, 3e-3, 1e-4)
 
     def step(self, batch: dict[str, Arr]) -> float:
@@ -264,7 +317,7 @@ def _ln_fwd(x: Arr, g: Arr, b: Arr, eps: float = 1e-5) -> tuple[Arr, tuple[Arr, 
 def _ln_bwd(dy: Arr, g: Arr, cache: tuple[Arr, Arr]) -> tuple[Arr, Arr, Arr]:
     xh, r = cache
     dxh = dy * g
-    dx = r * (dxh - dxh.mean(axis=-1, keepdims=True) - xh * (dxh * xh).mean(axis=-1, keepdims=True))  # fmt: skip
+    dx = r * (dxh - dxh.mean(axis=-1, keepdims=True) - xh * (dxh * xh).mean(axis=-1, keepdims=True))
     lead = tuple(range(dy.ndim - 1))
     return dx, (dy * xh).sum(axis=lead), dy.sum(axis=lead)
 
@@ -312,7 +365,9 @@ class GptFloor:
         logits = xf.reshape(bsz * t, d) @ p["head.weight"]
         loss, gl = _cross_entropy(logits, tgt.reshape(-1))
         g["head.weight"] = xf.reshape(bsz * t, d).T @ gl
-        dx, g["ln.weight"], g["ln.bias"] = _ln_bwd((gl @ p["head.weight"].T).reshape(bsz, t, d), p["ln.weight"], cf)  # fmt: skip
+        dx, g["ln.weight"], g["ln.bias"] = _ln_bwd(
+            (gl @ p["head.weight"].T).reshape(bsz, t, d), p["ln.weight"], cf
+        )
         for i in reversed(range(GPT["layers"])):
             pre = f"blocks.{i}."
             a_in, c1, q, k, v, pr, o, m_in, c2, u, gu, th = caches[i]
@@ -323,13 +378,19 @@ class GptFloor:
             du = (dx @ p[pre + "mlp.down.weight"].T) * _gelu_bwd(u, th)
             g[pre + "mlp.up.weight"] = m_in.reshape(-1, d).T @ du.reshape(-1, 4 * d)
             g[pre + "mlp.up.bias"] = du.reshape(-1, 4 * d).sum(axis=0)
-            dm, g[pre + "ln2.weight"], g[pre + "ln2.bias"] = _ln_bwd(du @ p[pre + "mlp.up.weight"].T, p[pre + "ln2.weight"], c2)  # fmt: skip
+            dm, g[pre + "ln2.weight"], g[pre + "ln2.bias"] = _ln_bwd(
+                du @ p[pre + "mlp.up.weight"].T, p[pre + "ln2.weight"], c2
+            )
             dx = dx + dm
             # attention
             flat = dx.reshape(-1, d)
             g[pre + "attn.wo"] = (o.reshape(-1, h * e).T @ flat).reshape(h, e, d)
             g[pre + "attn.bo"] = flat.sum(axis=0)
-            do = (dx @ p[pre + "attn.wo"].reshape(h * e, d).T).reshape(bsz, t, h, e).transpose(0, 2, 1, 3)  # fmt: skip
+            do = (
+                (dx @ p[pre + "attn.wo"].reshape(h * e, d).T)
+                .reshape(bsz, t, h, e)
+                .transpose(0, 2, 1, 3)
+            )
             dpr = do @ v.transpose(0, 1, 3, 2)
             dv = pr.transpose(0, 1, 3, 2) @ do
             ds = pr * (dpr - (dpr * pr).sum(axis=-1, keepdims=True)) * scale
@@ -340,7 +401,9 @@ class GptFloor:
             for w, dw in (("wq", dq), ("wk", dk), ("wv", dv)):
                 dflat = dw.transpose(0, 2, 1, 3).reshape(-1, h * e)
                 g[pre + "attn." + w] = (a2.T @ dflat).reshape(d, h, e).transpose(1, 0, 2)
-                da += (dflat @ p[pre + "attn." + w].transpose(1, 0, 2).reshape(d, h * e).T).reshape(bsz, t, d)  # fmt: skip
+                da += (dflat @ p[pre + "attn." + w].transpose(1, 0, 2).reshape(d, h * e).T).reshape(
+                    bsz, t, d
+                )
             dl, g[pre + "ln1.weight"], g[pre + "ln1.bias"] = _ln_bwd(da, p[pre + "ln1.weight"], c1)
             dx = dx + dl
         g["pos"][:t] = dx.sum(axis=0)
@@ -354,7 +417,11 @@ class GptFloor:
         return loss
 
 
-_FLOORS: dict[str, Callable[[dict[str, Arr]], Any]] = {"digits": DigitsFloor, "gpt": GptFloor, "mlp": MlpFloor}  # fmt: skip
+_FLOORS: dict[str, Callable[[dict[str, Arr]], Any]] = {
+    "digits": DigitsFloor,
+    "gpt": GptFloor,
+    "mlp": MlpFloor,
+}
 
 
 def numpy_floor(model: str, state: dict[str, Arr]) -> Any:

@@ -35,9 +35,10 @@ def _mlp_module(state: dict[str, np.ndarray], bias: bool) -> Any:
 
     w1, w2 = state["layers.0.weight"], state["layers.1.weight"]
     net = torch.nn.Sequential(
-        torch.nn.Linear(w1.shape[0], w1.shape[1], bias=bias), torch.nn.GELU(approximate="tanh"),
+        torch.nn.Linear(w1.shape[0], w1.shape[1], bias=bias),
+        torch.nn.GELU(approximate="tanh"),
         torch.nn.Linear(w2.shape[0], w2.shape[1], bias=bias),
-    )  # fmt: skip
+    )
     with torch.no_grad():
         net[0].weight.copy_(_t(w1.T))
         net[2].weight.copy_(_t(w2.T))
@@ -59,7 +60,9 @@ def _gpt_module(state: dict[str, np.ndarray]) -> Any:
         def __init__(self) -> None:
             super().__init__()
             weights = {k: v for k, v in state.items() if not k.startswith("opt.")}
-            self.p = torch.nn.ParameterDict({k.replace(".", "__"): torch.nn.Parameter(_t(v)) for k, v in weights.items()})  # fmt: skip
+            self.p = torch.nn.ParameterDict(
+                {k.replace(".", "__"): torch.nn.Parameter(_t(v)) for k, v in weights.items()}
+            )
             c = GPT["context"]
             self.register_buffer("mask", torch.tril(torch.ones(c, c, dtype=torch.bool)))
 
@@ -74,15 +77,25 @@ def _gpt_module(state: dict[str, np.ndarray]) -> Any:
             x = self.w("tok.weight")[ids] + self.w("pos")[:t]
             for i in range(GPT["layers"]):
                 pre = f"blocks.{i}."
-                a = f.layer_norm(x, (d,), self.w(pre + "ln1.weight"), self.w(pre + "ln1.bias"), 1e-5)  # fmt: skip
-                wq, wk, wv = (self.w(pre + "attn." + n).permute(1, 0, 2).reshape(d, h * e) for n in ("wq", "wk", "wv"))  # fmt: skip
+                a = f.layer_norm(
+                    x, (d,), self.w(pre + "ln1.weight"), self.w(pre + "ln1.bias"), 1e-5
+                )
+                wq, wk, wv = (
+                    self.w(pre + "attn." + n).permute(1, 0, 2).reshape(d, h * e)
+                    for n in ("wq", "wk", "wv")
+                )
                 q, k, v = ((a @ w).view(b, t, h, e).transpose(1, 2) for w in (wq, wk, wv))
                 s = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(e))
                 s = s.masked_fill(~self.mask[:t, :t], -1e9)
                 o = (s.softmax(-1) @ v).transpose(1, 2).reshape(b, t, h * e)
                 x = x + o @ self.w(pre + "attn.wo").reshape(h * e, d) + self.w(pre + "attn.bo")
-                m = f.layer_norm(x, (d,), self.w(pre + "ln2.weight"), self.w(pre + "ln2.bias"), 1e-5)  # fmt: skip
-                u = f.gelu(m @ self.w(pre + "mlp.up.weight") + self.w(pre + "mlp.up.bias"), approximate="tanh")  # fmt: skip
+                m = f.layer_norm(
+                    x, (d,), self.w(pre + "ln2.weight"), self.w(pre + "ln2.bias"), 1e-5
+                )
+                u = f.gelu(
+                    m @ self.w(pre + "mlp.up.weight") + self.w(pre + "mlp.up.bias"),
+                    approximate="tanh",
+                )
                 x = x + u @ self.w(pre + "mlp.down.weight") + self.w(pre + "mlp.down.bias")
             x = f.layer_norm(x, (d,), self.w("ln.weight"), self.w("ln.bias"), 1e-5)
             return x @ self.w("head.weight")
@@ -95,7 +108,9 @@ class TorchPeer:
     ``ddp`` (data parallel over the ``ranks`` processes) or ``tp`` (tensor parallel).
     ``.step(batch) -> loss`` takes the *global* batch and uses this rank's part."""
 
-    def __init__(self, model: str, state: dict[str, np.ndarray], mode: str, rank: int, ranks: int) -> None:  # fmt: skip
+    def __init__(
+        self, model: str, state: dict[str, np.ndarray], mode: str, rank: int, ranks: int
+    ) -> None:
         torch = torch_module()
         dist = importlib.import_module("torch.distributed")
 
@@ -107,8 +122,12 @@ class TorchPeer:
             if model == "gpt":
                 raise NotImplementedError("tensor-parallel GPT in torch is not set up here")
             tp = importlib.import_module("torch.distributed.tensor.parallel")
-            mesh = importlib.import_module("torch.distributed.device_mesh").init_device_mesh("cpu", (ranks,))  # fmt: skip
-            net = tp.parallelize_module(net, mesh, {"0": tp.ColwiseParallel(), "2": tp.RowwiseParallel()})  # fmt: skip
+            mesh = importlib.import_module("torch.distributed.device_mesh").init_device_mesh(
+                "cpu", (ranks,)
+            )
+            net = tp.parallelize_module(
+                net, mesh, {"0": tp.ColwiseParallel(), "2": tp.RowwiseParallel()}
+            )
         elif mode != "single":
             raise ValueError(f"unknown torch mode {mode!r}")
         self.net = net
@@ -116,7 +135,9 @@ class TorchPeer:
             self.opt = torch.optim.SGD(net.parameters(), lr=MLP_LR)
         else:
             wd = 1e-4 if model == "digits" else 0.01
-            self.opt = torch.optim.AdamW(net.parameters(), lr=3e-3, weight_decay=wd, eps=1e-8, foreach=False)  # fmt: skip
+            self.opt = torch.optim.AdamW(
+                net.parameters(), lr=3e-3, weight_decay=wd, eps=1e-8, foreach=False
+            )
         self.dist = dist
 
     def _part(self, a: np.ndarray) -> Any:
@@ -139,10 +160,12 @@ class TorchPeer:
             d = self.net(self._part(batch["x"])) - self._part(batch["t"])
             loss = (d * d).mean()
         elif self.model == "digits":
-            loss = f.cross_entropy(self.net(self._part(batch["x"])), self._part(batch["y"]).long())  # fmt: skip
+            loss = f.cross_entropy(self.net(self._part(batch["x"])), self._part(batch["y"]).long())
         else:
             logits = self.net(self._part(batch["ids"]).long())
-            loss = f.cross_entropy(logits.reshape(-1, logits.shape[-1]), self._part(batch["tgt"]).long().reshape(-1))  # fmt: skip
+            loss = f.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), self._part(batch["tgt"]).long().reshape(-1)
+            )
         loss.backward()
         if self.model == "gpt":
             torch.nn.utils.clip_grad_norm_(self.net.parameters(), 1.0)

@@ -31,7 +31,16 @@ class TimedComm:
     communication costs this rank, waiting for the others included); everything else is
     the wrapped communicator's."""
 
-    TIMED = ("allgather", "allreduce", "reduce_scatter", "exchange", "broadcast", "send", "recv", "flush")  # fmt: skip
+    TIMED = (
+        "allgather",
+        "allreduce",
+        "reduce_scatter",
+        "exchange",
+        "broadcast",
+        "send",
+        "recv",
+        "flush",
+    )
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
@@ -117,19 +126,34 @@ def _run_dtm(model: str, sizes: dict[str, int], steps: int, warmup: int) -> dict
     session = MpiSession(plan.mesh, timeout_s=config.timeout_s, world=world, join=False)
     try:
         session.join_mesh(plan_groups(plan, config.deterministic))
-        comm = TimedComm(MpiComm(session, deterministic=config.deterministic, max_msg_elems=config.max_msg_elems))  # fmt: skip
+        comm = TimedComm(
+            MpiComm(session, deterministic=config.deterministic, max_msg_elems=config.max_msg_elems)
+        )
         timed.append(comm)
         request = RunRequest("<bench>", module=step.module, steps=warmup + steps, hooks=hooks)
         world.Barrier()
         start = time.perf_counter()
-        run_loop(session, comm, plan, request, int(world.Get_rank()), open_backend(parse_backend("numpy")))  # fmt: skip
+        run_loop(
+            session,
+            comm,
+            plan,
+            request,
+            int(world.Get_rank()),
+            open_backend(parse_backend("numpy")),
+        )
     finally:
         session.close()
     points = [start, *marks]
     times = [b - a for a, b in itertools.pairwise(points)][warmup:]
     comms = [b - a for a, b in itertools.pairwise([0.0, *comm_marks])][warmup:]
     trace = [(t - start, b) for t, b in rss]
-    return {"times": times, "comm": comms, "losses": losses, "ops": len(plan.entry_plan.ops), "rss_trace": trace}  # fmt: skip
+    return {
+        "times": times,
+        "comm": comms,
+        "losses": losses,
+        "ops": len(plan.entry_plan.ops),
+        "rss_trace": trace,
+    }
 
 
 def _run_numpy(model: str, steps: int, warmup: int) -> dict[str, Any]:
@@ -156,7 +180,9 @@ def _run_torch(model: str, mode: str, steps: int, warmup: int, port: int) -> dic
     if mode != "single":
         rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
         ranks = int(os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("PMI_SIZE", "1")))
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks)  # fmt: skip
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks
+        )
     spec = MODELS[model]
     peer = TorchPeer(model, initial_state(spec.build()), mode, rank, ranks)
     times, losses = [], []
@@ -176,7 +202,9 @@ def _run_torch(model: str, mode: str, steps: int, warmup: int, port: int) -> dic
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dtm_mpi.bench.train_worker")
-    ap.add_argument("--impl", required=True, choices=("dtm", "numpy", "torch-single", "torch-ddp", "torch-tp"))  # fmt: skip
+    ap.add_argument(
+        "--impl", required=True, choices=("dtm", "numpy", "torch-single", "torch-ddp", "torch-tp")
+    )
     ap.add_argument("--model", required=True, choices=sorted(MODELS))
     ap.add_argument("--mesh", default="dp=1,tp=1")
     ap.add_argument("--steps", type=int, default=8)
@@ -195,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.impl == "numpy":
         got = _run_numpy(args.model, args.steps, args.warmup)
     else:
-        got = _run_torch(args.model, args.impl.removeprefix("torch-"), args.steps, args.warmup, args.port)  # fmt: skip
+        got = _run_torch(
+            args.model, args.impl.removeprefix("torch-"), args.steps, args.warmup, args.port
+        )
         rank = int(got.pop("rank"))
     got["rss"] = status_kib("VmHWM") * 1024  # the peak resident memory
     with open(f"{args.out}.{rank}", "w", encoding="utf-8") as fh:

@@ -147,7 +147,9 @@ class StopRequests:
         claim_ending()
         name = signal.Signals(signum).name
         where = f" in phase {self.phase()}" if self.phase is not None else ""
-        write_line(f"{self.who}: a second stop signal ({name}){where}: ending now without saving; the store keeps its last committed checkpoint")  # fmt: skip
+        write_line(
+            f"{self.who}: a second stop signal ({name}){where}: ending now without saving; the store keeps its last committed checkpoint"
+        )
         os._exit(128 + signum)
 
 

@@ -98,7 +98,14 @@ def exchange_without_session(comm: Any, text: str, *, phase: str, timeout_s: flo
     return [outcomes[r][1] for r in range(int(comm.Get_size()))]
 
 
-def _exchange(comm: Any, ok: bool, message: str, phase: str, timeout_s: float, tags: tuple[int, int] = (AGREE_TAG, VIEW_TAG)) -> dict[int, tuple[bool, str]]:  # fmt: skip
+def _exchange(
+    comm: Any,
+    ok: bool,
+    message: str,
+    phase: str,
+    timeout_s: float,
+    tags: tuple[int, int] = (AGREE_TAG, VIEW_TAG),
+) -> dict[int, tuple[bool, str]]:
     """Every rank sends (``ok``, ``message``) to every other rank and waits, within
     ``timeout_s``, for all of theirs; so every rank that arrives knows by itself which ranks
     did. If some did not arrive, the arrived ranks exchange what they heard (a second bounded
@@ -109,7 +116,7 @@ def _exchange(comm: Any, ok: bool, message: str, phase: str, timeout_s: float, t
     start = time.monotonic()
     tag, view_tag = tags
     log_debug(rank, f"waiting for every rank to end phase {phase}")
-    sends = [comm.isend((phase, ok, message), dest=r, tag=tag) for r in range(size) if r != rank]  # fmt: skip
+    sends = [comm.isend((phase, ok, message), dest=r, tag=tag) for r in range(size) if r != rank]
     got = _collect(comm, tag, set(range(size)) - {rank}, start + timeout_s)
     outcomes: dict[int, tuple[bool, str]] = {r: (bool(v[1]), str(v[2])) for r, v in got.items()}
     outcomes[rank] = (ok, message)
@@ -119,7 +126,7 @@ def _exchange(comm: Any, ok: bool, message: str, phase: str, timeout_s: float, t
         arrived = sorted(outcomes)
         sends += [comm.isend(dict(outcomes), dest=r, tag=view_tag) for r in arrived if r != rank]
         # a peer that arrived just before my deadline reaches its own up to timeout_s later
-        views = _collect(comm, view_tag, set(arrived) - {rank}, time.monotonic() + timeout_s + 1.0)  # fmt: skip
+        views = _collect(comm, view_tag, set(arrived) - {rank}, time.monotonic() + timeout_s + 1.0)
         for view in views.values():
             for r, outcome in view.items():
                 outcomes.setdefault(int(r), (bool(outcome[0]), str(outcome[1])))
@@ -132,8 +139,10 @@ def _exchange(comm: Any, ok: bool, message: str, phase: str, timeout_s: float, t
             f"phase {phase!r} did not end within {timeout_s:g} s: rank(s) "
             f"{', '.join(map(str, missing))} did not arrive (hung, dead or still working)"
             f"{listed}",
-            op="agreement", rank=rank, phase=phase,
-        )  # fmt: skip
+            op="agreement",
+            rank=rank,
+            phase=phase,
+        )
         err.silent = tuple(missing)
         raise err
     for req in sends:  # every peer arrived and receives: small messages complete at once
@@ -159,7 +168,9 @@ def agree_outcome(
     session (before the mesh is known) every rank sends its outcome to every other, so a rank
     that never arrives is named: every rank that did arrive raises the same
     :class:`CommTimeoutError` listing the missing ranks."""
-    failures, _ = agree_outcome_flagged(comm, ok=ok, message=message, phase=phase, timeout_s=timeout_s, wait=wait)  # fmt: skip
+    failures, _ = agree_outcome_flagged(
+        comm, ok=ok, message=message, phase=phase, timeout_s=timeout_s, wait=wait
+    )
     return failures
 
 
@@ -177,7 +188,9 @@ def agree_outcome_flagged(
     rank raised, OR-ed, agreed in the same exchange (the same answer on every rank)."""
     if wait is None:
         outcomes = _exchange(comm, ok, message if not ok else str(int(flag)), phase, timeout_s)
-        failures = tuple(RankFailure(r, phase, m) for r, (k, m) in sorted(outcomes.items()) if not k)  # fmt: skip
+        failures = tuple(
+            RankFailure(r, phase, m) for r, (k, m) in sorted(outcomes.items()) if not k
+        )
         flags = int(flag)
         for k, m in outcomes.values():
             if k and m.isdigit():
@@ -213,8 +226,14 @@ def agree_or_raise(
     every rank)."""
     message = "" if error is None else (str(error) or type(error).__name__)
     failures, flagged = agree_outcome_flagged(
-        comm, ok=error is None, message=message, phase=phase, timeout_s=timeout_s, wait=wait, flag=flag
-    )  # fmt: skip
+        comm,
+        ok=error is None,
+        message=message,
+        phase=phase,
+        timeout_s=timeout_s,
+        wait=wait,
+        flag=flag,
+    )
     if failures:
         raise RemoteFailureError(phase, failures)
     return flagged

@@ -66,7 +66,7 @@ from dtm_mpi.sharding.steps import AllgatherSpec, AllreduceSpec, ExchangeSpec, R
 
 __all__ = ["DeviceComm", "DeviceOps", "DevicePaths", "PinnedPool"]
 
-NOT_NATIVE = "deterministic mode, or a reduction MPI does not do natively (float max/min, f16, bool): folded in group order"  # fmt: skip
+NOT_NATIVE = "deterministic mode, or a reduction MPI does not do natively (float max/min, f16, bool): folded in group order"
 NOT_AWARE = "MPI is not GPU-aware"
 
 
@@ -125,8 +125,11 @@ class DevicePaths:
             return ", ".join(f"{k} {n}" for k, n in sorted(c.items())) or "none"
 
         why = "; ".join(f"{k} ({n})" for k, n in sorted(self.why.items()))
-        return (f"device buffers: direct {items(self.direct)}; staged {items(self.staged)}"
-                + (f" [{why}]" if why else "") + f"; host arrays {items(self.host)}")  # fmt: skip
+        return (
+            f"device buffers: direct {items(self.direct)}; staged {items(self.staged)}"
+            + (f" [{why}]" if why else "")
+            + f"; host arrays {items(self.host)}"
+        )
 
 
 class _Kept:
@@ -180,7 +183,9 @@ class PinnedPool:
             self.pageable += 1
             return np.empty(nbytes, dtype=np.uint8)
         if buf.dtype != np.uint8 or buf.ndim != 1 or buf.size < size:
-            raise CommError(f"{self._ops.name}: pinned({size}) returned {buf.dtype}{list(buf.shape)}, expected uint8[>={size}]")  # fmt: skip
+            raise CommError(
+                f"{self._ops.name}: pinned({size}) returned {buf.dtype}{list(buf.shape)}, expected uint8[>={size}]"
+            )
         entry = _Kept(buf)
         del buf
         entry.idle = sys.getrefcount(entry.anchor)  # measured as in the loop above
@@ -231,8 +236,9 @@ class DeviceComm:
                 f"layer decided MPI is not GPU-aware: {awareness.detail}. Use a GPU-aware MPI "
                 "build (and enable it), set --gpu-aware-mpi yes if it is one, or drop the "
                 "requirement to stage device buffers through host memory",
-                rank=inner.rank, phase="gpu-aware mpi",
-            )  # fmt: skip
+                rank=inner.rank,
+                phase="gpu-aware mpi",
+            )
             raise agreed(err) if awareness.agreed else err
         self.inner = inner
         self.ops = ops
@@ -256,7 +262,9 @@ class DeviceComm:
         return self.inner.stats
 
     # -- paths --------------------------------------------------------------------------------
-    def _direct(self, shape: tuple[int, ...], dtype: Any, contiguous: bool, collective: bool) -> MpiComm | str:  # fmt: skip
+    def _direct(
+        self, shape: tuple[int, ...], dtype: Any, contiguous: bool, collective: bool
+    ) -> MpiComm | str:
         """The MpiComm to call for a direct ``op``, or the reason (a str) to stage."""
         if not self.awareness.aware:
             return NOT_AWARE
@@ -273,7 +281,7 @@ class DeviceComm:
         if size > mpi.limit:
             return "more elements than one MPI message (DTM_MAX_MSG_ELEMS)"
         if collective and mpi.session.watchdog is None:
-            return "MPI is not THREAD_MULTIPLE: collectives are non-blocking calls, which do not take device buffers"  # fmt: skip
+            return "MPI is not THREAD_MULTIPLE: collectives are non-blocking calls, which do not take device buffers"
         return mpi
 
     def _contiguous_if_aware(self, x: Any) -> Any:
@@ -292,7 +300,9 @@ class DeviceComm:
         if why == NOT_AWARE and not self._logged:
             self._logged = True
             a = self.awareness
-            self._log(f"staging device buffers through pinned host memory: {NOT_AWARE} ({a.source}: {a.detail})")  # fmt: skip
+            self._log(
+                f"staging device buffers through pinned host memory: {NOT_AWARE} ({a.source}: {a.detail})"
+            )
 
     def _to_pinned(self, x: Any) -> np.ndarray:
         """``x`` copied into a pooled pinned buffer (a view of it, shaped like ``x``)."""
@@ -307,8 +317,10 @@ class DeviceComm:
     def describe(self) -> str:
         """Paths taken and the staging pool, for the run log."""
         p = self.pool
-        return (f"{self.paths.describe()}; pinned pool {p.buffers} buffer(s), "
-                f"{p.pinned_bytes / 2**20:.1f} MiB, reused {p.reused}x, pageable {p.pageable}")  # fmt: skip
+        return (
+            f"{self.paths.describe()}; pinned pool {p.buffers} buffer(s), "
+            f"{p.pinned_bytes / 2**20:.1f} MiB, reused {p.reused}x, pageable {p.pageable}"
+        )
 
     # -- the interface ------------------------------------------------------------------------
     def allgather(self, x: Any, axes: tuple[str, ...], spec: AllgatherSpec) -> Any:
@@ -324,7 +336,7 @@ class DeviceComm:
         if not isinstance(mpi, str) and max(counts) > mpi.limit:
             mpi = "a block above one MPI message (DTM_MAX_MSG_ELEMS)"
         if isinstance(mpi, str):  # a rank staging here makes MpiComm's call: the same one
-            return self._staged("allgather", mpi, x, lambda h: self.inner.allgather(h, axes, spec))  # fmt: skip
+            return self._staged("allgather", mpi, x, lambda h: self.inner.allgather(h, axes, spec))
         comm = mpi.session.group(axes)
         shape = list(x.shape)
         shape[spec.dim] = sum(spec.extents)
@@ -333,8 +345,17 @@ class DeviceComm:
         if len(set(counts)) == 1:  # as MpiComm: Allgather for equal blocks, else Allgatherv
             mpi.call(comm, "Allgather", "allgather", axes, [x, mtype], [out, mtype])
         else:
-            mpi.call(comm, "Allgatherv", "allgather", axes, [x, mtype], [out, (counts, starts_of(counts)), mtype])  # fmt: skip
-        mpi.stats.record("allgather", *allgather_traffic(int(x.nbytes), int(out.nbytes), len(counts)))  # fmt: skip
+            mpi.call(
+                comm,
+                "Allgatherv",
+                "allgather",
+                axes,
+                [x, mtype],
+                [out, (counts, starts_of(counts)), mtype],
+            )
+        mpi.stats.record(
+            "allgather", *allgather_traffic(int(x.nbytes), int(out.nbytes), len(counts))
+        )
         self.paths.direct["allgather"] += 1
         return out
 
@@ -348,11 +369,19 @@ class DeviceComm:
         if not isinstance(mpi, str) and mpi.native_type(x, spec.op) is None:
             mpi = NOT_NATIVE
         if isinstance(mpi, str):
-            return self._staged("allreduce", mpi, x, lambda h: self.inner.allreduce(h, axes, spec))  # fmt: skip
+            return self._staged("allreduce", mpi, x, lambda h: self.inner.allreduce(h, axes, spec))
         comm = mpi.session.group(axes)
         mtype = mpi.native_type(x, spec.op)
         out = self.ops.empty(tuple(x.shape), x.dtype)
-        mpi.call(comm, "Allreduce", "allreduce", axes, [x, mtype], [out, mtype], op=mpi.reduce_op(spec.op))  # fmt: skip
+        mpi.call(
+            comm,
+            "Allreduce",
+            "allreduce",
+            axes,
+            [x, mtype],
+            [out, mtype],
+            op=mpi.reduce_op(spec.op),
+        )
         moved = allreduce_moved(_like(x), len(spec.group), spec.position)
         mpi.stats.record("allreduce", moved, moved)
         self.paths.direct["allreduce"] += 1
@@ -378,19 +407,34 @@ class DeviceComm:
         if not isinstance(mpi, str) and mpi.native_type(x, spec.op) is None:
             mpi = NOT_NATIVE
         if isinstance(mpi, str):
-            return self._staged("reduce_scatter", mpi, x, lambda h: self.inner.reduce_scatter(h, axes, spec))  # fmt: skip
+            return self._staged(
+                "reduce_scatter", mpi, x, lambda h: self.inner.reduce_scatter(h, axes, spec)
+            )
         comm = mpi.session.group(axes)
         shape = list(x.shape)
         shape[spec.dim] = spec.pieces[spec.position][1]
         out = self.ops.empty(tuple(shape), x.dtype)  # this member's piece, reduced in place
         mtype = mpi.native_type(x, spec.op)
         name, extra = reduce_scatter_call(counts)  # the call MpiComm makes for these counts
-        mpi.call(comm, name, "reduce_scatter", axes, [x, mtype], [out, mtype], *extra, op=mpi.reduce_op(spec.op))  # fmt: skip
-        mpi.stats.record("reduce_scatter", *reduce_scatter_traffic(int(x.nbytes), int(out.nbytes), len(counts)))  # fmt: skip
+        mpi.call(
+            comm,
+            name,
+            "reduce_scatter",
+            axes,
+            [x, mtype],
+            [out, mtype],
+            *extra,
+            op=mpi.reduce_op(spec.op),
+        )
+        mpi.stats.record(
+            "reduce_scatter", *reduce_scatter_traffic(int(x.nbytes), int(out.nbytes), len(counts))
+        )
         self.paths.direct["reduce_scatter"] += 1
         return out
 
-    def exchange(self, x: Any, axes: tuple[str, ...], spec: ExchangeSpec, what: str = "exchange") -> Any:  # fmt: skip
+    def exchange(
+        self, x: Any, axes: tuple[str, ...], spec: ExchangeSpec, what: str = "exchange"
+    ) -> Any:
         """Collective: call on all ranks of the group."""
         if not self.ops.is_device(x):
             self.paths.host[what] += 1
@@ -406,7 +450,7 @@ class DeviceComm:
         if isinstance(mpi, str):
             # MpiComm's call for a rank that stages is an Alltoallv (non-uniform specs) or
             # the Alltoall every member makes (uniform ones): the same as the direct ranks'
-            return self._staged(what, mpi, x, lambda h: self.inner.exchange(h, axes, spec, what))  # fmt: skip
+            return self._staged(what, mpi, x, lambda h: self.inner.exchange(h, axes, spec, what))
         assert plan is not None
         comm = mpi.session.group(axes)
         out = self.ops.empty(tuple(spec.out_shape), x.dtype)  # every piece lands in place
@@ -414,8 +458,17 @@ class DeviceComm:
         if spec.uniform:
             mpi.call(comm, "Alltoall", what, axes, [x, mtype], [out, mtype])
         else:
-            mpi.call(comm, "Alltoallv", what, axes, [x, (plan.sc, plan.sd), mtype], [out, (plan.rc, plan.rd), mtype])  # fmt: skip
-        mpi.stats.record(what, plan.traffic[0] * x.dtype.itemsize, plan.traffic[1] * x.dtype.itemsize)  # fmt: skip
+            mpi.call(
+                comm,
+                "Alltoallv",
+                what,
+                axes,
+                [x, (plan.sc, plan.sd), mtype],
+                [out, (plan.rc, plan.rd), mtype],
+            )
+        mpi.stats.record(
+            what, plan.traffic[0] * x.dtype.itemsize, plan.traffic[1] * x.dtype.itemsize
+        )
         self.paths.direct[what] += 1
         return out
 
@@ -431,15 +484,21 @@ class DeviceComm:
         mpi = self._direct(tuple(x.shape), x.dtype, _contiguous(x), True)
         if isinstance(mpi, str):
             if self.mesh.group_of(self.rank, axes).index(self.rank) != root:
-                return self._staged("broadcast", mpi, x, lambda h: self.inner.broadcast(h, axes, root))  # fmt: skip
+                return self._staged(
+                    "broadcast", mpi, x, lambda h: self.inner.broadcast(h, axes, root)
+                )
             self._note_staged("broadcast", mpi)
             self.inner.broadcast(self._to_pinned(x), axes, root)
             return x
         comm = mpi.session.group(axes)
         is_root = int(comm.Get_rank()) == root
         buf = x if is_root else self.ops.empty(tuple(x.shape), x.dtype)
-        mpi.call(comm, "Bcast", "broadcast", axes, [buf, mpi.move_type(x.dtype.itemsize)], root=root)  # fmt: skip
-        mpi.stats.record("broadcast", *broadcast_traffic(int(x.nbytes), int(comm.Get_size()), is_root))  # fmt: skip
+        mpi.call(
+            comm, "Bcast", "broadcast", axes, [buf, mpi.move_type(x.dtype.itemsize)], root=root
+        )
+        mpi.stats.record(
+            "broadcast", *broadcast_traffic(int(x.nbytes), int(comm.Get_size()), is_root)
+        )
         self.paths.direct["broadcast"] += 1
         return buf
 
@@ -467,9 +526,14 @@ class DeviceComm:
         self.inner.flush()
 
     def recv(
-        self, shape: tuple[int, ...], dtype: np.dtype[np.generic], peer: int, tag: int,
-        *, device: bool = True,
-    ) -> Any:  # fmt: skip
+        self,
+        shape: tuple[int, ...],
+        dtype: np.dtype[np.generic],
+        peer: int,
+        tag: int,
+        *,
+        device: bool = True,
+    ) -> Any:
         """Point-to-point (not collective): a device array (a host array with
         ``device=False``), whatever memory the sender sent from."""
         if not device:

@@ -38,10 +38,22 @@ from dtm_mpi.config import Config, GpuAwareMode, get_config
 from dtm_mpi.errors import UsageError
 
 __all__ = [
-    "Answer", "GpuAwareness", "MPIX_GPU_SUPPORT", "agree_gpu_aware", "combine_gpu_aware",
-    "decide_gpu_aware", "detect_gpu_aware", "mpi_symbol", "mpi_vendor", "parse_gpu_aware_mode",
-    "probe_env", "probe_gpu_aware", "query_vendor", "read_probe", "setting_answer",
-]  # fmt: skip
+    "Answer",
+    "GpuAwareness",
+    "MPIX_GPU_SUPPORT",
+    "agree_gpu_aware",
+    "combine_gpu_aware",
+    "decide_gpu_aware",
+    "detect_gpu_aware",
+    "mpi_symbol",
+    "mpi_vendor",
+    "parse_gpu_aware_mode",
+    "probe_env",
+    "probe_gpu_aware",
+    "query_vendor",
+    "read_probe",
+    "setting_answer",
+]
 
 MPIX_GPU_SUPPORT = {"cuda": 0, "ze": 1, "hip": 2}
 """MPICH's ``MPIX_GPU_SUPPORT_CUDA``, ``_ZE`` and ``_HIP`` (type ids, not flags)."""
@@ -86,9 +98,17 @@ class Answer:
 
 # --- layer 1: the setting ---------------------------------------------------------------------
 
-_WORDS = {"yes": GpuAwareMode.YES, "1": GpuAwareMode.YES, "true": GpuAwareMode.YES,
-          "on": GpuAwareMode.YES, "no": GpuAwareMode.NO, "0": GpuAwareMode.NO,
-          "false": GpuAwareMode.NO, "off": GpuAwareMode.NO, "auto": GpuAwareMode.AUTO}  # fmt: skip
+_WORDS = {
+    "yes": GpuAwareMode.YES,
+    "1": GpuAwareMode.YES,
+    "true": GpuAwareMode.YES,
+    "on": GpuAwareMode.YES,
+    "no": GpuAwareMode.NO,
+    "0": GpuAwareMode.NO,
+    "false": GpuAwareMode.NO,
+    "off": GpuAwareMode.NO,
+    "auto": GpuAwareMode.AUTO,
+}
 
 
 def parse_gpu_aware_mode(text: str, what: str = "--gpu-aware-mpi") -> GpuAwareMode:
@@ -124,8 +144,13 @@ def mpi_vendor(library_version: str) -> str:
     """``openmpi``, ``intel``, ``mvapich``, ``cray``, ``mpich`` or ``unknown``, from the first
     line of ``MPI_Get_library_version`` (later lines may name compilers and paths)."""
     low = (library_version.strip().splitlines() or [""])[0].lower()
-    for needle, vendor in (("open mpi", "openmpi"), ("intel", "intel"), ("mvapich", "mvapich"),
-                           ("cray", "cray"), ("mpich", "mpich")):  # fmt: skip
+    for needle, vendor in (
+        ("open mpi", "openmpi"),
+        ("intel", "intel"),
+        ("mvapich", "mvapich"),
+        ("cray", "cray"),
+        ("mpich", "mpich"),
+    ):
         if needle in low:
             return vendor
     return "unknown"
@@ -167,7 +192,9 @@ def query_vendor(
         major = _openmpi_major(library_version)
         trusted = (got == 0) if major is not None and major < 5 else (got == 1)
         if not trusted:
-            return Answer(None, f"{lib}: {name}() returned {got}, which this version does not settle")  # fmt: skip
+            return Answer(
+                None, f"{lib}: {name}() returned {got}, which this version does not settle"
+            )
         return Answer(got == 1, f"{lib}: {name}() returned {got}")
     if vendor in ("mpich", "intel", "mvapich", "cray"):
         name = "MPIX_GPU_query_support"
@@ -184,8 +211,11 @@ def query_vendor(
             return Answer(True, f"{lib}: {call} says supported")
         if vendor == "mpich":
             return Answer(False, f"{lib}: {call} says not supported")
-        return Answer(None, f"{lib}: {call} says not supported, but {vendor} enables device "
-                            "buffers its own way (not taken as a no)")  # fmt: skip
+        return Answer(
+            None,
+            f"{lib}: {call} says not supported, but {vendor} enables device "
+            "buffers its own way (not taken as a no)",
+        )
     return Answer(None, f"{lib}: no vendor query known for this MPI")
 
 
@@ -266,19 +296,41 @@ except Exception as exc:
 say("result: yes" if same else "result: no: the bytes that arrived differ from those sent")
 """
 
-_LAUNCHER_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "PRTE_", "HYDRA_", "HYDI_", "MPI_LOCAL",
-                      "SLURM_", "PALS_", "FLUX_")  # fmt: skip
-_KEEP = ("OMPI_MCA_pml", "OMPI_MCA_btl", "OMPI_MCA_mtl", "OMPI_MCA_coll", "OMPI_MCA_osc",
-         "OMPI_MCA_opal_cuda", "OMPI_MCA_mpi_cuda", "OMPI_MCA_opal_common_ucx",
-         "OMPI_MCA_accelerator", "OMPI_MCA_smsc")  # fmt: skip
+_LAUNCHER_PREFIXES = (
+    "OMPI_",
+    "PMIX_",
+    "PMI_",
+    "PRTE_",
+    "HYDRA_",
+    "HYDI_",
+    "MPI_LOCAL",
+    "SLURM_",
+    "PALS_",
+    "FLUX_",
+)
+_KEEP = (
+    "OMPI_MCA_pml",
+    "OMPI_MCA_btl",
+    "OMPI_MCA_mtl",
+    "OMPI_MCA_coll",
+    "OMPI_MCA_osc",
+    "OMPI_MCA_opal_cuda",
+    "OMPI_MCA_mpi_cuda",
+    "OMPI_MCA_opal_common_ucx",
+    "OMPI_MCA_accelerator",
+    "OMPI_MCA_smsc",
+)
 
 
 def probe_env(environ: Mapping[str, str]) -> dict[str, str]:
     """``environ`` without the launcher's wiring (Open MPI, PMIx, PMI, Hydra, Slurm, PALS,
     Flux), so that the child initialises MPI alone; the Open MPI transport settings that
     decide how device buffers move are kept."""
-    env = {k: v for k, v in environ.items()
-           if not k.startswith(_LAUNCHER_PREFIXES) or k.startswith(_KEEP)}  # fmt: skip
+    env = {
+        k: v
+        for k, v in environ.items()
+        if not k.startswith(_LAUNCHER_PREFIXES) or k.startswith(_KEEP)
+    }
     env["OMPI_MCA_ess_singleton_isolated"] = "1"  # Open MPI 4: no daemon for a singleton
     return env
 
@@ -290,7 +342,9 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def read_probe(rc: int | None, stdout: str, stderr: str, timed_out: bool, timeout_s: float) -> Answer:  # fmt: skip
+def read_probe(
+    rc: int | None, stdout: str, stderr: str, timed_out: bool, timeout_s: float
+) -> Answer:
     """The probe child's outcome as an answer (pure)."""
     lines = [ln.strip() for ln in stdout.splitlines()]
     for ln in lines:
@@ -303,12 +357,19 @@ def read_probe(rc: int | None, stdout: str, stderr: str, timed_out: bool, timeou
     errors = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
     telling = [ln for ln in errors if "Signal:" in ln or "rror" in ln] or errors[-2:]
     tail = " | ".join(telling[:2])[:300]
-    how = (f"hung for {timeout_s:g} s" if timed_out else
-           f"died with {_signal_name(-rc)}" if rc is not None and rc < 0 else
-           f"exited with code {rc}")  # fmt: skip
+    how = (
+        f"hung for {timeout_s:g} s"
+        if timed_out
+        else f"died with {_signal_name(-rc)}"
+        if rc is not None and rc < 0
+        else f"exited with code {rc}"
+    )
     if "stage: transfer" in lines:
-        return Answer(False, f"the probe child {how} while MPI moved a device buffer (MPI "
-                             f"treats device memory as host memory){': ' + tail if tail else ''}")  # fmt: skip
+        return Answer(
+            False,
+            f"the probe child {how} while MPI moved a device buffer (MPI "
+            f"treats device memory as host memory){': ' + tail if tail else ''}",
+        )
     where = "starting MPI alone" if "stage: mpi" in lines else "before it reached MPI"
     return Answer(None, f"the probe child {how} {where}{': ' + tail if tail else ''}")
 
@@ -325,13 +386,26 @@ def probe_gpu_aware(
     it started at ``timeout_s``). Nothing here can crash or hang this process."""
     if backend not in ("cuda", "hip"):
         return Answer(None, f"no probe for backend {backend!r}")
-    cmd = [python or sys.executable, "-c", _PROBE_SCRIPT, backend, "-" if device is None else str(device)]  # fmt: skip
+    cmd = [
+        python or sys.executable,
+        "-c",
+        _PROBE_SCRIPT,
+        backend,
+        "-" if device is None else str(device),
+    ]
     env = probe_env(os.environ if environ is None else environ)
     try:
         child = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env=env, text=True, encoding="utf-8", errors="replace", start_new_session=True,
-        )  # fmt: skip
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            text=True,
+            encoding="utf-8",
+            errors="replace",
+            start_new_session=True,
+        )
     except OSError as exc:
         return Answer(None, f"probe: cannot start {cmd[0]}: {exc}")
     timed_out = False
@@ -394,7 +468,9 @@ def decide_gpu_aware(
         if answer is not None and answer.aware is not None:
             return GpuAwareness(answer.aware, source, answer.detail)
     asked = "; ".join(f"{s}: {a.detail}" for s, a in layers if a is not None)
-    return GpuAwareness(False, "default", f"no layer knows ({asked}); staging through host memory is always correct")  # fmt: skip
+    return GpuAwareness(
+        False, "default", f"no layer knows ({asked}); staging through host memory is always correct"
+    )
 
 
 def detect_gpu_aware(
@@ -427,12 +503,20 @@ def combine_gpu_aware(ranks: list[GpuAwareness]) -> GpuAwareness:
     if not no:
         first = ranks[0]
         same = all(a.source == first.source for a in ranks)
-        detail = first.detail if len(ranks) == 1 or same else f"every rank ({', '.join(sorted({a.source for a in ranks}))})"  # fmt: skip
+        detail = (
+            first.detail
+            if len(ranks) == 1 or same
+            else f"every rank ({', '.join(sorted({a.source for a in ranks}))})"
+        )
         return GpuAwareness(True, first.source, detail, agreed=True)
     shown = "; ".join(f"rank {r}: {ranks[r].source}: {ranks[r].detail}" for r in no[:4])
     more = f"; and {len(no) - 4} more" if len(no) > 4 else ""
     names = ", ".join(map(str, no))
-    detail = ranks[0].detail if len(ranks) == 1 else f"not GPU-aware on rank(s) {names} of {len(ranks)}: {shown}{more}"  # fmt: skip
+    detail = (
+        ranks[0].detail
+        if len(ranks) == 1
+        else f"not GPU-aware on rank(s) {names} of {len(ranks)}: {shown}{more}"
+    )
     return GpuAwareness(False, ranks[no[0]].source, detail, agreed=True)
 
 

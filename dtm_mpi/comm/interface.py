@@ -34,9 +34,16 @@ from dtm_mpi.sharding.steps import (
 )
 
 __all__ = [
-    "Comm", "CommStats", "Completed", "Pending", "allgather_traffic", "allreduce_moved", "broadcast_traffic",
-    "exchange_traffic", "reduce_scatter_traffic",
-]  # fmt: skip
+    "Comm",
+    "CommStats",
+    "Completed",
+    "Pending",
+    "allgather_traffic",
+    "allreduce_moved",
+    "broadcast_traffic",
+    "exchange_traffic",
+    "reduce_scatter_traffic",
+]
 
 
 # The logical bytes a member sends and receives in each collective: the step-kind table's own
@@ -137,7 +144,7 @@ class Comm(Protocol):
         Collective: call on all ranks of the group."""
         ...
 
-    def start_allreduce(self, x: np.ndarray, axes: tuple[str, ...], spec: AllreduceSpec) -> Pending:  # fmt: skip
+    def start_allreduce(self, x: np.ndarray, axes: tuple[str, ...], spec: AllreduceSpec) -> Pending:
         """:meth:`allreduce` started, to be waited for later (``x`` is not to be written
         until then): other work runs while it is in flight.
 

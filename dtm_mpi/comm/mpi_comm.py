@@ -64,8 +64,17 @@ def starts_of(counts: list[int]) -> list[int]:
 class ExchangePlan:
     """Counts, displacements and the zero-copy decisions of one exchange on one rank."""
 
-    __slots__ = ("rc", "rd", "recv_in_place", "recv_offsets", "sc", "sd",
-                 "send_run", "spec", "traffic")  # fmt: skip
+    __slots__ = (
+        "rc",
+        "rd",
+        "recv_in_place",
+        "recv_offsets",
+        "sc",
+        "sd",
+        "send_run",
+        "spec",
+        "traffic",
+    )
 
     def __init__(self, spec: ExchangeSpec, in_shape: tuple[int, ...], rank: int) -> None:
         self.spec = spec
@@ -104,7 +113,9 @@ class _SideCall:
 
     __slots__ = ("axes", "done", "error", "out", "send", "session")
 
-    def __init__(self, session: MpiSession, out: np.ndarray, send: np.ndarray, axes: tuple[str, ...]) -> None:  # fmt: skip
+    def __init__(
+        self, session: MpiSession, out: np.ndarray, send: np.ndarray, axes: tuple[str, ...]
+    ) -> None:
         self.session, self.out, self.send, self.axes = session, out, send, axes
         self.done = threading.Event()
         self.error: BaseException | None = None
@@ -116,7 +127,9 @@ class _SideCall:
         if not self.done.is_set():
             self.session.wait_event(self.done, "allreduce", self.axes)
         if self.error is not None:
-            raise CommError(f"rank {self.session.rank}: overlapped allreduce on {','.join(self.axes)} failed: {self.error}") from self.error  # fmt: skip
+            raise CommError(
+                f"rank {self.session.rank}: overlapped allreduce on {','.join(self.axes)} failed: {self.error}"
+            ) from self.error
         return self.out
 
 
@@ -137,9 +150,15 @@ class MpiComm:
         self._move = {1: mpi.UINT8_T, 2: mpi.UINT16_T, 4: mpi.UINT32_T, 8: mpi.UINT64_T}
         self._by_dtype = {  # the types MPI reduces natively
             np.dtype(k): v
-            for k, v in (("f4", mpi.FLOAT), ("f8", mpi.DOUBLE), ("i1", mpi.INT8_T),
-                         ("i4", mpi.INT32_T), ("i8", mpi.INT64_T), ("u1", mpi.UINT8_T))
-        }  # fmt: skip
+            for k, v in (
+                ("f4", mpi.FLOAT),
+                ("f8", mpi.DOUBLE),
+                ("i1", mpi.INT8_T),
+                ("i4", mpi.INT32_T),
+                ("i8", mpi.INT64_T),
+                ("u1", mpi.UINT8_T),
+            )
+        }
         self._plans: dict[tuple[int, tuple[int, ...]], ExchangePlan] = {}
         # bound calls for repeated steps, by id of the step spec: (spec, dtype, axes, shape, fn)
         self._prepared: dict[int, tuple[Any, Any, tuple[str, ...], tuple[int, ...], Any]] = {}
@@ -147,9 +166,11 @@ class MpiComm:
         self._outputs = OutputCache()
         self._udt = {n: np.dtype(f"u{n}") for n in (1, 2, 4, 8)}
         self._ops = {
-            ReduceOp.SUM: mpi.SUM, ReduceOp.PROD: mpi.PROD, ReduceOp.MAX: mpi.MAX,
+            ReduceOp.SUM: mpi.SUM,
+            ReduceOp.PROD: mpi.PROD,
+            ReduceOp.MAX: mpi.MAX,
             ReduceOp.MIN: mpi.MIN,
-        }  # fmt: skip
+        }
 
     @property
     def rank(self) -> int:
@@ -169,7 +190,9 @@ class MpiComm:
         a = np.ascontiguousarray(x).reshape(-1)
         return a.view(f"u{a.itemsize}") if a.size else np.empty(0, dtype=f"u{a.itemsize}")
 
-    def _allgatherv(self, comm: Any, send: np.ndarray, counts: list[int], what: str, axes: tuple[str, ...]) -> np.ndarray:  # fmt: skip
+    def _allgatherv(
+        self, comm: Any, send: np.ndarray, counts: list[int], what: str, axes: tuple[str, ...]
+    ) -> np.ndarray:
         """Collective: call on all ranks of the group. The members' flat arrays, concatenated
         (received in place; messages above the limit go in rounds through a staging buffer)."""
         mtype = self._move[send.itemsize]
@@ -197,7 +220,16 @@ class MpiComm:
                 out[starts[j] + lo : starts[j] + lo + n] = piece[d : d + n]
         return out
 
-    def _alltoallv(self, comm: Any, sbuf: np.ndarray, sc: list[int], rc: list[int], what: str, axes: tuple[str, ...], max_count: int) -> np.ndarray:  # fmt: skip
+    def _alltoallv(
+        self,
+        comm: Any,
+        sbuf: np.ndarray,
+        sc: list[int],
+        rc: list[int],
+        what: str,
+        axes: tuple[str, ...],
+        max_count: int,
+    ) -> np.ndarray:
         """Collective: call on all ranks of the group. ``sbuf`` holds, in member order,
         ``sc[j]`` elements for member ``j``; returns the flat buffer of what each member sent
         here (``rc[j]`` elements each, in member order). ``max_count`` bounds every transfer
@@ -234,10 +266,18 @@ class MpiComm:
         return rbuf
 
     def _keep(
-        self, spec: Any, x: np.ndarray, axes: tuple[str, ...], call: Any, what: str,
-        send_meta: tuple[Any, ...], recv_meta: tuple[Any, ...] | None, extra: tuple[Any, ...],
-        out_shape: tuple[int, ...], traffic: tuple[int, int],
-    ) -> None:  # fmt: skip
+        self,
+        spec: Any,
+        x: np.ndarray,
+        axes: tuple[str, ...],
+        call: Any,
+        what: str,
+        send_meta: tuple[Any, ...],
+        recv_meta: tuple[Any, ...] | None,
+        extra: tuple[Any, ...],
+        out_shape: tuple[int, ...],
+        traffic: tuple[int, int],
+    ) -> None:
         """Bind ``call`` for the next calls of ``spec`` with an input like ``x`` (see
         :meth:`MpiSession.bind`): the executor repeats its steps, and the bound call is what
         keeps small collectives within a few microseconds of raw MPI."""
@@ -255,7 +295,9 @@ class MpiComm:
             return functools.partial(self._outputs.get, key, shape, dtype, True)
         return functools.partial(np.empty, shape, dtype)
 
-    def call(self, comm: Any, name: str, what: str, axes: tuple[str, ...], *args: Any, **kwargs: Any) -> None:  # fmt: skip
+    def call(
+        self, comm: Any, name: str, what: str, axes: tuple[str, ...], *args: Any, **kwargs: Any
+    ) -> None:
         """Run MPI operation ``name`` (e.g. ``Allreduce``) on ``comm`` within the deadline:
         the blocking call under the watchdog's guard where the watchdog runs (MPI's fastest
         paths), else the non-blocking variant and the session's polling wait."""
@@ -306,7 +348,9 @@ class MpiComm:
         status = self.MPI.Status()
         session = self.session
         if session.watchdog is not None:
-            session.guarded(session.cart.Recv, "recv", (), [buf, mtype], source=peer, tag=tag, status=status)  # fmt: skip
+            session.guarded(
+                session.cart.Recv, "recv", (), [buf, mtype], source=peer, tag=tag, status=status
+            )
         else:
             req = session.cart.Irecv([buf, mtype], source=peer, tag=tag)
             session.wait(req, "recv", status=status)
@@ -316,7 +360,14 @@ class MpiComm:
     def allgather(self, x: np.ndarray, axes: tuple[str, ...], spec: AllgatherSpec) -> np.ndarray:
         """Collective: call on all ranks of the group."""
         p = self._prepared.get(id(spec))
-        if p and p[0] is spec and p[1] is x.dtype and p[2] == axes and p[3] == x.shape and x.flags.c_contiguous:  # fmt: skip
+        if (
+            p
+            and p[0] is spec
+            and p[1] is x.dtype
+            and p[2] == axes
+            and p[3] == x.shape
+            and x.flags.c_contiguous
+        ):
             return p[4](x)  # type: ignore[no-any-return]
         comm = self.session.group(axes)
         counts = spec.counts
@@ -341,17 +392,38 @@ class MpiComm:
             out = np.concatenate(blocks, axis=spec.dim)
         sent, received = allgather_traffic(x.nbytes, out.nbytes, len(spec.counts))
         self._stats.record("allgather", sent, received)
-        if len(set(counts)) == 1 and counts[0] <= self.limit and math.prod(x.shape[: spec.dim]) <= 1:  # fmt: skip
+        if (
+            len(set(counts)) == 1
+            and counts[0] <= self.limit
+            and math.prod(x.shape[: spec.dim]) <= 1
+        ):
             mtype = self._move[x.itemsize]
-            self._keep(spec, x, axes, comm.Allgather, "allgather", (mtype,), (mtype,), (),
-                       out.shape, (sent, received))  # fmt: skip
+            self._keep(
+                spec,
+                x,
+                axes,
+                comm.Allgather,
+                "allgather",
+                (mtype,),
+                (mtype,),
+                (),
+                out.shape,
+                (sent, received),
+            )
         return out
 
     def allreduce(self, x: np.ndarray, axes: tuple[str, ...], spec: AllreduceSpec) -> np.ndarray:
         """Collective: call on all ranks of the group."""
         # a spec seen before (the executor repeats its steps) takes its bound call
         p = self._prepared.get(id(spec))
-        if p and p[0] is spec and p[1] is x.dtype and p[2] == axes and p[3] == x.shape and x.flags.c_contiguous:  # fmt: skip
+        if (
+            p
+            and p[0] is spec
+            and p[1] is x.dtype
+            and p[2] == axes
+            and p[3] == x.shape
+            and x.flags.c_contiguous
+        ):
             return p[4](x)  # type: ignore[no-any-return]
         comm = self.session.group(axes)
         k = len(spec.group)
@@ -362,8 +434,18 @@ class MpiComm:
             out = reduce_arrays(list(parts), spec.op)
         elif x.size <= self.limit:
             moved = allreduce_moved(x, k, spec.position)
-            self._keep(spec, x, axes, comm.Allreduce, "allreduce", (mtype,), (mtype,),
-                       (self._ops[spec.op],), x.shape, (moved, moved))  # fmt: skip
+            self._keep(
+                spec,
+                x,
+                axes,
+                comm.Allreduce,
+                "allreduce",
+                (mtype,),
+                (mtype,),
+                (self._ops[spec.op],),
+                x.shape,
+                (moved, moved),
+            )
             send = x if x.flags.c_contiguous else np.ascontiguousarray(x)
             out = empty_aligned(x.shape, dtype=x.dtype)
             op = self._ops[spec.op]
@@ -387,7 +469,7 @@ class MpiComm:
         self._stats.record("allreduce", moved, moved)
         return out
 
-    def start_allreduce(self, x: np.ndarray, axes: tuple[str, ...], spec: AllreduceSpec) -> Pending:  # fmt: skip
+    def start_allreduce(self, x: np.ndarray, axes: tuple[str, ...], spec: AllreduceSpec) -> Pending:
         """The allreduce run by this rank's side thread on a duplicate of the group's
         communicator (MPI's own reduction, one message) while this thread goes on; the
         returned handle's ``wait`` waits within the deadline, watching for failure notices.
@@ -398,14 +480,16 @@ class MpiComm:
         Collective: call on all ranks of the group, in the same order."""
         mtype = self.native_type(x, spec.op)
         session = self.session
-        if mtype is None or x.size > self.limit or session.watchdog is None or not self.side_thread:  # fmt: skip
+        if mtype is None or x.size > self.limit or session.watchdog is None or not self.side_thread:
             return Completed(self.allreduce(x, axes, spec))
         session.check()
         comm = session.side_group(axes)
         send = np.ascontiguousarray(x)
         out = empty_aligned(x.shape, dtype=x.dtype)
         call = _SideCall(session, out, send, axes)
-        session.side_submit(call.done, call, comm.Allreduce, ([send, mtype], [out, mtype], self._ops[spec.op]))  # fmt: skip
+        session.side_submit(
+            call.done, call, comm.Allreduce, ([send, mtype], [out, mtype], self._ops[spec.op])
+        )
         moved = allreduce_moved(x, len(spec.group), spec.position)
         self._stats.record("allreduce", moved, moved)
         return call
@@ -415,7 +499,14 @@ class MpiComm:
     ) -> np.ndarray:
         """Collective: call on all ranks of the group."""
         p = self._prepared.get(id(spec))
-        if p and p[0] is spec and p[1] is x.dtype and p[2] == axes and p[3] == x.shape and x.flags.c_contiguous:  # fmt: skip
+        if (
+            p
+            and p[0] is spec
+            and p[1] is x.dtype
+            and p[2] == axes
+            and p[3] == x.shape
+            and x.flags.c_contiguous
+        ):
             return p[4](x)  # type: ignore[no-any-return]
         comm = self.session.group(axes)
         k = len(spec.group)
@@ -436,7 +527,16 @@ class MpiComm:
         if mtype is not None and max(counts, default=0) <= self.limit:
             out = empty_aligned(mine, dtype=x.dtype)
             name, extra = reduce_scatter_call(counts)
-            self.call(comm, name, "reduce_scatter", axes, [packed, mtype], [out, mtype], *extra, op=self._ops[spec.op])  # fmt: skip
+            self.call(
+                comm,
+                name,
+                "reduce_scatter",
+                axes,
+                [packed, mtype],
+                [out, mtype],
+                *extra,
+                op=self._ops[spec.op],
+            )
         else:  # every member's contribution to this member's piece, then a fold in group order
             udt = f"u{x.itemsize}"
             flat = packed.view(udt) if packed.size else np.empty(0, dtype=udt)
@@ -447,12 +547,26 @@ class MpiComm:
         out = out.reshape(out_shape)
         sent, received = reduce_scatter_traffic(x.nbytes, out.nbytes, k)
         self._stats.record("reduce_scatter", sent, received)
-        if mtype is not None and max(counts, default=0) <= self.limit and math.prod(x.shape[: spec.dim]) <= 1:  # fmt: skip
+        if (
+            mtype is not None
+            and max(counts, default=0) <= self.limit
+            and math.prod(x.shape[: spec.dim]) <= 1
+        ):
             name, extra = reduce_scatter_call(counts)
             call = getattr(comm, name)
             extra = (*extra, self._ops[spec.op])
-            self._keep(spec, x, axes, call, "reduce_scatter", (mtype,), (mtype,), extra,
-                       tuple(out_shape), (sent, received))  # fmt: skip
+            self._keep(
+                spec,
+                x,
+                axes,
+                call,
+                "reduce_scatter",
+                (mtype,),
+                (mtype,),
+                extra,
+                tuple(out_shape),
+                (sent, received),
+            )
         return out
 
     def exchange_plan(self, spec: ExchangeSpec, in_shape: tuple[int, ...]) -> ExchangePlan:
@@ -470,7 +584,14 @@ class MpiComm:
     ) -> np.ndarray:
         """Collective: call on all ranks of the group."""
         p = self._prepared.get(id(spec))
-        if p and p[0] is spec and p[1] is x.dtype and p[2] == axes and p[3] == x.shape and x.flags.c_contiguous:  # fmt: skip
+        if (
+            p
+            and p[0] is spec
+            and p[1] is x.dtype
+            and p[2] == axes
+            and p[3] == x.shape
+            and x.flags.c_contiguous
+        ):
             return p[4](x)  # type: ignore[no-any-return]
         comm = self.session.group(axes)
         plan = self.exchange_plan(spec, x.shape)
@@ -479,11 +600,31 @@ class MpiComm:
             # everything in place: one call, no copies (bound for the next calls)
             mtype = self._move[x.itemsize]
             if spec.uniform:  # a group-wide fact: every member makes this same call
-                self._keep(spec, x, axes, comm.Alltoall, what, (mtype,), (mtype,), (),
-                           spec.out_shape, traffic)  # fmt: skip
+                self._keep(
+                    spec,
+                    x,
+                    axes,
+                    comm.Alltoall,
+                    what,
+                    (mtype,),
+                    (mtype,),
+                    (),
+                    spec.out_shape,
+                    traffic,
+                )
             else:
-                self._keep(spec, x, axes, comm.Alltoallv, what, ((plan.sc, plan.sd), mtype),
-                           ((plan.rc, plan.rd), mtype), (), spec.out_shape, traffic)  # fmt: skip
+                self._keep(
+                    spec,
+                    x,
+                    axes,
+                    comm.Alltoallv,
+                    what,
+                    ((plan.sc, plan.sd), mtype),
+                    ((plan.rc, plan.rd), mtype),
+                    (),
+                    spec.out_shape,
+                    traffic,
+                )
         udt = self._udt[x.itemsize]
         if plan.send_run is not None:  # back-to-back in member order: no packing
             lo, hi = plan.send_run
@@ -500,8 +641,14 @@ class MpiComm:
             if spec.uniform:
                 self.call(comm, "Alltoall", what, axes, [sbuf, mtype], [flat_out, mtype])
             else:
-                self.call(comm, "Alltoallv", what, axes, [sbuf, (plan.sc, plan.sd), mtype],
-                           [flat_out, (plan.rc, plan.rd), mtype])  # fmt: skip
+                self.call(
+                    comm,
+                    "Alltoallv",
+                    what,
+                    axes,
+                    [sbuf, (plan.sc, plan.sd), mtype],
+                    [flat_out, (plan.rc, plan.rd), mtype],
+                )
         else:
             rbuf = self._alltoallv(comm, sbuf, plan.sc, plan.rc, what, axes, spec.max_count)
             values = rbuf.view(x.dtype)
@@ -534,9 +681,15 @@ class MpiComm:
             new_out = self._new_out(key, x.shape, x.dtype)
             tally = self._stats.tally("broadcast", sent, received)
             self._bcast[key] = self.session.bind(
-                comm.Bcast, "broadcast", axes, meta if is_root else None,
-                None if is_root else meta, (root,), new_out, tally,
-            )  # fmt: skip
+                comm.Bcast,
+                "broadcast",
+                axes,
+                meta if is_root else None,
+                None if is_root else meta,
+                (root,),
+                new_out,
+                tally,
+            )
         return buf
 
     def send(self, x: np.ndarray, peer: int, tag: int) -> None:

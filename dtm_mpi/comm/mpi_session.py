@@ -61,7 +61,9 @@ class _SideThread:
     Each call's ``done`` event is set when it returned; its error goes to ``owner.error``."""
 
     def __init__(self) -> None:
-        self.queue: queue.SimpleQueue[tuple[Any, Any, Any, tuple[Any, ...]] | None] = queue.SimpleQueue()  # fmt: skip
+        self.queue: queue.SimpleQueue[tuple[Any, Any, Any, tuple[Any, ...]] | None] = (
+            queue.SimpleQueue()
+        )
         self.thread = threading.Thread(target=self._run, name="dtm-overlap", daemon=True)
         self.thread.start()
 
@@ -220,7 +222,9 @@ class MpiSession:
         if self.poisoned is not None:
             raise PoisonedError(self.poisoned)
 
-    def guarded(self, call: Any, what: str, axes: tuple[str, ...], *args: Any, **kwargs: Any) -> None:  # fmt: skip
+    def guarded(
+        self, call: Any, what: str, axes: tuple[str, ...], *args: Any, **kwargs: Any
+    ) -> None:
         """``call(*args, **kwargs)`` (a blocking MPI call) with the main thread marked as
         inside ``what`` on ``axes``: the watchdog ends the job if it is still there at the
         deadline. Only for sessions with a watchdog."""
@@ -233,10 +237,16 @@ class MpiSession:
             self.current = None
 
     def bind(
-        self, call: Any, what: str, axes: tuple[str, ...], send_meta: tuple[Any, ...] | None,
-        recv_meta: tuple[Any, ...] | None, extra: tuple[Any, ...], new_out: Any,
+        self,
+        call: Any,
+        what: str,
+        axes: tuple[str, ...],
+        send_meta: tuple[Any, ...] | None,
+        recv_meta: tuple[Any, ...] | None,
+        extra: tuple[Any, ...],
+        new_out: Any,
         tally: list[int],
-    ) -> Any:  # fmt: skip
+    ) -> Any:
         """:meth:`guarded` bound once for an operation that repeats every step: returns
         ``fn(x)`` that runs ``call([x, *send_meta], [out, *recv_meta], *extra)`` on a new
         ``out = new_out()`` and returns ``out``; without ``recv_meta`` it runs ``call([x,
@@ -374,7 +384,7 @@ class MpiSession:
         self.check()
         return agree_or_raise(
             self.comm, phase=phase, error=error, timeout_s=self.timeout_s, wait=self.wait, flag=flag
-        )  # fmt: skip
+        )
 
     # -- failures ------------------------------------------------------------------------------
     def notify_failure(self, phase: str, message: str) -> None:
@@ -413,13 +423,17 @@ class MpiSession:
             idle = dict(live.idle) if live is not None else {}
             failures = tuple(
                 RankFailure(
-                    r, phase,
-                    (f"in no communication (hung or still computing in phase {idle[r]!r})"
-                     if r in idle else "did not answer (dead?)")
+                    r,
+                    phase,
+                    (
+                        f"in no communication (hung or still computing in phase {idle[r]!r})"
+                        if r in idle
+                        else "did not answer (dead?)"
+                    )
                     + f" while rank {self.rank} waited {self.timeout_s:g} s in {what}",
                 )
                 for r in exc.silent
-            )  # fmt: skip
+            )
             err = RemoteFailureError(phase, failures)
             self.control.notify(failures)  # ranks waiting elsewhere learn it too
         else:
@@ -438,9 +452,12 @@ class MpiSession:
         if not live.suspects:
             return exc
         err = CommTimeoutError(
-            f"{exc}; {live.describe()}", op=exc.op, axis=exc.axis, rank=self.rank,
+            f"{exc}; {live.describe()}",
+            op=exc.op,
+            axis=exc.axis,
+            rank=self.rank,
             phase=exc.phase,
-        )  # fmt: skip
+        )
         err.silent = live.suspects
         err.liveness = live  # type: ignore[attr-defined]
         return err

@@ -44,7 +44,11 @@ def bcast_obj(comm: Any, obj: Any, root: int, *, timeout_s: float, what: str, ph
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if rank == root else b""
     size = np.array([len(data)], dtype=np.int64)
     _wait(comm.Ibcast(size, root=root), timeout_s, what, phase, rank)
-    buf = np.frombuffer(data, dtype=np.uint8).copy() if rank == root else np.empty(int(size[0]), np.uint8)  # fmt: skip
+    buf = (
+        np.frombuffer(data, dtype=np.uint8).copy()
+        if rank == root
+        else np.empty(int(size[0]), np.uint8)
+    )
     _wait(comm.Ibcast(buf, root=root), timeout_s, what, phase, rank)
     return obj if rank == root else pickle.loads(buf.tobytes())
 
@@ -63,9 +67,15 @@ def allgather_obj(comm: Any, obj: Any, *, timeout_s: float, what: str, phase: st
 
 
 def alltoallv_bytes(
-    comm: Any, send: np.ndarray, send_counts: Sequence[int], recv_counts: Sequence[int], *,
-    timeout_s: float, what: str, phase: str,
-) -> np.ndarray:  # fmt: skip
+    comm: Any,
+    send: np.ndarray,
+    send_counts: Sequence[int],
+    recv_counts: Sequence[int],
+    *,
+    timeout_s: float,
+    what: str,
+    phase: str,
+) -> np.ndarray:
     """Collective: call on all ranks. ``send`` holds, in rank order, ``send_counts[j]`` bytes
     for rank ``j``; returns what every rank sent here, in rank order (counts are known to both
     sides from a shared plan: no sizes move). Bulk data: MPI's blocking call (non-blocking

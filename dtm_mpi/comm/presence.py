@@ -69,7 +69,7 @@ def survey_after_term(control: Control) -> Survey:
         return (), control.phase, None
 
 
-def terminated_line(label: str, control: Control, signum: int, survey: Survey | None = None) -> str:  # fmt: skip
+def terminated_line(label: str, control: Control, signum: int, survey: Survey | None = None) -> str:
     """A rank's line when the launcher ends the job: the error a peer announced as it ended
     the job (this rank is collateral: hung, or it had not noticed yet), else the peers that do
     not answer a ping on ``control`` within ``SURVEY_S`` and the furthest phase."""

@@ -46,7 +46,15 @@ def split_first(comm: Any, n: int, rank: int, timeout_s: float, phase: str) -> A
     return None if new == MPI.COMM_NULL else new
 
 
-def spawn_and_merge(comm: Any, count: int, argv: Sequence[str], message: Any, rank: int, timeout_s: float, phase: str) -> Any:  # fmt: skip
+def spawn_and_merge(
+    comm: Any,
+    count: int,
+    argv: Sequence[str],
+    message: Any,
+    rank: int,
+    timeout_s: float,
+    phase: str,
+) -> Any:
     """Spawn ``count`` processes running ``python argv`` and merge with them: the returned
     communicator holds ``comm``'s ranks first (their numbers kept), then the new ones, which
     are given rank 0's ``message`` (what they join: :func:`join_parents`). Collective: call
@@ -57,7 +65,9 @@ def spawn_and_merge(comm: Any, count: int, argv: Sequence[str], message: Any, ra
         inter = comm.Spawn(sys.executable, args=list(argv), maxprocs=count, root=0)
         merged = inter.Merge(high=False)
     inter.Free()
-    bcast_obj(merged, message, 0, timeout_s=timeout_s, what="what the joining ranks join", phase=phase)  # fmt: skip
+    bcast_obj(
+        merged, message, 0, timeout_s=timeout_s, what="what the joining ranks join", phase=phase
+    )
     return merged
 
 
@@ -75,7 +85,9 @@ def join_parents(rank: int, timeout_s: float) -> tuple[Any, Any] | None:
     with io_deadline("joining the running job", phase, rank, timeout_s):
         merged = parent.Merge(high=True)
     parent.Free()
-    message = bcast_obj(merged, None, 0, timeout_s=timeout_s, what="what this rank joins", phase=phase)  # fmt: skip
+    message = bcast_obj(
+        merged, None, 0, timeout_s=timeout_s, what="what this rank joins", phase=phase
+    )
     return merged, message
 
 

@@ -77,8 +77,10 @@ class SimWorld:
                 raise CommTimeoutError(
                     f"rank {rank}: {what} on axes {','.join(axes) or '-'} did not complete "
                     f"within {self.timeout_s:g} s (DTM_TIMEOUT)",
-                    op=what, axis=",".join(axes) or None, rank=rank,
-                )  # fmt: skip
+                    op=what,
+                    axis=",".join(axes) or None,
+                    rank=rank,
+                )
             self._cond.wait(left)
 
     def meet(
@@ -164,7 +166,7 @@ class SimComm:
         self._stats.record("allreduce", moved, moved)
         return reduce_arrays(contribs, spec.op)
 
-    def start_allreduce(self, x: np.ndarray, axes: tuple[str, ...], spec: AllreduceSpec) -> Pending:  # fmt: skip
+    def start_allreduce(self, x: np.ndarray, axes: tuple[str, ...], spec: AllreduceSpec) -> Pending:
         """The simulator completes it at once (its ranks are threads meeting in order)."""
         return Completed(self.allreduce(x, axes, spec))
 

@@ -60,7 +60,9 @@ def node_local_rank(comm: Any, *, phase: str, timeout_s: float) -> tuple[int, in
 
     from dtm_mpi.comm.agreement import exchange_without_session
 
-    names = exchange_without_session(comm, MPI.Get_processor_name(), phase=phase, timeout_s=timeout_s)  # fmt: skip
+    names = exchange_without_session(
+        comm, MPI.Get_processor_name(), phase=phase, timeout_s=timeout_s
+    )
     here = [r for r, n in enumerate(names) if n == names[int(comm.Get_rank())]]
     return here.index(int(comm.Get_rank())), len(here)
 

@@ -21,6 +21,16 @@ from dtm_mpi.frontend.tensor import Tensor
 from dtm_mpi.frontend.trace import Input, TracedStep, eval_step, train_step
 
 __all__ = [
-    "ArrayLoader", "FitResult", "Input", "Mesh", "Tensor", "TracedStep", "eval_step", "fit",
-    "functional", "nn", "optim", "train_step",
-]  # fmt: skip
+    "ArrayLoader",
+    "FitResult",
+    "Input",
+    "Mesh",
+    "Tensor",
+    "TracedStep",
+    "eval_step",
+    "fit",
+    "functional",
+    "nn",
+    "optim",
+    "train_step",
+]

@@ -10,7 +10,9 @@ from dtm_mpi.frontend.tensor import Tensor, trace_error, user_span
 
 __all__ = ["BOUND", "bound_parameter"]
 
-BOUND: contextvars.ContextVar[dict[tuple[int, str], Tensor] | None] = contextvars.ContextVar("dtm_bound", default=None)  # fmt: skip
+BOUND: contextvars.ContextVar[dict[tuple[int, str], Tensor] | None] = contextvars.ContextVar(
+    "dtm_bound", default=None
+)
 """(id of the owning layer, attribute) -> traced value, while a step is traced."""
 
 
@@ -18,7 +20,9 @@ def bound_parameter(owner: Any, name: str) -> Tensor:
     """The traced value of ``owner``'s parameter ``name`` in the step being traced."""
     bound = BOUND.get()
     if bound is None:
-        raise TraceError("layers run only inside a traced step (train_step / eval_step)", user_span())  # fmt: skip
+        raise TraceError(
+            "layers run only inside a traced step (train_step / eval_step)", user_span()
+        )
     got = bound.get((id(owner), name))
     if got is None:
         raise trace_error(f"{type(owner).__name__} has no parameter {name!r} in this model")

@@ -34,7 +34,14 @@ class ArrayLoader:
     run, so a resumed run sees the batches the uninterrupted one would). A rank is given the
     regions of the global batch its blocks cover and reads only those rows."""
 
-    def __init__(self, arrays: Mapping[str, np.ndarray], batch_size: int, *, shuffle: bool = True, seed: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        arrays: Mapping[str, np.ndarray],
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+    ) -> None:
         if not arrays:
             raise UsageError("ArrayLoader needs at least one array")
         lengths = {k: len(v) for k, v in arrays.items()}
@@ -52,19 +59,29 @@ class ArrayLoader:
         """The row indices of step ``step``'s batch."""
         epoch, k = divmod(step, self.per_epoch)
         if self._order is None or self._order[0] != epoch:
-            order = np.random.default_rng([self.seed, epoch]).permutation(self.n) if self.shuffle else np.arange(self.n)  # fmt: skip
+            order = (
+                np.random.default_rng([self.seed, epoch]).permutation(self.n)
+                if self.shuffle
+                else np.arange(self.n)
+            )
             self._order = (epoch, order)
         return self._order[1][k * self.batch_size : (k + 1) * self.batch_size]
 
-    def __call__(self, step: int, regions: Mapping[str, tuple[slice, ...]]) -> dict[str, np.ndarray]:  # fmt: skip
+    def __call__(
+        self, step: int, regions: Mapping[str, tuple[slice, ...]]
+    ) -> dict[str, np.ndarray]:
         rows = self.rows(step)
         out = {}
         for name, region in regions.items():
             if not region:
-                raise UsageError(f"input {name!r} is a scalar: ArrayLoader draws rows of arrays; feed a scalar with a loader function")  # fmt: skip
+                raise UsageError(
+                    f"input {name!r} is a scalar: ArrayLoader draws rows of arrays; feed a scalar with a loader function"
+                )
             if name not in self.arrays:
-                raise UsageError(f"the loader has no array {name!r} (it has {', '.join(self.arrays)})")  # fmt: skip
-            out[name] = np.asarray(self.arrays[name][rows[region[0]]][(slice(None), *region[1:])])  # fmt: skip
+                raise UsageError(
+                    f"the loader has no array {name!r} (it has {', '.join(self.arrays)})"
+                )
+            out[name] = np.asarray(self.arrays[name][rows[region[0]]][(slice(None), *region[1:])])
         return out
 
 
@@ -96,13 +113,24 @@ class _Progress:
         if self.quiet:
             if self.log_every and (step + 1) % self.log_every == 0:
                 shown = " ".join(f"{k} {v:.4g}" for k, v in metrics.items())
-                say(f"step {step + 1}/{self.total}: {shown} ({dt * 1e3:.1f} ms, {self.samples / dt:.0f} samples/s)")  # fmt: skip
+                say(
+                    f"step {step + 1}/{self.total}: {shown} ({dt * 1e3:.1f} ms, {self.samples / dt:.0f} samples/s)"
+                )
             return
         if self.bar is None:
             from tqdm import tqdm  # type: ignore[import-untyped]
 
-            self.bar = tqdm(total=self.total, initial=step, file=sys.stderr, dynamic_ncols=True, unit="step")  # fmt: skip
-        self.bar.set_postfix({**{k: f"{v:.4g}" for k, v in metrics.items()}, "ms": f"{dt * 1e3:.1f}", "samples/s": f"{self.samples / dt:.0f}"}, refresh=False)  # fmt: skip
+            self.bar = tqdm(
+                total=self.total, initial=step, file=sys.stderr, dynamic_ncols=True, unit="step"
+            )
+        self.bar.set_postfix(
+            {
+                **{k: f"{v:.4g}" for k, v in metrics.items()},
+                "ms": f"{dt * 1e3:.1f}",
+                "samples/s": f"{self.samples / dt:.0f}",
+            },
+            refresh=False,
+        )
         self.bar.update(1)
 
     def close(self) -> None:
@@ -110,7 +138,27 @@ class _Progress:
             self.bar.close()
 
 
-def fit(step: TracedStep, loader: Callable[[int, Mapping[str, tuple[slice, ...]]], Mapping[str, np.ndarray]], *, steps: int, sim: int | None = None, mesh: Mapping[str, int] | None = None, store: str | None = None, checkpoint_every: int | None = None, resume: bool = False, checkpoint_async: bool = False, keep_last: int | None = None, quota: int | None = None, backend: str = "numpy", quiet: bool = False, log_every: int = 0, on_step: Callable[[int, dict[str, float]], None] | None = None, values: Mapping[str, np.ndarray] | None = None, resize_at: Sequence[tuple[int, Mapping[str, int]]] = (), resize_file: str | None = None) -> FitResult:  # fmt: skip
+def fit(
+    step: TracedStep,
+    loader: Callable[[int, Mapping[str, tuple[slice, ...]]], Mapping[str, np.ndarray]],
+    *,
+    steps: int,
+    sim: int | None = None,
+    mesh: Mapping[str, int] | None = None,
+    store: str | None = None,
+    checkpoint_every: int | None = None,
+    resume: bool = False,
+    checkpoint_async: bool = False,
+    keep_last: int | None = None,
+    quota: int | None = None,
+    backend: str = "numpy",
+    quiet: bool = False,
+    log_every: int = 0,
+    on_step: Callable[[int, dict[str, float]], None] | None = None,
+    values: Mapping[str, np.ndarray] | None = None,
+    resize_at: Sequence[tuple[int, Mapping[str, int]]] = (),
+    resize_file: str | None = None,
+) -> FitResult:
     """Run ``steps`` steps of ``step`` (a training step updates its state; an evaluation
     step is run once or more on fed inputs), feeding ``loader(step, regions)`` each step.
 
@@ -136,7 +184,9 @@ def fit(step: TracedStep, loader: Callable[[int, Mapping[str, tuple[slice, ...]]
 
     result = FitResult()
     first = step.inputs[0] if step.inputs else None
-    samples = step.input_type(first).shape[0] if first is not None and step.input_type(first).shape else 1  # fmt: skip
+    samples = (
+        step.input_type(first).shape[0] if first is not None and step.input_type(first).shape else 1
+    )
     progress = _Progress(steps, samples, quiet, log_every)
 
     def report(i: int, rank: int, metrics: dict[str, float]) -> None:
@@ -155,17 +205,28 @@ def fit(step: TracedStep, loader: Callable[[int, Mapping[str, tuple[slice, ...]]
         loader, step.inputs, report, step.metrics, keep, values=dict(values) if values else None
     )
     checkpoint = checkpoint_policy(
-        store, every=checkpoint_every, resume=resume, background=checkpoint_async,
-        keep_last=keep_last, quota=quota, save_final=True,
-    )  # fmt: skip
+        store,
+        every=checkpoint_every,
+        resume=resume,
+        background=checkpoint_async,
+        keep_last=keep_last,
+        quota=quota,
+        save_final=True,
+    )
     resize = resize_policy(
         tuple((s, dict(b)) for s, b in resize_at), resize_file, relaunch=_relaunch()
     )
     request = RunRequest(
-        f"<traced {step.module.name}>", binding=dict(mesh) if mesh else None, steps=steps,
-        backend=backend, checkpoint=checkpoint, sim=sim, module=step.module, hooks=hooks,
+        f"<traced {step.module.name}>",
+        binding=dict(mesh) if mesh else None,
+        steps=steps,
+        backend=backend,
+        checkpoint=checkpoint,
+        sim=sim,
+        module=step.module,
+        hooks=hooks,
         resize=resize,
-    )  # fmt: skip
+    )
     try:
         code = launch(request)
     finally:

@@ -9,9 +9,22 @@ from dtm_mpi.frontend.tensor import Tensor, broadcast_pair, current_tracer, trac
 from dtm_mpi.ir.types import DType, Layout, TensorType
 
 __all__ = [
-    "accuracy", "causal_mask", "concat", "cross_entropy", "gelu", "layer_norm", "log_softmax", "one_hot",
-    "relu", "scatter_add", "sigmoid", "softmax", "take", "tanh", "where",
-]  # fmt: skip
+    "accuracy",
+    "causal_mask",
+    "concat",
+    "cross_entropy",
+    "gelu",
+    "layer_norm",
+    "log_softmax",
+    "one_hot",
+    "relu",
+    "scatter_add",
+    "sigmoid",
+    "softmax",
+    "take",
+    "tanh",
+    "where",
+]
 
 
 def relu(x: Tensor) -> Tensor:
@@ -62,7 +75,9 @@ def take(x: Tensor, indices: Tensor, dim: int = 0) -> Tensor:
     return x.take(indices, dim)
 
 
-def scatter_add(updates: Tensor, indices: Tensor, size: int, dim: int = 0, axis: str | None = None) -> Tensor:  # fmt: skip
+def scatter_add(
+    updates: Tensor, indices: Tensor, size: int, dim: int = 0, axis: str | None = None
+) -> Tensor:
     """Zeros of ``size`` rows along ``dim`` plus each row of ``updates`` added at its index
     (the transpose of :func:`take`; repeated indices add up), with that dim split over
     ``axis`` (None: not split)."""
@@ -80,7 +95,13 @@ def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, eps: float = 1e-5) -> Ten
     return current_tracer().apply("layer_norm", [x, gamma, beta], {"eps": float(eps)})
 
 
-def one_hot(labels: Tensor, classes: int, dtype: str | DType = DType.F32, like: Tensor | None = None, class_axis: str | None = None) -> Tensor:  # fmt: skip
+def one_hot(
+    labels: Tensor,
+    classes: int,
+    dtype: str | DType = DType.F32,
+    like: Tensor | None = None,
+    class_axis: str | None = None,
+) -> Tensor:
     """``labels`` (integers, any shape S) as a ``[*S, classes]`` tensor of 0/1 in ``dtype``,
     laid out like ``like`` where given (e.g. the logits, vocab split over ``tp``), else like
     the labels with the class dim split over ``class_axis`` (None: not split)."""
@@ -107,7 +128,9 @@ def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
     m = logits.max(last, keepdims=True).detach()  # the shift only steadies exp
     shifted = logits - m
     sumexp = shifted.exp().sum(last, keepdims=True)
-    target = (shifted * one_hot(labels, logits.shape[-1], logits.dtype, like=logits)).sum(last, keepdims=True)  # fmt: skip
+    target = (shifted * one_hot(labels, logits.shape[-1], logits.dtype, like=logits)).sum(
+        last, keepdims=True
+    )
     return (sumexp.log() - target).mean()
 
 

@@ -30,9 +30,19 @@ from dtm_mpi.ir.nodes import Init, InitKind
 from dtm_mpi.ir.types import DType, Layout, TensorType
 
 __all__ = [
-    "ColumnParallelLinear", "Embedding", "GPT", "LayerNorm", "Linear", "MLP", "Module",
-    "MultiHeadAttention", "Parameter", "RowParallelLinear", "Sequential", "TransformerBlock",
-]  # fmt: skip
+    "ColumnParallelLinear",
+    "Embedding",
+    "GPT",
+    "LayerNorm",
+    "Linear",
+    "MLP",
+    "Module",
+    "MultiHeadAttention",
+    "Parameter",
+    "RowParallelLinear",
+    "Sequential",
+    "TransformerBlock",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +68,11 @@ class Parameter:
         if kind in (InitKind.ZEROS, InitKind.ONES):
             return Init(kind)
         digest = hashlib.sha256(f"{seed}:{path}".encode()).digest()
-        s = self.seed if self.seed is not None else int.from_bytes(digest[:4], "little") & 0x7FFFFFFF  # fmt: skip
+        s = (
+            self.seed
+            if self.seed is not None
+            else int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+        )
         order = ("mean", "std") if kind is InitKind.NORMAL else ("low", "high")
         given = dict(self.args)
         return Init(kind, (("seed", s), *((k, float(given[k])) for k in order if k in given)))
@@ -95,7 +109,11 @@ class Module:
                 yield path, self, key, value
             elif isinstance(value, Module):
                 yield from value._walk(path + ".")
-            elif isinstance(value, list | tuple) and value and all(isinstance(v, Module) for v in value):  # fmt: skip
+            elif (
+                isinstance(value, list | tuple)
+                and value
+                and all(isinstance(v, Module) for v in value)
+            ):
                 for i, sub in enumerate(value):
                     yield from sub._walk(f"{path}.{i}.")
 
@@ -109,11 +127,20 @@ class Linear(Module):
     """``y = x @ weight + bias``; weight ``[in, out]`` laid out by ``layout`` (default
     replicated), initialised uniform(+-1/sqrt(in)) as PyTorch does."""
 
-    def __init__(self, n_in: int, n_out: int, *, bias: bool = True, dtype: str | DType = DType.F32, layout: Sequence[Any] | None = None, bias_layout: Sequence[Any] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        n_in: int,
+        n_out: int,
+        *,
+        bias: bool = True,
+        dtype: str | DType = DType.F32,
+        layout: Sequence[Any] | None = None,
+        bias_layout: Sequence[Any] | None = None,
+    ) -> None:
         dt = DType(dtype) if isinstance(dtype, str) else dtype
         init, args = _uniform(n_in)
         self.weight = Parameter((n_in, n_out), dt, as_layout(layout, 2), init, args)
-        self.bias = Parameter((n_out,), dt, as_layout(bias_layout, 1), init, args) if bias else None  # fmt: skip
+        self.bias = Parameter((n_out,), dt, as_layout(bias_layout, 1), init, args) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
         lead = x.shape[:-1]
@@ -127,15 +154,33 @@ class Linear(Module):
 class ColumnParallelLinear(Linear):
     """Output features split over ``axis``: the result is split there too (no communication)."""
 
-    def __init__(self, n_in: int, n_out: int, *, axis: str = "tp", bias: bool = True, dtype: str | DType = DType.F32) -> None:  # fmt: skip
-        super().__init__(n_in, n_out, bias=bias, dtype=dtype, layout=(None, axis), bias_layout=(axis,))  # fmt: skip
+    def __init__(
+        self,
+        n_in: int,
+        n_out: int,
+        *,
+        axis: str = "tp",
+        bias: bool = True,
+        dtype: str | DType = DType.F32,
+    ) -> None:
+        super().__init__(
+            n_in, n_out, bias=bias, dtype=dtype, layout=(None, axis), bias_layout=(axis,)
+        )
 
 
 class RowParallelLinear(Linear):
     """Input features split over ``axis`` (the input split there, as a column-parallel layer
     leaves it): the product is a pending sum, completed by one allreduce before the bias."""
 
-    def __init__(self, n_in: int, n_out: int, *, axis: str = "tp", bias: bool = True, dtype: str | DType = DType.F32) -> None:  # fmt: skip
+    def __init__(
+        self,
+        n_in: int,
+        n_out: int,
+        *,
+        axis: str = "tp",
+        bias: bool = True,
+        dtype: str | DType = DType.F32,
+    ) -> None:
         super().__init__(n_in, n_out, bias=bias, dtype=dtype, layout=(axis, None))
 
 
@@ -153,7 +198,9 @@ class LayerNorm(Module):
 class MLP(Module):
     """A Megatron MLP block: column-parallel up-projection, gelu, row-parallel down."""
 
-    def __init__(self, dim: int, hidden: int, *, axis: str = "tp", dtype: str | DType = DType.F32) -> None:  # fmt: skip
+    def __init__(
+        self, dim: int, hidden: int, *, axis: str = "tp", dtype: str | DType = DType.F32
+    ) -> None:
         self.up = ColumnParallelLinear(dim, hidden, axis=axis, dtype=dtype)
         self.down = RowParallelLinear(hidden, dim, axis=axis, dtype=dtype)
 
@@ -168,7 +215,15 @@ class Embedding(Module):
     it (``take``: zero rows for the others) and one allreduce sums the ranks' partial rows.
     Its gradient is the matching ``scatter_add`` into the rank's rows."""
 
-    def __init__(self, vocab: int, dim: int, *, axis: str | None = "tp", std: float = 0.02, dtype: str | DType = DType.F32) -> None:  # fmt: skip
+    def __init__(
+        self,
+        vocab: int,
+        dim: int,
+        *,
+        axis: str | None = "tp",
+        std: float = 0.02,
+        dtype: str | DType = DType.F32,
+    ) -> None:
         dt = DType(dtype) if isinstance(dtype, str) else dtype
         self.weight = Parameter((vocab, dim), dt, (axis, None), "normal", (("std", std),))
         self.axis = axis
@@ -184,7 +239,9 @@ class MultiHeadAttention(Module):
     projection sums the heads' contributions (a pending sum, one allreduce), as Megatron's
     column- then row-parallel attention does."""
 
-    def __init__(self, dim: int, heads: int, *, axis: str = "tp", dtype: str | DType = DType.F32) -> None:  # fmt: skip
+    def __init__(
+        self, dim: int, heads: int, *, axis: str = "tp", dtype: str | DType = DType.F32
+    ) -> None:
         if dim % heads:
             raise UsageError(f"dim {dim} is not a multiple of heads {heads}")
         dt = DType(dtype) if isinstance(dtype, str) else dtype
@@ -223,7 +280,15 @@ class MultiHeadAttention(Module):
 class TransformerBlock(Module):
     """Pre-norm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
 
-    def __init__(self, dim: int, heads: int, *, hidden: int | None = None, axis: str = "tp", dtype: str | DType = DType.F32) -> None:  # fmt: skip
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        *,
+        hidden: int | None = None,
+        axis: str = "tp",
+        dtype: str | DType = DType.F32,
+    ) -> None:
         self.ln1 = LayerNorm(dim, dtype=dtype)
         self.attn = MultiHeadAttention(dim, heads, axis=axis, dtype=dtype)
         self.ln2 = LayerNorm(dim, dtype=dtype)
@@ -241,10 +306,20 @@ class GPT(Module):
     ``ids`` ``[B, T]`` (T <= ``context``) give logits ``[B, T, vocab]`` with the vocabulary
     split over ``axis`` (what :func:`~dtm_mpi.frontend.functional.cross_entropy` takes)."""
 
-    def __init__(self, vocab: int, context: int, dim: int, heads: int, layers: int, *, axis: str = "tp", dtype: str | DType = DType.F32) -> None:  # fmt: skip
+    def __init__(
+        self,
+        vocab: int,
+        context: int,
+        dim: int,
+        heads: int,
+        layers: int,
+        *,
+        axis: str = "tp",
+        dtype: str | DType = DType.F32,
+    ) -> None:
         self.tok = Embedding(vocab, dim, axis=axis, dtype=dtype)
         self.pos = Parameter((context, dim), dtype, None, "normal", (("std", 0.02),))
-        self.blocks = [TransformerBlock(dim, heads, axis=axis, dtype=dtype) for _ in range(layers)]  # fmt: skip
+        self.blocks = [TransformerBlock(dim, heads, axis=axis, dtype=dtype) for _ in range(layers)]
         self.ln = LayerNorm(dim, dtype=dtype)
         self.head = ColumnParallelLinear(dim, vocab, axis=axis, bias=False, dtype=dtype)
 

@@ -25,7 +25,9 @@ class Optimizer:
     """Turns (parameter, gradient) pairs into the parameters' next values, followed by the
     next values of the state parameters it created (:meth:`state`), in creation order."""
 
-    def update(self, tr: Tracer, params: Sequence[tuple[str, Tensor]], grads: Sequence[Tensor]) -> list[Tensor]:  # fmt: skip
+    def update(
+        self, tr: Tracer, params: Sequence[tuple[str, Tensor]], grads: Sequence[Tensor]
+    ) -> list[Tensor]:
         raise NotImplementedError
 
     @staticmethod
@@ -60,7 +62,9 @@ class SGD(Optimizer):
         _check("momentum", self.momentum, 0.0, 1.0)
         _check("weight_decay", self.weight_decay, 0.0)
 
-    def update(self, tr: Tracer, params: Sequence[tuple[str, Tensor]], grads: Sequence[Tensor]) -> list[Tensor]:  # fmt: skip
+    def update(
+        self, tr: Tracer, params: Sequence[tuple[str, Tensor]], grads: Sequence[Tensor]
+    ) -> list[Tensor]:
         news, states = [], []
         for (path, p), grad in zip(params, grads, strict=True):
             g = grad + p * self.weight_decay if self.weight_decay else grad
@@ -88,7 +92,9 @@ class AdamW(Optimizer):
         _check("eps", self.eps, 0.0)
         _check("weight_decay", self.weight_decay, 0.0)
 
-    def update(self, tr: Tracer, params: Sequence[tuple[str, Tensor]], grads: Sequence[Tensor]) -> list[Tensor]:  # fmt: skip
+    def update(
+        self, tr: Tracer, params: Sequence[tuple[str, Tensor]], grads: Sequence[Tensor]
+    ) -> list[Tensor]:
         if not params:
             return []
         b1, b2 = self.betas
@@ -117,14 +123,16 @@ class Adam(AdamW):
 
     weight_decay: float = 0.0
 
-    def update(self, tr: Tracer, params: Sequence[tuple[str, Tensor]], grads: Sequence[Tensor]) -> list[Tensor]:  # fmt: skip
+    def update(
+        self, tr: Tracer, params: Sequence[tuple[str, Tensor]], grads: Sequence[Tensor]
+    ) -> list[Tensor]:
         if self.weight_decay:
             grads = [g + p * self.weight_decay for (_, p), g in zip(params, grads, strict=True)]
         plain = AdamW(self.lr, self.betas, self.eps, 0.0)
         return plain.update(tr, params, grads)
 
 
-def clip_by_global_norm(grads: Sequence[Tensor], max_norm: float) -> tuple[list[Tensor], Tensor]:  # fmt: skip
+def clip_by_global_norm(grads: Sequence[Tensor], max_norm: float) -> tuple[list[Tensor], Tensor]:
     """The gradients scaled by ``min(1, max_norm / (norm + 1e-6))``, where ``norm`` is the
     2-norm of all of them together (each square sum completed over its shards), and norm."""
     _check("max_norm", max_norm, 0.0)

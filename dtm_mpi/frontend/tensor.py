@@ -72,7 +72,9 @@ def parse_dtype(dtype: str | DType) -> DType:
     try:
         return DType(dtype)
     except ValueError:
-        raise TraceError(f"unknown dtype {dtype!r} (one of {', '.join(d.value for d in DType)})", user_span()) from None  # fmt: skip
+        raise TraceError(
+            f"unknown dtype {dtype!r} (one of {', '.join(d.value for d in DType)})", user_span()
+        ) from None
 
 
 def as_layout(spec: Sequence[str | Sequence[str] | None] | Layout | None, rank: int) -> Layout:
@@ -103,13 +105,23 @@ class Tracer:
         self.b = builder
         self.detached: set[str] = set()
 
-    def apply(self, name: str, xs: Sequence[Tensor], attrs: dict[str, Attr] | None = None, declared: Sequence[TensorType] = (), *, hint: str | None = None) -> Tensor:  # fmt: skip
+    def apply(
+        self,
+        name: str,
+        xs: Sequence[Tensor],
+        attrs: dict[str, Attr] | None = None,
+        declared: Sequence[TensorType] = (),
+        *,
+        hint: str | None = None,
+    ) -> Tensor:
         span = user_span()
         for x in xs:
             if x.tracer is not self:
                 raise trace_error("a tensor of another traced function is used here", span)
         try:
-            out = self.b.apply1(name, [x.value for x in xs], attrs or {}, declared, span=span, hint=hint)  # fmt: skip
+            out = self.b.apply1(
+                name, [x.value for x in xs], attrs or {}, declared, span=span, hint=hint
+            )
         except VerifyError as err:
             raise trace_error(err) from None
         return Tensor(out, self)
@@ -128,13 +140,16 @@ class Tracer:
             raise trace_error(err) from None
 
 
-_CURRENT: contextvars.ContextVar[Tracer | None] = contextvars.ContextVar("dtm_tracer", default=None)  # fmt: skip
+_CURRENT: contextvars.ContextVar[Tracer | None] = contextvars.ContextVar("dtm_tracer", default=None)
 
 
 def current_tracer() -> Tracer:
     t = _CURRENT.get()
     if t is None:
-        raise TraceError("no function is being traced here (tensors exist only inside a traced function)", user_span())  # fmt: skip
+        raise TraceError(
+            "no function is being traced here (tensors exist only inside a traced function)",
+            user_span(),
+        )
     return t
 
 
@@ -186,22 +201,34 @@ class Tensor:
         return f"Tensor({self.value.name}: {self.value.type})"
 
     def __bool__(self) -> bool:
-        raise trace_error("a traced tensor has no truth value while tracing (use where(...) to select)")  # fmt: skip
+        raise trace_error(
+            "a traced tensor has no truth value while tracing (use where(...) to select)"
+        )
 
     # --- helpers ---------------------------------------------------------------------------
 
-    def _apply(self, name: str, *xs: Tensor, declared: Sequence[TensorType] = (), **attrs: Attr) -> Tensor:  # fmt: skip
+    def _apply(
+        self, name: str, *xs: Tensor, declared: Sequence[TensorType] = (), **attrs: Attr
+    ) -> Tensor:
         return self.tracer.apply(name, [self, *xs], attrs, declared)
 
     def _lift(self, other: Any) -> Tensor:
         if isinstance(other, Tensor):
             return other
-        if isinstance(other, bool | int | float) or (hasattr(other, "dtype") and getattr(other, "shape", None) == ()):  # fmt: skip
+        if isinstance(other, bool | int | float) or (
+            hasattr(other, "dtype") and getattr(other, "shape", None) == ()
+        ):
             value = other.item() if hasattr(other, "item") else other
             if isinstance(value, float) and not self.dtype.is_float:
-                raise trace_error(f"a float ({value!r}) with a {self.dtype} tensor: cast the tensor first (.cast('f32')); its dtype would truncate the number")  # fmt: skip
-            return self.tracer.constant(value, self.type.with_layout(self.layout.with_partial(None)))  # fmt: skip
-        raise trace_error(f"cannot combine a traced tensor with {type(other).__name__} (use a Python number or a traced tensor)")  # fmt: skip
+                raise trace_error(
+                    f"a float ({value!r}) with a {self.dtype} tensor: cast the tensor first (.cast('f32')); its dtype would truncate the number"
+                )
+            return self.tracer.constant(
+                value, self.type.with_layout(self.layout.with_partial(None))
+            )
+        raise trace_error(
+            f"cannot combine a traced tensor with {type(other).__name__} (use a Python number or a traced tensor)"
+        )
 
     def _binary(self, name: str, other: Any, *, swap: bool = False, **attrs: Attr) -> Tensor:
         a, b = self, self._lift(other)
@@ -365,7 +392,11 @@ class Tensor:
 
     def reshape(self, *shape: int | Sequence[int]) -> Tensor:
         first = shape[0] if shape else ()
-        dims: tuple[int, ...] = tuple(first) if len(shape) == 1 and not isinstance(first, int) else tuple(int(s) for s in shape)  # type: ignore[arg-type]  # fmt: skip
+        dims: tuple[int, ...] = (
+            tuple(first)
+            if len(shape) == 1 and not isinstance(first, int)
+            else tuple(int(s) for s in shape)  # type: ignore[arg-type]
+        )
         size = 1
         for n in self.shape:
             size *= n
@@ -377,17 +408,25 @@ class Tensor:
             for n in dims:
                 known *= n if n != -1 else 1
             if known == 0 or size % known:
-                raise trace_error(f"reshape of {list(self.shape)} ({size} elements) to {written}: no size for -1 gives that count")  # fmt: skip
+                raise trace_error(
+                    f"reshape of {list(self.shape)} ({size} elements) to {written}: no size for -1 gives that count"
+                )
             dims = tuple(size // known if n == -1 else n for n in dims)
         target = tuple(int(n) for n in dims)
         if target == self.shape:
             return self
-        return self._apply("reshape", declared=[TensorType(self.dtype, target, Layout.replicated(len(target)))])  # fmt: skip
+        return self._apply(
+            "reshape", declared=[TensorType(self.dtype, target, Layout.replicated(len(target)))]
+        )
 
     def transpose(self, *perm: int) -> Tensor:
         p = tuple(perm) if perm else tuple(reversed(range(self.ndim)))
-        if sorted(d % self.ndim if -self.ndim <= d < self.ndim else -1 for d in p) != list(range(self.ndim)):  # fmt: skip
-            raise trace_error(f"transpose{p}: not a permutation of the {self.ndim} dims of {list(self.shape)}")  # fmt: skip
+        if sorted(d % self.ndim if -self.ndim <= d < self.ndim else -1 for d in p) != list(
+            range(self.ndim)
+        ):
+            raise trace_error(
+                f"transpose{p}: not a permutation of the {self.ndim} dims of {list(self.shape)}"
+            )
         return self._apply("transpose", perm=tuple(d % self.ndim for d in p))
 
     @property
@@ -400,7 +439,10 @@ class Tensor:
         target = tuple(shape)
         if target == self.shape:
             return self
-        return self._apply("broadcast_to", declared=[TensorType(self.dtype, target, Layout.replicated(len(target)))])  # fmt: skip
+        return self._apply(
+            "broadcast_to",
+            declared=[TensorType(self.dtype, target, Layout.replicated(len(target)))],
+        )
 
     def __getitem__(self, index: Any) -> Tensor:
         items = index if isinstance(index, tuple) else (index,)
@@ -460,7 +502,9 @@ def broadcast_pair(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     shape = []
     for d, (x, y) in enumerate(zip(sa, sb, strict=True)):
         if x != y and 1 not in (x, y):
-            raise trace_error(f"shapes {list(a.shape)} and {list(b.shape)} do not broadcast (dim {d}: {x} vs {y})")  # fmt: skip
+            raise trace_error(
+                f"shapes {list(a.shape)} and {list(b.shape)} do not broadcast (dim {d}: {x} vs {y})"
+            )
         shape.append(max(x, y))
     return _expand(a, tuple(shape)), _expand(b, tuple(shape))
 
@@ -469,5 +513,9 @@ def _expand(x: Tensor, shape: tuple[int, ...]) -> Tensor:
     if x.shape == shape:
         return x
     if x.ndim < len(shape):
-        x = x.reshape((1,) * (len(shape) - x.ndim) + x.shape) if x.ndim else x.reshape((1,) * len(shape))  # fmt: skip
+        x = (
+            x.reshape((1,) * (len(shape) - x.ndim) + x.shape)
+            if x.ndim
+            else x.reshape((1,) * len(shape))
+        )
     return x.broadcast_to(shape)

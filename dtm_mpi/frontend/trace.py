@@ -23,7 +23,7 @@ from dtm_mpi.frontend.binding import BOUND as _BOUND
 from dtm_mpi.frontend.mesh import Mesh
 from dtm_mpi.frontend.nn import Module as Layer
 from dtm_mpi.frontend.optim import Optimizer, clip_by_global_norm
-from dtm_mpi.frontend.tensor import (  # fmt: skip
+from dtm_mpi.frontend.tensor import (
     Tensor,
     Tracer,
     as_layout,
@@ -53,7 +53,9 @@ class Input:
     layout: Sequence[Any] | None = None
 
     def type(self) -> TensorType:
-        return TensorType(parse_dtype(self.dtype), tuple(self.shape), as_layout(self.layout, len(self.shape)))  # fmt: skip
+        return TensorType(
+            parse_dtype(self.dtype), tuple(self.shape), as_layout(self.layout, len(self.shape))
+        )
 
 
 @dataclass(frozen=True)
@@ -94,24 +96,46 @@ def _module_name(name: str) -> str:
     return name
 
 
-def _trace(model: Layer, fn: Callable[..., Any], mesh: Mesh, inputs: Mapping[str, Input], name: str, *, weights_as_state: bool, seed: int, from_store: bool = False) -> tuple[Tracer, list[Value], list[tuple[str, Value]], Any]:  # fmt: skip
+def _trace(
+    model: Layer,
+    fn: Callable[..., Any],
+    mesh: Mesh,
+    inputs: Mapping[str, Input],
+    name: str,
+    *,
+    weights_as_state: bool,
+    seed: int,
+    from_store: bool = False,
+) -> tuple[Tracer, list[Value], list[tuple[str, Value]], Any]:
     b = FunctionBuilder(mesh.ir(), module_name=_module_name(name))
     tr = Tracer(b)
     given = []
     for key, spec in inputs.items():
         if not isinstance(spec, Input):
-            raise UsageError(f"input {key!r}: expected an Input(shape, dtype, layout); got {spec!r}")  # fmt: skip
+            raise UsageError(
+                f"input {key!r}: expected an Input(shape, dtype, layout); got {spec!r}"
+            )
         given.append(b.add_param(key, _checked(f"input {key!r}", key, spec.type, b)))
     bound: dict[tuple[int, str], Tensor] = {}
     weights: list[tuple[str, Value]] = []
     for path, owner, attr, p in model.named_parameters():
         t = _checked(f"parameter {path!r} of {type(owner).__name__}", path, p.type, b)
         if weights_as_state and not t.dtype.is_float:
-            raise UsageError(f"parameter {path!r} of {type(owner).__name__} is {t.dtype}: trained parameters are floating (an integer table is an input)")  # fmt: skip
+            raise UsageError(
+                f"parameter {path!r} of {type(owner).__name__} is {t.dtype}: trained parameters are floating (an integer table is an input)"
+            )
         try:
-            init = p.ir_init(path, seed) if weights_as_state else Init(InitKind.STORE) if from_store else None  # fmt: skip
+            init = (
+                p.ir_init(path, seed)
+                if weights_as_state
+                else Init(InitKind.STORE)
+                if from_store
+                else None
+            )
         except ValueError:
-            raise UsageError(f"parameter {path!r}: init {p.init!r} is not one of {', '.join(k.value for k in InitKind if k is not InitKind.STORE)}") from None  # fmt: skip
+            raise UsageError(
+                f"parameter {path!r}: init {p.init!r} is not one of {', '.join(k.value for k in InitKind if k is not InitKind.STORE)}"
+            ) from None
         v = b.add_param(path, t, state=weights_as_state, init=init)
         bound[(id(owner), attr)] = Tensor(v, tr)
         weights.append((path, v))
@@ -127,7 +151,9 @@ def _trace(model: Layer, fn: Callable[..., Any], mesh: Mesh, inputs: Mapping[str
 _NAME = re.compile(r"[A-Za-z0-9_.]+\Z")
 
 
-def _checked(what: str, name: str, make_type: Callable[[], TensorType], b: FunctionBuilder) -> TensorType:  # fmt: skip
+def _checked(
+    what: str, name: str, make_type: Callable[[], TensorType], b: FunctionBuilder
+) -> TensorType:
     """The type of an input or parameter, refused (one line naming it) where its name is not
     an IR value name, a size is negative, or its layout names an axis the mesh lacks or one
     axis twice."""
@@ -153,14 +179,23 @@ def _split_outputs(out: Any, what: str) -> list[tuple[str, Tensor]]:
     (loss, {name: tensor}), or {name: tensor}."""
     if isinstance(out, Tensor):
         return [("loss", out)]
-    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], Tensor) and isinstance(out[1], Mapping):  # fmt: skip
+    if (
+        isinstance(out, tuple)
+        and len(out) == 2
+        and isinstance(out[0], Tensor)
+        and isinstance(out[1], Mapping)
+    ):
         return [("loss", out[0]), *out[1].items()]
     if isinstance(out, Mapping) and all(isinstance(v, Tensor) for v in out.values()):
         return list(out.items())
-    raise UsageError(f"the {what} function must return a scalar tensor, (loss, {{name: tensor}}) or {{name: tensor}}; got {type(out).__name__}")  # fmt: skip
+    raise UsageError(
+        f"the {what} function must return a scalar tensor, (loss, {{name: tensor}}) or {{name: tensor}}; got {type(out).__name__}"
+    )
 
 
-def _finish(tr: Tracer, name: str, mesh: Mesh, results: list[Value | tuple[Value, str | None]]) -> Module:  # fmt: skip
+def _finish(
+    tr: Tracer, name: str, mesh: Mesh, results: list[Value | tuple[Value, str | None]]
+) -> Module:
     """The verified module, with the user's lines as its ops' spans (so a plan or run error
     names them); checked to be its own canonical form (parsing its text gives it back)."""
     f = tr.b.function(name, results, entry=True)
@@ -174,12 +209,24 @@ def _finish(tr: Tracer, name: str, mesh: Mesh, results: list[Value | tuple[Value
     return module
 
 
-def train_step(model: Layer, loss_fn: Callable[..., Any], *, mesh: Mesh, inputs: Mapping[str, Input], optimizer: Optimizer, clip_norm: float | None = None, seed: int = 0, name: str = "train") -> TracedStep:  # fmt: skip
+def train_step(
+    model: Layer,
+    loss_fn: Callable[..., Any],
+    *,
+    mesh: Mesh,
+    inputs: Mapping[str, Input],
+    optimizer: Optimizer,
+    clip_norm: float | None = None,
+    seed: int = 0,
+    name: str = "train",
+) -> TracedStep:
     """Trace one training step of ``model``: ``loss_fn(model, **inputs)`` returns the loss
     (a float scalar) or (loss, {metric: scalar}); the gradients of the loss with respect to
     every parameter come from the reverse pass, optionally clipped to global norm
     ``clip_norm``, and ``optimizer`` emits the update."""
-    tr, _, weights, out = _trace(model, loss_fn, mesh, inputs, name, weights_as_state=True, seed=seed)  # fmt: skip
+    tr, _, weights, out = _trace(
+        model, loss_fn, mesh, inputs, name, weights_as_state=True, seed=seed
+    )
     named = _split_outputs(out, "loss")
     scalars = []
     for key, t in named:
@@ -189,7 +236,9 @@ def train_step(model: Layer, loss_fn: Callable[..., Any], *, mesh: Mesh, inputs:
             scalars.append((key, t.complete()))
     loss = scalars[0][1]
     with tracing(tr):
-        grads_v = backward(tr.b, list(tr.b.ops), loss.value, [v for _, v in weights], stop=tr.detached)  # fmt: skip
+        grads_v = backward(
+            tr.b, list(tr.b.ops), loss.value, [v for _, v in weights], stop=tr.detached
+        )
         grads = [Tensor(g, tr) for g in grads_v]
         if clip_norm is not None:
             grads, _ = clip_by_global_norm(grads, clip_norm)
@@ -200,22 +249,47 @@ def train_step(model: Layer, loss_fn: Callable[..., Any], *, mesh: Mesh, inputs:
             raise AssertionError("the optimizer returned a value per parameter and per state")
         # each new value in its parameter's layout (``updates`` needs the same type)
         targets = [v for _, v in weights] + [tr.b.value(p.name) for p in opt_params]
-        news = [n if n.type == v.type else n.redistribute(v.type.layout) for n, v in zip(news, targets, strict=True)]  # fmt: skip
+        news = [
+            n if n.type == v.type else n.redistribute(v.type.layout)
+            for n, v in zip(news, targets, strict=True)
+        ]
     results: list[Value | tuple[Value, str | None]] = [t.value for _, t in scalars]
     results += [(n.value, v.name) for n, v in zip(news, targets, strict=True)]
     module = _finish(tr, "train_step", mesh, results)
     return TracedStep(
-        module, tuple(inputs), tuple(p for p, _ in weights),
-        tuple(p.name.lstrip("%") for p in opt_params), tuple(k for k, _ in scalars), mesh,
-    )  # fmt: skip
+        module,
+        tuple(inputs),
+        tuple(p for p, _ in weights),
+        tuple(p.name.lstrip("%") for p in opt_params),
+        tuple(k for k, _ in scalars),
+        mesh,
+    )
 
 
-def eval_step(model: Layer, metric_fn: Callable[..., Any], *, mesh: Mesh, inputs: Mapping[str, Input], seed: int = 0, name: str = "eval", weights_from_store: bool = False) -> TracedStep:  # fmt: skip
+def eval_step(
+    model: Layer,
+    metric_fn: Callable[..., Any],
+    *,
+    mesh: Mesh,
+    inputs: Mapping[str, Input],
+    seed: int = 0,
+    name: str = "eval",
+    weights_from_store: bool = False,
+) -> TracedStep:
     """Trace ``metric_fn(model, **inputs)`` (a scalar, (loss, {name: scalar}) or {name:
     scalar}) with the model's weights as plain parameters: given as values to :func:`fit`,
     or with ``weights_from_store`` declared ``init store`` (read by name from the latest
     checkpoint of the run's store, written on any mesh). What to run on held-out data."""
-    tr, _, weights, out = _trace(model, metric_fn, mesh, inputs, name, weights_as_state=False, seed=seed, from_store=weights_from_store)  # fmt: skip
+    tr, _, weights, out = _trace(
+        model,
+        metric_fn,
+        mesh,
+        inputs,
+        name,
+        weights_as_state=False,
+        seed=seed,
+        from_store=weights_from_store,
+    )
     named = _split_outputs(out, "metric")
     results: list[Value | tuple[Value, str | None]] = []
     with tracing(tr):
@@ -224,4 +298,6 @@ def eval_step(model: Layer, metric_fn: Callable[..., Any], *, mesh: Mesh, inputs
                 raise trace_error(f"metric {key} must be a scalar; it is {t.type}")
             results.append(t.complete().value)
     module = _finish(tr, "eval_step", mesh, results)
-    return TracedStep(module, tuple(inputs), tuple(p for p, _ in weights), (), tuple(k for k, _ in named), mesh)  # fmt: skip
+    return TracedStep(
+        module, tuple(inputs), tuple(p for p, _ in weights), (), tuple(k for k, _ in named), mesh
+    )

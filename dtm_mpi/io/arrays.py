@@ -109,4 +109,4 @@ def save_npz(path: str, arrays: Mapping[str, np.ndarray]) -> None:
 
 def save_npy(path: str, value: np.ndarray) -> None:
     """Write ``value`` to ``path`` (.npy) atomically."""
-    _write_atomic(check_output_path(path, ".npy"), lambda f: np.save(f, value, allow_pickle=False))  # fmt: skip
+    _write_atomic(check_output_path(path, ".npy"), lambda f: np.save(f, value, allow_pickle=False))

@@ -71,7 +71,9 @@ class ShardWriter(Protocol):
 
     path: Path
 
-    def write_shard(self, dataset: str, extent: tuple[int, ...], dtype: np.dtype[Any], block: np.ndarray | None) -> None:  # fmt: skip
+    def write_shard(
+        self, dataset: str, extent: tuple[int, ...], dtype: np.dtype[Any], block: np.ndarray | None
+    ) -> None:
         """Declare shard dataset ``dataset`` (every sharing rank, in the same order) and, on
         the rank that owns it (``block`` given: its C-contiguous bytes), write it whole."""
         ...
@@ -99,13 +101,36 @@ class ShardReader(Protocol):
         ``s`` of ``a`` is stored as the manifest says (present, its extent, its element size)."""
         ...
 
-    def read_chunk(self, a: ArtifactRecord, s: ShardRecord, c: int, out: np.ndarray | None = None, within: tuple[slice, ...] | None = None) -> np.ndarray: ...  # fmt: skip
+    def read_chunk(
+        self,
+        a: ArtifactRecord,
+        s: ShardRecord,
+        c: int,
+        out: np.ndarray | None = None,
+        within: tuple[slice, ...] | None = None,
+    ) -> np.ndarray: ...
 
-    def read_rows(self, a: ArtifactRecord, s: ShardRecord, first: int, last: int, out: np.ndarray | None = None, within: tuple[slice, ...] | None = None) -> np.ndarray: ...  # fmt: skip
+    def read_rows(
+        self,
+        a: ArtifactRecord,
+        s: ShardRecord,
+        first: int,
+        last: int,
+        out: np.ndarray | None = None,
+        within: tuple[slice, ...] | None = None,
+    ) -> np.ndarray: ...
 
     def read_verified(self, a: ArtifactRecord, s: ShardRecord, c: int) -> np.ndarray: ...
 
-    def read_rows_checked(self, a: ArtifactRecord, s: ShardRecord, first: int, last: int, out: np.ndarray, within: tuple[slice, ...] | None = None) -> list[str | None] | None:  # fmt: skip
+    def read_rows_checked(
+        self,
+        a: ArtifactRecord,
+        s: ShardRecord,
+        first: int,
+        last: int,
+        out: np.ndarray,
+        within: tuple[slice, ...] | None = None,
+    ) -> list[str | None] | None:
         """Chunks ``first..last`` into ``out`` (as ``read_rows``), each checked against its
         content hash as it is read: each
         chunk's mismatch (None where it matches), or None where this reader cannot do both in
@@ -154,13 +179,15 @@ class ShardBackend(Protocol):
         checkpoint holds beside its data files, and the file errors about its manifest name."""
         ...
 
-    def overhead_bytes(self, shard_nbytes: Sequence[int], nfiles: int, manifest_bytes: int) -> int:  # fmt: skip
+    def overhead_bytes(self, shard_nbytes: Sequence[int], nfiles: int, manifest_bytes: int) -> int:
         """At most how many bytes a checkpoint of shards of ``shard_nbytes`` bytes in
         ``nfiles`` data files, with a manifest of ``manifest_bytes``, takes on disk beyond
         the shards' own bytes (alignment, metadata, the index): the quota's estimate."""
         ...
 
-    def open_writer(self, path: Path, comm: Any, attrs: Mapping[str, Any], shared: bool, nshards: int) -> ShardWriter:  # fmt: skip
+    def open_writer(
+        self, path: Path, comm: Any, attrs: Mapping[str, Any], shared: bool, nshards: int
+    ) -> ShardWriter:
         """Collective over ``comm`` (the ranks sharing the file): create data file ``path``
         for ``nshards`` shards (``shared``: several ranks), storing ``attrs`` with it (the
         checkpoint's ``step`` and the file's ``file_index``; the format adds its own
@@ -217,10 +244,14 @@ def register_backend(name: str, backend: ShardBackend) -> None:
     A :class:`UsageError` when the name is malformed or already names another backend
     (registering the same backend under its name again does nothing)."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise UsageError(f"storage backend name {name!r}: use lowercase letters, digits, '-' and '_', starting with a letter (at most 64)")  # fmt: skip
+        raise UsageError(
+            f"storage backend name {name!r}: use lowercase letters, digits, '-' and '_', starting with a letter (at most 64)"
+        )
     known = BACKENDS.get(name)
     if known is not None and known is not backend:
-        raise UsageError(f"storage backend name {name!r} is taken (by {type(known).__name__}); register {type(backend).__name__} under another name")  # fmt: skip
+        raise UsageError(
+            f"storage backend name {name!r} is taken (by {type(known).__name__}); register {type(backend).__name__} under another name"
+        )
     BACKENDS[name] = backend
 
 
@@ -235,7 +266,9 @@ def parse_backend_name(name: str, store: str | os.PathLike[str]) -> ShardBackend
     found = parse_optional_backend_name(name)
     if found is None:
         have = ", ".join(repr(n) for n in sorted(BACKENDS)) or "none"
-        raise StorageError(f"store {store}: its storage backend {name!r} is not registered in this process (registered: {have}); the module that defines it registers it when imported")  # fmt: skip
+        raise StorageError(
+            f"store {store}: its storage backend {name!r} is not registered in this process (registered: {have}); the module that defines it registers it when imported"
+        )
     return found
 
 
@@ -245,7 +278,9 @@ def parse_backend_name(name: str, store: str | os.PathLike[str]) -> ShardBackend
 class _Hdf5Writer:
     """A data file open with the MPI-IO driver on the communicator of its ranks."""
 
-    def __init__(self, path: Path, comm: Any, attrs: Mapping[str, Any], shared: bool, nshards: int) -> None:  # fmt: skip
+    def __init__(
+        self, path: Path, comm: Any, attrs: Mapping[str, Any], shared: bool, nshards: int
+    ) -> None:
         from dtm_mpi.io.h5 import open_file
 
         self.path, self.shared, self.nbytes = path, shared, 0
@@ -264,7 +299,9 @@ class _Hdf5Writer:
             self._unreserve()
             raise
 
-    def write_shard(self, dataset: str, extent: tuple[int, ...], dtype: np.dtype[Any], block: np.ndarray | None) -> None:  # fmt: skip
+    def write_shard(
+        self, dataset: str, extent: tuple[int, ...], dtype: np.dtype[Any], block: np.ndarray | None
+    ) -> None:
         from dtm_mpi.io.h5 import create_dataset, write_whole
 
         dset = create_dataset(self.f, dataset, extent, dtype)
@@ -274,7 +311,9 @@ class _Hdf5Writer:
 
     def close(self, error: BaseException | None, complete: bool) -> BaseException | None:
         try:
-            return _close(self.f, self.path, error, self.shared, complete, self.nbytes, self.reserve)  # fmt: skip
+            return _close(
+                self.f, self.path, error, self.shared, complete, self.nbytes, self.reserve
+            )
         except Exception as exc:
             if self.shared:  # a collective close: the caller's collective section ends the job
                 raise
@@ -313,14 +352,16 @@ class Hdf5Backend:
 
         return ckpt / MAIN_FILE
 
-    def overhead_bytes(self, shard_nbytes: Sequence[int], nfiles: int, manifest_bytes: int) -> int:  # fmt: skip
+    def overhead_bytes(self, shard_nbytes: Sequence[int], nfiles: int, manifest_bytes: int) -> int:
         from dtm_mpi.io.h5 import ALIGN_BYTES, ALIGN_FROM
 
         align = sum(ALIGN_BYTES for n in shard_nbytes if n >= ALIGN_FROM)  # large shards' padding
         meta = (256 << 10) + (64 << 10) * nfiles + (4 << 10) * len(shard_nbytes)  # HDF5 metadata
         return align + 2 * manifest_bytes + meta  # the manifest counted twice: a margin
 
-    def open_writer(self, path: Path, comm: Any, attrs: Mapping[str, Any], shared: bool, nshards: int) -> ShardWriter:  # fmt: skip
+    def open_writer(
+        self, path: Path, comm: Any, attrs: Mapping[str, Any], shared: bool, nshards: int
+    ) -> ShardWriter:
         from dtm_mpi.io.ckpt_files import DATA_FORMAT, FORMAT_VERSION
 
         tagged = {"dtm_format": DATA_FORMAT, "format_version": FORMAT_VERSION, **attrs}
@@ -382,13 +423,23 @@ def _reserve(path: Path, nbytes: int) -> None:
             os.close(fd)
             fd = -1
             path.unlink(missing_ok=True)
-            raise StorageError(f"{path}: {exc} (reserving {nbytes} bytes for the metadata of a checkpoint data file)") from None  # fmt: skip
+            raise StorageError(
+                f"{path}: {exc} (reserving {nbytes} bytes for the metadata of a checkpoint data file)"
+            ) from None
     finally:
         if fd >= 0:
             os.close(fd)
 
 
-def _close(f: Any, path: Path, error: BaseException | None, shared: bool, complete: bool, nbytes: int, reserve: Path | None = None) -> BaseException | None:  # fmt: skip
+def _close(
+    f: Any,
+    path: Path,
+    error: BaseException | None,
+    shared: bool,
+    complete: bool,
+    nbytes: int,
+    reserve: Path | None = None,
+) -> BaseException | None:
     """Flush and close ``f`` (``complete``: the save wrote all of it); returns the first error.
 
     HDF5 writes its cached metadata at the close, and a flush or close that fails (a full
@@ -433,4 +484,6 @@ def _name_no_space(error: BaseException, path: Path, nbytes: int) -> BaseExcepti
     free = st.f_bavail * st.f_frsize
     if free >= nbytes + (1 << 20):
         return error
-    return StorageError(f"{path}: [Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)} ({free} bytes free on its file system; HDF5: {text})")  # fmt: skip
+    return StorageError(
+        f"{path}: [Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)} ({free} bytes free on its file system; HDF5: {text})"
+    )

@@ -70,7 +70,7 @@ from dtm_mpi.errors import (
     agreed,
 )
 from dtm_mpi.io.backend import ShardBackend, parse_backend_name, parse_optional_backend_name
-from dtm_mpi.io.ckpt_plan import (  # fmt: skip
+from dtm_mpi.io.ckpt_plan import (
     CHUNK_BYTES,
     ROUND_BYTES,
     SavePlan,
@@ -121,7 +121,9 @@ def rebuild_value(a: ArtifactRecord, parent: np.ndarray) -> np.ndarray:
     kind, _, arg = a.rebuild.partition(":")
     if kind == "copy" or (kind == "cast" and arg == a.dtype.value):
         return parent.astype(np_dtype(a.dtype), copy=True)
-    raise UnrecoverableError(f"tensor {a.name!r}: unknown rebuild instruction {a.rebuild!r} (known: copy, cast:{a.dtype.value})")  # fmt: skip
+    raise UnrecoverableError(
+        f"tensor {a.name!r}: unknown rebuild instruction {a.rebuild!r} (known: copy, cast:{a.dtype.value})"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,11 +185,18 @@ class CheckpointStore:
     when it records none), and naming another is an error."""
 
     def __init__(
-        self, path: str | os.PathLike[str], comm: Any, *, quota_bytes: int | None = None,
-        keep_last: int | None = None, timeout_s: float | None = None,
-        chunk_bytes: int = CHUNK_BYTES, round_bytes: int = ROUND_BYTES,
-        ranks_per_file: int | None = None, backend: str | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        path: str | os.PathLike[str],
+        comm: Any,
+        *,
+        quota_bytes: int | None = None,
+        keep_last: int | None = None,
+        timeout_s: float | None = None,
+        chunk_bytes: int = CHUNK_BYTES,
+        round_bytes: int = ROUND_BYTES,
+        ranks_per_file: int | None = None,
+        backend: str | None = None,
+    ) -> None:
         self.path = Path(path)
         self.comm = comm
         self.rank, self.size = int(self.comm.Get_rank()), int(self.comm.Get_size())
@@ -199,7 +208,7 @@ class CheckpointStore:
         outcome: Any = None
         if self.rank == 0:
             try:
-                rpf = get_config().ckpt_ranks_per_file if ranks_per_file is None else ranks_per_file  # fmt: skip
+                rpf = get_config().ckpt_ranks_per_file if ranks_per_file is None else ranks_per_file
                 if rpf < 0:
                     raise UsageError(f"ranks_per_file must be >= 1 (0: all ranks); got {rpf}")
                 outcome = (self._settings(quota_bytes, keep_last, backend), rpf)
@@ -222,7 +231,9 @@ class CheckpointStore:
         self._groups: dict[int, Any] = {}
         self._split_groups(self.comm)
 
-    def _settings(self, quota_bytes: int | None, keep_last: int | None, backend: str | None) -> StoreMeta:  # fmt: skip
+    def _settings(
+        self, quota_bytes: int | None, keep_last: int | None, backend: str | None
+    ) -> StoreMeta:
         """Rank 0: the store's settings, from ``store.json`` and the constructor's arguments,
         written back (creating the store) when they change it or the file is missing or old;
         never for a backend this process has not registered (every rank then reports it)."""
@@ -230,11 +241,25 @@ class CheckpointStore:
         recorded = found.backend if found is not None else DEFAULT_BACKEND
         name = backend if backend is not None else recorded
         if found is not None and name != recorded:
-            raise UsageError(f"{self.path / 'store.json'} records storage backend {recorded!r}; it cannot be opened with backend {name!r}")  # fmt: skip
-        if found is None and name != DEFAULT_BACKEND and self.path.is_dir() and (list_checkpoints(self.path) or legacy_files(self.path)):  # fmt: skip
-            raise UsageError(f"it holds checkpoints but no store.json: they are stored with backend {DEFAULT_BACKEND!r}; it cannot be opened with backend {name!r}")  # fmt: skip
+            raise UsageError(
+                f"{self.path / 'store.json'} records storage backend {recorded!r}; it cannot be opened with backend {name!r}"
+            )
+        if (
+            found is None
+            and name != DEFAULT_BACKEND
+            and self.path.is_dir()
+            and (list_checkpoints(self.path) or legacy_files(self.path))
+        ):
+            raise UsageError(
+                f"it holds checkpoints but no store.json: they are stored with backend {DEFAULT_BACKEND!r}; it cannot be opened with backend {name!r}"
+            )
         meta = found or StoreMeta(backend=name)
-        if quota_bytes is not None or keep_last is not None or found is None or meta_outdated(self.path):  # fmt: skip
+        if (
+            quota_bytes is not None
+            or keep_last is not None
+            or found is None
+            or meta_outdated(self.path)
+        ):
             meta = StoreMeta(
                 quota_bytes if quota_bytes is not None else meta.quota_bytes,
                 keep_last if keep_last is not None else meta.keep_last,
@@ -248,7 +273,9 @@ class CheckpointStore:
     def _bcast(self, obj: Any, what: str, comm: Any = None) -> Any:
         self._check_poisoned()
         try:
-            return bcast_obj(comm or self.comm, obj, 0, timeout_s=self.timeout_s, what=what, phase="checkpoint")  # fmt: skip
+            return bcast_obj(
+                comm or self.comm, obj, 0, timeout_s=self.timeout_s, what=what, phase="checkpoint"
+            )
         except CommTimeoutError as exc:
             self._poisoned = exc
             raise
@@ -256,7 +283,9 @@ class CheckpointStore:
     def _gather(self, obj: Any, what: str, comm: Any = None) -> list[Any]:
         self._check_poisoned()
         try:
-            return allgather_obj(comm or self.comm, obj, timeout_s=self.timeout_s, what=what, phase="checkpoint")  # fmt: skip
+            return allgather_obj(
+                comm or self.comm, obj, timeout_s=self.timeout_s, what=what, phase="checkpoint"
+            )
         except CommTimeoutError as exc:
             self._poisoned = exc
             raise
@@ -269,12 +298,20 @@ class CheckpointStore:
 
     def _agree(self, error: BaseException | None, what: str, comm: Any = None) -> None:
         """Every rank raises the first failure (by rank) if any rank failed ``what``."""
-        errors = self._gather(None if error is None else (type(error).__name__, str(error)), what, comm)  # fmt: skip
+        errors = self._gather(
+            None if error is None else (type(error).__name__, str(error)), what, comm
+        )
         failed = [(r, e) for r, e in enumerate(errors) if e is not None]
         if not failed:
             return
         r, (kind, msg) = failed[0]
-        kinds: tuple[type[DtmError], ...] = (ManifestError, QuotaError, CancelledError, UnrecoverableError, UsageError)  # fmt: skip
+        kinds: tuple[type[DtmError], ...] = (
+            ManifestError,
+            QuotaError,
+            CancelledError,
+            UnrecoverableError,
+            UsageError,
+        )
         cls = {c.__name__: c for c in kinds}.get(kind, StorageError)
         others = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
         err = cls(f"{what} failed on rank {r}{others}: {msg}")
@@ -284,21 +321,41 @@ class CheckpointStore:
         return io_deadline(what, "checkpoint", self.rank, self.timeout_s)
 
     # -- save ------------------------------------------------------------------------------------
-    def save(self, step: int, mesh: MeshShape, tensors: Sequence[tuple[TensorSpec, np.ndarray | None]], *, module_hash: str | None = None) -> Path:  # fmt: skip
+    def save(
+        self,
+        step: int,
+        mesh: MeshShape,
+        tensors: Sequence[tuple[TensorSpec, np.ndarray | None]],
+        *,
+        module_hash: str | None = None,
+    ) -> Path:
         """Collective: call on all ranks. Save this rank's local blocks ``tensors`` (spec,
         local array; None for ephemeral ones) as checkpoint ``step``; returns its path."""
         self.wait()
         plan, blocks, hashes = self._prepare(step, mesh, tensors, copy=False)
         return self._save(step, plan, blocks, hashes, module_hash, self.comm, None)
 
-    def save_async(self, step: int, mesh: MeshShape, tensors: Sequence[tuple[TensorSpec, np.ndarray | None]], *, module_hash: str | None = None, before_tensor: Callable[[int], None] | None = None, copy: bool = True) -> SaveHandle:  # fmt: skip
+    def save_async(
+        self,
+        step: int,
+        mesh: MeshShape,
+        tensors: Sequence[tuple[TensorSpec, np.ndarray | None]],
+        *,
+        module_hash: str | None = None,
+        before_tensor: Callable[[int], None] | None = None,
+        copy: bool = True,
+    ) -> SaveHandle:
         """Collective: call on all ranks. Snapshot and hash the owned blocks now, write them in
         the background; ``before_tensor(i)`` (tests) runs in the writer before tensor ``i``.
         ``copy=False``: the caller never writes the arrays in place, so the snapshot keeps
         references instead of copies (a write before the save ends fails its verification)."""
         self.wait()
         if not handles.thread_multiple():
-            raise agreed(UsageError("async save needs MPI_THREAD_MULTIPLE (mpi4py's default); this MPI was initialised with less"))  # fmt: skip
+            raise agreed(
+                UsageError(
+                    "async save needs MPI_THREAD_MULTIPLE (mpi4py's default); this MPI was initialised with less"
+                )
+            )
         plan, blocks, hashes = self._prepare(step, mesh, tensors, copy=copy)
         if self._io_comm is None:
             self._io_comm = handles.dup(self.comm)
@@ -310,7 +367,15 @@ class CheckpointStore:
 
         def body() -> None:
             try:
-                handle.result = self._save(step, plan, blocks, hashes, module_hash, self._io_comm, (cancelled, before_tensor))  # fmt: skip
+                handle.result = self._save(
+                    step,
+                    plan,
+                    blocks,
+                    hashes,
+                    module_hash,
+                    self._io_comm,
+                    (cancelled, before_tensor),
+                )
             except BaseException as exc:  # reported by wait()
                 handle.error = exc
 
@@ -337,12 +402,22 @@ class CheckpointStore:
                 handles.free(self._io_comm)
                 self._io_comm = None
 
-    def _prepare(self, step: int, mesh: MeshShape, tensors: Sequence[tuple[TensorSpec, np.ndarray | None]], copy: bool) -> tuple[SavePlan, dict[int, np.ndarray], dict[int, tuple[str, ...]]]:  # fmt: skip
+    def _prepare(
+        self,
+        step: int,
+        mesh: MeshShape,
+        tensors: Sequence[tuple[TensorSpec, np.ndarray | None]],
+        copy: bool,
+    ) -> tuple[SavePlan, dict[int, np.ndarray], dict[int, tuple[str, ...]]]:
         if mesh.size != self.size:
-            raise agreed(UsageError(f"mesh {mesh} has {mesh.size} ranks, the communicator {self.size}"))  # fmt: skip
+            raise agreed(
+                UsageError(f"mesh {mesh} has {mesh.size} ranks, the communicator {self.size}")
+            )
         if step < 0:
             raise agreed(UsageError(f"step must be >= 0; got {step}"))
-        plan = plan_save([t for t, _ in tensors], mesh, self.chunk_bytes, self.ranks_per_file)  # pure: same on all  # fmt: skip
+        plan = plan_save(
+            [t for t, _ in tensors], mesh, self.chunk_bytes, self.ranks_per_file
+        )  # pure: same on all
         blocks: dict[int, np.ndarray] = {}
         hashes: dict[int, tuple[str, ...]] = {}
         error: BaseException | None = None
@@ -353,13 +428,17 @@ class CheckpointStore:
                 dtype = np_dtype(spec.type.dtype)
                 if block is None or tuple(block.shape) != want or block.dtype != dtype:
                     got = "nothing" if block is None else f"{block.dtype}{list(block.shape)}"
-                    raise UsageError(f"tensor {spec.name!r}: rank {self.rank} holds {got}, expected its block {dtype}{list(want)}")  # fmt: skip
-                arr = np.array(block, order="C", copy=True) if copy else np.ascontiguousarray(block)  # fmt: skip
+                    raise UsageError(
+                        f"tensor {spec.name!r}: rank {self.rank} holds {got}, expected its block {dtype}{list(want)}"
+                    )
+                arr = np.array(block, order="C", copy=True) if copy else np.ascontiguousarray(block)
                 rows = shard.chunk_rows
                 if arr.ndim == 0:
                     hashes[i] = (chunk_hash(arr),)
                 else:
-                    hashes[i] = tuple(chunk_hash(arr[c * rows : (c + 1) * rows]) for c in range(shard.nchunks))  # fmt: skip
+                    hashes[i] = tuple(
+                        chunk_hash(arr[c * rows : (c + 1) * rows]) for c in range(shard.nchunks)
+                    )
                 blocks[i] = arr
         except DtmError as exc:
             error = exc
@@ -373,13 +452,19 @@ class CheckpointStore:
                 # retired checkpoints count until gone (bounded: the others wait for the verdict)
                 self._retention.wait(self.timeout_s / 2)
                 shards = [s.nbytes for per in plan.shards for s in per]
-                need = plan.data_bytes + self.backend.overhead_bytes(shards, len(plan.files), manifest_bytes)  # fmt: skip
+                need = plan.data_bytes + self.backend.overhead_bytes(
+                    shards, len(plan.files), manifest_bytes
+                )
                 used = disk_usage(self.path)
                 if used + need > self.meta.quota_bytes:
-                    error = QuotaError(f"store {self.path}: checkpoint {step} needs about {need} bytes; {used} of the quota's {self.meta.quota_bytes} are in use")  # fmt: skip
+                    error = QuotaError(
+                        f"store {self.path}: checkpoint {step} needs about {need} bytes; {used} of the quota's {self.meta.quota_bytes} are in use"
+                    )
             except Exception as exc:  # decided on rank 0 alone: always broadcast
                 error = QuotaError(f"store {self.path}: cannot measure its size ({exc})")
-        verdict = self._bcast(None if error is None else str(error), f"checkpoint {step}: quota", comm)  # fmt: skip
+        verdict = self._bcast(
+            None if error is None else str(error), f"checkpoint {step}: quota", comm
+        )
         if verdict is not None:
             raise agreed(QuotaError(verdict))
 
@@ -399,13 +484,26 @@ class CheckpointStore:
         if per_file > 1 and id(comm) not in self._groups:
             self._groups[id(comm)] = handles.split(comm, self.rank // per_file, self.rank)
 
-    def _save(self, step: int, plan: SavePlan, blocks: dict[int, np.ndarray], hashes: dict[int, tuple[str, ...]], module_hash: str | None, comm: Any, control: tuple[Callable[[], bool], Callable[[int], None] | None] | None) -> Path:  # fmt: skip
+    def _save(
+        self,
+        step: int,
+        plan: SavePlan,
+        blocks: dict[int, np.ndarray],
+        hashes: dict[int, tuple[str, ...]],
+        module_hash: str | None,
+        comm: Any,
+        control: tuple[Callable[[], bool], Callable[[int], None] | None] | None,
+    ) -> Path:
         gathered = self._gather(hashes, f"checkpoint {step}: shard hashes", comm)
-        all_hashes = {(i, s.index): gathered[s.owner][i] for i, per in enumerate(plan.shards) for s in per}  # fmt: skip
+        all_hashes = {
+            (i, s.index): gathered[s.owner][i] for i, per in enumerate(plan.shards) for s in per
+        }
         manifest = plan_manifest(plan, step, all_hashes, module_hash, __version__)
         text = manifest.to_bytes()
         self._check_quota(step, plan, len(text), comm)
-        token = self._bcast(secrets.token_hex(4) if self.rank == 0 else None, "checkpoint name", comm)  # fmt: skip
+        token = self._bcast(
+            secrets.token_hex(4) if self.rank == 0 else None, "checkpoint name", comm
+        )
         final = self.path / committed_name(step)
         tmp = self.path / partial_name(step, token)
         problem = None
@@ -417,7 +515,14 @@ class CheckpointStore:
         problem = self._bcast(problem, f"checkpoint {step}: creating {tmp.name}", comm)
         if problem is not None:
             raise agreed(StorageError(problem))
-        writer = Writer(self.rank, comm, self._group_comm(comm, plan), self._deadline, self._gather, self.backend)  # fmt: skip
+        writer = Writer(
+            self.rank,
+            comm,
+            self._group_comm(comm, plan),
+            self._deadline,
+            self._gather,
+            self.backend,
+        )
         error, cancelled = write_data_file(writer, step, plan, blocks, manifest, tmp, control)
         if cancelled:
             self._gather(None, f"checkpoint {step}: files closed after the cancel", comm)
@@ -427,14 +532,22 @@ class CheckpointStore:
                     self.backend.remove(tmp)
                     fsync_path(self.path)
                 except OSError as exc:
-                    problem = f"checkpoint {step} was cancelled, but removing {tmp.name} failed: {exc}"  # fmt: skip
+                    problem = (
+                        f"checkpoint {step} was cancelled, but removing {tmp.name} failed: {exc}"
+                    )
             problem = self._bcast(problem, "checkpoint cancel", comm)
             if problem is not None:
                 raise agreed(StorageError(problem))
-            raise agreed(CancelledError(f"checkpoint {step} was cancelled; its partial checkpoint was removed and the previous checkpoint stands"))  # fmt: skip
+            raise agreed(
+                CancelledError(
+                    f"checkpoint {step} was cancelled; its partial checkpoint was removed and the previous checkpoint stands"
+                )
+            )
         if self.rank == 0 and error is None:
             try:
-                with self._deadline(f"checkpoint {step}: writing {self.backend.index_path(tmp).name}"):  # fmt: skip
+                with self._deadline(
+                    f"checkpoint {step}: writing {self.backend.index_path(tmp).name}"
+                ):
                     self.backend.write_index(tmp, manifest, text)
             except Exception as exc:
                 error = exc
@@ -448,22 +561,32 @@ class CheckpointStore:
         if self.rank == 0:
             committed = False
             try:
-                replaced = commit_partial(self.path, tmp, final, [data_file_name(i) for i in plan.files], self.backend)  # fmt: skip
+                replaced = commit_partial(
+                    self.path, tmp, final, [data_file_name(i) for i in plan.files], self.backend
+                )
                 committed = True
                 write_latest(self.path, step)
                 self._retention.apply(self.meta.keep_last, final, replaced, self.timeout_s / 2)
             except Exception as exc:  # decided on rank 0 alone: always broadcast
                 if committed:
-                    verdict = f"checkpoint {step} is committed as {final.name}, but updating 'latest' or retention failed: {exc}"  # fmt: skip
+                    verdict = f"checkpoint {step} is committed as {final.name}, but updating 'latest' or retention failed: {exc}"
                 else:
-                    verdict = f"checkpoint {step} did not verify ({exc}); it stays as {tmp.name}, the previous checkpoint stands"  # fmt: skip
+                    verdict = f"checkpoint {step} did not verify ({exc}); it stays as {tmp.name}, the previous checkpoint stands"
         verdict = self._bcast(verdict, f"checkpoint {step}: commit", comm)
         if verdict is not None:
             raise agreed(StorageError(verdict))
         return final
 
     # -- restore ---------------------------------------------------------------------------------
-    def restore(self, mesh: MeshShape, targets: Sequence[tuple[str, TensorType]], *, step: int | None = None, fallback: bool = False, into: Mapping[str, np.ndarray] | None = None) -> Restored:  # fmt: skip
+    def restore(
+        self,
+        mesh: MeshShape,
+        targets: Sequence[tuple[str, TensorType]],
+        *,
+        step: int | None = None,
+        fallback: bool = False,
+        into: Mapping[str, np.ndarray] | None = None,
+    ) -> Restored:
         """Collective: call on all ranks. This rank's blocks of ``targets`` (name, type on
         ``mesh``) from checkpoint ``step`` (default: latest); with ``fallback``, the newest
         checkpoint at or before it that restores and verifies.
@@ -474,17 +597,29 @@ class CheckpointStore:
         content is undefined (partly overwritten); the checkpoint itself is untouched."""
         self.wait()
         if mesh.size != self.size:
-            raise agreed(UsageError(f"mesh {mesh} has {mesh.size} ranks, the communicator {self.size}"))  # fmt: skip
+            raise agreed(
+                UsageError(f"mesh {mesh} has {mesh.size} ranks, the communicator {self.size}")
+            )
         self._agree(self._check_into(mesh, targets, into), "restore: checking the 'into' arrays")
         candidates: Any = None
         if self.rank == 0:
             try:
                 start = step if step is not None else read_latest(self.path)
-                steps = sorted((e.step for e in list_checkpoints(self.path) if e.committed), reverse=True)  # fmt: skip
+                steps = sorted(
+                    (e.step for e in list_checkpoints(self.path) if e.committed), reverse=True
+                )
                 if start is None or start not in steps:
                     old = legacy_files(self.path)
-                    hint = f" (it holds {len(old)} single-file checkpoint(s) of format version 1, e.g. {old[0].name}, which this dtm_mpi does not read)" if old else ""  # fmt: skip
-                    candidates = f"store {self.path} has no committed checkpoint" + ("" if start is None else f" {start}") + hint  # fmt: skip
+                    hint = (
+                        f" (it holds {len(old)} single-file checkpoint(s) of format version 1, e.g. {old[0].name}, which this dtm_mpi does not read)"
+                        if old
+                        else ""
+                    )
+                    candidates = (
+                        f"store {self.path} has no committed checkpoint"
+                        + ("" if start is None else f" {start}")
+                        + hint
+                    )
                 else:
                     candidates = [s for s in steps if s <= start] if fallback else [start]
             except Exception as exc:  # decided on rank 0 alone: always broadcast
@@ -503,7 +638,12 @@ class CheckpointStore:
                 errors.append(f"step {s}: {exc}")
         raise agreed(StorageError("no checkpoint restores and verifies: " + "; ".join(errors)))
 
-    def _check_into(self, mesh: MeshShape, targets: Sequence[tuple[str, TensorType]], into: Mapping[str, np.ndarray] | None) -> UsageError | None:  # fmt: skip
+    def _check_into(
+        self,
+        mesh: MeshShape,
+        targets: Sequence[tuple[str, TensorType]],
+        into: Mapping[str, np.ndarray] | None,
+    ) -> UsageError | None:
         """Why this rank's ``into`` arrays cannot take the restore (a local decision: the
         caller agrees on it), or None."""
         if not into:
@@ -518,13 +658,27 @@ class CheckpointStore:
             except DtmError as exc:  # a layout that does not fit the mesh: agreed by the caller
                 return UsageError(f"restore: tensor {name!r}: {exc}")
             if not isinstance(arr, np.ndarray) or tuple(arr.shape) != want or arr.dtype != dtype:
-                got = f"{arr.dtype}{list(arr.shape)}" if isinstance(arr, np.ndarray) else type(arr).__name__  # fmt: skip
-                return UsageError(f"restore: 'into' array for tensor {name!r} on rank {self.rank} is {got}, expected its block {dtype}{list(want)}")  # fmt: skip
+                got = (
+                    f"{arr.dtype}{list(arr.shape)}"
+                    if isinstance(arr, np.ndarray)
+                    else type(arr).__name__
+                )
+                return UsageError(
+                    f"restore: 'into' array for tensor {name!r} on rank {self.rank} is {got}, expected its block {dtype}{list(want)}"
+                )
             if not (arr.flags.c_contiguous and arr.flags.writeable):
-                return UsageError(f"restore: 'into' array for tensor {name!r} on rank {self.rank} must be C-contiguous and writeable")  # fmt: skip
+                return UsageError(
+                    f"restore: 'into' array for tensor {name!r} on rank {self.rank} must be C-contiguous and writeable"
+                )
         return None
 
-    def _restore_file(self, step: int, mesh: MeshShape, targets: Sequence[tuple[str, TensorType]], into: Mapping[str, np.ndarray] | None = None) -> Restored:  # fmt: skip
+    def _restore_file(
+        self,
+        step: int,
+        mesh: MeshShape,
+        targets: Sequence[tuple[str, TensorType]],
+        into: Mapping[str, np.ndarray] | None = None,
+    ) -> Restored:
         path = self.path / committed_name(step)
         where = str(self.backend.index_path(path))
         text: Any = None
@@ -551,7 +705,13 @@ class CheckpointStore:
         for name, _ in targets:
             if actions[name] is RecoveryAction.UNRECOVERABLE:
                 own = [e for e in failures if e[0] == name]
-                tensor, shard, msg, file = own[0] if own else failures[0] if failures else (name, "*", "no healthy copy and no parent to rebuild it from", where)  # fmt: skip
+                tensor, shard, msg, file = (
+                    own[0]
+                    if own
+                    else failures[0]
+                    if failures
+                    else (name, "*", "no healthy copy and no parent to rebuild it from", where)
+                )
                 raise agreed(IntegrityError(msg, tensor=tensor, shard=shard, file=file))
         if any(actions[name] is RecoveryAction.REBUILD for name, _ in targets):
             values = self._rebuild(values, manifest, actions, mesh, targets, step)
@@ -561,7 +721,15 @@ class CheckpointStore:
                     values[name] = arr
         return Restored(step, path, values, manifest.module_hash)
 
-    def _rebuild(self, values: dict[str, np.ndarray], manifest: Manifest, actions: dict[str, RecoveryAction], mesh: MeshShape, targets: Sequence[tuple[str, TensorType]], step: int) -> dict[str, np.ndarray]:  # fmt: skip
+    def _rebuild(
+        self,
+        values: dict[str, np.ndarray],
+        manifest: Manifest,
+        actions: dict[str, RecoveryAction],
+        mesh: MeshShape,
+        targets: Sequence[tuple[str, TensorType]],
+        step: int,
+    ) -> dict[str, np.ndarray]:
         """Derived targets that failed verification, recomputed from their parents."""
         for name, t in targets:
             if actions[name] is not RecoveryAction.REBUILD:

@@ -86,8 +86,14 @@ def check_file_format(f: h5py.File, path: Path, kind: str = CKPT_FORMAT) -> None
     if isinstance(version, np.generic):
         version = version.item()
     if not isinstance(version, int | np.integer) or int(version) != FORMAT_VERSION:
-        hint = " (version 1 is the earlier single-file layout)" if isinstance(version, int | np.integer) and version == 1 else ""  # fmt: skip
-        raise ManifestError(f"{path}: checkpoint format version {version!r} is not supported (this reads version {FORMAT_VERSION}){hint}")  # fmt: skip
+        hint = (
+            " (version 1 is the earlier single-file layout)"
+            if isinstance(version, int | np.integer) and version == 1
+            else ""
+        )
+        raise ManifestError(
+            f"{path}: checkpoint format version {version!r} is not supported (this reads version {FORMAT_VERSION}){hint}"
+        )
 
 
 def read_manifest_bytes(ckpt: Path) -> bytes:
@@ -130,7 +136,9 @@ def write_main_file(ckpt: Path, manifest: Manifest, text: bytes) -> None:
             else:
                 layout = h5py.VirtualLayout(shape=a.shape, dtype=dtype)
                 for s in a.shards:
-                    layout[s.region] = h5py.VirtualSource(s.file, s.dataset, shape=s.extent, dtype=dtype)  # fmt: skip
+                    layout[s.region] = h5py.VirtualSource(
+                        s.file, s.dataset, shape=s.extent, dtype=dtype
+                    )
                 fill = np.nan if dtype.kind == "f" else 0  # a missing data file reads as NaN
                 dset = group.create_virtual_dataset(a.name, layout, fillvalue=fill)
             dset.attrs["dtype"] = a.dtype.value
@@ -212,17 +220,32 @@ class ShardFiles:
             if s.dataset not in f:
                 raise damaged(f"dataset {s.dataset} is missing")
             dset = f[s.dataset]
-            bad = not isinstance(dset, h5py.Dataset) or tuple(dset.shape) != s.extent or dset.dtype.itemsize != np_dtype(a.dtype).itemsize  # fmt: skip
+            bad = (
+                not isinstance(dset, h5py.Dataset)
+                or tuple(dset.shape) != s.extent
+                or dset.dtype.itemsize != np_dtype(a.dtype).itemsize
+            )
         except IntegrityError:
             raise
         except H5_ERRORS as exc:
-            raise damaged(f"dataset {s.dataset} cannot be read as HDF5 ({_h5_reason(exc)})") from None  # fmt: skip
+            raise damaged(
+                f"dataset {s.dataset} cannot be read as HDF5 ({_h5_reason(exc)})"
+            ) from None
         if bad:
             got = f"{dset.dtype}{list(dset.shape)}" if isinstance(dset, h5py.Dataset) else "a group"
-            raise damaged(f"dataset {s.dataset} is {got}, the manifest says {a.dtype}{list(s.extent)}")  # fmt: skip
+            raise damaged(
+                f"dataset {s.dataset} is {got}, the manifest says {a.dtype}{list(s.extent)}"
+            )
         return dset
 
-    def read_chunk(self, a: ArtifactRecord, s: ShardRecord, c: int, out: np.ndarray | None = None, within: tuple[slice, ...] | None = None) -> np.ndarray:  # fmt: skip
+    def read_chunk(
+        self,
+        a: ArtifactRecord,
+        s: ShardRecord,
+        c: int,
+        out: np.ndarray | None = None,
+        within: tuple[slice, ...] | None = None,
+    ) -> np.ndarray:
         """Chunk ``c`` of shard ``s``, unverified, into ``out`` when given (C-contiguous: the
         chunk's shape, or a larger array whose part ``within`` takes it), else a new array;
         returns the chunk's array (a view of ``out`` with ``within``)."""
@@ -237,7 +260,15 @@ class ShardFiles:
             raise IntegrityError(problem, tensor=a.name, shard=s.id, file=str(self.ckpt / s.file))
         return data
 
-    def read_rows(self, a: ArtifactRecord, s: ShardRecord, first: int, last: int, out: np.ndarray | None = None, within: tuple[slice, ...] | None = None) -> np.ndarray:  # fmt: skip
+    def read_rows(
+        self,
+        a: ArtifactRecord,
+        s: ShardRecord,
+        first: int,
+        last: int,
+        out: np.ndarray | None = None,
+        within: tuple[slice, ...] | None = None,
+    ) -> np.ndarray:
         """Chunks ``first..last`` of shard ``s`` with one read (as :meth:`read_chunk`)."""
         dset = self.dataset(a, s)
         lo, hi = s.local_chunk_region(first), s.local_chunk_region(last)
@@ -253,10 +284,23 @@ class ShardFiles:
             dset.read_direct(target, source_sel=region or None, dest_sel=sel)
         except H5_ERRORS as exc:  # OSError, or what h5py raises on damaged metadata
             what = f"chunk {first}" if first == last else f"chunks {first}..{last}"
-            raise IntegrityError(f"{what} cannot be read ({_h5_reason(exc)})", tensor=a.name, shard=s.id, file=str(self.ckpt / s.file)) from None  # fmt: skip
+            raise IntegrityError(
+                f"{what} cannot be read ({_h5_reason(exc)})",
+                tensor=a.name,
+                shard=s.id,
+                file=str(self.ckpt / s.file),
+            ) from None
         return out[within] if within is not None else out
 
-    def read_rows_checked(self, a: ArtifactRecord, s: ShardRecord, first: int, last: int, out: np.ndarray, within: tuple[slice, ...] | None = None) -> list[str | None] | None:  # fmt: skip
+    def read_rows_checked(
+        self,
+        a: ArtifactRecord,
+        s: ShardRecord,
+        first: int,
+        last: int,
+        out: np.ndarray,
+        within: tuple[slice, ...] | None = None,
+    ) -> list[str | None] | None:
         """Chunks ``first..last`` of shard ``s`` into ``out`` (as :meth:`read_rows`), each
         checked against its content hash **while it is read**: the dataset's bytes are read
         straight from the file in pieces that fit the CPU cache and each piece is hashed
@@ -275,7 +319,11 @@ class ShardFiles:
             return None  # damaged metadata: HDF5's own read reports it
         if base is None:
             return None
-        row = int(np.prod(s.extent[1:], dtype=np.int64)) * target.dtype.itemsize if s.extent else target.dtype.itemsize  # fmt: skip
+        row = (
+            int(np.prod(s.extent[1:], dtype=np.int64)) * target.dtype.itemsize
+            if s.extent
+            else target.dtype.itemsize
+        )
         dest = target.reshape(-1).view(np.uint8)
         fd = self._fd(s.file)
         problems: list[str | None] = []
@@ -287,7 +335,17 @@ class ShardFiles:
             h = chunk_hasher()
             for off in range(0, nbytes, READ_PIECE):
                 piece = dest[at + off : at + min(nbytes, off + READ_PIECE)]
-                _pread_into(fd, piece, start + off, lambda why, c=c: IntegrityError(f"chunk {c} cannot be read ({why})", tensor=a.name, shard=s.id, file=str(self.ckpt / s.file)))  # fmt: skip
+                _pread_into(
+                    fd,
+                    piece,
+                    start + off,
+                    lambda why, c=c: IntegrityError(
+                        f"chunk {c} cannot be read ({why})",
+                        tensor=a.name,
+                        shard=s.id,
+                        file=str(self.ckpt / s.file),
+                    ),
+                )
                 h.update(piece)
             problems.append(digest_mismatch(s, c, h.hexdigest()))
             at += nbytes
@@ -338,12 +396,17 @@ def _virtual_problem(dset: Any, a: ArtifactRecord) -> str | None:
     for m in dset.virtual_sources():
         if a.shape:
             lo, hi = m.vspace.get_select_bounds()
-            place = (tuple(int(v) for v in lo), tuple(int(h) - int(v) + 1 for v, h in zip(lo, hi, strict=True)))  # fmt: skip
+            place = (
+                tuple(int(v) for v in lo),
+                tuple(int(h) - int(v) + 1 for v, h in zip(lo, hi, strict=True)),
+            )
         else:
             place = ((), ())
         got.append((m.file_name, m.dset_name.lstrip("/"), *place))
     if sorted(got) != want:
-        return f"maps {sorted(got)}, the manifest's shards (file, dataset, offset, extent) are {want}"  # fmt: skip
+        return (
+            f"maps {sorted(got)}, the manifest's shards (file, dataset, offset, extent) are {want}"
+        )
     return None
 
 
@@ -351,7 +414,11 @@ def verify_items(ckpt: Path, manifest: Manifest) -> list[VerifyItem]:
     """What :func:`verify_checkpoint` checks, in order: the main file's datasets, then every
     shard."""
     main = ckpt / MAIN_FILE
-    out = [VerifyItem(a.name, "*", main, i, None) for i, a in enumerate(manifest.artifacts) if a.cls is not ArtifactClass.EPHEMERAL and a.dataset is not None]  # fmt: skip
+    out = [
+        VerifyItem(a.name, "*", main, i, None)
+        for i, a in enumerate(manifest.artifacts)
+        if a.cls is not ArtifactClass.EPHEMERAL and a.dataset is not None
+    ]
     return out + shard_items(ckpt, manifest)
 
 
@@ -389,15 +456,23 @@ class Verifier:
                 self._main = h5py.File(item.file, "r")
             f = self._main
             if a.dataset not in f:
-                return IntegrityError("dataset is missing", tensor=a.name, shard="*", file=str(item.file))  # fmt: skip
+                return IntegrityError(
+                    "dataset is missing", tensor=a.name, shard="*", file=str(item.file)
+                )
             dset = f[a.dataset]
-            problem = None if tuple(dset.shape) == a.shape else f"shape {list(dset.shape)} is not {list(a.shape)}"  # fmt: skip
+            problem = (
+                None
+                if tuple(dset.shape) == a.shape
+                else f"shape {list(dset.shape)} is not {list(a.shape)}"
+            )
             problem = problem or _virtual_problem(dset, a)
         except H5_ERRORS as exc:
             problem = f"cannot be read as HDF5 ({_h5_reason(exc)})"
         if problem is None:
             return None
-        return IntegrityError(f"dataset {a.dataset} {problem}", tensor=a.name, shard="*", file=str(item.file))  # fmt: skip
+        return IntegrityError(
+            f"dataset {a.dataset} {problem}", tensor=a.name, shard="*", file=str(item.file)
+        )
 
 
 def verify_checkpoint(ckpt: Path) -> list[IntegrityError]:

@@ -115,7 +115,12 @@ class SavePlan:
     def file_shards(self, index: int) -> list[tuple[int, ShardPlan]]:
         """(spec index, shard) of every shard stored in data file ``index``, in the order
         its datasets are created (manifest order, then shard index)."""
-        return [(i, s) for i, per in enumerate(self.shards) for s in per if self.file_index(s.owner) == index]  # fmt: skip
+        return [
+            (i, s)
+            for i, per in enumerate(self.shards)
+            for s in per
+            if self.file_index(s.owner) == index
+        ]
 
     @property
     def files(self) -> tuple[int, ...]:
@@ -139,11 +144,15 @@ def chunk_rows_for(extent: Sequence[int], itemsize: int, chunk_bytes: int) -> in
 def _check_spec(spec: TensorSpec, mesh: MeshShape, names: set[str]) -> None:
     where = f"tensor {spec.name!r}"
     if not _NAME.match(spec.name):
-        raise UsageError(f"{where}: a stored tensor name is letters, digits, '_', '.', '-' (not starting with a digit)")  # fmt: skip
+        raise UsageError(
+            f"{where}: a stored tensor name is letters, digits, '_', '.', '-' (not starting with a digit)"
+        )
     if spec.name in names:
         raise UsageError(f"{where} is given twice")
     if spec.type.layout.partial is not None:
-        raise LayoutError(f"{where}: layout {spec.type.layout} has a pending reduction; reduce it before saving")  # fmt: skip
+        raise LayoutError(
+            f"{where}: layout {spec.type.layout} has a pending reduction; reduce it before saving"
+        )
     if spec.cls is ArtifactClass.DERIVED and (spec.parent is None or spec.rebuild is None):
         raise UsageError(f"{where}: a derived artifact needs a parent and a rebuild instruction")
     if spec.cls is not ArtifactClass.DERIVED and (spec.parent or spec.rebuild):
@@ -151,7 +160,12 @@ def _check_spec(spec: TensorSpec, mesh: MeshShape, names: set[str]) -> None:
     local_block(spec.type.shape, spec.type.layout, mesh, 0)  # checks the layout on the mesh
 
 
-def plan_save(specs: Sequence[TensorSpec], mesh: MeshShape, chunk_bytes: int = CHUNK_BYTES, ranks_per_file: int = 1) -> SavePlan:  # fmt: skip
+def plan_save(
+    specs: Sequence[TensorSpec],
+    mesh: MeshShape,
+    chunk_bytes: int = CHUNK_BYTES,
+    ranks_per_file: int = 1,
+) -> SavePlan:
     """Who writes which hyperslab of which tensor, in chunks, into which data file (module
     doc; ``ranks_per_file`` 0 means all ranks share one). Raises on names that repeat or
     cannot be dataset names, pending reductions, layouts that do not fit the mesh, and
@@ -170,7 +184,9 @@ def plan_save(specs: Sequence[TensorSpec], mesh: MeshShape, chunk_bytes: int = C
         if spec.parent is not None and spec.parent not in names:
             raise UsageError(f"tensor {spec.name!r}: parent {spec.parent!r} is not saved with it")
         if spec.parent is not None and classes[spec.parent] is ArtifactClass.EPHEMERAL:
-            raise UsageError(f"tensor {spec.name!r}: parent {spec.parent!r} is ephemeral (never stored): nothing to rebuild from")  # fmt: skip
+            raise UsageError(
+                f"tensor {spec.name!r}: parent {spec.parent!r} is ephemeral (never stored): nothing to rebuild from"
+            )
     plans: list[tuple[ShardPlan, ...]] = []
     for spec in specs:
         if spec.cls is ArtifactClass.EPHEMERAL:
@@ -183,18 +199,27 @@ def plan_save(specs: Sequence[TensorSpec], mesh: MeshShape, chunk_bytes: int = C
             rows = chunk_rows_for(extent, stored_itemsize(t.dtype), chunk_bytes)
             nrows = extent[0] if extent else 1
             shard = ShardPlan(
-                i, owner, mesh.coords(owner), tuple(s.start for s in region), extent,
-                math.prod(extent) * stored_itemsize(t.dtype), rows, -(-nrows // rows),
-            )  # fmt: skip
+                i,
+                owner,
+                mesh.coords(owner),
+                tuple(s.start for s in region),
+                extent,
+                math.prod(extent) * stored_itemsize(t.dtype),
+                rows,
+                -(-nrows // rows),
+            )
             per.append(shard)
         plans.append(tuple(per))
     return SavePlan(mesh, tuple(specs), tuple(plans), chunk_bytes, min(ranks_per_file, mesh.size))
 
 
 def plan_manifest(
-    plan: SavePlan, step: int, chunk_hashes: Mapping[tuple[int, int], tuple[str, ...]],
-    module_hash: str | None = None, dtm_version: str = "",
-) -> Manifest:  # fmt: skip
+    plan: SavePlan,
+    step: int,
+    chunk_hashes: Mapping[tuple[int, int], tuple[str, ...]],
+    module_hash: str | None = None,
+    dtm_version: str = "",
+) -> Manifest:
     """The sealed manifest of ``plan`` saved as ``step``, from the chunk hashes of every shard
     (``chunk_hashes[(spec index, shard index)]``): every artifact ACTIVE, shard hashes and
     Merkle roots computed. Pure: every rank builds the same one from the gathered hashes."""
@@ -284,9 +309,12 @@ class RestorePlan:
 
 
 def plan_restore(
-    manifest: Manifest, targets: Sequence[tuple[str, TensorType]], mesh: MeshShape,
-    round_bytes: int = ROUND_BYTES, where: str = "checkpoint",
-) -> RestorePlan:  # fmt: skip
+    manifest: Manifest,
+    targets: Sequence[tuple[str, TensorType]],
+    mesh: MeshShape,
+    round_bytes: int = ROUND_BYTES,
+    where: str = "checkpoint",
+) -> RestorePlan:
     """Which rank reads which chunk in which round, and where each piece goes (module doc).
     Raises :class:`ManifestError` when a target is missing from the manifest, has another
     dtype or shape, or is ephemeral (it has no stored data)."""
@@ -298,13 +326,19 @@ def plan_restore(
     for name, t in targets:
         a = manifest.artifact(name) if name in manifest.names else None
         if a is None:
-            raise ManifestError(f"{where}: no tensor {name!r} (it has {', '.join(manifest.names) or 'none'})")  # fmt: skip
+            raise ManifestError(
+                f"{where}: no tensor {name!r} (it has {', '.join(manifest.names) or 'none'})"
+            )
         if a.cls is ArtifactClass.EPHEMERAL:
             raise ManifestError(f"{where}: tensor {name!r} is ephemeral: never stored")
         if a.dtype != t.dtype or a.shape != t.shape:
-            raise ManifestError(f"{where}: tensor {name!r} is {a.dtype}{list(a.shape)}, not {t.dtype}{list(t.shape)}")  # fmt: skip
+            raise ManifestError(
+                f"{where}: tensor {name!r} is {a.dtype}{list(a.shape)}, not {t.dtype}{list(t.shape)}"
+            )
         if t.layout.partial is not None:
-            raise LayoutError(f"tensor {name!r}: cannot restore into a pending reduction ({t.layout})")  # fmt: skip
+            raise LayoutError(
+                f"tensor {name!r}: cannot restore into a pending reduction ({t.layout})"
+            )
         arts.append(a)
     ranks = range(mesh.size)
     blocks = [[local_block(t.shape, t.layout, mesh, r) for r in ranks] for _, t in targets]
@@ -330,7 +364,9 @@ def plan_restore(
                 load[reader] += nbytes
                 staged.append((rnd, ti, s.index, region, c, reader))
                 piece_lists.append(needs)
-    order = sorted(range(len(staged)), key=lambda k: (staged[k][0], staged[k][1], staged[k][2], staged[k][4]))  # fmt: skip
+    order = sorted(
+        range(len(staged)), key=lambda k: (staged[k][0], staged[k][1], staged[k][2], staged[k][4])
+    )
     items, pieces = [], []
     for new, k in enumerate(order):
         rnd, ti, shard, region, c, reader = staged[k]
@@ -358,4 +394,6 @@ def _check_message_sizes(plan: RestorePlan) -> None:
             sizes[key] = sizes.get(key, 0) + nbytes
             if sizes[key] > MAX_MESSAGE:
                 name = plan.targets[item.tensor][0]
-                raise UsageError(f"restore: tensor {name!r} would send {sizes[key]} bytes from rank {item.reader} to rank {p.dest} in one round, over the MPI count limit; rows of 2 GiB or more cannot be resharded")  # fmt: skip
+                raise UsageError(
+                    f"restore: tensor {name!r} would send {sizes[key]} bytes from rank {item.reader} to rank {p.dest} in one round, over the MPI count limit; rows of 2 GiB or more cannot be resharded"
+                )

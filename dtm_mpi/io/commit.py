@@ -24,7 +24,9 @@ from dtm_mpi.io.store import fsync_path, list_checkpoints, replace_dir, retired_
 __all__ = ["Retention", "commit_partial"]
 
 
-def commit_partial(store: Path, tmp: Path, final: Path, data_files: list[str], backend: ShardBackend = HDF5) -> list[Path]:  # fmt: skip
+def commit_partial(
+    store: Path, tmp: Path, final: Path, data_files: list[str], backend: ShardBackend = HDF5
+) -> list[Path]:
     """Check the partial checkpoint ``tmp`` (its manifest, read through ``backend``, parses
     and validates; it holds exactly the backend's main file and ``data_files``) and rename it to
     ``final`` (the commit), then fsync ``store``; returns the retired paths of a replaced
@@ -56,7 +58,13 @@ class Retention:
         self.store, self.backend = store, backend
         self._reaper: threading.Thread | None = None
 
-    def apply(self, keep_last: int | None, keep_this: Path, doomed: list[Path], timeout_s: float | None = None) -> None:  # fmt: skip
+    def apply(
+        self,
+        keep_last: int | None,
+        keep_this: Path,
+        doomed: list[Path],
+        timeout_s: float | None = None,
+    ) -> None:
         """Retire the oldest committed checkpoints beyond ``keep_last`` (by step), never
         ``keep_this`` (the one just committed, which ``latest`` names), and delete them, the
         already-retired ``doomed`` and any ``.deleting-*`` entry an earlier crash left
@@ -64,7 +72,9 @@ class Retention:
         self.wait(timeout_s)
         doomed = [*doomed, *(p for p in retired_files(self.store) if p not in doomed)]
         if keep_last is not None:
-            others = [e for e in list_checkpoints(self.store) if e.committed and e.path != keep_this]  # fmt: skip
+            others = [
+                e for e in list_checkpoints(self.store) if e.committed and e.path != keep_this
+            ]
             for e in others[: max(0, len(others) - (keep_last - 1))]:  # DEPRECATED -> DELETED
                 gone = e.path.with_name(f".deleting-{e.path.name}-{secrets.token_hex(4)}")
                 os.replace(e.path, gone)
@@ -87,6 +97,8 @@ class Retention:
         if self._reaper is not None:
             self._reaper.join(timeout_s)
             if self._reaper.is_alive():
-                raise StorageError(f"store {self.store}: deleting retired checkpoints took more than {timeout_s} s; it goes on in the background")  # fmt: skip
+                raise StorageError(
+                    f"store {self.store}: deleting retired checkpoints took more than {timeout_s} s; it goes on in the background"
+                )
             self._reaper = None
             fsync_path(self.store)

@@ -46,7 +46,15 @@ class Writer:
     backend: ShardBackend = HDF5
 
 
-def write_data_file(w: Writer, step: int, plan: SavePlan, blocks: dict[int, np.ndarray], manifest: Manifest, tmp: Path, control: tuple[Callable[[], bool], Callable[[int], None] | None] | None) -> tuple[BaseException | None, bool]:  # fmt: skip
+def write_data_file(
+    w: Writer,
+    step: int,
+    plan: SavePlan,
+    blocks: dict[int, np.ndarray],
+    manifest: Manifest,
+    tmp: Path,
+    control: tuple[Callable[[], bool], Callable[[int], None] | None] | None,
+) -> tuple[BaseException | None, bool]:
     """Write this rank's data file (with the ranks sharing it): one dataset per shard,
     each written by its owner; flush, close, fsync, and check it. Returns this rank's
     error (local: the caller agrees on it) and whether the save was cancelled (agreed).
@@ -81,7 +89,9 @@ def write_data_file(w: Writer, step: int, plan: SavePlan, blocks: dict[int, np.n
                 stop_here, before = control
                 if before is not None:
                     before(i)
-                votes = w.gather((stop_here(), error is not None), f"checkpoint {step}: cancel check", w.comm)  # fmt: skip
+                votes = w.gather(
+                    (stop_here(), error is not None), f"checkpoint {step}: cancel check", w.comm
+                )
                 if any(v[0] for v in votes):
                     cancelled = True
                     break
@@ -96,7 +106,12 @@ def write_data_file(w: Writer, step: int, plan: SavePlan, blocks: dict[int, np.n
                     with w.deadline(f"checkpoint {step}: writing tensor {spec.name!r}"):
                         for j, s in shards:
                             if j == i and f is not None:
-                                f.write_shard(shard_dataset(spec.name, s.index), s.extent, np_dtype(spec.type.dtype), blocks[i] if s.owner == w.rank else None)  # fmt: skip
+                                f.write_shard(
+                                    shard_dataset(spec.name, s.index),
+                                    s.extent,
+                                    np_dtype(spec.type.dtype),
+                                    blocks[i] if s.owner == w.rank else None,
+                                )
             except Exception as exc:
                 error = exc
     finally:  # also when a vote timed out: never leave the file open
@@ -118,7 +133,9 @@ def write_data_file(w: Writer, step: int, plan: SavePlan, blocks: dict[int, np.n
     return error, cancelled
 
 
-def _check_data_file(backend: ShardBackend, tmp: Path, manifest: Manifest, shards: list[tuple[int, Any]]) -> None:  # fmt: skip
+def _check_data_file(
+    backend: ShardBackend, tmp: Path, manifest: Manifest, shards: list[tuple[int, Any]]
+) -> None:
     """Reopen the data file just written (serially) and check every shard dataset; with
     ``DTM_CKPT_VERIFY=full`` also re-read and re-hash every chunk."""
     full = get_config().ckpt_verify_full
@@ -141,5 +158,8 @@ def collective_section(rank: int, what: str) -> Iterator[None]:
     except BaseException as exc:
         if isinstance(exc, DtmError) and exc.agreed:
             raise
-        abort_job(1, f"dtm: error: rank {rank} failed during {what}: {type(exc).__name__}: {exc}\ndtm: aborting the job (its peers are inside collective HDF5 calls)")  # fmt: skip
+        abort_job(
+            1,
+            f"dtm: error: rank {rank} failed during {what}: {type(exc).__name__}: {exc}\ndtm: aborting the job (its peers are inside collective HDF5 calls)",
+        )
         raise

@@ -50,7 +50,9 @@ def open_file(path: str, mode: str, comm: Any = None) -> h5py.File:
     return h5py.File(path, mode, **kwargs)
 
 
-def create_dataset(f: h5py.File, name: str, shape: tuple[int, ...], dtype: np.dtype[Any]) -> h5py.Dataset:  # fmt: skip
+def create_dataset(
+    f: h5py.File, name: str, shape: tuple[int, ...], dtype: np.dtype[Any]
+) -> h5py.Dataset:
     """Collective under MPI-IO: a contiguous dataset of ``shape`` and ``dtype``, allocated
     early, never filled (intermediate groups are created)."""
     dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)

@@ -296,30 +296,50 @@ def layout_from_json(doc: Any, where: str) -> Layout:
 
 def _shard_doc(s: ShardRecord) -> dict[str, Any]:
     return {
-        "id": s.id, "index": s.index, "owner": s.owner, "coords": list(s.coords),
-        "offset": list(s.offset), "extent": list(s.extent), "bytes": s.nbytes,
-        "chunk_rows": s.chunk_rows, "chunks": list(s.chunks), "hash": s.hash,
-        "file": s.file, "dataset": s.dataset,
-    }  # fmt: skip
+        "id": s.id,
+        "index": s.index,
+        "owner": s.owner,
+        "coords": list(s.coords),
+        "offset": list(s.offset),
+        "extent": list(s.extent),
+        "bytes": s.nbytes,
+        "chunk_rows": s.chunk_rows,
+        "chunks": list(s.chunks),
+        "hash": s.hash,
+        "file": s.file,
+        "dataset": s.dataset,
+    }
 
 
 def _artifact_doc(a: ArtifactRecord) -> dict[str, Any]:
     return {
-        "name": a.name, "class": a.cls.value, "state": a.state.value, "dtype": a.dtype.value,
-        "shape": list(a.shape), "layout": layout_to_json(a.layout), "dataset": a.dataset,
-        "parent": a.parent, "rebuild": a.rebuild, "merkle_root": a.merkle_root,
+        "name": a.name,
+        "class": a.cls.value,
+        "state": a.state.value,
+        "dtype": a.dtype.value,
+        "shape": list(a.shape),
+        "layout": layout_to_json(a.layout),
+        "dataset": a.dataset,
+        "parent": a.parent,
+        "rebuild": a.rebuild,
+        "merkle_root": a.merkle_root,
         "shards": [_shard_doc(s) for s in a.shards],
-    }  # fmt: skip
+    }
 
 
 def _manifest_doc(m: Manifest) -> dict[str, Any]:
     return {
-        "format": FORMAT, "version": VERSION, "step": m.step,
-        "mesh": [[a, n] for a, n in m.mesh], "module_hash": m.module_hash,
-        "dtm_version": m.dtm_version, "hash_algorithm": m.hash_algorithm,
-        "chunk_bytes": m.chunk_bytes, "merkle_root": m.merkle_root,
+        "format": FORMAT,
+        "version": VERSION,
+        "step": m.step,
+        "mesh": [[a, n] for a, n in m.mesh],
+        "module_hash": m.module_hash,
+        "dtm_version": m.dtm_version,
+        "hash_algorithm": m.hash_algorithm,
+        "chunk_bytes": m.chunk_bytes,
+        "merkle_root": m.merkle_root,
         "artifacts": [_artifact_doc(a) for a in m.artifacts],
-    }  # fmt: skip
+    }
 
 
 def _ints(v: Any, what: str) -> tuple[int, ...]:
@@ -352,13 +372,17 @@ def parse_manifest(text: bytes | str, where: str = "manifest") -> Manifest:
     if doc.get("format") != FORMAT:
         raise ManifestError(f"{where}: format {doc.get('format')!r} is not {FORMAT!r}")
     if type(doc.get("version")) is not int or doc.get("version") != VERSION:
-        raise ManifestError(f"{where}: manifest version {doc.get('version')!r} is not supported (this is version {VERSION})")  # fmt: skip
+        raise ManifestError(
+            f"{where}: manifest version {doc.get('version')!r} is not supported (this is version {VERSION})"
+        )
     stated = doc.pop("manifest_hash", None)
     if stated is None:
         raise ManifestError(f"{where}: missing field 'manifest_hash'")
     actual = sha256_hex(canonical_json(doc))
     if stated != actual:
-        raise ManifestError(f"{where}: manifest hash mismatch (stored {stated}, computed {actual}): the manifest was altered or truncated")  # fmt: skip
+        raise ManifestError(
+            f"{where}: manifest hash mismatch (stored {stated}, computed {actual}): the manifest was altered or truncated"
+        )
     arts = []
     for i, ad in enumerate(_get(doc, "artifacts", list, where)):
         aw = f"{where}: artifacts[{i}]"
@@ -378,31 +402,51 @@ def parse_manifest(text: bytes | str, where: str = "manifest") -> Manifest:
                 raise ManifestError(f"{sw}: expected an object")
             chunks = _get(sd, "chunks", list, sw)
             shard = ShardRecord(
-                _get(sd, "id", str, sw), _get(sd, "index", int, sw), _get(sd, "owner", int, sw),
-                _ints(sd.get("coords"), f"{sw} coords"), _ints(sd.get("offset"), f"{sw} offset"),
-                _ints(sd.get("extent"), f"{sw} extent"), _get(sd, "bytes", int, sw),
-                _get(sd, "chunk_rows", int, sw), tuple(str(c) for c in chunks),
-                str(sd.get("hash") or ""), _get(sd, "file", str, sw), _get(sd, "dataset", str, sw),
-            )  # fmt: skip
+                _get(sd, "id", str, sw),
+                _get(sd, "index", int, sw),
+                _get(sd, "owner", int, sw),
+                _ints(sd.get("coords"), f"{sw} coords"),
+                _ints(sd.get("offset"), f"{sw} offset"),
+                _ints(sd.get("extent"), f"{sw} extent"),
+                _get(sd, "bytes", int, sw),
+                _get(sd, "chunk_rows", int, sw),
+                tuple(str(c) for c in chunks),
+                str(sd.get("hash") or ""),
+                _get(sd, "file", str, sw),
+                _get(sd, "dataset", str, sw),
+            )
             shards.append(shard)
         art = ArtifactRecord(
-            name, cls, state, dtype, _ints(ad.get("shape"), f"{aw} shape"),
-            layout_from_json(ad.get("layout"), aw), ad.get("dataset"), ad.get("parent"),
-            ad.get("rebuild"), tuple(shards), str(ad.get("merkle_root") or ""),
-        )  # fmt: skip
+            name,
+            cls,
+            state,
+            dtype,
+            _ints(ad.get("shape"), f"{aw} shape"),
+            layout_from_json(ad.get("layout"), aw),
+            ad.get("dataset"),
+            ad.get("parent"),
+            ad.get("rebuild"),
+            tuple(shards),
+            str(ad.get("merkle_root") or ""),
+        )
         arts.append(art)
     mesh_doc = _get(doc, "mesh", list, where)
     if not all(
         isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and type(e[1]) is int
         for e in mesh_doc
     ):
-        raise ManifestError(f"{where}: mesh must be a list of [axis, size] pairs, got {mesh_doc!r}")  # fmt: skip
+        raise ManifestError(f"{where}: mesh must be a list of [axis, size] pairs, got {mesh_doc!r}")
     mesh = tuple((str(a), int(n)) for a, n in mesh_doc)
     return Manifest(
-        _get(doc, "step", int, where), mesh, tuple(arts), _get(doc, "chunk_bytes", int, where),
-        doc.get("module_hash"), str(doc.get("dtm_version", "")),
-        _get(doc, "hash_algorithm", str, where), str(doc.get("merkle_root") or ""),
-    )  # fmt: skip
+        _get(doc, "step", int, where),
+        mesh,
+        tuple(arts),
+        _get(doc, "chunk_bytes", int, where),
+        doc.get("module_hash"),
+        str(doc.get("dtm_version", "")),
+        _get(doc, "hash_algorithm", str, where),
+        str(doc.get("merkle_root") or ""),
+    )
 
 
 # --- validation (fail closed) -----------------------------------------------------------------
@@ -418,20 +462,33 @@ def _check_shards(a: ArtifactRecord, where: str) -> None:
             raise ManifestError(f"{sw}: missing or malformed content hash")
         if len(s.offset) != len(a.shape) or len(s.extent) != len(a.shape):
             raise ManifestError(f"{sw}: hyperslab rank differs from the tensor's {len(a.shape)}")
-        if any(o < 0 or e <= 0 or o + e > n for o, e, n in zip(s.offset, s.extent, a.shape, strict=True)):  # fmt: skip
-            raise ManifestError(f"{sw}: empty or out-of-bounds hyperslab offset {list(s.offset)} extent {list(s.extent)} of shape {list(a.shape)}")  # fmt: skip
+        if any(
+            o < 0 or e <= 0 or o + e > n
+            for o, e, n in zip(s.offset, s.extent, a.shape, strict=True)
+        ):
+            raise ManifestError(
+                f"{sw}: empty or out-of-bounds hyperslab offset {list(s.offset)} extent {list(s.extent)} of shape {list(a.shape)}"
+            )
         if s.nbytes <= 0 or s.nbytes != math.prod(s.extent) * stored_itemsize(a.dtype):
-            raise ManifestError(f"{sw}: {s.nbytes} bytes does not match extent {list(s.extent)} of {a.dtype}")  # fmt: skip
+            raise ManifestError(
+                f"{sw}: {s.nbytes} bytes does not match extent {list(s.extent)} of {a.dtype}"
+            )
         rows = s.extent[0] if s.extent else 1
         if s.chunk_rows <= 0 or len(s.chunks) != -(-rows // s.chunk_rows):
-            raise ManifestError(f"{sw}: {len(s.chunks)} chunk hashes for {rows} rows in runs of {s.chunk_rows}")  # fmt: skip
+            raise ManifestError(
+                f"{sw}: {len(s.chunks)} chunk hashes for {rows} rows in runs of {s.chunk_rows}"
+            )
         if shard_hash(s.chunks) != s.hash:
             raise ManifestError(f"{sw}: shard hash does not match its chunk hashes")
         if not _DATA_FILE.match(s.file) or s.dataset != shard_dataset(a.name, i):
-            raise ManifestError(f"{sw}: stored in file {s.file!r} dataset {s.dataset!r}; expected a data file data-NNNNNN.h5 and dataset {shard_dataset(a.name, i)}")  # fmt: skip
+            raise ManifestError(
+                f"{sw}: stored in file {s.file!r} dataset {s.dataset!r}; expected a data file data-NNNNNN.h5 and dataset {shard_dataset(a.name, i)}"
+            )
         total += math.prod(s.extent)
     if total != math.prod(a.shape):
-        raise ManifestError(f"{where}: tensor {a.name!r}: shards hold {total} elements, the tensor {math.prod(a.shape)}")  # fmt: skip
+        raise ManifestError(
+            f"{where}: tensor {a.name!r}: shards hold {total} elements, the tensor {math.prod(a.shape)}"
+        )
     # pairwise disjoint (with the count above: an exact tiling). Sorted by the first offset,
     # a shard can only meet those that start before it ends along dimension 0.
     order = sorted(a.shards, key=lambda sh: sh.offset[:1])
@@ -443,15 +500,21 @@ def _check_shards(a: ArtifactRecord, where: str) -> None:
                 so < to + te and to < so + se
                 for so, se, to, te in zip(s.offset, s.extent, t.offset, t.extent, strict=True)
             ):
-                raise ManifestError(f"{where}: tensor {a.name!r}: shards {s.id!r} and {t.id!r} overlap")  # fmt: skip
+                raise ManifestError(
+                    f"{where}: tensor {a.name!r}: shards {s.id!r} and {t.id!r} overlap"
+                )
 
 
 def validate_manifest(m: Manifest, where: str = "manifest") -> None:
     """Raise :class:`ManifestError` unless ``m`` may be loaded (module doc)."""
     if m.hash_algorithm != CONTENT_HASH:
-        raise ManifestError(f"{where}: content hash {m.hash_algorithm!r} is not supported ({CONTENT_HASH})")  # fmt: skip
+        raise ManifestError(
+            f"{where}: content hash {m.hash_algorithm!r} is not supported ({CONTENT_HASH})"
+        )
     if m.step < 0 or m.chunk_bytes <= 0:
-        raise ManifestError(f"{where}: step {m.step} and chunk_bytes {m.chunk_bytes} must be >= 0 and > 0")  # fmt: skip
+        raise ManifestError(
+            f"{where}: step {m.step} and chunk_bytes {m.chunk_bytes} must be >= 0 and > 0"
+        )
     names = [a.name for a in m.artifacts]
     if len(set(names)) != len(names):
         raise ManifestError(f"{where}: a tensor name appears twice")
@@ -468,10 +531,14 @@ def validate_manifest(m: Manifest, where: str = "manifest") -> None:
             continue
         if a.cls is ArtifactClass.DERIVED:
             if a.parent is None or a.rebuild is None:
-                raise ManifestError(f"{aw}: a derived artifact needs a parent and a rebuild instruction")  # fmt: skip
+                raise ManifestError(
+                    f"{aw}: a derived artifact needs a parent and a rebuild instruction"
+                )
             parent = by_name.get(a.parent)
             if parent is None or parent.cls is ArtifactClass.EPHEMERAL:
-                raise ManifestError(f"{aw}: parent {a.parent!r} is not a stored artifact of this manifest")  # fmt: skip
+                raise ManifestError(
+                    f"{aw}: parent {a.parent!r} is not a stored artifact of this manifest"
+                )
         if not a.dataset:
             raise ManifestError(f"{aw}: no dataset")
         _check_shards(a, where)

@@ -46,7 +46,9 @@ class Reader:
     deadline: Callable[[str], AbstractContextManager[Any]]
 
 
-def read_plan(ctx: Reader, files: ShardReader, plan: RestorePlan, into: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[Damage]]:  # fmt: skip
+def read_plan(
+    ctx: Reader, files: ShardReader, plan: RestorePlan, into: Mapping[str, np.ndarray]
+) -> tuple[dict[str, np.ndarray], list[Damage]]:
     """Read, verify and distribute every round of ``plan`` (collective: the exchanges),
     into the arrays of ``into`` where given (checked by the caller), else new ones.
     Reads are independent and serial (each chunk is whole rows of one shard dataset,
@@ -57,7 +59,11 @@ def read_plan(ctx: Reader, files: ShardReader, plan: RestorePlan, into: Mapping[
     offsets = []
     for ti, (name, t) in enumerate(plan.targets):
         block = plan.block(ti, me)
-        outs[name] = into[name] if name in into else np.empty(tuple(s.stop - s.start for s in block), dtype=np_dtype(t.dtype))  # fmt: skip
+        outs[name] = (
+            into[name]
+            if name in into
+            else np.empty(tuple(s.stop - s.start for s in block), dtype=np_dtype(t.dtype))
+        )
         offsets.append(block)
     damaged: list[Damage] = []
     by_item: dict[int, list[int]] = {}
@@ -68,10 +74,16 @@ def read_plan(ctx: Reader, files: ShardReader, plan: RestorePlan, into: Mapping[
         rounds.setdefault(it.round, []).append(k)
     # Chunks only this rank consumes go straight into its output and take no part in an
     # exchange: read them first, each run of consecutive chunks of a shard in one call.
-    direct = {k: d for k, it in enumerate(plan.items) if it.reader == me and (d := _direct(ctx, plan, k, by_item, offsets[it.tensor])) is not None}  # fmt: skip
+    direct = {
+        k: d
+        for k, it in enumerate(plan.items)
+        if it.reader == me and (d := _direct(ctx, plan, k, by_item, offsets[it.tensor])) is not None
+    }
     threaded = hash_thread_wanted()
     runs = _direct_runs(plan, direct, outs, PIPELINED_RUN_BYTES if threaded else RUN_BYTES)
-    damaged.extend(_read_runs(ctx, files, plan, runs, direct, outs, threaded=threaded and len(runs) > 1))  # fmt: skip
+    damaged.extend(
+        _read_runs(ctx, files, plan, runs, direct, outs, threaded=threaded and len(runs) > 1)
+    )
     for rnd in sorted(rounds):  # the same rounds on every rank: the plan is shared
         round_items = rounds[rnd]
         data: dict[int, np.ndarray] = {}
@@ -104,19 +116,29 @@ def hash_thread_wanted() -> bool:
     return spare_cpu() if chosen is None else chosen
 
 
-def _direct_runs(plan: RestorePlan, direct: dict[int, tuple[slice, ...]], outs: dict[str, np.ndarray], limit: int) -> list[list[int]]:  # fmt: skip
+def _direct_runs(
+    plan: RestorePlan, direct: dict[int, tuple[slice, ...]], outs: dict[str, np.ndarray], limit: int
+) -> list[list[int]]:
     """The direct items as runs: consecutive chunks of one shard whose places in the output
     follow each other as whole rows (one contiguous view), at most ``limit`` bytes each."""
     runs: list[list[int]] = []
     size = 0
-    for k in sorted(direct, key=lambda k: (plan.items[k].tensor, plan.items[k].shard, plan.items[k].chunk)):  # fmt: skip
+    for k in sorted(
+        direct, key=lambda k: (plan.items[k].tensor, plan.items[k].shard, plan.items[k].chunk)
+    ):
         it, where = plan.items[k], direct[k]
         out = outs[plan.targets[it.tensor][0]]
         nbytes = out[where].nbytes if where else out.nbytes
         if runs and where and out[where].flags.c_contiguous:
             prev = plan.items[runs[-1][-1]]
             last = direct[runs[-1][-1]]
-            if (prev.tensor, prev.shard, prev.chunk + 1) == (it.tensor, it.shard, it.chunk) and last and last[0].stop == where[0].start and last[1:] == where[1:] and size + nbytes <= limit:  # fmt: skip
+            if (
+                (prev.tensor, prev.shard, prev.chunk + 1) == (it.tensor, it.shard, it.chunk)
+                and last
+                and last[0].stop == where[0].start
+                and last[1:] == where[1:]
+                and size + nbytes <= limit
+            ):
                 runs[-1].append(k)
                 size += nbytes
                 continue
@@ -125,7 +147,16 @@ def _direct_runs(plan: RestorePlan, direct: dict[int, tuple[slice, ...]], outs: 
     return runs
 
 
-def _read_run(ctx: Reader, files: ShardReader, plan: RestorePlan, run: list[int], direct: dict[int, tuple[slice, ...]], outs: dict[str, np.ndarray], *, checked: bool) -> list[Damage] | None:  # fmt: skip
+def _read_run(
+    ctx: Reader,
+    files: ShardReader,
+    plan: RestorePlan,
+    run: list[int],
+    direct: dict[int, tuple[slice, ...]],
+    outs: dict[str, np.ndarray],
+    *,
+    checked: bool,
+) -> list[Damage] | None:
     """Read a run of direct chunks with one call: its damage if the read fails, else [].
     ``checked``: also verify each piece while it is cached (one pass); None then where the
     shard's storage does not allow it (the caller reads, then verifies)."""
@@ -140,37 +171,77 @@ def _read_run(ctx: Reader, files: ShardReader, plan: RestorePlan, run: list[int]
         if not checked:
             files.read_rows(art, shard, first.chunk, last.chunk, outs[name], where or None)
             return []
-        problems = files.read_rows_checked(art, shard, first.chunk, last.chunk, outs[name], where or None)  # fmt: skip
+        problems = files.read_rows_checked(
+            art, shard, first.chunk, last.chunk, outs[name], where or None
+        )
     except Exception as exc:  # local: reported with the damage, agreed by the caller
         return [_unreadable(files, name, shard, f"chunks {first.chunk}..{last.chunk}", exc)]
     if problems is None:
         return None
     file = str(files.ckpt / shard.file)
-    return [(name, shard.id, f"{p} (read by rank {ctx.rank})", file) for p in problems if p is not None]  # fmt: skip
+    return [
+        (name, shard.id, f"{p} (read by rank {ctx.rank})", file) for p in problems if p is not None
+    ]
 
 
-def _verify_run(ctx: Reader, files: ShardReader, plan: RestorePlan, run: list[int], direct: dict[int, tuple[slice, ...]], outs: dict[str, np.ndarray]) -> list[Damage]:  # fmt: skip
+def _verify_run(
+    ctx: Reader,
+    files: ShardReader,
+    plan: RestorePlan,
+    run: list[int],
+    direct: dict[int, tuple[slice, ...]],
+    outs: dict[str, np.ndarray],
+) -> list[Damage]:
     """The damage of the chunks of a run that was read (their content hashes checked)."""
     first = plan.items[run[0]]
     name = plan.targets[first.tensor][0]
     shard = plan.artifacts[first.tensor].shards[first.shard]
-    checked = (_verify(ctx, files, name, shard, plan.items[k].chunk, outs[name][direct[k]] if direct[k] else outs[name]) for k in run)  # fmt: skip
+    checked = (
+        _verify(
+            ctx,
+            files,
+            name,
+            shard,
+            plan.items[k].chunk,
+            outs[name][direct[k]] if direct[k] else outs[name],
+        )
+        for k in run
+    )
     return [d for d in checked if d is not None]
 
 
-def _read_runs(ctx: Reader, files: ShardReader, plan: RestorePlan, runs: list[list[int]], direct: dict[int, tuple[slice, ...]], outs: dict[str, np.ndarray], *, threaded: bool) -> list[Damage]:  # fmt: skip
+def _read_runs(
+    ctx: Reader,
+    files: ShardReader,
+    plan: RestorePlan,
+    runs: list[list[int]],
+    direct: dict[int, tuple[slice, ...]],
+    outs: dict[str, np.ndarray],
+    *,
+    threaded: bool,
+) -> list[Damage]:
     """Read the runs in order and verify each: right after its read, or (``threaded``) on one
     worker thread while the next run is read. Every wait (a read, a run's hashes) runs under
     the restore's deadline."""
     damaged: list[Damage] = []
     with ExitStack() as stack:
-        pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="dtm-restore-hash")) if threaded else None  # fmt: skip
+        pool = (
+            stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="dtm-restore-hash"))
+            if threaded
+            else None
+        )
         pending: Future[list[Damage]] | None = None
         for run in runs:
-            with ctx.deadline(f"restore: reading {len(run)} chunk(s) of tensor {plan.targets[plan.items[run[0]].tensor][0]!r}"):  # fmt: skip
+            with ctx.deadline(
+                f"restore: reading {len(run)} chunk(s) of tensor {plan.targets[plan.items[run[0]].tensor][0]!r}"
+            ):
                 # no spare core: hash each piece right after reading it, while it is cached;
                 # with one, hashing a run on the worker while the next is read is faster
-                checked = None if pool is not None else _read_run(ctx, files, plan, run, direct, outs, checked=True)  # fmt: skip
+                checked = (
+                    None
+                    if pool is not None
+                    else _read_run(ctx, files, plan, run, direct, outs, checked=True)
+                )
                 if checked is not None:  # read and verified in one pass
                     damaged.extend(checked)
                     continue
@@ -190,7 +261,16 @@ def _read_runs(ctx: Reader, files: ShardReader, plan: RestorePlan, runs: list[li
     return damaged
 
 
-def _read_item(ctx: Reader, files: ShardReader, plan: RestorePlan, k: int, by_item: dict[int, list[int]], offsets: list[tuple[slice, ...]], outs: dict[str, np.ndarray], data: dict[int, np.ndarray]) -> Damage | None:  # fmt: skip
+def _read_item(
+    ctx: Reader,
+    files: ShardReader,
+    plan: RestorePlan,
+    k: int,
+    by_item: dict[int, list[int]],
+    offsets: list[tuple[slice, ...]],
+    outs: dict[str, np.ndarray],
+    data: dict[int, np.ndarray],
+) -> Damage | None:
     """Read and verify item ``k`` (straight into the output when this rank is its only
     consumer, else into ``data[k]``); returns its damage, or None."""
     item = plan.items[k]
@@ -212,14 +292,23 @@ def _read_item(ctx: Reader, files: ShardReader, plan: RestorePlan, k: int, by_it
     return _verify(ctx, files, name, shard, item.chunk, buf)
 
 
-def _unreadable(files: ShardReader, name: str, shard: ShardRecord, what: str, exc: Exception) -> Damage:  # fmt: skip
+def _unreadable(
+    files: ShardReader, name: str, shard: ShardRecord, what: str, exc: Exception
+) -> Damage:
     """The damage of ``what`` (a chunk or a run of them) that could not be read."""
     if isinstance(exc, IntegrityError):  # ShardFiles names the file and the problem
         return (name, shard.id, str(exc).split(f"{shard.id!r}: ", 1)[-1], exc.file)
-    return (name, shard.id, f"{what} cannot be read: {type(exc).__name__}: {exc}", str(files.ckpt / shard.file))  # fmt: skip
+    return (
+        name,
+        shard.id,
+        f"{what} cannot be read: {type(exc).__name__}: {exc}",
+        str(files.ckpt / shard.file),
+    )
 
 
-def _verify(ctx: Reader, files: ShardReader, name: str, shard: ShardRecord, chunk: int, data: np.ndarray) -> Damage | None:  # fmt: skip
+def _verify(
+    ctx: Reader, files: ShardReader, name: str, shard: ShardRecord, chunk: int, data: np.ndarray
+) -> Damage | None:
     """The damage of chunk ``chunk`` read as ``data`` if its content hash differs, else None."""
     problem = chunk_mismatch(shard, chunk, data)
     if problem is None:
@@ -227,7 +316,9 @@ def _verify(ctx: Reader, files: ShardReader, name: str, shard: ShardRecord, chun
     return (name, shard.id, f"{problem} (read by rank {ctx.rank})", str(files.ckpt / shard.file))
 
 
-def _direct(ctx: Reader, plan: RestorePlan, k: int, by_item: dict[int, list[int]], block: tuple[slice, ...]) -> tuple[slice, ...] | None:  # fmt: skip
+def _direct(
+    ctx: Reader, plan: RestorePlan, k: int, by_item: dict[int, list[int]], block: tuple[slice, ...]
+) -> tuple[slice, ...] | None:
     """Where item ``k`` lands in this rank's output when this rank is its only consumer
     (read straight into the output, no copy), else None."""
     pieces = by_item.get(k, [])
@@ -239,7 +330,15 @@ def _direct(ctx: Reader, plan: RestorePlan, k: int, by_item: dict[int, list[int]
     return _relative(region, block)
 
 
-def _exchange(ctx: Reader, plan: RestorePlan, round_items: list[int], by_item: dict[int, list[int]], data: dict[int, np.ndarray], outs: dict[str, np.ndarray], offsets: list[tuple[slice, ...]]) -> None:  # fmt: skip
+def _exchange(
+    ctx: Reader,
+    plan: RestorePlan,
+    round_items: list[int],
+    by_item: dict[int, list[int]],
+    data: dict[int, np.ndarray],
+    outs: dict[str, np.ndarray],
+    offsets: list[tuple[slice, ...]],
+) -> None:
     """Send every piece of this round's items to its rank (collective, one Alltoallv)."""
     me, n = ctx.rank, ctx.size
     sends: list[list[tuple[np.ndarray, int]]] = [[] for _ in range(n)]  # (view, nbytes)
@@ -276,7 +375,15 @@ def _exchange(ctx: Reader, plan: RestorePlan, round_items: list[int], by_item: d
         for part, nb in parts:
             send[pos : pos + nb].view(part.dtype).reshape(part.shape)[...] = part
             pos += nb
-    got = alltoallv_bytes(ctx.comm, send, send_counts, recv_counts, timeout_s=ctx.timeout_s, what="restore: exchange", phase="checkpoint")  # fmt: skip
+    got = alltoallv_bytes(
+        ctx.comm,
+        send,
+        send_counts,
+        recv_counts,
+        timeout_s=ctx.timeout_s,
+        what="restore: exchange",
+        phase="checkpoint",
+    )
     del send
     pos = 0
     for src in range(n):
@@ -290,14 +397,20 @@ def _exchange(ctx: Reader, plan: RestorePlan, round_items: list[int], by_item: d
             pos += nbytes
 
 
-def _nothing_moves(plan: RestorePlan, round_items: list[int], by_item: dict[int, list[int]]) -> bool:  # fmt: skip
+def _nothing_moves(
+    plan: RestorePlan, round_items: list[int], by_item: dict[int, list[int]]
+) -> bool:
     """True when no piece of the round crosses ranks (decided from the plan: the same
     answer on every rank, so all skip the exchange together)."""
     return all(
-        plan.pieces[pk].dest == plan.items[k].reader for k in round_items for pk in by_item.get(k, [])
-    )  # fmt: skip
+        plan.pieces[pk].dest == plan.items[k].reader
+        for k in round_items
+        for pk in by_item.get(k, [])
+    )
 
 
 def _relative(region: tuple[slice, ...], origin: tuple[slice, ...]) -> tuple[slice, ...]:
     """``region`` (global) relative to the block that starts at ``origin``."""
-    return tuple(slice(r.start - o.start, r.stop - o.start) for r, o in zip(region, origin, strict=True))  # fmt: skip
+    return tuple(
+        slice(r.start - o.start, r.stop - o.start) for r, o in zip(region, origin, strict=True)
+    )

@@ -69,9 +69,13 @@ class StoreMeta:
     backend: str = DEFAULT_BACKEND  # the name of the backend its checkpoints are stored with
 
     def to_json(self) -> dict[str, object]:
-        return {"format": STORE_FORMAT, "version": STORE_VERSION,
-                "quota_bytes": self.quota_bytes, "keep_last": self.keep_last,
-                "backend": self.backend}  # fmt: skip
+        return {
+            "format": STORE_FORMAT,
+            "version": STORE_VERSION,
+            "quota_bytes": self.quota_bytes,
+            "keep_last": self.keep_last,
+            "backend": self.backend,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +194,11 @@ def read_meta(store: Path) -> StoreMeta | None:
         doc = json.loads(p.read_text(encoding="utf-8"))
         if not isinstance(doc, dict):
             raise ValueError(f"a JSON object is expected, got {type(doc).__name__}")
-        if doc.get("format") != STORE_FORMAT or doc.get("version") not in _READS or type(doc.get("version")) is not int:  # fmt: skip
+        if (
+            doc.get("format") != STORE_FORMAT
+            or doc.get("version") not in _READS
+            or type(doc.get("version")) is not int
+        ):
             raise ValueError(f"format {doc.get('format')!r} version {doc.get('version')!r}")
         quota, keep = doc.get("quota_bytes"), doc.get("keep_last")
         for v in (quota, keep):
@@ -198,7 +206,9 @@ def read_meta(store: Path) -> StoreMeta | None:
                 raise ValueError(f"quota_bytes and keep_last are null or integers >= 1, got {v!r}")
         backend = doc.get("backend", DEFAULT_BACKEND)
         if not isinstance(backend, str) or not backend:
-            raise ValueError(f"backend is the name of a storage backend (a string), got {backend!r}")  # fmt: skip
+            raise ValueError(
+                f"backend is the name of a storage backend (a string), got {backend!r}"
+            )
         return StoreMeta(quota, keep, backend)
     except (OSError, ValueError) as exc:
         raise StorageError(f"{p}: not a dtm store settings file ({exc})") from None
@@ -255,7 +265,11 @@ def list_checkpoints(store: Path) -> list[CheckpointEntry]:
         if m is None or not p.is_dir():
             continue
         committed = _COMMITTED.match(p.name) is not None
-        out.append(CheckpointEntry(int(m.group(1)), p, committed, tree_bytes(p), committed and p.name == named))  # fmt: skip
+        out.append(
+            CheckpointEntry(
+                int(m.group(1)), p, committed, tree_bytes(p), committed and p.name == named
+            )
+        )
     return sorted(out, key=lambda e: (e.step, not e.committed, e.path.name))
 
 

@@ -195,7 +195,9 @@ class CheckpointCheck:
     data_bytes: int = 0  # bytes verified (OK)
 
 
-def verify_checkpoints(store: Path, step: int | None = None, every: bool = False, *, timeout_s: float = 300.0) -> list[CheckpointCheck]:  # fmt: skip
+def verify_checkpoints(
+    store: Path, step: int | None = None, every: bool = False, *, timeout_s: float = 300.0
+) -> list[CheckpointCheck]:
     """Verify checkpoint ``step`` of ``store`` (default: the latest), or with ``every`` all of
     its committed checkpoints, incomplete ones reported as such; one verdict per checkpoint."""
     store_backend(store)  # a store this process cannot read is one error, before any verdict
@@ -203,11 +205,15 @@ def verify_checkpoints(store: Path, step: int | None = None, every: bool = False
         return [verify_isolated(checkpoint_path(store, step), timeout_s=timeout_s)]
     entries = list_checkpoints(store)
     out = [verify_isolated(e.path, timeout_s=timeout_s) for e in entries if e.committed]
-    out += [CheckpointCheck(e.path, CheckStatus.INCOMPLETE, (INCOMPLETE_NOTE,)) for e in entries if not e.committed]  # fmt: skip
+    out += [
+        CheckpointCheck(e.path, CheckStatus.INCOMPLETE, (INCOMPLETE_NOTE,))
+        for e in entries
+        if not e.committed
+    ]
     return out
 
 
-def _child(ckpt: Path, start: int, fd: int, backend: ShardBackend) -> None:  # pragma: no cover  # fmt: skip
+def _child(ckpt: Path, start: int, fd: int, backend: ShardBackend) -> None:  # pragma: no cover
     """The verification child (it runs in the child: no coverage): its findings as JSON lines
     on ``fd``, from item ``start``."""
 
@@ -255,7 +261,9 @@ def _fork_child(ckpt: Path, start: int, r: int, w: int, backend: ShardBackend) -
     return pid
 
 
-def _spawn_child(ckpt: Path, start: int, w: int, errors: str, backend: ShardBackend, name: str) -> int:  # fmt: skip
+def _spawn_child(
+    ckpt: Path, start: int, w: int, errors: str, backend: ShardBackend, name: str
+) -> int:
     """``python -m dtm_mpi.io.tools CKPT START FD NAME MODULE`` with MPI off and stderr in the
     file ``errors`` (no Python runs in the child before the new interpreter: safe in an MPI
     process). The child imports MODULE, the one defining ``backend``'s class (which registers
@@ -266,14 +274,23 @@ def _spawn_child(ckpt: Path, start: int, w: int, errors: str, backend: ShardBack
     env = dict(os.environ)
     env["MPI4PY_RC_INITIALIZE"] = "0"  # the child reads files serially: no MPI
     root = str(Path(dtm_mpi.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join([root, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])  # fmt: skip
+    env["PYTHONPATH"] = os.pathsep.join(
+        [root, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])]
+    )
     module = type(backend).__module__
     argv = [sys.executable, "-m", "dtm_mpi.io.tools", str(ckpt), str(start), str(w), name, module]
     aside = [(os.POSIX_SPAWN_OPEN, 2, errors, os.O_WRONLY | os.O_TRUNC, 0)]
     return os.posix_spawn(sys.executable, argv, env, file_actions=aside)
 
 
-def _run_child(ckpt: Path, start: int, timeout_s: float, on: Callable[[list[Any]], None], backend: ShardBackend, name: str) -> str | None:  # fmt: skip
+def _run_child(
+    ckpt: Path,
+    start: int,
+    timeout_s: float,
+    on: Callable[[list[Any]], None],
+    backend: ShardBackend,
+    name: str,
+) -> str | None:
     """Run :func:`_child` in a child process, passing each message to ``on``; returns None
     when it finished, else how it ended (a signal, an exit code, or silence for
     ``timeout_s``). A fork, except where this process has initialised MPI (forking an MPI
@@ -301,7 +318,14 @@ def _run_child(ckpt: Path, start: int, timeout_s: float, on: Callable[[list[Any]
                 os.unlink(errors)
 
 
-def _watch_child(pid: int, r: int, timeout_s: float, on: Callable[[list[Any]], None], errors: str | None, format_name: str) -> str | None:  # fmt: skip
+def _watch_child(
+    pid: int,
+    r: int,
+    timeout_s: float,
+    on: Callable[[list[Any]], None],
+    errors: str | None,
+    format_name: str,
+) -> str | None:
     """Read the child's messages from ``r`` until it finishes, crashes (reported as a crash
     of the ``format_name`` library) or falls silent."""
     buf, done, ended = b"", False, None
@@ -388,14 +412,27 @@ def verify_isolated(ckpt: Path, *, timeout_s: float = 300.0) -> CheckpointCheck:
         if ended is None:
             break
         if state["items"] is None:  # before the manifest was read: the main file is damaged
-            return CheckpointCheck(ckpt, CheckStatus.INVALID, (f"{backend.index_path(ckpt).name} cannot be read: {ended} reading it",))  # fmt: skip
+            return CheckpointCheck(
+                ckpt,
+                CheckStatus.INVALID,
+                (f"{backend.index_path(ckpt).name} cannot be read: {ended} reading it",),
+            )
         k = state["at"]
         if k < start:  # between items (opening nothing): nothing to name; stop here
             problems.append(f"{ckpt}: {ended}")
             break
         items = backend.verify_items(ckpt, read_manifest(ckpt, backend))  # the child parsed it
         item = items[k]
-        problems.append(str(IntegrityError(f"{ended} reading it: its {backend.format_name} metadata is damaged", tensor=item.tensor, shard=item.shard, file=str(item.file))))  # fmt: skip
+        problems.append(
+            str(
+                IntegrityError(
+                    f"{ended} reading it: its {backend.format_name} metadata is damaged",
+                    tensor=item.tensor,
+                    shard=item.shard,
+                    file=str(item.file),
+                )
+            )
+        )
         start = k + 1
         if start >= state["items"]:
             break
@@ -446,7 +483,9 @@ def remove_checkpoint(store: Path, step: int, force: bool = False) -> tuple[Path
         rest = [e.step for e in committed(store) if e.step != step]
         after = f"'latest' names checkpoint {max(rest)}" if rest else "no checkpoint remains"
         if not force:
-            raise UsageError(f"store {store}: checkpoint {step} is the latest one; add --force to remove it (then {after})")  # fmt: skip
+            raise UsageError(
+                f"store {store}: checkpoint {step} is the latest one; add --force to remove it (then {after})"
+            )
         if rest:
             write_latest(store, max(rest))
         else:
@@ -471,7 +510,9 @@ def _artifact(m: Manifest, name: str, path: Path) -> ArtifactRecord:
     return a
 
 
-def read_tensor(path: Path, name: str, manifest: Manifest | None = None, backend: ShardBackend | None = None) -> np.ndarray:  # fmt: skip
+def read_tensor(
+    path: Path, name: str, manifest: Manifest | None = None, backend: ShardBackend | None = None
+) -> np.ndarray:
     """The global value of tensor ``name`` of checkpoint ``path`` (serial), every chunk read
     from its data file (through ``backend``; default: its store's) and checked against the
     manifest's content hash; raises :class:`IntegrityError` naming tensor, shard and file on a
@@ -489,18 +530,31 @@ def read_tensor(path: Path, name: str, manifest: Manifest | None = None, backend
 # --- put one tensor ---------------------------------------------------------------------------
 
 _NPY_KINDS: dict[tuple[str, int], str] = {
-    ("f", 2): "f16", ("f", 4): "f32", ("f", 8): "f64", ("i", 1): "i8", ("i", 4): "i32",
-    ("i", 8): "i64", ("u", 1): "u8", ("b", 1): "bool", ("u", 2): "bf16",
-}  # fmt: skip
+    ("f", 2): "f16",
+    ("f", 4): "f32",
+    ("f", 8): "f64",
+    ("i", 1): "i8",
+    ("i", 4): "i32",
+    ("i", 8): "i64",
+    ("u", 1): "u8",
+    ("b", 1): "bool",
+    ("u", 2): "bf16",
+}
 """numpy (kind, itemsize) -> dtm dtype; uint16 holds the raw bits of bfloat16."""
 
 
 def dtm_dtype(value: np.ndarray, where: str) -> DType:
     """The dtm dtype a numpy array of ``value``'s dtype stores as (uint16: bf16 bits)."""
     dt = value.dtype
-    name = _NPY_KINDS.get((dt.kind, dt.itemsize)) if dt.fields is None and dt.subdtype is None else None  # fmt: skip
+    name = (
+        _NPY_KINDS.get((dt.kind, dt.itemsize))
+        if dt.fields is None and dt.subdtype is None
+        else None
+    )
     if name is None:
-        allowed = "float16, float32, float64, int8, int32, int64, uint8, bool, uint16 (the bits of bf16)"  # fmt: skip
+        allowed = (
+            "float16, float32, float64, int8, int32, int64, uint8, bool, uint16 (the bits of bf16)"
+        )
         raise UsageError(f"{where}: dtype {dt} is not a dtm dtype; use one of {allowed}")
     return DType(name)
 
@@ -543,7 +597,18 @@ def _depth(m: Manifest, name: str, ancestor: str) -> int:
     return 0
 
 
-def put_tensor(store: Path, comm: Any, name: str, value: np.ndarray, *, cls: str | None = None, parent: str | None = None, rebuild: str | None = None, step: int | None = None, where: str = "input") -> PutResult:  # fmt: skip
+def put_tensor(
+    store: Path,
+    comm: Any,
+    name: str,
+    value: np.ndarray,
+    *,
+    cls: str | None = None,
+    parent: str | None = None,
+    rebuild: str | None = None,
+    step: int | None = None,
+    where: str = "input",
+) -> PutResult:
     """Save a new checkpoint of ``store``: the latest one with tensor ``name`` set to ``value``
     (added or replaced; copy-on-write: the old checkpoint stays), its derived tensors rebuilt
     from it, as step ``step`` (default: one past the newest committed one). ``cls``
@@ -563,9 +628,15 @@ def put_tensor(store: Path, comm: Any, name: str, value: np.ndarray, *, cls: str
     newest = max((e.step for e in committed(store)), default=-1)
     step = step if step is not None else newest + 1
     if step <= newest:
-        raise UsageError(f"store {store}: --step {step} must be newer than every committed checkpoint (the newest is {newest}); a put never replaces a checkpoint")  # fmt: skip
+        raise UsageError(
+            f"store {store}: --step {step} must be newer than every committed checkpoint (the newest is {newest}); a put never replaces a checkpoint"
+        )
     base = read_latest(store)
-    old = read_manifest(store / committed_name(base), store_backend(store)) if base is not None else None  # fmt: skip
+    old = (
+        read_manifest(store / committed_name(base), store_backend(store))
+        if base is not None
+        else None
+    )
     replaced = old.artifact(name) if old is not None and name in old.names else None
 
     # the class of NAME: as given, else the replaced tensor's (when it was stored), else primary
@@ -580,18 +651,26 @@ def put_tensor(store: Path, comm: Any, name: str, value: np.ndarray, *, cls: str
     if kind is ArtifactClass.DERIVED and (parent is None or rebuild is None):
         raise UsageError(f"tensor {name!r}: a derived artifact needs --parent and --rebuild")
     if kind is ArtifactClass.PRIMARY and (parent is not None or rebuild is not None):
-        raise UsageError(f"tensor {name!r}: --parent and --rebuild are for --class derived only")  # fmt: skip
+        raise UsageError(f"tensor {name!r}: --parent and --rebuild are for --class derived only")
     kept = [a for a in old.artifacts if a.name != name] if old is not None else []
     stored_names = {a.name for a in kept if a.cls is not ArtifactClass.EPHEMERAL} | {name}
     if parent is not None and (parent == name or parent not in stored_names):
-        raise UsageError(f"tensor {name!r}: parent {parent!r} is not another stored tensor of the checkpoint (stored: {', '.join(sorted(stored_names - {name})) or 'none'})")  # fmt: skip
+        raise UsageError(
+            f"tensor {name!r}: parent {parent!r} is not another stored tensor of the checkpoint (stored: {', '.join(sorted(stored_names - {name})) or 'none'})"
+        )
 
     mesh = MeshShape((("x", 1),))
     rebuilt: list[str] = []
     specs: list[tuple[TensorSpec, np.ndarray | None]] = []
-    ckpt = CheckpointStore(store, comm, chunk_bytes=old.chunk_bytes if old is not None else CHUNK_BYTES)  # fmt: skip
+    ckpt = CheckpointStore(
+        store, comm, chunk_bytes=old.chunk_bytes if old is not None else CHUNK_BYTES
+    )
     try:
-        targets = [(a.name, TensorType(a.dtype, a.shape, Layout.replicated(len(a.shape)))) for a in kept if a.cls is not ArtifactClass.EPHEMERAL]  # fmt: skip
+        targets = [
+            (a.name, TensorType(a.dtype, a.shape, Layout.replicated(len(a.shape))))
+            for a in kept
+            if a.cls is not ArtifactClass.EPHEMERAL
+        ]
         values: dict[str, np.ndarray] = {}
         if targets:
             assert base is not None
@@ -613,10 +692,22 @@ def put_tensor(store: Path, comm: Any, name: str, value: np.ndarray, *, cls: str
             specs.append((TensorSpec(a.name, t, a.cls, a.parent, a.rebuild), values.get(a.name)))
         if replaced is None:
             specs.append(new)
-        path = ckpt.save(step, mesh, specs, module_hash=old.module_hash if old is not None else None)  # fmt: skip
+        path = ckpt.save(
+            step, mesh, specs, module_hash=old.module_hash if old is not None else None
+        )
     finally:
         ckpt.close()
-    return PutResult(path, step, base, len(specs), replaced is not None, dtype, tuple(value.shape), kind, tuple(rebuilt))  # fmt: skip
+    return PutResult(
+        path,
+        step,
+        base,
+        len(specs),
+        replaced is not None,
+        dtype,
+        tuple(value.shape),
+        kind,
+        tuple(rebuilt),
+    )
 
 
 def _spawned(argv: list[str]) -> None:  # pragma: no cover  (the spawned verification child)

@@ -87,7 +87,9 @@ class ShardVerifier:
     def check(self, item: VerifyItem) -> IntegrityError | None:
         """The damage shard item ``item`` finds, or None."""
         if item.index is None:
-            raise ValueError(f"{item.file}: tensor {item.tensor!r}: not a shard item; only the backend that made it can check it")  # fmt: skip
+            raise ValueError(
+                f"{item.file}: tensor {item.tensor!r}: not a shard item; only the backend that made it can check it"
+            )
         a = self.manifest.artifacts[item.artifact]
         s = a.shards[item.index]
         try:

@@ -12,9 +12,18 @@ from dtm_mpi.ir.printer import print_module
 from dtm_mpi.ir.verify import verify_errors, verify_module
 
 __all__ = [
-    "Function", "load_module", "Module", "Op", "check_text", "module_hash", "parse_module",
-    "parse_optional_module", "print_module", "verify_errors", "verify_module",
-]  # fmt: skip
+    "Function",
+    "load_module",
+    "Module",
+    "Op",
+    "check_text",
+    "module_hash",
+    "parse_module",
+    "parse_optional_module",
+    "print_module",
+    "verify_errors",
+    "verify_module",
+]
 
 
 def check_text(text: str, file: str = "<input>") -> tuple[Module | None, list[DiagnosticError]]:

@@ -27,7 +27,9 @@ from dtm_mpi.ir.verify import function_mesh, verify_module
 __all__ = ["backward", "copy_body", "grad_function", "grad_module"]
 
 
-def copy_body(b: FunctionBuilder, module: Module, f: Function, args: Mapping[str, Value]) -> dict[str, Value]:  # fmt: skip
+def copy_body(
+    b: FunctionBuilder, module: Module, f: Function, args: Mapping[str, Value]
+) -> dict[str, Value]:
     """Append ``f``'s body to ``b`` with its parameters bound to ``args`` (by name), calls
     inlined and values renamed where a name is taken; returns every value of ``f`` by its
     name in ``f``."""
@@ -37,27 +39,47 @@ def copy_body(b: FunctionBuilder, module: Module, f: Function, args: Mapping[str
         if op.name == "call":
             callee = module.function(str(op.attr("callee")))
             assert callee is not None
-            inner = copy_body(b, module, callee, {p.name: v for p, v in zip(callee.params, operands, strict=True)})  # fmt: skip
+            inner = copy_body(
+                b, module, callee, {p.name: v for p, v in zip(callee.params, operands, strict=True)}
+            )
             for name, ret in zip(op.results, callee.returns, strict=True):
                 env[name] = inner[ret]
             continue
         names = tuple(b.fresh(n) for n in op.results)
         copied = Op(
-            op.name, names, op.result_types, tuple(v.name for v in operands), op.attrs, op.span,
-            op.result_spans, op.operand_spans, op.type_spans, op.attr_spans,
-        )  # fmt: skip
+            op.name,
+            names,
+            op.result_types,
+            tuple(v.name for v in operands),
+            op.attrs,
+            op.span,
+            op.result_spans,
+            op.operand_spans,
+            op.type_spans,
+            op.attr_spans,
+        )
         for name, v in zip(op.results, b.append(copied), strict=True):
             env[name] = v
     return env
 
 
-def backward(b: FunctionBuilder, body: Sequence[Op], loss: Value, wrt: Sequence[Value], *, stop: Collection[str] = ()) -> list[Value]:  # fmt: skip
+def backward(
+    b: FunctionBuilder,
+    body: Sequence[Op],
+    loss: Value,
+    wrt: Sequence[Value],
+    *,
+    stop: Collection[str] = (),
+) -> list[Value]:
     """Emit into ``b`` the gradients of ``loss`` (a float scalar computed by ``body``, ops
     already in ``b``) with respect to ``wrt``, each in its value's type (a zero constant
     where the loss does not depend on it). No gradient flows into the values named in
     ``stop`` (treated as constants: the frontend's ``detach``)."""
     if loss.type.shape != () or not loss.type.dtype.is_float:
-        raise GradientError(f"the differentiated value {loss.name} must be a float scalar; it is {loss.type}", _span_of(body, loss.name))  # fmt: skip
+        raise GradientError(
+            f"the differentiated value {loss.name} must be a float scalar; it is {loss.type}",
+            _span_of(body, loss.name),
+        )
     reached = {w.name for w in wrt}  # float values that depend on a differentiated input
     sends: set[tuple[object, ...]] = set()  # transfers whose sent value depends on one
     for op in body:
@@ -65,8 +87,12 @@ def backward(b: FunctionBuilder, body: Sequence[Op], loss: Value, wrt: Sequence[
         if op.name == "send" and op.operands[0] in reached:
             sends.add(key)
         from_send = op.name == "recv" and key in sends
-        if (from_send or any(n in reached for n in op.operands)) and not any(n in stop for n in op.results):  # fmt: skip
-            reached.update(n for n, t in zip(op.results, op.result_types, strict=True) if t.dtype.is_float)  # fmt: skip
+        if (from_send or any(n in reached for n in op.operands)) and not any(
+            n in stop for n in op.results
+        ):
+            reached.update(
+                n for n, t in zip(op.results, op.result_types, strict=True) if t.dtype.is_float
+            )
     cts: dict[str, Value] = {}
     if loss.name in reached:
         cts[loss.name] = b.constant(1.0, loss.type)
@@ -90,13 +116,24 @@ def backward(b: FunctionBuilder, body: Sequence[Op], loss: Value, wrt: Sequence[
         if not any(wants) and opdef.kind is not OpKind.RECV:
             continue
         if opdef.grad is None:
-            raise GradientError(f"{op.name} has no gradient rule, and the gradient of {loss.name} must flow through it to {', '.join(n for n, w in zip(op.operands, wants, strict=True) if w)}", op.span)  # fmt: skip
-        ctx = GradContext(b, op, tuple(b.value(n) for n in op.operands), tuple(b.value(n) for n in op.results), out, wants, lambda tag: base + tag)  # fmt: skip
+            raise GradientError(
+                f"{op.name} has no gradient rule, and the gradient of {loss.name} must flow through it to {', '.join(n for n, w in zip(op.operands, wants, strict=True) if w)}",
+                op.span,
+            )
+        ctx = GradContext(
+            b,
+            op,
+            tuple(b.value(n) for n in op.operands),
+            tuple(b.value(n) for n in op.results),
+            out,
+            wants,
+            lambda tag: base + tag,
+        )
         for name, want, ct in zip(op.operands, wants, opdef.grad(ctx), strict=True):
             if not want or ct is None:
                 continue
             have = cts.get(name)
-            cts[name] = ct if have is None else b.apply1("add", [have, ct], span=op.span, hint="g")  # fmt: skip
+            cts[name] = ct if have is None else b.apply1("add", [have, ct], span=op.span, hint="g")
     grads = []
     for w in wrt:
         ct = cts.get(w.name)
@@ -123,14 +160,20 @@ def grad_function(module: Module, name: str, wrt: Sequence[str], *, loss: int = 
     if f is None:
         raise UsageError(f"no function @{name} in module {module.name}")
     if not 0 <= loss < len(f.results):
-        raise UsageError(f"@{name} has {len(f.results)} result(s); there is no result {loss} to differentiate")  # fmt: skip
+        raise UsageError(
+            f"@{name} has {len(f.results)} result(s); there is no result {loss} to differentiate"
+        )
     params = {p.name: p for p in f.params}
     wanted = ["%" + w.lstrip("%") for w in wrt]
     for w in wanted:
         if w not in params:
-            raise UsageError(f"@{name} has no parameter {w} (parameters: {', '.join(params) or 'none'})")  # fmt: skip
+            raise UsageError(
+                f"@{name} has no parameter {w} (parameters: {', '.join(params) or 'none'})"
+            )
         if not params[w].type.dtype.is_float:
-            raise UsageError(f"parameter {w} of @{name} is {params[w].type.dtype}; only float parameters have gradients")  # fmt: skip
+            raise UsageError(
+                f"parameter {w} of @{name} is {params[w].type.dtype}; only float parameters have gradients"
+            )
     b = FunctionBuilder(function_mesh(module, f), module_name=module.name)
     b.module = module
     args = {p.name: b.add_param(p.name, p.type, span=p.span) for p in f.params}

@@ -69,13 +69,19 @@ def _ordered_attrs(opdef: OpDef, attrs: Mapping[str, Attr]) -> tuple[tuple[str, 
         order = _ATTR_ORDER[opdef.name] = tuple(_attr_order(opdef.format, []))
     unknown = set(attrs) - set(order)
     assert not unknown, f"{opdef.name}: unknown attribute(s) {sorted(unknown)}"
-    return tuple((k, attrs[k]) for k in order if k in attrs and attrs[k] is not None and attrs[k] is not False)  # fmt: skip
+    return tuple(
+        (k, attrs[k])
+        for k in order
+        if k in attrs and attrs[k] is not None and attrs[k] is not False
+    )
 
 
 class FunctionBuilder:
     """Appends typed ops to a function body on ``mesh`` (None: no mesh)."""
 
-    def __init__(self, mesh: Mesh | None, *, module_name: str = "built", names: Sequence[str] = ()) -> None:  # fmt: skip
+    def __init__(
+        self, mesh: Mesh | None, *, module_name: str = "built", names: Sequence[str] = ()
+    ) -> None:
         self.mesh = mesh
         self.module = Module((1, 0), module_name, (mesh,) if mesh is not None else (), ())
         self.params: list[Param] = []
@@ -102,7 +108,15 @@ class FunctionBuilder:
     def value(self, name: str) -> Value:
         return Value(name, self.types[name])
 
-    def add_param(self, name: str, type: TensorType, *, state: bool = False, init: Init | None = None, span: SourceSpan = NO_SPAN) -> Value:  # fmt: skip
+    def add_param(
+        self,
+        name: str,
+        type: TensorType,
+        *,
+        state: bool = False,
+        init: Init | None = None,
+        span: SourceSpan = NO_SPAN,
+    ) -> Value:
         name = "%" + name.lstrip("%")
         if name in self.types:
             raise VerifyError(f"parameter {name} is declared twice", span)
@@ -123,14 +137,35 @@ class FunctionBuilder:
 
     # --- emitting ops ----------------------------------------------------------------------
 
-    def infer(self, name: str, operands: Sequence[Value], attrs: Mapping[str, Attr] = {}, declared: Sequence[TensorType] = (), *, span: SourceSpan = NO_SPAN) -> tuple[TensorType, ...]:  # fmt: skip
+    def infer(
+        self,
+        name: str,
+        operands: Sequence[Value],
+        attrs: Mapping[str, Attr] = {},
+        declared: Sequence[TensorType] = (),
+        *,
+        span: SourceSpan = NO_SPAN,
+    ) -> tuple[TensorType, ...]:
         """The result types op ``name`` would have (raises the rule's :class:`VerifyError`)."""
         opdef = lookup_op(name)
         assert opdef is not None, f"unknown op {name!r}"
-        op = self._op(opdef, ("%_",) * max(len(declared), 1), tuple(declared), operands, attrs, span)  # fmt: skip
-        return opdef.infer(OpContext(op, [v.type for v in operands], declared, self.mesh, self.module))  # fmt: skip
+        op = self._op(
+            opdef, ("%_",) * max(len(declared), 1), tuple(declared), operands, attrs, span
+        )
+        return opdef.infer(
+            OpContext(op, [v.type for v in operands], declared, self.mesh, self.module)
+        )
 
-    def emit(self, name: str, operands: Sequence[Value], attrs: Mapping[str, Attr] = {}, declared: Sequence[TensorType] = (), *, span: SourceSpan = NO_SPAN, hint: str | None = None) -> tuple[Value, ...]:  # fmt: skip
+    def emit(
+        self,
+        name: str,
+        operands: Sequence[Value],
+        attrs: Mapping[str, Attr] = {},
+        declared: Sequence[TensorType] = (),
+        *,
+        span: SourceSpan = NO_SPAN,
+        hint: str | None = None,
+    ) -> tuple[Value, ...]:
         """Append op ``name`` as given (no layout changes); its results, typed by its rule."""
         opdef = lookup_op(name)
         assert opdef is not None, f"unknown op {name!r}"
@@ -138,19 +173,52 @@ class FunctionBuilder:
         results = tuple(self.fresh(hint or name) for _ in types)
         return self.append(self._op(opdef, results, types, operands, attrs, span))
 
-    def emit1(self, name: str, operands: Sequence[Value], attrs: Mapping[str, Attr] = {}, declared: Sequence[TensorType] = (), *, span: SourceSpan = NO_SPAN, hint: str | None = None) -> Value:  # fmt: skip
+    def emit1(
+        self,
+        name: str,
+        operands: Sequence[Value],
+        attrs: Mapping[str, Attr] = {},
+        declared: Sequence[TensorType] = (),
+        *,
+        span: SourceSpan = NO_SPAN,
+        hint: str | None = None,
+    ) -> Value:
         (out,) = self.emit(name, operands, attrs, declared, span=span, hint=hint)
         return out
 
-    def _op(self, opdef: OpDef, results: tuple[str, ...], types: tuple[TensorType, ...], operands: Sequence[Value], attrs: Mapping[str, Attr], span: SourceSpan) -> Op:  # fmt: skip
+    def _op(
+        self,
+        opdef: OpDef,
+        results: tuple[str, ...],
+        types: tuple[TensorType, ...],
+        operands: Sequence[Value],
+        attrs: Mapping[str, Attr],
+        span: SourceSpan,
+    ) -> Op:
         ordered = _ordered_attrs(opdef, attrs)
         return Op(
-            opdef.name, results, types, tuple(v.name for v in operands), ordered, span,
-            (span,) * len(results), (span,) * len(operands), (span,) * len(types),
+            opdef.name,
+            results,
+            types,
+            tuple(v.name for v in operands),
+            ordered,
+            span,
+            (span,) * len(results),
+            (span,) * len(operands),
+            (span,) * len(types),
             tuple((k, span) for k, _ in ordered),
-        )  # fmt: skip
+        )
 
-    def apply(self, name: str, operands: Sequence[Value], attrs: Mapping[str, Attr] = {}, declared: Sequence[TensorType] = (), *, span: SourceSpan = NO_SPAN, hint: str | None = None) -> tuple[Value, ...]:  # fmt: skip
+    def apply(
+        self,
+        name: str,
+        operands: Sequence[Value],
+        attrs: Mapping[str, Attr] = {},
+        declared: Sequence[TensorType] = (),
+        *,
+        span: SourceSpan = NO_SPAN,
+        hint: str | None = None,
+    ) -> tuple[Value, ...]:
         """Append op ``name``, first changing its operands' layouts where its rule refuses
         them (sharding propagation, in the order of the module docstring). The first
         rule's error is raised if no attempt is accepted."""
@@ -179,7 +247,16 @@ class FunctionBuilder:
                 del self.types[n]
         del self.ops[mark:]
 
-    def apply1(self, name: str, operands: Sequence[Value], attrs: Mapping[str, Attr] = {}, declared: Sequence[TensorType] = (), *, span: SourceSpan = NO_SPAN, hint: str | None = None) -> Value:  # fmt: skip
+    def apply1(
+        self,
+        name: str,
+        operands: Sequence[Value],
+        attrs: Mapping[str, Attr] = {},
+        declared: Sequence[TensorType] = (),
+        *,
+        span: SourceSpan = NO_SPAN,
+        hint: str | None = None,
+    ) -> Value:
         (out,) = self.apply(name, operands, attrs, declared, span=span, hint=hint)
         return out
 
@@ -190,7 +267,9 @@ class FunctionBuilder:
         p = v.type.layout.partial
         if p is None:
             return v
-        return self.emit1("allreduce", [v], {"op": p.op.value, "axes": p.axes}, span=span, hint=v.name)  # fmt: skip
+        return self.emit1(
+            "allreduce", [v], {"op": p.op.value, "axes": p.axes}, span=span, hint=v.name
+        )
 
     def to_layout(self, v: Value, layout: Layout, *, span: SourceSpan = NO_SPAN) -> Value:
         """The same global value in ``layout``: a pending sum completed by ``reduce_scatter``
@@ -204,22 +283,38 @@ class FunctionBuilder:
         check_layout(t.with_layout(layout), self.mesh, span, "layout")
         p = t.layout.partial
         if p is not None and layout.partial is None and p.op is ReduceOp.SUM:
-            grown = [d for d, (a, b) in enumerate(zip(t.layout.dims, layout.dims, strict=True)) if a != b]  # fmt: skip
+            grown = [
+                d for d, (a, b) in enumerate(zip(t.layout.dims, layout.dims, strict=True)) if a != b
+            ]
             if len(grown) == 1 and layout.dims[grown[0]] == t.layout.dims[grown[0]] + p.axes:
-                return self.emit1("reduce_scatter", [v], {"op": "sum", "axes": p.axes, "dim": grown[0]}, span=span, hint=v.name)  # fmt: skip
+                return self.emit1(
+                    "reduce_scatter",
+                    [v],
+                    {"op": "sum", "axes": p.axes, "dim": grown[0]},
+                    span=span,
+                    hint=v.name,
+                )
             v = self.complete(v, span=span)
             t = v.type
             if t.layout == layout:
                 return v
         if t.layout.partial == layout.partial:
-            diff = [d for d, (a, b) in enumerate(zip(t.layout.dims, layout.dims, strict=True)) if a != b]  # fmt: skip
+            diff = [
+                d for d, (a, b) in enumerate(zip(t.layout.dims, layout.dims, strict=True)) if a != b
+            ]
             if len(diff) == 1:
                 have, want = t.layout.dims[diff[0]], layout.dims[diff[0]]
                 if have[: len(want)] == want and len(have) > len(want):
-                    return self.emit1("allgather", [v], {"axes": have[len(want) :]}, span=span, hint=v.name)  # fmt: skip
-        return self.emit1("redistribute", [v], declared=[t.with_layout(layout)], span=span, hint=v.name)  # fmt: skip
+                    return self.emit1(
+                        "allgather", [v], {"axes": have[len(want) :]}, span=span, hint=v.name
+                    )
+        return self.emit1(
+            "redistribute", [v], declared=[t.with_layout(layout)], span=span, hint=v.name
+        )
 
-    def constant(self, value: float | int | bool, like: TensorType, *, span: SourceSpan = NO_SPAN) -> Value:  # fmt: skip
+    def constant(
+        self, value: float | int | bool, like: TensorType, *, span: SourceSpan = NO_SPAN
+    ) -> Value:
         """A splat constant of ``like``'s dtype, shape and dims (never pending)."""
         if like.dtype.is_float:
             lit: Attr = float(value)
@@ -232,7 +327,15 @@ class FunctionBuilder:
 
     # --- finishing -------------------------------------------------------------------------
 
-    def function(self, name: str, returns: Sequence[Value | tuple[Value, str | None]], *, entry: bool = False, requires: Sequence[str] = (), span: SourceSpan = NO_SPAN) -> Function:  # fmt: skip
+    def function(
+        self,
+        name: str,
+        returns: Sequence[Value | tuple[Value, str | None]],
+        *,
+        entry: bool = False,
+        requires: Sequence[str] = (),
+        span: SourceSpan = NO_SPAN,
+    ) -> Function:
         """The function built so far, returning ``returns`` (a value, or (value, the state
         parameter it updates))."""
         results, names = [], []
@@ -241,10 +344,20 @@ class FunctionBuilder:
             results.append(ResultSpec(v.type, updates, span))
             names.append(v.name)
         return Function(
-            name, tuple(self.params), tuple(results), tuple(self.ops), tuple(names), entry,
-            self.mesh.name if self.mesh is not None else None, tuple(requires), span, span,
-            (span,) * len(names), span, (span,) * len(requires),
-        )  # fmt: skip
+            name,
+            tuple(self.params),
+            tuple(results),
+            tuple(self.ops),
+            tuple(names),
+            entry,
+            self.mesh.name if self.mesh is not None else None,
+            tuple(requires),
+            span,
+            span,
+            (span,) * len(names),
+            span,
+            (span,) * len(requires),
+        )
 
 
 # --- sharding propagation: the attempts, in order ----------------------------------------------
@@ -255,11 +368,25 @@ Attempt = Callable[
 ]
 
 
-def _as_given(b: FunctionBuilder, d: OpDef, xs: list[Value], attrs: Mapping[str, Attr], declared: Sequence[TensorType], span: SourceSpan) -> list[Value] | None:  # fmt: skip
+def _as_given(
+    b: FunctionBuilder,
+    d: OpDef,
+    xs: list[Value],
+    attrs: Mapping[str, Attr],
+    declared: Sequence[TensorType],
+    span: SourceSpan,
+) -> list[Value] | None:
     return xs
 
 
-def _completed(b: FunctionBuilder, d: OpDef, xs: list[Value], attrs: Mapping[str, Attr], declared: Sequence[TensorType], span: SourceSpan) -> list[Value] | None:  # fmt: skip
+def _completed(
+    b: FunctionBuilder,
+    d: OpDef,
+    xs: list[Value],
+    attrs: Mapping[str, Attr],
+    declared: Sequence[TensorType],
+    span: SourceSpan,
+) -> list[Value] | None:
     if all(x.type.layout.partial is None for x in xs):
         return None
     return [b.complete(x, span=span) for x in xs]
@@ -270,7 +397,14 @@ def _most_sharded(xs: Sequence[Value]) -> Layout:
     return complete_layout(best.type.layout)
 
 
-def _common_layout(b: FunctionBuilder, d: OpDef, xs: list[Value], attrs: Mapping[str, Attr], declared: Sequence[TensorType], span: SourceSpan) -> list[Value] | None:  # fmt: skip
+def _common_layout(
+    b: FunctionBuilder,
+    d: OpDef,
+    xs: list[Value],
+    attrs: Mapping[str, Attr],
+    declared: Sequence[TensorType],
+    span: SourceSpan,
+) -> list[Value] | None:
     """Elementwise ops: every operand in the layout of the most sharded one. A pending sum
     stays pending where the op is linear in it and the other operands share its dims."""
     if not d.has(Trait.ELEMENTWISE) or len({x.type.shape for x in xs}) != 1:
@@ -279,14 +413,27 @@ def _common_layout(b: FunctionBuilder, d: OpDef, xs: list[Value], attrs: Mapping
     return [b.to_layout(b.complete(x, span=span), target, span=span) for x in xs]
 
 
-def _matmul_aligned(b: FunctionBuilder, d: OpDef, xs: list[Value], attrs: Mapping[str, Attr], declared: Sequence[TensorType], span: SourceSpan) -> list[Value] | None:  # fmt: skip
+def _matmul_aligned(
+    b: FunctionBuilder,
+    d: OpDef,
+    xs: list[Value],
+    attrs: Mapping[str, Attr],
+    declared: Sequence[TensorType],
+    span: SourceSpan,
+) -> list[Value] | None:
     """matmul: batch dims and the contracted dim of the rhs as the lhs has them; the rhs's N
     keeps its axes unless the lhs already uses them."""
     if d.name != "matmul" or len(xs) != 2 or min(x.type.rank for x in xs) < 2:
         return None
-    lhs = b.complete(xs[0], span=span) if xs[0].type.layout.partial and xs[1].type.layout.partial else xs[0]  # fmt: skip
+    lhs = (
+        b.complete(xs[0], span=span)
+        if xs[0].type.layout.partial and xs[1].type.layout.partial
+        else xs[0]
+    )
     ld = lhs.type.layout.dims
-    used = {a for dims in ld for a in dims} | set(lhs.type.layout.partial.axes if lhs.type.layout.partial else ())  # fmt: skip
+    used = {a for dims in ld for a in dims} | set(
+        lhs.type.layout.partial.axes if lhs.type.layout.partial else ()
+    )
     rhs = b.complete(xs[1], span=span) if lhs.type.layout.partial else xs[1]
     rd = rhs.type.layout.dims
     n_axes = tuple(a for a in rd[-1] if a not in used)
@@ -300,7 +447,14 @@ def _matmul_aligned(b: FunctionBuilder, d: OpDef, xs: list[Value], attrs: Mappin
     return [lhs, b.to_layout(rhs, want, span=span)]
 
 
-def _unsharded_along(b: FunctionBuilder, d: OpDef, xs: list[Value], attrs: Mapping[str, Attr], declared: Sequence[TensorType], span: SourceSpan) -> list[Value] | None:  # fmt: skip
+def _unsharded_along(
+    b: FunctionBuilder,
+    d: OpDef,
+    xs: list[Value],
+    attrs: Mapping[str, Attr],
+    declared: Sequence[TensorType],
+    span: SourceSpan,
+) -> list[Value] | None:
     """Ops that work along a dim (``dim``, or the last dim for ``layer_norm``): that dim
     unsharded in every operand of full rank, pending sums completed."""
     dims: list[int] = []
@@ -311,7 +465,11 @@ def _unsharded_along(b: FunctionBuilder, d: OpDef, xs: list[Value], attrs: Mappi
     if d.name == "slice" and xs:  # the dims the box cuts
         start, limit = attrs.get("start"), attrs.get("limit")
         if isinstance(start, tuple) and isinstance(limit, tuple):
-            dims += [i for i, (a, b, n) in enumerate(zip(start, limit, xs[0].type.shape, strict=False)) if (a, b) != (0, n)]  # fmt: skip
+            dims += [
+                i
+                for i, (a, b, n) in enumerate(zip(start, limit, xs[0].type.shape, strict=False))
+                if (a, b) != (0, n)
+            ]
     if not dims:
         return None
     out = []
@@ -325,12 +483,24 @@ def _unsharded_along(b: FunctionBuilder, d: OpDef, xs: list[Value], attrs: Mappi
     return out
 
 
-def _replicated(b: FunctionBuilder, d: OpDef, xs: list[Value], attrs: Mapping[str, Attr], declared: Sequence[TensorType], span: SourceSpan) -> list[Value] | None:  # fmt: skip
+def _replicated(
+    b: FunctionBuilder,
+    d: OpDef,
+    xs: list[Value],
+    attrs: Mapping[str, Attr],
+    declared: Sequence[TensorType],
+    span: SourceSpan,
+) -> list[Value] | None:
     if all(x.type.layout.is_replicated and x.type.layout.partial is None for x in xs):
         return None
     return [b.to_layout(x, Layout.replicated(x.type.rank), span=span) for x in xs]
 
 
 _ATTEMPTS: tuple[Attempt, ...] = (
-    _as_given, _completed, _common_layout, _matmul_aligned, _unsharded_along, _replicated,
-)  # fmt: skip
+    _as_given,
+    _completed,
+    _common_layout,
+    _matmul_aligned,
+    _unsharded_along,
+    _replicated,
+)

@@ -215,8 +215,14 @@ def build_op(
     ttext = group(tg)
     tcol = start(tg) + 1
     return new_op(
-        fast.name, (result,), (parse_type(ttext, lineno, tcol),), tuple(operands), tuple(attrs),
+        fast.name,
+        (result,),
+        (parse_type(ttext, lineno, tcol),),
+        tuple(operands),
+        tuple(attrs),
         _span(SourceSpan, (file, lineno, ncol, len(fast.name))),
-        (_span(SourceSpan, (file, lineno, rcol, len(result))),), tuple(operand_spans),
-        (_span(SourceSpan, (file, lineno, tcol, len(ttext))),), tuple(attr_spans),
-    )  # fmt: skip
+        (_span(SourceSpan, (file, lineno, rcol, len(result))),),
+        tuple(operand_spans),
+        (_span(SourceSpan, (file, lineno, tcol, len(ttext))),),
+        tuple(attr_spans),
+    )

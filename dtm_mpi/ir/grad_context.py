@@ -58,7 +58,9 @@ class GradContext:
 
     # --- emitting --------------------------------------------------------------------------
 
-    def apply(self, name: str, *xs: Value, declared: Sequence[TensorType] = (), **attrs: Attr) -> Value:  # fmt: skip
+    def apply(
+        self, name: str, *xs: Value, declared: Sequence[TensorType] = (), **attrs: Attr
+    ) -> Value:
         return self.b.apply1(name, list(xs), attrs, declared, span=self.span, hint="g")
 
     def add(self, a: Value, b: Value) -> Value:

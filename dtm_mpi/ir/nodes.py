@@ -10,9 +10,18 @@ from dtm_mpi.errors import SourceSpan
 from dtm_mpi.ir.types import TensorType
 
 __all__ = [
-    "Attr", "Function", "Init", "InitKind", "Mesh", "Module", "Op", "Param", "ResultSpec",
-    "NO_SPAN", "new_op",
-]  # fmt: skip
+    "Attr",
+    "Function",
+    "Init",
+    "InitKind",
+    "Mesh",
+    "Module",
+    "Op",
+    "Param",
+    "ResultSpec",
+    "NO_SPAN",
+    "new_op",
+]
 
 NO_SPAN = SourceSpan("<none>", 0, 0)
 
@@ -99,13 +108,31 @@ class Op:
 
 
 _OP_FIELDS = (
-    "name", "results", "result_types", "operands", "attrs", "span", "result_spans",
-    "operand_spans", "type_spans", "attr_spans",
-)  # fmt: skip
+    "name",
+    "results",
+    "result_types",
+    "operands",
+    "attrs",
+    "span",
+    "result_spans",
+    "operand_spans",
+    "type_spans",
+    "attr_spans",
+)
 assert tuple(f.name for f in fields(Op)) == _OP_FIELDS, "new_op must list Op's fields in order"
 _NEW = object.__new__
-(_s_name, _s_results, _s_rtypes, _s_operands, _s_attrs, _s_span, _s_rspans, _s_ospans,
- _s_tspans, _s_aspans) = (getattr(Op, f).__set__ for f in _OP_FIELDS)  # fmt: skip
+(
+    _s_name,
+    _s_results,
+    _s_rtypes,
+    _s_operands,
+    _s_attrs,
+    _s_span,
+    _s_rspans,
+    _s_ospans,
+    _s_tspans,
+    _s_aspans,
+) = (getattr(Op, f).__set__ for f in _OP_FIELDS)
 
 
 def new_op(

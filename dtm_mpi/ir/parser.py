@@ -321,10 +321,20 @@ class _Parser:
                     break
         self.expect("}", "'}' closing the function after 'return'")
         return Function(
-            name_tok[1][1:], tuple(params), tuple(results), tuple(body), tuple(returns),
-            entry, mesh, tuple(requires), self.span(start if entry else name_tok),
-            self.span(ret_tok), tuple(ret_spans), mesh_span, tuple(req_spans),
-        )  # fmt: skip
+            name_tok[1][1:],
+            tuple(params),
+            tuple(results),
+            tuple(body),
+            tuple(returns),
+            entry,
+            mesh,
+            tuple(requires),
+            self.span(start if entry else name_tok),
+            self.span(ret_tok),
+            tuple(ret_spans),
+            mesh_span,
+            tuple(req_spans),
+        )
 
     def param(self) -> Param:
         state = self.accept("state")
@@ -417,10 +427,17 @@ class _Parser:
                     f"{len(results)} result name(s) but {len(types)} result type(s)", name_tok
                 )
         return Op(
-            name_tok[1], tuple(results), tuple(types), tuple(operands), tuple(attrs),
-            self.span(name_tok), tuple(result_spans), tuple(operand_spans), tuple(type_spans),
+            name_tok[1],
+            tuple(results),
+            tuple(types),
+            tuple(operands),
+            tuple(attrs),
+            self.span(name_tok),
+            tuple(result_spans),
+            tuple(operand_spans),
+            tuple(type_spans),
             tuple(attr_spans),
-        )  # fmt: skip
+        )
 
     def elems(
         self,

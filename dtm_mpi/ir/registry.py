@@ -310,10 +310,23 @@ def register_op(
         assert Trait.FUSIBLE not in traits or Trait.ELEMENTWISE in traits, name
         assert kind is OpKind.LOCAL or not traits, f"{name}: traits are for local ops"
         OPS[name] = OpDef(
-            name, elems, results, infer, reference, capability, doc, kind, frozenset(traits),
-            frozenset(linear_in), c_expr, array_fn, plan_check, grad,
-            exact_attrs=not _has_inexact(elems), since=since,
-        )  # fmt: skip
+            name,
+            elems,
+            results,
+            infer,
+            reference,
+            capability,
+            doc,
+            kind,
+            frozenset(traits),
+            frozenset(linear_in),
+            c_expr,
+            array_fn,
+            plan_check,
+            grad,
+            exact_attrs=not _has_inexact(elems),
+            since=since,
+        )
         return infer
 
     return deco

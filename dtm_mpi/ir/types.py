@@ -53,14 +53,27 @@ class DType(enum.Enum):
 _FLOATS = frozenset({DType.F16, DType.BF16, DType.F32, DType.F64})
 _INTS = frozenset({DType.I8, DType.I32, DType.I64, DType.U8})
 _ITEMSIZE = {
-    DType.F16: 2, DType.BF16: 2, DType.F32: 4, DType.F64: 8,
-    DType.I8: 1, DType.I32: 4, DType.I64: 8, DType.U8: 1, DType.BOOL: 1,
-}  # fmt: skip
+    DType.F16: 2,
+    DType.BF16: 2,
+    DType.F32: 4,
+    DType.F64: 8,
+    DType.I8: 1,
+    DType.I32: 4,
+    DType.I64: 8,
+    DType.U8: 1,
+    DType.BOOL: 1,
+}
 _NUMPY_NAME = {
-    DType.F16: "float16", DType.BF16: "uint16", DType.F32: "float32", DType.F64: "float64",
-    DType.I8: "int8", DType.I32: "int32", DType.I64: "int64", DType.U8: "uint8",
+    DType.F16: "float16",
+    DType.BF16: "uint16",
+    DType.F32: "float32",
+    DType.F64: "float64",
+    DType.I8: "int8",
+    DType.I32: "int32",
+    DType.I64: "int64",
+    DType.U8: "uint8",
     DType.BOOL: "bool",
-}  # fmt: skip
+}
 DTYPE_NAMES = tuple(d.value for d in DType)
 
 

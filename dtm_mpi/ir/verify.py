@@ -248,7 +248,10 @@ def _verify_function(module: Module, f: Function) -> None:
                 layout_ok.add(id(t))
         if opdef.since > module.version:
             v, m = ".".join(map(str, opdef.since)), ".".join(map(str, module.version))
-            raise _err(f"{op.name} is new in IR dtm {v}; this module declares dtm {m} (write 'dtm {v}' in its header)", op.span)  # fmt: skip
+            raise _err(
+                f"{op.name} is new in IR dtm {v}; this module declares dtm {m} (write 'dtm {v}' in its header)",
+                op.span,
+            )
         if opdef.capability is not None and opdef.capability not in f.requires:
             raise _err(
                 f"{op.name} needs capability {opdef.capability}; declare it on @{f.name} with "

@@ -96,21 +96,28 @@ def probe_devices() -> DeviceProbe:
         version = int(runtime.runtimeGetVersion())
     except Exception as exc:
         return DeviceProbe(
-            cupy_version=str(cupy.__version__), vendor=vendor,
+            cupy_version=str(cupy.__version__),
+            vendor=vendor,
             device_error=f"the {vendor.upper()} runtime is unusable: {type(exc).__name__}: {exc}",
             visible=visible,
-        )  # fmt: skip
+        )
     try:
         count = int(runtime.getDeviceCount())
     except Exception as exc:  # no driver, no device, or a driver too old for the runtime
         return DeviceProbe(
-            cupy_version=str(cupy.__version__), vendor=vendor, runtime_version=version,
-            device_error=f"{type(exc).__name__}: {exc}", visible=visible,
-        )  # fmt: skip
+            cupy_version=str(cupy.__version__),
+            vendor=vendor,
+            runtime_version=version,
+            device_error=f"{type(exc).__name__}: {exc}",
+            visible=visible,
+        )
     return DeviceProbe(
-        cupy_version=str(cupy.__version__), vendor=vendor, runtime_version=version,
-        devices=count, visible=visible,
-    )  # fmt: skip
+        cupy_version=str(cupy.__version__),
+        vendor=vendor,
+        runtime_version=version,
+        devices=count,
+        visible=visible,
+    )
 
 
 def backend_problem(kind: BackendKind, probe: DeviceProbe) -> str | None:

@@ -83,7 +83,7 @@ def _row_kernel(dtype: Any, dims: Sequence[int], ndim: int) -> bool:
 
 
 # -- elementwise -------------------------------------------------------------------------------
-def _elementwise_placement(op: str, dtypes: Sequence[Any], attrs: dict[str, Any], rank: int) -> str:  # fmt: skip
+def _elementwise_placement(op: str, dtypes: Sequence[Any], attrs: dict[str, Any], rank: int) -> str:
     return "generated kernel" if _generated(dtypes) else "CuPy"
 
 
@@ -111,8 +111,14 @@ for _name in sorted(ops_with(Trait.FUSIBLE)):
 @_register("compare")
 def _compare(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
     cp = _cp()
-    fn = {"lt": cp.less, "le": cp.less_equal, "gt": cp.greater, "ge": cp.greater_equal,
-          "eq": cp.equal, "ne": cp.not_equal}[str(ctx.op.attr("pred"))]  # fmt: skip
+    fn = {
+        "lt": cp.less,
+        "le": cp.less_equal,
+        "gt": cp.greater,
+        "ge": cp.greater_equal,
+        "eq": cp.equal,
+        "ne": cp.not_equal,
+    }[str(ctx.op.attr("pred"))]
     return (fn(xs[0], xs[1]),)
 
 
@@ -132,7 +138,7 @@ def _matmul(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
 
 
 # -- normalisations and reductions -------------------------------------------------------------
-def _softmax_placement(op: str, dtypes: Sequence[Any], attrs: dict[str, Any], rank: int) -> str:  # fmt: skip
+def _softmax_placement(op: str, dtypes: Sequence[Any], attrs: dict[str, Any], rank: int) -> str:
     dim = int(attrs.get("dim", -1)) % max(rank, 1)
     return "RawKernel softmax.cu" + ("" if dim == rank - 1 else " (moved to the last dim)")
 
@@ -163,7 +169,7 @@ def _layer_norm(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
     return (launch.layer_norm(x, gamma, beta, float(ctx.op.attr("eps"))),)  # type: ignore[arg-type]
 
 
-def _reduction_placement(op: str, dtypes: Sequence[Any], attrs: dict[str, Any], rank: int) -> str:  # fmt: skip
+def _reduction_placement(op: str, dtypes: Sequence[Any], attrs: dict[str, Any], rank: int) -> str:
     dims = tuple(int(d) % max(rank, 1) for d in attrs.get("dims", ()))
     row = bool(dtypes) and _row_kernel(dtypes[0], dims, rank)
     return "RawKernel row_reduce.cu" if row else "CuPy"
@@ -186,7 +192,13 @@ def _reduction(name: str) -> None:
             return (y.astype(out, copy=False),)
         if name in ("sum", "mean"):
             total = cp.sum(x, axis=dims, keepdims=keep)
-            value = total / count if (name == "mean" and count) else total * np.nan if name == "mean" else total  # fmt: skip
+            value = (
+                total / count
+                if (name == "mean" and count)
+                else total * np.nan
+                if name == "mean"
+                else total
+            )
             return (value.astype(out, copy=False),)
         if x.size == 0:  # an empty block: the reduction's identity (CuPy refuses size 0)
             shape = tuple(ctx.local_shapes[0])
@@ -270,8 +282,14 @@ def _split3(shape: Sequence[int], d: int, k: int) -> tuple[int, int, int]:
     return pre, math.prod(shape[d : d + k]), math.prod(shape[d + k :])
 
 
-def _index_placement(op: str, dtypes: Sequence[np.dtype[Any]], attrs: dict[str, Any], rank: int) -> str:  # fmt: skip
-    return "RawKernel take.cu" if dtypes and dtypes[0] in launch.SUFFIX else "host (integer rows), uploaded each step"  # fmt: skip
+def _index_placement(
+    op: str, dtypes: Sequence[np.dtype[Any]], attrs: dict[str, Any], rank: int
+) -> str:
+    return (
+        "RawKernel take.cu"
+        if dtypes and dtypes[0] in launch.SUFFIX
+        else "host (integer rows), uploaded each step"
+    )
 
 
 def _on_host(name: str, ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
@@ -289,7 +307,11 @@ def _take(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
     if np.dtype(x.dtype) not in launch.SUFFIX:
         return _on_host("take", ctx, xs)
     flat = _checked_indices("take", idx, ctx.operand_types[0].shape[d], d, ctx.operand_offsets[1])
-    x3 = x.reshape(_split3(x.shape, d, 1)) if x.flags.c_contiguous else _owned(x).reshape(_split3(x.shape, d, 1))  # fmt: skip
+    x3 = (
+        x.reshape(_split3(x.shape, d, 1))
+        if x.flags.c_contiguous
+        else _owned(x).reshape(_split3(x.shape, d, 1))
+    )
     y = launch.take_rows(x3, flat, ctx.operand_offsets[0][d])
     return (y.reshape(ctx.local_shapes[0]),)
 
@@ -302,13 +324,19 @@ def _scatter_add(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
     if np.dtype(u.dtype) not in launch.SUFFIX:
         return _on_host("scatter_add", ctx, xs)
     lo, n = ctx.offsets[0][d], ctx.local_shapes[0][d]
-    flat = _checked_indices("scatter_add", idx, ctx.result_types[0].shape[d], d, ctx.operand_offsets[1])  # fmt: skip
+    flat = _checked_indices(
+        "scatter_add", idx, ctx.result_types[0].shape[d], d, ctx.operand_offsets[1]
+    )
     rows = cp.nonzero((flat >= lo) & (flat < lo + n))[0]  # ascending: the updates' order
     keys = flat[rows] - lo
     order = cp.argsort(keys, kind="stable")
     perm = rows[order]
     starts = cp.searchsorted(keys[order], cp.arange(n + 1, dtype=np.int64))
-    u3 = u.reshape(_split3(u.shape, d, idx.ndim)) if u.flags.c_contiguous else _owned(u).reshape(_split3(u.shape, d, idx.ndim))  # fmt: skip
+    u3 = (
+        u.reshape(_split3(u.shape, d, idx.ndim))
+        if u.flags.c_contiguous
+        else _owned(u).reshape(_split3(u.shape, d, idx.ndim))
+    )
     y = launch.scatter_rows(u3, perm, starts, n)
     return (y.reshape(ctx.local_shapes[0]),)
 
@@ -333,7 +361,12 @@ def _uploaded(name: str, steady: bool) -> None:
         return outs
 
 
-for _name, _steady in (("iota", True), ("constant", True), ("random", False), ("step_index", False)):  # fmt: skip
+for _name, _steady in (
+    ("iota", True),
+    ("constant", True),
+    ("random", False),
+    ("step_index", False),
+):
     _uploaded(_name, _steady)
 
 
@@ -344,7 +377,9 @@ def covered(ops: Sequence[str]) -> list[str]:
     return [o for o in ops if o not in COMM_OPS and not has_kernel("cuda", o)]
 
 
-def placement(op: str, operand_dtypes: Sequence[np.dtype[Any]], attrs: dict[str, Any], rank: int) -> str:  # fmt: skip
+def placement(
+    op: str, operand_dtypes: Sequence[np.dtype[Any]], attrs: dict[str, Any], rank: int
+) -> str:
     """Where the GPU backends run ``op`` (pure): the placement rule its kernel registered
     above -- ``RawKernel <file>``, ``generated kernel``, ``cuBLAS``, ``CuPy`` or ``host,
     uploaded``. ``rank``: the operand's rank; ``attrs``: the op's attributes."""

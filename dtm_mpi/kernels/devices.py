@@ -107,7 +107,14 @@ class ArrayBackend:
 
         return self.ops is not None and get_config().fuse
 
-    def run_fused(self, expr: Any, lastdim: Sequence[bool], xs: Sequence[Any], dtype: Any, shape: tuple[int, ...]) -> Any:  # fmt: skip
+    def run_fused(
+        self,
+        expr: Any,
+        lastdim: Sequence[bool],
+        xs: Sequence[Any],
+        dtype: Any,
+        shape: tuple[int, ...],
+    ) -> Any:
         """One generated kernel computing ``expr`` over ``xs`` (inputs flagged ``lastdim`` are
         vectors broadcast along the last dim)."""
         from dtm_mpi.kernels import launch

@@ -124,7 +124,9 @@ def _scale_back(levels: Arr, e: Arr, w: int, first: int) -> tuple[Arr, Arr]:
     hi = np.zeros(levels.shape[1:], dtype=np.float64)
     lo = np.zeros_like(hi)
     for level in range(levels.shape[0] - 1, -1, -1):
-        term = np.ldexp(levels[level].astype(np.float64), (e - (level + first) * w).astype(np.int32))  # fmt: skip
+        term = np.ldexp(
+            levels[level].astype(np.float64), (e - (level + first) * w).astype(np.int32)
+        )
         hi, err = _two_sum(hi, term)
         lo = lo + err
     return _two_sum(hi, lo)
@@ -278,15 +280,25 @@ def _matmul_specials(a: Arr, b: Arr) -> Arr:
     def ind(x: Arr) -> dict[str, Arr]:
         v = np.asarray(x, np.float64)
         with np.errstate(invalid="ignore"):
-            return {"pi": (v == np.inf) * 1.0, "ni": (v == -np.inf) * 1.0, "nan": np.isnan(v) * 1.0,
-                    "p": (v > 0) * 1.0, "n": (v < 0) * 1.0, "z": (v == 0) * 1.0}  # fmt: skip
+            return {
+                "pi": (v == np.inf) * 1.0,
+                "ni": (v == -np.inf) * 1.0,
+                "nan": np.isnan(v) * 1.0,
+                "p": (v > 0) * 1.0,
+                "n": (v < 0) * 1.0,
+                "z": (v == 0) * 1.0,
+            }
 
     x, y = ind(a), ind(b)
     mm = np.matmul
     pos = mm(x["pi"], y["p"]) + mm(x["ni"], y["n"]) + mm(x["p"], y["pi"]) + mm(x["n"], y["ni"])
     neg = mm(x["pi"], y["n"]) + mm(x["ni"], y["p"]) + mm(x["p"], y["ni"]) + mm(x["n"], y["pi"])
-    nan = (mm(x["nan"], np.ones_like(y["nan"])) + mm(np.ones_like(x["nan"]), y["nan"])
-           + mm(x["pi"] + x["ni"], y["z"]) + mm(x["z"], y["pi"] + y["ni"]))  # fmt: skip
+    nan = (
+        mm(x["nan"], np.ones_like(y["nan"]))
+        + mm(np.ones_like(x["nan"]), y["nan"])
+        + mm(x["pi"] + x["ni"], y["z"])
+        + mm(x["z"], y["pi"] + y["ni"])
+    )
     return np.stack([pos, neg, nan]).astype(np.int64)
 
 
@@ -338,7 +350,11 @@ def _sum_levels(ctx: KernelContext, xs: Sequence[Arr], exps: Arr) -> Levels:
 
 def _special_terms(v: Arr) -> tuple[Arr, Arr, Arr]:
     """Which values are +inf, -inf and NaN (int64 0/1)."""
-    return ((v == np.inf).astype(np.int64), (v == -np.inf).astype(np.int64), np.isnan(v).astype(np.int64))  # fmt: skip
+    return (
+        (v == np.inf).astype(np.int64),
+        (v == -np.inf).astype(np.int64),
+        np.isnan(v).astype(np.int64),
+    )
 
 
 def _sum_finish(ctx: KernelContext, got: Levels, exps: Arr) -> Arr:

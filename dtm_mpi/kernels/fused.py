@@ -23,8 +23,11 @@ from dtm_mpi.ir.registry import Trait, lookup_op
 
 __all__ = ["CTYPES", "Expr", "FusedInput", "fused_name", "fused_source"]
 
-CTYPES = {np.dtype(np.float16): "__half", np.dtype(np.float32): "float",
-          np.dtype(np.float64): "double"}  # fmt: skip
+CTYPES = {
+    np.dtype(np.float16): "__half",
+    np.dtype(np.float32): "float",
+    np.dtype(np.float64): "double",
+}
 """The storage types the generated kernels take (f16 computes in float, f64 in double)."""
 
 
@@ -73,12 +76,16 @@ def fused_source(
     out = np.dtype(out)
     for k, i in enumerate(inputs):
         if np.dtype(i.dtype) not in CTYPES:
-            raise KernelError(f"fused input {k} has dtype {i.dtype}; only f16/f32/f64 are generated")  # fmt: skip
+            raise KernelError(
+                f"fused input {k} has dtype {i.dtype}; only f16/f32/f64 are generated"
+            )
     if out not in CTYPES:
         raise KernelError(f"fused output dtype {out}; only f16/f32/f64 are generated")
     name = fused_name(expr, inputs, out)
     acc = _acc([np.dtype(i.dtype) for i in inputs] + [out])
-    params = [f"const {CTYPES[np.dtype(i.dtype)]}* __restrict__ in{k}" for k, i in enumerate(inputs)]  # fmt: skip
+    params = [
+        f"const {CTYPES[np.dtype(i.dtype)]}* __restrict__ in{k}" for k, i in enumerate(inputs)
+    ]
     params.append(f"{CTYPES[out]}* __restrict__ out0")
     loads = " ".join(
         f"const {acc} v{k} = ({acc})dtm_load(in{k} + {'(i % cols)' if i.lastdim else 'i'});"

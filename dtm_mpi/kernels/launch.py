@@ -55,7 +55,9 @@ def _cp() -> Any:
 
 
 def unsupported(op: str, x: Arr) -> KernelError:
-    return KernelError(f"the GPU kernel of {op} takes f16/f32/f64 (bf16 is held as f32); got {x.dtype}")  # fmt: skip
+    return KernelError(
+        f"the GPU kernel of {op} takes f16/f32/f64 (bf16 is held as f32); got {x.dtype}"
+    )
 
 
 def _module(key: str, code: str) -> Any:
@@ -98,8 +100,14 @@ def _out(out: Arr | None, shape: tuple[int, ...], dtype: Any) -> Arr:
     cp = _cp()
     if out is None:
         return cp.empty(shape, dtype=dtype)
-    if tuple(out.shape) != tuple(shape) or np.dtype(out.dtype) != np.dtype(dtype) or not out.flags.c_contiguous:  # fmt: skip
-        raise KernelError(f"out must be C-contiguous {np.dtype(dtype)}{list(shape)}; got {out.dtype}{list(out.shape)}")  # fmt: skip
+    if (
+        tuple(out.shape) != tuple(shape)
+        or np.dtype(out.dtype) != np.dtype(dtype)
+        or not out.flags.c_contiguous
+    ):
+        raise KernelError(
+            f"out must be C-contiguous {np.dtype(dtype)}{list(shape)}; got {out.dtype}{list(out.shape)}"
+        )
     return out
 
 
@@ -139,7 +147,11 @@ def layer_norm(x: Arr, gamma: Arr, beta: Arr, eps: float, *, out: Arr | None = N
     y = _out(out, tuple(x.shape), x.dtype)
     if rows and cols:
         fn = function("layer_norm.cu", f"dtm_layer_norm_{sfx}")
-        fn((_grid(rows),), (THREADS,), (x, g, b, y, np.int64(rows), np.int64(cols), np.float64(eps)))  # fmt: skip
+        fn(
+            (_grid(rows),),
+            (THREADS,),
+            (x, g, b, y, np.int64(rows), np.int64(cols), np.float64(eps)),
+        )
     return y
 
 
@@ -182,7 +194,11 @@ def quantize(x: Arr, block: int, *, out: tuple[Arr, Arr] | None = None) -> tuple
     s = _out(None if out is None else out[1], (nblocks,), np.float32)
     if nblocks:
         fn = function("quant.cu", f"dtm_quantize_{sfx}")
-        fn((_grid(nblocks, THREADS // _warp()),), (THREADS,), (x, q, s, np.int64(nblocks), np.int32(block)))  # fmt: skip
+        fn(
+            (_grid(nblocks, THREADS // _warp()),),
+            (THREADS,),
+            (x, q, s, np.int64(nblocks), np.int32(block)),
+        )
     return q, s
 
 
@@ -202,9 +218,14 @@ def dequantize(q: Arr, scales: Arr, block: int, dtype: Any, *, out: Arr | None =
 
 
 def fused(
-    expr: Expr, inputs: Sequence[FusedInput], xs: Sequence[Arr], dtype: Any,
-    shape: Sequence[int], *, out: Arr | None = None,
-) -> Arr:  # fmt: skip
+    expr: Expr,
+    inputs: Sequence[FusedInput],
+    xs: Sequence[Arr],
+    dtype: Any,
+    shape: Sequence[int],
+    *,
+    out: Arr | None = None,
+) -> Arr:
     """``expr`` over the arrays ``xs`` (described by ``inputs``) elementwise, as ``dtype``."""
     cp = _cp()
     dtype = np.dtype(dtype)
@@ -249,7 +270,11 @@ def take_rows(x: Arr, idx: Arr, lo: int, *, out: Arr | None = None) -> Arr:
     y = _out(out, (pre, k, post), x.dtype)
     if y.size:
         fn = function("take.cu", f"dtm_take_rows_{sfx}")
-        fn((_grid(y.size, THREADS),), (THREADS,), (x, i, y, np.int64(pre), np.int64(n), np.int64(k), np.int64(post), np.int64(lo)))  # fmt: skip
+        fn(
+            (_grid(y.size, THREADS),),
+            (THREADS,),
+            (x, i, y, np.int64(pre), np.int64(n), np.int64(k), np.int64(post), np.int64(lo)),
+        )
     return y
 
 
@@ -266,5 +291,9 @@ def scatter_rows(u: Arr, perm: Arr, starts: Arr, n: int, *, out: Arr | None = No
     y = _out(out, (pre, n, post), u.dtype)
     if y.size:
         fn = function("take.cu", f"dtm_scatter_rows_{sfx}")
-        fn((_grid(y.size, THREADS),), (THREADS,), (u, p, st, y, np.int64(pre), np.int64(n), np.int64(k), np.int64(post)))  # fmt: skip
+        fn(
+            (_grid(y.size, THREADS),),
+            (THREADS,),
+            (u, p, st, y, np.int64(pre), np.int64(n), np.int64(k), np.int64(post)),
+        )
     return y

@@ -160,7 +160,10 @@ def function_cost(plan: ExecPlan, fp: FunctionPlan) -> FunctionCost:
         if bucket is None:
             traffic = [_traffic(p, plan, r, operand) for r in ranks]
         else:  # the bucket's one message, at its first member
-            traffic = [_bucket_traffic(bucket, fp, plan, r) if len(ops) == min(bucket.members) else (0, 0) for r in ranks]  # fmt: skip
+            traffic = [
+                _bucket_traffic(bucket, fp, plan, r) if len(ops) == min(bucket.members) else (0, 0)
+                for r in ranks
+            ]
         during = []
         for r in ranks:
             new = sum(local_bytes(t, mesh, r) for t in op.result_types)
@@ -179,18 +182,29 @@ def function_cost(plan: ExecPlan, fp: FunctionPlan) -> FunctionCost:
                     live[r] -= local_bytes(freed, mesh, r)
         comm = _comm_of(p, plan)
         if bucket is not None:  # one allreduce for the bucket, at its first member
-            comm = tuple(f"{c} (bucket of {len(bucket.members)}: ops {', '.join(map(str, bucket.members))}; in flight over ops {bucket.start}-{bucket.finish - 1})" for c in comm)  # fmt: skip
+            comm = tuple(
+                f"{c} (bucket of {len(bucket.members)}: ops {', '.join(map(str, bucket.members))}; in flight over ops {bucket.start}-{bucket.finish - 1})"
+                for c in comm
+            )
         for c in comm:
             kind = c.split(" ")[0]
             if bucket is None or len(ops) == min(bucket.members):
                 counts[kind] = counts.get(kind, 0) + 1
         ops.append(
             OpCost(
-                p, shapes, comm, tuple(t[0] for t in traffic), tuple(t[1] for t in traffic),
+                p,
+                shapes,
+                comm,
+                tuple(t[0] for t in traffic),
+                tuple(t[1] for t in traffic),
                 tuple(during),
             )
-        )  # fmt: skip
+        )
     return FunctionCost(
-        tuple(ops), tuple(peak), tuple(sent), tuple(received), tuple(sorted(counts.items())),
+        tuple(ops),
+        tuple(peak),
+        tuple(sent),
+        tuple(received),
+        tuple(sorted(counts.items())),
         tuple(retained),
-    )  # fmt: skip
+    )

@@ -54,9 +54,17 @@ def _function_lines(plan: ExecPlan, name: str, cost: FunctionCost) -> list[str]:
             [f"{human_bytes(s)}/{human_bytes(r)}" for s, r in zip(c.sent, c.received, strict=True)]
         )
         rows.append(
-            [str(i), str(op.span.line), op.name, result, shapes, "; ".join(c.comm) or "-",
-             moved if any(c.sent) or any(c.received) else "-", per_rank([human_bytes(b) for b in c.live])]
-        )  # fmt: skip
+            [
+                str(i),
+                str(op.span.line),
+                op.name,
+                result,
+                shapes,
+                "; ".join(c.comm) or "-",
+                moved if any(c.sent) or any(c.received) else "-",
+                per_rank([human_bytes(b) for b in c.live]),
+            ]
+        )
     return [f"function @{name}", *("  " + line for line in _table(rows))]
 
 
@@ -69,10 +77,16 @@ def _overlap_lines(plan: ExecPlan) -> list[str]:
             after = fp.ops[b.start - 1].op.name if b.start > 0 else "the start"
             before = fp.ops[b.finish].op.name if b.finish < len(fp.ops) else "the return"
             busy = sum(1 for j in b.overlapped if j not in b.members)
-            out.append(f"  @{name} bucket {i}: allreduce {b.op.value} on {','.join(b.axes)} of {names} ({human_bytes(b.nbytes)}): starts after op {b.start - 1} ({after}), completes before op {b.finish} ({before}); {busy} ops run meanwhile")  # fmt: skip
+            out.append(
+                f"  @{name} bucket {i}: allreduce {b.op.value} on {','.join(b.axes)} of {names} ({human_bytes(b.nbytes)}): starts after op {b.start - 1} ({after}), completes before op {b.finish} ({before}); {busy} ops run meanwhile"
+            )
     if not out:
         return []
-    return ["overlapped allreduces (DTM_OVERLAP=1: started when ready on a side thread, completed when needed):", *out, ""]  # fmt: skip
+    return [
+        "overlapped allreduces (DTM_OVERLAP=1: started when ready on a side thread, completed when needed):",
+        *out,
+        "",
+    ]
 
 
 def explain_text(plan: ExecPlan) -> str:

@@ -83,7 +83,9 @@ def _bias_vector(op: Op, operand_type: object) -> bool:
 class _Tree:
     """One group being built from its root down: the inputs met and the ops absorbed."""
 
-    def __init__(self, fp: FunctionPlan, uses: Counter[str], taken: set[int], producer: dict[str, int]) -> None:  # fmt: skip
+    def __init__(
+        self, fp: FunctionPlan, uses: Counter[str], taken: set[int], producer: dict[str, int]
+    ) -> None:
         self.ops = fp.ops
         self.uses, self.taken = uses, taken
         self.producer = producer
@@ -147,8 +149,12 @@ def fusion_groups(fp: FunctionPlan, min_size: int = 2) -> tuple[FusedGroup, ...]
         taken.update(tree.members)
         groups.append(
             FusedGroup(
-                i, tuple(sorted(tree.members)), tuple(tree.inputs), tuple(tree.lastdim), root,
+                i,
+                tuple(sorted(tree.members)),
+                tuple(tree.inputs),
+                tuple(tree.lastdim),
+                root,
                 p.op.results[0],
             )
-        )  # fmt: skip
+        )
     return tuple(sorted(groups, key=lambda g: g.root))

@@ -56,7 +56,12 @@ def _candidate(fp: FunctionPlan, i: int) -> tuple[tuple[str, ...], ReduceOp, str
     step = p.redist.steps[0]
     t = p.op.result_types[0]
     # bf16 is not: its reduction is rounded to bf16 afterwards, op by op
-    if step.kind is not StepKind.ALLREDUCE or step.op is None or not t.dtype.is_float or t.dtype is DType.BF16:  # fmt: skip
+    if (
+        step.kind is not StepKind.ALLREDUCE
+        or step.op is None
+        or not t.dtype.is_float
+        or t.dtype is DType.BF16
+    ):
         return None
     return step.axes, step.op, t.dtype.value
 
@@ -98,7 +103,9 @@ def overlap_buckets(fp: FunctionPlan, bucket_bytes: int = BUCKET_BYTES) -> tuple
             # worth it where something runs in between other than the members themselves
             if any(j not in members for j in range(start, finish)):
                 key = open_[0][3]
-                buckets.append(Bucket(members, key[0], key[1], start, finish, sum(c[4] for c in open_)))  # fmt: skip
+                buckets.append(
+                    Bucket(members, key[0], key[1], start, finish, sum(c[4] for c in open_))
+                )
             open_.clear()
 
     for c in cands:

@@ -32,7 +32,13 @@ if TYPE_CHECKING:
     from dtm_mpi.plan.program import ExecPlan
     from dtm_mpi.runtime.policies import CheckpointPolicy
 
-__all__ = ["GatheredCheckpoints", "StoreCheckpoints", "check_resumable", "open_store", "restore_globals"]  # fmt: skip
+__all__ = [
+    "GatheredCheckpoints",
+    "StoreCheckpoints",
+    "check_resumable",
+    "open_store",
+    "restore_globals",
+]
 
 
 def _targets(module: Module) -> list[tuple[str, Any]]:
@@ -47,21 +53,31 @@ def open_store(policy: CheckpointPolicy, comm: Any) -> CheckpointStore:
     from dtm_mpi.config import get_config
     from dtm_mpi.io.checkpoint import CheckpointStore
 
-    return CheckpointStore(policy.store, comm, timeout_s=get_config().timeout_s, keep_last=policy.keep_last, quota_bytes=policy.quota)  # fmt: skip
+    return CheckpointStore(
+        policy.store,
+        comm,
+        timeout_s=get_config().timeout_s,
+        keep_last=policy.keep_last,
+        quota_bytes=policy.quota,
+    )
 
 
 def check_resumable(got: Restored, module_hash: str, steps: int) -> None:
     """Refuse to resume ``got``: another program's state, or nothing left to run."""
     if got.module_hash != module_hash:
-        raise agreed(UsageError(
-            f"{got.path} was written by module hash {got.module_hash}; this module's is "
-            f"{module_hash}: refusing to resume another program's state"
-        ))  # fmt: skip
+        raise agreed(
+            UsageError(
+                f"{got.path} was written by module hash {got.module_hash}; this module's is "
+                f"{module_hash}: refusing to resume another program's state"
+            )
+        )
     if got.step >= steps:
-        raise agreed(UsageError(
-            f"{got.path} holds the state after step {got.step}; --steps {steps} "
-            "leaves nothing to run (raise --steps)"
-        ))  # fmt: skip
+        raise agreed(
+            UsageError(
+                f"{got.path} holds the state after step {got.step}; --steps {steps} "
+                "leaves nothing to run (raise --steps)"
+            )
+        )
 
 
 def _resumed(got: Restored, module_hash: str, steps: int, *, speak: bool) -> None:
@@ -81,19 +97,31 @@ class _Saves:
     starts or the run ends; ``speak``: this rank says what was saved, ``phase(text)``: where
     it is."""
 
-    def __init__(self, policy: CheckpointPolicy, store: CheckpointStore | None, module_hash: str, *, speak: bool, phase: Callable[[str], None]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        policy: CheckpointPolicy,
+        store: CheckpointStore | None,
+        module_hash: str,
+        *,
+        speak: bool,
+        phase: Callable[[str], None],
+    ) -> None:
         self.policy, self.store, self.module_hash = policy, store, module_hash
         self.speak, self.phase = speak, phase
         self.pending: Any = None  # the save writing in the background (SaveHandle)
 
-    def _write(self, done: int, mesh: Any, items: list[tuple[Any, np.ndarray | None]], sync: bool) -> str:  # fmt: skip
+    def _write(
+        self, done: int, mesh: Any, items: list[tuple[Any, np.ndarray | None]], sync: bool
+    ) -> str:
         """Write ``items`` as the checkpoint after step ``done`` (after :meth:`finish_pending`);
         returns its path."""
         from dtm_mpi.io.store import committed_name
 
         assert self.store is not None
         if self.policy.background and not sync:  # snapshot and hashes now, the writing overlaps
-            self.pending = self.store.save_async(done, mesh, items, module_hash=self.module_hash, copy=False)  # fmt: skip
+            self.pending = self.store.save_async(
+                done, mesh, items, module_hash=self.module_hash, copy=False
+            )
             return str(self.store.path / committed_name(done))
         path = self.store.save(done, mesh, items, module_hash=self.module_hash)
         if self.speak:
@@ -119,13 +147,30 @@ class StoreCheckpoints(_Saves):
     """Under MPI: the run's state saved to and resumed from ``policy``'s store, every rank
     writing its blocks (collective methods); ``phase(text)`` names where the rank is."""
 
-    def __init__(self, comm: Any, plan: ExecPlan, policy: CheckpointPolicy, rank: int, backend: ArrayBackend, *, steps: int, fed: Sequence[str], phase: Callable[[str], None]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        comm: Any,
+        plan: ExecPlan,
+        policy: CheckpointPolicy,
+        rank: int,
+        backend: ArrayBackend,
+        *,
+        steps: int,
+        fed: Sequence[str],
+        phase: Callable[[str], None],
+    ) -> None:
         from dtm_mpi.comm import handles
         from dtm_mpi.ir.hashing import module_hash
 
         phase("checkpoint store")
         self.comm = handles.dup(comm)
-        super().__init__(policy, open_store(policy, self.comm), module_hash(plan.module), speak=rank == 0, phase=phase)  # fmt: skip
+        super().__init__(
+            policy,
+            open_store(policy, self.comm),
+            module_hash(plan.module),
+            speak=rank == 0,
+            phase=phase,
+        )
         self.plan, self.rank, self.backend = plan, rank, backend
         self.targets = _targets(plan.module)
         self.steps = steps
@@ -141,7 +186,11 @@ class StoreCheckpoints(_Saves):
         assert self.store is not None
         got = self.store.restore(self.plan.mesh, [(n, t) for n, t in self.targets if n in names])
         if self.speak:
-            shown = ", ".join(names) if len(names) <= 4 else f"{len(names)} parameters ({', '.join(names[:3])}, ...)"  # fmt: skip
+            shown = (
+                ", ".join(names)
+                if len(names) <= 4
+                else f"{len(names)} parameters ({', '.join(names[:3])}, ...)"
+            )
             say(f"{shown} from {got.path} (after step {got.step})")
         return dict(got.values)
 
@@ -170,7 +219,9 @@ class StoreCheckpoints(_Saves):
             # The runtime never writes a value in place (a step makes new arrays, and the
             # comm layer reuses a buffer only when nobody else holds it), so the snapshot
             # keeps references; a loader's arrays are the caller's, and copied.
-            items = [(spec, np.array(a, copy=True) if spec.name in self.fed else a) for spec, a in items]  # fmt: skip
+            items = [
+                (spec, np.array(a, copy=True) if spec.name in self.fed else a) for spec, a in items
+            ]
         return self._write(done, self.plan.mesh, items, sync)
 
     def close(self) -> None:
@@ -192,7 +243,9 @@ def _one_rank_mesh(module: Module) -> Any:
     return mesh_for(module, 1, None)
 
 
-def restore_globals(policy: CheckpointPolicy, module: Module, steps: int) -> tuple[dict[str, np.ndarray], int]:  # fmt: skip
+def restore_globals(
+    policy: CheckpointPolicy, module: Module, steps: int
+) -> tuple[dict[str, np.ndarray], int]:
     """A simulated run's resume, before its ranks start: the global value of every entry
     parameter from the newest checkpoint of ``policy``'s store that restores and verifies
     (written on any mesh), and its step."""
@@ -214,10 +267,19 @@ class GatheredCheckpoints(_Saves):
     process's, opened on ``MPI_COMM_SELF``; None on the other ranks) as a one-rank
     checkpoint, when and how ``policy`` says."""
 
-    def __init__(self, comm: Comm, plan: ExecPlan, policy: CheckpointPolicy, store: CheckpointStore | None, backend: ArrayBackend) -> None:  # fmt: skip
+    def __init__(
+        self,
+        comm: Comm,
+        plan: ExecPlan,
+        policy: CheckpointPolicy,
+        store: CheckpointStore | None,
+        backend: ArrayBackend,
+    ) -> None:
         from dtm_mpi.ir.hashing import module_hash
 
-        super().__init__(policy, store, module_hash(plan.module), speak=store is not None, phase=_nowhere)  # fmt: skip
+        super().__init__(
+            policy, store, module_hash(plan.module), speak=store is not None, phase=_nowhere
+        )
         self.comm, self.backend = comm, backend
         self.targets = _targets(plan.module)
         self.mesh = _one_rank_mesh(plan.module)
@@ -229,9 +291,14 @@ class GatheredCheckpoints(_Saves):
         from dtm_mpi.io.store import committed_name
         from dtm_mpi.runtime.executor import gather_to_root
 
-        values = [gather_to_root(t, self.backend.to_host(b), self.comm) for (_, t), b in zip(self.targets, blocks, strict=True)]  # fmt: skip
+        values = [
+            gather_to_root(t, self.backend.to_host(b), self.comm)
+            for (_, t), b in zip(self.targets, blocks, strict=True)
+        ]
         if self.store is None:  # not rank 0: rank 0 writes (its failure stops every rank)
             return committed_name(done)
         self.finish_pending()
-        items: list[tuple[Any, np.ndarray | None]] = [(TensorSpec(n, t), v) for (n, t), v in zip(self.targets, values, strict=True)]  # fmt: skip
+        items: list[tuple[Any, np.ndarray | None]] = [
+            (TensorSpec(n, t), v) for (n, t), v in zip(self.targets, values, strict=True)
+        ]
         return self._write(done, self.mesh, items, sync)  # (gathered arrays are new: no copy)

@@ -17,7 +17,14 @@ from dtm_mpi.kernels.dispatch import BoundKernel
 from dtm_mpi.plan.fusion import FusedGroup
 from dtm_mpi.plan.program import FunctionPlan
 
-__all__ = ["CHUNK_ELEMS", "MIN_CHUNKED_ELEMS", "Chunked", "chunkable", "chunked_chain", "run_chunked"]  # fmt: skip
+__all__ = [
+    "CHUNK_ELEMS",
+    "MIN_CHUNKED_ELEMS",
+    "Chunked",
+    "chunkable",
+    "chunked_chain",
+    "run_chunked",
+]
 
 CHUNK_ELEMS = 16384
 """Elements per chunk of a fused chain on the CPU (64 KiB of float32 per array: the
@@ -52,15 +59,19 @@ def chunkable(fp: FunctionPlan, g: FusedGroup, local_elems: int) -> bool:
         return False
     for m in g.members:
         entry = OPS[fp.ops[m].op.name]
-        if not (entry.has(Trait.ELEMENTWISE) and entry.array_fn is not None) and not entry.has(Trait.BROADCASTS):  # fmt: skip
+        if not (entry.has(Trait.ELEMENTWISE) and entry.array_fn is not None) and not entry.has(
+            Trait.BROADCASTS
+        ):
             return False
     return True
 
 
 def chunked_chain(
-    fp: FunctionPlan, g: FusedGroup, bound: Callable[[int], BoundKernel | None],
+    fp: FunctionPlan,
+    g: FusedGroup,
+    bound: Callable[[int], BoundKernel | None],
     shape: tuple[int, ...],
-) -> Chunked:  # fmt: skip
+) -> Chunked:
     """Group ``g`` as the CPU runs it (``bound(i)``: op ``i``'s bound call; ``shape``: the
     result's local shape)."""
     steps: list[ChunkStep] = []
@@ -70,10 +81,12 @@ def chunked_chain(
         broadcast = OPS[op.name].has(Trait.BROADCASTS)
         names = (op.operands[0],) if broadcast else op.operands
         call = None if broadcast else bound(m)  # a bias: aliased
-        steps.append((call, names, op.results[0], tuple(n for n in dict.fromkeys(names) if n in made)))  # fmt: skip
+        steps.append(
+            (call, names, op.results[0], tuple(n for n in dict.fromkeys(names) if n in made))
+        )
         made.add(op.results[0])
     t = fp.ops[g.root].op.result_types[0]
-    return Chunked(tuple(dict.fromkeys(g.inputs)), tuple(steps), g.result, shape, np_dtype(t.dtype))  # fmt: skip
+    return Chunked(tuple(dict.fromkeys(g.inputs)), tuple(steps), g.result, shape, np_dtype(t.dtype))
 
 
 def run_chunked(plan: Chunked, xs: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
@@ -89,7 +102,10 @@ def run_chunked(plan: Chunked, xs: Sequence[np.ndarray]) -> tuple[np.ndarray, ..
     step = max(1, CHUNK_ELEMS // max(cols, 1))
     out = np.empty(shape2, dtype=plan.dtype)
     for r0 in range(0, rows, step):
-        env = {n: (x if x.ndim == 1 else x[r0 : r0 + step]) for n, x in zip(plan.inputs, flat, strict=True)}  # fmt: skip
+        env = {
+            n: (x if x.ndim == 1 else x[r0 : r0 + step])
+            for n, x in zip(plan.inputs, flat, strict=True)
+        }
         for call, names, result, drops in plan.steps:
             env[result] = env[names[0]] if call is None else call([env[n] for n in names])[0]
             for n in drops:

@@ -99,7 +99,9 @@ def shrink_mesh(mesh: dict[str, int] | None, slots: int) -> dict[str, int] | Non
     replicas = min(mesh[first], slots // rest)
     if replicas < 1:
         kept = ", ".join(f"{a}={mesh[a]}" for a in others)
-        raise UsageError(f"{slots} slot(s) left cannot hold one replica of the mesh ({kept} needs {rest} ranks)")  # fmt: skip
+        raise UsageError(
+            f"{slots} slot(s) left cannot hold one replica of the mesh ({kept} needs {rest} ranks)"
+        )
     return {first: replicas, **{a: mesh[a] for a in others}}
 
 
@@ -129,11 +131,18 @@ def _without(args: Sequence[str], name: str, *, takes_value: bool) -> list[str]:
 
 
 def launch_elastic(
-    run_args: Sequence[str], *, ranks: int | None, hostfile: str | None, max_restarts: int,
-    probe: str, mpirun: Sequence[str] = ("mpirun",), mpirun_args: Sequence[str] = (),
-    python: str = sys.executable, say: Callable[[str], None] = print,
+    run_args: Sequence[str],
+    *,
+    ranks: int | None,
+    hostfile: str | None,
+    max_restarts: int,
+    probe: str,
+    mpirun: Sequence[str] = ("mpirun",),
+    mpirun_args: Sequence[str] = (),
+    python: str = sys.executable,
+    say: Callable[[str], None] = print,
     start: Callable[[list[str]], tuple[int, str]] | None = None,
-) -> int:  # fmt: skip
+) -> int:
     """Run ``dtm run RUN_ARGS`` under ``mpirun`` until it succeeds, stops on a signal after
     saving (returns 75), or fails ``max_restarts + 1`` times (returns 1). ``start(cmd)`` runs
     one launch and returns (exit code, its last output line); the default streams the job's
@@ -146,25 +155,38 @@ def launch_elastic(
     if ranks is None:
         ranks = sum(s for _, s in hosts) if hosts else (_product(mesh) if mesh else None)
     if ranks is None or ranks < 1:
-        raise UsageError("dtm launch needs --ranks N (or --mesh in the run's arguments, or a host file)")  # fmt: skip
+        raise UsageError(
+            "dtm launch needs --ranks N (or --mesh in the run's arguments, or a host file)"
+        )
     if _option(run_args, "--store") is None:
         say("dtm launch: warning: no --store: a relaunch starts from the beginning")
-    base = _without(_without(run_args, "--mesh", takes_value=True), "--resume", takes_value=False)  # fmt: skip
+    base = _without(_without(run_args, "--mesh", takes_value=True), "--resume", takes_value=False)
     run = start or _stream
     attempts: list[Attempt] = []
-    plan = LaunchPlan(min(ranks, _product(mesh)) if mesh else ranks, shrink_mesh(mesh, ranks), hosts)  # fmt: skip
+    plan = LaunchPlan(
+        min(ranks, _product(mesh)) if mesh else ranks, shrink_mesh(mesh, ranks), hosts
+    )
     store = _option(run_args, "--store")
     while True:
         # resume after a failure once a checkpoint is committed (before that: from the start)
-        resume = "--resume" in run_args or (bool(attempts) and store is not None and _committed(Path(store)))  # fmt: skip
+        resume = "--resume" in run_args or (
+            bool(attempts) and store is not None and _committed(Path(store))
+        )
         cmd = _command(plan, base, resume, mpirun, mpirun_args, python)
-        say(f"dtm launch: attempt {len(attempts) + 1}: {plan.ranks} rank(s)" + (f", mesh {plan.mesh_text()}" if plan.mesh else "") + (f" on {', '.join(f'{h}:{s}' for h, s in plan.hosts)}" if plan.hosts else "") + (" (resuming)" if resume else ""))  # fmt: skip
+        say(
+            f"dtm launch: attempt {len(attempts) + 1}: {plan.ranks} rank(s)"
+            + (f", mesh {plan.mesh_text()}" if plan.mesh else "")
+            + (f" on {', '.join(f'{h}:{s}' for h, s in plan.hosts)}" if plan.hosts else "")
+            + (" (resuming)" if resume else "")
+        )
         code, last = run(cmd)
         attempts.append(Attempt(plan, code, last))
         if code in (0, EXIT_REQUEUE):
             return code
         if len(attempts) > max_restarts:
-            say(f"dtm launch: gave up after {len(attempts)} attempt(s) ({max_restarts} restart(s)); the last ended with exit code {code}: {last or '(no output)'}")  # fmt: skip
+            say(
+                f"dtm launch: gave up after {len(attempts)} attempt(s) ({max_restarts} restart(s)); the last ended with exit code {code}: {last or '(no output)'}"
+            )
             return 1
         alive = tuple(h for h in plan.hosts if _answers(h[0], probe)) if plan.hosts else ()
         slots = sum(s for _, s in alive) if plan.hosts else ranks
@@ -175,7 +197,11 @@ def launch_elastic(
             say(f"dtm launch: gave up: hosts {', '.join(lost) or '(none)'} lost; {exc}")
             return 1
         new_ranks = _product(new_mesh) if new_mesh else slots
-        say(f"dtm launch: exit code {code}" + (f"; lost host(s) {', '.join(lost)}" if lost else "") + f"; relaunching on {new_ranks} rank(s)")  # fmt: skip
+        say(
+            f"dtm launch: exit code {code}"
+            + (f"; lost host(s) {', '.join(lost)}" if lost else "")
+            + f"; relaunching on {new_ranks} rank(s)"
+        )
         plan = LaunchPlan(new_ranks, new_mesh, _fit(alive, new_ranks) if plan.hosts else ())
 
 
@@ -202,7 +228,14 @@ def _fit(hosts: tuple[tuple[str, int], ...], ranks: int) -> tuple[tuple[str, int
     return tuple(out)
 
 
-def _command(plan: LaunchPlan, base: Sequence[str], resume: bool, mpirun: Sequence[str], mpirun_args: Sequence[str], python: str) -> list[str]:  # fmt: skip
+def _command(
+    plan: LaunchPlan,
+    base: Sequence[str],
+    resume: bool,
+    mpirun: Sequence[str],
+    mpirun_args: Sequence[str],
+    python: str,
+) -> list[str]:
     cmd = [*mpirun, "-n", str(plan.ranks), *mpirun_args]
     if plan.hosts:
         cmd += ["--host", ",".join(f"{h}:{s}" for h, s in plan.hosts)]

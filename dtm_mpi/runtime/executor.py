@@ -69,7 +69,9 @@ OUTPUT_TAG = 32767
 between two ranks with one tag arrive in the order sent)."""
 
 
-_StepRunner = Callable[[np.ndarray, tuple[str, ...], StepSpec, Comm, Callable[..., np.ndarray]], np.ndarray]  # fmt: skip
+_StepRunner = Callable[
+    [np.ndarray, tuple[str, ...], StepSpec, Comm, Callable[..., np.ndarray]], np.ndarray
+]
 
 
 def _step_runner(rule: StepRule) -> _StepRunner:
@@ -79,21 +81,36 @@ def _step_runner(rule: StepRule) -> _StepRunner:
         method, extra = rule.method, rule.args
         if not extra:  # the common case, kept to one lookup and one call
 
-            def collective(x: np.ndarray, axes: tuple[str, ...], spec: StepSpec, comm: Comm,
-                           full: Callable[..., np.ndarray]) -> np.ndarray:  # fmt: skip
+            def collective(
+                x: np.ndarray,
+                axes: tuple[str, ...],
+                spec: StepSpec,
+                comm: Comm,
+                full: Callable[..., np.ndarray],
+            ) -> np.ndarray:
                 return getattr(comm, method)(x, axes, spec)  # type: ignore[no-any-return]
 
             return collective
 
-        def collective_with(x: np.ndarray, axes: tuple[str, ...], spec: StepSpec, comm: Comm,
-                            full: Callable[..., np.ndarray]) -> np.ndarray:  # fmt: skip
+        def collective_with(
+            x: np.ndarray,
+            axes: tuple[str, ...],
+            spec: StepSpec,
+            comm: Comm,
+            full: Callable[..., np.ndarray],
+        ) -> np.ndarray:
             return getattr(comm, method)(x, axes, spec, *extra)  # type: ignore[no-any-return]
 
         return collective_with
     local = getattr(collectives, rule.method)
 
-    def alone(x: np.ndarray, axes: tuple[str, ...], spec: StepSpec, comm: Comm,
-              full: Callable[..., np.ndarray]) -> np.ndarray:  # fmt: skip
+    def alone(
+        x: np.ndarray,
+        axes: tuple[str, ...],
+        spec: StepSpec,
+        comm: Comm,
+        full: Callable[..., np.ndarray],
+    ) -> np.ndarray:
         return local(x, spec, full)  # type: ignore[no-any-return]
 
     return alone
@@ -104,9 +121,12 @@ STEP_RUNNERS: dict[StepKind, _StepRunner] = {k: _step_runner(r) for k, r in STEP
 
 
 def run_redistribution(
-    plan: RedistPlan, specs: Sequence[StepSpec], x: np.ndarray, comm: Comm,
+    plan: RedistPlan,
+    specs: Sequence[StepSpec],
+    x: np.ndarray,
+    comm: Comm,
     backend: ArrayBackend | None = None,
-) -> np.ndarray:  # fmt: skip
+) -> np.ndarray:
     """Run ``plan`` on this rank's block ``x`` (``specs``: this rank's step specs; ``x`` an
     array of ``backend``, numpy by default). Each step goes through its kind's runner
     (:data:`STEP_RUNNERS`, from the step-kind table :data:`STEP_KINDS`).
@@ -155,9 +175,12 @@ class Executor:
     exact forms (:mod:`dtm_mpi.kernels.exact`), so results do not depend on the mesh."""
 
     def __init__(
-        self, plan: ExecPlan, comm: Comm, backend: str | ArrayBackend = "numpy",
+        self,
+        plan: ExecPlan,
+        comm: Comm,
+        backend: str | ArrayBackend = "numpy",
         deterministic: bool | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.plan = plan
         self.deterministic = get_config().deterministic if deterministic is None else deterministic
         self.comm = comm
@@ -180,7 +203,9 @@ class Executor:
         self._unchecked: dict[int, list[Instr]] = {}
         # fused elementwise chains on the CPU (DTM_FUSE) in chunks; a GPU backend's generated
         # kernels (the numpy backend's op-by-op run stays the reference without DTM_FUSE)
-        self.cpu_fuse = self.backend.name == "numpy" and not self.backend.fuses and get_config().fuse  # fmt: skip
+        self.cpu_fuse = (
+            self.backend.name == "numpy" and not self.backend.fuses and get_config().fuse
+        )
 
     # -- per-op facts, computed once per rank -------------------------------------------------
     def local_shape(self, t: TensorType) -> tuple[int, ...]:
@@ -302,12 +327,19 @@ class Executor:
         roots = {g.root: g for g in groups}
         skipped = {m for g in groups for m in g.members if m != g.root}
         skipped.update(m for b in fp.buckets for m in b.members)
-        frees_of, drops = hold_bucket_operands(fp, fused_frees(fp, groups) if groups else [p.frees for p in fp.ops])  # fmt: skip
+        frees_of, drops = hold_bucket_operands(
+            fp, fused_frees(fp, groups) if groups else [p.frees for p in fp.ops]
+        )
         scheds = self._scheds(fp, drops, skipped, res)
         program: list[tuple[Instr, BoundKernel | None]] = []  # each with its first run's check
         for i, p in enumerate(fp.ops):
             if self.faults:  # DTM_FAULT: the op's fault point first
-                program.append(((p, (), (), (), functools.partial(_fault_at, self.rank, p.op.name), None), None))  # fmt: skip
+                program.append(
+                    (
+                        (p, (), (), (), functools.partial(_fault_at, self.rank, p.op.name), None),
+                        None,
+                    )
+                )
             sched = scheds.get(i)
             if i in skipped:
                 assert sched is not None and sched.skip
@@ -337,10 +369,20 @@ class Executor:
             return []
         groups = list(fusion_groups(fp))
         if not self.backend.fuses:
-            groups = [g for g in groups if chunkable(fp, g, math.prod(self.local_shape(fp.ops[g.root].op.result_types[0])))]  # fmt: skip
+            groups = [
+                g
+                for g in groups
+                if chunkable(fp, g, math.prod(self.local_shape(fp.ops[g.root].op.result_types[0])))
+            ]
         return without_resolved(groups, fp, res) if res is not None else list(groups)
 
-    def _scheds(self, fp: FunctionPlan, drops: dict[Bucket, tuple[str, ...]], skipped: set[int], res: Resolution | None) -> dict[int, Sched]:  # fmt: skip
+    def _scheds(
+        self,
+        fp: FunctionPlan,
+        drops: dict[Bucket, tuple[str, ...]],
+        skipped: set[int],
+        res: Resolution | None,
+    ) -> dict[int, Sched]:
         """Per op: the buckets completed and started before it (``drops``: what each drops
         once packed; where this rank packs ``-0.0``), and whether it is skipped."""
         starts = buckets_starting(fp.buckets)
@@ -353,28 +395,39 @@ class Executor:
             for b in starts.get(i, ()):
                 resolved = res.bucket_resolved.get(b) if res is not None else None
                 zeroed = tuple(
-                    bool(resolved and resolved[k]) and not self._first(self._type_of(fp, fp.ops[m].op.operands[0]))
+                    bool(resolved and resolved[k])
+                    and not self._first(self._type_of(fp, fp.ops[m].op.operands[0]))
                     for k, m in enumerate(b.members)
-                )  # fmt: skip
+                )
                 begun.append(BucketStart(b, drops[b], zeroed))
             out[i] = Sched(tuple(finishes.get(i, ())), tuple(begun), i in skipped)
         return out
 
-    def _bind(self, fp: FunctionPlan, i: int, p: PlanOp, group: FusedGroup | None, res: Resolution | None) -> tuple[tuple[str, ...], BoundKernel, BoundKernel | None]:  # fmt: skip
+    def _bind(
+        self, fp: FunctionPlan, i: int, p: PlanOp, group: FusedGroup | None, res: Resolution | None
+    ) -> tuple[tuple[str, ...], BoundKernel, BoundKernel | None]:
         """Op ``i``'s operand names, its call, and the call checking its results' shapes on
         the first run (None: the call itself)."""
         if group is not None:
             t = p.op.result_types[0]
             shape = self.local_shape(t)
             if self.backend.fuses:  # a generated kernel
-                kernel = functools.partial(self.backend.run_fused, _expr(group.tree), group.lastdim, dtype=np_dtype(t.dtype), shape=shape)  # fmt: skip
+                kernel = functools.partial(
+                    self.backend.run_fused,
+                    _expr(group.tree),
+                    group.lastdim,
+                    dtype=np_dtype(t.dtype),
+                    shape=shape,
+                )
                 return group.inputs, _positional(kernel), None
             plan = chunked_chain(fp, group, lambda m: self._bound_local(fp.ops[m])[0], shape)
             return plan.inputs, functools.partial(run_chunked, plan), None
         if res is not None and i in res.exact:
             _, ctx = self._kernel(p, 0)
             flags = res.operand_resolved[i]
-            duplicate = any(r and not self._first(t) for r, t in zip(flags, p.operand_types, strict=True))  # fmt: skip
+            duplicate = any(
+                r and not self._first(t) for r, t in zip(flags, p.operand_types, strict=True)
+            )
             return p.op.operands, functools.partial(self._run_exact, ctx, duplicate), None
         if p.kind is OpKind.LOCAL and not OPS[p.op.name].has(Trait.NEEDS_STEP):
             bound, check = self._bound_local(p)
@@ -385,7 +438,9 @@ class Executor:
         """A local op's kernel bound to its context, and (non-elementwise ops: their result
         shapes may differ from the plan's if a kernel is wrong) the same call checked."""
         kernel, ctx = self._kernel(p, 0)
-        call: BoundKernel = bind_kernel(self.backend.name, kernel, ctx) or functools.partial(kernel, ctx)  # fmt: skip
+        call: BoundKernel = bind_kernel(self.backend.name, kernel, ctx) or functools.partial(
+            kernel, ctx
+        )
         if OPS[p.op.name].has(Trait.ELEMENTWISE):  # (elementwise: the operands' shapes)
             return call, None
         return call, functools.partial(self._checked, p, call, ctx.local_shapes)
@@ -419,14 +474,19 @@ class Executor:
         return types[name]
 
     # -- what instructions call ---------------------------------------------------------------
-    def _start_bucket(self, fp: FunctionPlan, start: BucketStart, env: dict[str, np.ndarray]) -> tuple[Pending, list[tuple[int, ...]]]:  # fmt: skip
+    def _start_bucket(
+        self, fp: FunctionPlan, start: BucketStart, env: dict[str, np.ndarray]
+    ) -> tuple[Pending, list[tuple[int, ...]]]:
         """Start a bucket's allreduce: its members' operands in one buffer (one alone as it
         is; a resolved pending sum's plain form where this rank packs ``-0.0``); operands
         whose last use was their member op are dropped once packed."""
         b = start.bucket
         xs = [env[fp.ops[m].op.operands[0]] for m in b.members]
         if any(start.zeroed):
-            xs = [self.backend.full(tuple(x.shape), -0.0, x.dtype) if z else x for x, z in zip(xs, start.zeroed, strict=True)]  # fmt: skip
+            xs = [
+                self.backend.full(tuple(x.shape), -0.0, x.dtype) if z else x
+                for x, z in zip(xs, start.zeroed, strict=True)
+            ]
         shapes = [tuple(x.shape) for x in xs]
         buf = xs[0] if len(xs) == 1 else np.concatenate([x.reshape(-1) for x in xs])
         spec = self._allreduce_spec(b.axes, b.op, int(buf.size))
@@ -435,7 +495,13 @@ class Executor:
             env.pop(n, None)
         return handle, shapes
 
-    def _finish_bucket(self, fp: FunctionPlan, b: Bucket, started: tuple[Pending, list[tuple[int, ...]]], env: dict[str, np.ndarray]) -> None:  # fmt: skip
+    def _finish_bucket(
+        self,
+        fp: FunctionPlan,
+        b: Bucket,
+        started: tuple[Pending, list[tuple[int, ...]]],
+        env: dict[str, np.ndarray],
+    ) -> None:
         """Wait for bucket ``b`` and hand each member its result."""
         handle, shapes = started
         out = handle.wait()
@@ -455,12 +521,20 @@ class Executor:
             got = self._allreduce_specs[key] = allreduce_spec(self.mesh, self.rank, axes, op, count)
         return got
 
-    def _checked(self, p: PlanOp, call: BoundKernel, wants: tuple[tuple[int, ...], ...], xs: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:  # fmt: skip
+    def _checked(
+        self,
+        p: PlanOp,
+        call: BoundKernel,
+        wants: tuple[tuple[int, ...], ...],
+        xs: Sequence[np.ndarray],
+    ) -> tuple[np.ndarray, ...]:
         outs = call(xs)
         self._check_shapes(p, outs, wants)
         return outs
 
-    def _check_shapes(self, p: PlanOp, outs: Sequence[np.ndarray], wants: Sequence[tuple[int, ...]]) -> None:  # fmt: skip
+    def _check_shapes(
+        self, p: PlanOp, outs: Sequence[np.ndarray], wants: Sequence[tuple[int, ...]]
+    ) -> None:
         for out, want in zip(outs, wants, strict=True):
             if out.shape != want:
                 raise KernelError(
@@ -468,7 +542,9 @@ class Executor:
                     f"rank {self.rank}; the plan says {list(want)}"
                 )
 
-    def _run_exact(self, ctx: KernelContext, duplicate: bool, xs: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:  # fmt: skip
+    def _run_exact(
+        self, ctx: KernelContext, duplicate: bool, xs: Sequence[np.ndarray]
+    ) -> tuple[np.ndarray, ...]:
         """The op's exact form (deterministic mode): computed on the host, across the ranks of
         its pending group (:func:`~dtm_mpi.kernels.exact_ranks.exact_across`); every rank of
         the group ends with the whole result (a resolved pending sum)."""

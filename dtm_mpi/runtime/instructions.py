@@ -65,7 +65,9 @@ class Sched:
     skip: bool
 
 
-Instr = tuple[PlanOp, tuple[str, ...], tuple[str, ...], tuple[str, ...], BoundKernel, "Sched | None"]  # fmt: skip
+Instr = tuple[
+    PlanOp, tuple[str, ...], tuple[str, ...], tuple[str, ...], BoundKernel, "Sched | None"
+]
 """One instruction (module doc): op, operands, results, frees, call, schedule."""
 
 
@@ -100,7 +102,9 @@ def buckets_starting(buckets: Sequence[Bucket]) -> dict[int, list[Bucket]]:
     return out
 
 
-def hold_bucket_operands(fp: FunctionPlan, frees_of: Sequence[tuple[str, ...]]) -> tuple[list[tuple[str, ...]], dict[Bucket, tuple[str, ...]]]:  # fmt: skip
+def hold_bucket_operands(
+    fp: FunctionPlan, frees_of: Sequence[tuple[str, ...]]
+) -> tuple[list[tuple[str, ...]], dict[Bucket, tuple[str, ...]]]:
     """Each op's frees (``frees_of``) when ``fp``'s buckets overlap: a member's operand stays
     until its bucket has packed it (no op before the bucket's start frees it); and per bucket
     the operands it drops once packed (those an op before its start would have freed)."""
@@ -111,7 +115,9 @@ def hold_bucket_operands(fp: FunctionPlan, frees_of: Sequence[tuple[str, ...]]) 
         drops[b] = tuple(sorted({n for j in range(b.start) for n in frees_of[j] if n in names}))
         for j in range(b.start):
             held.setdefault(j, set()).update(names)
-    frees = [tuple(n for n in f if n not in held[j]) if j in held else f for j, f in enumerate(frees_of)]  # fmt: skip
+    frees = [
+        tuple(n for n in f if n not in held[j]) if j in held else f for j, f in enumerate(frees_of)
+    ]
     return frees, drops
 
 
@@ -146,9 +152,13 @@ def _keeps_resolved(p: PlanOp, resolved: set[str]) -> bool:
         return False
     if applies(p.op):
         return True
-    pending = [(n, t) for n, t in zip(p.op.operands, p.operand_types, strict=True) if t.layout.partial is not None]  # fmt: skip
+    pending = [
+        (n, t)
+        for n, t in zip(p.op.operands, p.operand_types, strict=True)
+        if t.layout.partial is not None
+    ]
     result = p.op.result_types[0].layout.partial if len(p.op.result_types) == 1 else None
-    return bool(pending) and all(n in resolved and t.layout.partial == result for n, t in pending)  # fmt: skip
+    return bool(pending) and all(n in resolved and t.layout.partial == result for n, t in pending)
 
 
 def resolve_pending(fp: FunctionPlan, buckets: Sequence[Bucket]) -> Resolution:
@@ -184,17 +194,26 @@ def resolve_pending(fp: FunctionPlan, buckets: Sequence[Bucket]) -> Resolution:
                     resolved.add(r)
                     ever.add(r)
     at_return = tuple(r for r in dict.fromkeys(fp.function.returns) if r in resolved)
-    return Resolution(frozenset(exact), operand_resolved, plain_before, at_return, bucket_resolved, frozenset(ever))  # fmt: skip
+    return Resolution(
+        frozenset(exact),
+        operand_resolved,
+        plain_before,
+        at_return,
+        bucket_resolved,
+        frozenset(ever),
+    )
 
 
-def without_resolved(groups: Sequence[FusedGroup], fp: FunctionPlan, res: Resolution) -> list[FusedGroup]:  # fmt: skip
+def without_resolved(
+    groups: Sequence[FusedGroup], fp: FunctionPlan, res: Resolution
+) -> list[FusedGroup]:
     """The fused groups deterministic mode runs: none that reads a resolved name or makes a
     pending sum (its ops run one by one, keeping pending sums resolved)."""
     out = []
     for g in groups:
         if any(n in res.resolved for n in g.inputs):
             continue
-        if any(t.layout.partial is not None for m in g.members for t in fp.ops[m].op.result_types):  # fmt: skip
+        if any(t.layout.partial is not None for m in g.members for t in fp.ops[m].op.result_types):
             continue
         out.append(g)
     return out

@@ -51,10 +51,18 @@ def _run_simulated(request: RunRequest) -> int:
     try:
         with stop_signals_caught("dtm run") as stop:  # a signal: stop after a step, saved
             result = run_simulated(
-                module, request.sim, binding=request.binding, inputs=given, steps=request.steps,
-                backend=request.backend, timeout_s=get_config().timeout_s, hooks=request.hooks,
-                checkpoint=request.checkpoint, log_every=request.log_every, stop=stop,
-            )  # fmt: skip
+                module,
+                request.sim,
+                binding=request.binding,
+                inputs=given,
+                steps=request.steps,
+                backend=request.backend,
+                timeout_s=get_config().timeout_s,
+                hooks=request.hooks,
+                checkpoint=request.checkpoint,
+                log_every=request.log_every,
+                stop=stop,
+            )
     except RunStopped as stopped:  # every rank after the same step, the state saved
         write_line(f"dtm run: {stopped}")
         return int(stopped.code)  # type: ignore[arg-type]

@@ -197,7 +197,9 @@ def _param_types(plan: Any) -> list[Any]:
     return [p.type for p in plan.entry_plan.function.params]
 
 
-def _run_session(module: object, args: MpiRunArgs, world: Any, rank: int, size: int, backend: Any) -> int:  # fmt: skip
+def _run_session(
+    module: object, args: MpiRunArgs, world: Any, rank: int, size: int, backend: Any
+) -> int:
     from dtm_mpi.comm.agreement import agree_or_raise
     from dtm_mpi.config import get_config
     from dtm_mpi.faults import maybe_fail
@@ -231,7 +233,13 @@ def _run_session(module: object, args: MpiRunArgs, world: Any, rank: int, size: 
         from dtm_mpi.comm.resize import pool_comm
 
         pool = pool_comm(world, rank, config.timeout_s)
-    live = _Live(_new_session(plan, None), plan, rank, pool=pool, members=list(range(size)) if pool is not None else None)  # fmt: skip
+    live = _Live(
+        _new_session(plan, None),
+        plan,
+        rank,
+        pool=pool,
+        members=list(range(size)) if pool is not None else None,
+    )
 
     def body() -> int:
         live.session.phase = "handshake"
@@ -264,14 +272,22 @@ def _join(live: _Live, module: Any, args: MpiRunArgs, backend: Any) -> None:
     config = get_config()
     session, plan = live.session, live.plan
     hello = Hello(
-        PROTOCOL_VERSION, __version__, module_hash(module), str(plan.mesh), capabilities(args.backend),
-        args.backend, config.deterministic,
-        gpu_aware="" if live.local_aware is None else str(live.local_aware), steps=args.steps,
+        PROTOCOL_VERSION,
+        __version__,
+        module_hash(module),
+        str(plan.mesh),
+        capabilities(args.backend),
+        args.backend,
+        config.deterministic,
+        gpu_aware="" if live.local_aware is None else str(live.local_aware),
+        steps=args.steps,
         buckets=config.bucket_bytes if config.overlap else 0,
-    )  # fmt: skip
+    )
     handshake(session, hello)  # the module's requirements were checked in phase load
     session.join_mesh(plan_groups(plan, config.deterministic))
-    live.comm = MpiComm(session, deterministic=config.deterministic, max_msg_elems=config.max_msg_elems)  # fmt: skip
+    live.comm = MpiComm(
+        session, deterministic=config.deterministic, max_msg_elems=config.max_msg_elems
+    )
     live.dcomm = _device_comm(session, live.comm, args, backend, live.local_aware)
 
 
@@ -301,7 +317,13 @@ def _guarded(live: _Live, body: Callable[[], int]) -> int:
     return code
 
 
-def _join_session(module: Any, args: MpiRunArgs, backend: Any, world: Any, joins: tuple[int, dict[str, int], dict[str, int]]) -> int:  # fmt: skip
+def _join_session(
+    module: Any,
+    args: MpiRunArgs,
+    backend: Any,
+    world: Any,
+    joins: tuple[int, dict[str, int], dict[str, int]],
+) -> int:
     """A rank spawned by a live resize, merged with the running ranks in ``world``: ``joins``
     after which step, from which mesh to which; take part in the new session's handshake,
     receive this rank's part of the state in memory, and run the remaining steps."""
@@ -318,7 +340,12 @@ def _join_session(module: Any, args: MpiRunArgs, backend: Any, world: Any, joins
         live.session.phase = f"resize after step {step}"
         live.local_aware = _detect_gpu_aware(args, backend)
         _join(live, module, args, backend)
-        moved = move_blocks(plan_remesh(_param_types(old), old.mesh, _param_types(plan), plan.mesh), rank, None, live.comm)  # fmt: skip
+        moved = move_blocks(
+            plan_remesh(_param_types(old), old.mesh, _param_types(plan), plan.mesh),
+            rank,
+            None,
+            live.comm,
+        )
         assert moved is not None
         return _run_steps(live, module, args, backend, joined=(step, moved))
 
@@ -327,7 +354,9 @@ def _join_session(module: Any, args: MpiRunArgs, backend: Any, world: Any, joins
 
 def _raised_everywhere(exc: BaseException) -> bool:
     """Whether ``exc`` is raised alike on every rank at the same point (an agreed failure)."""
-    return isinstance(exc, HandshakeError | RemoteFailureError) or (isinstance(exc, DtmError) and exc.agreed)  # fmt: skip
+    return isinstance(exc, HandshakeError | RemoteFailureError) or (
+        isinstance(exc, DtmError) and exc.agreed
+    )
 
 
 def plan_groups(plan: object, deterministic: bool) -> list[tuple[str, ...]]:
@@ -389,12 +418,21 @@ def _device_comm(session: Any, comm: Any, args: MpiRunArgs, backend: Any, local:
     if rank == 0:
         say(f"backend {backend.description}; GPU-aware MPI: {aware.describe()}")
     return DeviceComm(
-        comm, backend.ops, aware, require_gpu_aware=args.require_gpu_aware,
+        comm,
+        backend.ops,
+        aware,
+        require_gpu_aware=args.require_gpu_aware,
         log=(lambda line: say(f"dtm: {line}")) if rank == 0 else (lambda line: None),
-    )  # fmt: skip
+    )
 
 
-def _run_steps(live: _Live, module: Any, args: MpiRunArgs, backend: Any, joined: tuple[int, list[np.ndarray]] | None = None) -> int:  # fmt: skip
+def _run_steps(
+    live: _Live,
+    module: Any,
+    args: MpiRunArgs,
+    backend: Any,
+    joined: tuple[int, list[np.ndarray]] | None = None,
+) -> int:
     from dtm_mpi.faults import maybe_fail
     from dtm_mpi.runtime.executor import gather_to_root
     from dtm_mpi.runtime.simulate import output_values
@@ -425,7 +463,12 @@ def _run_steps(live: _Live, module: Any, args: MpiRunArgs, backend: Any, joined:
         _release_parked(live)
         return int(stop.code)  # type: ignore[arg-type]
     except BaseException as exc:
-        if live.ckpt is not None and live.session is not None and _raised_everywhere(exc) and live.session.poisoned is None:  # fmt: skip
+        if (
+            live.ckpt is not None
+            and live.session is not None
+            and _raised_everywhere(exc)
+            and live.session.poisoned is None
+        ):
             with suppress(DtmError):  # every rank is here: close the store (collective)
                 live.ckpt.close()
         raise
@@ -453,7 +496,15 @@ def _run_steps(live: _Live, module: Any, args: MpiRunArgs, backend: Any, joined:
     return 0
 
 
-def _steps_with(live: _Live, module: Any, args: MpiRunArgs, backend: Any, blocks: list[Any], given: dict[str, np.ndarray], joined: tuple[int, list[np.ndarray]] | None = None) -> tuple[Any, ...] | None:  # fmt: skip
+def _steps_with(
+    live: _Live,
+    module: Any,
+    args: MpiRunArgs,
+    backend: Any,
+    blocks: list[Any],
+    given: dict[str, np.ndarray],
+    joined: tuple[int, list[np.ndarray]] | None = None,
+) -> tuple[Any, ...] | None:
     """The initial state (inputs, ``init store``, the resumed checkpoint, or a joining rank's
     moved blocks), then the step loop (:mod:`dtm_mpi.runtime.step_loop`) on each mesh of the
     run, resizing live where a loop ends for it; the last step's results (None on a rank that
@@ -469,7 +520,11 @@ def _steps_with(live: _Live, module: Any, args: MpiRunArgs, backend: Any, blocks
     else:
         ckpt = live.ckpt
         if not args.resume:  # 'init store' parameters no input supplies: from the store
-            local = ckpt.read_init_store(store_params(live.plan.module, given)) if ckpt is not None else {}  # fmt: skip
+            local = (
+                ckpt.read_init_store(store_params(live.plan.module, given))
+                if ckpt is not None
+                else {}
+            )
             blocks[:] = initial_blocks(live.plan, rank, given, local, fed=args.fed)
         first = ckpt.resume(blocks) if ckpt is not None and args.resume else 0
     blocks[:] = [backend.to_device(b) for b in blocks]  # the state lives on the backend
@@ -529,14 +584,19 @@ def _step_loop(
     file = args.resize.file if args.resize is not None and live.rank == 0 else None
     policies = _SessionPolicies(live, presence, file)
     return StepLoop(
-        Executor(live.plan, live.dcomm, backend), args.steps,
-        feed=Feed(live.plan, live.rank, args.hooks, backend.to_device, backend.to_host) if args.hooks is not None else None,
-        commit=policies, checkpoints=live.ckpt,
+        Executor(live.plan, live.dcomm, backend),
+        args.steps,
+        feed=Feed(live.plan, live.rank, args.hooks, backend.to_device, backend.to_host)
+        if args.hooks is not None
+        else None,
+        commit=policies,
+        checkpoints=live.ckpt,
         stop=policies if presence is not None else None,
         resize_at=args.resize.at if args.resize is not None else (),
         resize_requested=policies.resize_requested if file is not None else None,
-        progress=progress, phase=policies.phase,
-    )  # fmt: skip
+        progress=progress,
+        phase=policies.phase,
+    )
 
 
 def _checkpoints(live: _Live, args: MpiRunArgs, backend: Any) -> Any:
@@ -546,7 +606,16 @@ def _checkpoints(live: _Live, args: MpiRunArgs, backend: Any) -> Any:
     from dtm_mpi.runtime.checkpoints import StoreCheckpoints
 
     phase = functools.partial(_set_phase, live)
-    return StoreCheckpoints(live.session.comm, live.plan, args.checkpoint, live.rank, backend, steps=args.steps, fed=args.fed, phase=phase)  # fmt: skip
+    return StoreCheckpoints(
+        live.session.comm,
+        live.plan,
+        args.checkpoint,
+        live.rank,
+        backend,
+        steps=args.steps,
+        fed=args.fed,
+        phase=phase,
+    )
 
 
 def _set_phase(live: _Live, text: str) -> None:
@@ -554,7 +623,15 @@ def _set_phase(live: _Live, text: str) -> None:
     live.session.phase = text
 
 
-def _resize(live: _Live, module: Any, args: MpiRunArgs, backend: Any, step: int, binding: dict[str, int], blocks: list[Any]) -> list[Any] | None:  # fmt: skip
+def _resize(
+    live: _Live,
+    module: Any,
+    args: MpiRunArgs,
+    backend: Any,
+    step: int,
+    binding: dict[str, int],
+    blocks: list[Any],
+) -> list[Any] | None:
     """The live resize after ``step``: the pending checkpoint finished and the store closed;
     to fewer ranks, the state moved in memory to the first ones, the others leaving (None
     returned: a launched process is then parked, :func:`_parked`); to more, parked ranks called
@@ -599,7 +676,9 @@ def _resize(live: _Live, module: Any, args: MpiRunArgs, backend: Any, step: int,
         if rank == 0:  # every parked rank takes part in the split (those called back join)
             call_parked(live.pool, live.parked, call, timeout, phase)
         me = members[rank]
-        world = split_pool(live.pool, new_members.index(me) if me in new_members else None, rank, timeout, phase)  # fmt: skip
+        world = split_pool(
+            live.pool, new_members.index(me) if me in new_members else None, rank, timeout, phase
+        )
         live.parked = parked
         live.members = new_members if extra == 0 else None
         if world is not None and extra > 0:
@@ -634,7 +713,11 @@ def _can_spawn(args: MpiRunArgs, count: int) -> None:
     """Refuse (alike on every rank) a grow that must spawn ranks of a program that cannot be
     started again (a ``fit()`` not run from a script file)."""
     if count > 0 and (args.resize is None or args.resize.relaunch is None):
-        raise agreed(UsageError(f"growing past the ranks the job was launched with spawns {count} more running this program again; it was not started from a script file (run it as 'python -m mpi4py SCRIPT.py')"))  # fmt: skip
+        raise agreed(
+            UsageError(
+                f"growing past the ranks the job was launched with spawns {count} more running this program again; it was not started from a script file (run it as 'python -m mpi4py SCRIPT.py')"
+            )
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -683,7 +766,9 @@ def _parked(live: _Live, module: Any, args: MpiRunArgs, backend: Any) -> int:
             continue
         assert key is not None
         if call.extra > 0:
-            world = spawn_and_merge(world, call.extra, call.argv, (call.step, call.old, call.new), key, timeout, phase)  # fmt: skip
+            world = spawn_and_merge(
+                world, call.extra, call.argv, (call.step, call.old, call.new), key, timeout, phase
+            )
         plan = plan_run(module, replace(args, binding=call.new), _ranks(call.new))
         old = plan_run(module, replace(args, binding=call.old), _ranks(call.old))
         live.worlds.append(world)
@@ -692,7 +777,12 @@ def _parked(live: _Live, module: Any, args: MpiRunArgs, backend: Any) -> int:
         live.parked = call.parked
         live.session.phase = phase
         _join(live, module, args, backend)
-        moved = move_blocks(plan_remesh(_param_types(old), old.mesh, _param_types(plan), plan.mesh), key, None, live.comm)  # fmt: skip
+        moved = move_blocks(
+            plan_remesh(_param_types(old), old.mesh, _param_types(plan), plan.mesh),
+            key,
+            None,
+            live.comm,
+        )
         assert moved is not None
         return _run_steps(live, module, args, backend, joined=(call.step, moved))
 
@@ -717,7 +807,7 @@ def _binding_of(plan: Any) -> dict[str, int]:
     return {name: size for name, size in plan.mesh.axes}
 
 
-def _requested_mesh(live: _Live, module: Any, args: MpiRunArgs, step: int) -> dict[str, int] | None:  # fmt: skip
+def _requested_mesh(live: _Live, module: Any, args: MpiRunArgs, step: int) -> dict[str, int] | None:
     """The mesh of a resize request (``--resize-file``): rank 0 reads and removes the file and
     sends its text to every rank; every rank checks it alike (a mesh binding of the same axes
     whose plan fits) and, if it does not, rank 0 says why and the run goes on unchanged."""
@@ -736,14 +826,23 @@ def _requested_mesh(live: _Live, module: Any, args: MpiRunArgs, step: int) -> di
             Path(file).unlink()
         except OSError as exc:
             text = f"\0{exc}"
-    text = bcast_obj(live.session.comm, text, 0, timeout_s=get_config().timeout_s, what="the resize request", phase=phase)  # fmt: skip
+    text = bcast_obj(
+        live.session.comm,
+        text,
+        0,
+        timeout_s=get_config().timeout_s,
+        what="the resize request",
+        phase=phase,
+    )
     why = text[1:] if text.startswith("\0") else ""
     binding = None
     if not why:
         try:
             binding = parse_mesh_binding(text)
             if set(binding) != set(_binding_of(live.plan)):
-                raise UsageError(f"it binds {', '.join(sorted(binding))}; the run's mesh has {', '.join(sorted(_binding_of(live.plan)))}")  # fmt: skip
+                raise UsageError(
+                    f"it binds {', '.join(sorted(binding))}; the run's mesh has {', '.join(sorted(_binding_of(live.plan)))}"
+                )
             plan_run(module, replace(args, binding=binding), _ranks(binding))
         except DtmError as exc:
             why, binding = str(exc), None
@@ -752,7 +851,9 @@ def _requested_mesh(live: _Live, module: Any, args: MpiRunArgs, step: int) -> di
     return binding
 
 
-def run_loop(session: Any, comm: Any, plan: Any, request: MpiRunArgs, rank: int, backend: Any) -> tuple[list[Any], float]:  # fmt: skip
+def run_loop(
+    session: Any, comm: Any, plan: Any, request: MpiRunArgs, rank: int, backend: Any
+) -> tuple[list[Any], float]:
     """The training loop of a run on a joined session: the initial state, the steps with their
     commit agreements, the checkpoints; without the agreement on inputs and without outputs
     (what ``dtm bench ckpt-async`` times). Returns this rank's final state blocks and the

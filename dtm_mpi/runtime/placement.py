@@ -38,7 +38,7 @@ def placement_text(plan: ExecPlan, backend: str) -> str:
                 f"    generated kernel (fused {len(names)} ops -> {g.result}): {' '.join(names)}"
             )
         for w in sorted(where):
-            detail = ", ".join(f"{op} x{n}" if n > 1 else op for op, n in sorted(ops_of[w].items()))  # fmt: skip
+            detail = ", ".join(f"{op} x{n}" if n > 1 else op for op, n in sorted(ops_of[w].items()))
             lines.append(f"    {w}: {detail}")
         if not groups and not where:
             lines.append("    (no computation: communication only)")

@@ -52,10 +52,15 @@ class CheckpointPolicy:
 
 
 def checkpoint_policy(
-    store: str | None, *, every: int | None = None, resume: bool = False,
-    background: bool = False, keep_last: int | None = None, quota: int | None = None,
+    store: str | None,
+    *,
+    every: int | None = None,
+    resume: bool = False,
+    background: bool = False,
+    keep_last: int | None = None,
+    quota: int | None = None,
     save_final: bool = False,
-) -> CheckpointPolicy | None:  # fmt: skip
+) -> CheckpointPolicy | None:
     """The checkpoint policy of these options (None without a store; an agreed error for an
     option that needs one)."""
     if store:
@@ -86,7 +91,9 @@ class ResizePolicy:
         last = 0
         for step, sizes in self.at:
             if step <= last or step >= steps:
-                raise agreed_usage(f"--resize-at {step}: resizes come after steps 1 .. {steps - 1} (--steps {steps}), in increasing order")  # fmt: skip
+                raise agreed_usage(
+                    f"--resize-at {step}: resizes come after steps 1 .. {steps - 1} (--steps {steps}), in increasing order"
+                )
             _same_axes(f"--resize-at {step}", binding, sizes)
             last = step
         if self.file is not None:
@@ -95,12 +102,15 @@ class ResizePolicy:
 
 def _same_axes(what: str, binding: dict[str, int] | None, sizes: dict[str, int]) -> None:
     if binding is None or set(sizes) != set(binding):
-        raise agreed_usage(f"{what}: give --mesh, and bind the same axes at every resize ({', '.join(sorted(binding or {})) or 'none'} in --mesh, {', '.join(sorted(sizes)) or 'none'} here)")  # fmt: skip
+        raise agreed_usage(
+            f"{what}: give --mesh, and bind the same axes at every resize ({', '.join(sorted(binding or {})) or 'none'} in --mesh, {', '.join(sorted(sizes)) or 'none'} here)"
+        )
 
 
 def resize_policy(
-    at: tuple[tuple[int, dict[str, int]], ...] = (), file: str | None = None,
+    at: tuple[tuple[int, dict[str, int]], ...] = (),
+    file: str | None = None,
     relaunch: tuple[str, ...] | None = None,
-) -> ResizePolicy | None:  # fmt: skip
+) -> ResizePolicy | None:
     """The resize policy of these options (None when no resize is planned or asked for)."""
     return ResizePolicy(tuple(at), file, relaunch) if at or file else None

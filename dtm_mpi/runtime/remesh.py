@@ -30,14 +30,22 @@ def _local(region: tuple[slice, ...], offsets: Sequence[int]) -> tuple[slice, ..
     return tuple(slice(s.start - o, s.stop - o) for s, o in zip(region, offsets, strict=True))
 
 
-def move_blocks(plan: RemeshPlan, rank: int, blocks: Sequence[np.ndarray] | None, comm: Comm) -> list[np.ndarray] | None:  # fmt: skip
+def move_blocks(
+    plan: RemeshPlan, rank: int, blocks: Sequence[np.ndarray] | None, comm: Comm
+) -> list[np.ndarray] | None:
     """This rank's blocks on the new mesh (None if the new mesh does not have it) from its
     blocks on the old one (``blocks``; None if the old mesh does not have it).
 
     Collective: call on every rank of ``comm`` (which holds both meshes)."""
     if (blocks is None) != (rank >= plan.old.size):
-        raise PlanError(f"remesh: rank {rank} {'has' if blocks is not None else 'lacks'} blocks on the old mesh of {plan.old.size} rank(s)")  # fmt: skip
-    old_off = [local_offsets(t.shape, t.layout, plan.old, rank) for t in plan.types_old] if blocks is not None else []  # fmt: skip
+        raise PlanError(
+            f"remesh: rank {rank} {'has' if blocks is not None else 'lacks'} blocks on the old mesh of {plan.old.size} rank(s)"
+        )
+    old_off = (
+        [local_offsets(t.shape, t.layout, plan.old, rank) for t in plan.types_old]
+        if blocks is not None
+        else []
+    )
 
     def piece_of(p: Piece) -> np.ndarray:
         assert blocks is not None
@@ -47,13 +55,18 @@ def move_blocks(plan: RemeshPlan, rank: int, blocks: Sequence[np.ndarray] | None
         comm.send(np.array(piece_of(p), order="C"), p.dst, REMESH_TAG)  # (0-d stays 0-d)
     out: list[np.ndarray] | None = None
     if rank < plan.new.size:
-        out = [np.empty(local_shape(t.shape, t.layout, plan.new, rank), dtype=np_dtype(t.dtype)) for t in plan.types_new]  # fmt: skip
+        out = [
+            np.empty(local_shape(t.shape, t.layout, plan.new, rank), dtype=np_dtype(t.dtype))
+            for t in plan.types_new
+        ]
         new_off = [local_offsets(t.shape, t.layout, plan.new, rank) for t in plan.types_new]
         for p in plan.local(rank):
             out[p.tensor][_local(p.region, new_off[p.tensor])] = piece_of(p)
         for p in plan.receives(rank):
             shape = tuple(s.stop - s.start for s in p.region)
             dtype = np.dtype(np_dtype(plan.types_new[p.tensor].dtype))
-            out[p.tensor][_local(p.region, new_off[p.tensor])] = comm.recv(shape, dtype, p.src, REMESH_TAG)  # fmt: skip
+            out[p.tensor][_local(p.region, new_off[p.tensor])] = comm.recv(
+                shape, dtype, p.src, REMESH_TAG
+            )
     comm.flush()
     return out

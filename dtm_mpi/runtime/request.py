@@ -46,10 +46,21 @@ if TYPE_CHECKING:
     from dtm_mpi.plan.program import ExecPlan
 
 __all__ = [
-    "RunHooks", "RunRequest", "agree_arguments", "deliver_outputs", "given_inputs", "capabilities", "check_capabilities", "load_module",
-    "load_run", "plan_run", "print_diagnostic", "read_store_globals", "store_params",
+    "RunHooks",
+    "RunRequest",
+    "agree_arguments",
+    "deliver_outputs",
+    "given_inputs",
+    "capabilities",
+    "check_capabilities",
+    "load_module",
+    "load_run",
+    "plan_run",
+    "print_diagnostic",
+    "read_store_globals",
+    "store_params",
     "write_outputs",
-]  # fmt: skip
+]
 
 BACKENDS = BACKEND_NAMES
 
@@ -106,7 +117,9 @@ class RunRequest:
                 "--resume takes the state from the checkpoint; do not give -i inputs"
             )
         if self.backend == "numpy" and (self.require_gpu_aware or self.gpu_aware):
-            raise agreed_usage("--gpu-aware-mpi and --require-gpu-aware-mpi need --backend cuda or hip")  # fmt: skip
+            raise agreed_usage(
+                "--gpu-aware-mpi and --require-gpu-aware-mpi need --backend cuda or hip"
+            )
         if self.sim is None:
             return
         if self.sim < 1:
@@ -117,7 +130,9 @@ class RunRequest:
                 f"{self.backend} under mpirun/srun (one rank per GPU)"
             )
         if self.resize is not None:
-            raise agreed_usage("--resize-at and --resize-file need the MPI runtime (run under mpirun/srun, without --sim)")  # fmt: skip
+            raise agreed_usage(
+                "--resize-at and --resize-file need the MPI runtime (run under mpirun/srun, without --sim)"
+            )
 
 
 def parse_resize(text: str) -> tuple[int, dict[str, int]]:
@@ -142,7 +157,9 @@ def agree_arguments(error: DtmError | None) -> None:
     from dtm_mpi.config import get_config
 
     try:
-        agree_or_raise(world_comm(), phase="arguments", error=error, timeout_s=get_config().timeout_s)  # fmt: skip
+        agree_or_raise(
+            world_comm(), phase="arguments", error=error, timeout_s=get_config().timeout_s
+        )
     except RemoteFailureError:
         if error is not None:
             raise agreed(error) from None
@@ -277,7 +294,9 @@ def store_params(module: Module, given: Mapping[str, object]) -> list[Param]:
     ]
 
 
-def read_store_globals(store: str, module: Module, params: Sequence[Param]) -> dict[str, np.ndarray]:  # fmt: skip
+def read_store_globals(
+    store: str, module: Module, params: Sequence[Param]
+) -> dict[str, np.ndarray]:
     """The global values of ``params`` (by name without ``%``) from the latest checkpoint of
     ``store``, read in this process alone (one rank: every tensor whole, whatever mesh wrote
     it). For the simulator; under MPI the ranks restore their blocks together."""

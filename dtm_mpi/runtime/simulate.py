@@ -37,9 +37,16 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 __all__ = [
-    "RankOutcome", "RunResult", "assemble", "check_output_keys", "initial_blocks",
-    "output_values", "run_rank", "run_simulated", "summary_lines",
-]  # fmt: skip
+    "RankOutcome",
+    "RunResult",
+    "assemble",
+    "check_output_keys",
+    "initial_blocks",
+    "output_values",
+    "run_rank",
+    "run_simulated",
+    "summary_lines",
+]
 
 
 @dataclass(slots=True)
@@ -102,13 +109,19 @@ def run_rank(
     history: list[tuple[np.ndarray, ...]] = []
     checkpoints = None
     if checkpoint is not None and (checkpoint.saves or stop is not None):  # (a stop saves)
-        checkpoints = GatheredCheckpoints(comm, plan, checkpoint, store if comm.rank == 0 else None, executor.backend)  # fmt: skip
+        checkpoints = GatheredCheckpoints(
+            comm, plan, checkpoint, store if comm.rank == 0 else None, executor.backend
+        )
     loop = StepLoop(
-        executor, steps, feed=Feed(plan, comm.rank, hooks) if hooks is not None else None,
-        commit=CommCommit(comm) if stop is not None else None, checkpoints=checkpoints,
-        stop=stop, history=history if hooks is None else None,
+        executor,
+        steps,
+        feed=Feed(plan, comm.rank, hooks) if hooks is not None else None,
+        commit=CommCommit(comm) if stop is not None else None,
+        checkpoints=checkpoints,
+        stop=stop,
+        history=history if hooks is None else None,
         progress=Progress(log_every, steps) if log_every and comm.rank == 0 else None,
-    )  # fmt: skip
+    )
     try:
         end = loop.run(args, first)
     except RunStopped as stopped:  # every rank after the same step, the state saved
@@ -182,7 +195,9 @@ def initial_blocks(
         elif local is not None and key in local:
             blocks.append(np.array(local[key], order="C"))
         elif key in fed:  # a loader gives it before each step
-            blocks.append(np.zeros(local_shape(t.shape, t.layout, mesh, rank), dtype=np_dtype(t.dtype)))  # fmt: skip
+            blocks.append(
+                np.zeros(local_shape(t.shape, t.layout, mesh, rank), dtype=np_dtype(t.dtype))
+            )
         else:
             offsets = local_offsets(t.shape, t.layout, mesh, rank)
             blocks.append(init_block(p, offsets, local_shape(t.shape, t.layout, mesh, rank)))
@@ -236,12 +251,21 @@ def run_simulated(
         outcomes = run_ranks(
             mesh,
             lambda comm: run_rank(
-                plan, comm, given, steps=steps, first=first, backend=backend, hooks=hooks,
-                deterministic=deterministic, checkpoint=checkpoint, store=store,
-                log_every=log_every, stop=stop,
+                plan,
+                comm,
+                given,
+                steps=steps,
+                first=first,
+                backend=backend,
+                hooks=hooks,
+                deterministic=deterministic,
+                checkpoint=checkpoint,
+                store=store,
+                log_every=log_every,
+                stop=stop,
             ),
             timeout_s=timeout_s,
-        )  # fmt: skip
+        )
     finally:
         if store is not None:
             store.close()

@@ -52,9 +52,18 @@ if TYPE_CHECKING:
     from dtm_mpi.runtime.policies import CheckpointPolicy
 
 __all__ = [
-    "RESIZE_FLAG", "STOP_FLAG", "Checkpoints", "CommCommit", "CommitAgreement", "Feed", "LoopEnd",
-    "Progress", "RunHooks", "StepLoop", "StopSignal",
-]  # fmt: skip
+    "RESIZE_FLAG",
+    "STOP_FLAG",
+    "Checkpoints",
+    "CommCommit",
+    "CommitAgreement",
+    "Feed",
+    "LoopEnd",
+    "Progress",
+    "RunHooks",
+    "StepLoop",
+    "StopSignal",
+]
 
 STOP_FLAG, RESIZE_FLAG = 1, 2
 """The bits a rank may raise in a step's commit agreement: a stop signal, a resize request."""
@@ -88,7 +97,14 @@ class Feed:
     """The feed policy: puts a run's fed inputs (:class:`RunHooks`) into this rank's parameter
     blocks before each step, and reports each step's scalar results once it committed."""
 
-    def __init__(self, plan: ExecPlan, rank: int, hooks: RunHooks, to_device: Callable[[np.ndarray], Any] = lambda a: a, to_host: Callable[[Any], np.ndarray] = np.asarray) -> None:  # fmt: skip
+    def __init__(
+        self,
+        plan: ExecPlan,
+        rank: int,
+        hooks: RunHooks,
+        to_device: Callable[[np.ndarray], Any] = lambda a: a,
+        to_host: Callable[[Any], np.ndarray] = np.asarray,
+    ) -> None:
         entry = plan.entry_plan.function
         self.hooks, self.rank = hooks, rank
         self.to_device, self.to_host = to_device, to_host
@@ -98,7 +114,9 @@ class Feed:
             if name not in index:
                 raise UsageError(f"fed input {name!r} is not a parameter of @{entry.name}")
             t = entry.params[index[name]].type
-            self.slots.append((name, index[name], t, local_block(t.shape, t.layout, plan.mesh, rank)))  # fmt: skip
+            self.slots.append(
+                (name, index[name], t, local_block(t.shape, t.layout, plan.mesh, rank))
+            )
         self.entry = entry
 
     def feed(self, step: int, blocks: list[Any]) -> None:
@@ -108,14 +126,20 @@ class Feed:
         got = self.hooks.feed(step, {name: region for name, _, _, region in self.slots})
         for name, i, t, region in self.slots:
             if name not in got:
-                raise UsageError(f"step {step}: the data loader gave no {name!r} (rank {self.rank})")  # fmt: skip
+                raise UsageError(
+                    f"step {step}: the data loader gave no {name!r} (rank {self.rank})"
+                )
             want = tuple(r.stop - r.start for r in region)
             block = np.asarray(got[name])
             if block.shape != want:
-                raise UsageError(f"step {step}: the data loader gave {name!r} of shape {list(block.shape)} on rank {self.rank}; its block of {t} is {list(want)}")  # fmt: skip
+                raise UsageError(
+                    f"step {step}: the data loader gave {name!r} of shape {list(block.shape)} on rank {self.rank}; its block of {t} is {list(want)}"
+                )
             dtype = np_dtype(t.dtype)
             if block.dtype != dtype and not np.can_cast(block.dtype, dtype, "same_kind"):
-                raise UsageError(f"step {step}: the data loader gave {name!r} as {block.dtype}; the input is {t.dtype}")  # fmt: skip
+                raise UsageError(
+                    f"step {step}: the data loader gave {name!r} as {block.dtype}; the input is {t.dtype}"
+                )
             blocks[i] = self.to_device(np.ascontiguousarray(block, dtype=dtype))
 
     def report(self, step: int, results: Sequence[Any]) -> None:
@@ -125,8 +149,8 @@ class Feed:
         names = self.hooks.metric_names
         metrics: dict[str, float] = {}
         for i, (spec, value) in enumerate(zip(self.entry.results, results, strict=True)):
-            if spec.type.shape == () and spec.type.layout.partial is None and spec.updates is None:  # fmt: skip
-                metrics[names[i] if i < len(names) else f"result{i}"] = float(self.to_host(value))  # fmt: skip
+            if spec.type.shape == () and spec.type.layout.partial is None and spec.updates is None:
+                metrics[names[i] if i < len(names) else f"result{i}"] = float(self.to_host(value))
         self.hooks.on_step(step, self.rank, metrics)
 
 
@@ -182,7 +206,9 @@ class Progress:
             return
         now = time.perf_counter()
         per = (now - self.since) / max(1, self.count)
-        say(f"step {step + 1}/{self.steps}: {per * 1e3:.3f} ms/step, {1.0 / per if per > 0 else float('inf'):.1f} steps/s")  # fmt: skip
+        say(
+            f"step {step + 1}/{self.steps}: {per * 1e3:.3f} ms/step, {1.0 / per if per > 0 else float('inf'):.1f} steps/s"
+        )
         self.since, self.count = now, 0
 
 
@@ -220,7 +246,11 @@ class StepLoop:
     def __post_init__(self) -> None:
         entry = self.executor.plan.entry_plan.function
         index = {p.name: i for i, p in enumerate(entry.params)}
-        self.updates = [(j, index[spec.updates]) for j, spec in enumerate(entry.results) if spec.updates is not None]  # fmt: skip
+        self.updates = [
+            (j, index[spec.updates])
+            for j, spec in enumerate(entry.results)
+            if spec.updates is not None
+        ]
 
     def run(self, blocks: list[Any], first: int = 0) -> LoopEnd:
         """Run the steps from ``first`` on ``blocks`` (replaced by each step's state updates);
@@ -267,7 +297,9 @@ class StepLoop:
         return self.commit.agree(step, asked)
 
     def _stopped(self, done: int, blocks: list[Any]) -> None:
-        path = self.checkpoints.save(done, blocks, sync=True) if self.checkpoints is not None else None  # fmt: skip
+        path = (
+            self.checkpoints.save(done, blocks, sync=True) if self.checkpoints is not None else None
+        )
         signum = self.stop.asked() if self.stop is not None else None
         name = signal.Signals(signum).name if signum is not None else "a peer's signal"
         raise RunStopped(done, name, path)

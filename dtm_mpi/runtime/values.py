@@ -96,7 +96,11 @@ def check_inputs(
             )
         out[key] = check_input(key, names[key].type, np.asarray(value), "the inputs")
     for key, p in names.items():
-        if key in out or key in fed or (p.init is not None and (p.init.kind is not InitKind.STORE or store)):  # fmt: skip
+        if (
+            key in out
+            or key in fed
+            or (p.init is not None and (p.init.kind is not InitKind.STORE or store))
+        ):
             continue
         if p.init is None:
             raise UsageError(

@@ -192,34 +192,46 @@ def make_partial(a: Array, spec: MakePartialSpec, full: Callable[..., Array] = n
 
 
 def reference_local(
-    step: RedistStep, mesh: MeshShape, group: tuple[int, ...], members: list[Array],
+    step: RedistStep,
+    mesh: MeshShape,
+    group: tuple[int, ...],
+    members: list[Array],
     specs: list[Any],
-) -> list[Array]:  # fmt: skip
+) -> list[Array]:
     """A local kind: every rank runs the kind's own function (``STEP_KINDS[kind].method``)."""
     run = _LOCAL[step.kind]
     return [run(a, spec, np.full) for a, spec in zip(members, specs, strict=True)]
 
 
 def reference_allgather(
-    step: RedistStep, mesh: MeshShape, group: tuple[int, ...], members: list[Array],
+    step: RedistStep,
+    mesh: MeshShape,
+    group: tuple[int, ...],
+    members: list[Array],
     specs: list[Any],
-) -> list[Array]:  # fmt: skip
+) -> list[Array]:
     return allgather(members, _require_dim(step))
 
 
 def reference_allreduce(
-    step: RedistStep, mesh: MeshShape, group: tuple[int, ...], members: list[Array],
+    step: RedistStep,
+    mesh: MeshShape,
+    group: tuple[int, ...],
+    members: list[Array],
     specs: list[Any],
-) -> list[Array]:  # fmt: skip
+) -> list[Array]:
     if step.op is None:
         raise PlanError(f"cannot run step {step}")
     return allreduce(members, step.op)
 
 
 def reference_reduce_scatter(
-    step: RedistStep, mesh: MeshShape, group: tuple[int, ...], members: list[Array],
+    step: RedistStep,
+    mesh: MeshShape,
+    group: tuple[int, ...],
+    members: list[Array],
     specs: list[Any],
-) -> list[Array]:  # fmt: skip
+) -> list[Array]:
     first = specs[0]
     if not isinstance(first, ReduceScatterSpec):
         raise PlanError(f"cannot run step {step}")
@@ -227,25 +239,33 @@ def reference_reduce_scatter(
 
 
 def reference_all_to_all(
-    step: RedistStep, mesh: MeshShape, group: tuple[int, ...], members: list[Array],
+    step: RedistStep,
+    mesh: MeshShape,
+    group: tuple[int, ...],
+    members: list[Array],
     specs: list[Any],
-) -> list[Array]:  # fmt: skip
+) -> list[Array]:
     if step.dim is None or step.dst_dim is None:
         raise PlanError(f"cannot run step {step}")
     j = step.dst_dim
     origin = block_bounds(step.in_type, mesh, group[0])[j][0]
     pieces = [
-        (block_bounds(step.out_type, mesh, r)[j][0] - origin,
-         block_bounds(step.out_type, mesh, r)[j][1])
+        (
+            block_bounds(step.out_type, mesh, r)[j][0] - origin,
+            block_bounds(step.out_type, mesh, r)[j][1],
+        )
         for r in group
-    ]  # fmt: skip
+    ]
     return all_to_all(members, step.dim, j, pieces)
 
 
 def reference_exchange(
-    step: RedistStep, mesh: MeshShape, group: tuple[int, ...], members: list[Array],
+    step: RedistStep,
+    mesh: MeshShape,
+    group: tuple[int, ...],
+    members: list[Array],
     specs: list[Any],
-) -> list[Array]:  # fmt: skip
+) -> list[Array]:
     return exchange(members, specs)
 
 

@@ -265,7 +265,9 @@ class _Planner:
 
     # -- phase 1: shrink and reduce ----------------------------------------------------------
 
-    def reduce_scatter_candidate(self, target: Dims, todo: set[str]) -> tuple[int, tuple[str, ...]] | None:  # fmt: skip
+    def reduce_scatter_candidate(
+        self, target: Dims, todo: set[str]
+    ) -> tuple[int, tuple[str, ...]] | None:
         t = self.cur
         for d, (ec, et) in enumerate(zip(t.layout.dims, target, strict=True)):
             if not _is_prefix(ec, et):

@@ -65,7 +65,11 @@ class RemeshPlan:
 
     def moved_bytes(self) -> int:
         """Bytes crossing between processes (local copies excluded)."""
-        return sum(region_size(p.region) * self.types_old[p.tensor].dtype.itemsize for p in self.pieces if p.src != p.dst)  # fmt: skip
+        return sum(
+            region_size(p.region) * self.types_old[p.tensor].dtype.itemsize
+            for p in self.pieces
+            if p.src != p.dst
+        )
 
 
 def _holders(t: TensorType, mesh: MeshShape) -> list[tuple[Region, list[int]]]:
@@ -90,7 +94,9 @@ def plan_remesh(
     pieces: list[Piece] = []
     for i, (a, b) in enumerate(zip(types_old, types_new, strict=True)):
         if a.shape != b.shape or a.dtype is not b.dtype:
-            raise PlanError(f"remesh: tensor {i} is {a} before and {b} after; only its layout may change")  # fmt: skip
+            raise PlanError(
+                f"remesh: tensor {i} is {a} before and {b} after; only its layout may change"
+            )
         if a.layout.partial is not None or b.layout.partial is not None:
             raise PlanError(f"remesh: tensor {i} ({a}) is a pending reduction; reduce it first")
         held = _holders(a, old)

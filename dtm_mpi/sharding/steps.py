@@ -390,7 +390,9 @@ def _spec_make_partial(step: RedistStep, mesh: MeshShape, rank: int) -> MakePart
     )
 
 
-def allreduce_spec(mesh: MeshShape, rank: int, axes: tuple[str, ...], op: ReduceOp, count: int) -> AllreduceSpec:  # fmt: skip
+def allreduce_spec(
+    mesh: MeshShape, rank: int, axes: tuple[str, ...], op: ReduceOp, count: int
+) -> AllreduceSpec:
     """Rank ``rank``'s part in an ``op`` allreduce of ``count`` elements over ``axes``."""
     group = mesh.group_of(rank, axes)
     return AllreduceSpec(group, group.index(rank), op, count)
@@ -574,25 +576,77 @@ class StepRule:
     args: tuple[str, ...] = ()
 
 
-STEP_KINDS: Mapping[StepKind, StepRule] = MappingProxyType({
-    r.kind: r
-    for r in (
-        StepRule(StepKind.SLICE, SliceSpec, _spec_slice, _traffic_local,
-                 "reference_local", "slice_block"),
-        StepRule(StepKind.RELABEL, RelabelSpec, _spec_relabel, _traffic_local,
-                 "reference_local", "relabel"),
-        StepRule(StepKind.MAKE_PARTIAL, MakePartialSpec, _spec_make_partial, _traffic_local,
-                 "reference_local", "make_partial"),
-        StepRule(StepKind.ALLGATHER, AllgatherSpec, _spec_allgather, _traffic_gather_scatter,
-                 "reference_allgather", "allgather"),
-        StepRule(StepKind.ALLREDUCE, AllreduceSpec, _spec_allreduce, _traffic_allreduce,
-                 "reference_allreduce", "allreduce"),
-        StepRule(StepKind.REDUCE_SCATTER, ReduceScatterSpec, _spec_reduce_scatter,
-                 _traffic_gather_scatter, "reference_reduce_scatter", "reduce_scatter"),
-        StepRule(StepKind.ALL_TO_ALL, ExchangeSpec, _exchange, _traffic_exchange,
-                 "reference_all_to_all", "exchange", ("all_to_all",)),
-        StepRule(StepKind.EXCHANGE, ExchangeSpec, _exchange, _traffic_exchange,
-                 "reference_exchange", "exchange", ("exchange",)),
-    )
-})  # fmt: skip
+STEP_KINDS: Mapping[StepKind, StepRule] = MappingProxyType(
+    {
+        r.kind: r
+        for r in (
+            StepRule(
+                StepKind.SLICE,
+                SliceSpec,
+                _spec_slice,
+                _traffic_local,
+                "reference_local",
+                "slice_block",
+            ),
+            StepRule(
+                StepKind.RELABEL,
+                RelabelSpec,
+                _spec_relabel,
+                _traffic_local,
+                "reference_local",
+                "relabel",
+            ),
+            StepRule(
+                StepKind.MAKE_PARTIAL,
+                MakePartialSpec,
+                _spec_make_partial,
+                _traffic_local,
+                "reference_local",
+                "make_partial",
+            ),
+            StepRule(
+                StepKind.ALLGATHER,
+                AllgatherSpec,
+                _spec_allgather,
+                _traffic_gather_scatter,
+                "reference_allgather",
+                "allgather",
+            ),
+            StepRule(
+                StepKind.ALLREDUCE,
+                AllreduceSpec,
+                _spec_allreduce,
+                _traffic_allreduce,
+                "reference_allreduce",
+                "allreduce",
+            ),
+            StepRule(
+                StepKind.REDUCE_SCATTER,
+                ReduceScatterSpec,
+                _spec_reduce_scatter,
+                _traffic_gather_scatter,
+                "reference_reduce_scatter",
+                "reduce_scatter",
+            ),
+            StepRule(
+                StepKind.ALL_TO_ALL,
+                ExchangeSpec,
+                _exchange,
+                _traffic_exchange,
+                "reference_all_to_all",
+                "exchange",
+                ("all_to_all",),
+            ),
+            StepRule(
+                StepKind.EXCHANGE,
+                ExchangeSpec,
+                _exchange,
+                _traffic_exchange,
+                "reference_exchange",
+                "exchange",
+                ("exchange",),
+            ),
+        )
+    }
+)
 """The step-kind table: one :class:`StepRule` per :class:`StepKind`."""

@@ -28,9 +28,27 @@ def test_ratio_is_value_over_baseline() -> None:
 def bench_ckpt(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """``dtm bench ckpt --repeat 1 --dir tmp_path ARGS`` on 2 ranks under mpirun."""
     env = mpirun_env(DTM_TIMEOUT="60")
-    cmd = ["mpirun", "--timeout", "120", "--bind-to", "none", "-n", "2", sys.executable, "-m",
-           "mpi4py", "-m", "dtm_mpi", "bench", "ckpt", "--repeat", "1", "--dir", str(tmp_path),
-           *args]  # fmt: skip
+    cmd = [
+        "mpirun",
+        "--timeout",
+        "120",
+        "--bind-to",
+        "none",
+        "-n",
+        "2",
+        sys.executable,
+        "-m",
+        "mpi4py",
+        "-m",
+        "dtm_mpi",
+        "bench",
+        "ckpt",
+        "--repeat",
+        "1",
+        "--dir",
+        str(tmp_path),
+        *args,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, check=False)
 
 
@@ -43,9 +61,12 @@ def test_bench_ckpt_under_mpirun_writes_the_csv(tmp_path: Path) -> None:
         rows = list(csv.DictReader(f))
     assert list(rows[0]) == ["metric", "value", "baseline", "ratio"]
     assert [r["metric"] for r in rows] == [
-        "save_GBps", "restore_GBps", "reshard_restore_s", "reshard_transpose_s",
+        "save_GBps",
+        "restore_GBps",
+        "reshard_restore_s",
+        "reshard_transpose_s",
         "peak_extra_rss_bytes",
-    ]  # fmt: skip
+    ]
     for r in rows:
         value, baseline, ratio = float(r["value"]), float(r["baseline"]), float(r["ratio"])
         assert value > 0 and baseline > 0, r
@@ -76,17 +97,50 @@ def test_bench_ckpt_cold_adds_the_restore_from_storage_row_or_says_why_not(tmp_p
 @pytest.mark.slow
 def test_bench_ckpt_async_times_the_loop_three_ways(tmp_path: Path) -> None:
     env = mpirun_env(DTM_TIMEOUT="60")
-    cmd = ["mpirun", "--timeout", "120", "--bind-to", "none", "-n", "2", sys.executable, "-m",
-           "mpi4py", "-m", "dtm_mpi", "bench", "ckpt-async", "--batch", "16", "--width", "32",
-           "--hidden", "64", "--steps", "3", "--every", "1", "--repeat", "1", "--dir", str(tmp_path)]  # fmt: skip
+    cmd = [
+        "mpirun",
+        "--timeout",
+        "120",
+        "--bind-to",
+        "none",
+        "-n",
+        "2",
+        sys.executable,
+        "-m",
+        "mpi4py",
+        "-m",
+        "dtm_mpi",
+        "bench",
+        "ckpt-async",
+        "--batch",
+        "16",
+        "--width",
+        "32",
+        "--hidden",
+        "64",
+        "--steps",
+        "3",
+        "--every",
+        "1",
+        "--repeat",
+        "1",
+        "--dir",
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
-    rows = {ln.split("  ")[0]: ln.split() for ln in lines if ln.startswith(("no checkpoints", "synchronous", "async"))}  # fmt: skip
+    rows = {
+        ln.split("  ")[0]: ln.split()
+        for ln in lines
+        if ln.startswith(("no checkpoints", "synchronous", "async"))
+    }
     assert sorted(rows) == ["async saves", "no checkpoints", "synchronous saves"], proc.stdout
     assert all(float(r[-3]) > 0 for r in rows.values())  # every loop ran and was timed
     state = re.search(r"state ([0-9.]+) MiB", proc.stdout)
     # 32x64 and 64x32 float32 weights, each with AdamW's two moments
-    assert state is not None and float(state.group(1)) == pytest.approx(6 * 32 * 64 * 4 / 2**20, rel=0.01)  # fmt: skip
+    assert state is not None and float(state.group(1)) == pytest.approx(
+        6 * 32 * 64 * 4 / 2**20, rel=0.01
+    )
     assert re.search(r"hidden by async: -?[0-9]+% of the synchronous saves' cost", proc.stdout)
     assert [p for p in tmp_path.iterdir() if p.name.startswith("dtm-bench-ckpt-async-")] == []

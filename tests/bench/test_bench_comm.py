@@ -31,9 +31,28 @@ def test_sizes_and_busbw_formulas() -> None:
 def test_bench_comm_under_mpirun_writes_the_csv(tmp_path: Path) -> None:
     out = tmp_path / "comm.csv"
     env = mpirun_env(DTM_TIMEOUT="60")
-    cmd = ["mpirun", "--timeout", "120", "--bind-to", "none", "-n", "2", sys.executable, "-m",
-           "mpi4py", "-m", "dtm_mpi", "bench", "comm", "--sizes", "8,4K", "--repeat", "1",
-           "--csv", str(out)]  # fmt: skip
+    cmd = [
+        "mpirun",
+        "--timeout",
+        "120",
+        "--bind-to",
+        "none",
+        "-n",
+        "2",
+        sys.executable,
+        "-m",
+        "mpi4py",
+        "-m",
+        "dtm_mpi",
+        "bench",
+        "comm",
+        "--sizes",
+        "8,4K",
+        "--repeat",
+        "1",
+        "--csv",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     with out.open() as f:

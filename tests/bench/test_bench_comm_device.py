@@ -103,7 +103,9 @@ def case_values(op: str, rank: int, n: int, count: int, r: int) -> tuple[np.ndar
     return x, np.concatenate([1_000_000 * j + 10_000 * rank + k + r for j in range(n)])
 
 
-def check_case(cp: FakeCupy, dtm: DeviceComm, raw: Any, device: Any, op: str, nbytes: int, aware: bool) -> list[str]:  # fmt: skip
+def check_case(
+    cp: FakeCupy, dtm: DeviceComm, raw: Any, device: Any, op: str, nbytes: int, aware: bool
+) -> list[str]:
     """Run one (op, size) case of the benchmark, each path twice, on inputs written by a
     kernel still queued when the path is called; the problems found."""
     rank, n = dtm.rank, int(raw.Get_size())
@@ -142,15 +144,24 @@ def check_case(cp: FakeCupy, dtm: DeviceComm, raw: Any, device: Any, op: str, nb
             if not aware and name == "raw":  # staged by hand: down, MPI, up (not on bcast roots)
                 expected = (0 if op == "broadcast" and rank == 0 else 1, 1)
                 if copies != expected:
-                    problems.append(f"{tag}: staging made {copies} (uploads, downloads), expected {expected}")  # fmt: skip
-            if name == "dtm" and isinstance(got, FakeCupyArray) and got is not x and np.shares_memory(got.host, x.host):  # fmt: skip
+                    problems.append(
+                        f"{tag}: staging made {copies} (uploads, downloads), expected {expected}"
+                    )
+            if (
+                name == "dtm"
+                and isinstance(got, FakeCupyArray)
+                and got is not x
+                and np.shares_memory(got.host, x.host)
+            ):
                 problems.append(f"{tag}: the output aliases the input")
     return problems
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("mode", ["yes", "no"])
-def test_every_case_computes_its_collective(comm: Any, all_ranks: Any, fake_gpu: FakeCupy, mode: str) -> None:  # fmt: skip
+def test_every_case_computes_its_collective(
+    comm: Any, all_ranks: Any, fake_gpu: FakeCupy, mode: str
+) -> None:
     from dtm_mpi.comm.mpi_comm import MpiComm
     from dtm_mpi.comm.mpi_session import MpiSession
     from dtm_mpi.sharding import MeshShape
@@ -162,8 +173,13 @@ def test_every_case_computes_its_collective(comm: Any, all_ranks: Any, fake_gpu:
         with gpu_aware_mpi(mode):
             inner = MpiComm(session, deterministic=False)  # as the benchmark's
             dtm, device = bench._device_setup("cuda", comm, session, inner)
-        all_ranks(isinstance(dtm, DeviceComm) and dtm.awareness.aware == (mode == "yes"), str(dtm.awareness))  # fmt: skip
-        all_ranks(fake_gpu.device == 0 and "Fake GPU" in device[0].description, device[0].description)  # fmt: skip
+        all_ranks(
+            isinstance(dtm, DeviceComm) and dtm.awareness.aware == (mode == "yes"),
+            str(dtm.awareness),
+        )
+        all_ranks(
+            fake_gpu.device == 0 and "Fake GPU" in device[0].description, device[0].description
+        )
         problems = []
         for op in bench.OPS:
             for nbytes in SIZES:
@@ -174,7 +190,9 @@ def test_every_case_computes_its_collective(comm: Any, all_ranks: Any, fake_gpu:
         if mode == "yes" and threaded:
             all_ranks(dtm.paths.direct == calls and not dtm.paths.staged, dtm.describe())
         if mode == "no":
-            all_ranks(dtm.paths.staged == calls and set(dtm.paths.why) == {NOT_AWARE}, dtm.describe())  # fmt: skip
+            all_ranks(
+                dtm.paths.staged == calls and set(dtm.paths.why) == {NOT_AWARE}, dtm.describe()
+            )
     finally:
         raw.Free()
         session.close()
@@ -185,7 +203,9 @@ def test_every_case_computes_its_collective(comm: Any, all_ranks: Any, fake_gpu:
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("mode", ["yes", "no", "auto"])
-def test_bench_on_device_buffers(comm: Any, mpi_tmp_path: Path, fake_gpu: FakeCupy, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:  # fmt: skip
+def test_bench_on_device_buffers(
+    comm: Any, mpi_tmp_path: Path, fake_gpu: FakeCupy, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
     rank, n = comm.Get_rank(), comm.Get_size()
     seen: dict[str, Any] = {}
     setup = bench._device_setup
@@ -270,11 +290,28 @@ def test_dtm_bench_comm_backend_cuda(tmp_path: Path, ranks: int, mode: str) -> N
     out = tmp_path / "comm.csv"
     fake = fake_cupy_package(str(tmp_path / "fake"))
     env = mpirun_env(PYTHONPATH=fake["PYTHONPATH"], DTM_GPU_AWARE_MPI=mode, DTM_TIMEOUT="60")
-    cmd = [sys.executable, "-m", "mpi4py", "-m", "dtm_mpi", "bench", "comm", "--backend", "cuda",
-           "--sizes", "8,100,4K", "--repeat", "1", "--csv", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "mpi4py",
+        "-m",
+        "dtm_mpi",
+        "bench",
+        "comm",
+        "--backend",
+        "cuda",
+        "--sizes",
+        "8,100,4K",
+        "--repeat",
+        "1",
+        "--csv",
+        str(out),
+    ]
     if ranks > 1:
         cmd = ["mpirun", "--timeout", "120", "--bind-to", "none", "-n", str(ranks), *cmd]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path, check=False)  # fmt: skip
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path, check=False
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     head = proc.stdout.splitlines()[0]
     assert head.startswith("cuda (device 0: Fake GPU, CuPy 13.0.0+fake)"), proc.stdout

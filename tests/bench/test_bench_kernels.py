@@ -20,8 +20,17 @@ from dtm_mpi.errors import BackendError
 from dtm_mpi.kernels import devices
 from tests.kernels.gpu_emu import EmuCupy, install
 
-CASES = ["softmax", "log_softmax", "layer_norm", "row_sum", "row_max", "bias_gelu",
-         "fused gelu(x+b)*z", "quantize b32", "dequantize b32"]  # fmt: skip
+CASES = [
+    "softmax",
+    "log_softmax",
+    "layer_norm",
+    "row_sum",
+    "row_max",
+    "bias_gelu",
+    "fused gelu(x+b)*z",
+    "quantize b32",
+    "dequantize b32",
+]
 
 
 @pytest.fixture
@@ -44,12 +53,20 @@ def test_every_case_computes_what_its_composed_twin_does(emu: EmuCupy, dtype: An
             assert np.array_equal(np.asarray(got[1]).reshape(-1), want[1]), name
             continue
         tol = 2e-2 if dtype == np.float16 else 1e-4
-        np.testing.assert_allclose(np.asarray(got, np.float64).reshape(-1), np.asarray(want, np.float64).reshape(-1), rtol=tol, atol=tol, err_msg=name)  # fmt: skip
+        np.testing.assert_allclose(
+            np.asarray(got, np.float64).reshape(-1),
+            np.asarray(want, np.float64).reshape(-1),
+            rtol=tol,
+            atol=tol,
+            err_msg=name,
+        )
 
 
 def test_table_and_csv(emu: EmuCupy, tmp_path: Path) -> None:
     out = tmp_path / "kernels.csv"
-    table = bench.run_kernel_bench("cuda", rows=4, cols=64, dtypes=("f32", "f16"), repeat=1, csv_path=str(out))  # fmt: skip
+    table = bench.run_kernel_bench(
+        "cuda", rows=4, cols=64, dtypes=("f32", "f16"), repeat=1, csv_path=str(out)
+    )
     lines = table.splitlines()
     assert lines[0].startswith("dtm bench kernels: CPU emulator (warp 32); [4, 64] per case")
     assert len(lines) == 2 + 2 * len(CASES)
@@ -58,7 +75,9 @@ def test_table_and_csv(emu: EmuCupy, tmp_path: Path) -> None:
     assert len(rows) == 1 + 4 * len(CASES)
     for metric, value, baseline, ratio in rows[1:]:
         assert metric.endswith(("GBps", "s_vs_cupy")), metric
-        assert all(math.isfinite(float(v)) and float(v) > 0 for v in (value, baseline, ratio)), metric  # fmt: skip
+        assert all(math.isfinite(float(v)) and float(v) > 0 for v in (value, baseline, ratio)), (
+            metric
+        )
     assert {r[0] for r in rows[1:]} >= {"softmax f32 GBps", "layer_norm f16 GBps"}
 
 

@@ -24,7 +24,9 @@ from tests.mpi_env import mpirun_env
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 
-def _dtm_run(model: str, steps: int, ranks: int, mesh: dict[str, int]) -> tuple[list[float], dict[str, np.ndarray]]:  # fmt: skip
+def _dtm_run(
+    model: str, steps: int, ranks: int, mesh: dict[str, int]
+) -> tuple[list[float], dict[str, np.ndarray]]:
     spec = MODELS[model]
     step = spec.build()
     losses: list[float] = []
@@ -37,19 +39,34 @@ def _dtm_run(model: str, steps: int, ranks: int, mesh: dict[str, int]) -> tuple[
         if rank == 0:
             losses.append(metrics["loss"])
 
-    hooks = RunHooks(feed, tuple(step.inputs), on_step=on_step, metric_names=tuple(step.metrics))  # fmt: skip
-    res = run_simulated(step.module, ranks, binding=mesh, inputs=initial_state(step), steps=steps, hooks=hooks)  # fmt: skip
+    hooks = RunHooks(feed, tuple(step.inputs), on_step=on_step, metric_names=tuple(step.metrics))
+    res = run_simulated(
+        step.module, ranks, binding=mesh, inputs=initial_state(step), steps=steps, hooks=hooks
+    )
     return losses, res.params
 
 
-@pytest.mark.parametrize(("model", "ranks", "mesh"), [("digits", 2, {"dp": 2, "tp": 1}), ("mlp", 2, {"dp": 1, "tp": 2}), ("gpt", 1, {"dp": 1, "tp": 1})])  # fmt: skip
-def test_the_numpy_floor_trains_the_same_model_as_the_frontend_step(model: str, ranks: int, mesh: dict[str, int]) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("model", "ranks", "mesh"),
+    [
+        ("digits", 2, {"dp": 2, "tp": 1}),
+        ("mlp", 2, {"dp": 1, "tp": 2}),
+        ("gpt", 1, {"dp": 1, "tp": 1}),
+    ],
+)
+def test_the_numpy_floor_trains_the_same_model_as_the_frontend_step(
+    model: str, ranks: int, mesh: dict[str, int]
+) -> None:
     steps = 3
     losses, params = _dtm_run(model, steps, ranks, mesh)
     floor = numpy_floor(model, initial_state(MODELS[model].build()))
     mine = [floor.step(MODELS[model].batch_data(s)) for s in range(steps)]
     np.testing.assert_allclose(mine, losses, rtol=2e-5)
-    weights = floor.p if hasattr(floor, "p") else {"layers.0.weight": floor.w1, "layers.1.weight": floor.w2}  # fmt: skip
+    weights = (
+        floor.p
+        if hasattr(floor, "p")
+        else {"layers.0.weight": floor.w1, "layers.1.weight": floor.w2}
+    )
     for k, w in weights.items():
         scale = float(np.max(np.abs(params[k])))
         assert float(np.max(np.abs(w - params[k]))) <= 1e-3 * scale, k
@@ -70,7 +87,11 @@ def test_the_torch_peer_trains_the_same_model(model: str) -> None:
 
 def test_configs_cover_every_mesh_shape_and_the_peers() -> None:
     got = {(c.impl, c.ranks, c.mesh) for c in configs_for(["mlp"], [1, 2, 4], torch=True)}
-    assert ("dtm", 4, "dp=2,tp=2") in got and ("dtm", 4, "dp=1,tp=4") in got and ("dtm", 4, "dp=4,tp=1") in got  # fmt: skip
+    assert (
+        ("dtm", 4, "dp=2,tp=2") in got
+        and ("dtm", 4, "dp=1,tp=4") in got
+        and ("dtm", 4, "dp=4,tp=1") in got
+    )
     assert ("torch-ddp", 2, "dp=2,tp=1") in got and ("torch-tp", 2, "dp=1,tp=2") in got
     assert ("numpy", 1, "dp=1,tp=1") in got
     assert not any(c.impl.startswith("torch") for c in configs_for(["gpt"], [1], torch=False))
@@ -78,14 +99,31 @@ def test_configs_cover_every_mesh_shape_and_the_peers() -> None:
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not on PATH")
-def test_bench_train_measures_every_configuration_and_writes_csv_and_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_bench_train_measures_every_configuration_and_writes_csv_and_plot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     for k, v in mpirun_env().items():
         monkeypatch.setenv(k, v)
     out_csv, png = tmp_path / "train.csv", tmp_path / "train.png"
-    report, rows = run_train_bench(models=["digits"], ranks=[2], steps=2, warmup=1, rounds=1, csv_path=str(out_csv), plot_path=str(png), torch=HAS_TORCH, timeout_s=300)  # fmt: skip
+    report, rows = run_train_bench(
+        models=["digits"],
+        ranks=[2],
+        steps=2,
+        warmup=1,
+        rounds=1,
+        csv_path=str(out_csv),
+        plot_path=str(png),
+        torch=HAS_TORCH,
+        timeout_s=300,
+    )
     assert all(not r.error for r in rows), report
     impls = {(r.config.impl, r.config.mesh) for r in rows}
-    assert {("numpy", "dp=1,tp=1"), ("dtm", "dp=1,tp=1"), ("dtm", "dp=2,tp=1"), ("dtm", "dp=1,tp=2")} <= impls  # fmt: skip
+    assert {
+        ("numpy", "dp=1,tp=1"),
+        ("dtm", "dp=1,tp=1"),
+        ("dtm", "dp=2,tp=1"),
+        ("dtm", "dp=1,tp=2"),
+    } <= impls
     losses = [r.loss for r in rows]
     np.testing.assert_allclose(losses, losses[0], rtol=1e-4)  # every implementation, the same model
     for r in rows:
@@ -93,7 +131,13 @@ def test_bench_train_measures_every_configuration_and_writes_csv_and_plot(tmp_pa
         if r.config.impl == "dtm" and r.config.ranks > 1:
             assert 0.0 < r.comm_share < 1.0, r
     table = list(csv.DictReader(out_csv.open()))
-    assert len(table) == len(rows) and {"step_ms", "samples_per_s", "comm_share", "peak_rss_mib", "loss"} <= set(table[0])  # fmt: skip
+    assert len(table) == len(rows) and {
+        "step_ms",
+        "samples_per_s",
+        "comm_share",
+        "peak_rss_mib",
+        "loss",
+    } <= set(table[0])
     assert "targets:" in report and "digits: 1 rank / numpy floor" in report
     if importlib.util.find_spec("matplotlib") is not None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

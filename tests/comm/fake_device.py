@@ -35,7 +35,9 @@ class FakeDeviceArray:
 
     def __init__(self, host: np.ndarray, strided: bool = False) -> None:
         if not (host.flags.c_contiguous or strided):
-            raise ValueError("FakeDeviceArray wraps C-contiguous arrays only (strided=True: a view)")  # fmt: skip
+            raise ValueError(
+                "FakeDeviceArray wraps C-contiguous arrays only (strided=True: a view)"
+            )
         self.host = host
 
     @property
@@ -120,8 +122,12 @@ class FakeDeviceOps:
 
 def same(got: Any, want: np.ndarray) -> bool:
     """``got`` is a fake device array holding exactly ``want`` (shape, dtype, bytes)."""
-    return (isinstance(got, FakeDeviceArray) and got.shape == want.shape
-            and got.dtype == want.dtype and got.host.tobytes() == want.tobytes())  # fmt: skip
+    return (
+        isinstance(got, FakeDeviceArray)
+        and got.shape == want.shape
+        and got.dtype == want.dtype
+        and got.host.tobytes() == want.tobytes()
+    )
 
 
 def dev(x: np.ndarray) -> FakeDeviceArray:
@@ -141,7 +147,9 @@ def dev_strided(x: np.ndarray) -> FakeDeviceArray:
 # --- the collective steps the tests run -------------------------------------------------------
 
 
-def _t(shape: tuple[int, ...], dims: Any, partial: Any = None, dtype: DType = DType.F32) -> TensorType:  # fmt: skip
+def _t(
+    shape: tuple[int, ...], dims: Any, partial: Any = None, dtype: DType = DType.F32
+) -> TensorType:
     return TensorType(dtype, shape, Layout(dims, partial))
 
 
@@ -156,12 +164,22 @@ def steps_for(k: int) -> list[RedistStep]:
     for dt in (DType.F32, DType.F64):
         for op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN):
             src = _t((5, 3), ((), ()), Partial(op, x), dt)
-            out.append(RedistStep(StepKind.ALLREDUCE, src, _t((5, 3), ((), ()), None, dt), x, op=op))  # fmt: skip
+            out.append(
+                RedistStep(StepKind.ALLREDUCE, src, _t((5, 3), ((), ()), None, dt), x, op=op)
+            )
     src = _t((7, 2), ((), ()), Partial(ReduceOp.SUM, x))
-    out.append(RedistStep(StepKind.REDUCE_SCATTER, src, _t((7, 2), (x, ())), x, dim=0, op=ReduceOp.SUM))  # fmt: skip
+    out.append(
+        RedistStep(StepKind.REDUCE_SCATTER, src, _t((7, 2), (x, ())), x, dim=0, op=ReduceOp.SUM)
+    )
     src = _t((3, 7), ((), ()), Partial(ReduceOp.SUM, x))
-    out.append(RedistStep(StepKind.REDUCE_SCATTER, src, _t((3, 7), ((), x)), x, dim=1, op=ReduceOp.SUM))  # fmt: skip
-    out.append(RedistStep(StepKind.ALL_TO_ALL, _t((10, 7), (x, ())), _t((10, 7), ((), x)), x, dim=0, dst_dim=1))  # fmt: skip
+    out.append(
+        RedistStep(StepKind.REDUCE_SCATTER, src, _t((3, 7), ((), x)), x, dim=1, op=ReduceOp.SUM)
+    )
+    out.append(
+        RedistStep(
+            StepKind.ALL_TO_ALL, _t((10, 7), (x, ())), _t((10, 7), ((), x)), x, dim=0, dst_dim=1
+        )
+    )
     return out
 
 
@@ -303,7 +321,9 @@ class FakeCupyArray(FakeDeviceArray):
     def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
         raise TypeError("Implicit conversion to a NumPy array is not allowed (fake cupy)")
 
-    def get(self, stream: Any = None, order: str = "C", out: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
+    def get(
+        self, stream: Any = None, order: str = "C", out: np.ndarray | None = None
+    ) -> np.ndarray:
         """A synchronous download: waits for the work queued on the stream first."""
         self._cp.downloads += 1
         self._cp.stream.drain()

@@ -59,7 +59,13 @@ def test_a_stop_signal_while_a_command_starts_is_kept_for_it(taken: bool) -> Non
     import subprocess
     import sys
 
-    got = subprocess.run([sys.executable, "-c", _EARLY_STOP, "taken" if taken else "left"], capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    got = subprocess.run(
+        [sys.executable, "-c", _EARLY_STOP, "taken" if taken else "left"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     if taken:
         assert got.returncode == 0, got.stderr
         assert got.stdout.splitlines() == [f"taken {int(signal.SIGUSR1)}", "still running"]

@@ -90,7 +90,9 @@ def test_node_local_rank_is_bounded_and_names_a_missing_rank(comm) -> None:
             node_local_rank(comm, phase="backend", timeout_s=1.0)
         assert time.monotonic() - start < 10
         assert info.value.silent == (missing,)
-        assert f"phase 'backend' did not end within 1 s: rank(s) {missing} did not arrive" in str(info.value)  # fmt: skip
+        assert f"phase 'backend' did not end within 1 s: rank(s) {missing} did not arrive" in str(
+            info.value
+        )
     else:
         time.sleep(3.0)
         for r in range(size - 1):

@@ -104,9 +104,15 @@ def test_detect_runs_only_the_layers_it_needs() -> None:
 
 
 def test_setting_words() -> None:
-    for word, mode in [("yes", GpuAwareMode.YES), ("1", GpuAwareMode.YES), ("ON", GpuAwareMode.YES),
-                       ("no", GpuAwareMode.NO), ("0", GpuAwareMode.NO), ("false", GpuAwareMode.NO),
-                       (" auto ", GpuAwareMode.AUTO)]:  # fmt: skip
+    for word, mode in [
+        ("yes", GpuAwareMode.YES),
+        ("1", GpuAwareMode.YES),
+        ("ON", GpuAwareMode.YES),
+        ("no", GpuAwareMode.NO),
+        ("0", GpuAwareMode.NO),
+        ("false", GpuAwareMode.NO),
+        (" auto ", GpuAwareMode.AUTO),
+    ]:
         assert parse_gpu_aware_mode(word) is mode
     with pytest.raises(UsageError, match=r"--gpu-aware-mpi: expected yes, no or auto, got 'maybe'"):
         parse_gpu_aware_mode("maybe")
@@ -193,7 +199,9 @@ def test_mpich_family_query() -> None:
         return fn
 
     def q(backend: str, version: str, fn: Any) -> Answer:
-        return query_vendor(backend, library_version=version, lookup=fake_lookup(MPIX_GPU_query_support=fn))  # fmt: skip
+        return query_vendor(
+            backend, library_version=version, lookup=fake_lookup(MPIX_GPU_query_support=fn)
+        )
 
     got = q("cuda", MPICH, gpu_query({0}))
     assert got.aware is True and "MPICH Version: 4.1.2" in got.detail
@@ -227,12 +235,27 @@ def test_probe_outcomes() -> None:
 
 
 def test_probe_environment_is_a_singleton() -> None:
-    env = probe_env({"PATH": "/bin", "OMPI_COMM_WORLD_RANK": "1", "PMIX_RANK": "1",
-                     "PMI_RANK": "1", "SLURM_PROCID": "1", "OMPI_MCA_ess_base_jobid": "7",
-                     "OMPI_MCA_pml": "ucx", "OMPI_MCA_opal_cuda_support": "1",
-                     "HYDRA_CONTROL_FD": "3", "CUDA_VISIBLE_DEVICES": "2"})  # fmt: skip
-    assert env == {"PATH": "/bin", "OMPI_MCA_pml": "ucx", "OMPI_MCA_opal_cuda_support": "1",
-                   "CUDA_VISIBLE_DEVICES": "2", "OMPI_MCA_ess_singleton_isolated": "1"}  # fmt: skip
+    env = probe_env(
+        {
+            "PATH": "/bin",
+            "OMPI_COMM_WORLD_RANK": "1",
+            "PMIX_RANK": "1",
+            "PMI_RANK": "1",
+            "SLURM_PROCID": "1",
+            "OMPI_MCA_ess_base_jobid": "7",
+            "OMPI_MCA_pml": "ucx",
+            "OMPI_MCA_opal_cuda_support": "1",
+            "HYDRA_CONTROL_FD": "3",
+            "CUDA_VISIBLE_DEVICES": "2",
+        }
+    )
+    assert env == {
+        "PATH": "/bin",
+        "OMPI_MCA_pml": "ucx",
+        "OMPI_MCA_opal_cuda_support": "1",
+        "CUDA_VISIBLE_DEVICES": "2",
+        "OMPI_MCA_ess_singleton_isolated": "1",
+    }
 
 
 def fake_python(tmp_path: Path, body: str) -> str:
@@ -261,7 +284,9 @@ def test_probe_child_end_to_end(tmp_path: Path, mode: str) -> None:
     if mode == "host":
         assert got == Answer(True, "a device buffer sent to itself on COMM_SELF arrived intact")
     else:
-        assert got.aware is False and "died with SIGSEGV while MPI moved a device buffer" in got.detail  # fmt: skip
+        assert (
+            got.aware is False and "died with SIGSEGV while MPI moved a device buffer" in got.detail
+        )
     hip = probe_gpu_aware("hip", environ=fake_cupy_environ(str(tmp_path), mode), timeout_s=60)
     assert hip == Answer(None, "probe: CuPy is built for cuda, not hip")
 
@@ -409,7 +434,9 @@ def test_host_arrays_pass_straight_through() -> None:
 
 def test_required_gpu_aware_names_the_deciding_layer() -> None:
     comm = SimComm(SimWorld(line(1), 5.0), 0)
-    vendor_no = GpuAwareness(False, "vendor query", "Open MPI v4.1.4: MPIX_Query_cuda_support() returned 0")  # fmt: skip
+    vendor_no = GpuAwareness(
+        False, "vendor query", "Open MPI v4.1.4: MPIX_Query_cuda_support() returned 0"
+    )
     with pytest.raises(GpuAwareMpiError) as info:
         DeviceComm(comm, FakeDeviceOps(), vendor_no, require_gpu_aware=True)
     text = str(info.value)
@@ -534,5 +561,7 @@ def test_ranks_planning_other_overlap_buckets_fail_the_handshake() -> None:
         return Hello(1, "0.1", "h", "x=2", (), "numpy", False, buckets=buckets)
 
     compare_hellos([hello(0), hello(0)])
-    with pytest.raises(HandshakeError, match=r"buckets differs \(rank\(s\) 0: 26214400; rank\(s\) 1: 0\)"):  # fmt: skip
+    with pytest.raises(
+        HandshakeError, match=r"buckets differs \(rank\(s\) 0: 26214400; rank\(s\) 1: 0\)"
+    ):
         compare_hellos([hello(26214400), hello(0)])

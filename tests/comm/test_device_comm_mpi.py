@@ -80,7 +80,9 @@ def check_steps(comm: Any, all_ranks: Any, dc: DeviceComm, mc: MpiComm) -> int:
             after = traffic(mc)
             if not same(got, want):
                 problems.append(f"{step}: got {got!r}, want {want!r}")
-            if [a - m for a, m in zip(after, middle, strict=True)] != [m - b for m, b in zip(middle, before, strict=True)]:  # fmt: skip
+            if [a - m for a, m in zip(after, middle, strict=True)] != [
+                m - b for m, b in zip(middle, before, strict=True)
+            ]:
                 problems.append(f"{step}: accounting {after} {middle} {before}")
             if dc.ops.syncs != syncs + 1:  # type: ignore[attr-defined]
                 problems.append(f"{step}: {dc.ops.syncs - syncs} synchronisations")  # type: ignore[attr-defined]
@@ -129,7 +131,7 @@ def test_staging_matches_the_host_ops(comm: Any, all_ranks: Any, kwargs: dict[st
         # repeated sizes reuse the pool: MPI is done with a buffer when its call returns, so
         # one buffer per size class serves dozens of staged calls
         pool = dc.pool
-        all_ranks(pool.allocations <= 2 and pool.pageable == 0 and pool.reused >= 20, dc.describe())  # fmt: skip
+        all_ranks(pool.allocations <= 2 and pool.pageable == 0 and pool.reused >= 20, dc.describe())
 
 
 # --- (b) GPU-aware: the direct path -----------------------------------------------------------
@@ -147,22 +149,35 @@ def test_direct_path_for_allreduce_broadcast_send_recv(comm: Any, all_ranks: Any
         # steps_for: 2 f32/f64 SUM allreduces direct, the 4 float max/min folded on the host;
         # the reduce-scatter and the (uneven) allgather along dim 0 direct, those along dim 1
         # staged
-        want_direct = {"allreduce": 2 * 2, "broadcast": 3 * size, "reduce_scatter": 2, "allgather": 2} if threaded else {}  # fmt: skip
+        want_direct = (
+            {"allreduce": 2 * 2, "broadcast": 3 * size, "reduce_scatter": 2, "allgather": 2}
+            if threaded
+            else {}
+        )
         if p.direct["all_to_all"]:
             want_direct["all_to_all"] = p.direct["all_to_all"]  # checked below
         want_direct.update({"send": 1, "recv": 2})
         all_ranks(p.direct == want_direct, f"direct {p.direct} want {want_direct}")
         folded = 2 * 4 if threaded else 2 * 6
         gathers = 2 if threaded else 4
-        all_ranks(p.staged["allreduce"] == folded and p.staged["allgather"] == gathers, f"staged {p.staged}")  # fmt: skip
+        all_ranks(
+            p.staged["allreduce"] == folded and p.staged["allgather"] == gathers,
+            f"staged {p.staged}",
+        )
         # the dim-1 gather: an inner dim, or (a rank's block of 5 columns at 4 ranks) empty
-        inner = p.why["gathered along an inner dim (the blocks would need reordering)"] + p.why["empty array"]  # fmt: skip
+        inner = (
+            p.why["gathered along an inner dim (the blocks would need reordering)"]
+            + p.why["empty array"]
+        )
         inner_rs = p.why["scattered along an inner dim (the pieces would need packing)"]
         # the exchange: column blocks of row blocks are not back to back (at 4 ranks the rank
         # holding one row is: it goes direct and meets the others' Alltoallv)
         packing = p.why["pieces not back to back (they would need packing)"]
         all_ranks(not threaded or packing + p.direct["all_to_all"] == 2, f"why {p.why}")
-        all_ranks(p.direct["all_to_all"] == (2 if threaded and size == 4 and rank == 3 else 0), f"direct {p.direct}")  # fmt: skip
+        all_ranks(
+            p.direct["all_to_all"] == (2 if threaded and size == 4 and rank == 3 else 0),
+            f"direct {p.direct}",
+        )
         all_ranks(NOT_AWARE not in p.why, f"why {p.why}")
         all_ranks(not threaded or (inner == 2 and inner_rs == 2), f"why {p.why}")
         all_ranks(p.host == {"send": 1} and lines == [], f"host {p.host}; log {lines}")
@@ -179,7 +194,9 @@ def test_direct_path_for_allreduce_broadcast_send_recv(comm: Any, all_ranks: Any
         gspec = AllgatherSpec(tuple(range(size)), rank, 0, (2,) * size, (6,) * size)
         before = p.direct["allgather"]
         gathered = dc.allgather(dev(block), ("x",), gspec)
-        want = np.concatenate([np.arange(6, dtype=np.float64).reshape(2, 3) + 10 * r for r in range(size)])  # fmt: skip
+        want = np.concatenate(
+            [np.arange(6, dtype=np.float64).reshape(2, 3) + 10 * r for r in range(size)]
+        )
         all_ranks(same(gathered, want), repr(gathered))
         all_ranks(p.direct["allgather"] == before + (1 if threaded else 0), f"direct {p.direct}")
 
@@ -202,8 +219,14 @@ def test_direct_reduce_scatter_makes_the_host_ops_call(comm: Any, all_ranks: Any
             b = -(-rows // size)
             lens = [max(0, min(b, rows - i * b)) for i in range(size)]
             starts = [min(i * b, rows) for i in range(size)]
-            spec = ReduceScatterSpec(tuple(range(size)), rank, ReduceOp.SUM, 0,
-                                     tuple(zip(starts, lens, strict=True)), tuple(n * 4 for n in lens))  # fmt: skip
+            spec = ReduceScatterSpec(
+                tuple(range(size)),
+                rank,
+                ReduceOp.SUM,
+                0,
+                tuple(zip(starts, lens, strict=True)),
+                tuple(n * 4 for n in lens),
+            )
             full = np.arange(rows * 4, dtype=np.float64).reshape(rows, 4)
             want = (size * full + sum(range(size)))[starts[rank] : starts[rank] + lens[rank]]
             for round_ in range(3):  # MpiComm's first (unbound) and later (bound) calls
@@ -211,7 +234,11 @@ def test_direct_reduce_scatter_makes_the_host_ops_call(comm: Any, all_ranks: Any
                 devices += on_device
                 x = full + rank
                 got = dc.reduce_scatter(dev(x) if on_device else x, ("x",), spec)
-                ok = same(got, want) if on_device else isinstance(got, np.ndarray) and got.tobytes() == want.tobytes()  # fmt: skip
+                ok = (
+                    same(got, want)
+                    if on_device
+                    else isinstance(got, np.ndarray) and got.tobytes() == want.tobytes()
+                )
                 if not ok:
                     problems.append(f"rows {rows} round {round_} device {on_device}: {got!r}")
         all_ranks(not problems, "; ".join(problems)[:600])
@@ -220,7 +247,7 @@ def test_direct_reduce_scatter_makes_the_host_ops_call(comm: Any, all_ranks: Any
         all_ranks(paths.host["reduce_scatter"] == 6 - devices, f"paths {paths}")
 
 
-def test_direct_uneven_allgather_meets_staging_and_host_ranks(comm: Any, all_ranks: Any) -> None:  # fmt: skip
+def test_direct_uneven_allgather_meets_staging_and_host_ranks(comm: Any, all_ranks: Any) -> None:
     """Uneven blocks along the leading dim go to MPI as device buffers with ``Allgatherv``,
     the call MpiComm makes for them; a rank whose block is empty stages and a rank passing a
     host array goes through MpiComm, and all of them still meet in the same MPI call."""
@@ -233,7 +260,9 @@ def test_direct_uneven_allgather_meets_staging_and_host_ranks(comm: Any, all_ran
         dc = DeviceComm(mc, FakeDeviceOps(), YES)
         rows = [r % 3 for r in range(size)]  # 0, 1, 2, 0, ...: rank 0's block is empty
         spec = AllgatherSpec(tuple(range(size)), rank, 0, tuple(rows), tuple(n * 4 for n in rows))
-        blocks = [np.arange(n * 4, dtype=np.float32).reshape(n, 4) + 100 * r for r, n in enumerate(rows)]  # fmt: skip
+        blocks = [
+            np.arange(n * 4, dtype=np.float32).reshape(n, 4) + 100 * r for r, n in enumerate(rows)
+        ]
         want = np.concatenate(blocks)
         problems = []
         devices = 0
@@ -242,12 +271,19 @@ def test_direct_uneven_allgather_meets_staging_and_host_ranks(comm: Any, all_ran
             devices += on_device and rows[rank] > 0
             x = blocks[rank]
             got = dc.allgather(dev(x) if on_device else x, ("x",), spec)
-            ok = same(got, want) if on_device else isinstance(got, np.ndarray) and got.tobytes() == want.tobytes()  # fmt: skip
+            ok = (
+                same(got, want)
+                if on_device
+                else isinstance(got, np.ndarray) and got.tobytes() == want.tobytes()
+            )
             if not ok:
                 problems.append(f"round {round_} device {on_device}: {got!r}")
         all_ranks(not problems, "; ".join(problems)[:600])
         all_ranks(dc.paths.direct["allgather"] == devices, f"paths {dc.paths}")
-        all_ranks(rank != 0 or dc.paths.why == {"empty array": dc.paths.staged["allgather"]}, f"paths {dc.paths}")  # fmt: skip
+        all_ranks(
+            rank != 0 or dc.paths.why == {"empty array": dc.paths.staged["allgather"]},
+            f"paths {dc.paths}",
+        )
 
 
 def test_direct_exchange_of_back_to_back_pieces(comm: Any, all_ranks: Any) -> None:
@@ -260,7 +296,14 @@ def test_direct_exchange_of_back_to_back_pieces(comm: Any, all_ranks: Any) -> No
 
     rank, size = comm.Get_rank(), comm.Get_size()
     x = ("x",)
-    step = RedistStep(StepKind.ALL_TO_ALL, _t((size, 3 * size), ((), x)), _t((size, 3 * size), (x, ())), x, dim=1, dst_dim=0)  # fmt: skip
+    step = RedistStep(
+        StepKind.ALL_TO_ALL,
+        _t((size, 3 * size), ((), x)),
+        _t((size, 3 * size), (x, ())),
+        x,
+        dim=1,
+        dst_dim=0,
+    )
     with endpoint(comm) as (session, mc):
         if session.watchdog is None:
             pytest.skip("MPI is not THREAD_MULTIPLE: collectives stage")
@@ -280,7 +323,7 @@ def test_direct_exchange_of_back_to_back_pieces(comm: Any, all_ranks: Any) -> No
         all_ranks(dc.paths.direct["all_to_all"] == 2 and not dc.paths.staged, f"paths {dc.paths}")
 
 
-def test_non_contiguous_device_inputs_are_copied_not_staged(comm: Any, all_ranks: Any) -> None:  # fmt: skip
+def test_non_contiguous_device_inputs_are_copied_not_staged(comm: Any, all_ranks: Any) -> None:
     """Under GPU-aware MPI, a non-contiguous device input (a transposed view) is first copied
     to a contiguous device array, so its rank makes the same direct MPI call as the ranks whose
     input is contiguous: contiguity is a rank's own fact, and staging on it would split the
@@ -297,32 +340,48 @@ def test_non_contiguous_device_inputs_are_copied_not_staged(comm: Any, all_ranks
         dc = DeviceComm(mc, ops, YES)
         rows = 2 * size
         pieces = tuple((2 * j, 2) for j in range(size))
-        spec = ReduceScatterSpec(tuple(range(size)), rank, ReduceOp.SUM, 0, pieces, (2 * 3,) * size)  # fmt: skip
+        spec = ReduceScatterSpec(tuple(range(size)), rank, ReduceOp.SUM, 0, pieces, (2 * 3,) * size)
         full = np.arange(rows * 3, dtype=np.float32).reshape(rows, 3)
         x = full * (rank + 1)
         got = dc.reduce_scatter(dev_strided(x) if strided else dev(x), ("x",), spec)
         want = (full * sum(range(1, size + 1)))[2 * rank : 2 * rank + 2]
         all_ranks(same(got, want), repr(got))
-        all_ranks(ops.events.count("to_device") == (1 if strided else 0), f"events {ops.events}")  # fmt: skip
+        all_ranks(ops.events.count("to_device") == (1 if strided else 0), f"events {ops.events}")
 
         x_ = ("x",)
-        step = RedistStep(StepKind.ALL_TO_ALL, _t((size, 3 * size), ((), x_)), _t((size, 3 * size), (x_, ())), x_, dim=1, dst_dim=0)  # fmt: skip
+        step = RedistStep(
+            StepKind.ALL_TO_ALL,
+            _t((size, 3 * size), ((), x_)),
+            _t((size, 3 * size), (x_, ())),
+            x_,
+            dim=1,
+            dst_dim=0,
+        )
         inp = step_input(step, mc.mesh, rank, seed=3)
         want_ex = run_spec(mc, step, mc.mesh, inp)
-        got_ex = run_spec(dc, step, mc.mesh, dev_strided(inp) if strided and min(inp.shape) > 1 else dev(inp))  # fmt: skip
+        got_ex = run_spec(
+            dc, step, mc.mesh, dev_strided(inp) if strided and min(inp.shape) > 1 else dev(inp)
+        )
         all_ranks(same(got_ex, want_ex), f"{got_ex!r} want {want_ex!r}")
         paths = dc.paths
-        all_ranks(paths.direct["reduce_scatter"] == 1 and paths.direct["all_to_all"] == 1, f"paths {paths}")  # fmt: skip
+        all_ranks(
+            paths.direct["reduce_scatter"] == 1 and paths.direct["all_to_all"] == 1,
+            f"paths {paths}",
+        )
         all_ranks(not paths.staged, f"paths {paths}")
 
 
-def test_direct_path_falls_back_where_mpi_cannot_take_device_buffers(comm: Any, all_ranks: Any) -> None:  # fmt: skip
+def test_direct_path_falls_back_where_mpi_cannot_take_device_buffers(
+    comm: Any, all_ranks: Any
+) -> None:
     rank, size = comm.Get_rank(), comm.Get_size()
     spec = AllreduceSpec(tuple(range(size)), rank, ReduceOp.SUM, 10)
     x = np.arange(10, dtype=np.float64) + rank
     want = sum(np.arange(10, dtype=np.float64) + r for r in range(size))
-    for kwargs, why in [({"deterministic": True}, "deterministic mode"),
-                        ({"max_msg_elems": 4}, "more elements than one MPI message")]:  # fmt: skip
+    for kwargs, why in [
+        ({"deterministic": True}, "deterministic mode"),
+        ({"max_msg_elems": 4}, "more elements than one MPI message"),
+    ]:
         with endpoint(comm, **kwargs) as (_, mc):
             dc = DeviceComm(mc, FakeDeviceOps(), YES)
             got = dc.allreduce(dev(x), ("x",), spec)
@@ -341,7 +400,7 @@ def test_direct_path_falls_back_where_mpi_cannot_take_device_buffers(comm: Any, 
         ok = same(got, want) and same(b, np.arange(10, dtype=np.float64) + size - 1)
         all_ranks(ok and same(r, np.arange(10, dtype=np.float64) + (rank - 1) % size), "values")
         all_ranks(dc.paths.direct == {"send": 1, "recv": 1}, f"direct {dc.paths.direct}")
-        all_ranks(dc.paths.staged == {"allreduce": 1, "broadcast": 1}, f"staged {dc.paths.staged}")  # fmt: skip
+        all_ranks(dc.paths.staged == {"allreduce": 1, "broadcast": 1}, f"staged {dc.paths.staged}")
 
 
 # --- (c) agreement ----------------------------------------------------------------------------
@@ -350,8 +409,11 @@ def test_direct_path_falls_back_where_mpi_cannot_take_device_buffers(comm: Any, 
 def test_one_rank_saying_no_makes_everyone_stage(comm: Any, all_ranks: Any) -> None:
     rank, size = comm.Get_rank(), comm.Get_size()
     dissenter = size - 1
-    mine = (GpuAwareness(False, "vendor query", "MPIX_Query_cuda_support() returned 0")
-            if rank == dissenter else GpuAwareness(True, "probe", "intact"))  # fmt: skip
+    mine = (
+        GpuAwareness(False, "vendor query", "MPIX_Query_cuda_support() returned 0")
+        if rank == dissenter
+        else GpuAwareness(True, "probe", "intact")
+    )
     with endpoint(comm) as (session, _):
         got = agree_gpu_aware(session, mine)
     again = agree_gpu_aware(comm, mine, timeout_s=30)
@@ -385,7 +447,9 @@ def _built_with_cuda() -> bool | None:
     tool = shutil.which("ompi_info")
     if tool is None:
         return None
-    run = subprocess.run([tool, "--parsable", "--all"], capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    run = subprocess.run(
+        [tool, "--parsable", "--all"], capture_output=True, text=True, timeout=60, check=False
+    )
     out = run.stdout
     for line in out.splitlines():
         if line.startswith("mca:opal:base:param:opal_built_with_cuda_support:value:"):

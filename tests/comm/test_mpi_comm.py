@@ -42,8 +42,12 @@ def layouts(mesh: MeshShape, rank: int) -> list[Layout]:
         ]
     if len(axes) == 2:
         a, b = axes
-        out += [Layout(((a, b), ())), Layout(((b, a), ())), Layout(((a,), (b,))),
-                Layout(((a,), ()), Partial(ReduceOp.SUM, (b,)))]  # fmt: skip
+        out += [
+            Layout(((a, b), ())),
+            Layout(((b, a), ())),
+            Layout(((a,), (b,))),
+            Layout(((a,), ()), Partial(ReduceOp.SUM, (b,))),
+        ]
     return out
 
 
@@ -71,7 +75,14 @@ def run_all(comm: Any, **kwargs: Any) -> int:
     checked = 0
     for mesh in meshes(size):
         session = MpiSession(mesh, timeout_s=30, world=comm, join=False)
-        groups = sorted({axes for n in range(1, len(mesh.axis_names) + 1) for axes in product(mesh.axis_names, repeat=n) if len(set(axes)) == n})  # fmt: skip
+        groups = sorted(
+            {
+                axes
+                for n in range(1, len(mesh.axis_names) + 1)
+                for axes in product(mesh.axis_names, repeat=n)
+                if len(set(axes)) == n
+            }
+        )
         session.join_mesh(groups)
         mc = MpiComm(session, **kwargs)
         g = np.random.default_rng(7).integers(-9, 10, size=(5, 7)).astype(np.float64)
@@ -212,11 +223,14 @@ def test_uniform_exchange_is_a_plain_alltoall(comm: Any) -> None:
     per = 3
     regions = [(slice(j * per, (j + 1) * per),) for j in range(size)]
     spec = ExchangeSpec(
-        tuple(range(size)), rank,
+        tuple(range(size)),
+        rank,
         tuple(Transfer(j, regions[j], per) for j in range(size)),
         tuple(Transfer(j, regions[j], per) for j in range(size)),
-        (size * per,), per, per,
-    )  # fmt: skip
+        (size * per,),
+        per,
+        per,
+    )
     for step in range(3):
         x = np.array([100 * rank + j + step for j in range(size) for _ in range(per)], np.int64)
         got = mc.exchange(x, ("x",), spec, "all_to_all")
@@ -239,12 +253,17 @@ def test_started_allreduces_complete_in_order_on_the_side_thread(comm: Any) -> N
     mc = MpiComm(session)
     mc.side_thread = True
     xs = [np.full(1000 * (i + 1), rank + i, dtype=np.float32) for i in range(4)]
-    handles = [mc.start_allreduce(x, ("x",), AllreduceSpec(tuple(range(size)), rank, ReduceOp.SUM, x.size)) for x in xs]  # fmt: skip
-    own = mc.allreduce(np.ones(5), ("x",), AllreduceSpec(tuple(range(size)), rank, ReduceOp.SUM, 5))  # fmt: skip
+    handles = [
+        mc.start_allreduce(x, ("x",), AllreduceSpec(tuple(range(size)), rank, ReduceOp.SUM, x.size))
+        for x in xs
+    ]
+    own = mc.allreduce(np.ones(5), ("x",), AllreduceSpec(tuple(range(size)), rank, ReduceOp.SUM, 5))
     assert np.array_equal(own, np.full(5, float(size)))
     for i, (x, h) in enumerate(zip(xs, handles, strict=True)):
         got = h.wait()
-        assert h.test() and np.array_equal(got, np.full(x.size, sum(r + i for r in range(size)), dtype=np.float32))  # fmt: skip
+        assert h.test() and np.array_equal(
+            got, np.full(x.size, sum(r + i for r in range(size)), dtype=np.float32)
+        )
     assert mc.stats.calls["allreduce"] == 5
     if size > 1:
         assert session.watchdog is None or ("x",) in session._side

@@ -14,7 +14,7 @@ from dtm_mpi.comm.control import Control, Liveness
 from dtm_mpi.comm.mpi_session import MpiSession
 from dtm_mpi.errors import CommTimeoutError, RemoteFailureError
 
-PEER_REPORT = "in no communication (hung or still computing in phase 'checkpoint 1') while rank 1 waited 5 s in commit"  # fmt: skip
+PEER_REPORT = "in no communication (hung or still computing in phase 'checkpoint 1') while rank 1 waited 5 s in commit"
 
 
 class _FakeMPI:

@@ -128,8 +128,12 @@ def test_allreduce_folds_in_group_order(k: int, op: ReduceOp) -> None:
     step = RedistStep(StepKind.ALLREDUCE, src, dst, ("dp",), op=op)
     xs = contributions((5, 3), k, seed=k)
     got = run_step(step, mesh, xs)
-    ufunc = {ReduceOp.SUM: np.add, ReduceOp.PROD: np.multiply, ReduceOp.MAX: np.maximum,
-             ReduceOp.MIN: np.minimum}[op]  # fmt: skip
+    ufunc = {
+        ReduceOp.SUM: np.add,
+        ReduceOp.PROD: np.multiply,
+        ReduceOp.MAX: np.maximum,
+        ReduceOp.MIN: np.minimum,
+    }[op]
     want = xs[0].copy()
     for x in xs[1:]:
         want = ufunc(want, x)

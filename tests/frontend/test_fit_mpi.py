@@ -22,8 +22,23 @@ DIGITS = str(Path(__file__).resolve().parents[2] / "examples" / "digits.py")
 
 def digits(ranks: int, mesh: str, *args: str) -> str:
     env = mpirun_env(PYTHONUNBUFFERED="1", DTM_TIMEOUT="60", DTM_DETERMINISTIC="1")
-    cmd = ["mpirun", "--timeout", "120", "--bind-to", "none", "-n", str(ranks), sys.executable,
-           "-m", "mpi4py", DIGITS, "--quiet", "--mesh", mesh, *args]  # fmt: skip
+    cmd = [
+        "mpirun",
+        "--timeout",
+        "120",
+        "--bind-to",
+        "none",
+        "-n",
+        str(ranks),
+        sys.executable,
+        "-m",
+        "mpi4py",
+        DIGITS,
+        "--quiet",
+        "--mesh",
+        mesh,
+        *args,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env, check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
@@ -34,16 +49,46 @@ def test_trained_on_4_ranks_resumed_on_3_equals_the_uninterrupted_run(tmp_path: 
     store = str(tmp_path / "store")
     first = digits(4, "dp=2,tp=2", "--steps", "30", "--store", store, "--checkpoint-every", "30")
     assert "checkpoint" in first and "after step 30" in first
-    out = digits(3, "dp=1,tp=3", "--steps", "60", "--store", store, "--checkpoint-every", "30",
-                 "--resume", "-o", str(tmp_path / "resumed.npz"), "--plot", str(tmp_path / "p.png"))  # fmt: skip
+    out = digits(
+        3,
+        "dp=1,tp=3",
+        "--steps",
+        "60",
+        "--store",
+        store,
+        "--checkpoint-every",
+        "30",
+        "--resume",
+        "-o",
+        str(tmp_path / "resumed.npz"),
+        "--plot",
+        str(tmp_path / "p.png"),
+    )
     assert "resumed from" in out and "after step 30" in out, out
     acc = float(re.search(r"held-out accuracy ([0-9.]+)", out).group(1))  # type: ignore[union-attr]
     assert acc > 0.8, out  # 60 steps of 64 images: well past chance (0.1)
     assert (tmp_path / "p.png").stat().st_size > 1000
     # the uninterrupted run on one simulated rank (deterministic mode: the same bits on any mesh)
-    sim = subprocess.run([sys.executable, DIGITS, "--quiet", "--sim", "1", "--mesh", "dp=1,tp=1", "--steps", "60",
-                          "-o", str(tmp_path / "straight.npz")], capture_output=True, text=True, timeout=150,
-                         env=mpirun_env(DTM_DETERMINISTIC="1"), check=False)  # fmt: skip
+    sim = subprocess.run(
+        [
+            sys.executable,
+            DIGITS,
+            "--quiet",
+            "--sim",
+            "1",
+            "--mesh",
+            "dp=1,tp=1",
+            "--steps",
+            "60",
+            "-o",
+            str(tmp_path / "straight.npz"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=mpirun_env(DTM_DETERMINISTIC="1"),
+        check=False,
+    )
     assert sim.returncode == 0, sim.stdout + sim.stderr
     resumed, straight = np.load(tmp_path / "resumed.npz"), np.load(tmp_path / "straight.npz")
     assert sorted(resumed.files) == sorted(straight.files)
@@ -53,9 +98,31 @@ def test_trained_on_4_ranks_resumed_on_3_equals_the_uninterrupted_run(tmp_path: 
 
 def test_a_bad_mesh_is_one_line_on_every_rank(tmp_path: Path) -> None:
     env = mpirun_env(DTM_TIMEOUT="30")
-    proc = subprocess.run(["mpirun", "--timeout", "60", "--bind-to", "none", "-n", "3", sys.executable, "-m",
-                           "mpi4py", DIGITS, "--quiet", "--mesh", "dp=2,tp=2", "--steps", "2"],
-                          capture_output=True, text=True, timeout=90, env=env, check=False)  # fmt: skip
+    proc = subprocess.run(
+        [
+            "mpirun",
+            "--timeout",
+            "60",
+            "--bind-to",
+            "none",
+            "-n",
+            "3",
+            sys.executable,
+            "-m",
+            "mpi4py",
+            DIGITS,
+            "--quiet",
+            "--mesh",
+            "dp=2,tp=2",
+            "--steps",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env=env,
+        check=False,
+    )
     assert proc.returncode != 0
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("digits:")]
     assert len(lines) == 3 and len(set(lines)) == 1, proc.stderr
@@ -72,8 +139,27 @@ def test_the_gpt_example_trains_checkpoints_and_resumes_on_another_mesh(tmp_path
     store = str(tmp_path / "store")
 
     def gpt(ranks: int, mesh: str, *args: str) -> str:
-        cmd = ["mpirun", "--timeout", "150", "--bind-to", "none", "-n", str(ranks), sys.executable,
-               "-m", "mpi4py", GPT, "--quiet", "--mesh", mesh, "--store", store, "--val-batches", "1", *args]  # fmt: skip
+        cmd = [
+            "mpirun",
+            "--timeout",
+            "150",
+            "--bind-to",
+            "none",
+            "-n",
+            str(ranks),
+            sys.executable,
+            "-m",
+            "mpi4py",
+            GPT,
+            "--quiet",
+            "--mesh",
+            mesh,
+            "--store",
+            store,
+            "--val-batches",
+            "1",
+            *args,
+        ]
         proc = subprocess.run(
             cmd, capture_output=True, text=True, timeout=180, env=env, check=False
         )
@@ -95,19 +181,49 @@ def test_the_gpt_example_trains_checkpoints_and_resumes_on_another_mesh(tmp_path
     [(3, ("dp=1,tp=3", "dp=2,tp=2", "dp=1,tp=3")), (4, ("dp=2,tp=2", "dp=1,tp=2", "dp=2,tp=2"))],
     ids=["grow-spawns", "shrink-parks"],
 )
-def test_fit_resizes_live_and_equals_the_uninterrupted_run(ranks: int, meshes: tuple[str, str, str], tmp_path: Path) -> None:  # fmt: skip
+def test_fit_resizes_live_and_equals_the_uninterrupted_run(
+    ranks: int, meshes: tuple[str, str, str], tmp_path: Path
+) -> None:
     """fit(resize_at=...) under mpirun: growing past the launched ranks spawns the script
     again (its fit() call joins the run: the handshake checks the traced module), shrinking
     parks the ranks that leave inside fit() until the run ends; the result is the
     uninterrupted run's, bit for bit (deterministic mode)."""
     a, b, c = meshes
-    out = digits(ranks, a, "--steps", "9", "--resize-at", f"3:{b}", "--resize-at", f"6:{c}", "-o", str(tmp_path / "live.npz"))  # fmt: skip
+    out = digits(
+        ranks,
+        a,
+        "--steps",
+        "9",
+        "--resize-at",
+        f"3:{b}",
+        "--resize-at",
+        f"6:{c}",
+        "-o",
+        str(tmp_path / "live.npz"),
+    )
     n = [math.prod(int(kv.split("=")[1]) for kv in m.split(",")) for m in meshes]
     assert f"resized after step 3: {n[0]} -> {n[1]} rank(s)" in out, out
     assert f"resized after step 6: {n[1]} -> {n[2]} rank(s)" in out, out
-    sim = subprocess.run([sys.executable, DIGITS, "--quiet", "--sim", "1", "--mesh", "dp=1,tp=1", "--steps", "9",
-                          "-o", str(tmp_path / "straight.npz")], capture_output=True, text=True, timeout=150,
-                         env=mpirun_env(DTM_DETERMINISTIC="1"), check=False)  # fmt: skip
+    sim = subprocess.run(
+        [
+            sys.executable,
+            DIGITS,
+            "--quiet",
+            "--sim",
+            "1",
+            "--mesh",
+            "dp=1,tp=1",
+            "--steps",
+            "9",
+            "-o",
+            str(tmp_path / "straight.npz"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=mpirun_env(DTM_DETERMINISTIC="1"),
+        check=False,
+    )
     assert sim.returncode == 0, sim.stdout + sim.stderr
     live, straight = np.load(tmp_path / "live.npz"), np.load(tmp_path / "straight.npz")
     assert sorted(live.files) == sorted(straight.files)
@@ -126,9 +242,29 @@ def test_fit_under_mpirun_stops_on_a_signal_saves_and_exits_75(tmp_path: Path) -
 
     store = tmp_path / "store"
     env = mpirun_env(PYTHONUNBUFFERED="1", DTM_TIMEOUT="60")
-    cmd = ["mpirun", "--timeout", "120", "--bind-to", "none", "-n", "2", sys.executable, "-m", "mpi4py", DIGITS,
-           "--quiet", "--mesh", "dp=1,tp=2", "--steps", "1000000", "--store", str(store)]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+    cmd = [
+        "mpirun",
+        "--timeout",
+        "120",
+        "--bind-to",
+        "none",
+        "-n",
+        "2",
+        sys.executable,
+        "-m",
+        "mpi4py",
+        DIGITS,
+        "--quiet",
+        "--mesh",
+        "dp=1,tp=2",
+        "--steps",
+        "1000000",
+        "--store",
+        str(store),
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
     assert proc.stdout is not None
     lines = []
     for line in proc.stdout:  # rank 0's progress: the run is stepping

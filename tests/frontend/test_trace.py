@@ -308,18 +308,28 @@ def test_gpt_gradients_match_finite_differences_on_1_to_4_ranks() -> None:
     MLP, layer norms and the vocab-parallel cross-entropy: one SGD step with lr 1 against
     central differences of the traced loss, at every binding."""
     b, t, v = 4, 6, 11
-    inputs = {"ids": dtm.Input((b, t), "i32", ("dp", None)), "tgt": dtm.Input((b, t), "i32", ("dp", None))}  # fmt: skip
+    inputs = {
+        "ids": dtm.Input((b, t), "i32", ("dp", None)),
+        "tgt": dtm.Input((b, t), "i32", ("dp", None)),
+    }
     model = dtm.nn.GPT(v, t, 8, 2, 2, dtype="f64")
     step = dtm.train_step(model, lm_loss, mesh=MESH, inputs=inputs, optimizer=dtm.optim.SGD(1.0))
     ev = dtm.eval_step(model, lm_loss, mesh=MESH, inputs=inputs)
     rng = np.random.default_rng(0)
-    data = {"ids": rng.integers(0, v, (b, t)).astype(np.int32), "tgt": rng.integers(0, v, (b, t)).astype(np.int32)}  # fmt: skip
+    data = {
+        "ids": rng.integers(0, v, (b, t)).astype(np.int32),
+        "tgt": rng.integers(0, v, (b, t)).astype(np.int32),
+    }
     entry = step.module.entry
     assert entry is not None
     # the embedding is a lookup and its gradient a scatter-add (IR 1.1), not a one-hot product
     assert {"take", "scatter_add"} <= {op.name for op in entry.body}
     assert step.module.version == (1, 1)
-    w0 = {p.name.lstrip("%"): init_global(p) for p in entry.params if p.name.lstrip("%") in step.params}  # fmt: skip
+    w0 = {
+        p.name.lstrip("%"): init_global(p)
+        for p in entry.params
+        if p.name.lstrip("%") in step.params
+    }
 
     def loss(w: dict[str, np.ndarray]) -> float:
         return float(run_reference(ev.module, {**data, **w})[1][0][0])
@@ -328,8 +338,17 @@ def test_gpt_gradients_match_finite_differences_on_1_to_4_ranks() -> None:
     for nranks, binding in BINDINGS:
         res = run_simulated(step.module, nranks, binding=binding, inputs=data)
         got[nranks] = {k: w0[k] - res.params[k] for k in step.params}
-    checked = ["tok.weight", "pos", "blocks.0.attn.wq", "blocks.0.attn.wo", "blocks.1.attn.wv",
-               "blocks.1.mlp.down.weight", "blocks.0.ln1.weight", "ln.bias", "head.weight"]  # fmt: skip
+    checked = [
+        "tok.weight",
+        "pos",
+        "blocks.0.attn.wq",
+        "blocks.0.attn.wo",
+        "blocks.1.attn.wv",
+        "blocks.1.mlp.down.weight",
+        "blocks.0.ln1.weight",
+        "ln.bias",
+        "head.weight",
+    ]
     for k in checked:
         v0 = w0[k]
         for i in list(np.ndindex(v0.shape))[:: max(1, v0.size // 5)][:5]:
@@ -379,11 +398,25 @@ def test_propagation_reproduces_the_hand_written_types_of_attention() -> None:
         y = yp.complete()
         r = x + y
         out = fn.layer_norm(r, m.param("gamma"), m.param("beta"))
-        for key, t in (("%q", q), ("%k", k), ("%v", v), ("%s", s), ("%p", p), ("%o", o), ("%ob", ob), ("%yp", yp), ("%y", y), ("%r", r), ("%out", out)):  # fmt: skip
+        for key, t in (
+            ("%q", q),
+            ("%k", k),
+            ("%v", v),
+            ("%s", s),
+            ("%p", p),
+            ("%o", o),
+            ("%ob", ob),
+            ("%yp", yp),
+            ("%y", y),
+            ("%r", r),
+            ("%out", out),
+        ):
             seen[key] = str(t.type)
         return {"s": out.sum()}
 
-    dtm.eval_step(Attn(), run, mesh=MESH, inputs={"x": dtm.Input((4, 16, 64), "f32", ("dp", None, None))})  # fmt: skip
+    dtm.eval_step(
+        Attn(), run, mesh=MESH, inputs={"x": dtm.Input((4, 16, 64), "f32", ("dp", None, None))}
+    )
     assert seen == {k: want[k] for k in seen}
 
 
@@ -403,11 +436,19 @@ def test_user_mistakes_are_one_error_at_the_users_line() -> None:
     assert "names axis 'zz'" in traced(lambda h, y: h.redistribute(("zz", None)).sum())
     assert "use ints and slices" in traced(lambda h, y: h[True].sum())
     with pytest.raises(UsageError, match=r"input 'x': .*names axis 'zz'"):
-        dtm.train_step(mlp(), ce_loss, mesh=MESH, inputs={**INPUTS, "x": dtm.Input((8, 6), "f32", ("zz", None))}, optimizer=dtm.optim.SGD(0.1))  # fmt: skip
+        dtm.train_step(
+            mlp(),
+            ce_loss,
+            mesh=MESH,
+            inputs={**INPUTS, "x": dtm.Input((8, 6), "f32", ("zz", None))},
+            optimizer=dtm.optim.SGD(0.1),
+        )
     with pytest.raises(UsageError, match="init 'xavier'"):
         bad = dtm.nn.Linear(6, 4)
         bad.weight = dtm.nn.Parameter((6, 4), "f32", None, "xavier")
-        dtm.train_step(bad, lambda m, x, y: m(x).sum(), mesh=MESH, inputs=INPUTS, optimizer=dtm.optim.SGD(0.1))  # fmt: skip
+        dtm.train_step(
+            bad, lambda m, x, y: m(x).sum(), mesh=MESH, inputs=INPUTS, optimizer=dtm.optim.SGD(0.1)
+        )
 
 
 def test_a_plan_error_of_a_traced_step_names_the_users_line() -> None:
@@ -421,17 +462,34 @@ def test_a_plan_error_of_a_traced_step_names_the_users_line() -> None:
         return x.redistribute((None, "tp")).reshape(8, 2, 3).sum()
 
     line = inspect.getsourcelines(split)[1] + 1
-    step = dtm.train_step(mlp(), lambda m, x, y: loss(m, x, y) + split(m, x, y), mesh=MESH, inputs=INPUTS, optimizer=dtm.optim.SGD(0.1))  # fmt: skip
+    step = dtm.train_step(
+        mlp(),
+        lambda m, x, y: loss(m, x, y) + split(m, x, y),
+        mesh=MESH,
+        inputs=INPUTS,
+        optimizer=dtm.optim.SGD(0.1),
+    )
     from dtm_mpi.errors import PlanError
 
     with pytest.raises(PlanError) as info:
-        run_simulated(step.module, 3, binding={"dp": 1, "tp": 3}, inputs={"x": np.zeros((8, 6), np.float32), "y": np.zeros(8, np.int32)})  # fmt: skip
+        run_simulated(
+            step.module,
+            3,
+            binding={"dp": 1, "tp": 3},
+            inputs={"x": np.zeros((8, 6), np.float32), "y": np.zeros(8, np.int32)},
+        )
     assert f"{__file__}:{line}:" in str(info.value)
 
 
 def test_tied_layers_share_one_parameter_and_ties_share_the_max_gradient() -> None:
     lin = dtm.nn.Linear(6, 6)
-    step = dtm.train_step(dtm.nn.Sequential(lin, fn.tanh, lin), lambda m, x, y: m(x).sum(), mesh=MESH, inputs=INPUTS, optimizer=dtm.optim.SGD(0.1))  # fmt: skip
+    step = dtm.train_step(
+        dtm.nn.Sequential(lin, fn.tanh, lin),
+        lambda m, x, y: m(x).sum(),
+        mesh=MESH,
+        inputs=INPUTS,
+        optimizer=dtm.optim.SGD(0.1),
+    )
     assert step.params == ("layers.0.weight", "layers.0.bias")
 
     b = FunctionBuilder(None)
@@ -452,5 +510,7 @@ def test_slicing_a_sharded_tensor_gathers_only_the_cut_dim() -> None:
         seen.append(part.tracer.b.ops[-2].name + " " + str(part.tracer.b.ops[-2].result_types[0]))
         return {"s": part.sum()}
 
-    dtm.eval_step(dtm.nn.Linear(2, 2), run, mesh=MESH, inputs={"x": dtm.Input((8, 6), "f32", ("dp", "tp"))})  # fmt: skip
+    dtm.eval_step(
+        dtm.nn.Linear(2, 2), run, mesh=MESH, inputs={"x": dtm.Input((8, 6), "f32", ("dp", "tp"))}
+    )
     assert seen == ["allgather f32[8,6]{dp,-}"]

@@ -81,7 +81,9 @@ def shard_at(ckpt: Path, tensor: str, index: tuple[int, ...]) -> tuple[Path, str
     raise AssertionError(f"no shard of {tensor!r} holds {index}")
 
 
-def flip_element(ckpt: Path, tensor: str, index: tuple[int, ...], byte: int = 0, mask: int = 0x40) -> tuple[Path, str]:  # fmt: skip
+def flip_element(
+    ckpt: Path, tensor: str, index: tuple[int, ...], byte: int = 0, mask: int = 0x40
+) -> tuple[Path, str]:
     """Flip byte ``byte`` of element ``index`` of ``tensor`` in its shard's data file; returns
     (that data file, the shard id)."""
     path, dataset, shard, at = shard_at(ckpt, tensor, index)

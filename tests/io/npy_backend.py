@@ -35,7 +35,9 @@ class _NpyWriter:
         self.path = path
         path.mkdir()
 
-    def write_shard(self, dataset: str, extent: tuple[int, ...], dtype: np.dtype[Any], block: np.ndarray | None) -> None:  # fmt: skip
+    def write_shard(
+        self, dataset: str, extent: tuple[int, ...], dtype: np.dtype[Any], block: np.ndarray | None
+    ) -> None:
         if block is not None:  # C-contiguous (a scalar may come as one element)
             assert block.size == int(np.prod(extent)) and block.dtype == dtype
             np.save(npy_path(self.path, dataset), block.reshape(extent))
@@ -60,16 +62,26 @@ class _NpyReader:
     def _load(self, a: ArtifactRecord, s: ShardRecord) -> np.ndarray:
         path = npy_path(self.ckpt / s.file, s.dataset)
         if not path.is_file():
-            raise IntegrityError("shard file is missing", tensor=a.name, shard=s.id, file=str(path))  # fmt: skip
+            raise IntegrityError("shard file is missing", tensor=a.name, shard=s.id, file=str(path))
         arr = np.load(path)
         if arr.shape != s.extent:
-            raise IntegrityError(f"shape {arr.shape} is not {s.extent}", tensor=a.name, shard=s.id, file=str(path))  # fmt: skip
+            raise IntegrityError(
+                f"shape {arr.shape} is not {s.extent}", tensor=a.name, shard=s.id, file=str(path)
+            )
         return arr
 
     def check(self, a: ArtifactRecord, s: ShardRecord) -> None:
         self._load(a, s)
 
-    def read_rows(self, a: ArtifactRecord, s: ShardRecord, first: int, last: int, out: np.ndarray | None = None, within: tuple[slice, ...] | None = None) -> np.ndarray:  # fmt: skip
+    def read_rows(
+        self,
+        a: ArtifactRecord,
+        s: ShardRecord,
+        first: int,
+        last: int,
+        out: np.ndarray | None = None,
+        within: tuple[slice, ...] | None = None,
+    ) -> np.ndarray:
         arr = self._load(a, s)
         lo, hi = s.local_chunk_region(first), s.local_chunk_region(last)
         data = arr[(slice(lo[0].start, hi[0].stop), *lo[1:])] if lo else arr
@@ -79,10 +91,25 @@ class _NpyReader:
         target[...] = data
         return target
 
-    def read_chunk(self, a: ArtifactRecord, s: ShardRecord, c: int, out: np.ndarray | None = None, within: tuple[slice, ...] | None = None) -> np.ndarray:  # fmt: skip
+    def read_chunk(
+        self,
+        a: ArtifactRecord,
+        s: ShardRecord,
+        c: int,
+        out: np.ndarray | None = None,
+        within: tuple[slice, ...] | None = None,
+    ) -> np.ndarray:
         return self.read_rows(a, s, c, c, out, within)
 
-    def read_rows_checked(self, a: ArtifactRecord, s: ShardRecord, first: int, last: int, out: np.ndarray, within: tuple[slice, ...] | None = None) -> list[str | None] | None:  # fmt: skip
+    def read_rows_checked(
+        self,
+        a: ArtifactRecord,
+        s: ShardRecord,
+        first: int,
+        last: int,
+        out: np.ndarray,
+        within: tuple[slice, ...] | None = None,
+    ) -> list[str | None] | None:
         return None  # no one-pass read: the restore reads, then verifies
 
     def read_verified(self, a: ArtifactRecord, s: ShardRecord, c: int) -> np.ndarray:
@@ -109,10 +136,12 @@ class NpyBackend:
     def index_path(self, ckpt: Path) -> Path:
         return ckpt / INDEX
 
-    def overhead_bytes(self, shard_nbytes: Sequence[int], nfiles: int, manifest_bytes: int) -> int:  # fmt: skip
+    def overhead_bytes(self, shard_nbytes: Sequence[int], nfiles: int, manifest_bytes: int) -> int:
         return 128 * len(shard_nbytes) + manifest_bytes  # a .npy header per shard, the index
 
-    def open_writer(self, path: Path, comm: Any, attrs: Mapping[str, Any], shared: bool, nshards: int) -> ShardWriter:  # fmt: skip
+    def open_writer(
+        self, path: Path, comm: Any, attrs: Mapping[str, Any], shared: bool, nshards: int
+    ) -> ShardWriter:
         assert not shared, "the toy backend writes one file per rank"
         assert set(attrs) == {"step", "file_index"}, attrs  # the format's own tags are its own
         self.calls.append("open_writer")

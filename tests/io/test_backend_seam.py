@@ -112,7 +112,11 @@ def test_the_protocol_runs_over_another_format(tmp_path: Path) -> None:
     ckpt = tmp_path / "s" / committed_name(3)
     assert sorted(p.name for p in ckpt.iterdir()) == [DATA, INDEX]  # exactly what it wrote
     assert not (ckpt / INDEX).read_bytes().startswith(b"\x89HDF"), "not an HDF5 file"
-    assert sorted(p.name for p in (ckpt / DATA).iterdir()) == ["shards__b__0.npy", "shards__s__0.npy", "shards__w__0.npy"]  # fmt: skip
+    assert sorted(p.name for p in (ckpt / DATA).iterdir()) == [
+        "shards__b__0.npy",
+        "shards__s__0.npy",
+        "shards__w__0.npy",
+    ]
     assert {"open_writer", "write_index", "read_index", "open_reader", "remove"} <= set(NPY.calls)
     assert NPY.data_files(ckpt) == [ckpt / DATA]
 
@@ -166,15 +170,23 @@ def test_the_store_records_its_backend_and_is_opened_by_that_name(tmp_path: Path
     assert (doc["keep_last"], doc["backend"]) == (5, NAME)
     with pytest.raises(StorageError) as info:
         _store(path, backend="hdf5")
-    assert str(info.value) == f"store {path}: {path / 'store.json'} records storage backend {NAME!r}; it cannot be opened with backend 'hdf5'"  # fmt: skip
+    assert (
+        str(info.value)
+        == f"store {path}: {path / 'store.json'} records storage backend {NAME!r}; it cannot be opened with backend 'hdf5'"
+    )
 
 
-def test_an_unknown_backend_is_one_clear_error_naming_the_store_and_the_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_an_unknown_backend_is_one_clear_error_naming_the_store_and_the_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     new = tmp_path / "new"
     with pytest.raises(StorageError) as info:
         _store(new, backend="zarr-x")
     text = str(info.value)
-    assert f"store {new}: its storage backend 'zarr-x' is not registered in this process (registered: 'hdf5', {NAME!r}" in text, text  # fmt: skip
+    assert (
+        f"store {new}: its storage backend 'zarr-x' is not registered in this process (registered: 'hdf5', {NAME!r}"
+        in text
+    ), text
     assert not new.exists(), "nothing is recorded for a backend this process does not have"
 
     path = _toy_store(tmp_path / "s")
@@ -185,13 +197,16 @@ def test_an_unknown_backend_is_one_clear_error_naming_the_store_and_the_name(tmp
         store_backend(path)
     with pytest.raises(StorageError, match=want):
         _store(path)
-    for argv in (["ckpt", "ls"], ["ckpt", "verify"], ["store", "ls"], ["ckpt", "rm", "--partial"]):  # fmt: skip
+    for argv in (["ckpt", "ls"], ["ckpt", "verify"], ["store", "ls"], ["ckpt", "rm", "--partial"]):
         code, _, err = dtm(capsys, *argv, str(path))
         assert code == 1 and want in one_line_error(err), (argv, err)
 
     for bad in (3, "", None, ["hdf5"]):
         (path / "store.json").write_text(json.dumps({**doc, "backend": bad}))
-        with pytest.raises(StorageError, match="not a dtm store settings file \\(backend is the name of a storage backend"):  # fmt: skip
+        with pytest.raises(
+            StorageError,
+            match="not a dtm store settings file \\(backend is the name of a storage backend",
+        ):
             store_backend(path)
 
 
@@ -212,23 +227,33 @@ def test_a_store_that_records_no_backend_is_hdf5(tmp_path: Path) -> None:
         assert _same(again.restore(MESH, TENSORS).values, 1)
     finally:
         again.close()
-    with pytest.raises(StorageError, match=f"records storage backend 'hdf5'; it cannot be opened with backend {NAME!r}"):  # fmt: skip
+    with pytest.raises(
+        StorageError,
+        match=f"records storage backend 'hdf5'; it cannot be opened with backend {NAME!r}",
+    ):
         _store(path, backend=NAME)
     (path / "store.json").unlink()  # no store.json at all: its checkpoints are HDF5's too
     assert store_backend(path) is HDF5
     with pytest.raises(StorageError) as info:
         _store(path, backend=NAME)
-    assert str(info.value) == f"store {path}: it holds checkpoints but no store.json: they are stored with backend 'hdf5'; it cannot be opened with backend {NAME!r}"  # fmt: skip
+    assert (
+        str(info.value)
+        == f"store {path}: it holds checkpoints but no store.json: they are stored with backend 'hdf5'; it cannot be opened with backend {NAME!r}"
+    )
     assert not (path / "store.json").exists()
 
 
-def test_the_store_tools_go_through_the_recorded_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_the_store_tools_go_through_the_recorded_backend(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     import dtm_mpi.io.tools as tools
 
     monkeypatch.setattr(tools, "_in_mpi", lambda: False)  # a fork
     path = _toy_store(tmp_path / "s", (1, 2))
     ckpt = path / committed_name(2)
-    assert [c.status for c in verify_checkpoints(path, every=True, timeout_s=60)] == [CheckStatus.OK] * 2  # fmt: skip
+    assert [c.status for c in verify_checkpoints(path, every=True, timeout_s=60)] == [
+        CheckStatus.OK
+    ] * 2
     assert read_manifest(ckpt).step == 2
     assert read_tensor(ckpt, "w").tobytes() == _values(2)["w"].tobytes()
 
@@ -264,7 +289,9 @@ def test_the_store_tools_go_through_the_recorded_backend(tmp_path: Path, monkeyp
     assert [e.step for e in list_checkpoints(path)] == [2, 3] and read_latest(path) == 3
 
 
-def test_a_spawned_verification_child_finds_the_backend_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_a_spawned_verification_child_finds_the_backend_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """In a process that initialised MPI the verification child is a new interpreter: it
     imports the module of the store's backend and finds it under the name the store records."""
     import dtm_mpi.io.tools as tools
@@ -274,19 +301,27 @@ def test_a_spawned_verification_child_finds_the_backend_by_name(tmp_path: Path, 
     assert verify_isolated(ckpt, timeout_s=60).status is CheckStatus.OK
     (ckpt / DATA / "shards__s__0.npy").unlink()
     got = verify_isolated(ckpt, timeout_s=60)
-    assert got.status is CheckStatus.DAMAGED and got.problems == (f"{npy_path(ckpt / DATA, '/shards/s/0')}: tensor 's' shard 's:shard:0': shard file is missing",), got  # fmt: skip
+    assert got.status is CheckStatus.DAMAGED and got.problems == (
+        f"{npy_path(ckpt / DATA, '/shards/s/0')}: tensor 's' shard 's:shard:0': shard file is missing",
+    ), got
 
 
 def test_registering_a_backend() -> None:
     assert parse_optional_backend_name(NAME) is NPY and parse_backend_name(NAME, "here") is NPY
     assert parse_optional_backend_name("nope") is None
-    with pytest.raises(StorageError, match="store here: its storage backend 'nope' is not registered"):  # fmt: skip
+    with pytest.raises(
+        StorageError, match="store here: its storage backend 'nope' is not registered"
+    ):
         parse_backend_name("nope", "here")
     register_backend(NAME, NPY)  # the same again: nothing changes
     assert BACKENDS[NAME] is NPY
-    with pytest.raises(UsageError, match=f"storage backend name {NAME!r} is taken \\(by NpyBackend\\)"):  # fmt: skip
+    with pytest.raises(
+        UsageError, match=f"storage backend name {NAME!r} is taken \\(by NpyBackend\\)"
+    ):
         register_backend(NAME, NpyBackend())
-    with pytest.raises(UsageError, match="storage backend name 'hdf5' is taken \\(by Hdf5Backend\\)"):  # fmt: skip
+    with pytest.raises(
+        UsageError, match="storage backend name 'hdf5' is taken \\(by Hdf5Backend\\)"
+    ):
         register_backend("hdf5", NPY)
     for bad in ("", "NPY", "1npy", "n p y", "x" * 65):
         with pytest.raises(UsageError, match="use lowercase letters, digits"):
@@ -323,7 +358,18 @@ print("h5py imported:", "h5py" in sys.modules)
 def test_a_store_of_another_backend_never_imports_h5py(tmp_path: Path) -> None:
     """Save, restore, read and verify through the toy backend in a fresh process: h5py is
     never imported (nothing outside the HDF5 backend needs it)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", PLAIN_TOY_RUN, str(tmp_path / "s")], check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)  # fmt: skip
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", PLAIN_TOY_RUN, str(tmp_path / "s")],
+        check=False,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "h5py imported: False", out.stdout

@@ -70,8 +70,15 @@ def save(path: Path, step: int, **kw: Any) -> Path:
     """Checkpoint ``step`` of every tensor of TENSORS (values_at(step)), a derived one and an
     ephemeral one."""
     vals = values_at(step)
-    items: list[tuple[TensorSpec, np.ndarray | None]] = [(TensorSpec(n, t), vals[n]) for n, t in TENSORS]  # fmt: skip
-    items.append((TensorSpec("w16", T16, ArtifactClass.DERIVED, "w", "cast:f16"), vals["w"].astype(np.float16)))  # fmt: skip
+    items: list[tuple[TensorSpec, np.ndarray | None]] = [
+        (TensorSpec(n, t), vals[n]) for n, t in TENSORS
+    ]
+    items.append(
+        (
+            TensorSpec("w16", T16, ArtifactClass.DERIVED, "w", "cast:f16"),
+            vals["w"].astype(np.float16),
+        )
+    )
     items.append((TensorSpec("scratch", EPH, ArtifactClass.EPHEMERAL), None))
     s = store_at(path, **kw)
     try:
@@ -94,7 +101,9 @@ def same(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 @pytest.mark.parametrize("per_file", [1, 0, 2], ids=["G=1", "G=all", "G=2"])
-def test_a_checkpoint_is_a_directory_of_a_main_file_and_data_files(tmp_path: Path, per_file: int) -> None:  # fmt: skip
+def test_a_checkpoint_is_a_directory_of_a_main_file_and_data_files(
+    tmp_path: Path, per_file: int
+) -> None:
     path = save(tmp_path, 3, ranks_per_file=per_file)  # one rank: one data file whatever G
     assert path == tmp_path / "ckpt-00000003" == tmp_path / committed_name(3) and path.is_dir()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000003", "latest", "store.json"]
@@ -104,13 +113,22 @@ def test_a_checkpoint_is_a_directory_of_a_main_file_and_data_files(tmp_path: Pat
     m = read_manifest(path)
     stored = [a for a in m.artifacts if a.cls is not ArtifactClass.EPHEMERAL]
     with h5py.File(path / MAIN_FILE, "r") as f:
-        assert (f.attrs["dtm_format"], int(f.attrs["format_version"]), int(f.attrs["step"])) == ("dtm-checkpoint", 2, 3)  # fmt: skip
+        assert (f.attrs["dtm_format"], int(f.attrs["format_version"]), int(f.attrs["step"])) == (
+            "dtm-checkpoint",
+            2,
+            3,
+        )
         assert sorted(f["tensors"]) == sorted(a.name for a in stored)  # not the ephemeral one
         for a in stored:
             d = f["tensors"][a.name]
             assert d.shape == a.shape and d.is_virtual == bool(a.shards), a.name
     with h5py.File(path / DATA, "r") as f:
-        assert (f.attrs["dtm_format"], int(f.attrs["format_version"]), int(f.attrs["step"]), int(f.attrs["file_index"])) == ("dtm-checkpoint-data", 2, 3, 0)  # fmt: skip
+        assert (
+            f.attrs["dtm_format"],
+            int(f.attrs["format_version"]),
+            int(f.attrs["step"]),
+            int(f.attrs["file_index"]),
+        ) == ("dtm-checkpoint-data", 2, 3, 0)
         names: list[str] = []
         f.visititems(lambda n, o: names.append("/" + n) if isinstance(o, h5py.Dataset) else None)
         want = sorted(s.dataset for a in stored for s in a.shards)
@@ -125,7 +143,10 @@ def test_a_checkpoint_is_a_directory_of_a_main_file_and_data_files(tmp_path: Pat
     shutil.copytree(path, tmp_path / "ckpt-00000004.partial-ab")
     (tmp_path / "ckpt-00000005").write_bytes(b"")
     entries = list_checkpoints(tmp_path)
-    assert [(e.step, e.committed, e.path.name) for e in entries] == [(3, True, "ckpt-00000003"), (4, False, "ckpt-00000004.partial-ab")]  # fmt: skip
+    assert [(e.step, e.committed, e.path.name) for e in entries] == [
+        (3, True, "ckpt-00000003"),
+        (4, False, "ckpt-00000004.partial-ab"),
+    ]
     assert read_latest(tmp_path) == 3
     s = store_at(tmp_path)
     with pytest.raises(StorageError, match="has no committed checkpoint 4"):
@@ -144,7 +165,14 @@ def test_plain_h5py_reads_every_tensor_after_the_store_moved(tmp_path: Path) -> 
     want = tmp_path / "want.npz"
     np.savez(want, **values_at(5), w16=values_at(5)["w"].astype(np.float16))
     main = moved / committed_name(5) / MAIN_FILE
-    proc = subprocess.run([sys.executable, "-I", "-c", PLAIN_READER, str(main), str(want), "5"], capture_output=True, text=True, check=False, timeout=60, cwd="/")  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-I", "-c", PLAIN_READER, str(main), str(want), "5"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+        cwd="/",
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and f"plain-ok True {[DATA]} False" in out, out
 
@@ -186,7 +214,9 @@ DAMAGE = {  # how /tensors/w is damaged: what the report must say
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
-def test_verify_checks_that_the_virtual_datasets_map_the_manifests_shards(tmp_path: Path, damage: str, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_verify_checks_that_the_virtual_datasets_map_the_manifests_shards(
+    tmp_path: Path, damage: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The main file's /tensors/w replaced (plain dataset with the right values, a virtual one
     over another shard or file or over half the shard, another shape, none):
     ``verify_checkpoint`` and ``dtm ckpt verify`` report it on the main file, naming the
@@ -206,12 +236,17 @@ def test_verify_checks_that_the_virtual_datasets_map_the_manifests_shards(tmp_pa
     capsys.readouterr()
     assert run(["ckpt", "verify", str(tmp_path)]) == 1
     out = capsys.readouterr().out
-    assert out.startswith(f"DAMAGED {main}: tensor 'w' shard '*': {fragments[0]}") and len(out.splitlines()) == 1, out  # fmt: skip
+    assert (
+        out.startswith(f"DAMAGED {main}: tensor 'w' shard '*': {fragments[0]}")
+        and len(out.splitlines()) == 1
+    ), out
     step, got = restore(tmp_path)
     assert step == 1 and same(got["w"], values_at(1)["w"])
 
 
-def test_store_json_version_1_is_read_and_rewritten_as_version_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_store_json_version_1_is_read_and_rewritten_as_version_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     v1 = {"format": "dtm-store", "version": 1, "quota_bytes": 10**9, "keep_last": 2}
     (tmp_path / "store.json").write_text(json.dumps(v1))
     meta = read_meta(tmp_path)
@@ -220,7 +255,11 @@ def test_store_json_version_1_is_read_and_rewritten_as_version_2(tmp_path: Path,
     assert "quota 1000000000 bytes, keep_last 2" in capsys.readouterr().out
     assert json.loads((tmp_path / "store.json").read_text()) == v1
     store_at(tmp_path).close()  # opening the store rewrites it, settings kept
-    assert json.loads((tmp_path / "store.json").read_text()) == {**v1, "version": 2, "backend": "hdf5"}  # fmt: skip
+    assert json.loads((tmp_path / "store.json").read_text()) == {
+        **v1,
+        "version": 2,
+        "backend": "hdf5",
+    }
     for step in (1, 2, 3):  # and they apply: keep_last 2
         save(tmp_path, step)
     assert [e.step for e in list_checkpoints(tmp_path)] == [2, 3]
@@ -241,12 +280,14 @@ def _version_1_file(path: Path) -> None:
         f.create_dataset("manifest", data=np.bytes_(b"{}"))
 
 
-def test_a_version_1_checkpoint_file_is_listed_with_a_note_and_never_read(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_a_version_1_checkpoint_file_is_listed_with_a_note_and_never_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     old = tmp_path / "ckpt-00000007.h5"
     _version_1_file(old)
     shutil.copy(old, tmp_path / "ckpt-00000008.h5.partial-ab")
     (tmp_path / "latest").write_text("ckpt-00000007.h5\n")  # a version-1 pointer
-    note = "a single-file checkpoint of format version 1, which this dtm_mpi does not read (not part of the store; it counts against the quota)"  # fmt: skip
+    note = "a single-file checkpoint of format version 1, which this dtm_mpi does not read (not part of the store; it counts against the quota)"
     legacy = old.stat().st_size * 2
     assert legacy_files(tmp_path) == [old, tmp_path / "ckpt-00000008.h5.partial-ab"]
     assert list_checkpoints(tmp_path) == [] and read_latest(tmp_path) is None
@@ -280,7 +321,12 @@ def test_a_version_1_checkpoint_file_is_listed_with_a_note_and_never_read(tmp_pa
     with pytest.raises(ManifestError) as info:
         read_manifest(tmp_path / "ckpt-00000009")
     msg = str(info.value)  # names the main file once, and the version as a number
-    assert msg.startswith(f"{main}: checkpoint format version 1 is not supported (this reads version 2)") and "single-file layout" in msg, msg  # fmt: skip
+    assert (
+        msg.startswith(
+            f"{main}: checkpoint format version 1 is not supported (this reads version 2)"
+        )
+        and "single-file layout" in msg
+    ), msg
     # a main file without its manifest (an interrupted write): named as such
     with h5py.File(main, "r+") as f:
         f.attrs["format_version"] = 2
@@ -298,11 +344,23 @@ def test_saving_an_existing_step_replaces_it(tmp_path: Path) -> None:
     old_data = (first / DATA).stat().st_ino
     save(tmp_path, 5)
     s = store_at(tmp_path)
-    new = {n: v + np.asarray(1, v.dtype) if v.dtype.kind == "f" else ~v if v.dtype == np.bool_ else v + 1 for n, v in values_at(3).items()}  # fmt: skip
+    new = {
+        n: v + np.asarray(1, v.dtype)
+        if v.dtype.kind == "f"
+        else ~v
+        if v.dtype == np.bool_
+        else v + 1
+        for n, v in values_at(3).items()
+    }
     path = s.save(3, MESH, [(TensorSpec(n, t), new[n]) for n, t in TENSORS])
     s.close()  # waits for the background removal of the replaced directory
     assert path == first
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000003", "ckpt-00000005", "latest", "store.json"]  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ckpt-00000003",
+        "ckpt-00000005",
+        "latest",
+        "store.json",
+    ]
     assert (path / DATA).stat().st_ino != old_data
     assert read_manifest(path).names == tuple(n for n, _ in TENSORS)  # the new manifest
     assert (tmp_path / "latest").read_text() == "ckpt-00000003\n"
@@ -330,7 +388,9 @@ def test_saving_an_existing_step_replaces_it(tmp_path: Path) -> None:
     ],
     ids=["format", "version 1", "not a number"],
 )
-def test_a_data_file_of_another_format_is_an_integrity_error_naming_it(tmp_path: Path, attr: str, value: Any, message: str) -> None:  # fmt: skip
+def test_a_data_file_of_another_format_is_an_integrity_error_naming_it(
+    tmp_path: Path, attr: str, value: Any, message: str
+) -> None:
     save(tmp_path, 1)
     path = save(tmp_path, 2)
     with h5py.File(path / DATA, "r+") as f:
@@ -339,9 +399,13 @@ def test_a_data_file_of_another_format_is_an_integrity_error_naming_it(tmp_path:
     with pytest.raises(StorageError) as info:
         s.restore(MESH, TENSORS)
     e = info.value
-    assert (type(e).__name__, getattr(e, "file", None)) == ("IntegrityError", str(path / DATA)), str(e)  # fmt: skip
+    assert (type(e).__name__, getattr(e, "file", None)) == ("IntegrityError", str(path / DATA)), (
+        str(e)
+    )
     assert message in str(e), str(e)
     assert s.restore(MESH, TENSORS, fallback=True).step == 1
     s.close()
     problems = verify_checkpoint(path)
-    assert problems and all(p.file == str(path / DATA) and message in str(p) for p in problems), [str(p) for p in problems]  # fmt: skip
+    assert problems and all(p.file == str(path / DATA) and message in str(p) for p in problems), [
+        str(p) for p in problems
+    ]

@@ -88,7 +88,9 @@ def sub(comm: Any, n: int) -> Any:
     return None if got == MPI.COMM_NULL else got
 
 
-def save_on(path: Path, comm: Any, mesh: MeshShape, step: int, transposed: bool = False, **kw: Any) -> None:  # fmt: skip
+def save_on(
+    path: Path, comm: Any, mesh: MeshShape, step: int, transposed: bool = False, **kw: Any
+) -> None:
     c = sub(comm, mesh.size)
     if c is not None:
         store = CheckpointStore(path, c, timeout_s=60, **kw)
@@ -102,7 +104,15 @@ def save_on(path: Path, comm: Any, mesh: MeshShape, step: int, transposed: bool 
     comm.Barrier()
 
 
-def restore_on(path: Path, comm: Any, mesh: MeshShape, step: int | None, transposed: bool = False, all_ranks: Any = None, **kw: Any) -> None:  # fmt: skip
+def restore_on(
+    path: Path,
+    comm: Any,
+    mesh: MeshShape,
+    step: int | None,
+    transposed: bool = False,
+    all_ranks: Any = None,
+    **kw: Any,
+) -> None:
     c = sub(comm, mesh.size)
     ok, message = True, ""
     if c is not None:
@@ -112,7 +122,11 @@ def restore_on(path: Path, comm: Any, mesh: MeshShape, step: int | None, transpo
         for name, t in tensors(mesh, transposed):
             want = block_at(name, t, mesh, rank, got.step)
             have = got.values[name]
-            if have.shape != want.shape or have.dtype != want.dtype or have.tobytes() != want.tobytes():  # fmt: skip
+            if (
+                have.shape != want.shape
+                or have.dtype != want.dtype
+                or have.tobytes() != want.tobytes()
+            ):
                 ok, message = False, f"rank {rank}: tensor {name} differs"
         store.close()
         c.Free()
@@ -120,8 +134,17 @@ def restore_on(path: Path, comm: Any, mesh: MeshShape, step: int | None, transpo
     all_ranks(ok, message)
 
 
-CASES = [("1", "4"), ("4", "1"), ("2", "3"), ("3", "2"), ("2x2", "4x1"), ("4x1", "2x2"),
-         ("3", "3"), ("2", "2"), ("1", "2")]  # fmt: skip
+CASES = [
+    ("1", "4"),
+    ("4", "1"),
+    ("2", "3"),
+    ("3", "2"),
+    ("2x2", "4x1"),
+    ("4x1", "2x2"),
+    ("3", "3"),
+    ("2", "2"),
+    ("1", "2"),
+]
 
 
 @pytest.mark.parametrize(("src", "dst"), CASES, ids=[f"{a}->{b}" for a, b in CASES])
@@ -136,7 +159,9 @@ def test_save_on_one_mesh_restore_on_another_bit_identical(
     restore_on(mpi_tmp_path, comm, b, 3, transposed=True, all_ranks=all_ranks)
 
 
-def test_small_chunks_and_rounds_restore_bit_identical(comm: Any, mpi_tmp_path: Path, all_ranks: Any) -> None:  # fmt: skip
+def test_small_chunks_and_rounds_restore_bit_identical(
+    comm: Any, mpi_tmp_path: Path, all_ranks: Any
+) -> None:
     """Many chunks per shard and many rounds: every chunk hashed and verified on its own."""
     n = comm.Get_size()
     src, dst = mesh_of(str(n)), mesh_of(f"1x{n}")
@@ -167,13 +192,17 @@ def test_commit_latest_and_retention(comm: Any, mpi_tmp_path: Path, all_ranks: A
     restore_on(mpi_tmp_path, comm, mesh, 3, all_ranks=all_ranks)
 
 
-def test_flipped_byte_is_an_integrity_error_naming_tensor_and_shard(comm: Any, mpi_tmp_path: Path, all_ranks: Any) -> None:  # fmt: skip
+def test_flipped_byte_is_an_integrity_error_naming_tensor_and_shard(
+    comm: Any, mpi_tmp_path: Path, all_ranks: Any
+) -> None:
     mesh = mesh_of(str(comm.Get_size()))
     save_on(mpi_tmp_path, comm, mesh, 1)
     save_on(mpi_tmp_path, comm, mesh, 2)
     path = mpi_tmp_path / committed_name(2)
     # row 200 of 257: in the shard of the last rank that holds rows, in that rank's data file
-    data, shard = comm.bcast(flip_element(path, "big", (200, 1), byte=1) if comm.Get_rank() == 0 else None)  # fmt: skip
+    data, shard = comm.bcast(
+        flip_element(path, "big", (200, 1), byte=1) if comm.Get_rank() == 0 else None
+    )
     assert data.parent == path and data.name.startswith("data-") and shard.startswith("big:shard:")
     store = CheckpointStore(mpi_tmp_path, comm, timeout_s=60)
     with pytest.raises(IntegrityError) as info:
@@ -192,7 +221,13 @@ def test_quota_refuses_before_writing(comm: Any, mpi_tmp_path: Path, all_ranks: 
     save_on(mpi_tmp_path, comm, mesh, 1)
     used = sum(e.nbytes for e in list_checkpoints(mpi_tmp_path))
     store = CheckpointStore(mpi_tmp_path, comm, quota_bytes=used + 1000, timeout_s=60)
-    items = [(TensorSpec(n, t), np.array(VALUES[n][local_block(t.shape, t.layout, mesh, comm.Get_rank())])) for n, t in tensors(mesh)]  # fmt: skip
+    items = [
+        (
+            TensorSpec(n, t),
+            np.array(VALUES[n][local_block(t.shape, t.layout, mesh, comm.Get_rank())]),
+        )
+        for n, t in tensors(mesh)
+    ]
     with pytest.raises(QuotaError, match="quota"):
         store.save(2, mesh, items)
     names = sorted(p.name for p in mpi_tmp_path.iterdir())
@@ -216,7 +251,9 @@ def test_async_save_then_cancel(comm: Any, mpi_tmp_path: Path, all_ranks: Any) -
     restore_on(mpi_tmp_path, comm, mesh, 2, all_ranks=all_ranks)
     # cancel: the writer waits at tensor 2 until the cancel is requested
     gate = threading.Event()
-    handle = store.save_async(3, mesh, items, before_tensor=lambda i: gate.wait(30) if i == 2 else None)  # fmt: skip
+    handle = store.save_async(
+        3, mesh, items, before_tensor=lambda i: gate.wait(30) if i == 2 else None
+    )
     partial = [p for p in mpi_tmp_path.iterdir() if ".partial-" in p.name]
     handle.cancel_requested = True
     gate.set()
@@ -225,14 +262,19 @@ def test_async_save_then_cancel(comm: Any, mpi_tmp_path: Path, all_ranks: Any) -
         handle.wait()
     comm.Barrier()
     left = sorted(p.name for p in mpi_tmp_path.iterdir())
-    all_ranks(len(partial) <= 1 and all(p.name.startswith("ckpt-00000003.partial-") for p in partial), f"one partial directory at most: {partial}")  # fmt: skip
-    all_ranks(left == ["ckpt-00000001", "ckpt-00000002", "latest", "store.json"], f"after cancel: {left}")  # fmt: skip
+    all_ranks(
+        len(partial) <= 1 and all(p.name.startswith("ckpt-00000003.partial-") for p in partial),
+        f"one partial directory at most: {partial}",
+    )
+    all_ranks(
+        left == ["ckpt-00000001", "ckpt-00000002", "latest", "store.json"], f"after cancel: {left}"
+    )
     all_ranks(read_latest(mpi_tmp_path) == 2, "latest still 2")
     store.close()
     restore_on(mpi_tmp_path, comm, mesh, None, all_ranks=all_ranks)
 
 
-def test_plain_h5py_reads_a_moved_checkpoint(comm: Any, mpi_tmp_path: Path, all_ranks: Any) -> None:  # fmt: skip
+def test_plain_h5py_reads_a_moved_checkpoint(comm: Any, mpi_tmp_path: Path, all_ranks: Any) -> None:
     """The checkpoint is plain HDF5: a process without dtm_mpi (``python -I``, started in
     another directory) reads every tensor bit-exactly from ``checkpoint.h5`` through its
     virtual datasets, after the whole store directory was moved (the sources are relative)."""
@@ -248,16 +290,33 @@ def test_plain_h5py_reads_a_moved_checkpoint(comm: Any, mpi_tmp_path: Path, all_
         moved.parent.mkdir()
         (mpi_tmp_path / "store").rename(moved)
         want = mpi_tmp_path / "want.npz"
-        np.savez(want, **{k: v + np.asarray(5, v.dtype) if v.dtype.kind == "f" else v for k, v in VALUES.items()})  # fmt: skip
+        np.savez(
+            want,
+            **{
+                k: v + np.asarray(5, v.dtype) if v.dtype.kind == "f" else v
+                for k, v in VALUES.items()
+            },
+        )
         main = moved / committed_name(5) / MAIN_FILE
-        proc = subprocess.run([sys.executable, "-I", "-c", PLAIN_READER, str(main), str(want), "5"], capture_output=True, text=True, check=False, timeout=60, cwd="/")  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-I", "-c", PLAIN_READER, str(main), str(want), "5"],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=60,
+            cwd="/",
+        )
         out = proc.stdout + proc.stderr
-        files = str([f"data-{r:06d}.h5" for r in range(n)])  # one rank per file: every rank owns a shard of 'w'  # fmt: skip
+        files = str(
+            [f"data-{r:06d}.h5" for r in range(n)]
+        )  # one rank per file: every rank owns a shard of 'w'
         ok = proc.returncode == 0 and f"plain-ok True {files} False" in out
     all_ranks(ok, out)
 
 
-def test_ephemeral_never_stored_and_derived_rebuilt(comm: Any, mpi_tmp_path: Path, all_ranks: Any) -> None:  # fmt: skip
+def test_ephemeral_never_stored_and_derived_rebuilt(
+    comm: Any, mpi_tmp_path: Path, all_ranks: Any
+) -> None:
     mesh = mesh_of(str(comm.Get_size()))
     rank = comm.Get_rank()
     t32 = TensorType(DType.F32, (9, 4), Layout((("x",), ())))
@@ -296,7 +355,9 @@ def test_ephemeral_never_stored_and_derived_rebuilt(comm: Any, mpi_tmp_path: Pat
     store.close()
 
 
-def test_restore_in_place_into_callers_arrays(comm: Any, mpi_tmp_path: Path, all_ranks: Any) -> None:  # fmt: skip
+def test_restore_in_place_into_callers_arrays(
+    comm: Any, mpi_tmp_path: Path, all_ranks: Any
+) -> None:
     """``into=`` fills the caller's arrays (resharded: saved split one way, restored split the
     other), returns those very arrays, and a bad array on one rank only is an error on all."""
     from dtm_mpi.errors import UsageError
@@ -320,7 +381,10 @@ def test_restore_in_place_into_callers_arrays(comm: Any, mpi_tmp_path: Path, all
         want = block_at(name, t, dst, rank, 2).tobytes()
         all_ranks(got.values[name].tobytes() == want, f"rank {rank}: {name} differs")
     all_ranks(all(got.values[k] is a for k, a in mine.items()), "the caller's arrays are returned")
-    all_ranks(mine["big"].tobytes() == block_at("big", dict(targets)["big"], dst, rank, 2).tobytes(), "filled")  # fmt: skip
+    all_ranks(
+        mine["big"].tobytes() == block_at("big", dict(targets)["big"], dst, rank, 2).tobytes(),
+        "filled",
+    )
     bad = dict(mine)
     if rank == n - 1:  # one rank only: every rank must raise, none may hang
         bad["big"] = np.empty((1, 1), dtype=np.float32)
@@ -356,7 +420,9 @@ def stored_datasets(path: Path) -> dict[str, set[str]]:
 
 
 @pytest.mark.parametrize("per_file", [1, 2, 0], ids=["G=1", "G=2", "G=all"])
-def test_ranks_per_file_layout_and_bit_identical_restores(comm: Any, mpi_tmp_path: Path, all_ranks: Any, per_file: int) -> None:  # fmt: skip
+def test_ranks_per_file_layout_and_bit_identical_restores(
+    comm: Any, mpi_tmp_path: Path, all_ranks: Any, per_file: int
+) -> None:
     """One data file per group of G ranks (at 3 ranks G=2 gives the groups {0,1} and {2}),
     each holding exactly the shards its ranks own as ``/shards/<t>/<i>``; the checkpoint
     restores bit-identically whatever G wrote it: on the same mesh, resharded onto another
@@ -374,7 +440,10 @@ def test_ranks_per_file_layout_and_bit_identical_restores(comm: Any, mpi_tmp_pat
         want: dict[str, set[str]] = {}
         for a in read_manifest(path).artifacts:
             for s in a.shards:
-                if (s.file, s.dataset) != (f"data-{s.owner // g:06d}.h5", f"/shards/{a.name}/{s.index}"):  # fmt: skip
+                if (s.file, s.dataset) != (
+                    f"data-{s.owner // g:06d}.h5",
+                    f"/shards/{a.name}/{s.index}",
+                ):
                     problems.append(f"{s.id} of rank {s.owner} is {s.file}:{s.dataset}")
                 want.setdefault(s.file, set()).add(s.dataset)
         if stored_datasets(path) != want:
@@ -386,7 +455,9 @@ def test_ranks_per_file_layout_and_bit_identical_restores(comm: Any, mpi_tmp_pat
     restore_on(mpi_tmp_path, comm, mesh_of(str(max(1, n - 1))), 2, all_ranks=all_ranks)
 
 
-def test_checkpoints_of_different_ranks_per_file_in_one_store(comm: Any, mpi_tmp_path: Path, all_ranks: Any) -> None:  # fmt: skip
+def test_checkpoints_of_different_ranks_per_file_in_one_store(
+    comm: Any, mpi_tmp_path: Path, all_ranks: Any
+) -> None:
     """Each save chooses its own layout (rank 0's ``ranks_per_file``: the others' is ignored);
     a restore reads whichever it finds."""
     n = comm.Get_size()
@@ -402,7 +473,9 @@ def test_checkpoints_of_different_ranks_per_file_in_one_store(comm: Any, mpi_tmp
     restore_on(mpi_tmp_path, comm, mesh, 2, all_ranks=all_ranks)
 
 
-def test_a_damaged_chunk_that_crosses_ranks_keeps_the_exchange_aligned(comm: Any, mpi_tmp_path: Path, all_ranks: Any) -> None:  # fmt: skip
+def test_a_damaged_chunk_that_crosses_ranks_keeps_the_exchange_aligned(
+    comm: Any, mpi_tmp_path: Path, all_ranks: Any
+) -> None:
     """A chunk that cannot be read still sends its planned bytes: the other pieces of the
     round stay where they belong. Replicated tensors in chunks of one row: every chunk is read
     by one rank and sent to all others; the derived one's dataset is gone (rebuilt from its
@@ -416,21 +489,33 @@ def test_a_damaged_chunk_that_crosses_ranks_keeps_the_exchange_aligned(comm: Any
     td = TensorType(DType.F16, (4 * n, 2), rep)
     p = np.arange(8 * n, dtype=np.float32).reshape(4 * n, 2) + 1
     store = CheckpointStore(mpi_tmp_path, comm, timeout_s=60, chunk_bytes=8, ranks_per_file=1)
-    store.save(1, mesh, [
-        (TensorSpec("d", td, ArtifactClass.DERIVED, parent="p", rebuild="cast:f16"), np.full(p.shape, -1, np.float16)),
-        (TensorSpec("p", tp), p.copy()),
-    ])  # fmt: skip
+    store.save(
+        1,
+        mesh,
+        [
+            (
+                TensorSpec("d", td, ArtifactClass.DERIVED, parent="p", rebuild="cast:f16"),
+                np.full(p.shape, -1, np.float16),
+            ),
+            (TensorSpec("p", tp), p.copy()),
+        ],
+    )
     if rank == 0:
         with h5py.File(mpi_tmp_path / committed_name(1) / "data-000000.h5", "r+") as f:
             del f["shards/d/0"]
     comm.Barrier()
     got = store.restore(mesh, [("d", td), ("p", tp)])
-    all_ranks(got.values["p"].tobytes() == p.tobytes(), f"p arrived shifted or partly: {got.values['p'].tolist()}")  # fmt: skip
+    all_ranks(
+        got.values["p"].tobytes() == p.tobytes(),
+        f"p arrived shifted or partly: {got.values['p'].tolist()}",
+    )
     all_ranks(got.values["d"].tobytes() == p.astype(np.float16).tobytes(), "d rebuilt from p")
     store.close()
 
 
-def test_a_missing_data_file_fails_every_rank_and_derived_are_rebuilt(comm: Any, mpi_tmp_path: Path, all_ranks: Any, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_a_missing_data_file_fails_every_rank_and_derived_are_rebuilt(
+    comm: Any, mpi_tmp_path: Path, all_ranks: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The last rank's data file disappears: a primary tensor with a shard in it is an
     IntegrityError on every rank naming tensor, shard and that file; a derived tensor with a
     shard in it is rebuilt from its parent (replicated: stored by rank 0, in data-000000.h5);
@@ -481,6 +566,9 @@ def test_a_missing_data_file_fails_every_rank_and_derived_are_rebuilt(comm: Any,
         code = run(["ckpt", "verify", str(mpi_tmp_path)])
         out = capsys.readouterr().out
         lines = sorted(out.splitlines())
-        want = sorted(f"DAMAGED {gone}: tensor {t!r} shard '{t}:shard:{last}': data file is missing" for t in ("d", "q"))  # fmt: skip
+        want = sorted(
+            f"DAMAGED {gone}: tensor {t!r} shard '{t}:shard:{last}': data file is missing"
+            for t in ("d", "q")
+        )
         ok = code == 1 and lines == want
     all_ranks(ok, out)

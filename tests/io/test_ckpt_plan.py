@@ -616,10 +616,15 @@ def test_save_plan_data_files(mesh: str, per_file: int) -> None:
         for f in range(-(-n // g)):
             assert plan.file_shards(f) == [(i, s) for i, s in every if s.owner // g == f]
             assert bool(plan.file_shards(f)) == (f in plan.files)
-        assert sorted((i, s.index) for f in plan.files for i, s in plan.file_shards(f)) == [(i, s.index) for i, s in every]  # fmt: skip
+        assert sorted((i, s.index) for f in plan.files for i, s in plan.file_shards(f)) == [
+            (i, s.index) for i, s in every
+        ]
         for a in manifest_of(plan, VALUES).artifacts:
             for s in a.shards:
-                assert (s.file, s.dataset) == (f"data-{s.owner // g:06d}.h5", f"/shards/{a.name}/{s.index}")  # fmt: skip
+                assert (s.file, s.dataset) == (
+                    f"data-{s.owner // g:06d}.h5",
+                    f"/shards/{a.name}/{s.index}",
+                )
 
 
 def test_save_plan_data_files_examples() -> None:
@@ -634,7 +639,12 @@ def test_save_plan_data_files_examples() -> None:
     assert [plan.file_index(r) for r in range(4)] == [0, 0, 0, 1]
     assert [plan.group(r) for r in range(4)] == [range(0, 3)] * 3 + [range(3, 4)]
     assert plan.files == (0, 1)
-    assert [(i, s.index, s.owner) for i, s in plan.file_shards(0)] == [(0, 0, 0), (0, 1, 1), (0, 2, 2), (1, 0, 0)]  # fmt: skip
+    assert [(i, s.index, s.owner) for i, s in plan.file_shards(0)] == [
+        (0, 0, 0),
+        (0, 1, 1),
+        (0, 2, 2),
+        (1, 0, 0),
+    ]
     assert [(i, s.index, s.owner) for i, s in plan.file_shards(1)] == [(0, 3, 3)]
     assert plan_save([rep], mesh, 64, 3).files == (0,)
     assert plan_save([rep], mesh, 64, 1).files == (0,)

@@ -69,16 +69,24 @@ def _imports(module: str, path: Path, modules: dict[str, Path]) -> list[tuple[st
                 found.append((sub if sub in modules else base, node.lineno))
         elif isinstance(node, ast.Call) and node.args:
             f = node.func
-            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""  # fmt: skip
+            name = (
+                f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+            )
             arg = node.args[0]
-            if name in ("import_module", "__import__") and isinstance(arg, ast.Constant) and isinstance(arg.value, str):  # fmt: skip
+            if (
+                name in ("import_module", "__import__")
+                and isinstance(arg, ast.Constant)
+                and isinstance(arg.value, str)
+            ):
                 found.append((arg.value, node.lineno))
     return found
 
 
 def _edges() -> list[tuple[str, str, int]]:
     modules = _modules()
-    return [(m, target, line) for m, p in modules.items() for target, line in _imports(m, p, modules)]  # fmt: skip
+    return [
+        (m, target, line) for m, p in modules.items() for target, line in _imports(m, p, modules)
+    ]
 
 
 def _is_h5py(target: str) -> bool:
@@ -90,14 +98,28 @@ def _where(module: str, line: int) -> str:
 
 
 def test_h5py_is_imported_only_by_the_hdf5_backend() -> None:
-    bad = [_where(m, line) for m, t, line in _edges() if _is_h5py(t) and m not in HDF5_MODULES and m not in PENDING]  # fmt: skip
-    assert not bad, "h5py imported outside the HDF5 backend's modules (go through dtm_mpi.io.backend):\n" + "\n".join(bad)  # fmt: skip
+    bad = [
+        _where(m, line)
+        for m, t, line in _edges()
+        if _is_h5py(t) and m not in HDF5_MODULES and m not in PENDING
+    ]
+    assert not bad, (
+        "h5py imported outside the HDF5 backend's modules (go through dtm_mpi.io.backend):\n"
+        + "\n".join(bad)
+    )
 
 
 def test_the_hdf5_modules_are_reached_only_through_the_backend() -> None:
     allowed = set(HDF5_MODULES) | set(HDF5_USERS)
-    bad = [f"{_where(m, line)} imports {t}" for m, t, line in _edges() if t in HDF5_MODULES and m not in allowed]  # fmt: skip
-    assert not bad, "the HDF5 backend's modules imported past the seam (use the ShardBackend interface, dtm_mpi.io.tools or dtm_mpi.io.verification):\n" + "\n".join(bad)  # fmt: skip
+    bad = [
+        f"{_where(m, line)} imports {t}"
+        for m, t, line in _edges()
+        if t in HDF5_MODULES and m not in allowed
+    ]
+    assert not bad, (
+        "the HDF5 backend's modules imported past the seam (use the ShardBackend interface, dtm_mpi.io.tools or dtm_mpi.io.verification):\n"
+        + "\n".join(bad)
+    )
 
 
 def test_every_exception_is_still_needed() -> None:
@@ -108,11 +130,31 @@ def test_every_exception_is_still_needed() -> None:
     assert not stale, "no longer imports h5py: remove it from PENDING:\n" + "\n".join(stale)
     reaching = {m for m, t, _ in edges if t in HDF5_MODULES}
     stale = [f"{m}: {why}" for m, why in HDF5_USERS.items() if m not in reaching]
-    assert not stale, "no longer imports the HDF5 modules: remove it from HDF5_USERS:\n" + "\n".join(stale)  # fmt: skip
+    assert not stale, (
+        "no longer imports the HDF5 modules: remove it from HDF5_USERS:\n" + "\n".join(stale)
+    )
 
 
 def test_the_protocol_the_tools_and_the_cli_do_not_import_h5py() -> None:
-    names = ["dtm_mpi.io.backend", "dtm_mpi.io.checkpoint", "dtm_mpi.io.commit", "dtm_mpi.io.data_write", "dtm_mpi.io.restore_read", "dtm_mpi.io.store", "dtm_mpi.io.verification", "dtm_mpi.io.tools", "dtm_mpi.io.arrays", "dtm_mpi.cli_store"]  # fmt: skip
+    names = [
+        "dtm_mpi.io.backend",
+        "dtm_mpi.io.checkpoint",
+        "dtm_mpi.io.commit",
+        "dtm_mpi.io.data_write",
+        "dtm_mpi.io.restore_read",
+        "dtm_mpi.io.store",
+        "dtm_mpi.io.verification",
+        "dtm_mpi.io.tools",
+        "dtm_mpi.io.arrays",
+        "dtm_mpi.cli_store",
+    ]
     code = f"import sys\nfor n in {names!r}: __import__(n)\nprint('h5py' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     assert out.stdout.split() == ["False"], out.stdout + out.stderr

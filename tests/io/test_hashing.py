@@ -218,9 +218,19 @@ def test_sha256_hex() -> None:
 def _shard(name: str, i: int, n: int, data: np.ndarray) -> ShardRecord:
     c = (ref_xxh(data.tobytes()),)
     return ShardRecord(
-        f"{name}:shard:{i}", i, i, (i,), (i * n,), (n,), data.nbytes, n, c, shard_hash(c),
-        data_file_name(i), shard_dataset(name, i),
-    )  # fmt: skip
+        f"{name}:shard:{i}",
+        i,
+        i,
+        (i,),
+        (i * n,),
+        (n,),
+        data.nbytes,
+        n,
+        c,
+        shard_hash(c),
+        data_file_name(i),
+        shard_dataset(name, i),
+    )
 
 
 def test_artifact_and_manifest_roots_and_manifest_hash_recomputed() -> None:
@@ -266,9 +276,15 @@ def test_roots_cover_content_the_manifest_hash_covers_where_it_is_stored() -> No
     x = np.arange(8, dtype=np.float32)
     shards = (_shard("t", 0, 4, x[:4]), _shard("t", 1, 4, x[4:]))
     art = ArtifactRecord(
-        "t", ArtifactClass.PRIMARY, Lifecycle.ACTIVE, DType.F32, (8,), Layout((("x",),)),
-        "/tensors/t", shards=shards,
-    )  # fmt: skip
+        "t",
+        ArtifactClass.PRIMARY,
+        Lifecycle.ACTIVE,
+        DType.F32,
+        (8,),
+        Layout((("x",),)),
+        "/tensors/t",
+        shards=shards,
+    )
     m = Manifest(3, (("x", 2),), (art,), 16).sealed()
     one_file = tuple(replace(s, file=data_file_name(0)) for s in shards)  # G = 2: one file
     shared = replace(m, artifacts=(replace(art, shards=one_file),)).sealed()

@@ -60,7 +60,9 @@ def good(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np.n
     store = tmp_path_factory.mktemp("good")
     rng = np.random.default_rng(20240611)
     values = {name: global_value(name, t, rng) for name, t in TENSORS}
-    items: list[tuple[TensorSpec, np.ndarray | None]] = [(TensorSpec(n, t), values[n]) for n, t in TENSORS]  # fmt: skip
+    items: list[tuple[TensorSpec, np.ndarray | None]] = [
+        (TensorSpec(n, t), values[n]) for n, t in TENSORS
+    ]
     eph = TensorType(DType.F32, (3,), Layout.replicated(1))
     items.append((TensorSpec("scratch", eph, ArtifactClass.EPHEMERAL), None))
     cs = CheckpointStore(store, comm(), chunk_bytes=CHUNK)
@@ -109,7 +111,9 @@ def restore_all(store: Path) -> dict[str, np.ndarray]:
         cs.close()
 
 
-def test_the_good_file_verifies_and_restores(good: tuple[Path, dict[str, np.ndarray]], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_the_good_file_verifies_and_restores(
+    good: tuple[Path, dict[str, np.ndarray]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path, values = good
     assert path.is_dir() and sorted(p.name for p in path.iterdir()) == [MAIN_FILE, DATA]
     assert verify_checkpoint(path) == []
@@ -131,7 +135,13 @@ def test_the_good_file_verifies_and_restores(good: tuple[Path, dict[str, np.ndar
 
 
 @pytest.mark.parametrize("mode", ["one-pass", "inline-hash", "hash-thread"])
-def test_every_flipped_data_byte_is_found(good: tuple[Path, dict[str, np.ndarray]], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, mode: str) -> None:  # fmt: skip
+def test_every_flipped_data_byte_is_found(
+    good: tuple[Path, dict[str, np.ndarray]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    mode: str,
+) -> None:
     """Without a spare core, restore hashes each piece as it reads it (one pass); with that
     path off, each run is read, then hashed inline; with a spare core, hashed on a second
     thread while the next run is read."""
@@ -180,7 +190,7 @@ def test_every_flipped_data_byte_is_found(good: tuple[Path, dict[str, np.ndarray
         bad = fresh_store(path, tmp_path / f"s{k}")
         data = bad / DATA
         flip_at(data, at, mask)
-        where = f"flip {k}: byte {pos - start} of {tensor!r} (offset {at} of {DATA}) ^ {mask:#04x}"  # fmt: skip
+        where = f"flip {k}: byte {pos - start} of {tensor!r} (offset {at} of {DATA}) ^ {mask:#04x}"
 
         problems = verify_checkpoint(bad)
         assert len(problems) == 1, (where, [str(p) for p in problems])
@@ -196,7 +206,7 @@ def test_every_flipped_data_byte_is_found(good: tuple[Path, dict[str, np.ndarray
         if k % 10 == 0:
             assert run(["ckpt", "verify", str(bad.parent)]) == 1, where
             out = capsys.readouterr().out
-            assert f"DAMAGED {data}: tensor {tensor!r} shard {shard!r}: chunk " in out, (where, out)  # fmt: skip
+            assert f"DAMAGED {data}: tensor {tensor!r} shard {shard!r}: chunk " in out, (where, out)
         shutil.rmtree(bad.parent)
     assert hit == {name for name, _ in TENSORS}
     assert pipelined and any(pipelined) == hash_thread
@@ -206,7 +216,9 @@ def test_every_flipped_data_byte_is_found(good: tuple[Path, dict[str, np.ndarray
         assert one_pass and all(one_pass) == (mode == "one-pass")
 
 
-def test_a_flipped_manifest_byte_makes_it_unloadable(good: tuple[Path, dict[str, np.ndarray]], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_a_flipped_manifest_byte_makes_it_unloadable(
+    good: tuple[Path, dict[str, np.ndarray]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     import h5py
 
     path, _ = good
@@ -223,7 +235,10 @@ def test_a_flipped_manifest_byte_makes_it_unloadable(good: tuple[Path, dict[str,
             read_manifest(bad)
         msg = str(info.value)
         assert msg.startswith(f"{bad / MAIN_FILE}: ")
-        assert any(s in msg for s in ("manifest hash mismatch", "not valid JSON", "missing field", "is not")), msg  # fmt: skip
+        assert any(
+            s in msg
+            for s in ("manifest hash mismatch", "not valid JSON", "missing field", "is not")
+        ), msg
         with pytest.raises(ManifestError):
             restore_all(bad.parent)
         if k % 5 == 0:
@@ -232,7 +247,7 @@ def test_a_flipped_manifest_byte_makes_it_unloadable(good: tuple[Path, dict[str,
         shutil.rmtree(bad.parent)
 
 
-def test_bf16_shard_bytes_match_the_stored_bytes(good: tuple[Path, dict[str, np.ndarray]]) -> None:  # fmt: skip
+def test_bf16_shard_bytes_match_the_stored_bytes(good: tuple[Path, dict[str, np.ndarray]]) -> None:
     path, _ = good
     (shard,) = read_manifest(path).artifact("b16").shards
     stored = {name: n for name, _, n in data_extents(path)}["b16"]

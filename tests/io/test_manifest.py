@@ -77,7 +77,9 @@ def build(
                 hashes[(i, s.index)] = (xxh(block.tobytes()),)
             else:
                 r = s.chunk_rows
-                hashes[(i, s.index)] = tuple(xxh(block[c * r : (c + 1) * r].tobytes()) for c in range(s.nchunks))  # fmt: skip
+                hashes[(i, s.index)] = tuple(
+                    xxh(block[c * r : (c + 1) * r].tobytes()) for c in range(s.nchunks)
+                )
     return plan_manifest(plan, step, hashes, "dtm-mh1:" + "ab" * 32, "0.1.0")
 
 
@@ -611,10 +613,20 @@ def test_overlap_is_refused_with_many_shards() -> None:
         c = (chunk_hash(g[off : off + 1]),)
         shards.append(
             ShardRecord(
-                f"t:shard:{i}", i, i, (i,), (off,), (1,), 4, 1, c, shard_hash(c),
-                data_file_name(i), shard_dataset("t", i),
+                f"t:shard:{i}",
+                i,
+                i,
+                (i,),
+                (off,),
+                (1,),
+                4,
+                1,
+                c,
+                shard_hash(c),
+                data_file_name(i),
+                shard_dataset("t", i),
             )
-        )  # fmt: skip
+        )
     a = ArtifactRecord(
         "t",
         P,

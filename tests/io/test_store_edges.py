@@ -69,7 +69,9 @@ def test_a_damaged_latest_pointer_falls_back_to_the_newest(tmp_path: Path) -> No
     assert run(["ckpt", "ls", str(tmp_path)]) == 0
 
 
-def test_a_misshapen_or_missing_dataset_is_an_integrity_error_and_falls_back(tmp_path: Path) -> None:  # fmt: skip
+def test_a_misshapen_or_missing_dataset_is_an_integrity_error_and_falls_back(
+    tmp_path: Path,
+) -> None:
     save_w(tmp_path, 1)
     save_w(tmp_path, 2)
     path = tmp_path / committed_name(2)
@@ -78,7 +80,10 @@ def test_a_misshapen_or_missing_dataset_is_an_integrity_error_and_falls_back(tmp
         del f["shards/w/0"]
         f.create_dataset("shards/w/0", data=np.zeros((5, 2), np.float32))
     s = store_at(tmp_path)
-    with pytest.raises(IntegrityError, match=r"dataset /shards/w/0 is float32\[5, 2\], the manifest says f32\[6, 2\]") as info:  # fmt: skip
+    with pytest.raises(
+        IntegrityError,
+        match=r"dataset /shards/w/0 is float32\[5, 2\], the manifest says f32\[6, 2\]",
+    ) as info:
         s.restore(MESH, [("w", T32)])
     assert (info.value.tensor, info.value.shard, info.value.file) == ("w", "w:shard:0", str(data))
     got = s.restore(MESH, [("w", T32)], fallback=True)
@@ -118,10 +123,16 @@ def test_a_stale_derived_artifact_is_rebuilt_from_its_parent(tmp_path: Path) -> 
             ),
         ],
     )
-    assert s.restore(MESH, [("w16", T16)]).values["w16"].tobytes() == np.full((6, 2), -1, np.float16).tobytes()  # fmt: skip
+    assert (
+        s.restore(MESH, [("w16", T16)]).values["w16"].tobytes()
+        == np.full((6, 2), -1, np.float16).tobytes()
+    )
 
     def stale(m: Any) -> Any:
-        arts = tuple(dataclasses.replace(a, state=Lifecycle.STALE) if a.name == "w16" else a for a in m.artifacts)  # fmt: skip
+        arts = tuple(
+            dataclasses.replace(a, state=Lifecycle.STALE) if a.name == "w16" else a
+            for a in m.artifacts
+        )
         return dataclasses.replace(m, artifacts=arts)
 
     rewrite_manifest(tmp_path / committed_name(1), stale)
@@ -133,7 +144,9 @@ def test_a_stale_derived_artifact_is_rebuilt_from_its_parent(tmp_path: Path) -> 
 def test_zero_size_tensors_save_and_restore(tmp_path: Path) -> None:
     t = TensorType(DType.F32, (0, 4), Layout((("x",), ())))
     s = store_at(tmp_path)
-    s.save(1, MESH, [(TensorSpec("empty", t), np.zeros((0, 4), np.float32)), (TensorSpec("w", T32), G)])  # fmt: skip
+    s.save(
+        1, MESH, [(TensorSpec("empty", t), np.zeros((0, 4), np.float32)), (TensorSpec("w", T32), G)]
+    )
     got = s.restore(MESH, [("empty", t), ("w", T32)]).values
     assert got["empty"].shape == (0, 4) and got["w"].tobytes() == G.tobytes()
     s.close()
@@ -159,13 +172,17 @@ def test_quota_estimate_counts_dataset_alignment(tmp_path: Path) -> None:
     s.close()
 
 
-def test_retired_files_left_by_a_crash_are_counted_shown_and_removed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_retired_files_left_by_a_crash_are_counted_shown_and_removed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     save_w(tmp_path, 1, keep_last=1)
     orphan = tmp_path / f".deleting-{committed_name(0)}"
     orphan.mkdir()  # as a crash between the rename and the removal leaves it: a directory
     (orphan / DATA).write_bytes(b"x" * 1000)
     one = tree_bytes(tmp_path / committed_name(1))
-    assert one > 1000 and one == sum(p.stat().st_size for p in (tmp_path / committed_name(1)).iterdir())  # fmt: skip
+    assert one > 1000 and one == sum(
+        p.stat().st_size for p in (tmp_path / committed_name(1)).iterdir()
+    )
     assert disk_usage(tmp_path) == one + 1000
     capsys.readouterr()
     assert run(["ckpt", "ls", str(tmp_path)]) == 0
@@ -193,11 +210,15 @@ def test_duplicate_restore_targets_are_refused(tmp_path: Path) -> None:
 
 def test_store_put_rebuilds_derived_children_of_a_replaced_tensor(tmp_path: Path) -> None:
     s = store_at(tmp_path)
-    s.save(1, MESH, [
-        (TensorSpec("w", T32), G),
-        (TensorSpec("w16", T16, ArtifactClass.DERIVED, "w", "cast:f16"), G.astype(np.float16)),
-        (TensorSpec("w16b", T16, ArtifactClass.DERIVED, "w16", "copy"), G.astype(np.float16)),
-    ])  # fmt: skip
+    s.save(
+        1,
+        MESH,
+        [
+            (TensorSpec("w", T32), G),
+            (TensorSpec("w16", T16, ArtifactClass.DERIVED, "w", "cast:f16"), G.astype(np.float16)),
+            (TensorSpec("w16b", T16, ArtifactClass.DERIVED, "w16", "copy"), G.astype(np.float16)),
+        ],
+    )
     s.close()
     new = np.full((6, 2), 100.0, np.float32)
     np.save(tmp_path / "new.npy", new)
@@ -210,7 +231,9 @@ def test_store_put_rebuilds_derived_children_of_a_replaced_tensor(tmp_path: Path
     s.close()
 
 
-def test_a_timed_out_exchange_poisons_the_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_a_timed_out_exchange_poisons_the_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from dtm_mpi.errors import CommTimeoutError
     from dtm_mpi.io import checkpoint
 

@@ -45,7 +45,10 @@ def test_read_tensor_and_verify(tmp_path: Path) -> None:
     store = make_store(tmp_path / "s")
     assert same(read_tensor(store / committed_name(1), "w"), values_at(1)["w"])
     checks = verify_checkpoints(store, every=True)
-    assert [(c.path.name, c.status) for c in checks] == [(committed_name(1), CheckStatus.OK), (committed_name(2), CheckStatus.OK)]  # fmt: skip
+    assert [(c.path.name, c.status) for c in checks] == [
+        (committed_name(1), CheckStatus.OK),
+        (committed_name(2), CheckStatus.OK),
+    ]
     assert checks[0].tensors == 6 and checks[0].data_bytes > 0
     flip_byte(store / committed_name(2) / DATA, "/shards/v/0", 1)
     with pytest.raises(IntegrityError) as info:
@@ -53,7 +56,9 @@ def test_read_tensor_and_verify(tmp_path: Path) -> None:
     assert (info.value.tensor, info.value.shard) == ("v", "v:shard:0")
     (check,) = verify_checkpoints(store)
     assert check.status is CheckStatus.DAMAGED and len(check.problems) == 1
-    assert check.problems[0].startswith(f"{store / committed_name(2) / DATA}: tensor 'v' shard 'v:shard:0': chunk 0 ")  # fmt: skip
+    assert check.problems[0].startswith(
+        f"{store / committed_name(2) / DATA}: tensor 'v' shard 'v:shard:0': chunk 0 "
+    )
 
 
 def test_remove(tmp_path: Path) -> None:
@@ -63,7 +68,10 @@ def test_remove(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="add --force"):
         remove_checkpoint(store, 2)
     assert remove_checkpoint(store, 1) == (store / committed_name(1), None)
-    assert remove_checkpoint(store, 2, force=True) == (store / committed_name(2), "no checkpoint remains")  # fmt: skip
+    assert remove_checkpoint(store, 2, force=True) == (
+        store / committed_name(2),
+        "no checkpoint remains",
+    )
     assert list_checkpoints(store) == [] and read_latest(store) is None
 
 
@@ -72,7 +80,15 @@ def test_put_tensor(tmp_path: Path) -> None:
     store = make_store(tmp_path / "s", steps=(1,))
     new_w = np.full((10, 7), 0.5, dtype=np.float32)
     r = put_tensor(store, comm(), "w", new_w)
-    assert (r.step, r.base, r.replaced, r.dtype, r.shape, r.cls, r.rebuilt) == (2, 1, True, DType.F32, (10, 7), ArtifactClass.PRIMARY, ("w16",))  # fmt: skip
+    assert (r.step, r.base, r.replaced, r.dtype, r.shape, r.cls, r.rebuilt) == (
+        2,
+        1,
+        True,
+        DType.F32,
+        (10, 7),
+        ArtifactClass.PRIMARY,
+        ("w16",),
+    )
     assert same(read_tensor(r.path, "w16"), new_w.astype(np.float16))
     with pytest.raises(UsageError, match="must be newer"):
         put_tensor(store, comm(), "w", new_w, step=2)

@@ -98,16 +98,23 @@ def _check_report(code: int, out: str, err: str, ckpt: Path, where: str) -> set[
         assert line.startswith(f"DAMAGED {ckpt}/"), (where, line)
         assert " tensor '" in line and " shard '" in line, (where, line)
         named.add(line.split(" tensor '", 1)[1].split("'", 1)[0])
-    assert len(err.strip().splitlines()) == 1 and "dtm ckpt verify: 1 of 1 checkpoint(s)" in err, (where, err)  # fmt: skip
+    assert len(err.strip().splitlines()) == 1 and "dtm ckpt verify: 1 of 1 checkpoint(s)" in err, (
+        where,
+        err,
+    )
     return named
 
 
-def test_a_damaged_dataset_object_header_is_reported_naming_tensor_shard_and_file(good: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_a_damaged_dataset_object_header_is_reported_naming_tensor_shard_and_file(
+    good: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The version byte of each shard dataset's object header (HDF5 refuses the header):
     verify names that tensor, its shard and the data file, and only that tensor."""
     data = good / committed_name(1) / DATA
     for k, name in enumerate(STORED):
-        bad = _damaged_copy(good, tmp_path / f"s{k}", DATA, object_header(data, f"/shards/{name}/0"), 0x06)  # fmt: skip
+        bad = _damaged_copy(
+            good, tmp_path / f"s{k}", DATA, object_header(data, f"/shards/{name}/0"), 0x06
+        )
         ckpt = bad / committed_name(1)
         code, out, err = dtm(capsys, "ckpt", "verify", str(bad))
         named = _check_report(code, out, err, ckpt, name)
@@ -117,7 +124,9 @@ def test_a_damaged_dataset_object_header_is_reported_naming_tensor_shard_and_fil
 
 
 @pytest.mark.parametrize(("file", "flips"), [(DATA, FLIPS_DATA), (MAIN_FILE, FLIPS_MAIN)])
-def test_flipped_metadata_bytes_are_reported_never_an_internal_error(good: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], file: str, flips: int) -> None:  # fmt: skip
+def test_flipped_metadata_bytes_are_reported_never_an_internal_error(
+    good: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], file: str, flips: int
+) -> None:
     """Seeded flips over every metadata byte of the file: each run ends with a report (ok
     when HDF5 never reads the byte), and together they find damage."""
     offsets = metadata_offsets(good / committed_name(1) / file)
@@ -128,7 +137,9 @@ def test_flipped_metadata_bytes_are_reported_never_an_internal_error(good: Path,
     for k, (offset, mask) in enumerate(zip(picks, masks, strict=True)):
         bad = _damaged_copy(good, tmp_path / f"s{k}", file, offset, mask)
         code, out, err = dtm(capsys, "ckpt", "verify", str(bad))
-        _check_report(code, out, err, bad / committed_name(1), f"{file} byte {offset} ^ {mask:#04x}")  # fmt: skip
+        _check_report(
+            code, out, err, bad / committed_name(1), f"{file} byte {offset} ^ {mask:#04x}"
+        )
         found += code == 1
         shutil.rmtree(bad)
     assert found >= flips // 10, f"only {found} of {flips} flips were found"
@@ -153,7 +164,9 @@ def _patched_check(monkeypatch: pytest.MonkeyPatch, crash: str, hang: str) -> No
     monkeypatch.setattr(Verifier, "check", check)
 
 
-def test_a_crash_or_a_hang_of_hdf5_is_reported_as_that_shards_damage(good: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_a_crash_or_a_hang_of_hdf5_is_reported_as_that_shards_damage(
+    good: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ckpt = good / committed_name(1)
     _patched_check(monkeypatch, "v:shard:0", "mask:shard:0")
     start = time.monotonic()
@@ -162,11 +175,17 @@ def test_a_crash_or_a_hang_of_hdf5_is_reported_as_that_shards_damage(good: Path,
     assert got.status is CheckStatus.DAMAGED, got
     assert len(got.problems) == 2, got.problems
     crash, hang = got.problems
-    assert crash.startswith(f"{ckpt / DATA}: tensor 'v' shard 'v:shard:0': the HDF5 library crashed (SIGSEGV)"), crash  # fmt: skip
-    assert hang.startswith(f"{ckpt / DATA}: tensor 'mask' shard 'mask:shard:0': no progress within 4 s"), hang  # fmt: skip
+    assert crash.startswith(
+        f"{ckpt / DATA}: tensor 'v' shard 'v:shard:0': the HDF5 library crashed (SIGSEGV)"
+    ), crash
+    assert hang.startswith(
+        f"{ckpt / DATA}: tensor 'mask' shard 'mask:shard:0': no progress within 4 s"
+    ), hang
 
 
-def test_the_rest_is_verified_after_a_crash(good: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_the_rest_is_verified_after_a_crash(
+    good: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A crash at one shard does not hide damage in a later one."""
     bad = tmp_path / "s"
     shutil.copytree(good, bad)
@@ -174,10 +193,14 @@ def test_the_rest_is_verified_after_a_crash(good: Path, tmp_path: Path, monkeypa
     flip_byte(ckpt / DATA, "/shards/mask/0", 0)
     _patched_check(monkeypatch, "v:shard:0", "-")
     got = verify_isolated(ckpt, timeout_s=30)
-    assert [p.split(" shard ")[0].rsplit(" ", 1)[1] for p in got.problems] == ["'v'", "'mask'"], got.problems  # fmt: skip
+    assert [p.split(" shard ")[0].rsplit(" ", 1)[1] for p in got.problems] == ["'v'", "'mask'"], (
+        got.problems
+    )
 
 
-def test_a_crash_reading_the_main_file_is_an_invalid_checkpoint(good: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_a_crash_reading_the_main_file_is_an_invalid_checkpoint(
+    good: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import dtm_mpi.io.tools as tools
 
     def crash(*_: object) -> None:
@@ -188,11 +211,15 @@ def test_a_crash_reading_the_main_file_is_an_invalid_checkpoint(good: Path, monk
     ckpt = good / committed_name(1)
     got = verify_isolated(ckpt, timeout_s=30)
     assert got.status is CheckStatus.INVALID
-    assert got.problems == (f"{MAIN_FILE} cannot be read: the HDF5 library crashed (SIGSEGV) reading it",)  # fmt: skip
+    assert got.problems == (
+        f"{MAIN_FILE} cannot be read: the HDF5 library crashed (SIGSEGV) reading it",
+    )
 
 
 @pytest.mark.parametrize("mpi", [False, True], ids=["fork", "spawned"])
-def test_in_an_mpi_process_the_child_is_a_new_interpreter(good: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mpi: bool) -> None:  # fmt: skip
+def test_in_an_mpi_process_the_child_is_a_new_interpreter(
+    good: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mpi: bool
+) -> None:
     """Where the caller has initialised MPI the verification child is spawned (a fork of an
     MPI process is unsafe) and finds the same damage."""
     import dtm_mpi.io.tools as tools
@@ -207,7 +234,9 @@ def test_in_an_mpi_process_the_child_is_a_new_interpreter(good: Path, tmp_path: 
     assert verify_isolated(ckpt, timeout_s=60).status is CheckStatus.OK
     flip_byte(ckpt / DATA, "/shards/mask/0", 0)
     got = verify_isolated(ckpt, timeout_s=60)
-    assert got.status is CheckStatus.DAMAGED and len(got.problems) == 1 and "'mask'" in got.problems[0], got  # fmt: skip
+    assert (
+        got.status is CheckStatus.DAMAGED and len(got.problems) == 1 and "'mask'" in got.problems[0]
+    ), got
     assert bool(spawned) == mpi
 
 
@@ -215,12 +244,16 @@ def test_in_mpi_never_initialises_mpi() -> None:
     import subprocess
     import sys
 
-    code = "from dtm_mpi.io.tools import _in_mpi as m; a = m(); from mpi4py import MPI; MPI.COMM_WORLD.Get_rank(); print(a, m())"  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    code = "from dtm_mpi.io.tools import _in_mpi as m; a = m(); from mpi4py import MPI; MPI.COMM_WORLD.Get_rank(); print(a, m())"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
     assert out.stdout.split() == ["False", "True"]
 
 
-def test_verify_all_counts_damaged_checkpoints_not_problems(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_verify_all_counts_damaged_checkpoints_not_problems(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     store = make_store(tmp_path / "s", steps=(1, 2))
     flip_byte(store / committed_name(2) / DATA, "/shards/w/0", 3)
     flip_byte(store / committed_name(2) / DATA, "/shards/v/0", 3)
@@ -238,5 +271,8 @@ def test_a_store_path_that_is_a_file_is_one_clear_error(tmp_path: Path) -> None:
     assert str(info.value) == f"store {path}: is a file, not a directory", str(info.value)
     with pytest.raises(StorageError) as info:
         make_store(path / "sub")
-    assert str(info.value) == f"store {path / 'sub'}: cannot be created: {path} is a file, not a directory"  # fmt: skip
+    assert (
+        str(info.value)
+        == f"store {path / 'sub'}: cannot be created: {path} is a file, not a directory"
+    )
     assert comm() is not None

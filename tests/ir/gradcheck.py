@@ -8,7 +8,13 @@ from typing import Any
 import numpy as np
 
 
-def central_difference(loss: Callable[[Any], float], args: Sequence[np.ndarray] | Mapping[str, np.ndarray], key: int | str, index: tuple[int, ...], eps: float = 1e-6) -> float:  # fmt: skip
+def central_difference(
+    loss: Callable[[Any], float],
+    args: Sequence[np.ndarray] | Mapping[str, np.ndarray],
+    key: int | str,
+    index: tuple[int, ...],
+    eps: float = 1e-6,
+) -> float:
     """``(loss(args with args[key][index] + eps) - loss(... - eps)) / 2 eps``; ``args`` (a
     tuple or a dict of arrays, as ``loss`` takes them) is left as it was."""
 
@@ -22,7 +28,12 @@ def central_difference(loss: Callable[[Any], float], args: Sequence[np.ndarray] 
     return (loss(shifted(eps)) - loss(shifted(-eps))) / (2 * eps)
 
 
-def numeric_gradient(loss: Callable[[Any], float], args: Sequence[np.ndarray] | Mapping[str, np.ndarray], key: int | str, eps: float = 1e-6) -> np.ndarray:  # fmt: skip
+def numeric_gradient(
+    loss: Callable[[Any], float],
+    args: Sequence[np.ndarray] | Mapping[str, np.ndarray],
+    key: int | str,
+    eps: float = 1e-6,
+) -> np.ndarray:
     """The central differences of ``loss`` for every element of ``args[key]``."""
     value: np.ndarray = args[key]  # type: ignore[index]
     out = np.zeros_like(value)

@@ -49,8 +49,12 @@ def op(name: str, **attrs: object) -> Callable[[FunctionBuilder, list[Value]], V
     return lambda b, xs: b.apply1(name, xs, attrs)  # type: ignore[arg-type]
 
 
-def with_decl(name: str, shape: tuple[int, ...], **attrs: object) -> Callable[[FunctionBuilder, list[Value]], Value]:  # fmt: skip
-    return lambda b, xs: b.apply1(name, xs, attrs, [TensorType(DType.F64, shape, Layout.replicated(len(shape)))])  # type: ignore[arg-type]  # fmt: skip
+def with_decl(
+    name: str, shape: tuple[int, ...], **attrs: object
+) -> Callable[[FunctionBuilder, list[Value]], Value]:
+    return lambda b, xs: b.apply1(
+        name, xs, attrs, [TensorType(DType.F64, shape, Layout.replicated(len(shape)))]
+    )  # type: ignore[arg-type]
 
 
 def ids(b: FunctionBuilder, lay: str = "dp,-") -> Value:
@@ -104,7 +108,11 @@ def build(case: Case) -> tuple[Module, list[str]]:
     xs = [b.add_param(n, TensorType(DType.F64, s, layout(lay))) for n, s, lay in case.params]
     out = case.body(b, xs)
     r = b.add_param("r", out.type.with_layout(Layout(out.type.layout.dims)))
-    total = b.apply1("sum", [b.apply1("mul", [out, r])], {"dims": tuple(range(out.type.rank))}) if out.type.rank else b.apply1("mul", [out, r])  # fmt: skip
+    total = (
+        b.apply1("sum", [b.apply1("mul", [out, r])], {"dims": tuple(range(out.type.rank))})
+        if out.type.rank
+        else b.apply1("mul", [out, r])
+    )
     loss = b.complete(total)
     grads = backward(b, list(b.ops), loss, xs)
     f = b.function("step", [loss, *grads], entry=True)
@@ -138,7 +146,13 @@ def test_gradient_matches_finite_differences(case: Case) -> None:
     for k, name in enumerate(names):
         num = numeric_gradient(loss, args, k, eps)
         tol = 1e-2 if case.name == "cast-f32" else 1e-6
-        np.testing.assert_allclose(outs[1 + k], num, rtol=tol, atol=tol * max(1.0, float(np.abs(num).max())), err_msg=f"{case.name}: d/d{name}")  # fmt: skip
+        np.testing.assert_allclose(
+            outs[1 + k],
+            num,
+            rtol=tol,
+            atol=tol * max(1.0, float(np.abs(num).max())),
+            err_msg=f"{case.name}: d/d{name}",
+        )
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
@@ -148,11 +162,15 @@ def test_backward_pass_runs_distributed(case: Case) -> None:
     entry = module.entry
     assert entry is not None
     values = draw(module, case.positive, seed=1)
-    want = evaluate_function(module, entry, tuple(values[p.name.lstrip("%")] for p in entry.params), 0)  # fmt: skip
+    want = evaluate_function(
+        module, entry, tuple(values[p.name.lstrip("%")] for p in entry.params), 0
+    )
     for nranks, binding in BINDINGS:
         got = run_simulated(module, nranks, binding=binding, inputs=values).results[0]
         for i, (g, w) in enumerate(zip(got, want, strict=True)):
-            np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-10, err_msg=f"{case.name} result {i} at {binding}")  # fmt: skip
+            np.testing.assert_allclose(
+                g, w, rtol=1e-10, atol=1e-10, err_msg=f"{case.name} result {i} at {binding}"
+            )
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
@@ -163,26 +181,38 @@ def test_backward_pass_has_the_same_bits_on_every_mesh_in_deterministic_mode(cas
     entry = module.entry
     assert entry is not None
     values = draw(module, case.positive, seed=2)
-    want = evaluate_function(module, entry, tuple(values[p.name.lstrip("%")] for p in entry.params), 0)  # fmt: skip
+    want = evaluate_function(
+        module, entry, tuple(values[p.name.lstrip("%")] for p in entry.params), 0
+    )
     first: tuple[np.ndarray, ...] | None = None
     for nranks, binding in BINDINGS:
-        got = run_simulated(module, nranks, binding=binding, inputs=values, deterministic=True).results[0]  # fmt: skip
+        got = run_simulated(
+            module, nranks, binding=binding, inputs=values, deterministic=True
+        ).results[0]
         if first is None:
             first = got
             for i, (g, w) in enumerate(zip(got, want, strict=True)):
-                np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-10, err_msg=f"{case.name} result {i}")  # fmt: skip
+                np.testing.assert_allclose(
+                    g, w, rtol=1e-10, atol=1e-10, err_msg=f"{case.name} result {i}"
+                )
         for i, (g, f) in enumerate(zip(got, first, strict=True)):
-            assert g.tobytes() == f.tobytes(), f"{case.name} result {i} at {binding} differs from 1 rank"  # fmt: skip
+            assert g.tobytes() == f.tobytes(), (
+                f"{case.name} result {i} at {binding} differs from 1 rank"
+            )
 
 
 def test_every_local_float_op_with_operands_has_a_rule_or_is_listed() -> None:
     """A new op must state its gradient (or be listed here as having none, with the reason)."""
     none = {
-        "compare": "bool result", "iota": "no operands", "constant": "no operands",
-        "random": "integer offset only", "step_index": "no operands",
-        "quantize": "integer codes", "dequantize": "integer codes in",
+        "compare": "bool result",
+        "iota": "no operands",
+        "constant": "no operands",
+        "random": "integer offset only",
+        "step_index": "no operands",
+        "quantize": "integer codes",
+        "dequantize": "integer codes in",
         "call": "inlined before differentiation",
-    }  # fmt: skip
+    }
     missing = sorted(n for n, d in all_ops().items() if d.grad is None and n not in none)
     assert missing == []
     assert all(all_ops()[n].grad is None for n in none)
@@ -217,7 +247,11 @@ def test_grad_module_inlines_calls_and_reduces_weight_gradients_over_dp() -> Non
     text = print_module(g)
     assert load_module(text) == g and print_module(load_module(text)) == text  # canonical
     f = g.function("loss_grad")
-    assert f is not None and [str(r.type) for r in f.results] == ["f64[]", "f64[6,10]{-,tp}", "f64[10,4]{tp,-}"]  # fmt: skip
+    assert f is not None and [str(r.type) for r in f.results] == [
+        "f64[]",
+        "f64[6,10]{-,tp}",
+        "f64[10,4]{tp,-}",
+    ]
     assert not any(op.name == "call" for op in f.body)
     reduces = [op for op in f.body if op.name == "allreduce" and op.attr("axes") == ("dp",)]
     assert len(reduces) == 3  # the loss's and one per weight gradient
@@ -249,7 +283,9 @@ entry func @f(%x: f32[4,8]) -> f32[] requires [CAP_QUANT] {
     with pytest.raises(GradientError) as info:
         grad_module(load_module(quant, "q.dtm"), "f", ["x"])
     assert "q.dtm:5:8" in str(info.value) and "dequantize has no gradient rule" in str(info.value)
-    vector = MLP.replace("-> f64[] on @m", "-> f64[8,4]{dp,-} on @m").replace("return %l", "return %y")  # fmt: skip
+    vector = MLP.replace("-> f64[] on @m", "-> f64[8,4]{dp,-} on @m").replace(
+        "return %l", "return %y"
+    )
     with pytest.raises(GradientError, match="must be a float scalar"):
         grad_module(load_module(vector), "loss", ["w1"])
 
@@ -297,7 +333,10 @@ def test_a_pipeline_hand_off_is_differentiated_by_sending_the_cotangent_back() -
     f = g.function("main_grad")
     assert f is not None
     back = [op for op in f.body if op.name in ("send", "recv")][2:]
-    assert [(op.name, op.attr("src"), op.attr("dst")) for op in back] == [("send", 1, 0), ("recv", 1, 0)]  # fmt: skip
+    assert [(op.name, op.attr("src"), op.attr("dst")) for op in back] == [
+        ("send", 1, 0),
+        ("recv", 1, 0),
+    ]
     assert back[0].attr("tag") == back[1].attr("tag") != 1
     entry_g = Module(g.version, g.name, g.meshes, (replace(f, entry=True),))
     rng = np.random.default_rng(2)

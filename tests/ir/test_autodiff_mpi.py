@@ -20,12 +20,23 @@ from dtm_mpi.runtime.simulate import initial_blocks
 from tests.ir.test_autodiff import CASES, build, draw
 
 pytestmark = pytest.mark.mpi(min_size=2)
-SUBSET = ["matmul-k-sharded", "reduce_scatter", "allgather", "layer_norm", "log_softmax", "chain", "max-dims", "slice"]  # fmt: skip
+SUBSET = [
+    "matmul-k-sharded",
+    "reduce_scatter",
+    "allgather",
+    "layer_norm",
+    "log_softmax",
+    "chain",
+    "max-dims",
+    "slice",
+]
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["plain", "exact"])
 @pytest.mark.parametrize("name", SUBSET)
-def test_backward_pass_under_mpi_matches_the_reference(comm: Any, name: str, deterministic: bool) -> None:  # fmt: skip
+def test_backward_pass_under_mpi_matches_the_reference(
+    comm: Any, name: str, deterministic: bool
+) -> None:
     case = next(c for c in CASES if c.name == name)
     module, _ = build(case)
     entry = module.entry
@@ -33,7 +44,9 @@ def test_backward_pass_under_mpi_matches_the_reference(comm: Any, name: str, det
     size = comm.Get_size()
     binding = {"dp": 2, "tp": size // 2} if size % 2 == 0 and size > 2 else {"dp": 1, "tp": size}
     values = draw(module, case.positive, seed=4)
-    want = evaluate_function(module, entry, tuple(values[p.name.lstrip("%")] for p in entry.params), 0)  # fmt: skip
+    want = evaluate_function(
+        module, entry, tuple(values[p.name.lstrip("%")] for p in entry.params), 0
+    )
     plan = compile_plan(module, mesh_for(module, size, binding))
     session = MpiSession(plan.mesh, timeout_s=60, world=comm, join=False)
     try:
@@ -47,6 +60,8 @@ def test_backward_pass_under_mpi_matches_the_reference(comm: Any, name: str, det
             got = gather_to_root(spec.type, block, mc)
             if rank == 0:
                 assert got is not None
-                np.testing.assert_allclose(got, want[i], rtol=1e-10, atol=1e-10, err_msg=f"{name} result {i} at {binding}")  # fmt: skip
+                np.testing.assert_allclose(
+                    got, want[i], rtol=1e-10, atol=1e-10, err_msg=f"{name} result {i} at {binding}"
+                )
     finally:
         session.close()

@@ -19,7 +19,14 @@ from dtm_mpi.runtime.simulate import run_simulated
 from tests.depth import examples
 from tests.ir.gradcheck import numeric_gradient
 
-LAYOUTS = [((), ()), (("dp",), ()), ((), ("tp",)), (("dp",), ("tp",)), (("tp",), ("dp",)), (("dp", "tp"), ())]  # fmt: skip
+LAYOUTS = [
+    ((), ()),
+    (("dp",), ()),
+    ((), ("tp",)),
+    (("dp",), ("tp",)),
+    (("tp",), ("dp",)),
+    (("dp", "tp"), ()),
+]
 UNARY = ["tanh", "sigmoid", "gelu", "neg", "abs", "relu"]
 BINARY = ["add", "sub", "mul", "maximum", "minimum"]
 
@@ -32,14 +39,20 @@ def programs(draw: st.DrawFn) -> tuple[Module, int]:
     rows, cols = draw(st.integers(2, 5)), draw(st.integers(2, 5))
 
     def param(name: str, shape: tuple[int, int]) -> Value:
-        return b.add_param(name, TensorType(DType.F64, shape, Layout(draw(st.sampled_from(LAYOUTS)))))  # fmt: skip
+        return b.add_param(
+            name, TensorType(DType.F64, shape, Layout(draw(st.sampled_from(LAYOUTS))))
+        )
 
     x = param("x", (rows, cols))
     y = param("y", (rows, cols))
     w = param("w", (cols, cols))
     cur = x
     for _ in range(draw(st.integers(1, 6))):
-        kind = draw(st.sampled_from(["unary", "binary", "matmul", "reduce", "softmax", "layout", "transpose"]))  # fmt: skip
+        kind = draw(
+            st.sampled_from(
+                ["unary", "binary", "matmul", "reduce", "softmax", "layout", "transpose"]
+            )
+        )
         if kind == "unary":
             cur = b.apply1(draw(st.sampled_from(UNARY)), [cur])
         elif kind == "binary" and cur.type.shape == y.type.shape:
@@ -48,10 +61,29 @@ def programs(draw: st.DrawFn) -> tuple[Module, int]:
             cur = b.apply1("matmul", [cur, w])
         elif kind == "reduce":
             dim = draw(st.integers(0, 1))
-            s = b.apply1(draw(st.sampled_from(["sum", "mean", "max"])), [cur], {"dims": (dim,), "keepdims": True})  # fmt: skip
-            cur = b.apply1("sub", [cur, b.apply1("broadcast_to", [s], {}, [TensorType(DType.F64, cur.type.shape, Layout.replicated(2))])])  # fmt: skip
+            s = b.apply1(
+                draw(st.sampled_from(["sum", "mean", "max"])),
+                [cur],
+                {"dims": (dim,), "keepdims": True},
+            )
+            cur = b.apply1(
+                "sub",
+                [
+                    cur,
+                    b.apply1(
+                        "broadcast_to",
+                        [s],
+                        {},
+                        [TensorType(DType.F64, cur.type.shape, Layout.replicated(2))],
+                    ),
+                ],
+            )
         elif kind == "softmax":
-            cur = b.apply1(draw(st.sampled_from(["softmax", "log_softmax"])), [cur], {"dim": draw(st.integers(0, 1))})  # fmt: skip
+            cur = b.apply1(
+                draw(st.sampled_from(["softmax", "log_softmax"])),
+                [cur],
+                {"dim": draw(st.integers(0, 1))},
+            )
         elif kind == "layout":
             cur = b.to_layout(cur, Layout(draw(st.sampled_from(LAYOUTS))))
         elif kind == "transpose" and cur.type.shape[0] == cur.type.shape[1]:
@@ -65,7 +97,9 @@ def programs(draw: st.DrawFn) -> tuple[Module, int]:
 
 @settings(max_examples=examples(40), deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=programs(), seed=st.integers(0, 2**16))
-def test_random_chains_differentiate_correctly_on_their_mesh(case: tuple[Module, int], seed: int) -> None:  # fmt: skip
+def test_random_chains_differentiate_correctly_on_their_mesh(
+    case: tuple[Module, int], seed: int
+) -> None:
     module, nranks = case
     entry = module.entry
     assert entry is not None
@@ -80,7 +114,9 @@ def test_random_chains_differentiate_correctly_on_their_mesh(case: tuple[Module,
     for k in range(3):  # x, y, w
         num = numeric_gradient(loss, args, k)
         # a kink of relu/abs/max within the step makes one difference meaningless: allow it
-        bad = ~np.isclose(want[1 + k], num, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(num).max())))  # fmt: skip
+        bad = ~np.isclose(
+            want[1 + k], num, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(num).max()))
+        )
         assert bad.sum() <= max(1, bad.size // 10), (k, want[1 + k], num)
     sizes = dict(module.meshes[0].axes)
     got = run_simulated(module, nranks, binding=sizes, inputs=values).results[0]

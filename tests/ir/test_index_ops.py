@@ -28,8 +28,14 @@ entry func @main(%w: f32[11,6]{{tp,-}}, %u: f32[4,3,6]{{dp,-,-}}, %t: f64[2,11,5
   return %y, %g, %x
 }}
 """
-BINDINGS = [(1, {"dp": 1, "tp": 1}), (2, {"dp": 1, "tp": 2}), (2, {"dp": 2, "tp": 1}),
-            (3, {"dp": 1, "tp": 3}), (4, {"dp": 2, "tp": 2}), (4, {"dp": 1, "tp": 4})]  # fmt: skip
+BINDINGS = [
+    (1, {"dp": 1, "tp": 1}),
+    (2, {"dp": 1, "tp": 2}),
+    (2, {"dp": 2, "tp": 1}),
+    (3, {"dp": 1, "tp": 3}),
+    (4, {"dp": 2, "tp": 2}),
+    (4, {"dp": 1, "tp": 4}),
+]
 
 
 def _inputs() -> dict[str, np.ndarray]:
@@ -42,7 +48,9 @@ def _inputs() -> dict[str, np.ndarray]:
 
 
 @pytest.mark.parametrize(("ranks", "binding"), BINDINGS, ids=[str(b) for _, b in BINDINGS])
-def test_take_and_scatter_add_equal_numpy_on_every_mesh(ranks: int, binding: dict[str, int]) -> None:  # fmt: skip
+def test_take_and_scatter_add_equal_numpy_on_every_mesh(
+    ranks: int, binding: dict[str, int]
+) -> None:
     module = load_module(EMB, "emb.dtm")
     assert print_module(load_module(print_module(module))) == print_module(module)
     vals = _inputs()
@@ -57,7 +65,12 @@ def test_take_and_scatter_add_equal_numpy_on_every_mesh(ranks: int, binding: dic
     assert np.array_equal(ref[0][0], y) and np.array_equal(ref[0][2], x)
 
 
-def _body(lines: str, params: str = "%w: f32[11,6]{tp,-}", results: str = "f32[4,3,6]{dp,-,-}", version: str = "1.1") -> str:  # fmt: skip
+def _body(
+    lines: str,
+    params: str = "%w: f32[11,6]{tp,-}",
+    results: str = "f32[4,3,6]{dp,-,-}",
+    version: str = "1.1",
+) -> str:
     return f"""dtm {version}
 module bad
 mesh @m = [dp=2, tp=2]
@@ -70,26 +83,53 @@ entry func @main({params}) -> {results} on @m {{
 @pytest.mark.parametrize(
     ("lines", "params", "message"),
     [
-        ("  %i = constant [1.0, 2.0] : f32[2]\n  %r = take %w, %i dim 0 : f32[2,6]\n  return %r",
-         "%w: f32[11,6]", "indices must have an integer dtype; got f32"),
-        ("  %i0 = constant [1, 2] : i64[2]\n  %i = redistribute %i0 : i64[2] partial(sum: dp)\n  %r = take %w, %i dim 0 : f32[2,6]\n  return %r",
-         "%w: f32[11,6]", "indices cannot be a pending reduction"),
-        ("  %i = constant [1, 2] : i64[2]{tp}\n  %r = take %w, %i dim 0 : f32[2,6] partial(sum: tp)\n  return %r",
-         "%w: f32[11,6]{tp,-}", "would use mesh axis 'tp' twice"),
-        ("  %i = constant [1, 2] : i64[2]\n  %r = take %w, %i dim 2 : f32[2,6]\n  return %r",
-         "%w: f32[11,6]", "dim 2 is out of range for rank 2"),
-        ("  %i = constant [1, 2] : i64[2]\n  %r = take %w, %i dim 0 : f32[2,6]\n  return %r",
-         "%w: f32[11,6]{tp,-}", "the rule gives f32[2,6] partial(sum: tp)"),
-        ("  %i = constant [1, 2] : i64[2]\n  %r = scatter_add %w, %i dim 0 : f32[5,6]\n  return %r",
-         "%w: f32[11,6]", "indices [2] must match dims 0..0 of the updates [11, 6]"),
-        ("  %i = constant [1, 2] : i64[2]{dp}\n  %r = scatter_add %w, %i dim 0 : f32[5,6]\n  return %r",
-         "%w: f32[2,6]", "the indices must be split as the updates' dims 0..0"),
-        ("  %i = constant [1, 2] : i64[2]\n  %r = scatter_add %w, %i dim 0 : f32[5,7]\n  return %r",
-         "%w: f32[2,6]", "result must be f32[N,6]"),
-        ("  %i = constant [1, 2] : i64[2]\n  %r = scatter_add %w, %i dim 0 : f32[5,6]{-,tp}\n  return %r",
-         "%w: f32[2,6]", "the rule gives f32[5,6]"),
+        (
+            "  %i = constant [1.0, 2.0] : f32[2]\n  %r = take %w, %i dim 0 : f32[2,6]\n  return %r",
+            "%w: f32[11,6]",
+            "indices must have an integer dtype; got f32",
+        ),
+        (
+            "  %i0 = constant [1, 2] : i64[2]\n  %i = redistribute %i0 : i64[2] partial(sum: dp)\n  %r = take %w, %i dim 0 : f32[2,6]\n  return %r",
+            "%w: f32[11,6]",
+            "indices cannot be a pending reduction",
+        ),
+        (
+            "  %i = constant [1, 2] : i64[2]{tp}\n  %r = take %w, %i dim 0 : f32[2,6] partial(sum: tp)\n  return %r",
+            "%w: f32[11,6]{tp,-}",
+            "would use mesh axis 'tp' twice",
+        ),
+        (
+            "  %i = constant [1, 2] : i64[2]\n  %r = take %w, %i dim 2 : f32[2,6]\n  return %r",
+            "%w: f32[11,6]",
+            "dim 2 is out of range for rank 2",
+        ),
+        (
+            "  %i = constant [1, 2] : i64[2]\n  %r = take %w, %i dim 0 : f32[2,6]\n  return %r",
+            "%w: f32[11,6]{tp,-}",
+            "the rule gives f32[2,6] partial(sum: tp)",
+        ),
+        (
+            "  %i = constant [1, 2] : i64[2]\n  %r = scatter_add %w, %i dim 0 : f32[5,6]\n  return %r",
+            "%w: f32[11,6]",
+            "indices [2] must match dims 0..0 of the updates [11, 6]",
+        ),
+        (
+            "  %i = constant [1, 2] : i64[2]{dp}\n  %r = scatter_add %w, %i dim 0 : f32[5,6]\n  return %r",
+            "%w: f32[2,6]",
+            "the indices must be split as the updates' dims 0..0",
+        ),
+        (
+            "  %i = constant [1, 2] : i64[2]\n  %r = scatter_add %w, %i dim 0 : f32[5,7]\n  return %r",
+            "%w: f32[2,6]",
+            "result must be f32[N,6]",
+        ),
+        (
+            "  %i = constant [1, 2] : i64[2]\n  %r = scatter_add %w, %i dim 0 : f32[5,6]{-,tp}\n  return %r",
+            "%w: f32[2,6]",
+            "the rule gives f32[5,6]",
+        ),
     ],
-)  # fmt: skip
+)
 def test_rule_errors_name_the_op_and_place(lines: str, params: str, message: str) -> None:
     op_line = next(ln for ln in lines.splitlines() if "take" in ln or "scatter_add" in ln)
     src = _body(lines, params, results=op_line.split(" : ", 1)[1])
@@ -112,9 +152,13 @@ def test_a_1_0_module_cannot_use_them() -> None:
     assert print_module(load_module(old)).startswith("dtm 1.0\n")  # 1.0 modules stay 1.0
 
 
-@pytest.mark.parametrize(("bad", "where"), [("[5, 11, 5]", "index 11 at [3, 1]"), ("[-1, 5, 5]", "index -1 at [3, 0]")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("bad", "where"), [("[5, 11, 5]", "index 11 at [3, 1]"), ("[-1, 5, 5]", "index -1 at [3, 0]")]
+)
 @pytest.mark.parametrize(("ranks", "binding"), [(1, {"dp": 1, "tp": 1}), (4, {"dp": 2, "tp": 2})])
-def test_an_index_out_of_range_is_named_with_its_global_place(bad: str, where: str, ranks: int, binding: dict[str, int]) -> None:  # fmt: skip
+def test_an_index_out_of_range_is_named_with_its_global_place(
+    bad: str, where: str, ranks: int, binding: dict[str, int]
+) -> None:
     module = load_module(EMB.replace("[5, 5, 5]", bad), "emb.dtm")
     with pytest.raises(DtmError) as err:
         run_simulated(module, ranks, binding=binding, inputs=_inputs())
@@ -142,7 +186,11 @@ def test_a_scalar_index_and_u8_indices_past_a_blocks_start(ranks: int) -> None:
     (its rows start at 256) are compared in a wide type, not wrapped or overflowed."""
     module = load_module(SMALL_INDEX, "s.dtm")
     rng = np.random.default_rng(2)
-    vals = {"x": rng.standard_normal(5).astype(np.float32), "t": rng.standard_normal((512, 4)).astype(np.float32), "g": rng.standard_normal((3, 4)).astype(np.float32)}  # fmt: skip
+    vals = {
+        "x": rng.standard_normal(5).astype(np.float32),
+        "t": rng.standard_normal((512, 4)).astype(np.float32),
+        "g": rng.standard_normal((3, 4)).astype(np.float32),
+    }
     r, q, s = run_simulated(module, ranks, binding={"tp": ranks}, inputs=vals).results[0]
     assert r.shape == () and r == vals["x"][3]
     assert np.array_equal(q, vals["t"][[1, 200, 255]])

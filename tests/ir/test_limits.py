@@ -92,7 +92,10 @@ def test_integer_digit_limit_in_a_literal_and_a_mesh_size() -> None:
 
 def test_literal_nesting_limit() -> None:
     depth = limits.MAX_LITERAL_DEPTH
-    ok = _module(f"  %y = constant {'[' * depth}1{']' * depth} : f32[{','.join(['1'] * depth)}]\n  return %y", result=f"f32[{','.join(['1'] * depth)}]")  # fmt: skip
+    ok = _module(
+        f"  %y = constant {'[' * depth}1{']' * depth} : f32[{','.join(['1'] * depth)}]\n  return %y",
+        result=f"f32[{','.join(['1'] * depth)}]",
+    )
     module, errors = check_text(ok)
     assert module is not None and errors == []
     deeper = ok.replace("[" * depth + "1", "[" * (depth + 1) + "1", 1).replace(
@@ -191,7 +194,11 @@ def test_malformed_number_is_reported_at_its_start(text: str, col: int, shown: s
     """Regression: the number pattern backtracked, so ``12x`` was reported at ``2``."""
     with pytest.raises(ParseError, match=f"malformed number '{re.escape(shown)}'") as info:
         parse_module(f"dtm 1.0\nmodule m\nmesh @m = [tp={text}]\n")
-    assert (info.value.span.line, info.value.span.col, info.value.span.length) == (3, col, len(shown))  # fmt: skip
+    assert (info.value.span.line, info.value.span.col, info.value.span.length) == (
+        3,
+        col,
+        len(shown),
+    )
 
 
 def test_crlf_diagnostic_shows_the_line_without_its_cr() -> None:

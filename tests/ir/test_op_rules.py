@@ -81,7 +81,9 @@ def test_sigmoid_passes_pending_max_and_min(reduce: str, partial: str, ranks: in
         ("abs", "min", "min"),
     ],
 )
-def test_ops_not_linear_in_a_pending_reduction_are_rejected(op: str, reduce: str, partial: str) -> None:  # fmt: skip
+def test_ops_not_linear_in_a_pending_reduction_are_rejected(
+    op: str, reduce: str, partial: str
+) -> None:
     with pytest.raises(VerifyError, match=rf"{op}: operand is partial\({partial}: tp\)"):
         load_module(_unary_module(op, "f32", partial, reduce), "u.dtm")
 
@@ -185,8 +187,18 @@ entry func @f(%x: f64[2,3,8]{dp,-,tp} init normal(seed=1)) -> (f64[2,3,4,2]{dp,-
 """
 
 
-@pytest.mark.parametrize(("nranks", "binding"), [(1, {"dp": 1, "tp": 1}), (2, {"dp": 1, "tp": 2}), (4, {"dp": 2, "tp": 2}), (8, {"dp": 2, "tp": 4})])  # fmt: skip
-def test_reshape_moves_a_split_to_the_major_factor_and_back(nranks: int, binding: dict[str, int]) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("nranks", "binding"),
+    [
+        (1, {"dp": 1, "tp": 1}),
+        (2, {"dp": 1, "tp": 2}),
+        (4, {"dp": 2, "tp": 2}),
+        (8, {"dp": 2, "tp": 4}),
+    ],
+)
+def test_reshape_moves_a_split_to_the_major_factor_and_back(
+    nranks: int, binding: dict[str, int]
+) -> None:
     m = load_module(RESHAPE)
     want = run_reference(m)[1][0]
     got = run_simulated(m, nranks, binding=binding).results[0]
@@ -199,6 +211,8 @@ def test_reshape_split_that_does_not_align_is_a_plan_error() -> None:
 
     with pytest.raises(PlanError, match="does not land on whole rows of result dim 2"):
         run_simulated(load_module(RESHAPE), 3, binding={"dp": 1, "tp": 3})
-    bad = RESHAPE.replace("%h = reshape %x : f64[2,3,4,2]{dp,-,tp,-}", "%h = reshape %x : f64[2,24]")  # fmt: skip
+    bad = RESHAPE.replace(
+        "%h = reshape %x : f64[2,3,4,2]{dp,-,tp,-}", "%h = reshape %x : f64[2,24]"
+    )
     with pytest.raises(VerifyError, match="no counterpart in \\[2, 24\\]"):
         load_module(bad)

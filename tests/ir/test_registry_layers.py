@@ -135,9 +135,10 @@ def test_no_upward_imports(layer: str) -> None:
     bad = {}
     for path in sorted((ROOT / "dtm_mpi" / layer).rglob("*.py")):
         up = sorted(
-            m for m in _imports(path)
+            m
+            for m in _imports(path)
             if m.startswith(("dtm_mpi.kernels", "dtm_mpi.comm", "dtm_mpi.runtime"))
-        )  # fmt: skip
+        )
         if up:
             bad[path.name] = up
     assert bad == {}
@@ -168,7 +169,9 @@ def test_every_op_that_sums_floats_has_its_exact_rule_and_no_other_op_does() -> 
     assert not hasattr(exact, "EXACT_RULES")
 
 
-def test_an_op_adding_a_pending_sum_without_saying_it_sums_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_an_op_adding_a_pending_sum_without_saying_it_sums_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A pending sum across ranks that an op adds is a float sum in the mesh's order: an op
     whose entry does not say it sums (so deterministic mode has no exact rule) is refused
     where its rule adds one."""

@@ -39,17 +39,37 @@ INCLUDE = Path(__file__).with_name("emu_include")
 CXX = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 # -ffp-contract=off: no fused multiply-adds on any host (x86-64 has none without -mfma anyway)
 # -fcf-protection=none: the hand-written stack switch has no shadow-stack support
-FLAGS = ("-std=c++17", "-O1", "-fPIC", "-Wall", "-Werror", "-Wno-unused-function",
-         "-ffp-contract=off", "-fcf-protection=none")  # fmt: skip
+FLAGS = (
+    "-std=c++17",
+    "-O1",
+    "-fPIC",
+    "-Wall",
+    "-Werror",
+    "-Wno-unused-function",
+    "-ffp-contract=off",
+    "-fcf-protection=none",
+)
 REDZONE = 64
 POISON = 0xFF  # NaN in f16, f32 and f64 (-1 in int8): a read of it shows
 _KINDS = {
-    np.dtype(np.float16): "h2", np.dtype(np.float32): "f4", np.dtype(np.float64): "f8",
-    np.dtype(np.int8): "i1", np.dtype(np.uint8): "u1", np.dtype(np.int32): "i4",
+    np.dtype(np.float16): "h2",
+    np.dtype(np.float32): "f4",
+    np.dtype(np.float64): "f8",
+    np.dtype(np.int8): "i1",
+    np.dtype(np.uint8): "u1",
+    np.dtype(np.int32): "i4",
     np.dtype(np.int64): "i8",
-}  # fmt: skip
-_SCALARS = {"i1": np.int8, "u1": np.uint8, "i4": np.int32, "u4": np.uint32, "i8": np.int64,
-            "u8": np.uint64, "f4": np.float32, "f8": np.float64}  # fmt: skip
+}
+_SCALARS = {
+    "i1": np.int8,
+    "u1": np.uint8,
+    "i4": np.int32,
+    "u4": np.uint32,
+    "i8": np.int64,
+    "u8": np.uint64,
+    "f4": np.float32,
+    "f8": np.float64,
+}
 
 
 class EmuError(RuntimeError):
@@ -81,7 +101,7 @@ def _alloc(shape: Sequence[int] | int, dtype: Any) -> EmuArray:
 def _redzones_intact(arr: EmuArray) -> bool:
     base = arr._emu_base
     assert base is not None
-    return bool((base[:REDZONE] == POISON).all() and (base[REDZONE + arr.nbytes :] == POISON).all())  # fmt: skip
+    return bool((base[:REDZONE] == POISON).all() and (base[REDZONE + arr.nbytes :] == POISON).all())
 
 
 class _Device:
@@ -125,7 +145,10 @@ class _Cuda:
 
 
 def _cache_dir() -> Path:
-    d = Path(os.environ.get("DTM_EMU_CACHE") or Path(tempfile.gettempdir()) / f"dtm-gpu-emu-{os.getuid()}")  # fmt: skip
+    d = Path(
+        os.environ.get("DTM_EMU_CACHE")
+        or Path(tempfile.gettempdir()) / f"dtm-gpu-emu-{os.getuid()}"
+    )
     d.mkdir(parents=True, exist_ok=True)
     return d
 
@@ -153,7 +176,10 @@ def _toolchain() -> str:
     trampolines, the flags and the compiler's exact version (part of every cache key)."""
     if CXX is None:
         raise EmuError("no C++ compiler (g++) for the GPU emulator")
-    headers = [f"{f.relative_to(INCLUDE)}\0{f.read_text(encoding='utf-8')}" for f in sorted(INCLUDE.rglob("*.h"))]  # fmt: skip
+    headers = [
+        f"{f.relative_to(INCLUDE)}\0{f.read_text(encoding='utf-8')}"
+        for f in sorted(INCLUDE.rglob("*.h"))
+    ]
     version = _run([CXX, "-dumpfullversion", "-dumpmachine"])
     return "\0".join([*headers, TRAMPOLINE, CXX, version, *FLAGS])
 
@@ -183,7 +209,9 @@ def _pch() -> list[str]:
     return ["-include", str(h)]
 
 
-def compile_module(code: str, hip: bool = False, options: Sequence[str] = ()) -> tuple[ctypes.CDLL, list[str]]:  # fmt: skip
+def compile_module(
+    code: str, hip: bool = False, options: Sequence[str] = ()
+) -> tuple[ctypes.CDLL, list[str]]:
     """Compile kernel source text for the emulator: the shared library and its kernel names
     (the extern "C" functions of the text, found after preprocessing). ``hip``: as hipRTC sees
     it (``__HIPCC_RTC__``: the sources take their HIP branch and include nothing, the runtime
@@ -205,11 +233,50 @@ def compile_module(code: str, hip: bool = False, options: Sequence[str] = ()) ->
             src = Path(tmp) / "module.cpp"
             src.write_text(code, encoding="utf-8")
             header = str(INCLUDE / "emu_runtime.h")
-            pre = _run([str(CXX), "-std=c++17", "-E", "-P", "-DDTM_EMU_NAMES_ONLY", *defines, "-include", header, "-I", str(INCLUDE), "-x", "c++", str(src)])  # fmt: skip
-            names = sorted({n for n in re.findall(r'extern\s+"C"\s+void\s+(\w+)\s*\(', pre) if not n.startswith("emu_")})  # fmt: skip
-            src.write_text(code + "\n" + "".join(TRAMPOLINE.format(n=n) for n in names), encoding="utf-8")  # fmt: skip
+            pre = _run(
+                [
+                    str(CXX),
+                    "-std=c++17",
+                    "-E",
+                    "-P",
+                    "-DDTM_EMU_NAMES_ONLY",
+                    *defines,
+                    "-include",
+                    header,
+                    "-I",
+                    str(INCLUDE),
+                    "-x",
+                    "c++",
+                    str(src),
+                ]
+            )
+            names = sorted(
+                {
+                    n
+                    for n in re.findall(r'extern\s+"C"\s+void\s+(\w+)\s*\(', pre)
+                    if not n.startswith("emu_")
+                }
+            )
+            src.write_text(
+                code + "\n" + "".join(TRAMPOLINE.format(n=n) for n in names), encoding="utf-8"
+            )
             out = Path(tmp) / "module.so"
-            _run([str(CXX), *FLAGS, *defines, "-shared", *_pch(), "-I", str(INCLUDE), "-x", "c++", str(src), "-o", str(out)])  # fmt: skip
+            _run(
+                [
+                    str(CXX),
+                    *FLAGS,
+                    *defines,
+                    "-shared",
+                    *_pch(),
+                    "-I",
+                    str(INCLUDE),
+                    "-x",
+                    "c++",
+                    str(src),
+                    "-o",
+                    str(out),
+                ]
+            )
             # both atomically, the names first: a concurrent run that sees both sees them whole
             _replace_new(names_file, "\n".join(names).encode())
             os.replace(out, so)
@@ -222,8 +289,15 @@ class EmuFunction:
         self.owner, self.name = owner, name
         self._launch = getattr(lib, f"emu_launch__{name}")
         self._launch.restype = ctypes.c_int
-        self._launch.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_int, ctypes.c_int,
-                                 ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_size_t]  # fmt: skip
+        self._launch.argtypes = [
+            ctypes.c_uint,
+            ctypes.c_uint,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.POINTER(ctypes.c_void_p),
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+        ]
         sig = getattr(lib, f"emu_sig__{name}")
         sig.restype = ctypes.c_char_p
         self.params: list[str] = sig().decode().split()
@@ -233,10 +307,14 @@ class EmuFunction:
         where = f"{self.name}: argument {k}"
         if want.startswith("p"):
             if not isinstance(value, self.owner.ndarray):
-                raise EmuError(f"{where} must be a device array ({want}); got {type(value).__name__}")  # fmt: skip
+                raise EmuError(
+                    f"{where} must be a device array ({want}); got {type(value).__name__}"
+                )
             got = _KINDS.get(value.dtype, f"?{value.dtype}")
             if got != want[1:]:
-                raise EmuError(f"{where}: the kernel takes a {want[1:]} pointer; got a {value.dtype} array")  # fmt: skip
+                raise EmuError(
+                    f"{where}: the kernel takes a {want[1:]} pointer; got a {value.dtype} array"
+                )
             if not value.flags.c_contiguous:
                 raise EmuError(f"{where}: array is not C-contiguous")
             cell = ctypes.c_void_p(value.ctypes.data)
@@ -244,7 +322,11 @@ class EmuFunction:
             if isinstance(value, bool) or not isinstance(value, (np.generic, int, float)):
                 raise EmuError(f"{where} must be a scalar ({want}); got {type(value).__name__}")
             # CuPy passes a numpy scalar as its own type, a Python int as int64, float as float64
-            got = _KINDS.get(np.asarray(value).dtype) if isinstance(value, np.generic) else ("i8" if isinstance(value, int) else "f8")  # fmt: skip
+            got = (
+                _KINDS.get(np.asarray(value).dtype)
+                if isinstance(value, np.generic)
+                else ("i8" if isinstance(value, int) else "f8")
+            )
             if got != want:
                 raise EmuError(f"{where}: the kernel takes {want}; got {got} ({value!r})")
             cell = np.array([value], dtype=_SCALARS[want])
@@ -253,23 +335,36 @@ class EmuFunction:
         keep.append(cell)
         return int(ctypes.addressof(cell))
 
-    def __call__(self, grid: Sequence[int], block: Sequence[int], args: Sequence[Any], **_: Any) -> None:  # fmt: skip
+    def __call__(
+        self, grid: Sequence[int], block: Sequence[int], args: Sequence[Any], **_: Any
+    ) -> None:
         g, b = (*tuple(grid), 1, 1), (*tuple(block), 1, 1)
         if g[1:3] != (1, 1) or b[1:3] != (1, 1):
-            raise EmuError(f"{self.name}: only 1-d grids and blocks are emulated; got {grid}, {block}")  # fmt: skip
+            raise EmuError(
+                f"{self.name}: only 1-d grids and blocks are emulated; got {grid}, {block}"
+            )
         if len(args) != len(self.params):
-            raise EmuError(f"{self.name} takes {len(self.params)} arguments ({' '.join(self.params)}); got {len(args)}")  # fmt: skip
+            raise EmuError(
+                f"{self.name} takes {len(self.params)} arguments ({' '.join(self.params)}); got {len(args)}"
+            )
         keep: list[Any] = []
-        cells = [self._arg(k, want, v, keep) for k, (want, v) in enumerate(zip(self.params, args, strict=True))]  # fmt: skip
+        cells = [
+            self._arg(k, want, v, keep)
+            for k, (want, v) in enumerate(zip(self.params, args, strict=True))
+        ]
         argv = (ctypes.c_void_p * max(1, len(cells)))(*cells)
         err = ctypes.create_string_buffer(1024)
-        rc = self._launch(int(g[0]), int(b[0]), self.owner.warp, int(self.owner.reverse), argv, err, len(err))  # fmt: skip
+        rc = self._launch(
+            int(g[0]), int(b[0]), self.owner.warp, int(self.owner.reverse), argv, err, len(err)
+        )
         self.launches += 1
         if rc != 0:
             raise EmuError(f"{self.name}: {err.value.decode(errors='replace')}")
         for k, v in enumerate(args):
             if isinstance(v, EmuArray) and v._emu_base is not None and not _redzones_intact(v):
-                raise EmuError(f"{self.name}: wrote outside argument {k} ({v.dtype}{list(v.shape)})")  # fmt: skip
+                raise EmuError(
+                    f"{self.name}: wrote outside argument {k} ({v.dtype}{list(v.shape)})"
+                )
 
 
 class EmuModule:
@@ -301,7 +396,9 @@ class EmuCupy:
     arrays (``ndarray`` is :class:`EmuArray`), so a numpy array reaching a kernel is refused as
     CuPy refuses it; ``strict=False`` where the surrounding code stands numpy in for CuPy."""
 
-    def __init__(self, warp: int, hip: bool = False, reverse: bool = False, strict: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self, warp: int, hip: bool = False, reverse: bool = False, strict: bool = True
+    ) -> None:
         self.warp, self.hip, self.reverse, self.strict = warp, hip, reverse, strict
         self.cuda = _Cuda(self)
         self.compiled = 0
@@ -310,8 +407,12 @@ class EmuCupy:
     def named(cls, name: str, strict: bool = True) -> EmuCupy:
         """The emulator a test parameter names: ``emu-<cuda|hip>-w<32|64>[-reverse]``."""
         parts = name.split("-")
-        assert parts[0] == "emu" and parts[1] in ("cuda", "hip") and parts[2] in ("w32", "w64"), name  # fmt: skip
-        return cls(int(parts[2][1:]), hip=parts[1] == "hip", reverse="reverse" in parts[3:], strict=strict)  # fmt: skip
+        assert parts[0] == "emu" and parts[1] in ("cuda", "hip") and parts[2] in ("w32", "w64"), (
+            name
+        )
+        return cls(
+            int(parts[2][1:]), hip=parts[1] == "hip", reverse="reverse" in parts[3:], strict=strict
+        )
 
     @property
     def ndarray(self) -> type:
@@ -349,7 +450,11 @@ class EmuCupy:
         return arr
 
     def ascontiguousarray(self, x: Any, dtype: Any = None) -> EmuArray:
-        if isinstance(x, EmuArray) and x.flags.c_contiguous and (dtype is None or np.dtype(dtype) == x.dtype):  # fmt: skip
+        if (
+            isinstance(x, EmuArray)
+            and x.flags.c_contiguous
+            and (dtype is None or np.dtype(dtype) == x.dtype)
+        ):
             return x
         return self.asarray(np.ascontiguousarray(x, dtype=dtype))
 

@@ -34,7 +34,9 @@ def generated_fused_kernels() -> list[tuple[str, str]]:
 
     f16, f32, f64 = (np.dtype(t) for t in (np.float16, np.float32, np.float64))
     chain = Expr("mul", (Expr("gelu", (Expr("add", (0, 1)),)), 2))
-    mixed = Expr("maximum", (Expr("rsqrt", (Expr("exp", (0,)),)), Expr("neg", (Expr("tanh", (1,)),))))  # fmt: skip
+    mixed = Expr(
+        "maximum", (Expr("rsqrt", (Expr("exp", (0,)),)), Expr("neg", (Expr("tanh", (1,)),)))
+    )
     cases = [
         (chain, [FusedInput(f16), FusedInput(f16, lastdim=True), FusedInput(f16)], f16),
         (mixed, [FusedInput(f64), FusedInput(f32, lastdim=True)], f32),

@@ -76,7 +76,9 @@ OK_CUDA = DeviceProbe(cupy_version="13.6.0", vendor="cuda", runtime_version=1208
         ),
     ],
 )
-def test_backend_problem_names_what_is_missing(kind: BackendKind, probe: DeviceProbe, want: str | None) -> None:  # fmt: skip
+def test_backend_problem_names_what_is_missing(
+    kind: BackendKind, probe: DeviceProbe, want: str | None
+) -> None:
     got = backend_problem(kind, probe)
     if want is None:
         assert got is None

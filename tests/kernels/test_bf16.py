@@ -33,8 +33,10 @@ def _bits_low(a: np.ndarray) -> np.ndarray:
 
 
 def test_round_bf16_ties_to_even_and_specials() -> None:
-    x = np.array([1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-8 + 2**-20, np.inf, -np.inf, 3.4e38, -0.0],
-                 dtype=np.float32)  # fmt: skip
+    x = np.array(
+        [1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-8 + 2**-20, np.inf, -np.inf, 3.4e38, -0.0],
+        dtype=np.float32,
+    )
     want = [1.0, 1 + 2**-6, 1 + 2**-7, np.inf, -np.inf, np.inf, -0.0]
     np.testing.assert_array_equal(round_bf16(x), np.array(want, dtype=np.float32))
     assert np.isnan(round_bf16(np.array([np.nan], np.float32)))[0]
@@ -45,8 +47,10 @@ def test_round_bf16_ties_to_even_and_specials() -> None:
 def test_bf16_results_are_rounded_in_the_reference_and_the_numpy_kernels(ranks: int) -> None:
     module = load_module(SOURCE, "b.dtm")
     rng = np.random.default_rng(3)
-    inputs = {"x": rng.standard_normal((6, 5)).astype(np.float32),
-              "w": rng.standard_normal((5, 4)).astype(np.float32)}  # fmt: skip
+    inputs = {
+        "x": rng.standard_normal((6, 5)).astype(np.float32),
+        "w": rng.standard_normal((5, 4)).astype(np.float32),
+    }
     _, ref = run_reference(module, inputs)
     got = run_simulated(module, ranks, binding={"dp": ranks}, inputs=inputs)
     for k, (r, g) in enumerate(zip(ref[0], got.results[0], strict=True)):

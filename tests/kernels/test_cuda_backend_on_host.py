@@ -32,7 +32,11 @@ EXAMPLES = Path(__file__).parents[2] / "examples"
 def _softmax(x: Any, *, log: bool = False, out: Any = None) -> Any:
     xf = x.astype(np.float32 if x.dtype == np.float16 else x.dtype)
     s = xf - xf.max(axis=-1, keepdims=True)
-    y = s - np.log(np.exp(s).sum(axis=-1, keepdims=True)) if log else np.exp(s) / np.exp(s).sum(axis=-1, keepdims=True)  # fmt: skip
+    y = (
+        s - np.log(np.exp(s).sum(axis=-1, keepdims=True))
+        if log
+        else np.exp(s) / np.exp(s).sum(axis=-1, keepdims=True)
+    )
     return y.astype(x.dtype)
 
 
@@ -64,12 +68,24 @@ def _dequantize(q: Any, scales: Any, block: int, dtype: Any, *, out: Any = None)
     return y.reshape(q.shape).astype(dtype)
 
 
-def _fused(expr: Expr, inputs: Sequence[FusedInput], xs: Sequence[Any], dtype: Any, shape: Sequence[int], *, out: Any = None) -> Any:  # fmt: skip
+def _fused(
+    expr: Expr,
+    inputs: Sequence[FusedInput],
+    xs: Sequence[Any],
+    dtype: Any,
+    shape: Sequence[int],
+    *,
+    out: Any = None,
+) -> Any:
     assert len(inputs) == len(xs)
     for i, x in zip(inputs, xs, strict=True):
         assert np.dtype(x.dtype) == i.dtype
         assert (x.shape == (shape[-1],)) if i.lastdim else (tuple(x.shape) == tuple(shape))
-    acc = np.float64 if any(i.dtype == np.float64 for i in inputs) or np.dtype(dtype) == np.float64 else np.float32  # fmt: skip
+    acc = (
+        np.float64
+        if any(i.dtype == np.float64 for i in inputs) or np.dtype(dtype) == np.float64
+        else np.float32
+    )
     vals = [np.broadcast_to(x, shape).astype(acc) for x in xs]
     return np.ascontiguousarray(evaluate(expr, vals, acc)).astype(dtype)
 
@@ -91,9 +107,16 @@ def _scatter_rows(u: Any, perm: Any, starts: Any, n: int, *, out: Any = None) ->
     return y
 
 
-TWINS = {"softmax": _softmax, "layer_norm": _layer_norm, "row_reduce": _row_reduce,
-         "quantize": _quantize, "dequantize": _dequantize, "fused": _fused,
-         "take_rows": _take_rows, "scatter_rows": _scatter_rows}  # fmt: skip
+TWINS = {
+    "softmax": _softmax,
+    "layer_norm": _layer_norm,
+    "row_reduce": _row_reduce,
+    "quantize": _quantize,
+    "dequantize": _dequantize,
+    "fused": _fused,
+    "take_rows": _take_rows,
+    "scatter_rows": _scatter_rows,
+}
 
 
 @pytest.fixture(params=["twins", "emu-cuda-w32", "emu-hip-w64"])
@@ -109,7 +132,7 @@ def on_host(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     return launchers_on_host(monkeypatch, impls)
 
 
-def launchers_on_host(monkeypatch: pytest.MonkeyPatch, impls: dict[str, Any] = TWINS) -> list[str]:  # fmt: skip
+def launchers_on_host(monkeypatch: pytest.MonkeyPatch, impls: dict[str, Any] = TWINS) -> list[str]:
     """CuPy -> numpy for the backend's array code and every launcher -> ``impls`` (default:
     its numpy twin), each call recorded; returns the launchers called."""
     called: list[str] = []
@@ -134,7 +157,14 @@ class HostCuda(ArrayBackend):
     def fuses(self) -> bool:
         return True
 
-    def run_fused(self, expr: Any, lastdim: Sequence[bool], xs: Sequence[Any], dtype: Any, shape: tuple[int, ...]) -> Any:  # fmt: skip
+    def run_fused(
+        self,
+        expr: Any,
+        lastdim: Sequence[bool],
+        xs: Sequence[Any],
+        dtype: Any,
+        shape: tuple[int, ...],
+    ) -> Any:
         ins = [FusedInput(np.dtype(x.dtype), bool(b)) for x, b in zip(xs, lastdim, strict=True)]
         return launch.fused(expr, ins, xs, dtype, shape)
 
@@ -252,7 +282,7 @@ def test_take_and_scatter_add_with_the_gpu_table(on_host: list[str], ranks: int)
     assert "take_rows" in on_host and "scatter_rows" in on_host
 
 
-def test_a_host_array_reaching_a_launcher_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_a_host_array_reaching_a_launcher_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     """Real CuPy refuses numpy arrays with a bare TypeError; the launchers name the input."""
     cp = install(monkeypatch, EmuCupy(32))  # strict: numpy arrays are host arrays
     host = np.ones((2, 8), np.float32)

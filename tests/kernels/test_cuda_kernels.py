@@ -56,7 +56,10 @@ def gpu() -> Any:
     return _open_gpu()
 
 
-@pytest.fixture(scope="module", params=[pytest.param("gpu", marks=pytest.mark.gpu), "emu-cuda-w32", "emu-hip-w64-reverse"])  # fmt: skip
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param("gpu", marks=pytest.mark.gpu), "emu-cuda-w32", "emu-hip-w64-reverse"],
+)
 def dev(request: pytest.FixtureRequest) -> Iterator[Any]:
     """A GPU backend, or the CPU emulator standing in for CuPy under the same launcher code."""
     if request.param == "gpu":
@@ -96,7 +99,11 @@ def test_softmax(dev: Any, shape: tuple[int, int], dtype: Any, log: bool) -> Non
     x = _x(shape, dtype)
     xf = x.astype(np.float64)
     s = xf - xf.max(axis=-1, keepdims=True)
-    want = s - np.log(np.exp(s).sum(axis=-1, keepdims=True)) if log else np.exp(s) / np.exp(s).sum(axis=-1, keepdims=True)  # fmt: skip
+    want = (
+        s - np.log(np.exp(s).sum(axis=-1, keepdims=True))
+        if log
+        else np.exp(s) / np.exp(s).sum(axis=-1, keepdims=True)
+    )
     out = _poisoned(cp, shape, dtype)
     got = launch.softmax(cp.asarray(x), log=log, out=out)
     assert got is out
@@ -114,7 +121,9 @@ def test_layer_norm(dev: Any, shape: tuple[int, int], dtype: Any) -> None:
     m = xf.mean(axis=-1, keepdims=True)
     v = ((xf - m) ** 2).mean(axis=-1, keepdims=True)
     want = (xf - m) / np.sqrt(v + 1e-5) * g.astype(np.float64) + b.astype(np.float64)
-    got = launch.layer_norm(cp.asarray(x), cp.asarray(g), cp.asarray(b), 1e-5, out=_poisoned(cp, shape, dtype))  # fmt: skip
+    got = launch.layer_norm(
+        cp.asarray(x), cp.asarray(g), cp.asarray(b), 1e-5, out=_poisoned(cp, shape, dtype)
+    )
     _close(got, want, dtype, max(1.0, math.sqrt(shape[1])) * (4.0 if dtype is np.float16 else 1.0))
 
 
@@ -149,8 +158,12 @@ def test_row_max_propagates_nan(dev: Any) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("shape", "block"), [((3, 32), 32), ((5, 96), 32), ((7, 33), 11), ((1, 1), 1), ((4, 1024), 256)])  # fmt: skip
-def test_quantize_and_dequantize_bit_exact(dev: Any, shape: tuple[int, int], block: int, dtype: Any) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("shape", "block"), [((3, 32), 32), ((5, 96), 32), ((7, 33), 11), ((1, 1), 1), ((4, 1024), 256)]
+)
+def test_quantize_and_dequantize_bit_exact(
+    dev: Any, shape: tuple[int, int], block: int, dtype: Any
+) -> None:
     from dtm_mpi.ir.ops.quant import _dequantize_ref, _quantize_ref
     from dtm_mpi.kernels import launch
 
@@ -159,7 +172,11 @@ def test_quantize_and_dequantize_bit_exact(dev: Any, shape: tuple[int, int], blo
     x[0, :block] = 0  # an all-zero block: scale 1
     ops = _FakeOp(block)
     want_q, want_s = _quantize_ref(ops, [x], [None, _type(np.float32)])  # type: ignore[list-item]
-    q, s = launch.quantize(cp.asarray(x), block, out=(_poisoned(cp, shape, np.int8), _poisoned(cp, (x.size // block,), np.float32)))  # fmt: skip
+    q, s = launch.quantize(
+        cp.asarray(x),
+        block,
+        out=(_poisoned(cp, shape, np.int8), _poisoned(cp, (x.size // block,), np.float32)),
+    )
     assert np.array_equal(q.get(), want_q)
     assert np.array_equal(s.get(), want_s.reshape(-1))
     (want_y,) = _dequantize_ref(ops, [want_q, want_s], [_type(dtype)])  # type: ignore[list-item]
@@ -196,8 +213,19 @@ def test_bias_gelu_and_fused_chain(dev: Any, shape: tuple[int, int], dtype: Any)
     got = launch.bias_gelu(cp.asarray(x), cp.asarray(b), out=_poisoned(cp, shape, dtype))
     _close(got, gelu, dtype, 4.0)
     chain = Expr("mul", (Expr("gelu", (Expr("add", (0, 1)),)), 2))
-    ins = [FusedInput(np.dtype(dtype)), FusedInput(np.dtype(dtype), True), FusedInput(np.dtype(dtype))]  # fmt: skip
-    got = launch.fused(chain, ins, [cp.asarray(x), cp.asarray(b), cp.asarray(z)], dtype, shape, out=_poisoned(cp, shape, dtype))  # fmt: skip
+    ins = [
+        FusedInput(np.dtype(dtype)),
+        FusedInput(np.dtype(dtype), True),
+        FusedInput(np.dtype(dtype)),
+    ]
+    got = launch.fused(
+        chain,
+        ins,
+        [cp.asarray(x), cp.asarray(b), cp.asarray(z)],
+        dtype,
+        shape,
+        out=_poisoned(cp, shape, dtype),
+    )
     _close(got, gelu * z.astype(np.float64), dtype, 8.0)
 
 
@@ -219,15 +247,29 @@ def test_every_elementwise_kernel_matches_numpy(dev: Any, op: str, dtype: Any) -
     with np.errstate(all="ignore"):
         want = np.asarray(opdef.array_fn(np, *(x.astype(np.float64) for x in args)))
     expr = Expr(op, tuple(range(len(args))))
-    got = launch.fused(expr, [FusedInput(np.dtype(dtype))] * len(args), [cp.asarray(x) for x in args], dtype, shape, out=_poisoned(cp, shape, dtype))  # fmt: skip
+    got = launch.fused(
+        expr,
+        [FusedInput(np.dtype(dtype))] * len(args),
+        [cp.asarray(x) for x in args],
+        dtype,
+        shape,
+        out=_poisoned(cp, shape, dtype),
+    )
     g = got.get().astype(np.float64)
     assert np.isnan(g[0, 0]) and np.isnan(want[0, 0])
-    np.testing.assert_allclose(g.reshape(-1)[1:], want.reshape(-1)[1:], rtol=RTOL[dtype] * 4, atol=ATOL[dtype])  # fmt: skip
+    np.testing.assert_allclose(
+        g.reshape(-1)[1:], want.reshape(-1)[1:], rtol=RTOL[dtype] * 4, atol=ATOL[dtype]
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("pre", "n", "k", "post", "lo"), [(1, 11, 9, 6, 0), (3, 4, 37, 5, 4), (1, 0, 5, 3, 2), (2, 7, 0, 33, 0), (1, 300, 513, 1, 100)])  # fmt: skip
-def test_take_and_scatter_rows(dev: Any, pre: int, n: int, k: int, post: int, lo: int, dtype: Any) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("pre", "n", "k", "post", "lo"),
+    [(1, 11, 9, 6, 0), (3, 4, 37, 5, 4), (1, 0, 5, 3, 2), (2, 7, 0, 33, 0), (1, 300, 513, 1, 100)],
+)
+def test_take_and_scatter_rows(
+    dev: Any, pre: int, n: int, k: int, post: int, lo: int, dtype: Any
+) -> None:
     """Rows at indices (some outside the block: zeros) bit exact, and their scatter-add in the
     updates' order: bit-equal to numpy.add.at in f32/f64 (repeated indices included)."""
     from dtm_mpi.kernels import launch
@@ -238,7 +280,9 @@ def test_take_and_scatter_rows(dev: Any, pre: int, n: int, k: int, post: int, lo
     idx = rng.integers(0, size, k).astype(np.int64)
     idx[: k // 2] = idx[0] if k else 0  # many repeats of one row
     x = _x((pre, n, post), dtype)
-    got = launch.take_rows(cp.asarray(x), cp.asarray(idx), lo, out=_poisoned(cp, (pre, k, post), dtype)).get()  # fmt: skip
+    got = launch.take_rows(
+        cp.asarray(x), cp.asarray(idx), lo, out=_poisoned(cp, (pre, k, post), dtype)
+    ).get()
     inside = (idx >= lo) & (idx < lo + n)
     want = np.zeros((pre, k, post), dtype)
     want[:, inside] = x[:, idx[inside] - lo]
@@ -248,11 +292,19 @@ def test_take_and_scatter_rows(dev: Any, pre: int, n: int, k: int, post: int, lo
     keys = idx[rows] - lo
     order = np.argsort(keys, kind="stable")
     starts = np.searchsorted(keys[order], np.arange(n + 1))
-    got = launch.scatter_rows(cp.asarray(u), cp.asarray(rows[order]), cp.asarray(starts), n, out=_poisoned(cp, (pre, n, post), dtype)).get()  # fmt: skip
+    got = launch.scatter_rows(
+        cp.asarray(u),
+        cp.asarray(rows[order]),
+        cp.asarray(starts),
+        n,
+        out=_poisoned(cp, (pre, n, post), dtype),
+    ).get()
     ref = np.zeros((pre, n, post), dtype)
     np.add.at(np.moveaxis(ref, 1, 0), keys, np.moveaxis(u[:, rows], 1, 0))
     if dtype == np.float16:  # the kernel sums in float, numpy in half
-        np.testing.assert_allclose(got.astype(np.float64), ref, rtol=RTOL[dtype] * math.sqrt(k + 1), atol=ATOL[dtype] * k)  # fmt: skip
+        np.testing.assert_allclose(
+            got.astype(np.float64), ref, rtol=RTOL[dtype] * math.sqrt(k + 1), atol=ATOL[dtype] * k
+        )
     else:
         assert np.array_equal(got, ref)
 
@@ -272,10 +324,29 @@ def test_examples_on_the_gpu_match_numpy(gpu: Any, name: str, tmp_path: Path) ->
     outs = {}
     for backend in ("numpy", gpu.name):
         out = tmp_path / f"{backend}.npz"
-        cmd = ["mpirun", "--timeout", "120", "--bind-to", "none", "-n", "2", sys.executable,
-               "-m", "mpi4py", "-m", "dtm_mpi", "run", str(EXAMPLES / f"{name}.dtm"),
-               "--backend", backend, "-o", str(out)]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, check=False)  # fmt: skip
+        cmd = [
+            "mpirun",
+            "--timeout",
+            "120",
+            "--bind-to",
+            "none",
+            "-n",
+            "2",
+            sys.executable,
+            "-m",
+            "mpi4py",
+            "-m",
+            "dtm_mpi",
+            "run",
+            str(EXAMPLES / f"{name}.dtm"),
+            "--backend",
+            backend,
+            "-o",
+            str(out),
+        ]
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=180, env=env, check=False
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         outs[backend] = dict(np.load(out))
     assert outs["numpy"].keys() == outs[gpu.name].keys()

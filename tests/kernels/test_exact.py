@@ -51,20 +51,29 @@ def on_every_mesh(m: Module, inputs: dict[str, np.ndarray]) -> np.ndarray:
 
 def wide(rng: np.random.Generator, shape: tuple[int, ...], spread: int = 12) -> np.ndarray:
     """Values over 2^-spread .. 2^spread of both signs: reassociation shows in their sums."""
-    return (rng.normal(size=shape) * np.exp2(rng.integers(-spread, spread, size=shape))).astype(np.float32)  # fmt: skip
+    return (rng.normal(size=shape) * np.exp2(rng.integers(-spread, spread, size=shape))).astype(
+        np.float32
+    )
 
 
 def exactly_rounded_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Each output as math.fsum of the float64 products (exact for float32 operands)."""
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
-    return np.array([[math.fsum(a64[i] * b64[:, j]) for j in range(b.shape[1])] for i in range(a.shape[0])])  # fmt: skip
+    return np.array(
+        [[math.fsum(a64[i] * b64[:, j]) for j in range(b.shape[1])] for i in range(a.shape[0])]
+    )
 
 
 def test_matmul_over_a_split_k_has_the_same_bits_on_every_mesh_and_is_accurate() -> None:
     rng = np.random.default_rng(3)
     a, b = wide(rng, (6, 37)), wide(rng, (37, 5))
     got = on_every_mesh(matmul_module("f32"), {"a": a, "b": b})
-    plain = [run_simulated(matmul_module("f32"), n, inputs={"a": a, "b": b}, deterministic=False).results[0][0] for n in RANKS]  # fmt: skip
+    plain = [
+        run_simulated(
+            matmul_module("f32"), n, inputs={"a": a, "b": b}, deterministic=False
+        ).results[0][0]
+        for n in RANKS
+    ]
     assert len({p.tobytes() for p in plain}) > 1  # without it, the meshes do differ
     ref = exactly_rounded_matmul(a, b)
     bound = 37 * 2.0**-38 * np.abs(a).max(axis=1)[:, None] * np.abs(b).max(axis=0)[None, :]
@@ -103,8 +112,12 @@ def test_infinities_nans_and_zeros_are_ieee_and_zero_is_positive() -> None:
     with np.errstate(all="ignore"):
         ieee = a.astype(np.float64) @ b.astype(np.float64)
     special = ~np.isfinite(ieee)
-    assert np.array_equal(np.isnan(got), np.isnan(ieee)) and np.array_equal(np.isinf(got), np.isinf(ieee))  # fmt: skip
-    assert np.array_equal(np.sign(got[special & ~np.isnan(ieee)]), np.sign(ieee[special & ~np.isnan(ieee)]))  # fmt: skip
+    assert np.array_equal(np.isnan(got), np.isnan(ieee)) and np.array_equal(
+        np.isinf(got), np.isinf(ieee)
+    )
+    assert np.array_equal(
+        np.sign(got[special & ~np.isnan(ieee)]), np.sign(ieee[special & ~np.isnan(ieee)])
+    )
     finite = ~special
     np.testing.assert_allclose(got[finite], want[finite], rtol=1e-6, atol=1e-30)
     row2 = got[2, [0, 1, 3, 4]]
@@ -146,8 +159,10 @@ def test_scatter_add_with_repeated_indices_split_over_ranks() -> None:
     m = module(
         "  %s = scatter_add %u, %i dim 0 : f32[6,3] partial(sum: tp)\n"
         "  %g = allreduce sum %s on tp : f32[6,3]\n  return %g",
-        "%u: f32[12,3]{tp,-}, %i: i64[12]{tp}", "f32[6,3]", version="1.1",
-    )  # fmt: skip
+        "%u: f32[12,3]{tp,-}, %i: i64[12]{tp}",
+        "f32[6,3]",
+        version="1.1",
+    )
     got = on_every_mesh(m, {"u": u, "i": idx})
     ref = np.zeros((6, 3))
     for r in range(6):
@@ -176,8 +191,13 @@ def test_the_gpu_backend_on_the_host_emulator_gives_the_numpy_bits() -> None:
     rng = np.random.default_rng(10)
     a, b = wide(rng, (6, 37)), wide(rng, (37, 5))
     want = on_every_mesh(matmul_module("f32"), {"a": a, "b": b})
-    got = run_simulated(matmul_module("f32"), 3, inputs={"a": a, "b": b}, deterministic=True,
-                        backend=HostCuda(BackendKind.CUDA)).results[0][0]  # fmt: skip
+    got = run_simulated(
+        matmul_module("f32"),
+        3,
+        inputs={"a": a, "b": b},
+        deterministic=True,
+        backend=HostCuda(BackendKind.CUDA),
+    ).results[0][0]
     assert np.asarray(got).tobytes() == want.tobytes()
 
 
@@ -190,13 +210,21 @@ def test_an_infinity_applied_to_a_pending_exact_result_is_the_same_on_every_mesh
     ``* inf`` or ``/ 0`` meets the value, not another rank's zeros (which would give NaN)."""
     m = module(
         f"  %p = matmul %a, %b : f32[2,2] partial(sum: tp)\n  %q = {then} : f32[2,2] partial(sum: tp)\n"
-        "  %c = allreduce sum %q on tp : f32[2,2]\n  return %c", PENDING, "f32[2,2]",
-    )  # fmt: skip
+        "  %c = allreduce sum %q on tp : f32[2,2]\n  return %c",
+        PENDING,
+        "f32[2,2]",
+    )
     w = np.full((2, 2), 0.0 if then.startswith("div") else np.inf, np.float32)
     if then.startswith("matmul"):
         w = np.array([[np.inf, 1], [1, 1]], np.float32)
-    got = on_every_mesh(m, {"a": np.ones((2, 4), np.float32), "b": np.ones((4, 2), np.float32), "w": w})  # fmt: skip
-    want = np.array([[np.inf, 8], [np.inf, 8]], np.float32) if then.startswith("matmul") else np.full((2, 2), np.inf, np.float32)  # fmt: skip
+    got = on_every_mesh(
+        m, {"a": np.ones((2, 4), np.float32), "b": np.ones((4, 2), np.float32), "w": w}
+    )
+    want = (
+        np.array([[np.inf, 8], [np.inf, 8]], np.float32)
+        if then.startswith("matmul")
+        else np.full((2, 2), np.inf, np.float32)
+    )
     assert np.array_equal(got, want)
 
 
@@ -227,10 +255,13 @@ def test_an_infinity_decides_whatever_the_finite_terms_overflow_to() -> None:
     assert got == np.inf
 
 
-@pytest.mark.parametrize(("dtype", "values", "want"), [
-    ("f32", [1.0, 2.0**-24, 2.0**-80], 1 + 2.0**-23),  # a tie broken by the third term
-    ("bf16", [1.0, 2.0**-8, 2.0**-30], 1 + 2.0**-7),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("dtype", "values", "want"),
+    [
+        ("f32", [1.0, 2.0**-24, 2.0**-80], 1 + 2.0**-23),  # a tie broken by the third term
+        ("bf16", [1.0, 2.0**-8, 2.0**-30], 1 + 2.0**-7),
+    ],
+)
 def test_the_exact_sum_is_rounded_once(dtype: str, values: list[float], want: float) -> None:
     m = module(
         f"  %p = sum %x dims [0] : {dtype}[] partial(sum: tp)\n  %s = allreduce sum %p on tp : {dtype}[]\n  return %s",

@@ -55,7 +55,9 @@ def test_kernel_dir_override_and_missing(tmp_path: Path, monkeypatch: pytest.Mon
         sources.kernel_source.cache_clear()
 
 
-def test_missing_sources_name_every_place_looked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:  # fmt: skip
+def test_missing_sources_name_every_place_looked(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     from dtm_mpi.kernels import sources
 
     monkeypatch.setattr(sources, "_candidates", lambda: [tmp_path / "a", tmp_path / "b"])
@@ -106,22 +108,33 @@ def test_generated_kernels_compile_for_sm80_and_sm90(tmp_path: Path) -> None:
     for dt in (F16, F32, F64):
         for op in sorted(ops_with(Trait.FUSIBLE)):
             n = OPS[op].arity
-            units.append(fused_source(Expr(op, tuple(range(n))), [FusedInput(dt)] * n, dt, template))  # fmt: skip
-    units.append(fused_source(BIAS_GELU_MUL, [FusedInput(F16), FusedInput(F32, True), FusedInput(F64)], F16, template))  # fmt: skip
+            units.append(
+                fused_source(Expr(op, tuple(range(n))), [FusedInput(dt)] * n, dt, template)
+            )
+    units.append(
+        fused_source(
+            BIAS_GELU_MUL, [FusedInput(F16), FusedInput(F32, True), FusedInput(F64)], F16, template
+        )
+    )
     # one translation unit per kernel would take minutes: put them all in one file, each
     # behind its own defines (the template's include guards make the header appear once)
     parts = []
     for _name, code in units:
         defines, _, body = code.partition(template)
-        parts.append(f"{defines}\n{body}{_template_body(template)}\n#undef DTM_FUSED_NAME\n#undef DTM_FUSED_PARAMS\n#undef DTM_FUSED_ACC\n#undef DTM_FUSED_BODY\n")  # fmt: skip
+        parts.append(
+            f"{defines}\n{body}{_template_body(template)}\n#undef DTM_FUSED_NAME\n#undef DTM_FUSED_PARAMS\n#undef DTM_FUSED_ACC\n#undef DTM_FUSED_BODY\n"
+        )
     src = tmp_path / "fused_all.cu"
     src.write_text(_template_header(template) + "\n".join(parts))
     for arch in ("sm_80", "sm_90"):
         ptx = tmp_path / f"{arch}.ptx"
         proc = subprocess.run(
             [str(NVCC), "-std=c++17", f"-arch={arch}", "--ptx", "-o", str(ptx), str(src)],
-            capture_output=True, text=True, timeout=300, check=False,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         text = ptx.read_text()
         for name, _ in units:

@@ -49,11 +49,32 @@ def test_half_to_float_is_exact_for_every_half() -> None:
 def test_float_to_half_rounds_to_nearest_even() -> None:
     cp = EmuCupy(32)
     rng = np.random.default_rng(0)
-    edges = [0.0, -0.0, 65504.0, 65519.99, 65520.0, 1e6, -1e6, np.inf, -np.inf, np.nan,
-             2.0**-24, 2.0**-25, 1.5 * 2.0**-25, 2.0**-14, 2.0**-14 - 2.0**-25, 1.0 + 2.0**-11,
-             1.0 + 3 * 2.0**-11, 1.0 + 2.0**-11 + 2.0**-23, 3 * 2.0**-26, 2.0**-26]  # fmt: skip
+    edges = [
+        0.0,
+        -0.0,
+        65504.0,
+        65519.99,
+        65520.0,
+        1e6,
+        -1e6,
+        np.inf,
+        -np.inf,
+        np.nan,
+        2.0**-24,
+        2.0**-25,
+        1.5 * 2.0**-25,
+        2.0**-14,
+        2.0**-14 - 2.0**-25,
+        1.0 + 2.0**-11,
+        1.0 + 3 * 2.0**-11,
+        1.0 + 2.0**-11 + 2.0**-23,
+        3 * 2.0**-26,
+        2.0**-26,
+    ]
     mags = np.exp2(rng.uniform(-30, 17, 200_000))
-    x = np.concatenate([np.asarray(edges), mags * rng.choice([-1.0, 1.0], mags.size)]).astype(np.float32)  # fmt: skip
+    x = np.concatenate([np.asarray(edges), mags * rng.choice([-1.0, 1.0], mags.size)]).astype(
+        np.float32
+    )
     # exact ties: halfway between two normal halves (low 13 float bits 0x1000), and halfway
     # between two subnormal halves ((k + 1/2) * 2^-24)
     ties = (np.arange(0x38800000, 0x38900000, 0x2000, dtype=np.uint32) | 0x1000).view(np.float32)
@@ -83,14 +104,18 @@ extern "C" __global__ void block_sum(const double* x, double* out, int* warp, lo
 
 
 @pytest.mark.parametrize("reverse", [False, True])
-@pytest.mark.parametrize(("warp", "block"), [(32, 64), (32, 96), (32, 1024), (64, 64), (64, 192), (64, 1024)])  # fmt: skip
-def test_block_reduction_at_every_warp_size_and_warp_count(warp: int, block: int, reverse: bool) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("warp", "block"), [(32, 64), (32, 96), (32, 1024), (64, 64), (64, 192), (64, 1024)]
+)
+def test_block_reduction_at_every_warp_size_and_warp_count(
+    warp: int, block: int, reverse: bool
+) -> None:
     """96 threads are 3 warps at 32 lanes, 192 are 3 at 64: the reduction handles counts that
     are not powers of two; 1024 threads the most a block has; in either thread order."""
     cp = EmuCupy(warp, reverse=reverse)
     x = np.arange(1, 1001, dtype=np.float64)
     out, got_warp = cp.full((3,), np.nan, np.float64), cp.full((1,), 0, np.int32)
-    _fn(cp, REDUCE, "block_sum")((3,), (block,), (cp.asarray(x), out, got_warp, np.int64(x.size)))  # fmt: skip
+    _fn(cp, REDUCE, "block_sum")((3,), (block,), (cp.asarray(x), out, got_warp, np.int64(x.size)))
     assert got_warp.get()[0] == warp
     total = x.sum()
     assert np.array_equal(out.get(), [total * block * 2.0] * 3)
@@ -102,7 +127,10 @@ def test_a_shuffle_into_a_missing_lane_is_an_error() -> None:
     cp = EmuCupy(64)
     out, w = cp.full((1,), np.nan, np.float64), cp.full((1,), 0, np.int32)
     x = cp.asarray(np.ones(10))
-    with pytest.raises(EmuError, match=r"thread \d+ reads lane \d+ of a partial warp \(blockDim 96 is not a multiple of warpSize 64\)"):  # fmt: skip
+    with pytest.raises(
+        EmuError,
+        match=r"thread \d+ reads lane \d+ of a partial warp \(blockDim 96 is not a multiple of warpSize 64\)",
+    ):
         _fn(cp, REDUCE, "block_sum")((1,), (96,), (x, out, w, np.int64(10)))
 
 
@@ -212,7 +240,7 @@ DEADLOCKS = {
     "split_barriers": r"deadlock in block 0 .*32 thread\(s\) wait at __syncthreads.*32 exited",
     "divergent": r"divergent __syncthreads in block 0: thread 32 at line \d+, other threads of the same barrier at line \d+",
     "partial_shuffle": r"deadlock in block 0 .*at a warp shuffle \(first: thread 0\).*exited \(first: thread 3\)",
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize(("name", "match"), DEADLOCKS.items(), ids=list(DEADLOCKS))
@@ -240,7 +268,9 @@ def test_arguments_must_have_the_kernels_types() -> None:
     y = cp.empty((8,), np.float32)
     with pytest.raises(EmuError, match=r"argument 1: the kernel takes i8; got i4"):
         fn((1,), (32,), (y, np.int32(8)))
-    with pytest.raises(EmuError, match=r"argument 0: the kernel takes a f4 pointer; got a float16 array"):  # fmt: skip
+    with pytest.raises(
+        EmuError, match=r"argument 0: the kernel takes a f4 pointer; got a float16 array"
+    ):
         fn((1,), (32,), (cp.empty((8,), np.float16), np.int64(8)))
     with pytest.raises(EmuError, match=r"takes_long takes 2 arguments"):
         fn((1,), (32,), (y,))
@@ -277,6 +307,10 @@ extern "C" __global__ void branch(int* out) {
     out = cp.full((1,), -1, np.int32)
     _fn(cp, code, "branch")((1,), (64,), (out,))
     assert out.get()[0] == int(hip)
-    x, sums, warp = np.arange(1, 101, dtype=np.float64), cp.full((2,), np.nan), cp.full((1,), 0, np.int32)  # fmt: skip
+    x, sums, warp = (
+        np.arange(1, 101, dtype=np.float64),
+        cp.full((2,), np.nan),
+        cp.full((1,), 0, np.int32),
+    )
     _fn(cp, code, "block_sum")((2,), (128,), (cp.asarray(x), sums, warp, np.int64(x.size)))
     assert np.array_equal(sums.get(), [x.sum() * 128 * 2] * 2)

@@ -45,7 +45,9 @@ def _elf_functions(blob: bytes) -> list[str]:
     assert blob[:4] == b"\x7fELF" and blob[4] == 2 and blob[5] == 1, "not an ELF64 LE object"
     (shoff,) = struct.unpack_from("<Q", blob, 0x28)
     shentsize, shnum = struct.unpack_from("<HH", blob, 0x3A)
-    sections = [struct.unpack_from("<IIQQQQIIQQ", blob, shoff + k * shentsize) for k in range(shnum)]  # fmt: skip
+    sections = [
+        struct.unpack_from("<IIQQQQIIQQ", blob, shoff + k * shentsize) for k in range(shnum)
+    ]
     names: list[str] = []
     for _name, sh_type, _fl, _addr, off, size, link, _info, _align, entsize in sections:
         if sh_type != 2:  # SHT_SYMTAB

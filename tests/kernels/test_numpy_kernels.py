@@ -18,9 +18,11 @@ from dtm_mpi.runtime.reference import run_reference
 from dtm_mpi.runtime.simulate import run_simulated
 from dtm_mpi.sharding import MeshShape, local_block, local_offsets, local_shape, reduce_arrays
 
-LITERAL = "[" + ", ".join(
-    "[" + ", ".join(f"{i * 7 + j + 0.25}" for j in range(7)) + "]" for i in range(10)
-) + "]"  # fmt: skip
+LITERAL = (
+    "["
+    + ", ".join("[" + ", ".join(f"{i * 7 + j + 0.25}" for j in range(7)) + "]" for i in range(10))
+    + "]"
+)
 
 CREATE = f"""dtm 1.0
 module create_blocks
@@ -54,11 +56,13 @@ def context(
 ) -> KernelContext:
     t = op.result_types[0]
     return KernelContext(
-        op, operand_types, op.result_types,
+        op,
+        operand_types,
+        op.result_types,
         (local_shape(t.shape, t.layout, mesh, rank),),
         (local_offsets(t.shape, t.layout, mesh, rank),),
         step,
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("name", ["%i1", "%i0", "%ig", "%rn", "%ru", "%c", "%cs"])

@@ -34,8 +34,22 @@ entry func @main(%x: f32[4,48] init normal(seed=1, std=1.0)) -> f32[4,48]{-,tp} 
 
 def _mpirun(ranks: int, *args: str) -> tuple[int, str]:
     env = mpirun_env(PYTHONUNBUFFERED="1", DTM_TIMEOUT="60")
-    cmd = ["mpirun", "--timeout", "200", "--bind-to", "none", "-n", str(ranks),
-           sys.executable, "-m", "mpi4py", "-m", "dtm_mpi", "run", *args]  # fmt: skip
+    cmd = [
+        "mpirun",
+        "--timeout",
+        "200",
+        "--bind-to",
+        "none",
+        "-n",
+        str(ranks),
+        sys.executable,
+        "-m",
+        "mpi4py",
+        "-m",
+        "dtm_mpi",
+        "run",
+        *args,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, check=False)
     return proc.returncode, proc.stdout + proc.stderr
 

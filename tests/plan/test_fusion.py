@@ -64,7 +64,7 @@ def test_shared_intermediates_are_inputs_not_members() -> None:
     second = [fp.ops[m].op.results[0] for m in groups[1].members]
     assert second == ["%n", "%r", "%s"]
     assert groups[1].inputs == ("%e",)
-    assert groups[1].tree == FusionNode("add", (FusionNode("relu", (FusionNode("neg", (0,)),)), 0))  # fmt: skip
+    assert groups[1].tree == FusionNode("add", (FusionNode("relu", (FusionNode("neg", (0,)),)), 0))
 
 
 def test_returned_values_and_non_float_ops_end_a_group() -> None:
@@ -97,7 +97,14 @@ class HostFusing(ArrayBackend):
     def fuses(self) -> bool:
         return True
 
-    def run_fused(self, expr: Any, lastdim: Sequence[bool], xs: Sequence[Any], dtype: Any, shape: tuple[int, ...]) -> Any:  # fmt: skip
+    def run_fused(
+        self,
+        expr: Any,
+        lastdim: Sequence[bool],
+        xs: Sequence[Any],
+        dtype: Any,
+        shape: tuple[int, ...],
+    ) -> Any:
         self.calls.append(1)
         cols = shape[-1] if shape else 1
         vals = [np.broadcast_to(x, shape) if b else x for x, b in zip(xs, lastdim, strict=True)]

@@ -32,14 +32,18 @@ def fuse(on: bool, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         get_config.cache_clear()
 
 
-def outputs(module: Module, ranks: int, on: bool, monkeypatch: pytest.MonkeyPatch, **kw: object) -> dict[str, np.ndarray]:  # fmt: skip
+def outputs(
+    module: Module, ranks: int, on: bool, monkeypatch: pytest.MonkeyPatch, **kw: object
+) -> dict[str, np.ndarray]:
     with fuse(on, monkeypatch):
         return run_simulated(module, ranks, steps=2, **kw).outputs()  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("ranks", [1, 3])
 @pytest.mark.parametrize("name", [n for n in NAMES if n != "pipeline"])
-def test_examples_fused_on_the_cpu_equal_op_by_op_bit_for_bit(name: str, ranks: int, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_examples_fused_on_the_cpu_equal_op_by_op_bit_for_bit(
+    name: str, ranks: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     module = load(name)
     want = outputs(module, ranks, False, monkeypatch)
     got = outputs(module, ranks, True, monkeypatch)
@@ -64,7 +68,9 @@ entry func @f(%a: {t}[800,200], %b: {t}[200], %c: {t}[800,200]) -> ({t}[800,200]
 
 
 @pytest.mark.parametrize("dtype", ["f16", "bf16", "f32", "f64"])
-def test_a_chain_over_many_chunks_equals_op_by_op(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_a_chain_over_many_chunks_equals_op_by_op(
+    dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     module = parse_module(CHAIN.format(t=dtype), "chain.dtm")
     verify_module(module)
     plan = compile_plan(module, mesh_for(module, 2, None))
@@ -82,7 +88,11 @@ def test_a_chain_over_many_chunks_equals_op_by_op(dtype: str, monkeypatch: pytes
         inputs = {k: round_bf16(v) for k, v in inputs.items()}
     want = outputs(module, 2, False, monkeypatch, inputs=inputs)
     got = outputs(module, 2, True, monkeypatch, inputs=inputs)
-    assert np.array_equal(got["result0"] if "result0" in got else next(iter(got.values())), next(iter(want.values())), equal_nan=True)  # fmt: skip
+    assert np.array_equal(
+        got["result0"] if "result0" in got else next(iter(got.values())),
+        next(iter(want.values())),
+        equal_nan=True,
+    )
     monkeypatch.setattr(chunked, "CHUNK_ELEMS", 7 * cols)  # uneven last chunk
     odd = outputs(module, 2, True, monkeypatch, inputs=inputs)
     assert np.array_equal(next(iter(odd.values())), next(iter(want.values())), equal_nan=True)

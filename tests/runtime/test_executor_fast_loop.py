@@ -50,16 +50,25 @@ def test_results_across_steps_and_constants_computed_once_read_only() -> None:
     for got in (first, second, third):
         assert np.array_equal(got[0], a.T)
         assert type(got[1]) is np.ndarray and got[1].shape == () and got[1] == np.float32(3.0)
-        assert np.array_equal(got[2], a + np.array([[1, 2, 3], [4, 5, 6], [7, 8, 9], [1, 1, 1]], np.float32))  # fmt: skip
+        assert np.array_equal(
+            got[2], a + np.array([[1, 2, 3], [4, 5, 6], [7, 8, 9], [1, 1, 1]], np.float32)
+        )
 
 
-def test_a_kernel_giving_the_wrong_shape_is_named_on_the_first_step(monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_a_kernel_giving_the_wrong_shape_is_named_on_the_first_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     def bad(ctx: KernelContext, xs: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
         return (np.zeros((2, 2), dtype=np.float32),)
 
     monkeypatch.setitem(backend_kernels("numpy"), "transpose", bad)
-    with pytest.raises((KernelError, RemoteFailureError), match=r"transpose at fast\.dtm:4:\d+: kernel gave local shape \[2, 2\] on rank 0; the plan says \[3, 4\]"):  # fmt: skip
-        run_simulated(module(), 1, inputs={"a": np.zeros((4, 3), np.float32), "s": np.zeros((), np.float32)})  # type: ignore[arg-type]  # fmt: skip
+    with pytest.raises(
+        (KernelError, RemoteFailureError),
+        match=r"transpose at fast\.dtm:4:\d+: kernel gave local shape \[2, 2\] on rank 0; the plan says \[3, 4\]",
+    ):
+        run_simulated(
+            module(), 1, inputs={"a": np.zeros((4, 3), np.float32), "s": np.zeros((), np.float32)}
+        )  # type: ignore[arg-type]
 
 
 def test_a_kernel_error_names_the_op_and_its_line(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -67,5 +76,10 @@ def test_a_kernel_error_names_the_op_and_its_line(monkeypatch: pytest.MonkeyPatc
         raise ValueError("broken kernel")
 
     monkeypatch.setitem(backend_kernels("numpy"), "transpose", boom)
-    with pytest.raises((KernelError, RemoteFailureError), match=r"transpose at fast\.dtm:4:\d+ failed on rank 0: ValueError: broken kernel"):  # fmt: skip
-        run_simulated(module(), 1, inputs={"a": np.zeros((4, 3), np.float32), "s": np.zeros((), np.float32)})  # type: ignore[arg-type]  # fmt: skip
+    with pytest.raises(
+        (KernelError, RemoteFailureError),
+        match=r"transpose at fast\.dtm:4:\d+ failed on rank 0: ValueError: broken kernel",
+    ):
+        run_simulated(
+            module(), 1, inputs={"a": np.zeros((4, 3), np.float32), "s": np.zeros((), np.float32)}
+        )  # type: ignore[arg-type]

@@ -52,7 +52,9 @@ def _allreduces(result: RunResult) -> int:
 
 
 @pytest.mark.parametrize("nranks", [2, 3, 4])
-def test_deterministic_mode_overlaps_its_buckets_with_the_same_bits(nranks: int, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_deterministic_mode_overlaps_its_buckets_with_the_same_bits(
+    nranks: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     module = load("dp_step")
     plan = compile_plan(module, mesh_for(module, nranks, None))
     _set(monkeypatch, DTM_OVERLAP="0")
@@ -68,7 +70,9 @@ def test_deterministic_mode_overlaps_its_buckets_with_the_same_bits(nranks: int,
 
 
 @pytest.mark.parametrize("name", ["tp_mlp", "dp_step"])
-def test_a_gpu_backends_fused_chains_run_with_overlapped_buckets(name: str, gpu_on_host: list[str], monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_a_gpu_backends_fused_chains_run_with_overlapped_buckets(
+    name: str, gpu_on_host: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     module = load(name)
     binding = {"dp": 2, "tp": 2} if name == "tp_mlp" else None
     _set(monkeypatch, DTM_OVERLAP="1", DTM_BUCKET_BYTES=str(1 << 20))
@@ -82,13 +86,17 @@ def test_a_gpu_backends_fused_chains_run_with_overlapped_buckets(name: str, gpu_
         assert "fused" in gpu_on_host
 
 
-def test_deterministic_mode_with_a_gpu_backends_fused_chains_gives_every_mesh_the_same_bits(gpu_on_host: list[str], monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_deterministic_mode_with_a_gpu_backends_fused_chains_gives_every_mesh_the_same_bits(
+    gpu_on_host: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     module = load("tp_mlp")
     _set(monkeypatch, DTM_OVERLAP="1", DTM_BUCKET_BYTES=str(1 << 20))
     runs = [
-        run_simulated(module, n, binding=b, steps=2, deterministic=True, backend=HostCuda(BackendKind.CUDA))
+        run_simulated(
+            module, n, binding=b, steps=2, deterministic=True, backend=HostCuda(BackendKind.CUDA)
+        )
         for n, b in [(1, None), (2, {"dp": 1, "tp": 2}), (4, {"dp": 2, "tp": 2})]
-    ]  # fmt: skip
+    ]
     assert "fused" in gpu_on_host
     for got in runs[1:]:
         _bits(got, runs[0])
@@ -111,11 +119,17 @@ entry func @f(%a: f32[1600,200], %b: f32[200], %w: f32[1600,200]{dp,-}) -> (f32[
 """
 
 
-def test_deterministic_mode_runs_cpu_chains_in_chunks_with_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_deterministic_mode_runs_cpu_chains_in_chunks_with_the_same_bits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     module = parse_module(CHAIN, "chain.dtm")
     verify_module(module)
     rng = np.random.default_rng(5)
-    inputs = {"a": rng.standard_normal((1600, 200)).astype(np.float32), "b": rng.standard_normal(200).astype(np.float32), "w": rng.standard_normal((1600, 200)).astype(np.float32)}  # fmt: skip
+    inputs = {
+        "a": rng.standard_normal((1600, 200)).astype(np.float32),
+        "b": rng.standard_normal(200).astype(np.float32),
+        "w": rng.standard_normal((1600, 200)).astype(np.float32),
+    }
     ran: list[int] = []
     real = chunked.run_chunked
 
@@ -135,11 +149,15 @@ def test_deterministic_mode_runs_cpu_chains_in_chunks_with_the_same_bits(monkeyp
 
 
 @pytest.mark.parametrize("mode", ["plain", "deterministic", "gpu-fused"])
-def test_an_injected_fault_at_an_overlapped_allreduce_is_named_in_every_mode(mode: str, gpu_on_host: list[str], monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_an_injected_fault_at_an_overlapped_allreduce_is_named_in_every_mode(
+    mode: str, gpu_on_host: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     module = load("dp_step")
-    _set(monkeypatch, DTM_OVERLAP="1", DTM_BUCKET_BYTES=str(1 << 20), DTM_FAULT="1:allreduce:raise")  # fmt: skip
+    _set(monkeypatch, DTM_OVERLAP="1", DTM_BUCKET_BYTES=str(1 << 20), DTM_FAULT="1:allreduce:raise")
     assert compile_plan(module, mesh_for(module, 3, None)).entry_plan.buckets
     backend = HostCuda(BackendKind.CUDA) if mode == "gpu-fused" else "numpy"
-    with pytest.raises(DtmError, match=r"injected failure \(DTM_FAULT=1:allreduce:raise\) on rank 1 at allreduce") as got:  # fmt: skip
+    with pytest.raises(
+        DtmError, match=r"injected failure \(DTM_FAULT=1:allreduce:raise\) on rank 1 at allreduce"
+    ) as got:
         run_simulated(module, 3, steps=2, deterministic=mode == "deterministic", backend=backend)
     assert "dp_step.dtm:" in f"{got.value} {getattr(got.value, 'phase', '')}"

@@ -28,7 +28,9 @@ def test_gather_to_root_equals_the_global_value(
         t = TensorType(DType.F64, shape, layout)
         blocks = source_locals(g, t, mesh, rng)
 
-        def body(comm: SimComm, t: TensorType = t, blocks: list[np.ndarray] = blocks) -> tuple[np.ndarray | None, int]:  # fmt: skip
+        def body(
+            comm: SimComm, t: TensorType = t, blocks: list[np.ndarray] = blocks
+        ) -> tuple[np.ndarray | None, int]:
             value = gather_to_root(t, blocks[comm.rank], comm, root)
             return value, comm.stats.bytes_sent
 

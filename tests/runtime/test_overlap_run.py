@@ -28,13 +28,17 @@ def overlap(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 @pytest.mark.parametrize("nranks", [2, 3, 4])
 @pytest.mark.parametrize("name", [n for n in NAMES if n != "pipeline"])
-def test_examples_with_overlapped_buckets_match_the_reference(overlap: None, name: str, nranks: int) -> None:  # fmt: skip
+def test_examples_with_overlapped_buckets_match_the_reference(
+    overlap: None, name: str, nranks: int
+) -> None:
     assert_matches(load(name), nranks, None)
 
 
 def test_deterministic_mode_with_buckets_keeps_its_bits(overlap: None) -> None:
     module = load("tp_mlp")
-    got = run_simulated(module, 4, binding={"dp": 2, "tp": 2}, steps=2, deterministic=True).outputs()  # fmt: skip
+    got = run_simulated(
+        module, 4, binding={"dp": 2, "tp": 2}, steps=2, deterministic=True
+    ).outputs()
     one = run_simulated(module, 1, steps=2, deterministic=True).outputs()
     for k, v in one.items():
         np.testing.assert_array_equal(got[k], v, err_msg=k)
@@ -69,14 +73,19 @@ entry func @f(%a: bf16[4,8]{dp,-}, %w: bf16[8]) -> (bf16[8], bf16[8]) on @m {
 
 
 @pytest.mark.parametrize("text", [CHAINED, BF16], ids=["allreduce-of-a-bucket-result", "bf16"])
-def test_chained_and_bf16_allreduces_with_overlap_equal_the_run_without(text: str, overlap: None, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_chained_and_bf16_allreduces_with_overlap_equal_the_run_without(
+    text: str, overlap: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from dtm_mpi.ir import parse_module, verify_module
     from dtm_mpi.ir.dtypes import round_bf16
 
     module = parse_module(text, "case.dtm")
     verify_module(module)
     rng = np.random.default_rng(2)
-    inputs = {"a": rng.standard_normal((4, 4) if text is CHAINED else (4, 8)).astype(np.float32), "w": rng.standard_normal(8).astype(np.float32)}  # fmt: skip
+    inputs = {
+        "a": rng.standard_normal((4, 4) if text is CHAINED else (4, 8)).astype(np.float32),
+        "w": rng.standard_normal(8).astype(np.float32),
+    }
     if text is BF16:
         inputs = {k: round_bf16(v) for k, v in inputs.items()}
     sizes = dict(module.meshes[0].axes)

@@ -27,7 +27,9 @@ def test_placement_rules() -> None:
     assert placement("gelu", [F32], {}, 2) == "generated kernel"
     assert placement("add", [I32, I32], {}, 2) == "CuPy"
     assert placement("softmax", [F32], {"dim": -1}, 3) == "RawKernel softmax.cu"
-    assert placement("softmax", [F32], {"dim": 0}, 3) == "RawKernel softmax.cu (moved to the last dim)"  # fmt: skip
+    assert (
+        placement("softmax", [F32], {"dim": 0}, 3) == "RawKernel softmax.cu (moved to the last dim)"
+    )
     assert placement("sum", [F32], {"dims": (1,)}, 2) == "RawKernel row_reduce.cu"
     assert placement("sum", [F32], {"dims": (0, 1)}, 2) == "CuPy"
     assert placement("max", [I32], {"dims": (-1,)}, 2) == "CuPy"

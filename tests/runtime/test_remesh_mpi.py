@@ -21,7 +21,9 @@ pytestmark = pytest.mark.mpi(min_size=2)
 
 
 def two_d(n: int) -> MeshShape:
-    return MeshShape((("dp", 2), ("tp", n // 2))) if n % 2 == 0 else MeshShape((("dp", 1), ("tp", n)))  # fmt: skip
+    return (
+        MeshShape((("dp", 2), ("tp", n // 2))) if n % 2 == 0 else MeshShape((("dp", 1), ("tp", n)))
+    )
 
 
 def test_state_shrinks_by_one_rank_and_grows_back(comm: Any) -> None:
@@ -30,13 +32,22 @@ def test_state_shrinks_by_one_rank_and_grows_back(comm: Any) -> None:
     big, small = two_d(size), two_d(size - 1)
     rng = np.random.default_rng(7)
     g = [rng.standard_normal((9, 10)).astype(np.float32), rng.standard_normal(11)]
-    on_big = [TensorType(DType.F32, (9, 10), Layout((("dp",), ("tp",)))), TensorType(DType.F64, (11,), Layout((("tp",),)))]  # fmt: skip
-    on_small = [TensorType(DType.F32, (9, 10), Layout((("tp",), ()))), TensorType(DType.F64, (11,), Layout(((),)))]  # fmt: skip
+    on_big = [
+        TensorType(DType.F32, (9, 10), Layout((("dp",), ("tp",)))),
+        TensorType(DType.F64, (11,), Layout((("tp",),))),
+    ]
+    on_small = [
+        TensorType(DType.F32, (9, 10), Layout((("tp",), ()))),
+        TensorType(DType.F64, (11,), Layout(((),))),
+    ]
     session = MpiSession(MeshShape((("u", size),)), timeout_s=30, world=comm, join=False)
     try:
         session.join_mesh([])
         mc = MpiComm(session)
-        mine = [x[local_block(t.shape, t.layout, big, rank)].copy() for x, t in zip(g, on_big, strict=True)]  # fmt: skip
+        mine = [
+            x[local_block(t.shape, t.layout, big, rank)].copy()
+            for x, t in zip(g, on_big, strict=True)
+        ]
         down = move_blocks(plan_remesh(on_big, big, on_small, small), rank, mine, mc)
         if rank == size - 1:
             assert down is None

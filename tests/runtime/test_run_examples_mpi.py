@@ -30,7 +30,14 @@ def deterministic(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 @pytest.mark.parametrize("name", ["tp_mlp", "dp_step", "attention", "collectives", "pipeline"])
-def test_dtm_run_of_an_example_equals_the_simulator(name: str, comm: Any, mpi_tmp_path: Path, all_ranks: Any, deterministic: Any, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_dtm_run_of_an_example_equals_the_simulator(
+    name: str,
+    comm: Any,
+    mpi_tmp_path: Path,
+    all_ranks: Any,
+    deterministic: Any,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     out = mpi_tmp_path / "out.npz"
     code = run(["run", str(EXAMPLES / f"{name}.dtm"), "--steps", "2", "-o", str(out)])
     text = capsys.readouterr()
@@ -40,12 +47,24 @@ def test_dtm_run_of_an_example_equals_the_simulator(name: str, comm: Any, mpi_tm
     want = run_simulated(load(name), comm.Get_size(), steps=2, deterministic=True).outputs()
     all_ranks(sorted(got.files) == sorted(want), f"{sorted(got.files)} != {sorted(want)}")
     for key, value in want.items():
-        same = got[key].dtype == value.dtype and got[key].shape == value.shape and got[key].tobytes() == value.tobytes()  # fmt: skip
+        same = (
+            got[key].dtype == value.dtype
+            and got[key].shape == value.shape
+            and got[key].tobytes() == value.tobytes()
+        )
         all_ranks(same, f"{key} differs from the simulator's")
 
 
 @pytest.mark.parametrize("name", ["tp_mlp", "dp_step"])
-def test_dtm_run_with_overlapped_buckets_in_deterministic_mode_equals_the_simulator(name: str, comm: Any, mpi_tmp_path: Path, all_ranks: Any, deterministic: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_dtm_run_with_overlapped_buckets_in_deterministic_mode_equals_the_simulator(
+    name: str,
+    comm: Any,
+    mpi_tmp_path: Path,
+    all_ranks: Any,
+    deterministic: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     from dtm_mpi.plan.program import compile_plan, mesh_for
 
     monkeypatch.setenv("DTM_OVERLAP", "1")

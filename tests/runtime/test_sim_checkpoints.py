@@ -31,29 +31,72 @@ def _steps(store: Path) -> list[int]:
 
 
 @pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
-def test_a_simulated_run_saved_on_4_ranks_resumes_on_3_bit_for_bit(tmp_path: Path, background: bool) -> None:  # fmt: skip
+def test_a_simulated_run_saved_on_4_ranks_resumes_on_3_bit_for_bit(
+    tmp_path: Path, background: bool
+) -> None:
     module = load("tp_mlp")
     store = tmp_path / "s"
     policy = CheckpointPolicy(str(store), every=2, background=background, keep_last=2)
-    run_simulated(module, 4, binding={"dp": 2, "tp": 2}, steps=6, deterministic=True, checkpoint=policy)  # fmt: skip
+    run_simulated(
+        module, 4, binding={"dp": 2, "tp": 2}, steps=6, deterministic=True, checkpoint=policy
+    )
     assert _steps(store) == [4, 6]  # keep-last 2 of 2, 4, 6
     report = verify_checkpoints(store)
     assert report and all(c.status is CheckStatus.OK for c in report), report
     straight = run_simulated(module, 1, steps=9, deterministic=True)
-    resumed = run_simulated(module, 3, binding={"dp": 1, "tp": 3}, steps=9, deterministic=True, checkpoint=CheckpointPolicy(str(store), resume=True))  # fmt: skip
+    resumed = run_simulated(
+        module,
+        3,
+        binding={"dp": 1, "tp": 3},
+        steps=9,
+        deterministic=True,
+        checkpoint=CheckpointPolicy(str(store), resume=True),
+    )
     _bits(resumed, straight)
 
 
 def test_dtm_run_sim_checkpoints_and_resumes_from_the_command_line(tmp_path: Path) -> None:
     store, out1, out2 = tmp_path / "s", tmp_path / "a.npz", tmp_path / "b.npz"
     mlp = str(EXAMPLES / "tp_mlp.dtm")
-    first = dtm_cli("run", mlp, "--sim", "2", "--steps", "3", "--store", str(store), "--checkpoint-every", "1", "--checkpoint-async", "--quota", "10M", "-o", str(out1))  # fmt: skip
+    first = dtm_cli(
+        "run",
+        mlp,
+        "--sim",
+        "2",
+        "--steps",
+        "3",
+        "--store",
+        str(store),
+        "--checkpoint-every",
+        "1",
+        "--checkpoint-async",
+        "--quota",
+        "10M",
+        "-o",
+        str(out1),
+    )
     assert first.returncode == 0, first.stderr
     assert "written in the background" in first.stdout
     logged = dtm_cli("run", mlp, "--sim", "2", "--steps", "4", "--log-every", "2")
-    assert logged.returncode == 0 and "step 2/4:" in logged.stdout and "step 4/4:" in logged.stdout, logged.stdout  # fmt: skip
+    assert (
+        logged.returncode == 0 and "step 2/4:" in logged.stdout and "step 4/4:" in logged.stdout
+    ), logged.stdout
     assert _steps(store) == [1, 2, 3]
-    again = dtm_cli("run", mlp, "--sim", "3", "--mesh", "dp=1,tp=3", "--steps", "5", "--store", str(store), "--resume", "-o", str(out2))  # fmt: skip
+    again = dtm_cli(
+        "run",
+        mlp,
+        "--sim",
+        "3",
+        "--mesh",
+        "dp=1,tp=3",
+        "--steps",
+        "5",
+        "--store",
+        str(store),
+        "--resume",
+        "-o",
+        str(out2),
+    )
     assert again.returncode == 0, again.stderr
     assert "resumed from" in again.stdout and "after step 3" in again.stdout
     full = dtm_cli("run", mlp, "--sim", "1", "--steps", "5", "-o", str(tmp_path / "c.npz"))
@@ -66,7 +109,10 @@ def test_dtm_run_sim_checkpoints_and_resumes_from_the_command_line(tmp_path: Pat
 def test_a_quota_too_small_for_one_checkpoint_is_refused_naming_the_store(tmp_path: Path) -> None:
     store = tmp_path / "s"
     policy = CheckpointPolicy(str(store), every=1, quota=1000)
-    with pytest.raises(DtmError, match=r"rank 0 .*store .*: checkpoint 1 needs about \d+ bytes; 0 of the quota's 1000 are in use") as got:  # fmt: skip
+    with pytest.raises(
+        DtmError,
+        match=r"rank 0 .*store .*: checkpoint 1 needs about \d+ bytes; 0 of the quota's 1000 are in use",
+    ) as got:
         run_simulated(load("tp_mlp"), 2, steps=2, checkpoint=policy)
     assert str(store) in str(got.value)
     assert _steps(store) == []
@@ -83,7 +129,9 @@ def test_resume_refuses_another_programs_checkpoint_in_the_simulator(tmp_path: P
     with pytest.raises(UsageError, match="refusing to resume another program's state"):
         run_simulated(other, 2, steps=4, checkpoint=CheckpointPolicy(str(store), resume=True))
     with pytest.raises(UsageError, match="leaves nothing to run"):
-        run_simulated(load("tp_mlp"), 2, steps=2, checkpoint=CheckpointPolicy(str(store), resume=True))  # fmt: skip
+        run_simulated(
+            load("tp_mlp"), 2, steps=2, checkpoint=CheckpointPolicy(str(store), resume=True)
+        )
 
 
 def _tiny_fit(**kw: object) -> dtm.FitResult:
@@ -92,29 +140,60 @@ def _tiny_fit(**kw: object) -> dtm.FitResult:
     rng = np.random.default_rng(0)
     x = rng.standard_normal((64, 8)).astype(np.float32)
     y = (x[:, 0] > 0).astype(np.int32)
-    net = dtm.nn.Sequential(dtm.nn.ColumnParallelLinear(8, 16), fn.gelu, dtm.nn.RowParallelLinear(16, 2))  # fmt: skip
+    net = dtm.nn.Sequential(
+        dtm.nn.ColumnParallelLinear(8, 16), fn.gelu, dtm.nn.RowParallelLinear(16, 2)
+    )
 
-    def loss(m: dtm.nn.Module, x: dtm.Tensor, y: dtm.Tensor) -> tuple[dtm.Tensor, dict[str, dtm.Tensor]]:  # fmt: skip
+    def loss(
+        m: dtm.nn.Module, x: dtm.Tensor, y: dtm.Tensor
+    ) -> tuple[dtm.Tensor, dict[str, dtm.Tensor]]:
         return fn.cross_entropy(m(x), y), {}
 
     step = dtm.train_step(
-        net, loss, mesh=dtm.Mesh(dp=2, tp=2), optimizer=dtm.optim.AdamW(lr=1e-2),
-        inputs={"x": dtm.Input((16, 8), "f32", ("dp", None)), "y": dtm.Input((16,), "i32", ("dp",))},
+        net,
+        loss,
+        mesh=dtm.Mesh(dp=2, tp=2),
+        optimizer=dtm.optim.AdamW(lr=1e-2),
+        inputs={
+            "x": dtm.Input((16, 8), "f32", ("dp", None)),
+            "y": dtm.Input((16,), "i32", ("dp",)),
+        },
         name="tiny",
-    )  # fmt: skip
+    )
     return dtm.fit(step, dtm.ArrayLoader({"x": x, "y": y}, 16, seed=3), quiet=True, **kw)  # type: ignore[arg-type]
 
 
-def test_fit_on_simulated_ranks_writes_in_the_background_keeps_the_last_within_a_quota_and_logs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_fit_on_simulated_ranks_writes_in_the_background_keeps_the_last_within_a_quota_and_logs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     store = tmp_path / "s"
-    _tiny_fit(steps=5, sim=2, mesh={"dp": 1, "tp": 2}, store=str(store), checkpoint_every=1, checkpoint_async=True, keep_last=2, quota=10_000_000, log_every=2)  # fmt: skip
+    _tiny_fit(
+        steps=5,
+        sim=2,
+        mesh={"dp": 1, "tp": 2},
+        store=str(store),
+        checkpoint_every=1,
+        checkpoint_async=True,
+        keep_last=2,
+        quota=10_000_000,
+        log_every=2,
+    )
     out = capsys.readouterr().out
     assert "written in the background" in out, out
     assert "step 2/5: loss " in out and "step 4/5: loss " in out and "step 3/5" not in out, out
     assert _steps(store) == [4, 5]  # every step saved, the last two kept
     assert all(c.status is CheckStatus.OK for c in verify_checkpoints(store))
-    with pytest.raises(DtmError, match=r"checkpoint 1 needs about \d+ bytes; 0 of the quota's 1000"):
-        _tiny_fit(steps=2, sim=2, mesh={"dp": 1, "tp": 2}, store=str(tmp_path / "q"), checkpoint_every=1, quota=1000)  # fmt: skip
+    with pytest.raises(
+        DtmError, match=r"checkpoint 1 needs about \d+ bytes; 0 of the quota's 1000"
+    ):
+        _tiny_fit(
+            steps=2,
+            sim=2,
+            mesh={"dp": 1, "tp": 2},
+            store=str(tmp_path / "q"),
+            checkpoint_every=1,
+            quota=1000,
+        )
 
 
 def test_fit_on_simulated_ranks_checkpoints_and_resumes_on_another_mesh(tmp_path: Path) -> None:

@@ -49,13 +49,17 @@ def assert_matches(module: Module, nranks: int, binding: dict[str, int] | None) 
         p2p = {k: calls.pop(k, 0) for k in ("send", "recv")}
         assert calls == want, f"rank {rank}: performed {calls}, plan counts {want}"
         sends = sum(
-            1 for c in cost.ops if c.plan_op.op.name == "send"
+            1
+            for c in cost.ops
+            if c.plan_op.op.name == "send"
             and mesh.index_along(rank, c.plan_op.axes) == c.plan_op.root
-        )  # fmt: skip
+        )
         recvs = sum(
-            1 for c in cost.ops if c.plan_op.op.name == "recv"
+            1
+            for c in cost.ops
+            if c.plan_op.op.name == "recv"
             and mesh.index_along(rank, c.plan_op.axes) == c.plan_op.dst
-        )  # fmt: skip
+        )
         assert p2p == {"send": sends, "recv": recvs}, (rank, p2p)
         assert stats.bytes_sent == steps * cost.sent[rank], (rank, stats.bytes_sent)
         assert stats.bytes_received == steps * cost.received[rank], (rank, stats.bytes_received)

@@ -24,17 +24,28 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "DTM_DETERMINISTIC": "1", "PYTHONPATH": str(ROOT)}  # fmt: skip
+    return {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "DTM_DETERMINISTIC": "1",
+        "PYTHONPATH": str(ROOT),
+    }
 
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, check=False, capture_output=True, text=True, env=_env(), timeout=300)  # fmt: skip
+    return subprocess.run(
+        argv, check=False, capture_output=True, text=True, env=_env(), timeout=300
+    )
 
 
-def _stopped_by(sig: signal.Signals, argv: list[str]) -> tuple[subprocess.CompletedProcess[str], str]:  # fmt: skip
+def _stopped_by(
+    sig: signal.Signals, argv: list[str]
+) -> tuple[subprocess.CompletedProcess[str], str]:
     """Run ``argv``; once it printed its first progress line, send ``sig``. The finished
     process and what it printed before the signal."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())  # fmt: skip
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+    )
     assert proc.stdout is not None
     before = ""
     for line in proc.stdout:  # the run is stepping
@@ -47,18 +58,37 @@ def _stopped_by(sig: signal.Signals, argv: list[str]) -> tuple[subprocess.Comple
 
 
 @pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=["usr1", "term"])
-def test_dtm_run_sim_stops_on_a_signal_saves_exits_75_and_resumes_bit_for_bit(sig: signal.Signals, tmp_path: Path) -> None:  # fmt: skip
+def test_dtm_run_sim_stops_on_a_signal_saves_exits_75_and_resumes_bit_for_bit(
+    sig: signal.Signals, tmp_path: Path
+) -> None:
     store, resumed, straight = tmp_path / "s", tmp_path / "r.npz", tmp_path / "a.npz"
     mlp = str(EXAMPLES / "tp_mlp.dtm")
     run = [sys.executable, "-m", "dtm_mpi", "run", mlp, "--sim", "4", "--mesh", "dp=2,tp=2"]
-    got, _ = _stopped_by(sig, [*run, "--steps", "1000000", "--log-every", "1", "--store", str(store)])  # fmt: skip
+    got, _ = _stopped_by(
+        sig, [*run, "--steps", "1000000", "--log-every", "1", "--store", str(store)]
+    )
     assert got.returncode == EXIT_REQUEUE, (got.returncode, got.stdout, got.stderr)
     assert f"stopped by {sig.name} after step" in got.stderr, got.stderr
     (ckpt,) = list_checkpoints(store)  # saved once: at the stop
     assert f"after step {ckpt.step}:" in got.stderr and ckpt.step >= 1
     assert all(c.status is CheckStatus.OK for c in verify_checkpoints(store))
     steps = str(ckpt.step + 2)
-    again = _run([*run[:5], "--sim", "3", "--mesh", "dp=1,tp=3", "--steps", steps, "--store", str(store), "--resume", "-o", str(resumed)])  # fmt: skip
+    again = _run(
+        [
+            *run[:5],
+            "--sim",
+            "3",
+            "--mesh",
+            "dp=1,tp=3",
+            "--steps",
+            steps,
+            "--store",
+            str(store),
+            "--resume",
+            "-o",
+            str(resumed),
+        ]
+    )
     assert again.returncode == 0, again.stderr
     full = _run([*run[:5], "--sim", "1", "--steps", steps, "-o", str(straight)])
     assert full.returncode == 0, full.stderr
@@ -68,11 +98,30 @@ def test_dtm_run_sim_stops_on_a_signal_saves_exits_75_and_resumes_bit_for_bit(si
         assert got_bits[k].tobytes() == want_bits[k].tobytes(), k
 
 
-def test_a_stop_without_a_store_ends_after_the_step_saying_nothing_was_saved(tmp_path: Path) -> None:  # fmt: skip
+def test_a_stop_without_a_store_ends_after_the_step_saying_nothing_was_saved(
+    tmp_path: Path,
+) -> None:
     mlp = str(EXAMPLES / "tp_mlp.dtm")
-    got, _ = _stopped_by(signal.SIGUSR1, [sys.executable, "-m", "dtm_mpi", "run", mlp, "--sim", "2", "--steps", "1000000", "--log-every", "1"])  # fmt: skip
+    got, _ = _stopped_by(
+        signal.SIGUSR1,
+        [
+            sys.executable,
+            "-m",
+            "dtm_mpi",
+            "run",
+            mlp,
+            "--sim",
+            "2",
+            "--steps",
+            "1000000",
+            "--log-every",
+            "1",
+        ],
+    )
     assert got.returncode == 1, (got.stdout, got.stderr)
-    assert "stopped by SIGUSR1 after step" in got.stderr and "nothing saved (no --store)" in got.stderr  # fmt: skip
+    assert (
+        "stopped by SIGUSR1 after step" in got.stderr and "nothing saved (no --store)" in got.stderr
+    )
 
 
 FIT = textwrap.dedent(
@@ -110,7 +159,9 @@ FIT = textwrap.dedent(
 )
 
 
-def test_fit_on_simulated_ranks_stops_on_a_signal_exits_75_and_resumes_bit_for_bit(tmp_path: Path) -> None:  # fmt: skip
+def test_fit_on_simulated_ranks_stops_on_a_signal_exits_75_and_resumes_bit_for_bit(
+    tmp_path: Path,
+) -> None:
     script, store = tmp_path / "train.py", tmp_path / "s"
     script.write_text(FIT)
 
@@ -120,7 +171,7 @@ def test_fit_on_simulated_ranks_stops_on_a_signal_exits_75_and_resumes_bit_for_b
     stopped = fit(str(store), 8, 2)
     assert stopped.returncode == EXIT_REQUEUE, (stopped.stdout, stopped.stderr)
     (ckpt,) = list_checkpoints(store)
-    assert 3 <= ckpt.step < 8 and f"stopped by SIGUSR1 after step {ckpt.step}" in stopped.stderr  # fmt: skip
+    assert 3 <= ckpt.step < 8 and f"stopped by SIGUSR1 after step {ckpt.step}" in stopped.stderr
     resumed = fit(str(store), 8, -1)
     assert resumed.returncode == 0, resumed.stderr
     assert f"steps {list(range(ckpt.step, 8))}" in resumed.stdout, resumed.stdout

@@ -30,8 +30,13 @@ def test_size_names_and_axis_size() -> None:
 
 def test_coords_are_row_major_first_axis_major() -> None:
     assert [MESH_2x3.coords(r) for r in range(6)] == [
-        (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2),
-    ]  # fmt: skip
+        (0, 0),
+        (0, 1),
+        (0, 2),
+        (1, 0),
+        (1, 1),
+        (1, 2),
+    ]
     assert MESH_2x3.rank_of((1, 2)) == 5
 
 

@@ -26,7 +26,14 @@ def mesh(text: str) -> MeshShape:
 
 
 MESHES = ["dp=2,tp=2", "dp=1,tp=3", "dp=2,tp=1", "dp=1,tp=1", "dp=2,tp=3", "dp=3,tp=1"]
-DIMS = [((), ()), (("dp",), ()), ((), ("tp",)), (("dp",), ("tp",)), (("tp", "dp"), ()), (("tp",), ("dp",))]  # fmt: skip
+DIMS = [
+    ((), ()),
+    (("dp",), ()),
+    ((), ("tp",)),
+    (("dp",), ("tp",)),
+    (("tp", "dp"), ()),
+    (("tp",), ("dp",)),
+]
 
 
 def types(dims: tuple[tuple[str, ...], ...]) -> list[TensorType]:
@@ -38,7 +45,10 @@ def globals_() -> list[np.ndarray]:
 
 
 def old_blocks(ts: list[TensorType], m: MeshShape, rank: int) -> list[np.ndarray]:
-    return [g[local_block(t.shape, t.layout, m, rank)].copy() for g, t in zip(globals_(), ts, strict=True)]  # fmt: skip
+    return [
+        g[local_block(t.shape, t.layout, m, rank)].copy()
+        for g, t in zip(globals_(), ts, strict=True)
+    ]
 
 
 @pytest.mark.parametrize(("a", "b"), list(product(MESHES, MESHES)))
@@ -54,10 +64,15 @@ def test_the_pieces_rebuild_every_new_block(a: str, b: str) -> None:
             seen.add(key)
             t = ta[p.tensor]
             held = local_block(t.shape, t.layout, old, p.src)
-            assert all(h.start <= r.start and r.stop <= h.stop for h, r in zip(held, p.region, strict=True))  # fmt: skip
+            assert all(
+                h.start <= r.start and r.stop <= h.stop for h, r in zip(held, p.region, strict=True)
+            )
             if p.dst < old.size and p.src != p.dst:  # the receiver did not hold it itself
                 mine = local_block(t.shape, t.layout, old, p.dst)
-                assert not all(h.start <= r.start and r.stop <= h.stop for h, r in zip(mine, p.region, strict=True))  # fmt: skip
+                assert not all(
+                    h.start <= r.start and r.stop <= h.stop
+                    for h, r in zip(mine, p.region, strict=True)
+                )
         for dst in range(new.size):  # assembled from the senders' old blocks
             for i, (g, t) in enumerate(zip(globals_(), tb, strict=True)):
                 want = g[local_block(t.shape, t.layout, new, dst)]
@@ -65,7 +80,12 @@ def test_the_pieces_rebuild_every_new_block(a: str, b: str) -> None:
                 offs = [s.start for s in local_block(t.shape, t.layout, new, dst)]
                 for p in plan.pieces:
                     if p.tensor == i and p.dst == dst:
-                        got[tuple(slice(r.start - o, r.stop - o) for r, o in zip(p.region, offs, strict=True))] = g[p.region]  # fmt: skip
+                        got[
+                            tuple(
+                                slice(r.start - o, r.stop - o)
+                                for r, o in zip(p.region, offs, strict=True)
+                            )
+                        ] = g[p.region]
                 assert np.array_equal(got, want), (a, b, da, db, dst, i)
         if a == b and da == db:
             assert plan.moved_bytes() == 0
@@ -77,10 +97,23 @@ def test_a_changed_tensor_or_a_pending_sum_is_refused() -> None:
     with pytest.raises(PlanError, match="only its layout may change"):
         plan_remesh([t], m, [TensorType(DType.F64, SHAPE, Layout(((), ())))], m)
     with pytest.raises(PlanError, match="pending reduction"):
-        plan_remesh([TensorType(DType.F32, SHAPE, Layout(((), ()), Partial(ReduceOp.SUM, ("dp",))))], m, [t], m)  # fmt: skip
+        plan_remesh(
+            [TensorType(DType.F32, SHAPE, Layout(((), ()), Partial(ReduceOp.SUM, ("dp",))))],
+            m,
+            [t],
+            m,
+        )
 
 
-@pytest.mark.parametrize(("a", "b"), [("dp=2,tp=2", "dp=1,tp=3"), ("dp=1,tp=3", "dp=2,tp=2"), ("dp=2,tp=3", "dp=1,tp=1"), ("dp=1,tp=1", "dp=3,tp=1")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        ("dp=2,tp=2", "dp=1,tp=3"),
+        ("dp=1,tp=3", "dp=2,tp=2"),
+        ("dp=2,tp=3", "dp=1,tp=1"),
+        ("dp=1,tp=1", "dp=3,tp=1"),
+    ],
+)
 def test_move_blocks_through_the_simulated_communicator(a: str, b: str) -> None:
     old, new = mesh(a), mesh(b)
     ta, tb = types((("dp",), ("tp",))), types((("tp",), ()))

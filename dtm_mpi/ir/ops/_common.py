@@ -48,9 +48,10 @@ def unsharded_dim(ctx: OpContext, i: int, dim: int, what: str) -> None:
     axes = ctx.operand_types[i].layout.dims[dim]
     if axes:
         raise ctx.operand_error(
-            i, f"{what} dim {dim} must not be sharded; it is sharded over {','.join(axes)} "
-            "(redistribute or allgather it first)"
-        )  # fmt: skip
+            i,
+            f"{what} dim {dim} must not be sharded; it is sharded over {','.join(axes)} "
+            "(redistribute or allgather it first)",
+        )
 
 
 def same_shape(ctx: OpContext, i: int, j: int) -> None:
@@ -89,14 +90,17 @@ def merge_partial(
     if not axes:
         return existing
     summing = op is ReduceOp.SUM and not zeros_elsewhere
-    assert not summing or OPS[ctx.op.name].has(Trait.SUMS), f"{ctx.op.name} sums floats across ranks: give it Trait.SUMS and an exact rule"  # fmt: skip
+    assert not summing or OPS[ctx.op.name].has(Trait.SUMS), (
+        f"{ctx.op.name} sums floats across ranks: give it Trait.SUMS and an exact rule"
+    )
     if existing is None:
         return Partial(op, tuple(axes))
     if existing.op is not op:
         raise ctx.operand_error(
-            0, f"operand is {existing}, which cannot combine with a pending {op.value} "
-            f"over {','.join(axes)}; allreduce first"
-        )  # fmt: skip
+            0,
+            f"operand is {existing}, which cannot combine with a pending {op.value} "
+            f"over {','.join(axes)}; allreduce first",
+        )
     return Partial(op, existing.axes + tuple(a for a in axes if a not in existing.axes))
 
 
@@ -109,9 +113,10 @@ def mesh_axes_attr(ctx: OpContext, key: str) -> tuple[str, ...]:
     for a in axes:
         if a not in ctx.mesh.axis_names:
             raise ctx.attr_error(
-                key, f"axis {a!r} is not an axis of mesh @{ctx.mesh.name} "
-                f"({', '.join(ctx.mesh.axis_names)})"
-            )  # fmt: skip
+                key,
+                f"axis {a!r} is not an axis of mesh @{ctx.mesh.name} "
+                f"({', '.join(ctx.mesh.axis_names)})",
+            )
         if a in seen:
             raise ctx.attr_error(key, f"axis {a!r} is listed twice")
         seen.add(a)

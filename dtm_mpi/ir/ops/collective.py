@@ -60,8 +60,14 @@ def _pending(ctx: OpContext, axes: tuple[str, ...]) -> Partial:
     return p
 
 
-@register_op("allreduce", f"$op:{_REDUCE_ENUM} $x:operand on $axes:axes", reference=_identity,
-             kind=OpKind.REDIST, doc="complete a pending reduction over mesh axes", grad=_d_layout)  # fmt: skip
+@register_op(
+    "allreduce",
+    f"$op:{_REDUCE_ENUM} $x:operand on $axes:axes",
+    reference=_identity,
+    kind=OpKind.REDIST,
+    doc="complete a pending reduction over mesh axes",
+    grad=_d_layout,
+)
 def _allreduce(ctx: OpContext) -> tuple[TensorType, ...]:
     axes = mesh_axes_attr(ctx, "axes")
     p = _pending(ctx, axes)
@@ -79,16 +85,23 @@ def _strip_inner(
     held = t.layout.dims[dim]
     if held[len(held) - len(axes) :] != axes:
         raise ctx.operand_error(
-            0, f"{','.join(axes)} must be the innermost axes of dim {dim}, which is sharded "
-            f"over ({','.join(held)})"
-        )  # fmt: skip
+            0,
+            f"{','.join(axes)} must be the innermost axes of dim {dim}, which is sharded "
+            f"over ({','.join(held)})",
+        )
     dims = list(t.layout.dims)
     dims[dim] = held[: len(held) - len(axes)]
     return dim, tuple(dims)
 
 
-@register_op("allgather", "$x:operand on $axes:axes", reference=_identity, kind=OpKind.REDIST,
-             doc="gather the blocks of a sharded dim over mesh axes", grad=_d_layout)  # fmt: skip
+@register_op(
+    "allgather",
+    "$x:operand on $axes:axes",
+    reference=_identity,
+    kind=OpKind.REDIST,
+    doc="gather the blocks of a sharded dim over mesh axes",
+    grad=_d_layout,
+)
 def _allgather(ctx: OpContext) -> tuple[TensorType, ...]:
     axes = mesh_axes_attr(ctx, "axes")
     t = ctx.operand_types[0]
@@ -96,9 +109,14 @@ def _allgather(ctx: OpContext) -> tuple[TensorType, ...]:
     return (t.with_layout(t.layout.with_dims(dims)),)
 
 
-@register_op("reduce_scatter", f"$op:{_REDUCE_ENUM} $x:operand on $axes:axes dim $dim:int",
-             reference=_identity, kind=OpKind.REDIST,
-             doc="complete a pending reduction, leaving dim sharded", grad=_d_layout)  # fmt: skip
+@register_op(
+    "reduce_scatter",
+    f"$op:{_REDUCE_ENUM} $x:operand on $axes:axes dim $dim:int",
+    reference=_identity,
+    kind=OpKind.REDIST,
+    doc="complete a pending reduction, leaving dim sharded",
+    grad=_d_layout,
+)
 def _reduce_scatter(ctx: OpContext) -> tuple[TensorType, ...]:
     axes = mesh_axes_attr(ctx, "axes")
     t = ctx.operand_types[0]
@@ -109,8 +127,14 @@ def _reduce_scatter(ctx: OpContext) -> tuple[TensorType, ...]:
     return (t.with_layout(Layout(tuple(dims), p.without(axes))),)
 
 
-@register_op("broadcast", "$x:operand on $axes:axes root $root:int", reference=_identity,
-             kind=OpKind.BROADCAST, doc="every rank takes the root's block along mesh axes", grad=_d_layout)  # fmt: skip
+@register_op(
+    "broadcast",
+    "$x:operand on $axes:axes root $root:int",
+    reference=_identity,
+    kind=OpKind.BROADCAST,
+    doc="every rank takes the root's block along mesh axes",
+    grad=_d_layout,
+)
 def _broadcast(ctx: OpContext) -> tuple[TensorType, ...]:
     axes = mesh_axes_attr(ctx, "axes")
     t = ctx.operand_types[0]
@@ -130,9 +154,14 @@ def _broadcast(ctx: OpContext) -> tuple[TensorType, ...]:
     return (t,)
 
 
-@register_op("all_to_all", "$x:operand on $axes:axes from $src:int to $dst:int",
-             reference=_identity, kind=OpKind.REDIST,
-             doc="move the sharding over mesh axes from one dim to another", grad=_d_layout)  # fmt: skip
+@register_op(
+    "all_to_all",
+    "$x:operand on $axes:axes from $src:int to $dst:int",
+    reference=_identity,
+    kind=OpKind.REDIST,
+    doc="move the sharding over mesh axes from one dim to another",
+    grad=_d_layout,
+)
 def _all_to_all(ctx: OpContext) -> tuple[TensorType, ...]:
     axes = mesh_axes_attr(ctx, "axes")
     t = ctx.operand_types[0]
@@ -177,12 +206,31 @@ def _d_send(c: GradContext) -> tuple[Value]:
     x = c.xs[0].type
     axis = c.attr("axis")
     assert isinstance(axis, tuple) and len(axis) == 1
-    got = c.b.emit1("recv", [], {"axis": axis, "src": c.attr("dst"), "dst": c.attr("src"), "tag": c.reverse_tag(int(c.attr("tag")))}, [x.with_layout(x.layout.with_partial(Partial(ReduceOp.SUM, axis)))], span=c.span, hint="g")  # type: ignore[arg-type]  # fmt: skip
+    got = c.b.emit1(
+        "recv",
+        [],
+        {
+            "axis": axis,
+            "src": c.attr("dst"),
+            "dst": c.attr("src"),
+            "tag": c.reverse_tag(int(c.attr("tag"))),  # type: ignore[arg-type]
+        },
+        [x.with_layout(x.layout.with_partial(Partial(ReduceOp.SUM, axis)))],  # type: ignore[arg-type]
+        span=c.span,
+        hint="g",
+    )
     return (got,)
 
 
-@register_op("send", "$x:operand on $axis:axes from $src:int to $dst:int tag $tag:int", grad=_d_send,
-             results=0, reference=_send_ref, kind=OpKind.SEND, doc="send blocks to another coordinate of an axis")  # fmt: skip
+@register_op(
+    "send",
+    "$x:operand on $axis:axes from $src:int to $dst:int tag $tag:int",
+    grad=_d_send,
+    results=0,
+    reference=_send_ref,
+    kind=OpKind.SEND,
+    doc="send blocks to another coordinate of an axis",
+)
 def _send(ctx: OpContext) -> tuple[TensorType, ...]:
     axis = _p2p_checks(ctx)
     t = ctx.operand_types[0]
@@ -203,12 +251,28 @@ def _d_recv(c: GradContext) -> tuple[()]:
     out as the received value, as a send needs); the paired send's rule receives it."""
     r = c.ys[0].type
     g = c.b.to_layout(c.g, r.layout.with_partial(None), span=c.span)
-    c.b.emit("send", [g], {"axis": c.attr("axis"), "src": c.attr("dst"), "dst": c.attr("src"), "tag": c.reverse_tag(int(c.attr("tag")))}, span=c.span)  # type: ignore[arg-type]  # fmt: skip
+    c.b.emit(
+        "send",
+        [g],
+        {
+            "axis": c.attr("axis"),
+            "src": c.attr("dst"),
+            "dst": c.attr("src"),
+            "tag": c.reverse_tag(int(c.attr("tag"))),  # type: ignore[arg-type]
+        },
+        span=c.span,
+    )
     return ()
 
 
-@register_op("recv", "on $axis:axes from $src:int to $dst:int tag $tag:int", reference=_recv_ref,
-             kind=OpKind.RECV, doc="receive the blocks of the paired send", grad=_d_recv)  # fmt: skip
+@register_op(
+    "recv",
+    "on $axis:axes from $src:int to $dst:int tag $tag:int",
+    reference=_recv_ref,
+    kind=OpKind.RECV,
+    doc="receive the blocks of the paired send",
+    grad=_d_recv,
+)
 def _recv(ctx: OpContext) -> tuple[TensorType, ...]:
     axis = _p2p_checks(ctx)
     d = ctx.declared[0]
@@ -219,8 +283,14 @@ def _recv(ctx: OpContext) -> tuple[TensorType, ...]:
     return (d,)
 
 
-@register_op("redistribute", "$x:operand", reference=_identity, kind=OpKind.REDIST,
-             doc="the same global value in the result's layout", grad=_d_layout)  # fmt: skip
+@register_op(
+    "redistribute",
+    "$x:operand",
+    reference=_identity,
+    kind=OpKind.REDIST,
+    doc="the same global value in the result's layout",
+    grad=_d_layout,
+)
 def _redistribute(ctx: OpContext) -> tuple[TensorType, ...]:
     t, d = ctx.operand_types[0], ctx.declared[0]
     if (t.dtype, t.shape) != (d.dtype, d.shape):
@@ -239,8 +309,14 @@ def _call_ref(op: Op, xs: Sequence[np.ndarray], rt: Sequence[TensorType]) -> tup
     raise NotImplementedError("call is evaluated by the interpreter")
 
 
-@register_op("call", "$callee:symbol ( $args:operands )", results=-1, reference=_call_ref,
-             kind=OpKind.CALL, doc="call a function of the module")  # fmt: skip
+@register_op(
+    "call",
+    "$callee:symbol ( $args:operands )",
+    results=-1,
+    reference=_call_ref,
+    kind=OpKind.CALL,
+    doc="call a function of the module",
+)
 def _call(ctx: OpContext) -> tuple[TensorType, ...]:
     name = str(ctx.attr("callee"))
     f = ctx.module.function(name)

@@ -95,8 +95,12 @@ def _constant_ref(
     return (as_dtype(value.reshape(t.shape), t),)
 
 
-@register_op("constant", "$value:literal", reference=_constant_ref,
-             doc="a literal: a scalar splat or nested lists of the result shape")  # fmt: skip
+@register_op(
+    "constant",
+    "$value:literal",
+    reference=_constant_ref,
+    doc="a literal: a scalar splat or nested lists of the result shape",
+)
 def _constant(ctx: OpContext) -> tuple[TensorType, ...]:
     d = _no_partial_result(ctx)
     value = ctx.attr("value")
@@ -185,8 +189,13 @@ def _step_ref(op: Op, xs: Sequence[np.ndarray], rt: Sequence[TensorType]) -> tup
     raise NotImplementedError("step_index is supplied by the executor")
 
 
-@register_op("step_index", "", reference=_step_ref, traits=frozenset({Trait.NEEDS_STEP}),
-             doc="the current step (0-based), i64[]")  # fmt: skip
+@register_op(
+    "step_index",
+    "",
+    reference=_step_ref,
+    traits=frozenset({Trait.NEEDS_STEP}),
+    doc="the current step (0-based), i64[]",
+)
 def _step_index(ctx: OpContext) -> tuple[TensorType, ...]:
     d = ctx.declared[0]
     if d.dtype is not DType.I64 or d.shape != () or not d.layout.is_replicated:

@@ -73,7 +73,9 @@ def _unary_rule(opdef: Callable[[], OpDef]) -> Callable[[OpContext], tuple[Tenso
     return infer
 
 
-def _elementwise_ref(name: str) -> Callable[[Op, Sequence[Arr], Sequence[TensorType]], tuple[Arr, ...]]:  # fmt: skip
+def _elementwise_ref(
+    name: str,
+) -> Callable[[Op, Sequence[Arr], Sequence[TensorType]], tuple[Arr, ...]]:
     def ref(op: Op, xs: Sequence[Arr], rt: Sequence[TensorType]) -> tuple[Arr, ...]:
         fn = OPS[name].array_fn
         assert fn is not None
@@ -94,10 +96,16 @@ def _unary(
 ) -> None:
     traits = _FUSIBLE | ({Trait.FLOAT_ONLY} if float_only else set())
     register_op(
-        name, "$x:operand", reference=_elementwise_ref(name), doc=f"elementwise {name}",
-        traits=traits, linear_in=linear_in, c_expr=c_expr, array_fn=fn,
+        name,
+        "$x:operand",
+        reference=_elementwise_ref(name),
+        doc=f"elementwise {name}",
+        traits=traits,
+        linear_in=linear_in,
+        c_expr=c_expr,
+        array_fn=fn,
         grad=lambda c: (grad(c),),
-    )(_unary_rule(lambda: OPS[name]))  # fmt: skip
+    )(_unary_rule(lambda: OPS[name]))
 
 
 # Gradient rules (g: the result's cotangent, x: the operand, y: the result).
@@ -122,20 +130,76 @@ def _positive(c: GradContext, x: Value) -> Value:
 
 # One entry per op: numpy-like semantics, C expression (kernels/dtm_common.cuh), float only,
 # the pending reductions it passes through, the gradient (g: the result's cotangent).
-_unary("neg", lambda xp, x: xp.negative(x), "dtm_neg({0})", float_only=False, linear_in=_SUM, grad=lambda c: c.neg(c.g))  # fmt: skip
-_unary("exp", lambda xp, x: xp.exp(x), "dtm_exp({0})", float_only=True, grad=lambda c: c.mul(c.g, c.ys[0]))  # fmt: skip
-_unary("log", lambda xp, x: xp.log(x), "dtm_log({0})", float_only=True, grad=lambda c: c.div(c.g, c.xs[0]))  # fmt: skip
-_unary("tanh", lambda xp, x: xp.tanh(x), "dtm_tanh({0})", float_only=True, grad=lambda c: c.mul(c.g, c.sub(c.const(1.0, c.ys[0]), c.mul(c.ys[0], c.ys[0]))))  # fmt: skip
-_unary("relu", lambda xp, x: xp.maximum(x, xp.zeros_like(x)), "dtm_relu({0})", float_only=False, grad=lambda c: c.where(_positive(c, c.xs[0]), c.g, c.const(0, c.xs[0])))  # fmt: skip
+_unary(
+    "neg",
+    lambda xp, x: xp.negative(x),
+    "dtm_neg({0})",
+    float_only=False,
+    linear_in=_SUM,
+    grad=lambda c: c.neg(c.g),
+)
+_unary(
+    "exp",
+    lambda xp, x: xp.exp(x),
+    "dtm_exp({0})",
+    float_only=True,
+    grad=lambda c: c.mul(c.g, c.ys[0]),
+)
+_unary(
+    "log",
+    lambda xp, x: xp.log(x),
+    "dtm_log({0})",
+    float_only=True,
+    grad=lambda c: c.div(c.g, c.xs[0]),
+)
+_unary(
+    "tanh",
+    lambda xp, x: xp.tanh(x),
+    "dtm_tanh({0})",
+    float_only=True,
+    grad=lambda c: c.mul(c.g, c.sub(c.const(1.0, c.ys[0]), c.mul(c.ys[0], c.ys[0]))),
+)
+_unary(
+    "relu",
+    lambda xp, x: xp.maximum(x, xp.zeros_like(x)),
+    "dtm_relu({0})",
+    float_only=False,
+    grad=lambda c: c.where(_positive(c, c.xs[0]), c.g, c.const(0, c.xs[0])),
+)
 _unary("gelu", _gelu, "dtm_gelu({0})", float_only=True, grad=lambda c: c.mul(c.g, _d_gelu(c)))
-_unary("sqrt", lambda xp, x: xp.sqrt(x), "dtm_sqrt({0})", float_only=True, grad=lambda c: c.div(c.scale(c.g, 0.5), c.ys[0]))  # fmt: skip
-_unary("rsqrt", lambda xp, x: 1.0 / xp.sqrt(x), "dtm_rsqrt({0})", float_only=True, grad=lambda c: c.mul(c.scale(c.g, -0.5), c.mul(c.ys[0], c.mul(c.ys[0], c.ys[0]))))  # fmt: skip
+_unary(
+    "sqrt",
+    lambda xp, x: xp.sqrt(x),
+    "dtm_sqrt({0})",
+    float_only=True,
+    grad=lambda c: c.div(c.scale(c.g, 0.5), c.ys[0]),
+)
+_unary(
+    "rsqrt",
+    lambda xp, x: 1.0 / xp.sqrt(x),
+    "dtm_rsqrt({0})",
+    float_only=True,
+    grad=lambda c: c.mul(c.scale(c.g, -0.5), c.mul(c.ys[0], c.mul(c.ys[0], c.ys[0]))),
+)
 # sigmoid is non-decreasing, so it commutes with max and min: sigmoid of partial(max) is the
 # partial(max) of the sigmoids (an empty block's -inf becomes 0, still below every value).
 # It is not linear in partial(sum).
-_unary("sigmoid", _sigmoid, "dtm_sigmoid({0})", float_only=True, linear_in=_MAX | _MIN, grad=lambda c: c.mul(c.g, c.mul(c.ys[0], c.sub(c.const(1.0, c.ys[0]), c.ys[0]))))  # fmt: skip
+_unary(
+    "sigmoid",
+    _sigmoid,
+    "dtm_sigmoid({0})",
+    float_only=True,
+    linear_in=_MAX | _MIN,
+    grad=lambda c: c.mul(c.g, c.mul(c.ys[0], c.sub(c.const(1.0, c.ys[0]), c.ys[0]))),
+)
 # abs is neither additive nor monotone: |a + b| != |a| + |b|, |max(-3, 1)| != max(3, 1).
-_unary("abs", lambda xp, x: xp.abs(x), "dtm_abs({0})", float_only=False, grad=lambda c: c.where(c.compare("ge", c.xs[0], c.const(0, c.xs[0])), c.g, c.neg(c.g)))  # fmt: skip
+_unary(
+    "abs",
+    lambda xp, x: xp.abs(x),
+    "dtm_abs({0})",
+    float_only=False,
+    grad=lambda c: c.where(c.compare("ge", c.xs[0], c.const(0, c.xs[0])), c.g, c.neg(c.g)),
+)
 
 
 def _binary_partial(ctx: OpContext, d: OpDef) -> None:
@@ -155,9 +219,10 @@ def _binary_partial(ctx: OpContext, d: OpDef) -> None:
     bad = 0 if pa is not None else 1
     other = ctx.operand_types[1 - bad].layout.partial
     raise ctx.operand_error(
-        bad, f"{d.name} is not linear in {ctx.operand_types[bad].layout.partial} with the other "
-        f"operand {'being ' + str(other) if other else 'not pending'}; allreduce first"
-    )  # fmt: skip
+        bad,
+        f"{d.name} is not linear in {ctx.operand_types[bad].layout.partial} with the other "
+        f"operand {'being ' + str(other) if other else 'not pending'}; allreduce first",
+    )
 
 
 def _binary_rule(opdef: Callable[[], OpDef]) -> Callable[[OpContext], tuple[TensorType, ...]]:
@@ -182,10 +247,16 @@ def _binary(
     grad: GradRule,
 ) -> None:
     register_op(
-        name, "$lhs:operand , $rhs:operand", reference=_elementwise_ref(name),
-        doc=f"elementwise {name}", traits=_FUSIBLE | set(extra), linear_in=linear_in,
-        c_expr=c_expr, array_fn=fn, grad=grad,
-    )(_binary_rule(lambda: OPS[name]))  # fmt: skip
+        name,
+        "$lhs:operand , $rhs:operand",
+        reference=_elementwise_ref(name),
+        doc=f"elementwise {name}",
+        traits=_FUSIBLE | set(extra),
+        linear_in=linear_in,
+        c_expr=c_expr,
+        array_fn=fn,
+        grad=grad,
+    )(_binary_rule(lambda: OPS[name]))
 
 
 def _d_div(c: GradContext) -> tuple[Value | None, Value | None]:
@@ -210,30 +281,57 @@ def _d_pick(pred: str) -> GradRule:
 
 # C expressions on floats (the generated kernels): ``div`` is a true division there.
 _binary("add", lambda xp, a, b: xp.add(a, b), "({0} + {1})", _SUM, grad=lambda c: (c.g, c.g))
-_binary("sub", lambda xp, a, b: xp.subtract(a, b), "({0} - {1})", _SUM, grad=lambda c: (c.g, c.neg(c.g)))  # fmt: skip
+_binary(
+    "sub", lambda xp, a, b: xp.subtract(a, b), "({0} - {1})", _SUM, grad=lambda c: (c.g, c.neg(c.g))
+)
 
 
 def _d_mul(c: GradContext) -> tuple[Value | None, Value | None]:
     if c.xs[0].name == c.xs[1].name:  # x * x: one cotangent, 2 g x
         return (c.mul(c.scale(c.g, 2.0), c.xs[0]), None)
-    return (c.mul(c.g, c.xs[1]) if c.wants[0] else None, c.mul(c.g, c.xs[0]) if c.wants[1] else None)  # fmt: skip
+    return (
+        c.mul(c.g, c.xs[1]) if c.wants[0] else None,
+        c.mul(c.g, c.xs[0]) if c.wants[1] else None,
+    )
 
 
-_binary("mul", lambda xp, a, b: xp.multiply(a, b), "({0} * {1})", _SUM, Trait.LINEAR_ONE_SIDE, grad=_d_mul)  # fmt: skip
+_binary(
+    "mul",
+    lambda xp, a, b: xp.multiply(a, b),
+    "({0} * {1})",
+    _SUM,
+    Trait.LINEAR_ONE_SIDE,
+    grad=_d_mul,
+)
 _binary("div", _div, "({0} / {1})", _SUM, Trait.LINEAR_FIRST, grad=_d_div)
-_binary("maximum", lambda xp, a, b: xp.maximum(a, b), "dtm_maximum({0}, {1})", _MAX, grad=_d_pick("ge"))  # fmt: skip
-_binary("minimum", lambda xp, a, b: xp.minimum(a, b), "dtm_minimum({0}, {1})", _MIN, grad=_d_pick("le"))  # fmt: skip
+_binary(
+    "maximum", lambda xp, a, b: xp.maximum(a, b), "dtm_maximum({0}, {1})", _MAX, grad=_d_pick("ge")
+)
+_binary(
+    "minimum", lambda xp, a, b: xp.minimum(a, b), "dtm_minimum({0}, {1})", _MIN, grad=_d_pick("le")
+)
 
-_COMPARE = {"lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
-            "eq": np.equal, "ne": np.not_equal}  # fmt: skip
+_COMPARE = {
+    "lt": np.less,
+    "le": np.less_equal,
+    "gt": np.greater,
+    "ge": np.greater_equal,
+    "eq": np.equal,
+    "ne": np.not_equal,
+}
 
 
 def _compare_ref(op: Op, xs: Sequence[Arr], rt: Sequence[TensorType]) -> tuple[Arr, ...]:
     return (_COMPARE[str(op.attr("pred"))](xs[0], xs[1]),)
 
 
-@register_op("compare", "$pred:enum(lt|le|gt|ge|eq|ne) $lhs:operand , $rhs:operand",
-             reference=_compare_ref, doc="elementwise comparison, bool result", traits=_ELEMENTWISE)  # fmt: skip
+@register_op(
+    "compare",
+    "$pred:enum(lt|le|gt|ge|eq|ne) $lhs:operand , $rhs:operand",
+    reference=_compare_ref,
+    doc="elementwise comparison, bool result",
+    traits=_ELEMENTWISE,
+)
 def _compare(ctx: OpContext) -> tuple[TensorType, ...]:
     same_dtype(ctx, 0, 1)
     same_shape(ctx, 0, 1)
@@ -252,8 +350,14 @@ def _d_where(c: GradContext) -> tuple[Value | None, Value | None, Value | None]:
     return (None, c.where(c.xs[0], c.g, zero), c.where(c.xs[0], zero, c.g))
 
 
-@register_op("where", "$cond:operand , $a:operand , $b:operand", reference=_where_ref,
-             doc="elementwise select: cond ? a : b", traits=_ELEMENTWISE, grad=_d_where)  # fmt: skip
+@register_op(
+    "where",
+    "$cond:operand , $a:operand , $b:operand",
+    reference=_where_ref,
+    doc="elementwise select: cond ? a : b",
+    traits=_ELEMENTWISE,
+    grad=_d_where,
+)
 def _where(ctx: OpContext) -> tuple[TensorType, ...]:
     if ctx.operand_types[0].dtype is not DType.BOOL:
         raise ctx.operand_error(0, f"condition must be bool; got {ctx.operand_types[0].dtype}")
@@ -277,15 +381,22 @@ def _d_cast(c: GradContext) -> tuple[Value | None]:
     return (c.cast(c.g, c.xs[0].type.dtype),)
 
 
-@register_op("cast", "$x:operand", reference=_cast_ref, doc="convert to the result dtype",
-             traits=_ELEMENTWISE, linear_in=_SUM, grad=_d_cast)  # fmt: skip
+@register_op(
+    "cast",
+    "$x:operand",
+    reference=_cast_ref,
+    doc="convert to the result dtype",
+    traits=_ELEMENTWISE,
+    linear_in=_SUM,
+    grad=_d_cast,
+)
 def _cast(ctx: OpContext) -> tuple[TensorType, ...]:
     t, d = ctx.operand_types[0], ctx.declared[0]
     p = t.layout.partial
     linear = p is not None and p.op in OPS["cast"].linear_in  # float to float only (ints round)
     if p is not None and not (linear and t.dtype.is_float and d.dtype.is_float):
         raise ctx.operand_error(
-            0, f"cast of {p} to {d.dtype} is not linear; only float-to-float casts keep a "
-            "pending sum"
-        )  # fmt: skip
+            0,
+            f"cast of {p} to {d.dtype} is not linear; only float-to-float casts keep a pending sum",
+        )
     return (t.with_dtype(d.dtype),)

@@ -65,7 +65,9 @@ def take_rows(x: Arr, idx: Arr, dim: int, lo: int, size: int, origin: Sequence[i
     return np.where(keep, rows, np.zeros((), dtype=x.dtype))
 
 
-def scatter_window(u: Arr, idx: Arr, dim: int, lo: int, n: int, size: int, origin: Sequence[int] = ()) -> tuple[Arr, Arr]:  # fmt: skip
+def scatter_window(
+    u: Arr, idx: Arr, dim: int, lo: int, n: int, size: int, origin: Sequence[int] = ()
+) -> tuple[Arr, Arr]:
     """The updates of ``scatter_add(u, idx, dim)`` that land in the block ``[lo, lo + n)``
     along ``dim`` of a dim of ``size`` rows: their indices relative to the block (1-d int64)
     and their rows (along ``dim``, in the updates' order), after the indices are checked."""
@@ -80,7 +82,9 @@ def scatter_window(u: Arr, idx: Arr, dim: int, lo: int, n: int, size: int, origi
     return flat, rows
 
 
-def scatter_rows(u: Arr, idx: Arr, dim: int, lo: int, n: int, size: int, origin: Sequence[int] = ()) -> Arr:  # fmt: skip
+def scatter_rows(
+    u: Arr, idx: Arr, dim: int, lo: int, n: int, size: int, origin: Sequence[int] = ()
+) -> Arr:
     """The block ``[lo, lo + n)`` along ``dim`` of ``scatter_add(u, idx, dim)`` into a dim of
     ``size`` rows: zeros plus each update whose index falls in the block, added in the order
     of the updates (``numpy.add.at``; deterministic)."""
@@ -124,25 +128,39 @@ def _axes_once(ctx: OpContext, dims: Sequence[tuple[str, ...]], partial: Partial
     twice = sorted({a for a in used if used.count(a) > 1})
     if twice:
         raise ctx.operand_error(
-            1, f"the result would use mesh axis {twice[0]!r} twice (the indices and the "
-            "operand are split over it); redistribute one"
-        )  # fmt: skip
+            1,
+            f"the result would use mesh axis {twice[0]!r} twice (the indices and the "
+            "operand are split over it); redistribute one",
+        )
 
 
-@register_op("take", "$x:operand , $idx:operand dim $dim:int", reference=_take_ref,
-             doc="rows along dim at integer indices (numpy.take)", grad=_d_take, since=IR_1_1)  # fmt: skip
+@register_op(
+    "take",
+    "$x:operand , $idx:operand dim $dim:int",
+    reference=_take_ref,
+    doc="rows along dim at integer indices (numpy.take)",
+    grad=_d_take,
+    since=IR_1_1,
+)
 def _take(ctx: OpContext) -> tuple[TensorType, ...]:
     x = ctx.operand_types[0]
     idx = _index_operand(ctx, 1)
     if x.rank == 0:
         raise ctx.operand_error(0, "operand must have rank >= 1; got a scalar")
     d = dim_index(ctx, "dim", int(ctx.attr("dim")), x.rank)
-    if x.layout.partial is not None and x.layout.partial.op is not ReduceOp.SUM and x.layout.dims[d]:  # fmt: skip
+    if (
+        x.layout.partial is not None
+        and x.layout.partial.op is not ReduceOp.SUM
+        and x.layout.dims[d]
+    ):
         raise ctx.operand_error(
-            0, f"operand is {x.layout.partial} and split along the indexed dim {d}; "
-            "a split dim gives a pending sum: allreduce it first"
-        )  # fmt: skip
-    partial = merge_partial(ctx, x.layout.partial, ReduceOp.SUM, x.layout.dims[d], zeros_elsewhere=True)  # fmt: skip
+            0,
+            f"operand is {x.layout.partial} and split along the indexed dim {d}; "
+            "a split dim gives a pending sum: allreduce it first",
+        )
+    partial = merge_partial(
+        ctx, x.layout.partial, ReduceOp.SUM, x.layout.dims[d], zeros_elsewhere=True
+    )
     dims = (*x.layout.dims[:d], *idx.layout.dims, *x.layout.dims[d + 1 :])
     _axes_once(ctx, dims, partial)
     shape = (*x.shape[:d], *idx.shape, *x.shape[d + 1 :])
@@ -165,9 +183,15 @@ def _d_scatter_add(c: GradContext) -> tuple[Value | None, None]:
     return (c.apply("take", c.g, c.xs[1], dim=int(c.attr("dim"))), None)  # type: ignore[arg-type]
 
 
-@register_op("scatter_add", "$u:operand , $idx:operand dim $dim:int", reference=_scatter_ref,
-             doc="zeros plus rows added at integer indices along dim", grad=_d_scatter_add,
-             since=IR_1_1, traits=frozenset({Trait.SUMS}))  # fmt: skip
+@register_op(
+    "scatter_add",
+    "$u:operand , $idx:operand dim $dim:int",
+    reference=_scatter_ref,
+    doc="zeros plus rows added at integer indices along dim",
+    grad=_d_scatter_add,
+    since=IR_1_1,
+    traits=frozenset({Trait.SUMS}),
+)
 def _scatter_add(ctx: OpContext) -> tuple[TensorType, ...]:
     u = ctx.operand_types[0]
     idx = _index_operand(ctx, 1)
@@ -182,20 +206,27 @@ def _scatter_add(ctx: OpContext) -> tuple[TensorType, ...]:
     d = dim_index(ctx, "dim", int(ctx.attr("dim")), rank)
     if u.shape[d : d + k] != idx.shape:
         raise ctx.operand_error(
-            1, f"indices {list(idx.shape)} must match dims {d}..{d + k - 1} of the updates "
-            f"{list(u.shape)}"
-        )  # fmt: skip
+            1,
+            f"indices {list(idx.shape)} must match dims {d}..{d + k - 1} of the updates "
+            f"{list(u.shape)}",
+        )
     if u.layout.dims[d : d + k] != idx.layout.dims:
         raise ctx.operand_error(
-            1, f"the indices must be split as the updates' dims {d}..{d + k - 1}; got "
-            f"{idx.layout.dims_text()} and {u.layout.dims_text()} (redistribute one)"
-        )  # fmt: skip
+            1,
+            f"the indices must be split as the updates' dims {d}..{d + k - 1}; got "
+            f"{idx.layout.dims_text()} and {u.layout.dims_text()} (redistribute one)",
+        )
     shape = (*u.shape[:d], t.shape[d] if t.rank == rank else -1, *u.shape[d + k :])
     if t.rank != rank or t.dtype is not u.dtype or t.shape != shape:
         want = f"{u.dtype}[{','.join(str(s) for s in (*u.shape[:d], 'N', *u.shape[d + k :]))}]"
-        raise ctx.result_error(0, f"result must be {want} (the updates' dtype and dims around the indexed dim {d}); got {t}")  # fmt: skip
+        raise ctx.result_error(
+            0,
+            f"result must be {want} (the updates' dtype and dims around the indexed dim {d}); got {t}",
+        )
     if u.layout.partial is not None and u.layout.partial.op is not ReduceOp.SUM:
-        raise ctx.operand_error(0, f"scatter_add is not linear in {u.layout.partial}; allreduce it first")  # fmt: skip
+        raise ctx.operand_error(
+            0, f"scatter_add is not linear in {u.layout.partial}; allreduce it first"
+        )
     idx_axes = [a for dd in idx.layout.dims for a in dd]
     partial = merge_partial(ctx, u.layout.partial, ReduceOp.SUM, idx_axes)
     dims = (*u.layout.dims[:d], t.layout.dims[d], *u.layout.dims[d + k :])

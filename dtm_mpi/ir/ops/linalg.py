@@ -35,8 +35,14 @@ def _d_matmul(c: GradContext) -> tuple[Value | None, Value | None]:
     return (da, db)
 
 
-@register_op("matmul", "$lhs:operand , $rhs:operand", reference=_matmul_ref,
-             doc="batched matrix product", grad=_d_matmul, traits=frozenset({Trait.SUMS}))  # fmt: skip
+@register_op(
+    "matmul",
+    "$lhs:operand , $rhs:operand",
+    reference=_matmul_ref,
+    doc="batched matrix product",
+    grad=_d_matmul,
+    traits=frozenset({Trait.SUMS}),
+)
 def _matmul(ctx: OpContext) -> tuple[TensorType, ...]:
     a, b = ctx.operand_types
     require_numeric(ctx, 0)
@@ -52,9 +58,10 @@ def _matmul(ctx: OpContext) -> tuple[TensorType, ...]:
         )
     if a.shape[-1] != b.shape[-2]:
         raise ctx.operand_error(
-            1, f"contracted dims differ: lhs {list(a.shape)} has K={a.shape[-1]}, rhs "
-            f"{list(b.shape)} has K={b.shape[-2]}"
-        )  # fmt: skip
+            1,
+            f"contracted dims differ: lhs {list(a.shape)} has K={a.shape[-1]}, rhs "
+            f"{list(b.shape)} has K={b.shape[-2]}",
+        )
     la, lb = a.layout, b.layout
     if la.dims[:-2] != lb.dims[:-2]:
         raise ctx.operand_error(
@@ -62,10 +69,11 @@ def _matmul(ctx: OpContext) -> tuple[TensorType, ...]:
         )
     if la.dims[-1] != lb.dims[-2]:
         raise ctx.operand_error(
-            1, f"the contracted dim must be sharded alike on both sides; lhs K is "
+            1,
+            f"the contracted dim must be sharded alike on both sides; lhs K is "
             f"{'-' if not la.dims[-1] else ','.join(la.dims[-1])}, rhs K is "
-            f"{'-' if not lb.dims[-2] else ','.join(lb.dims[-2])}"
-        )  # fmt: skip
+            f"{'-' if not lb.dims[-2] else ','.join(lb.dims[-2])}",
+        )
     if la.partial is not None and lb.partial is not None:
         raise ctx.operand_error(
             1,

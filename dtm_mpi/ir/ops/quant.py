@@ -51,8 +51,14 @@ def _check_block(ctx: OpContext, x: TensorType) -> int:
     return block
 
 
-@register_op("quantize", "$x:operand block $block:int", results=2, reference=_quantize_ref,
-             capability="CAP_QUANT", doc="int8 values and f32 per-block scales")  # fmt: skip
+@register_op(
+    "quantize",
+    "$x:operand block $block:int",
+    results=2,
+    reference=_quantize_ref,
+    capability="CAP_QUANT",
+    doc="int8 values and f32 per-block scales",
+)
 def _quantize(ctx: OpContext) -> tuple[TensorType, ...]:
     x = ctx.operand_types[0]
     require_float(ctx, 0)
@@ -91,13 +97,18 @@ def _dequantize_blocks(op: Op, types: Sequence[TensorType], extents: ShardExtent
                 f"{','.join(axes)}, shard {i} holds values {q0}..{q0 + qn - 1} but the scales of "
                 f"values {s0 * block}..{(s0 + sn) * block - 1} (make the last dim unsharded, "
                 "or a size whose shards are multiples of the block)"
-            )  # fmt: skip
+            )
     return None
 
 
-@register_op("dequantize", "$q:operand , $scales:operand block $block:int",
-             reference=_dequantize_ref, capability="CAP_QUANT", doc="q * scale per block",
-             plan_check=_dequantize_blocks)  # fmt: skip
+@register_op(
+    "dequantize",
+    "$q:operand , $scales:operand block $block:int",
+    reference=_dequantize_ref,
+    capability="CAP_QUANT",
+    doc="q * scale per block",
+    plan_check=_dequantize_blocks,
+)
 def _dequantize(ctx: OpContext) -> tuple[TensorType, ...]:
     q, s = ctx.operand_types
     d = ctx.declared[0]
@@ -105,8 +116,12 @@ def _dequantize(ctx: OpContext) -> tuple[TensorType, ...]:
         raise ctx.operand_error(0, f"quantised values must be i8; got {q.dtype}")
     if s.dtype is not DType.F32:
         raise ctx.operand_error(1, f"scales must be f32; got {s.dtype}")
-    no_partial(ctx, 0, "a pending sum of i8 values wraps, so its result would depend on the "
-               "rank count; dequantize each rank's values first, or allreduce them")  # fmt: skip
+    no_partial(
+        ctx,
+        0,
+        "a pending sum of i8 values wraps, so its result would depend on the "
+        "rank count; dequantize each rank's values first, or allreduce them",
+    )
     no_partial(ctx, 1, "dequantize needs complete scales; allreduce them first")
     block = _check_block(ctx, q)
     want = (*q.shape[:-1], q.shape[-1] // block)

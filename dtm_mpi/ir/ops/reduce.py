@@ -94,7 +94,9 @@ def _reduce_grad(name: str) -> GradRule:
         dims: tuple[int, ...] = c.attr("dims")  # type: ignore[assignment]
         keep = bool(c.attr("keepdims"))
         if name == "mean":  # scaled before it is spread: one multiply per group
-            return (c.unreduce(c.scale(c.g, 1.0 / math.prod(x.shape[d] for d in dims)), x, dims, keep),)  # fmt: skip
+            return (
+                c.unreduce(c.scale(c.g, 1.0 / math.prod(x.shape[d] for d in dims)), x, dims, keep),
+            )
         g = c.unreduce(c.g, x, dims, keep)
         if name in ("max", "min"):  # shared evenly by the elements that tie (as torch's amax)
             hit = c.compare("eq", c.xs[0], c.unreduce(c.ys[0], x, dims, keep))
@@ -108,9 +110,14 @@ def _reduce_grad(name: str) -> GradRule:
 
 for _name in ("sum", "mean", "max", "min"):
     _sums = {Trait.SUMS} if _PARTIAL_OF[_name] is ReduceOp.SUM else set()
-    register_op(_name, "$x:operand dims $dims:ints $keepdims:flag(keepdims)", grad=_reduce_grad(_name),
-                reference=_reduce_ref(_name), doc=f"{_name} over dims",
-                traits=frozenset({Trait.REDUCTION, *_sums}))(_reduce_rule(_name))  # fmt: skip
+    register_op(
+        _name,
+        "$x:operand dims $dims:ints $keepdims:flag(keepdims)",
+        grad=_reduce_grad(_name),
+        reference=_reduce_ref(_name),
+        doc=f"{_name} over dims",
+        traits=frozenset({Trait.REDUCTION, *_sums}),
+    )(_reduce_rule(_name))
 
 
 def _softmax_np(x: np.ndarray, dim: int, log: bool) -> np.ndarray:
@@ -141,8 +148,13 @@ def _softmax_family(name: str, log: bool) -> None:
     def ref(op: Op, xs: Sequence[np.ndarray], rt: Sequence[TensorType]) -> tuple[np.ndarray, ...]:
         return (as_dtype(_softmax_np(xs[0], int(op.attr("dim")), log), rt[0]),)  # type: ignore[arg-type]
 
-    @register_op(name, "$x:operand dim $dim:int", reference=ref, doc=f"{name} along dim",
-                 grad=_d_log_softmax if log else _d_softmax)  # fmt: skip
+    @register_op(
+        name,
+        "$x:operand dim $dim:int",
+        reference=ref,
+        doc=f"{name} along dim",
+        grad=_d_log_softmax if log else _d_softmax,
+    )
     def infer(ctx: OpContext) -> tuple[TensorType, ...]:
         t = ctx.operand_types[0]
         require_float(ctx, 0)
@@ -177,22 +189,33 @@ def _d_layer_norm(c: GradContext) -> tuple[Value | None, ...]:
     lead = list(range(last))
 
     def row_mean(v: Value) -> Value:  # mean over the last dim, spread back over it
-        return c.unreduce(c.scale(c.reduce_sum(v, [last], keepdims=True), 1.0 / n), t, [last], True)  # fmt: skip
+        return c.unreduce(c.scale(c.reduce_sum(v, [last], keepdims=True), 1.0 / n), t, [last], True)
 
     centred = c.sub(x, row_mean(x))
     var = row_mean(c.mul(centred, centred))
     r = c.apply("rsqrt", c.add(var, c.const(float(c.attr("eps")), var)))  # type: ignore[arg-type]
     xh = c.mul(centred, r)
     g = c.g
-    dxh = c.mul(g, c.broadcast(c.reshape(gamma, (1,) * last + (n,)), t.shape)) if c.wants[0] else None  # fmt: skip
-    dx = c.mul(r, c.sub(c.sub(dxh, row_mean(dxh)), c.mul(xh, row_mean(c.mul(dxh, xh))))) if dxh is not None else None  # fmt: skip
+    dxh = (
+        c.mul(g, c.broadcast(c.reshape(gamma, (1,) * last + (n,)), t.shape)) if c.wants[0] else None
+    )
+    dx = (
+        c.mul(r, c.sub(c.sub(dxh, row_mean(dxh)), c.mul(xh, row_mean(c.mul(dxh, xh)))))
+        if dxh is not None
+        else None
+    )
     dgamma = c.reshape(c.reduce_sum(c.mul(g, xh), lead), (n,)) if c.wants[1] else None
     dbeta = c.reshape(c.reduce_sum(g, lead), (n,)) if c.wants[2] else None
     return (dx, dgamma, dbeta)
 
 
-@register_op("layer_norm", "$x:operand , $gamma:operand , $beta:operand eps $eps:float", grad=_d_layer_norm,
-             reference=_layer_norm_ref, doc="normalise over the last dim, then scale and shift")  # fmt: skip
+@register_op(
+    "layer_norm",
+    "$x:operand , $gamma:operand , $beta:operand eps $eps:float",
+    grad=_d_layer_norm,
+    reference=_layer_norm_ref,
+    doc="normalise over the last dim, then scale and shift",
+)
 def _layer_norm(ctx: OpContext) -> tuple[TensorType, ...]:
     x = ctx.operand_types[0]
     require_float(ctx, 0)

@@ -47,11 +47,25 @@ def _reshape_moves(x: TensorType, shape: Sequence[int]) -> list[tuple[int, int, 
         if same:
             moves.append((i, same[0], 0, 1))
             continue
-        split = [j for j in at if s > 0 and shape[j] > 1 and s % shape[j] == 0 and any(math.prod(shape[j : k + 1]) == s for k in range(j, len(shape)))]  # fmt: skip
+        split = [
+            j
+            for j in at
+            if s > 0
+            and shape[j] > 1
+            and s % shape[j] == 0
+            and any(math.prod(shape[j : k + 1]) == s for k in range(j, len(shape)))
+        ]
         if split:
             moves.append((i, split[0], 1, s // shape[split[0]]))
             continue
-        merge = [j for j in at for m in range(i + 1, x.rank) if s > 0 and math.prod(x.shape[i : m + 1]) == shape[j] and not any(x.layout.dims[i + 1 : m + 1])]  # fmt: skip
+        merge = [
+            j
+            for j in at
+            for m in range(i + 1, x.rank)
+            if s > 0
+            and math.prod(x.shape[i : m + 1]) == shape[j]
+            and not any(x.layout.dims[i + 1 : m + 1])
+        ]
         if merge:
             moves.append((i, merge[0], 2, shape[merge[0]] // s))
             continue
@@ -73,7 +87,11 @@ def _reshape_aligned(op: Op, types: Sequence[TensorType], extents: ShardExtents)
             continue
         axes = x.layout.dims[i]
         old, new = extents(x.shape[i], axes), extents(r.shape[j], axes)
-        want = [(a * f, n * f) for a, n in new] if kind == 1 else [(a // f, n // f) if a % f == 0 and n % f == 0 else (-1, -1) for a, n in new]  # fmt: skip
+        want = (
+            [(a * f, n * f) for a, n in new]
+            if kind == 1
+            else [(a // f, n // f) if a % f == 0 and n % f == 0 else (-1, -1) for a, n in new]
+        )
         if list(old) != want:
             return (
                 f"dim {i} (size {x.shape[i]}) split over {','.join(axes)} does not land on whole "
@@ -84,15 +102,22 @@ def _reshape_aligned(op: Op, types: Sequence[TensorType], extents: ShardExtents)
     return None
 
 
-@register_op("reshape", "$x:operand", reference=_reshape_ref, doc="row-major reshape",
-             grad=lambda c: (c.reshape(c.g, c.xs[0].type.shape),), plan_check=_reshape_aligned)  # fmt: skip
+@register_op(
+    "reshape",
+    "$x:operand",
+    reference=_reshape_ref,
+    doc="row-major reshape",
+    grad=lambda c: (c.reshape(c.g, c.xs[0].type.shape),),
+    plan_check=_reshape_aligned,
+)
 def _reshape(ctx: OpContext) -> tuple[TensorType, ...]:
     t, d = ctx.operand_types[0], ctx.declared[0]
     if t.numel != d.numel:
         raise ctx.result_error(
-            0, f"reshape must keep the element count; {list(t.shape)} has {t.numel}, "
-            f"{list(d.shape)} has {d.numel}"
-        )  # fmt: skip
+            0,
+            f"reshape must keep the element count; {list(t.shape)} has {t.numel}, "
+            f"{list(d.shape)} has {d.numel}",
+        )
     try:
         moves = _reshape_moves(t, d.shape)
     except ValueError as exc:
@@ -102,9 +127,10 @@ def _reshape(ctx: OpContext) -> tuple[TensorType, ...]:
         axes = t.layout.dims[i]
         if dims[j]:
             raise ctx.operand_error(
-                0, f"dims sharded over {','.join(dims[j])} and {','.join(axes)} would land on one "
-                f"dim of {list(d.shape)}; redistribute first"
-            )  # fmt: skip
+                0,
+                f"dims sharded over {','.join(dims[j])} and {','.join(axes)} would land on one "
+                f"dim of {list(d.shape)}; redistribute first",
+            )
         dims[j] = axes
     return (TensorType(t.dtype, d.shape, Layout(tuple(dims), t.layout.partial)),)
 
@@ -119,8 +145,13 @@ def _d_transpose(c: GradContext) -> tuple[Value]:
     return (c.transpose(c.g, sorted(range(len(perm)), key=perm.__getitem__)),)
 
 
-@register_op("transpose", "$x:operand perm $perm:ints", reference=_transpose_ref,
-             doc="permute dims", grad=_d_transpose)  # fmt: skip
+@register_op(
+    "transpose",
+    "$x:operand perm $perm:ints",
+    reference=_transpose_ref,
+    doc="permute dims",
+    grad=_d_transpose,
+)
 def _transpose(ctx: OpContext) -> tuple[TensorType, ...]:
     t = ctx.operand_types[0]
     perm: tuple[int, ...] = ctx.attr("perm")
@@ -141,12 +172,21 @@ def _d_broadcast_to(c: GradContext) -> tuple[Value]:
     """The cotangent summed over the repeated dims (the leading ones and the size-1 ones)."""
     x, y = c.xs[0].type, c.ys[0].type
     lead = y.rank - x.rank
-    dims = [*range(lead), *(lead + i for i, s in enumerate(x.shape) if s == 1 and y.shape[lead + i] != 1)]  # fmt: skip
+    dims = [
+        *range(lead),
+        *(lead + i for i, s in enumerate(x.shape) if s == 1 and y.shape[lead + i] != 1),
+    ]
     return (c.reshape(c.reduce_sum(c.g, dims, keepdims=True), x.shape),)
 
 
-@register_op("broadcast_to", "$x:operand", reference=_broadcast_ref, grad=_d_broadcast_to,
-             doc="numpy broadcasting to the result shape", traits=frozenset({Trait.BROADCASTS}))  # fmt: skip
+@register_op(
+    "broadcast_to",
+    "$x:operand",
+    reference=_broadcast_ref,
+    grad=_d_broadcast_to,
+    doc="numpy broadcasting to the result shape",
+    traits=frozenset({Trait.BROADCASTS}),
+)
 def _broadcast_to(ctx: OpContext) -> tuple[TensorType, ...]:
     t, d = ctx.operand_types[0], ctx.declared[0]
     if d.dtype is not t.dtype:
@@ -186,15 +226,22 @@ def _d_slice(c: GradContext) -> tuple[Value]:
         for lo, hi in ((0, a), (b, x.shape[d])):
             if hi > lo:
                 shape = (*g.type.shape[:d], hi - lo, *g.type.shape[d + 1 :])
-                parts.append(c.zeros(TensorType(g.type.dtype, shape, g.type.layout.with_partial(None))))  # fmt: skip
+                parts.append(
+                    c.zeros(TensorType(g.type.dtype, shape, g.type.layout.with_partial(None)))
+                )
         if parts:
             pieces = [parts[0], g, *parts[1:]] if a > 0 else [g, *parts]
             g = c.b.apply1("concat", pieces, {"dim": d}, span=c.span, hint="g")
     return (g,)
 
 
-@register_op("slice", "$x:operand start $start:ints limit $limit:ints", reference=_slice_ref,
-             doc="the box [start, limit) of the operand", grad=_d_slice)  # fmt: skip
+@register_op(
+    "slice",
+    "$x:operand start $start:ints limit $limit:ints",
+    reference=_slice_ref,
+    doc="the box [start, limit) of the operand",
+    grad=_d_slice,
+)
 def _slice(ctx: OpContext) -> tuple[TensorType, ...]:
     t = ctx.operand_types[0]
     start: tuple[int, ...] = ctx.attr("start")
@@ -234,8 +281,13 @@ def _d_concat(c: GradContext) -> list[Value | None]:
     return out
 
 
-@register_op("concat", "$xs:operands dim $dim:int", reference=_concat_ref,
-             doc="join operands along dim", grad=_d_concat)  # fmt: skip
+@register_op(
+    "concat",
+    "$xs:operands dim $dim:int",
+    reference=_concat_ref,
+    doc="join operands along dim",
+    grad=_d_concat,
+)
 def _concat(ctx: OpContext) -> tuple[TensorType, ...]:
     ts = ctx.operand_types
     if not ts:
