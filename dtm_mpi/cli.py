@@ -124,6 +124,11 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
         help="buffers: host (numpy) or device arrays on each rank's GPU",
     )
     bcomm.set_defaults(func=_cmd_bench_comm)
+    _add_bench_suites(bsub)
+
+
+def _add_bench_suites(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """The checkpoint, training, op and kernel benchmarks of ``dtm bench``."""
     bck = bsub.add_parser(
         "ckpt", help="checkpoint save/restore vs plain file writes and reads (under mpirun)"
     )

@@ -36,6 +36,14 @@ def byte_count(text: str) -> int:
 
 
 def add_exec_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """``dtm explain``, ``dtm run`` and ``dtm launch``."""
+    _add_explain(sub)
+    rn = _add_run(sub)
+    _add_run_policies(rn)
+    _add_launch(sub)
+
+
+def _add_explain(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ex = sub.add_parser("explain", help="per-op local shapes, communication, bytes, memory")
     ex.add_argument("file", metavar="FILE")
     ex.add_argument(
@@ -61,7 +69,12 @@ def add_exec_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     )
     ex.set_defaults(func=_cmd_explain)
 
-    rn = sub.add_parser("run", help="run the entry function (--sim N: N simulated ranks)")
+
+def _add_run(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    """``dtm run``: what runs where (the run's policies: :func:`_add_run_policies`)."""
+    rn: argparse.ArgumentParser = sub.add_parser(
+        "run", help="run the entry function (--sim N: N simulated ranks)"
+    )
     rn.add_argument("file", metavar="FILE")
     rn.add_argument(
         "--sim",
@@ -110,6 +123,11 @@ def add_exec_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[
         metavar="BYTES",
         help="refuse to run a plan above BYTES of peak memory on any rank",
     )
+    return rn
+
+
+def _add_run_policies(rn: argparse.ArgumentParser) -> None:
+    """``dtm run``'s checkpoint, progress and resize options (:mod:`dtm_mpi.runtime.policies`)."""
     rn.add_argument(
         "--store",
         metavar="DIR",
@@ -173,6 +191,8 @@ def add_exec_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     )
     rn.set_defaults(func=_cmd_run)
 
+
+def _add_launch(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     # fmt: off
     la = sub.add_parser(
         "launch",

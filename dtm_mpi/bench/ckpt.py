@@ -35,6 +35,7 @@ order every round), best of ``repeat``:
 from __future__ import annotations
 
 import csv
+import itertools
 import os
 import shutil
 import tempfile
@@ -159,8 +160,7 @@ def run_ckpt_bench(
 
     from dtm_mpi.io.checkpoint import CheckpointStore
     from dtm_mpi.io.ckpt_plan import TensorSpec
-    from dtm_mpi.ir.types import DType, Layout, TensorType
-    from dtm_mpi.sharding.blocks import local_block, local_shape
+    from dtm_mpi.sharding.blocks import local_shape
     from dtm_mpi.sharding.mesh import MeshShape
 
     if total_bytes < 4 * tensors or tensors < 1 or repeat < 1:
@@ -172,23 +172,12 @@ def run_ckpt_bench(
     base = comm.bcast(tempfile.mkdtemp(prefix="dtm-bench-ckpt-", dir=root) if rank == 0 else None)
     workdir = Path(base)
     mesh = MeshShape((("x", n),))
-    cols = 256
-    rows = max(1, total_bytes // tensors // 4 // cols)
-    saved = [TensorType(DType.F32, (rows, cols), Layout((("x",), ()))) for _ in range(tensors)]
-    resharded = [TensorType(DType.F32, (rows, cols), Layout(((), ("x",)))) for _ in range(tensors)]
-    rng = np.random.default_rng(rank)
-    blocks = [
-        rng.standard_normal(
-            size=tuple(s.stop - s.start for s in local_block(t.shape, t.layout, mesh, rank))
-        ).astype(np.float32)
-        for t in saved
-    ]
+    saved, resharded, blocks = _workload(mesh, rank, total_bytes, tensors)
     local_bytes = sum(b.nbytes for b in blocks)
     all_bytes = int(comm.allreduce(local_bytes, op=MPI.SUM))
     items = [
         (TensorSpec(f"t{i}", t), b) for i, (t, b) in enumerate(zip(saved, blocks, strict=True))
     ]
-    read_back = [np.empty_like(b) for b in blocks]
     restored = [np.empty_like(b) for b in blocks]
     into = {f"t{i}": a for i, a in enumerate(restored)}
     into_re = {
@@ -197,25 +186,7 @@ def run_ckpt_bench(
     }
     for arr in into_re.values():
         arr.fill(0)  # touched once, like ``into``: the timing is the library's, not first touches
-    raw_round = [0]
-
-    def raw_write() -> None:  # a new file each round, as every checkpoint is a new file
-        path = workdir / f"raw-{rank}-{raw_round[0]}.bin"
-        raw_round[0] += 1
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            for b in blocks:
-                view = b.reshape(-1).view(np.uint8).data
-                while view:
-                    view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def raw_read() -> None:
-        with open(workdir / f"raw-{rank}-0.bin", "rb", buffering=0) as f:
-            for b in read_back:
-                f.readinto(b.reshape(-1).view(np.uint8).data)
+    raw = _RawFiles(workdir, rank, blocks)
 
     mem = CheckpointStore(workdir / "mem", comm, ranks_per_file=ranks_per_file)
     targets_same = [(f"t{i}", t) for i, t in enumerate(saved)]
@@ -231,48 +202,21 @@ def run_ckpt_bench(
         workdir / "store", comm, ranks_per_file=ranks_per_file
     )  # no retention: no deletes in the timing
     per_file = store.ranks_per_file or n
-    step = [0]
+    saves = itertools.count(1)
 
     def dtm_save() -> None:
-        step[0] += 1
-        store.save(step[0], mesh, items)
+        store.save(next(saves), mesh, items)
 
-    best = {
-        "raw_w": 1e30,
-        "save": 1e30,
-        "raw_r": 1e30,
-        "restore": 1e30,
-        "transpose": 1e30,
-        "resize": 0.0,
-        "resize_same": 0.0,
-        "raw_cold": 1e30,
-        "cold": 1e30,
-    }
     try:
-        for i in range(repeat):
-            # The order alternates, so that neither side always writes right after the other's
-            # gigabyte (on a virtual machine, page-cache writes depend on what ran before).
-            writes = [("raw_w", raw_write), ("save", dtm_save)]
-            for key, fn in writes if i % 2 == 0 else writes[::-1]:
-                best[key] = min(best[key], _timed(comm, fn))
-            best["raw_r"] = min(best["raw_r"], _timed(comm, raw_read))
-            best["restore"] = min(
-                best["restore"], _timed(comm, lambda: store.restore(mesh, targets_same, into=into))
-            )
-            best["transpose"] = min(
-                best["transpose"],
-                _timed(comm, lambda: store.restore(mesh, targets_re, into=into_re)),
-            )
-        # After the warm rounds: a dropped cache would make the next writes start from cold
-        # pages (slow to touch on a VM) and disturb the save figures.
-        reads: list[tuple[str, Callable[[], object]]] = [
-            ("raw_cold", raw_read),
-            ("cold", lambda: store.restore(mesh, targets_same, into=into)),
-        ]
-        for i in range(repeat if cold else 0):  # the order alternates here too
-            for key, read in reads if i % 2 == 0 else reads[::-1]:
-                _drop_caches(comm)
-                best[key] = min(best[key], _timed(comm, read))
+        best = _best_times(
+            comm,
+            repeat,
+            cold,
+            raw,
+            dtm_save,
+            restore=lambda: store.restore(mesh, targets_same, into=into),
+            transpose=lambda: store.restore(mesh, targets_re, into=into_re),
+        )
         if n > 1:  # the job shrinks by one rank: N -> N-1 against a checkpoint saved on N-1
             best["resize"], best["resize_same"] = _resize(comm, store, workdir, saved, repeat)
         got = store.restore(mesh, targets_same).values
@@ -288,33 +232,140 @@ def run_ckpt_bench(
         if rank == 0:
             shutil.rmtree(workdir, ignore_errors=True)
         comm.Free()
+    peaks = (peak_save, peak_restore, peak_reshard)
+    rows_out = _ckpt_rows(best, all_bytes, peaks, shard, cold)
+    if rank != 0:
+        return ""
+    if csv_path:
+        _write_csv(csv_path, rows_out)
+    head = (
+        f"dtm bench ckpt: {n} ranks, {tensors} tensors, {all_bytes / 2**20:.1f} MiB in all, "
+        f"{local_bytes / 2**20:.1f} MiB local on rank 0, in {root}, {per_file} rank(s) per data file"
+    )
+    return _ckpt_table(head, rows_out, peaks, shard)
+
+
+def _workload(
+    mesh: Any, rank: int, total_bytes: int, tensors: int
+) -> tuple[list[Any], list[Any], list[np.ndarray]]:
+    """``tensors`` float32 matrices of ``total_bytes`` in all: their types sharded by rows
+    (saved) and by columns (restored resharded), and this rank's random blocks of them."""
+    from dtm_mpi.ir.types import DType, Layout, TensorType
+    from dtm_mpi.sharding.blocks import local_block
+
+    cols = 256
+    rows = max(1, total_bytes // tensors // 4 // cols)
+    saved = [TensorType(DType.F32, (rows, cols), Layout((("x",), ()))) for _ in range(tensors)]
+    resharded = [TensorType(DType.F32, (rows, cols), Layout(((), ("x",)))) for _ in range(tensors)]
+    rng = np.random.default_rng(rank)
+    blocks = [
+        rng.standard_normal(
+            size=tuple(s.stop - s.start for s in local_block(t.shape, t.layout, mesh, rank))
+        ).astype(np.float32)
+        for t in saved
+    ]
+    return saved, resharded, blocks
+
+
+def _best_times(
+    comm: Any,
+    repeat: int,
+    cold: bool,
+    raw: _RawFiles,
+    save: Callable[[], object],
+    *,
+    restore: Callable[[], object],
+    transpose: Callable[[], object],
+) -> dict[str, float]:
+    """The best of ``repeat`` rounds of each timed operation, dtm's and the raw baseline's
+    (the cold reads with the page cache dropped first, if ``cold``)."""
+    best = {
+        "raw_w": 1e30,
+        "save": 1e30,
+        "raw_r": 1e30,
+        "restore": 1e30,
+        "transpose": 1e30,
+        "resize": 0.0,
+        "resize_same": 0.0,
+        "raw_cold": 1e30,
+        "cold": 1e30,
+    }
+    for i in range(repeat):
+        # The order alternates, so that neither side always writes right after the other's
+        # gigabyte (on a virtual machine, page-cache writes depend on what ran before).
+        writes = [("raw_w", raw.write), ("save", save)]
+        for key, fn in writes if i % 2 == 0 else writes[::-1]:
+            best[key] = min(best[key], _timed(comm, fn))
+        best["raw_r"] = min(best["raw_r"], _timed(comm, raw.read))
+        best["restore"] = min(best["restore"], _timed(comm, restore))
+        best["transpose"] = min(best["transpose"], _timed(comm, transpose))
+    # After the warm rounds: a dropped cache would make the next writes start from cold
+    # pages (slow to touch on a VM) and disturb the save figures.
+    reads: list[tuple[str, Callable[[], object]]] = [("raw_cold", raw.read), ("cold", restore)]
+    for i in range(repeat if cold else 0):  # the order alternates here too
+        for key, read in reads if i % 2 == 0 else reads[::-1]:
+            _drop_caches(comm)
+            best[key] = min(best[key], _timed(comm, read))
+    return best
+
+
+class _RawFiles:
+    """The baseline: this rank's blocks written to a new file with plain writes and an fsync
+    (each round a new file, as every checkpoint is a new file), and read back."""
+
+    def __init__(self, workdir: Path, rank: int, blocks: list[np.ndarray]) -> None:
+        self.workdir, self.rank, self.blocks = workdir, rank, blocks
+        self.read_back = [np.empty_like(b) for b in blocks]
+        self.rounds = itertools.count()
+
+    def write(self) -> None:
+        path = self.workdir / f"raw-{self.rank}-{next(self.rounds)}.bin"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            for b in self.blocks:
+                view = b.reshape(-1).view(np.uint8).data
+                while view:
+                    view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def read(self) -> None:
+        with open(self.workdir / f"raw-{self.rank}-0.bin", "rb", buffering=0) as f:
+            for b in self.read_back:
+                f.readinto(b.reshape(-1).view(np.uint8).data)
+
+
+def _ckpt_rows(
+    best: dict[str, float], all_bytes: int, peaks: tuple[int, int, int], shard: int, cold: bool
+) -> list[CkptRow]:
+    """The ``dtm bench ckpt`` metrics against their baselines."""
     rows_out = [
         CkptRow("save_GBps", all_bytes / best["save"] / 1e9, all_bytes / best["raw_w"] / 1e9),
         CkptRow("restore_GBps", all_bytes / best["restore"] / 1e9, all_bytes / best["raw_r"] / 1e9),
         CkptRow("reshard_restore_s", best["resize"], best["resize_same"]),
         CkptRow("reshard_transpose_s", best["transpose"], best["restore"]),
-        CkptRow(
-            "peak_extra_rss_bytes", float(max(peak_save, peak_restore, peak_reshard)), float(shard)
-        ),
+        CkptRow("peak_extra_rss_bytes", float(max(peaks)), float(shard)),
     ]
     if cold:
         cold_row = CkptRow(
             "restore_cold_GBps", all_bytes / best["cold"] / 1e9, all_bytes / best["raw_cold"] / 1e9
         )
         rows_out.insert(2, cold_row)
-    if rank != 0:
-        return ""
-    if csv_path:
-        with open(csv_path, "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(["metric", "value", "baseline", "ratio"])
-            for r in rows_out:
-                w.writerow([r.metric, f"{r.value:.6g}", f"{r.baseline:.6g}", f"{r.ratio:.3f}"])
-    lines = [
-        f"dtm bench ckpt: {n} ranks, {tensors} tensors, {all_bytes / 2**20:.1f} MiB in all, "
-        f"{local_bytes / 2**20:.1f} MiB local on rank 0, in {root}, {per_file} rank(s) per data file",
-        f"{'metric':<22}{'dtm':>14}{'baseline':>14}{'ratio':>8}",
-    ]
+    return rows_out
+
+
+def _write_csv(csv_path: str, rows_out: list[CkptRow]) -> None:
+    with open(csv_path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["metric", "value", "baseline", "ratio"])
+        for r in rows_out:
+            w.writerow([r.metric, f"{r.value:.6g}", f"{r.baseline:.6g}", f"{r.ratio:.3f}"])
+
+
+def _ckpt_table(head: str, rows_out: list[CkptRow], peaks: tuple[int, int, int], shard: int) -> str:
+    peak_save, peak_restore, peak_reshard = peaks
+    lines = [head, f"{'metric':<22}{'dtm':>14}{'baseline':>14}{'ratio':>8}"]
     for r in rows_out:
         lines.append(f"{r.metric:<22}{r.value:>14.4g}{r.baseline:>14.4g}{r.ratio:>8.2f}")
     lines.append(
@@ -449,6 +500,25 @@ def run_ckpt_async_bench(
             shutil.rmtree(workdir, ignore_errors=True)
     if rank != 0:
         return ""
+    return _async_table(
+        n, batch, width, hidden, steps, every, repeat, root, state_bytes=state_bytes, best=best
+    )
+
+
+def _async_table(
+    n: int,
+    batch: int,
+    width: int,
+    hidden: int,
+    steps: int,
+    every: int,
+    repeat: int,
+    root: str,
+    *,
+    state_bytes: int,
+    best: dict[str, float],
+) -> str:
+    """The ``dtm bench ckpt-async`` table of the best loop times by mode."""
     saves = steps // every
     sync_cost, async_cost = best["sync"] - best["none"], best["async"] - best["none"]
     hidden_part = 1.0 - async_cost / sync_cost if sync_cost > 0 else float("nan")

@@ -597,6 +597,37 @@ def _depth(m: Manifest, name: str, ancestor: str) -> int:
     return 0
 
 
+def _put_class(
+    name: str,
+    cls: str | None,
+    parent: str | None,
+    rebuild: str | None,
+    replaced: Any,
+    kept: list[Any],
+) -> tuple[ArtifactClass, str | None, str | None]:
+    """The class of tensor ``name`` a put stores (with its parent and rebuild rule): as given,
+    else the ``replaced`` tensor's (when it was stored), else primary; a parent must be
+    another stored tensor of the checkpoint (``kept``: its other tensors)."""
+    if cls is not None:
+        kind = ArtifactClass(cls.upper())
+    elif parent is not None or rebuild is not None:
+        kind = ArtifactClass.DERIVED
+    elif replaced is not None and replaced.cls is not ArtifactClass.EPHEMERAL:
+        kind, parent, rebuild = replaced.cls, replaced.parent, replaced.rebuild
+    else:
+        kind = ArtifactClass.PRIMARY
+    if kind is ArtifactClass.DERIVED and (parent is None or rebuild is None):
+        raise UsageError(f"tensor {name!r}: a derived artifact needs --parent and --rebuild")
+    if kind is ArtifactClass.PRIMARY and (parent is not None or rebuild is not None):
+        raise UsageError(f"tensor {name!r}: --parent and --rebuild are for --class derived only")
+    stored_names = {a.name for a in kept if a.cls is not ArtifactClass.EPHEMERAL} | {name}
+    if parent is not None and (parent == name or parent not in stored_names):
+        raise UsageError(
+            f"tensor {name!r}: parent {parent!r} is not another stored tensor of the checkpoint (stored: {', '.join(sorted(stored_names - {name})) or 'none'})"
+        )
+    return kind, parent, rebuild
+
+
 def put_tensor(
     store: Path,
     comm: Any,
@@ -639,25 +670,8 @@ def put_tensor(
     )
     replaced = old.artifact(name) if old is not None and name in old.names else None
 
-    # the class of NAME: as given, else the replaced tensor's (when it was stored), else primary
-    if cls is not None:
-        kind = ArtifactClass(cls.upper())
-    elif parent is not None or rebuild is not None:
-        kind = ArtifactClass.DERIVED
-    elif replaced is not None and replaced.cls is not ArtifactClass.EPHEMERAL:
-        kind, parent, rebuild = replaced.cls, replaced.parent, replaced.rebuild
-    else:
-        kind = ArtifactClass.PRIMARY
-    if kind is ArtifactClass.DERIVED and (parent is None or rebuild is None):
-        raise UsageError(f"tensor {name!r}: a derived artifact needs --parent and --rebuild")
-    if kind is ArtifactClass.PRIMARY and (parent is not None or rebuild is not None):
-        raise UsageError(f"tensor {name!r}: --parent and --rebuild are for --class derived only")
     kept = [a for a in old.artifacts if a.name != name] if old is not None else []
-    stored_names = {a.name for a in kept if a.cls is not ArtifactClass.EPHEMERAL} | {name}
-    if parent is not None and (parent == name or parent not in stored_names):
-        raise UsageError(
-            f"tensor {name!r}: parent {parent!r} is not another stored tensor of the checkpoint (stored: {', '.join(sorted(stored_names - {name})) or 'none'})"
-        )
+    kind, parent, rebuild = _put_class(name, cls, parent, rebuild, replaced, kept)
 
     mesh = MeshShape((("x", 1),))
     rebuilt: list[str] = []

@@ -17,7 +17,7 @@ from dtm_mpi.errors import SourceSpan, VerifyError
 from dtm_mpi.ir.nodes import Function, InitKind, Mesh, Module, Op
 from dtm_mpi.ir.ops._common import KNOWN_CAPABILITIES
 from dtm_mpi.ir.parser import gc_paused
-from dtm_mpi.ir.registry import OPS, OpContext, OpKind, lookup_op
+from dtm_mpi.ir.registry import OPS, OpContext, OpDef, OpKind, lookup_op
 from dtm_mpi.ir.types import Partial, ReduceOp, TensorType
 
 __all__ = ["check_layout", "function_mesh", "verify_errors", "verify_module"]
@@ -155,6 +155,15 @@ def _definition(f: Function, name: str) -> SourceSpan:
 
 
 def _verify_function(module: Module, f: Function) -> None:
+    mesh = _check_header(module, f)
+    env = _check_params(f, mesh)  # the type of every value defined so far
+    _check_results(f, mesh)
+    _check_body(module, f, mesh, env)
+    _check_returns(f, env)
+
+
+def _check_header(module: Module, f: Function) -> Mesh | None:
+    """The function's mesh and capabilities; returns the mesh it runs on."""
     if f.mesh is not None and module.mesh(f.mesh) is None:
         raise _err(
             f"function @{f.name} runs on mesh @{f.mesh}, which the module does not declare",
@@ -168,8 +177,12 @@ def _verify_function(module: Module, f: Function) -> None:
         if cap in f.requires[:i]:
             span = f.requires_spans[i] if i < len(f.requires_spans) else f.span
             raise _err(f"function @{f.name} lists capability {cap} twice", span)
-    env: dict[str, TensorType] = {}  # the type of every value defined so far
-    state_params: dict[str, TensorType] = {}
+    return mesh
+
+
+def _check_params(f: Function, mesh: Mesh | None) -> dict[str, TensorType]:
+    """The parameters (layouts, state, init dtypes); returns their types by name."""
+    env: dict[str, TensorType] = {}
     for p in f.params:
         if p.name in env:
             raise _err(f"parameter {p.name} is declared twice", p.span)
@@ -179,12 +192,8 @@ def _verify_function(module: Module, f: Function) -> None:
                 f"parameter {p.name} cannot be {p.type.layout.partial}; parameters hold complete values",
                 p.type_span,
             )
-        if p.state:
-            if not f.entry:
-                raise _err(
-                    f"state parameter {p.name} is only allowed in the entry function", p.span
-                )
-            state_params[p.name] = p.type
+        if p.state and not f.entry:
+            raise _err(f"state parameter {p.name} is only allowed in the entry function", p.span)
         if (
             p.init is not None
             and p.init.kind in (InitKind.NORMAL, InitKind.UNIFORM)
@@ -195,6 +204,12 @@ def _verify_function(module: Module, f: Function) -> None:
                 p.span,
             )
         env[p.name] = p.type
+    return env
+
+
+def _check_results(f: Function, mesh: Mesh | None) -> None:
+    """The declared results: layouts, and each state update once, of its parameter's type."""
+    state_params = {p.name: p.type for p in f.params if p.state}
     updated: set[str] = set()
     for r in f.results:
         check_layout(r.type, mesh, r.span, "result type")
@@ -214,6 +229,11 @@ def _verify_function(module: Module, f: Function) -> None:
                 r.span,
             )
         updated.add(r.updates)
+
+
+def _check_body(module: Module, f: Function, mesh: Mesh | None, env: dict[str, TensorType]) -> None:
+    """Every op of the body in order (``env`` gains the values it defines), and the pairing
+    of the point-to-point ops."""
     pending_sends: dict[tuple[object, ...], tuple[TensorType, SourceSpan]] = {}
     layout_ok: set[int] = set()  # ids of result types whose layout passed check_layout
     inferred_cache: dict[tuple[object, ...], tuple[TensorType, ...]] = {}
@@ -229,90 +249,121 @@ def _verify_function(module: Module, f: Function) -> None:
                 if name not in env:
                     raise _err(f"use of undefined value {name}", span) from None
             raise
-        results = op.results
-        if opdef.n_results >= 0 and len(results) != opdef.n_results:
-            raise _err(f"{op.name} has {opdef.n_results} result(s); got {len(results)}", op.span)
-        for i, name in enumerate(results):
-            if name in env or (i and name in results[:i]):
-                span = op.result_spans[i]
-                if name in results[:i]:
-                    raise _err(f"value {name} is defined twice by one {op.name}", span)
-                raise _err(
-                    f"value {name} is already defined at {_definition(f, name)}; SSA values "
-                    "are defined once",
-                    span,
-                )
+        _check_op_header(module, f, op, opdef, env)
         for t, span in zip(op.result_types, op.type_spans, strict=True):
             if id(t) not in layout_ok:
                 check_layout(t, mesh, span, "result type")
                 layout_ok.add(id(t))
-        if opdef.since > module.version:
-            v, m = ".".join(map(str, opdef.since)), ".".join(map(str, module.version))
-            raise _err(
-                f"{op.name} is new in IR dtm {v}; this module declares dtm {m} (write 'dtm {v}' in its header)",
-                op.span,
-            )
-        if opdef.capability is not None and opdef.capability not in f.requires:
-            raise _err(
-                f"{op.name} needs capability {opdef.capability}; declare it on @{f.name} with "
-                f"'requires [{opdef.capability}]'",
-                op.span,
-            )
-        # The rule is a pure function of (op, attributes, operand and declared types) for one
-        # function (mesh and module fixed); repeated layers hit this cache. Types are keyed by
-        # identity (the type parser shares equal types; every key type stays alive in the
-        # module while this runs), only successful inferences are kept, and ops with float
-        # or literal attributes are not cached (see OpDef.exact_attrs).
-        key: tuple[object, ...] | None = None
-        inferred: tuple[TensorType, ...] | None = None
-        if opdef.exact_attrs:
-            key = (op.name, op.attrs, *map(id, operand_types), None, *map(id, op.result_types))
-            try:
-                inferred = inferred_cache[key]
-            except KeyError:
-                pass
-            except TypeError:  # an unhashable attribute (never from the parser)
-                key = None
-        if inferred is None:
-            ctx = OpContext(op, operand_types, op.result_types, mesh, module)
-            inferred = opdef.infer(ctx)
-            if opdef.n_results < 0 and len(inferred) != len(op.result_types):
-                raise _err(
-                    f"{op.name} gives {len(inferred)} result(s); {len(op.result_types)} declared",
-                    op.span,
-                )
-            for i, (want, got) in enumerate(zip(inferred, op.result_types, strict=True)):
-                if want != got:
-                    raise ctx.result_error(i, f"result type is {got} but the rule gives {want}")
-            if key is not None:
-                inferred_cache[key] = inferred
+        _check_rule(module, mesh, op, opdef, operand_types, inferred_cache)
         if opdef.kind in (OpKind.SEND, OpKind.RECV):
-            pair = (op.attr("axis"), op.attr("src"), op.attr("dst"), op.attr("tag"))
-            if opdef.kind is OpKind.SEND:
-                if pair in pending_sends:
-                    raise _err(
-                        f"a send on the same axis, coordinates and tag is still unmatched (at {pending_sends[pair][1]})",
-                        op.span,
-                    )
-                pending_sends[pair] = (operand_types[0], op.span)
-            else:
-                if pair not in pending_sends:
-                    raise _err(
-                        "recv has no earlier send on the same axis, coordinates and tag", op.span
-                    )
-                sent, _ = pending_sends.pop(pair)
-                axis = str(op.attr("axis")[0])  # type: ignore[index]
-                want_t = sent.with_layout(sent.layout.with_partial(Partial(ReduceOp.SUM, (axis,))))
-                if op.result_types[0] != want_t:
-                    raise OpContext(op, operand_types, op.result_types, mesh, module).result_error(
-                        0, f"recv of a sent {sent} must be {want_t}; got {op.result_types[0]}"
-                    )
-        for name, t in zip(results, op.result_types, strict=True):
+            _pair_p2p(module, mesh, op, opdef, operand_types, pending_sends)
+        for name, t in zip(op.results, op.result_types, strict=True):
             env[name] = t
     for _, span in pending_sends.values():
         raise _err(
             "send has no matching recv (same axis, coordinates and tag) later in the function", span
         )
+
+
+def _check_op_header(
+    module: Module, f: Function, op: Op, opdef: OpDef, env: dict[str, TensorType]
+) -> None:
+    """An op's result names (new, once each), its IR version and its capability."""
+    results = op.results
+    if opdef.n_results >= 0 and len(results) != opdef.n_results:
+        raise _err(f"{op.name} has {opdef.n_results} result(s); got {len(results)}", op.span)
+    for i, name in enumerate(results):
+        if name in env or (i and name in results[:i]):
+            span = op.result_spans[i]
+            if name in results[:i]:
+                raise _err(f"value {name} is defined twice by one {op.name}", span)
+            raise _err(
+                f"value {name} is already defined at {_definition(f, name)}; SSA values "
+                "are defined once",
+                span,
+            )
+    if opdef.since > module.version:
+        v, m = ".".join(map(str, opdef.since)), ".".join(map(str, module.version))
+        raise _err(
+            f"{op.name} is new in IR dtm {v}; this module declares dtm {m} (write 'dtm {v}' in its header)",
+            op.span,
+        )
+    if opdef.capability is not None and opdef.capability not in f.requires:
+        raise _err(
+            f"{op.name} needs capability {opdef.capability}; declare it on @{f.name} with "
+            f"'requires [{opdef.capability}]'",
+            op.span,
+        )
+
+
+def _check_rule(
+    module: Module,
+    mesh: Mesh | None,
+    op: Op,
+    opdef: OpDef,
+    operand_types: list[TensorType],
+    cache: dict[tuple[object, ...], tuple[TensorType, ...]],
+) -> None:
+    """The op's declared result types against its rule's.
+
+    The rule is a pure function of (op, attributes, operand and declared types) for one
+    function (mesh and module fixed); repeated layers hit ``cache``. Types are keyed by
+    identity (the type parser shares equal types; every key type stays alive in the module
+    while this runs), only successful inferences are kept, and ops with float or literal
+    attributes are not cached (see OpDef.exact_attrs)."""
+    key: tuple[object, ...] | None = None
+    if opdef.exact_attrs:
+        key = (op.name, op.attrs, *map(id, operand_types), None, *map(id, op.result_types))
+        try:
+            if key in cache:
+                return
+        except TypeError:  # an unhashable attribute (never from the parser)
+            key = None
+    ctx = OpContext(op, operand_types, op.result_types, mesh, module)
+    inferred = opdef.infer(ctx)
+    if opdef.n_results < 0 and len(inferred) != len(op.result_types):
+        raise _err(
+            f"{op.name} gives {len(inferred)} result(s); {len(op.result_types)} declared", op.span
+        )
+    for i, (want, got) in enumerate(zip(inferred, op.result_types, strict=True)):
+        if want != got:
+            raise ctx.result_error(i, f"result type is {got} but the rule gives {want}")
+    if key is not None:
+        cache[key] = inferred
+
+
+def _pair_p2p(
+    module: Module,
+    mesh: Mesh | None,
+    op: Op,
+    opdef: OpDef,
+    operand_types: list[TensorType],
+    pending: dict[tuple[object, ...], tuple[TensorType, SourceSpan]],
+) -> None:
+    """A send waits in ``pending`` for the recv of the same axis, coordinates and tag, which
+    must come later and receive its value as a pending sum over the axis."""
+    pair = (op.attr("axis"), op.attr("src"), op.attr("dst"), op.attr("tag"))
+    if opdef.kind is OpKind.SEND:
+        if pair in pending:
+            raise _err(
+                f"a send on the same axis, coordinates and tag is still unmatched (at {pending[pair][1]})",
+                op.span,
+            )
+        pending[pair] = (operand_types[0], op.span)
+        return
+    if pair not in pending:
+        raise _err("recv has no earlier send on the same axis, coordinates and tag", op.span)
+    sent, _ = pending.pop(pair)
+    axis = str(op.attr("axis")[0])  # type: ignore[index]
+    want_t = sent.with_layout(sent.layout.with_partial(Partial(ReduceOp.SUM, (axis,))))
+    if op.result_types[0] != want_t:
+        raise OpContext(op, operand_types, op.result_types, mesh, module).result_error(
+            0, f"recv of a sent {sent} must be {want_t}; got {op.result_types[0]}"
+        )
+
+
+def _check_returns(f: Function, env: dict[str, TensorType]) -> None:
+    """The returned values: as many as the results, each of its result's type."""
     if len(f.returns) != len(f.results):
         raise _err(
             f"@{f.name} returns {len(f.returns)} value(s) but declares {len(f.results)} result(s)",
