@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 
@@ -20,7 +20,7 @@ from dtm_mpi.errors import BackendError
 from dtm_mpi.kernels.backends import BackendKind, backend_problem, choose_device, probe_devices
 from dtm_mpi.kernels.dispatch import Kernel, backend_kernels
 
-__all__ = ["ArrayBackend", "CupyDeviceOps", "numpy_backend", "open_backend"]
+__all__ = ["DeviceArray", "ArrayBackend", "CupyDeviceOps", "numpy_backend", "open_backend"]
 
 
 class CupyDeviceOps:
@@ -66,6 +66,11 @@ class CupyDeviceOps:
     def pinned(self, nbytes: int) -> np.ndarray:
         mem = self.cp.cuda.alloc_pinned_memory(max(1, nbytes))
         return np.frombuffer(mem, dtype=np.uint8, count=max(1, nbytes))  # holds mem alive
+
+
+DeviceArray: TypeAlias = Any
+"""An array on a backend's device: a numpy array (the CPU backend) or a CuPy array (CuPy ships
+no type information)."""
 
 
 @dataclass(slots=True)

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -52,6 +52,21 @@ from dtm_mpi.runtime.request import (
     store_params,
 )
 from dtm_mpi.runtime.step_loop import StepLoop
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+    from dtm_mpi.comm.gpu_aware import GpuAwareness
+    from dtm_mpi.comm.interface import Comm
+    from dtm_mpi.comm.mpi_comm import MpiComm
+    from dtm_mpi.comm.mpi_session import MpiSession
+    from dtm_mpi.comm.presence import Presence
+    from dtm_mpi.ir.nodes import Module
+    from dtm_mpi.ir.types import TensorType
+    from dtm_mpi.kernels.devices import ArrayBackend, DeviceArray
+    from dtm_mpi.plan.program import ExecPlan
+    from dtm_mpi.runtime.checkpoints import StoreCheckpoints
+    from dtm_mpi.runtime.step_loop import Progress
 
 __all__ = ["MpiRunArgs", "open_backend_everywhere", "plan_groups", "run_loop", "run_under_mpi"]
 
@@ -111,7 +126,9 @@ def _agreed_request(make: Callable[[], RunRequest]) -> RunRequest:
     return request
 
 
-def _load_and_run(args: RunRequest, world: Any, rank: int, size: int, presence: Any) -> int:
+def _load_and_run(
+    args: RunRequest, world: MPI.Intracomm, rank: int, size: int, presence: Presence
+) -> int:
     from dtm_mpi.comm.agreement import agree_or_raise
     from dtm_mpi.config import get_config
 
@@ -135,7 +152,7 @@ def _load_and_run(args: RunRequest, world: Any, rank: int, size: int, presence: 
     return _run_session(module, args, world, rank, size, backend)
 
 
-def open_backend_everywhere(name: str, world: Any) -> Any:
+def open_backend_everywhere(name: str, world: MPI.Intracomm) -> ArrayBackend:
     """Phase ``backend``: every rank opens backend ``name`` on its GPU (node-local rank); a
     rank that cannot (no CuPy, runtime or device) ends every rank with the same error naming
     it. Returns this rank's :class:`~dtm_mpi.kernels.devices.ArrayBackend`.
@@ -154,7 +171,7 @@ def open_backend_everywhere(name: str, world: Any) -> Any:
     # refused by the agreement below, naming its reason, instead of waiting for the others)
     # (the node's ranks: the GPU a rank binds, or its share of the CPUs for the BLAS)
     local_rank, local_size = node_local_rank(world, phase="backend", timeout_s=timeout_s)
-    backend = None
+    backend: ArrayBackend | None = None
     error: BaseException | None = None
     try:
         maybe_fail(int(world.Get_rank()), "backend")
@@ -162,43 +179,69 @@ def open_backend_everywhere(name: str, world: Any) -> Any:
     except DtmError as exc:
         error = exc
     agree_or_raise(world, phase="backend", error=error, timeout_s=timeout_s)
+    assert backend is not None  # (else every rank raised)
     return backend
 
 
 @dataclass
 class _Live:
     """The run's session, communicators, plan and checkpoints on its current mesh: replaced
-    together at a live resize (``session`` is None once this rank has left the run)."""
+    together at a live resize."""
 
-    session: Any
-    plan: Any
+    session: MpiSession
+    plan: ExecPlan
     rank: int
-    comm: Any = None
-    dcomm: Any = None
-    ckpt: Any = None  # the run's StoreCheckpoints (None without --store)
-    local_aware: Any = None
-    worlds: list[Any] = field(default_factory=list)  # communicators resizes made (kept to the end)
-    pool: Any = None  # every launched process's duplicate of the world, for resizes (or None)
-    members: list[int] | None = (
-        None  # the session's ranks as pool ranks (None once spawned ones join)
-    )
-    parked: list[int] = field(default_factory=list)  # pool ranks that left, waiting to be called
-    left: list[tuple[Any, list[int]]] = field(default_factory=list)
+    comm: Comm | None = None
+    """The session's communication interface (set by the handshake)."""
+    dcomm: Comm | None = None
+    """The same for the executor (device buffers on a GPU backend)."""
+    ckpt: StoreCheckpoints | None = None
+    """The run's checkpoints (None without ``--store``)."""
+    local_aware: GpuAwareness | None = None
+    worlds: list[MPI.Intracomm] = field(default_factory=list)
+    """The communicators resizes made (kept to the end)."""
+    pool: MPI.Intracomm | None = None
+    """Every launched process's duplicate of the world, for resizes (None without them)."""
+    members: list[int] | None = None
+    """The session's ranks as pool ranks (None once spawned ones join)."""
+    parked: list[int] = field(default_factory=list)
+    """The pool ranks that left, waiting to be called."""
+    left: list[tuple[MPI.Intracomm, list[int]]] = field(default_factory=list)
     """Rank 0: the ranks that left at a shrink after ranks were spawned, by the communicator
     they wait on until the run ends (they cannot be called back: not all are in the pool)."""
-    waits_on: Any = None  # a rank that so left: the communicator it waits on for the end
+    waits_on: MPI.Intracomm | None = None
+    """A rank that so left: the communicator it waits on for the end."""
+    active: bool = True
+    """False once this rank left the run, and between two sessions of a resize."""
+
+    @property
+    def endpoint(self) -> Comm:
+        """The current session's communication interface (host buffers)."""
+        assert self.comm is not None
+        return self.comm
+
+    @property
+    def device_endpoint(self) -> Comm:
+        """The current session's communication interface for the executor."""
+        assert self.dcomm is not None
+        return self.dcomm
 
 
 def _ranks(binding: dict[str, int] | None) -> int:
     return math.prod(binding.values()) if binding else 1
 
 
-def _param_types(plan: Any) -> list[Any]:
+def _param_types(plan: ExecPlan) -> list[TensorType]:
     return [p.type for p in plan.entry_plan.function.params]
 
 
 def _run_session(
-    module: object, args: MpiRunArgs, world: Any, rank: int, size: int, backend: Any
+    module: object,
+    args: MpiRunArgs,
+    world: MPI.Intracomm,
+    rank: int,
+    size: int,
+    backend: ArrayBackend,
 ) -> int:
     from dtm_mpi.comm.agreement import agree_or_raise
     from dtm_mpi.config import get_config
@@ -251,7 +294,7 @@ def _run_session(
     return _guarded(live, body)
 
 
-def _new_session(plan: Any, world: Any) -> Any:
+def _new_session(plan: ExecPlan, world: MPI.Intracomm | None) -> MpiSession:
     """A session on ``world`` (``MPI.COMM_WORLD`` when None) for ``plan``'s mesh. Collective."""
     from dtm_mpi.comm.mpi_session import MpiSession
     from dtm_mpi.config import get_config
@@ -261,7 +304,7 @@ def _new_session(plan: Any, world: Any) -> Any:
     return session
 
 
-def _join(live: _Live, module: Any, args: MpiRunArgs, backend: Any) -> None:
+def _join(live: _Live, module: Module, args: MpiRunArgs, backend: ArrayBackend) -> None:
     """The handshake (module hash, mesh, versions, capabilities, backend; joining ranks
     included), the plan's group communicators, and the communication interface. Collective."""
     from dtm_mpi.comm.handshake import PROTOCOL_VERSION, Hello, handshake
@@ -285,10 +328,10 @@ def _join(live: _Live, module: Any, args: MpiRunArgs, backend: Any) -> None:
     )
     handshake(session, hello)  # the module's requirements were checked in phase load
     session.join_mesh(plan_groups(plan, config.deterministic))
-    live.comm = MpiComm(
+    live.comm = comm = MpiComm(
         session, deterministic=config.deterministic, max_msg_elems=config.max_msg_elems
     )
-    live.dcomm = _device_comm(session, live.comm, args, backend, live.local_aware)
+    live.dcomm = _device_comm(session, comm, args, backend, live.local_aware)
 
 
 def _guarded(live: _Live, body: Callable[[], int]) -> int:
@@ -296,7 +339,7 @@ def _guarded(live: _Live, body: Callable[[], int]) -> int:
     try:
         code = body()
     except LauncherTerminatedError as exc:  # a peer died: mpirun is killing the job
-        if live.session is None:
+        if not live.active:
             raise
         live.session.report_terminated(exc)
         raise
@@ -312,16 +355,16 @@ def _guarded(live: _Live, body: Callable[[], int]) -> int:
             return 1
         session.end_with(session.fail(exc))
         raise
-    if live.session is not None:
+    if live.active:
         live.session.close()
     return code
 
 
 def _join_session(
-    module: Any,
+    module: Module,
     args: MpiRunArgs,
-    backend: Any,
-    world: Any,
+    backend: ArrayBackend,
+    world: MPI.Intracomm,
     joins: tuple[int, dict[str, int], dict[str, int]],
 ) -> int:
     """A rank spawned by a live resize, merged with the running ranks in ``world``: ``joins``
@@ -344,7 +387,7 @@ def _join_session(
             plan_remesh(_param_types(old), old.mesh, _param_types(plan), plan.mesh),
             rank,
             None,
-            live.comm,
+            live.endpoint,
         )
         assert moved is not None
         return _run_steps(live, module, args, backend, joined=(step, moved))
@@ -391,7 +434,7 @@ def plan_groups(plan: object, deterministic: bool) -> list[tuple[str, ...]]:
     return seen
 
 
-def _detect_gpu_aware(args: MpiRunArgs, backend: Any) -> Any:
+def _detect_gpu_aware(args: MpiRunArgs, backend: ArrayBackend) -> GpuAwareness | None:
     """This rank's answer to "does MPI take device buffers?" (GPU backends only; no
     collective): the setting, then the MPI vendor's query, then a probe."""
     if backend is None or backend.ops is None:
@@ -401,7 +444,13 @@ def _detect_gpu_aware(args: MpiRunArgs, backend: Any) -> Any:
     return detect_gpu_aware(args.gpu_aware, backend.name, device=backend.device)
 
 
-def _device_comm(session: Any, comm: Any, args: MpiRunArgs, backend: Any, local: Any) -> Any:
+def _device_comm(
+    session: MpiSession,
+    comm: MpiComm,
+    args: MpiRunArgs,
+    backend: ArrayBackend,
+    local: GpuAwareness | None,
+) -> Comm:
     """The communication endpoint the executor uses: ``comm`` itself on the numpy backend;
     on a GPU backend, ``comm`` wrapped so that device buffers are synchronised and go to MPI
     directly (GPU-aware MPI, agreed by every rank) or through pinned host buffers.
@@ -413,6 +462,7 @@ def _device_comm(session: Any, comm: Any, args: MpiRunArgs, backend: Any, local:
     from dtm_mpi.comm.gpu_aware import agree_gpu_aware
 
     session.phase = "gpu-aware mpi"
+    assert local is not None  # (detected on every rank of a GPU backend)
     aware = agree_gpu_aware(session, local)
     rank = session.rank
     if rank == 0:
@@ -428,9 +478,9 @@ def _device_comm(session: Any, comm: Any, args: MpiRunArgs, backend: Any, local:
 
 def _run_steps(
     live: _Live,
-    module: Any,
+    module: Module,
     args: MpiRunArgs,
-    backend: Any,
+    backend: ArrayBackend,
     joined: tuple[int, list[np.ndarray]] | None = None,
 ) -> int:
     from dtm_mpi.faults import maybe_fail
@@ -465,7 +515,7 @@ def _run_steps(
     except BaseException as exc:
         if (
             live.ckpt is not None
-            and live.session is not None
+            and live.active
             and _raised_everywhere(exc)
             and live.session.poisoned is None
         ):
@@ -482,7 +532,7 @@ def _run_steps(
     maybe_fail(rank, "output")
     outputs: dict[str, np.ndarray] = {}
     for name, t, block in output_values(plan.entry_plan.function, results, blocks):
-        value = gather_to_root(t, backend.to_host(block), live.comm)
+        value = gather_to_root(t, backend.to_host(block), live.endpoint)
         if value is not None:
             outputs[name] = value
     error = None
@@ -498,13 +548,13 @@ def _run_steps(
 
 def _steps_with(
     live: _Live,
-    module: Any,
+    module: Module,
     args: MpiRunArgs,
-    backend: Any,
-    blocks: list[Any],
+    backend: ArrayBackend,
+    blocks: list[DeviceArray],
     given: dict[str, np.ndarray],
     joined: tuple[int, list[np.ndarray]] | None = None,
-) -> tuple[Any, ...] | None:
+) -> tuple[DeviceArray, ...] | None:
     """The initial state (inputs, ``init store``, the resumed checkpoint, or a joining rank's
     moved blocks), then the step loop (:mod:`dtm_mpi.runtime.step_loop`) on each mesh of the
     run, resizing live where a loop ends for it; the last step's results (None on a rank that
@@ -558,7 +608,7 @@ class _SessionPolicies:
     agreement (the flags every rank raised), the stop on a signal (the launcher's presence)
     and the resize request (rank 0 alone sees the file: one answer, agreed)."""
 
-    def __init__(self, live: _Live, presence: Any, resize_file: str | None) -> None:
+    def __init__(self, live: _Live, presence: Presence | None, resize_file: str | None) -> None:
         self.live, self.presence, self.resize_file = live, presence, resize_file
 
     def phase(self, text: str) -> None:
@@ -575,7 +625,11 @@ class _SessionPolicies:
 
 
 def _step_loop(
-    live: _Live, args: MpiRunArgs, backend: Any, presence: Any, progress: Any
+    live: _Live,
+    args: MpiRunArgs,
+    backend: ArrayBackend,
+    presence: Presence | None,
+    progress: Progress | None,
 ) -> StepLoop:
     """The step loop of ``args`` on the current session, with its MPI policies."""
     from dtm_mpi.runtime.executor import Executor
@@ -584,7 +638,7 @@ def _step_loop(
     file = args.resize.file if args.resize is not None and live.rank == 0 else None
     policies = _SessionPolicies(live, presence, file)
     return StepLoop(
-        Executor(live.plan, live.dcomm, backend),
+        Executor(live.plan, live.device_endpoint, backend),
         args.steps,
         feed=Feed(live.plan, live.rank, args.hooks, backend.to_device, backend.to_host)
         if args.hooks is not None
@@ -599,7 +653,7 @@ def _step_loop(
     )
 
 
-def _checkpoints(live: _Live, args: MpiRunArgs, backend: Any) -> Any:
+def _checkpoints(live: _Live, args: MpiRunArgs, backend: ArrayBackend) -> StoreCheckpoints | None:
     """The run's checkpoints on the current session (None without ``--store``)."""
     if args.checkpoint is None:
         return None
@@ -625,13 +679,13 @@ def _set_phase(live: _Live, text: str) -> None:
 
 def _resize(
     live: _Live,
-    module: Any,
+    module: Module,
     args: MpiRunArgs,
-    backend: Any,
+    backend: ArrayBackend,
     step: int,
     binding: dict[str, int],
-    blocks: list[Any],
-) -> list[Any] | None:
+    blocks: list[DeviceArray],
+) -> list[DeviceArray] | None:
     """The live resize after ``step``: the pending checkpoint finished and the store closed;
     to fewer ranks, the state moved in memory to the first ones, the others leaving (None
     returned: a launched process is then parked, :func:`_parked`); to more, parked ranks called
@@ -662,7 +716,7 @@ def _resize(
     argv = ["-m", "mpi4py", *(args.resize.relaunch or ())] if args.resize is not None else []
     moved = None
     if n_new <= n_old:  # on the old ranks, before they split
-        moved = move_blocks(move, rank, host, live.comm)
+        moved = move_blocks(move, rank, host, live.endpoint)
     if live.members is not None:  # every rank is a launched process: split the pool
         members, parked = list(live.members), list(live.parked)
         if n_new <= n_old:
@@ -692,16 +746,16 @@ def _resize(
     else:
         _can_spawn(args, n_new - n_old)
         world = spawn_and_merge(session.comm, n_new - n_old, argv, joins, rank, timeout, phase)
-    live.session = None
+    live.active = False
     session.close()
     if world is None:  # this rank leaves
         return None
     live.worlds.append(world)
-    live.session, live.plan = _new_session(plan, world), plan
+    live.session, live.plan, live.active = _new_session(plan, world), plan, True
     live.session.phase = phase
     _join(live, module, args, backend)
     if moved is None:  # grown: the joining ranks take part in the move
-        moved = move_blocks(move, rank, host, live.comm)
+        moved = move_blocks(move, rank, host, live.endpoint)
     assert moved is not None
     if rank == 0:
         say(f"resized after step {step}: {n_old} -> {n_new} rank(s), mesh {plan.mesh}")
@@ -734,7 +788,7 @@ class _Call:
     argv: list[str]
 
 
-def _parked(live: _Live, module: Any, args: MpiRunArgs, backend: Any) -> int:
+def _parked(live: _Live, module: Module, args: MpiRunArgs, backend: ArrayBackend) -> int:
     """A rank that left at a shrink: a launched process waits, idle, for rank 0's calls: each
     resize's split of the pool (called back when it is one of the new members: it then joins
     the new session, receives its part of the state and runs the remaining steps), or the end
@@ -773,6 +827,7 @@ def _parked(live: _Live, module: Any, args: MpiRunArgs, backend: Any) -> int:
         old = plan_run(module, replace(args, binding=call.old), _ranks(call.old))
         live.worlds.append(world)
         live.session, live.plan, live.rank = _new_session(plan, world), plan, key
+        live.active = True
         live.members = call.members if call.extra == 0 else None
         live.parked = call.parked
         live.session.phase = phase
@@ -781,7 +836,7 @@ def _parked(live: _Live, module: Any, args: MpiRunArgs, backend: Any) -> int:
             plan_remesh(_param_types(old), old.mesh, _param_types(plan), plan.mesh),
             key,
             None,
-            live.comm,
+            live.endpoint,
         )
         assert moved is not None
         return _run_steps(live, module, args, backend, joined=(call.step, moved))
@@ -803,11 +858,13 @@ def _release_parked(live: _Live) -> None:
     live.left = []
 
 
-def _binding_of(plan: Any) -> dict[str, int]:
+def _binding_of(plan: ExecPlan) -> dict[str, int]:
     return {name: size for name, size in plan.mesh.axes}
 
 
-def _requested_mesh(live: _Live, module: Any, args: MpiRunArgs, step: int) -> dict[str, int] | None:
+def _requested_mesh(
+    live: _Live, module: Module, args: MpiRunArgs, step: int
+) -> dict[str, int] | None:
     """The mesh of a resize request (``--resize-file``): rank 0 reads and removes the file and
     sends its text to every rank; every rank checks it alike (a mesh binding of the same axes
     whose plan fits) and, if it does not, rank 0 says why and the run goes on unchanged."""
@@ -852,8 +909,13 @@ def _requested_mesh(live: _Live, module: Any, args: MpiRunArgs, step: int) -> di
 
 
 def run_loop(
-    session: Any, comm: Any, plan: Any, request: MpiRunArgs, rank: int, backend: Any
-) -> tuple[list[Any], float]:
+    session: MpiSession,
+    comm: Comm,
+    plan: ExecPlan,
+    request: MpiRunArgs,
+    rank: int,
+    backend: ArrayBackend,
+) -> tuple[list[DeviceArray], float]:
     """The training loop of a run on a joined session: the initial state, the steps with their
     commit agreements, the checkpoints; without the agreement on inputs and without outputs
     (what ``dtm bench ckpt-async`` times). Returns this rank's final state blocks and the
@@ -863,7 +925,7 @@ def run_loop(
     Collective: call on all ranks."""
     live = _Live(session, plan, rank, comm=comm, dcomm=comm)
     live.ckpt = _checkpoints(live, request, backend)
-    blocks: list[Any] = []
+    blocks: list[DeviceArray] = []
     try:
         start = time.perf_counter()
         _steps_with(live, plan.module, request, backend, blocks, {})
