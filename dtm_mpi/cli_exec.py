@@ -337,9 +337,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         from dtm_mpi.runtime.mpirun import run_under_mpi
 
         return run_under_mpi(request)
-    from dtm_mpi.runtime.launch import launch
+    from dtm_mpi.runtime.runner import run_request
 
-    return launch(request())
+    return run_request(request())
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:

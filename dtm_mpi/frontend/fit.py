@@ -1,7 +1,7 @@
 """Running traced steps from Python: one call, on simulated ranks or the ranks of the job.
 
 :func:`fit` runs a :class:`~dtm_mpi.frontend.trace.TracedStep` through the same launcher as
-``dtm run`` (:func:`dtm_mpi.runtime.launch.launch`): with ``sim=N`` on N simulated ranks in
+``dtm run`` (:func:`dtm_mpi.runtime.runner.run_request`): with ``sim=N`` on N simulated ranks in
 this process, otherwise under ``mpirun``/``srun`` on every rank of the job (every rank calls
 it) with the handshake, the bounded waits, checkpoints in the parallel-HDF5 store and
 ``resume``. Each step, every rank's loader is asked for *its* blocks of the step's batch only
@@ -177,9 +177,9 @@ def fit(
     spawned running this script again with its arguments (``python -m mpi4py SCRIPT ARGS``),
     whose ``fit`` call joins the run (the handshake checks it traced the same module) and
     returns the metrics of the steps it took part in."""
-    from dtm_mpi.runtime.launch import launch
     from dtm_mpi.runtime.policies import checkpoint_policy, resize_policy
     from dtm_mpi.runtime.request import RunRequest
+    from dtm_mpi.runtime.runner import run_request
     from dtm_mpi.runtime.step_loop import RunHooks
 
     result = FitResult()
@@ -228,7 +228,7 @@ def fit(
         resize=resize,
     )
     try:
-        code = launch(request)
+        code = run_request(request)
     finally:
         progress.close()
     if code == EXIT_REQUEUE:  # stopped on a signal after saving: end the job, "requeue me"

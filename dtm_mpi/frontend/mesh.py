@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dtm_mpi.errors import LayoutError, UsageError
-from dtm_mpi.ir.nodes import Mesh as IrMesh
+from dtm_mpi.ir.nodes import MeshDecl as IrMesh
 from dtm_mpi.sharding.mesh import MeshShape
 
 __all__ = ["Mesh"]

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtm_mpi.errors import UsageError
-from dtm_mpi.frontend.binding import bound_parameter
 from dtm_mpi.frontend.functional import gelu, layer_norm
 from dtm_mpi.frontend.tensor import Tensor, as_layout
+from dtm_mpi.frontend.traced_params import traced_parameter
 from dtm_mpi.ir.nodes import Init, InitKind
 from dtm_mpi.ir.types import DType, Layout, TensorType
 
@@ -89,7 +89,7 @@ class Module:
 
     def param(self, name: str) -> Tensor:
         """The traced value of parameter ``name`` of this module (inside a traced step)."""
-        return bound_parameter(self, name)
+        return traced_parameter(self, name)
 
     def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Module, str, Parameter]]:
         """(path, owner, attribute, parameter) of every parameter, in attribute order; a layer

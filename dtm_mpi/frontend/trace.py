@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dtm_mpi.errors import TraceError, UsageError, VerifyError
-from dtm_mpi.frontend.binding import BOUND as _BOUND
 from dtm_mpi.frontend.mesh import Mesh
 from dtm_mpi.frontend.nn import Module as Layer
 from dtm_mpi.frontend.optim import Optimizer, clip_by_global_norm
@@ -32,6 +31,7 @@ from dtm_mpi.frontend.tensor import (
     tracing,
     user_span,
 )
+from dtm_mpi.frontend.traced_params import TRACED as _TRACED
 from dtm_mpi.ir import module_hash, print_module
 from dtm_mpi.ir.autodiff import backward
 from dtm_mpi.ir.build import FunctionBuilder, Value
@@ -139,12 +139,12 @@ def _trace(
         v = b.add_param(path, t, state=weights_as_state, init=init)
         bound[(id(owner), attr)] = Tensor(v, tr)
         weights.append((path, v))
-    token = _BOUND.set(bound)
+    token = _TRACED.set(bound)
     try:
         with tracing(tr):
             out = fn(model, **{k: Tensor(v, tr) for k, v in zip(inputs, given, strict=True)})
     finally:
-        _BOUND.reset(token)
+        _TRACED.reset(token)
     return tr, given, weights, out
 
 

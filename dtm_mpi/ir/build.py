@@ -24,7 +24,7 @@ from dtm_mpi.ir.nodes import (
     Attr,
     Function,
     Init,
-    Mesh,
+    MeshDecl,
     Module,
     Op,
     Param,
@@ -80,7 +80,7 @@ class FunctionBuilder:
     """Appends typed ops to a function body on ``mesh`` (None: no mesh)."""
 
     def __init__(
-        self, mesh: Mesh | None, *, module_name: str = "built", names: Sequence[str] = ()
+        self, mesh: MeshDecl | None, *, module_name: str = "built", names: Sequence[str] = ()
     ) -> None:
         self.mesh = mesh
         self.module = Module((1, 0), module_name, (mesh,) if mesh is not None else (), ())

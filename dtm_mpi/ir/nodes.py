@@ -14,7 +14,7 @@ __all__ = [
     "Function",
     "Init",
     "InitKind",
-    "Mesh",
+    "MeshDecl",
     "Module",
     "Op",
     "Param",
@@ -31,7 +31,7 @@ Attr = int | float | str | bool | tuple["Attr", ...] | None
 
 
 @dataclass(frozen=True, slots=True)
-class Mesh:
+class MeshDecl:
     name: str
     axes: tuple[tuple[str, int], ...]
     span: SourceSpan = field(default=NO_SPAN, compare=False)
@@ -185,7 +185,7 @@ class Function:
 class Module:
     version: tuple[int, int]
     name: str
-    meshes: tuple[Mesh, ...]
+    meshes: tuple[MeshDecl, ...]
     functions: tuple[Function, ...]
     span: SourceSpan = field(default=NO_SPAN, compare=False)
 
@@ -195,7 +195,7 @@ class Module:
                 return f
         return None
 
-    def mesh(self, name: str) -> Mesh | None:
+    def mesh(self, name: str) -> MeshDecl | None:
         for m in self.meshes:
             if m.name == name:
                 return m

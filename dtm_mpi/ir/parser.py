@@ -15,7 +15,7 @@ from dtm_mpi.errors import ParseError, SourceSpan, VersionError
 from dtm_mpi.ir.fastpath import build_op
 from dtm_mpi.ir.lexer import Source, Token, leading_tokens, line_tokens, tokenize
 from dtm_mpi.ir.limits import MAX_INT_DIGITS, MAX_LITERAL_DEPTH, MAX_VERSION_CHARS
-from dtm_mpi.ir.nodes import Attr, Function, Init, InitKind, Mesh, Module, Op, Param, ResultSpec
+from dtm_mpi.ir.nodes import Attr, Function, Init, InitKind, MeshDecl, Module, Op, Param, ResultSpec
 from dtm_mpi.ir.registry import FormatElem, lookup_op
 from dtm_mpi.ir.types import TensorType
 from dtm_mpi.ir.typetext import parse_type_text
@@ -219,7 +219,7 @@ class _Parser:
         version = _version(self.src, vtok)
         self.expect("module", "'module NAME' after the header")
         name = self.take("IDENT", "a module name")[1]
-        meshes: list[Mesh] = []
+        meshes: list[MeshDecl] = []
         functions: list[Function] = []
         while self.peek()[0] != "EOF":
             if self.at("mesh"):
@@ -230,7 +230,7 @@ class _Parser:
                 raise self.expected("'mesh', 'func' or 'entry func'")
         return Module(version, name, tuple(meshes), tuple(functions), self.span(first))
 
-    def mesh(self) -> Mesh:
+    def mesh(self) -> MeshDecl:
         start = self.expect("mesh")
         name = self.take("SYMBOL", "a mesh name (@name)")[1][1:]
         self.expect("=")
@@ -248,7 +248,7 @@ class _Parser:
                 continue
             self.expect("]", "',' or ']' in the mesh axes")
             break
-        return Mesh(name, tuple(axes), self.span(start), tuple(spans))
+        return MeshDecl(name, tuple(axes), self.span(start), tuple(spans))
 
     def function(self) -> Function:
         start = self.peek()

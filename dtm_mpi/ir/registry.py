@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from dtm_mpi.errors import SourceSpan, VerifyError
-from dtm_mpi.ir.nodes import Mesh, Module, Op
+from dtm_mpi.ir.nodes import MeshDecl, Module, Op
 from dtm_mpi.ir.types import ReduceOp, TensorType
 
 if TYPE_CHECKING:
@@ -176,7 +176,7 @@ class OpContext:
         op: Op,
         operand_types: Sequence[TensorType],
         declared: Sequence[TensorType],
-        mesh: Mesh | None,
+        mesh: MeshDecl | None,
         module: Module,
     ) -> None:
         self.op = op

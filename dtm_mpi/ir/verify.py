@@ -14,7 +14,7 @@ matching the signature.
 from __future__ import annotations
 
 from dtm_mpi.errors import SourceSpan, VerifyError
-from dtm_mpi.ir.nodes import Function, InitKind, Mesh, Module, Op
+from dtm_mpi.ir.nodes import Function, InitKind, MeshDecl, Module, Op
 from dtm_mpi.ir.ops._common import KNOWN_CAPABILITIES
 from dtm_mpi.ir.parser import gc_paused
 from dtm_mpi.ir.registry import OPS, OpContext, OpDef, OpKind, lookup_op
@@ -27,7 +27,7 @@ def _err(message: str, span: SourceSpan) -> VerifyError:
     return VerifyError(message, span)
 
 
-def check_layout(t: TensorType, mesh: Mesh | None, span: SourceSpan, what: str) -> None:
+def check_layout(t: TensorType, mesh: MeshDecl | None, span: SourceSpan, what: str) -> None:
     """A layout must name only declared axes, each at most once per tensor."""
     used = t.layout.used_axes
     if not used:
@@ -59,7 +59,7 @@ def _is_call(op: Op) -> bool:
     return d is not None and d.kind is OpKind.CALL
 
 
-def function_mesh(module: Module, f: Function) -> Mesh | None:
+def function_mesh(module: Module, f: Function) -> MeshDecl | None:
     """The mesh a function runs on: the one it names, else the module's only mesh."""
     if f.mesh is not None:
         return module.mesh(f.mesh)
@@ -67,7 +67,7 @@ def function_mesh(module: Module, f: Function) -> Mesh | None:
 
 
 def _check_meshes(module: Module) -> None:
-    names: dict[str, Mesh] = {}
+    names: dict[str, MeshDecl] = {}
     for mesh in module.meshes:
         if mesh.name in names:
             raise _err(
@@ -162,7 +162,7 @@ def _verify_function(module: Module, f: Function) -> None:
     _check_returns(f, env)
 
 
-def _check_header(module: Module, f: Function) -> Mesh | None:
+def _check_header(module: Module, f: Function) -> MeshDecl | None:
     """The function's mesh and capabilities; returns the mesh it runs on."""
     if f.mesh is not None and module.mesh(f.mesh) is None:
         raise _err(
@@ -180,7 +180,7 @@ def _check_header(module: Module, f: Function) -> Mesh | None:
     return mesh
 
 
-def _check_params(f: Function, mesh: Mesh | None) -> dict[str, TensorType]:
+def _check_params(f: Function, mesh: MeshDecl | None) -> dict[str, TensorType]:
     """The parameters (layouts, state, init dtypes); returns their types by name."""
     env: dict[str, TensorType] = {}
     for p in f.params:
@@ -207,7 +207,7 @@ def _check_params(f: Function, mesh: Mesh | None) -> dict[str, TensorType]:
     return env
 
 
-def _check_results(f: Function, mesh: Mesh | None) -> None:
+def _check_results(f: Function, mesh: MeshDecl | None) -> None:
     """The declared results: layouts, and each state update once, of its parameter's type."""
     state_params = {p.name: p.type for p in f.params if p.state}
     updated: set[str] = set()
@@ -231,7 +231,9 @@ def _check_results(f: Function, mesh: Mesh | None) -> None:
         updated.add(r.updates)
 
 
-def _check_body(module: Module, f: Function, mesh: Mesh | None, env: dict[str, TensorType]) -> None:
+def _check_body(
+    module: Module, f: Function, mesh: MeshDecl | None, env: dict[str, TensorType]
+) -> None:
     """Every op of the body in order (``env`` gains the values it defines), and the pairing
     of the point-to-point ops."""
     pending_sends: dict[tuple[object, ...], tuple[TensorType, SourceSpan]] = {}
@@ -298,7 +300,7 @@ def _check_op_header(
 
 def _check_rule(
     module: Module,
-    mesh: Mesh | None,
+    mesh: MeshDecl | None,
     op: Op,
     opdef: OpDef,
     operand_types: list[TensorType],
@@ -334,7 +336,7 @@ def _check_rule(
 
 def _pair_p2p(
     module: Module,
-    mesh: Mesh | None,
+    mesh: MeshDecl | None,
     op: Op,
     opdef: OpDef,
     operand_types: list[TensorType],

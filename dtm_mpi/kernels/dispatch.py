@@ -29,16 +29,16 @@ from dtm_mpi.ir.types import TensorType
 
 __all__ = [
     "COMM_OPS",
-    "BoundKernel",
+    "PreparedKernel",
     "Kernel",
     "KernelContext",
     "Placement",
     "backend_kernels",
-    "bind_kernel",
+    "prepare_kernel",
     "has_kernel",
     "kernel_for",
     "placement_of",
-    "register_binder",
+    "register_preparer",
     "register_kernel",
 ]
 
@@ -69,12 +69,12 @@ class KernelContext:
 
 Kernel = Callable[[KernelContext, Sequence[np.ndarray]], tuple[np.ndarray, ...]]
 
-BoundKernel = Callable[[Sequence[np.ndarray]], tuple[np.ndarray, ...]]
-"""A kernel bound to its context once (the executor's per-op call on every step): operands'
+PreparedKernel = Callable[[Sequence[np.ndarray]], tuple[np.ndarray, ...]]
+"""A kernel prepared for its context once (the executor's per-op call on every step): operands'
 local arrays in, results out. The executor calls it with floating-point errors ignored (IEEE
 results are the ops' semantics)."""
 
-Binder = Callable[[Kernel, KernelContext], BoundKernel | None]
+Preparer = Callable[[Kernel, KernelContext], PreparedKernel | None]
 
 Placement = Callable[[str, Sequence[np.dtype[Any]], dict[str, Any], int], str]
 """Where a kernel runs: ``rule(op, operand dtypes, attributes, operand rank)`` -> a short text
@@ -82,27 +82,27 @@ Placement = Callable[[str, Sequence[np.dtype[Any]], dict[str, Any], int], str]
 
 _KERNELS: dict[str, dict[str, Kernel]] = {}
 _PLACEMENTS: dict[str, dict[str, Placement]] = {}
-_BINDERS: dict[str, Binder] = {}
+_PREPARERS: dict[str, Preparer] = {}
 
 
-def register_binder(backend: str) -> Callable[[Binder], Binder]:
-    """Decorator registering ``backend``'s binder: given a kernel and its context, a faster
+def register_preparer(backend: str) -> Callable[[Preparer], Preparer]:
+    """Decorator registering ``backend``'s preparer: given a kernel and its context, a faster
     call computing the same results (or None: the kernel is called with its context)."""
 
-    def deco(fn: Binder) -> Binder:
-        assert backend not in _BINDERS, f"{backend} binder registered twice"
-        _BINDERS[backend] = fn
+    def deco(fn: Preparer) -> Preparer:
+        assert backend not in _PREPARERS, f"{backend} preparer registered twice"
+        _PREPARERS[backend] = fn
         return fn
 
     return deco
 
 
-def bind_kernel(backend: str, kernel: Kernel, ctx: KernelContext) -> BoundKernel | None:
-    """A faster call of ``kernel`` with ``ctx`` from the backend's binder, or None where it
+def prepare_kernel(backend: str, kernel: Kernel, ctx: KernelContext) -> PreparedKernel | None:
+    """A faster call of ``kernel`` with ``ctx`` from the backend's preparer, or None where it
     has none (the kernel is then called with ``ctx``). The context's step is fixed: bind
     only ops without the ``NEEDS_STEP`` trait."""
-    binder = _BINDERS.get(backend)
-    return binder(kernel, ctx) if binder is not None else None
+    preparer = _PREPARERS.get(backend)
+    return preparer(kernel, ctx) if preparer is not None else None
 
 
 def register_kernel(

@@ -1,6 +1,6 @@
 """Fused elementwise chains on the CPU: a chain (:func:`~dtm_mpi.plan.fusion.fusion_groups`)
 larger than a core's cache run at its root over blocks of rows, each op the numpy backend's own
-bound call (the op-by-op results bit for bit), so the intermediates stay in cache instead of
+prepared call (the op-by-op results bit for bit), so the intermediates stay in cache instead of
 one full-size array per op (``DTM_FUSE``)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 
 from dtm_mpi.ir.dtypes import np_dtype
 from dtm_mpi.ir.registry import OPS, Trait
-from dtm_mpi.kernels.dispatch import BoundKernel
+from dtm_mpi.kernels.dispatch import PreparedKernel
 from dtm_mpi.plan.fusion import FusedGroup
 from dtm_mpi.plan.program import FunctionPlan
 
@@ -34,8 +34,8 @@ MIN_CHUNKED_ELEMS = 8 * CHUNK_ELEMS
 op by op is as fast (measured: a 9-op chain over 512x4096 float32 1.5x faster in chunks,
 over 256x1024 1.4x, a 1-d chain of 65,536 elements 1.7x slower)."""
 
-ChunkStep = tuple["BoundKernel | None", tuple[str, ...], str, tuple[str, ...]]
-"""One op of a chain: its bound call (``None``: a bias broadcast, its vector aliased), operand
+ChainOp = tuple["PreparedKernel | None", tuple[str, ...], str, tuple[str, ...]]
+"""One op of a chain: its prepared call (``None``: a bias broadcast, its vector aliased), operand
 names, result name, and the intermediates it reads last (dropped after it)."""
 
 
@@ -45,7 +45,7 @@ class Chunked:
     name, local shape and dtype."""
 
     inputs: tuple[str, ...]
-    steps: tuple[ChunkStep, ...]
+    steps: tuple[ChainOp, ...]
     result: str
     shape: tuple[int, ...]
     dtype: np.dtype[np.generic]
@@ -54,7 +54,7 @@ class Chunked:
 def chunkable(fp: FunctionPlan, g: FusedGroup, local_elems: int) -> bool:
     """Whether the CPU runs group ``g`` in chunks (``local_elems``: its result's local size):
     large enough, and every member an elementwise op with an array function (the numpy
-    backend's bound call) or an absorbed bias broadcast."""
+    backend's prepared call) or an absorbed bias broadcast."""
     if local_elems < MIN_CHUNKED_ELEMS:
         return False
     for m in g.members:
@@ -69,18 +69,18 @@ def chunkable(fp: FunctionPlan, g: FusedGroup, local_elems: int) -> bool:
 def chunked_chain(
     fp: FunctionPlan,
     g: FusedGroup,
-    bound: Callable[[int], BoundKernel | None],
+    prepared: Callable[[int], PreparedKernel | None],
     shape: tuple[int, ...],
 ) -> Chunked:
-    """Group ``g`` as the CPU runs it (``bound(i)``: op ``i``'s bound call; ``shape``: the
+    """Group ``g`` as the CPU runs it (``prepared(i)``: op ``i``'s prepared call; ``shape``: the
     result's local shape)."""
-    steps: list[ChunkStep] = []
+    steps: list[ChainOp] = []
     made: set[str] = set()  # the chain's intermediates: each read once, then dropped
     for m in g.members:
         op = fp.ops[m].op
         broadcast = OPS[op.name].has(Trait.BROADCASTS)
         names = (op.operands[0],) if broadcast else op.operands
-        call = None if broadcast else bound(m)  # a bias: aliased
+        call = None if broadcast else prepared(m)  # a bias: aliased
         steps.append(
             (call, names, op.results[0], tuple(n for n in dict.fromkeys(names) if n in made))
         )

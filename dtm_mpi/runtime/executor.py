@@ -26,11 +26,11 @@ from dtm_mpi.ir.types import DType, ReduceOp, TensorType
 from dtm_mpi.kernels.backends import parse_backend
 from dtm_mpi.kernels.devices import ArrayBackend, open_backend
 from dtm_mpi.kernels.dispatch import (
-    BoundKernel,
     Kernel,
     KernelContext,
+    PreparedKernel,
     backend_kernels,
-    bind_kernel,
+    prepare_kernel,
 )
 from dtm_mpi.kernels.exact import exact_rule, pending_axes
 from dtm_mpi.kernels.exact_ranks import exact_across
@@ -309,11 +309,11 @@ class Executor:
             self._programs[id(fp)] = trusted  # on (shapes are static)
         return tuple(env[r] for r in f.returns)
 
-    # -- the program: each op bound once ------------------------------------------------------
+    # -- the program: each op prepared once ------------------------------------------------------
     def _program(self, fp: FunctionPlan) -> list[Instr]:
         """``fp``'s instructions on this rank (computed once): each op with its operand,
         result and freed names and its call -- for a local op that does not read the step,
-        its kernel bound to its context (:func:`~dtm_mpi.kernels.dispatch.bind_kernel`); a
+        its kernel prepared for its context (:func:`~dtm_mpi.kernels.dispatch.prepare_kernel`); a
         fused chain at its root (a GPU backend's generated kernel, or the CPU's chunks), its
         other ops skipped; an exact sum (deterministic mode); where allreduces overlap
         (:func:`~dtm_mpi.plan.overlap.overlap_buckets`) the buckets completed and started
@@ -331,7 +331,7 @@ class Executor:
             fp, fused_frees(fp, groups) if groups else [p.frees for p in fp.ops]
         )
         scheds = self._scheds(fp, drops, skipped, res)
-        program: list[tuple[Instr, BoundKernel | None]] = []  # each with its first run's check
+        program: list[tuple[Instr, PreparedKernel | None]] = []  # each with its first run's check
         for i, p in enumerate(fp.ops):
             if self.faults:  # DTM_FAULT: the op's fault point first
                 program.append(
@@ -350,7 +350,7 @@ class Executor:
                 if plain is not None:
                     program.append((plain, None))
                     sched = None  # (given to the first instruction of the op)
-            operands, call, check = self._bind(fp, i, p, roots.get(i), res)
+            operands, call, check = self._prepare(fp, i, p, roots.get(i), res)
             program.append(((p, operands, p.op.results, frees_of[i], call, sched), check))
         for name in res.plain_at_return if res is not None else ():
             plain = self._plain(fp.ops[-1], name, self._type_of(fp, name), None)
@@ -403,9 +403,9 @@ class Executor:
             out[i] = Sched(tuple(finishes.get(i, ())), tuple(begun), i in skipped)
         return out
 
-    def _bind(
+    def _prepare(
         self, fp: FunctionPlan, i: int, p: PlanOp, group: FusedGroup | None, res: Resolution | None
-    ) -> tuple[tuple[str, ...], BoundKernel, BoundKernel | None]:
+    ) -> tuple[tuple[str, ...], PreparedKernel, PreparedKernel | None]:
         """Op ``i``'s operand names, its call, and the call checking its results' shapes on
         the first run (None: the call itself)."""
         if group is not None:
@@ -420,7 +420,7 @@ class Executor:
                     shape=shape,
                 )
                 return group.inputs, _positional(kernel), None
-            plan = chunked_chain(fp, group, lambda m: self._bound_local(fp.ops[m])[0], shape)
+            plan = chunked_chain(fp, group, lambda m: self._prepared_local(fp.ops[m])[0], shape)
             return plan.inputs, functools.partial(run_chunked, plan), None
         if res is not None and i in res.exact:
             _, ctx = self._kernel(p, 0)
@@ -430,15 +430,15 @@ class Executor:
             )
             return p.op.operands, functools.partial(self._run_exact, ctx, duplicate), None
         if p.kind is OpKind.LOCAL and not OPS[p.op.name].has(Trait.NEEDS_STEP):
-            bound, check = self._bound_local(p)
-            return p.op.operands, bound, check
+            prepared, check = self._prepared_local(p)
+            return p.op.operands, prepared, check
         return p.op.operands, functools.partial(self._run_op, p), None
 
-    def _bound_local(self, p: PlanOp) -> tuple[BoundKernel, BoundKernel | None]:
-        """A local op's kernel bound to its context, and (non-elementwise ops: their result
+    def _prepared_local(self, p: PlanOp) -> tuple[PreparedKernel, PreparedKernel | None]:
+        """A local op's kernel prepared for its context, and (non-elementwise ops: their result
         shapes may differ from the plan's if a kernel is wrong) the same call checked."""
         kernel, ctx = self._kernel(p, 0)
-        call: BoundKernel = bind_kernel(self.backend.name, kernel, ctx) or functools.partial(
+        call: PreparedKernel = prepare_kernel(self.backend.name, kernel, ctx) or functools.partial(
             kernel, ctx
         )
         if OPS[p.op.name].has(Trait.ELEMENTWISE):  # (elementwise: the operands' shapes)
@@ -524,7 +524,7 @@ class Executor:
     def _checked(
         self,
         p: PlanOp,
-        call: BoundKernel,
+        call: PreparedKernel,
         wants: tuple[tuple[int, ...], ...],
         xs: Sequence[np.ndarray],
     ) -> tuple[np.ndarray, ...]:
@@ -550,12 +550,12 @@ class Executor:
         the group ends with the whole result (a resolved pending sum)."""
         host = [self.backend.to_host(x) for x in xs]
         rule = exact_rule(ctx.op)
-        assert rule is not None  # (bound only where it applies)
+        assert rule is not None  # (prepared only where it applies)
         out = exact_across(rule, ctx, host, self.comm, duplicate=duplicate)
         return (self.backend.to_device(out),)
 
     def _run_op(self, p: PlanOp, xs: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
-        """An op that is not bound once: communication, calls, and local ops that read the
+        """An op that is not prepared once: communication, calls, and local ops that read the
         step (``NEEDS_STEP``)."""
         kind = p.kind
         op = p.op
@@ -600,8 +600,8 @@ def _never(xs: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:  # pragma: no co
     raise AssertionError("a skipped op's instruction is never called")
 
 
-def _positional(call: Callable[..., np.ndarray]) -> BoundKernel:
-    """A generated kernel's call as a bound call (operands in, one result out)."""
+def _positional(call: Callable[..., np.ndarray]) -> PreparedKernel:
+    """A generated kernel's call as a prepared call (operands in, one result out)."""
 
     def run(xs: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
         return (call(xs),)

@@ -1,4 +1,4 @@
-"""The executor's instructions: each op of a function plan as one bound call, and the facts
+"""The executor's instructions: each op of a function plan as one prepared call, and the facts
 the one loop of :class:`~dtm_mpi.runtime.executor.Executor` needs around it.
 
 An instruction is ``(op, operand names, result names, names freed after it, call, schedule)``:
@@ -16,7 +16,7 @@ second loop:
 
 This module holds the pure parts: :func:`fused_frees`, :func:`hold_bucket_operands` and
 :func:`resolve_pending` are functions of the plan alone, the same on every rank (what differs
-by rank -- the bound calls, who holds ``-0.0`` -- is the executor's).
+by rank -- the prepared calls, who holds ``-0.0`` -- is the executor's).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dtm_mpi.kernels.dispatch import BoundKernel
+from dtm_mpi.kernels.dispatch import PreparedKernel
 from dtm_mpi.kernels.exact import applies
 from dtm_mpi.plan.fusion import FusedGroup
 from dtm_mpi.plan.overlap import Bucket
@@ -66,7 +66,7 @@ class Sched:
 
 
 Instr = tuple[
-    PlanOp, tuple[str, ...], tuple[str, ...], tuple[str, ...], BoundKernel, "Sched | None"
+    PlanOp, tuple[str, ...], tuple[str, ...], tuple[str, ...], PreparedKernel, "Sched | None"
 ]
 """One instruction (module doc): op, operands, results, frees, call, schedule."""
 

@@ -78,7 +78,7 @@ MpiRunArgs = RunRequest
 def run_under_mpi(args: RunRequest | Callable[[], RunRequest]) -> int:
     """Run ``args`` (checked, :class:`~dtm_mpi.runtime.request.RunRequest`) on every rank of
     ``MPI.COMM_WORLD``; returns 0 or ends the job. Reached through
-    :func:`~dtm_mpi.runtime.launch.launch`. Given a function making the request from the
+    :func:`~dtm_mpi.runtime.runner.run_request`. Given a function making the request from the
     command line instead, every rank first decides whether its arguments are valid and all
     agree (phase ``arguments``) before any may exit; a rank that dies meanwhile is named.
 

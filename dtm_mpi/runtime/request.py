@@ -3,7 +3,7 @@
 A :class:`RunRequest` is decided from the command line alone, so its checks give the same
 answer on every rank (its errors are *agreed*; under MPI :func:`agree_arguments` also ends the
 phase on every rank together, so no rank exits -- and has the launcher kill the others --
-before every rank printed its line). :func:`dtm_mpi.runtime.launch.launch` runs it: with
+before every rank printed its line). :func:`dtm_mpi.runtime.runner.run_request` runs it: with
 ``sim`` on N simulated ranks in this process, else on the ranks of ``mpirun``/``srun``
 (:mod:`dtm_mpi.runtime.mpirun`). Both paths use the same steps from this module:
 

@@ -3,7 +3,7 @@
 ``zeros``/``ones`` fill; ``normal``/``uniform`` are the seeded random tensor with offset 0,
 computed from global element indices, so a rank's block equals the same block of the global
 tensor whatever the layout or rank count. ``store`` values come from the latest checkpoint of
-``dtm run --store DIR`` (:mod:`dtm_mpi.runtime.launch`), or from an input; not from here.
+``dtm run --store DIR`` (:mod:`dtm_mpi.runtime.runner`), or from an input; not from here.
 """
 
 from __future__ import annotations

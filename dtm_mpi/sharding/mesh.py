@@ -11,7 +11,7 @@ coordinates on those axes in the listed order (§5: the shard index of a dimensi
 axes ``A`` is the set of ranks that share its coordinates on every axis not in ``A``, ordered by
 their index along ``A``; the groups along ``A`` partition the ranks.
 
-:func:`bind_mesh` binds the sizes of a declared :class:`~dtm_mpi.ir.nodes.Mesh` for a job of
+:func:`bind_mesh` binds the sizes of a declared :class:`~dtm_mpi.ir.nodes.MeshDecl` for a job of
 ``nranks`` ranks (§6 "Binding sizes at launch"); :func:`parse_mesh_binding` reads the launcher's
 ``--mesh dp=2,tp=2`` text. Everything here is pure: every rank computes the same result.
 """
@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from dtm_mpi.errors import LayoutError, UsageError
-from dtm_mpi.ir.nodes import Mesh
+from dtm_mpi.ir.nodes import MeshDecl
 
 __all__ = ["MeshShape", "bind_mesh", "parse_mesh_binding"]
 
@@ -57,7 +57,7 @@ class MeshShape:
                 raise LayoutError(f"mesh axis {name!r} must have a size >= 1; got {size!r}")
 
     @staticmethod
-    def from_mesh(mesh: Mesh) -> MeshShape:
+    def from_mesh(mesh: MeshDecl) -> MeshShape:
         """The mesh with its declared (default) sizes."""
         return MeshShape(tuple(mesh.axes))
 
@@ -164,7 +164,7 @@ class MeshShape:
         return _axes_text(self.axes)
 
 
-def bind_mesh(mesh: Mesh, nranks: int, binding: Mapping[str, int] | None = None) -> MeshShape:
+def bind_mesh(mesh: MeshDecl, nranks: int, binding: Mapping[str, int] | None = None) -> MeshShape:
     """Bind the sizes of ``mesh`` for a job of ``nranks`` ranks (docs/spec/ir.md §6).
 
     With ``binding`` (the launcher's ``--mesh``), the named axes take the given sizes and the

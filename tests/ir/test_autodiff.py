@@ -15,7 +15,7 @@ from dtm_mpi.errors import GradientError, UsageError
 from dtm_mpi.ir import load_module, print_module
 from dtm_mpi.ir.autodiff import backward, grad_module
 from dtm_mpi.ir.build import FunctionBuilder, Value
-from dtm_mpi.ir.nodes import Mesh, Module
+from dtm_mpi.ir.nodes import MeshDecl, Module
 from dtm_mpi.ir.registry import all_ops, required_version
 from dtm_mpi.ir.types import DType, Layout, TensorType
 from dtm_mpi.ir.verify import verify_module
@@ -23,7 +23,7 @@ from dtm_mpi.runtime.reference import evaluate_function
 from dtm_mpi.runtime.simulate import run_simulated
 from tests.ir.gradcheck import central_difference, numeric_gradient
 
-MESH = Mesh("m", (("dp", 2), ("tp", 2)))
+MESH = MeshDecl("m", (("dp", 2), ("tp", 2)))
 BINDINGS = [
     (1, {"dp": 1, "tp": 1}),
     (2, {"dp": 1, "tp": 2}),

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from dtm_mpi.ir import load_module, print_module
 from dtm_mpi.ir.autodiff import backward
 from dtm_mpi.ir.build import FunctionBuilder, Value
-from dtm_mpi.ir.nodes import Mesh, Module
+from dtm_mpi.ir.nodes import MeshDecl, Module
 from dtm_mpi.ir.types import DType, Layout, TensorType
 from dtm_mpi.runtime.reference import evaluate_function
 from dtm_mpi.runtime.simulate import run_simulated
@@ -34,7 +34,7 @@ BINARY = ["add", "sub", "mul", "maximum", "minimum"]
 @st.composite
 def programs(draw: st.DrawFn) -> tuple[Module, int]:
     dp, tp = draw(st.sampled_from([(1, 1), (1, 2), (2, 1), (2, 2), (1, 3), (3, 1)]))
-    mesh = Mesh("m", (("dp", dp), ("tp", tp)))
+    mesh = MeshDecl("m", (("dp", dp), ("tp", tp)))
     b = FunctionBuilder(mesh, module_name="chain")
     rows, cols = draw(st.integers(2, 5)), draw(st.integers(2, 5))
 

@@ -10,7 +10,7 @@ from itertools import permutations
 
 import numpy as np
 
-from dtm_mpi.ir.nodes import Mesh, Module, Op
+from dtm_mpi.ir.nodes import MeshDecl, Module, Op
 from dtm_mpi.ir.registry import OpContext, lookup_op
 from dtm_mpi.ir.types import DType, Layout, Partial, ReduceOp, TensorType
 from dtm_mpi.sharding import (
@@ -185,7 +185,7 @@ def ir_infer(
     """The result type the IR's op rule infers for a structured step."""
     name = step_kind.value
     op = Op(name, ("%y",), (operand,), ("%x",), tuple(attrs.items()))
-    ir_mesh = Mesh("m", mesh.axes)
+    ir_mesh = MeshDecl("m", mesh.axes)
     module = Module((1, 0), "t", (ir_mesh,), ())
     opdef = lookup_op(name)
     assert opdef is not None

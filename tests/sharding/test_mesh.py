@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dtm_mpi.errors import LayoutError, UsageError
-from dtm_mpi.ir.nodes import Mesh
+from dtm_mpi.ir.nodes import MeshDecl
 from dtm_mpi.sharding import MeshShape, bind_mesh, parse_mesh_binding
 from tests.depth import examples
 
@@ -110,7 +110,7 @@ def test_rank_and_axis_errors() -> None:
         MESH_2x3.index_along(0, ("ep",))
 
 
-DECLARED = Mesh("m", (("dp", 2), ("tp", 4), ("pp", 1)))
+DECLARED = MeshDecl("m", (("dp", 2), ("tp", 4), ("pp", 1)))
 
 
 def test_bind_without_binding_puts_all_ranks_on_the_first_axis() -> None:

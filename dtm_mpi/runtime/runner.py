@@ -1,4 +1,4 @@
-"""``dtm run``: one launcher for one :class:`~dtm_mpi.runtime.request.RunRequest` -- on N
+"""Running one :class:`~dtm_mpi.runtime.request.RunRequest` (``dtm run``, :func:`~dtm_mpi.frontend.fit.fit`) -- on N
 simulated ranks in this process (``--sim N``), or on the ranks of ``mpirun``/``srun``
 (:mod:`dtm_mpi.runtime.mpirun`). Both take the same steps from :mod:`dtm_mpi.runtime.request`:
 the paths, the module, its capabilities and output keys (phase ``load``), the plan and the
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dtm_mpi.runtime.request import RunRequest
 
-__all__ = ["launch"]
+__all__ = ["run_request"]
 
 
-def launch(request: RunRequest) -> int:
+def run_request(request: RunRequest) -> int:
     """Run ``request``: on ``request.sim`` simulated ranks, else on every rank of the job
     (collective). Returns the exit code (0), or raises / ends the job with one error."""
     if request.sim is None:

@@ -8,22 +8,22 @@ from typing import Any
 from dtm_mpi.errors import TraceError
 from dtm_mpi.frontend.tensor import Tensor, trace_error, user_span
 
-__all__ = ["BOUND", "bound_parameter"]
+__all__ = ["TRACED", "traced_parameter"]
 
-BOUND: contextvars.ContextVar[dict[tuple[int, str], Tensor] | None] = contextvars.ContextVar(
-    "dtm_bound", default=None
+TRACED: contextvars.ContextVar[dict[tuple[int, str], Tensor] | None] = contextvars.ContextVar(
+    "dtm_traced_params", default=None
 )
 """(id of the owning layer, attribute) -> traced value, while a step is traced."""
 
 
-def bound_parameter(owner: Any, name: str) -> Tensor:
+def traced_parameter(owner: Any, name: str) -> Tensor:
     """The traced value of ``owner``'s parameter ``name`` in the step being traced."""
-    bound = BOUND.get()
-    if bound is None:
+    traced = TRACED.get()
+    if traced is None:
         raise TraceError(
             "layers run only inside a traced step (train_step / eval_step)", user_span()
         )
-    got = bound.get((id(owner), name))
+    got = traced.get((id(owner), name))
     if got is None:
         raise trace_error(f"{type(owner).__name__} has no parameter {name!r} in this model")
     return got
