@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
-__all__ = ["describe_world", "finalize_world", "node_local_rank", "world_comm"]
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+__all__ = ["Communicator", "describe_world", "finalize_world", "node_local_rank", "world_comm"]
+
+Communicator: TypeAlias = "MPI.Intracomm"
+"""An MPI intra-communicator (the world, a resize's merged or split one): the type the layers
+above ``comm`` name without importing MPI."""
 
 
 def describe_world() -> str:

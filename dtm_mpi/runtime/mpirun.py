@@ -54,13 +54,12 @@ from dtm_mpi.runtime.request import (
 from dtm_mpi.runtime.step_loop import StepLoop
 
 if TYPE_CHECKING:
-    from mpi4py import MPI
-
     from dtm_mpi.comm.gpu_aware import GpuAwareness
     from dtm_mpi.comm.interface import Comm
     from dtm_mpi.comm.mpi_comm import MpiComm
     from dtm_mpi.comm.mpi_session import MpiSession
     from dtm_mpi.comm.presence import Presence
+    from dtm_mpi.comm.world import Communicator
     from dtm_mpi.ir.nodes import Module
     from dtm_mpi.ir.types import TensorType
     from dtm_mpi.kernels.devices import ArrayBackend, DeviceArray
@@ -127,7 +126,7 @@ def _agreed_request(make: Callable[[], RunRequest]) -> RunRequest:
 
 
 def _load_and_run(
-    args: RunRequest, world: MPI.Intracomm, rank: int, size: int, presence: Presence
+    args: RunRequest, world: Communicator, rank: int, size: int, presence: Presence
 ) -> int:
     from dtm_mpi.comm.agreement import agree_or_raise
     from dtm_mpi.config import get_config
@@ -152,7 +151,7 @@ def _load_and_run(
     return _run_session(module, args, world, rank, size, backend)
 
 
-def open_backend_everywhere(name: str, world: MPI.Intracomm) -> ArrayBackend:
+def open_backend_everywhere(name: str, world: Communicator) -> ArrayBackend:
     """Phase ``backend``: every rank opens backend ``name`` on its GPU (node-local rank); a
     rank that cannot (no CuPy, runtime or device) ends every rank with the same error naming
     it. Returns this rank's :class:`~dtm_mpi.kernels.devices.ArrayBackend`.
@@ -198,18 +197,18 @@ class _Live:
     ckpt: StoreCheckpoints | None = None
     """The run's checkpoints (None without ``--store``)."""
     local_aware: GpuAwareness | None = None
-    worlds: list[MPI.Intracomm] = field(default_factory=list)
+    worlds: list[Communicator] = field(default_factory=list)
     """The communicators resizes made (kept to the end)."""
-    pool: MPI.Intracomm | None = None
+    pool: Communicator | None = None
     """Every launched process's duplicate of the world, for resizes (None without them)."""
     members: list[int] | None = None
     """The session's ranks as pool ranks (None once spawned ones join)."""
     parked: list[int] = field(default_factory=list)
     """The pool ranks that left, waiting to be called."""
-    left: list[tuple[MPI.Intracomm, list[int]]] = field(default_factory=list)
+    left: list[tuple[Communicator, list[int]]] = field(default_factory=list)
     """Rank 0: the ranks that left at a shrink after ranks were spawned, by the communicator
     they wait on until the run ends (they cannot be called back: not all are in the pool)."""
-    waits_on: MPI.Intracomm | None = None
+    waits_on: Communicator | None = None
     """A rank that so left: the communicator it waits on for the end."""
     active: bool = True
     """False once this rank left the run, and between two sessions of a resize."""
@@ -238,7 +237,7 @@ def _param_types(plan: ExecPlan) -> list[TensorType]:
 def _run_session(
     module: object,
     args: MpiRunArgs,
-    world: MPI.Intracomm,
+    world: Communicator,
     rank: int,
     size: int,
     backend: ArrayBackend,
@@ -294,7 +293,7 @@ def _run_session(
     return _guarded(live, body)
 
 
-def _new_session(plan: ExecPlan, world: MPI.Intracomm | None) -> MpiSession:
+def _new_session(plan: ExecPlan, world: Communicator | None) -> MpiSession:
     """A session on ``world`` (``MPI.COMM_WORLD`` when None) for ``plan``'s mesh. Collective."""
     from dtm_mpi.comm.mpi_session import MpiSession
     from dtm_mpi.config import get_config
@@ -364,7 +363,7 @@ def _join_session(
     module: Module,
     args: MpiRunArgs,
     backend: ArrayBackend,
-    world: MPI.Intracomm,
+    world: Communicator,
     joins: tuple[int, dict[str, int], dict[str, int]],
 ) -> int:
     """A rank spawned by a live resize, merged with the running ranks in ``world``: ``joins``
