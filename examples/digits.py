@@ -61,6 +61,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--store", default=None, help="checkpoint store directory")
     ap.add_argument("--checkpoint-every", type=int, default=None)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--checkpoint-async", action="store_true", help="write checkpoints meanwhile")
+    ap.add_argument("--keep-last", type=int, default=None, help="keep the K newest checkpoints")
     ap.add_argument(
         "--resize-at",
         action="append",
@@ -98,6 +100,8 @@ def main(argv: list[str]) -> int:
         store=args.store,
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
+        checkpoint_async=args.checkpoint_async,
+        keep_last=args.keep_last,
         quiet=args.quiet,
         log_every=50,
         resize_at=[parse_resize(text) for text in args.resize_at],

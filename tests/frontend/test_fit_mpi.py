@@ -179,16 +179,29 @@ def test_the_gpt_example_trains_checkpoints_and_resumes_on_another_mesh(tmp_path
 @pytest.mark.parametrize(
     ("ranks", "meshes"),
     [(3, ("dp=1,tp=3", "dp=2,tp=2", "dp=1,tp=3")), (4, ("dp=2,tp=2", "dp=1,tp=2", "dp=2,tp=2"))],
-    ids=["grow-spawns", "shrink-parks"],
+    ids=["grow-spawns", "shrink-parks-with-async-checkpoints"],
 )
 def test_fit_resizes_live_and_equals_the_uninterrupted_run(
     ranks: int, meshes: tuple[str, str, str], tmp_path: Path
 ) -> None:
     """fit(resize_at=...) under mpirun: growing past the launched ranks spawns the script
     again (its fit() call joins the run: the handshake checks the traced module), shrinking
-    parks the ranks that leave inside fit() until the run ends; the result is the
+    parks the ranks that leave inside fit() until the run ends (that run also writes its
+    checkpoints in the background, keeping the last two, on every mesh); the result is the
     uninterrupted run's, bit for bit (deterministic mode)."""
+    from dtm_mpi.io.store import list_checkpoints
+
     a, b, c = meshes
+    store = tmp_path / "store"
+    saves = [
+        "--store",
+        str(store),
+        "--checkpoint-every",
+        "1",
+        "--checkpoint-async",
+        "--keep-last",
+        "2",
+    ]
     out = digits(
         ranks,
         a,
@@ -200,7 +213,11 @@ def test_fit_resizes_live_and_equals_the_uninterrupted_run(
         f"6:{c}",
         "-o",
         str(tmp_path / "live.npz"),
+        *(saves if ranks == 4 else []),
     )
+    if ranks == 4:
+        assert [c.step for c in list_checkpoints(store)] == [8, 9], out
+        assert "written in the background" in out, out
     n = [math.prod(int(kv.split("=")[1]) for kv in m.split(",")) for m in meshes]
     assert f"resized after step 3: {n[0]} -> {n[1]} rank(s)" in out, out
     assert f"resized after step 6: {n[1]} -> {n[2]} rank(s)" in out, out
@@ -278,3 +295,23 @@ def test_fit_under_mpirun_stops_on_a_signal_saves_and_exits_75(tmp_path: Path) -
     m = re.search(r"stopped by SIGUSR1 after step (\d+): checkpoint", text)
     assert m is not None, text
     assert [c.step for c in list_checkpoints(store)] == [int(m.group(1))]
+
+
+def test_an_injected_fault_in_fit_under_mpirun_is_named_on_every_rank(tmp_path: Path) -> None:
+    """DTM_FAULT in fit() under mpirun: rank 1 fails at its first step; every rank ends with
+    one line naming the injected failure, its rank and the step, and no traceback."""
+    env = mpirun_env(DTM_TIMEOUT="30", DTM_FAULT="1:step:raise")
+    cmd = ["mpirun", "--timeout", "60", "--bind-to", "none", "-n", "2", sys.executable, "-m"]
+    proc = subprocess.run(
+        [*cmd, "mpi4py", DIGITS, "--quiet", "--mesh", "dp=1,tp=2", "--steps", "4"],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env=env,
+        check=False,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    want = "step 0 failed on rank(s) 1: rank 1 (step 0): injected failure (DTM_FAULT=1:step:raise)"
+    named = sorted(ln.split("]")[0] for ln in out.splitlines() if want in ln)
+    assert named == ["[rank 0", "[rank 1"] and "Traceback" not in out, out

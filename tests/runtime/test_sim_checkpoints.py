@@ -160,7 +160,8 @@ def _tiny_fit(**kw: object) -> dtm.FitResult:
         },
         name="tiny",
     )
-    return dtm.fit(step, dtm.ArrayLoader({"x": x, "y": y}, 16, seed=3), quiet=True, **kw)  # type: ignore[arg-type]
+    kw.setdefault("quiet", True)
+    return dtm.fit(step, dtm.ArrayLoader({"x": x, "y": y}, 16, seed=3), **kw)  # type: ignore[arg-type]
 
 
 def test_fit_on_simulated_ranks_writes_in_the_background_keeps_the_last_within_a_quota_and_logs(
