@@ -12,7 +12,22 @@ from dataclasses import dataclass
 
 from dtm_mpi.errors import agreed_usage
 
-__all__ = ["CheckpointPolicy", "ResizePolicy", "checkpoint_policy", "resize_policy"]
+__all__ = [
+    "CheckpointPolicy",
+    "ResizePolicy",
+    "check_run_size",
+    "checkpoint_policy",
+    "resize_policy",
+]
+
+
+def check_run_size(steps: int, sim: int | None = None) -> None:
+    """A run's steps (``--steps``, at least one) and simulated ranks (``--sim``, at least one
+    when given): agreed errors."""
+    if steps < 1:
+        raise agreed_usage(f"--steps must be >= 1; got {steps}")
+    if sim is not None and sim < 1:
+        raise agreed_usage(f"--sim needs at least 1 rank; got {sim}")
 
 
 @dataclass(frozen=True, slots=True)

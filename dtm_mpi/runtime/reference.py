@@ -15,6 +15,7 @@ import numpy as np
 from dtm_mpi.errors import UsageError
 from dtm_mpi.ir.nodes import Function, Module
 from dtm_mpi.ir.registry import OPS, OpKind, Trait, lookup_op
+from dtm_mpi.runtime.policies import check_run_size
 from dtm_mpi.runtime.values import check_inputs, init_global
 
 __all__ = ["StepResult", "evaluate_function", "run_reference"]
@@ -62,8 +63,7 @@ def run_reference(
     entry = module.entry
     if entry is None:
         raise UsageError(f"module {module.name} has no entry function")
-    if steps < 1:
-        raise UsageError(f"--steps must be >= 1; got {steps}")
+    check_run_size(steps)
     given = check_inputs(module, inputs or {})
     values = {
         p.name: given[p.name.lstrip("%")] if p.name.lstrip("%") in given else init_global(p)

@@ -36,7 +36,7 @@ from dtm_mpi.errors import (
     agreed_usage,
 )
 from dtm_mpi.kernels.backends import BACKEND_NAMES
-from dtm_mpi.runtime.policies import CheckpointPolicy, ResizePolicy
+from dtm_mpi.runtime.policies import CheckpointPolicy, ResizePolicy, check_run_size
 from dtm_mpi.runtime.step_loop import RunHooks
 
 if TYPE_CHECKING:
@@ -102,8 +102,7 @@ class RunRequest:
         return self.hooks.fed if self.hooks is not None else ()
 
     def __post_init__(self) -> None:
-        if self.steps < 1:
-            raise agreed_usage(f"--steps must be >= 1; got {self.steps}")
+        check_run_size(self.steps, self.sim)
         if self.backend not in BACKENDS:
             raise agreed_usage(
                 f"--backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}"
@@ -122,8 +121,6 @@ class RunRequest:
             )
         if self.sim is None:
             return
-        if self.sim < 1:
-            raise agreed_usage(f"--sim needs at least 1 rank; got {self.sim}")
         if self.backend != "numpy":
             raise agreed_usage(
                 f"the simulator (--sim) runs the numpy backend only; run --backend "

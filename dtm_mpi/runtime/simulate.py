@@ -23,6 +23,7 @@ from dtm_mpi.ir.types import Layout, TensorType
 from dtm_mpi.kernels.devices import ArrayBackend
 from dtm_mpi.plan.program import ExecPlan, compile_plan, mesh_for
 from dtm_mpi.runtime.executor import Executor
+from dtm_mpi.runtime.policies import check_run_size
 from dtm_mpi.runtime.step_loop import CommCommit, Feed, Progress, RunHooks, StepLoop, StopSignal
 from dtm_mpi.runtime.values import check_inputs, init_block
 from dtm_mpi.sharding.blocks import local_block, local_offsets, local_shape
@@ -234,10 +235,7 @@ def run_simulated(
     from dtm_mpi.comm.sim import run_ranks
     from dtm_mpi.runtime.checkpoints import open_store, restore_globals
 
-    if nranks < 1:
-        raise UsageError(f"--sim needs at least 1 rank; got {nranks}")
-    if steps < 1:
-        raise UsageError(f"--steps must be >= 1; got {steps}")
+    check_run_size(steps, nranks)
     first = 0
     if checkpoint is not None and checkpoint.resume:  # every parameter from the checkpoint
         given, first = restore_globals(checkpoint, module, steps)
