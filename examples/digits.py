@@ -63,6 +63,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--checkpoint-async", action="store_true", help="write checkpoints meanwhile")
     ap.add_argument("--keep-last", type=int, default=None, help="keep the K newest checkpoints")
+    ap.add_argument("--quota", type=int, default=None, help="refuse a checkpoint above BYTES")
     ap.add_argument(
         "--resize-at",
         action="append",
@@ -102,6 +103,7 @@ def main(argv: list[str]) -> int:
         resume=args.resume,
         checkpoint_async=args.checkpoint_async,
         keep_last=args.keep_last,
+        quota=args.quota,
         quiet=args.quiet,
         log_every=50,
         resize_at=[parse_resize(text) for text in args.resize_at],

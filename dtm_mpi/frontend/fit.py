@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from dtm_mpi.console import say
-from dtm_mpi.errors import EXIT_REQUEUE, UsageError
+from dtm_mpi.errors import UsageError
 from dtm_mpi.frontend.trace import TracedStep
 
 __all__ = ["ArrayLoader", "FitResult", "fit"]
@@ -231,7 +231,7 @@ def fit(
         code = run_request(request)
     finally:
         progress.close()
-    if code == EXIT_REQUEUE:  # stopped on a signal after saving: end the job, "requeue me"
+    if code != 0:  # stopped on a signal after saving (75: "requeue me"), or ended: end the job
         raise SystemExit(code)
     return result
 

@@ -290,7 +290,7 @@ def _run_session(
         _join(live, module, args, backend)
         return _run_steps(live, module, args, backend)
 
-    return _guarded(live, body)
+    return _guarded(live, body, from_python=args.module is not None)
 
 
 def _new_session(plan: ExecPlan, world: Communicator | None) -> MpiSession:
@@ -333,8 +333,11 @@ def _join(live: _Live, module: Module, args: MpiRunArgs, backend: ArrayBackend) 
     live.dcomm = _device_comm(session, comm, args, backend, live.local_aware)
 
 
-def _guarded(live: _Live, body: Callable[[], int]) -> int:
-    """Run ``body``; every failure ends every rank of the current session with one error."""
+def _guarded(live: _Live, body: Callable[[], int], *, from_python: bool = False) -> int:
+    """Run ``body``; every failure ends every rank of the current session with one error: an
+    agreed one (raised alike on every rank) is a line on every rank and exit code 1 for the
+    command line, and raised to the caller of a run started from Python (``from_python``:
+    :func:`~dtm_mpi.frontend.fit.fit`); any other ends the job."""
     try:
         code = body()
     except LauncherTerminatedError as exc:  # a peer died: mpirun is killing the job
@@ -343,14 +346,16 @@ def _guarded(live: _Live, body: Callable[[], int]) -> int:
         live.session.report_terminated(exc)
         raise
     except BaseException as exc:  # every failure ends every rank with one error
-        session = live.session
-        if session is None:  # between two sessions of a resize: nothing to agree on
+        if not live.active:  # between two sessions of a resize: nothing to agree on
             raise
+        session = live.session
         if _raised_everywhere(exc) and session.poisoned is None:
             # raised alike on every rank at the same point, nothing pending: a clean exit
-            write_line(f"[rank {live.rank}] dtm run: {exc}")
             _release_parked(live)
             session.close()
+            if from_python:
+                raise
+            write_line(f"[rank {live.rank}] dtm run: {exc}")
             return 1
         session.end_with(session.fail(exc))
         raise
@@ -391,7 +396,7 @@ def _join_session(
         assert moved is not None
         return _run_steps(live, module, args, backend, joined=(step, moved))
 
-    return _guarded(live, body)
+    return _guarded(live, body, from_python=args.module is not None)
 
 
 def _raised_everywhere(exc: BaseException) -> bool:

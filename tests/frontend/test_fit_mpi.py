@@ -20,8 +20,8 @@ pytestmark = [pytest.mark.slow]
 DIGITS = str(Path(__file__).resolve().parents[2] / "examples" / "digits.py")
 
 
-def digits(ranks: int, mesh: str, *args: str) -> str:
-    env = mpirun_env(PYTHONUNBUFFERED="1", DTM_TIMEOUT="60", DTM_DETERMINISTIC="1")
+def digits(ranks: int, mesh: str, *args: str, quiet: bool = True, **env_more: str) -> str:
+    env = mpirun_env(PYTHONUNBUFFERED="1", DTM_TIMEOUT="60", DTM_DETERMINISTIC="1", **env_more)
     cmd = [
         "mpirun",
         "--timeout",
@@ -34,7 +34,7 @@ def digits(ranks: int, mesh: str, *args: str) -> str:
         "-m",
         "mpi4py",
         DIGITS,
-        "--quiet",
+        *(["--quiet"] if quiet else []),
         "--mesh",
         mesh,
         *args,
@@ -43,6 +43,59 @@ def digits(ranks: int, mesh: str, *args: str) -> str:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     return out
+
+
+def straight_run(out: Path, steps: int) -> None:
+    """The uninterrupted run on one simulated rank (deterministic mode), its outputs to ``out``."""
+    sim = subprocess.run(
+        [
+            sys.executable,
+            DIGITS,
+            "--quiet",
+            "--sim",
+            "1",
+            "--mesh",
+            "dp=1,tp=1",
+            "--steps",
+            str(steps),
+            "-o",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=mpirun_env(DTM_DETERMINISTIC="1"),
+        check=False,
+    )
+    assert sim.returncode == 0, sim.stdout + sim.stderr
+
+
+def same_bits(got: Path, want: Path) -> None:
+    a, b = np.load(got), np.load(want)
+    assert sorted(a.files) == sorted(b.files)
+    for k in b.files:
+        assert a[k].tobytes() == b[k].tobytes(), f"{k} differs bitwise"
+
+
+def test_fit_under_mpirun_overlaps_its_allreduces_with_the_same_bits_and_shows_its_bar(
+    tmp_path: Path,
+) -> None:
+    """DTM_OVERLAP=1 (buckets started when ready) in deterministic mode: 4 ranks give the
+    1-rank run's bits; rank 0 shows the progress bar (no --quiet)."""
+    out = digits(
+        4,
+        "dp=2,tp=2",
+        "--steps",
+        "6",
+        "-o",
+        str(tmp_path / "o.npz"),
+        quiet=False,
+        DTM_OVERLAP="1",
+        DTM_BUCKET_BYTES="4096",
+    )
+    assert "6/6" in out and "loss=" in out, out
+    straight_run(tmp_path / "straight.npz", 6)
+    same_bits(tmp_path / "o.npz", tmp_path / "straight.npz")
 
 
 def test_trained_on_4_ranks_resumed_on_3_equals_the_uninterrupted_run(tmp_path: Path) -> None:
@@ -69,31 +122,8 @@ def test_trained_on_4_ranks_resumed_on_3_equals_the_uninterrupted_run(tmp_path: 
     assert acc > 0.8, out  # 60 steps of 64 images: well past chance (0.1)
     assert (tmp_path / "p.png").stat().st_size > 1000
     # the uninterrupted run on one simulated rank (deterministic mode: the same bits on any mesh)
-    sim = subprocess.run(
-        [
-            sys.executable,
-            DIGITS,
-            "--quiet",
-            "--sim",
-            "1",
-            "--mesh",
-            "dp=1,tp=1",
-            "--steps",
-            "60",
-            "-o",
-            str(tmp_path / "straight.npz"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=150,
-        env=mpirun_env(DTM_DETERMINISTIC="1"),
-        check=False,
-    )
-    assert sim.returncode == 0, sim.stdout + sim.stderr
-    resumed, straight = np.load(tmp_path / "resumed.npz"), np.load(tmp_path / "straight.npz")
-    assert sorted(resumed.files) == sorted(straight.files)
-    for k in straight.files:  # 4 ranks then 3 equal 2 ranks throughout, bit for bit
-        assert resumed[k].tobytes() == straight[k].tobytes(), f"{k} differs bitwise"
+    straight_run(tmp_path / "straight.npz", 60)
+    same_bits(tmp_path / "resumed.npz", tmp_path / "straight.npz")  # 4 ranks then 3 equal 1
 
 
 def test_a_bad_mesh_is_one_line_on_every_rank(tmp_path: Path) -> None:
@@ -221,31 +251,8 @@ def test_fit_resizes_live_and_equals_the_uninterrupted_run(
     n = [math.prod(int(kv.split("=")[1]) for kv in m.split(",")) for m in meshes]
     assert f"resized after step 3: {n[0]} -> {n[1]} rank(s)" in out, out
     assert f"resized after step 6: {n[1]} -> {n[2]} rank(s)" in out, out
-    sim = subprocess.run(
-        [
-            sys.executable,
-            DIGITS,
-            "--quiet",
-            "--sim",
-            "1",
-            "--mesh",
-            "dp=1,tp=1",
-            "--steps",
-            "9",
-            "-o",
-            str(tmp_path / "straight.npz"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=150,
-        env=mpirun_env(DTM_DETERMINISTIC="1"),
-        check=False,
-    )
-    assert sim.returncode == 0, sim.stdout + sim.stderr
-    live, straight = np.load(tmp_path / "live.npz"), np.load(tmp_path / "straight.npz")
-    assert sorted(live.files) == sorted(straight.files)
-    for k in straight.files:
-        assert live[k].tobytes() == straight[k].tobytes(), f"{k} differs bitwise"
+    straight_run(tmp_path / "straight.npz", 9)
+    same_bits(tmp_path / "live.npz", tmp_path / "straight.npz")
 
 
 def test_fit_under_mpirun_stops_on_a_signal_saves_and_exits_75(tmp_path: Path) -> None:
@@ -315,3 +322,22 @@ def test_an_injected_fault_in_fit_under_mpirun_is_named_on_every_rank(tmp_path: 
     want = "step 0 failed on rank(s) 1: rank 1 (step 0): injected failure (DTM_FAULT=1:step:raise)"
     named = sorted(ln.split("]")[0] for ln in out.splitlines() if want in ln)
     assert named == ["[rank 0", "[rank 1"] and "Traceback" not in out, out
+
+
+def test_a_quota_too_small_for_fits_checkpoint_is_one_error_on_every_rank(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    env = mpirun_env(DTM_TIMEOUT="30")
+    cmd = ["mpirun", "--timeout", "60", "--bind-to", "none", "-n", "2", sys.executable, "-m"]
+    args = ["--store", str(store), "--checkpoint-every", "1", "--quota", "1000"]
+    proc = subprocess.run(
+        [*cmd, "mpi4py", DIGITS, "--quiet", "--mesh", "dp=1,tp=2", "--steps", "2", *args],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env=env,
+        check=False,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    refused = [ln for ln in out.splitlines() if "the quota's 1000" in ln and str(store) in ln]
+    assert len(refused) == 2 and "Traceback" not in out, out
