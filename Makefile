@@ -37,7 +37,7 @@ PYTEST_ARGS ?=
 PYTEST_1 := $(PY) -m pytest -q -m "not mpi" -n $(WORKERS) --dist loadgroup --durations=30 $(PYTEST_ARGS)
 PYTEST_MPI := $(PY) -m mpi4py -m pytest -q --with-mpi -m mpi --timeout-method=thread $(PYTEST_ARGS)
 
-.PHONY: help setup test test-unit test-mpi test-deep coverage lint type demo demo-gpt gpu-check clean
+.PHONY: help setup test test-unit test-mpi test-deep coverage lint type demo demo-gpt gpu-check gpu-features clean
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
@@ -82,6 +82,9 @@ demo-gpt: setup ## the character-level GPT: 4 ranks (2x2), resumed on 3 (1x3), v
 
 gpu-check: ## on a machine with a GPU: gpu tests, dtm bench kernels, dtm bench comm on device buffers
 	@bash jobs/gpu-check.sh
+
+gpu-features: ## on a machine with a GPU, after gpu-check: the run features on the GPU backend
+	@bash jobs/gpu-features.sh
 
 clean: ## remove build outputs and caches (keeps .venv; `make clean-all` removes it too)
 	@rm -rf build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis
