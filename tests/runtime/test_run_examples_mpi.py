@@ -84,3 +84,40 @@ def test_dtm_run_with_overlapped_buckets_in_deterministic_mode_equals_the_simula
     want = run_simulated(module, 1, steps=2, deterministic=True).outputs()
     for key, value in want.items():
         all_ranks(got[key].tobytes() == value.tobytes(), f"{key} differs from one rank's")
+
+
+def test_dtm_run_checkpoints_in_the_background_and_one_simulated_rank_resumes_it(
+    comm: Any,
+    mpi_tmp_path: Path,
+    all_ranks: Any,
+    deterministic: Any,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Async checkpoints keeping the last two and the progress line at every rank count of
+    the suite; the checkpoint resumes on another mesh (one simulated rank) to the bits of
+    the uninterrupted run."""
+    from dtm_mpi.io.store import list_checkpoints
+    from dtm_mpi.runtime.policies import CheckpointPolicy
+
+    store = mpi_tmp_path / "s"
+    saves = ["--store", str(store), "--checkpoint-every", "1", "--checkpoint-async"]
+    args = ["run", str(EXAMPLES / "tp_mlp.dtm"), "--steps", "3", *saves, "--keep-last", "2"]
+    code = run([*args, "--log-every", "1"])
+    text = capsys.readouterr()
+    all_ranks(code == 0, f"dtm run exited {code}: {text.err}")
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        all_ranks("step 3/3:" in text.out, f"no progress line: {text.out}")
+    else:
+        all_ranks(True)
+    saved = [c.step for c in list_checkpoints(store)]
+    all_ranks(saved == [2, 3], f"checkpoints {saved}, not [2, 3]")
+    same, why = True, ""
+    if comm.Get_rank() == 0:  # one process reads the store: another mesh, one simulated rank
+        policy = CheckpointPolicy(str(store), resume=True)
+        resumed = run_simulated(load("tp_mlp"), 1, steps=5, deterministic=True, checkpoint=policy)
+        want = run_simulated(load("tp_mlp"), 1, steps=5, deterministic=True).outputs()
+        got = resumed.outputs()
+        bad = [k for k, v in want.items() if got[k].tobytes() != v.tobytes()]
+        same, why = not bad, f"{bad} differ from the uninterrupted run's"
+    all_ranks(same, why)
