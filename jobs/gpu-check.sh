@@ -20,16 +20,8 @@
 # 10-minute command.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-if [ -z "${PY:-}" ]; then
-  if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
-fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-OUT=${OUT:-gpu-check-out}
+source jobs/gpu-env.sh
 BACKEND=${BACKEND:-cuda}
-mkdir -p "$OUT"
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
-export PYTHONUNBUFFERED=1
-export CUPY_TF32=0  # exact float32 matmul: the examples are compared with rtol 1e-4
 say() { printf '[gpu-check] %s\n' "$*"; }
 
 # Preflight (seconds): the device, then each CUDA part the checks need — NVRTC with the fp16

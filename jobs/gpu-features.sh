@@ -7,14 +7,7 @@
 # bounded to 300 s. Needs what jobs/gpu-check.sh needs; its log goes to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-if [ -z "${PY:-}" ]; then
-  if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
-fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-OUT=${OUT:-gpu-check-out}
-mkdir -p "$OUT"
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
-export PYTHONUNBUFFERED=1 CUPY_TF32=0
+source jobs/gpu-env.sh
 say() { printf '[gpu-features] %s\n' "$*"; }
 source jobs/gpu-mpi.sh
 mpi_works || { say "no usable MPI on this machine: stopping"; exit 2; }

@@ -109,7 +109,7 @@ def run_rank(
     executor = Executor(plan, comm, backend, deterministic)
     history: list[tuple[np.ndarray, ...]] = []
     checkpoints = None
-    if checkpoint is not None and (checkpoint.saves or stop is not None):  # (a stop saves)
+    if checkpoint is not None and _saves(checkpoint, stop):
         checkpoints = GatheredCheckpoints(
             comm, plan, checkpoint, store if comm.rank == 0 else None, executor.backend
         )
@@ -133,6 +133,11 @@ def run_rank(
     if hooks is not None or not history:  # a training loop: keep the last step's results only
         history = [end.results]
     return RankOutcome(tuple(args), history, comm.stats)
+
+
+def _saves(checkpoint: CheckpointPolicy, stop: StopSignal | None) -> bool:
+    """Whether a simulated run writes checkpoints: every N steps, or when a stop is asked."""
+    return checkpoint.saves or stop is not None
 
 
 def check_output_keys(entry: Function) -> None:
@@ -243,8 +248,9 @@ def run_simulated(
         given = check_inputs(module, inputs or {}, fed=hooks.fed if hooks is not None else ())
     mesh = mesh_for(module, nranks, binding)
     plan = compile_plan(module, mesh)
-    saves = checkpoint is not None and (checkpoint.saves or stop is not None)  # (a stop saves)
-    store = open_store(checkpoint, self_comm()) if checkpoint is not None and saves else None
+    store = None
+    if checkpoint is not None and _saves(checkpoint, stop):
+        store = open_store(checkpoint, self_comm())
     try:
         outcomes = run_ranks(
             mesh,

@@ -20,26 +20,26 @@ pytestmark = [pytest.mark.slow]
 DIGITS = str(Path(__file__).resolve().parents[2] / "examples" / "digits.py")
 
 
+def digits_cmd(ranks: int, mesh: str, *args: str, quiet: bool = True) -> list[str]:
+    """``examples/digits.py`` on ``ranks`` ranks of mpirun with these arguments."""
+    run = [sys.executable, "-m", "mpi4py", DIGITS, *(["--quiet"] if quiet else []), "--mesh", mesh]
+    return ["mpirun", "--timeout", "120", "--bind-to", "none", "-n", str(ranks), *run, *args]
+
+
+def digits_job(
+    ranks: int, mesh: str, *args: str, quiet: bool = True, **env_more: str
+) -> subprocess.CompletedProcess[str]:
+    """The finished job of :func:`digits_cmd` (deterministic mode, ``env_more`` added)."""
+    env = mpirun_env(
+        **{"PYTHONUNBUFFERED": "1", "DTM_TIMEOUT": "60", "DTM_DETERMINISTIC": "1", **env_more}
+    )
+    cmd = digits_cmd(ranks, mesh, *args, quiet=quiet)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env, check=False)
+
+
 def digits(ranks: int, mesh: str, *args: str, quiet: bool = True, **env_more: str) -> str:
-    env = mpirun_env(PYTHONUNBUFFERED="1", DTM_TIMEOUT="60", DTM_DETERMINISTIC="1", **env_more)
-    cmd = [
-        "mpirun",
-        "--timeout",
-        "120",
-        "--bind-to",
-        "none",
-        "-n",
-        str(ranks),
-        sys.executable,
-        "-m",
-        "mpi4py",
-        DIGITS,
-        *(["--quiet"] if quiet else []),
-        "--mesh",
-        mesh,
-        *args,
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env, check=False)
+    """The output of a :func:`digits_job` that must succeed."""
+    proc = digits_job(ranks, mesh, *args, quiet=quiet, **env_more)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     return out
@@ -127,32 +127,7 @@ def test_trained_on_4_ranks_resumed_on_3_equals_the_uninterrupted_run(tmp_path: 
 
 
 def test_a_bad_mesh_is_one_line_on_every_rank(tmp_path: Path) -> None:
-    env = mpirun_env(DTM_TIMEOUT="30")
-    proc = subprocess.run(
-        [
-            "mpirun",
-            "--timeout",
-            "60",
-            "--bind-to",
-            "none",
-            "-n",
-            "3",
-            sys.executable,
-            "-m",
-            "mpi4py",
-            DIGITS,
-            "--quiet",
-            "--mesh",
-            "dp=2,tp=2",
-            "--steps",
-            "2",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=90,
-        env=env,
-        check=False,
-    )
+    proc = digits_job(3, "dp=2,tp=2", "--steps", "2", DTM_TIMEOUT="30")
     assert proc.returncode != 0
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("digits:")]
     assert len(lines) == 3 and len(set(lines)) == 1, proc.stderr
@@ -266,26 +241,7 @@ def test_fit_under_mpirun_stops_on_a_signal_saves_and_exits_75(tmp_path: Path) -
 
     store = tmp_path / "store"
     env = mpirun_env(PYTHONUNBUFFERED="1", DTM_TIMEOUT="60")
-    cmd = [
-        "mpirun",
-        "--timeout",
-        "120",
-        "--bind-to",
-        "none",
-        "-n",
-        "2",
-        sys.executable,
-        "-m",
-        "mpi4py",
-        DIGITS,
-        "--quiet",
-        "--mesh",
-        "dp=1,tp=2",
-        "--steps",
-        "1000000",
-        "--store",
-        str(store),
-    ]
+    cmd = digits_cmd(2, "dp=1,tp=2", "--steps", "1000000", "--store", str(store))
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
@@ -307,16 +263,7 @@ def test_fit_under_mpirun_stops_on_a_signal_saves_and_exits_75(tmp_path: Path) -
 def test_an_injected_fault_in_fit_under_mpirun_is_named_on_every_rank(tmp_path: Path) -> None:
     """DTM_FAULT in fit() under mpirun: rank 1 fails at its first step; every rank ends with
     one line naming the injected failure, its rank and the step, and no traceback."""
-    env = mpirun_env(DTM_TIMEOUT="30", DTM_FAULT="1:step:raise")
-    cmd = ["mpirun", "--timeout", "60", "--bind-to", "none", "-n", "2", sys.executable, "-m"]
-    proc = subprocess.run(
-        [*cmd, "mpi4py", DIGITS, "--quiet", "--mesh", "dp=1,tp=2", "--steps", "4"],
-        capture_output=True,
-        text=True,
-        timeout=90,
-        env=env,
-        check=False,
-    )
+    proc = digits_job(2, "dp=1,tp=2", "--steps", "4", DTM_TIMEOUT="30", DTM_FAULT="1:step:raise")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
     want = "step 0 failed on rank(s) 1: rank 1 (step 0): injected failure (DTM_FAULT=1:step:raise)"
@@ -326,17 +273,8 @@ def test_an_injected_fault_in_fit_under_mpirun_is_named_on_every_rank(tmp_path: 
 
 def test_a_quota_too_small_for_fits_checkpoint_is_one_error_on_every_rank(tmp_path: Path) -> None:
     store = tmp_path / "store"
-    env = mpirun_env(DTM_TIMEOUT="30")
-    cmd = ["mpirun", "--timeout", "60", "--bind-to", "none", "-n", "2", sys.executable, "-m"]
     args = ["--store", str(store), "--checkpoint-every", "1", "--quota", "1000"]
-    proc = subprocess.run(
-        [*cmd, "mpi4py", DIGITS, "--quiet", "--mesh", "dp=1,tp=2", "--steps", "2", *args],
-        capture_output=True,
-        text=True,
-        timeout=90,
-        env=env,
-        check=False,
-    )
+    proc = digits_job(2, "dp=1,tp=2", "--steps", "2", *args, DTM_TIMEOUT="30")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
     refused = [ln for ln in out.splitlines() if "the quota's 1000" in ln and str(store) in ln]
