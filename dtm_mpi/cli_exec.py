@@ -303,8 +303,14 @@ def runs_under_mpi(argv: Sequence[str]) -> bool:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from dtm_mpi.runtime.policies import checkpoint_policy, resize_policy
+    from dtm_mpi.runtime.policies import (
+        DevicePolicy,
+        checkpoint_policy,
+        progress_policy,
+        resize_policy,
+    )
     from dtm_mpi.runtime.request import RunRequest
+    from dtm_mpi.runtime.runner import run_request
 
     def request() -> RunRequest:
         checkpoint = checkpoint_policy(
@@ -315,31 +321,28 @@ def _cmd_run(args: argparse.Namespace) -> int:
             keep_last=args.keep_last,
             quota=args.quota,
         )
+        device = DevicePolicy(
+            args.backend,
+            args.gpu_aware_mpi,
+            args.require_gpu_aware_mpi,
+            args.max_bytes_per_rank,
+        )
         return RunRequest(
             args.file,
             binding=_binding(args),
             inputs=tuple(args.input),
             output=args.output,
             steps=args.steps,
-            backend=args.backend,
-            max_bytes_per_rank=args.max_bytes_per_rank,
-            checkpoint=checkpoint,
-            gpu_aware=args.gpu_aware_mpi,
-            require_gpu_aware=args.require_gpu_aware_mpi,
             sim=args.sim,
-            log_every=args.log_every,
+            device=device,
+            checkpoint=checkpoint,
             resize=resize_policy(
                 _resizes(args), args.resize_file, relaunch=("-m", "dtm_mpi", *sys.argv[1:])
             ),
+            progress=progress_policy(args.log_every),
         )
 
-    if args.sim is None:  # under MPI: every rank decides before any rank may exit
-        from dtm_mpi.runtime.mpirun import run_under_mpi
-
-        return run_under_mpi(request)
-    from dtm_mpi.runtime.runner import run_request
-
-    return run_request(request())
+    return run_request(request, args.sim)
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ import numpy as np
 
 from dtm_mpi import frontend as dtm
 from dtm_mpi.frontend import functional as fn
+from dtm_mpi.runtime.policies import checkpoint_policy, resize_policy
 from dtm_mpi.runtime.request import parse_resize
 from dtm_mpi.sharding.mesh import parse_mesh_binding
 
@@ -98,15 +99,17 @@ def main(argv: list[str]) -> int:
         steps=args.steps,
         sim=args.sim,
         mesh=sizes,
-        store=args.store,
-        checkpoint_every=args.checkpoint_every,
-        resume=args.resume,
-        checkpoint_async=args.checkpoint_async,
-        keep_last=args.keep_last,
-        quota=args.quota,
+        checkpoint=checkpoint_policy(
+            args.store,
+            every=args.checkpoint_every,
+            resume=args.resume,
+            background=args.checkpoint_async,
+            keep_last=args.keep_last,
+            quota=args.quota,
+        ),
+        resize=resize_policy(tuple(parse_resize(text) for text in args.resize_at)),
         quiet=args.quiet,
-        log_every=50,
-        resize_at=[parse_resize(text) for text in args.resize_at],
+        log_every=50 if args.quiet else None,
     )
     rank0 = bool(res.outputs)  # rank 0 holds the outputs (every rank has the metrics)
     if rank0 and args.store:
@@ -161,7 +164,7 @@ def _held_out(
         steps=1,
         sim=args.sim,
         mesh=sizes,
-        store=args.store,
+        checkpoint=checkpoint_policy(args.store),
         quiet=True,
         values=weights,
     )

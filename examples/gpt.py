@@ -21,6 +21,7 @@ import numpy as np
 
 from dtm_mpi import frontend as dtm
 from dtm_mpi.frontend import functional as fn
+from dtm_mpi.runtime.policies import checkpoint_policy
 from dtm_mpi.sharding.mesh import parse_mesh_binding
 
 SOURCES = (
@@ -136,11 +137,9 @@ def main(argv: list[str]) -> int:
         steps=args.steps,
         sim=args.sim,
         mesh=sizes,
-        store=args.store,
-        checkpoint_every=args.checkpoint_every,
-        resume=args.resume,
+        checkpoint=checkpoint_policy(args.store, every=args.checkpoint_every, resume=args.resume),
         quiet=args.quiet,
-        log_every=50,
+        log_every=50 if args.quiet else None,
     )
     rank0 = bool(res.outputs)
     val_loss = float("nan")
@@ -160,7 +159,7 @@ def main(argv: list[str]) -> int:
             steps=args.val_batches,
             sim=args.sim,
             mesh=sizes,
-            store=args.store,
+            checkpoint=checkpoint_policy(args.store),
             quiet=True,
             values=weights,
         )

@@ -129,11 +129,12 @@ def resumed_equals_uninterrupted(ranks: int, store: Path, done: int, tmp_path: P
         assert got[key].tobytes() == value.tobytes(), f"{key} differs bitwise after the stop"
 
 
-def test_a_signal_delivered_twice_is_one_stop(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ranks", sorted(MESH))
+def test_a_signal_delivered_twice_is_one_stop(ranks: int, tmp_path: Path) -> None:
     """A scheduler signalling every task while the launcher forwards the same signal: two
     copies at once are one request, not a second one."""
     store, marker = tmp_path / "store", str(tmp_path / "never.npz")
-    proc, lines = started(3, store, marker)
+    proc, lines = started(ranks, store, marker)
     os.kill(proc.pid, signal.SIGUSR1)
     os.kill(proc.pid, signal.SIGUSR1)
     code, text = finish(proc, lines)
@@ -248,13 +249,14 @@ def test_async_checkpoints_keep_last_and_log_every(tmp_path: Path) -> None:
     assert all(got[k].tobytes() == v.tobytes() for k, v in want.items())
 
 
-def test_a_quota_too_small_is_one_agreed_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ranks", sorted(MESH))
+def test_a_quota_too_small_is_one_agreed_error(ranks: int, tmp_path: Path) -> None:
     store = tmp_path / "store"
     code, text, _ = mpirun(
-        3,
+        ranks,
         MLP,
         "--mesh",
-        MESH[3],
+        MESH[ranks],
         "--steps",
         "2",
         "--checkpoint-every",
@@ -267,6 +269,6 @@ def test_a_quota_too_small_is_one_agreed_error(tmp_path: Path) -> None:
     )
     assert code == 1, text
     lines = {ln for ln in text.splitlines() if ln.startswith("[rank ")}
-    assert len({ln.split("] ", 1)[1] for ln in lines}) == 1 and len(lines) == 3, text
+    assert len({ln.split("] ", 1)[1] for ln in lines}) == 1 and len(lines) == ranks, text
     assert "quota" in text.lower() and "Traceback" not in text, text
     assert not list(store.glob("ckpt-*"))

@@ -15,16 +15,26 @@ the run API execute them.
 from __future__ import annotations
 
 from dtm_mpi.frontend import functional, nn, optim
-from dtm_mpi.frontend.fit import ArrayLoader, FitResult, fit
+from dtm_mpi.frontend.fit import (
+    ArrayLoader,
+    CheckpointPolicy,
+    DevicePolicy,
+    FitResult,
+    ResizePolicy,
+    fit,
+)
 from dtm_mpi.frontend.mesh import Mesh
 from dtm_mpi.frontend.tensor import Tensor
 from dtm_mpi.frontend.trace import Input, TracedStep, eval_step, train_step
 
 __all__ = [
     "ArrayLoader",
+    "CheckpointPolicy",
+    "DevicePolicy",
     "FitResult",
     "Input",
     "Mesh",
+    "ResizePolicy",
     "Tensor",
     "TracedStep",
     "eval_step",

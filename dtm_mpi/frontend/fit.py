@@ -6,7 +6,8 @@ this process, otherwise under ``mpirun``/``srun`` on every rank of the job (ever
 it) with the handshake, the bounded waits, checkpoints in the parallel-HDF5 store and
 ``resume``. Each step, every rank's loader is asked for *its* blocks of the step's batch only
 (:class:`ArrayLoader` reads just those rows). Every rank gets the metrics of every step; rank
-0 shows a progress bar (tqdm; ``quiet`` for batch jobs) and gets the final parameters.
+0 shows a progress bar (tqdm; ``quiet`` for batch jobs; ``log_every`` for progress lines) and
+gets the final parameters.
 """
 
 from __future__ import annotations
@@ -14,17 +15,24 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from dtm_mpi.console import say
 from dtm_mpi.errors import UsageError
 from dtm_mpi.frontend.trace import TracedStep
+from dtm_mpi.runtime.policies import CheckpointPolicy, DevicePolicy, ResizePolicy
 
-__all__ = ["ArrayLoader", "FitResult", "fit"]
+__all__ = [
+    "ArrayLoader",
+    "CheckpointPolicy",
+    "DevicePolicy",
+    "FitResult",
+    "ResizePolicy",
+    "fit",
+]
 
 
 class ArrayLoader:
@@ -99,24 +107,17 @@ class FitResult:
         return self.metrics[-1][name]
 
 
-class _Progress:
-    """Rank 0's progress line: tqdm with loss, step time and throughput."""
+class _Bar:
+    """Rank 0's progress bar (tqdm): the step's metrics, step time and throughput."""
 
-    def __init__(self, total: int, samples: int, quiet: bool, log_every: int) -> None:
-        self.total, self.samples, self.quiet, self.log_every = total, samples, quiet, log_every
+    def __init__(self, total: int, samples: int) -> None:
+        self.total, self.samples = total, samples
         self.bar: Any = None
         self.t = time.perf_counter()
 
     def __call__(self, step: int, metrics: dict[str, float]) -> None:
         now = time.perf_counter()
         dt, self.t = now - self.t, now
-        if self.quiet:
-            if self.log_every and (step + 1) % self.log_every == 0:
-                shown = " ".join(f"{k} {v:.4g}" for k, v in metrics.items())
-                say(
-                    f"step {step + 1}/{self.total}: {shown} ({dt * 1e3:.1f} ms, {self.samples / dt:.0f} samples/s)"
-                )
-            return
         if self.bar is None:
             from tqdm import tqdm  # type: ignore[import-untyped]
 
@@ -145,39 +146,45 @@ def fit(
     steps: int,
     sim: int | None = None,
     mesh: Mapping[str, int] | None = None,
-    store: str | None = None,
-    checkpoint_every: int | None = None,
-    resume: bool = False,
-    checkpoint_async: bool = False,
-    keep_last: int | None = None,
-    quota: int | None = None,
-    backend: str = "numpy",
+    checkpoint: CheckpointPolicy | None = None,
+    resize: ResizePolicy | None = None,
+    device: DevicePolicy | None = None,
+    log_every: int | None = None,
     quiet: bool = False,
-    log_every: int = 0,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
     values: Mapping[str, np.ndarray] | None = None,
-    resize_at: Sequence[tuple[int, Mapping[str, int]]] = (),
-    resize_file: str | None = None,
 ) -> FitResult:
     """Run ``steps`` steps of ``step`` (a training step updates its state; an evaluation
     step is run once or more on fed inputs), feeding ``loader(step, regions)`` each step.
 
     ``sim``: simulated ranks in this process (None: the ranks of the MPI job; call on every
-    rank). ``mesh``: axis sizes binding the module's mesh (as ``dtm run --mesh``). ``store``,
-    ``checkpoint_every``, ``resume``, ``checkpoint_async``, ``keep_last``, ``quota``: as ``dtm
-    run`` (:class:`~dtm_mpi.runtime.policies.CheckpointPolicy`), and a checkpoint after the
-    last step too, in both modes (an evaluation step's ``init store`` weights are read from
-    ``store``). ``values``: global
-    values of other parameters (an evaluation step's weights), by name. Under MPI, SIGUSR1
-    (or a scheduler's SIGTERM) stops every rank after the same step and saves the state to
-    ``store``; the process then exits with code 75 ("saved, requeue me"; ``resume=True``
-    continues). ``resize_at`` (``(step, mesh)`` pairs) and ``resize_file``: live resizes under
-    MPI, as ``dtm run --resize-at``/``--resize-file`` (:class:`~dtm_mpi.runtime.policies.ResizePolicy`):
-    ranks that leave wait inside ``fit`` until the run ends; ranks beyond those launched are
-    spawned running this script again with its arguments (``python -m mpi4py SCRIPT ARGS``),
-    whose ``fit`` call joins the run (the handshake checks it traced the same module) and
-    returns the metrics of the steps it took part in."""
-    from dtm_mpi.runtime.policies import checkpoint_policy, resize_policy
+    rank). ``mesh``: axis sizes binding the module's mesh (as ``dtm run --mesh``). The options
+    are the policy objects ``dtm run`` builds from its command line
+    (:mod:`dtm_mpi.runtime.policies`, where each option's default and check live):
+
+    * ``checkpoint`` (:class:`~dtm_mpi.runtime.policies.CheckpointPolicy`: store, every N
+      steps, resume, background writes, keep-last, quota), in both modes, with a checkpoint
+      after the last step too (an evaluation step's ``init store`` weights are read from its
+      store). Under MPI, SIGUSR1 (or a scheduler's SIGTERM) stops every rank after the same
+      step and saves the state; the process then exits with code 75 ("saved, requeue me"; a
+      policy with ``resume=True`` continues). Simulated ranks stop alike.
+    * ``resize`` (:class:`~dtm_mpi.runtime.policies.ResizePolicy`: ``at`` steps and a request
+      ``file``), live resizes under MPI: ranks that leave wait inside ``fit`` until the run
+      ends; ranks beyond those launched are spawned running this script again with its
+      arguments (``python -m mpi4py SCRIPT ARGS``; ``relaunch`` defaults to that), whose
+      ``fit`` call joins the run (the handshake checks it traced the same module) and returns
+      the metrics of the steps it took part in.
+    * ``device`` (:class:`~dtm_mpi.runtime.policies.DevicePolicy`: backend, GPU-aware MPI,
+      memory limit per rank; default numpy).
+    * ``log_every``: rank 0's progress line every N steps (the metrics, step time, steps and
+      samples per second; :class:`~dtm_mpi.runtime.policies.ProgressPolicy`); ``quiet``: no
+      progress bar.
+
+    ``values``: global values of other parameters (an evaluation step's weights), by name.
+    Option errors are raised on every rank alike, before anything runs."""
+    from dataclasses import replace
+
+    from dtm_mpi.runtime.policies import progress_policy
     from dtm_mpi.runtime.request import RunRequest
     from dtm_mpi.runtime.runner import run_request
     from dtm_mpi.runtime.step_loop import RunHooks
@@ -187,14 +194,15 @@ def fit(
     samples = (
         step.input_type(first).shape[0] if first is not None and step.input_type(first).shape else 1
     )
-    progress = _Progress(steps, samples, quiet, log_every)
+    bar = None if quiet else _Bar(steps, samples)
 
     def report(i: int, rank: int, metrics: dict[str, float]) -> None:
         if rank != 0 and sim is not None:  # simulated ranks share this process: rank 0 reports
             return
         result.metrics.append({"step": float(i), **metrics})
         if rank == 0:
-            progress(i, metrics)
+            if bar is not None:
+                bar(i, metrics)
             if on_step is not None:
                 on_step(i, metrics)
 
@@ -204,33 +212,30 @@ def fit(
     hooks = RunHooks(
         loader, step.inputs, report, step.metrics, keep, values=dict(values) if values else None
     )
-    checkpoint = checkpoint_policy(
-        store,
-        every=checkpoint_every,
-        resume=resume,
-        background=checkpoint_async,
-        keep_last=keep_last,
-        quota=quota,
-        save_final=True,
-    )
-    resize = resize_policy(
-        tuple((s, dict(b)) for s, b in resize_at), resize_file, relaunch=_relaunch()
-    )
-    request = RunRequest(
-        f"<traced {step.module.name}>",
-        binding=dict(mesh) if mesh else None,
-        steps=steps,
-        backend=backend,
-        checkpoint=checkpoint,
-        sim=sim,
-        module=step.module,
-        hooks=hooks,
-        resize=resize,
-    )
+
+    def request() -> RunRequest:
+        return RunRequest(
+            f"<traced {step.module.name}>",
+            binding=dict(mesh) if mesh else None,
+            steps=steps,
+            sim=sim,
+            module=step.module,
+            hooks=hooks,
+            device=device if device is not None else DevicePolicy(),
+            checkpoint=replace(checkpoint, save_final=True) if checkpoint is not None else None,
+            resize=(
+                resize
+                if resize is None or resize.relaunch is not None
+                else replace(resize, relaunch=_relaunch())
+            ),
+            progress=progress_policy(log_every, samples),
+        )
+
     try:
-        code = run_request(request)
+        code = run_request(request, sim)
     finally:
-        progress.close()
+        if bar is not None:
+            bar.close()
     if code != 0:  # stopped on a signal after saving (75: "requeue me"), or ended: end the job
         raise SystemExit(code)
     return result

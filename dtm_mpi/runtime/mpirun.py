@@ -445,7 +445,7 @@ def _detect_gpu_aware(args: MpiRunArgs, backend: ArrayBackend) -> GpuAwareness |
         return None
     from dtm_mpi.comm.gpu_aware import detect_gpu_aware
 
-    return detect_gpu_aware(args.gpu_aware, backend.name, device=backend.device)
+    return detect_gpu_aware(args.device.gpu_aware, backend.name, device=backend.device)
 
 
 def _device_comm(
@@ -475,7 +475,7 @@ def _device_comm(
         comm,
         backend.ops,
         aware,
-        require_gpu_aware=args.require_gpu_aware,
+        require_gpu_aware=args.device.require_gpu_aware,
         log=(lambda line: say(f"dtm: {line}")) if rank == 0 else (lambda line: None),
     )
 
@@ -583,7 +583,7 @@ def _steps_with(
         first = ckpt.resume(blocks) if ckpt is not None and args.resume else 0
     blocks[:] = [backend.to_device(b) for b in blocks]  # the state lives on the backend
     presence = current_presence()
-    progress = Progress(args.log_every, args.steps) if rank == 0 and args.log_every else None
+    progress = Progress(args.progress, args.steps) if rank == 0 and args.progress else None
     if presence is not None:
         presence.stoppable = True  # a signal now asks for a stop at the next step boundary
     try:

@@ -11,12 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dtm_mpi.errors import agreed_usage
+from dtm_mpi.kernels.backends import BACKEND_NAMES
 
 __all__ = [
     "CheckpointPolicy",
+    "DevicePolicy",
+    "ProgressPolicy",
     "ResizePolicy",
     "check_run_size",
     "checkpoint_policy",
+    "progress_policy",
     "resize_policy",
 ]
 
@@ -129,3 +133,59 @@ def resize_policy(
 ) -> ResizePolicy | None:
     """The resize policy of these options (None when no resize is planned or asked for)."""
     return ResizePolicy(tuple(at), file, relaunch) if at or file else None
+
+
+@dataclass(frozen=True, slots=True)
+class DevicePolicy:
+    """Where a rank computes and how its buffers travel: the array ``backend`` (``--backend``:
+    numpy, cuda or hip; one rank per GPU), GPU-aware MPI (``gpu_aware``: ``--gpu-aware-mpi``
+    auto, yes or no; None: ``DTM_GPU_AWARE_MPI``), refusing to run without it
+    (``require_gpu_aware``: ``--require-gpu-aware-mpi``), and the plan's memory limit per rank
+    (``max_bytes_per_rank``: ``--max-bytes-per-rank``)."""
+
+    backend: str = "numpy"
+    gpu_aware: str | None = None
+    require_gpu_aware: bool = False
+    max_bytes_per_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKEND_NAMES:
+            raise agreed_usage(
+                f"--backend must be one of {', '.join(BACKEND_NAMES)}; got {self.backend!r}"
+            )
+        if self.gpu_aware is not None and self.gpu_aware not in ("auto", "yes", "no"):
+            raise agreed_usage(f"--gpu-aware-mpi must be auto, yes or no; got {self.gpu_aware!r}")
+        if self.backend == "numpy" and (self.require_gpu_aware or self.gpu_aware):
+            raise agreed_usage(
+                "--gpu-aware-mpi and --require-gpu-aware-mpi need --backend cuda or hip"
+            )
+        if self.max_bytes_per_rank is not None and self.max_bytes_per_rank < 1:
+            raise agreed_usage(f"--max-bytes-per-rank must be >= 1; got {self.max_bytes_per_rank}")
+
+    def check_simulated(self) -> None:
+        """Simulated ranks share one process and its numpy arrays (an agreed error else)."""
+        if self.backend != "numpy":
+            raise agreed_usage(
+                f"the simulator (--sim) runs the numpy backend only; run --backend "
+                f"{self.backend} under mpirun/srun (one rank per GPU)"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class ProgressPolicy:
+    """Rank 0's progress line every ``every`` steps (``--log-every``, ``fit(log_every=)``):
+    the step's scalar results where the run reports them (a Python run's metrics), the mean
+    step time since the last line, steps per second, and samples per second where a step
+    takes ``samples`` samples."""
+
+    every: int
+    samples: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise agreed_usage(f"--log-every must be >= 1; got {self.every}")
+
+
+def progress_policy(every: int | None, samples: int | None = None) -> ProgressPolicy | None:
+    """The progress policy of ``--log-every`` (None: no progress lines)."""
+    return ProgressPolicy(every, samples) if every is not None else None

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,8 +35,13 @@ from dtm_mpi.errors import (
     agreed,
     agreed_usage,
 )
-from dtm_mpi.kernels.backends import BACKEND_NAMES
-from dtm_mpi.runtime.policies import CheckpointPolicy, ResizePolicy, check_run_size
+from dtm_mpi.runtime.policies import (
+    CheckpointPolicy,
+    DevicePolicy,
+    ProgressPolicy,
+    ResizePolicy,
+    check_run_size,
+)
 from dtm_mpi.runtime.step_loop import RunHooks
 
 if TYPE_CHECKING:
@@ -62,8 +67,6 @@ __all__ = [
     "write_outputs",
 ]
 
-BACKENDS = BACKEND_NAMES
-
 
 @dataclass(frozen=True, slots=True)
 class RunRequest:
@@ -75,16 +78,15 @@ class RunRequest:
     inputs: tuple[str, ...] = ()  # -i files
     output: str | None = None  # -o OUT.npz
     steps: int = 1
-    backend: str = "numpy"
-    max_bytes_per_rank: int | None = None
-    checkpoint: CheckpointPolicy | None = None  # --store and its options
-    gpu_aware: str | None = None  # --gpu-aware-mpi: auto | yes | no (None: DTM_GPU_AWARE_MPI)
-    require_gpu_aware: bool = False  # --require-gpu-aware-mpi
     sim: int | None = None  # --sim N: simulated ranks in this process; None: under MPI
     module: Module | None = None  # a module built in Python (``file`` then only names it)
     hooks: RunHooks | None = None  # a run started from Python: fed inputs, metrics, outputs
-    log_every: int | None = None  # rank 0 prints step time and throughput every N steps
+    device: DevicePolicy = field(
+        default_factory=DevicePolicy
+    )  # --backend, --gpu-aware-mpi, --max-bytes-per-rank
+    checkpoint: CheckpointPolicy | None = None  # --store and its options
     resize: ResizePolicy | None = None  # --resize-at, --resize-file: live resizes under MPI
+    progress: ProgressPolicy | None = None  # --log-every
 
     @property
     def store(self) -> str | None:
@@ -101,31 +103,22 @@ class RunRequest:
         """The entry parameters a Python run's loader feeds each step (none from the CLI)."""
         return self.hooks.fed if self.hooks is not None else ()
 
+    @property
+    def backend(self) -> str:
+        """The array backend's name (``--backend``)."""
+        return self.device.backend
+
     def __post_init__(self) -> None:
         check_run_size(self.steps, self.sim)
-        if self.backend not in BACKENDS:
-            raise agreed_usage(
-                f"--backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}"
-            )
-        if self.log_every is not None and self.log_every < 1:
-            raise agreed_usage(f"--log-every must be >= 1; got {self.log_every}")
         if self.resize is not None:
             self.resize.check(self.steps, self.binding)
         if self.resume and self.inputs:
             raise agreed_usage(
                 "--resume takes the state from the checkpoint; do not give -i inputs"
             )
-        if self.backend == "numpy" and (self.require_gpu_aware or self.gpu_aware):
-            raise agreed_usage(
-                "--gpu-aware-mpi and --require-gpu-aware-mpi need --backend cuda or hip"
-            )
         if self.sim is None:
             return
-        if self.backend != "numpy":
-            raise agreed_usage(
-                f"the simulator (--sim) runs the numpy backend only; run --backend "
-                f"{self.backend} under mpirun/srun (one rank per GPU)"
-            )
+        self.device.check_simulated()
         if self.resize is not None:
             raise agreed_usage(
                 "--resize-at and --resize-file need the MPI runtime (run under mpirun/srun, without --sim)"
@@ -270,8 +263,8 @@ def plan_run(module: Module, request: RunRequest, nranks: int) -> ExecPlan:
     from dtm_mpi.plan.program import compile_plan, mesh_for
 
     plan = compile_plan(module, mesh_for(module, nranks, request.binding))
-    if request.max_bytes_per_rank is not None:
-        check_memory(plan, request.max_bytes_per_rank)
+    if request.device.max_bytes_per_rank is not None:
+        check_memory(plan, request.device.max_bytes_per_rank)
     return plan
 
 

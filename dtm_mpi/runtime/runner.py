@@ -7,18 +7,25 @@ the ``-o`` file (``output``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from dtm_mpi.runtime.request import RunRequest
 
 __all__ = ["run_request"]
 
 
-def run_request(request: RunRequest) -> int:
-    """Run ``request``: on ``request.sim`` simulated ranks, else on every rank of the job
-    (collective). Returns the exit code (0), or raises / ends the job with one error."""
-    if request.sim is None:
+def run_request(make: Callable[[], RunRequest], sim: int | None) -> int:
+    """Run the request ``make`` builds: on ``sim`` simulated ranks in this process, else on
+    every rank of the job (collective; every rank first builds its own request and all agree
+    that it is valid before any may exit, phase ``arguments``). The one place that decides the
+    mode. Returns the exit code (0; 75 when stopped on a signal after saving), or raises / ends
+    the job with one error."""
+    if sim is None:
         from dtm_mpi.runtime.mpirun import run_under_mpi
 
-        return run_under_mpi(request)
+        return run_under_mpi(make)
+    request = make()
+    assert request.sim == sim, "the request's --sim is the mode it runs in"
     return _run_simulated(request)
 
 
@@ -56,11 +63,11 @@ def _run_simulated(request: RunRequest) -> int:
                 binding=request.binding,
                 inputs=given,
                 steps=request.steps,
-                backend=request.backend,
+                backend=request.device.backend,
                 timeout_s=get_config().timeout_s,
                 hooks=request.hooks,
                 checkpoint=request.checkpoint,
-                log_every=request.log_every,
+                progress=request.progress,
                 stop=stop,
             )
     except RunStopped as stopped:  # every rank after the same step, the state saved

@@ -33,7 +33,7 @@ from dtm_mpi.sharding.redistribute import plan_redistribute
 
 if TYPE_CHECKING:
     from dtm_mpi.io.checkpoint import CheckpointStore
-    from dtm_mpi.runtime.policies import CheckpointPolicy
+    from dtm_mpi.runtime.policies import CheckpointPolicy, ProgressPolicy
 
 T = TypeVar("T")
 
@@ -89,7 +89,7 @@ def run_rank(
     deterministic: bool | None = None,
     checkpoint: CheckpointPolicy | None = None,
     store: CheckpointStore | None = None,
-    log_every: int | None = None,
+    progress: ProgressPolicy | None = None,
     stop: StopSignal | None = None,
 ) -> RankOutcome:
     """Run steps ``first`` .. ``steps - 1`` of the entry function on this rank (the step loop,
@@ -98,7 +98,7 @@ def run_rank(
     metrics reported after each step; ``deterministic``: the exact sums of deterministic mode
     (default: ``DTM_DETERMINISTIC``); ``checkpoint``: its saves gathered to rank 0, which
     writes them into ``store`` (:class:`~dtm_mpi.runtime.checkpoints.GatheredCheckpoints`);
-    ``log_every``: rank 0's progress line every N steps; ``stop``: a stop request (a signal) ends
+    ``progress``: rank 0's progress lines; ``stop``: a stop request (a signal) ends
     the run after the step every rank agrees on (:class:`~dtm_mpi.runtime.step_loop.CommCommit`),
     the state saved (the outcome's ``stopped``).
 
@@ -121,7 +121,7 @@ def run_rank(
         checkpoints=checkpoints,
         stop=stop,
         history=history if hooks is None else None,
-        progress=Progress(log_every, steps) if log_every and comm.rank == 0 else None,
+        progress=Progress(progress, steps) if progress is not None and comm.rank == 0 else None,
     )
     try:
         end = loop.run(args, first)
@@ -228,11 +228,11 @@ def run_simulated(
     hooks: RunHooks | None = None,
     deterministic: bool | None = None,
     checkpoint: CheckpointPolicy | None = None,
-    log_every: int | None = None,
+    progress: ProgressPolicy | None = None,
     stop: StopSignal | None = None,
 ) -> RunResult:
     """Run a *verified* module on ``nranks`` simulated ranks and return global values
-    (``deterministic``, ``checkpoint``, ``log_every``, ``stop``: as :func:`run_rank`; with
+    (``deterministic``, ``checkpoint``, ``progress``, ``stop``: as :func:`run_rank`; with
     ``checkpoint.resume`` the run starts from the newest checkpoint of its store that
     verifies, written on any mesh). Raises :class:`~dtm_mpi.errors.RunStopped` when a stop
     was agreed (rank 0's: it names the saved checkpoint)."""
@@ -265,7 +265,7 @@ def run_simulated(
                 deterministic=deterministic,
                 checkpoint=checkpoint,
                 store=store,
-                log_every=log_every,
+                progress=progress,
                 stop=stop,
             ),
             timeout_s=timeout_s,

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from dtm_mpi.comm.interface import Comm
     from dtm_mpi.plan.program import ExecPlan
     from dtm_mpi.runtime.executor import Executor
-    from dtm_mpi.runtime.policies import CheckpointPolicy
+    from dtm_mpi.runtime.policies import CheckpointPolicy, ProgressPolicy
 
 __all__ = [
     "RESIZE_FLAG",
@@ -142,16 +142,18 @@ class Feed:
                 )
             blocks[i] = self.to_device(np.ascontiguousarray(block, dtype=dtype))
 
-    def report(self, step: int, results: Sequence[Any]) -> None:
-        """Hand the step's complete scalar results to ``on_step``."""
+    def report(self, step: int, results: Sequence[Any]) -> dict[str, float] | None:
+        """Hand the step's complete scalar results to ``on_step``; returns them (None without
+        ``on_step``)."""
         if self.hooks.on_step is None:
-            return
+            return None
         names = self.hooks.metric_names
         metrics: dict[str, float] = {}
         for i, (spec, value) in enumerate(zip(self.entry.results, results, strict=True)):
             if spec.type.shape == () and spec.type.layout.partial is None and spec.updates is None:
                 metrics[names[i] if i < len(names) else f"result{i}"] = float(self.to_host(value))
         self.hooks.on_step(step, self.rank, metrics)
+        return metrics
 
 
 class CommitAgreement(Protocol):
@@ -193,22 +195,27 @@ class Checkpoints(Protocol):
 
 
 class Progress:
-    """Rank 0's progress line every ``every`` steps: the mean step time since the last line
-    and the throughput."""
+    """Rank 0's progress line (:class:`~dtm_mpi.runtime.policies.ProgressPolicy`): every
+    ``policy.every`` steps and after the last, the step's reported scalar results (a Python
+    run's metrics), the mean step time since the last line, steps per second and, where a
+    step's sample count is known, samples per second."""
 
-    def __init__(self, every: int, steps: int) -> None:
-        self.every, self.steps = every, steps
+    def __init__(self, policy: ProgressPolicy, steps: int) -> None:
+        self.every, self.samples, self.steps = policy.every, policy.samples, steps
         self.since, self.count = time.perf_counter(), 0
 
-    def step_done(self, step: int) -> None:
+    def step_done(self, step: int, metrics: Mapping[str, float] | None = None) -> None:
         self.count += 1
         if (step + 1) % self.every and step + 1 != self.steps:
             return
         now = time.perf_counter()
         per = (now - self.since) / max(1, self.count)
-        say(
-            f"step {step + 1}/{self.steps}: {per * 1e3:.3f} ms/step, {1.0 / per if per > 0 else float('inf'):.1f} steps/s"
-        )
+        rate = 1.0 / per if per > 0 else float("inf")
+        parts = [" ".join(f"{k} {v:.4g}" for k, v in (metrics or {}).items())]
+        parts.append(f"{per * 1e3:.3f} ms/step, {rate:.1f} steps/s")
+        if self.samples:
+            parts.append(f"{self.samples * rate:.0f} samples/s")
+        say(f"step {step + 1}/{self.steps}: " + ", ".join(p for p in parts if p))
         self.since, self.count = now, 0
 
 
@@ -271,15 +278,14 @@ class StepLoop:
                 self.feed.feed(step, blocks)
             results = self.executor.run(blocks, step)
             flags = self._commit(step)
-            if self.feed is not None:
-                self.feed.report(step, results)
+            metrics = self.feed.report(step, results) if self.feed is not None else None
             if self.history is not None:
                 self.history.append(results)
             for j, i in self.updates:
                 blocks[i] = results[j]
             done = step + 1
             if self.progress is not None:
-                self.progress.step_done(step)
+                self.progress.step_done(step, metrics)
             if flags & STOP_FLAG and done < self.steps:  # (after the last step: just finish)
                 self._stopped(done, blocks)
             if self.checkpoints is not None and self.checkpoints.policy.due(done, self.steps):

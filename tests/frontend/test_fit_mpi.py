@@ -230,7 +230,11 @@ def test_fit_resizes_live_and_equals_the_uninterrupted_run(
     same_bits(tmp_path / "live.npz", tmp_path / "straight.npz")
 
 
-def test_fit_under_mpirun_stops_on_a_signal_saves_and_exits_75(tmp_path: Path) -> None:
+MESHES = {2: "dp=1,tp=2", 3: "dp=1,tp=3", 4: "dp=2,tp=2"}
+
+
+@pytest.mark.parametrize("ranks", sorted(MESHES))
+def test_fit_under_mpirun_stops_on_a_signal_saves_and_exits_75(ranks: int, tmp_path: Path) -> None:
     """SIGUSR1 to mpirun (forwarded to every rank) while fit() trains: every rank stops after
     the same step, the state is saved, and the job exits 75 ("saved, requeue me")."""
     import os
@@ -241,7 +245,7 @@ def test_fit_under_mpirun_stops_on_a_signal_saves_and_exits_75(tmp_path: Path) -
 
     store = tmp_path / "store"
     env = mpirun_env(PYTHONUNBUFFERED="1", DTM_TIMEOUT="60")
-    cmd = digits_cmd(2, "dp=1,tp=2", "--steps", "1000000", "--store", str(store))
+    cmd = digits_cmd(ranks, MESHES[ranks], "--steps", "1000000", "--store", str(store))
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
@@ -260,22 +264,28 @@ def test_fit_under_mpirun_stops_on_a_signal_saves_and_exits_75(tmp_path: Path) -
     assert [c.step for c in list_checkpoints(store)] == [int(m.group(1))]
 
 
-def test_an_injected_fault_in_fit_under_mpirun_is_named_on_every_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ranks", sorted(MESHES))
+def test_an_injected_fault_in_fit_under_mpirun_is_named_on_every_rank(ranks: int) -> None:
     """DTM_FAULT in fit() under mpirun: rank 1 fails at its first step; every rank ends with
     one line naming the injected failure, its rank and the step, and no traceback."""
-    proc = digits_job(2, "dp=1,tp=2", "--steps", "4", DTM_TIMEOUT="30", DTM_FAULT="1:step:raise")
+    proc = digits_job(
+        ranks, MESHES[ranks], "--steps", "4", DTM_TIMEOUT="30", DTM_FAULT="1:step:raise"
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
     want = "step 0 failed on rank(s) 1: rank 1 (step 0): injected failure (DTM_FAULT=1:step:raise)"
     named = sorted(ln.split("]")[0] for ln in out.splitlines() if want in ln)
-    assert named == ["[rank 0", "[rank 1"] and "Traceback" not in out, out
+    assert named == [f"[rank {r}" for r in range(ranks)] and "Traceback" not in out, out
 
 
-def test_a_quota_too_small_for_fits_checkpoint_is_one_error_on_every_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ranks", sorted(MESHES))
+def test_a_quota_too_small_for_fits_checkpoint_is_one_error_on_every_rank(
+    ranks: int, tmp_path: Path
+) -> None:
     store = tmp_path / "store"
     args = ["--store", str(store), "--checkpoint-every", "1", "--quota", "1000"]
-    proc = digits_job(2, "dp=1,tp=2", "--steps", "2", *args, DTM_TIMEOUT="30")
+    proc = digits_job(ranks, MESHES[ranks], "--steps", "2", *args, DTM_TIMEOUT="30")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
     refused = [ln for ln in out.splitlines() if "the quota's 1000" in ln and str(store) in ln]
-    assert len(refused) == 2 and "Traceback" not in out, out
+    assert len(refused) == ranks and "Traceback" not in out, out

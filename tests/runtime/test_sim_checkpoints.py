@@ -172,11 +172,9 @@ def test_fit_on_simulated_ranks_writes_in_the_background_keeps_the_last_within_a
         steps=5,
         sim=2,
         mesh={"dp": 1, "tp": 2},
-        store=str(store),
-        checkpoint_every=1,
-        checkpoint_async=True,
-        keep_last=2,
-        quota=10_000_000,
+        checkpoint=dtm.CheckpointPolicy(
+            str(store), every=1, background=True, keep_last=2, quota=10_000_000
+        ),
         log_every=2,
     )
     out = capsys.readouterr().out
@@ -191,9 +189,7 @@ def test_fit_on_simulated_ranks_writes_in_the_background_keeps_the_last_within_a
             steps=2,
             sim=2,
             mesh={"dp": 1, "tp": 2},
-            store=str(tmp_path / "q"),
-            checkpoint_every=1,
-            quota=1000,
+            checkpoint=dtm.CheckpointPolicy(str(tmp_path / "q"), every=1, quota=1000),
         )
 
 
@@ -201,9 +197,11 @@ def test_fit_on_simulated_ranks_checkpoints_and_resumes_on_another_mesh(tmp_path
     run = _tiny_fit
     store = str(tmp_path / "s")
     straight = run(steps=6, sim=2, mesh={"dp": 1, "tp": 2})
-    run(steps=4, sim=4, mesh={"dp": 2, "tp": 2}, store=store, checkpoint_every=2)
+    run(steps=4, sim=4, mesh={"dp": 2, "tp": 2}, checkpoint=dtm.CheckpointPolicy(store, every=2))
     assert _steps(Path(store)) == [2, 4]
-    resumed = run(steps=6, sim=2, mesh={"dp": 1, "tp": 2}, store=store, resume=True)
+    resumed = run(
+        steps=6, sim=2, mesh={"dp": 1, "tp": 2}, checkpoint=dtm.CheckpointPolicy(store, resume=True)
+    )
     assert [m["step"] for m in resumed.metrics] == [4.0, 5.0]
     np.testing.assert_allclose(resumed.last("loss"), straight.last("loss"), rtol=1e-5)
     for k, v in straight.outputs.items():

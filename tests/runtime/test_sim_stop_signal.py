@@ -151,7 +151,8 @@ FIT = textwrap.dedent(
             os.kill(os.getpid(), signal.SIGUSR1)
 
     got = dtm.fit(step, dtm.ArrayLoader({"x": x, "y": y}, 16, seed=3), steps=steps, sim=2,
-                  mesh={"dp": 1, "tp": 2}, store=store or None, resume=os.path.isdir(store),
+                  mesh={"dp": 1, "tp": 2},
+                  checkpoint=dtm.CheckpointPolicy(store, resume=os.path.isdir(store)) if store else None,
                   quiet=True, on_step=on_step)
     print("steps", [int(m["step"]) for m in got.metrics])
     print("loss", got.last("loss").hex())
