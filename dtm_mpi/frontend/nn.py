@@ -24,7 +24,7 @@ from typing import Any
 
 from dtm_mpi.errors import UsageError
 from dtm_mpi.frontend.functional import gelu, layer_norm
-from dtm_mpi.frontend.tensor import Tensor, as_layout
+from dtm_mpi.frontend.tensor import Tensor, as_layout, tracer_or_none
 from dtm_mpi.frontend.traced_params import traced_parameter
 from dtm_mpi.ir.nodes import Init, InitKind
 from dtm_mpi.ir.types import DType, Layout, TensorType
@@ -82,6 +82,9 @@ class Module:
     """A layer: parameters and submodules as attributes, ``forward`` on traced tensors."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        tracer = tracer_or_none()
+        if tracer is not None:  # where this layer's ops start (pipeline stages split there)
+            tracer.enter(self)
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -99,6 +102,32 @@ class Module:
             if (id(item[1]), item[2]) not in seen:
                 seen.add((id(item[1]), item[2]))
                 yield item
+
+    def named_layers(self, prefix: str = "") -> Iterator[tuple[str, Module]]:
+        """(path, layer) of every layer below this one (``blocks.2``, ``blocks.2.attn``),
+        parameterless ones too, in attribute order; a layer used twice under its first path."""
+        seen: set[int] = set()
+        for path, layer in self._layers(prefix):
+            if id(layer) not in seen:
+                seen.add(id(layer))
+                yield path, layer
+
+    def _layers(self, prefix: str) -> Iterator[tuple[str, Module]]:
+        for key, value in vars(self).items():
+            if key.startswith("_"):
+                continue
+            subs = (
+                [(f"{prefix}{key}", value)]
+                if isinstance(value, Module)
+                else [(f"{prefix}{key}.{i}", v) for i, v in enumerate(value)]
+                if isinstance(value, list | tuple)
+                and value
+                and all(isinstance(v, Module) for v in value)
+                else []
+            )
+            for path, sub in subs:
+                yield path, sub
+                yield from sub._layers(path + ".")
 
     def _walk(self, prefix: str) -> Iterator[tuple[str, Module, str, Parameter]]:
         for key, value in vars(self).items():

@@ -104,6 +104,14 @@ class Tracer:
     def __init__(self, builder: FunctionBuilder) -> None:
         self.b = builder
         self.detached: set[str] = set()
+        self.paths: dict[int, str] = {}  # id(layer) -> its path in the traced model
+        self.entered: list[tuple[int, str]] = []  # (ops emitted so far, path) per layer call
+
+    def enter(self, layer: object) -> None:
+        """A layer of the traced model is called: remember where its ops start."""
+        path = self.paths.get(id(layer))
+        if path is not None:
+            self.entered.append((len(self.b.ops), path))
 
     def apply(
         self,
@@ -141,6 +149,11 @@ class Tracer:
 
 
 _CURRENT: contextvars.ContextVar[Tracer | None] = contextvars.ContextVar("dtm_tracer", default=None)
+
+
+def tracer_or_none() -> Tracer | None:
+    """The function being traced, if any."""
+    return _CURRENT.get()
 
 
 def current_tracer() -> Tracer:

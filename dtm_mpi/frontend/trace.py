@@ -109,6 +109,7 @@ def _trace(
 ) -> tuple[Tracer, list[Value], list[tuple[str, Value]], Any]:
     b = FunctionBuilder(mesh.ir(), module_name=_module_name(name))
     tr = Tracer(b)
+    tr.paths = {id(layer): path for path, layer in model.named_layers()}
     given = []
     for key, spec in inputs.items():
         if not isinstance(spec, Input):
