@@ -17,9 +17,10 @@ from dtm_mpi.frontend.mesh import Mesh
 from dtm_mpi.frontend.nn import Module as Layer
 from dtm_mpi.frontend.tensor import trace_error, tracing
 from dtm_mpi.frontend.trace import Input, _split_outputs, _trace
-from dtm_mpi.ir.stages import StagePartition, partition_stages
+from dtm_mpi.ir.autodiff import backward
+from dtm_mpi.ir.stages import StagePartition, StepStages, partition_stages, step_stages
 
-__all__ = ["forward_stages", "stage_cuts"]
+__all__ = ["forward_stages", "microbatch_inputs", "stage_cuts", "step_stages_of"]
 
 
 def stage_cuts(
@@ -72,3 +73,76 @@ def forward_stages(
         return partition_stages(tr.b.params, tr.b.ops, cuts, fed=tuple(inputs))
     except VerifyError as err:
         raise trace_error(err) from None
+
+
+def microbatch_inputs(inputs: Mapping[str, Input], microbatches: int) -> dict[str, Input]:
+    """The fed inputs of one of ``microbatches`` microbatches: each split along its first
+    dimension (a size that is not a multiple of ``microbatches`` is an error naming it)."""
+    if microbatches < 1:
+        raise UsageError(f"--microbatches must be >= 1; got {microbatches}")
+    out = {}
+    for key, spec in inputs.items():
+        shape = tuple(spec.shape)
+        if not shape or shape[0] % microbatches:
+            raise UsageError(
+                f"input {key!r}: its first dimension ({shape[0] if shape else 'a scalar'}) is not a multiple of {microbatches} microbatches"
+            )
+        out[key] = Input((shape[0] // microbatches, *shape[1:]), spec.dtype, spec.layout)
+    return out
+
+
+def step_stages_of(
+    model: Layer,
+    loss_fn: Callable[..., Any],
+    *,
+    mesh: Mesh,
+    inputs: Mapping[str, Input],
+    splits: Sequence[str],
+    microbatches: int = 1,
+    seed: int = 0,
+    name: str = "train",
+) -> StepStages:
+    """The forward and reverse passes of a training step cut into ``len(splits) + 1``
+    stages, for one of ``microbatches`` microbatches (the fed inputs split along their first
+    dimension, the loss scaled by ``1 / microbatches``, so that the loss and the parameter
+    gradients of the step are the sums over its microbatches)."""
+    tr, _, weights, out = _trace(
+        model,
+        loss_fn,
+        mesh,
+        microbatch_inputs(inputs, microbatches),
+        name,
+        weights_as_state=True,
+        seed=seed,
+    )
+    with tracing(tr):
+        loss = _split_outputs(out, "loss")[0][1].complete()
+        if microbatches > 1:
+            loss = loss * (1.0 / microbatches)
+    n_forward = len(tr.b.ops)
+    try:
+        partition = partition_stages(
+            tr.b.params, tr.b.ops, stage_cuts(model, tr.entered, splits), fed=tuple(inputs)
+        )
+    except VerifyError as err:
+        raise trace_error(err) from None
+    origins: list[int] = []
+    with tracing(tr):
+        grads = backward(
+            tr.b,
+            list(tr.b.ops),
+            loss.value,
+            [v for _, v in weights],
+            stop=tr.detached,
+            origins=origins,
+        )
+    return step_stages(
+        tr.b.params,
+        tr.b.ops,
+        n_forward,
+        origins,
+        partition,
+        loss.value.name,
+        [(v.name, g.name) for (_, v), g in zip(weights, grads, strict=True)],
+        mesh.ir(),
+    )

@@ -70,11 +70,20 @@ def backward(
     wrt: Sequence[Value],
     *,
     stop: Collection[str] = (),
+    origins: list[int] | None = None,
 ) -> list[Value]:
     """Emit into ``b`` the gradients of ``loss`` (a float scalar computed by ``body``, ops
     already in ``b``) with respect to ``wrt``, each in its value's type (a zero constant
     where the loss does not depend on it). No gradient flows into the values named in
-    ``stop`` (treated as constants: the frontend's ``detach``)."""
+    ``stop`` (treated as constants: the frontend's ``detach``). ``origins``, when given,
+    receives one entry per emitted op: the position in ``body`` of the op whose gradient rule
+    emitted it (the seed: the op computing ``loss``), or ``-1 - k`` for the ops taking the
+    gradient of ``wrt[k]`` to its value's layout (what pipeline stages are cut by)."""
+
+    def emitted(before: int, origin: int) -> None:
+        if origins is not None:
+            origins.extend([origin] * (len(b.ops) - before))
+
     if loss.type.shape != () or not loss.type.dtype.is_float:
         raise GradientError(
             f"the differentiated value {loss.name} must be a float scalar; it is {loss.type}",
@@ -95,10 +104,13 @@ def backward(
             )
     cts: dict[str, Value] = {}
     if loss.name in reached:
+        before = len(b.ops)
         cts[loss.name] = b.constant(1.0, loss.type)
+        emitted(before, next(i for i, op in enumerate(body) if loss.name in op.results))
     base = max((int(t) for op in body if isinstance(t := op.attr("tag"), int)), default=-1) + 1
     returned: set[tuple[object, ...]] = set()  # forward transfers whose cotangent was sent back
-    for op in reversed(body):
+    for at in reversed(range(len(body))):
+        op = body[at]
         out = tuple(cts.get(n) for n in op.results)
         opdef = lookup_op(op.name)
         assert opdef is not None
@@ -120,6 +132,7 @@ def backward(
                 f"{op.name} has no gradient rule, and the gradient of {loss.name} must flow through it to {', '.join(n for n, w in zip(op.operands, wants, strict=True) if w)}",
                 op.span,
             )
+        before = len(b.ops)
         ctx = GradContext(
             b,
             op,
@@ -134,14 +147,17 @@ def backward(
                 continue
             have = cts.get(name)
             cts[name] = ct if have is None else b.apply1("add", [have, ct], span=op.span, hint="g")
+        emitted(before, at)
     grads = []
-    for w in wrt:
+    for k, w in enumerate(wrt):
         ct = cts.get(w.name)
         target = w.type.with_layout(complete_layout(w.type.layout))
+        before = len(b.ops)
         if ct is None:
             grads.append(b.constant(0, target))
         else:
             grads.append(b.to_layout(ct, target.layout))
+        emitted(before, -1 - k)
     return grads
 
 

@@ -17,13 +17,23 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dtm_mpi.errors import SourceSpan, UsageError, VerifyError
-from dtm_mpi.ir.nodes import NO_SPAN, Op, Param
+from dtm_mpi.ir.nodes import NO_SPAN, Function, MeshDecl, Module, Op, Param
 from dtm_mpi.ir.types import TensorType
 
-__all__ = ["Route", "Stage", "StagePartition", "partition_stages"]
+__all__ = [
+    "Route",
+    "Stage",
+    "StagePartition",
+    "StagePass",
+    "StagePasses",
+    "StepStages",
+    "partition_stages",
+    "pass_module",
+    "step_stages",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,3 +162,219 @@ def _place_param(
             "a parameter lives on one stage (weights tied across stages are not supported)",
             span,
         )
+
+
+# --- the passes of a training step's stages ---------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StagePass:
+    """One pass of a stage: its ``function`` (a parameter named as the value it carries,
+    complete: a pending sum travels finished and is made pending again inside), and the
+    values its results carry (``carries``, in result order)."""
+
+    function: Function
+    carries: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StagePasses:
+    """Stage ``index``'s passes for one microbatch: ``forward`` (its parameters, fed inputs
+    and received activations in; the activations it sends, the loss on the last stage, then
+    the values its backward passes use out), ``input_grad`` (what the previous stages wait
+    for: the gradients it sends, then values its weight pass uses) and ``weight_grad`` (the
+    gradients of its parameters, in ``params`` order)."""
+
+    index: int
+    params: tuple[str, ...]
+    forward: StagePass
+    input_grad: StagePass
+    weight_grad: StagePass
+
+
+@dataclass(frozen=True, slots=True)
+class StepStages:
+    """A training step's forward cut into stages (``partition``, the activation routes),
+    the gradient routes (``grad_routes``: a cotangent from a later stage to an earlier one)
+    and each stage's passes; ``loss``: the (scaled) loss value, returned by the last stage's
+    forward."""
+
+    partition: StagePartition
+    params: tuple[Param, ...]
+    grad_routes: tuple[Route, ...]
+    passes: tuple[StagePasses, ...]
+    loss: str
+
+
+def step_stages(
+    params: Sequence[Param],
+    body: Sequence[Op],
+    n_forward: int,
+    origins: Sequence[int],
+    partition: StagePartition,
+    loss: str,
+    grads: Sequence[tuple[str, str]],
+    mesh: MeshDecl,
+) -> StepStages:
+    """The passes of each stage of a step whose ``body`` is a forward pass (its first
+    ``n_forward`` ops, cut as ``partition``) followed by its reverse pass, each reverse op's
+    origin given (:func:`~dtm_mpi.ir.autodiff.backward`'s ``origins``); ``grads``: (parameter,
+    its gradient value) in the order the reverse pass took them to their layouts."""
+    bounds = _op_stages(partition, n_forward)
+    stage_of_op = bounds + [
+        bounds[o] if o >= 0 else partition.stage_of(grads[-1 - o][0]) for o in origins
+    ]
+    if len(stage_of_op) != len(body):
+        raise ValueError(f"{len(origins)} origins for {len(body) - n_forward} reverse ops")
+    made: dict[str, int] = {}  # value -> the position of the op making it
+    for i, op in enumerate(body):
+        for n in op.results:
+            made[n] = i
+    by_name = {p.name: p for p in params}
+    grad_dst: dict[str, set[int]] = {}
+    for i in range(n_forward, len(body)):
+        for n in body[i].operands:
+            j = made.get(n)
+            if j is not None and j >= n_forward and stage_of_op[j] != stage_of_op[i]:
+                grad_dst.setdefault(n, set()).add(stage_of_op[i])
+    types = {n: t for op in body for n, t in zip(op.results, op.result_types, strict=True)}
+    types.update({p.name: p.type for p in params})
+    grad_routes = tuple(
+        Route(n, types[n], stage_of_op[made[n]], tuple(sorted(d)), body[made[n]].span)
+        for n, d in grad_dst.items()
+    )
+    passes = tuple(
+        _passes(
+            s,
+            partition,
+            body,
+            n_forward,
+            stage_of_op,
+            grad_routes,
+            loss,
+            grads,
+            by_name,
+            types,
+            mesh,
+        )
+        for s in range(len(partition.stages))
+    )
+    return StepStages(partition, tuple(params), grad_routes, passes, loss)
+
+
+def _op_stages(partition: StagePartition, n_forward: int) -> list[int]:
+    out = [s.index for s in partition.stages for _ in s.ops]
+    if len(out) != n_forward:
+        raise ValueError(f"the partition has {len(out)} ops; the forward pass {n_forward}")
+    return out
+
+
+def _passes(
+    s: int,
+    partition: StagePartition,
+    body: Sequence[Op],
+    n_forward: int,
+    stage_of_op: Sequence[int],
+    grad_routes: tuple[Route, ...],
+    loss: str,
+    grads: Sequence[tuple[str, str]],
+    params: dict[str, Param],
+    types: dict[str, TensorType],
+    mesh: MeshDecl,
+) -> StagePasses:
+    stage = partition.stages[s]
+    fwd = list(stage.ops)
+    back = [body[i] for i in range(n_forward, len(body)) if stage_of_op[i] == s]
+    sends = [r.value for r in grad_routes if r.src == s]
+    # the input-gradient pass: the reverse ops the sent gradients depend on
+    need, inputs_ops = set(sends), []
+    for op in reversed(back):
+        if need.intersection(op.results):
+            inputs_ops.append(op)
+            need.update(op.operands)
+    in_pass = set(map(id, inputs_ops))
+    inputs_ops.reverse()
+    weight_ops = [op for op in back if id(op) not in in_pass]
+    own = [p for p in stage.params]
+    mine = [g for p, g in grads if p in own]
+    made_f = {n for op in fwd for n in op.results}
+    made_i = {n for op in inputs_ops for n in op.results}
+    given = [*own, *stage.inputs, *stage.receives]  # what the forward pass starts from
+    recv_grads = [r.value for r in grad_routes if s in r.dst]
+    held = _used_from(inputs_ops + weight_ops, made_f)  # forward values the reverse ops use
+    made_w = {n for op in weight_ops for n in op.results}
+    to_w = _used_from(weight_ops, made_i)
+    to_w += [g for g in mine if g in made_i and g not in to_w]  # (a gradient made by I)
+    f_out = [*stage.sends, *([loss] if loss in made_f else []), *held]
+    forward = _function(f"stage{s}_forward", given, fwd, f_out, params, types, mesh)
+    i_in = _used_from(inputs_ops, set(given) | made_f | set(recv_grads))
+    input_grad = _function(
+        f"stage{s}_input_grad", i_in, inputs_ops, [*sends, *to_w], params, types, mesh
+    )
+    w_pool = set(given) | made_f | made_i | set(recv_grads)
+    w_in = _used_from(weight_ops, w_pool)
+    w_in += [g for g in mine if g not in made_w and g not in w_in]  # passed through
+    weight_grad = _function(f"stage{s}_weight_grad", w_in, weight_ops, mine, params, types, mesh)
+    return StagePasses(s, tuple(own), forward, input_grad, weight_grad)
+
+
+def _used_from(ops: Sequence[Op], pool: set[str]) -> list[str]:
+    """The values of ``pool`` that ``ops`` use and do not make, in first-use order."""
+    made: set[str] = set()
+    out: list[str] = []
+    for op in ops:
+        for n in op.operands:
+            if n in pool and n not in made and n not in out:
+                out.append(n)
+        made.update(op.results)
+    return out
+
+
+def _function(
+    name: str,
+    inputs: Sequence[str],
+    ops: Sequence[Op],
+    returns: Sequence[str],
+    params: dict[str, Param],
+    types: dict[str, TensorType],
+    mesh: MeshDecl,
+) -> StagePass:
+    """The pass ``name``: ``ops`` as a function of the values ``inputs``, returning the
+    values ``returns``; a pending value is passed in and out complete."""
+    from dtm_mpi.ir.build import FunctionBuilder, Value
+
+    b = FunctionBuilder(mesh, names=[n for op in ops for n in op.results])
+    env: dict[str, Value] = {}
+    for n in inputs:
+        t = types[n]
+        span = params[n].span if n in params else NO_SPAN
+        v = b.add_param(n, t.with_layout(t.layout.with_partial(None)), span=span)
+        env[n] = b.to_layout(v, t.layout, span=span) if t.layout.partial is not None else v
+    for op in ops:
+        names = tuple(n if n not in b.types else b.fresh(n) for n in op.results)
+        copied = Op(
+            op.name,
+            names,
+            op.result_types,
+            tuple(env[x].name for x in op.operands),
+            op.attrs,
+            op.span,
+            op.result_spans,
+            op.operand_spans,
+            op.type_spans,
+            op.attr_spans,
+        )
+        env.update(zip(op.results, b.append(copied), strict=True))
+    outs = [b.complete(env[n]) for n in returns]
+    return StagePass(b.function(name, outs), tuple(returns))
+
+
+def pass_module(f: Function, mesh: MeshDecl, name: str) -> Module:
+    """A verified module whose entry function is the pass ``f`` (what a rank compiles and
+    runs for that pass; a pass that does not verify is a bug of the cut, raised here)."""
+    from dtm_mpi.ir.registry import required_version
+    from dtm_mpi.ir.verify import verify_module
+
+    module = Module(required_version(f.body), name, (mesh,), (replace(f, entry=True),))
+    verify_module(module)
+    return module
