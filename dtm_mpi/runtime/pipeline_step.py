@@ -1,0 +1,221 @@
+"""A rank's part of a pipelined training step: the passes of the stages it holds, run per
+microbatch in its schedule's order (:mod:`dtm_mpi.plan.schedule`), the boundary values sent
+and received along the pipeline axis, the parameter gradients summed over the microbatches,
+and the loss published from the last stage to every rank.
+
+The mesh has a pipeline axis (``pp``) besides the model's axes: stage ``s`` runs on the ranks
+whose ``pp`` coordinate is ``s % pp``, each holding its blocks in the model's layouts over
+the other axes, so a boundary value crosses as the local block of the rank with the same
+coordinates on the next (or previous) stage -- no redistribution. Every pass is compiled once
+(:func:`~dtm_mpi.plan.program.compile_plan` of :func:`~dtm_mpi.ir.stages.pass_module`) and
+run by the one interpreter (:class:`~dtm_mpi.runtime.executor.Executor`); its collectives
+run among the ranks of its stage.
+
+Before anything runs, each route's block shape and dtype are checked on both sides against
+the plan, and the schedule's sends and receives pair up (:func:`~dtm_mpi.plan.schedule.check_schedule`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dtm_mpi.comm.interface import Comm
+from dtm_mpi.config import get_config
+from dtm_mpi.errors import PlanError, UsageError
+from dtm_mpi.ir.dtypes import np_dtype
+from dtm_mpi.ir.nodes import MeshDecl
+from dtm_mpi.ir.stages import StagePass, StepStages, pass_module
+from dtm_mpi.plan.program import compile_plan
+from dtm_mpi.plan.schedule import Compute, Recv, Schedule, Send, Transfer, Work
+from dtm_mpi.runtime.executor import Executor
+from dtm_mpi.runtime.values import init_global
+from dtm_mpi.sharding.blocks import local_block, local_shape
+from dtm_mpi.sharding.mesh import MeshShape
+
+__all__ = ["PipelineRank", "StepOutcome"]
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """A pipelined step on one rank: the loss (the same bits on every rank) and this rank's
+    blocks of the gradients of its stages' parameters, summed over the microbatches."""
+
+    loss: float
+    grads: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+class _Pass:
+    """One pass compiled for this rank."""
+
+    def __init__(self, sp: StagePass, mesh: MeshDecl, shape: MeshShape, comm: Comm) -> None:
+        self.carries = sp.carries
+        self.params = tuple(p.name for p in sp.function.params)
+        plan = compile_plan(pass_module(sp.function, mesh, sp.function.name), shape)
+        self.executor = Executor(plan, comm, deterministic=False)
+
+    def run(self, values: Mapping[str, np.ndarray], step: int) -> dict[str, np.ndarray]:
+        out = self.executor.run([values[n] for n in self.params], step)
+        return dict(zip(self.carries, out, strict=True))
+
+
+class PipelineRank:
+    """This rank's stages of ``stages`` (``axis``: the pipeline axis of ``shape``), run as
+    ``schedule`` says. ``values``: global initial values of parameters by name (default:
+    each parameter's init)."""
+
+    def __init__(
+        self,
+        stages: StepStages,
+        schedule: Schedule,
+        mesh: MeshDecl,
+        shape: MeshShape,
+        comm: Comm,
+        *,
+        axis: str = "pp",
+        values: Mapping[str, np.ndarray] | None = None,
+    ) -> None:
+        if get_config().deterministic:
+            raise UsageError(
+                "deterministic mode does not run pipeline stages yet (its exact sums take their exponents over the whole batch)"
+            )
+        if axis not in shape.axis_names:
+            raise UsageError(f"the mesh {shape} has no pipeline axis {axis!r}")
+        if shape.axis_size(axis) != schedule.shape.ranks:
+            raise UsageError(
+                f"the schedule is for {schedule.shape.ranks} pipeline ranks; the mesh has {axis}={shape.axis_size(axis)}"
+            )
+        if schedule.shape.stages != len(stages.passes):
+            raise UsageError(
+                f"the schedule runs {schedule.shape.stages} stages; the model is cut into {len(stages.passes)}"
+            )
+        self.stages, self.schedule, self.shape, self.comm = stages, schedule, shape, comm
+        self.rank = comm.rank
+        self.pp = shape.index_along(self.rank, (axis,))
+        self.pp_group = shape.group_of(self.rank, (axis,))  # ranks along pp, in pp order
+        self.axis = axis
+        mine = [s for s in stages.passes if schedule.shape.rank_of(s.index) == self.pp]
+        self.passes = {
+            (s.index, work): _Pass(sp, mesh, shape, comm)
+            for s in mine
+            for work, sp in ((Work.F, s.forward), (Work.I, s.input_grad), (Work.W, s.weight_grad))
+        }
+        self.owned = [name for s in mine for name in s.params]
+        given = values or {}
+        by_name = {p.name: p for p in stages.params}
+        self.blocks: dict[str, np.ndarray] = {}
+        for name in self.owned:
+            p = by_name[name]
+            whole = given.get(name.lstrip("%"))
+            whole = init_global(p) if whole is None else np.asarray(whole)
+            region = local_block(p.type.shape, p.type.layout, shape, self.rank)
+            self.blocks[name] = np.ascontiguousarray(whole[region])
+        self._routes = {r.value: r for r in (*stages.partition.routes, *stages.grad_routes)}
+        self._check_routes()
+
+    def _check_routes(self) -> None:
+        """Every value this rank receives is declared, in the plan, with the block its sender
+        computes: the same shape and dtype on both sides (a mismatch is a located error
+        before any data moves, the same on every rank)."""
+        for action in self.schedule.actions[self.pp]:
+            if not isinstance(action, Send | Recv):
+                continue
+            value = self._route_value(action)
+            route = self._routes[value]
+            peer = self.pp_group[action.peer]
+            mine = local_shape(route.type.shape, route.type.layout, self.shape, self.rank)
+            theirs = local_shape(route.type.shape, route.type.layout, self.shape, peer)
+            if mine != theirs:
+                raise PlanError(
+                    f"route {route} (made at {route.span}): rank {self.rank} holds a block of {list(mine)} but rank {peer} one of {list(theirs)}"
+                )
+
+    def _route_value(self, action: Send | Recv) -> str:
+        """The value a transfer of the schedule carries (routes are per stage boundary)."""
+        stage = action.stage
+        if action.what is Transfer.ACT:
+            consumer = stage + 1
+            names = [
+                r.value
+                for r in self.stages.partition.routes
+                if r.src == stage and consumer in r.dst
+            ]
+        else:
+            consumer = stage - 1
+            names = [
+                r.value for r in self.stages.grad_routes if r.src == stage and consumer in r.dst
+            ]
+        if len(names) != 1:
+            raise PlanError(
+                f"stage {stage} to stage {consumer}: {len(names)} routed values; the schedule sends one per microbatch (skip connections over a stage are not run yet)"
+            )
+        return names[0]
+
+    def step(self, batch: Mapping[str, np.ndarray], step: int = 0) -> StepOutcome:
+        """Run one step on the global ``batch`` of fed inputs (each split into the
+        schedule's microbatches along its first dimension).
+
+        Collective: call on all ranks."""
+        m = self.schedule.shape.microbatches
+        envs: list[dict[str, np.ndarray]] = [dict(self.blocks) for _ in range(m)]
+        for k, env in enumerate(envs):
+            for name, whole in batch.items():
+                rows = whole.shape[0] // m
+                env["%" + name] = self._fed_block(name, whole[k * rows : (k + 1) * rows])
+        grads: dict[str, np.ndarray] = {}
+        loss = np.zeros((), np.float64)
+        for action in self.schedule.actions[self.pp]:
+            env = envs[action.microbatch]
+            if isinstance(action, Send):
+                self.comm.send(
+                    env[self._route_value(action)], self.pp_group[action.peer], action.tag
+                )
+            elif isinstance(action, Recv):
+                value = self._route_value(action)
+                route = self._routes[value]
+                shape = local_shape(route.type.shape, route.type.layout, self.shape, self.rank)
+                env[value] = self.comm.recv(
+                    shape,
+                    np.dtype(np_dtype(route.type.dtype)),
+                    self.pp_group[action.peer],
+                    action.tag,
+                )
+            else:
+                loss = self._compute(action, env, grads, loss, step)
+        self.comm.flush()
+        published = self.comm.broadcast(
+            np.asarray(loss), (self.axis,), self.schedule.shape.rank_of(len(self.stages.passes) - 1)
+        )
+        return StepOutcome(float(published), grads)
+
+    def _compute(
+        self,
+        c: Compute,
+        env: dict[str, np.ndarray],
+        grads: dict[str, np.ndarray],
+        loss: np.ndarray,
+        step: int,
+    ) -> np.ndarray:
+        works = (Work.I, Work.W) if c.work is Work.B else (c.work,)
+        for work in works:
+            out = self.passes[(c.stage, work)].run(env, step)
+            env.update(out)
+            if work is Work.F and self.stages.loss in out:
+                loss = loss + out[self.stages.loss]
+            if work is Work.W:
+                for name, g in zip(self.stages.passes[c.stage].params, out.values(), strict=True):
+                    grads[name] = grads[name] + g if name in grads else g
+        return loss
+
+    def _fed_block(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """This rank's block of a microbatch of fed input ``name`` (any stage's type of it)."""
+        for s in self.stages.passes:
+            for p in s.forward.function.params:
+                if p.name == "%" + name:
+                    t = p.type
+                    return np.ascontiguousarray(
+                        rows[local_block(t.shape, t.layout, self.shape, self.rank)]
+                    )
+        raise UsageError(f"fed input {name!r} is not an input of any stage")

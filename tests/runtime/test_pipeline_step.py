@@ -1,0 +1,129 @@
+"""A pipelined training step on simulated ranks (dtm_mpi.runtime.pipeline_step): stages over a
+``pp`` axis with dp and tp, every schedule, run by the one interpreter with sends and receives
+along pp; the loss the same bits on every rank and the gradients those of the unpipelined step
+(to float64 rounding)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dtm_mpi import frontend as dtm
+from dtm_mpi.comm.sim import run_ranks
+from dtm_mpi.config import get_config
+from dtm_mpi.errors import RemoteFailureError
+from dtm_mpi.frontend import functional as fn
+from dtm_mpi.frontend.stage_split import step_stages_of
+from dtm_mpi.frontend.tensor import tracing
+from dtm_mpi.frontend.trace import _split_outputs, _trace
+from dtm_mpi.ir.autodiff import backward
+from dtm_mpi.ir.nodes import Module
+from dtm_mpi.ir.registry import required_version
+from dtm_mpi.plan.schedule import PipelineShape, ScheduleKind, plan_schedule
+from dtm_mpi.runtime.pipeline_step import PipelineRank, StepOutcome
+from dtm_mpi.runtime.reference import evaluate_function
+from dtm_mpi.runtime.values import init_global
+from dtm_mpi.sharding.blocks import local_block
+from dtm_mpi.sharding.mesh import MeshShape
+
+BATCH, T, VOCAB = 8, 6, 11
+INPUTS = {
+    "ids": dtm.Input((BATCH, T), "i32", ("dp", None)),
+    "tgt": dtm.Input((BATCH, T), "i32", ("dp", None)),
+}
+
+
+def _model() -> dtm.nn.GPT:
+    return dtm.nn.GPT(VOCAB, T, 16, 2, 4, dtype="f64")
+
+
+def _loss(m: dtm.nn.GPT, ids: dtm.Tensor, tgt: dtm.Tensor) -> dtm.Tensor:
+    logits = m(ids)
+    return fn.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+
+
+def _batch() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(7)
+    return {k: rng.integers(0, VOCAB, size=(BATCH, T)).astype(np.int32) for k in INPUTS}
+
+
+def _unpipelined(mesh: dtm.Mesh) -> tuple[float, dict[str, np.ndarray]]:
+    tr, _, weights, out = _trace(
+        _model(), _loss, mesh, INPUTS, "ref", weights_as_state=True, seed=0
+    )
+    with tracing(tr):
+        loss = _split_outputs(out, "loss")[0][1].complete()
+        grads = backward(
+            tr.b, list(tr.b.ops), loss.value, [v for _, v in weights], stop=tr.detached
+        )
+    f = tr.b.function("ref", [loss.value, *grads], entry=True)
+    module = Module(required_version(f.body), "ref", (mesh.ir(),), (f,))
+    data = _batch()
+    args = tuple(data[p.name[1:]] if p.name[1:] in data else init_global(p) for p in f.params)
+    got = evaluate_function(module, f, args, 0)
+    return float(got[0]), {v.name: g for (_, v), g in zip(weights, got[1:], strict=True)}
+
+
+CASES = [
+    ("pp2", {"pp": 2}, ["blocks.2"], ScheduleKind.ONE_F_ONE_B, 1),
+    ("pp4", {"pp": 4}, ["blocks.1", "blocks.2", "blocks.3"], ScheduleKind.ONE_F_ONE_B, 1),
+    ("dp2xpp2", {"pp": 2, "dp": 2}, ["blocks.2"], ScheduleKind.GPIPE, 1),
+    ("tp2xpp2", {"pp": 2, "tp": 2}, ["blocks.2"], ScheduleKind.ZB_H1, 1),
+    ("pp2x2chunks", {"pp": 2}, ["blocks.1", "blocks.2", "blocks.3"], ScheduleKind.INTERLEAVED, 2),
+]
+
+
+@pytest.mark.parametrize(
+    ("sizes", "splits", "kind", "chunks"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+@pytest.mark.parametrize("m", [2, 4])
+def test_a_pipelined_step_gives_the_unpipelined_gradients_and_one_loss_everywhere(
+    sizes: dict[str, int], splits: list[str], kind: ScheduleKind, chunks: int, m: int
+) -> None:
+    full = {"pp": 1, "dp": 1, "tp": 1, **sizes}
+    mesh = dtm.Mesh(**full)
+    shape = MeshShape(tuple(full.items()))
+    stages = step_stages_of(
+        _model(), _loss, mesh=mesh, inputs=INPUTS, splits=splits, microbatches=m
+    )
+    schedule = plan_schedule(kind, PipelineShape(full["pp"], m, chunks))
+    batch = _batch()
+    outcomes: list[StepOutcome] = run_ranks(
+        shape,
+        lambda comm: PipelineRank(stages, schedule, mesh.ir(), shape, comm).step(batch),
+        timeout_s=60,
+    )
+    want_loss, want = _unpipelined(mesh)
+    assert len({o.loss.hex() for o in outcomes}) == 1  # the same bits on every rank
+    np.testing.assert_allclose(outcomes[0].loss, want_loss, rtol=1e-13)
+    types = {p.name: p.type for p in stages.params}
+    for name, g in want.items():
+        got = np.full_like(g, np.nan)
+        holders = [r for r, o in enumerate(outcomes) if name in o.grads]
+        assert holders, f"no rank holds the gradient of {name}"
+        for r in holders:  # (replicas over dp hold the same blocks)
+            got[local_block(g.shape, types[name].layout, shape, r)] = outcomes[r].grads[name]
+        np.testing.assert_allclose(got, g, rtol=1e-10, atol=1e-14, err_msg=name)
+
+
+def test_deterministic_mode_is_refused_until_it_is_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DTM_DETERMINISTIC", "1")
+    get_config.cache_clear()
+    try:
+        mesh = dtm.Mesh(pp=2, dp=1, tp=1)
+        shape = MeshShape((("pp", 2), ("dp", 1), ("tp", 1)))
+        stages = step_stages_of(
+            _model(), _loss, mesh=mesh, inputs=INPUTS, splits=["blocks.2"], microbatches=2
+        )
+        schedule = plan_schedule(ScheduleKind.ONE_F_ONE_B, PipelineShape(2, 2))
+        with pytest.raises(
+            RemoteFailureError, match="deterministic mode does not run pipeline stages yet"
+        ):
+            run_ranks(
+                shape,
+                lambda comm: PipelineRank(stages, schedule, mesh.ir(), shape, comm),
+                timeout_s=30,
+            )
+    finally:
+        monkeypatch.delenv("DTM_DETERMINISTIC")
+        get_config.cache_clear()
