@@ -10,15 +10,25 @@ then finds the routes between them).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from dtm_mpi.errors import UsageError, VerifyError
 from dtm_mpi.frontend.mesh import Mesh
 from dtm_mpi.frontend.nn import Module as Layer
-from dtm_mpi.frontend.tensor import trace_error, tracing
+from dtm_mpi.frontend.optim import Optimizer
+from dtm_mpi.frontend.tensor import Tensor, Tracer, trace_error, tracing
 from dtm_mpi.frontend.trace import Input, _split_outputs, _trace
 from dtm_mpi.ir.autodiff import backward
-from dtm_mpi.ir.stages import StagePartition, StepStages, partition_stages, step_stages
+from dtm_mpi.ir.build import FunctionBuilder
+from dtm_mpi.ir.nodes import Param
+from dtm_mpi.ir.stages import (
+    StagePartition,
+    StagePass,
+    StepStages,
+    partition_stages,
+    step_stages,
+)
 
 __all__ = ["forward_stages", "microbatch_inputs", "stage_cuts", "step_stages_of"]
 
@@ -99,13 +109,15 @@ def step_stages_of(
     inputs: Mapping[str, Input],
     splits: Sequence[str],
     microbatches: int = 1,
+    optimizer: Optimizer | None = None,
     seed: int = 0,
     name: str = "train",
 ) -> StepStages:
     """The forward and reverse passes of a training step cut into ``len(splits) + 1``
     stages, for one of ``microbatches`` microbatches (the fed inputs split along their first
     dimension, the loss scaled by ``1 / microbatches``, so that the loss and the parameter
-    gradients of the step are the sums over its microbatches)."""
+    gradients of the step are the sums over its microbatches); with ``optimizer``, each
+    stage's update pass too (its state parameters join the step's)."""
     tr, _, weights, out = _trace(
         model,
         loss_fn,
@@ -136,7 +148,7 @@ def step_stages_of(
             stop=tr.detached,
             origins=origins,
         )
-    return step_stages(
+    stages = step_stages(
         tr.b.params,
         tr.b.ops,
         n_forward,
@@ -146,3 +158,36 @@ def step_stages_of(
         [(v.name, g.name) for (_, v), g in zip(weights, grads, strict=True)],
         mesh.ir(),
     )
+    if optimizer is None:
+        return stages
+    by_name = {p.name: p for p in stages.params}
+    passes, states = [], []
+    for s in stages.passes:
+        update, opt = _update_pass(mesh, [by_name[n] for n in s.params], optimizer, s.index)
+        passes.append(replace(s, update=update))
+        states += opt
+    return replace(stages, passes=tuple(passes), params=(*stages.params, *states))
+
+
+def _update_pass(
+    mesh: Mesh, params: Sequence[Param], optimizer: Optimizer, stage: int
+) -> tuple[StagePass, list[Param]]:
+    """Stage ``stage``'s optimizer step, traced as :func:`~dtm_mpi.frontend.trace.train_step`
+    traces it (the same state names, so checkpoints match), and its new state parameters."""
+    b = FunctionBuilder(mesh.ir(), module_name=f"stage{stage}_update")
+    tr = Tracer(b)
+    weights = [(p.name.lstrip("%"), b.add_param(p.name, p.type)) for p in params]
+    grads = [b.add_param(f"{p.name}.grad", p.type) for p in params]
+    n_before = len(b.params)
+    with tracing(tr):
+        news = optimizer.update(
+            tr, [(path, Tensor(v, tr)) for path, v in weights], [Tensor(g, tr) for g in grads]
+        )
+        opt = list(b.params[n_before:])
+        targets = [v for _, v in weights] + [b.value(p.name) for p in opt]
+        news = [
+            n if n.type == v.type else n.redistribute(v.type.layout)
+            for n, v in zip(news, targets, strict=True)
+        ]
+    f = b.function(f"stage{stage}_update", [n.value for n in news])
+    return StagePass(f, tuple(v.name for v in targets)), opt

@@ -183,13 +183,17 @@ class StagePasses:
     and received activations in; the activations it sends, the loss on the last stage, then
     the values its backward passes use out), ``input_grad`` (what the previous stages wait
     for: the gradients it sends, then values its weight pass uses) and ``weight_grad`` (the
-    gradients of its parameters, in ``params`` order)."""
+    gradients of its parameters, in ``params`` order); ``update``, once per step, the
+    optimizer's: the parameters, their gradients (named ``<parameter>.grad``) and the
+    optimizer's state in, the new values of the parameters and the state out (None: the
+    step only computes gradients)."""
 
     index: int
     params: tuple[str, ...]
     forward: StagePass
     input_grad: StagePass
     weight_grad: StagePass
+    update: StagePass | None = None
 
 
 @dataclass(frozen=True, slots=True)

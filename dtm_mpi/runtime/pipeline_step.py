@@ -41,7 +41,8 @@ __all__ = ["PipelineRank", "StepOutcome"]
 @dataclass(slots=True)
 class StepOutcome:
     """A pipelined step on one rank: the loss (the same bits on every rank) and this rank's
-    blocks of the gradients of its stages' parameters, summed over the microbatches."""
+    blocks of the gradients of its stages' parameters, summed over the microbatches (with an
+    optimizer, :attr:`PipelineRank.blocks` then holds the updated parameters)."""
 
     loss: float
     grads: dict[str, np.ndarray] = field(default_factory=dict)
@@ -96,13 +97,17 @@ class PipelineRank:
         self.pp = shape.index_along(self.rank, (axis,))
         self.pp_group = shape.group_of(self.rank, (axis,))  # ranks along pp, in pp order
         self.axis = axis
-        mine = [s for s in stages.passes if schedule.shape.rank_of(s.index) == self.pp]
+        self.mine = [s for s in stages.passes if schedule.shape.rank_of(s.index) == self.pp]
         self.passes = {
             (s.index, work): _Pass(sp, mesh, shape, comm)
-            for s in mine
+            for s in self.mine
             for work, sp in ((Work.F, s.forward), (Work.I, s.input_grad), (Work.W, s.weight_grad))
         }
-        self.owned = [name for s in mine for name in s.params]
+        self.updates = {
+            s.index: _Pass(s.update, mesh, shape, comm) for s in self.mine if s.update is not None
+        }
+        # the parameters of this rank's stages, and their optimizer state
+        self.owned = [n for s in self.mine for n in (s.update.carries if s.update else s.params)]
         given = values or {}
         by_name = {p.name: p for p in stages.params}
         self.blocks: dict[str, np.ndarray] = {}
@@ -185,9 +190,13 @@ class PipelineRank:
             else:
                 loss = self._compute(action, env, grads, loss, step)
         self.comm.flush()
-        published = self.comm.broadcast(
-            np.asarray(loss), (self.axis,), self.schedule.shape.rank_of(len(self.stages.passes) - 1)
-        )
+        for s in self.mine:  # the optimizer, once per step, on the summed gradients
+            update = self.updates.get(s.index)
+            if update is not None:
+                given = {**self.blocks, **{f"{n}.grad": grads[n] for n in s.params}}
+                self.blocks.update(update.run(given, step))
+        last = self.schedule.shape.rank_of(len(self.stages.passes) - 1)
+        published = self.comm.broadcast(np.asarray(loss), (self.axis,), last)
         return StepOutcome(float(published), grads)
 
     def _compute(

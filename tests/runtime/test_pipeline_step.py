@@ -21,7 +21,7 @@ from dtm_mpi.ir.nodes import Module
 from dtm_mpi.ir.registry import required_version
 from dtm_mpi.plan.schedule import PipelineShape, ScheduleKind, plan_schedule
 from dtm_mpi.runtime.pipeline_step import PipelineRank, StepOutcome
-from dtm_mpi.runtime.reference import evaluate_function
+from dtm_mpi.runtime.reference import evaluate_function, run_reference
 from dtm_mpi.runtime.values import init_global
 from dtm_mpi.sharding.blocks import local_block
 from dtm_mpi.sharding.mesh import MeshShape
@@ -127,3 +127,50 @@ def test_deterministic_mode_is_refused_until_it_is_exact(monkeypatch: pytest.Mon
     finally:
         monkeypatch.delenv("DTM_DETERMINISTIC")
         get_config.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("sizes", "splits", "kind", "chunks"),
+    [
+        ({"pp": 2, "tp": 2}, ["blocks.2"], ScheduleKind.ONE_F_ONE_B, 1),
+        ({"pp": 4}, ["blocks.1", "blocks.2", "blocks.3"], ScheduleKind.ZB_H1, 1),
+        ({"pp": 2, "dp": 2}, ["blocks.1", "blocks.2", "blocks.3"], ScheduleKind.INTERLEAVED, 2),
+    ],
+    ids=["tp2xpp2-1f1b", "pp4-zb-h1", "dp2xpp2-interleaved"],
+)
+def test_pipelined_training_steps_follow_the_unpipelined_training(
+    sizes: dict[str, int], splits: list[str], kind: ScheduleKind, chunks: int
+) -> None:
+    """Three AdamW steps: the optimizer runs once per step on each stage's summed gradients;
+    the parameters and the optimizer's state end where train_step's do (float64 rounding)."""
+    full = {"pp": 1, "dp": 1, "tp": 1, **sizes}
+    mesh = dtm.Mesh(**full)
+    shape = MeshShape(tuple(full.items()))
+    opt = dtm.optim.AdamW(lr=1e-2)
+    stages = step_stages_of(
+        _model(), _loss, mesh=mesh, inputs=INPUTS, splits=splits, microbatches=4, optimizer=opt
+    )
+    schedule = plan_schedule(kind, PipelineShape(full["pp"], 4, chunks))
+    batch = _batch()
+
+    def train(comm: object) -> tuple[list[float], dict[str, np.ndarray]]:
+        rank = PipelineRank(stages, schedule, mesh.ir(), shape, comm)  # type: ignore[arg-type]
+        losses = [rank.step(batch, i).loss for i in range(3)]
+        return losses, rank.blocks
+
+    outcomes = run_ranks(shape, train, timeout_s=60)
+    step = dtm.train_step(_model(), _loss, mesh=mesh, inputs=INPUTS, optimizer=opt)
+    final, history = run_reference(step.module, batch, steps=3)
+    want_losses = [float(h[0]) for h in history]
+    for losses, _ in outcomes:
+        np.testing.assert_allclose(losses, want_losses, rtol=1e-12)
+    types = {p.name: p.type for p in stages.params}
+    assert set(types) - {f"%{k}" for k in INPUTS} == set(final) - {f"%{k}" for k in INPUTS}
+    for name, want in final.items():
+        if name[1:] in INPUTS:
+            continue
+        got = np.full_like(want, np.nan)
+        for r, (_, blocks) in enumerate(outcomes):
+            if name in blocks:
+                got[local_block(want.shape, types[name].layout, shape, r)] = blocks[name]
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12, err_msg=name)
