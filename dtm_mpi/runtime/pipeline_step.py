@@ -35,7 +35,29 @@ from dtm_mpi.runtime.values import init_global
 from dtm_mpi.sharding.blocks import local_block, local_shape
 from dtm_mpi.sharding.mesh import MeshShape
 
-__all__ = ["PipelineRank", "StepOutcome"]
+__all__ = ["FIRST_RESERVED_TAG", "PipelineRank", "StepOutcome", "pipeline_groups"]
+
+FIRST_RESERVED_TAG = 32761
+"""The runtime's own messages use tags from here up (agreements, outputs, resizes): a
+pipeline's boundary messages stay below."""
+
+
+def pipeline_groups(
+    stages: StepStages, mesh: MeshDecl, shape: MeshShape, axis: str = "pp"
+) -> list[tuple[str, ...]]:
+    """Every group of axes a pipelined step communicates over: those of every stage's passes
+    (compiled here, the same on every rank), then the pipeline axis (the loss's broadcast);
+    under MPI they are created once, collectively, before any data moves."""
+    from dtm_mpi.runtime.mpirun import plan_groups
+
+    seen: list[tuple[str, ...]] = []
+    for s in stages.passes:
+        for sp in (s.forward, s.input_grad, s.weight_grad, s.update):
+            if sp is None:
+                continue
+            plan = compile_plan(pass_module(sp.function, mesh, sp.function.name), shape)
+            seen += [g for g in plan_groups(plan, False) if g not in seen]
+    return [*seen, *([(axis,)] if (axis,) not in seen else [])]
 
 
 @dataclass(slots=True)
@@ -91,6 +113,10 @@ class PipelineRank:
         if schedule.shape.stages != len(stages.passes):
             raise UsageError(
                 f"the schedule runs {schedule.shape.stages} stages; the model is cut into {len(stages.passes)}"
+            )
+        if schedule.shape.max_tag >= FIRST_RESERVED_TAG:
+            raise UsageError(
+                f"{schedule.shape.microbatches} microbatches over {schedule.shape.stages} stages need message tags up to {schedule.shape.max_tag}; at most {FIRST_RESERVED_TAG - 1} (fewer microbatches or stages)"
             )
         self.stages, self.schedule, self.shape, self.comm = stages, schedule, shape, comm
         self.rank = comm.rank
@@ -196,8 +222,8 @@ class PipelineRank:
                 given = {**self.blocks, **{f"{n}.grad": grads[n] for n in s.params}}
                 self.blocks.update(update.run(given, step))
         last = self.schedule.shape.rank_of(len(self.stages.passes) - 1)
-        published = self.comm.broadcast(np.asarray(loss), (self.axis,), last)
-        return StepOutcome(float(published), grads)
+        published = self.comm.broadcast(np.reshape(loss, (1,)), (self.axis,), last)
+        return StepOutcome(float(published[0]), grads)
 
     def _compute(
         self,
