@@ -144,6 +144,13 @@ class PipelineRank:
             region = local_block(p.type.shape, p.type.layout, shape, self.rank)
             self.blocks[name] = np.ascontiguousarray(whole[region])
         self._routes = {r.value: r for r in (*stages.partition.routes, *stages.grad_routes)}
+        self._bundles = _bundles(stages)
+        widest = max((len(b) for b in self._bundles.values()), default=1)
+        if widest * (schedule.shape.max_tag + 1) > FIRST_RESERVED_TAG:
+            raise UsageError(
+                f"{schedule.shape.microbatches} microbatches over {schedule.shape.stages} stages with up to {widest} values per boundary need more than {FIRST_RESERVED_TAG} message tags (fewer microbatches or stages)"
+            )
+        self._tag_stride = schedule.shape.max_tag + 1
         self._check_routes()
 
     def _check_routes(self) -> None:
@@ -153,36 +160,15 @@ class PipelineRank:
         for action in self.schedule.actions[self.pp]:
             if not isinstance(action, Send | Recv):
                 continue
-            value = self._route_value(action)
-            route = self._routes[value]
             peer = self.pp_group[action.peer]
-            mine = local_shape(route.type.shape, route.type.layout, self.shape, self.rank)
-            theirs = local_shape(route.type.shape, route.type.layout, self.shape, peer)
-            if mine != theirs:
-                raise PlanError(
-                    f"route {route} (made at {route.span}): rank {self.rank} holds a block of {list(mine)} but rank {peer} one of {list(theirs)}"
-                )
-
-    def _route_value(self, action: Send | Recv) -> str:
-        """The value a transfer of the schedule carries (routes are per stage boundary)."""
-        stage = action.stage
-        if action.what is Transfer.ACT:
-            consumer = stage + 1
-            names = [
-                r.value
-                for r in self.stages.partition.routes
-                if r.src == stage and consumer in r.dst
-            ]
-        else:
-            consumer = stage - 1
-            names = [
-                r.value for r in self.stages.grad_routes if r.src == stage and consumer in r.dst
-            ]
-        if len(names) != 1:
-            raise PlanError(
-                f"stage {stage} to stage {consumer}: {len(names)} routed values; the schedule sends one per microbatch (skip connections over a stage are not run yet)"
-            )
-        return names[0]
+            for value in self._bundles[(action.what, action.stage)]:
+                route = self._routes[value]
+                mine = local_shape(route.type.shape, route.type.layout, self.shape, self.rank)
+                theirs = local_shape(route.type.shape, route.type.layout, self.shape, peer)
+                if mine != theirs:
+                    raise PlanError(
+                        f"route {route} (made at {route.span}): rank {self.rank} holds a block of {list(mine)} but rank {peer} one of {list(theirs)}"
+                    )
 
     def step(self, batch: Mapping[str, np.ndarray], step: int = 0) -> StepOutcome:
         """Run one step on the global ``batch`` of fed inputs (each split into the
@@ -200,19 +186,18 @@ class PipelineRank:
         for action in self.schedule.actions[self.pp]:
             env = envs[action.microbatch]
             if isinstance(action, Send):
-                self.comm.send(
-                    env[self._route_value(action)], self.pp_group[action.peer], action.tag
-                )
+                for k, value in enumerate(self._bundles[(action.what, action.stage)]):
+                    tag = action.tag + k * self._tag_stride
+                    self.comm.send(env[value], self.pp_group[action.peer], tag)
             elif isinstance(action, Recv):
-                value = self._route_value(action)
-                route = self._routes[value]
-                shape = local_shape(route.type.shape, route.type.layout, self.shape, self.rank)
-                env[value] = self.comm.recv(
-                    shape,
-                    np.dtype(np_dtype(route.type.dtype)),
-                    self.pp_group[action.peer],
-                    action.tag,
-                )
+                for k, value in enumerate(self._bundles[(action.what, action.stage)]):
+                    route = self._routes[value]
+                    env[value] = self.comm.recv(
+                        local_shape(route.type.shape, route.type.layout, self.shape, self.rank),
+                        np.dtype(np_dtype(route.type.dtype)),
+                        self.pp_group[action.peer],
+                        action.tag + k * self._tag_stride,
+                    )
             else:
                 loss = self._compute(action, env, grads, loss, step)
         self.comm.flush()
@@ -254,3 +239,20 @@ class PipelineRank:
                         rows[local_block(t.shape, t.layout, self.shape, self.rank)]
                     )
         raise UsageError(f"fed input {name!r} is not an input of any stage")
+
+
+def _bundles(stages: StepStages) -> dict[tuple[Transfer, int], tuple[str, ...]]:
+    """What crosses each stage boundary, keyed as the schedule's transfers are (what, the
+    sending stage): the activations stage ``s`` sends to ``s + 1`` are every route made on
+    stage ``s`` or before and used after it (a skip connection is relayed stage by stage),
+    the gradients ``s`` sends to ``s - 1`` likewise backwards."""
+    n = len(stages.passes)
+    out: dict[tuple[Transfer, int], tuple[str, ...]] = {}
+    for s in range(n):
+        out[(Transfer.ACT, s)] = tuple(
+            r.value for r in stages.partition.routes if r.src <= s < max(r.dst)
+        )
+        out[(Transfer.GRAD, s)] = tuple(
+            r.value for r in stages.grad_routes if r.src >= s > min(r.dst)
+        )
+    return out

@@ -174,3 +174,67 @@ def test_pipelined_training_steps_follow_the_unpipelined_training(
             if name in blocks:
                 got[local_block(want.shape, types[name].layout, shape, r)] = blocks[name]
         np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12, err_msg=name)
+
+
+class _Skip(dtm.nn.Module):
+    """Three layers; the first one's output is added after the last (a skip connection over
+    the middle stage, relayed through it), tensor-parallel in the middle."""
+
+    def __init__(self) -> None:
+        self.a = dtm.nn.Linear(8, 16, dtype="f64")
+        self.b = dtm.nn.Sequential(
+            dtm.nn.ColumnParallelLinear(16, 32, dtype="f64"),
+            fn.gelu,
+            dtm.nn.RowParallelLinear(32, 16, dtype="f64"),
+        )
+        self.c = dtm.nn.Linear(16, 16, dtype="f64")
+
+    def forward(self, x: dtm.Tensor) -> dtm.Tensor:
+        h = fn.gelu(self.a(x))
+        out: dtm.Tensor = self.c(fn.gelu(self.b(h))) + h
+        return out
+
+
+def _cls_loss(m: dtm.nn.Module, x: dtm.Tensor, y: dtm.Tensor) -> dtm.Tensor:
+    return fn.cross_entropy(m(x), y)
+
+
+@pytest.mark.parametrize("kind", [ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB_H1])
+def test_a_skip_connection_over_a_stage_is_relayed_and_trains_as_unpipelined(
+    kind: ScheduleKind,
+) -> None:
+    inputs = {"x": dtm.Input((12, 8), "f64", ("dp", None)), "y": dtm.Input((12,), "i32", ("dp",))}
+    mesh = dtm.Mesh(pp=3, dp=1, tp=2)
+    shape = MeshShape((("pp", 3), ("dp", 1), ("tp", 2)))
+    opt = dtm.optim.SGD(lr=0.1, momentum=0.9)
+    stages = step_stages_of(
+        _Skip(),
+        _cls_loss,
+        mesh=mesh,
+        inputs=inputs,
+        splits=["b", "c"],
+        microbatches=3,
+        optimizer=opt,
+    )
+    assert any(r.dst == (1, 2) for r in stages.partition.routes)  # the skip connection
+    rng = np.random.default_rng(3)
+    batch = {"x": rng.standard_normal((12, 8)), "y": rng.integers(0, 16, 12).astype(np.int32)}
+    schedule = plan_schedule(kind, PipelineShape(3, 3))
+
+    def train(comm: object) -> tuple[list[float], dict[str, np.ndarray]]:
+        rank = PipelineRank(stages, schedule, mesh.ir(), shape, comm)  # type: ignore[arg-type]
+        return [rank.step(batch, i).loss for i in range(3)], rank.blocks
+
+    outcomes = run_ranks(shape, train, timeout_s=60)
+    step = dtm.train_step(_Skip(), _cls_loss, mesh=mesh, inputs=inputs, optimizer=opt)
+    final, history = run_reference(step.module, batch, steps=3)
+    np.testing.assert_allclose(outcomes[0][0], [float(h[0]) for h in history], rtol=1e-12)
+    types = {p.name: p.type for p in stages.params}
+    for name, want in final.items():
+        if name[1:] in inputs:
+            continue
+        got = np.full_like(want, np.nan)
+        for r, (_, blocks) in enumerate(outcomes):
+            if name in blocks:
+                got[local_block(want.shape, types[name].layout, shape, r)] = blocks[name]
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12, err_msg=name)
