@@ -124,6 +124,20 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
         help="buffers: host (numpy) or device arrays on each rank's GPU",
     )
     bcomm.set_defaults(func=_cmd_bench_comm)
+    bpp = bsub.add_parser(
+        "pipeline",
+        help="pipelined GPT training per schedule: step time, measured vs predicted bubble, activation memory (under mpirun)",
+    )
+    bpp.add_argument("--schedules", default="gpipe,1f1b,interleaved,zb-h1", help="comma-separated")
+    bpp.add_argument("--microbatches", type=int, default=8, help="microbatches per step")
+    bpp.add_argument("--steps", type=int, default=5, help="timed steps per schedule")
+    bpp.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    bpp.add_argument("--layers", type=int, default=8, help="transformer blocks (split evenly)")
+    bpp.add_argument("--dim", type=int, default=128, help="model width")
+    bpp.add_argument("--batch", type=int, default=32, help="sequences per step")
+    bpp.add_argument("--seq", type=int, default=64, help="tokens per sequence")
+    bpp.add_argument("--csv", default=None, metavar="FILE", help="write one row per schedule")
+    bpp.set_defaults(func=_cmd_bench_pipeline)
     _add_bench_suites(bsub)
 
 
@@ -398,6 +412,25 @@ def _cmd_bench_comm(args: argparse.Namespace) -> int:
     sizes = [parse_bytes(x) for x in args.sizes.split(",")] if args.sizes else None
     ops = [x.strip() for x in args.ops.split(",") if x.strip()]
     table = run_comm_bench(ops, sizes, repeat=args.repeat, csv_path=args.csv, backend=args.backend)
+    if table:
+        print(table)
+    return 0
+
+
+def _cmd_bench_pipeline(args: argparse.Namespace) -> int:
+    from dtm_mpi.bench.pipeline import run_pipeline_bench
+
+    table = run_pipeline_bench(
+        [x.strip() for x in args.schedules.split(",") if x.strip()],
+        microbatches=args.microbatches,
+        steps=args.steps,
+        warmup=args.warmup,
+        layers=args.layers,
+        dim=args.dim,
+        batch=args.batch,
+        seq=args.seq,
+        csv_path=args.csv,
+    )
     if table:
         print(table)
     return 0

@@ -17,6 +17,8 @@ the plan, and the schedule's sends and receives pair up (:func:`~dtm_mpi.plan.sc
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -151,6 +153,8 @@ class PipelineRank:
                 f"{schedule.shape.microbatches} microbatches over {schedule.shape.stages} stages with up to {widest} values per boundary need more than {FIRST_RESERVED_TAG} message tags (fewer microbatches or stages)"
             )
         self._tag_stride = schedule.shape.max_tag + 1
+        self.seconds: dict[tuple[int, Work], list[float]] = {}
+        """Each pass's run times, by (stage, F/I/W), over every step so far (benchmarks)."""
         self._check_routes()
 
     def _check_routes(self) -> None:
@@ -220,7 +224,10 @@ class PipelineRank:
     ) -> np.ndarray:
         works = (Work.I, Work.W) if c.work is Work.B else (c.work,)
         for work in works:
+            start = time.perf_counter()
             out = self.passes[(c.stage, work)].run(env, step)
+            spent = self.seconds.setdefault((c.stage, work), [])
+            spent.append(time.perf_counter() - start)
             env.update(out)
             if work is Work.F and self.stages.loss in out:
                 loss = loss + out[self.stages.loss]
@@ -228,6 +235,23 @@ class PipelineRank:
                 for name, g in zip(self.stages.passes[c.stage].params, out.values(), strict=True):
                     grads[name] = grads[name] + g if name in grads else g
         return loss
+
+    def held_bytes(self) -> int:
+        """The bytes of one microbatch's held activations (what its forward pass returns for
+        its backward passes) on this rank's largest stage: what the plan's peak count of held
+        microbatches multiplies."""
+        best = 0
+        for s in self.mine:
+            f = s.forward
+            sent = set(self._bundles[(Transfer.ACT, s.index)]) | {self.stages.loss}
+            total = sum(
+                math.prod(local_shape(r.type.shape, r.type.layout, self.shape, self.rank))
+                * np.dtype(np_dtype(r.type.dtype)).itemsize
+                for name, r in zip(f.carries, f.function.results, strict=True)
+                if name not in sent
+            )
+            best = max(best, total)
+        return best
 
     def _fed_block(self, name: str, rows: np.ndarray) -> np.ndarray:
         """This rank's block of a microbatch of fed input ``name`` (any stage's type of it)."""
