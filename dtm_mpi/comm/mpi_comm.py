@@ -133,6 +133,53 @@ class _SideCall:
         return self.out
 
 
+class _SendProgress:
+    """Drives this rank's posted point-to-point sends from a thread of its own (with
+    ``MPI_THREAD_MULTIPLE``), blocked in MPI's ``Waitall`` (which moves every pending message,
+    without Python's lock): a message above MPI's eager size moves only while its sender is in
+    MPI, which a rank inside a long kernel is not, so its receiver would wait for the whole
+    kernel (a pipeline stage's send, then its next pass). Only this thread completes the
+    requests; :meth:`MpiComm.flush` waits (bounded) for :attr:`empty`."""
+
+    def __init__(self, waitall: Callable[[list[Any]], Any]) -> None:
+        self.waitall = waitall
+        self.cond = threading.Condition()
+        self.pending: list[tuple[Any, np.ndarray]] = []
+        self.empty = threading.Event()
+        self.empty.set()
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+
+    def add(self, req: Any, buf: np.ndarray) -> None:
+        with self.cond:
+            self.pending.append((req, buf))
+            self.empty.clear()
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="dtm-sends", daemon=True)
+                self.thread.start()
+            self.cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.pending:
+                    self.cond.wait()
+                batch = list(self.pending)
+            try:
+                self.waitall([req for req, _ in batch])
+            except BaseException as exc:  # handed to flush
+                with self.cond:
+                    self.error = exc
+                    self.pending.clear()
+                    self.empty.set()
+                continue
+            done = {id(req) for req, _ in batch}
+            with self.cond:
+                self.pending = [(r, b) for r, b in self.pending if id(r) not in done]
+                if not self.pending:
+                    self.empty.set()
+
+
 class MpiComm:
     """This rank's endpoint over an :class:`MpiSession` (implements ``Comm``)."""
 
@@ -147,6 +194,10 @@ class MpiComm:
         self.limit = max(1, int(max_msg_elems))
         self._stats = CommStats()
         self._sends: list[tuple[Any, np.ndarray]] = []
+        # sends driven by a thread of their own where MPI allows it (else flush drives them)
+        self._progress = (
+            _SendProgress(mpi.Request.Waitall) if session.watchdog is not None else None
+        )
         self._move = {1: mpi.UINT8_T, 2: mpi.UINT16_T, 4: mpi.UINT32_T, 8: mpi.UINT64_T}
         self._by_dtype = {  # the types MPI reduces natively
             np.dtype(k): v
@@ -338,7 +389,10 @@ class MpiComm:
         ``itemsize`` bytes, at most :attr:`limit` of them) to ``peer`` and keep ``buf`` alive
         until :meth:`flush` has waited for it."""
         req = self.session.cart.Isend([buf, self._move[itemsize]], dest=peer, tag=tag)
-        self._sends.append((req, buf))
+        if self._progress is not None:
+            self._progress.add(req, buf)
+        else:
+            self._sends.append((req, buf))
 
     def recv_into(self, buf: Any, itemsize: int, peer: int, tag: int) -> int:
         """Point-to-point (not collective): a bounded wait for one message from ``peer`` with
@@ -702,6 +756,13 @@ class MpiComm:
 
     def flush(self) -> None:
         """Wait (bounded) for every posted send."""
+        progress = self._progress
+        if progress is not None:
+            if not progress.empty.is_set():
+                self.session.wait_event(progress.empty, "send", ())
+            if progress.error is not None:
+                error, progress.error = progress.error, None
+                raise CommError(f"rank {self.rank}: a send failed: {error}", rank=self.rank)
         while self._sends:
             req, _ = self._sends[0]
             self.session.wait(req, "send")
