@@ -16,6 +16,7 @@ function, ``@NAME_grad``, returning the function's results and then the gradient
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import replace
 
 from dtm_mpi.errors import GradientError, SourceSpan, UsageError
 from dtm_mpi.ir.build import FunctionBuilder, Value, complete_layout
@@ -46,18 +47,7 @@ def copy_body(
                 env[name] = inner[ret]
             continue
         names = tuple(b.fresh(n) for n in op.results)
-        copied = Op(
-            op.name,
-            names,
-            op.result_types,
-            tuple(v.name for v in operands),
-            op.attrs,
-            op.span,
-            op.result_spans,
-            op.operand_spans,
-            op.type_spans,
-            op.attr_spans,
-        )
+        copied = replace(op, results=names, operands=tuple(v.name for v in operands))
         for name, v in zip(op.results, b.append(copied), strict=True):
             env[name] = v
     return env

@@ -356,18 +356,7 @@ def _function(
         env[n] = b.to_layout(v, t.layout, span=span) if t.layout.partial is not None else v
     for op in ops:
         names = tuple(n if n not in b.types else b.fresh(n) for n in op.results)
-        copied = Op(
-            op.name,
-            names,
-            op.result_types,
-            tuple(env[x].name for x in op.operands),
-            op.attrs,
-            op.span,
-            op.result_spans,
-            op.operand_spans,
-            op.type_spans,
-            op.attr_spans,
-        )
+        copied = replace(op, results=names, operands=tuple(env[x].name for x in op.operands))
         env.update(zip(op.results, b.append(copied), strict=True))
     outs = [b.complete(env[n]) for n in returns]
     return StagePass(b.function(name, outs), tuple(returns))

@@ -108,8 +108,9 @@ class Compute:
 
 
 @dataclass(frozen=True, slots=True)
-class Send:
-    """Send ``what`` of (``microbatch``, ``stage``: the producing stage) to rank ``peer``."""
+class _Message:
+    """``what`` of (``microbatch``, ``stage``: the producing stage), to or from rank
+    ``peer``, with ``tag``."""
 
     what: Transfer
     microbatch: int
@@ -117,22 +118,24 @@ class Send:
     peer: int
     tag: int
 
-    def __str__(self) -> str:
-        return f"send {self.what.value}(mb {self.microbatch}, stage {self.stage}) to rank {self.peer} tag {self.tag}"
+    def _text(self, verb: str, way: str) -> str:
+        return f"{verb} {self.what.value}(mb {self.microbatch}, stage {self.stage}) {way} rank {self.peer} tag {self.tag}"
 
 
 @dataclass(frozen=True, slots=True)
-class Recv:
-    """Receive ``what`` of (``microbatch``, ``stage``: the producing stage) from ``peer``."""
-
-    what: Transfer
-    microbatch: int
-    stage: int
-    peer: int
-    tag: int
+class Send(_Message):
+    """Send to ``peer`` (returns without waiting for the receiver)."""
 
     def __str__(self) -> str:
-        return f"recv {self.what.value}(mb {self.microbatch}, stage {self.stage}) from rank {self.peer} tag {self.tag}"
+        return self._text("send", "to")
+
+
+@dataclass(frozen=True, slots=True)
+class Recv(_Message):
+    """Receive from ``peer`` (waits for the message)."""
+
+    def __str__(self) -> str:
+        return self._text("recv", "from")
 
 
 Action = Compute | Send | Recv

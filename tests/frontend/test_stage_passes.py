@@ -10,57 +10,25 @@ import numpy as np
 import pytest
 
 from dtm_mpi import frontend as dtm
-from dtm_mpi.frontend import functional as fn
 from dtm_mpi.frontend.stage_split import step_stages_of
-from dtm_mpi.frontend.tensor import tracing
-from dtm_mpi.frontend.trace import _split_outputs, _trace
-from dtm_mpi.ir.autodiff import backward
-from dtm_mpi.ir.nodes import Module
-from dtm_mpi.ir.registry import required_version
 from dtm_mpi.ir.stages import StagePass, StepStages, pass_module
 from dtm_mpi.plan.schedule import PipelineShape, ScheduleKind, Work, plan_schedule, time_schedule
 from dtm_mpi.runtime.reference import evaluate_function
 from dtm_mpi.runtime.values import init_global
+from tests.pipeline_case import T, gpt, lm_loss, token_batch, token_inputs, unpipelined
 
-BATCH, T, VOCAB = 8, 6, 11
-INPUTS = {
-    "ids": dtm.Input((BATCH, T), "i32", ("dp", None)),
-    "tgt": dtm.Input((BATCH, T), "i32", ("dp", None)),
-}
+BATCH = 8
+INPUTS = token_inputs(BATCH)
 MESH = dtm.Mesh(dp=1, tp=1)
-
-
-def _model() -> dtm.nn.GPT:
-    return dtm.nn.GPT(VOCAB, T, 16, 2, 4, dtype="f64")
-
-
-def _loss(m: dtm.nn.GPT, ids: dtm.Tensor, tgt: dtm.Tensor) -> dtm.Tensor:
-    logits = m(ids)
-    return fn.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+_model, _loss = gpt, lm_loss
 
 
 def _data() -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(5)
-    return {k: rng.integers(0, VOCAB, size=(BATCH, T)).astype(np.int32) for k in INPUTS}
+    return token_batch(BATCH, 5)
 
 
 def _unpipelined(mesh: dtm.Mesh = MESH) -> tuple[float, dict[str, np.ndarray]]:
-    """The whole batch's loss and gradients: the forward and its reverse pass in one
-    function, as train_step traces them."""
-    tr, _, weights, out = _trace(
-        _model(), _loss, mesh, INPUTS, "ref", weights_as_state=True, seed=0
-    )
-    with tracing(tr):
-        loss = _split_outputs(out, "loss")[0][1].complete()
-        grads = backward(
-            tr.b, list(tr.b.ops), loss.value, [v for _, v in weights], stop=tr.detached
-        )
-    f = tr.b.function("ref", [loss.value, *grads], entry=True)
-    module = Module(required_version(f.body), "ref", (mesh.ir(),), (f,))
-    data = _data()
-    args = tuple(data[p.name[1:]] if p.name[1:] in data else init_global(p) for p in f.params)
-    got = evaluate_function(module, f, args, 0)
-    return float(got[0]), {v.name: g for (_, v), g in zip(weights, got[1:], strict=True)}
+    return unpipelined(_model(), _loss, mesh, INPUTS, _data())
 
 
 def _pipelined(

@@ -14,54 +14,40 @@ from dtm_mpi.config import get_config
 from dtm_mpi.errors import RemoteFailureError
 from dtm_mpi.frontend import functional as fn
 from dtm_mpi.frontend.stage_split import step_stages_of
-from dtm_mpi.frontend.tensor import tracing
-from dtm_mpi.frontend.trace import _split_outputs, _trace
-from dtm_mpi.ir.autodiff import backward
-from dtm_mpi.ir.nodes import Module
-from dtm_mpi.ir.registry import required_version
 from dtm_mpi.plan.schedule import PipelineShape, ScheduleKind, plan_schedule
 from dtm_mpi.runtime.pipeline_step import PipelineRank, StepOutcome
-from dtm_mpi.runtime.reference import evaluate_function, run_reference
-from dtm_mpi.runtime.values import init_global
-from dtm_mpi.sharding.blocks import local_block
+from dtm_mpi.runtime.reference import run_reference
 from dtm_mpi.sharding.mesh import MeshShape
+from tests.pipeline_case import assembled, gpt, lm_loss, token_batch, token_inputs, unpipelined
 
-BATCH, T, VOCAB = 8, 6, 11
-INPUTS = {
-    "ids": dtm.Input((BATCH, T), "i32", ("dp", None)),
-    "tgt": dtm.Input((BATCH, T), "i32", ("dp", None)),
-}
-
-
-def _model() -> dtm.nn.GPT:
-    return dtm.nn.GPT(VOCAB, T, 16, 2, 4, dtype="f64")
-
-
-def _loss(m: dtm.nn.GPT, ids: dtm.Tensor, tgt: dtm.Tensor) -> dtm.Tensor:
-    logits = m(ids)
-    return fn.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+BATCH = 8
+INPUTS = token_inputs(BATCH)
+_model, _loss = gpt, lm_loss
 
 
 def _batch() -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(7)
-    return {k: rng.integers(0, VOCAB, size=(BATCH, T)).astype(np.int32) for k in INPUTS}
+    return token_batch(BATCH, 7)
 
 
 def _unpipelined(mesh: dtm.Mesh) -> tuple[float, dict[str, np.ndarray]]:
-    tr, _, weights, out = _trace(
-        _model(), _loss, mesh, INPUTS, "ref", weights_as_state=True, seed=0
-    )
-    with tracing(tr):
-        loss = _split_outputs(out, "loss")[0][1].complete()
-        grads = backward(
-            tr.b, list(tr.b.ops), loss.value, [v for _, v in weights], stop=tr.detached
-        )
-    f = tr.b.function("ref", [loss.value, *grads], entry=True)
-    module = Module(required_version(f.body), "ref", (mesh.ir(),), (f,))
-    data = _batch()
-    args = tuple(data[p.name[1:]] if p.name[1:] in data else init_global(p) for p in f.params)
-    got = evaluate_function(module, f, args, 0)
-    return float(got[0]), {v.name: g for (_, v), g in zip(weights, got[1:], strict=True)}
+    return unpipelined(_model(), _loss, mesh, INPUTS, _batch())
+
+
+def _same_state(
+    final: dict[str, np.ndarray],
+    blocks: list[dict[str, np.ndarray]],
+    stages: object,
+    shape: MeshShape,
+    inputs: object,
+) -> None:
+    """The ranks' blocks of every parameter and optimizer state, put together, are the
+    unpipelined run's final values (to float64 rounding)."""
+    types = {p.name: p.type for p in stages.params}  # type: ignore[attr-defined]
+    for name, want in final.items():
+        if name[1:] in inputs:  # type: ignore[operator]
+            continue
+        got = assembled(blocks, name, want, types[name].layout, shape)
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12, err_msg=name)
 
 
 CASES = [
@@ -97,12 +83,8 @@ def test_a_pipelined_step_gives_the_unpipelined_gradients_and_one_loss_everywher
     assert len({o.loss.hex() for o in outcomes}) == 1  # the same bits on every rank
     np.testing.assert_allclose(outcomes[0].loss, want_loss, rtol=1e-13)
     types = {p.name: p.type for p in stages.params}
-    for name, g in want.items():
-        got = np.full_like(g, np.nan)
-        holders = [r for r, o in enumerate(outcomes) if name in o.grads]
-        assert holders, f"no rank holds the gradient of {name}"
-        for r in holders:  # (replicas over dp hold the same blocks)
-            got[local_block(g.shape, types[name].layout, shape, r)] = outcomes[r].grads[name]
+    for name, g in want.items():  # (replicas over dp hold the same blocks)
+        got = assembled([o.grads for o in outcomes], name, g, types[name].layout, shape)
         np.testing.assert_allclose(got, g, rtol=1e-10, atol=1e-14, err_msg=name)
 
 
@@ -164,16 +146,9 @@ def test_pipelined_training_steps_follow_the_unpipelined_training(
     want_losses = [float(h[0]) for h in history]
     for losses, _ in outcomes:
         np.testing.assert_allclose(losses, want_losses, rtol=1e-12)
-    types = {p.name: p.type for p in stages.params}
-    assert set(types) - {f"%{k}" for k in INPUTS} == set(final) - {f"%{k}" for k in INPUTS}
-    for name, want in final.items():
-        if name[1:] in INPUTS:
-            continue
-        got = np.full_like(want, np.nan)
-        for r, (_, blocks) in enumerate(outcomes):
-            if name in blocks:
-                got[local_block(want.shape, types[name].layout, shape, r)] = blocks[name]
-        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12, err_msg=name)
+    names = {p.name for p in stages.params}
+    assert names - {f"%{k}" for k in INPUTS} == set(final) - {f"%{k}" for k in INPUTS}
+    _same_state(final, [b for _, b in outcomes], stages, shape, INPUTS)
 
 
 class _Skip(dtm.nn.Module):
@@ -229,12 +204,4 @@ def test_a_skip_connection_over_a_stage_is_relayed_and_trains_as_unpipelined(
     step = dtm.train_step(_Skip(), _cls_loss, mesh=mesh, inputs=inputs, optimizer=opt)
     final, history = run_reference(step.module, batch, steps=3)
     np.testing.assert_allclose(outcomes[0][0], [float(h[0]) for h in history], rtol=1e-12)
-    types = {p.name: p.type for p in stages.params}
-    for name, want in final.items():
-        if name[1:] in inputs:
-            continue
-        got = np.full_like(want, np.nan)
-        for r, (_, blocks) in enumerate(outcomes):
-            if name in blocks:
-                got[local_block(want.shape, types[name].layout, shape, r)] = blocks[name]
-        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12, err_msg=name)
+    _same_state(final, [b for _, b in outcomes], stages, shape, inputs)

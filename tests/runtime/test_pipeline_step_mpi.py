@@ -13,31 +13,20 @@ import pytest
 from dtm_mpi import frontend as dtm
 from dtm_mpi.comm.mpi_comm import MpiComm
 from dtm_mpi.comm.mpi_session import MpiSession
-from dtm_mpi.frontend import functional as fn
 from dtm_mpi.frontend.stage_split import step_stages_of
 from dtm_mpi.plan.schedule import PipelineShape, ScheduleKind, plan_schedule
 from dtm_mpi.runtime.pipeline_step import PipelineRank, pipeline_groups
 from dtm_mpi.runtime.reference import run_reference
 from dtm_mpi.sharding.blocks import local_block
 from dtm_mpi.sharding.mesh import MeshShape
+from tests.pipeline_case import gpt, lm_loss, token_batch, token_inputs
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
-BATCH, T, VOCAB = 12, 6, 11
-INPUTS = {
-    "ids": dtm.Input((BATCH, T), "i32", ("dp", None)),
-    "tgt": dtm.Input((BATCH, T), "i32", ("dp", None)),
-}
+BATCH = 12
+INPUTS = token_inputs(BATCH)
 SPLITS = {2: ["blocks.2"], 3: ["blocks.1", "blocks.3"], 4: ["blocks.1", "blocks.2", "blocks.3"]}
-
-
-def _model() -> dtm.nn.GPT:
-    return dtm.nn.GPT(VOCAB, T, 16, 2, 4, dtype="f64")
-
-
-def _loss(m: dtm.nn.GPT, ids: dtm.Tensor, tgt: dtm.Tensor) -> dtm.Tensor:
-    logits = m(ids)
-    return fn.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+_model, _loss = gpt, lm_loss
 
 
 def _sizes(n: int) -> dict[str, int]:
@@ -67,8 +56,7 @@ def test_pipelined_training_under_mpi_follows_the_unpipelined_training(
         _model(), _loss, mesh=mesh, inputs=INPUTS, splits=splits, microbatches=m, optimizer=opt
     )
     schedule = plan_schedule(kind, PipelineShape(pp, m, chunks))
-    rng = np.random.default_rng(11)
-    batch = {k: rng.integers(0, VOCAB, size=(BATCH, T)).astype(np.int32) for k in INPUTS}
+    batch = token_batch(BATCH, 11)
     session = MpiSession(shape, timeout_s=60, world=comm, join=False)
     try:
         session.join_mesh(pipeline_groups(stages, mesh.ir(), shape))
