@@ -13,6 +13,10 @@ then ``steps`` timed steps per schedule, every schedule in the same processes. P
   and the relative difference; more ranks than cores make the measurement meaningless (marked);
 * ``held`` and ``act MiB``: the most microbatch activations a rank holds at once by the plan,
   and what they take (the held values' local bytes).
+
+The first row is the same model and batch without a pipeline on one rank (the others wait);
+the cost model's transfer time is half the median round trip of one boundary block between
+ranks 0 and 1, measured first.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from dtm_mpi.errors import UsageError
+from dtm_mpi.sharding.mesh import MeshShape
 
 __all__ = ["PipelineRow", "run_pipeline_bench"]
 
@@ -73,7 +78,6 @@ def run_pipeline_bench(
     from dtm_mpi.frontend.stage_split import step_stages_of
     from dtm_mpi.plan.schedule import PipelineShape, parse_schedule, plan_schedule
     from dtm_mpi.runtime.pipeline_step import PipelineRank, pipeline_groups
-    from dtm_mpi.sharding.mesh import MeshShape
 
     world = MPI.COMM_WORLD
     p, rank = int(world.Get_size()), int(world.Get_rank())
@@ -87,6 +91,13 @@ def run_pipeline_bench(
     mesh = dtm.Mesh(pp=p, dp=1, tp=1)
     shape = MeshShape((("pp", p), ("dp", 1), ("tp", 1)))
     rows: list[PipelineRow] = []
+    if rank == 0:  # the same model and batch unpipelined, on one rank (the others wait)
+        model = dtm.nn.GPT(vocab, seq, dim, 4, layers)
+        rows.append(_unpipelined(model, inputs, data, steps, warmup))
+    world.Barrier()
+    # a boundary block's one-way time (half a ping-pong): the cost model's transfer time
+    boundary = np.zeros(max(1, batch // microbatches) * seq * dim, np.float32)
+    transfer = _one_way(world, boundary) if p > 1 else 0.0
     for kind in kinds:
         chunks = 2 if kind.value == "interleaved" else 1
         n_stages = p * chunks
@@ -126,12 +137,69 @@ def run_pipeline_bench(
             session.close()
         if rank == 0:
             assert seconds is not None and held_bytes is not None
-            rows.append(_row(kind.value, schedule, stages, seconds, held_bytes, walls, busy, p))
+            rows.append(
+                _row(kind.value, schedule, stages, seconds, held_bytes, walls, busy, p, transfer)
+            )
     if rank != 0:
         return None
     if csv_path:
         _write_csv(csv_path, rows)
     return _table(rows, p)
+
+
+def _one_way(world: Any, buf: np.ndarray, rounds: int = 20) -> float:
+    """Half the median round trip of ``buf`` between ranks 0 and 1 (the others wait)."""
+    rank = int(world.Get_rank())
+    trips = []
+    for _ in range(rounds):
+        world.Barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            world.Send(buf, dest=1, tag=7)
+            world.Recv(buf, source=1, tag=7)
+        elif rank == 1:
+            world.Recv(buf, source=0, tag=7)
+            world.Send(buf, dest=0, tag=7)
+        trips.append(time.perf_counter() - start)
+    return float(world.bcast(statistics.median(trips) / 2, root=0))
+
+
+def _unpipelined(
+    model: Any, inputs: Any, data: dict[str, np.ndarray], steps: int, warmup: int
+) -> PipelineRow:
+    """The step without a pipeline on one rank: its median step time."""
+    from dtm_mpi import frontend as dtm
+    from dtm_mpi.comm.sim import run_ranks
+    from dtm_mpi.plan.program import compile_plan
+    from dtm_mpi.runtime.executor import Executor
+    from dtm_mpi.runtime.simulate import initial_blocks
+
+    step = dtm.train_step(
+        model,
+        _lm_loss,
+        mesh=dtm.Mesh(dp=1, tp=1),
+        inputs=inputs,
+        optimizer=dtm.optim.AdamW(lr=1e-3),
+    )
+    plan = compile_plan(step.module, MeshShape((("dp", 1), ("tp", 1))))
+    entry = plan.entry_plan.function
+    index = {p.name: i for i, p in enumerate(entry.params)}
+    updates = [(j, index[r.updates]) for j, r in enumerate(entry.results) if r.updates]
+
+    def run(comm: Any) -> list[float]:
+        exe = Executor(plan, comm, deterministic=False)
+        blocks = initial_blocks(plan, 0, data)
+        times = []
+        for i in range(warmup + steps):
+            start = time.perf_counter()
+            results = exe.run(blocks, i)
+            for j, k in updates:
+                blocks[k] = results[j]
+            times.append(time.perf_counter() - start)
+        return times[warmup:]
+
+    (times,) = run_ranks(MeshShape((("dp", 1), ("tp", 1))), run, timeout_s=3600)
+    return PipelineRow("none (1 rank)", 1, 1, 1, statistics.median(times) * 1e3, 0.0, 0.0, 0, 0.0)
 
 
 def _lm_loss(m: Any, ids: Any, tgt: Any) -> Any:
@@ -150,6 +218,7 @@ def _row(
     walls: list[float],
     busy: list[float],
     p: int,
+    transfer: float,
 ) -> PipelineRow:
     from dtm_mpi.plan.schedule import StageCosts, Work, time_schedule
 
@@ -159,7 +228,9 @@ def _row(
             w: statistics.fmean(t) for r in seconds for (st, w), t in r.items() if st == s and t
         }
         costs.append(
-            StageCosts(mean.get(Work.F, 0.0), mean.get(Work.I, 0.0), mean.get(Work.W, 0.0))
+            StageCosts(
+                mean.get(Work.F, 0.0), mean.get(Work.I, 0.0), mean.get(Work.W, 0.0), transfer
+            )
         )
     timing = time_schedule(schedule, costs)
     step = statistics.median(walls)
@@ -187,11 +258,11 @@ def _table(rows: Sequence[PipelineRow], p: int) -> str:
     )
     lines = [
         f"dtm bench pipeline: {p} rank(s){note}",
-        f"{'schedule':<12} {'stages':>6} {'m':>3} {'ms/step':>9} {'bubble':>7} {'predicted':>9} {'diff':>6} {'held':>5} {'act MiB':>8}",
+        f"{'schedule':<14} {'stages':>6} {'m':>3} {'ms/step':>9} {'bubble':>7} {'predicted':>9} {'diff':>6} {'held':>5} {'act MiB':>8}",
     ]
     for r in rows:
         lines.append(
-            f"{r.schedule:<12} {r.stages:>6} {r.microbatches:>3} {r.ms_per_step:>9.2f} {r.bubble:>7.1%} {r.predicted:>9.1%} {r.rel_diff:>+6.0%} {r.held:>5} {r.act_mib:>8.2f}"
+            f"{r.schedule:<14} {r.stages:>6} {r.microbatches:>3} {r.ms_per_step:>9.2f} {r.bubble:>7.1%} {r.predicted:>9.1%} {r.rel_diff:>+6.0%} {r.held:>5} {r.act_mib:>8.2f}"
         )
     return "\n".join(lines)
 

@@ -63,7 +63,8 @@ def test_bench_pipeline_under_mpirun_writes_a_row_per_schedule(tmp_path: Path) -
     assert done.returncode == 0, done.stdout + done.stderr
     assert "dtm bench pipeline: 2 rank(s)" in done.stdout and "predicted" in done.stdout
     rows = {r["schedule"]: r for r in csv.DictReader(out.open())}
-    assert set(rows) == {"gpipe", "1f1b", "interleaved", "zb-h1"}
+    assert set(rows) == {"none (1 rank)", "gpipe", "1f1b", "interleaved", "zb-h1"}
+    assert float(rows.pop("none (1 rank)")["ms_per_step"]) > 0  # the unpipelined step
     for r in rows.values():
         assert float(r["ms_per_step"]) > 0 and 0 <= float(r["predicted"]) < 1
         assert 0 <= float(r["bubble"]) < 1
