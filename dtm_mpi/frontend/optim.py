@@ -138,13 +138,27 @@ def clip_by_global_norm(grads: Sequence[Tensor], max_norm: float) -> tuple[list[
     _check("max_norm", max_norm, 0.0)
     if not grads:
         raise UsageError("clip_by_global_norm needs at least one gradient")
+    total = square_sum(grads)
+    scale, norm = clip_scale(total, max_norm)
+    return [g * scale for g in grads], norm
+
+
+def square_sum(grads: Sequence[Tensor]) -> Tensor:
+    """The sum of the squares of every element of ``grads`` (each completed over its shards)."""
     total = None
     for g in grads:
         sq = (g * g).sum().complete()
         total = sq if total is None else total + sq
     assert total is not None
+    return total
+
+
+def clip_scale(total: Tensor, max_norm: float) -> tuple[Tensor, Tensor]:
+    """``min(1, max_norm / (norm + 1e-6))`` and ``norm = sqrt(total)``: the factor that clips
+    gradients whose square sum is ``total`` to global norm ``max_norm`` (a pipeline's stages
+    each sum their own gradients' squares, the totals added over the pipeline first)."""
+    _check("max_norm", max_norm, 0.0)
     norm = total.sqrt()
     scale = (1.0 / (norm + 1e-6)) * max_norm
     one = scale.tracer.constant(1.0, scale.type)
-    scale = scale.tracer.apply("minimum", [scale, one])
-    return [g * scale for g in grads], norm
+    return scale.tracer.apply("minimum", [scale, one]), norm

@@ -16,13 +16,14 @@ from typing import Any
 from dtm_mpi.errors import UsageError, VerifyError
 from dtm_mpi.frontend.mesh import Mesh
 from dtm_mpi.frontend.nn import Module as Layer
-from dtm_mpi.frontend.optim import Optimizer
+from dtm_mpi.frontend.optim import Optimizer, clip_scale, square_sum
 from dtm_mpi.frontend.tensor import Tensor, Tracer, trace_error, tracing
 from dtm_mpi.frontend.trace import Input, _split_outputs, _trace
 from dtm_mpi.ir.autodiff import backward
 from dtm_mpi.ir.build import FunctionBuilder
 from dtm_mpi.ir.nodes import Param
 from dtm_mpi.ir.stages import (
+    CLIP_TOTAL,
     StagePartition,
     StagePass,
     StepStages,
@@ -110,6 +111,7 @@ def step_stages_of(
     splits: Sequence[str],
     microbatches: int = 1,
     optimizer: Optimizer | None = None,
+    clip_norm: float | None = None,
     seed: int = 0,
     name: str = "train",
 ) -> StepStages:
@@ -117,7 +119,9 @@ def step_stages_of(
     stages, for one of ``microbatches`` microbatches (the fed inputs split along their first
     dimension, the loss scaled by ``1 / microbatches``, so that the loss and the parameter
     gradients of the step are the sums over its microbatches); with ``optimizer``, each
-    stage's update pass too (its state parameters join the step's)."""
+    stage's update pass too (its state parameters join the step's), the gradients first clipped
+    to global norm ``clip_norm`` as :func:`~dtm_mpi.frontend.trace.train_step` clips them (each
+    stage's square sum added over the pipeline)."""
     tr, _, weights, out = _trace(
         model,
         loss_fn,
@@ -159,30 +163,52 @@ def step_stages_of(
         mesh.ir(),
     )
     if optimizer is None:
+        if clip_norm is not None:
+            raise UsageError("clip_norm needs an optimizer")
         return stages
     by_name = {p.name: p for p in stages.params}
     passes, states = [], []
     for s in stages.passes:
-        update, opt = _update_pass(mesh, [by_name[n] for n in s.params], optimizer, s.index)
-        passes.append(replace(s, update=update))
+        params = [by_name[n] for n in s.params]
+        update, opt = _update_pass(mesh, params, optimizer, s.index, clip_norm)
+        sq = _square_sum_pass(mesh, params, s.index) if clip_norm is not None else None
+        passes.append(replace(s, update=update, square_sum=sq))
         states += opt
     return replace(stages, passes=tuple(passes), params=(*stages.params, *states))
 
 
+def _square_sum_pass(mesh: Mesh, params: Sequence[Param], stage: int) -> StagePass:
+    b = FunctionBuilder(mesh.ir(), module_name=f"stage{stage}_square_sum")
+    tr = Tracer(b)
+    grads = [Tensor(b.add_param(f"{p.name}.grad", p.type), tr) for p in params]
+    with tracing(tr):
+        total = square_sum(grads)
+    f = b.function(f"stage{stage}_square_sum", [total.value])
+    return StagePass(f, ("%clip.sqsum",))
+
+
 def _update_pass(
-    mesh: Mesh, params: Sequence[Param], optimizer: Optimizer, stage: int
+    mesh: Mesh,
+    params: Sequence[Param],
+    optimizer: Optimizer,
+    stage: int,
+    clip_norm: float | None,
 ) -> tuple[StagePass, list[Param]]:
     """Stage ``stage``'s optimizer step, traced as :func:`~dtm_mpi.frontend.trace.train_step`
     traces it (the same state names, so checkpoints match), and its new state parameters."""
     b = FunctionBuilder(mesh.ir(), module_name=f"stage{stage}_update")
     tr = Tracer(b)
     weights = [(p.name.lstrip("%"), b.add_param(p.name, p.type)) for p in params]
-    grads = [b.add_param(f"{p.name}.grad", p.type) for p in params]
+    grads = [Tensor(b.add_param(f"{p.name}.grad", p.type), tr) for p in params]
+    if clip_norm is not None:  # (the total's type: a stage's square sum, as traced alone)
+        like = _square_sum_pass(mesh, params, stage).function.results[0].type
+        total = Tensor(b.add_param(CLIP_TOTAL, like), tr)
     n_before = len(b.params)
     with tracing(tr):
-        news = optimizer.update(
-            tr, [(path, Tensor(v, tr)) for path, v in weights], [Tensor(g, tr) for g in grads]
-        )
+        if clip_norm is not None:
+            scale, _ = clip_scale(total, clip_norm)
+            grads = [g * scale for g in grads]
+        news = optimizer.update(tr, [(path, Tensor(v, tr)) for path, v in weights], grads)
         opt = list(b.params[n_before:])
         targets = [v for _, v in weights] + [b.value(p.name) for p in opt]
         news = [

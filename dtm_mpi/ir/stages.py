@@ -24,6 +24,7 @@ from dtm_mpi.ir.nodes import NO_SPAN, Function, MeshDecl, Module, Op, Param
 from dtm_mpi.ir.types import TensorType
 
 __all__ = [
+    "CLIP_TOTAL",
     "Route",
     "Stage",
     "StagePartition",
@@ -34,6 +35,11 @@ __all__ = [
     "pass_module",
     "step_stages",
 ]
+
+
+CLIP_TOTAL = "%clip.total"
+"""The input of every stage's update pass when gradients are clipped by their global norm:
+the square sum of every gradient of the step, each stage's added over the pipeline."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +200,10 @@ class StagePasses:
     input_grad: StagePass
     weight_grad: StagePass
     update: StagePass | None = None
+    square_sum: StagePass | None = None
+    """With clipping by the global norm: the sum of the squares of the stage's gradients
+    (named ``<parameter>.grad``), added over the pipeline into the ``%clip.total`` the update
+    pass takes."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,13 +29,15 @@ from dtm_mpi.config import get_config
 from dtm_mpi.errors import PlanError, UsageError
 from dtm_mpi.ir.dtypes import np_dtype
 from dtm_mpi.ir.nodes import MeshDecl
-from dtm_mpi.ir.stages import StagePass, StepStages, pass_module
+from dtm_mpi.ir.stages import CLIP_TOTAL, StagePass, StepStages, pass_module
+from dtm_mpi.ir.types import ReduceOp
 from dtm_mpi.plan.program import compile_plan
 from dtm_mpi.plan.schedule import Compute, Recv, Schedule, Send, Transfer, Work
 from dtm_mpi.runtime.executor import Executor
 from dtm_mpi.runtime.values import init_global
 from dtm_mpi.sharding.blocks import local_block, local_shape
 from dtm_mpi.sharding.mesh import MeshShape
+from dtm_mpi.sharding.steps import allreduce_spec
 
 __all__ = ["FIRST_RESERVED_TAG", "PipelineRank", "StepOutcome", "pipeline_groups"]
 
@@ -137,6 +139,9 @@ class PipelineRank:
         self.updates = {
             s.index: _Pass(s.update, mesh, shape, comm) for s in self.mine if s.update is not None
         }
+        self.square_sums = [
+            _Pass(s.square_sum, mesh, shape, comm) for s in self.mine if s.square_sum is not None
+        ]
         # the parameters of this rank's stages, and their optimizer state
         self.owned = [n for s in self.mine for n in (s.update.carries if s.update else s.params)]
         given = values or {}
@@ -208,11 +213,13 @@ class PipelineRank:
             else:
                 loss = self._compute(action, env, grads, loss, step)
         self.comm.flush()
+        named = {f"{n}.grad": g for n, g in grads.items()}
+        if self.square_sums:  # clipping by the global norm: every stage's square sum, added
+            named[CLIP_TOTAL] = self._clip_total(named, step)
         for s in self.mine:  # the optimizer, once per step, on the summed gradients
             update = self.updates.get(s.index)
             if update is not None:
-                given = {**self.blocks, **{f"{n}.grad": grads[n] for n in s.params}}
-                self.blocks.update(update.run(given, step))
+                self.blocks.update(update.run({**self.blocks, **named}, step))
         last = self.schedule.shape.rank_of(len(self.stages.passes) - 1)
         published = self.comm.broadcast(np.reshape(loss, (1,)), (self.axis,), last)
         return StepOutcome(float(published[0]), grads)
@@ -238,6 +245,15 @@ class PipelineRank:
                 for name, g in zip(self.stages.passes[c.stage].params, out.values(), strict=True):
                     grads[name] = grads[name] + g if name in grads else g
         return loss
+
+    def _clip_total(self, named: Mapping[str, np.ndarray], step: int) -> np.ndarray:
+        """The square sum of every gradient of the step: this rank's stages' sums, added
+        over the pipeline axis (in float64), in the sums' dtype."""
+        mine = [next(iter(p.run(named, step).values())) for p in self.square_sums]
+        local = np.array([sum(float(x) for x in mine)], np.float64)
+        spec = allreduce_spec(self.shape, self.rank, (self.axis,), ReduceOp.SUM, 1)
+        total = self.comm.allreduce(local, (self.axis,), spec)
+        return np.asarray(total[0], dtype=mine[0].dtype).reshape(())
 
     def held_bytes(self) -> int:
         """The bytes of one microbatch's held activations (what its forward pass returns for

@@ -112,25 +112,53 @@ def test_deterministic_mode_is_refused_until_it_is_exact(monkeypatch: pytest.Mon
 
 
 @pytest.mark.parametrize(
-    ("sizes", "splits", "kind", "chunks"),
+    ("sizes", "splits", "kind", "chunks", "clip"),
     [
-        ({"pp": 2, "tp": 2}, ["blocks.2"], ScheduleKind.ONE_F_ONE_B, 1),
-        ({"pp": 4}, ["blocks.1", "blocks.2", "blocks.3"], ScheduleKind.ZB_H1, 1),
-        ({"pp": 2, "dp": 2}, ["blocks.1", "blocks.2", "blocks.3"], ScheduleKind.INTERLEAVED, 2),
+        ({"pp": 2, "tp": 2}, ["blocks.2"], ScheduleKind.ONE_F_ONE_B, 1, None),
+        ({"pp": 4}, ["blocks.1", "blocks.2", "blocks.3"], ScheduleKind.ZB_H1, 1, None),
+        (
+            {"pp": 2, "dp": 2},
+            ["blocks.1", "blocks.2", "blocks.3"],
+            ScheduleKind.INTERLEAVED,
+            2,
+            None,
+        ),
+        ({"pp": 2, "tp": 2}, ["blocks.2"], ScheduleKind.ZB_H1, 1, 0.05),
+        (
+            {"pp": 2, "dp": 2},
+            ["blocks.1", "blocks.2", "blocks.3"],
+            ScheduleKind.INTERLEAVED,
+            2,
+            0.05,
+        ),
     ],
-    ids=["tp2xpp2-1f1b", "pp4-zb-h1", "dp2xpp2-interleaved"],
+    ids=[
+        "tp2xpp2-1f1b",
+        "pp4-zb-h1",
+        "dp2xpp2-interleaved",
+        "tp2xpp2-zb-h1-clipped",
+        "dp2xpp2-interleaved-clipped",
+    ],
 )
 def test_pipelined_training_steps_follow_the_unpipelined_training(
-    sizes: dict[str, int], splits: list[str], kind: ScheduleKind, chunks: int
+    sizes: dict[str, int], splits: list[str], kind: ScheduleKind, chunks: int, clip: float | None
 ) -> None:
-    """Three AdamW steps: the optimizer runs once per step on each stage's summed gradients;
-    the parameters and the optimizer's state end where train_step's do (float64 rounding)."""
+    """Three AdamW steps: the optimizer runs once per step on each stage's summed gradients
+    (clipped by their global norm: each stage's square sum added over pp); the parameters and
+    the optimizer's state end where train_step's do (float64 rounding)."""
     full = {"pp": 1, "dp": 1, "tp": 1, **sizes}
     mesh = dtm.Mesh(**full)
     shape = MeshShape(tuple(full.items()))
     opt = dtm.optim.AdamW(lr=1e-2)
     stages = step_stages_of(
-        _model(), _loss, mesh=mesh, inputs=INPUTS, splits=splits, microbatches=4, optimizer=opt
+        _model(),
+        _loss,
+        mesh=mesh,
+        inputs=INPUTS,
+        splits=splits,
+        microbatches=4,
+        optimizer=opt,
+        clip_norm=clip,
     )
     schedule = plan_schedule(kind, PipelineShape(full["pp"], 4, chunks))
     batch = _batch()
@@ -141,7 +169,7 @@ def test_pipelined_training_steps_follow_the_unpipelined_training(
         return losses, rank.blocks
 
     outcomes = run_ranks(shape, train, timeout_s=60)
-    step = dtm.train_step(_model(), _loss, mesh=mesh, inputs=INPUTS, optimizer=opt)
+    step = dtm.train_step(_model(), _loss, mesh=mesh, inputs=INPUTS, optimizer=opt, clip_norm=clip)
     final, history = run_reference(step.module, batch, steps=3)
     want_losses = [float(h[0]) for h in history]
     for losses, _ in outcomes:
@@ -149,6 +177,10 @@ def test_pipelined_training_steps_follow_the_unpipelined_training(
     names = {p.name for p in stages.params}
     assert names - {f"%{k}" for k in INPUTS} == set(final) - {f"%{k}" for k in INPUTS}
     _same_state(final, [b for _, b in outcomes], stages, shape, INPUTS)
+    if clip is not None:  # the clip acted: unclipped training ends elsewhere
+        unclipped = dtm.train_step(_model(), _loss, mesh=mesh, inputs=INPUTS, optimizer=opt)
+        free, _ = run_reference(unclipped.module, batch, steps=3)
+        assert not np.allclose(free["%head.weight"], final["%head.weight"], rtol=1e-6)
 
 
 class _Skip(dtm.nn.Module):
