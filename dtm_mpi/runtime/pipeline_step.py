@@ -34,8 +34,8 @@ from dtm_mpi.ir.types import ReduceOp
 from dtm_mpi.plan.program import compile_plan
 from dtm_mpi.plan.schedule import Compute, Recv, Schedule, Send, Transfer, Work
 from dtm_mpi.runtime.executor import Executor
-from dtm_mpi.runtime.values import init_global
-from dtm_mpi.sharding.blocks import local_block, local_shape
+from dtm_mpi.runtime.values import init_block
+from dtm_mpi.sharding.blocks import local_block, local_offsets, local_shape
 from dtm_mpi.sharding.mesh import MeshShape
 from dtm_mpi.sharding.steps import allreduce_spec
 
@@ -121,10 +121,6 @@ class PipelineRank:
             raise UsageError(
                 f"the schedule runs {schedule.shape.stages} stages; the model is cut into {len(stages.passes)}"
             )
-        if schedule.shape.max_tag >= FIRST_RESERVED_TAG:
-            raise UsageError(
-                f"{schedule.shape.microbatches} microbatches over {schedule.shape.stages} stages need message tags up to {schedule.shape.max_tag}; at most {FIRST_RESERVED_TAG - 1} (fewer microbatches or stages)"
-            )
         self.stages, self.schedule, self.shape, self.comm = stages, schedule, shape, comm
         self.rank = comm.rank
         self.pp = shape.index_along(self.rank, (axis,))
@@ -147,12 +143,19 @@ class PipelineRank:
         given = values or {}
         by_name = {p.name: p for p in stages.params}
         self.blocks: dict[str, np.ndarray] = {}
-        for name in self.owned:
+        for name in self.owned:  # this rank's blocks only: no global array is made
             p = by_name[name]
+            t = p.type
             whole = given.get(name.lstrip("%"))
-            whole = init_global(p) if whole is None else np.asarray(whole)
-            region = local_block(p.type.shape, p.type.layout, shape, self.rank)
-            self.blocks[name] = np.ascontiguousarray(whole[region])
+            if whole is None:
+                block = init_block(
+                    p,
+                    local_offsets(t.shape, t.layout, shape, self.rank),
+                    local_shape(t.shape, t.layout, shape, self.rank),
+                )
+            else:
+                block = np.asarray(whole)[local_block(t.shape, t.layout, shape, self.rank)]
+            self.blocks[name] = np.ascontiguousarray(block)
         self._routes = {r.value: r for r in (*stages.partition.routes, *stages.grad_routes)}
         self._bundles = _bundles(stages)
         widest = max((len(b) for b in self._bundles.values()), default=1)

@@ -237,3 +237,21 @@ def test_a_skip_connection_over_a_stage_is_relayed_and_trains_as_unpipelined(
     final, history = run_reference(step.module, batch, steps=3)
     np.testing.assert_allclose(outcomes[0][0], [float(h[0]) for h in history], rtol=1e-12)
     _same_state(final, [b for _, b in outcomes], stages, shape, inputs)
+
+
+def test_more_messages_than_tags_is_refused_before_any_step() -> None:
+    """Every boundary message of a step has its own tag below the runtime's reserved ones: a
+    schedule that would need more is one error naming the fix, on every rank."""
+    mesh = dtm.Mesh(pp=2, dp=1, tp=1)
+    shape = MeshShape((("pp", 2), ("dp", 1), ("tp", 1)))
+    stages = step_stages_of(
+        _model(), _loss, mesh=mesh, inputs=INPUTS, splits=["blocks.2"], microbatches=2
+    )
+    schedule = plan_schedule(ScheduleKind.GPIPE, PipelineShape(2, 8200))
+    with pytest.raises(
+        RemoteFailureError,
+        match=r"need more than 32761 message tags \(fewer microbatches or stages\)",
+    ):
+        run_ranks(
+            shape, lambda comm: PipelineRank(stages, schedule, mesh.ir(), shape, comm), timeout_s=60
+        )
