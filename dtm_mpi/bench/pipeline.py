@@ -22,6 +22,7 @@ ranks 0 and 1, measured first.
 from __future__ import annotations
 
 import csv
+import itertools
 import os
 import statistics
 import time
@@ -31,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from dtm_mpi.bench.train_models import gpt_loss
 from dtm_mpi.errors import UsageError
 from dtm_mpi.sharding.mesh import MeshShape
 
@@ -77,7 +79,7 @@ def run_pipeline_bench(
     from dtm_mpi.config import get_config
     from dtm_mpi.frontend.stage_split import step_stages_of
     from dtm_mpi.plan.schedule import PipelineShape, parse_schedule, plan_schedule
-    from dtm_mpi.runtime.pipeline_step import PipelineRank, pipeline_groups
+    from dtm_mpi.runtime.pipeline_step import PipelineRank, pipeline_groups, stage_plans
 
     world = MPI.COMM_WORLD
     p, rank = int(world.Get_size()), int(world.Get_rank())
@@ -108,7 +110,7 @@ def run_pipeline_bench(
         splits = [f"blocks.{k * layers // n_stages}" for k in range(1, n_stages)]
         stages = step_stages_of(
             dtm.nn.GPT(vocab, seq, dim, 4, layers),
-            _lm_loss,
+            gpt_loss,
             mesh=mesh,
             inputs=inputs,
             splits=splits,
@@ -118,8 +120,10 @@ def run_pipeline_bench(
         schedule = plan_schedule(kind, PipelineShape(p, microbatches, chunks))
         session = MpiSession(shape, timeout_s=get_config().timeout_s, world=world, join=False)
         try:
-            session.join_mesh(pipeline_groups(stages, mesh.ir(), shape))
-            runner = PipelineRank(stages, schedule, mesh.ir(), shape, MpiComm(session))
+            plans = stage_plans(stages, mesh.ir(), shape)
+            session.join_mesh(pipeline_groups(plans))
+            comm = MpiComm(session)
+            runner = PipelineRank(stages, schedule, mesh.ir(), shape, comm, plans=plans)
             for i in range(warmup):
                 runner.step(data, i)
             runner.seconds.clear()
@@ -167,46 +171,26 @@ def _one_way(world: Any, buf: np.ndarray, rounds: int = 20) -> float:
 def _unpipelined(
     model: Any, inputs: Any, data: dict[str, np.ndarray], steps: int, warmup: int
 ) -> PipelineRow:
-    """The step without a pipeline on one rank: its median step time."""
+    """The step without a pipeline on one rank (the one step loop on one simulated rank): its
+    median step time."""
     from dtm_mpi import frontend as dtm
-    from dtm_mpi.comm.sim import run_ranks
-    from dtm_mpi.plan.program import compile_plan
-    from dtm_mpi.runtime.executor import Executor
-    from dtm_mpi.runtime.simulate import initial_blocks
+    from dtm_mpi.runtime.simulate import run_simulated
+    from dtm_mpi.runtime.step_loop import RunHooks
 
     step = dtm.train_step(
         model,
-        _lm_loss,
+        gpt_loss,
         mesh=dtm.Mesh(dp=1, tp=1),
         inputs=inputs,
         optimizer=dtm.optim.AdamW(lr=1e-3),
     )
-    plan = compile_plan(step.module, MeshShape((("dp", 1), ("tp", 1))))
-    entry = plan.entry_plan.function
-    index = {p.name: i for i, p in enumerate(entry.params)}
-    updates = [(j, index[r.updates]) for j, r in enumerate(entry.results) if r.updates]
-
-    def run(comm: Any) -> list[float]:
-        exe = Executor(plan, comm, deterministic=False)
-        blocks = initial_blocks(plan, 0, data)
-        times = []
-        for i in range(warmup + steps):
-            start = time.perf_counter()
-            results = exe.run(blocks, i)
-            for j, k in updates:
-                blocks[k] = results[j]
-            times.append(time.perf_counter() - start)
-        return times[warmup:]
-
-    (times,) = run_ranks(MeshShape((("dp", 1), ("tp", 1))), run, timeout_s=3600)
+    marks: list[float] = []  # after each step: step 0 only starts the clock
+    hooks = RunHooks(on_step=lambda i, rank, metrics: marks.append(time.perf_counter()))
+    run_simulated(
+        step.module, 1, inputs=data, steps=warmup + steps + 1, hooks=hooks, deterministic=False
+    )
+    times = [b - a for a, b in itertools.pairwise(marks)][warmup:]
     return PipelineRow("none (1 rank)", 1, 1, 1, statistics.median(times) * 1e3, 0.0, 0.0, 0, 0.0)
-
-
-def _lm_loss(m: Any, ids: Any, tgt: Any) -> Any:
-    from dtm_mpi.frontend import functional as fn
-
-    logits = m(ids)
-    return fn.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
 
 
 def _row(

@@ -84,21 +84,23 @@ def _digits_step() -> Any:
 GPT = {"vocab": 96, "context": 64, "dim": 96, "heads": 4, "layers": 2, "batch": 24}
 
 
+def gpt_loss(m: Any, ids: Any, tgt: Any) -> Any:
+    """A GPT's next-token loss: the cross-entropy of its logits for every position."""
+    from dtm_mpi.frontend import functional as fn
+
+    logits = m(ids)
+    return fn.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+
+
 def _gpt_step() -> Any:
     from dtm_mpi import frontend as dtm
-    from dtm_mpi.frontend import functional as fn
 
     g = GPT
     model = dtm.nn.GPT(g["vocab"], g["context"], g["dim"], g["heads"], g["layers"])
-
-    def loss(m: Any, ids: dtm.Tensor, tgt: dtm.Tensor) -> dtm.Tensor:
-        logits = m(ids)
-        return fn.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
-
     spec = dtm.Input((g["batch"], g["context"]), "i32", ("dp", None))
     return dtm.train_step(
         model,
-        loss,
+        gpt_loss,
         mesh=dtm.Mesh(dp=2, tp=2),
         inputs={"ids": spec, "tgt": spec},
         clip_norm=1.0,

@@ -112,39 +112,35 @@ class Module:
                 seen.add(id(layer))
                 yield path, layer
 
-    def _layers(self, prefix: str) -> Iterator[tuple[str, Module]]:
-        for key, value in vars(self).items():
-            if key.startswith("_"):
-                continue
-            subs = (
-                [(f"{prefix}{key}", value)]
-                if isinstance(value, Module)
-                else [(f"{prefix}{key}.{i}", v) for i, v in enumerate(value)]
-                if isinstance(value, list | tuple)
-                and value
-                and all(isinstance(v, Module) for v in value)
-                else []
-            )
-            for path, sub in subs:
-                yield path, sub
-                yield from sub._layers(path + ".")
-
-    def _walk(self, prefix: str) -> Iterator[tuple[str, Module, str, Parameter]]:
+    def _members(self, prefix: str) -> Iterator[tuple[str, str, Parameter | Module]]:
+        """(path, attribute, value) of this layer's parameters and direct sublayers (a list or
+        tuple of layers gives one per element, ``attr.i``), in attribute order."""
         for key, value in vars(self).items():
             if key.startswith("_"):
                 continue
             path = f"{prefix}{key}"
-            if isinstance(value, Parameter):
-                yield path, self, key, value
-            elif isinstance(value, Module):
-                yield from value._walk(path + ".")
+            if isinstance(value, Parameter | Module):
+                yield path, key, value
             elif (
                 isinstance(value, list | tuple)
                 and value
                 and all(isinstance(v, Module) for v in value)
             ):
                 for i, sub in enumerate(value):
-                    yield from sub._walk(f"{path}.{i}.")
+                    yield f"{path}.{i}", key, sub
+
+    def _layers(self, prefix: str) -> Iterator[tuple[str, Module]]:
+        for path, _, value in self._members(prefix):
+            if isinstance(value, Module):
+                yield path, value
+                yield from value._layers(path + ".")
+
+    def _walk(self, prefix: str) -> Iterator[tuple[str, Module, str, Parameter]]:
+        for path, key, value in self._members(prefix):
+            if isinstance(value, Parameter):
+                yield path, self, key, value
+            else:
+                yield from value._walk(path + ".")
 
 
 def _uniform(fan_in: int) -> tuple[str, tuple[tuple[str, float], ...]]:

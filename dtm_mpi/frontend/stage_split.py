@@ -30,6 +30,7 @@ from dtm_mpi.ir.stages import (
     partition_stages,
     step_stages,
 )
+from dtm_mpi.ir.types import TensorType
 
 __all__ = ["forward_stages", "microbatch_inputs", "stage_cuts", "step_stages_of"]
 
@@ -79,6 +80,13 @@ def forward_stages(
     with tracing(tr):
         for _, t in _split_outputs(out, "loss"):
             t.complete()
+    return _cut(tr, model, splits, inputs)
+
+
+def _cut(
+    tr: Tracer, model: Layer, splits: Sequence[str], inputs: Mapping[str, Input]
+) -> StagePartition:
+    """The traced forward so far cut before ``splits`` (a located error at the user's line)."""
     cuts = stage_cuts(model, tr.entered, splits)
     try:
         return partition_stages(tr.b.params, tr.b.ops, cuts, fed=tuple(inputs))
@@ -136,12 +144,7 @@ def step_stages_of(
         if microbatches > 1:
             loss = loss * (1.0 / microbatches)
     n_forward = len(tr.b.ops)
-    try:
-        partition = partition_stages(
-            tr.b.params, tr.b.ops, stage_cuts(model, tr.entered, splits), fed=tuple(inputs)
-        )
-    except VerifyError as err:
-        raise trace_error(err) from None
+    partition = _cut(tr, model, splits, inputs)
     origins: list[int] = []
     with tracing(tr):
         grads = backward(
@@ -170,8 +173,9 @@ def step_stages_of(
     passes, states = [], []
     for s in stages.passes:
         params = [by_name[n] for n in s.params]
-        update, opt = _update_pass(mesh, params, optimizer, s.index, clip_norm)
         sq = _square_sum_pass(mesh, params, s.index) if clip_norm is not None else None
+        clip = (clip_norm, sq.function.results[0].type) if clip_norm is not None and sq else None
+        update, opt = _update_pass(mesh, params, optimizer, s.index, clip)
         passes.append(replace(s, update=update, square_sum=sq))
         states += opt
     return replace(stages, passes=tuple(passes), params=(*stages.params, *states))
@@ -192,21 +196,20 @@ def _update_pass(
     params: Sequence[Param],
     optimizer: Optimizer,
     stage: int,
-    clip_norm: float | None,
+    clip: tuple[float, TensorType] | None,
 ) -> tuple[StagePass, list[Param]]:
     """Stage ``stage``'s optimizer step, traced as :func:`~dtm_mpi.frontend.trace.train_step`
-    traces it (the same state names, so checkpoints match), and its new state parameters."""
+    traces it (the same state names, so checkpoints match), and its new state parameters;
+    ``clip``: the global norm to clip to, and the type of the square sum it is given."""
     b = FunctionBuilder(mesh.ir(), module_name=f"stage{stage}_update")
     tr = Tracer(b)
     weights = [(p.name.lstrip("%"), b.add_param(p.name, p.type)) for p in params]
     grads = [Tensor(b.add_param(f"{p.name}.grad", p.type), tr) for p in params]
-    if clip_norm is not None:  # (the total's type: a stage's square sum, as traced alone)
-        like = _square_sum_pass(mesh, params, stage).function.results[0].type
-        total = Tensor(b.add_param(CLIP_TOTAL, like), tr)
+    total = Tensor(b.add_param(CLIP_TOTAL, clip[1]), tr) if clip is not None else None
     n_before = len(b.params)
     with tracing(tr):
-        if clip_norm is not None:
-            scale, _ = clip_scale(total, clip_norm)
+        if clip is not None and total is not None:
+            scale, _ = clip_scale(total, clip[0])
             grads = [g * scale for g in grads]
         news = optimizer.update(tr, [(path, Tensor(v, tr)) for path, v in weights], grads)
         opt = list(b.params[n_before:])

@@ -108,8 +108,7 @@ def partition_stages(
             )
     fed_names = {"%" + n.lstrip("%") for n in fed}
     param_names = {p.name for p in params}
-    made: dict[str, tuple[int, TensorType, SourceSpan]] = {}  # value -> (stage, type, span)
-    used_by: dict[str, list[int]] = {}
+    made: set[str] = set()
     param_stage: dict[str, tuple[int, SourceSpan]] = {}
     stage_inputs: list[list[str]] = [[] for _ in range(len(bounds) - 1)]
     stage_params: list[list[str]] = [[] for _ in range(len(bounds) - 1)]
@@ -122,14 +121,9 @@ def partition_stages(
                     )
                 elif name not in made:
                     raise VerifyError(f"{name} is used before it is defined", op.span)
-                elif made[name][0] != s and s not in used_by.setdefault(name, []):
-                    used_by[name].append(s)
-            for name, t in zip(op.results, op.result_types, strict=True):
-                made[name] = (s, t, op.span)
-    routes = tuple(
-        Route(name, made[name][1], made[name][0], tuple(sorted(dst)), made[name][2])
-        for name, dst in used_by.items()
-        if dst
+            made.update(op.results)
+    routes = _crossings(
+        [(s, op) for s in range(len(bounds) - 1) for op in body[bounds[s] : bounds[s + 1]]]
     )
     stages = tuple(
         Stage(
@@ -205,6 +199,11 @@ class StagePasses:
     (named ``<parameter>.grad``), added over the pipeline into the ``%clip.total`` the update
     pass takes."""
 
+    def all(self) -> tuple[StagePass, ...]:
+        """Every pass of the stage (those it has)."""
+        passes = (self.forward, self.input_grad, self.weight_grad, self.update, self.square_sum)
+        return tuple(p for p in passes if p is not None)
+
 
 @dataclass(frozen=True, slots=True)
 class StepStages:
@@ -240,23 +239,11 @@ def step_stages(
     ]
     if len(stage_of_op) != len(body):
         raise ValueError(f"{len(origins)} origins for {len(body) - n_forward} reverse ops")
-    made: dict[str, int] = {}  # value -> the position of the op making it
-    for i, op in enumerate(body):
-        for n in op.results:
-            made[n] = i
     by_name = {p.name: p for p in params}
-    grad_dst: dict[str, set[int]] = {}
-    for i in range(n_forward, len(body)):
-        for n in body[i].operands:
-            j = made.get(n)
-            if j is not None and j >= n_forward and stage_of_op[j] != stage_of_op[i]:
-                grad_dst.setdefault(n, set()).add(stage_of_op[i])
     types = {n: t for op in body for n, t in zip(op.results, op.result_types, strict=True)}
     types.update({p.name: p.type for p in params})
-    grad_routes = tuple(
-        Route(n, types[n], stage_of_op[made[n]], tuple(sorted(d)), body[made[n]].span)
-        for n, d in grad_dst.items()
-    )
+    # (a reverse op reads forward values only of its own stage: those were received there)
+    grad_routes = _crossings(list(zip(stage_of_op[n_forward:], body[n_forward:], strict=True)))
     passes = tuple(
         _passes(
             s,
@@ -274,6 +261,23 @@ def step_stages(
         for s in range(len(partition.stages))
     )
     return StepStages(partition, tuple(params), grad_routes, passes, loss)
+
+
+def _crossings(ops: Sequence[tuple[int, Op]]) -> tuple[Route, ...]:
+    """The routes of ``ops`` (each with its stage, in order): every value one of them makes
+    that an op of another stage uses, in the order of first such use."""
+    made: dict[str, tuple[int, TensorType, SourceSpan]] = {}  # value -> (stage, type, span)
+    used_by: dict[str, set[int]] = {}
+    for s, op in ops:
+        for name in op.operands:
+            if name in made and made[name][0] != s:
+                used_by.setdefault(name, set()).add(s)
+        for name, t in zip(op.results, op.result_types, strict=True):
+            made[name] = (s, t, op.span)
+    return tuple(
+        Route(name, made[name][1], made[name][0], tuple(sorted(dst)), made[name][2])
+        for name, dst in used_by.items()
+    )
 
 
 def _op_stages(partition: StagePartition, n_forward: int) -> list[int]:

@@ -413,12 +413,11 @@ def _with_transfers(shape: PipelineShape, order: list[Compute]) -> tuple[Action,
 
 
 def _input_from(shape: PipelineShape, c: Compute) -> tuple[Transfer, int] | None:
-    """What ``c`` receives from another stage, and the producing stage."""
-    if c.work is Work.F and c.stage > 0:
-        return Transfer.ACT, c.stage - 1
-    if c.work in (Work.B, Work.I) and c.stage < shape.stages - 1:
-        return Transfer.GRAD, c.stage + 1
-    return None
+    """What ``c`` takes from another stage (:func:`_needs`), and the producing stage."""
+    dep = _needs(shape, c)
+    if dep is None:
+        return None
+    return (Transfer.ACT if c.work is Work.F else Transfer.GRAD), dep.stage
 
 
 def _output_to(shape: PipelineShape, c: Compute) -> tuple[Transfer, int] | None:
@@ -549,15 +548,15 @@ def _check_inputs(
     if c.work is Work.W:
         local.append(Compute(Work.I, c.microbatch, c.stage))
     dep = _needs(shape, c)
-    if dep is not None:
-        if shape.rank_of(dep.stage) == rank:
+    src = _input_from(shape, c)
+    if dep is not None and src is not None:
+        what, stage = src
+        if shape.rank_of(stage) == rank:
             local.append(dep)
-        else:
-            what = Transfer.ACT if c.work is Work.F else Transfer.GRAD
-            if (what, c.microbatch, dep.stage) not in received:
-                raise PlanError(
-                    f"pipeline schedule {name}: rank {rank}: {c} runs before it receives {what.value}(mb {c.microbatch}, stage {dep.stage})"
-                )
+        elif (what, c.microbatch, stage) not in received:
+            raise PlanError(
+                f"pipeline schedule {name}: rank {rank}: {c} runs before it receives {what.value}(mb {c.microbatch}, stage {stage})"
+            )
     for need in local:
         if need not in ends:
             raise PlanError(f"pipeline schedule {name}: rank {rank}: {c} runs before {need}")

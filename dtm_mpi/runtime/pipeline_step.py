@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -31,7 +31,7 @@ from dtm_mpi.ir.dtypes import np_dtype
 from dtm_mpi.ir.nodes import MeshDecl
 from dtm_mpi.ir.stages import CLIP_TOTAL, StagePass, StepStages, pass_module
 from dtm_mpi.ir.types import ReduceOp
-from dtm_mpi.plan.program import compile_plan
+from dtm_mpi.plan.program import ExecPlan, compile_plan
 from dtm_mpi.plan.schedule import Compute, Recv, Schedule, Send, Transfer, Work
 from dtm_mpi.runtime.executor import Executor
 from dtm_mpi.runtime.values import init_block
@@ -39,28 +39,38 @@ from dtm_mpi.sharding.blocks import local_block, local_offsets, local_shape
 from dtm_mpi.sharding.mesh import MeshShape
 from dtm_mpi.sharding.steps import allreduce_spec
 
-__all__ = ["FIRST_RESERVED_TAG", "PipelineRank", "StepOutcome", "pipeline_groups"]
+__all__ = [
+    "FIRST_RESERVED_TAG",
+    "PipelineRank",
+    "StepOutcome",
+    "pipeline_groups",
+    "stage_plans",
+]
 
 FIRST_RESERVED_TAG = 32761
 """The runtime's own messages use tags from here up (agreements, outputs, resizes): a
 pipeline's boundary messages stay below."""
 
 
-def pipeline_groups(
-    stages: StepStages, mesh: MeshDecl, shape: MeshShape, axis: str = "pp"
-) -> list[tuple[str, ...]]:
+def stage_plans(stages: StepStages, mesh: MeshDecl, shape: MeshShape) -> dict[str, ExecPlan]:
+    """Every pass of every stage compiled for ``shape``, by function name (pure: the same on
+    every rank)."""
+    return {
+        sp.function.name: compile_plan(pass_module(sp.function, mesh, sp.function.name), shape)
+        for s in stages.passes
+        for sp in s.all()
+    }
+
+
+def pipeline_groups(plans: Mapping[str, ExecPlan], axis: str = "pp") -> list[tuple[str, ...]]:
     """Every group of axes a pipelined step communicates over: those of every stage's passes
-    (compiled here, the same on every rank), then the pipeline axis (the loss's broadcast);
+    (:func:`stage_plans`), then the pipeline axis (the loss's broadcast, the clipping sum);
     under MPI they are created once, collectively, before any data moves."""
     from dtm_mpi.runtime.mpirun import plan_groups
 
     seen: list[tuple[str, ...]] = []
-    for s in stages.passes:
-        for sp in (s.forward, s.input_grad, s.weight_grad, s.update):
-            if sp is None:
-                continue
-            plan = compile_plan(pass_module(sp.function, mesh, sp.function.name), shape)
-            seen += [g for g in plan_groups(plan, False) if g not in seen]
+    for plan in plans.values():
+        seen += [g for g in plan_groups(plan, False) if g not in seen]
     return [*seen, *([(axis,)] if (axis,) not in seen else [])]
 
 
@@ -77,10 +87,9 @@ class StepOutcome:
 class _Pass:
     """One pass compiled for this rank."""
 
-    def __init__(self, sp: StagePass, mesh: MeshDecl, shape: MeshShape, comm: Comm) -> None:
+    def __init__(self, sp: StagePass, plan: ExecPlan, comm: Comm) -> None:
         self.carries = sp.carries
         self.params = tuple(p.name for p in sp.function.params)
-        plan = compile_plan(pass_module(sp.function, mesh, sp.function.name), shape)
         self.executor = Executor(plan, comm, deterministic=False)
 
     def run(self, values: Mapping[str, np.ndarray], step: int) -> dict[str, np.ndarray]:
@@ -94,7 +103,8 @@ class _Pass:
 class PipelineRank:
     """This rank's stages of ``stages`` (``axis``: the pipeline axis of ``shape``), run as
     ``schedule`` says. ``values``: global initial values of parameters by name (default:
-    each parameter's init)."""
+    each parameter's init); ``plans``: the passes already compiled (:func:`stage_plans`;
+    default: this rank's compiled here)."""
 
     def __init__(
         self,
@@ -106,6 +116,7 @@ class PipelineRank:
         *,
         axis: str = "pp",
         values: Mapping[str, np.ndarray] | None = None,
+        plans: Mapping[str, ExecPlan] | None = None,
     ) -> None:
         if get_config().deterministic:
             raise UsageError(
@@ -127,17 +138,20 @@ class PipelineRank:
         self.pp_group = shape.group_of(self.rank, (axis,))  # ranks along pp, in pp order
         self.axis = axis
         self.mine = [s for s in stages.passes if schedule.shape.rank_of(s.index) == self.pp]
+        if plans is None:
+            plans = stage_plans(replace(stages, passes=tuple(self.mine)), mesh, shape)
+        compiled = {
+            sp.function.name: _Pass(sp, plans[sp.function.name], comm)
+            for s in self.mine
+            for sp in s.all()
+        }
         self.passes = {
-            (s.index, work): _Pass(sp, mesh, shape, comm)
+            (s.index, work): compiled[sp.function.name]
             for s in self.mine
             for work, sp in ((Work.F, s.forward), (Work.I, s.input_grad), (Work.W, s.weight_grad))
         }
-        self.updates = {
-            s.index: _Pass(s.update, mesh, shape, comm) for s in self.mine if s.update is not None
-        }
-        self.square_sums = [
-            _Pass(s.square_sum, mesh, shape, comm) for s in self.mine if s.square_sum is not None
-        ]
+        self.updates = {s.index: compiled[s.update.function.name] for s in self.mine if s.update}
+        self.square_sums = [compiled[s.square_sum.function.name] for s in self.mine if s.square_sum]
         # the parameters of this rank's stages, and their optimizer state
         self.owned = [n for s in self.mine for n in (s.update.carries if s.update else s.params)]
         given = values or {}
@@ -157,6 +171,16 @@ class PipelineRank:
                 block = np.asarray(whole)[local_block(t.shape, t.layout, shape, self.rank)]
             self.blocks[name] = np.ascontiguousarray(block)
         self._routes = {r.value: r for r in (*stages.partition.routes, *stages.grad_routes)}
+        self._received = {  # a routed value's block on this rank: shape, dtype
+            v: (local_shape(r.type.shape, r.type.layout, shape, self.rank), np_dtype(r.type.dtype))
+            for v, r in self._routes.items()
+        }
+        self._fed = {  # a fed input's block of a microbatch on this rank
+            p.name: local_block(p.type.shape, p.type.layout, shape, self.rank)
+            for s in stages.passes
+            for p in s.forward.function.params
+            if p.name in {n for st in stages.partition.stages for n in st.inputs}
+        }
         self._bundles = _bundles(stages)
         widest = max((len(b) for b in self._bundles.values()), default=1)
         if widest * (schedule.shape.max_tag + 1) > FIRST_RESERVED_TAG:
@@ -178,7 +202,7 @@ class PipelineRank:
             peer = self.pp_group[action.peer]
             for value in self._bundles[(action.what, action.stage)]:
                 route = self._routes[value]
-                mine = local_shape(route.type.shape, route.type.layout, self.shape, self.rank)
+                mine = self._received[value][0]
                 theirs = local_shape(route.type.shape, route.type.layout, self.shape, peer)
                 if mine != theirs:
                     raise PlanError(
@@ -206,13 +230,9 @@ class PipelineRank:
                     self.comm.send(env[value], self.pp_group[action.peer], tag)
             elif isinstance(action, Recv):
                 for k, value in enumerate(self._bundles[(action.what, action.stage)]):
-                    route = self._routes[value]
-                    env[value] = self.comm.recv(
-                        local_shape(route.type.shape, route.type.layout, self.shape, self.rank),
-                        np.dtype(np_dtype(route.type.dtype)),
-                        self.pp_group[action.peer],
-                        action.tag + k * self._tag_stride,
-                    )
+                    shape, dtype = self._received[value]
+                    tag = action.tag + k * self._tag_stride
+                    env[value] = self.comm.recv(shape, dtype, self.pp_group[action.peer], tag)
             else:
                 loss = self._compute(action, env, grads, loss, step)
         self.comm.flush()
@@ -268,7 +288,7 @@ class PipelineRank:
             sent = set(self._bundles[(Transfer.ACT, s.index)]) | {self.stages.loss}
             total = sum(
                 math.prod(local_shape(r.type.shape, r.type.layout, self.shape, self.rank))
-                * np.dtype(np_dtype(r.type.dtype)).itemsize
+                * np_dtype(r.type.dtype).itemsize
                 for name, r in zip(f.carries, f.function.results, strict=True)
                 if name not in sent
             )
@@ -276,15 +296,11 @@ class PipelineRank:
         return best
 
     def _fed_block(self, name: str, rows: np.ndarray) -> np.ndarray:
-        """This rank's block of a microbatch of fed input ``name`` (any stage's type of it)."""
-        for s in self.stages.passes:
-            for p in s.forward.function.params:
-                if p.name == "%" + name:
-                    t = p.type
-                    return np.ascontiguousarray(
-                        rows[local_block(t.shape, t.layout, self.shape, self.rank)]
-                    )
-        raise UsageError(f"fed input {name!r} is not an input of any stage")
+        """This rank's block of a microbatch of fed input ``name``."""
+        region = self._fed.get("%" + name)
+        if region is None:
+            raise UsageError(f"fed input {name!r} is not an input of any stage")
+        return np.ascontiguousarray(rows[region])
 
 
 def _bundles(stages: StepStages) -> dict[tuple[Transfer, int], tuple[str, ...]]:

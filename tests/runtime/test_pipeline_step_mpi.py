@@ -15,7 +15,7 @@ from dtm_mpi.comm.mpi_comm import MpiComm
 from dtm_mpi.comm.mpi_session import MpiSession
 from dtm_mpi.frontend.stage_split import step_stages_of
 from dtm_mpi.plan.schedule import PipelineShape, ScheduleKind, plan_schedule
-from dtm_mpi.runtime.pipeline_step import PipelineRank, pipeline_groups
+from dtm_mpi.runtime.pipeline_step import PipelineRank, pipeline_groups, stage_plans
 from dtm_mpi.runtime.reference import run_reference
 from dtm_mpi.sharding.blocks import local_block
 from dtm_mpi.sharding.mesh import MeshShape
@@ -67,8 +67,9 @@ def test_pipelined_training_under_mpi_follows_the_unpipelined_training(
     batch = token_batch(BATCH, 11)
     session = MpiSession(shape, timeout_s=60, world=comm, join=False)
     try:
-        session.join_mesh(pipeline_groups(stages, mesh.ir(), shape))
-        runner = PipelineRank(stages, schedule, mesh.ir(), shape, MpiComm(session))
+        plans = stage_plans(stages, mesh.ir(), shape)  # (every stage's: the groups need all)
+        session.join_mesh(pipeline_groups(plans))
+        runner = PipelineRank(stages, schedule, mesh.ir(), shape, MpiComm(session), plans=plans)
         losses = [runner.step(batch, i).loss for i in range(2)]
     finally:
         session.close()
