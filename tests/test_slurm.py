@@ -100,7 +100,7 @@ def _submit(slurm: SlurmCluster, tmp_path: Path, name: str, steps: int) -> tuple
 def test_a_preempted_job_saves_requeues_resumes_and_equals_an_uninterrupted_one(
     slurm: SlurmCluster, tmp_path: Path
 ) -> None:
-    steps = 40
+    steps = 100  # (long enough that the signal lands before the end on a busy machine)
     job, out, log = _submit(slurm, tmp_path, "preempted", steps)
     deadline = time.monotonic() + 240
     while not (log.exists() and re.search(rf"^step \d+/{steps}: ", log.read_text(), re.M)):
