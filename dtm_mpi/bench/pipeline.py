@@ -124,6 +124,7 @@ def run_pipeline_bench(
             session.join_mesh(pipeline_groups(plans))
             comm = MpiComm(session)
             runner = PipelineRank(stages, schedule, mesh.ir(), shape, comm, plans=plans)
+            data = runner.batch_blocks(data)
             for i in range(warmup):
                 runner.step(data, i)
             runner.seconds.clear()

@@ -24,6 +24,7 @@ from dtm_mpi.frontend.fit import (
     fit,
 )
 from dtm_mpi.frontend.mesh import Mesh
+from dtm_mpi.frontend.stage_split import Pipeline
 from dtm_mpi.frontend.tensor import Tensor
 from dtm_mpi.frontend.trace import Input, TracedStep, eval_step, train_step
 
@@ -34,6 +35,7 @@ __all__ = [
     "FitResult",
     "Input",
     "Mesh",
+    "Pipeline",
     "ResizePolicy",
     "Tensor",
     "TracedStep",

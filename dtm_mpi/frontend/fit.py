@@ -229,6 +229,7 @@ def fit(
                 else replace(resize, relaunch=_relaunch())
             ),
             progress=progress_policy(log_every, samples),
+            pipeline=step.pipeline,
         )
 
     try:

@@ -10,8 +10,8 @@ then finds the routes between them).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from dtm_mpi.errors import UsageError, VerifyError
 from dtm_mpi.frontend.mesh import Mesh
@@ -32,7 +32,112 @@ from dtm_mpi.ir.stages import (
 )
 from dtm_mpi.ir.types import TensorType
 
-__all__ = ["forward_stages", "microbatch_inputs", "stage_cuts", "step_stages_of"]
+if TYPE_CHECKING:
+    from dtm_mpi.plan.schedule import ScheduleKind
+    from dtm_mpi.runtime.policies import PipelinePolicy
+
+__all__ = [
+    "Pipeline",
+    "check_pipeline",
+    "even_splits",
+    "forward_stages",
+    "microbatch_inputs",
+    "pipeline_policy",
+    "stage_cuts",
+    "step_stages_of",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Pipeline:
+    """A training step run as pipeline stages over the mesh axis ``axis`` (its size at run
+    time is the number of pipeline ranks): ``microbatches`` per step, schedule ``schedule``
+    (``gpipe``, ``1f1b``, ``interleaved``, ``zb-h1``), ``chunks`` stages per rank
+    (``interleaved``), cut before the layers ``splits`` names (``blocks.2``; None: the
+    model's longest list of layers cut evenly into as many stages as the run has)."""
+
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    chunks: int = 1
+    splits: tuple[str, ...] | None = None
+    axis: str = "pp"
+
+
+def even_splits(model: Layer, stages: int) -> list[str]:
+    """The splits cutting ``model``'s longest list of layers (``blocks.0`` .. ``blocks.L-1``)
+    into ``stages`` runs of as equal length as can be (an error naming the list when it has
+    fewer layers than stages)."""
+    lists: dict[str, list[str]] = {}
+    for path, _ in model.named_layers():
+        head, _, tail = path.rpartition(".")
+        if tail.isdigit():
+            lists.setdefault(head, []).append(path)
+    if stages == 1:
+        return []
+    if not lists:
+        raise UsageError(
+            f"the model has no list of layers to cut into {stages} pipeline stages: give Pipeline(splits=[...])"
+        )
+    head, layers = max(lists.items(), key=lambda kv: len(kv[1]))
+    if len(layers) < stages:
+        raise UsageError(
+            f"{stages} pipeline stages need at least {stages} layers in {head!r}; it has {len(layers)} (fewer stages, or Pipeline(splits=[...]))"
+        )
+    return [layers[(k * len(layers)) // stages] for k in range(1, stages)]
+
+
+def check_pipeline(pipeline: Pipeline, mesh: Mesh) -> ScheduleKind:
+    """``pipeline``'s axis is one of ``mesh``'s and its schedule is known (its kind)."""
+    from dtm_mpi.plan.schedule import parse_schedule
+
+    if pipeline.axis not in mesh.axis_names:
+        raise UsageError(
+            f"Pipeline(axis={pipeline.axis!r}): the mesh {mesh} has no such axis (declare it, e.g. Mesh({pipeline.axis}=1, ...); --mesh binds its size)"
+        )
+    return parse_schedule(pipeline.schedule)
+
+
+def pipeline_policy(
+    pipeline: Pipeline,
+    model: Layer,
+    loss_fn: Callable[..., Any],
+    *,
+    mesh: Mesh,
+    inputs: Mapping[str, Input],
+    optimizer: Optimizer,
+    clip_norm: float | None,
+    seed: int,
+    name: str,
+) -> PipelinePolicy:
+    """The run policy of ``pipeline`` (checked now: the axis in ``mesh``, the schedule's
+    name): its stages traced by :func:`step_stages_of` when the run knows how many."""
+    from dtm_mpi.runtime.policies import PipelinePolicy
+
+    kind = check_pipeline(pipeline, mesh)
+    traced: dict[int, StepStages] = {}
+
+    def stages(n: int) -> StepStages:
+        if n not in traced:
+            splits = list(pipeline.splits) if pipeline.splits is not None else even_splits(model, n)
+            if len(splits) + 1 != n:
+                raise UsageError(
+                    f"Pipeline(splits=...) cuts the model into {len(splits) + 1} stages; the run has {n} ({pipeline.axis} x {pipeline.chunks} chunk(s) per rank)"
+                )
+            traced[n] = step_stages_of(
+                model,
+                loss_fn,
+                mesh=mesh,
+                inputs=inputs,
+                splits=splits,
+                microbatches=pipeline.microbatches,
+                optimizer=optimizer,
+                clip_norm=clip_norm,
+                seed=seed,
+                name=name,
+            )
+        return traced[n]
+
+    return PipelinePolicy(stages, kind, pipeline.microbatches, pipeline.chunks, pipeline.axis)
 
 
 def stage_cuts(

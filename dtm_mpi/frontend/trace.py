@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtm_mpi.errors import TraceError, UsageError, VerifyError
 from dtm_mpi.frontend.mesh import Mesh
@@ -40,6 +40,10 @@ from dtm_mpi.ir.parser import parse_module
 from dtm_mpi.ir.registry import required_version
 from dtm_mpi.ir.types import TensorType
 from dtm_mpi.ir.verify import verify_module
+
+if TYPE_CHECKING:
+    from dtm_mpi.frontend.stage_split import Pipeline
+    from dtm_mpi.runtime.policies import PipelinePolicy
 
 __all__ = ["Input", "TracedStep", "eval_step", "train_step"]
 
@@ -72,6 +76,8 @@ class TracedStep:
     metrics: tuple[str, ...] = ()
     """Names of the leading results (``loss`` first for a training step)."""
     mesh: Mesh = field(default_factory=lambda: Mesh(x=1))
+    pipeline: PipelinePolicy | None = None
+    """A pipelined step's stages, schedule and microbatches (None: not pipelined)."""
 
     @property
     def text(self) -> str:
@@ -220,11 +226,20 @@ def train_step(
     clip_norm: float | None = None,
     seed: int = 0,
     name: str = "train",
+    pipeline: Pipeline | None = None,
 ) -> TracedStep:
     """Trace one training step of ``model``: ``loss_fn(model, **inputs)`` returns the loss
     (a float scalar) or (loss, {metric: scalar}); the gradients of the loss with respect to
     every parameter come from the reverse pass, optionally clipped to global norm
-    ``clip_norm``, and ``optimizer`` emits the update."""
+    ``clip_norm``, and ``optimizer`` emits the update.
+
+    ``pipeline`` (:class:`~dtm_mpi.frontend.stage_split.Pipeline`): the step runs as stages
+    over a mesh axis, in microbatches and a schedule; its state and module are this step's
+    (checkpoints move between pipelined and unpipelined runs)."""
+    if pipeline is not None:
+        from dtm_mpi.frontend.stage_split import check_pipeline
+
+        check_pipeline(pipeline, mesh)
     tr, _, weights, out = _trace(
         model, loss_fn, mesh, inputs, name, weights_as_state=True, seed=seed
     )
@@ -257,6 +272,25 @@ def train_step(
     results: list[Value | tuple[Value, str | None]] = [t.value for _, t in scalars]
     results += [(n.value, v.name) for n, v in zip(news, targets, strict=True)]
     module = _finish(tr, "train_step", mesh, results)
+    policy = None
+    if pipeline is not None:
+        from dtm_mpi.frontend.stage_split import pipeline_policy
+
+        if len(scalars) > 1:
+            raise UsageError(
+                f"a pipelined step reports its loss only; the loss function also returns {', '.join(k for k, _ in scalars[1:])}"
+            )
+        policy = pipeline_policy(
+            pipeline,
+            model,
+            loss_fn,
+            mesh=mesh,
+            inputs=inputs,
+            optimizer=optimizer,
+            clip_norm=clip_norm,
+            seed=seed,
+            name=name,
+        )
     return TracedStep(
         module,
         tuple(inputs),
@@ -264,6 +298,7 @@ def train_step(
         tuple(p.name.lstrip("%") for p in opt_params),
         tuple(k for k, _ in scalars),
         mesh,
+        policy,
     )
 
 

@@ -108,7 +108,7 @@ from dtm_mpi.io.store import (
 )
 from dtm_mpi.ir.dtypes import np_dtype
 from dtm_mpi.ir.types import TensorType
-from dtm_mpi.sharding.blocks import local_shape
+from dtm_mpi.sharding.blocks import Pin, local_shape
 from dtm_mpi.sharding.mesh import MeshShape
 
 __all__ = ["CheckpointStore", "Restored", "SaveHandle", "rebuild_value"]
@@ -586,10 +586,12 @@ class CheckpointStore:
         step: int | None = None,
         fallback: bool = False,
         into: Mapping[str, np.ndarray] | None = None,
+        pins: Mapping[str, Pin] | None = None,
     ) -> Restored:
         """Collective: call on all ranks. This rank's blocks of ``targets`` (name, type on
         ``mesh``) from checkpoint ``step`` (default: latest); with ``fallback``, the newest
-        checkpoint at or before it that restores and verifies.
+        checkpoint at or before it that restores and verifies. ``pins``: targets held only by
+        the ranks at an (axis, coordinate) of ``mesh`` (elsewhere an empty block).
 
         ``into`` (name -> array) restores those tensors in place, into the caller's arrays
         (C-contiguous, writeable, exactly this rank's block shape and dtype), as a training
@@ -630,7 +632,7 @@ class CheckpointStore:
         errors: list[str] = []
         for s in candidates:
             try:
-                got = self._restore_file(s, mesh, targets, into)
+                got = self._restore_file(s, mesh, targets, into, pins)
                 return replace(got, skipped=tuple(errors)) if errors else got
             except (IntegrityError, ManifestError, UnrecoverableError, StorageError) as exc:
                 if not fallback or isinstance(exc, UsageError):
@@ -678,6 +680,7 @@ class CheckpointStore:
         mesh: MeshShape,
         targets: Sequence[tuple[str, TensorType]],
         into: Mapping[str, np.ndarray] | None = None,
+        pins: Mapping[str, Pin] | None = None,
     ) -> Restored:
         path = self.path / committed_name(step)
         where = str(self.backend.index_path(path))
@@ -692,7 +695,7 @@ class CheckpointStore:
             if isinstance(text, str):
                 raise ManifestError(text)
             manifest = parse_loadable_manifest(text, where)
-            plan = plan_restore(manifest, targets, mesh, self.round_bytes, where)
+            plan = plan_restore(manifest, targets, mesh, self.round_bytes, where, pins)
         except DtmError as exc:  # decided from the same bytes on every rank: same error
             raise agreed(exc) from None
         with self.backend.open_reader(path, handles.self_comm()) as files:
@@ -714,7 +717,7 @@ class CheckpointStore:
                 )
                 raise agreed(IntegrityError(msg, tensor=tensor, shard=shard, file=file))
         if any(actions[name] is RecoveryAction.REBUILD for name, _ in targets):
-            values = self._rebuild(values, manifest, actions, mesh, targets, step)
+            values = self._rebuild(values, manifest, actions, mesh, targets, step, pins)
             for name, arr in (into or {}).items():
                 if values[name] is not arr:
                     arr[...] = values[name]
@@ -729,6 +732,7 @@ class CheckpointStore:
         mesh: MeshShape,
         targets: Sequence[tuple[str, TensorType]],
         step: int,
+        pins: Mapping[str, Pin] | None = None,
     ) -> dict[str, np.ndarray]:
         """Derived targets that failed verification, recomputed from their parents."""
         for name, t in targets:
@@ -737,9 +741,10 @@ class CheckpointStore:
             a = manifest.artifact(name)
             assert a.parent is not None and a.rebuild is not None
             parent = manifest.artifact(a.parent)
-            src = self._restore_file(step, mesh, [(a.parent, t.with_dtype(parent.dtype))]).values[
-                a.parent
-            ]
+            pin = {a.parent: pins[name]} if pins and name in pins else None
+            src = self._restore_file(
+                step, mesh, [(a.parent, t.with_dtype(parent.dtype))], pins=pin
+            ).values[a.parent]
             try:
                 values[name] = rebuild_value(a, src)
             except UnrecoverableError as exc:  # the same instruction on every rank

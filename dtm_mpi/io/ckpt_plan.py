@@ -39,7 +39,14 @@ from dtm_mpi.io.manifest import (
     stored_itemsize,
 )
 from dtm_mpi.ir.types import TensorType
-from dtm_mpi.sharding.blocks import block_owners, intersect_regions, local_block, region_size
+from dtm_mpi.sharding.blocks import (
+    Pin,
+    block_owners,
+    intersect_regions,
+    local_block,
+    pinned_block,
+    region_size,
+)
 from dtm_mpi.sharding.mesh import MeshShape
 
 __all__ = [
@@ -73,6 +80,9 @@ class TensorSpec:
     cls: ArtifactClass = ArtifactClass.PRIMARY
     parent: str | None = None
     rebuild: str | None = None
+    pin: Pin | None = None
+    """Held only by the ranks at this (axis, coordinate) of the mesh (a pipeline stage's
+    state): one of them writes each block."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +204,7 @@ def plan_save(
             continue
         t = spec.type
         per = []
-        for i, (owner, region) in enumerate(block_owners(t.shape, t.layout, mesh)):
+        for i, (owner, region) in enumerate(block_owners(t.shape, t.layout, mesh, spec.pin)):
             extent = tuple(s.stop - s.start for s in region)
             rows = chunk_rows_for(extent, stored_itemsize(t.dtype), chunk_bytes)
             nrows = extent[0] if extent else 1
@@ -302,10 +312,12 @@ class RestorePlan:
     items: tuple[ReadItem, ...]  # in (round, tensor, shard, chunk) order
     pieces: tuple[Piece, ...]  # in (item, dest) order
     rounds: int
+    pins: tuple[Pin | None, ...] = ()  # per target: held only at that (axis, coordinate)
 
     def block(self, t: int, rank: int) -> tuple[slice, ...]:
         _, tt = self.targets[t]
-        return local_block(tt.shape, tt.layout, self.mesh, rank)
+        pin = self.pins[t] if self.pins else None
+        return pinned_block(tt.shape, tt.layout, self.mesh, rank, pin)
 
 
 def plan_restore(
@@ -314,9 +326,10 @@ def plan_restore(
     mesh: MeshShape,
     round_bytes: int = ROUND_BYTES,
     where: str = "checkpoint",
+    pins: Mapping[str, Pin] | None = None,
 ) -> RestorePlan:
-    """Which rank reads which chunk in which round, and where each piece goes (module doc).
-    Raises :class:`ManifestError` when a target is missing from the manifest, has another
+    """Which rank reads which chunk in which round, and where each piece goes (module doc);
+    a target in ``pins`` goes to the ranks at its (axis, coordinate) only. Raises :class:`ManifestError` when a target is missing from the manifest, has another
     dtype or shape, or is ephemeral (it has no stored data)."""
     names = [name for name, _ in targets]
     if len(set(names)) != len(names):
@@ -341,7 +354,11 @@ def plan_restore(
             )
         arts.append(a)
     ranks = range(mesh.size)
-    blocks = [[local_block(t.shape, t.layout, mesh, r) for r in ranks] for _, t in targets]
+    pinned = tuple((pins or {}).get(name) for name, _ in targets)
+    blocks = [
+        [pinned_block(t.shape, t.layout, mesh, r, pin) for r in ranks]
+        for (_, t), pin in zip(targets, pinned, strict=True)
+    ]
     load = [0] * mesh.size
     staged: list[tuple[int, int, int, tuple[slice, ...], int, int]] = []
     piece_lists: list[list[tuple[int, tuple[slice, ...]]]] = []
@@ -373,7 +390,9 @@ def plan_restore(
         items.append(ReadItem(ti, shard, c, region, reader, rnd))
         pieces += [Piece(new, dest, got) for dest, got in piece_lists[k]]
     rounds = 1 + max((it.round for it in items), default=-1)
-    plan = RestorePlan(mesh, tuple(targets), tuple(arts), tuple(items), tuple(pieces), rounds)
+    plan = RestorePlan(
+        mesh, tuple(targets), tuple(arts), tuple(items), tuple(pieces), rounds, pinned
+    )
     _check_message_sizes(plan)
     return plan
 

@@ -16,13 +16,14 @@ the last step, with the same agreed errors.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dtm_mpi.console import say
 from dtm_mpi.errors import UsageError, agreed
+from dtm_mpi.sharding.blocks import Pin, holds
 
 if TYPE_CHECKING:
     from dtm_mpi.comm.interface import Comm
@@ -158,6 +159,7 @@ class StoreCheckpoints(_Saves):
         steps: int,
         fed: Sequence[str],
         phase: Callable[[str], None],
+        pins: Mapping[str, Pin] | None = None,
     ) -> None:
         from dtm_mpi.comm import handles
         from dtm_mpi.ir.hashing import module_hash
@@ -175,6 +177,16 @@ class StoreCheckpoints(_Saves):
         self.targets = _targets(plan.module)
         self.steps = steps
         self.fed = frozenset(fed)
+        self.pins = dict(pins or {})
+        """A pipelined run's state: each value held by the ranks of one ``pp`` coordinate."""
+
+    def _held(self, values: Mapping[str, np.ndarray]) -> list[np.ndarray | None]:
+        """The restored blocks in target order, None where this rank holds none (pinned)."""
+        mesh = self.plan.mesh
+        return [
+            values[name] if holds(mesh, self.rank, self.pins.get(name)) else None
+            for name, _ in self.targets
+        ]
 
     def read_init_store(self, params: Sequence[Param]) -> dict[str, np.ndarray]:
         """This rank's blocks of the ``init store`` parameters ``params``, by name, from the
@@ -184,7 +196,9 @@ class StoreCheckpoints(_Saves):
         self.phase("init store")
         names = [p.name.lstrip("%") for p in params]
         assert self.store is not None
-        got = self.store.restore(self.plan.mesh, [(n, t) for n, t in self.targets if n in names])
+        got = self.store.restore(
+            self.plan.mesh, [(n, t) for n, t in self.targets if n in names], pins=self.pins
+        )
         if self.speak:
             shown = (
                 ", ".join(names)
@@ -199,9 +213,9 @@ class StoreCheckpoints(_Saves):
         step."""
         self.phase("resume")
         assert self.store is not None
-        got = self.store.restore(self.plan.mesh, self.targets, fallback=True)
+        got = self.store.restore(self.plan.mesh, self.targets, fallback=True, pins=self.pins)
         _resumed(got, self.module_hash, self.steps, speak=self.speak)
-        blocks[:] = [got.values[name] for name, _ in self.targets]
+        blocks[:] = self._held(got.values)
         return got.step
 
     def save(self, done: int, blocks: list[Any], *, sync: bool = False) -> str:
@@ -212,7 +226,10 @@ class StoreCheckpoints(_Saves):
         self.finish_pending()
         self.phase(f"checkpoint {done}")
         items: list[tuple[Any, np.ndarray | None]] = [
-            (TensorSpec(name, t), self.backend.to_host(blocks[i]))
+            (
+                TensorSpec(name, t, pin=self.pins.get(name)),
+                None if blocks[i] is None else self.backend.to_host(blocks[i]),
+            )
             for i, (name, t) in enumerate(self.targets)
         ]  # device state is copied to the host first (the store writes host memory)
         if self.policy.background and not sync:
@@ -220,7 +237,8 @@ class StoreCheckpoints(_Saves):
             # comm layer reuses a buffer only when nobody else holds it), so the snapshot
             # keeps references; a loader's arrays are the caller's, and copied.
             items = [
-                (spec, np.array(a, copy=True) if spec.name in self.fed else a) for spec, a in items
+                (spec, np.array(a, copy=True) if spec.name in self.fed and a is not None else a)
+                for spec, a in items
             ]
         return self._write(done, self.plan.mesh, items, sync)
 
@@ -274,6 +292,7 @@ class GatheredCheckpoints(_Saves):
         policy: CheckpointPolicy,
         store: CheckpointStore | None,
         backend: ArrayBackend,
+        pins: Mapping[str, Pin] | None = None,
     ) -> None:
         from dtm_mpi.ir.hashing import module_hash
 
@@ -283,6 +302,7 @@ class GatheredCheckpoints(_Saves):
         self.comm, self.backend = comm, backend
         self.targets = _targets(plan.module)
         self.mesh = _one_rank_mesh(plan.module)
+        self.pins = dict(pins or {})
 
     def save(self, done: int, blocks: list[Any], *, sync: bool = False) -> str:
         """Save the state after step ``done`` (collective over the simulated ranks); returns
@@ -292,8 +312,10 @@ class GatheredCheckpoints(_Saves):
         from dtm_mpi.runtime.executor import gather_to_root
 
         values = [
-            gather_to_root(t, self.backend.to_host(b), self.comm)
-            for (_, t), b in zip(self.targets, blocks, strict=True)
+            gather_to_root(
+                t, None if b is None else self.backend.to_host(b), self.comm, pin=self.pins.get(n)
+            )
+            for (n, t), b in zip(self.targets, blocks, strict=True)
         ]
         if self.store is None:  # not rank 0: rank 0 writes (its failure stops every rank)
             return committed_name(done)

@@ -18,7 +18,7 @@ import numpy as np
 
 from dtm_mpi.comm.interface import Comm, Pending
 from dtm_mpi.config import get_config
-from dtm_mpi.errors import CommError, DtmError, KernelError
+from dtm_mpi.errors import CommError, DtmError, KernelError, LayoutError
 from dtm_mpi.faults import maybe_fail
 from dtm_mpi.ir.dtypes import np_dtype, round_bf16
 from dtm_mpi.ir.registry import OPS, Trait
@@ -51,7 +51,7 @@ from dtm_mpi.runtime.instructions import (
     without_resolved,
 )
 from dtm_mpi.sharding import collectives
-from dtm_mpi.sharding.blocks import block_owners, local_offsets, local_shape
+from dtm_mpi.sharding.blocks import Pin, block_owners, local_offsets, local_shape
 from dtm_mpi.sharding.redistribute import RedistPlan, plan_redistribute
 from dtm_mpi.sharding.steps import (
     STEP_KINDS,
@@ -138,34 +138,43 @@ def run_redistribution(
     return x
 
 
-def gather_to_root(t: TensorType, x: np.ndarray, comm: Comm, root: int = 0) -> np.ndarray | None:
+def gather_to_root(
+    t: TensorType, x: np.ndarray | None, comm: Comm, root: int = 0, pin: Pin | None = None
+) -> np.ndarray | None:
     """The global value of ``t`` on ``root`` (None elsewhere) from every rank's block ``x``:
     a pending reduction is resolved first (over its axes only), then the owner of each
     distinct block (:func:`~dtm_mpi.sharding.blocks.block_owners`) sends it to ``root``. Each
     element crosses the network once and only ``root`` holds the whole array (gathering to
     every rank would cost ``ranks`` times the memory and ``ranks - 1`` times the traffic).
+    With ``pin`` only the ranks at that (axis, coordinate) hold a block (elsewhere ``x`` is
+    ignored, and may be None).
 
     Collective: call on all ranks."""
     mesh, rank = comm.mesh, comm.rank
     if t.layout.partial is not None:
+        if pin is not None:
+            raise LayoutError(f"a pinned value cannot be pending ({t})")
         plain = t.layout.with_partial(None)
         plan = plan_redistribute(t, plain, mesh)
+        assert x is not None
         x = run_redistribution(plan, plan.rank_specs(rank), x, comm)
         t = t.with_layout(plain)
-    owners = block_owners(t.shape, t.layout, mesh)
+    owners = block_owners(t.shape, t.layout, mesh, pin)
     if rank != root:
         for owner, _ in owners:
             if owner == rank:
+                assert x is not None
                 comm.send(x, root, OUTPUT_TAG)
         comm.flush()
         return None
-    out = np.empty(t.shape, dtype=x.dtype)
+    out = np.empty(t.shape, dtype=x.dtype if x is not None else np_dtype(t.dtype))
     for owner, region in owners:
         if owner == rank:
+            assert x is not None
             out[region] = x
         else:
             shape = tuple(s.stop - s.start for s in region)
-            out[region] = comm.recv(shape, x.dtype, owner, OUTPUT_TAG)
+            out[region] = comm.recv(shape, out.dtype, owner, OUTPUT_TAG)
     return out
 
 

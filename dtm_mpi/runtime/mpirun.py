@@ -48,6 +48,7 @@ from dtm_mpi.runtime.request import (
     deliver_outputs,
     given_inputs,
     load_run,
+    plan_pipeline_run,
     plan_run,
     store_params,
 )
@@ -63,6 +64,7 @@ if TYPE_CHECKING:
     from dtm_mpi.ir.nodes import Module
     from dtm_mpi.ir.types import TensorType
     from dtm_mpi.kernels.devices import ArrayBackend, DeviceArray
+    from dtm_mpi.plan.pipeline import PipelinePlan
     from dtm_mpi.plan.program import ExecPlan
     from dtm_mpi.runtime.checkpoints import StoreCheckpoints
     from dtm_mpi.runtime.step_loop import Progress
@@ -212,6 +214,8 @@ class _Live:
     """A rank that so left: the communicator it waits on for the end."""
     active: bool = True
     """False once this rank left the run, and between two sessions of a resize."""
+    pipeline: PipelinePlan | None = None
+    """A pipelined run's stages on the mesh (None for other runs)."""
 
     @property
     def endpoint(self) -> Comm:
@@ -254,11 +258,12 @@ def _run_session(
     joining = join_parents(rank, config.timeout_s)
     if joining is not None:  # spawned by a live resize: join the running ranks
         return _join_session(module, args, backend, *joining)
-    plan = None
+    plan = pipeline = None
     error: BaseException | None = None
     try:  # pure, but a rank given another module (or another --mesh) may fail alone
         maybe_fail(rank, "plan")
         plan = plan_run(module, args, size)
+        pipeline = plan_pipeline_run(args, plan)
         for step, binding in (
             args.resize.at if args.resize is not None else ()
         ):  # every mesh the run will have, checked now
@@ -281,6 +286,7 @@ def _run_session(
         rank,
         pool=pool,
         members=list(range(size)) if pool is not None else None,
+        pipeline=pipeline,
     )
 
     def body() -> int:
@@ -326,7 +332,13 @@ def _join(live: _Live, module: Module, args: MpiRunArgs, backend: ArrayBackend) 
         buckets=config.bucket_bytes if config.overlap else 0,
     )
     handshake(session, hello)  # the module's requirements were checked in phase load
-    session.join_mesh(plan_groups(plan, config.deterministic))
+    groups = plan_groups(plan, config.deterministic)
+    if live.pipeline is not None:  # every stage's passes, and the pipeline axis
+        from dtm_mpi.runtime.pipeline_step import pipeline_groups
+
+        more = pipeline_groups(live.pipeline.passes, live.pipeline.axis)
+        groups += [g for g in more if g not in groups]
+    session.join_mesh(groups)
     live.comm = comm = MpiComm(
         session, deterministic=config.deterministic, max_msg_elems=config.max_msg_elems
     )
@@ -489,7 +501,7 @@ def _run_steps(
 ) -> int:
     from dtm_mpi.faults import maybe_fail
     from dtm_mpi.runtime.executor import gather_to_root
-    from dtm_mpi.runtime.simulate import output_values
+    from dtm_mpi.runtime.simulate import output_pins, output_values
 
     session, rank = live.session, live.rank
     error: BaseException | None = None
@@ -535,8 +547,11 @@ def _run_steps(
     session.phase = "output"
     maybe_fail(rank, "output")
     outputs: dict[str, np.ndarray] = {}
-    for name, t, block in output_values(plan.entry_plan.function, results, blocks):
-        value = gather_to_root(t, backend.to_host(block), live.endpoint)
+    entry = plan.entry_plan.function
+    pins = output_pins(entry, live.pipeline.pins) if live.pipeline is not None else {}
+    for name, t, block in output_values(entry, results, blocks):
+        host = None if block is None else backend.to_host(block)
+        value = gather_to_root(t, host, live.endpoint, pin=pins.get(name))
         if value is not None:
             outputs[name] = value
     error = None
@@ -564,7 +579,7 @@ def _steps_with(
     run, resizing live where a loop ends for it; the last step's results (None on a rank that
     left at a resize)."""
     from dtm_mpi.comm.presence import current as current_presence
-    from dtm_mpi.runtime.simulate import initial_blocks
+    from dtm_mpi.runtime.simulate import held_blocks
     from dtm_mpi.runtime.step_loop import Progress
 
     rank = live.rank
@@ -579,9 +594,11 @@ def _steps_with(
                 if ckpt is not None
                 else {}
             )
-            blocks[:] = initial_blocks(live.plan, rank, given, local, fed=args.fed)
+            pins = live.pipeline.pins if live.pipeline is not None else None
+            blocks[:] = held_blocks(live.plan, rank, given, local, fed=args.fed, pins=pins)
         first = ckpt.resume(blocks) if ckpt is not None and args.resume else 0
-    blocks[:] = [backend.to_device(b) for b in blocks]  # the state lives on the backend
+    # the state lives on the backend (a pipelined run's: only its stages')
+    blocks[:] = [None if b is None else backend.to_device(b) for b in blocks]
     presence = current_presence()
     progress = Progress(args.progress, args.steps) if rank == 0 and args.progress else None
     if presence is not None:
@@ -637,12 +654,18 @@ def _step_loop(
 ) -> StepLoop:
     """The step loop of ``args`` on the current session, with its MPI policies."""
     from dtm_mpi.runtime.executor import Executor
-    from dtm_mpi.runtime.step_loop import Feed
+    from dtm_mpi.runtime.pipeline_step import PipelineExecutor
+    from dtm_mpi.runtime.step_loop import Feed, StepRunner
 
     file = args.resize.file if args.resize is not None and live.rank == 0 else None
     policies = _SessionPolicies(live, presence, file)
+    runner: StepRunner = (
+        Executor(live.plan, live.device_endpoint, backend)
+        if live.pipeline is None
+        else PipelineExecutor(live.plan, live.pipeline, live.endpoint)
+    )
     return StepLoop(
-        Executor(live.plan, live.device_endpoint, backend),
+        runner,
         args.steps,
         feed=Feed(live.plan, live.rank, args.hooks, backend.to_device, backend.to_host)
         if args.hooks is not None
@@ -673,6 +696,7 @@ def _checkpoints(live: _Live, args: MpiRunArgs, backend: ArrayBackend) -> StoreC
         steps=args.steps,
         fed=args.fed,
         phase=phase,
+        pins=live.pipeline.pins if live.pipeline is not None else None,
     )
 
 

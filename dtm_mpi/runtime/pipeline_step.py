@@ -27,13 +27,16 @@ import numpy as np
 from dtm_mpi.comm.interface import Comm
 from dtm_mpi.config import get_config
 from dtm_mpi.errors import PlanError, UsageError
+from dtm_mpi.faults import maybe_fail
 from dtm_mpi.ir.dtypes import np_dtype
 from dtm_mpi.ir.nodes import MeshDecl
-from dtm_mpi.ir.stages import CLIP_TOTAL, StagePass, StepStages, pass_module
+from dtm_mpi.ir.stages import CLIP_TOTAL, StagePass, StepStages
 from dtm_mpi.ir.types import ReduceOp
-from dtm_mpi.plan.program import ExecPlan, compile_plan
+from dtm_mpi.plan.pipeline import PipelinePlan, stage_plans
+from dtm_mpi.plan.program import ExecPlan
 from dtm_mpi.plan.schedule import Compute, Recv, Schedule, Send, Transfer, Work
 from dtm_mpi.runtime.executor import Executor
+from dtm_mpi.runtime.policies import PipelinePolicy
 from dtm_mpi.runtime.values import init_block
 from dtm_mpi.sharding.blocks import local_block, local_offsets, local_shape
 from dtm_mpi.sharding.mesh import MeshShape
@@ -41,25 +44,17 @@ from dtm_mpi.sharding.steps import allreduce_spec
 
 __all__ = [
     "FIRST_RESERVED_TAG",
+    "PipelineExecutor",
     "PipelineRank",
     "StepOutcome",
     "pipeline_groups",
+    "plan_pipelined_run",
     "stage_plans",
 ]
 
 FIRST_RESERVED_TAG = 32761
 """The runtime's own messages use tags from here up (agreements, outputs, resizes): a
 pipeline's boundary messages stay below."""
-
-
-def stage_plans(stages: StepStages, mesh: MeshDecl, shape: MeshShape) -> dict[str, ExecPlan]:
-    """Every pass of every stage compiled for ``shape``, by function name (pure: the same on
-    every rank)."""
-    return {
-        sp.function.name: compile_plan(pass_module(sp.function, mesh, sp.function.name), shape)
-        for s in stages.passes
-        for sp in s.all()
-    }
 
 
 def pipeline_groups(plans: Mapping[str, ExecPlan], axis: str = "pp") -> list[tuple[str, ...]]:
@@ -103,8 +98,9 @@ class _Pass:
 class PipelineRank:
     """This rank's stages of ``stages`` (``axis``: the pipeline axis of ``shape``), run as
     ``schedule`` says. ``values``: global initial values of parameters by name (default:
-    each parameter's init); ``plans``: the passes already compiled (:func:`stage_plans`;
-    default: this rank's compiled here)."""
+    each parameter's init; none with ``initial=False``: the caller sets :attr:`blocks`);
+    ``plans``: the passes already compiled (:func:`stage_plans`; default: this rank's
+    compiled here)."""
 
     def __init__(
         self,
@@ -117,6 +113,7 @@ class PipelineRank:
         axis: str = "pp",
         values: Mapping[str, np.ndarray] | None = None,
         plans: Mapping[str, ExecPlan] | None = None,
+        initial: bool = True,
     ) -> None:
         if get_config().deterministic:
             raise UsageError(
@@ -157,7 +154,7 @@ class PipelineRank:
         given = values or {}
         by_name = {p.name: p for p in stages.params}
         self.blocks: dict[str, np.ndarray] = {}
-        for name in self.owned:  # this rank's blocks only: no global array is made
+        for name in self.owned if initial else ():  # this rank's blocks only: no global array
             p = by_name[name]
             t = p.type
             whole = given.get(name.lstrip("%"))
@@ -175,8 +172,8 @@ class PipelineRank:
             v: (local_shape(r.type.shape, r.type.layout, shape, self.rank), np_dtype(r.type.dtype))
             for v, r in self._routes.items()
         }
-        self._fed = {  # a fed input's block of a microbatch on this rank
-            p.name: local_block(p.type.shape, p.type.layout, shape, self.rank)
+        self._fed = {  # a fed input's type in a microbatch
+            p.name: p.type
             for s in stages.passes
             for p in s.forward.function.params
             if p.name in {n for st in stages.partition.stages for n in st.inputs}
@@ -210,20 +207,24 @@ class PipelineRank:
                     )
 
     def step(self, batch: Mapping[str, np.ndarray], step: int = 0) -> StepOutcome:
-        """Run one step on the global ``batch`` of fed inputs (each split into the
-        schedule's microbatches along its first dimension).
+        """Run one step on this rank's blocks of the step's fed inputs (``batch``, by name,
+        in the unpipelined step's layouts: :meth:`batch_blocks` cuts them from global
+        arrays), each split into the schedule's microbatches along its first dimension.
 
         Collective: call on all ranks."""
         m = self.schedule.shape.microbatches
         envs: list[dict[str, np.ndarray]] = [dict(self.blocks) for _ in range(m)]
-        for k, env in enumerate(envs):
-            for name, whole in batch.items():
-                rows = whole.shape[0] // m
-                env["%" + name] = self._fed_block(name, whole[k * rows : (k + 1) * rows])
+        for name, block in batch.items():
+            rows = self._micro_rows(name, block, m)
+            for k, env in enumerate(envs):
+                env["%" + name] = block[k * rows : (k + 1) * rows]
         grads: dict[str, np.ndarray] = {}
         loss = np.zeros((), np.float64)
+        faults = bool(get_config().faults)  # DTM_FAULT=RANK:send|recv:KIND, mid-schedule
         for action in self.schedule.actions[self.pp]:
             env = envs[action.microbatch]
+            if faults and isinstance(action, Send | Recv):
+                maybe_fail(self.rank, "send" if isinstance(action, Send) else "recv")
             if isinstance(action, Send):
                 for k, value in enumerate(self._bundles[(action.what, action.stage)]):
                     tag = action.tag + k * self._tag_stride
@@ -295,12 +296,31 @@ class PipelineRank:
             best = max(best, total)
         return best
 
-    def _fed_block(self, name: str, rows: np.ndarray) -> np.ndarray:
-        """This rank's block of a microbatch of fed input ``name``."""
-        region = self._fed.get("%" + name)
-        if region is None:
+    def batch_blocks(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """This rank's blocks of the global fed inputs ``batch`` (what a loader gives it)."""
+        out = {}
+        m = self.schedule.shape.microbatches
+        for name, whole in batch.items():
+            t = self._fed.get("%" + name)
+            if t is None:
+                raise UsageError(f"fed input {name!r} is not an input of any stage")
+            shape = (t.shape[0] * m, *t.shape[1:])
+            out[name] = np.ascontiguousarray(
+                whole[local_block(shape, t.layout, self.shape, self.rank)]
+            )
+        return out
+
+    def _micro_rows(self, name: str, block: np.ndarray, m: int) -> int:
+        """The rows of each of the ``m`` microbatches of this rank's block of ``name``."""
+        t = self._fed.get("%" + name)
+        if t is None:
             raise UsageError(f"fed input {name!r} is not an input of any stage")
-        return np.ascontiguousarray(rows[region])
+        want = local_shape(t.shape, t.layout, self.shape, self.rank)
+        if block.shape != (want[0] * m, *want[1:]):
+            raise UsageError(
+                f"fed input {name!r}: rank {self.rank}'s block is {list(block.shape)}; {m} microbatches of {list(want)} expected"
+            )
+        return want[0]
 
 
 def _bundles(stages: StepStages) -> dict[tuple[Transfer, int], tuple[str, ...]]:
@@ -318,3 +338,108 @@ def _bundles(stages: StepStages) -> dict[tuple[Transfer, int], tuple[str, ...]]:
             r.value for r in stages.grad_routes if r.src >= s > min(r.dst)
         )
     return out
+
+
+class PipelineExecutor:
+    """The step runner of a pipelined run (what :class:`~dtm_mpi.runtime.step_loop.StepLoop`
+    runs each step, in place of the :class:`~dtm_mpi.runtime.executor.Executor` of the
+    unpipelined step ``plan``): this rank's blocks of the step's state and fed inputs in
+    (None for state another ``pp`` coordinate holds), its stages run as ``pipeline`` plans
+    them (:class:`PipelineRank`), and the results out in the order of the unpipelined step's:
+    the loss (the same bits on every rank), then each state parameter's new value (None on
+    the ranks that do not hold it).
+
+    Collective per step: call on all ranks."""
+
+    def __init__(self, plan: ExecPlan, pipeline: PipelinePlan, comm: Comm) -> None:
+        from dtm_mpi.ir.verify import function_mesh
+
+        entry = plan.entry_plan.function
+        mesh = function_mesh(plan.module, entry)
+        assert mesh is not None
+        self.plan, self.pipeline, self.rank = plan, pipeline, comm.rank
+        self.runner = PipelineRank(
+            pipeline.stages,
+            pipeline.schedule,
+            mesh,
+            plan.mesh,
+            comm,
+            axis=pipeline.axis,
+            plans=pipeline.passes,
+            initial=False,
+        )
+        index = {p.name: i for i, p in enumerate(entry.params)}
+        self.state = [(name, index[name]) for name in self.runner.owned]
+        fed_names = {n for st in pipeline.stages.partition.stages for n in st.inputs}
+        self.fed = [
+            (p.name.lstrip("%"), i) for i, p in enumerate(entry.params) if p.name in fed_names
+        ]
+        self.results: list[tuple[str | None, np.dtype[np.generic]]] = []
+        for spec in entry.results:
+            if spec.updates is None and spec.type.shape != ():
+                raise UsageError(
+                    f"@{entry.name} returns {spec.type}: a pipelined step returns its loss and state updates only"
+                )
+            self.results.append((spec.updates, np_dtype(spec.type.dtype)))
+        if sum(1 for u, _ in self.results if u is None) != 1:
+            raise UsageError(
+                f"@{entry.name} returns {sum(1 for u, _ in self.results if u is None)} scalars: a pipelined step reports its loss only"
+            )
+
+    @property
+    def seconds(self) -> dict[tuple[int, Work], list[float]]:
+        return self.runner.seconds
+
+    def run(self, blocks: list[np.ndarray | None], step: int) -> tuple[np.ndarray | None, ...]:
+        runner = self.runner
+        for name, i in self.state:
+            block = blocks[i]
+            assert block is not None, f"rank {self.rank} holds no block of {name}"
+            runner.blocks[name] = block
+        batch = {}
+        for name, i in self.fed:
+            block = blocks[i]
+            assert block is not None
+            batch[name] = block
+        loss = runner.step(batch, step).loss
+        return tuple(
+            np.asarray(loss, dtype=dtype) if updates is None else runner.blocks.get(updates)
+            for updates, dtype in self.results
+        )
+
+
+def plan_pipelined_run(
+    policy: PipelinePolicy, plan: ExecPlan, *, fed: tuple[str, ...] = (), backend: str = "numpy"
+) -> PipelinePlan:
+    """The pipeline plan of a run of ``plan`` (the unpipelined training step on the run's
+    mesh) with ``policy`` (pure: every rank computes the same). Refused, naming why:
+    deterministic mode, another backend than numpy, a mesh without the pipeline axis, and
+    the refusals of :func:`~dtm_mpi.plan.pipeline.plan_pipeline`."""
+    from dtm_mpi.ir.verify import function_mesh
+    from dtm_mpi.plan.pipeline import plan_pipeline
+    from dtm_mpi.plan.schedule import PipelineShape
+
+    if get_config().deterministic:
+        raise UsageError(
+            "deterministic mode does not run pipeline stages yet (its exact sums take their exponents over the whole batch); run without DTM_DETERMINISTIC or without a pipeline"
+        )
+    if backend != "numpy":
+        raise UsageError(f"pipeline stages run on the numpy backend only; got --backend {backend}")
+    if policy.axis not in plan.mesh.axis_names:
+        raise UsageError(
+            f"a pipelined step needs a {policy.axis!r} axis in its mesh; the run's is {plan.mesh}"
+        )
+    shape = PipelineShape(plan.mesh.axis_size(policy.axis), policy.microbatches, policy.chunks)
+    entry = plan.entry_plan.function
+    mesh = function_mesh(plan.module, entry)
+    assert mesh is not None
+    return plan_pipeline(
+        entry,
+        policy.stages(shape.stages),
+        policy.schedule,
+        shape,
+        mesh,
+        plan.mesh,
+        axis=policy.axis,
+        fed=fed,
+    )

@@ -8,14 +8,21 @@ same on every rank).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from dtm_mpi.errors import agreed_usage
 from dtm_mpi.kernels.backends import BACKEND_NAMES
+from dtm_mpi.plan.schedule import ScheduleKind
+
+if TYPE_CHECKING:
+    from dtm_mpi.ir.stages import StepStages
 
 __all__ = [
     "CheckpointPolicy",
     "DevicePolicy",
+    "PipelinePolicy",
     "ProgressPolicy",
     "ResizePolicy",
     "check_run_size",
@@ -189,3 +196,28 @@ class ProgressPolicy:
 def progress_policy(every: int | None, samples: int | None = None) -> ProgressPolicy | None:
     """The progress policy of ``--log-every`` (None: no progress lines)."""
     return ProgressPolicy(every, samples) if every is not None else None
+
+
+@dataclass(frozen=True, slots=True)
+class PipelinePolicy:
+    """The run's training step as pipeline stages over mesh axis ``axis`` (its size the
+    number of pipeline ranks): ``microbatches`` per step (``--microbatches``), in schedule
+    ``schedule`` (``--schedule``: gpipe, 1f1b, interleaved, zb-h1), ``chunks`` stages per
+    rank (``interleaved``); ``stages(n)``: the step cut into ``n`` stages (the frontend
+    traces them: :func:`~dtm_mpi.frontend.stage_split.step_stages_of`)."""
+
+    stages: Callable[[int], StepStages] = field(compare=False)
+    schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B
+    microbatches: int = 1
+    chunks: int = 1
+    axis: str = "pp"
+
+    def __post_init__(self) -> None:
+        if self.microbatches < 1:
+            raise agreed_usage(f"--microbatches must be >= 1; got {self.microbatches}")
+        if self.chunks < 1:
+            raise agreed_usage(f"chunks per pipeline rank must be >= 1; got {self.chunks}")
+        if self.chunks > 1 and self.schedule is not ScheduleKind.INTERLEAVED:
+            raise agreed_usage(
+                f"{self.chunks} chunks per rank need the interleaved schedule; got {self.schedule.value}"
+            )

@@ -38,6 +38,7 @@ from dtm_mpi.errors import (
 from dtm_mpi.runtime.policies import (
     CheckpointPolicy,
     DevicePolicy,
+    PipelinePolicy,
     ProgressPolicy,
     ResizePolicy,
     check_run_size,
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from dtm_mpi.ir.nodes import Module, Param
+    from dtm_mpi.plan.pipeline import PipelinePlan
     from dtm_mpi.plan.program import ExecPlan
 
 __all__ = [
@@ -60,6 +62,7 @@ __all__ = [
     "check_capabilities",
     "load_module",
     "load_run",
+    "plan_pipeline_run",
     "plan_run",
     "print_diagnostic",
     "read_store_globals",
@@ -87,6 +90,7 @@ class RunRequest:
     checkpoint: CheckpointPolicy | None = None  # --store and its options
     resize: ResizePolicy | None = None  # --resize-at, --resize-file: live resizes under MPI
     progress: ProgressPolicy | None = None  # --log-every
+    pipeline: PipelinePolicy | None = None  # the step's pipeline stages (a Python run)
 
     @property
     def store(self) -> str | None:
@@ -112,6 +116,10 @@ class RunRequest:
         check_run_size(self.steps, self.sim)
         if self.resize is not None:
             self.resize.check(self.steps, self.binding)
+            if self.pipeline is not None:
+                raise agreed_usage(
+                    "a pipelined run does not resize live yet: stop it (its checkpoint restores onto any mesh) and resume on the new one"
+                )
         if self.resume and self.inputs:
             raise agreed_usage(
                 "--resume takes the state from the checkpoint; do not give -i inputs"
@@ -266,6 +274,16 @@ def plan_run(module: Module, request: RunRequest, nranks: int) -> ExecPlan:
     if request.device.max_bytes_per_rank is not None:
         check_memory(plan, request.device.max_bytes_per_rank)
     return plan
+
+
+def plan_pipeline_run(request: RunRequest, plan: ExecPlan) -> PipelinePlan | None:
+    """Phase ``plan`` of a pipelined run (``request.pipeline``): its stages on ``plan``'s mesh
+    (:func:`~dtm_mpi.runtime.pipeline_step.plan_pipelined_run`); None for other runs."""
+    if request.pipeline is None:
+        return None
+    from dtm_mpi.runtime.pipeline_step import plan_pipelined_run
+
+    return plan_pipelined_run(request.pipeline, plan, fed=request.fed, backend=request.backend)
 
 
 # --- init store ------------------------------------------------------------------------------

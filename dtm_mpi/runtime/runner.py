@@ -69,6 +69,7 @@ def _run_simulated(request: RunRequest) -> int:
                 checkpoint=request.checkpoint,
                 progress=request.progress,
                 stop=stop,
+                pipeline=request.pipeline,
             )
     except RunStopped as stopped:  # every rank after the same step, the state saved
         write_line(f"dtm run: {stopped}")

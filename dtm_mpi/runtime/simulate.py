@@ -24,16 +24,25 @@ from dtm_mpi.kernels.devices import ArrayBackend
 from dtm_mpi.plan.program import ExecPlan, compile_plan, mesh_for
 from dtm_mpi.runtime.executor import Executor
 from dtm_mpi.runtime.policies import check_run_size
-from dtm_mpi.runtime.step_loop import CommCommit, Feed, Progress, RunHooks, StepLoop, StopSignal
+from dtm_mpi.runtime.step_loop import (
+    CommCommit,
+    Feed,
+    Progress,
+    RunHooks,
+    StepLoop,
+    StepRunner,
+    StopSignal,
+)
 from dtm_mpi.runtime.values import check_inputs, init_block
-from dtm_mpi.sharding.blocks import local_block, local_offsets, local_shape
+from dtm_mpi.sharding.blocks import Pin, holds, local_block, local_offsets, local_shape
 from dtm_mpi.sharding.collectives import apply_plan
 from dtm_mpi.sharding.mesh import MeshShape
 from dtm_mpi.sharding.redistribute import plan_redistribute
 
 if TYPE_CHECKING:
     from dtm_mpi.io.checkpoint import CheckpointStore
-    from dtm_mpi.runtime.policies import CheckpointPolicy, ProgressPolicy
+    from dtm_mpi.plan.pipeline import PipelinePlan
+    from dtm_mpi.runtime.policies import CheckpointPolicy, PipelinePolicy, ProgressPolicy
 
 T = TypeVar("T")
 
@@ -42,7 +51,9 @@ __all__ = [
     "RunResult",
     "assemble",
     "check_output_keys",
+    "held_blocks",
     "initial_blocks",
+    "output_pins",
     "output_values",
     "run_rank",
     "run_simulated",
@@ -54,8 +65,9 @@ __all__ = [
 class RankOutcome:
     """One rank's blocks after the run: final parameter values and every step's results."""
 
-    params: tuple[np.ndarray, ...]
-    results: list[tuple[np.ndarray, ...]]
+    params: tuple[np.ndarray | None, ...]
+    """None where a pipelined run pins the parameter to other ranks (and in its results)."""
+    results: list[tuple[np.ndarray | None, ...]]
     stats: CommStats
     stopped: RunStopped | None = None
     """The stop every rank agreed on after the same step (its state saved), if one was asked."""
@@ -91,6 +103,7 @@ def run_rank(
     store: CheckpointStore | None = None,
     progress: ProgressPolicy | None = None,
     stop: StopSignal | None = None,
+    pipeline: PipelinePlan | None = None,
 ) -> RankOutcome:
     """Run steps ``first`` .. ``steps - 1`` of the entry function on this rank (the step loop,
     :class:`~dtm_mpi.runtime.step_loop.StepLoop`). ``inputs``: global arrays of (some) entry
@@ -100,18 +113,30 @@ def run_rank(
     writes them into ``store`` (:class:`~dtm_mpi.runtime.checkpoints.GatheredCheckpoints`);
     ``progress``: rank 0's progress lines; ``stop``: a stop request (a signal) ends
     the run after the step every rank agrees on (:class:`~dtm_mpi.runtime.step_loop.CommCommit`),
-    the state saved (the outcome's ``stopped``).
+    the state saved (the outcome's ``stopped``); ``pipeline``: the step's stages run as planned
+    (:class:`~dtm_mpi.runtime.pipeline_step.PipelineExecutor`; this rank holds its stages'
+    state only, None in the others' places).
 
     Collective: call on all ranks."""
+    from dtm_mpi.kernels.devices import numpy_backend
     from dtm_mpi.runtime.checkpoints import GatheredCheckpoints
+    from dtm_mpi.runtime.pipeline_step import PipelineExecutor
 
-    args = initial_blocks(plan, comm.rank, inputs, fed=hooks.fed if hooks is not None else ())
-    executor = Executor(plan, comm, backend, deterministic)
-    history: list[tuple[np.ndarray, ...]] = []
+    pins = pipeline.pins if pipeline is not None else None
+    args = held_blocks(
+        plan, comm.rank, inputs, fed=hooks.fed if hooks is not None else (), pins=pins
+    )
+    executor: StepRunner
+    if pipeline is not None:
+        executor, arrays = PipelineExecutor(plan, pipeline, comm), numpy_backend()
+    else:
+        executor = Executor(plan, comm, backend, deterministic)
+        arrays = executor.backend
+    history: list[tuple[np.ndarray | None, ...]] = []
     checkpoints = None
     if checkpoint is not None and _saves(checkpoint, stop):
         checkpoints = GatheredCheckpoints(
-            comm, plan, checkpoint, store if comm.rank == 0 else None, executor.backend
+            comm, plan, checkpoint, store if comm.rank == 0 else None, arrays, pins
         )
     loop = StepLoop(
         executor,
@@ -170,6 +195,24 @@ def output_values(
     return named
 
 
+def output_pins(entry: Function, pins: Mapping[str, Pin]) -> dict[str, Pin]:
+    """The pins of a pipelined run's outputs (:func:`output_values`' names): each state
+    parameter's, and its update's result's."""
+    out = {
+        f"result{i}": pins[spec.updates.lstrip("%")]
+        for i, spec in enumerate(entry.results)
+        if spec.updates is not None and spec.updates.lstrip("%") in pins
+    }
+    out.update(
+        {
+            p.name.lstrip("%"): pins[p.name.lstrip("%")]
+            for p in entry.params
+            if p.name.lstrip("%") in pins
+        }
+    )
+    return out
+
+
 def summary_lines(outputs: Mapping[str, np.ndarray]) -> list[str]:
     """One line per output: name, dtype, shape and mean (what ``dtm run`` prints)."""
     lines = []
@@ -190,12 +233,28 @@ def initial_blocks(
     where given, else from ``local`` (this rank's blocks by name, e.g. restored from a
     checkpoint store), else zeros for the inputs a loader feeds (``fed``), else from each
     parameter's init."""
+    blocks = held_blocks(plan, rank, inputs, local, fed)
+    return [b for b in blocks if b is not None]
+
+
+def held_blocks(
+    plan: ExecPlan,
+    rank: int,
+    inputs: Mapping[str, np.ndarray],
+    local: Mapping[str, np.ndarray] | None = None,
+    fed: Sequence[str] = (),
+    pins: Mapping[str, Pin] | None = None,
+) -> list[np.ndarray | None]:
+    """:func:`initial_blocks`, with None for each parameter pinned (``pins``) to ranks this
+    one is not (a pipelined run's stage state)."""
     mesh = plan.mesh
-    blocks: list[np.ndarray] = []
+    blocks: list[np.ndarray | None] = []
     for p in plan.entry_plan.function.params:
         t = p.type
         key = p.name.lstrip("%")
-        if key in inputs:
+        if not holds(mesh, rank, (pins or {}).get(key)):
+            blocks.append(None)
+        elif key in inputs:
             block = inputs[key][local_block(t.shape, t.layout, mesh, rank)]
             blocks.append(np.array(block, order="C"))
         elif local is not None and key in local:
@@ -210,10 +269,22 @@ def initial_blocks(
     return blocks
 
 
-def assemble(t: TensorType, mesh: MeshShape, blocks: Sequence[np.ndarray]) -> np.ndarray:
-    """The global value of ``t`` from every rank's block (in rank order)."""
+def assemble(
+    t: TensorType,
+    mesh: MeshShape,
+    blocks: Sequence[np.ndarray | None],
+    pin: Pin | None = None,
+) -> np.ndarray:
+    """The global value of ``t`` from every rank's block (in rank order); with ``pin``, from
+    the blocks of the ranks at that (axis, coordinate) (the others hold none)."""
+    if pin is not None:  # the pinned ranks, in rank order: the mesh with that axis of size 1
+        blocks = [b for r, b in enumerate(blocks) if holds(mesh, r, pin)]
+        mesh = MeshShape(tuple((a, 1 if a == pin[0] else n) for a, n in mesh.axes))
+    held = [b for b in blocks if b is not None]
+    if len(held) != mesh.size:
+        raise UsageError(f"{t}: {mesh.size - len(held)} of the {mesh.size} blocks are missing")
     plan = plan_redistribute(t, Layout.replicated(t.rank), mesh)
-    return apply_plan(plan, mesh, list(blocks))[0]
+    return apply_plan(plan, mesh, held)[0]
 
 
 def run_simulated(
@@ -230,6 +301,7 @@ def run_simulated(
     checkpoint: CheckpointPolicy | None = None,
     progress: ProgressPolicy | None = None,
     stop: StopSignal | None = None,
+    pipeline: PipelinePolicy | None = None,
 ) -> RunResult:
     """Run a *verified* module on ``nranks`` simulated ranks and return global values
     (``deterministic``, ``checkpoint``, ``progress``, ``stop``: as :func:`run_rank`; with
@@ -248,6 +320,14 @@ def run_simulated(
         given = check_inputs(module, inputs or {}, fed=hooks.fed if hooks is not None else ())
     mesh = mesh_for(module, nranks, binding)
     plan = compile_plan(module, mesh)
+    pplan = None
+    if pipeline is not None:
+        from dtm_mpi.runtime.pipeline_step import plan_pipelined_run
+
+        name = backend if isinstance(backend, str) else backend.name
+        pplan = plan_pipelined_run(
+            pipeline, plan, fed=hooks.fed if hooks is not None else (), backend=name
+        )
     store = None
     if checkpoint is not None and _saves(checkpoint, stop):
         store = open_store(checkpoint, self_comm())
@@ -267,6 +347,7 @@ def run_simulated(
                 store=store,
                 progress=progress,
                 stop=stop,
+                pipeline=pplan,
             ),
             timeout_s=timeout_s,
         )
@@ -276,13 +357,21 @@ def run_simulated(
     if outcomes[0].stopped is not None:  # (every rank agreed on it)
         raise outcomes[0].stopped
     entry = plan.entry_plan.function
+    pins = pplan.pins if pplan is not None else {}
     params = {
-        p.name.lstrip("%"): assemble(p.type, mesh, [o.params[i] for o in outcomes])
+        p.name.lstrip("%"): assemble(
+            p.type, mesh, [o.params[i] for o in outcomes], pins.get(p.name.lstrip("%"))
+        )
         for i, p in enumerate(entry.params)
     }
     results = [
         tuple(
-            assemble(spec.type, mesh, [o.results[s][j] for o in outcomes])
+            assemble(
+                spec.type,
+                mesh,
+                [o.results[s][j] for o in outcomes],
+                pins.get(spec.updates.lstrip("%")) if spec.updates is not None else None,
+            )
             for j, spec in enumerate(entry.results)
         )
         for s in range(len(outcomes[0].results))

@@ -48,7 +48,6 @@ from dtm_mpi.sharding.steps import allreduce_spec
 if TYPE_CHECKING:
     from dtm_mpi.comm.interface import Comm
     from dtm_mpi.plan.program import ExecPlan
-    from dtm_mpi.runtime.executor import Executor
     from dtm_mpi.runtime.policies import CheckpointPolicy, ProgressPolicy
 
 __all__ = [
@@ -62,6 +61,7 @@ __all__ = [
     "Progress",
     "RunHooks",
     "StepLoop",
+    "StepRunner",
     "StopSignal",
 ]
 
@@ -156,6 +156,20 @@ class Feed:
         return metrics
 
 
+class StepRunner(Protocol):
+    """What runs a step on one rank: the :class:`~dtm_mpi.runtime.executor.Executor` of the
+    plan, or a pipelined run's :class:`~dtm_mpi.runtime.pipeline_step.PipelineExecutor`
+    (the state of the same entry function, its stages run in their schedule)."""
+
+    @property
+    def plan(self) -> ExecPlan: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    def run(self, blocks: list[Any], step: int) -> tuple[Any, ...]: ...
+
+
 class CommitAgreement(Protocol):
     """The commit-agreement policy: every rank finished step ``step`` (collective); returns
     the OR of the flags every rank raised."""
@@ -236,7 +250,7 @@ class StepLoop:
     """One rank's steps ``first`` .. ``steps - 1`` on its ``blocks`` of the entry parameters,
     with the selected policies (module doc); :meth:`run` is collective."""
 
-    executor: Executor
+    executor: StepRunner
     steps: int
     feed: Feed | None = None
     commit: CommitAgreement | None = None

@@ -12,6 +12,11 @@ may be short or empty). A rank's local block is the product over dimensions of i
 split dimension and the full range of each ``-`` dimension. A pending reduction does not change
 blocks: it is ignored here.
 
+**Pins.** A value may be held only by the ranks at one coordinate of one axis (a pipeline
+stage's parameters: the ranks of its ``pp`` coordinate), a *pin* ``(axis, coordinate)``: on
+those ranks its blocks are as above (its layout never splits over the pinned axis), the other
+ranks hold an empty block and own nothing.
+
 **Nesting.** Under this rule a split over ``(F…, A…)`` refines the split over ``(F…)`` only when
 :func:`splits_nest` holds: for ``n = 10`` over ``(B, A)`` with sizes 2x2 the blocks are
 ``[0,3) [3,6) [6,9) [9,10)`` but over ``B`` alone ``[0,5) [5,10)``, so element 5 is in the second
@@ -27,18 +32,30 @@ from dtm_mpi.ir.types import Layout
 from dtm_mpi.sharding.mesh import MeshShape
 
 __all__ = [
+    "Pin",
     "block_owners",
+    "holds",
     "intersect_regions",
     "check_layout",
     "dim_bounds",
     "local_block",
     "local_offsets",
     "local_shape",
+    "pinned_block",
     "region_size",
     "shard_bounds",
     "shard_index",
     "splits_nest",
 ]
+
+
+Pin = tuple[str, int]
+"""``(axis, coordinate)``: a value held only by the ranks at that coordinate of that axis."""
+
+
+def holds(mesh: MeshShape, rank: int, pin: Pin | None) -> bool:
+    """Whether ``rank`` holds a value pinned to ``pin`` (every rank when None)."""
+    return pin is None or mesh.index_along(rank, (pin[0],)) == pin[1]
 
 
 def shard_bounds(n: int, k: int, i: int) -> tuple[int, int]:
@@ -137,16 +154,32 @@ def local_offsets(
     return tuple(s for s, _ in _bounds(shape, layout, mesh, rank))
 
 
+def pinned_block(
+    shape: Sequence[int], layout: Layout, mesh: MeshShape, rank: int, pin: Pin | None
+) -> tuple[slice, ...]:
+    """:func:`local_block`, or the empty block (``0:0`` in every dimension) on a rank that
+    does not hold a value pinned to ``pin`` (a scalar has no empty block: its whole value)."""
+    if holds(mesh, rank, pin):
+        return local_block(shape, layout, mesh, rank)
+    check_layout(shape, layout, mesh)
+    return tuple(slice(0, 0) for _ in shape)
+
+
 def block_owners(
-    shape: Sequence[int], layout: Layout, mesh: MeshShape
+    shape: Sequence[int], layout: Layout, mesh: MeshShape, pin: Pin | None = None
 ) -> list[tuple[int, tuple[slice, ...]]]:
     """Every distinct non-empty block of ``layout`` once, as (owner, region), in owner order.
 
     Ranks that differ only along axes the layout does not split hold the same block; the
     lowest of them owns it (the one that sends it to an output, or writes it to a
-    checkpoint). A pending reduction is ignored, as everywhere in this module: reduce first."""
+    checkpoint); with ``pin``, the lowest of those that hold it. A pending reduction is
+    ignored, as everywhere in this module: reduce first."""
+    if pin is not None and pin[0] in layout.used_axes:
+        raise LayoutError(f"layout {layout} splits over the pinned axis {pin[0]!r}")
     owners: dict[tuple[tuple[int, int], ...], tuple[int, tuple[slice, ...]]] = {}
     for rank in range(mesh.size):
+        if not holds(mesh, rank, pin):
+            continue
         bounds = _bounds(shape, layout, mesh, rank)
         if any(n == 0 for _, n in bounds):
             continue

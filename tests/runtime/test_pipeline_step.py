@@ -29,6 +29,11 @@ def _batch() -> dict[str, np.ndarray]:
     return token_batch(BATCH, 7)
 
 
+def _step(rank: PipelineRank, batch: dict[str, np.ndarray]) -> StepOutcome:
+    """One step of ``rank`` on its blocks of the global ``batch``."""
+    return rank.step(rank.batch_blocks(batch))
+
+
 def _unpipelined(mesh: dtm.Mesh) -> tuple[float, dict[str, np.ndarray]]:
     return unpipelined(_model(), _loss, mesh, INPUTS, _batch())
 
@@ -76,7 +81,7 @@ def test_a_pipelined_step_gives_the_unpipelined_gradients_and_one_loss_everywher
     batch = _batch()
     outcomes: list[StepOutcome] = run_ranks(
         shape,
-        lambda comm: PipelineRank(stages, schedule, mesh.ir(), shape, comm).step(batch),
+        lambda comm: _step(PipelineRank(stages, schedule, mesh.ir(), shape, comm), batch),
         timeout_s=60,
     )
     want_loss, want = _unpipelined(mesh)
@@ -165,7 +170,7 @@ def test_pipelined_training_steps_follow_the_unpipelined_training(
 
     def train(comm: object) -> tuple[list[float], dict[str, np.ndarray]]:
         rank = PipelineRank(stages, schedule, mesh.ir(), shape, comm)  # type: ignore[arg-type]
-        losses = [rank.step(batch, i).loss for i in range(3)]
+        losses = [rank.step(rank.batch_blocks(batch), i).loss for i in range(3)]
         return losses, rank.blocks
 
     outcomes = run_ranks(shape, train, timeout_s=60)
@@ -230,7 +235,7 @@ def test_a_skip_connection_over_a_stage_is_relayed_and_trains_as_unpipelined(
 
     def train(comm: object) -> tuple[list[float], dict[str, np.ndarray]]:
         rank = PipelineRank(stages, schedule, mesh.ir(), shape, comm)  # type: ignore[arg-type]
-        return [rank.step(batch, i).loss for i in range(3)], rank.blocks
+        return [rank.step(rank.batch_blocks(batch), i).loss for i in range(3)], rank.blocks
 
     outcomes = run_ranks(shape, train, timeout_s=60)
     step = dtm.train_step(_Skip(), _cls_loss, mesh=mesh, inputs=inputs, optimizer=opt)

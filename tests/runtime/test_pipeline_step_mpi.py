@@ -70,7 +70,7 @@ def test_pipelined_training_under_mpi_follows_the_unpipelined_training(
         plans = stage_plans(stages, mesh.ir(), shape)  # (every stage's: the groups need all)
         session.join_mesh(pipeline_groups(plans))
         runner = PipelineRank(stages, schedule, mesh.ir(), shape, MpiComm(session), plans=plans)
-        losses = [runner.step(batch, i).loss for i in range(2)]
+        losses = [runner.step(runner.batch_blocks(batch), i).loss for i in range(2)]
     finally:
         session.close()
     every = comm.allgather([x.hex() for x in losses])
