@@ -6,6 +6,11 @@ and MLP split over ``tp``, a vocab-parallel embedding and cross-entropy, AdamW; 
     python examples/gpt.py --sim 4 --mesh dp=2,tp=2 --steps 400
     mpirun -n 4 python -m mpi4py examples/gpt.py --mesh dp=2,tp=2 --steps 400 --store S --checkpoint-every 200
     mpirun -n 3 python -m mpi4py examples/gpt.py --mesh dp=1,tp=3 --steps 600 --store S --resume
+    mpirun -n 4 python -m mpi4py examples/gpt.py --mesh pp=2,dp=1,tp=2 --microbatches 4 --schedule 1f1b
+
+With a ``pp`` axis (or ``--schedule``) the step runs as pipeline stages: the blocks cut evenly
+over ``pp``, ``--microbatches`` per step in the schedule named (gpipe, 1f1b, interleaved with
+two stages per rank, zb-h1); its checkpoints resume with or without a pipeline.
 """
 
 from __future__ import annotations
@@ -117,9 +122,16 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--val-batches", type=int, default=8)
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--microbatches", type=int, default=1)
+    ap.add_argument("--schedule", default=None, help="gpipe, 1f1b, interleaved, zb-h1")
     args = ap.parse_args(argv)
     sizes = parse_mesh_binding(args.mesh)
-    mesh = dtm.Mesh(dp=2, tp=2)
+    mesh = dtm.Mesh(pp=1, dp=2, tp=2)
+    pipeline = None
+    if sizes.get("pp", 1) > 1 or args.schedule is not None:
+        schedule = args.schedule or "1f1b"
+        chunks = 2 if schedule == "interleaved" else 1
+        pipeline = dtm.Pipeline(args.microbatches, schedule, chunks)
     train, val = corpus()
     model = gpt_model()
     step = dtm.train_step(
@@ -130,6 +142,7 @@ def main(argv: list[str]) -> int:
         clip_norm=1.0,
         name="gpt",
         optimizer=dtm.optim.AdamW(lr=args.lr, weight_decay=0.01),
+        pipeline=pipeline,
     )
     res = dtm.fit(
         step,

@@ -18,6 +18,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dtm_mpi import frontend as dtm
+from dtm_mpi.console import write_line
 from dtm_mpi.errors import DtmError
 from dtm_mpi.runtime.policies import checkpoint_policy
 from dtm_mpi.sharding.mesh import parse_mesh_binding
@@ -41,6 +42,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--store", default=None)
     ap.add_argument("--every", type=int, default=None)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--log-every", type=int, default=None)
     ap.add_argument("-o", dest="out", default=None)
     args = ap.parse_args(argv)
     inputs = {k: dtm.Input((BATCH, T), "i32", ("dp", None)) for k in ("ids", "tgt")}
@@ -65,17 +67,16 @@ def main(argv: list[str]) -> int:
         mesh=parse_mesh_binding(args.mesh),
         checkpoint=checkpoint_policy(args.store, every=args.every, resume=args.resume),
         quiet=True,
+        log_every=args.log_every,
     )
     losses = [m["loss"] for m in res.metrics]
-    print(f"losses {' '.join(x.hex() for x in losses)}", flush=True)
+    write_line(f"losses {' '.join(x.hex() for x in losses)}")  # (one write: lines stay apart)
     if res.outputs and args.out:
         np.savez(args.out, **res.outputs)
     return 0
 
 
 if __name__ == "__main__":
-    from dtm_mpi.console import write_line
-
     try:
         sys.exit(main(sys.argv[1:]))
     except DtmError as err:

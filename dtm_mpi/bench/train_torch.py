@@ -48,10 +48,25 @@ def _mlp_module(state: dict[str, np.ndarray], bias: bool) -> Any:
     return net
 
 
-def _gpt_module(state: dict[str, np.ndarray]) -> Any:
+def _gpt_module(
+    state: dict[str, np.ndarray],
+    dims: dict[str, int] = GPT,
+    blocks: tuple[int, int] | None = None,
+    first: bool = True,
+    last: bool = True,
+) -> Any:
+    """The frontend's GPT of ``dims`` (``GPT``'s keys), or a pipeline stage of it: its
+    ``blocks`` (lo, hi), after the embeddings when ``first``, before the head when ``last``
+    (a stage's input and output are then the residual stream)."""
     torch = torch_module()
 
     base: Any = torch.nn.Module
+    lo, hi = blocks if blocks is not None else (0, dims["layers"])
+
+    def mine(key: str) -> bool:
+        if key.startswith("blocks."):
+            return lo <= int(key.split(".")[1]) < hi
+        return first if key in ("tok.weight", "pos") else last
 
     class Gpt(base):  # type: ignore[misc]
         """The frontend's GPT, parameter for parameter (heads' projections ``[H, D, E]``),
@@ -59,23 +74,24 @@ def _gpt_module(state: dict[str, np.ndarray]) -> Any:
 
         def __init__(self) -> None:
             super().__init__()
-            weights = {k: v for k, v in state.items() if not k.startswith("opt.")}
+            weights = {k: v for k, v in state.items() if not k.startswith("opt.") and mine(k)}
             self.p = torch.nn.ParameterDict(
                 {k.replace(".", "__"): torch.nn.Parameter(_t(v)) for k, v in weights.items()}
             )
-            c = GPT["context"]
+            c = dims["context"]
             self.register_buffer("mask", torch.tril(torch.ones(c, c, dtype=torch.bool)))
 
         def w(self, name: str) -> Any:
             return self.p[name.replace(".", "__")]
 
-        def forward(self, ids: Any) -> Any:
+        def forward(self, x: Any) -> Any:
             f = torch.nn.functional
-            b, t = ids.shape
-            d, h = GPT["dim"], GPT["heads"]
+            d, h = dims["dim"], dims["heads"]
             e = d // h
-            x = self.w("tok.weight")[ids] + self.w("pos")[:t]
-            for i in range(GPT["layers"]):
+            if first:  # token ids in
+                x = self.w("tok.weight")[x.long()] + self.w("pos")[: x.shape[1]]
+            b, t = x.shape[0], x.shape[1]
+            for i in range(lo, hi):
                 pre = f"blocks.{i}."
                 a = f.layer_norm(
                     x, (d,), self.w(pre + "ln1.weight"), self.w(pre + "ln1.bias"), 1e-5
@@ -97,6 +113,8 @@ def _gpt_module(state: dict[str, np.ndarray]) -> Any:
                     approximate="tanh",
                 )
                 x = x + u @ self.w(pre + "mlp.down.weight") + self.w(pre + "mlp.down.bias")
+            if not last:
+                return x
             x = f.layer_norm(x, (d,), self.w("ln.weight"), self.w("ln.bias"), 1e-5)
             return x @ self.w("head.weight")
 
@@ -162,7 +180,7 @@ class TorchPeer:
         elif self.model == "digits":
             loss = f.cross_entropy(self.net(self._part(batch["x"])), self._part(batch["y"]).long())
         else:
-            logits = self.net(self._part(batch["ids"]).long())
+            logits = self.net(self._part(batch["ids"]))
             loss = f.cross_entropy(
                 logits.reshape(-1, logits.shape[-1]), self._part(batch["tgt"]).long().reshape(-1)
             )

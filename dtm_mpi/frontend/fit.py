@@ -163,9 +163,9 @@ def fit(
     (:mod:`dtm_mpi.runtime.policies`, where each option's default and check live):
 
     * ``checkpoint`` (:class:`~dtm_mpi.runtime.policies.CheckpointPolicy`: store, every N
-      steps, resume, background writes, keep-last, quota), in both modes, with a checkpoint
-      after the last step too (an evaluation step's ``init store`` weights are read from its
-      store). Under MPI, SIGUSR1 (or a scheduler's SIGTERM) stops every rank after the same
+      steps, resume, background writes, keep-last, quota), in both modes; a training step
+      saves after its last step too (an evaluation step's ``init store`` weights are read from
+      its store; an evaluation step saves nothing unless asked every N steps). Under MPI, SIGUSR1 (or a scheduler's SIGTERM) stops every rank after the same
       step and saves the state; the process then exits with code 75 ("saved, requeue me"; a
       policy with ``resume=True`` continues). Simulated ranks stop alike.
     * ``resize`` (:class:`~dtm_mpi.runtime.policies.ResizePolicy`: ``at`` steps and a request
@@ -213,6 +213,9 @@ def fit(
         loader, step.inputs, report, step.metrics, keep, values=dict(values) if values else None
     )
 
+    entry = step.module.entry
+    trains = entry is not None and any(r.updates is not None for r in entry.results)
+
     def request() -> RunRequest:
         return RunRequest(
             f"<traced {step.module.name}>",
@@ -222,7 +225,11 @@ def fit(
             module=step.module,
             hooks=hooks,
             device=device if device is not None else DevicePolicy(),
-            checkpoint=replace(checkpoint, save_final=True) if checkpoint is not None else None,
+            checkpoint=(
+                replace(checkpoint, save_final=True)
+                if checkpoint is not None and trains
+                else checkpoint
+            ),
             resize=(
                 resize
                 if resize is None or resize.relaunch is not None

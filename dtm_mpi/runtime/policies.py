@@ -67,14 +67,15 @@ class CheckpointPolicy:
 
     @property
     def saves(self) -> bool:
-        """Whether the run saves its state every N steps (a stop on a signal saves anyway)."""
-        return self.every is not None
+        """Whether the run saves its state every N steps or after its last (a stop on a
+        signal saves anyway)."""
+        return self.every is not None or self.save_final
 
     def due(self, done: int, steps: int) -> bool:
         """Whether the state after step ``done`` (of ``steps``) is saved: every ``every``
         steps, and after the last with ``save_final``."""
         every = self.every
-        return every is not None and (done % every == 0 or (done == steps and self.save_final))
+        return (every is not None and done % every == 0) or (done == steps and self.save_final)
 
 
 def checkpoint_policy(

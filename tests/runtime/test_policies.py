@@ -141,3 +141,67 @@ def test_fit_logs_its_metrics_through_the_run_progress_policy(
         assert re.fullmatch(
             rf"step {n}/4: loss [0-9.e+-]+, [0-9.]+ ms/step, [0-9.]+ steps/s, \d+ samples/s", line
         ), line
+
+
+@pytest.mark.parametrize(
+    ("every", "final", "due"),
+    [
+        (None, False, []),
+        (None, True, [5]),
+        (2, False, [2, 4]),
+        (2, True, [2, 4, 5]),
+        (5, True, [5]),
+    ],
+)
+def test_a_checkpoint_is_due_every_n_steps_and_after_the_last_with_save_final(
+    every: int | None, final: bool, due: list[int]
+) -> None:
+    policy = CheckpointPolicy("s", every=every, save_final=final)
+    assert [d for d in range(1, 6) if policy.due(d, 5)] == due
+    assert policy.saves == bool(due)
+
+
+def test_fit_with_a_store_and_no_checkpoint_interval_saves_after_its_last_step(
+    tmp_path: Path,
+) -> None:
+    """fit() saves its final state (what an evaluation step's weights are read from) also
+    when no interval is given."""
+    from dtm_mpi.io.store import list_checkpoints
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 8)).astype(np.float32)
+    y = rng.integers(0, 4, size=32).astype(np.int32)
+    store = tmp_path / "store"
+    dtm.fit(
+        _step(),
+        dtm.ArrayLoader({"x": x, "y": y}, 16, seed=1),
+        steps=3,
+        sim=2,
+        mesh={"dp": 1, "tp": 2},
+        quiet=True,
+        checkpoint=CheckpointPolicy(str(store)),
+    )
+    assert [c.step for c in list_checkpoints(store)] == [3]
+    # an evaluation step reading its weights from the store saves nothing into it
+    net = dtm.nn.Sequential(dtm.nn.ColumnParallelLinear(8, 16), dtm.nn.RowParallelLinear(16, 4))
+    ev = dtm.eval_step(
+        net,
+        lambda m, x, y: fn.cross_entropy(m(x), y),
+        mesh=dtm.Mesh(dp=2, tp=2),
+        inputs={
+            "x": dtm.Input((16, 8), "f32", ("dp", None)),
+            "y": dtm.Input((16,), "i32", ("dp",)),
+        },
+        name="tiny_eval",
+        weights_from_store=True,
+    )
+    dtm.fit(
+        ev,
+        dtm.ArrayLoader({"x": x, "y": y}, 16, seed=2),
+        steps=2,
+        sim=2,
+        mesh={"dp": 1, "tp": 2},
+        quiet=True,
+        checkpoint=CheckpointPolicy(str(store)),
+    )
+    assert [c.step for c in list_checkpoints(store)] == [3]

@@ -1,0 +1,164 @@
+"""Pipelined training through fit() under real ``mpirun`` (tests/pipeline_fit_job.py: a
+float64 GPT, AdamW, clipped by the global norm) at 2, 3 and 4 ranks: every schedule, pp alone
+and with dp or tp, trains as the unpipelined step on one simulated rank does (to float64
+rounding), the loss the same bits on every rank; its parallel-HDF5 checkpoint resumes without
+a pipeline on another mesh; a stage failing mid-schedule is named on every rank; a stop signal
+saves the state and exits 75."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.mpi_env import mpirun_env
+
+pytestmark = [pytest.mark.slow]
+JOB = str(Path(__file__).resolve().parents[1] / "pipeline_fit_job.py")
+
+# ranks -> (pipelined mesh, schedule, microbatches, unpipelined mesh it resumes on)
+CASES = {
+    "2-1f1b": (2, "pp=2", "1f1b", 4, "dp=2"),
+    "3-gpipe": (3, "pp=3", "gpipe", 2, "tp=3"),
+    "4-zb-h1-tp": (4, "pp=2,tp=2", "zb-h1", 2, "dp=2,tp=2"),
+    "4-interleaved-dp": (4, "pp=2,dp=2", "interleaved", 2, "dp=4"),
+}
+
+
+def job_cmd(ranks: int, *args: str) -> list[str]:
+    run = [sys.executable, "-m", "mpi4py", JOB, *args]
+    return ["mpirun", "--timeout", "120", "--bind-to", "none", "-n", str(ranks), *run]
+
+
+def job(ranks: int, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        job_cmd(ranks, *args),
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=mpirun_env(**{"PYTHONUNBUFFERED": "1", "DTM_TIMEOUT": "60", **env}),
+        check=False,
+    )
+
+
+def ok(ranks: int, *args: str) -> str:
+    proc = job(ranks, *args)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    return out
+
+
+def reference(path: Path, steps: int) -> np.ndarray:
+    """The unpipelined training on one simulated rank: its losses; its state to ``path``."""
+    proc = subprocess.run(
+        [sys.executable, JOB, "--sim", "1", "--steps", str(steps), "-o", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return losses_of(proc.stdout + proc.stderr, 1)[0]
+
+
+def losses_of(out: str, ranks: int) -> list[np.ndarray]:
+    """Every rank's losses (hex floats) from the job's lines, rank by rank."""
+    lines = [ln.split()[1:] for ln in out.splitlines() if ln.startswith("losses ")]
+    assert len(lines) == ranks, out
+    return [np.array([float.fromhex(x) for x in ln]) for ln in lines]
+
+
+def close(got: Path, want: Path) -> None:
+    a, b = np.load(got), np.load(want)
+    assert sorted(a.files) == sorted(b.files)
+    for k in b.files:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-9, atol=1e-12, err_msg=k)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_pipelined_fit_under_mpirun_trains_as_unpipelined_and_resumes_without_a_pipeline(
+    case: str, tmp_path: Path
+) -> None:
+    ranks, mesh, schedule, m, plain = CASES[case]
+    store = str(tmp_path / "store")
+    out = ok(
+        ranks,
+        *("--mesh", mesh, "--schedule", schedule, "--microbatches", str(m)),
+        *("--steps", "3", "--store", store, "--every", "2", "-o", str(tmp_path / "piped.npz")),
+    )
+    every = losses_of(out, ranks)
+    assert all(x.tobytes() == every[0].tobytes() for x in every), every  # the same bits
+    want = reference(tmp_path / "ref3.npz", 3)
+    np.testing.assert_allclose(every[0], want, rtol=1e-12)
+    close(tmp_path / "piped.npz", tmp_path / "ref3.npz")
+    # the pipelined run's checkpoint (its stages' ranks wrote their state) without a pipeline
+    ok(
+        ranks,
+        "--mesh",
+        plain,
+        "--steps",
+        "5",
+        "--store",
+        store,
+        "--resume",
+        "-o",
+        str(tmp_path / "r.npz"),
+    )
+    reference(tmp_path / "ref5.npz", 5)
+    close(tmp_path / "r.npz", tmp_path / "ref5.npz")
+
+
+FAULTS = {2: "pp=2", 3: "pp=3", 4: "pp=2,tp=2"}
+
+
+@pytest.mark.parametrize("ranks", sorted(FAULTS))
+def test_a_stage_failing_mid_schedule_is_named_on_every_rank(ranks: int) -> None:
+    """Rank 1 fails at its first receive of a boundary value (after rank 0's first forward):
+    every rank ends with one line naming it and the step, no traceback, no hang."""
+    proc = job(
+        ranks,
+        *("--mesh", FAULTS[ranks], "--schedule", "1f1b", "--microbatches", "2", "--steps", "2"),
+        DTM_TIMEOUT="30",
+        DTM_FAULT="1:recv:raise",
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    want = "step 0 failed on rank(s) 1: rank 1 (step 0): injected failure (DTM_FAULT=1:recv:raise)"
+    named = sorted(ln.split("]")[0] for ln in out.splitlines() if want in ln)
+    assert named == [f"[rank {r}" for r in range(ranks)] and "Traceback" not in out, out
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_a_pipelined_fit_stops_on_a_signal_saves_and_exits_75(ranks: int, tmp_path: Path) -> None:
+    from dtm_mpi.errors import EXIT_REQUEUE
+    from dtm_mpi.io.store import list_checkpoints
+
+    store = tmp_path / "store"
+    cmd = job_cmd(
+        ranks,
+        *("--mesh", FAULTS[ranks], "--schedule", "zb-h1", "--microbatches", "2"),
+        *("--steps", "1000000", "--store", str(store), "--log-every", "5"),
+    )
+    env = mpirun_env(PYTHONUNBUFFERED="1", DTM_TIMEOUT="60")
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:  # rank 0's progress: the run is stepping
+        lines.append(line)
+        if line.startswith("step 10/"):
+            os.kill(proc.pid, signal.SIGUSR1)
+            break
+    rest, _ = proc.communicate(timeout=120)
+    text = "".join(lines) + rest
+    assert proc.returncode == EXIT_REQUEUE, text
+    m = re.search(r"stopped by SIGUSR1 after step (\d+): checkpoint", text)
+    assert m is not None, text
+    assert [c.step for c in list_checkpoints(store)] == [int(m.group(1))]
