@@ -137,6 +137,9 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
     bpp.add_argument("--batch", type=int, default=32, help="sequences per step")
     bpp.add_argument("--seq", type=int, default=64, help="tokens per sequence")
     bpp.add_argument("--csv", default=None, metavar="FILE", help="write one row per schedule")
+    bpp.add_argument(
+        "--no-torch", action="store_true", help="without torch.distributed.pipelining beside"
+    )
     bpp.set_defaults(func=_cmd_bench_pipeline)
     _add_bench_suites(bsub)
 
@@ -430,6 +433,7 @@ def _cmd_bench_pipeline(args: argparse.Namespace) -> int:
         batch=args.batch,
         seq=args.seq,
         csv_path=args.csv,
+        with_torch=not args.no_torch,
     )
     if table:
         print(table)

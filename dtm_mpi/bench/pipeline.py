@@ -6,13 +6,21 @@ dtm_mpi bench pipeline``): a float32 GPT of ``layers`` blocks cut into as many s
 then ``steps`` timed steps per schedule, every schedule in the same processes. Per schedule:
 
 * ``ms/step``: the median over the timed steps of the slowest rank's step time;
-* ``bubble``: the measured idle share, ``1 - (sum of the ranks' pass times) / (ranks x step
-  time)``, median over the steps;
+* ``bubble``: the measured idle share of the schedule, ``1 - (sum of the ranks' F, I and W
+  pass times) / (ranks x the schedule's time)``, the schedule's time being the slowest rank's
+  from its first action to its last send taken (the optimizer's update and the loss's
+  publication after it are not the schedule's), median over the steps;
 * ``predicted``: the bubble of the schedule's time-line under the pass times measured in the
   same run (the mean F, I and W time of each stage: :func:`~dtm_mpi.plan.schedule.time_schedule`),
   and the relative difference; more ranks than cores make the measurement meaningless (marked);
 * ``held`` and ``act MiB``: the most microbatch activations a rank holds at once by the plan,
-  and what they take (the held values' local bytes).
+  and what they take (the held values' local bytes);
+* ``RSS MiB``: what one more step takes on top of the process's resident memory at its start
+  (sampled every millisecond: :class:`~dtm_mpi.bench.rss.RssPeak`), the most of any rank;
+* with torch installed (and without ``--no-torch``), ``torch.distributed.pipelining`` over gloo
+  on the same GPT, weights, stages, microbatches and schedule in the same processes
+  (:mod:`dtm_mpi.bench.pipeline_torch`): its step time, RSS and the ratio; the first step's
+  loss of both is printed (the same model: they agree to float32 rounding).
 
 The first row is the same model and batch without a pipeline on one rank (the others wait);
 the cost model's transfer time is half the median round trip of one boundary block between
@@ -27,7 +35,7 @@ import os
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -52,6 +60,9 @@ class PipelineRow:
     predicted: float
     held: int
     act_mib: float
+    rss_mib: float = 0.0
+    torch_ms: float | None = None
+    torch_rss_mib: float | None = None
 
     @property
     def rel_diff(self) -> float:
@@ -69,20 +80,31 @@ def run_pipeline_bench(
     batch: int,
     seq: int,
     csv_path: str | None = None,
+    with_torch: bool = True,
 ) -> str | None:
     """Run the benchmark on every rank of the job (collective); rank 0 returns the table."""
     from mpi4py import MPI
 
     from dtm_mpi import frontend as dtm
+    from dtm_mpi.bench.pipeline_torch import TorchPipelines, torch_available
+    from dtm_mpi.bench.rss import RssPeak, return_freed_memory
+    from dtm_mpi.bench.train_models import initial_state
     from dtm_mpi.comm.mpi_comm import MpiComm
     from dtm_mpi.comm.mpi_session import MpiSession
-    from dtm_mpi.config import get_config
+    from dtm_mpi.config import blas_threads_share, get_config
     from dtm_mpi.frontend.stage_split import step_stages_of
+    from dtm_mpi.kernels.devices import limit_blas_threads
     from dtm_mpi.plan.schedule import PipelineShape, parse_schedule, plan_schedule
     from dtm_mpi.runtime.pipeline_step import PipelineRank, pipeline_groups, stage_plans
 
     world = MPI.COMM_WORLD
     p, rank = int(world.Get_size()), int(world.Get_rank())
+    node = world.Split_type(MPI.COMM_TYPE_SHARED)
+    threads = blas_threads_share(int(node.Get_size())) or max(
+        1, (os.cpu_count() or 1) // int(node.Get_size())
+    )
+    node.Free()
+    limit_blas_threads(threads)  # dtm's ranks and torch's alike
     kinds = [parse_schedule(s) for s in schedules]
     if steps < 1 or warmup < 0:
         raise UsageError(f"--steps must be >= 1 and --warmup >= 0; got {steps}, {warmup}")
@@ -93,63 +115,114 @@ def run_pipeline_bench(
     mesh = dtm.Mesh(pp=p, dp=1, tp=1)
     shape = MeshShape((("pp", p), ("dp", 1), ("tp", 1)))
     rows: list[PipelineRow] = []
+    first_loss: float | None = None  # the first schedule's first step
+    plain = dtm.train_step(
+        dtm.nn.GPT(vocab, seq, dim, 4, layers),
+        gpt_loss,
+        mesh=dtm.Mesh(dp=1, tp=1),
+        inputs=inputs,
+        optimizer=dtm.optim.AdamW(lr=1e-3),
+    )
     if rank == 0:  # the same model and batch unpipelined, on one rank (the others wait)
-        model = dtm.nn.GPT(vocab, seq, dim, 4, layers)
-        rows.append(_unpipelined(model, inputs, data, steps, warmup))
+        rows.append(_unpipelined(plain, data, steps, warmup))
     world.Barrier()
     # a boundary block's one-way time (half a ping-pong): the cost model's transfer time
     boundary = np.zeros(max(1, batch // microbatches) * seq * dim, np.float32)
     transfer = _one_way(world, boundary) if p > 1 else 0.0
-    for kind in kinds:
-        chunks = 2 if kind.value == "interleaved" else 1
-        n_stages = p * chunks
-        if layers % n_stages:
-            raise UsageError(
-                f"--layers {layers} do not split into {n_stages} stages ({kind.value})"
+    runs: list[tuple[Any, Any, Any]] = []  # (runner, its batch blocks, session) per schedule
+    peer = None
+    try:
+        for kind in kinds:
+            chunks = 2 if kind.value == "interleaved" else 1
+            n_stages = p * chunks
+            if layers % n_stages:
+                raise UsageError(
+                    f"--layers {layers} do not split into {n_stages} stages ({kind.value})"
+                )
+            splits = [f"blocks.{k * layers // n_stages}" for k in range(1, n_stages)]
+            stages = step_stages_of(
+                dtm.nn.GPT(vocab, seq, dim, 4, layers),
+                gpt_loss,
+                mesh=mesh,
+                inputs=inputs,
+                splits=splits,
+                microbatches=microbatches,
+                optimizer=dtm.optim.AdamW(lr=1e-3),
             )
-        splits = [f"blocks.{k * layers // n_stages}" for k in range(1, n_stages)]
-        stages = step_stages_of(
-            dtm.nn.GPT(vocab, seq, dim, 4, layers),
-            gpt_loss,
-            mesh=mesh,
-            inputs=inputs,
-            splits=splits,
-            microbatches=microbatches,
-            optimizer=dtm.optim.AdamW(lr=1e-3),
-        )
-        schedule = plan_schedule(kind, PipelineShape(p, microbatches, chunks))
-        session = MpiSession(shape, timeout_s=get_config().timeout_s, world=world, join=False)
-        try:
+            schedule = plan_schedule(kind, PipelineShape(p, microbatches, chunks))
+            session = MpiSession(shape, timeout_s=get_config().timeout_s, world=world, join=False)
             plans = stage_plans(stages, mesh.ir(), shape)
             session.join_mesh(pipeline_groups(plans))
-            comm = MpiComm(session)
-            runner = PipelineRank(stages, schedule, mesh.ir(), shape, comm, plans=plans)
-            data = runner.batch_blocks(data)
+            runner = PipelineRank(stages, schedule, mesh.ir(), shape, MpiComm(session), plans=plans)
+            mine = runner.batch_blocks(data)
+            runs.append((runner, mine, session))
             for i in range(warmup):
-                runner.step(data, i)
+                loss = runner.step(mine, i).loss
+                first_loss = loss if first_loss is None else first_loss
             runner.seconds.clear()
-            walls, busy = [], []
+            walls, scheduled, busy = [], [], []
             for i in range(steps):
                 world.Barrier()
                 start = time.perf_counter()
                 before = sum(sum(v) for v in runner.seconds.values())
-                runner.step(data, warmup + i)
+                loss = runner.step(mine, warmup + i).loss
+                first_loss = loss if first_loss is None else first_loss
                 walls.append(world.allreduce(time.perf_counter() - start, op=MPI.MAX))
+                scheduled.append(world.allreduce(runner.schedule_seconds, op=MPI.MAX))
                 busy.append(world.allreduce(sum(sum(v) for v in runner.seconds.values()) - before))
             seconds = world.gather(runner.seconds, root=0)
             held_bytes = world.gather(runner.held_bytes(), root=0)
-        finally:
-            session.close()
-        if rank == 0:
-            assert seconds is not None and held_bytes is not None
-            rows.append(
-                _row(kind.value, schedule, stages, seconds, held_bytes, walls, busy, p, transfer)
+            if rank == 0:
+                assert seconds is not None and held_bytes is not None
+                rows.append(
+                    _row(
+                        kind.value,
+                        schedule,
+                        stages,
+                        seconds,
+                        held_bytes,
+                        (walls, scheduled, busy),
+                        p,
+                        transfer,
+                    )
+                )
+        losses = f"first step's loss: dtm {first_loss or float('nan'):.6f}"
+        timings = {}
+        if with_torch and torch_available():  # the peer's step times, in the same processes
+            dims = {"vocab": vocab, "context": seq, "dim": dim, "heads": 4, "layers": layers}
+            peer = TorchPipelines(
+                world, initial_state(plain), dims, data, microbatches=microbatches, threads=threads
             )
+            timings = {k.value: peer.time(k.value, steps=steps, warmup=warmup) for k in kinds}
+            first = next(iter(timings.values()), None)
+            losses += f", torch {first.first_loss:.6f}" if first is not None else ""
+        elif with_torch:
+            losses += " (torch is not installed: no peer)"
+        # memory last: the allocator then returns freed memory (slower: after every timing)
+        return_freed_memory()
+        for i, (kind, (runner, mine, _)) in enumerate(zip(kinds, runs, strict=True)):
+            with RssPeak() as peak:
+                runner.step(mine, warmup + steps)
+            rss = world.allreduce(peak.above, op=MPI.MAX) / 2**20
+            torch_rss = peer.rss(kind.value) if peer is not None else None
+            if rank == 0:
+                t = timings.get(kind.value)
+                rows[i + 1] = replace(
+                    rows[i + 1],
+                    rss_mib=rss,
+                    torch_ms=t.ms_per_step if t is not None else None,
+                    torch_rss_mib=torch_rss,
+                )
+    finally:
+        if peer is not None:
+            peer.close()
+        for _, _, session in runs:
+            session.close()
     if rank != 0:
         return None
     if csv_path:
         _write_csv(csv_path, rows)
-    return _table(rows, p)
+    return _table(rows, p) + "\n" + losses
 
 
 def _one_way(world: Any, buf: np.ndarray, rounds: int = 20) -> float:
@@ -169,22 +242,12 @@ def _one_way(world: Any, buf: np.ndarray, rounds: int = 20) -> float:
     return float(world.bcast(statistics.median(trips) / 2, root=0))
 
 
-def _unpipelined(
-    model: Any, inputs: Any, data: dict[str, np.ndarray], steps: int, warmup: int
-) -> PipelineRow:
+def _unpipelined(step: Any, data: dict[str, np.ndarray], steps: int, warmup: int) -> PipelineRow:
     """The step without a pipeline on one rank (the one step loop on one simulated rank): its
     median step time."""
-    from dtm_mpi import frontend as dtm
     from dtm_mpi.runtime.simulate import run_simulated
     from dtm_mpi.runtime.step_loop import RunHooks
 
-    step = dtm.train_step(
-        model,
-        gpt_loss,
-        mesh=dtm.Mesh(dp=1, tp=1),
-        inputs=inputs,
-        optimizer=dtm.optim.AdamW(lr=1e-3),
-    )
     marks: list[float] = []  # after each step: step 0 only starts the clock
     hooks = RunHooks(on_step=lambda i, rank, metrics: marks.append(time.perf_counter()))
     run_simulated(
@@ -200,8 +263,7 @@ def _row(
     stages: Any,
     seconds: list[dict[Any, list[float]]],
     held_bytes: list[int],
-    walls: list[float],
-    busy: list[float],
+    times: tuple[list[float], list[float], list[float]],
     p: int,
     transfer: float,
 ) -> PipelineRow:
@@ -218,8 +280,9 @@ def _row(
             )
         )
     timing = time_schedule(schedule, costs)
+    walls, scheduled, busy = times
     step = statistics.median(walls)
-    measured = statistics.median(1.0 - b / (p * w) for b, w in zip(busy, walls, strict=True))
+    measured = statistics.median(1.0 - b / (p * w) for b, w in zip(busy, scheduled, strict=True))
     held = max(timing.peak_held)
     return PipelineRow(
         name,
@@ -243,11 +306,17 @@ def _table(rows: Sequence[PipelineRow], p: int) -> str:
     )
     lines = [
         f"dtm bench pipeline: {p} rank(s){note}",
-        f"{'schedule':<14} {'stages':>6} {'m':>3} {'ms/step':>9} {'bubble':>7} {'predicted':>9} {'diff':>6} {'held':>5} {'act MiB':>8}",
+        f"{'schedule':<14} {'stages':>6} {'m':>3} {'ms/step':>9} {'bubble':>7} {'predicted':>9} {'diff':>6} {'held':>5} {'act MiB':>8} {'RSS MiB':>8} {'torch ms':>9} {'torch/dtm':>9} {'torch RSS':>9}",
     ]
     for r in rows:
+        peer = (
+            f" {r.torch_ms:>9.2f} {r.torch_ms / r.ms_per_step:>9.2f} {r.torch_rss_mib or 0.0:>9.1f}"
+            if r.torch_ms is not None
+            else f" {'-':>9} {'-':>9} {'-':>9}"
+        )
         lines.append(
-            f"{r.schedule:<14} {r.stages:>6} {r.microbatches:>3} {r.ms_per_step:>9.2f} {r.bubble:>7.1%} {r.predicted:>9.1%} {r.rel_diff:>+6.0%} {r.held:>5} {r.act_mib:>8.2f}"
+            f"{r.schedule:<14} {r.stages:>6} {r.microbatches:>3} {r.ms_per_step:>9.2f} {r.bubble:>7.1%} {r.predicted:>9.1%} {r.rel_diff:>+6.0%} {r.held:>5} {r.act_mib:>8.2f} {r.rss_mib:>8.1f}"
+            + peer
         )
     return "\n".join(lines)
 
@@ -266,6 +335,9 @@ def _write_csv(path: str, rows: Sequence[PipelineRow]) -> None:
                 "predicted",
                 "held",
                 "act_mib",
+                "rss_mib",
+                "torch_ms_per_step",
+                "torch_rss_mib",
             ]
         )
         for r in rows:
@@ -280,5 +352,8 @@ def _write_csv(path: str, rows: Sequence[PipelineRow]) -> None:
                     f"{r.predicted:.4f}",
                     r.held,
                     f"{r.act_mib:.4f}",
+                    f"{r.rss_mib:.4f}",
+                    "" if r.torch_ms is None else f"{r.torch_ms:.4f}",
+                    "" if r.torch_rss_mib is None else f"{r.torch_rss_mib:.4f}",
                 ]
             )

@@ -185,9 +185,36 @@ class PipelineRank:
                 f"{schedule.shape.microbatches} microbatches over {schedule.shape.stages} stages with up to {widest} values per boundary need more than {FIRST_RESERVED_TAG} message tags (fewer microbatches or stages)"
             )
         self._tag_stride = schedule.shape.max_tag + 1
+        self._drops = self._last_uses()
         self.seconds: dict[tuple[int, Work], list[float]] = {}
         """Each pass's run times, by (stage, F/I/W), over every step so far (benchmarks)."""
+        self.schedule_seconds = 0.0
+        """The last step's schedule on this rank: its passes and messages, from the first
+        action to the last send taken (the optimizer and the loss's publication after)."""
         self._check_routes()
+
+    def _last_uses(self) -> list[tuple[str, ...]]:
+        """Per action of this rank's schedule, the values of its microbatch that no later
+        action reads: what it read for the last time, and what it made that nothing reads
+        (dropped then: a microbatch's activations live only as long as the schedule needs
+        them, as its memory model counts)."""
+        actions = self.schedule.actions[self.pp]
+        later: set[tuple[int, str]] = set()  # (microbatch, value) read after the action
+        drops: list[tuple[str, ...]] = []
+        for action in reversed(actions):
+            reads: tuple[str, ...] = ()
+            made: tuple[str, ...] = ()
+            if isinstance(action, Send):
+                reads = self._bundles[(action.what, action.stage)]
+            elif isinstance(action, Compute):
+                works = (Work.I, Work.W) if action.work is Work.B else (action.work,)
+                passes = [self.passes[(action.stage, w)] for w in works]
+                reads = tuple(n for p in passes for n in p.params)
+                made = tuple(n for p in passes for n in p.carries)
+            mb = action.microbatch
+            drops.append(tuple(n for n in dict.fromkeys((*reads, *made)) if (mb, n) not in later))
+            later.update((mb, n) for n in reads)
+        return drops[::-1]
 
     def _check_routes(self) -> None:
         """Every value this rank receives is declared, in the plan, with the block its sender
@@ -221,7 +248,8 @@ class PipelineRank:
         grads: dict[str, np.ndarray] = {}
         loss = np.zeros((), np.float64)
         faults = bool(get_config().faults)  # DTM_FAULT=RANK:send|recv:KIND, mid-schedule
-        for action in self.schedule.actions[self.pp]:
+        started = time.perf_counter()
+        for i, action in enumerate(self.schedule.actions[self.pp]):
             env = envs[action.microbatch]
             if faults and isinstance(action, Send | Recv):
                 maybe_fail(self.rank, "send" if isinstance(action, Send) else "recv")
@@ -236,7 +264,10 @@ class PipelineRank:
                     env[value] = self.comm.recv(shape, dtype, self.pp_group[action.peer], tag)
             else:
                 loss = self._compute(action, env, grads, loss, step)
+            for name in self._drops[i]:
+                env.pop(name, None)
         self.comm.flush()
+        self.schedule_seconds = time.perf_counter() - started
         named = {f"{n}.grad": g for n, g in grads.items()}
         if self.square_sums:  # clipping by the global norm: every stage's square sum, added
             named[CLIP_TOTAL] = self._clip_total(named, step)
@@ -260,14 +291,17 @@ class PipelineRank:
         for work in works:
             start = time.perf_counter()
             out = self.passes[(c.stage, work)].run(env, step)
+            if work is Work.W:  # the gradients summed over the microbatches, in place
+                for name, g in zip(self.stages.passes[c.stage].params, out.values(), strict=True):
+                    if name in grads:
+                        np.add(grads[name], g, out=grads[name])
+                    else:
+                        grads[name] = np.array(g, copy=True)
             spent = self.seconds.setdefault((c.stage, work), [])
             spent.append(time.perf_counter() - start)
             env.update(out)
             if work is Work.F and self.stages.loss in out:
                 loss = loss + out[self.stages.loss]
-            if work is Work.W:
-                for name, g in zip(self.stages.passes[c.stage].params, out.values(), strict=True):
-                    grads[name] = grads[name] + g if name in grads else g
         return loss
 
     def _clip_total(self, named: Mapping[str, np.ndarray], step: int) -> np.ndarray:

@@ -5,6 +5,8 @@ asserted is the plan's side: activation memory and the predicted bubbles' order)
 from __future__ import annotations
 
 import csv
+import importlib.util
+import re
 import shutil
 import subprocess
 import sys
@@ -76,6 +78,13 @@ def test_bench_pipeline_under_mpirun_writes_a_row_per_schedule(tmp_path: Path) -
         2,
     )
     assert float(rows["1f1b"]["act_mib"]) < float(rows["gpipe"]["act_mib"])
+    assert all(float(r["rss_mib"]) >= 0 for r in rows.values())
+    losses = re.search(r"first step's loss: dtm ([0-9.]+)(?:, torch ([0-9.]+))?", done.stdout)
+    assert losses is not None, done.stdout
+    if importlib.util.find_spec("torch") is not None:  # the peer: the same GPT, stages, m
+        assert all(float(r["torch_ms_per_step"]) > 0 for r in rows.values())
+        assert losses.group(2) is not None, done.stdout
+        assert abs(float(losses.group(1)) - float(losses.group(2))) < 1e-4, losses.group(0)
 
 
 def test_a_bad_schedule_is_one_error() -> None:
