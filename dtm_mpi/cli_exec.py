@@ -44,8 +44,17 @@ def add_exec_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[
 
 
 def _add_explain(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    ex = sub.add_parser("explain", help="per-op local shapes, communication, bytes, memory")
+    ex = sub.add_parser(
+        "explain",
+        help="per-op local shapes, communication, bytes, memory (of an IR file, or of the first fit() of a Python script: dtm explain SCRIPT.py -- ARGS)",
+    )
     ex.add_argument("file", metavar="FILE")
+    ex.add_argument(
+        "script_args",
+        nargs="*",
+        metavar="ARGS",
+        help="a Python script's own arguments (after --)",
+    )
     ex.add_argument(
         "-n",
         "--ranks",
@@ -285,6 +294,10 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     from dtm_mpi.plan.explain import check_memory, explain_text
     from dtm_mpi.runtime.request import load_module
 
+    if args.file.endswith(".py"):
+        return _explain_script(args.file, args.script_args)
+    if args.script_args:
+        raise UsageError(f"unexpected arguments {' '.join(args.script_args)} (FILE is not a .py script)")
     plan = _plan(load_module(args.file), args.ranks, _binding(args))
     sys.stdout.write(explain_text(plan))
     if args.backend != "numpy":
@@ -294,6 +307,29 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     if args.max_bytes_per_rank is not None:
         check_memory(plan, args.max_bytes_per_rank)
     return 0
+
+
+def _explain_script(path: str, argv: Sequence[str]) -> int:
+    """``dtm explain SCRIPT.py -- ARGS``: run the script with ``DTM_EXPLAIN=1``, so that its
+    first :func:`~dtm_mpi.frontend.fit.fit` prints the plan of its run and ends it."""
+    import os
+    import runpy
+
+    from dtm_mpi.config import get_config
+
+    if not os.path.isfile(path):
+        raise UsageError(f"{path}: no such script")
+    os.environ["DTM_EXPLAIN"] = "1"
+    get_config.cache_clear()
+    saved = sys.argv
+    sys.argv = [path, *argv]
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as done:
+        return int(done.code or 0) if not isinstance(done.code, str) else 1
+    finally:
+        sys.argv = saved
+    raise UsageError(f"{path} ended without calling fit(): nothing to explain")
 
 
 def runs_under_mpi(argv: Sequence[str]) -> bool:

@@ -67,6 +67,7 @@ class Config:
     timeout_s: float = 300.0
     faults: tuple[FaultSpec, ...] = ()
     deterministic: bool = False
+    explain: bool = False  # fit() prints its plan and exits (dtm explain SCRIPT.py)
     max_msg_elems: int = MAX_MSG_ELEMS_DEFAULT
     gpu_aware_mpi: GpuAwareMode = GpuAwareMode.AUTO
     log_level: str = "warning"
@@ -246,6 +247,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("DTM_MALLOPT", "mallopt", _yes_no(True), "1"),
     EnvVar("DTM_OVERLAP", "overlap", _yes_no(False), "0"),
     EnvVar("DTM_BUCKET_BYTES", "bucket_bytes", _parse_positive_int, str(25 * 2**20)),
+    EnvVar("DTM_EXPLAIN", "explain", _yes_no(False), "0"),
 )
 """Every environment variable the package reads, in the README table's order."""
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from dtm_mpi.config import get_config
 from dtm_mpi.errors import UsageError
 from dtm_mpi.frontend.trace import TracedStep
 from dtm_mpi.runtime.policies import CheckpointPolicy, DevicePolicy, ResizePolicy
@@ -189,6 +190,9 @@ def fit(
     from dtm_mpi.runtime.runner import run_request
     from dtm_mpi.runtime.step_loop import RunHooks
 
+    if get_config().explain:  # dtm explain SCRIPT.py: the plan of this run, then the end
+        sys.stdout.write(explain_fit(step, mesh, sim))
+        raise SystemExit(0)
     result = FitResult()
     first = step.inputs[0] if step.inputs else None
     samples = (
@@ -247,6 +251,27 @@ def fit(
     if code != 0:  # stopped on a signal after saving (75: "requeue me"), or ended: end the job
         raise SystemExit(code)
     return result
+
+
+def explain_fit(step: TracedStep, mesh: Mapping[str, int] | None, sim: int | None) -> str:
+    """What :func:`fit` would run (``dtm explain SCRIPT.py``, ``DTM_EXPLAIN=1``): the plan of
+    ``step`` on the mesh ``mesh`` binds (``sim`` ranks, else the product of its sizes); for a
+    pipelined step, its stages, what each pipeline rank holds and the schedule's time-line."""
+    import math
+
+    from dtm_mpi.plan.explain import explain_text
+    from dtm_mpi.plan.pipeline import explain_pipeline
+    from dtm_mpi.plan.program import compile_plan, mesh_for
+    from dtm_mpi.runtime.pipeline_step import plan_pipelined_run
+
+    binding = dict(mesh) if mesh else None
+    nranks = sim if sim is not None else math.prod(binding.values()) if binding else step.mesh.size
+    plan = compile_plan(step.module, mesh_for(step.module, nranks, binding))
+    if step.pipeline is None:
+        return explain_text(plan)
+    pipeline = plan_pipelined_run(step.pipeline, plan, fed=step.inputs)
+    head = f"module {step.module.name} on mesh {plan.mesh} ({plan.mesh.size} ranks), pipelined\n"
+    return head + explain_pipeline(pipeline, plan.mesh)
 
 
 def _relaunch() -> tuple[str, ...] | None:

@@ -13,10 +13,12 @@ checkpoint restores onto any mesh (another ``pp``, or none) and back.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from dtm_mpi.errors import UsageError
+from dtm_mpi.ir.dtypes import np_dtype
 from dtm_mpi.ir.nodes import Function, MeshDecl
 from dtm_mpi.ir.stages import StepStages, pass_module
 from dtm_mpi.plan.program import ExecPlan, compile_plan
@@ -25,12 +27,23 @@ from dtm_mpi.plan.schedule import (
     Schedule,
     ScheduleKind,
     StageCosts,
+    Transfer,
     plan_schedule,
+    schedule_text,
+    time_schedule,
 )
 from dtm_mpi.sharding.blocks import Pin, local_shape
 from dtm_mpi.sharding.mesh import MeshShape
 
-__all__ = ["PipelinePlan", "plan_pipeline", "stage_plans"]
+__all__ = [
+    "PipelinePlan",
+    "StageMemory",
+    "boundary_bundles",
+    "explain_pipeline",
+    "plan_pipeline",
+    "stage_memory",
+    "stage_plans",
+]
 
 
 def stage_plans(stages: StepStages, mesh: MeshDecl, shape: MeshShape) -> dict[str, ExecPlan]:
@@ -147,3 +160,114 @@ def _check_microbatches(
             raise UsageError(
                 f"input {name}: rank {rank}'s block of {mine[0]} row(s) does not split into {microbatches} microbatches of {part[0]} (make the batch a multiple of {microbatches} x the axes of its first dimension)"
             )
+
+
+def boundary_bundles(stages: StepStages) -> dict[tuple[Transfer, int], tuple[str, ...]]:
+    """What crosses each stage boundary, keyed as the schedule's transfers are (what, the
+    sending stage): the activations stage ``s`` sends to ``s + 1`` are every route made on
+    stage ``s`` or before and used after it (a skip connection is relayed stage by stage),
+    the gradients ``s`` sends to ``s - 1`` likewise backwards."""
+    n = len(stages.passes)
+    out: dict[tuple[Transfer, int], tuple[str, ...]] = {}
+    for s in range(n):
+        out[(Transfer.ACT, s)] = tuple(
+            r.value for r in stages.partition.routes if r.src <= s < max(r.dst)
+        )
+        out[(Transfer.GRAD, s)] = tuple(
+            r.value for r in stages.grad_routes if r.src >= s > min(r.dst)
+        )
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class StageMemory:
+    """Bytes one rank holds for a stage: its parameters, their summed gradients, the
+    optimizer's state, and one microbatch's held activations (what the forward pass keeps for
+    the backward passes, boundary values it sends not counted)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    held: int
+
+
+def _bytes(t: object, mesh: MeshShape, rank: int) -> int:
+    from dtm_mpi.ir.types import TensorType
+
+    assert isinstance(t, TensorType)
+    return math.prod(local_shape(t.shape, t.layout, mesh, rank)) * np_dtype(t.dtype).itemsize
+
+
+def stage_memory(stages: StepStages, index: int, mesh: MeshShape, rank: int) -> StageMemory:
+    """:class:`StageMemory` of stage ``index`` on ``rank`` of ``mesh`` (pure)."""
+    s = stages.passes[index]
+    types = {p.name: p.type for p in stages.params}
+    params = sum(_bytes(types[n], mesh, rank) for n in s.params)
+    state = s.update.carries if s.update is not None else s.params
+    optimizer = sum(_bytes(types[n], mesh, rank) for n in state if n not in s.params)
+    sent = set(boundary_bundles(stages)[(Transfer.ACT, index)]) | {stages.loss}
+    f = s.forward
+    held = sum(
+        _bytes(r.type, mesh, rank)
+        for name, r in zip(f.carries, f.function.results, strict=True)
+        if name not in sent
+    )
+    return StageMemory(params, params, optimizer, held)
+
+
+def _layer_of(param: str) -> str:
+    """The layer a parameter belongs to, as far as its first list index (``blocks.3``) or its
+    first name (``tok``)."""
+    parts = param.lstrip("%").split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return parts[0]
+
+
+def _mib(n: int) -> str:
+    from dtm_mpi.plan.explain import human_bytes
+
+    return human_bytes(n)
+
+
+def explain_pipeline(plan: PipelinePlan, mesh: MeshShape, width: int = 160) -> str:
+    """What a pipelined run does and holds: per stage, its rank along the pipeline axis, its
+    parameters, gradients, optimizer state and one microbatch's held activations (on the
+    first rank of its stage); per pipeline rank, the predicted peak of held microbatches and
+    their bytes; the schedule's time-line (unit pass costs: F = I = W) and its bubble."""
+    shape = plan.schedule.shape
+    axis = plan.axis
+    timing = time_schedule(plan.schedule)
+    lines = [
+        f"pipeline over {axis}={shape.ranks}: {shape.stages} stage(s), {shape.microbatches} "
+        f"microbatch(es) per step, schedule {plan.schedule.kind.value}",
+        "stage  rank  layers                     params      grads  optimizer  held/microbatch",
+    ]
+    first_rank = {
+        c: next(r for r in range(mesh.size) if mesh.index_along(r, (axis,)) == c)
+        for c in range(shape.ranks)
+    }
+    per_rank: dict[int, list[StageMemory]] = {}
+    for s in plan.stages.passes:
+        c = shape.rank_of(s.index)
+        mem = stage_memory(plan.stages, s.index, mesh, first_rank[c])
+        per_rank.setdefault(c, []).append(mem)
+        names = list(dict.fromkeys(_layer_of(n) for n in s.params))
+        shown = ", ".join(names) if len(names) <= 3 else f"{names[0]} .. {names[-1]}"
+        lines.append(
+            f"{s.index:>5}  {c:>4}  {shown[:24]:<24} {_mib(mem.params):>11} {_mib(mem.grads):>10} "
+            f"{_mib(mem.optimizer):>10} {_mib(mem.held):>16}"
+        )
+    lines.append("per pipeline rank (its first rank): state, peak held microbatches, activations")
+    for c in range(shape.ranks):
+        mems = per_rank.get(c, [])
+        state = sum(m.params + m.grads + m.optimizer for m in mems)
+        held = max((m.held for m in mems), default=0)
+        peak = timing.peak_held[c]
+        lines.append(
+            f"  {axis}={c} (rank {first_rank[c]}): state {_mib(state)}, held {peak} x "
+            f"{_mib(held)} = {_mib(peak * held)} activations, total {_mib(state + peak * held)}"
+        )
+    lines.append(schedule_text(plan.schedule, timing, width))
+    return "\n".join(lines) + "\n"

@@ -17,7 +17,6 @@ the plan, and the schedule's sends and receives pair up (:func:`~dtm_mpi.plan.sc
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -32,9 +31,9 @@ from dtm_mpi.ir.dtypes import np_dtype
 from dtm_mpi.ir.nodes import MeshDecl
 from dtm_mpi.ir.stages import CLIP_TOTAL, StagePass, StepStages
 from dtm_mpi.ir.types import ReduceOp
-from dtm_mpi.plan.pipeline import PipelinePlan, stage_plans
+from dtm_mpi.plan.pipeline import PipelinePlan, boundary_bundles, stage_memory, stage_plans
 from dtm_mpi.plan.program import ExecPlan
-from dtm_mpi.plan.schedule import Compute, Recv, Schedule, Send, Transfer, Work
+from dtm_mpi.plan.schedule import Compute, Recv, Schedule, Send, Work
 from dtm_mpi.runtime.executor import Executor
 from dtm_mpi.runtime.policies import PipelinePolicy
 from dtm_mpi.runtime.values import init_block
@@ -178,7 +177,7 @@ class PipelineRank:
             for p in s.forward.function.params
             if p.name in {n for st in stages.partition.stages for n in st.inputs}
         }
-        self._bundles = _bundles(stages)
+        self._bundles = boundary_bundles(stages)
         widest = max((len(b) for b in self._bundles.values()), default=1)
         if widest * (schedule.shape.max_tag + 1) > FIRST_RESERVED_TAG:
             raise UsageError(
@@ -317,18 +316,10 @@ class PipelineRank:
         """The bytes of one microbatch's held activations (what its forward pass returns for
         its backward passes) on this rank's largest stage: what the plan's peak count of held
         microbatches multiplies."""
-        best = 0
-        for s in self.mine:
-            f = s.forward
-            sent = set(self._bundles[(Transfer.ACT, s.index)]) | {self.stages.loss}
-            total = sum(
-                math.prod(local_shape(r.type.shape, r.type.layout, self.shape, self.rank))
-                * np_dtype(r.type.dtype).itemsize
-                for name, r in zip(f.carries, f.function.results, strict=True)
-                if name not in sent
-            )
-            best = max(best, total)
-        return best
+        return max(
+            (stage_memory(self.stages, s.index, self.shape, self.rank).held for s in self.mine),
+            default=0,
+        )
 
     def batch_blocks(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """This rank's blocks of the global fed inputs ``batch`` (what a loader gives it)."""
@@ -355,23 +346,6 @@ class PipelineRank:
                 f"fed input {name!r}: rank {self.rank}'s block is {list(block.shape)}; {m} microbatches of {list(want)} expected"
             )
         return want[0]
-
-
-def _bundles(stages: StepStages) -> dict[tuple[Transfer, int], tuple[str, ...]]:
-    """What crosses each stage boundary, keyed as the schedule's transfers are (what, the
-    sending stage): the activations stage ``s`` sends to ``s + 1`` are every route made on
-    stage ``s`` or before and used after it (a skip connection is relayed stage by stage),
-    the gradients ``s`` sends to ``s - 1`` likewise backwards."""
-    n = len(stages.passes)
-    out: dict[tuple[Transfer, int], tuple[str, ...]] = {}
-    for s in range(n):
-        out[(Transfer.ACT, s)] = tuple(
-            r.value for r in stages.partition.routes if r.src <= s < max(r.dst)
-        )
-        out[(Transfer.GRAD, s)] = tuple(
-            r.value for r in stages.grad_routes if r.src >= s > min(r.dst)
-        )
-    return out
 
 
 class PipelineExecutor:
