@@ -297,7 +297,9 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     if args.file.endswith(".py"):
         return _explain_script(args.file, args.script_args)
     if args.script_args:
-        raise UsageError(f"unexpected arguments {' '.join(args.script_args)} (FILE is not a .py script)")
+        raise UsageError(
+            f"unexpected arguments {' '.join(args.script_args)} (FILE is not a .py script)"
+        )
     plan = _plan(load_module(args.file), args.ranks, _binding(args))
     sys.stdout.write(explain_text(plan))
     if args.backend != "numpy":

@@ -114,16 +114,16 @@ def pipeline_policy(
     from dtm_mpi.runtime.policies import PipelinePolicy
 
     kind = check_pipeline(pipeline, mesh)
-    traced: dict[int, StepStages] = {}
+    traced: dict[tuple[int, bool], StepStages] = {}
 
-    def stages(n: int) -> StepStages:
-        if n not in traced:
+    def stages(n: int, whole_batch: bool = False) -> StepStages:
+        if (n, whole_batch) not in traced:
             splits = list(pipeline.splits) if pipeline.splits is not None else even_splits(model, n)
             if len(splits) + 1 != n:
                 raise UsageError(
                     f"Pipeline(splits=...) cuts the model into {len(splits) + 1} stages; the run has {n} ({pipeline.axis} x {pipeline.chunks} chunk(s) per rank)"
                 )
-            traced[n] = step_stages_of(
+            traced[(n, whole_batch)] = step_stages_of(
                 model,
                 loss_fn,
                 mesh=mesh,
@@ -134,8 +134,9 @@ def pipeline_policy(
                 clip_norm=clip_norm,
                 seed=seed,
                 name=name,
+                whole_batch=whole_batch,
             )
-        return traced[n]
+        return traced[(n, whole_batch)]
 
     return PipelinePolicy(stages, kind, pipeline.microbatches, pipeline.chunks, pipeline.axis)
 
@@ -227,6 +228,7 @@ def step_stages_of(
     clip_norm: float | None = None,
     seed: int = 0,
     name: str = "train",
+    whole_batch: bool = False,
 ) -> StepStages:
     """The forward and reverse passes of a training step cut into ``len(splits) + 1``
     stages, for one of ``microbatches`` microbatches (the fed inputs split along their first
@@ -234,12 +236,15 @@ def step_stages_of(
     gradients of the step are the sums over its microbatches); with ``optimizer``, each
     stage's update pass too (its state parameters join the step's), the gradients first clipped
     to global norm ``clip_norm`` as :func:`~dtm_mpi.frontend.trace.train_step` clips them (each
-    stage's square sum added over the pipeline)."""
+    stage's square sum added over the pipeline). ``whole_batch``: the same passes traced on
+    the whole batch (the loss still scaled by ``1 / microbatches``), whose weight-gradient
+    passes deterministic mode runs once per step over every microbatch's held values."""
+    micro = microbatch_inputs(inputs, microbatches)
     tr, _, weights, out = _trace(
         model,
         loss_fn,
         mesh,
-        microbatch_inputs(inputs, microbatches),
+        dict(inputs) if whole_batch else micro,
         name,
         weights_as_state=True,
         seed=seed,
@@ -287,13 +292,19 @@ def step_stages_of(
 
 
 def _square_sum_pass(mesh: Mesh, params: Sequence[Param], stage: int) -> StagePass:
+    """The square sum of each of the stage's gradients (named ``<parameter>.grad``), one
+    result per parameter (``<parameter>.sqsum``): the runtime adds every stage's in the
+    step's parameter order, as :func:`~dtm_mpi.frontend.optim.square_sum` adds them
+    unpipelined (so the total has the same bits)."""
     b = FunctionBuilder(mesh.ir(), module_name=f"stage{stage}_square_sum")
     tr = Tracer(b)
-    grads = [Tensor(b.add_param(f"{p.name}.grad", p.type), tr) for p in params]
+    sums = []
     with tracing(tr):
-        total = square_sum(grads)
-    f = b.function(f"stage{stage}_square_sum", [total.value])
-    return StagePass(f, ("%clip.sqsum",))
+        for p in params:
+            g = Tensor(b.add_param(f"{p.name}.grad", p.type), tr)
+            sums.append(square_sum([g]))
+    f = b.function(f"stage{stage}_square_sum", [t.value for t in sums])
+    return StagePass(f, tuple(f"{p.name}.sqsum" for p in params))
 
 
 def _update_pass(

@@ -68,6 +68,12 @@ class PipelinePlan:
     axis: str
     passes: Mapping[str, ExecPlan]
     pins: Mapping[str, Pin]
+    whole: StepStages | None = None
+    """Deterministic mode: the same stages traced on the whole batch, whose weight passes
+    (and the last stage's forward, for the loss) run once per step over every microbatch's
+    values."""
+    whole_passes: Mapping[str, ExecPlan] | None = None
+    """Those passes compiled, by function name."""
 
     def pin_of(self, name: str) -> Pin | None:
         """The pin of entry parameter ``name`` (with or without ``%``), None if not pinned."""
@@ -85,13 +91,15 @@ def plan_pipeline(
     axis: str = "pp",
     fed: tuple[str, ...] = (),
     costs: tuple[StageCosts, ...] | None = None,
+    whole: StepStages | None = None,
 ) -> PipelinePlan:
     """The plan of running ``entry`` (the unpipelined training step, whose state and fed
     inputs the run keeps) as ``stages`` under schedule ``kind`` on the mesh ``bound``
     (``mesh`` declared); ``fed``: the inputs a loader gives each step. Refused, naming what:
     a mesh without ``axis``, a stage count that is not ``pp x chunks``, state laid out over the
     pipeline axis, state the stages do not hold (or hold with another type), and fed inputs
-    whose blocks do not split into the microbatches."""
+    whose blocks do not split into the microbatches. ``whole``: deterministic mode's
+    whole-batch stages (their weight passes and the last stage's forward are compiled too)."""
     if axis not in bound.axis_names:
         raise UsageError(f"the mesh {bound} has no pipeline axis {axis!r}")
     p = bound.axis_size(axis)
@@ -133,7 +141,30 @@ def plan_pipeline(
         raise UsageError(
             f"the stages hold {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}, which @{entry.name} does not have"
         )
-    return PipelinePlan(stages, schedule, axis, stage_plans(stages, mesh, bound), pins)
+    whole_passes = None
+    if whole is not None:
+        whole_passes = {}
+        last = len(whole.passes) - 1
+        for s, w in zip(stages.passes, whole.passes, strict=True):
+            for mine, theirs in ((s.weight_grad, w.weight_grad), (s.forward, w.forward)):
+                a, b = mine.function, theirs.function
+                if (
+                    len(a.params) != len(b.params)
+                    or len(a.results) != len(b.results)
+                    or any(
+                        x.type.dtype != y.type.dtype
+                        for x, y in zip(a.params, b.params, strict=True)
+                    )
+                ):
+                    raise UsageError(
+                        f"stage {s.index}: the whole batch traces to another {b.name} than a microbatch; deterministic mode cannot run this pipeline"
+                    )
+            for sp in (w.weight_grad, *((w.forward,) if w.index == last else ())):
+                name = sp.function.name
+                whole_passes[name] = compile_plan(pass_module(sp.function, mesh, name), bound)
+    return PipelinePlan(
+        stages, schedule, axis, stage_plans(stages, mesh, bound), pins, whole, whole_passes
+    )
 
 
 def _check_microbatches(

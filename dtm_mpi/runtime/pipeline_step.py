@@ -81,10 +81,13 @@ class StepOutcome:
 class _Pass:
     """One pass compiled for this rank."""
 
-    def __init__(self, sp: StagePass, plan: ExecPlan, comm: Comm) -> None:
+    def __init__(
+        self, sp: StagePass, plan: ExecPlan, comm: Comm, deterministic: bool = False
+    ) -> None:
         self.carries = sp.carries
         self.params = tuple(p.name for p in sp.function.params)
-        self.executor = Executor(plan, comm, deterministic=False)
+        self.types = tuple(p.type for p in sp.function.params)
+        self.executor = Executor(plan, comm, deterministic=deterministic)
 
     def run(self, values: Mapping[str, np.ndarray], step: int) -> dict[str, np.ndarray]:
         # (not Executor.run: its flush would wait for this rank's boundary sends to be taken,
@@ -99,7 +102,14 @@ class PipelineRank:
     ``schedule`` says. ``values``: global initial values of parameters by name (default:
     each parameter's init; none with ``initial=False``: the caller sets :attr:`blocks`);
     ``plans``: the passes already compiled (:func:`stage_plans`; default: this rank's
-    compiled here)."""
+    compiled here).
+
+    In deterministic mode (``DTM_DETERMINISTIC``) the passes run exact sums, and so that the
+    step has the unpipelined step's bits, the sums over the batch run over the whole batch
+    once per step: each stage's weight-gradient pass of ``whole`` (the stages traced on the
+    whole batch; ``whole_plans`` compiled) on every microbatch's values joined, after the
+    schedule's forward and input-gradient passes, and the loss by the last stage's
+    whole-batch forward. Every microbatch's values are then held to the step's end."""
 
     def __init__(
         self,
@@ -113,10 +123,13 @@ class PipelineRank:
         values: Mapping[str, np.ndarray] | None = None,
         plans: Mapping[str, ExecPlan] | None = None,
         initial: bool = True,
+        whole: StepStages | None = None,
+        whole_plans: Mapping[str, ExecPlan] | None = None,
     ) -> None:
-        if get_config().deterministic:
+        self.deterministic = get_config().deterministic
+        if self.deterministic and (whole is None or whole_plans is None):
             raise UsageError(
-                "deterministic mode does not run pipeline stages yet (its exact sums take their exponents over the whole batch)"
+                "deterministic mode runs a pipeline's weight passes on the whole batch: give the whole-batch stages (plan_pipelined_run plans them)"
             )
         if axis not in shape.axis_names:
             raise UsageError(f"the mesh {shape} has no pipeline axis {axis!r}")
@@ -136,8 +149,9 @@ class PipelineRank:
         self.mine = [s for s in stages.passes if schedule.shape.rank_of(s.index) == self.pp]
         if plans is None:
             plans = stage_plans(replace(stages, passes=tuple(self.mine)), mesh, shape)
+        det = self.deterministic
         compiled = {
-            sp.function.name: _Pass(sp, plans[sp.function.name], comm)
+            sp.function.name: _Pass(sp, plans[sp.function.name], comm, det)
             for s in self.mine
             for sp in s.all()
         }
@@ -156,15 +170,15 @@ class PipelineRank:
         for name in self.owned if initial else ():  # this rank's blocks only: no global array
             p = by_name[name]
             t = p.type
-            whole = given.get(name.lstrip("%"))
-            if whole is None:
+            value = given.get(name.lstrip("%"))
+            if value is None:
                 block = init_block(
                     p,
                     local_offsets(t.shape, t.layout, shape, self.rank),
                     local_shape(t.shape, t.layout, shape, self.rank),
                 )
             else:
-                block = np.asarray(whole)[local_block(t.shape, t.layout, shape, self.rank)]
+                block = np.asarray(value)[local_block(t.shape, t.layout, shape, self.rank)]
             self.blocks[name] = np.ascontiguousarray(block)
         self._routes = {r.value: r for r in (*stages.partition.routes, *stages.grad_routes)}
         self._received = {  # a routed value's block on this rank: shape, dtype
@@ -185,6 +199,35 @@ class PipelineRank:
             )
         self._tag_stride = schedule.shape.max_tag + 1
         self._drops = self._last_uses()
+        # deterministic mode: the whole-batch passes, and where each joins its microbatches
+        self.whole_w: dict[int, _Pass] = {}
+        self.whole_f: _Pass | None = None
+        self._joins: dict[tuple[int, str], int | None] = {}
+        self._loss_at = 0  # the loss among the last stage's forward results
+        if det:
+            assert whole is not None and whole_plans is not None
+            last = len(stages.passes) - 1
+            for s in self.mine:
+                w = whole.passes[s.index]
+                self.whole_w[s.index] = _Pass(
+                    w.weight_grad, whole_plans[w.weight_grad.function.name], comm, True
+                )
+                joined = [(self.passes[(s.index, Work.W)], self.whole_w[s.index])]
+                if s.index == last:
+                    self.whole_f = _Pass(
+                        w.forward, whole_plans[w.forward.function.name], comm, True
+                    )
+                    self._loss_at = s.forward.carries.index(stages.loss)
+                    joined.append((self.passes[(s.index, Work.F)], self.whole_f))
+                for micro, big in joined:  # (the two traces' passes match by position)
+                    for name, a, b in zip(micro.params, micro.types, big.types, strict=True):
+                        self._joins[(s.index, name)] = _join_dim(
+                            name, a.shape, b.shape, schedule.shape.microbatches
+                        )
+            self._drops = [() for _ in self._drops]  # the whole-batch passes read them last
+        # the step's parameters in the order the unpipelined step adds their square sums
+        owners = {n for s in stages.passes for n in s.params}
+        self._sq_order = [p.name for p in stages.params if p.name in owners]
         self.seconds: dict[tuple[int, Work], list[float]] = {}
         """Each pass's run times, by (stage, F/I/W), over every step so far (benchmarks)."""
         self.schedule_seconds = 0.0
@@ -265,6 +308,8 @@ class PipelineRank:
                 loss = self._compute(action, env, grads, loss, step)
             for name in self._drops[i]:
                 env.pop(name, None)
+        if self.deterministic:
+            loss = self._whole_batch(envs, batch, grads, loss, step)
         self.comm.flush()
         self.schedule_seconds = time.perf_counter() - started
         named = {f"{n}.grad": g for n, g in grads.items()}
@@ -286,7 +331,9 @@ class PipelineRank:
         loss: np.ndarray,
         step: int,
     ) -> np.ndarray:
-        works = (Work.I, Work.W) if c.work is Work.B else (c.work,)
+        works: tuple[Work, ...] = (Work.I, Work.W) if c.work is Work.B else (c.work,)
+        if self.deterministic:  # the weight passes run once, on the whole batch, at the end
+            works = tuple(w for w in works if w is not Work.W)
         for work in works:
             start = time.perf_counter()
             out = self.passes[(c.stage, work)].run(env, step)
@@ -303,14 +350,64 @@ class PipelineRank:
                 loss = loss + out[self.stages.loss]
         return loss
 
+    def _whole_batch(
+        self,
+        envs: list[dict[str, np.ndarray]],
+        batch: Mapping[str, np.ndarray],
+        grads: dict[str, np.ndarray],
+        loss: np.ndarray,
+        step: int,
+    ) -> np.ndarray:
+        """Deterministic mode, after the schedule: each of this rank's stages' weight pass on
+        the whole batch (its microbatches' values joined), and the last stage's forward for
+        the loss (its exact sums over the whole batch: the unpipelined step's bits); returns
+        the loss (this rank's: the last stage's, else the one given)."""
+        m = self.schedule.shape.microbatches
+
+        def joined(stage: int, work: Work, big: _Pass) -> dict[str, np.ndarray]:
+            """``big``'s inputs: the microbatch pass's, position by position, joined."""
+            out = {}
+            for name, mine in zip(big.params, self.passes[(stage, work)].params, strict=True):
+                if mine.lstrip("%") in batch:  # a fed input: this rank's block of the batch
+                    out[name] = batch[mine.lstrip("%")]
+                    continue
+                dim = self._joins[(stage, mine)]
+                values = [envs[k][mine] for k in range(m)]
+                out[name] = values[0] if dim is None else np.concatenate(values, axis=dim)
+            return out
+
+        for s in self.mine:
+            w = self.whole_w[s.index]
+            start = time.perf_counter()
+            out = w.run(joined(s.index, Work.W, w), step)
+            for name, g in zip(self.stages.passes[s.index].params, out.values(), strict=True):
+                grads[name] = g
+            self.seconds.setdefault((s.index, Work.W), []).append(time.perf_counter() - start)
+        if self.whole_f is not None:
+            last = len(self.stages.passes) - 1
+            out = self.whole_f.run(joined(last, Work.F, self.whole_f), step)
+            value = np.asarray(list(out.values())[self._loss_at])  # (scaled by 1/m: m is 2^k)
+            loss = np.asarray(value * value.dtype.type(m), dtype=np.float64)
+        return loss
+
     def _clip_total(self, named: Mapping[str, np.ndarray], step: int) -> np.ndarray:
-        """The square sum of every gradient of the step: this rank's stages' sums, added
-        over the pipeline axis (in float64), in the sums' dtype."""
-        mine = [next(iter(p.run(named, step).values())) for p in self.square_sums]
-        local = np.array([sum(float(x) for x in mine)], np.float64)
-        spec = allreduce_spec(self.shape, self.rank, (self.axis,), ReduceOp.SUM, 1)
-        total = self.comm.allreduce(local, (self.axis,), spec)
-        return np.asarray(total[0], dtype=mine[0].dtype).reshape(())
+        """The square sum of every gradient of the step, as the unpipelined step adds it: each
+        parameter's square sum (from its stage's pass), gathered over the pipeline axis, added
+        one by one in the step's parameter order in their dtype."""
+        mine: dict[str, np.ndarray] = {}
+        for p in self.square_sums:
+            mine.update(p.run(named, step))
+        slots = np.zeros(len(self._sq_order), np.float64)  # others' slots 0: the sum is exact
+        dtype = next(iter(mine.values())).dtype
+        for i, name in enumerate(self._sq_order):
+            if f"{name}.sqsum" in mine:
+                slots[i] = float(mine[f"{name}.sqsum"])
+        spec = allreduce_spec(self.shape, self.rank, (self.axis,), ReduceOp.SUM, len(slots))
+        every = self.comm.allreduce(slots, (self.axis,), spec)
+        total = dtype.type(every[0])
+        for x in every[1:]:
+            total = total + dtype.type(x)
+        return np.asarray(total, dtype=dtype).reshape(())
 
     def held_bytes(self) -> int:
         """The bytes of one microbatch's held activations (what its forward pass returns for
@@ -348,6 +445,23 @@ class PipelineRank:
         return want[0]
 
 
+def _join_dim(name: str, micro: tuple[int, ...], whole: tuple[int, ...], m: int) -> int | None:
+    """The dimension along which ``m`` microbatch values of shape ``micro`` join into the
+    whole batch's ``whole`` (None: the same value in every microbatch)."""
+    if micro == whole:
+        return None
+    dims = []
+    if len(micro) == len(whole):
+        differ = [d for d, (a, b) in enumerate(zip(micro, whole, strict=True)) if a != b]
+        dims = [d for d in differ if whole[d] == micro[d] * m]
+        dims = dims if len(differ) == 1 else []
+    if len(dims) != 1:
+        raise UsageError(
+            f"{name}: a microbatch's {list(micro)} does not join into the whole batch's {list(whole)} along one dimension; deterministic mode cannot run this pipeline"
+        )
+    return dims[0]
+
+
 class PipelineExecutor:
     """The step runner of a pipelined run (what :class:`~dtm_mpi.runtime.step_loop.StepLoop`
     runs each step, in place of the :class:`~dtm_mpi.runtime.executor.Executor` of the
@@ -375,6 +489,8 @@ class PipelineExecutor:
             axis=pipeline.axis,
             plans=pipeline.passes,
             initial=False,
+            whole=pipeline.whole,
+            whole_plans=pipeline.whole_passes,
         )
         index = {p.name: i for i, p in enumerate(entry.params)}
         self.state = [(name, index[name]) for name in self.runner.owned]
@@ -427,9 +543,11 @@ def plan_pipelined_run(
     from dtm_mpi.plan.pipeline import plan_pipeline
     from dtm_mpi.plan.schedule import PipelineShape
 
-    if get_config().deterministic:
+    deterministic = get_config().deterministic
+    m = policy.microbatches
+    if deterministic and m & (m - 1):
         raise UsageError(
-            "deterministic mode does not run pipeline stages yet (its exact sums take their exponents over the whole batch); run without DTM_DETERMINISTIC or without a pipeline"
+            f"deterministic mode pipelines take a power of two of microbatches (so that their scaled losses have the unpipelined gradients' bits); got --microbatches {m}"
         )
     if backend != "numpy":
         raise UsageError(f"pipeline stages run on the numpy backend only; got --backend {backend}")
@@ -443,11 +561,12 @@ def plan_pipelined_run(
     assert mesh is not None
     return plan_pipeline(
         entry,
-        policy.stages(shape.stages),
+        policy.stages(shape.stages, False),
         policy.schedule,
         shape,
         mesh,
         plan.mesh,
         axis=policy.axis,
         fed=fed,
+        whole=policy.stages(shape.stages, True) if deterministic else None,
     )

@@ -204,10 +204,11 @@ class PipelinePolicy:
     """The run's training step as pipeline stages over mesh axis ``axis`` (its size the
     number of pipeline ranks): ``microbatches`` per step (``--microbatches``), in schedule
     ``schedule`` (``--schedule``: gpipe, 1f1b, interleaved, zb-h1), ``chunks`` stages per
-    rank (``interleaved``); ``stages(n)``: the step cut into ``n`` stages (the frontend
+    rank (``interleaved``); ``stages(n, whole_batch)``: the step cut into ``n`` stages, for
+    one microbatch or (deterministic mode's weight passes) the whole batch (the frontend
     traces them: :func:`~dtm_mpi.frontend.stage_split.step_stages_of`)."""
 
-    stages: Callable[[int], StepStages] = field(compare=False)
+    stages: Callable[[int, bool], StepStages] = field(compare=False)
     schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B
     microbatches: int = 1
     chunks: int = 1

@@ -184,20 +184,62 @@ def test_a_pipeline_that_does_not_fit_the_run_is_one_error_naming_why(
         )
 
 
-def test_deterministic_mode_is_refused_for_pipelines(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+@pytest.fixture
+def deterministic(monkeypatch: pytest.MonkeyPatch) -> object:
     from dtm_mpi.config import get_config
 
-    step = _step(dtm.Pipeline(microbatches=2))
     monkeypatch.setenv("DTM_DETERMINISTIC", "1")
     get_config.cache_clear()
-    try:
-        with pytest.raises(UsageError, match="deterministic mode does not run pipeline stages"):
-            dtm.fit(step, loader, steps=1, sim=2, mesh={"pp": 2}, quiet=True)
-    finally:
-        monkeypatch.delenv("DTM_DETERMINISTIC")
-        get_config.cache_clear()
+    yield None
+    monkeypatch.delenv("DTM_DETERMINISTIC")
+    get_config.cache_clear()
+
+
+DETERMINISTIC = [
+    ("pp2-1f1b-m1", {"pp": 2}, "1f1b", 1, 1),
+    ("pp2-1f1b-m4", {"pp": 2}, "1f1b", 1, 4),
+    ("pp4-gpipe-m2", {"pp": 4}, "gpipe", 1, 2),
+    ("pp4-zb-h1-m8", {"pp": 4}, "zb-h1", 1, 8),
+    ("dp2xpp2-zb-h1-m2", {"pp": 2, "dp": 2}, "zb-h1", 1, 2),
+    ("tp2xpp2-1f1b-m4", {"pp": 2, "tp": 2}, "1f1b", 1, 4),
+    ("pp2x2chunks-interleaved-m2", {"pp": 2}, "interleaved", 2, 2),
+]
+
+
+@pytest.mark.parametrize(
+    ("mesh", "schedule", "chunks", "m"),
+    [c[1:] for c in DETERMINISTIC],
+    ids=[c[0] for c in DETERMINISTIC],
+)
+def test_in_deterministic_mode_a_pipelined_fit_has_the_unpipelined_bits(
+    deterministic: object, mesh: dict[str, int], schedule: str, chunks: int, m: int
+) -> None:
+    """Deterministic mode: every loss and every bit of the final state equal the
+    unpipelined training's on one rank (the batch's sums taken over the whole batch)."""
+    want = dtm.fit(_step(), loader, steps=2, sim=1, quiet=True)
+    step = _step(dtm.Pipeline(microbatches=m, schedule=schedule, chunks=chunks))
+    ranks = int(np.prod(list(mesh.values())))
+    got = dtm.fit(step, loader, steps=2, sim=ranks, mesh=mesh, quiet=True)
+    assert [x["loss"] for x in got.metrics] == [x["loss"] for x in want.metrics]
+    assert sorted(got.outputs) == sorted(want.outputs)
+    differ = [k for k, v in want.outputs.items() if got.outputs[k].tobytes() != v.tobytes()]
+    assert not differ, differ
+
+
+def test_deterministic_mode_takes_a_power_of_two_of_microbatches(deterministic: object) -> None:
+    inputs = {k: dtm.Input((6, T), "i32", ("dp", None)) for k in ("ids", "tgt")}
+    three = dtm.train_step(
+        gpt(),
+        lm_loss,
+        mesh=MESH,
+        inputs=inputs,
+        optimizer=dtm.optim.SGD(lr=0.1),
+        pipeline=dtm.Pipeline(microbatches=3),
+    )
+    with pytest.raises(
+        UsageError, match=r"take a power of two of microbatches.*got --microbatches 3"
+    ):
+        dtm.fit(three, loader, steps=1, sim=2, mesh={"pp": 2}, quiet=True)
 
 
 def test_a_live_resize_of_a_pipelined_run_is_refused() -> None:

@@ -47,14 +47,14 @@ def job(ranks: int, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def ok(ranks: int, *args: str) -> str:
-    proc = job(ranks, *args)
+def ok(ranks: int, *args: str, **env: str) -> str:
+    proc = job(ranks, *args, **env)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     return out
 
 
-def reference(path: Path, steps: int) -> np.ndarray:
+def reference(path: Path, steps: int, **env: str) -> np.ndarray:
     """The unpipelined training on one simulated rank: its losses; its state to ``path``."""
     proc = subprocess.run(
         [sys.executable, JOB, "--sim", "1", "--steps", str(steps), "-o", str(path)],
@@ -62,6 +62,7 @@ def reference(path: Path, steps: int) -> np.ndarray:
         text=True,
         timeout=150,
         check=False,
+        env=mpirun_env(**env),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return losses_of(proc.stdout + proc.stderr, 1)[0]
@@ -112,6 +113,35 @@ def test_pipelined_fit_under_mpirun_trains_as_unpipelined_and_resumes_without_a_
     )
     reference(tmp_path / "ref5.npz", 5)
     close(tmp_path / "r.npz", tmp_path / "ref5.npz")
+
+
+DETERMINISTIC = {
+    "2-1f1b": (2, "pp=2", "1f1b", 4),
+    "3-zb-h1": (3, "pp=3", "zb-h1", 2),
+    "4-gpipe-tp": (4, "pp=2,tp=2", "gpipe", 2),
+    "4-interleaved-dp": (4, "pp=2,dp=2", "interleaved", 2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DETERMINISTIC))
+def test_in_deterministic_mode_pipelined_fit_under_mpirun_has_the_unpipelined_bits(
+    case: str, tmp_path: Path
+) -> None:
+    """DTM_DETERMINISTIC=1: every rank's losses and the final state are bit for bit those of
+    the unpipelined training on one simulated rank."""
+    ranks, mesh, schedule, m = DETERMINISTIC[case]
+    out = ok(
+        ranks,
+        *("--mesh", mesh, "--schedule", schedule, "--microbatches", str(m)),
+        *("--steps", "2", "-o", str(tmp_path / "piped.npz")),
+        DTM_DETERMINISTIC="1",
+    )
+    want = reference(tmp_path / "ref.npz", 2, DTM_DETERMINISTIC="1")
+    assert all(x.tobytes() == want.tobytes() for x in losses_of(out, ranks)), out
+    a, b = np.load(tmp_path / "piped.npz"), np.load(tmp_path / "ref.npz")
+    assert sorted(a.files) == sorted(b.files)
+    differ = [k for k in b.files if a[k].tobytes() != b[k].tobytes()]
+    assert not differ, differ
 
 
 FAULTS = {2: "pp=2", 3: "pp=3", 4: "pp=2,tp=2"}

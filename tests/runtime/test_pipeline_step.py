@@ -93,7 +93,9 @@ def test_a_pipelined_step_gives_the_unpipelined_gradients_and_one_loss_everywher
         np.testing.assert_allclose(got, g, rtol=1e-10, atol=1e-14, err_msg=name)
 
 
-def test_deterministic_mode_is_refused_until_it_is_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_deterministic_mode_without_the_whole_batch_stages_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("DTM_DETERMINISTIC", "1")
     get_config.cache_clear()
     try:
@@ -104,7 +106,8 @@ def test_deterministic_mode_is_refused_until_it_is_exact(monkeypatch: pytest.Mon
         )
         schedule = plan_schedule(ScheduleKind.ONE_F_ONE_B, PipelineShape(2, 2))
         with pytest.raises(
-            RemoteFailureError, match="deterministic mode does not run pipeline stages yet"
+            RemoteFailureError,
+            match=r"deterministic mode runs a pipeline.s weight passes on the whole batch",
         ):
             run_ranks(
                 shape,
