@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -43,13 +44,27 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--every", type=int, default=None)
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--log-every", type=int, default=None)
+    ap.add_argument("--splits", default=None, help="layer paths, comma-separated")
+    ap.add_argument(
+        "--rank1-splits",
+        default=None,
+        help="other splits on rank 1 only (a boundary mismatch injected into one rank)",
+    )
     ap.add_argument("-o", dest="out", default=None)
     args = ap.parse_args(argv)
     inputs = {k: dtm.Input((BATCH, T), "i32", ("dp", None)) for k in ("ids", "tgt")}
     pipeline = None
     if args.schedule is not None:
         chunks = 2 if args.schedule == "interleaved" else 1
-        pipeline = dtm.Pipeline(args.microbatches, args.schedule, chunks)
+        splits = args.splits
+        if args.rank1_splits is not None and os.environ.get("OMPI_COMM_WORLD_RANK") == "1":
+            splits = args.rank1_splits
+        pipeline = dtm.Pipeline(
+            args.microbatches,
+            args.schedule,
+            chunks,
+            tuple(splits.split(",")) if splits else None,
+        )
     step = dtm.train_step(
         gpt(),
         lm_loss,

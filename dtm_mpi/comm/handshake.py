@@ -42,6 +42,7 @@ class Hello:
     gpu_aware: str = ""
     steps: int = 0  # --steps: a rank told to run another number of steps would wait alone
     buckets: int = 0  # the overlapped allreduces' bucket bytes (0: none): plans them alike
+    pipeline: tuple[str, ...] = ()  # a pipelined run's schedule and boundary values, per line
 
 
 LOCAL_FIELDS = frozenset({"gpu_aware"})
@@ -57,7 +58,9 @@ def compare_hellos(hellos: list[Hello]) -> None:
         values: dict[str, list[int]] = {}
         for rank, h in enumerate(hellos):
             values.setdefault(repr(getattr(h, field)), []).append(rank)
-        if len(values) > 1:
+        if len(values) > 1 and field == "pipeline":
+            problems.append(_first_difference([h.pipeline for h in hellos]))
+        elif len(values) > 1:
             parts = [
                 f"rank(s) {_ranks(rs)}: {v}"
                 for v, rs in sorted(values.items(), key=lambda kv: kv[1][0])
@@ -65,6 +68,23 @@ def compare_hellos(hellos: list[Hello]) -> None:
             problems.append(f"{field} differs ({'; '.join(parts)})")
     if problems:
         raise HandshakeError("handshake failed: " + "; ".join(problems), phase="handshake")
+
+
+def _first_difference(plans: list[tuple[str, ...]]) -> str:
+    """The first line on which the ranks' pipeline plans differ, rank by rank."""
+    at = next(
+        i
+        for i in range(max(len(p) for p in plans))
+        if len({p[i] if i < len(p) else "(none)" for p in plans}) > 1
+    )
+    lines: dict[str, list[int]] = {}
+    for rank, p in enumerate(plans):
+        lines.setdefault(p[at] if at < len(p) else "(no such line)", []).append(rank)
+    parts = [
+        f"rank(s) {_ranks(rs)}: {line}"
+        for line, rs in sorted(lines.items(), key=lambda kv: kv[1][0])
+    ]
+    return f"the pipeline plans differ (their stages were cut or traced differently) at line {at + 1}: {'; '.join(parts)}"
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -87,6 +107,7 @@ def handshake(session: MpiSession, hello: Hello) -> list[Hello]:
     for d, n in zip(displs, counts, strict=True):
         raw = json.loads(everything[d : d + n].tobytes().decode("utf-8"))
         raw["capabilities"] = tuple(raw["capabilities"])
+        raw["pipeline"] = tuple(raw.get("pipeline", ()))
         hellos.append(Hello(**raw))
     compare_hellos(hellos)
     return hellos

@@ -40,6 +40,7 @@ __all__ = [
     "StageMemory",
     "boundary_bundles",
     "explain_pipeline",
+    "pipeline_signature",
     "plan_pipeline",
     "stage_memory",
     "stage_plans",
@@ -302,3 +303,25 @@ def explain_pipeline(plan: PipelinePlan, mesh: MeshShape, width: int = 160) -> s
         )
     lines.append(schedule_text(plan.schedule, timing, width))
     return "\n".join(lines) + "\n"
+
+
+def pipeline_signature(plan: PipelinePlan) -> tuple[str, ...]:
+    """What every rank of a pipelined run must plan alike, one line each: the schedule, then
+    every value crossing every stage boundary with its type and the user's line that made it
+    (the handshake compares them before any data moves: a rank whose stages differ -- other
+    splits, another model -- is a located error, not a hang or a wrong block)."""
+    shape = plan.schedule.shape
+    lines = [
+        f"schedule {plan.schedule.kind.value} over {plan.axis}={shape.ranks}: {shape.stages} stages, {shape.microbatches} microbatches"
+    ]
+    routes = {r.value: r for r in (*plan.stages.partition.routes, *plan.stages.grad_routes)}
+    for (what, stage), values in sorted(
+        boundary_bundles(plan.stages).items(), key=lambda kv: (kv[0][1], kv[0][0].value)
+    ):
+        to = stage + 1 if what is Transfer.ACT else stage - 1
+        for value in values:
+            r = routes[value]
+            lines.append(
+                f"stage {stage} -> {to} {what.value}: {value} {r.type} (made at {r.span.file}:{r.span.line}:{r.span.col})"
+            )
+    return tuple(lines)

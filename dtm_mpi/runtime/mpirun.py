@@ -316,6 +316,7 @@ def _join(live: _Live, module: Module, args: MpiRunArgs, backend: ArrayBackend) 
     from dtm_mpi.comm.mpi_comm import MpiComm
     from dtm_mpi.config import get_config
     from dtm_mpi.ir.hashing import module_hash
+    from dtm_mpi.plan.pipeline import pipeline_signature
 
     config = get_config()
     session, plan = live.session, live.plan
@@ -330,6 +331,7 @@ def _join(live: _Live, module: Module, args: MpiRunArgs, backend: ArrayBackend) 
         gpu_aware="" if live.local_aware is None else str(live.local_aware),
         steps=args.steps,
         buckets=config.bucket_bytes if config.overlap else 0,
+        pipeline=pipeline_signature(live.pipeline) if live.pipeline is not None else (),
     )
     handshake(session, hello)  # the module's requirements were checked in phase load
     groups = plan_groups(plan, config.deterministic)

@@ -146,6 +146,37 @@ def test_in_deterministic_mode_pipelined_fit_under_mpirun_has_the_unpipelined_bi
 
 FAULTS = {2: "pp=2", 3: "pp=3", 4: "pp=2,tp=2"}
 
+# schedule -> (the splits, rank 1's other splits)
+MISCUT = {
+    "gpipe": ("blocks.2", "blocks.1"),
+    "1f1b": ("blocks.2", "blocks.3"),
+    "zb-h1": ("blocks.2", "blocks.1"),
+    "interleaved": ("blocks.1,blocks.2,blocks.3", "blocks.1,blocks.2,ln"),
+}
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("schedule", sorted(MISCUT))
+def test_a_boundary_mismatch_on_one_rank_is_a_located_error_before_any_send(
+    schedule: str, ranks: int
+) -> None:
+    """Rank 1 cuts the model elsewhere (its own splits): the ranks' boundary values differ,
+    and every rank ends with one error naming the first differing boundary value, its type
+    and the user's line that made it, before any step (no hang, no wrong block)."""
+    ours, theirs = MISCUT[schedule]
+    proc = job(
+        ranks,
+        *("--mesh", FAULTS[ranks], "--schedule", schedule, "--microbatches", "2"),
+        *("--splits", ours, "--rank1-splits", theirs, "--steps", "2"),
+        DTM_TIMEOUT="30",
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    errors = [ln for ln in out.splitlines() if "the pipeline plans differ" in ln]
+    assert len(errors) == ranks and "Traceback" not in out, out
+    assert re.search(r"stage \d -> \d (act|grad): %\S+ f64\[", errors[0]), errors[0]
+    assert "pipeline_case.py:" in errors[0] and "losses" not in out, errors[0]
+
 
 @pytest.mark.parametrize("ranks", sorted(FAULTS))
 def test_a_stage_failing_mid_schedule_is_named_on_every_rank(ranks: int) -> None:

@@ -139,3 +139,25 @@ def test_dtm_explain_of_a_script_without_fit_is_one_error(tmp_path: Path) -> Non
     assert done.returncode != 0
     assert "ended without calling fit(): nothing to explain" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_pipeline_signature_names_each_boundary_value_and_the_handshake_compares_it() -> None:
+    from dtm_mpi.comm.handshake import Hello, compare_hellos
+    from dtm_mpi.errors import HandshakeError
+    from dtm_mpi.plan.pipeline import pipeline_signature
+
+    _, _, pplan = _planned()
+    lines = pipeline_signature(pplan)
+    assert lines[0] == "schedule 1f1b over pp=2: 2 stages, 2 microbatches"
+    assert any(ln.startswith("stage 0 -> 1 act: %") and "pipeline_case.py:" in ln for ln in lines)
+    assert any(ln.startswith("stage 1 -> 0 grad: %") for ln in lines)
+    hello = Hello(1, "v", "h", "m", (), "numpy", False, pipeline=lines)
+    compare_hellos([hello, hello])  # the same plan: no error
+    other = Hello(
+        1, "v", "h", "m", (), "numpy", False, pipeline=(*lines[:1], "stage 0 -> 1 act: %x")
+    )
+    with pytest.raises(
+        HandshakeError,
+        match=r"pipeline plans differ .* at line 2: rank\(s\) 0: stage 0 -> 1 act: %",
+    ):
+        compare_hellos([hello, other])
