@@ -22,6 +22,7 @@ from dtm_mpi import frontend as dtm
 from dtm_mpi.console import write_line
 from dtm_mpi.errors import DtmError
 from dtm_mpi.runtime.policies import checkpoint_policy
+from dtm_mpi.runtime.request import parse_resize
 from dtm_mpi.sharding.mesh import parse_mesh_binding
 from tests.pipeline_case import T, gpt, lm_loss, token_batch
 
@@ -45,6 +46,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--log-every", type=int, default=None)
     ap.add_argument("--splits", default=None, help="layer paths, comma-separated")
+    ap.add_argument("--resize-at", action="append", default=[], help="STEP:MESH (repeatable)")
     ap.add_argument(
         "--rank1-splits",
         default=None,
@@ -81,6 +83,9 @@ def main(argv: list[str]) -> int:
         sim=args.sim,
         mesh=parse_mesh_binding(args.mesh),
         checkpoint=checkpoint_policy(args.store, every=args.every, resume=args.resume),
+        resize=dtm.ResizePolicy(at=tuple(parse_resize(r) for r in args.resize_at))
+        if args.resize_at
+        else None,
         quiet=True,
         log_every=args.log_every,
     )

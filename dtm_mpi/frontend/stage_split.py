@@ -237,8 +237,9 @@ def step_stages_of(
     stage's update pass too (its state parameters join the step's), the gradients first clipped
     to global norm ``clip_norm`` as :func:`~dtm_mpi.frontend.trace.train_step` clips them (each
     stage's square sum added over the pipeline). ``whole_batch``: the same passes traced on
-    the whole batch (the loss still scaled by ``1 / microbatches``), whose weight-gradient
-    passes deterministic mode runs once per step over every microbatch's held values."""
+    the whole batch (its loss not scaled: its gradients are the sums over the microbatches'),
+    whose weight-gradient passes deterministic mode runs once per step over every
+    microbatch's held values."""
     micro = microbatch_inputs(inputs, microbatches)
     tr, _, weights, out = _trace(
         model,
@@ -251,8 +252,8 @@ def step_stages_of(
     )
     with tracing(tr):
         loss = _split_outputs(out, "loss")[0][1].complete()
-        if microbatches > 1:
-            loss = loss * (1.0 / microbatches)
+        if microbatches > 1:  # (on the whole batch by 1: the same ops, the unscaled loss)
+            loss = loss * (1.0 if whole_batch else 1.0 / microbatches)
     n_forward = len(tr.b.ops)
     partition = _cut(tr, model, splits, inputs)
     origins: list[int] = []

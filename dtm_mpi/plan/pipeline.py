@@ -70,9 +70,9 @@ class PipelinePlan:
     passes: Mapping[str, ExecPlan]
     pins: Mapping[str, Pin]
     whole: StepStages | None = None
-    """Deterministic mode: the same stages traced on the whole batch, whose weight passes
-    (and the last stage's forward, for the loss) run once per step over every microbatch's
-    values."""
+    """Deterministic mode: the same stages traced on the whole batch, whose forward and
+    weight passes run once per step over every microbatch's values (the last stage's forward
+    gives the loss)."""
     whole_passes: Mapping[str, ExecPlan] | None = None
     """Those passes compiled, by function name."""
 
@@ -100,7 +100,7 @@ def plan_pipeline(
     a mesh without ``axis``, a stage count that is not ``pp x chunks``, state laid out over the
     pipeline axis, state the stages do not hold (or hold with another type), and fed inputs
     whose blocks do not split into the microbatches. ``whole``: deterministic mode's
-    whole-batch stages (their weight passes and the last stage's forward are compiled too)."""
+    whole-batch stages (their forward and weight passes are compiled too)."""
     if axis not in bound.axis_names:
         raise UsageError(f"the mesh {bound} has no pipeline axis {axis!r}")
     p = bound.axis_size(axis)
@@ -145,7 +145,6 @@ def plan_pipeline(
     whole_passes = None
     if whole is not None:
         whole_passes = {}
-        last = len(whole.passes) - 1
         for s, w in zip(stages.passes, whole.passes, strict=True):
             for mine, theirs in ((s.weight_grad, w.weight_grad), (s.forward, w.forward)):
                 a, b = mine.function, theirs.function
@@ -160,7 +159,7 @@ def plan_pipeline(
                     raise UsageError(
                         f"stage {s.index}: the whole batch traces to another {b.name} than a microbatch; deterministic mode cannot run this pipeline"
                     )
-            for sp in (w.weight_grad, *((w.forward,) if w.index == last else ())):
+            for sp in (w.weight_grad, w.forward):
                 name = sp.function.name
                 whole_passes[name] = compile_plan(pass_module(sp.function, mesh, name), bound)
     return PipelinePlan(

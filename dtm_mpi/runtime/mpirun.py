@@ -68,6 +68,8 @@ if TYPE_CHECKING:
     from dtm_mpi.plan.program import ExecPlan
     from dtm_mpi.runtime.checkpoints import StoreCheckpoints
     from dtm_mpi.runtime.step_loop import Progress
+    from dtm_mpi.sharding.blocks import Pin
+    from dtm_mpi.sharding.remesh import RemeshPlan
 
 __all__ = ["MpiRunArgs", "open_backend_everywhere", "plan_groups", "run_loop", "run_under_mpi"]
 
@@ -238,6 +240,40 @@ def _param_types(plan: ExecPlan) -> list[TensorType]:
     return [p.type for p in plan.entry_plan.function.params]
 
 
+def _planned(
+    module: Module, args: MpiRunArgs, binding: dict[str, int]
+) -> tuple[ExecPlan, PipelinePlan | None]:
+    """The plan of the run on the mesh ``binding`` binds, and its pipeline's (if pipelined)."""
+    request = replace(args, binding=binding)
+    plan = plan_run(module, request, _ranks(binding))
+    return plan, plan_pipeline_run(request, plan)
+
+
+def _remesh(
+    old: ExecPlan,
+    old_pipeline: PipelinePlan | None,
+    new: ExecPlan,
+    new_pipeline: PipelinePlan | None,
+) -> RemeshPlan:
+    """Moving the run's state from ``old``'s mesh to ``new``'s, each piece of a pipelined
+    run's state from and to the ranks of its stage."""
+    from dtm_mpi.sharding.remesh import plan_remesh
+
+    def pins(plan: ExecPlan, pipeline: PipelinePlan | None) -> list[Pin | None]:
+        if pipeline is None:
+            return []
+        return [pipeline.pin_of(p.name) for p in plan.entry_plan.function.params]
+
+    return plan_remesh(
+        _param_types(old),
+        old.mesh,
+        _param_types(new),
+        new.mesh,
+        pins(old, old_pipeline),
+        pins(new, new_pipeline),
+    )
+
+
 def _run_session(
     module: object,
     args: MpiRunArgs,
@@ -268,7 +304,7 @@ def _run_session(
             args.resize.at if args.resize is not None else ()
         ):  # every mesh the run will have, checked now
             try:
-                plan_run(module, replace(args, binding=binding), _ranks(binding))
+                _planned(module, args, binding)
             except DtmError as exc:
                 raise agreed(UsageError(f"--resize-at {step}: {exc}")) from None
     except DtmError as exc:
@@ -389,20 +425,19 @@ def _join_session(
     after which step, from which mesh to which; take part in the new session's handshake,
     receive this rank's part of the state in memory, and run the remaining steps."""
     from dtm_mpi.runtime.remesh import move_blocks
-    from dtm_mpi.sharding.remesh import plan_remesh
 
     step, before, binding = joins
-    plan = plan_run(module, replace(args, binding=binding), _ranks(binding))
-    old = plan_run(module, replace(args, binding=before), _ranks(before))
+    plan, pipeline = _planned(module, args, binding)
+    old, old_pipeline = _planned(module, args, before)
     rank = int(world.Get_rank())
-    live = _Live(_new_session(plan, world), plan, rank, worlds=[world])
+    live = _Live(_new_session(plan, world), plan, rank, worlds=[world], pipeline=pipeline)
 
     def body() -> int:
         live.session.phase = f"resize after step {step}"
         live.local_aware = _detect_gpu_aware(args, backend)
         _join(live, module, args, backend)
         moved = move_blocks(
-            plan_remesh(_param_types(old), old.mesh, _param_types(plan), plan.mesh),
+            _remesh(old, old_pipeline, plan, pipeline),
             rank,
             None,
             live.endpoint,
@@ -499,7 +534,7 @@ def _run_steps(
     module: Module,
     args: MpiRunArgs,
     backend: ArrayBackend,
-    joined: tuple[int, list[np.ndarray]] | None = None,
+    joined: tuple[int, list[np.ndarray | None]] | None = None,
 ) -> int:
     from dtm_mpi.faults import maybe_fail
     from dtm_mpi.runtime.executor import gather_to_root
@@ -574,7 +609,7 @@ def _steps_with(
     backend: ArrayBackend,
     blocks: list[DeviceArray],
     given: dict[str, np.ndarray],
-    joined: tuple[int, list[np.ndarray]] | None = None,
+    joined: tuple[int, list[np.ndarray | None]] | None = None,
 ) -> tuple[DeviceArray, ...] | None:
     """The initial state (inputs, ``init store``, the resumed checkpoint, or a joining rank's
     moved blocks), then the step loop (:mod:`dtm_mpi.runtime.step_loop`) on each mesh of the
@@ -726,7 +761,6 @@ def _resize(
     from dtm_mpi.comm.resize import call_parked, spawn_and_merge, split_first, split_pool
     from dtm_mpi.config import get_config
     from dtm_mpi.runtime.remesh import move_blocks
-    from dtm_mpi.sharding.remesh import plan_remesh
 
     session, rank = live.session, live.rank
     phase = f"resize after step {step}"
@@ -738,9 +772,9 @@ def _resize(
         live.ckpt.close()  # the pending save finished, on the old ranks
         live.ckpt = None
     old_binding = _binding_of(live.plan)
-    plan = plan_run(module, replace(args, binding=binding), _ranks(binding))
-    move = plan_remesh(_param_types(live.plan), live.plan.mesh, _param_types(plan), plan.mesh)
-    host = [backend.to_host(b) for b in blocks]
+    plan, pipeline = _planned(module, args, binding)
+    move = _remesh(live.plan, live.pipeline, plan, pipeline)
+    host = [None if b is None else backend.to_host(b) for b in blocks]
     n_old, n_new = int(session.size), plan.mesh.size
     joins = (step, old_binding, binding)
     argv = ["-m", "mpi4py", *(args.resize.relaunch or ())] if args.resize is not None else []
@@ -782,6 +816,7 @@ def _resize(
         return None
     live.worlds.append(world)
     live.session, live.plan, live.active = _new_session(plan, world), plan, True
+    live.pipeline = pipeline
     live.session.phase = phase
     _join(live, module, args, backend)
     if moved is None:  # grown: the joining ranks take part in the move
@@ -790,7 +825,7 @@ def _resize(
     if rank == 0:
         say(f"resized after step {step}: {n_old} -> {n_new} rank(s), mesh {plan.mesh}")
     live.ckpt = _checkpoints(live, args, backend)
-    return [backend.to_device(b) for b in moved]
+    return [None if b is None else backend.to_device(b) for b in moved]
 
 
 def _can_spawn(args: MpiRunArgs, count: int) -> None:
@@ -827,7 +862,6 @@ def _parked(live: _Live, module: Module, args: MpiRunArgs, backend: ArrayBackend
     from dtm_mpi.comm.resize import spawn_and_merge, split_pool, wait_for_call
     from dtm_mpi.config import get_config
     from dtm_mpi.runtime.remesh import move_blocks
-    from dtm_mpi.sharding.remesh import plan_remesh
 
     presence = current_presence()
     if presence is not None:
@@ -853,21 +887,17 @@ def _parked(live: _Live, module: Module, args: MpiRunArgs, backend: ArrayBackend
             world = spawn_and_merge(
                 world, call.extra, call.argv, (call.step, call.old, call.new), key, timeout, phase
             )
-        plan = plan_run(module, replace(args, binding=call.new), _ranks(call.new))
-        old = plan_run(module, replace(args, binding=call.old), _ranks(call.old))
+        plan, pipeline = _planned(module, args, call.new)
+        old, old_pipeline = _planned(module, args, call.old)
         live.worlds.append(world)
         live.session, live.plan, live.rank = _new_session(plan, world), plan, key
+        live.pipeline = pipeline
         live.active = True
         live.members = call.members if call.extra == 0 else None
         live.parked = call.parked
         live.session.phase = phase
         _join(live, module, args, backend)
-        moved = move_blocks(
-            plan_remesh(_param_types(old), old.mesh, _param_types(plan), plan.mesh),
-            key,
-            None,
-            live.endpoint,
-        )
+        moved = move_blocks(_remesh(old, old_pipeline, plan, pipeline), key, None, live.endpoint)
         assert moved is not None
         return _run_steps(live, module, args, backend, joined=(call.step, moved))
 
@@ -930,7 +960,7 @@ def _requested_mesh(
                 raise UsageError(
                     f"it binds {', '.join(sorted(binding))}; the run's mesh has {', '.join(sorted(_binding_of(live.plan)))}"
                 )
-            plan_run(module, replace(args, binding=binding), _ranks(binding))
+            _planned(module, args, binding)
         except DtmError as exc:
             why, binding = str(exc), None
     if binding is None and live.rank == 0:

@@ -201,29 +201,34 @@ class PipelineRank:
         self._drops = self._last_uses()
         # deterministic mode: the whole-batch passes, and where each joins its microbatches
         self.whole_w: dict[int, _Pass] = {}
-        self.whole_f: _Pass | None = None
+        self.whole_f: dict[int, _Pass] = {}
         self._joins: dict[tuple[int, str], int | None] = {}
         self._loss_at = 0  # the loss among the last stage's forward results
         if det:
             assert whole is not None and whole_plans is not None
-            last = len(stages.passes) - 1
+            m = schedule.shape.microbatches
             for s in self.mine:
                 w = whole.passes[s.index]
-                self.whole_w[s.index] = _Pass(
-                    w.weight_grad, whole_plans[w.weight_grad.function.name], comm, True
-                )
-                joined = [(self.passes[(s.index, Work.W)], self.whole_w[s.index])]
-                if s.index == last:
-                    self.whole_f = _Pass(
-                        w.forward, whole_plans[w.forward.function.name], comm, True
-                    )
-                    self._loss_at = s.forward.carries.index(stages.loss)
-                    joined.append((self.passes[(s.index, Work.F)], self.whole_f))
-                for micro, big in joined:  # (the two traces' passes match by position)
-                    for name, a, b in zip(micro.params, micro.types, big.types, strict=True):
-                        self._joins[(s.index, name)] = _join_dim(
-                            name, a.shape, b.shape, schedule.shape.microbatches
-                        )
+                big_w = _Pass(w.weight_grad, whole_plans[w.weight_grad.function.name], comm, True)
+                big_f = _Pass(w.forward, whole_plans[w.forward.function.name], comm, True)
+                self.whole_w[s.index], self.whole_f[s.index] = big_w, big_f
+                made = set(big_f.carries)
+                # the forward's inputs, and the weight pass's that the whole-batch forward does
+                # not make (the input-gradient passes' cotangents), join their microbatches'
+                # values (the two traces' passes match by position)
+                for micro, big in (
+                    (self.passes[(s.index, Work.F)], big_f),
+                    (self.passes[(s.index, Work.W)], big_w),
+                ):
+                    for name, theirs, a, b in zip(
+                        micro.params, big.params, micro.types, big.types, strict=True
+                    ):
+                        if big is big_w and theirs in made:
+                            continue
+                        self._joins[(s.index, name)] = _join_dim(name, a.shape, b.shape, m)
+            last = len(stages.passes) - 1
+            if any(s.index == last for s in self.mine):
+                self._loss_at = stages.passes[last].forward.carries.index(stages.loss)
             self._drops = [() for _ in self._drops]  # the whole-batch passes read them last
         # the step's parameters in the order the unpipelined step adds their square sums
         owners = {n for s in stages.passes for n in s.params}
@@ -358,36 +363,44 @@ class PipelineRank:
         loss: np.ndarray,
         step: int,
     ) -> np.ndarray:
-        """Deterministic mode, after the schedule: each of this rank's stages' weight pass on
-        the whole batch (its microbatches' values joined), and the last stage's forward for
-        the loss (its exact sums over the whole batch: the unpipelined step's bits); returns
-        the loss (this rank's: the last stage's, else the one given)."""
+        """Deterministic mode, after the schedule: each of this rank's stages' forward again
+        on the whole batch (its inputs every microbatch's joined), then its weight pass on
+        the whole batch (the forward's values, and the input-gradient passes' cotangents
+        joined): every sum over the batch exact over the whole batch, as unpipelined; the
+        last stage's forward gives the loss. Returns the loss (this rank's: the last
+        stage's, else the one given)."""
         m = self.schedule.shape.microbatches
+        last = len(self.stages.passes) - 1
 
-        def joined(stage: int, work: Work, big: _Pass) -> dict[str, np.ndarray]:
-            """``big``'s inputs: the microbatch pass's, position by position, joined."""
-            out = {}
-            for name, mine in zip(big.params, self.passes[(stage, work)].params, strict=True):
-                if mine.lstrip("%") in batch:  # a fed input: this rank's block of the batch
-                    out[name] = batch[mine.lstrip("%")]
-                    continue
-                dim = self._joins[(stage, mine)]
-                values = [envs[k][mine] for k in range(m)]
-                out[name] = values[0] if dim is None else np.concatenate(values, axis=dim)
-            return out
+        def join(stage: int, mine: str) -> np.ndarray:
+            if mine.lstrip("%") in batch:  # a fed input: this rank's block of the batch
+                return batch[mine.lstrip("%")]
+            dim = self._joins[(stage, mine)]
+            values = [envs[k][mine] for k in range(m)]
+            return values[0] if dim is None else np.concatenate(values, axis=dim)
 
         for s in self.mine:
-            w = self.whole_w[s.index]
             start = time.perf_counter()
-            out = w.run(joined(s.index, Work.W, w), step)
+            big_f, big_w = self.whole_f[s.index], self.whole_w[s.index]
+            micro_f, micro_w = self.passes[(s.index, Work.F)], self.passes[(s.index, Work.W)]
+            env = {**self.blocks}
+            for theirs, mine in zip(big_f.params, micro_f.params, strict=True):
+                env[theirs] = env[mine] if mine in self.blocks else join(s.index, mine)
+            made = big_f.run(env, step)
+            if s.index == last:
+                loss = np.asarray(list(made.values())[self._loss_at], dtype=np.float64)
+            inputs = {}
+            for theirs, mine in zip(big_w.params, micro_w.params, strict=True):
+                if theirs in made:
+                    inputs[theirs] = made[theirs]
+                elif mine in self.blocks:
+                    inputs[theirs] = self.blocks[mine]
+                else:
+                    inputs[theirs] = join(s.index, mine)
+            out = big_w.run(inputs, step)
             for name, g in zip(self.stages.passes[s.index].params, out.values(), strict=True):
                 grads[name] = g
             self.seconds.setdefault((s.index, Work.W), []).append(time.perf_counter() - start)
-        if self.whole_f is not None:
-            last = len(self.stages.passes) - 1
-            out = self.whole_f.run(joined(last, Work.F, self.whole_f), step)
-            value = np.asarray(list(out.values())[self._loss_at])  # (scaled by 1/m: m is 2^k)
-            loss = np.asarray(value * value.dtype.type(m), dtype=np.float64)
         return loss
 
     def _clip_total(self, named: Mapping[str, np.ndarray], step: int) -> np.ndarray:

@@ -31,10 +31,11 @@ def _local(region: tuple[slice, ...], offsets: Sequence[int]) -> tuple[slice, ..
 
 
 def move_blocks(
-    plan: RemeshPlan, rank: int, blocks: Sequence[np.ndarray] | None, comm: Comm
-) -> list[np.ndarray] | None:
+    plan: RemeshPlan, rank: int, blocks: Sequence[np.ndarray | None] | None, comm: Comm
+) -> list[np.ndarray | None] | None:
     """This rank's blocks on the new mesh (None if the new mesh does not have it) from its
-    blocks on the old one (``blocks``; None if the old mesh does not have it).
+    blocks on the old one (``blocks``; None if the old mesh does not have it); a tensor the
+    plan pins to other ranks is None in both.
 
     Collective: call on every rank of ``comm`` (which holds both meshes)."""
     if (blocks is None) != (rank >= plan.old.size):
@@ -49,24 +50,33 @@ def move_blocks(
 
     def piece_of(p: Piece) -> np.ndarray:
         assert blocks is not None
-        return blocks[p.tensor][_local(p.region, old_off[p.tensor])]
+        block = blocks[p.tensor]
+        assert block is not None, f"rank {rank} sends from a block it does not hold"
+        return block[_local(p.region, old_off[p.tensor])]
 
     for p in plan.sends(rank):
         comm.send(np.array(piece_of(p), order="C"), p.dst, REMESH_TAG)  # (0-d stays 0-d)
-    out: list[np.ndarray] | None = None
+    out: list[np.ndarray | None] | None = None
     if rank < plan.new.size:
         out = [
             np.empty(local_shape(t.shape, t.layout, plan.new, rank), dtype=np_dtype(t.dtype))
-            for t in plan.types_new
+            if plan.holds_new(i, rank)
+            else None
+            for i, t in enumerate(plan.types_new)
         ]
         new_off = [local_offsets(t.shape, t.layout, plan.new, rank) for t in plan.types_new]
+
+        def put(p: Piece, value: np.ndarray) -> None:
+            assert out is not None
+            target = out[p.tensor]
+            assert target is not None
+            target[_local(p.region, new_off[p.tensor])] = value
+
         for p in plan.local(rank):
-            out[p.tensor][_local(p.region, new_off[p.tensor])] = piece_of(p)
+            put(p, piece_of(p))
         for p in plan.receives(rank):
             shape = tuple(s.stop - s.start for s in p.region)
             dtype = np.dtype(np_dtype(plan.types_new[p.tensor].dtype))
-            out[p.tensor][_local(p.region, new_off[p.tensor])] = comm.recv(
-                shape, dtype, p.src, REMESH_TAG
-            )
+            put(p, comm.recv(shape, dtype, p.src, REMESH_TAG))
     comm.flush()
     return out

@@ -116,10 +116,6 @@ class RunRequest:
         check_run_size(self.steps, self.sim)
         if self.resize is not None:
             self.resize.check(self.steps, self.binding)
-            if self.pipeline is not None:
-                raise agreed_usage(
-                    "a pipelined run does not resize live yet: stop it (its checkpoint restores onto any mesh) and resume on the new one"
-                )
         if self.resume and self.inputs:
             raise agreed_usage(
                 "--resume takes the state from the checkpoint; do not give -i inputs"

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from dtm_mpi.errors import PlanError
 from dtm_mpi.ir.types import TensorType
-from dtm_mpi.sharding.blocks import intersect_regions, local_block, region_size
+from dtm_mpi.sharding.blocks import Pin, holds, intersect_regions, local_block, region_size
 from dtm_mpi.sharding.mesh import MeshShape
 
 __all__ = ["Piece", "RemeshPlan", "plan_remesh"]
@@ -48,6 +48,16 @@ class RemeshPlan:
     types_old: tuple[TensorType, ...]
     types_new: tuple[TensorType, ...]
     pieces: tuple[Piece, ...]
+    pins_old: tuple[Pin | None, ...] = ()
+    """Per tensor: held only by the old mesh's ranks at this (axis, coordinate) (a pipeline
+    stage's state; empty: none pinned)."""
+    pins_new: tuple[Pin | None, ...] = ()
+    """The same on the new mesh."""
+
+    def holds_new(self, tensor: int, rank: int) -> bool:
+        """Whether ``rank`` holds a block of ``tensor`` on the new mesh."""
+        pin = self.pins_new[tensor] if self.pins_new else None
+        return holds(self.new, rank, pin)
 
     @property
     def ranks(self) -> int:
@@ -72,10 +82,15 @@ class RemeshPlan:
         )
 
 
-def _holders(t: TensorType, mesh: MeshShape) -> list[tuple[Region, list[int]]]:
-    """Each distinct non-empty block of ``t`` on ``mesh`` and every rank holding it."""
+def _holders(
+    t: TensorType, mesh: MeshShape, pin: Pin | None = None
+) -> list[tuple[Region, list[int]]]:
+    """Each distinct non-empty block of ``t`` on ``mesh`` and every rank holding it (with
+    ``pin``: only the ranks at that (axis, coordinate))."""
     held: dict[tuple[tuple[int, int], ...], tuple[Region, list[int]]] = {}
     for rank in range(mesh.size):
+        if not holds(mesh, rank, pin):
+            continue
         region = local_block(t.shape, t.layout, mesh, rank)
         if all(s.stop > s.start for s in region):
             key = tuple((s.start, s.stop) for s in region)
@@ -84,12 +99,21 @@ def _holders(t: TensorType, mesh: MeshShape) -> list[tuple[Region, list[int]]]:
 
 
 def plan_remesh(
-    types_old: Sequence[TensorType], old: MeshShape, types_new: Sequence[TensorType], new: MeshShape
+    types_old: Sequence[TensorType],
+    old: MeshShape,
+    types_new: Sequence[TensorType],
+    new: MeshShape,
+    pins_old: Sequence[Pin | None] = (),
+    pins_new: Sequence[Pin | None] = (),
 ) -> RemeshPlan:
     """The plan moving tensors laid out as ``types_old`` on ``old`` to ``types_new`` on ``new``
-    (the same tensors: equal shapes and dtypes, complete values). Pure: every rank computes the
-    same plan."""
-    if len(types_old) != len(types_new):
+    (the same tensors: equal shapes and dtypes, complete values); ``pins_old``/``pins_new``:
+    per tensor, held only by the ranks at an (axis, coordinate) of that mesh (a pipelined
+    run's stage state; empty: none). Pure: every rank computes the same plan."""
+    n = len(types_old)
+    p_old = tuple(pins_old) if pins_old else (None,) * n
+    p_new = tuple(pins_new) if pins_new else (None,) * len(types_new)
+    if len(types_old) != len(types_new) or len(p_old) != n or len(p_new) != len(types_new):
         raise PlanError(f"remesh: {len(types_old)} tensors before, {len(types_new)} after")
     pieces: list[Piece] = []
     for i, (a, b) in enumerate(zip(types_old, types_new, strict=True)):
@@ -99,8 +123,10 @@ def plan_remesh(
             )
         if a.layout.partial is not None or b.layout.partial is not None:
             raise PlanError(f"remesh: tensor {i} ({a}) is a pending reduction; reduce it first")
-        held = _holders(a, old)
+        held = _holders(a, old, p_old[i])
         for dst in range(new.size):
+            if not holds(new, dst, p_new[i]):
+                continue
             want = local_block(b.shape, b.layout, new, dst)
             if any(s.stop <= s.start for s in want):
                 continue
@@ -110,4 +136,4 @@ def plan_remesh(
                     continue
                 src = dst if dst in ranks else ranks[dst % len(ranks)]
                 pieces.append(Piece(i, src, dst, part))
-    return RemeshPlan(old, new, tuple(types_old), tuple(types_new), tuple(pieces))
+    return RemeshPlan(old, new, tuple(types_old), tuple(types_new), tuple(pieces), p_old, p_new)

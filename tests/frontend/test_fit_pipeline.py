@@ -203,6 +203,7 @@ DETERMINISTIC = [
     ("dp2xpp2-zb-h1-m2", {"pp": 2, "dp": 2}, "zb-h1", 1, 2),
     ("tp2xpp2-1f1b-m4", {"pp": 2, "tp": 2}, "1f1b", 1, 4),
     ("pp2x2chunks-interleaved-m2", {"pp": 2}, "interleaved", 2, 2),
+    ("pp1xdp2-accumulation-m2", {"pp": 1, "dp": 2}, "1f1b", 1, 2),
 ]
 
 
@@ -240,21 +241,6 @@ def test_deterministic_mode_takes_a_power_of_two_of_microbatches(deterministic: 
         UsageError, match=r"take a power of two of microbatches.*got --microbatches 3"
     ):
         dtm.fit(three, loader, steps=1, sim=2, mesh={"pp": 2}, quiet=True)
-
-
-def test_a_live_resize_of_a_pipelined_run_is_refused() -> None:
-    from dtm_mpi.runtime.request import RunRequest
-
-    step = _step(dtm.Pipeline(microbatches=2))
-    with pytest.raises(UsageError, match="a pipelined run does not resize live yet"):
-        RunRequest(
-            "job",
-            binding={"pp": 2},
-            steps=4,
-            module=step.module,
-            resize=dtm.ResizePolicy(at=((2, {"pp": 1}),)),
-            pipeline=step.pipeline,
-        )
 
 
 def test_the_loss_function_sees_microbatches_when_pipelined() -> None:

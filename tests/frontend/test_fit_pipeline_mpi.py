@@ -144,6 +144,26 @@ def test_in_deterministic_mode_pipelined_fit_under_mpirun_has_the_unpipelined_bi
     assert not differ, differ
 
 
+def test_a_pipelined_fit_resizes_live_across_pp_with_the_uninterrupted_bits(tmp_path: Path) -> None:
+    """Deterministic mode, 4 ranks: pp=2 x tp=2, after step 2 onto pp=1 x dp=2 (two ranks
+    leave, the state of both stages moves to the two left), after step 4 back onto pp=2 x
+    dp=2 (the parked ranks called back, each stage's state moved to its ranks): the final
+    state has the bits of the uninterrupted unpipelined training."""
+    out = ok(
+        4,
+        *("--mesh", "pp=2,dp=1,tp=2", "--schedule", "zb-h1", "--microbatches", "2"),
+        *("--steps", "6", "--resize-at", "2:pp=1,dp=2,tp=1", "--resize-at", "4:pp=2,dp=2,tp=1"),
+        *("-o", str(tmp_path / "resized.npz")),
+        DTM_DETERMINISTIC="1",
+    )
+    assert "resized after step 2: 4 -> 2 rank(s), mesh [pp=1, dp=2, tp=1]" in out, out
+    assert "resized after step 4: 2 -> 4 rank(s), mesh [pp=2, dp=2, tp=1]" in out, out
+    reference(tmp_path / "ref.npz", 6, DTM_DETERMINISTIC="1")
+    a, b = np.load(tmp_path / "resized.npz"), np.load(tmp_path / "ref.npz")
+    differ = [k for k in b.files if a[k].tobytes() != b[k].tobytes()]
+    assert sorted(a.files) == sorted(b.files) and not differ, differ
+
+
 FAULTS = {2: "pp=2", 3: "pp=3", 4: "pp=2,tp=2"}
 
 # schedule -> (the splits, rank 1's other splits)

@@ -170,3 +170,18 @@ def test_block_owners_cover_every_element_once(mesh: MeshShape, shape: tuple[int
             total *= n
         assert len(count) == total and all(c == 1 for c in count.values()), (dims, owners)
         assert [o for o, _ in owners] == sorted(o for o, _ in owners)
+
+
+def test_a_pinned_value_is_held_and_owned_by_the_ranks_of_its_coordinate_only() -> None:
+    from dtm_mpi.sharding.blocks import block_owners, holds, pinned_block
+    from dtm_mpi.sharding.mesh import MeshShape
+
+    mesh = MeshShape((("pp", 2), ("tp", 2)))
+    layout = Layout(((), ("tp",)))
+    assert [holds(mesh, r, ("pp", 1)) for r in range(4)] == [False, False, True, True]
+    assert pinned_block((4, 6), layout, mesh, 3, ("pp", 1)) == (slice(0, 4), slice(3, 6))
+    assert pinned_block((4, 6), layout, mesh, 1, ("pp", 1)) == (slice(0, 0), slice(0, 0))
+    assert [o for o, _ in block_owners((4, 6), layout, mesh, ("pp", 1))] == [2, 3]
+    assert [o for o, _ in block_owners((4, 6), layout, mesh)] == [0, 1]
+    with pytest.raises(LayoutError, match="splits over the pinned axis 'pp'"):
+        block_owners((4, 6), Layout((("pp",), ())), mesh, ("pp", 0))

@@ -132,3 +132,41 @@ def test_move_blocks_through_the_simulated_communicator(a: str, b: str) -> None:
         assert got is not None
         for g, t, x in zip(globals_(), tb, got, strict=True):
             assert np.array_equal(x, g[local_block(t.shape, t.layout, new, r)])
+
+
+def test_pinned_state_moves_from_and_to_the_ranks_of_its_stage() -> None:
+    """A pipelined run's state (tensor k pinned to pp coordinate k on the old mesh) moves
+    onto a mesh without pipeline stages and back: each piece comes from a rank of its old
+    stage and goes to the ranks of its new one; the others hold none (None)."""
+    t = TensorType(DType.F32, (4, 2), Layout(((), ("tp",))))
+    staged = MeshShape((("pp", 2), ("dp", 1), ("tp", 2)))
+    flat = MeshShape((("pp", 1), ("dp", 2), ("tp", 1)))
+    pins = [("pp", 0), ("pp", 1)]
+    down = plan_remesh([t, t], staged, [t, t], flat, pins, [("pp", 0), ("pp", 0)])
+    assert {p.src for p in down.pieces if p.tensor == 0} == {0, 1}  # stage 0: ranks 0, 1
+    assert {p.src for p in down.pieces if p.tensor == 1} == {2, 3}  # stage 1: ranks 2, 3
+    assert {p.dst for p in down.pieces} == {0, 1}
+    up = plan_remesh([t, t], flat, [t, t], staged, [("pp", 0), ("pp", 0)], pins)
+    assert {p.dst for p in up.pieces if p.tensor == 1} == {2, 3}
+    assert not up.holds_new(1, 0) and up.holds_new(0, 0) and not up.holds_new(0, 2)
+    values = [np.arange(8, dtype=np.float32).reshape(4, 2) + 10 * k for k in range(2)]
+
+    def rank(comm: object) -> list[np.ndarray | None] | None:
+        r = comm.rank  # type: ignore[attr-defined]
+        mine = [
+            values[k][local_block(t.shape, t.layout, staged, r)]
+            if staged.index_along(r, ("pp",)) == k
+            else None
+            for k in range(2)
+        ]
+        flat_blocks = move_blocks(down, r, mine, comm)  # type: ignore[arg-type]
+        return move_blocks(up, r, flat_blocks if r < 2 else None, comm)  # type: ignore[arg-type]
+
+    got = run_ranks(MeshShape((("x", 4),)), rank, timeout_s=30)
+    for r, blocks in enumerate(got):
+        assert blocks is not None
+        k = staged.index_along(r, ("pp",))
+        assert blocks[1 - k] is None
+        held = blocks[k]
+        assert held is not None
+        np.testing.assert_array_equal(held, values[k][local_block(t.shape, t.layout, staged, r)])
