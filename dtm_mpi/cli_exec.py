@@ -317,12 +317,11 @@ def _explain_script(path: str, argv: Sequence[str]) -> int:
     import os
     import runpy
 
-    from dtm_mpi.config import get_config
+    from dtm_mpi.config import switch_on
 
     if not os.path.isfile(path):
         raise UsageError(f"{path}: no such script")
-    os.environ["DTM_EXPLAIN"] = "1"
-    get_config.cache_clear()
+    switch_on("explain")
     saved = sys.argv
     sys.argv = [path, *argv]
     try:

@@ -33,6 +33,7 @@ __all__ = [
     "get_config",
     "launcher_node_ranks",
     "load_config",
+    "switch_on",
 ]
 
 MAX_MSG_ELEMS_DEFAULT = 2**31 - 1
@@ -267,6 +268,15 @@ def get_config() -> Config:
     """The process-wide configuration, read from ``os.environ`` on first call (a test that
     changes the environment calls ``get_config.cache_clear()``)."""
     return load_config(os.environ)
+
+
+def switch_on(field: str) -> None:
+    """Turn on the yes/no setting ``field`` (a :class:`Config` field) for this process and
+    the processes it starts: its variable set to ``1`` in ``os.environ``, the configuration
+    read again (``dtm explain SCRIPT.py`` so switches on ``explain``)."""
+    var = next(v for v in ENV_VARS if v.field == field)
+    os.environ[var.name] = "1"
+    get_config.cache_clear()
 
 
 LAUNCHER_NODE_RANKS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")

@@ -12,8 +12,8 @@ import numpy as np
 
 from dtm_mpi import frontend as dtm
 from dtm_mpi.frontend import functional as fn
+from dtm_mpi.frontend.step_trace import split_outputs, trace_model
 from dtm_mpi.frontend.tensor import tracing
-from dtm_mpi.frontend.trace import _split_outputs, _trace
 from dtm_mpi.ir.autodiff import backward
 from dtm_mpi.ir.nodes import Module
 from dtm_mpi.ir.registry import required_version
@@ -53,9 +53,11 @@ def unpipelined(
     data: Mapping[str, np.ndarray],
 ) -> tuple[float, dict[str, np.ndarray]]:
     """The whole batch's loss and the gradient of every parameter, by name."""
-    tr, _, weights, out = _trace(model, loss_fn, mesh, inputs, "ref", weights_as_state=True, seed=0)
+    tr, _, weights, out = trace_model(
+        model, loss_fn, mesh, inputs, "ref", weights_as_state=True, seed=0
+    )
     with tracing(tr):
-        loss = _split_outputs(out, "loss")[0][1].complete()
+        loss = split_outputs(out, "loss")[0][1].complete()
         grads = backward(
             tr.b, list(tr.b.ops), loss.value, [v for _, v in weights], stop=tr.detached
         )

@@ -94,8 +94,10 @@ def run_pipeline_bench(
     from dtm_mpi.config import blas_threads_share, get_config
     from dtm_mpi.frontend.stage_split import step_stages_of
     from dtm_mpi.kernels.devices import limit_blas_threads
+    from dtm_mpi.plan.pipeline import stage_plans
     from dtm_mpi.plan.schedule import PipelineShape, parse_schedule, plan_schedule
-    from dtm_mpi.runtime.pipeline_step import PipelineRank, pipeline_groups, stage_plans
+    from dtm_mpi.runtime.mpirun import pipeline_groups
+    from dtm_mpi.runtime.pipeline_step import PipelineRank
 
     world = MPI.COMM_WORLD
     p, rank = int(world.Get_size()), int(world.Get_rank())

@@ -17,8 +17,8 @@ from dtm_mpi.errors import UsageError, VerifyError
 from dtm_mpi.frontend.mesh import Mesh
 from dtm_mpi.frontend.nn import Module as Layer
 from dtm_mpi.frontend.optim import Optimizer, clip_scale, square_sum
+from dtm_mpi.frontend.step_trace import Input, split_outputs, trace_model
 from dtm_mpi.frontend.tensor import Tensor, Tracer, trace_error, tracing
-from dtm_mpi.frontend.trace import Input, _split_outputs, _trace
 from dtm_mpi.ir.autodiff import backward
 from dtm_mpi.ir.build import FunctionBuilder
 from dtm_mpi.ir.nodes import Param
@@ -182,9 +182,11 @@ def forward_stages(
     """Trace ``loss_fn(model, **inputs)`` (as :func:`~dtm_mpi.frontend.trace.train_step`
     does, up to the loss and metrics) and cut its forward into ``len(splits) + 1`` stages
     before the layers ``splits`` name."""
-    tr, _, _, out = _trace(model, loss_fn, mesh, inputs, name, weights_as_state=True, seed=seed)
+    tr, _, _, out = trace_model(
+        model, loss_fn, mesh, inputs, name, weights_as_state=True, seed=seed
+    )
     with tracing(tr):
-        for _, t in _split_outputs(out, "loss"):
+        for _, t in split_outputs(out, "loss"):
             t.complete()
     return _cut(tr, model, splits, inputs)
 
@@ -241,7 +243,7 @@ def step_stages_of(
     whose weight-gradient passes deterministic mode runs once per step over every
     microbatch's held values."""
     micro = microbatch_inputs(inputs, microbatches)
-    tr, _, weights, out = _trace(
+    tr, _, weights, out = trace_model(
         model,
         loss_fn,
         mesh,
@@ -251,7 +253,7 @@ def step_stages_of(
         seed=seed,
     )
     with tracing(tr):
-        loss = _split_outputs(out, "loss")[0][1].complete()
+        loss = split_outputs(out, "loss")[0][1].complete()
         if microbatches > 1:  # (on the whole batch by 1: the same ops, the unscaled loss)
             loss = loss * (1.0 if whole_batch else 1.0 / microbatches)
     n_forward = len(tr.b.ops)

@@ -13,29 +13,25 @@ weights are inputs).
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dtm_mpi.errors import TraceError, UsageError, VerifyError
+from dtm_mpi.errors import UsageError, VerifyError
 from dtm_mpi.frontend.mesh import Mesh
 from dtm_mpi.frontend.nn import Module as Layer
 from dtm_mpi.frontend.optim import Optimizer, clip_by_global_norm
+from dtm_mpi.frontend.step_trace import Input, split_outputs, trace_model
 from dtm_mpi.frontend.tensor import (
     Tensor,
     Tracer,
-    as_layout,
-    parse_dtype,
     trace_error,
     tracing,
-    user_span,
 )
-from dtm_mpi.frontend.traced_params import TRACED as _TRACED
 from dtm_mpi.ir import module_hash, print_module
 from dtm_mpi.ir.autodiff import backward
-from dtm_mpi.ir.build import FunctionBuilder, Value
-from dtm_mpi.ir.nodes import Init, InitKind, Module
+from dtm_mpi.ir.build import Value
+from dtm_mpi.ir.nodes import Module
 from dtm_mpi.ir.parser import parse_module
 from dtm_mpi.ir.registry import required_version
 from dtm_mpi.ir.types import TensorType
@@ -46,20 +42,6 @@ if TYPE_CHECKING:
     from dtm_mpi.runtime.policies import PipelinePolicy
 
 __all__ = ["Input", "TracedStep", "eval_step", "train_step"]
-
-
-@dataclass(frozen=True)
-class Input:
-    """A per-step input: global shape, dtype and layout (e.g. the batch dim over ``dp``)."""
-
-    shape: tuple[int, ...]
-    dtype: str = "f32"
-    layout: Sequence[Any] | None = None
-
-    def type(self) -> TensorType:
-        return TensorType(
-            parse_dtype(self.dtype), tuple(self.shape), as_layout(self.layout, len(self.shape))
-        )
 
 
 @dataclass(frozen=True)
@@ -94,110 +76,6 @@ class TracedStep:
             if p.name == "%" + name:
                 return p.type
         raise UsageError(f"no input {name!r} (inputs: {', '.join(self.inputs)})")
-
-
-def _module_name(name: str) -> str:
-    if not name.replace("_", "a").isalnum() or name[0].isdigit():
-        raise UsageError(f"program name {name!r}: use letters, digits and '_'")
-    return name
-
-
-def _trace(
-    model: Layer,
-    fn: Callable[..., Any],
-    mesh: Mesh,
-    inputs: Mapping[str, Input],
-    name: str,
-    *,
-    weights_as_state: bool,
-    seed: int,
-    from_store: bool = False,
-) -> tuple[Tracer, list[Value], list[tuple[str, Value]], Any]:
-    b = FunctionBuilder(mesh.ir(), module_name=_module_name(name))
-    tr = Tracer(b)
-    tr.paths = {id(layer): path for path, layer in model.named_layers()}
-    given = []
-    for key, spec in inputs.items():
-        if not isinstance(spec, Input):
-            raise UsageError(
-                f"input {key!r}: expected an Input(shape, dtype, layout); got {spec!r}"
-            )
-        given.append(b.add_param(key, _checked(f"input {key!r}", key, spec.type, b)))
-    bound: dict[tuple[int, str], Tensor] = {}
-    weights: list[tuple[str, Value]] = []
-    for path, owner, attr, p in model.named_parameters():
-        t = _checked(f"parameter {path!r} of {type(owner).__name__}", path, p.type, b)
-        if weights_as_state and not t.dtype.is_float:
-            raise UsageError(
-                f"parameter {path!r} of {type(owner).__name__} is {t.dtype}: trained parameters are floating (an integer table is an input)"
-            )
-        try:
-            init = (
-                p.ir_init(path, seed)
-                if weights_as_state
-                else Init(InitKind.STORE)
-                if from_store
-                else None
-            )
-        except ValueError:
-            raise UsageError(
-                f"parameter {path!r}: init {p.init!r} is not one of {', '.join(k.value for k in InitKind if k is not InitKind.STORE)}"
-            ) from None
-        v = b.add_param(path, t, state=weights_as_state, init=init)
-        bound[(id(owner), attr)] = Tensor(v, tr)
-        weights.append((path, v))
-    token = _TRACED.set(bound)
-    try:
-        with tracing(tr):
-            out = fn(model, **{k: Tensor(v, tr) for k, v in zip(inputs, given, strict=True)})
-    finally:
-        _TRACED.reset(token)
-    return tr, given, weights, out
-
-
-_NAME = re.compile(r"[A-Za-z0-9_.]+\Z")
-
-
-def _checked(
-    what: str, name: str, make_type: Callable[[], TensorType], b: FunctionBuilder
-) -> TensorType:
-    """The type of an input or parameter, refused (one line naming it) where its name is not
-    an IR value name, a size is negative, or its layout names an axis the mesh lacks or one
-    axis twice."""
-    from dtm_mpi.ir.verify import check_layout
-
-    if not _NAME.match(name):
-        raise UsageError(f"{what}: names are letters, digits, '_' and '.'")
-    try:
-        t = make_type()
-    except (ValueError, TraceError) as exc:
-        raise UsageError(f"{what}: {getattr(exc, 'message', exc)}") from None
-    if any(not isinstance(n, int) or n < 0 for n in t.shape):
-        raise UsageError(f"{what}: sizes must be integers >= 0; got {list(t.shape)}")
-    try:
-        check_layout(t, b.mesh, user_span(), "")
-    except VerifyError as err:
-        raise UsageError(f"{what}: {err.message.strip()}") from None
-    return t
-
-
-def _split_outputs(out: Any, what: str) -> list[tuple[str, Tensor]]:
-    """(name, scalar tensor) of what the traced function returned: a tensor (``loss``), or
-    (loss, {name: tensor}), or {name: tensor}."""
-    if isinstance(out, Tensor):
-        return [("loss", out)]
-    if (
-        isinstance(out, tuple)
-        and len(out) == 2
-        and isinstance(out[0], Tensor)
-        and isinstance(out[1], Mapping)
-    ):
-        return [("loss", out[0]), *out[1].items()]
-    if isinstance(out, Mapping) and all(isinstance(v, Tensor) for v in out.values()):
-        return list(out.items())
-    raise UsageError(
-        f"the {what} function must return a scalar tensor, (loss, {{name: tensor}}) or {{name: tensor}}; got {type(out).__name__}"
-    )
 
 
 def _finish(
@@ -240,10 +118,10 @@ def train_step(
         from dtm_mpi.frontend.stage_split import check_pipeline
 
         check_pipeline(pipeline, mesh)
-    tr, _, weights, out = _trace(
+    tr, _, weights, out = trace_model(
         model, loss_fn, mesh, inputs, name, weights_as_state=True, seed=seed
     )
-    named = _split_outputs(out, "loss")
+    named = split_outputs(out, "loss")
     scalars = []
     for key, t in named:
         if t.shape != () or not t.dtype.is_float:
@@ -316,7 +194,7 @@ def eval_step(
     scalar}) with the model's weights as plain parameters: given as values to :func:`fit`,
     or with ``weights_from_store`` declared ``init store`` (read by name from the latest
     checkpoint of the run's store, written on any mesh). What to run on held-out data."""
-    tr, _, weights, out = _trace(
+    tr, _, weights, out = trace_model(
         model,
         metric_fn,
         mesh,
@@ -326,7 +204,7 @@ def eval_step(
         seed=seed,
         from_store=weights_from_store,
     )
-    named = _split_outputs(out, "metric")
+    named = split_outputs(out, "metric")
     results: list[Value | tuple[Value, str | None]] = []
     with tracing(tr):
         for key, t in named:

@@ -22,7 +22,7 @@ import functools
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -71,7 +71,14 @@ if TYPE_CHECKING:
     from dtm_mpi.sharding.blocks import Pin
     from dtm_mpi.sharding.remesh import RemeshPlan
 
-__all__ = ["MpiRunArgs", "open_backend_everywhere", "plan_groups", "run_loop", "run_under_mpi"]
+__all__ = [
+    "MpiRunArgs",
+    "open_backend_everywhere",
+    "pipeline_groups",
+    "plan_groups",
+    "run_loop",
+    "run_under_mpi",
+]
 
 
 #: What ``dtm run`` under MPI is given: the one run request of the launcher.
@@ -372,9 +379,8 @@ def _join(live: _Live, module: Module, args: MpiRunArgs, backend: ArrayBackend) 
     handshake(session, hello)  # the module's requirements were checked in phase load
     groups = plan_groups(plan, config.deterministic)
     if live.pipeline is not None:  # every stage's passes, and the pipeline axis
-        from dtm_mpi.runtime.pipeline_step import pipeline_groups
-
-        more = pipeline_groups(live.pipeline.passes, live.pipeline.axis)
+        passes = {**live.pipeline.passes, **(live.pipeline.whole_passes or {})}
+        more = pipeline_groups(passes, live.pipeline.axis, config.deterministic)
         groups += [g for g in more if g not in groups]
     session.join_mesh(groups)
     live.comm = comm = MpiComm(
@@ -485,6 +491,19 @@ def plan_groups(plan: object, deterministic: bool) -> list[tuple[str, ...]]:
             reduce = plan_redistribute(t, t.layout.with_partial(None), plan.mesh)
             add([s.axes for s in reduce.steps if s.kind.is_collective])
     return seen
+
+
+def pipeline_groups(
+    plans: Mapping[str, ExecPlan], axis: str = "pp", deterministic: bool = False
+) -> list[tuple[str, ...]]:
+    """Every group of axes a pipelined step communicates over: those of every stage's passes
+    (:func:`~dtm_mpi.plan.pipeline.stage_plans`), then the pipeline axis (the loss's
+    broadcast, the clipping sum); under MPI they are created once, collectively, before any
+    data moves."""
+    seen: list[tuple[str, ...]] = []
+    for plan in plans.values():
+        seen += [g for g in plan_groups(plan, deterministic) if g not in seen]
+    return [*seen, *([(axis,)] if (axis,) not in seen else [])]
 
 
 def _detect_gpu_aware(args: MpiRunArgs, backend: ArrayBackend) -> GpuAwareness | None:

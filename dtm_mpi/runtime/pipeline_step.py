@@ -46,7 +46,6 @@ __all__ = [
     "PipelineExecutor",
     "PipelineRank",
     "StepOutcome",
-    "pipeline_groups",
     "plan_pipelined_run",
     "stage_plans",
 ]
@@ -54,18 +53,6 @@ __all__ = [
 FIRST_RESERVED_TAG = 32761
 """The runtime's own messages use tags from here up (agreements, outputs, resizes): a
 pipeline's boundary messages stay below."""
-
-
-def pipeline_groups(plans: Mapping[str, ExecPlan], axis: str = "pp") -> list[tuple[str, ...]]:
-    """Every group of axes a pipelined step communicates over: those of every stage's passes
-    (:func:`stage_plans`), then the pipeline axis (the loss's broadcast, the clipping sum);
-    under MPI they are created once, collectively, before any data moves."""
-    from dtm_mpi.runtime.mpirun import plan_groups
-
-    seen: list[tuple[str, ...]] = []
-    for plan in plans.values():
-        seen += [g for g in plan_groups(plan, False) if g not in seen]
-    return [*seen, *([(axis,)] if (axis,) not in seen else [])]
 
 
 @dataclass(slots=True)

@@ -14,8 +14,10 @@ from dtm_mpi import frontend as dtm
 from dtm_mpi.comm.mpi_comm import MpiComm
 from dtm_mpi.comm.mpi_session import MpiSession
 from dtm_mpi.frontend.stage_split import step_stages_of
+from dtm_mpi.plan.pipeline import stage_plans
 from dtm_mpi.plan.schedule import PipelineShape, ScheduleKind, plan_schedule
-from dtm_mpi.runtime.pipeline_step import PipelineRank, pipeline_groups, stage_plans
+from dtm_mpi.runtime.mpirun import pipeline_groups
+from dtm_mpi.runtime.pipeline_step import PipelineRank
 from dtm_mpi.runtime.reference import run_reference
 from dtm_mpi.sharding.blocks import local_block
 from dtm_mpi.sharding.mesh import MeshShape
