@@ -40,7 +40,7 @@ SOURCES = (
     "dataclasses.py",
 )
 CHARS = "\n" + "".join(chr(c) for c in range(32, 127))  # printable ASCII; anything else is "?"
-BATCH, CONTEXT, DIM, HEADS, LAYERS = 24, 64, 96, 4, 2
+BATCH, CONTEXT, DIM, HEADS, LAYERS = 24, 64, 96, 6, 2
 
 
 def corpus() -> tuple[np.ndarray, np.ndarray]:

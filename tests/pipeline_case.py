@@ -28,7 +28,7 @@ T, VOCAB = 6, 11
 
 def gpt() -> dtm.nn.GPT:
     """Four blocks, float64 (so pipelined and unpipelined sums differ only in rounding)."""
-    return dtm.nn.GPT(VOCAB, T, 16, 2, 4, dtype="f64")
+    return dtm.nn.GPT(VOCAB, T, 12, 6, 4, dtype="f64")
 
 
 def lm_loss(m: dtm.nn.GPT, ids: dtm.Tensor, tgt: dtm.Tensor) -> dtm.Tensor:

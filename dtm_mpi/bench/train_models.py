@@ -326,7 +326,7 @@ def _ln_bwd(dy: Arr, g: Arr, cache: tuple[Arr, Arr]) -> tuple[Arr, Arr, Arr]:
 
 class GptFloor:
     """The GPT's step as one would write it in numpy: each attention projection one GEMM over
-    all heads (the heads' ``[H, D, E]`` weights viewed as ``[D, H E]``)."""
+    all heads (``[D, D]`` weights, head ``i`` in columns ``i E ..``)."""
 
     def __init__(self, state: dict[str, Arr]) -> None:
         names = [k for k in state if not k.startswith("opt.")]
@@ -349,14 +349,15 @@ class GptFloor:
             a_in, c1 = _ln_fwd(x, p[pre + "ln1.weight"], p[pre + "ln1.bias"])
             qkv = []
             for w in ("wq", "wk", "wv"):
-                wm = p[pre + "attn." + w].transpose(1, 0, 2).reshape(d, h * e)
-                qkv.append((a_in @ wm).reshape(bsz, t, h, e).transpose(0, 2, 1, 3))
+                qkv.append(
+                    (a_in @ p[pre + "attn." + w]).reshape(bsz, t, h, e).transpose(0, 2, 1, 3)
+                )
             q, k, v = qkv
             s = np.where(self.mask, (q @ k.transpose(0, 1, 3, 2)) * scale, np.float32(-1e9))
             s = np.exp(s - s.max(axis=-1, keepdims=True))
             pr = s / s.sum(axis=-1, keepdims=True)
             o = (pr @ v).transpose(0, 2, 1, 3).reshape(bsz, t, h * e)
-            x1 = x + o @ p[pre + "attn.wo"].reshape(h * e, d) + p[pre + "attn.bo"]
+            x1 = x + o @ p[pre + "attn.wo"] + p[pre + "attn.bo"]
             m_in, c2 = _ln_fwd(x1, p[pre + "ln2.weight"], p[pre + "ln2.bias"])
             u = m_in @ p[pre + "mlp.up.weight"] + p[pre + "mlp.up.bias"]
             gu, th = _gelu_fwd(u)
@@ -386,13 +387,9 @@ class GptFloor:
             dx = dx + dm
             # attention
             flat = dx.reshape(-1, d)
-            g[pre + "attn.wo"] = (o.reshape(-1, h * e).T @ flat).reshape(h, e, d)
+            g[pre + "attn.wo"] = o.reshape(-1, h * e).T @ flat
             g[pre + "attn.bo"] = flat.sum(axis=0)
-            do = (
-                (dx @ p[pre + "attn.wo"].reshape(h * e, d).T)
-                .reshape(bsz, t, h, e)
-                .transpose(0, 2, 1, 3)
-            )
+            do = (dx @ p[pre + "attn.wo"].T).reshape(bsz, t, h, e).transpose(0, 2, 1, 3)
             dpr = do @ v.transpose(0, 1, 3, 2)
             dv = pr.transpose(0, 1, 3, 2) @ do
             ds = pr * (dpr - (dpr * pr).sum(axis=-1, keepdims=True)) * scale
@@ -402,10 +399,8 @@ class GptFloor:
             a2 = a_in.reshape(-1, d)
             for w, dw in (("wq", dq), ("wk", dk), ("wv", dv)):
                 dflat = dw.transpose(0, 2, 1, 3).reshape(-1, h * e)
-                g[pre + "attn." + w] = (a2.T @ dflat).reshape(d, h, e).transpose(1, 0, 2)
-                da += (dflat @ p[pre + "attn." + w].transpose(1, 0, 2).reshape(d, h * e).T).reshape(
-                    bsz, t, d
-                )
+                g[pre + "attn." + w] = a2.T @ dflat
+                da += (dflat @ p[pre + "attn." + w].T).reshape(bsz, t, d)
             dl, g[pre + "ln1.weight"], g[pre + "ln1.bias"] = _ln_bwd(da, p[pre + "ln1.weight"], c1)
             dx = dx + dl
         g["pos"][:t] = dx.sum(axis=0)

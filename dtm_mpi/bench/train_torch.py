@@ -69,7 +69,7 @@ def _gpt_module(
         return first if key in ("tok.weight", "pos") else last
 
     class Gpt(base):  # type: ignore[misc]
-        """The frontend's GPT, parameter for parameter (heads' projections ``[H, D, E]``),
+        """The frontend's GPT, parameter for parameter (the projections ``[D, D]``, heads side by side),
         each projection one GEMM over all heads."""
 
         def __init__(self) -> None:
@@ -96,15 +96,12 @@ def _gpt_module(
                 a = f.layer_norm(
                     x, (d,), self.w(pre + "ln1.weight"), self.w(pre + "ln1.bias"), 1e-5
                 )
-                wq, wk, wv = (
-                    self.w(pre + "attn." + n).permute(1, 0, 2).reshape(d, h * e)
-                    for n in ("wq", "wk", "wv")
-                )
+                wq, wk, wv = (self.w(pre + "attn." + n) for n in ("wq", "wk", "wv"))
                 q, k, v = ((a @ w).view(b, t, h, e).transpose(1, 2) for w in (wq, wk, wv))
                 s = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(e))
                 s = s.masked_fill(~self.mask[:t, :t], -1e9)
                 o = (s.softmax(-1) @ v).transpose(1, 2).reshape(b, t, h * e)
-                x = x + o @ self.w(pre + "attn.wo").reshape(h * e, d) + self.w(pre + "attn.bo")
+                x = x + o @ self.w(pre + "attn.wo") + self.w(pre + "attn.bo")
                 m = f.layer_norm(
                     x, (d,), self.w(pre + "ln2.weight"), self.w(pre + "ln2.bias"), 1e-5
                 )

@@ -258,11 +258,11 @@ class Embedding(Module):
 
 
 class MultiHeadAttention(Module):
-    """Causal multi-head self-attention with the **heads over** ``axis``: each head's
-    projections are slices of ``[heads, dim, head_dim]`` weights split along the heads, so a
-    rank computes whole heads (any number of heads on any number of ranks), and the output
-    projection sums the heads' contributions (a pending sum, one allreduce), as Megatron's
-    column- then row-parallel attention does."""
+    """Causal multi-head self-attention laid out as Megatron's: one GEMM per projection,
+    ``wq``, ``wk`` and ``wv`` ``[dim, dim]`` **column-parallel** over ``axis`` (head ``i`` is
+    columns ``i*head_dim ..``, so a rank computes whole heads: the axis size must divide
+    ``heads``), the heads' scores as batched matmuls, and the output projection ``wo``
+    **row-parallel** (a pending sum over the heads, one allreduce)."""
 
     def __init__(
         self, dim: int, heads: int, *, axis: str = "tp", dtype: str | DType = DType.F32
@@ -270,35 +270,28 @@ class MultiHeadAttention(Module):
         if dim % heads:
             raise UsageError(f"dim {dim} is not a multiple of heads {heads}")
         dt = DType(dtype) if isinstance(dtype, str) else dtype
-        hd = dim // heads
         init, args = _uniform(dim)
-        split = (axis, None, None)
-        self.wq = Parameter((heads, dim, hd), dt, split, init, args)
-        self.wk = Parameter((heads, dim, hd), dt, split, init, args)
-        self.wv = Parameter((heads, dim, hd), dt, split, init, args)
-        self.wo = Parameter((heads, hd, dim), dt, split, *_uniform(dim))
+        self.wq = Parameter((dim, dim), dt, (None, axis), init, args)
+        self.wk = Parameter((dim, dim), dt, (None, axis), init, args)
+        self.wv = Parameter((dim, dim), dt, (None, axis), init, args)
+        self.wo = Parameter((dim, dim), dt, (axis, None), init, args)
         self.bo = Parameter((dim,), dt, None, "zeros", ())
-        self.heads, self.head_dim, self.axis = heads, hd, axis
-
-    def _per_head(self, x: Tensor, name: str, lay: tuple[Any, ...]) -> Tensor:
-        w = self.param(name)  # [H, D, E] -> [B, H, D, E], laid out like the activations
-        b = x.shape[0]
-        return w.reshape((1, *w.shape)).broadcast_to((b, *w.shape)).redistribute(lay)
+        self.heads, self.head_dim, self.axis = heads, dim // heads, axis
 
     def forward(self, x: Tensor) -> Tensor:
         from dtm_mpi.frontend.functional import causal_mask
 
         b, t, d = x.shape
-        h = self.heads
-        batch = x.layout.dims[0] or None
-        lay = (batch, self.axis, None, None)
-        xh = x.reshape(b, 1, t, d).broadcast_to((b, h, t, d)).redistribute(lay)
-        q = xh @ self._per_head(x, "wq", lay)  # [B, H, T, E]
-        k = xh @ self._per_head(x, "wk", lay)
-        v = xh @ self._per_head(x, "wv", lay)
-        scores = causal_mask((q @ k.T) * (1.0 / math.sqrt(self.head_dim)))
-        o = scores.softmax(-1) @ v  # [B, H, T, E]
-        out = (o @ self._per_head(x, "wo", lay)).sum(1)  # [B, T, D], pending over the heads
+        h, e = self.heads, self.head_dim
+        flat = x.reshape(b * t, d)
+
+        def split_heads(name: str) -> Tensor:  # [B*T, D] @ [D, D] -> [B, H, T, E]
+            return (flat @ self.param(name)).reshape(b, t, h, e).transpose(0, 2, 1, 3)
+
+        q, k, v = split_heads("wq"), split_heads("wk"), split_heads("wv")
+        scores = causal_mask((q @ k.T) * (1.0 / math.sqrt(e)))
+        o = (scores.softmax(-1) @ v).transpose(0, 2, 1, 3).reshape(b * t, d)
+        out = (o @ self.param("wo")).reshape(b, t, d)  # pending over the heads' ranks
         return out + self.param("bo")
 
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-import itertools
 import linecache
 import os
+import types
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -40,7 +40,9 @@ def user_span() -> SourceSpan:
     if frame is None:
         return SourceSpan("<frontend>", 0, 0)
     code, line = frame.f_code, frame.f_lineno
-    pos = next(itertools.islice(code.co_positions(), frame.f_lasti // 2, None), None)
+    positions = _positions(code)
+    at = frame.f_lasti // 2
+    pos = positions[at] if 0 <= at < len(positions) else None
     if pos is None or pos[0] != line:
         return SourceSpan(code.co_filename, line or 0, 1)
     _, end_line, col, end_col = pos
@@ -48,6 +50,12 @@ def user_span() -> SourceSpan:
         return SourceSpan(code.co_filename, line, 1)
     length = end_col - col if end_line == line and end_col is not None else 1
     return SourceSpan(code.co_filename, line, col + 1, max(1, length))
+
+
+@functools.lru_cache(maxsize=256)
+def _positions(code: types.CodeType) -> tuple[tuple[int | None, ...], ...]:
+    """Every instruction's source position in ``code`` (walked once per code object)."""
+    return tuple(code.co_positions())
 
 
 @functools.cache

@@ -64,11 +64,14 @@ _ATTR_ORDER: dict[str, tuple[str, ...]] = {}
 def _ordered_attrs(opdef: OpDef, attrs: Mapping[str, Attr]) -> tuple[tuple[str, Attr], ...]:
     """``attrs`` in the op's format order, absent flags and None values left out (as the
     parser stores them)."""
+    if not attrs:
+        return ()
     order = _ATTR_ORDER.get(opdef.name)
     if order is None:
         order = _ATTR_ORDER[opdef.name] = tuple(_attr_order(opdef.format, []))
-    unknown = set(attrs) - set(order)
-    assert not unknown, f"{opdef.name}: unknown attribute(s) {sorted(unknown)}"
+    if len(attrs) > 1 or next(iter(attrs)) not in order:
+        unknown = set(attrs) - set(order)
+        assert not unknown, f"{opdef.name}: unknown attribute(s) {sorted(unknown)}"
     return tuple(
         (k, attrs[k])
         for k in order
@@ -170,7 +173,18 @@ class FunctionBuilder:
         opdef = lookup_op(name)
         assert opdef is not None, f"unknown op {name!r}"
         types = self.infer(name, operands, attrs, declared, span=span)
-        results = tuple(self.fresh(hint or name) for _ in types)
+        return self._emit_typed(opdef, types, operands, attrs, span, hint)
+
+    def _emit_typed(
+        self,
+        opdef: OpDef,
+        types: tuple[TensorType, ...],
+        operands: Sequence[Value],
+        attrs: Mapping[str, Attr],
+        span: SourceSpan,
+        hint: str | None,
+    ) -> tuple[Value, ...]:
+        results = tuple(self.fresh(hint or opdef.name) for _ in types)
         return self.append(self._op(opdef, results, types, operands, attrs, span))
 
     def emit1(
@@ -200,13 +214,13 @@ class FunctionBuilder:
             opdef.name,
             results,
             types,
-            tuple(v.name for v in operands),
+            tuple([v.name for v in operands]),
             ordered,
             span,
             (span,) * len(results),
             (span,) * len(operands),
             (span,) * len(types),
-            tuple((k, span) for k, _ in ordered),
+            tuple([(k, span) for k, _ in ordered]) if ordered else (),
         )
 
     def apply(
@@ -231,12 +245,12 @@ class FunctionBuilder:
                 xs = attempt(self, opdef, list(operands), attrs, declared, span)
                 if xs is None:
                     continue
-                self.infer(name, xs, attrs, declared, span=span)
+                types = self.infer(name, xs, attrs, declared, span=span)
             except VerifyError as err:
                 first = first or err
                 self._rollback(mark)
                 continue
-            return self.emit(name, xs, attrs, declared, span=span, hint=hint)
+            return self._emit_typed(opdef, types, xs, attrs, span, hint)
         assert first is not None
         raise first
 

@@ -313,6 +313,11 @@ def _passes(
     in_pass = set(map(id, inputs_ops))
     inputs_ops.reverse()
     weight_ops = [op for op in back if id(op) not in in_pass]
+    # values made from constants alone (a causal mask, a fill, a zero) are made again where
+    # a reverse pass uses them instead of being held from an earlier pass per microbatch
+    free = _free_ops(fwd)
+    weight_ops = _remade(weight_ops, _free_ops([*fwd, *inputs_ops]))
+    inputs_ops = _remade(inputs_ops, free)
     own = [p for p in stage.params]
     mine = [g for p, g in grads if p in own]
     made_f = {n for op in fwd for n in op.results}
@@ -334,6 +339,35 @@ def _passes(
     w_in += [g for g in mine if g not in made_w and g not in w_in]  # passed through
     weight_grad = _function(f"stage{s}_weight_grad", w_in, weight_ops, mine, params, types, mesh)
     return StagePasses(s, tuple(own), forward, input_grad, weight_grad)
+
+
+def _free_ops(ops: Sequence[Op]) -> list[Op]:
+    """The ops of ``ops`` whose values depend on no input of the pass (constants, ``iota``
+    and what local ops and layout changes make of them alone): cheap to make again."""
+    from dtm_mpi.ir.registry import OpKind, lookup_op
+
+    free: list[Op] = []
+    made: set[str] = set()
+    for op in ops:
+        d = lookup_op(op.name)
+        if d is None or d.kind not in (OpKind.LOCAL, OpKind.REDIST):
+            continue
+        if all(n in made for n in op.operands):
+            free.append(op)
+            made.update(op.results)
+    return free
+
+
+def _remade(ops: list[Op], free: Sequence[Op]) -> list[Op]:
+    """``ops`` after the ``free`` ops that make the free values they use (in order)."""
+    made = {n for op in ops for n in op.results}
+    need = {n for op in ops for n in op.operands if n not in made}
+    chain: list[Op] = []
+    for op in reversed(free):
+        if need.intersection(op.results):
+            chain.append(op)
+            need.update(op.operands)
+    return [*reversed(chain), *ops]
 
 
 def _used_from(ops: Sequence[Op], pool: set[str]) -> list[str]:

@@ -37,11 +37,13 @@ from dtm_mpi.sharding.mesh import MeshShape
 
 __all__ = [
     "PipelinePlan",
+    "RankMemory",
     "StageMemory",
     "boundary_bundles",
     "explain_pipeline",
     "pipeline_signature",
     "plan_pipeline",
+    "rank_memory",
     "stage_memory",
     "stage_plans",
 ]
@@ -147,24 +149,44 @@ def plan_pipeline(
         whole_passes = {}
         for s, w in zip(stages.passes, whole.passes, strict=True):
             for mine, theirs in ((s.weight_grad, w.weight_grad), (s.forward, w.forward)):
-                a, b = mine.function, theirs.function
-                if (
-                    len(a.params) != len(b.params)
-                    or len(a.results) != len(b.results)
-                    or any(
-                        x.type.dtype != y.type.dtype
-                        for x, y in zip(a.params, b.params, strict=True)
-                    )
-                ):
-                    raise UsageError(
-                        f"stage {s.index}: the whole batch traces to another {b.name} than a microbatch; deterministic mode cannot run this pipeline"
-                    )
+                _check_alike(s.index, mine.function, theirs.function)
             for sp in (w.weight_grad, w.forward):
                 name = sp.function.name
                 whole_passes[name] = compile_plan(pass_module(sp.function, mesh, name), bound)
     return PipelinePlan(
         stages, schedule, axis, stage_plans(stages, mesh, bound), pins, whole, whole_passes
     )
+
+
+def _check_alike(stage: int, micro: Function, whole: Function) -> None:
+    """Deterministic mode feeds ``whole`` (a pass traced on the whole batch) every
+    microbatch's values of ``micro``'s parameters, matched by position: the two must be the
+    same ops in the same order (a microbatch of one row can trace to other layouts, and
+    so other ops, than the whole batch)."""
+    ops_a = [op.name for op in micro.body]
+    ops_b = [op.name for op in whole.body]
+    same = (
+        ops_a == ops_b
+        and len(micro.params) == len(whole.params)
+        and len(micro.results) == len(whole.results)
+        and all(
+            x.type.dtype == y.type.dtype
+            and len(x.type.shape) == len(y.type.shape)
+            and x.type.layout.partial == y.type.layout.partial
+            for x, y in zip(micro.params, whole.params, strict=True)
+        )
+    )
+    if not same:
+        at = next((i for i, (a, b) in enumerate(zip(ops_a, ops_b, strict=False)) if a != b), None)
+        where = (
+            f" (op {at}: {ops_a[at]} for a microbatch, {ops_b[at]} for the whole batch)"
+            if at is not None
+            else ""
+        )
+        raise UsageError(
+            f"deterministic mode: stage {stage}'s {micro.name} traces to other ops for a microbatch than for the whole batch{where}; "
+            "make each microbatch at least 2 rows (a larger batch or fewer microbatches)"
+        )
 
 
 def _check_microbatches(
@@ -214,7 +236,8 @@ def boundary_bundles(stages: StepStages) -> dict[tuple[Transfer, int], tuple[str
 class StageMemory:
     """Bytes one rank holds for a stage: its parameters, their summed gradients, the
     optimizer's state, and one microbatch's held activations (what the forward pass keeps for
-    the backward passes, boundary values it sends not counted)."""
+    the backward passes, and the received or fed values they read; boundary values it sends
+    not counted)."""
 
     params: int
     grads: int
@@ -243,7 +266,68 @@ def stage_memory(stages: StepStages, index: int, mesh: MeshShape, rank: int) -> 
         for name, r in zip(f.carries, f.function.results, strict=True)
         if name not in sent
     )
+    # what the stage received (or was fed) for a microbatch and its reverse passes read
+    later = {p.name for sp in (s.input_grad, s.weight_grad) for p in sp.function.params}
+    own = set(s.params)
+    held += sum(
+        _bytes(p.type, mesh, rank)
+        for p in f.function.params
+        if p.name in later and p.name not in own
+    )
     return StageMemory(params, params, optimizer, held)
+
+
+@dataclass(frozen=True, slots=True)
+class RankMemory:
+    """What one rank of pipeline coordinate ``coord`` holds at its peak (bytes): its stages'
+    parameters, gradients and optimizer state, and ``peak`` microbatches' held activations
+    of ``held`` bytes each (its largest stage's, as the schedule's time-line counts them)."""
+
+    coord: int
+    rank: int
+    params: int
+    grads: int
+    optimizer: int
+    held: int
+    peak: int
+
+    @property
+    def state(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def activations(self) -> int:
+        return self.peak * self.held
+
+    @property
+    def total(self) -> int:
+        return self.state + self.activations
+
+
+def rank_memory(plan: PipelinePlan, mesh: MeshShape) -> tuple[RankMemory, ...]:
+    """Per pipeline coordinate, :class:`RankMemory` of its first rank on ``mesh`` (pure)."""
+    shape = plan.schedule.shape
+    peaks = time_schedule(plan.schedule).peak_held
+    out = []
+    for c in range(shape.ranks):
+        rank = next(r for r in range(mesh.size) if mesh.index_along(r, (plan.axis,)) == c)
+        mems = [
+            stage_memory(plan.stages, s.index, mesh, rank)
+            for s in plan.stages.passes
+            if shape.rank_of(s.index) == c
+        ]
+        out.append(
+            RankMemory(
+                c,
+                rank,
+                sum(m.params for m in mems),
+                sum(m.grads for m in mems),
+                sum(m.optimizer for m in mems),
+                max((m.held for m in mems), default=0),
+                peaks[c],
+            )
+        )
+    return tuple(out)
 
 
 def _layer_of(param: str) -> str:
@@ -279,11 +363,9 @@ def explain_pipeline(plan: PipelinePlan, mesh: MeshShape, width: int = 160) -> s
         c: next(r for r in range(mesh.size) if mesh.index_along(r, (axis,)) == c)
         for c in range(shape.ranks)
     }
-    per_rank: dict[int, list[StageMemory]] = {}
     for s in plan.stages.passes:
         c = shape.rank_of(s.index)
         mem = stage_memory(plan.stages, s.index, mesh, first_rank[c])
-        per_rank.setdefault(c, []).append(mem)
         names = list(dict.fromkeys(_layer_of(n) for n in s.params))
         shown = ", ".join(names) if len(names) <= 3 else f"{names[0]} .. {names[-1]}"
         lines.append(
@@ -291,14 +373,10 @@ def explain_pipeline(plan: PipelinePlan, mesh: MeshShape, width: int = 160) -> s
             f"{_mib(mem.optimizer):>10} {_mib(mem.held):>16}"
         )
     lines.append("per pipeline rank (its first rank): state, peak held microbatches, activations")
-    for c in range(shape.ranks):
-        mems = per_rank.get(c, [])
-        state = sum(m.params + m.grads + m.optimizer for m in mems)
-        held = max((m.held for m in mems), default=0)
-        peak = timing.peak_held[c]
+    for m in rank_memory(plan, mesh):
         lines.append(
-            f"  {axis}={c} (rank {first_rank[c]}): state {_mib(state)}, held {peak} x "
-            f"{_mib(held)} = {_mib(peak * held)} activations, total {_mib(state + peak * held)}"
+            f"  {axis}={m.coord} (rank {m.rank}): state {_mib(m.state)}, held {m.peak} x "
+            f"{_mib(m.held)} = {_mib(m.activations)} activations, total {_mib(m.total)}"
         )
     lines.append(schedule_text(plan.schedule, timing, width))
     return "\n".join(lines) + "\n"

@@ -133,7 +133,9 @@ def _extents(mesh: MeshShape) -> registry.ShardExtents:
     return extents
 
 
-def _plan_op(op: Op, mesh: MeshShape, operand_types: tuple[TensorType, ...]) -> PlanOp:
+def _plan_op(
+    op: Op, mesh: MeshShape, operand_types: tuple[TensorType, ...], frees: tuple[str, ...]
+) -> PlanOp:
     name = op.name
     opdef = registry.lookup_op(name)
     assert opdef is not None, name
@@ -152,19 +154,20 @@ def _plan_op(op: Op, mesh: MeshShape, operand_types: tuple[TensorType, ...]) -> 
         except PlanError as err:
             s = op.span
             raise PlanError(f"{s.file}:{s.line}:{s.col}: {name}: {err}") from None
-        return PlanOp(op, OpKind.REDIST, plan)
+        return PlanOp(op, OpKind.REDIST, plan, frees, operand_types=operand_types)
     if kind is OpKind.BROADCAST:
         axes = _axes(op, "axes")
         root = int(op.attr("root"))  # type: ignore[arg-type]
         _check_coord(op, "root", root, mesh.group_size(axes), axes)
-        return PlanOp(op, OpKind.BROADCAST, axes=axes, root=root)
+        return PlanOp(op, OpKind.BROADCAST, None, frees, axes, root, operand_types=operand_types)
     if kind in (OpKind.SEND, OpKind.RECV):
         axes = _axes(op, "axis")
         src_c, dst_c = int(op.attr("src")), int(op.attr("dst"))  # type: ignore[arg-type]
         for key, c in (("src", src_c), ("dst", dst_c)):
             _check_coord(op, key, c, mesh.group_size(axes), axes)
-        return PlanOp(op, kind, axes=axes, root=src_c, dst=dst_c, tag=int(op.attr("tag")))  # type: ignore[arg-type]
-    return PlanOp(op, kind)
+        tag = int(op.attr("tag"))  # type: ignore[arg-type]
+        return PlanOp(op, kind, None, frees, axes, src_c, dst_c, tag, operand_types)
+    return PlanOp(op, kind, None, frees, operand_types=operand_types)
 
 
 def _plan_function(f: Function, mesh: MeshShape) -> FunctionPlan:
@@ -181,10 +184,9 @@ def _plan_function(f: Function, mesh: MeshShape) -> FunctionPlan:
     ops: list[PlanOp] = []
     for i, op in enumerate(f.body):
         operand_types = tuple(types[n] for n in op.operands)
-        p = _plan_op(op, mesh, operand_types)
         unused = [r for r in op.results if r not in last_use and r not in keep]
-        frees = tuple(sorted(frees_at.get(i, []))) + tuple(unused)
-        ops.append(replace(p, frees=frees, operand_types=operand_types))
+        frees = tuple(sorted(frees_at.get(i, ()))) + tuple(unused)
+        ops.append(_plan_op(op, mesh, operand_types, frees))
         for r, t in zip(op.results, op.result_types, strict=True):
             types[r] = t
     return FunctionPlan(f, tuple(ops))

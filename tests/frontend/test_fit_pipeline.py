@@ -24,16 +24,17 @@ MESH = dtm.Mesh(pp=1, dp=1, tp=1)
 
 
 def loader(step: int, regions: Mapping[str, tuple[slice, ...]]) -> dict[str, np.ndarray]:
-    data = token_batch(BATCH, 100 + step)
+    rows = regions["ids"][0].stop if "ids" in regions else BATCH
+    data = token_batch(max(BATCH, rows), 100 + step)
     return {k: data[k][r] for k, r in regions.items()}
 
 
-def _step(pipeline: dtm.Pipeline | None = None, **kw: object) -> dtm.TracedStep:
+def _step(pipeline: dtm.Pipeline | None = None, batch: int = BATCH, **kw: object) -> dtm.TracedStep:
     return dtm.train_step(
         gpt(),
         lm_loss,
         mesh=MESH,
-        inputs=INPUTS,
+        inputs={k: dtm.Input((batch, T), "i32", ("dp", None)) for k in ("ids", "tgt")},
         optimizer=dtm.optim.AdamW(lr=1e-2),
         clip_norm=0.5,
         pipeline=pipeline,
@@ -200,6 +201,7 @@ DETERMINISTIC = [
     ("pp2-1f1b-m4", {"pp": 2}, "1f1b", 1, 4),
     ("pp4-gpipe-m2", {"pp": 4}, "gpipe", 1, 2),
     ("pp4-zb-h1-m8", {"pp": 4}, "zb-h1", 1, 8),
+    ("pp2-1f1b-m8", {"pp": 2}, "1f1b", 1, 8),
     ("dp2xpp2-zb-h1-m2", {"pp": 2, "dp": 2}, "zb-h1", 1, 2),
     ("tp2xpp2-1f1b-m4", {"pp": 2, "tp": 2}, "1f1b", 1, 4),
     ("pp2x2chunks-interleaved-m2", {"pp": 2}, "interleaved", 2, 2),
@@ -216,15 +218,30 @@ def test_in_deterministic_mode_a_pipelined_fit_has_the_unpipelined_bits(
     deterministic: object, mesh: dict[str, int], schedule: str, chunks: int, m: int
 ) -> None:
     """Deterministic mode: every loss and every bit of the final state equal the
-    unpipelined training's on one rank (the batch's sums taken over the whole batch)."""
-    want = dtm.fit(_step(), loader, steps=2, sim=1, quiet=True)
-    step = _step(dtm.Pipeline(microbatches=m, schedule=schedule, chunks=chunks))
+    unpipelined training's on one rank (the batch's sums taken over the whole batch);
+    microbatches of 2 rows (16 for m=8)."""
+    batch = max(BATCH, 2 * m)
+    want = dtm.fit(_step(batch=batch), loader, steps=2, sim=1, quiet=True)
+    step = _step(dtm.Pipeline(microbatches=m, schedule=schedule, chunks=chunks), batch)
     ranks = int(np.prod(list(mesh.values())))
     got = dtm.fit(step, loader, steps=2, sim=ranks, mesh=mesh, quiet=True)
     assert [x["loss"] for x in got.metrics] == [x["loss"] for x in want.metrics]
     assert sorted(got.outputs) == sorted(want.outputs)
     differ = [k for k, v in want.outputs.items() if got.outputs[k].tobytes() != v.tobytes()]
     assert not differ, differ
+
+
+def test_deterministic_mode_refuses_microbatches_that_trace_to_other_ops(
+    deterministic: object,
+) -> None:
+    """A microbatch of one row lays its values out otherwise than the whole batch (a
+    reshape of [1 x T] rows keeps the split on T): the whole-batch passes could not take its
+    values, so planning refuses it, naming the pass and what to change."""
+    step = _step(dtm.Pipeline(microbatches=8, schedule="1f1b"))  # 8 rows: 1 per microbatch
+    with pytest.raises(
+        UsageError, match=r"stage 0's stage0_weight_grad traces to other ops.*at least 2 rows"
+    ):
+        dtm.fit(step, loader, steps=1, sim=2, mesh={"pp": 2}, quiet=True)
 
 
 def test_deterministic_mode_takes_a_power_of_two_of_microbatches(deterministic: object) -> None:

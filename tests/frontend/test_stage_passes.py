@@ -119,7 +119,7 @@ def test_each_stage_sends_the_residual_stream_forward_and_its_gradient_back() ->
     (act,) = stages.partition.routes
     (grad,) = stages.grad_routes
     assert (act.src, act.dst, grad.src, grad.dst) == (0, (1,), 1, (0,))
-    assert grad.type.shape == act.type.shape == (BATCH // 2, T, 16)
+    assert grad.type.shape == act.type.shape == (BATCH // 2, T, 12)
     first, last = stages.passes
     assert first.input_grad.function.body == ()  # nothing before stage 0 waits for a gradient
     assert last.input_grad.carries[0] == grad.value

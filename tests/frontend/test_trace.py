@@ -12,13 +12,15 @@ import numpy as np
 import pytest
 
 from dtm_mpi import frontend as dtm
-from dtm_mpi.errors import GradientError, TraceError, UsageError
+from dtm_mpi.errors import GradientError, PlanError, TraceError, UsageError
 from dtm_mpi.frontend import functional as fn
 from dtm_mpi.ir import load_module, print_module
 from dtm_mpi.ir.autodiff import backward
 from dtm_mpi.ir.build import FunctionBuilder
 from dtm_mpi.ir.nodes import Module
+from dtm_mpi.ir.parser import parse_module
 from dtm_mpi.ir.types import DType, Layout, TensorType
+from dtm_mpi.plan.program import compile_plan, mesh_for
 from dtm_mpi.runtime.reference import evaluate_function, run_reference
 from dtm_mpi.runtime.simulate import run_simulated
 from dtm_mpi.runtime.values import init_global
@@ -57,6 +59,7 @@ def test_a_traced_step_is_verified_canonical_and_hashes_the_same_every_time() ->
     b = dtm.train_step(mlp(), ce_loss, mesh=MESH, inputs=INPUTS, optimizer=dtm.optim.AdamW())
     text = a.text
     assert print_module(load_module(text)) == text  # dtm fmt fixed point
+    assert parse_module(text, "<traced>") == a.module  # the text is the whole module
     assert a.hash == b.hash and a.text == b.text
     c = dtm.train_step(
         mlp(), ce_loss, mesh=MESH, inputs=INPUTS, optimizer=dtm.optim.AdamW(), seed=1
@@ -304,7 +307,7 @@ def lm_loss(m: dtm.nn.GPT, ids: dtm.Tensor, tgt: dtm.Tensor) -> dtm.Tensor:
 
 
 def test_gpt_gradients_match_finite_differences_on_1_to_4_ranks() -> None:
-    """Embedding (vocab over tp), attention (heads over tp: 2 heads on 3 ranks included),
+    """Embedding (vocab over tp), attention (whole heads over tp: one GEMM per projection),
     MLP, layer norms and the vocab-parallel cross-entropy: one SGD step with lr 1 against
     central differences of the traced loss, at every binding."""
     b, t, v = 4, 6, 11
@@ -312,7 +315,7 @@ def test_gpt_gradients_match_finite_differences_on_1_to_4_ranks() -> None:
         "ids": dtm.Input((b, t), "i32", ("dp", None)),
         "tgt": dtm.Input((b, t), "i32", ("dp", None)),
     }
-    model = dtm.nn.GPT(v, t, 8, 2, 2, dtype="f64")
+    model = dtm.nn.GPT(v, t, 12, 6, 2, dtype="f64")
     step = dtm.train_step(model, lm_loss, mesh=MESH, inputs=inputs, optimizer=dtm.optim.SGD(1.0))
     ev = dtm.eval_step(model, lm_loss, mesh=MESH, inputs=inputs)
     rng = np.random.default_rng(0)
@@ -363,9 +366,23 @@ def test_gpt_gradients_match_finite_differences_on_1_to_4_ranks() -> None:
                 )
 
 
+def test_heads_that_do_not_divide_over_tp_are_a_plan_error_at_the_attention() -> None:
+    """Each rank computes whole heads: 2 heads on 3 ranks is refused when the mesh is bound,
+    naming the line of the user's code that called the model."""
+    inputs = {
+        "ids": dtm.Input((2, 4), "i32", ("dp", None)),
+        "tgt": dtm.Input((2, 4), "i32", ("dp", None)),
+    }
+    model = dtm.nn.GPT(5, 4, 8, 2, 1, dtype="f64")
+    step = dtm.train_step(model, lm_loss, mesh=MESH, inputs=inputs, optimizer=dtm.optim.SGD(1.0))
+    compile_plan(step.module, mesh_for(step.module, 2, {"dp": 1, "tp": 2}))  # 1 head per rank
+    with pytest.raises(PlanError, match=r"test_trace\.py:\d+:\d+: reshape: dim 1 \(size 8\) split"):
+        compile_plan(step.module, mesh_for(step.module, 3, {"dp": 1, "tp": 3}))
+
+
 def test_propagation_reproduces_the_hand_written_types_of_attention() -> None:
     """examples/attention.dtm (heads over tp, batch over dp) traced from its parameter layouts
-    with MultiHeadAttention's formulation: q, k, v, the scores, softmax, per-head output, the
+    with the per-head formulation: q, k, v, the scores, softmax, per-head output, the
     pending sum over heads, its completion and the residual have the hand-written types."""
     hand = load_module((EXAMPLES / "attention.dtm").read_text())
     entry = hand.entry
