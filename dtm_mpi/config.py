@@ -43,6 +43,7 @@ class FaultKind(enum.Enum):
     RAISE = "raise"
     HANG = "hang"
     EXIT = "exit"
+    CORRUPT = "corrupt"  # one bit of the rank's outgoing message flipped in flight
 
 
 class GpuAwareMode(enum.Enum):

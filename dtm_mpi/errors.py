@@ -25,6 +25,7 @@ __all__ = [
     "DtmError",
     "GpuAwareMpiError",
     "HandshakeError",
+    "ProtocolError",
     "IntegrityError",
     "InvalidModuleError",
     "KernelError",
@@ -249,6 +250,23 @@ class PoisonedError(CommError):
     def __init__(self, cause: BaseException) -> None:
         super().__init__(f"communication session is poisoned by an earlier failure: {cause}")
         self.cause = cause
+
+
+class ProtocolError(CommError):
+    """A wire frame (``io/WIRE.md``) that is not what the protocol allows: ``field`` names the
+    part that is wrong (``magic``, ``major``, ``type``, ``length``, ``crc``, ``body`` or a
+    field of the message)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        field: str,
+        rank: int | None = None,
+        phase: str | None = None,
+    ) -> None:
+        super().__init__(message, rank=rank, phase=phase)
+        self.field = field
 
 
 class HandshakeError(CommError):

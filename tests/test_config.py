@@ -72,7 +72,7 @@ def test_frozen() -> None:
         ({"DTM_FAULT": "1:allreduce"}, "DTM_FAULT: expected RANK:WHERE:KIND"),
         ({"DTM_FAULT": "x:allreduce:raise"}, "RANK must be an integer"),
         ({"DTM_FAULT": "1::raise"}, "WHERE is empty"),
-        ({"DTM_FAULT": "1:allreduce:explode"}, "KIND must be one of raise, hang, exit"),
+        ({"DTM_FAULT": "1:allreduce:explode"}, "KIND must be one of raise, hang, exit, corrupt"),
         ({"DTM_DETERMINISTIC": "maybe"}, "DTM_DETERMINISTIC"),
         ({"DTM_MAX_MSG_ELEMS": "0"}, "DTM_MAX_MSG_ELEMS: must be >= 1"),
         ({"DTM_GPU_AWARE_MPI": "perhaps"}, "DTM_GPU_AWARE_MPI"),

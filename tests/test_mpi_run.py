@@ -200,6 +200,26 @@ def test_handshake_mismatch_is_reported_on_every_rank(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_a_corrupted_hello_frame_is_named_with_its_sender_on_every_rank(ranks: int) -> None:
+    """One bit of the last rank's HELLO frame flipped in flight (after its CRC): every rank
+    fails with the same line naming the sender and the check that caught it, before any data
+    moves (with JSON this was a UnicodeDecodeError, or a silently different hello)."""
+    sender = ranks - 1
+    code, text, _ = mpirun(
+        ranks,
+        str(EXAMPLES / "tp_mlp.dtm"),
+        env={"DTM_TIMEOUT": "10", "DTM_FAULT": f"{sender}:handshake:corrupt"},
+    )
+    assert code != 0
+    lines = [ln for ln in text.splitlines() if "handshake failed" in ln]
+    assert sorted(ln.split("]")[0] for ln in lines) == [f"[rank {r}" for r in range(ranks)], text
+    everyone = ",".join(map(str, range(ranks)))
+    want = f"the hello frame from rank {sender} arrived corrupt at rank(s) {everyone} (wrong: crc)"
+    assert all(ln.endswith(want) for ln in lines), text
+    assert "Traceback" not in text and "UnicodeDecodeError" not in text
+
+
 def test_bad_input_on_every_rank_is_one_agreed_error(tmp_path: Path) -> None:
     code, text, _ = mpirun(
         2,

@@ -3,8 +3,9 @@ and all ranks check they agree.
 
 Each rank contributes a :class:`Hello` (protocol version, dtm_mpi version, module hash, bound
 mesh, capabilities, backend, deterministic mode, ``--steps``, the overlapped allreduces' bucket
-size). The hellos are exchanged with two bounded non-blocking allgathers (lengths, then JSON
-bytes) and compared field by field on every rank,
+size). The hellos travel as HELLO frames (``io/WIRE.md``: versioned, CRC32C-checked), exchanged
+with bounded non-blocking allgathers (lengths, then the frames, then what each rank found
+wrong: a corrupted frame is named with its sender on every rank) and compared field by field,
 so a mismatch raises the same :class:`~dtm_mpi.errors.HandshakeError` everywhere, naming each
 differing field and which ranks hold which value.
 
@@ -17,15 +18,24 @@ decision is agreed afterwards by :func:`~dtm_mpi.comm.gpu_aware.agree_gpu_aware`
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from dtm_mpi.comm.frames import SCHEMAS, MessageType, decode_frame, encode_frame
 from dtm_mpi.comm.mpi_session import MpiSession
-from dtm_mpi.errors import HandshakeError
+from dtm_mpi.errors import HandshakeError, ProtocolError
+from dtm_mpi.log import log_info
 
-__all__ = ["LOCAL_FIELDS", "PROTOCOL_VERSION", "Hello", "compare_hellos", "handshake"]
+__all__ = [
+    "LOCAL_FIELDS",
+    "PROTOCOL_VERSION",
+    "Hello",
+    "compare_hellos",
+    "handshake",
+    "hello_frame",
+    "parse_hello",
+]
 
 PROTOCOL_VERSION = 1
 
@@ -91,23 +101,70 @@ def _ranks(ranks: list[int]) -> str:
     return ",".join(map(str, ranks))
 
 
+def hello_frame(hello: Hello) -> bytes:
+    """``hello`` as a HELLO frame (``io/WIRE.md``)."""
+    return encode_frame(MessageType.HELLO, asdict(hello))
+
+
+def parse_hello(data: bytes) -> Hello:
+    """The :class:`Hello` of a HELLO frame (a :class:`ProtocolError` naming what is wrong)."""
+    v = decode_frame(data, expect=MessageType.HELLO).values
+    return Hello(**{k: v[k] for k in Hello.__dataclass_fields__})  # type: ignore[arg-type]
+
+
+_WHAT = (
+    "magic",
+    "major",
+    "length",
+    "crc",
+    "type",
+    "body",
+    *(f.name for f in SCHEMAS[MessageType.HELLO]),
+)
+"""The parts of a HELLO frame a receiver can find wrong, by code (agreed between ranks)."""
+
+
 def handshake(session: MpiSession, hello: Hello) -> list[Hello]:
-    """Exchange and compare hellos; returns every rank's hello.
+    """Exchange and compare hellos (as frames: a corrupted one is named, with its sender, on
+    every rank); returns every rank's hello.
 
     Collective: call on all ranks."""
+    from dtm_mpi.faults import corrupted
+
     comm = session.comm
-    data = np.frombuffer(json.dumps(asdict(hello)).encode("utf-8"), dtype=np.uint8)
+    data = np.frombuffer(corrupted(session.rank, "handshake", hello_frame(hello)), dtype=np.uint8)
     lengths = np.zeros(session.size, dtype=np.int64)
     session.wait(comm.Iallgather(np.array([data.size], dtype=np.int64), lengths), "handshake")
     counts = [int(n) for n in lengths]
     displs = [int(d) for d in np.cumsum([0, *counts[:-1]])]
     everything = np.empty(sum(counts), dtype=np.uint8)
     session.wait(comm.Iallgatherv(data, [everything, (counts, displs)]), "handshake")
-    hellos = []
-    for d, n in zip(displs, counts, strict=True):
-        raw = json.loads(everything[d : d + n].tobytes().decode("utf-8"))
-        raw["capabilities"] = tuple(raw["capabilities"])
-        raw["pipeline"] = tuple(raw.get("pipeline", ()))
-        hellos.append(Hello(**raw))
+    hellos: list[Hello] = []
+    mine = np.array([-1, -1], dtype=np.int64)  # the first corrupt sender here, what was wrong
+    detail = ""
+    for sender, (d, n) in enumerate(zip(displs, counts, strict=True)):
+        try:
+            hellos.append(parse_hello(everything[d : d + n].tobytes()))
+        except ProtocolError as err:
+            if mine[0] < 0:
+                mine[:] = (sender, _WHAT.index(err.field) if err.field in _WHAT else len(_WHAT))
+                detail = str(err)
+    views = np.zeros(2 * session.size, dtype=np.int64)
+    session.wait(comm.Iallgather(mine, views), "handshake")
+    bad = [
+        (r, int(views[2 * r]), int(views[2 * r + 1]))
+        for r in range(session.size)
+        if views[2 * r] >= 0
+    ]
+    if bad:
+        at, sender, code = bad[0]
+        what = _WHAT[code] if code < len(_WHAT) else "a field"
+        if at == session.rank:
+            log_info(session.rank, f"handshake: the hello frame from rank {sender}: {detail}")
+        raise HandshakeError(
+            f"handshake failed: the hello frame from rank {sender} arrived corrupt at rank(s) "
+            f"{_ranks([r for r, _, _ in bad])} (wrong: {what})",
+            phase="handshake",
+        )
     compare_hellos(hellos)
     return hellos
