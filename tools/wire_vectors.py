@@ -65,6 +65,32 @@ def main() -> None:
         frame = encode_frame(MessageType.HELLO, _values(values))
         doc = {"type": "HELLO", "values": values, "frame": frame.hex()}
         (OUT / "valid" / f"{name}.json").write_text(json.dumps(doc, indent=2) + "\n")
+    others = {
+        "failures_two": (
+            MessageType.FAILURES,
+            {
+                "reporter": 3,
+                "ranks": [1, 2],
+                "phases": ["step 7", "step 7"],
+                "messages": ["injected failure", "in no communication while rank 3 waited"],
+            },
+        ),
+        "ping": (MessageType.PING, {"rank": 0}),
+        "pong_idle": (MessageType.PONG, {"rank": 2, "doing": "", "phase": "step 12", "seq": 40}),
+        "end": (MessageType.END, {"error": "step 7 failed on rank(s) 1: injected failure"}),
+        "outcome_failed": (
+            MessageType.OUTCOME,
+            {"phase": "load", "ok": False, "message": "no such file: w.npy"},
+        ),
+        "view": (
+            MessageType.VIEW,
+            {"ranks": [0, 1, 3], "oks": [1, 0, 1], "messages": ["", "bad 1", ""]},
+        ),
+    }
+    for name, (mtype, values) in others.items():
+        frame = encode_frame(mtype, _values(values))
+        doc = {"type": mtype.name, "values": values, "frame": frame.hex()}
+        (OUT / "valid" / f"{name}.json").write_text(json.dumps(doc, indent=2) + "\n")
     flipped = bytearray(good)
     flipped[20] ^= 0x10
     extra_field = body + struct.pack("<HBI", 99, 4, 3) + b"new"  # an unknown tag: skipped

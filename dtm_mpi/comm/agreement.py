@@ -1,5 +1,7 @@
 """Bounded agreement on rank-local outcomes: every rank learns which ranks failed, and no rank
-waits forever for a peer that will never arrive."""
+waits forever for a peer that will never arrive. The messages are wire frames (``io/WIRE.md``:
+OUTCOME, VIEW): an outcome that arrives damaged is a failure of its sender, named with the
+check that caught it; a damaged view adds nothing."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from dtm_mpi.errors import CommTimeoutError, RankFailure, RemoteFailureError
+from dtm_mpi.comm.framed import isend_frame, take_frame
+from dtm_mpi.comm.frames import MessageType, decode_frame, encode_frame
+from dtm_mpi.errors import CommTimeoutError, ProtocolError, RankFailure, RemoteFailureError
 from dtm_mpi.log import log_debug
 
 __all__ = [
@@ -65,16 +69,28 @@ VIEW_TAG = 32765
 """The tag of the second round of such an agreement: what each arrived rank heard."""
 
 
-def _collect(comm: Any, tag: int, want: set[int], deadline: float) -> dict[int, Any]:
-    """Receive one message with ``tag`` from each rank of ``want`` until ``deadline``
-    (monotonic); returns what came, by source."""
-    got: dict[int, Any] = {}
+def _collect(
+    comm: Any, tag: int, want: set[int], deadline: float, kind: MessageType
+) -> dict[int, dict[str, Any] | ProtocolError]:
+    """Receive one frame of ``kind`` with ``tag`` from each rank of ``want`` until
+    ``deadline`` (monotonic); returns what came, by source: its fields, or the error saying
+    how it arrived damaged."""
+    from mpi4py import MPI
+
+    got: dict[int, dict[str, Any] | ProtocolError] = {}
+    status = MPI.Status()
     pause = 0.0
     while want - set(got):
         # one message per source: a fast peer's message of the next phase stays queued
         for source in sorted(want - set(got)):
-            if comm.iprobe(source=source, tag=tag):
-                got[source] = comm.recv(source=source, tag=tag)
+            data = take_frame(comm, MPI, source, tag, status)
+            if data is None:
+                continue
+            try:
+                got[source] = dict(decode_frame(data, expect=kind).values)
+            except ProtocolError as err:
+                err.rank = source
+                got[source] = err
         if not want - set(got) or time.monotonic() > deadline:
             break
         time.sleep(pause)
@@ -116,20 +132,48 @@ def _exchange(
     start = time.monotonic()
     tag, view_tag = tags
     log_debug(rank, f"waiting for every rank to end phase {phase}")
-    sends = [comm.isend((phase, ok, message), dest=r, tag=tag) for r in range(size) if r != rank]
-    got = _collect(comm, tag, set(range(size)) - {rank}, start + timeout_s)
-    outcomes: dict[int, tuple[bool, str]] = {r: (bool(v[1]), str(v[2])) for r, v in got.items()}
+    from mpi4py import MPI
+
+    mine = encode_frame(MessageType.OUTCOME, {"phase": phase, "ok": ok, "message": message})
+    sends = [isend_frame(comm, MPI, mine, r, tag) for r in range(size) if r != rank]
+    got = _collect(comm, tag, set(range(size)) - {rank}, start + timeout_s, MessageType.OUTCOME)
+    outcomes: dict[int, tuple[bool, str]] = {
+        r: (
+            (False, f"its agreement message arrived corrupt at rank {rank} (wrong: {v.field})")
+            if isinstance(v, ProtocolError)
+            else (bool(v["ok"]), str(v["message"]))
+        )
+        for r, v in got.items()
+    }
     outcomes[rank] = (ok, message)
     missing = [r for r in range(size) if r not in outcomes]
     if missing:
         # a rank that arrived late for me arrived in time for another: exchange the views
         arrived = sorted(outcomes)
-        sends += [comm.isend(dict(outcomes), dest=r, tag=view_tag) for r in arrived if r != rank]
+        view = encode_frame(
+            MessageType.VIEW,
+            {
+                "ranks": tuple(outcomes),
+                "oks": tuple(int(o[0]) for o in outcomes.values()),
+                "messages": tuple(o[1] for o in outcomes.values()),
+            },
+        )
+        sends += [isend_frame(comm, MPI, view, r, view_tag) for r in arrived if r != rank]
         # a peer that arrived just before my deadline reaches its own up to timeout_s later
-        views = _collect(comm, view_tag, set(arrived) - {rank}, time.monotonic() + timeout_s + 1.0)
-        for view in views.values():
-            for r, outcome in view.items():
-                outcomes.setdefault(int(r), (bool(outcome[0]), str(outcome[1])))
+        views = _collect(
+            comm,
+            view_tag,
+            set(arrived) - {rank},
+            time.monotonic() + timeout_s + 1.0,
+            MessageType.VIEW,
+        )
+        for v in views.values():
+            if isinstance(v, ProtocolError) or not len(v["ranks"]) == len(v["oks"]) == len(
+                v["messages"]
+            ):
+                continue  # a damaged view adds nothing
+            for r, good, said in zip(v["ranks"], v["oks"], v["messages"], strict=True):
+                outcomes.setdefault(int(r), (bool(good), str(said)))
         missing = [r for r in range(size) if r not in outcomes]
         failures = tuple(
             RankFailure(r, phase, outcomes[r][1]) for r in sorted(outcomes) if not outcomes[r][0]
@@ -145,7 +189,7 @@ def _exchange(
         )
         err.silent = tuple(missing)
         raise err
-    for req in sends:  # every peer arrived and receives: small messages complete at once
+    for req, _ in sends:  # every peer arrived and receives: small messages complete at once
         wait_bounded(req, timeout_s=timeout_s, op="agreement", phase=phase, rank=rank)
     return outcomes
 

@@ -1,7 +1,9 @@
 """The control channel of an MPI session: failure notices and liveness pings.
 
-A private duplicate of the world communicator carries only small pickled control messages,
-never data. A rank that fails sends a *notice* (rank, phase, message) to every peer; a rank
+A private duplicate of the world communicator carries only small control messages, as wire
+frames (``io/WIRE.md``: FAILURES, PING, PONG, END), never data. A frame that arrives damaged
+is never read: a damaged failure notice is itself a failure of its sender, named with the check
+that caught it. A rank that fails sends a *notice* (rank, phase, message) to every peer; a rank
 whose wait expired sends *pings* and learns from the *pongs* which peers are alive and what
 each is doing (the communication it is in, or none). Every use goes through one lock, so the
 session's watchdog thread and the main thread never receive the same message twice.
@@ -15,7 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dtm_mpi.errors import RankFailure, RemoteFailureError
+from dtm_mpi.comm.framed import isend_frame, take_frame
+from dtm_mpi.comm.frames import MessageType, decode_frame, encode_frame
+from dtm_mpi.errors import ProtocolError, RankFailure, RemoteFailureError
 from dtm_mpi.log import info_enabled, log_info
 
 __all__ = ["Control", "Liveness"]
@@ -113,19 +117,54 @@ class Control:
     def notify(self, failures: tuple[RankFailure, ...]) -> None:
         """Tell every peer about ``failures`` (this rank's own, or peers it found hung or
         dead); does not wait."""
-        payload = (self.rank, [(f.rank, f.phase, f.message) for f in failures])
+        frame = encode_frame(
+            MessageType.FAILURES,
+            {
+                "reporter": self.rank,
+                "ranks": tuple(f.rank for f in failures),
+                "phases": tuple(f.phase for f in failures),
+                "messages": tuple(f.message for f in failures),
+            },
+        )
         with self.lock:
-            self._merge(self.rank, list(payload[1]))
+            self._merge(self.rank, [(f.rank, f.phase, f.message) for f in failures])
             for r in range(self.size):
                 if r != self.rank:
-                    self._pending.append(self.ctrl.isend(payload, dest=r, tag=TAG_FAIL))
+                    self._send(frame, r, TAG_FAIL)
+
+    def _send(self, frame: bytes, dest: int, tag: int) -> None:
+        self._pending.append(isend_frame(self.ctrl, self.MPI, frame, dest, tag))
+
+    def _take(
+        self, tag: int, kind: MessageType
+    ) -> tuple[int, dict[str, Any] | ProtocolError] | None:
+        """The next frame waiting with ``tag`` from any peer: (its sender, its fields, or the
+        error that says how it arrived damaged); None if none waits."""
+        data = take_frame(self.ctrl, self.MPI, self.MPI.ANY_SOURCE, tag, self._status)
+        if data is None:
+            return None
+        source = int(self._status.Get_source())
+        try:
+            return source, dict(decode_frame(data, expect=kind).values)
+        except ProtocolError as err:
+            err.rank = source
+            return source, err
 
     def _receive(self) -> bool:
         """Take every failure notice waiting here (under the lock); True if there was one."""
         got = False
-        while self.ctrl.Iprobe(self.MPI.ANY_SOURCE, TAG_FAIL, self._status):
-            reporter, failures = self.ctrl.recv(source=self._status.Get_source(), tag=TAG_FAIL)
-            self._merge(int(reporter), list(failures))
+        while (taken := self._take(TAG_FAIL, MessageType.FAILURES)) is not None:
+            source, v = taken
+            if isinstance(v, ProtocolError):
+                damaged = (
+                    f"its failure notice arrived corrupt at rank {self.rank} (wrong: {v.field})"
+                )
+                self._merge(self.rank, [(source, self.phase, damaged)])
+            elif not len(v["ranks"]) == len(v["phases"]) == len(v["messages"]):
+                self._merge(self.rank, [(source, self.phase, "its failure notice is malformed")])
+            else:
+                failures = list(zip(v["ranks"], v["phases"], v["messages"], strict=True))
+                self._merge(int(v["reporter"]), failures)
             got = True
         return got
 
@@ -162,19 +201,24 @@ class Control:
     def announce_end(self, error: str) -> None:
         """Tell every peer that this rank printed ``error`` (its last line, without the rank
         prefix) and is ending the job; does not wait."""
+        frame = encode_frame(MessageType.END, {"error": error})
         with self.lock:
             for r in range(self.size):
                 if r != self.rank:
-                    self._pending.append(self.ctrl.isend(error, dest=r, tag=TAG_END))
+                    self._send(frame, r, TAG_END)
 
     def ended(self) -> str | None:
         """The error a peer announced when it ended the job (the lowest such rank's), if
         any: a rank killed by that end (a hung one, or one that had not yet noticed) prints
         the same error instead of naming the peers the end has already killed."""
         with self.lock:
-            while self.ctrl.Iprobe(self.MPI.ANY_SOURCE, TAG_END, self._status):
-                source = self._status.Get_source()
-                self._ends[int(source)] = str(self.ctrl.recv(source=source, tag=TAG_END))
+            while (taken := self._take(TAG_END, MessageType.END)) is not None:
+                source, v = taken
+                self._ends[source] = (
+                    f"rank {source} ended the job (its last line arrived corrupt: wrong {v.field})"
+                    if isinstance(v, ProtocolError)
+                    else str(v["error"])
+                )
         return self._ends[min(self._ends)] if self._ends else None
 
     def all_ended(self) -> bool:
@@ -198,12 +242,14 @@ class Control:
             time.sleep(0.01)
 
     def _answer(self) -> None:
-        while self.ctrl.Iprobe(self.MPI.ANY_SOURCE, TAG_PING, self._status):
-            source = self._status.Get_source()
-            self.ctrl.recv(source=source, tag=TAG_PING)
+        while (taken := self._take(TAG_PING, MessageType.PING)) is not None:
+            source = taken[0]  # (a damaged ping is answered too: its sender is known)
             phase, seq = self._where
-            answer = (self.rank, self.doing(), phase, seq)
-            self._pending.append(self.ctrl.isend(answer, dest=source, tag=TAG_PONG))
+            answer = encode_frame(
+                MessageType.PONG,
+                {"rank": self.rank, "doing": self.doing(), "phase": phase, "seq": seq},
+            )
+            self._send(answer, source, TAG_PONG)
 
     def liveness(self, bound: float) -> Liveness:
         """Ping every peer and wait up to ``bound`` seconds for all the answers."""
@@ -218,18 +264,21 @@ class Control:
         every peer answered): rank -> (what it communicates, its phase, its phase count)."""
         peers = [r for r in range(self.size) if r != self.rank]
         heard: dict[int, tuple[str, str, int]] = {}
+        ping = encode_frame(MessageType.PING, {"rank": self.rank})
         with self.lock:
             for r in peers:
-                self._pending.append(self.ctrl.isend(self.rank, dest=r, tag=TAG_PING))
+                self._send(ping, r, TAG_PING)
         deadline = time.monotonic() + bound
         while time.monotonic() < deadline and len(heard) < len(peers):
             with self.lock:
                 self._answer()
-                while self.ctrl.Iprobe(self.MPI.ANY_SOURCE, TAG_PONG, self._status):
-                    rank, doing, phase, seq = self.ctrl.recv(
-                        source=self._status.Get_source(), tag=TAG_PONG
+                while (taken := self._take(TAG_PONG, MessageType.PONG)) is not None:
+                    source, v = taken
+                    heard[source] = (
+                        (f"a corrupt answer (wrong: {v.field})", "?", 0)
+                        if isinstance(v, ProtocolError)
+                        else (str(v["doing"]), str(v["phase"]), int(v["seq"]))
                     )
-                    heard[int(rank)] = (str(doing), str(phase), int(seq))
             time.sleep(0.005)
         return heard
 

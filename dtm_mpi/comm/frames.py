@@ -64,6 +64,19 @@ class MessageType(enum.IntEnum):
 
     HELLO = 1
     """The handshake: what a rank runs (:class:`~dtm_mpi.comm.handshake.Hello`)."""
+    FAILURES = 2
+    """A failure notice on the control channel: ranks that failed, their phases, messages."""
+    PING = 3
+    """A liveness question on the control channel."""
+    PONG = 4
+    """Its answer: what the rank communicates now, its phase and phase count."""
+    END = 5
+    """A rank printed its last line (the error) and ends the job."""
+    OUTCOME = 6
+    """An agreement's first round (or an exchange): a rank's phase, whether it succeeded, its
+    message."""
+    VIEW = 7
+    """An agreement's second round: the outcomes a rank heard, by rank."""
 
 
 class Kind(enum.IntEnum):
@@ -75,9 +88,10 @@ class Kind(enum.IntEnum):
     STR = 4  # UTF-8
     BYTES = 5
     STRS = 6  # u32 count, then per string u32 size and UTF-8 bytes
+    U64S = 7  # u32 count, then 8 bytes per integer
 
 
-Value = int | bool | str | bytes | tuple[str, ...]
+Value = int | bool | str | bytes | tuple[str, ...] | tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +116,30 @@ SCHEMAS: Mapping[MessageType, tuple[Field, ...]] = {
         Field(9, "steps", Kind.U64),
         Field(10, "buckets", Kind.U64),
         Field(11, "pipeline", Kind.STRS),
+    ),
+    MessageType.FAILURES: (
+        Field(1, "reporter", Kind.U64),
+        Field(2, "ranks", Kind.U64S),
+        Field(3, "phases", Kind.STRS),
+        Field(4, "messages", Kind.STRS),
+    ),
+    MessageType.PING: (Field(1, "rank", Kind.U64),),
+    MessageType.PONG: (
+        Field(1, "rank", Kind.U64),
+        Field(2, "doing", Kind.STR),
+        Field(3, "phase", Kind.STR),
+        Field(4, "seq", Kind.U64),
+    ),
+    MessageType.END: (Field(1, "error", Kind.STR),),
+    MessageType.OUTCOME: (
+        Field(1, "phase", Kind.STR),
+        Field(2, "ok", Kind.BOOL),
+        Field(3, "message", Kind.STR),
+    ),
+    MessageType.VIEW: (
+        Field(1, "ranks", Kind.U64S),
+        Field(2, "oks", Kind.U64S),
+        Field(3, "messages", Kind.STRS),
     ),
 }
 """Each message type's fields (the one home of tags and kinds: ``io/WIRE.md`` lists them)."""
@@ -140,6 +178,18 @@ def _encode_value(f: Field, value: Value) -> bytes:
         if not isinstance(value, bytes):
             raise ProtocolError(f"field {f.name}: bytes, got {value!r}", field=f.name)
         return value
+    if kind is Kind.U64S:
+        if not isinstance(value, tuple | list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**64 for i in value
+        ):
+            raise ProtocolError(
+                f"field {f.name}: a sequence of u64 integers, got {value!r}", field=f.name
+            )
+        if len(value) > MAX_ITEMS:
+            raise ProtocolError(
+                f"field {f.name}: {len(value)} integers (at most {MAX_ITEMS})", field=f.name
+            )
+        return struct.pack(f"<I{len(value)}Q", len(value), *value)
     if not isinstance(value, tuple | list) or not all(isinstance(s, str) for s in value):
         raise ProtocolError(f"field {f.name}: a sequence of strings, got {value!r}", field=f.name)
     if len(value) > MAX_ITEMS:
@@ -148,7 +198,7 @@ def _encode_value(f: Field, value: Value) -> bytes:
         )
     parts = [struct.pack("<I", len(value))]
     for s in value:
-        data = s.encode("utf-8")
+        data = str(s).encode("utf-8")
         parts += [struct.pack("<I", len(data)), data]
     return b"".join(parts)
 
@@ -290,6 +340,16 @@ def _decode_value(f: Field, data: memoryview) -> Value:
         return _utf8(f, data)
     if kind is Kind.BYTES:
         return bytes(data)
+    if kind is Kind.U64S:
+        if n < 4:
+            raise ProtocolError(f"field {f.name}: no count", field=f.name)
+        (count,) = struct.unpack_from("<I", data, 0)
+        if count > MAX_ITEMS or n != 4 + 8 * count:
+            raise ProtocolError(
+                f"field {f.name}: {n} bytes do not hold a count of {count} and its integers",
+                field=f.name,
+            )
+        return tuple(int(i) for i in struct.unpack_from(f"<{count}Q", data, 4))
     if n < 4:
         raise ProtocolError(f"field {f.name}: no string count", field=f.name)
     (count,) = struct.unpack_from("<I", data, 0)

@@ -9,6 +9,18 @@ import pytest
 from dtm_mpi.comm.agreement import AGREE_TAG, EXCHANGE_TAG, agree_outcome, wait_bounded
 from dtm_mpi.errors import CommTimeoutError
 
+
+def _drain(comm, source: int, tag: int) -> None:  # type: ignore[no-untyped-def]
+    """Take the frame ``source`` sent with ``tag`` (so nothing stays queued for later tests)."""
+    from mpi4py import MPI
+
+    from dtm_mpi.comm.framed import recv_frame
+
+    status = MPI.Status()
+    comm.Probe(source=source, tag=tag, status=status)
+    recv_frame(comm, MPI, status)
+
+
 pytestmark = pytest.mark.mpi(min_size=2)
 
 
@@ -64,7 +76,7 @@ def test_without_a_session_every_arrived_rank_names_the_missing_one(comm) -> Non
     else:  # late: take the outcomes the others sent, so nothing stays queued for later tests
         time.sleep(3.0)
         for r in range(size - 1):
-            comm.recv(source=r, tag=AGREE_TAG)
+            _drain(comm, r, AGREE_TAG)
     texts = comm.allgather(None if rank == missing else text)
     assert len({t for t in texts if t is not None}) == 1  # one agreed error
 
@@ -96,5 +108,35 @@ def test_node_local_rank_is_bounded_and_names_a_missing_rank(comm) -> None:
     else:
         time.sleep(3.0)
         for r in range(size - 1):
-            comm.recv(source=r, tag=EXCHANGE_TAG)
+            _drain(comm, r, EXCHANGE_TAG)
+    comm.Barrier()
+
+
+def test_a_damaged_outcome_frame_is_a_failure_of_its_sender(comm) -> None:  # type: ignore[no-untyped-def]
+    """One bit of the last rank's OUTCOME frame flipped in flight (after its CRC): every other
+    rank's agreement names it, and the check that caught it, instead of reading it."""
+    import dtm_mpi.comm.agreement as agreement
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    sender = size - 1
+    real = agreement.encode_frame
+
+    def flipped(*args, **kw):  # type: ignore[no-untyped-def]
+        frame = bytearray(real(*args, **kw))
+        frame[-7] ^= 0x20
+        return bytes(frame)
+
+    if rank == sender:
+        agreement.encode_frame = flipped  # type: ignore[assignment]
+    try:
+        failures = agree_outcome(comm, ok=True, message="", phase="step 3", timeout_s=30)
+    finally:
+        agreement.encode_frame = real  # type: ignore[assignment]
+    if rank == sender:
+        assert failures == ()  # it heard every other rank intact
+    else:
+        assert [(f.rank, f.phase) for f in failures] == [(sender, "step 3")]
+        assert failures[0].message == (
+            f"its agreement message arrived corrupt at rank {rank} (wrong: crc)"
+        )
     comm.Barrier()

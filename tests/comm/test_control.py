@@ -53,13 +53,22 @@ def test_no_failure_is_no_error_and_phases_are_counted() -> None:
 
 class _Status:
     source = -1
+    tag = -1
+    count = 0
 
     def Get_source(self) -> int:
         return self.source
 
+    def Get_tag(self) -> int:
+        return self.tag
+
+    def Get_count(self, datatype: object) -> int:
+        return self.count
+
 
 class _StatusMPI:
     ANY_SOURCE = -1
+    BYTE = "byte"
 
     @staticmethod
     def Status() -> Any:
@@ -67,21 +76,31 @@ class _StatusMPI:
 
 
 class _Ends:
-    """A control communicator on which the given peers have announced their end."""
+    """A control communicator on which the given peers have announced their end (END
+    frames, io/WIRE.md; ``damage``: flip a bit of each)."""
 
-    def __init__(self, ends: dict[int, str]) -> None:
-        self.ends = dict(ends)
+    def __init__(self, ends: dict[int, str], damage: bool = False) -> None:
+        from dtm_mpi.comm.frames import MessageType, encode_frame
+
+        self.frames = {}
+        for r, error in ends.items():
+            frame = bytearray(encode_frame(MessageType.END, {"error": error}))
+            if damage:
+                frame[14] ^= 1
+            self.frames[r] = bytes(frame)
 
     def Iprobe(self, source: int, tag: int, status: _Status) -> bool:
         from dtm_mpi.comm.control import TAG_END
 
-        if tag == TAG_END and self.ends:
-            status.source = min(self.ends)
+        if tag == TAG_END and self.frames:
+            status.source, status.tag = min(self.frames), tag
+            status.count = len(self.frames[status.source])
             return True
         return False
 
-    def recv(self, source: int, tag: int) -> str:
-        return self.ends.pop(source)
+    def Recv(self, buf: list[Any], source: int, tag: int) -> None:
+        data = self.frames.pop(source)
+        buf[0][:] = data
 
 
 def test_a_rank_that_printed_its_last_line_stops_lingering_once_every_peer_has_too() -> None:
@@ -93,3 +112,8 @@ def test_a_rank_that_printed_its_last_line_stops_lingering_once_every_peer_has_t
     one_missing = Control(_StatusMPI, _Ends({1: "e", 3: "e"}), 0, 4, lambda: "")
     one_missing.linger(0.05)  # the whole time: rank 2 may still ask
     assert not one_missing.all_ended()
+
+
+def test_a_damaged_end_frame_is_named_not_read() -> None:
+    c = Control(_StatusMPI, _Ends({1: "e", 2: "e", 3: "e"}, damage=True), 0, 4, lambda: "")
+    assert c.ended() == "rank 1 ended the job (its last line arrived corrupt: wrong crc)"
