@@ -126,6 +126,12 @@ def _add_run(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
         help="refuse to stage device buffers through host memory",
     )
     rn.add_argument(
+        "--integrity",
+        action="store_true",
+        help="payload integrity mode (as DTM_INTEGRITY=1): point-to-point payloads carry their "
+        "sender's CRC32C, checked on receipt (io/WIRE.md)",
+    )
+    rn.add_argument(
         "--max-bytes-per-rank",
         type=byte_count,
         default=None,
@@ -348,6 +354,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     )
     from dtm_mpi.runtime.request import RunRequest
     from dtm_mpi.runtime.runner import run_request
+
+    if args.integrity:
+        from dtm_mpi.config import switch_on
+
+        switch_on("integrity")
 
     def request() -> RunRequest:
         checkpoint = checkpoint_policy(

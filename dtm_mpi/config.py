@@ -69,6 +69,7 @@ class Config:
     timeout_s: float = 300.0
     faults: tuple[FaultSpec, ...] = ()
     deterministic: bool = False
+    integrity: bool = False  # every point-to-point payload carries its CRC32C, checked on receipt
     explain: bool = False  # fit() prints its plan and exits (dtm explain SCRIPT.py)
     max_msg_elems: int = MAX_MSG_ELEMS_DEFAULT
     gpu_aware_mpi: GpuAwareMode = GpuAwareMode.AUTO
@@ -238,6 +239,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("DTM_TIMEOUT", "timeout_s", _parse_positive_float, "300"),
     EnvVar("DTM_FAULT", "faults", parse_fault_specs, "—"),
     EnvVar("DTM_DETERMINISTIC", "deterministic", _yes_no(False), "0"),
+    EnvVar("DTM_INTEGRITY", "integrity", _yes_no(False), "0"),
     EnvVar("DTM_MAX_MSG_ELEMS", "max_msg_elems", _parse_positive_int, str(MAX_MSG_ELEMS_DEFAULT)),
     EnvVar("DTM_GPU_AWARE_MPI", "gpu_aware_mpi", _gpu_aware, "auto"),
     EnvVar("DTM_FUSE", "fuse", _yes_no(True), "1"),

@@ -33,6 +33,7 @@ __all__ = [
     "LifecycleError",
     "ManifestError",
     "ParseError",
+    "PayloadIntegrityError",
     "PlanError",
     "PoisonedError",
     "QuotaError",
@@ -267,6 +268,11 @@ class ProtocolError(CommError):
     ) -> None:
         super().__init__(message, rank=rank, phase=phase)
         self.field = field
+
+
+class PayloadIntegrityError(CommError):
+    """A payload arrived with other bytes than its sender checksummed (integrity mode,
+    ``DTM_INTEGRITY=1``): the message names the route (the step kind, the ranks, the tag)."""
 
 
 class HandshakeError(CommError):

@@ -5,7 +5,8 @@
 rename) with KIND ``raise`` (an error),
 ``hang`` (sleeps until killed) or ``exit`` (``os._exit(3)``: the process dies without a word, as in a crash),
 or ``corrupt``: one bit of what the rank sends there flipped in flight, at a position seeded by
-the rank and the place (where a place sends a frame: ``handshake``, its HELLO frame)."""
+the rank and the place (``handshake``: its HELLO frame; ``send``: every point-to-point
+payload, after its integrity checksum is computed)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ import os
 import random
 import time
 
+import numpy as np
+
 from dtm_mpi.config import FaultKind, get_config
 from dtm_mpi.errors import DtmError
 from dtm_mpi.log import log_info
 
-__all__ = ["InjectedFaultError", "corrupted", "maybe_fail"]
+__all__ = ["InjectedFaultError", "corrupt_in_place", "corrupted", "maybe_fail"]
 
 
 class InjectedFaultError(DtmError, RuntimeError):
@@ -51,3 +54,18 @@ def corrupted(rank: int, where: str, data: bytes) -> bytes:
     out = bytearray(data)
     out[at] ^= 1 << bit
     return bytes(out)
+
+
+def corrupt_in_place(rank: int, where: str, buf: np.ndarray) -> bool:
+    """With ``DTM_FAULT=RANK:WHERE:corrupt``: flip one bit of ``buf`` (a contiguous array this
+    rank is about to send at ``where``) at a position seeded by the rank and the place; True
+    if it did."""
+    fault = get_config().fault_at(rank, where)
+    if fault is None or fault.kind is not FaultKind.CORRUPT or buf.nbytes == 0:
+        return False
+    raw = buf.reshape(-1).view(np.uint8)
+    rng = random.Random(f"{rank}:{where}")
+    at, bit = rng.randrange(raw.size), rng.randrange(8)
+    log_info(rank, f"DTM_FAULT={fault}: flipping bit {bit} of byte {at} of {raw.size} at {where}")
+    raw[at] ^= np.uint8(1 << bit)
+    return True

@@ -220,6 +220,55 @@ def test_a_corrupted_hello_frame_is_named_with_its_sender_on_every_rank(ranks: i
     assert "Traceback" not in text and "UnicodeDecodeError" not in text
 
 
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_run_integrity_names_a_corrupted_send_at_its_ir_line_on_every_rank(ranks: int) -> None:
+    """``dtm run --integrity``: examples/pipeline.dtm's send from stage 0, one bit flipped in
+    flight, is named with the IR line of the recv, the ranks and the tag, on every rank."""
+    env = {"DTM_TIMEOUT": "20", "DTM_FAULT": "0:send:corrupt"}
+    code, text, _ = mpirun(ranks, str(EXAMPLES / "pipeline.dtm"), "--integrity", env=env)
+    assert code != 0
+    lines = [ln for ln in text.splitlines() if "arrived with CRC32C" in ln]
+    assert sorted({ln.split("]")[0] for ln in lines}) == [f"[rank {r}" for r in range(ranks)], text
+    assert all(
+        "recv at " in ln
+        and "pipeline.dtm:15:8" in ln
+        and "send/recv from rank 0 to rank 1 tag 1" in ln
+        for ln in lines
+    ), text
+
+
+COLLECTIVE_FLIPS = [
+    ("allreduce", "tp_mlp", 2, "dp=1,tp=2", "14:8"),
+    ("allreduce", "tp_mlp", 3, "dp=1,tp=3", "14:8"),
+    ("allreduce", "tp_mlp", 4, "dp=1,tp=4", "14:8"),
+    ("allgather", "collectives", 3, "dp=1,tp=3", "19:8"),
+    ("broadcast", "collectives", 4, "dp=1,tp=4", "17:8"),
+]
+
+
+@pytest.mark.parametrize(
+    ("op", "example", "ranks", "mesh", "where"),
+    COLLECTIVE_FLIPS,
+    ids=[f"{c[0]}-{c[2]}" for c in COLLECTIVE_FLIPS],
+)
+def test_run_integrity_names_the_rank_whose_collective_result_differs(
+    op: str, example: str, ranks: int, mesh: str, where: str
+) -> None:
+    """``--integrity``: after an allreduce, allgather or broadcast every member compares the
+    CRC32C of its result with the group's; one bit flipped in rank 1's result is one line on
+    every rank naming the op, its IR line and rank 1 (by majority from 3 ranks on)."""
+    env = {"DTM_TIMEOUT": "20", "DTM_FAULT": f"1:{op}:corrupt"}
+    args = (str(EXAMPLES / f"{example}.dtm"), "--mesh", mesh, "--integrity")
+    code, text, _ = mpirun(ranks, *args, env=env)
+    assert code != 0
+    lines = [ln for ln in text.splitlines() if "the members' results differ" in ln]
+    assert sorted({ln.split("]")[0] for ln in lines}) == [f"[rank {r}" for r in range(ranks)], text
+    odd = "rank(s) 1 hold other bytes than the rest" if ranks > 2 else "rank(s) 1: CRC32C"
+    assert all(f"{op} at " in ln and f"{example}.dtm:{where}" in ln and odd in ln for ln in lines)
+    clean, text, _ = mpirun(ranks, *args, env={"DTM_TIMEOUT": "20"})
+    assert clean == 0, text  # no false alarm: every member holds the same bits
+
+
 def test_bad_input_on_every_rank_is_one_agreed_error(tmp_path: Path) -> None:
     code, text, _ = mpirun(
         2,

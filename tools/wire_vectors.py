@@ -26,6 +26,7 @@ HELLOS = {
         "steps": 100,
         "buckets": 0,
         "pipeline": [],
+        "integrity": False,
     },
     "hello_pipelined": {
         "protocol": 1,
@@ -42,6 +43,7 @@ HELLOS = {
             "schedule 1f1b over pp=2: 2 stages, 4 microbatches",
             "stage 0 -> 1 act: %x f32[2,8]",
         ],
+        "integrity": True,
     },
 }
 
@@ -51,7 +53,7 @@ def _values(v: dict[str, object]) -> dict[str, object]:
 
 
 def _reframe(body: bytes, *, major: int = 1, type_: int = 1, length: int | None = None) -> bytes:
-    head = HEADER.pack(b"DTMF", major, 0, type_, len(body) if length is None else length) + body
+    head = HEADER.pack(b"DTMF", major, 1, type_, len(body) if length is None else length) + body
     return head + struct.pack("<I", crc32c(head))
 
 
@@ -116,14 +118,14 @@ def main() -> None:
         "trailing_byte": (good + b"\x00", "length"),
         "bad_magic": (b"DTMG" + good[4:], "magic"),
         "unknown_major": (_reframe(body, major=2), "major"),
-        "oversized_length": (HEADER.pack(b"DTMF", 1, 0, 1, 2**26 + 1) + b"\x00" * 4, "length"),
+        "oversized_length": (HEADER.pack(b"DTMF", 1, 1, 1, 2**26 + 1) + b"\x00" * 4, "length"),
         "bit_flipped_in_body": (bytes(flipped), "crc"),
         "crc_trailer_wrong": (good[:-4] + bytes([good[-4] ^ 1]) + good[-3:], "crc"),
         "unknown_type": (_reframe(body, type_=77), "type"),
         "field_kind_wrong": (_reframe(bytes(wrong_kind)), "protocol"),
-        "field_size_past_body": (_reframe(body[:-1]), "pipeline"),
+        "field_size_past_body": (_reframe(body[:-1]), "integrity"),
         "tags_out_of_order": (_reframe(body[15:] + body[:15]), "protocol"),
-        "missing_field": (_reframe(body[: body.rindex(struct.pack("<HB", 11, 6))]), "pipeline"),
+        "missing_field": (_reframe(body[: body.rindex(struct.pack("<HB", 12, 3))]), "integrity"),
         "bool_not_0_or_1": (
             _reframe(
                 body.replace(struct.pack("<HBIB", 7, 3, 1, 0), struct.pack("<HBIB", 7, 3, 1, 2))

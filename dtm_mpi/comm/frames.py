@@ -19,6 +19,7 @@ import enum
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from dtm_mpi.errors import ProtocolError
 
@@ -39,7 +40,7 @@ __all__ = [
 ]
 
 MAGIC = b"DTMF"
-MAJOR, MINOR = 1, 0
+MAJOR, MINOR = 1, 1
 HEADER = struct.Struct("<4sBBHI")  # magic, major, minor, type, body length
 TRAILER = struct.Struct("<I")  # crc32c
 FIELD = struct.Struct("<HBI")  # tag, kind, size
@@ -51,9 +52,10 @@ MAX_ITEMS = 65536
 """The most strings in one ``strs`` field."""
 
 
-def crc32c(data: bytes | memoryview) -> int:
-    """CRC32C (Castagnoli) of ``data``, hardware-accelerated by the ``crc32c`` package (which
-    releases the GIL on large buffers)."""
+def crc32c(data: Any) -> int:
+    """CRC32C (Castagnoli) of ``data`` (any C-contiguous buffer: bytes, a memoryview, a numpy
+    array), hardware-accelerated by the ``crc32c`` package (which releases the GIL on large
+    buffers)."""
     import crc32c as _crc
 
     return int(_crc.crc32c(data))
@@ -116,6 +118,7 @@ SCHEMAS: Mapping[MessageType, tuple[Field, ...]] = {
         Field(9, "steps", Kind.U64),
         Field(10, "buckets", Kind.U64),
         Field(11, "pipeline", Kind.STRS),
+        Field(12, "integrity", Kind.BOOL),
     ),
     MessageType.FAILURES: (
         Field(1, "reporter", Kind.U64),

@@ -53,6 +53,7 @@ class Hello:
     steps: int = 0  # --steps: a rank told to run another number of steps would wait alone
     buckets: int = 0  # the overlapped allreduces' bucket bytes (0: none): plans them alike
     pipeline: tuple[str, ...] = ()  # a pipelined run's schedule and boundary values, per line
+    integrity: bool = False  # payload integrity mode (DTM_INTEGRITY): both ends must check
 
 
 LOCAL_FIELDS = frozenset({"gpu_aware"})

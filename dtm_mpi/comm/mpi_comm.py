@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from dtm_mpi.comm.buffers import OutputCache, empty_aligned
+from dtm_mpi.comm.frames import crc32c
 from dtm_mpi.comm.interface import (
     CommStats,
     Completed,
@@ -40,7 +41,7 @@ from dtm_mpi.comm.interface import (
 )
 from dtm_mpi.comm.mpi_session import MpiSession
 from dtm_mpi.config import get_config
-from dtm_mpi.errors import CommError
+from dtm_mpi.errors import CommError, PayloadIntegrityError
 from dtm_mpi.ir.types import ReduceOp
 from dtm_mpi.sharding.collectives import reduce_arrays
 from dtm_mpi.sharding.mesh import MeshShape
@@ -193,6 +194,11 @@ class _SendProgress:
                     self.empty.set()
 
 
+REPLICATED_RESULTS = ("allreduce", "allgather", "broadcast")
+"""The collectives whose result every member of the group holds alike: integrity mode compares
+the result's CRC32C across the group after each."""
+
+
 class MpiComm:
     """This rank's endpoint over an :class:`MpiSession` (implements ``Comm``)."""
 
@@ -203,6 +209,7 @@ class MpiComm:
         self.MPI = mpi
         self.session = session
         self.side_thread = get_config().overlap
+        self.integrity = get_config().integrity
         self.deterministic = deterministic
         self.limit = max(1, int(max_msg_elems))
         self._stats = CommStats()
@@ -235,6 +242,9 @@ class MpiComm:
             ReduceOp.MAX: mpi.MAX,
             ReduceOp.MIN: mpi.MIN,
         }
+        if self.integrity:  # the collectives whose result every member holds alike
+            for name in REPLICATED_RESULTS:
+                setattr(self, name, self._audited(name, getattr(self, name)))
 
     @property
     def rank(self) -> int:
@@ -358,6 +368,53 @@ class MpiComm:
         if math.prod(shape) * dtype.itemsize >= ALIGN_FROM:
             return functools.partial(self._outputs.get, key, shape, dtype, True)
         return functools.partial(np.empty, shape, dtype)
+
+    def _audited(self, name: str, run: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
+        """``run`` (collective ``name``, whose result every member of the group holds alike)
+        followed by a comparison of the result's CRC32C across the group (integrity mode)."""
+        from dtm_mpi.faults import corrupt_in_place
+
+        def audited(x: np.ndarray, axes: tuple[str, ...], *rest: Any) -> np.ndarray:
+            out = run(x, axes, *rest)
+            if get_config().fault_at(self.rank, name) is not None:
+                out = np.array(out, order="C")  # DTM_FAULT=RANK:NAME:corrupt: in flight
+                corrupt_in_place(self.rank, name, out)
+            self._compare_results(name, axes, out)
+            return out
+
+        return audited
+
+    def _compare_results(self, name: str, axes: tuple[str, ...], out: np.ndarray) -> None:
+        """Every member's CRC32C of its result of collective ``name`` on ``axes``, gathered:
+        the same on every member, else one error on every member naming the odd rank(s)
+        (by majority) or, with no majority, what each holds."""
+        comm = self.session.group(axes)
+        mine = np.array([crc32c(np.ascontiguousarray(out))], dtype=np.uint32)
+        k = int(comm.Get_size())
+        every = np.empty(k, dtype=np.uint32)
+        self.call(
+            comm, "Allgather", "integrity", axes, [mine, self._move[4]], [every, self._move[4]]
+        )
+        if len(set(every.tolist())) == 1:
+            return
+        world = comm.Get_group().Translate_ranks(list(range(k)), self.session.cart.Get_group())
+        counts: dict[int, list[int]] = {}
+        for g, crc in enumerate(every.tolist()):
+            counts.setdefault(int(crc), []).append(int(world[g]))
+        ranked = sorted(counts.values(), key=len, reverse=True)
+        if len(ranked[0]) > k // 2:
+            odd = sorted(r for group in ranked[1:] for r in group)
+            what = f"rank(s) {', '.join(map(str, odd))} hold other bytes than the rest"
+        else:
+            what = "; ".join(
+                f"rank(s) {', '.join(map(str, rs))}: CRC32C {crc:08x}"
+                for crc, rs in sorted(counts.items(), key=lambda kv: kv[1][0])
+            )
+        raise PayloadIntegrityError(
+            f"{name} over {','.join(axes)}: the members' results differ ({what}; "
+            f"{out.nbytes} bytes each)",
+            rank=self.rank,
+        )
 
     def call(
         self, comm: Any, name: str, what: str, axes: tuple[str, ...], *args: Any, **kwargs: Any
@@ -762,9 +819,15 @@ class MpiComm:
     def send(self, x: np.ndarray, peer: int, tag: int) -> None:
         """Point-to-point (not collective): posts the transfer and returns; :meth:`flush`
         (or the end of the step) waits for it, bounded."""
+        from dtm_mpi.faults import corrupt_in_place
+
         flat = self._flat(np.array(x, order="C"))  # a private copy: the caller may reuse x
+        crc = crc32c(flat) if self.integrity else 0  # of what the sender means to send
+        corrupt_in_place(self.rank, "send", flat)  # DTM_FAULT=RANK:send:corrupt: in flight
         for lo in range(0, max(flat.size, 1), self.limit):
             self.post_send(flat[lo : lo + self.limit], x.itemsize, peer, tag)
+        if self.integrity:  # after the payload, on its tag: MPI keeps the order
+            self.post_send(np.array([crc], dtype=np.uint32), 4, peer, tag)
         self._stats.record("send", x.nbytes, 0)
 
     def flush(self) -> None:
@@ -794,6 +857,17 @@ class MpiComm:
                 raise CommError(
                     f"rank {self.rank}: recv from rank {peer} tag {tag} got "
                     f"{got} elements, expected {part.size}",
+                    rank=self.rank,
+                )
+        if self.integrity:
+            sent = np.zeros(1, dtype=np.uint32)
+            self.recv_into(sent, 4, peer, tag)
+            actual = crc32c(flat)
+            if int(sent[0]) != actual:
+                raise PayloadIntegrityError(
+                    f"send/recv from rank {peer} to rank {self.rank} tag {tag}: the payload "
+                    f"({out.nbytes} bytes) arrived with CRC32C {actual:08x}, its sender's was "
+                    f"{int(sent[0]):08x}",
                     rank=self.rank,
                 )
         self._stats.record("recv", 0, out.nbytes)

@@ -154,6 +154,7 @@ def fit(
     quiet: bool = False,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
     values: Mapping[str, np.ndarray] | None = None,
+    integrity: bool = False,
 ) -> FitResult:
     """Run ``steps`` steps of ``step`` (a training step updates its state; an evaluation
     step is run once or more on fed inputs), feeding ``loader(step, regions)`` each step.
@@ -182,6 +183,8 @@ def fit(
       progress bar.
 
     ``values``: global values of other parameters (an evaluation step's weights), by name.
+    ``integrity``: payload integrity mode (as ``DTM_INTEGRITY=1``, for this process and its
+    later runs): point-to-point payloads carry their sender's CRC32C, checked on receipt.
     Option errors are raised on every rank alike, before anything runs."""
     from dataclasses import replace
 
@@ -190,6 +193,10 @@ def fit(
     from dtm_mpi.runtime.runner import run_request
     from dtm_mpi.runtime.step_loop import RunHooks
 
+    if integrity:
+        from dtm_mpi.config import switch_on
+
+        switch_on("integrity")
     if get_config().explain:  # dtm explain SCRIPT.py: the plan of this run, then the end
         sys.stdout.write(explain_fit(step, mesh, sim))
         raise SystemExit(0)

@@ -375,6 +375,7 @@ def _join(live: _Live, module: Module, args: MpiRunArgs, backend: ArrayBackend) 
         steps=args.steps,
         buckets=config.bucket_bytes if config.overlap else 0,
         pipeline=pipeline_signature(live.pipeline) if live.pipeline is not None else (),
+        integrity=config.integrity,
     )
     handshake(session, hello)  # the module's requirements were checked in phase load
     groups = plan_groups(plan, config.deterministic)

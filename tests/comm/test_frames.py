@@ -109,6 +109,7 @@ hellos = st.builds(
     steps=st.integers(0, 2**64 - 1),
     buckets=st.integers(0, 2**64 - 1),
     pipeline=st.lists(texts, max_size=4).map(tuple),
+    integrity=st.booleans(),
 )
 
 

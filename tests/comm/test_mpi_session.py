@@ -19,6 +19,7 @@ PEER_REPORT = "in no communication (hung or still computing in phase 'checkpoint
 
 class _FakeMPI:
     ANY_SOURCE = -1
+    BYTE = "byte"
 
     @staticmethod
     def Status() -> Any:
@@ -31,8 +32,8 @@ class _Ctrl:
     def __init__(self) -> None:
         self.sent: list[tuple[Any, int, int]] = []
 
-    def isend(self, payload: Any, dest: int, tag: int) -> Any:
-        self.sent.append((payload, dest, tag))
+    def Isend(self, buf: Any, dest: int, tag: int) -> Any:  # a frame (io/WIRE.md)
+        self.sent.append((bytes(buf[0]), dest, tag))
         return None
 
     def Iprobe(self, *args: Any) -> bool:

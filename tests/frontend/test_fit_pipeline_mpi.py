@@ -243,3 +243,23 @@ def test_a_pipelined_fit_stops_on_a_signal_saves_and_exits_75(ranks: int, tmp_pa
     m = re.search(r"stopped by SIGUSR1 after step (\d+): checkpoint", text)
     assert m is not None, text
     assert [c.step for c in list_checkpoints(store)] == [int(m.group(1))]
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_in_integrity_mode_a_payload_corrupted_in_flight_is_named_on_every_rank(
+    ranks: int,
+) -> None:
+    """DTM_INTEGRITY=1: a boundary value's bytes carry their sender's CRC32C; one bit flipped
+    in flight on rank 1 (after the CRC) is one line on every rank naming the route and the
+    step, never a wrong result reported as success. Without integrity mode the same flip goes
+    unnoticed (the run succeeds), which is what the mode is for."""
+    args = ("--mesh", FAULTS[ranks], "--schedule", "1f1b", "--microbatches", "2", "--steps", "2")
+    proc = job(ranks, *args, DTM_TIMEOUT="30", DTM_FAULT="1:send:corrupt", DTM_INTEGRITY="1")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    lines = [ln for ln in out.splitlines() if "arrived with CRC32C" in ln]
+    assert sorted({ln.split("]")[0] for ln in lines}) == [f"[rank {r}" for r in range(ranks)], out
+    assert all("step 0 failed" in ln and "send/recv from rank 1 to rank" in ln for ln in lines)
+    assert "Traceback" not in out
+    silent = job(ranks, *args, DTM_TIMEOUT="30", DTM_FAULT="1:send:corrupt")
+    assert silent.returncode == 0, silent.stdout + silent.stderr
