@@ -123,6 +123,11 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
         choices=BACKEND_NAMES,
         help="buffers: host (numpy) or device arrays on each rank's GPU",
     )
+    bcomm.add_argument(
+        "--integrity",
+        action="store_true",
+        help="also time dtm's path in payload integrity mode (DTM_INTEGRITY) and its cost",
+    )
     bcomm.set_defaults(func=_cmd_bench_comm)
     bpp = bsub.add_parser(
         "pipeline",
@@ -414,7 +419,14 @@ def _cmd_bench_comm(args: argparse.Namespace) -> int:
 
     sizes = [parse_bytes(x) for x in args.sizes.split(",")] if args.sizes else None
     ops = [x.strip() for x in args.ops.split(",") if x.strip()]
-    table = run_comm_bench(ops, sizes, repeat=args.repeat, csv_path=args.csv, backend=args.backend)
+    table = run_comm_bench(
+        ops,
+        sizes,
+        repeat=args.repeat,
+        csv_path=args.csv,
+        backend=args.backend,
+        integrity=args.integrity,
+    )
     if table:
         print(table)
     return 0

@@ -41,6 +41,8 @@ class BenchRow:
     bytes: int
     dtm_s: float
     raw_s: float
+    checked_s: float | None = None
+    """The dtm path in payload integrity mode (``--integrity``), timed in the same rounds."""
 
     def busbw(self, seconds: float) -> float:
         n = self.ranks
@@ -51,6 +53,13 @@ class BenchRow:
     def ratio(self) -> float:
         """busbw(dtm) / busbw(raw) = raw time / dtm time."""
         return self.raw_s / self.dtm_s if self.dtm_s > 0 else 0.0
+
+    @property
+    def integrity_cost(self) -> float | None:
+        """What integrity mode adds to the dtm path, relative (None: not measured)."""
+        if self.checked_s is None or self.dtm_s <= 0:
+            return None
+        return self.checked_s / self.dtm_s - 1.0
 
 
 def default_sizes() -> list[int]:
@@ -218,12 +227,14 @@ def run_comm_bench(
     repeat: int = 30,
     csv_path: str | None = None,
     backend: str = "numpy",
+    integrity: bool = False,
 ) -> str:
     """Run the benchmark on every rank of the world; returns the table on rank 0. With a
     GPU ``backend``, both paths move device buffers (each rank on its node-local GPU): the
     dtm path through :class:`~dtm_mpi.comm.device.DeviceComm`, the raw path synchronising
     and then calling MPI on the device buffers (GPU-aware MPI) or staging through host
-    buffers itself.
+    buffers itself. ``integrity``: a third path, dtm's in payload integrity mode
+    (``DTM_INTEGRITY``), timed in the same alternating rounds, and its cost over the plain one.
 
     Collective: call on all ranks."""
     from mpi4py import MPI
@@ -236,7 +247,7 @@ def run_comm_bench(
     world = MPI.COMM_WORLD
     presence = Presence(world, LABEL)  # from here on, a rank that dies is named
     try:
-        rows, dtm_comm, device = _run_cases(world, ops, sizes, repeat, backend)
+        rows, dtm_comm, device = _run_cases(world, ops, sizes, repeat, backend, integrity)
     finally:
         presence.stop()
     if int(world.Get_rank()) != 0:
@@ -247,27 +258,32 @@ def run_comm_bench(
     if csv_path:
         with open(csv_path, "w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(
-                ["op", "ranks", "bytes", "dtm_s", "raw_s", "busbw_dtm", "busbw_raw", "ratio"]
-            )
+            head_row = ["op", "ranks", "bytes", "dtm_s", "raw_s", "busbw_dtm", "busbw_raw", "ratio"]
+            w.writerow(head_row + (["checked_s", "integrity_cost"] if integrity else []))
             for r in rows:
-                w.writerow(
-                    [
-                        r.op,
-                        r.ranks,
-                        r.bytes,
-                        f"{r.dtm_s:.9f}",
-                        f"{r.raw_s:.9f}",
-                        f"{r.busbw(r.dtm_s):.1f}",
-                        f"{r.busbw(r.raw_s):.1f}",
-                        f"{r.ratio:.3f}",
-                    ]
-                )
+                cells = [
+                    r.op,
+                    r.ranks,
+                    r.bytes,
+                    f"{r.dtm_s:.9f}",
+                    f"{r.raw_s:.9f}",
+                    f"{r.busbw(r.dtm_s):.1f}",
+                    f"{r.busbw(r.raw_s):.1f}",
+                    f"{r.ratio:.3f}",
+                ]
+                if integrity:
+                    cells += [f"{r.checked_s:.9f}", f"{r.integrity_cost:.4f}"]
+                w.writerow(cells)
     return head + format_table(rows)
 
 
 def _run_cases(
-    world: Any, ops: Sequence[str], sizes: Sequence[int] | None, repeat: int, backend: str
+    world: Any,
+    ops: Sequence[str],
+    sizes: Sequence[int] | None,
+    repeat: int,
+    backend: str,
+    integrity: bool = False,
 ) -> tuple[list[BenchRow], Any, Any]:
     """Both paths of every case, each timed block bounded by ``DTM_TIMEOUT``: the raw path
     (blocking mpi4py calls on its own communicator) runs under the session's watchdog like
@@ -288,16 +304,20 @@ def _run_cases(
     session.on_launcher_terminate()
     try:
         session.phase = "setup"
-        dtm_comm: Any = MpiComm(session, deterministic=False)
+        dtm_comm: Any = MpiComm(session, deterministic=False, integrity=False)
+        checked: Any = MpiComm(session, deterministic=False, integrity=True) if integrity else None
         raw = world.Dup()
         device = None
         if backend != "numpy":
+            if integrity:
+                raise UsageError("--integrity measures host buffers only (--backend numpy)")
             dtm_comm, device = _device_setup(backend, world, session, dtm_comm)
         rows: list[BenchRow] = []
         for op in ops:
             for nbytes in sizes or default_sizes():
                 session.phase = f"{op} {case_bytes(nbytes, n)} B"
                 dtm_fn, raw_fn = _cases(op, nbytes, dtm_comm, raw, n, rank, device)
+                chk_fn = _cases(op, nbytes, checked, raw, n, rank)[0] if checked else None
                 # short blocks, many alternating rounds, the best block of each path: on a
                 # shared machine noise only ever slows a block down, and one noisy block in a
                 # long run would decide the ratio
@@ -305,12 +325,25 @@ def _run_cases(
                 guard = functools.partial(_bounded, session, op)
                 for _ in range(min(iters, 20)):  # warm up both paths
                     dtm_fn()
+                    if chk_fn is not None:
+                        chk_fn()
                 guard(functools.partial(_repeat, raw_fn, min(iters, 20)))
-                best_d = best_r = float("inf")
+                best_d = best_r = best_c = float("inf")
                 for _ in range(repeat):
                     best_d = min(best_d, slowest_rank_time(dtm_fn, iters, raw, guard, False))
                     best_r = min(best_r, slowest_rank_time(raw_fn, iters, raw, guard))
-                rows.append(BenchRow(op, n, case_bytes(nbytes, n), best_d, best_r))
+                    if chk_fn is not None:
+                        best_c = min(best_c, slowest_rank_time(chk_fn, iters, raw, guard, False))
+                rows.append(
+                    BenchRow(
+                        op,
+                        n,
+                        case_bytes(nbytes, n),
+                        best_d,
+                        best_r,
+                        best_c if chk_fn is not None else None,
+                    )
+                )
         raw.Free()
     except BaseException as exc:  # every failure ends every rank with one error
         if isinstance(exc, DtmError) and exc.agreed and session.poisoned is None:
@@ -364,14 +397,19 @@ def _device_setup(
 
 
 def format_table(rows: Sequence[BenchRow]) -> str:
+    checked = any(r.checked_s is not None for r in rows)
     lines = [
         f"{'op':<15}{'ranks':>6}{'bytes':>11}{'dtm us':>11}{'raw us':>11}{'+us':>8}"
-        f"{'busbw dtm':>12}{'busbw raw':>12}{'ratio':>7}",
+        f"{'busbw dtm':>12}{'busbw raw':>12}{'ratio':>7}"
+        + (f"{'checked us':>12}{'cost':>8}" if checked else ""),
     ]
     for r in rows:
-        lines.append(
+        line = (
             f"{r.op:<15}{r.ranks:>6}{r.bytes:>11}{r.dtm_s * 1e6:>11.1f}{r.raw_s * 1e6:>11.1f}"
             f"{(r.dtm_s - r.raw_s) * 1e6:>8.1f}{r.busbw(r.dtm_s) / 1e9:>10.2f}GB"
             f"{r.busbw(r.raw_s) / 1e9:>10.2f}GB{r.ratio:>7.2f}"
         )
+        if r.checked_s is not None and r.integrity_cost is not None:
+            line += f"{r.checked_s * 1e6:>12.1f}{r.integrity_cost:>+8.0%}"
+        lines.append(line)
     return "\n".join(lines)

@@ -203,13 +203,19 @@ class MpiComm:
     """This rank's endpoint over an :class:`MpiSession` (implements ``Comm``)."""
 
     def __init__(
-        self, session: MpiSession, *, deterministic: bool = False, max_msg_elems: int = 2**31 - 1
+        self,
+        session: MpiSession,
+        *,
+        deterministic: bool = False,
+        max_msg_elems: int = 2**31 - 1,
+        integrity: bool | None = None,
     ) -> None:
         mpi = session.MPI
         self.MPI = mpi
         self.session = session
         self.side_thread = get_config().overlap
-        self.integrity = get_config().integrity
+        # payload integrity mode (None: DTM_INTEGRITY decides)
+        self.integrity = get_config().integrity if integrity is None else integrity
         self.deterministic = deterministic
         self.limit = max(1, int(max_msg_elems))
         self._stats = CommStats()

@@ -73,3 +73,31 @@ def test_bench_comm_under_mpirun_writes_the_csv(tmp_path: Path) -> None:
         assert r["ranks"] == "2"
         assert float(r["dtm_s"]) > 0 and float(r["raw_s"]) > 0 and float(r["ratio"]) > 0
     assert "busbw dtm" in proc.stdout
+
+
+def test_the_table_shows_integrity_mode_beside_the_plain_path() -> None:
+    row = BenchRow("allreduce", 2, 1 << 20, 100e-6, 90e-6, 150e-6)
+    assert row.integrity_cost == pytest.approx(0.5)
+    text = format_table([row])
+    assert "checked us" in text.splitlines()[0] and "+50%" in text
+    assert BenchRow("allgather", 2, 8, 1.0, 1.0).integrity_cost is None
+    assert "checked us" not in format_table([BenchRow("allgather", 2, 8, 1.0, 1.0)])
+
+
+@pytest.mark.slow
+def test_bench_comm_integrity_times_the_checked_path_in_the_same_run(tmp_path: Path) -> None:
+    out = tmp_path / "comm.csv"
+    cmd = ["mpirun", "--timeout", "120", "--bind-to", "none", "-n", "2", sys.executable]
+    cmd += ["-m", "mpi4py", "-m", "dtm_mpi", "bench", "comm", "--ops", "allreduce,allgather"]
+    cmd += ["--sizes", "4K", "--repeat", "1", "--integrity", "--csv", str(out)]
+    env = mpirun_env(DTM_TIMEOUT="60")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with out.open() as f:
+        rows = list(csv.DictReader(f))
+    assert [r["op"] for r in rows] == ["allreduce", "allgather"]
+    for r in rows:
+        assert float(r["checked_s"]) > 0
+        cost = float(r["integrity_cost"])
+        assert cost == pytest.approx(float(r["checked_s"]) / float(r["dtm_s"]) - 1, rel=1e-3)
+    assert "checked us" in proc.stdout
