@@ -25,7 +25,7 @@ import numpy as np
 
 from dtm_mpi.comm.interface import Comm
 from dtm_mpi.config import get_config
-from dtm_mpi.errors import PlanError, UsageError
+from dtm_mpi.errors import PayloadIntegrityError, PlanError, UsageError
 from dtm_mpi.faults import maybe_fail
 from dtm_mpi.ir.dtypes import np_dtype
 from dtm_mpi.ir.nodes import MeshDecl
@@ -295,7 +295,14 @@ class PipelineRank:
                 for k, value in enumerate(self._bundles[(action.what, action.stage)]):
                     shape, dtype = self._received[value]
                     tag = action.tag + k * self._tag_stride
-                    env[value] = self.comm.recv(shape, dtype, self.pp_group[action.peer], tag)
+                    try:
+                        env[value] = self.comm.recv(shape, dtype, self.pp_group[action.peer], tag)
+                    except PayloadIntegrityError as err:  # name the pipeline's route too
+                        raise PayloadIntegrityError(
+                            f"{err} ({value}, {action.what.value} of microbatch "
+                            f"{action.microbatch} from stage {action.stage} over {self.axis})",
+                            rank=err.rank,
+                        ) from None
             else:
                 loss = self._compute(action, env, grads, loss, step)
             for name in self._drops[i]:

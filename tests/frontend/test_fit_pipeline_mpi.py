@@ -260,6 +260,7 @@ def test_in_integrity_mode_a_payload_corrupted_in_flight_is_named_on_every_rank(
     lines = [ln for ln in out.splitlines() if "arrived with CRC32C" in ln]
     assert sorted({ln.split("]")[0] for ln in lines}) == [f"[rank {r}" for r in range(ranks)], out
     assert all("step 0 failed" in ln and "send/recv from rank 1 to rank" in ln for ln in lines)
+    assert all(re.search(r"of microbatch \d from stage \d+ over pp\)", ln) for ln in lines), out
     assert "Traceback" not in out
     silent = job(ranks, *args, DTM_TIMEOUT="30", DTM_FAULT="1:send:corrupt")
     assert silent.returncode == 0, silent.stdout + silent.stderr
