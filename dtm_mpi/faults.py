@@ -41,31 +41,32 @@ def maybe_fail(rank: int, where: str) -> None:
     os._exit(3)
 
 
-def corrupted(rank: int, where: str, data: bytes) -> bytes:
-    """``data`` as this rank sends it at ``where``: with ``DTM_FAULT=RANK:WHERE:corrupt``, one
-    bit flipped at a position seeded by the rank and the place (the same run flips the same
-    bit), else unchanged."""
+def _flip_at(rank: int, where: str, nbytes: int) -> tuple[int, int] | None:
+    """With ``DTM_FAULT=RANK:WHERE:corrupt`` for this rank and place: the (byte, bit) to flip
+    among ``nbytes``, seeded by the rank and the place (the same run flips the same bit)."""
     fault = get_config().fault_at(rank, where)
-    if fault is None or fault.kind is not FaultKind.CORRUPT or not data:
-        return data
+    if fault is None or fault.kind is not FaultKind.CORRUPT or nbytes == 0:
+        return None
     rng = random.Random(f"{rank}:{where}")
-    at, bit = rng.randrange(len(data)), rng.randrange(8)
-    log_info(rank, f"DTM_FAULT={fault}: flipping bit {bit} of byte {at} of {len(data)} at {where}")
-    out = bytearray(data)
-    out[at] ^= 1 << bit
-    return bytes(out)
+    at, bit = rng.randrange(nbytes), rng.randrange(8)
+    log_info(rank, f"DTM_FAULT={fault}: flipping bit {bit} of byte {at} of {nbytes} at {where}")
+    return at, bit
 
 
 def corrupt_in_place(rank: int, where: str, buf: np.ndarray) -> bool:
     """With ``DTM_FAULT=RANK:WHERE:corrupt``: flip one bit of ``buf`` (a contiguous array this
-    rank is about to send at ``where``) at a position seeded by the rank and the place; True
-    if it did."""
-    fault = get_config().fault_at(rank, where)
-    if fault is None or fault.kind is not FaultKind.CORRUPT or buf.nbytes == 0:
-        return False
-    raw = buf.reshape(-1).view(np.uint8)
-    rng = random.Random(f"{rank}:{where}")
-    at, bit = rng.randrange(raw.size), rng.randrange(8)
-    log_info(rank, f"DTM_FAULT={fault}: flipping bit {bit} of byte {at} of {raw.size} at {where}")
-    raw[at] ^= np.uint8(1 << bit)
-    return True
+    rank is about to send at ``where``, its own copy); True if it did."""
+    hit = _flip_at(rank, where, buf.nbytes)
+    if hit is not None:
+        buf.reshape(-1).view(np.uint8)[hit[0]] ^= np.uint8(1 << hit[1])
+    return hit is not None
+
+
+def corrupted(rank: int, where: str, data: np.ndarray) -> np.ndarray:
+    """``data`` as this rank sends or receives it at ``where``: with
+    ``DTM_FAULT=RANK:WHERE:corrupt`` a copy with one bit flipped, else ``data`` itself."""
+    if get_config().fault_at(rank, where) is None:
+        return data
+    out = np.array(data, order="C")
+    corrupt_in_place(rank, where, out)
+    return out

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from dtm_mpi.comm.framed import isend_frame, take_frame
-from dtm_mpi.comm.frames import MessageType, decode_frame, encode_frame
+from dtm_mpi.comm.framed import isend_frame, take_decoded
+from dtm_mpi.comm.frames import MessageType, encode_frame
 from dtm_mpi.errors import CommTimeoutError, ProtocolError, RankFailure, RemoteFailureError
 from dtm_mpi.log import log_debug
 
@@ -83,14 +83,9 @@ def _collect(
     while want - set(got):
         # one message per source: a fast peer's message of the next phase stays queued
         for source in sorted(want - set(got)):
-            data = take_frame(comm, MPI, source, tag, status)
-            if data is None:
-                continue
-            try:
-                got[source] = dict(decode_frame(data, expect=kind).values)
-            except ProtocolError as err:
-                err.rank = source
-                got[source] = err
+            taken = take_decoded(comm, MPI, source, tag, status, kind)
+            if taken is not None:
+                got[source] = taken[1]
         if not want - set(got) or time.monotonic() > deadline:
             break
         time.sleep(pause)

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dtm_mpi.comm.framed import isend_frame, take_frame
-from dtm_mpi.comm.frames import MessageType, decode_frame, encode_frame
+from dtm_mpi.comm.framed import isend_frame, take_decoded
+from dtm_mpi.comm.frames import MessageType, encode_frame
 from dtm_mpi.errors import ProtocolError, RankFailure, RemoteFailureError
 from dtm_mpi.log import info_enabled, log_info
 
@@ -138,17 +138,8 @@ class Control:
     def _take(
         self, tag: int, kind: MessageType
     ) -> tuple[int, dict[str, Any] | ProtocolError] | None:
-        """The next frame waiting with ``tag`` from any peer: (its sender, its fields, or the
-        error that says how it arrived damaged); None if none waits."""
-        data = take_frame(self.ctrl, self.MPI, self.MPI.ANY_SOURCE, tag, self._status)
-        if data is None:
-            return None
-        source = int(self._status.Get_source())
-        try:
-            return source, dict(decode_frame(data, expect=kind).values)
-        except ProtocolError as err:
-            err.rank = source
-            return source, err
+        """The next ``kind`` frame waiting with ``tag`` from any peer (:func:`take_decoded`)."""
+        return take_decoded(self.ctrl, self.MPI, self.MPI.ANY_SOURCE, tag, self._status, kind)
 
     def _receive(self) -> bool:
         """Take every failure notice waiting here (under the lock); True if there was one."""

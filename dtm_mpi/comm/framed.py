@@ -9,7 +9,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["isend_frame", "recv_frame", "take_frame"]
+from dtm_mpi.comm.frames import MessageType, decode_frame
+from dtm_mpi.errors import ProtocolError
+
+__all__ = ["isend_frame", "recv_frame", "take_decoded", "take_frame"]
 
 
 def isend_frame(comm: Any, mpi: Any, frame: bytes, dest: int, tag: int) -> tuple[Any, Any]:
@@ -33,3 +36,20 @@ def take_frame(comm: Any, mpi: Any, source: int, tag: int, status: Any) -> bytes
     if not comm.Iprobe(source, tag, status):
         return None
     return recv_frame(comm, mpi, status)
+
+
+def take_decoded(
+    comm: Any, mpi: Any, source: int, tag: int, status: Any, kind: MessageType
+) -> tuple[int, dict[str, Any] | ProtocolError] | None:
+    """:func:`take_frame`, decoded as a ``kind`` frame: (its sender, its fields, or the
+    :class:`ProtocolError` saying how it arrived damaged, its ``rank`` the sender); None if
+    none waits."""
+    data = take_frame(comm, mpi, source, tag, status)
+    if data is None:
+        return None
+    sender = int(status.Get_source())
+    try:
+        return sender, dict(decode_frame(data, expect=kind).values)
+    except ProtocolError as err:
+        err.rank = sender
+        return sender, err

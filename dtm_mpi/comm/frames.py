@@ -24,6 +24,7 @@ from typing import Any
 from dtm_mpi.errors import ProtocolError
 
 __all__ = [
+    "FRAME_PARTS",
     "HEADER",
     "MAGIC",
     "MAJOR",
@@ -49,7 +50,9 @@ MAX_BODY = 64 * 2**20
 MAX_VALUE = 16 * 2**20
 """The largest single field value (16 MiB)."""
 MAX_ITEMS = 65536
-"""The most strings in one ``strs`` field."""
+"""The most items in one ``strs`` or ``u64s`` field."""
+FRAME_PARTS = ("magic", "major", "length", "crc", "type", "body")
+"""The parts of a frame outside its fields that a :class:`ProtocolError` may name."""
 
 
 def crc32c(data: Any) -> int:

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from dtm_mpi.comm.frames import SCHEMAS, MessageType, decode_frame, encode_frame
+from dtm_mpi.comm.frames import FRAME_PARTS, SCHEMAS, MessageType, decode_frame, encode_frame
 from dtm_mpi.comm.mpi_session import MpiSession
 from dtm_mpi.errors import HandshakeError, ProtocolError
 from dtm_mpi.log import log_info
@@ -113,15 +113,7 @@ def parse_hello(data: bytes) -> Hello:
     return Hello(**{k: v[k] for k in Hello.__dataclass_fields__})  # type: ignore[arg-type]
 
 
-_WHAT = (
-    "magic",
-    "major",
-    "length",
-    "crc",
-    "type",
-    "body",
-    *(f.name for f in SCHEMAS[MessageType.HELLO]),
-)
+_WHAT = (*FRAME_PARTS, *(f.name for f in SCHEMAS[MessageType.HELLO]))
 """The parts of a HELLO frame a receiver can find wrong, by code (agreed between ranks)."""
 
 
@@ -133,7 +125,7 @@ def handshake(session: MpiSession, hello: Hello) -> list[Hello]:
     from dtm_mpi.faults import corrupted
 
     comm = session.comm
-    data = np.frombuffer(corrupted(session.rank, "handshake", hello_frame(hello)), dtype=np.uint8)
+    data = corrupted(session.rank, "handshake", np.frombuffer(hello_frame(hello), dtype=np.uint8))
     lengths = np.zeros(session.size, dtype=np.int64)
     session.wait(comm.Iallgather(np.array([data.size], dtype=np.int64), lengths), "handshake")
     counts = [int(n) for n in lengths]

@@ -378,13 +378,10 @@ class MpiComm:
     def _audited(self, name: str, run: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
         """``run`` (collective ``name``, whose result every member of the group holds alike)
         followed by a comparison of the result's CRC32C across the group (integrity mode)."""
-        from dtm_mpi.faults import corrupt_in_place
+        from dtm_mpi.faults import corrupted
 
         def audited(x: np.ndarray, axes: tuple[str, ...], *rest: Any) -> np.ndarray:
-            out = run(x, axes, *rest)
-            if get_config().fault_at(self.rank, name) is not None:
-                out = np.array(out, order="C")  # DTM_FAULT=RANK:NAME:corrupt: in flight
-                corrupt_in_place(self.rank, name, out)
+            out = corrupted(self.rank, name, run(x, axes, *rest))  # DTM_FAULT=RANK:NAME:corrupt
             self._compare_results(name, axes, out)
             return out
 

@@ -69,9 +69,8 @@ def _ordered_attrs(opdef: OpDef, attrs: Mapping[str, Attr]) -> tuple[tuple[str, 
     order = _ATTR_ORDER.get(opdef.name)
     if order is None:
         order = _ATTR_ORDER[opdef.name] = tuple(_attr_order(opdef.format, []))
-    if len(attrs) > 1 or next(iter(attrs)) not in order:
-        unknown = set(attrs) - set(order)
-        assert not unknown, f"{opdef.name}: unknown attribute(s) {sorted(unknown)}"
+    unknown = [k for k in attrs if k not in order]
+    assert not unknown, f"{opdef.name}: unknown attribute(s) {sorted(unknown)}"
     return tuple(
         (k, attrs[k])
         for k in order

@@ -315,8 +315,8 @@ def _passes(
     weight_ops = [op for op in back if id(op) not in in_pass]
     # values made from constants alone (a causal mask, a fill, a zero) are made again where
     # a reverse pass uses them instead of being held from an earlier pass per microbatch
-    free = _free_ops(fwd)
-    weight_ops = _remade(weight_ops, _free_ops([*fwd, *inputs_ops]))
+    free = _free_ops([*fwd, *inputs_ops])  # (the input-gradient pass makes its own)
+    weight_ops = _remade(weight_ops, free)
     inputs_ops = _remade(inputs_ops, free)
     own = [p for p in stage.params]
     mine = [g for p, g in grads if p in own]

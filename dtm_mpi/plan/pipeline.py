@@ -26,6 +26,7 @@ from dtm_mpi.plan.schedule import (
     PipelineShape,
     Schedule,
     ScheduleKind,
+    ScheduleTiming,
     StageCosts,
     Transfer,
     plan_schedule,
@@ -279,17 +280,30 @@ def stage_memory(stages: StepStages, index: int, mesh: MeshShape, rank: int) -> 
 
 @dataclass(frozen=True, slots=True)
 class RankMemory:
-    """What one rank of pipeline coordinate ``coord`` holds at its peak (bytes): its stages'
-    parameters, gradients and optimizer state, and ``peak`` microbatches' held activations
-    of ``held`` bytes each (its largest stage's, as the schedule's time-line counts them)."""
+    """What one rank of pipeline coordinate ``coord`` holds at its peak: its ``stages``
+    (index and :class:`StageMemory` each) and ``peak`` microbatches' held activations of its
+    largest stage (as the schedule's time-line counts them); bytes."""
 
     coord: int
     rank: int
-    params: int
-    grads: int
-    optimizer: int
-    held: int
+    stages: tuple[tuple[int, StageMemory], ...]
     peak: int
+
+    @property
+    def params(self) -> int:
+        return sum(m.params for _, m in self.stages)
+
+    @property
+    def grads(self) -> int:
+        return sum(m.grads for _, m in self.stages)
+
+    @property
+    def optimizer(self) -> int:
+        return sum(m.optimizer for _, m in self.stages)
+
+    @property
+    def held(self) -> int:
+        return max((m.held for _, m in self.stages), default=0)
 
     @property
     def state(self) -> int:
@@ -304,29 +318,22 @@ class RankMemory:
         return self.state + self.activations
 
 
-def rank_memory(plan: PipelinePlan, mesh: MeshShape) -> tuple[RankMemory, ...]:
-    """Per pipeline coordinate, :class:`RankMemory` of its first rank on ``mesh`` (pure)."""
+def rank_memory(
+    plan: PipelinePlan, mesh: MeshShape, timing: ScheduleTiming | None = None
+) -> tuple[RankMemory, ...]:
+    """Per pipeline coordinate, :class:`RankMemory` of its first rank on ``mesh`` (pure);
+    ``timing``: the schedule's time-line when the caller has it."""
     shape = plan.schedule.shape
-    peaks = time_schedule(plan.schedule).peak_held
+    peaks = (timing or time_schedule(plan.schedule)).peak_held
     out = []
     for c in range(shape.ranks):
         rank = next(r for r in range(mesh.size) if mesh.index_along(r, (plan.axis,)) == c)
-        mems = [
-            stage_memory(plan.stages, s.index, mesh, rank)
+        mine = tuple(
+            (s.index, stage_memory(plan.stages, s.index, mesh, rank))
             for s in plan.stages.passes
             if shape.rank_of(s.index) == c
-        ]
-        out.append(
-            RankMemory(
-                c,
-                rank,
-                sum(m.params for m in mems),
-                sum(m.grads for m in mems),
-                sum(m.optimizer for m in mems),
-                max((m.held for m in mems), default=0),
-                peaks[c],
-            )
         )
+        out.append(RankMemory(c, rank, mine, peaks[c]))
     return tuple(out)
 
 
@@ -359,21 +366,18 @@ def explain_pipeline(plan: PipelinePlan, mesh: MeshShape, width: int = 160) -> s
         f"microbatch(es) per step, schedule {plan.schedule.kind.value}",
         "stage  rank  layers                     params      grads  optimizer  held/microbatch",
     ]
-    first_rank = {
-        c: next(r for r in range(mesh.size) if mesh.index_along(r, (axis,)) == c)
-        for c in range(shape.ranks)
-    }
-    for s in plan.stages.passes:
-        c = shape.rank_of(s.index)
-        mem = stage_memory(plan.stages, s.index, mesh, first_rank[c])
-        names = list(dict.fromkeys(_layer_of(n) for n in s.params))
-        shown = ", ".join(names) if len(names) <= 3 else f"{names[0]} .. {names[-1]}"
+    ranks = rank_memory(plan, mesh, timing)
+    names = {s.index: s.params for s in plan.stages.passes}
+    rows = sorted(((i, m.coord, mem) for m in ranks for i, mem in m.stages), key=lambda r: r[0])
+    for index, c, mem in rows:
+        layers = list(dict.fromkeys(_layer_of(n) for n in names[index]))
+        shown = ", ".join(layers) if len(layers) <= 3 else f"{layers[0]} .. {layers[-1]}"
         lines.append(
-            f"{s.index:>5}  {c:>4}  {shown[:24]:<24} {_mib(mem.params):>11} {_mib(mem.grads):>10} "
+            f"{index:>5}  {c:>4}  {shown[:24]:<24} {_mib(mem.params):>11} {_mib(mem.grads):>10} "
             f"{_mib(mem.optimizer):>10} {_mib(mem.held):>16}"
         )
     lines.append("per pipeline rank (its first rank): state, peak held microbatches, activations")
-    for m in rank_memory(plan, mesh):
+    for m in ranks:
         lines.append(
             f"  {axis}={m.coord} (rank {m.rank}): state {_mib(m.state)}, held {m.peak} x "
             f"{_mib(m.held)} = {_mib(m.activations)} activations, total {_mib(m.total)}"

@@ -86,6 +86,7 @@ def test_every_bit_flipped_in_a_collective_result_is_named_on_every_rank(
     monkeypatch.setattr(faults, "corrupt_in_place", flip)
     config = {"now": replace(get_config(), integrity=True)}
     monkeypatch.setattr(mpi_comm_module, "get_config", lambda: config["now"])
+    monkeypatch.setattr(faults, "get_config", lambda: config["now"])
     session = _session(comm)
     mc = MpiComm(session)
     assert mc.integrity
