@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from dtm_mpi.errors import UsageError, agreed
+from dtm_mpi.errors import DtmError, UsageError, agreed
 from dtm_mpi.kernels.backends import BACKEND_NAMES
 
 if TYPE_CHECKING:
+    from dtm_mpi.frontend.trace import TracedStep
     from dtm_mpi.ir.nodes import Module
     from dtm_mpi.plan.program import ExecPlan
 
@@ -76,6 +77,7 @@ def _add_explain(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
         choices=BACKEND_NAMES,
         help="also show where each op runs on this GPU backend (needs no GPU)",
     )
+    _add_training(ex)
     ex.set_defaults(func=_cmd_explain)
 
 
@@ -138,7 +140,85 @@ def _add_run(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
         metavar="BYTES",
         help="refuse to run a plan above BYTES of peak memory on any rank",
     )
+    _add_training(rn)
     return rn
+
+
+def _add_training(p: argparse.ArgumentParser) -> None:
+    """``--train`` and its pipeline options (``dtm run``, ``dtm explain``):
+    :mod:`dtm_mpi.frontend.ir_step`."""
+    g = p.add_argument_group(
+        "training an IR forward (its parameters the weights, its first result the loss)"
+    )
+    g.add_argument(
+        "--train",
+        metavar="OPT",
+        default=None,
+        help="train the entry function: the reverse pass and OPT's update each step "
+        "(sgd:lr=0.05,momentum=0.9 | adam:lr=1e-3 | adamw:lr=1e-3,weight_decay=0.01); "
+        "a pp axis in the mesh runs it as pipeline stages",
+    )
+    g.add_argument(
+        "--clip-norm",
+        type=float,
+        default=None,
+        metavar="X",
+        help="clip the gradients to global norm X",
+    )
+    g.add_argument(
+        "--microbatches",
+        type=int,
+        default=1,
+        metavar="M",
+        help="microbatches per step (each a call of the forward; needs a pp axis, pp=1: gradient accumulation)",
+    )
+    g.add_argument(
+        "--schedule",
+        default="1f1b",
+        metavar="NAME",
+        help="pipeline schedule: gpipe, 1f1b, interleaved, zb-h1 (default 1f1b)",
+    )
+    g.add_argument(
+        "--chunks", type=int, default=1, metavar="V", help="stages per pipeline rank (interleaved)"
+    )
+    g.add_argument(
+        "--split",
+        action="append",
+        default=None,
+        metavar="VALUE",
+        help="start a pipeline stage at the op making VALUE (e.g. %%h2); repeatable; "
+        "default: cut evenly by parameter elements",
+    )
+
+
+def _training(args: argparse.Namespace, module: Callable[[], Module]) -> TracedStep | None:
+    """The training step ``--train`` asks for, of the IR forward ``module()`` gives (None
+    without ``--train``; its pipeline options alone are an error). Its errors depend on the
+    command line and the file alone: the same on every rank (agreed)."""
+    try:
+        return _training_step(args, module)
+    except DtmError as exc:
+        raise agreed(exc) from None
+
+
+def _training_step(args: argparse.Namespace, module: Callable[[], Module]) -> TracedStep | None:
+    from dtm_mpi.frontend.ir_step import IrTraining, ir_train_step, parse_optimizer
+
+    if args.train is None:
+        if args.split or args.microbatches != 1 or args.clip_norm is not None:
+            raise UsageError(
+                "--microbatches, --split and --clip-norm train the entry function: give --train OPT"
+            )
+        return None
+    training = IrTraining(
+        parse_optimizer(args.train),
+        clip_norm=args.clip_norm,
+        microbatches=args.microbatches,
+        schedule=args.schedule,
+        chunks=args.chunks,
+        splits=tuple(args.split) if args.split else None,
+    )
+    return ir_train_step(module(), training)
 
 
 def _add_run_policies(rn: argparse.ArgumentParser) -> None:
@@ -306,7 +386,14 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         raise UsageError(
             f"unexpected arguments {' '.join(args.script_args)} (FILE is not a .py script)"
         )
-    plan = _plan(load_module(args.file), args.ranks, _binding(args))
+    module = load_module(args.file)
+    step = _training(args, lambda: module)
+    if step is not None and step.pipeline is not None:
+        from dtm_mpi.frontend.fit import explain_fit
+
+        sys.stdout.write(explain_fit(step, _binding(args), args.ranks))
+        return 0
+    plan = _plan(step.module if step is not None else module, args.ranks, _binding(args))
     sys.stdout.write(explain_text(plan))
     if args.backend != "numpy":
         from dtm_mpi.runtime.placement import placement_text
@@ -361,6 +448,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         switch_on("integrity")
 
     def request() -> RunRequest:
+        from dtm_mpi.runtime.request import load_module
+
+        step = _training(args, lambda: load_module(args.file))
         checkpoint = checkpoint_policy(
             args.store,
             every=args.checkpoint_every,
@@ -388,6 +478,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 _resizes(args), args.resize_file, relaunch=("-m", "dtm_mpi", *sys.argv[1:])
             ),
             progress=progress_policy(args.log_every),
+            module=step.module if step is not None else None,
+            pipeline=step.pipeline if step is not None else None,
         )
 
     return run_request(request, args.sim)

@@ -21,7 +21,7 @@ from dtm_mpi.frontend.step_trace import Input, split_outputs, trace_model
 from dtm_mpi.frontend.tensor import Tensor, Tracer, trace_error, tracing
 from dtm_mpi.ir.autodiff import backward
 from dtm_mpi.ir.build import FunctionBuilder
-from dtm_mpi.ir.nodes import Param
+from dtm_mpi.ir.nodes import MeshDecl, Param
 from dtm_mpi.ir.stages import (
     CLIP_TOTAL,
     StagePartition,
@@ -45,6 +45,7 @@ __all__ = [
     "pipeline_policy",
     "stage_cuts",
     "step_stages_of",
+    "with_updates",
 ]
 
 
@@ -278,6 +279,16 @@ def step_stages_of(
         [(v.name, g.name) for (_, v), g in zip(weights, grads, strict=True)],
         mesh.ir(),
     )
+    return with_updates(stages, mesh.ir(), optimizer, clip_norm)
+
+
+def with_updates(
+    stages: StepStages, mesh: MeshDecl, optimizer: Optimizer | None, clip_norm: float | None
+) -> StepStages:
+    """``stages`` with each stage's optimizer pass (its state parameters join the step's),
+    the gradients first clipped to global norm ``clip_norm`` as
+    :func:`~dtm_mpi.frontend.trace.train_step` clips them (each stage's square sum added over
+    the pipeline); ``stages`` itself without an optimizer."""
     if optimizer is None:
         if clip_norm is not None:
             raise UsageError("clip_norm needs an optimizer")
@@ -294,12 +305,12 @@ def step_stages_of(
     return replace(stages, passes=tuple(passes), params=(*stages.params, *states))
 
 
-def _square_sum_pass(mesh: Mesh, params: Sequence[Param], stage: int) -> StagePass:
+def _square_sum_pass(mesh: MeshDecl, params: Sequence[Param], stage: int) -> StagePass:
     """The square sum of each of the stage's gradients (named ``<parameter>.grad``), one
     result per parameter (``<parameter>.sqsum``): the runtime adds every stage's in the
     step's parameter order, as :func:`~dtm_mpi.frontend.optim.square_sum` adds them
     unpipelined (so the total has the same bits)."""
-    b = FunctionBuilder(mesh.ir(), module_name=f"stage{stage}_square_sum")
+    b = FunctionBuilder(mesh, module_name=f"stage{stage}_square_sum")
     tr = Tracer(b)
     sums = []
     with tracing(tr):
@@ -311,7 +322,7 @@ def _square_sum_pass(mesh: Mesh, params: Sequence[Param], stage: int) -> StagePa
 
 
 def _update_pass(
-    mesh: Mesh,
+    mesh: MeshDecl,
     params: Sequence[Param],
     optimizer: Optimizer,
     stage: int,
@@ -320,7 +331,7 @@ def _update_pass(
     """Stage ``stage``'s optimizer step, traced as :func:`~dtm_mpi.frontend.trace.train_step`
     traces it (the same state names, so checkpoints match), and its new state parameters;
     ``clip``: the global norm to clip to, and the type of the square sum it is given."""
-    b = FunctionBuilder(mesh.ir(), module_name=f"stage{stage}_update")
+    b = FunctionBuilder(mesh, module_name=f"stage{stage}_update")
     tr = Tracer(b)
     weights = [(p.name.lstrip("%"), b.add_param(p.name, p.type)) for p in params]
     grads = [Tensor(b.add_param(f"{p.name}.grad", p.type), tr) for p in params]

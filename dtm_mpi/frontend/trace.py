@@ -13,7 +13,7 @@ weights are inputs).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +31,7 @@ from dtm_mpi.frontend.tensor import (
 from dtm_mpi.ir import module_hash, print_module
 from dtm_mpi.ir.autodiff import backward
 from dtm_mpi.ir.build import Value
-from dtm_mpi.ir.nodes import Module
+from dtm_mpi.ir.nodes import Module, Param
 from dtm_mpi.ir.registry import required_version
 from dtm_mpi.ir.types import TensorType
 from dtm_mpi.ir.verify import verify_module
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from dtm_mpi.frontend.stage_split import Pipeline
     from dtm_mpi.runtime.policies import PipelinePolicy
 
-__all__ = ["Input", "TracedStep", "eval_step", "train_step"]
+__all__ = ["Input", "TracedStep", "eval_step", "train_results", "train_step"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,42 @@ def _finish(
     return module
 
 
+def train_results(
+    tr: Tracer,
+    weights: Sequence[tuple[str, Value]],
+    scalars: Sequence[tuple[str, Tensor]],
+    optimizer: Optimizer,
+    clip_norm: float | None,
+) -> tuple[list[Value | tuple[Value, str | None]], list[Param]]:
+    """The results of a training step whose forward ``tr`` traced (``scalars``: the loss
+    first, then metrics; ``weights``: the trained parameters by path): the scalars, then the
+    new values of the weights and of the optimizer's state parameters (each ``updates`` its
+    parameter), after the reverse pass, clipping to global norm ``clip_norm`` and
+    ``optimizer``'s update; and the optimizer's new state parameters."""
+    loss = scalars[0][1]
+    with tracing(tr):
+        grads_v = backward(
+            tr.b, list(tr.b.ops), loss.value, [v for _, v in weights], stop=tr.detached
+        )
+        grads = [Tensor(g, tr) for g in grads_v]
+        if clip_norm is not None:
+            grads, _ = clip_by_global_norm(grads, clip_norm)
+        n_before = len(tr.b.params)
+        news = optimizer.update(tr, [(p, Tensor(v, tr)) for p, v in weights], grads)
+        opt_params = tr.b.params[n_before:]
+        if len(news) != len(weights) + len(opt_params):
+            raise AssertionError("the optimizer returned a value per parameter and per state")
+        # each new value in its parameter's layout (``updates`` needs the same type)
+        targets = [v for _, v in weights] + [tr.b.value(p.name) for p in opt_params]
+        news = [
+            n if n.type == v.type else n.redistribute(v.type.layout)
+            for n, v in zip(news, targets, strict=True)
+        ]
+    results: list[Value | tuple[Value, str | None]] = [t.value for _, t in scalars]
+    results += [(n.value, v.name) for n, v in zip(news, targets, strict=True)]
+    return results, list(opt_params)
+
+
 def train_step(
     model: Layer,
     loss_fn: Callable[..., Any],
@@ -125,27 +161,7 @@ def train_step(
             raise trace_error(f"{key} must be a float scalar; it is {t.type}")
         with tracing(tr):
             scalars.append((key, t.complete()))
-    loss = scalars[0][1]
-    with tracing(tr):
-        grads_v = backward(
-            tr.b, list(tr.b.ops), loss.value, [v for _, v in weights], stop=tr.detached
-        )
-        grads = [Tensor(g, tr) for g in grads_v]
-        if clip_norm is not None:
-            grads, _ = clip_by_global_norm(grads, clip_norm)
-        n_before = len(tr.b.params)
-        news = optimizer.update(tr, [(p, Tensor(v, tr)) for p, v in weights], grads)
-        opt_params = tr.b.params[n_before:]
-        if len(news) != len(weights) + len(opt_params):
-            raise AssertionError("the optimizer returned a value per parameter and per state")
-        # each new value in its parameter's layout (``updates`` needs the same type)
-        targets = [v for _, v in weights] + [tr.b.value(p.name) for p in opt_params]
-        news = [
-            n if n.type == v.type else n.redistribute(v.type.layout)
-            for n, v in zip(news, targets, strict=True)
-        ]
-    results: list[Value | tuple[Value, str | None]] = [t.value for _, t in scalars]
-    results += [(n.value, v.name) for n, v in zip(news, targets, strict=True)]
+    results, opt_params = train_results(tr, weights, scalars, optimizer, clip_norm)
     module = _finish(tr, "train_step", mesh, results)
     policy = None
     if pipeline is not None:

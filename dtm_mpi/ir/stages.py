@@ -217,6 +217,9 @@ class StepStages:
     grad_routes: tuple[Route, ...]
     passes: tuple[StagePasses, ...]
     loss: str
+    microbatch: str | None = None
+    """The fed input that stands for ``microbatch_index`` in the passes (the runtime gives
+    each microbatch its number, ``step x microbatches + k``); None: the step has none."""
 
 
 def step_stages(

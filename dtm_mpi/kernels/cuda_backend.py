@@ -366,6 +366,7 @@ for _name, _steady in (
     ("constant", True),
     ("random", False),
     ("step_index", False),
+    ("microbatch_index", False),
 ):
     _uploaded(_name, _steady)
 

@@ -15,7 +15,7 @@ where a block is not the op applied to blocks:
 * ``take`` of a table split along the indexed dim looks up the indices in the rank's rows
   (zeros for the others: its part of the pending sum), and ``scatter_add`` adds only the
   updates whose indices fall in the rank's block of the result;
-* ``step_index`` is the executor's step.
+* ``step_index`` is the executor's step (and ``microbatch_index`` outside a pipeline).
 """
 
 from __future__ import annotations
@@ -191,6 +191,13 @@ def _scatter_add(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
 
 @register_kernel(BACKEND, "step_index")
 def _step_index(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
+    return (np.array(ctx.step, dtype=np.int64),)
+
+
+@register_kernel(BACKEND, "microbatch_index")
+def _microbatch_index(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
+    # a step not split into microbatches is one microbatch: its index is the step's (a
+    # pipeline's passes take the index as an input instead: dtm_mpi.ir.stages)
     return (np.array(ctx.step, dtype=np.int64),)
 
 

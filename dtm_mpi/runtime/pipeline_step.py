@@ -279,6 +279,9 @@ class PipelineRank:
             rows = self._micro_rows(name, block, m)
             for k, env in enumerate(envs):
                 env["%" + name] = block[k * rows : (k + 1) * rows]
+        if self.stages.microbatch is not None:  # microbatch_index: counted over the run
+            for k, env in enumerate(envs):
+                env[self.stages.microbatch] = np.array(step * m + k, dtype=np.int64)
         grads: dict[str, np.ndarray] = {}
         loss = np.zeros((), np.float64)
         faults = bool(get_config().faults)  # DTM_FAULT=RANK:send|recv:KIND, mid-schedule

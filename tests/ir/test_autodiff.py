@@ -209,6 +209,7 @@ def test_every_local_float_op_with_operands_has_a_rule_or_is_listed() -> None:
         "constant": "no operands",
         "random": "integer offset only",
         "step_index": "no operands",
+        "microbatch_index": "no operands",
         "quantize": "integer codes",
         "dequantize": "integer codes in",
         "call": "inlined before differentiation",

@@ -1,4 +1,4 @@
-"""Ops that create values: constant, iota, seeded random, step_index.
+"""Ops that create values: constant, iota, seeded random, step_index, microbatch_index.
 
 The result type (and layout) is the declared one; none may be a pending reduction.
 
@@ -200,4 +200,25 @@ def _step_index(ctx: OpContext) -> tuple[TensorType, ...]:
     d = ctx.declared[0]
     if d.dtype is not DType.I64 or d.shape != () or not d.layout.is_replicated:
         raise ctx.result_error(0, f"step_index is a replicated i64[]; got {d}")
+    return (d,)
+
+
+def _microbatch_ref(
+    op: Op, xs: Sequence[np.ndarray], rt: Sequence[TensorType]
+) -> tuple[np.ndarray, ...]:
+    raise NotImplementedError("microbatch_index is supplied by the executor")
+
+
+@register_op(
+    "microbatch_index",
+    "",
+    reference=_microbatch_ref,
+    traits=frozenset({Trait.NEEDS_STEP}),
+    doc="the microbatch being run, counted over the run (step x microbatches + k), i64[]",
+    since=(1, 2),
+)
+def _microbatch_index(ctx: OpContext) -> tuple[TensorType, ...]:
+    d = ctx.declared[0]
+    if d.dtype is not DType.I64 or d.shape != () or not d.layout.is_replicated:
+        raise ctx.result_error(0, f"microbatch_index is a replicated i64[]; got {d}")
     return (d,)
