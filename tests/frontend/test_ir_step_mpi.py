@@ -47,9 +47,9 @@ def dtm_run(ranks: int, *args: str, **env: str) -> subprocess.CompletedProcess[s
 
 def reference(path: Path, steps: int) -> dict[str, np.ndarray]:
     """Gradient accumulation over the 4 microbatches on one simulated rank (one stage)."""
+    cmd = [sys.executable, "-m", "dtm_mpi", "run", MLP, "--sim", "1", *TRAIN]
     proc = subprocess.run(
-        [sys.executable, "-m", "dtm_mpi", "run", MLP, "--sim", "1", *TRAIN]
-        + ["--steps", str(steps), "-o", str(path)],
+        [*cmd, "--steps", str(steps), "-o", str(path)],
         capture_output=True,
         text=True,
         timeout=150,
