@@ -216,3 +216,52 @@ def test_explain_shows_the_stages_and_the_schedule(capsys: pytest.CaptureFixture
     assert "schedule zb-h1: 2 rank(s), 2 stage(s), 4 microbatch(es); predicted bubble" in out
     assert "w0, w1" in out and "w2, w3" in out
     assert "rank 1 |" in out
+
+
+TP_FORWARD = """dtm 1.2
+module tp_train
+mesh @m = [pp=1, tp=1]
+entry func @loss(state %w0: f32[32,64]{-,tp} init normal(seed=1, std=0.17),
+                 state %w1: f32[64,32]{tp,-} init normal(seed=2, std=0.125),
+                 state %w2: f32[32,64]{-,tp} init normal(seed=3, std=0.17),
+                 state %w3: f32[64,8]{tp,-} init normal(seed=4, std=0.125)) -> f32[] on @m {
+  %mb = microbatch_index : i64[]
+  %x = random normal seed 11 offset %mb : f32[16,32]
+  %teacher = random normal seed 12 std 0.2 : f32[32,8]
+  %y = matmul %x, %teacher : f32[16,8]
+  %h0 = matmul %x, %w0 : f32[16,64]{-,tp}
+  %a0 = tanh %h0 : f32[16,64]{-,tp}
+  %p1 = matmul %a0, %w1 : f32[16,32] partial(sum: tp)
+  %h1 = allreduce sum %p1 on tp : f32[16,32]
+  %a1 = tanh %h1 : f32[16,32]
+  %h2 = matmul %a1, %w2 : f32[16,64]{-,tp}
+  %a2 = tanh %h2 : f32[16,64]{-,tp}
+  %p3 = matmul %a2, %w3 : f32[16,8] partial(sum: tp)
+  %p = allreduce sum %p3 on tp : f32[16,8]
+  %d = sub %p, %y : f32[16,8]
+  %d2 = mul %d, %d : f32[16,8]
+  %loss = mean %d2 dims [0, 1] : f32[]
+  return %loss
+}
+"""
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_tensor_parallel_forward_pipelines_over_pp_x_tp(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, schedule: str
+) -> None:
+    """Megatron's column- and row-parallel pair written in IR, cut into 2 stages over pp=2 x
+    tp=2: the stages' passes keep the tp allreduces (and their adjoints)."""
+    path = tmp_path / "tp_train.dtm"
+    path.write_text(TP_FORWARD)
+    common = ("--train", "adam:lr=0.01", "--microbatches", "2", "--steps", "4")
+    outs = []
+    for ranks, mesh in ((1, "pp=1,tp=1"), (4, "pp=2,tp=2")):
+        out = tmp_path / f"{ranks}.npz"
+        argv = ["run", str(path), "--sim", str(ranks), "--mesh", mesh, "--schedule", schedule]
+        code, _, err = dtm(capsys, *argv, *common, "-o", str(out))
+        assert code == 0, err
+        outs.append(dict(np.load(out)))
+    assert sorted(outs[0]) == sorted(outs[1]) and "opt.m.w3" in outs[0]
+    for key, want in outs[0].items():
+        np.testing.assert_allclose(outs[1][key], want, rtol=2e-5, atol=2e-6, err_msg=key)
