@@ -134,6 +134,14 @@ def _add_run(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
         "sender's CRC32C, checked on receipt (io/WIRE.md)",
     )
     rn.add_argument(
+        "--audit-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="replica audit (as DTM_AUDIT_EVERY=N): after every N-th step and before every "
+        "checkpoint, each replicated state tensor's CRC32C is compared across its replicas",
+    )
+    rn.add_argument(
         "--max-bytes-per-rank",
         type=byte_count,
         default=None,
@@ -446,6 +454,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
         from dtm_mpi.config import switch_on
 
         switch_on("integrity")
+    if args.audit_every is not None:
+        from dtm_mpi.config import set_setting
+
+        if args.audit_every < 0:
+            raise agreed(UsageError(f"--audit-every must be >= 0; got {args.audit_every}"))
+        set_setting("audit_every", args.audit_every)
 
     def request() -> RunRequest:
         from dtm_mpi.runtime.request import load_module

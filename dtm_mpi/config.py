@@ -33,6 +33,7 @@ __all__ = [
     "get_config",
     "launcher_node_ranks",
     "load_config",
+    "set_setting",
     "switch_on",
 ]
 
@@ -44,6 +45,7 @@ class FaultKind(enum.Enum):
     HANG = "hang"
     EXIT = "exit"
     CORRUPT = "corrupt"  # one bit of the rank's outgoing message flipped in flight
+    FLIP = "flip"  # one bit of a state tensor flipped in the rank's memory (WHERE: state)
 
 
 class GpuAwareMode(enum.Enum):
@@ -70,6 +72,7 @@ class Config:
     faults: tuple[FaultSpec, ...] = ()
     deterministic: bool = False
     integrity: bool = False  # every point-to-point payload carries its CRC32C, checked on receipt
+    audit_every: int = 0  # compare the replicas' state checksums after every N-th step (0: never)
     explain: bool = False  # fit() prints its plan and exits (dtm explain SCRIPT.py)
     max_msg_elems: int = MAX_MSG_ELEMS_DEFAULT
     gpu_aware_mpi: GpuAwareMode = GpuAwareMode.AUTO
@@ -140,6 +143,16 @@ def _parse_positive_int(name: str, raw: str) -> int:
     return value
 
 
+def _parse_count(name: str, raw: str) -> int:
+    try:
+        value = int(raw.strip() or "0", 0)
+    except ValueError:
+        raise ConfigError(f"{name}: expected an integer, got {raw!r}") from None
+    if value < 0:
+        raise ConfigError(f"{name}: must be >= 0, got {raw!r}")
+    return value
+
+
 def parse_fault_specs(name: str, raw: str) -> tuple[FaultSpec, ...]:
     """Parse ``RANK:WHERE:KIND[,RANK:WHERE:KIND...]``; raises :class:`ConfigError`."""
     specs: list[FaultSpec] = []
@@ -165,6 +178,10 @@ def parse_fault_specs(name: str, raw: str) -> tuple[FaultSpec, ...]:
         except ValueError:
             kinds = ", ".join(k.value for k in FaultKind)
             raise ConfigError(f"{name}: KIND must be one of {kinds}, got {kind_s!r}") from None
+        if (kind is FaultKind.FLIP) != (where == "state"):
+            raise ConfigError(
+                f"{name}: {item!r}: KIND flip goes with WHERE state (RANK:state:flip: a bit of a state tensor flipped in memory)"
+            )
         specs.append(FaultSpec(rank, where, kind))
     return tuple(specs)
 
@@ -240,6 +257,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("DTM_FAULT", "faults", parse_fault_specs, "—"),
     EnvVar("DTM_DETERMINISTIC", "deterministic", _yes_no(False), "0"),
     EnvVar("DTM_INTEGRITY", "integrity", _yes_no(False), "0"),
+    EnvVar("DTM_AUDIT_EVERY", "audit_every", _parse_count, "0"),
     EnvVar("DTM_MAX_MSG_ELEMS", "max_msg_elems", _parse_positive_int, str(MAX_MSG_ELEMS_DEFAULT)),
     EnvVar("DTM_GPU_AWARE_MPI", "gpu_aware_mpi", _gpu_aware, "auto"),
     EnvVar("DTM_FUSE", "fuse", _yes_no(True), "1"),
@@ -271,6 +289,14 @@ def get_config() -> Config:
     """The process-wide configuration, read from ``os.environ`` on first call (a test that
     changes the environment calls ``get_config.cache_clear()``)."""
     return load_config(os.environ)
+
+
+def set_setting(field: str, value: int) -> None:
+    """Set the numeric setting ``field`` (a :class:`Config` field) for this process and the
+    processes it starts, as :func:`switch_on` does (``dtm run --audit-every N``)."""
+    var = next(v for v in ENV_VARS if v.field == field)
+    os.environ[var.name] = str(value)
+    get_config.cache_clear()
 
 
 def switch_on(field: str) -> None:

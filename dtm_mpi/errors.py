@@ -34,6 +34,7 @@ __all__ = [
     "ManifestError",
     "ParseError",
     "PayloadIntegrityError",
+    "ReplicaDivergenceError",
     "PlanError",
     "PoisonedError",
     "QuotaError",
@@ -273,6 +274,12 @@ class ProtocolError(CommError):
 class PayloadIntegrityError(CommError):
     """A payload arrived with other bytes than its sender checksummed (integrity mode,
     ``DTM_INTEGRITY=1``): the message names the route (the step kind, the ranks, the tag)."""
+
+
+class ReplicaDivergenceError(DtmError, RuntimeError):
+    """The replica audit (``DTM_AUDIT_EVERY``) found ranks holding other bits than their
+    replicas of the same block of a state tensor: the message names the tensor, the step and
+    the odd rank(s) by majority (corruption in compute or memory, not only in transit)."""
 
 
 class HandshakeError(CommError):

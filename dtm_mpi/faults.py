@@ -6,13 +6,17 @@ rename) with KIND ``raise`` (an error),
 ``hang`` (sleeps until killed) or ``exit`` (``os._exit(3)``: the process dies without a word, as in a crash),
 or ``corrupt``: one bit of what the rank sends there flipped in flight, at a position seeded by
 the rank and the place (``handshake``: its HELLO frame; ``send``: every point-to-point
-payload, after its integrity checksum is computed)."""
+payload, after its integrity checksum is computed); ``state`` with KIND ``flip``: one bit of
+one of the rank's state tensors flipped in memory after the first step the rank runs (the
+tensor and the bit seeded by the rank), what the replica audit is for."""
 
 from __future__ import annotations
 
 import os
 import random
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -20,7 +24,7 @@ from dtm_mpi.config import FaultKind, get_config
 from dtm_mpi.errors import DtmError
 from dtm_mpi.log import log_info
 
-__all__ = ["InjectedFaultError", "corrupt_in_place", "corrupted", "maybe_fail"]
+__all__ = ["InjectedFaultError", "corrupt_in_place", "corrupted", "flip_state", "maybe_fail"]
 
 
 class InjectedFaultError(DtmError, RuntimeError):
@@ -30,7 +34,7 @@ class InjectedFaultError(DtmError, RuntimeError):
 def maybe_fail(rank: int, where: str) -> None:
     """Fail here if ``DTM_FAULT`` names this rank and ``where``."""
     fault = get_config().fault_at(rank, where)
-    if fault is None or fault.kind is FaultKind.CORRUPT:
+    if fault is None or fault.kind in (FaultKind.CORRUPT, FaultKind.FLIP):
         return
     log_info(rank, f"DTM_FAULT={fault}: injecting {fault.kind.value} at {where}")
     if fault.kind is FaultKind.RAISE:
@@ -70,3 +74,24 @@ def corrupted(rank: int, where: str, data: np.ndarray) -> np.ndarray:
     out = np.array(data, order="C")
     corrupt_in_place(rank, where, out)
     return out
+
+
+def flip_state(rank: int, blocks: list[Any], state: Sequence[tuple[int, str]]) -> str | None:
+    """With ``DTM_FAULT=RANK:state:flip`` for this rank: flip one bit of one of its blocks of
+    the state tensors ``state`` ((position in ``blocks``, name) pairs; host arrays), chosen
+    by a generator seeded by the rank, in a copy put in its place; returns what it flipped."""
+    fault = get_config().fault_at(rank, "state")
+    if fault is None or fault.kind is not FaultKind.FLIP:
+        return None
+    held = [(i, name) for i, name in state if blocks[i] is not None and blocks[i].nbytes > 0]
+    if not held:
+        return None
+    rng = random.Random(f"{rank}:state")
+    i, name = held[rng.randrange(len(held))]
+    block = np.array(blocks[i], order="C")
+    at, bit = rng.randrange(block.nbytes), rng.randrange(8)
+    block.reshape(-1).view(np.uint8)[at] ^= np.uint8(1 << bit)
+    blocks[i] = block
+    what = f"bit {bit} of byte {at} of rank {rank}'s block of {name}"
+    log_info(rank, f"DTM_FAULT={fault}: flipped {what}")
+    return what

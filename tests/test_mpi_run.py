@@ -200,6 +200,19 @@ def test_handshake_mismatch_is_reported_on_every_rank(tmp_path: Path) -> None:
     )
 
 
+def test_ranks_auditing_at_other_periods_fail_the_handshake_on_every_rank() -> None:
+    """The replica audit is collective: rank 1 asked for another period is named in the
+    handshake on every rank, before any step."""
+    a = str(EXAMPLES / "dp_step.dtm")
+    runs = [[a, "--mesh", "dp=3", "--audit-every", "4"]] * 3
+    runs[1] = [a, "--mesh", "dp=3", "--audit-every", "2"]
+    code, text, _ = mpirun(3, mpmd=runs, env={"DTM_TIMEOUT": "10"})
+    assert code != 0
+    lines = [ln for ln in text.splitlines() if "handshake failed" in ln]
+    assert sorted(ln.split("]")[0] for ln in lines) == ["[rank 0", "[rank 1", "[rank 2"], text
+    assert all("audit_every differs (rank(s) 0,2: 4; rank(s) 1: 2)" in ln for ln in lines), text
+
+
 @pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_a_corrupted_hello_frame_is_named_with_its_sender_on_every_rank(ranks: int) -> None:
     """One bit of the last rank's HELLO frame flipped in flight (after its CRC): every rank

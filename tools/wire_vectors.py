@@ -8,7 +8,7 @@ import json
 import struct
 from pathlib import Path
 
-from dtm_mpi.comm.frames import HEADER, MessageType, crc32c, decode_frame, encode_frame
+from dtm_mpi.comm.frames import HEADER, MINOR, MessageType, crc32c, decode_frame, encode_frame
 from dtm_mpi.errors import ProtocolError
 
 OUT = Path("io/vectors/wire")
@@ -27,6 +27,7 @@ HELLOS = {
         "buckets": 0,
         "pipeline": [],
         "integrity": False,
+        "audit_every": 0,
     },
     "hello_pipelined": {
         "protocol": 1,
@@ -44,6 +45,7 @@ HELLOS = {
             "stage 0 -> 1 act: %x f32[2,8]",
         ],
         "integrity": True,
+        "audit_every": 100,
     },
 }
 
@@ -53,7 +55,7 @@ def _values(v: dict[str, object]) -> dict[str, object]:
 
 
 def _reframe(body: bytes, *, major: int = 1, type_: int = 1, length: int | None = None) -> bytes:
-    head = HEADER.pack(b"DTMF", major, 1, type_, len(body) if length is None else length) + body
+    head = HEADER.pack(b"DTMF", major, MINOR, type_, len(body) if length is None else length) + body
     return head + struct.pack("<I", crc32c(head))
 
 
@@ -123,7 +125,7 @@ def main() -> None:
         "crc_trailer_wrong": (good[:-4] + bytes([good[-4] ^ 1]) + good[-3:], "crc"),
         "unknown_type": (_reframe(body, type_=77), "type"),
         "field_kind_wrong": (_reframe(bytes(wrong_kind)), "protocol"),
-        "field_size_past_body": (_reframe(body[:-1]), "integrity"),
+        "field_size_past_body": (_reframe(body[:-1]), "audit_every"),
         "tags_out_of_order": (_reframe(body[15:] + body[:15]), "protocol"),
         "missing_field": (_reframe(body[: body.rindex(struct.pack("<HB", 12, 3))]), "integrity"),
         "bool_not_0_or_1": (

@@ -54,6 +54,7 @@ class Hello:
     buckets: int = 0  # the overlapped allreduces' bucket bytes (0: none): plans them alike
     pipeline: tuple[str, ...] = ()  # a pipelined run's schedule and boundary values, per line
     integrity: bool = False  # payload integrity mode (DTM_INTEGRITY): both ends must check
+    audit_every: int = 0  # the replica audit's period (DTM_AUDIT_EVERY): a collective, so alike
 
 
 LOCAL_FIELDS = frozenset({"gpu_aware"})

@@ -155,6 +155,7 @@ def fit(
     on_step: Callable[[int, dict[str, float]], None] | None = None,
     values: Mapping[str, np.ndarray] | None = None,
     integrity: bool = False,
+    audit_every: int | None = None,
 ) -> FitResult:
     """Run ``steps`` steps of ``step`` (a training step updates its state; an evaluation
     step is run once or more on fed inputs), feeding ``loader(step, regions)`` each step.
@@ -185,6 +186,8 @@ def fit(
     ``values``: global values of other parameters (an evaluation step's weights), by name.
     ``integrity``: payload integrity mode (as ``DTM_INTEGRITY=1``, for this process and its
     later runs): point-to-point payloads carry their sender's CRC32C, checked on receipt.
+    ``audit_every``: the replica audit every N steps (as ``DTM_AUDIT_EVERY=N``): each
+    replicated state tensor's CRC32C compared across its replicas, and before every checkpoint.
     Option errors are raised on every rank alike, before anything runs."""
     from dataclasses import replace
 
@@ -197,6 +200,13 @@ def fit(
         from dtm_mpi.config import switch_on
 
         switch_on("integrity")
+    if audit_every is not None:
+        from dtm_mpi.config import set_setting
+        from dtm_mpi.errors import agreed_usage
+
+        if audit_every < 0:
+            raise agreed_usage(f"audit_every must be >= 0; got {audit_every}")
+        set_setting("audit_every", audit_every)
     if get_config().explain:  # dtm explain SCRIPT.py: the plan of this run, then the end
         sys.stdout.write(explain_fit(step, mesh, sim))
         raise SystemExit(0)

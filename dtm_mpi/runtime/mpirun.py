@@ -66,6 +66,7 @@ if TYPE_CHECKING:
     from dtm_mpi.kernels.devices import ArrayBackend, DeviceArray
     from dtm_mpi.plan.pipeline import PipelinePlan
     from dtm_mpi.plan.program import ExecPlan
+    from dtm_mpi.runtime.audit import ReplicaAudit
     from dtm_mpi.runtime.checkpoints import StoreCheckpoints
     from dtm_mpi.runtime.step_loop import Progress
     from dtm_mpi.sharding.blocks import Pin
@@ -376,6 +377,7 @@ def _join(live: _Live, module: Module, args: MpiRunArgs, backend: ArrayBackend) 
         buckets=config.bucket_bytes if config.overlap else 0,
         pipeline=pipeline_signature(live.pipeline) if live.pipeline is not None else (),
         integrity=config.integrity,
+        audit_every=config.audit_every,
     )
     handshake(session, hello)  # the module's requirements were checked in phase load
     groups = plan_groups(plan, config.deterministic)
@@ -464,8 +466,10 @@ def _raised_everywhere(exc: BaseException) -> bool:
 
 def plan_groups(plan: object, deterministic: bool) -> list[tuple[str, ...]]:
     """Every group of axes the run communicates over (the plan, the exact sums of
-    deterministic mode, then the reductions pending on outputs), in a fixed order: groups are
+    deterministic mode, then the reductions pending on outputs, and the whole mesh for the
+    replica audit when ``DTM_AUDIT_EVERY`` asks for one), in a fixed order: groups are
     created once, collectively, before any data moves."""
+    from dtm_mpi.config import get_config
     from dtm_mpi.kernels.exact import applies, exact_axes
     from dtm_mpi.plan.program import ExecPlan, OpKind
     from dtm_mpi.sharding.redistribute import plan_redistribute
@@ -491,6 +495,8 @@ def plan_groups(plan: object, deterministic: bool) -> list[tuple[str, ...]]:
         if t.layout.partial is not None:  # gather_to_root reduces first
             reduce = plan_redistribute(t, t.layout.with_partial(None), plan.mesh)
             add([s.axes for s in reduce.steps if s.kind.is_collective])
+    if get_config().audit_every:
+        add([plan.mesh.axis_names])
     return seen
 
 
@@ -734,7 +740,21 @@ def _step_loop(
         resize_requested=policies.resize_requested if file is not None else None,
         progress=progress,
         phase=policies.phase,
+        audit=_audit(live, backend),
     )
+
+
+def _audit(live: _Live, backend: ArrayBackend) -> ReplicaAudit | None:
+    """The replica audit of the run on the current session (None when ``DTM_AUDIT_EVERY``
+    is 0)."""
+    from dtm_mpi.config import get_config
+    from dtm_mpi.runtime.audit import ReplicaAudit
+
+    every = get_config().audit_every
+    if every == 0:
+        return None
+    pins = live.pipeline.pins if live.pipeline is not None else None
+    return ReplicaAudit(live.endpoint, live.plan.entry_plan.function, every, pins, backend.to_host)
 
 
 def _checkpoints(live: _Live, args: MpiRunArgs, backend: ArrayBackend) -> StoreCheckpoints | None:

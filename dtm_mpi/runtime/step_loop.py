@@ -19,6 +19,9 @@ when not selected:
 * **live resize**: planned (``resize_at``) or requested (``resize_requested``) resizes end the
   loop after a step with :attr:`LoopEnd.resize`; the launcher moves the state and starts a new
   loop on the new mesh;
+* **replica audit** (:class:`~dtm_mpi.runtime.audit.ReplicaAudit`): every N steps, and
+  before every checkpoint, each replicated state tensor's checksum compared across its
+  replicas (a divergence is one error on every rank, and no checkpoint takes it);
 * **progress** (:class:`Progress`): rank 0's step time and throughput every N steps;
 * **phase**: where the rank is (``step N``), for the agreed error of a failure.
 
@@ -39,7 +42,7 @@ import numpy as np
 from dtm_mpi.config import get_config
 from dtm_mpi.console import say
 from dtm_mpi.errors import RunStopped, UsageError
-from dtm_mpi.faults import maybe_fail
+from dtm_mpi.faults import flip_state, maybe_fail
 from dtm_mpi.ir.dtypes import np_dtype
 from dtm_mpi.ir.types import ReduceOp, TensorType
 from dtm_mpi.sharding.blocks import local_block
@@ -48,6 +51,7 @@ from dtm_mpi.sharding.steps import allreduce_spec
 if TYPE_CHECKING:
     from dtm_mpi.comm.interface import Comm
     from dtm_mpi.plan.program import ExecPlan
+    from dtm_mpi.runtime.audit import ReplicaAudit
     from dtm_mpi.runtime.policies import CheckpointPolicy, ProgressPolicy
 
 __all__ = [
@@ -261,6 +265,7 @@ class StepLoop:
     progress: Progress | None = None
     phase: Callable[[str], None] | None = None
     history: list[tuple[Any, ...]] | None = None
+    audit: ReplicaAudit | None = None
     updates: list[tuple[int, int]] = field(init=False, default_factory=list)
     """(result, parameter) index pairs: the state updates of a step (from the entry function)."""
 
@@ -298,15 +303,27 @@ class StepLoop:
             for j, i in self.updates:
                 blocks[i] = results[j]
             done = step + 1
+            if faults and step == first:  # DTM_FAULT=RANK:state:flip
+                flip_state(self.executor.rank, blocks, self._state())
             if self.progress is not None:
                 self.progress.step_done(step, metrics)
-            if flags & STOP_FLAG and done < self.steps:  # (after the last step: just finish)
+            saving = self.checkpoints is not None and self.checkpoints.policy.due(done, self.steps)
+            stopping = bool(flags & STOP_FLAG) and done < self.steps
+            if self.audit is not None and (self.audit.due(done) or saving or stopping):
+                self.audit.check(done, blocks)  # (before a checkpoint could take a divergence)
+            if stopping:  # (after the last step: just finish)
                 self._stopped(done, blocks)
-            if self.checkpoints is not None and self.checkpoints.policy.due(done, self.steps):
+            if saving:
+                assert self.checkpoints is not None
                 self.checkpoints.save(done, blocks)
             if done < self.steps and (flags & RESIZE_FLAG or done in planned):
                 return LoopEnd(done, results, planned.get(done), bool(flags & RESIZE_FLAG))
         return LoopEnd(self.steps, results)
+
+    def _state(self) -> list[tuple[int, str]]:
+        """The state parameters' positions among the blocks, and their names."""
+        entry = self.executor.plan.entry_plan.function
+        return [(i, entry.params[i].name.lstrip("%")) for _, i in self.updates]
 
     def _commit(self, step: int) -> int:
         if self.commit is None:
