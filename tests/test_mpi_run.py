@@ -282,6 +282,34 @@ def test_run_integrity_names_the_rank_whose_collective_result_differs(
     assert clean == 0, text  # no false alarm: every member holds the same bits
 
 
+# op, ranks, mesh, the IR line:col, the member the seeded flip's piece goes to
+PIECE_FLIPS = [
+    ("reduce_scatter", 2, "dp=1,tp=2", "16:9"),
+    ("reduce_scatter", 3, "dp=1,tp=3", "16:9"),
+    ("all_to_all", 4, "dp=4,tp=1", "18:8"),
+]
+
+
+@pytest.mark.parametrize(
+    ("op", "ranks", "mesh", "where"), PIECE_FLIPS, ids=[f"{c[0]}-{c[1]}" for c in PIECE_FLIPS]
+)
+def test_run_integrity_names_the_sender_of_a_damaged_piece_on_every_rank(
+    op: str, ranks: int, mesh: str, where: str
+) -> None:
+    """``--integrity``: reduce-scatter and all-to-all pieces carry their senders' CRC32C; one
+    bit flipped in what rank 1 sends is one line on every rank naming the op, its IR line,
+    the sender and the receiver."""
+    env = {"DTM_TIMEOUT": "20", "DTM_FAULT": f"1:{op}:corrupt"}
+    args = (str(EXAMPLES / "collectives.dtm"), "--mesh", mesh, "--integrity")
+    code, text, _ = mpirun(ranks, *args, env=env)
+    assert code != 0
+    pattern = rf"{op} at \S*collectives\.dtm:{where} failed on rank\(s\) (\d+): .*{op} over \w+ from rank 1 to rank \1: the piece"
+    lines = [ln for ln in text.splitlines() if re.search(pattern, ln)]
+    assert sorted({ln.split("]")[0] for ln in lines}) == [f"[rank {r}" for r in range(ranks)], text
+    clean, text, _ = mpirun(ranks, *args, env={"DTM_TIMEOUT": "20"})
+    assert clean == 0, text  # no false alarm
+
+
 def test_bad_input_on_every_rank_is_one_agreed_error(tmp_path: Path) -> None:
     code, text, _ = mpirun(
         2,

@@ -22,7 +22,7 @@ import itertools
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -345,6 +345,49 @@ class MpiComm:
                 rbuf[d + lo : d + lo + n] = got[dr : dr + n]
         return rbuf
 
+    def _checked_alltoallv(
+        self,
+        comm: Any,
+        sbuf: np.ndarray,
+        sc: list[int],
+        rc: list[int],
+        group: Sequence[int],
+        what: str,
+        axes: tuple[str, ...],
+        max_count: int,
+        into: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Integrity mode: :meth:`_alltoallv` with each piece's CRC32C computed by its sender
+        before it leaves and sent after it (a 4-byte Alltoall); each receiver compares what
+        arrived from every member, and names the sender of a damaged piece. ``into``: a flat
+        buffer to receive into (returned) where one call moves everything."""
+        from dtm_mpi.faults import corrupted
+
+        sd, rd = starts_of(sc), starts_of(rc)
+        sent = np.array(
+            [crc32c(sbuf[d : d + n]) for d, n in zip(sd, sc, strict=True)], dtype=np.uint32
+        )
+        wire = corrupted(self.rank, what, sbuf)  # DTM_FAULT=RANK:WHAT:corrupt: in flight
+        if into is not None and max_count <= self.limit:
+            move = self._move[sbuf.itemsize]
+            self.call(comm, "Alltoallv", what, axes, [wire, (sc, sd), move], [into, (rc, rd), move])
+            rbuf = into
+        else:
+            rbuf = self._alltoallv(comm, wire, sc, rc, what, axes, max_count)
+        theirs = np.empty(len(rc), dtype=np.uint32)
+        mtype = self._move[4]
+        self.call(comm, "Alltoall", "integrity", axes, [sent, mtype], [theirs, mtype])
+        for j, (d, n) in enumerate(zip(rd, rc, strict=True)):
+            got = crc32c(rbuf[d : d + n]) if n else 0
+            if n and got != int(theirs[j]):
+                raise PayloadIntegrityError(
+                    f"{what} over {','.join(axes)} from rank {group[j]} to rank {self.rank}: "
+                    f"the piece ({n * rbuf.itemsize} bytes) arrived with CRC32C {got:08x}, its "
+                    f"sender's was {int(theirs[j]):08x}",
+                    rank=self.rank,
+                )
+        return rbuf
+
     def _keep(
         self,
         spec: Any,
@@ -650,7 +693,7 @@ class MpiComm:
         out_shape = list(x.shape)
         out_shape[spec.dim] = spec.pieces[spec.position][1]
         mine = counts[spec.position]
-        mtype = self.native_type(x, spec.op)
+        mtype = None if self.integrity else self.native_type(x, spec.op)  # (checked: moved)
         if mtype is not None and max(counts, default=0) <= self.limit:
             out = empty_aligned(mine, dtype=x.dtype)
             name, extra = reduce_scatter_call(counts)
@@ -667,9 +710,15 @@ class MpiComm:
         else:  # every member's contribution to this member's piece, then a fold in group order
             udt = f"u{x.itemsize}"
             flat = packed.view(udt) if packed.size else np.empty(0, dtype=udt)
-            got = self._alltoallv(
-                comm, flat, counts, [mine] * k, "reduce_scatter", axes, max(counts, default=0)
-            ).view(x.dtype)
+            move = (
+                functools.partial(self._checked_alltoallv, group=spec.group)
+                if self.integrity
+                else self._alltoallv
+            )
+            got = move(
+                comm, flat, counts, [mine] * k, what="reduce_scatter", axes=axes,
+                max_count=max(counts, default=0),
+            ).view(x.dtype)  # fmt: skip
             out = reduce_arrays([got[j * mine : (j + 1) * mine] for j in range(k)], spec.op)
         out = out.reshape(out_shape)
         sent, received = reduce_scatter_traffic(x.nbytes, out.nbytes, k)
@@ -710,6 +759,8 @@ class MpiComm:
         self, x: np.ndarray, axes: tuple[str, ...], spec: ExchangeSpec, what: str = "exchange"
     ) -> np.ndarray:
         """Collective: call on all ranks of the group."""
+        if self.integrity:
+            return self._checked_exchange(x, axes, spec, what)
         p = self._prepared.get(id(spec))
         if (
             p
@@ -782,6 +833,35 @@ class MpiComm:
             for t, d in zip(spec.recvs, plan.recv_offsets, strict=True):
                 out[t.region] = values[d : d + t.count].reshape(out[t.region].shape)
         self._stats.record(what, *traffic)
+        return out
+
+    def _checked_exchange(
+        self, x: np.ndarray, axes: tuple[str, ...], spec: ExchangeSpec, what: str
+    ) -> np.ndarray:
+        """Integrity mode's exchange: the pieces packed in member order, moved with their
+        senders' CRC32C (:meth:`_checked_alltoallv`), then put in place."""
+        comm = self.session.group(axes)
+        plan = self.exchange_plan(spec, x.shape)
+        udt = self._udt[x.itemsize]
+        if plan.send_run is not None:  # back-to-back in member order: no packing
+            lo, hi = plan.send_run
+            sbuf = np.ascontiguousarray(x).reshape(-1)[lo:hi].view(udt)
+        else:
+            parts = [np.ascontiguousarray(x[t.region]).reshape(-1) for t in spec.sends]
+            sbuf = np.concatenate(parts).view(udt) if parts else np.empty(0, dtype=udt)
+        out = empty_aligned(spec.out_shape, dtype=x.dtype)
+        flat_out = out.reshape(-1).view(udt) if plan.recv_in_place else None
+        rbuf = self._checked_alltoallv(
+            comm, sbuf, plan.sc, plan.rc, spec.group, what, axes, spec.max_count, flat_out
+        )
+        if flat_out is not None:
+            if rbuf is not flat_out:  # (moved in rounds)
+                flat_out[:] = rbuf
+        else:
+            values = rbuf.view(x.dtype)
+            for t, d in zip(spec.recvs, plan.recv_offsets, strict=True):
+                out[t.region] = values[d : d + t.count].reshape(out[t.region].shape)
+        self._stats.record(what, plan.traffic[0] * x.itemsize, plan.traffic[1] * x.itemsize)
         return out
 
     def broadcast(self, x: np.ndarray, axes: tuple[str, ...], root: int) -> np.ndarray:

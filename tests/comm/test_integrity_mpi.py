@@ -119,3 +119,69 @@ def test_every_bit_flipped_in_a_collective_result_is_named_on_every_rank(
         config["now"] = replace(config["now"], faults=())
         run()  # a clean call right after: no alarm
     session.close()
+
+
+@pytest.mark.parametrize("what", ["all_to_all", "exchange", "reduce_scatter"])
+def test_every_bit_flipped_in_an_exchanged_piece_is_named_by_its_receiver(
+    comm: Any, monkeypatch: Any, what: str
+) -> None:
+    """All-to-all, redistribution exchanges and reduce-scatter move each member's pieces
+    unchanged (a reduce-scatter folds them on receipt): every piece carries its sender's
+    CRC32C, and the member a damaged piece went to names its sender; the others get their
+    results intact, and the next, clean, call is intact everywhere."""
+    from dtm_mpi.sharding.steps import ExchangeSpec, ReduceScatterSpec, Transfer
+
+    rank, size = int(comm.Get_rank()), int(comm.Get_size())
+    flip = _Flip()
+    monkeypatch.setattr(faults, "corrupt_in_place", flip)
+    config = {"now": replace(get_config(), integrity=True)}
+    monkeypatch.setattr(mpi_comm_module, "get_config", lambda: config["now"])
+    monkeypatch.setattr(faults, "get_config", lambda: config["now"])
+    session = _session(comm)
+    mc = MpiComm(session)
+    per, group = 40, tuple(range(size))
+    x = np.arange(per * size, dtype=np.float32) + 1000 * rank
+
+    def region(j: int) -> tuple[slice, ...]:
+        return (slice(j * per, (j + 1) * per),)
+
+    moves = tuple(Transfer(j, region(j), per) for j in range(size))
+    ex = ExchangeSpec(group, rank, moves, moves, (per * size,), per, per)
+    pieces = tuple((j * per, per) for j in range(size))
+    rs = ReduceScatterSpec(group, rank, ReduceOp.SUM, 0, pieces, (per,) * size)
+
+    def run() -> np.ndarray:
+        if what == "reduce_scatter":
+            return mc.reduce_scatter(x, ("x",), rs)
+        return mc.exchange(x, ("x",), ex, what)
+
+    want = run()
+    if what == "reduce_scatter":
+        expect = sum(
+            np.arange(per * size, dtype=np.float32)[region(rank)] + 1000 * j for j in group
+        )
+    else:
+        expect = np.concatenate([np.arange(per) + rank * per + 1000 * j for j in group])
+    assert np.array_equal(want, np.asarray(expect, dtype=np.float32))
+    rng = np.random.default_rng(13)
+    bits = rng.integers(0, x.nbytes * 8, FLIPS)
+    caught = 0
+    for k, bit in enumerate(bits):
+        victim, hit = k % size, int(bit) // 8 // (per * 4)  # the member the damaged piece goes to
+        flip.bit = int(bit)
+        config["now"] = replace(config["now"], faults=(FaultSpec(victim, what, FaultKind.CORRUPT),))
+        if rank == hit:
+            with pytest.raises(PayloadIntegrityError) as err:
+                run()
+            text = str(err.value)
+            assert (
+                f"{what} over x from rank {victim} to rank {hit}: the piece ({per * 4} bytes)"
+                in text
+            )
+            caught += 1
+        else:
+            assert run().tobytes() == want.tobytes()
+        config["now"] = replace(config["now"], faults=())
+        assert run().tobytes() == want.tobytes()  # a clean call right after: intact
+    assert caught == sum(1 for b in bits if int(b) // 8 // (per * 4) == rank)
+    session.close()

@@ -5,6 +5,7 @@ after it, and the option's checks."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -66,6 +67,20 @@ def test_the_verdict_names_the_odd_rank_by_majority() -> None:
     assert found == "b differs across its replicas on ranks 0, 1 (no majority: rank 0 00000006, rank 1 00000007)"
 
 
+@pytest.fixture(autouse=True)
+def _no_audit_left(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """``--audit-every`` sets DTM_AUDIT_EVERY for the process (and the processes it starts):
+    recorded here first, so that it is gone again after the test."""
+    from dtm_mpi.config import get_config
+
+    monkeypatch.setenv("DTM_AUDIT_EVERY", "0")
+    monkeypatch.delenv("DTM_FAULT", raising=False)
+    get_config.cache_clear()
+    yield
+    monkeypatch.undo()
+    get_config.cache_clear()
+
+
 def dtm(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
     code = run(list(argv))
     out, err = capsys.readouterr()
@@ -94,7 +109,6 @@ def test_a_flipped_state_bit_is_caught_at_the_next_audit_on_every_rank(
         )  # fmt: skip
     finally:
         monkeypatch.delenv("DTM_FAULT")
-        monkeypatch.delenv("DTM_AUDIT_EVERY", raising=False)
         get_config.cache_clear()
     assert code != 0, out
     assert "replica audit after step 3: " in out, out
@@ -120,7 +134,6 @@ def test_an_audit_before_every_checkpoint(
         )  # fmt: skip
     finally:
         monkeypatch.delenv("DTM_FAULT")
-        monkeypatch.delenv("DTM_AUDIT_EVERY", raising=False)
         get_config.cache_clear()
     assert code != 0 and "replica audit after step 2: " in out, out
     assert "no majority" in out and list_checkpoints(store) == [], out
@@ -140,8 +153,6 @@ def test_a_clean_run_audits_and_ends_with_the_unaudited_bits(
         )  # fmt: skip
         assert code == 0, text
         outs.append(dict(np.load(out)))
-    monkeypatch.delenv("DTM_AUDIT_EVERY", raising=False)
-    get_config.cache_clear()
     assert all(outs[0][k].tobytes() == outs[1][k].tobytes() for k in outs[0])
 
 
