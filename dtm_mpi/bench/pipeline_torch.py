@@ -10,7 +10,7 @@ AdamW, as many threads per rank as dtm's ranks' BLAS. Needs torch (the ``train``
 from __future__ import annotations
 
 import importlib
-import socket
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -45,10 +45,15 @@ def torch_available() -> bool:
     return True
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _rendezvous_file() -> str:
+    """A fresh path for torch's file rendezvous (a TCP port picked here could be taken by
+    another job before torch binds it)."""
+    import tempfile
+
+    fd, path = tempfile.mkstemp(prefix="dtm-torch-rdv-")
+    os.close(fd)
+    os.remove(path)
+    return path
 
 
 class _Run:
@@ -110,10 +115,10 @@ class TorchPipelines:
         self.pipelining = importlib.import_module("torch.distributed.pipelining")
         self.world, self.state, self.dims, self.microbatches = world, state, dims, microbatches
         self.rank, self.p = int(world.Get_rank()), int(world.Get_size())
-        port = world.bcast(_free_port() if self.rank == 0 else None, root=0)
+        where = world.bcast(_rendezvous_file() if self.rank == 0 else None, root=0)
         torch.set_num_threads(threads)
         torch.distributed.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=self.rank, world_size=self.p
+            "gloo", init_method=f"file://{where}", rank=self.rank, world_size=self.p
         )
         f, vocab = torch.nn.functional, dims["vocab"]
 

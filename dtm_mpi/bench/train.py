@@ -29,7 +29,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -97,10 +96,13 @@ def configs_for(models: Sequence[str], ranks: Sequence[int], torch: bool) -> lis
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _rendezvous(out: str) -> str:
+    """A path next to ``out`` for torch's file rendezvous, not there yet (a TCP port picked
+    here could be taken by another job before the workers bind it)."""
+    path = out + ".rendezvous"
+    if os.path.exists(path):
+        os.remove(path)
+    return path
 
 
 def _env() -> dict[str, str]:
@@ -138,7 +140,7 @@ def _command(c: TrainConfig, steps: int, warmup: int, out: str, mpirun: Sequence
     if c.impl == "dtm":
         return [*mpirun, "-n", str(c.ranks), *py, "-m", "mpi4py", *worker]
     if c.impl in ("torch-ddp", "torch-tp"):
-        return [*mpirun, "-n", str(c.ranks), *py, *worker, "--port", str(_free_port())]
+        return [*mpirun, "-n", str(c.ranks), *py, *worker, "--rendezvous", _rendezvous(out)]
     return [*py, *worker]
 
 

@@ -168,7 +168,7 @@ def _run_numpy(model: str, steps: int, warmup: int) -> dict[str, Any]:
     return {"times": times[warmup:], "comm": [0.0] * steps, "losses": losses}
 
 
-def _run_torch(model: str, mode: str, steps: int, warmup: int, port: int) -> dict[str, Any]:
+def _run_torch(model: str, mode: str, steps: int, warmup: int, rendezvous: str) -> dict[str, Any]:
     from dtm_mpi.bench.train_torch import TorchPeer, torch_module
 
     torch = torch_module()
@@ -180,8 +180,8 @@ def _run_torch(model: str, mode: str, steps: int, warmup: int, port: int) -> dic
     if mode != "single":
         rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
         ranks = int(os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("PMI_SIZE", "1")))
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks
+        dist.init_process_group(  # (a file, not a port: no race with other jobs for it)
+            "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=ranks
         )
     spec = MODELS[model]
     peer = TorchPeer(model, initial_state(spec.build()), mode, rank, ranks)
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mesh", default="dp=1,tp=1")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--rendezvous", default="", help="torch's rendezvous file (not there yet)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     rank = 0
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         got = _run_numpy(args.model, args.steps, args.warmup)
     else:
         got = _run_torch(
-            args.model, args.impl.removeprefix("torch-"), args.steps, args.warmup, args.port
+            args.model, args.impl.removeprefix("torch-"), args.steps, args.warmup, args.rendezvous
         )
         rank = int(got.pop("rank"))
     got["rss"] = status_kib("VmHWM") * 1024  # the peak resident memory
