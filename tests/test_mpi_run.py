@@ -310,6 +310,25 @@ def test_run_integrity_names_the_sender_of_a_damaged_piece_on_every_rank(
     assert clean == 0, text  # no false alarm
 
 
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_a_corrupted_object_frame_is_named_with_its_sender_on_every_rank(
+    ranks: int, tmp_path: Path
+) -> None:
+    """The objects a checkpoint store's ranks pass (OBJECT frames): one bit flipped in every
+    frame the last rank sends is one line on every rank naming it, what the frame carried
+    and the CRC check; no checkpoint is written."""
+    sender = ranks - 1
+    env = {"DTM_TIMEOUT": "20", "DTM_FAULT": f"{sender}:object:corrupt"}
+    store = tmp_path / "store"
+    args = (str(EXAMPLES / "dp_step.dtm"), "--mesh", f"dp={ranks}", "--steps", "2")
+    code, text, _ = mpirun(ranks, *args, "--store", str(store), "--checkpoint-every", "1", env=env)
+    assert code != 0
+    want = f"from rank {sender} arrived corrupt (CRC32C mismatch"
+    lines = [ln for ln in text.splitlines() if want in ln and "wrong: crc" in ln]
+    assert sorted({ln.split("]")[0] for ln in lines}) == [f"[rank {r}" for r in range(ranks)], text
+    assert not list(store.glob("ckpt-*")), "a checkpoint was written"
+
+
 def test_bad_input_on_every_rank_is_one_agreed_error(tmp_path: Path) -> None:
     code, text, _ = mpirun(
         2,

@@ -245,8 +245,12 @@ def agree_outcome_flagged(
     if not failed:
         return (), flagged
     # Every rank has reached this point (the allgather completed), so this cannot block on a
-    # dead peer: it only moves the failure messages.
-    messages = comm.allgather("" if ok else message)
+    # dead peer: it only moves the failure messages (OBJECT frames: a damaged one is named).
+    from dtm_mpi.comm.objects import allgather_obj
+
+    messages = allgather_obj(
+        comm, "" if ok else message, timeout_s=timeout_s, what="a failure message", phase=phase
+    )
     return tuple(RankFailure(r, phase, str(messages[r])) for r in failed), flagged
 
 

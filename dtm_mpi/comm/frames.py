@@ -82,6 +82,11 @@ class MessageType(enum.IntEnum):
     message."""
     VIEW = 7
     """An agreement's second round: the outcomes a rank heard, by rank."""
+    OBJECT = 8
+    """A value one implementation's ranks pass among themselves (a checkpoint's manifest
+    pieces and verdicts, a live resize's call to a parked rank): what it is, and its bytes
+    in that implementation's own encoding (dtm_mpi: pickle, read only once the frame
+    verified)."""
 
 
 class Kind(enum.IntEnum):
@@ -148,6 +153,7 @@ SCHEMAS: Mapping[MessageType, tuple[Field, ...]] = {
         Field(2, "oks", Kind.U64S),
         Field(3, "messages", Kind.STRS),
     ),
+    MessageType.OBJECT: (Field(1, "what", Kind.STR), Field(2, "payload", Kind.BYTES)),
 }
 """Each message type's fields (the one home of tags and kinds: ``io/WIRE.md`` lists them)."""
 

@@ -1,5 +1,6 @@
 """Bounded collectives for the storage layer: small Python objects (manifest pieces, shard
-hashes, verdicts) and one byte exchange, plus a deadline for blocking calls that cannot be
+hashes, verdicts; each travels as an OBJECT frame of ``io/WIRE.md``, checked before it is
+unpickled) and one byte exchange, plus a deadline for blocking calls that cannot be
 polled (parallel HDF5's collective I/O).
 
 Every wait here is bounded by ``timeout_s``: the non-blocking MPI call is polled until done
@@ -26,8 +27,16 @@ import numpy as np
 from dtm_mpi.comm.abort import claim_ending
 from dtm_mpi.comm.agreement import wait_bounded
 from dtm_mpi.console import write_line
+from dtm_mpi.errors import CommError, ProtocolError
 
-__all__ = ["allgather_obj", "alltoallv_bytes", "bcast_obj", "io_deadline"]
+__all__ = [
+    "allgather_obj",
+    "alltoallv_bytes",
+    "bcast_obj",
+    "io_deadline",
+    "object_frame",
+    "object_of",
+]
 
 BACKSTOP_S = 2.0
 """Seconds after a deadline at which the C-level backstop ends a process stuck with the
@@ -38,32 +47,64 @@ def _wait(request: Any, timeout_s: float, what: str, phase: str, rank: int) -> N
     wait_bounded(request, timeout_s=timeout_s, op=what, phase=phase, rank=rank)
 
 
+def object_frame(obj: Any, what: str, rank: int) -> np.ndarray:
+    """``obj`` as an OBJECT frame (``io/WIRE.md``; its payload pickled), the bytes this rank
+    sends. ``DTM_FAULT=RANK:object:corrupt`` flips one bit of them, as in flight."""
+    from dtm_mpi.comm.frames import MessageType, encode_frame
+    from dtm_mpi.faults import corrupt_in_place
+
+    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    buf = np.frombuffer(
+        encode_frame(MessageType.OBJECT, {"what": what, "payload": payload}), np.uint8
+    ).copy()
+    corrupt_in_place(rank, "object", buf)
+    return buf
+
+
+def object_of(data: Any, sender: int, rank: int, what: str, phase: str) -> Any:
+    """The object in the OBJECT frame ``data`` from rank ``sender``, unpickled only once the
+    frame verified; a damaged frame is a :class:`~dtm_mpi.errors.CommError` naming the
+    sender, what it carried and the check that caught it."""
+    from dtm_mpi.comm.frames import MessageType, decode_frame
+
+    try:
+        frame = decode_frame(data, expect=MessageType.OBJECT)
+    except ProtocolError as err:
+        raise CommError(
+            f"rank {rank}: {what} from rank {sender} arrived corrupt ({err}; wrong: {err.field})",
+            rank=rank,
+            phase=phase,
+        ) from None
+    return pickle.loads(frame.values["payload"])  # type: ignore[arg-type]
+
+
 def bcast_obj(comm: Any, obj: Any, root: int, *, timeout_s: float, what: str, phase: str) -> Any:
-    """Collective: call on all ranks. ``obj`` from ``root`` on every rank (pickled)."""
+    """Collective: call on all ranks. ``obj`` from ``root`` on every rank (an OBJECT frame:
+    a damaged one is an error naming ``root`` on the ranks it reached)."""
     rank = int(comm.Get_rank())
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if rank == root else b""
-    size = np.array([len(data)], dtype=np.int64)
+    data = object_frame(obj, what, rank) if rank == root else np.empty(0, np.uint8)
+    size = np.array([data.size], dtype=np.int64)
     _wait(comm.Ibcast(size, root=root), timeout_s, what, phase, rank)
-    buf = (
-        np.frombuffer(data, dtype=np.uint8).copy()
-        if rank == root
-        else np.empty(int(size[0]), np.uint8)
-    )
+    buf = data if rank == root else np.empty(int(size[0]), np.uint8)
     _wait(comm.Ibcast(buf, root=root), timeout_s, what, phase, rank)
-    return obj if rank == root else pickle.loads(buf.tobytes())
+    return obj if rank == root else object_of(buf, root, rank, what, phase)
 
 
 def allgather_obj(comm: Any, obj: Any, *, timeout_s: float, what: str, phase: str) -> list[Any]:
-    """Collective: call on all ranks. Every rank's ``obj``, in rank order (pickled)."""
+    """Collective: call on all ranks. Every rank's ``obj``, in rank order (each an OBJECT
+    frame: a damaged one is an error naming its sender, on every rank)."""
     rank, n = int(comm.Get_rank()), int(comm.Get_size())
-    data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+    data = object_frame(obj, what, rank)
     sizes = np.zeros(n, dtype=np.int64)
     _wait(comm.Iallgather(np.array([data.size], np.int64), sizes), timeout_s, what, phase, rank)
     counts = [int(c) for c in sizes]
     displs = [0, *np.cumsum(counts[:-1]).tolist()]
     out = np.empty(sum(counts), dtype=np.uint8)
     _wait(comm.Iallgatherv(data, [out, (counts, displs)]), timeout_s, what, phase, rank)
-    return [pickle.loads(out[d : d + c].tobytes()) for d, c in zip(displs, counts, strict=True)]
+    return [
+        obj if j == rank else object_of(out[d : d + c], j, rank, what, phase)
+        for j, (d, c) in enumerate(zip(displs, counts, strict=True))
+    ]
 
 
 def alltoallv_bytes(

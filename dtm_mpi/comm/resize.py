@@ -23,6 +23,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from dtm_mpi.comm.objects import io_deadline
 
 __all__ = [
@@ -96,6 +98,9 @@ def join_parents(rank: int, timeout_s: float) -> tuple[Any, Any] | None:
 PARK_TAG = 32761
 """The tag of rank 0's calls to parked ranks (on the pool communicator)."""
 
+PARK_CALL = "the call to a parked rank"
+"""What the OBJECT frame of a call to a parked rank carries (its ``what``)."""
+
 PARK_POLL_S = 0.02
 """How often a parked rank looks for a call (it is idle in between)."""
 
@@ -120,10 +125,14 @@ def split_pool(pool: Any, key: int | None, rank: int, timeout_s: float, phase: s
 def call_parked(
     pool: Any, ranks: Sequence[int], message: Any, timeout_s: float, phase: str
 ) -> None:
-    """Rank 0: send ``message`` to every parked rank in ``ranks`` (bounded)."""
-    from dtm_mpi.comm.agreement import wait_bounded
+    """Rank 0: send ``message`` to every parked rank in ``ranks`` (an OBJECT frame; bounded)."""
+    from mpi4py import MPI
 
-    for request in [pool.isend(message, dest=r, tag=PARK_TAG) for r in ranks]:
+    from dtm_mpi.comm.agreement import wait_bounded
+    from dtm_mpi.comm.objects import object_frame
+
+    frame = object_frame(message, PARK_CALL, 0)
+    for request in [pool.Isend([frame, MPI.BYTE], dest=r, tag=PARK_TAG) for r in ranks]:
         wait_bounded(
             request, timeout_s=timeout_s, op="calling the parked ranks", phase=phase, rank=0
         )
@@ -131,7 +140,16 @@ def call_parked(
 
 def wait_for_call(pool: Any) -> Any:
     """A parked rank: the next message rank 0 sends it (waits, idle, as long as the job runs;
-    a job that fails meanwhile is ended by its launcher)."""
-    while not pool.iprobe(source=0, tag=PARK_TAG):
+    a job that fails meanwhile is ended by its launcher). A damaged call is a
+    :class:`~dtm_mpi.errors.CommError` naming rank 0 and the check that caught it."""
+    from mpi4py import MPI
+
+    from dtm_mpi.comm.objects import object_of
+
+    status = MPI.Status()
+    while not pool.Iprobe(source=0, tag=PARK_TAG, status=status):
         time.sleep(PARK_POLL_S)
-    return pool.recv(source=0, tag=PARK_TAG)
+    frame = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
+    pool.Recv([frame, MPI.BYTE], source=0, tag=PARK_TAG)
+    rank = int(pool.Get_rank())
+    return object_of(frame, 0, rank, PARK_CALL, "parked, waiting for a call")

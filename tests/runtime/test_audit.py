@@ -64,7 +64,10 @@ def test_the_verdict_names_the_odd_rank_by_majority() -> None:
     assert "00000004 on 2 of 3; rank 1 00000005" in found
     two = np.array([[5, 7], [5, 8], [5, 0]])  # two replicas: no majority, both named
     (found,) = divergences(two, a)
-    assert found == "b differs across its replicas on ranks 0, 1 (no majority: rank 0 00000006, rank 1 00000007)"
+    assert (
+        found
+        == "b differs across its replicas on ranks 0, 1 (no majority: rank 0 00000006, rank 1 00000007)"
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -142,7 +145,6 @@ def test_an_audit_before_every_checkpoint(
 def test_a_clean_run_audits_and_ends_with_the_unaudited_bits(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from dtm_mpi.config import get_config
 
     outs = []
     for audit in ("0", "1"):
