@@ -196,16 +196,18 @@ def _policy(module: Module, training: IrTraining) -> PipelinePolicy:
     made: dict[int, StepStages] = {}
 
     def stages(n: int, whole_batch: bool = False) -> StepStages:
-        if whole_batch and training.microbatches > 1:
-            raise UsageError(
-                "deterministic mode: an IR forward is written for one microbatch, so there is no whole-batch pass to run the step's sums over; "
-                "run it with --microbatches 1, or without deterministic mode"
-            )
-        if n not in made:
+        if n not in made:  # (never asked for the whole batch: whole_batch=False below)
             made[n] = ir_step_stages(module, training, n)
         return made[n]
 
-    return PipelinePolicy(stages, kind, training.microbatches, training.chunks, training.axis)
+    return PipelinePolicy(
+        stages,
+        kind,
+        training.microbatches,
+        training.chunks,
+        training.axis,
+        whole_batch=False,  # written per microbatch: no whole-batch passes
+    )
 
 
 def ir_step_stages(module: Module, training: IrTraining, n: int) -> StepStages:

@@ -114,10 +114,13 @@ class PipelineRank:
         whole_plans: Mapping[str, ExecPlan] | None = None,
     ) -> None:
         self.deterministic = get_config().deterministic
-        if self.deterministic and (whole is None or whole_plans is None):
-            raise UsageError(
-                "deterministic mode runs a pipeline's weight passes on the whole batch: give the whole-batch stages (plan_pipelined_run plans them)"
-            )
+        if (whole is None) != (whole_plans is None):
+            raise UsageError("give the whole-batch stages and their plans together")
+        # deterministic mode with the whole batch's stages: the weight passes run once per step
+        # on every microbatch's values joined (the unpipelined step's bits); without them (an
+        # IR forward written per microbatch) each microbatch's passes run exact sums, added in
+        # microbatch order (the same bits on every mesh)
+        self.whole_batch = self.deterministic and whole is not None
         if axis not in shape.axis_names:
             raise UsageError(f"the mesh {shape} has no pipeline axis {axis!r}")
         if shape.axis_size(axis) != schedule.shape.ranks:
@@ -191,7 +194,7 @@ class PipelineRank:
         self.whole_f: dict[int, _Pass] = {}
         self._joins: dict[tuple[int, str], int | None] = {}
         self._loss_at = 0  # the loss among the last stage's forward results
-        if det:
+        if self.whole_batch:
             assert whole is not None and whole_plans is not None
             m = schedule.shape.microbatches
             for s in self.mine:
@@ -310,7 +313,7 @@ class PipelineRank:
                 loss = self._compute(action, env, grads, loss, step)
             for name in self._drops[i]:
                 env.pop(name, None)
-        if self.deterministic:
+        if self.whole_batch:
             loss = self._whole_batch(envs, batch, grads, loss, step)
         self.comm.flush()
         self.schedule_seconds = time.perf_counter() - started
@@ -334,7 +337,7 @@ class PipelineRank:
         step: int,
     ) -> np.ndarray:
         works: tuple[Work, ...] = (Work.I, Work.W) if c.work is Work.B else (c.work,)
-        if self.deterministic:  # the weight passes run once, on the whole batch, at the end
+        if self.whole_batch:  # the weight passes run once, on the whole batch, at the end
             works = tuple(w for w in works if w is not Work.W)
         for work in works:
             start = time.perf_counter()
@@ -553,7 +556,7 @@ def plan_pipelined_run(
     from dtm_mpi.plan.pipeline import plan_pipeline
     from dtm_mpi.plan.schedule import PipelineShape
 
-    deterministic = get_config().deterministic
+    deterministic = get_config().deterministic and policy.whole_batch
     m = policy.microbatches
     if deterministic and m & (m - 1):
         raise UsageError(

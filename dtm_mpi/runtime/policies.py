@@ -213,6 +213,10 @@ class PipelinePolicy:
     microbatches: int = 1
     chunks: int = 1
     axis: str = "pp"
+    whole_batch: bool = True
+    """Whether the step has whole-batch stages (``stages(n, True)``: a traced model's), which
+    deterministic mode runs its weight passes on; False for an IR forward written per
+    microbatch (deterministic mode then runs each microbatch's passes with exact sums)."""
 
     def __post_init__(self) -> None:
         if self.microbatches < 1:

@@ -119,3 +119,25 @@ def test_a_bad_split_is_named_on_every_rank() -> None:
     lines = [ln for ln in out.splitlines() if "--split %nope: @loss makes no value %nope" in ln]
     assert sorted(ln.split("]")[0] for ln in lines) == ["[rank 0", "[rank 1"], out
     assert "Traceback" not in out, out
+
+
+@pytest.mark.parametrize(("ranks", "mesh"), [(2, "pp=2,dp=1"), (3, "pp=3,dp=1"), (4, "pp=2,dp=2")])
+def test_in_deterministic_mode_ir_stages_under_mpirun_have_one_ranks_bits(
+    ranks: int, mesh: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "piped.npz"
+    proc = dtm_run(
+        ranks, *TRAIN, "--mesh", mesh, "--steps", "3", "-o", str(out), DTM_DETERMINISTIC="1"
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cmd = [sys.executable, "-m", "dtm_mpi", "run", MLP, "--sim", "1", *TRAIN]
+    ref = subprocess.run(
+        [*cmd, "--steps", "3", "-o", str(tmp_path / "one.npz")],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=mpirun_env(DTM_DETERMINISTIC="1"),
+        check=False,
+    )
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    same(out, dict(np.load(tmp_path / "one.npz")), exact=True)
