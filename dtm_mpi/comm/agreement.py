@@ -246,12 +246,29 @@ def agree_outcome_flagged(
         return (), flagged
     # Every rank has reached this point (the allgather completed), so this cannot block on a
     # dead peer: it only moves the failure messages (OBJECT frames: a damaged one is named).
-    from dtm_mpi.comm.objects import allgather_obj
-
-    messages = allgather_obj(
-        comm, "" if ok else message, timeout_s=timeout_s, what="a failure message", phase=phase
-    )
+    messages = _gather_messages(comm, "" if ok else message, phase, wait)
     return tuple(RankFailure(r, phase, str(messages[r])) for r in failed), flagged
+
+
+def _gather_messages(
+    comm: Any, message: str, phase: str, wait: Callable[[Any, str], None]
+) -> list[Any]:
+    """Every rank's ``message``, each sent as an OBJECT frame (``io/WIRE.md``), in rank order."""
+    from dtm_mpi.comm.framed import object_frame, object_of
+
+    rank, size = int(comm.Get_rank()), int(comm.Get_size())
+    what = "a failure message"
+    data = object_frame(message, what, rank)
+    sizes = np.zeros(size, dtype=np.int64)
+    wait(comm.Iallgather(np.array([data.size], np.int64), sizes), "agreement")
+    counts = [int(c) for c in sizes]
+    displs = [0, *np.cumsum(counts[:-1]).tolist()]
+    out = np.empty(sum(counts), dtype=np.uint8)
+    wait(comm.Iallgatherv(data, [out, (counts, displs)]), "agreement")
+    return [
+        message if j == rank else object_of(out[d : d + c], j, rank, what, phase)
+        for j, (d, c) in enumerate(zip(displs, counts, strict=True))
+    ]
 
 
 def agree_or_raise(

@@ -5,14 +5,22 @@ for its size. What arrives is decoded by the caller (a damaged frame is a
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import numpy as np
 
 from dtm_mpi.comm.frames import MessageType, decode_frame
-from dtm_mpi.errors import ProtocolError
+from dtm_mpi.errors import CommError, ProtocolError
 
-__all__ = ["isend_frame", "recv_frame", "take_decoded", "take_frame"]
+__all__ = [
+    "isend_frame",
+    "object_frame",
+    "object_of",
+    "recv_frame",
+    "take_decoded",
+    "take_frame",
+]
 
 
 def isend_frame(comm: Any, mpi: Any, frame: bytes, dest: int, tag: int) -> tuple[Any, Any]:
@@ -53,3 +61,32 @@ def take_decoded(
     except ProtocolError as err:
         err.rank = sender
         return sender, err
+
+
+def object_frame(obj: Any, what: str, rank: int) -> np.ndarray:
+    """``obj`` as an OBJECT frame (``io/WIRE.md``; its payload pickled), the bytes this rank
+    sends. ``DTM_FAULT=RANK:object:corrupt`` flips one bit of them, as in flight."""
+    from dtm_mpi.comm.frames import encode_frame
+    from dtm_mpi.faults import corrupt_in_place
+
+    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    buf = np.frombuffer(
+        encode_frame(MessageType.OBJECT, {"what": what, "payload": payload}), np.uint8
+    ).copy()
+    corrupt_in_place(rank, "object", buf)
+    return buf
+
+
+def object_of(data: Any, sender: int, rank: int, what: str, phase: str) -> Any:
+    """The object in the OBJECT frame ``data`` from rank ``sender``, unpickled only once the
+    frame verified; a damaged frame is a :class:`~dtm_mpi.errors.CommError` naming the
+    sender, what it carried and the check that caught it."""
+    try:
+        frame = decode_frame(data, expect=MessageType.OBJECT)
+    except ProtocolError as err:
+        raise CommError(
+            f"rank {rank}: {what} from rank {sender} arrived corrupt ({err}; wrong: {err.field})",
+            rank=rank,
+            phase=phase,
+        ) from None
+    return pickle.loads(frame.values["payload"])  # type: ignore[arg-type]

@@ -15,7 +15,6 @@ backstop in C (``faulthandler``, which needs no interpreter lock) then ends the 
 from __future__ import annotations
 
 import faulthandler
-import pickle
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -26,17 +25,10 @@ import numpy as np
 
 from dtm_mpi.comm.abort import claim_ending
 from dtm_mpi.comm.agreement import wait_bounded
+from dtm_mpi.comm.framed import object_frame, object_of
 from dtm_mpi.console import write_line
-from dtm_mpi.errors import CommError, ProtocolError
 
-__all__ = [
-    "allgather_obj",
-    "alltoallv_bytes",
-    "bcast_obj",
-    "io_deadline",
-    "object_frame",
-    "object_of",
-]
+__all__ = ["allgather_obj", "alltoallv_bytes", "bcast_obj", "io_deadline"]
 
 BACKSTOP_S = 2.0
 """Seconds after a deadline at which the C-level backstop ends a process stuck with the
@@ -45,37 +37,6 @@ interpreter lock held."""
 
 def _wait(request: Any, timeout_s: float, what: str, phase: str, rank: int) -> None:
     wait_bounded(request, timeout_s=timeout_s, op=what, phase=phase, rank=rank)
-
-
-def object_frame(obj: Any, what: str, rank: int) -> np.ndarray:
-    """``obj`` as an OBJECT frame (``io/WIRE.md``; its payload pickled), the bytes this rank
-    sends. ``DTM_FAULT=RANK:object:corrupt`` flips one bit of them, as in flight."""
-    from dtm_mpi.comm.frames import MessageType, encode_frame
-    from dtm_mpi.faults import corrupt_in_place
-
-    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    buf = np.frombuffer(
-        encode_frame(MessageType.OBJECT, {"what": what, "payload": payload}), np.uint8
-    ).copy()
-    corrupt_in_place(rank, "object", buf)
-    return buf
-
-
-def object_of(data: Any, sender: int, rank: int, what: str, phase: str) -> Any:
-    """The object in the OBJECT frame ``data`` from rank ``sender``, unpickled only once the
-    frame verified; a damaged frame is a :class:`~dtm_mpi.errors.CommError` naming the
-    sender, what it carried and the check that caught it."""
-    from dtm_mpi.comm.frames import MessageType, decode_frame
-
-    try:
-        frame = decode_frame(data, expect=MessageType.OBJECT)
-    except ProtocolError as err:
-        raise CommError(
-            f"rank {rank}: {what} from rank {sender} arrived corrupt ({err}; wrong: {err.field})",
-            rank=rank,
-            phase=phase,
-        ) from None
-    return pickle.loads(frame.values["payload"])  # type: ignore[arg-type]
 
 
 def bcast_obj(comm: Any, obj: Any, root: int, *, timeout_s: float, what: str, phase: str) -> Any:

@@ -129,7 +129,7 @@ def call_parked(
     from mpi4py import MPI
 
     from dtm_mpi.comm.agreement import wait_bounded
-    from dtm_mpi.comm.objects import object_frame
+    from dtm_mpi.comm.framed import object_frame
 
     frame = object_frame(message, PARK_CALL, 0)
     for request in [pool.Isend([frame, MPI.BYTE], dest=r, tag=PARK_TAG) for r in ranks]:
@@ -144,7 +144,7 @@ def wait_for_call(pool: Any) -> Any:
     :class:`~dtm_mpi.errors.CommError` naming rank 0 and the check that caught it."""
     from mpi4py import MPI
 
-    from dtm_mpi.comm.objects import object_of
+    from dtm_mpi.comm.framed import object_of
 
     status = MPI.Status()
     while not pool.Iprobe(source=0, tag=PARK_TAG, status=status):
