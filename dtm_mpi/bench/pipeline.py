@@ -6,12 +6,14 @@ dtm_mpi bench pipeline``): a float32 GPT of ``layers`` blocks cut into as many s
 then ``steps`` timed steps per schedule, every schedule in the same processes. Per schedule:
 
 * ``ms/step``: the median over the timed steps of the slowest rank's step time;
-* ``bubble``: the measured idle share of the schedule, ``1 - (sum of the ranks' F, I and W
-  pass times) / (ranks x the schedule's time)``, the schedule's time being the slowest rank's
-  from its first action to its last send taken (the optimizer's update and the loss's
+* ``bubble``: the measured idle share of the schedule: the time the ranks wait (in receives,
+  in the last wait for their sends to be taken, and after their last action until the
+  slowest rank's) over ``ranks x the schedule's time``, the schedule's time being the slowest
+  rank's from its first action to its last send taken (the optimizer's update and the loss's
   publication after it are not the schedule's), median over the steps;
 * ``predicted``: the bubble of the schedule's time-line under the pass times measured in the
-  same run (the mean F, I and W time of each stage: :func:`~dtm_mpi.plan.schedule.time_schedule`),
+  same run (the mean F, I and W time of each stage, plus the ranks' time neither in a pass
+  nor waiting, spread over the compute actions: :func:`~dtm_mpi.plan.schedule.time_schedule`),
   and the relative difference; more ranks than cores make the measurement meaningless (marked);
 * ``held`` and ``act MiB``: the most microbatch activations a rank holds at once by the plan,
   and what they take (the held values' local bytes);
@@ -162,7 +164,7 @@ def run_pipeline_bench(
                 loss = runner.step(mine, i).loss
                 first_loss = loss if first_loss is None else first_loss
             runner.seconds.clear()
-            walls, scheduled, busy = [], [], []
+            walls, scheduled, busy, waits, spans = [], [], [], [], []
             for i in range(steps):
                 world.Barrier()
                 start = time.perf_counter()
@@ -172,6 +174,8 @@ def run_pipeline_bench(
                 walls.append(world.allreduce(time.perf_counter() - start, op=MPI.MAX))
                 scheduled.append(world.allreduce(runner.schedule_seconds, op=MPI.MAX))
                 busy.append(world.allreduce(sum(sum(v) for v in runner.seconds.values()) - before))
+                waits.append(world.allreduce(runner.waited_seconds))
+                spans.append(world.allreduce(runner.schedule_seconds))
             seconds = world.gather(runner.seconds, root=0)
             held_bytes = world.gather(runner.held_bytes(), root=0)
             if rank == 0:
@@ -183,7 +187,7 @@ def run_pipeline_bench(
                         stages,
                         seconds,
                         held_bytes,
-                        (walls, scheduled, busy),
+                        (walls, scheduled, busy, waits, spans),
                         p,
                         transfer,
                     )
@@ -265,26 +269,42 @@ def _row(
     stages: Any,
     seconds: list[dict[Any, list[float]]],
     held_bytes: list[int],
-    times: tuple[list[float], list[float], list[float]],
+    times: tuple[list[float], ...],
     p: int,
     transfer: float,
 ) -> PipelineRow:
-    from dtm_mpi.plan.schedule import StageCosts, Work, time_schedule
+    from dtm_mpi.plan.schedule import Compute, StageCosts, Work, time_schedule
 
+    walls, scheduled, busy, waits, spans = times
+    # the ranks' time neither in passes nor waiting (the runtime's own work between actions:
+    # posting sends, bookkeeping) is busy time too: spread over the compute actions
+    computes = [a for acts in schedule.actions for a in acts if isinstance(a, Compute)]
+    other = statistics.median(
+        max(0.0, t - b - w) for t, b, w in zip(spans, busy, waits, strict=True)
+    )
+    each = other / max(1, len(computes))
+    split = any(a.work is not Work.B and a.work is not Work.F for a in computes)
     costs = []
     for s in range(len(stages.passes)):
         mean = {
             w: statistics.fmean(t) for r in seconds for (st, w), t in r.items() if st == s and t
         }
+        extra = each if split else each / 2  # (a B action runs the I and W passes)
         costs.append(
             StageCosts(
-                mean.get(Work.F, 0.0), mean.get(Work.I, 0.0), mean.get(Work.W, 0.0), transfer
+                mean.get(Work.F, 0.0) + each,
+                mean.get(Work.I, 0.0) + extra,
+                mean.get(Work.W, 0.0) + extra,
+                transfer,
             )
         )
     timing = time_schedule(schedule, costs)
-    walls, scheduled, busy = times
     step = statistics.median(walls)
-    measured = statistics.median(1.0 - b / (p * w) for b, w in zip(busy, scheduled, strict=True))
+    # the bubble: the ranks' idle share of the schedule (the slowest rank's): the time each
+    # waits for the pipeline, and after its last action until the slowest rank's
+    measured = statistics.median(
+        (w + p * t - sp) / (p * t) for w, t, sp in zip(waits, scheduled, spans, strict=True)
+    )
     held = max(timing.peak_held)
     return PipelineRow(
         name,

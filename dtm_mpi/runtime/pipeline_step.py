@@ -228,6 +228,9 @@ class PipelineRank:
         self.schedule_seconds = 0.0
         """The last step's schedule on this rank: its passes and messages, from the first
         action to the last send taken (the optimizer and the loss's publication after)."""
+        self.waited_seconds = 0.0
+        """Of that, the time spent in receives and in the last wait for its sends to be
+        taken: the rank's idle share of the schedule (the bubble), transfers included."""
         self._check_routes()
 
     def _last_uses(self) -> list[tuple[str, ...]]:
@@ -288,6 +291,7 @@ class PipelineRank:
         grads: dict[str, np.ndarray] = {}
         loss = np.zeros((), np.float64)
         faults = bool(get_config().faults)  # DTM_FAULT=RANK:send|recv:KIND, mid-schedule
+        waited = 0.0  # in receives and the last flush: waiting for the pipeline (and copying)
         started = time.perf_counter()
         for i, action in enumerate(self.schedule.actions[self.pp]):
             env = envs[action.microbatch]
@@ -298,6 +302,7 @@ class PipelineRank:
                     tag = action.tag + k * self._tag_stride
                     self.comm.send(env[value], self.pp_group[action.peer], tag)
             elif isinstance(action, Recv):
+                t0 = time.perf_counter()
                 for k, value in enumerate(self._bundles[(action.what, action.stage)]):
                     shape, dtype = self._received[value]
                     tag = action.tag + k * self._tag_stride
@@ -309,14 +314,18 @@ class PipelineRank:
                             f"{action.microbatch} from stage {action.stage} over {self.axis})",
                             rank=err.rank,
                         ) from None
+                waited += time.perf_counter() - t0
             else:
                 loss = self._compute(action, env, grads, loss, step)
             for name in self._drops[i]:
                 env.pop(name, None)
         if self.whole_batch:
             loss = self._whole_batch(envs, batch, grads, loss, step)
+        t0 = time.perf_counter()
         self.comm.flush()
-        self.schedule_seconds = time.perf_counter() - started
+        done = time.perf_counter()
+        self.waited_seconds = waited + (done - t0)
+        self.schedule_seconds = done - started
         named = {f"{n}.grad": g for n, g in grads.items()}
         if self.square_sums:  # clipping by the global norm: every stage's square sum, added
             named[CLIP_TOTAL] = self._clip_total(named, step)
