@@ -25,6 +25,30 @@ def mpirun_env(**extra: str) -> dict[str, str]:
     }
 
 
+def dtm_run(ranks: int, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``dtm run ARGS`` on ``ranks`` ranks of ``mpirun`` (bounded: a hang fails the test),
+    with ``env`` over :func:`mpirun_env`'s (``DTM_TIMEOUT`` 60 s unless given)."""
+    import sys
+
+    cmd = ["mpirun", "--timeout", "120", "--bind-to", "none", "-n", str(ranks)]
+    cmd += [sys.executable, "-m", "mpi4py", "-m", "dtm_mpi", "run", *args]
+    return subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=mpirun_env(**{"PYTHONUNBUFFERED": "1", "DTM_TIMEOUT": "60", **env}),
+        check=False,
+    )
+
+
+def named_on_every_rank(out: str, text: str, ranks: int) -> bool:
+    """Whether every rank of ``ranks`` printed a line holding ``text`` (``[rank R] ...``) and
+    no traceback came out."""
+    named = sorted({ln.split("]")[0] for ln in out.splitlines() if text in ln})
+    return named == [f"[rank {r}" for r in range(ranks)] and "Traceback" not in out
+
+
 def rank_pid(marker: str, rank: int, wait_s: float = 60.0) -> int:
     """The pid of MPI rank ``rank`` of the job whose command line holds ``marker``."""
     deadline = time.monotonic() + wait_s

@@ -33,6 +33,20 @@ def _session(comm: Any) -> MpiSession:
     return session
 
 
+def _integrity_mode(
+    comm: Any, monkeypatch: Any
+) -> tuple[_Flip, dict[str, Any], MpiSession, MpiComm]:
+    """Integrity mode switched on through a configuration the test changes
+    (``config["now"]``: its faults say where ``flip`` flips), and the communicator."""
+    flip = _Flip()
+    monkeypatch.setattr(faults, "corrupt_in_place", flip)
+    config = {"now": replace(get_config(), integrity=True)}
+    monkeypatch.setattr(mpi_comm_module, "get_config", lambda: config["now"])
+    monkeypatch.setattr(faults, "get_config", lambda: config["now"])
+    session = _session(comm)
+    return flip, config, session, MpiComm(session)
+
+
 class _Flip:
     """Flips bit ``bit`` of what the rank sends (or holds) where a fault is injected."""
 
@@ -82,13 +96,7 @@ def test_every_bit_flipped_in_a_collective_result_is_named_on_every_rank(
     from dtm_mpi.sharding.steps import AllgatherSpec
 
     rank, size = int(comm.Get_rank()), int(comm.Get_size())
-    flip = _Flip()
-    monkeypatch.setattr(faults, "corrupt_in_place", flip)
-    config = {"now": replace(get_config(), integrity=True)}
-    monkeypatch.setattr(mpi_comm_module, "get_config", lambda: config["now"])
-    monkeypatch.setattr(faults, "get_config", lambda: config["now"])
-    session = _session(comm)
-    mc = MpiComm(session)
+    flip, config, session, mc = _integrity_mode(comm, monkeypatch)
     assert mc.integrity
     rng = np.random.default_rng(11)
     x = np.full(64, rank + 1.0, dtype=np.float64)
@@ -132,13 +140,7 @@ def test_every_bit_flipped_in_an_exchanged_piece_is_named_by_its_receiver(
     from dtm_mpi.sharding.steps import ExchangeSpec, ReduceScatterSpec, Transfer
 
     rank, size = int(comm.Get_rank()), int(comm.Get_size())
-    flip = _Flip()
-    monkeypatch.setattr(faults, "corrupt_in_place", flip)
-    config = {"now": replace(get_config(), integrity=True)}
-    monkeypatch.setattr(mpi_comm_module, "get_config", lambda: config["now"])
-    monkeypatch.setattr(faults, "get_config", lambda: config["now"])
-    session = _session(comm)
-    mc = MpiComm(session)
+    flip, config, session, mc = _integrity_mode(comm, monkeypatch)
     per, group = 40, tuple(range(size))
     x = np.arange(per * size, dtype=np.float32) + 1000 * rank
 

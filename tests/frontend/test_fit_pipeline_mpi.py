@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.mpi_env import mpirun_env
+from tests.mpi_env import mpirun_env, named_on_every_rank
 
 pytestmark = [pytest.mark.slow]
 JOB = str(Path(__file__).resolve().parents[1] / "pipeline_fit_job.py")
@@ -211,8 +211,7 @@ def test_a_stage_failing_mid_schedule_is_named_on_every_rank(ranks: int) -> None
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
     want = "step 0 failed on rank(s) 1: rank 1 (step 0): injected failure (DTM_FAULT=1:recv:raise)"
-    named = sorted(ln.split("]")[0] for ln in out.splitlines() if want in ln)
-    assert named == [f"[rank {r}" for r in range(ranks)] and "Traceback" not in out, out
+    assert named_on_every_rank(out, want, ranks), out
 
 
 @pytest.mark.parametrize("ranks", [2, 4])

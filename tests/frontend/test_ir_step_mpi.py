@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.mpi_env import mpirun_env
+from tests.mpi_env import dtm_run as run_job
+from tests.mpi_env import mpirun_env, named_on_every_rank
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not on PATH"),
@@ -33,16 +34,7 @@ CASES = {
 
 
 def dtm_run(ranks: int, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    cmd = ["mpirun", "--timeout", "120", "--bind-to", "none", "-n", str(ranks)]
-    cmd += [sys.executable, "-m", "mpi4py", "-m", "dtm_mpi", "run", MLP, *args]
-    return subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=150,
-        env=mpirun_env(**{"PYTHONUNBUFFERED": "1", "DTM_TIMEOUT": "60", **env}),
-        check=False,
-    )
+    return run_job(ranks, MLP, *args, **env)
 
 
 def reference(path: Path, steps: int) -> dict[str, np.ndarray]:
@@ -108,8 +100,7 @@ def test_an_ir_stage_failing_mid_schedule_is_named_on_every_rank(ranks: int, mes
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
     want = "step 0 failed on rank(s) 1: rank 1 (step 0): injected failure (DTM_FAULT=1:recv:raise)"
-    named = sorted(ln.split("]")[0] for ln in out.splitlines() if want in ln)
-    assert named == [f"[rank {r}" for r in range(ranks)] and "Traceback" not in out, out
+    assert named_on_every_rank(out, want, ranks), out
 
 
 def test_a_bad_split_is_named_on_every_rank() -> None:

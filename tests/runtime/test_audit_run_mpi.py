@@ -7,15 +7,13 @@ uninterrupted run. A pipelined run audits each stage's replicas."""
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from dtm_mpi.io.store import list_checkpoints
-from tests.mpi_env import mpirun_env
+from tests.mpi_env import dtm_run
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not on PATH"),
@@ -24,19 +22,6 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[2]
 DP_STEP = str(ROOT / "examples" / "dp_step.dtm")
 MLP = str(ROOT / "examples" / "mlp_train.dtm")
-
-
-def dtm_run(ranks: int, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    cmd = ["mpirun", "--timeout", "120", "--bind-to", "none", "-n", str(ranks)]
-    cmd += [sys.executable, "-m", "mpi4py", "-m", "dtm_mpi", "run", *args]
-    return subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=150,
-        env=mpirun_env(**{"PYTHONUNBUFFERED": "1", "DTM_TIMEOUT": "60", **env}),
-        check=False,
-    )
 
 
 def errors(out: str, text: str) -> list[str]:

@@ -185,40 +185,32 @@ def _random(ctx: OpContext) -> tuple[TensorType, ...]:
     return (d,)
 
 
-def _step_ref(op: Op, xs: Sequence[np.ndarray], rt: Sequence[TensorType]) -> tuple[np.ndarray, ...]:
-    raise NotImplementedError("step_index is supplied by the executor")
+def _supplied_ref(
+    op: Op, xs: Sequence[np.ndarray], rt: Sequence[TensorType]
+) -> tuple[np.ndarray, ...]:
+    raise NotImplementedError(f"{op.name} is supplied by the executor")
 
 
-@register_op(
-    "step_index",
-    "",
-    reference=_step_ref,
-    traits=frozenset({Trait.NEEDS_STEP}),
-    doc="the current step (0-based), i64[]",
-)
-def _step_index(ctx: OpContext) -> tuple[TensorType, ...]:
+def _counter_type(ctx: OpContext) -> tuple[TensorType, ...]:
+    """``step_index`` and ``microbatch_index``: the declared replicated ``i64[]``."""
     d = ctx.declared[0]
     if d.dtype is not DType.I64 or d.shape != () or not d.layout.is_replicated:
-        raise ctx.result_error(0, f"step_index is a replicated i64[]; got {d}")
+        raise ctx.result_error(0, f"{ctx.op.name} is a replicated i64[]; got {d}")
     return (d,)
 
 
-def _microbatch_ref(
-    op: Op, xs: Sequence[np.ndarray], rt: Sequence[TensorType]
-) -> tuple[np.ndarray, ...]:
-    raise NotImplementedError("microbatch_index is supplied by the executor")
-
-
-@register_op(
+register_op(
+    "step_index",
+    "",
+    reference=_supplied_ref,
+    traits=frozenset({Trait.NEEDS_STEP}),
+    doc="the current step (0-based), i64[]",
+)(_counter_type)
+register_op(
     "microbatch_index",
     "",
-    reference=_microbatch_ref,
+    reference=_supplied_ref,
     traits=frozenset({Trait.NEEDS_STEP}),
     doc="the microbatch being run, counted over the run (step x microbatches + k), i64[]",
     since=(1, 2),
-)
-def _microbatch_index(ctx: OpContext) -> tuple[TensorType, ...]:
-    d = ctx.declared[0]
-    if d.dtype is not DType.I64 or d.shape != () or not d.layout.is_replicated:
-        raise ctx.result_error(0, f"microbatch_index is a replicated i64[]; got {d}")
-    return (d,)
+)(_counter_type)
