@@ -282,6 +282,27 @@ def test_run_integrity_names_the_rank_whose_collective_result_differs(
     assert clean == 0, text  # no false alarm: every member holds the same bits
 
 
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_run_integrity_checks_an_overlapped_allreduce_when_it_is_waited_for(ranks: int) -> None:
+    """``DTM_OVERLAP=1 --integrity``: the gradient allreduces run in buckets on a side thread;
+    each bucket's result is compared across the group when the step waits for it, and a bit
+    flipped in rank 1's result is one line on every rank naming the allreduce and rank 1."""
+    env = {"DTM_TIMEOUT": "20", "DTM_OVERLAP": "1", "DTM_FAULT": "1:allreduce:corrupt"}
+    args = (str(EXAMPLES / "dp_step.dtm"), "--mesh", f"dp={ranks}", "--integrity")
+    code, text, _ = mpirun(ranks, *args, env=env)
+    assert code != 0
+    odd = "rank(s) 1 hold other bytes than the rest" if ranks > 2 else "rank(s) 1: CRC32C"
+    lines = [
+        ln for ln in text.splitlines() if "allreduce over dp: the members' results differ" in ln
+    ]
+    assert sorted({ln.split("]")[0] for ln in lines}) == [f"[rank {r}" for r in range(ranks)], text
+    assert all(odd in ln for ln in lines), text
+    clean, text, _ = mpirun(
+        ranks, *args, "--steps", "3", env={"DTM_TIMEOUT": "20", "DTM_OVERLAP": "1"}
+    )
+    assert clean == 0, text
+
+
 # op, ranks, mesh, the IR line:col, the member the seeded flip's piece goes to
 PIECE_FLIPS = [
     ("reduce_scatter", 2, "dp=1,tp=2", "16:9"),

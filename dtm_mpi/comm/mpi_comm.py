@@ -135,6 +135,26 @@ class _SideCall:
         return self.out
 
 
+class _CheckedCall:
+    """An overlapped allreduce in integrity mode: when waited for, its result is compared
+    across the group (``check``: a collective on the group's main communicator, which the side
+    thread does not use; every member waits for its buckets in the plan's order)."""
+
+    __slots__ = ("check", "inner", "result")
+
+    def __init__(self, inner: _SideCall, check: Callable[[np.ndarray], np.ndarray]) -> None:
+        self.inner, self.check = inner, check
+        self.result: np.ndarray | None = None
+
+    def test(self) -> bool:
+        return self.inner.test()
+
+    def wait(self) -> np.ndarray:
+        if self.result is None:
+            self.result = self.check(self.inner.wait())
+        return self.result
+
+
 SEND_POLL_S = (20e-6, 200e-6)
 """The send thread's pauses between tests of its pending sends: the first, doubled after
 each test up to the second."""
@@ -421,14 +441,21 @@ class MpiComm:
     def _audited(self, name: str, run: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
         """``run`` (collective ``name``, whose result every member of the group holds alike)
         followed by a comparison of the result's CRC32C across the group (integrity mode)."""
-        from dtm_mpi.faults import corrupted
 
         def audited(x: np.ndarray, axes: tuple[str, ...], *rest: Any) -> np.ndarray:
-            out = corrupted(self.rank, name, run(x, axes, *rest))  # DTM_FAULT=RANK:NAME:corrupt
-            self._compare_results(name, axes, out)
-            return out
+            return self._checked_result(name, axes, run(x, axes, *rest))
 
         return audited
+
+    def _checked_result(self, name: str, axes: tuple[str, ...], out: np.ndarray) -> np.ndarray:
+        """``out`` (this member's result of collective ``name``) once the group compared
+        their results' CRC32C (integrity mode). ``DTM_FAULT=RANK:NAME:corrupt`` flips a bit
+        of it first, as if on its way in."""
+        from dtm_mpi.faults import corrupted
+
+        out = corrupted(self.rank, name, out)
+        self._compare_results(name, axes, out)
+        return out
 
     def _compare_results(self, name: str, axes: tuple[str, ...], out: np.ndarray) -> None:
         """Every member's CRC32C of its result of collective ``name`` on ``axes``, gathered:
@@ -662,6 +689,8 @@ class MpiComm:
         )
         moved = allreduce_moved(x, len(spec.group), spec.position)
         self._stats.record("allreduce", moved, moved)
+        if self.integrity:  # compared when waited for, on the main thread's communicator
+            return _CheckedCall(call, lambda out: self._checked_result("allreduce", axes, out))
         return call
 
     def reduce_scatter(

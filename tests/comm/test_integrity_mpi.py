@@ -34,13 +34,13 @@ def _session(comm: Any) -> MpiSession:
 
 
 def _integrity_mode(
-    comm: Any, monkeypatch: Any
+    comm: Any, monkeypatch: Any, *, overlap: bool = False
 ) -> tuple[_Flip, dict[str, Any], MpiSession, MpiComm]:
     """Integrity mode switched on through a configuration the test changes
     (``config["now"]``: its faults say where ``flip`` flips), and the communicator."""
     flip = _Flip()
     monkeypatch.setattr(faults, "corrupt_in_place", flip)
-    config = {"now": replace(get_config(), integrity=True)}
+    config = {"now": replace(get_config(), integrity=True, overlap=overlap)}
     monkeypatch.setattr(mpi_comm_module, "get_config", lambda: config["now"])
     monkeypatch.setattr(faults, "get_config", lambda: config["now"])
     session = _session(comm)
@@ -89,21 +89,27 @@ def test_every_bit_flipped_in_a_point_to_point_payload_is_caught(
     session.close()
 
 
-@pytest.mark.parametrize("op", ["allreduce", "allgather", "broadcast"])
+@pytest.mark.parametrize("op", ["allreduce", "overlapped", "allgather", "broadcast"])
 def test_every_bit_flipped_in_a_collective_result_is_named_on_every_rank(
     comm: Any, monkeypatch: Any, op: str
 ) -> None:
+    """(``overlapped``: an allreduce run on the side thread, ``DTM_OVERLAP``, compared when
+    waited for.)"""
     from dtm_mpi.sharding.steps import AllgatherSpec
 
     rank, size = int(comm.Get_rank()), int(comm.Get_size())
-    flip, config, session, mc = _integrity_mode(comm, monkeypatch)
-    assert mc.integrity
+    flip, config, session, mc = _integrity_mode(comm, monkeypatch, overlap=op == "overlapped")
+    assert mc.integrity and mc.side_thread == (op == "overlapped")
     rng = np.random.default_rng(11)
     x = np.full(64, rank + 1.0, dtype=np.float64)
     allreduce = AllreduceSpec(tuple(range(size)), rank, ReduceOp.SUM, 64)
     allgather = AllgatherSpec(tuple(range(size)), rank, 0, (64,) * size, (64,) * size)
 
     def run() -> np.ndarray:
+        if op == "overlapped":
+            handle = mc.start_allreduce(x, ("x",), allreduce)
+            assert type(handle).__name__ == "_CheckedCall"  # (the side thread's)
+            return handle.wait()
         if op == "allreduce":
             return mc.allreduce(x, ("x",), allreduce)
         if op == "allgather":
@@ -114,12 +120,13 @@ def test_every_bit_flipped_in_a_collective_result_is_named_on_every_rank(
     for k, bit in enumerate(rng.integers(0, out_bits, FLIPS)):
         victim = k % size
         flip.bit = int(bit)
-        faulty = (FaultSpec(victim, op, FaultKind.CORRUPT),)
+        faulty = (FaultSpec(victim, op.replace("overlapped", "allreduce"), FaultKind.CORRUPT),)
         config["now"] = replace(config["now"], faults=faulty)
         with pytest.raises(PayloadIntegrityError) as err:
             run()
         text = str(err.value)
-        assert f"{op} over x: the members' results differ" in text, text
+        name = op.replace("overlapped", "allreduce")
+        assert f"{name} over x: the members' results differ" in text, text
         if size > 2:
             assert f"rank(s) {victim} hold other bytes than the rest" in text, text
         else:
