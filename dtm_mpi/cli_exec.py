@@ -138,8 +138,8 @@ def _add_run(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
         type=int,
         default=None,
         metavar="N",
-        help="replica audit (as DTM_AUDIT_EVERY=N): after every N-th step and before every "
-        "checkpoint, each replicated state tensor's CRC32C is compared across its replicas",
+        help="replica audit (as DTM_AUDIT_EVERY=N): after every N-th step, before every "
+        "checkpoint and resize and after the last step, each replicated state tensor's CRC32C is compared across its replicas",
     )
     rn.add_argument(
         "--max-bytes-per-rank",
@@ -212,12 +212,26 @@ def _training(args: argparse.Namespace, module: Callable[[], Module]) -> TracedS
 def _training_step(args: argparse.Namespace, module: Callable[[], Module]) -> TracedStep | None:
     from dtm_mpi.frontend.ir_step import IrTraining, ir_train_step, parse_optimizer
 
+    given = [
+        name
+        for name, on in (
+            ("--microbatches", args.microbatches != 1),
+            ("--split", bool(args.split)),
+            ("--clip-norm", args.clip_norm is not None),
+            ("--schedule", args.schedule != "1f1b"),
+            ("--chunks", args.chunks != 1),
+        )
+        if on
+    ]
     if args.train is None:
-        if args.split or args.microbatches != 1 or args.clip_norm is not None:
+        if given:
             raise UsageError(
-                "--microbatches, --split and --clip-norm train the entry function: give --train OPT"
+                f"{', '.join(given)}: these train the entry function; give --train OPT"
             )
         return None
+    for name, value in (("--microbatches", args.microbatches), ("--chunks", args.chunks)):
+        if value < 1:
+            raise UsageError(f"{name} must be >= 1; got {value}")
     training = IrTraining(
         parse_optimizer(args.train),
         clip_norm=args.clip_norm,

@@ -86,6 +86,10 @@ def flip_state(rank: int, blocks: list[Any], state: Sequence[tuple[int, str]]) -
     held = [(i, name) for i, name in state if blocks[i] is not None and blocks[i].nbytes > 0]
     if not held:
         return None
+    if not all(isinstance(blocks[i], np.ndarray) for i, _ in held):
+        raise InjectedFaultError(
+            f"DTM_FAULT={fault}: flipping a state bit needs host (numpy) blocks; rank {rank} holds device arrays"
+        )
     rng = random.Random(f"{rank}:state")
     i, name = held[rng.randrange(len(held))]
     block = np.array(blocks[i], order="C")

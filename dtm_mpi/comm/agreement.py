@@ -266,7 +266,7 @@ def _gather_messages(
     out = np.empty(sum(counts), dtype=np.uint8)
     wait(comm.Iallgatherv(data, [out, (counts, displs)]), "agreement")
     return [
-        message if j == rank else object_of(out[d : d + c], j, rank, what, phase)
+        object_of(out[d : d + c], j, rank, what, phase)
         for j, (d, c) in enumerate(zip(displs, counts, strict=True))
     ]
 

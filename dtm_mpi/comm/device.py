@@ -271,6 +271,8 @@ class DeviceComm:
         mpi = self._mpi
         if mpi is None:
             return "the inner comm is not MPI"
+        if mpi.integrity:  # (the same on every rank: compared in the handshake)
+            return "payload integrity mode: the host path checks every payload"
         size = math.prod(shape)
         if size == 0:
             return "empty array"

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from dtm_mpi.comm.frames import MessageType, decode_frame
+from dtm_mpi.comm.frames import HEADER, TRAILER, MessageType, decode_frame
 from dtm_mpi.errors import CommError, ProtocolError
 
 __all__ = [
@@ -63,30 +63,68 @@ def take_decoded(
         return sender, err
 
 
+OBJECT_PART = 8 * 2**20
+"""The payload bytes of one OBJECT frame: a larger value travels as consecutive frames."""
+
+
 def object_frame(obj: Any, what: str, rank: int) -> np.ndarray:
-    """``obj`` as an OBJECT frame (``io/WIRE.md``; its payload pickled), the bytes this rank
-    sends. ``DTM_FAULT=RANK:object:corrupt`` flips one bit of them, as in flight."""
+    """``obj`` as OBJECT frames (``io/WIRE.md``; its payload pickled, cut into parts of
+    :data:`OBJECT_PART` bytes, one frame each, back to back), the bytes this rank sends.
+    ``DTM_FAULT=RANK:object:corrupt`` flips one bit of them, as in flight."""
     from dtm_mpi.comm.frames import encode_frame
     from dtm_mpi.faults import corrupt_in_place
 
     payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    buf = np.frombuffer(
-        encode_frame(MessageType.OBJECT, {"what": what, "payload": payload}), np.uint8
-    ).copy()
+    parts = max(1, -(-len(payload) // OBJECT_PART))
+    frames = [
+        encode_frame(
+            MessageType.OBJECT,
+            {
+                "what": what,
+                "part": k,
+                "parts": parts,
+                "payload": payload[k * OBJECT_PART : (k + 1) * OBJECT_PART],
+            },
+        )
+        for k in range(parts)
+    ]
+    buf = np.frombuffer(b"".join(frames), np.uint8).copy()
     corrupt_in_place(rank, "object", buf)
     return buf
 
 
 def object_of(data: Any, sender: int, rank: int, what: str, phase: str) -> Any:
-    """The object in the OBJECT frame ``data`` from rank ``sender``, unpickled only once the
-    frame verified; a damaged frame is a :class:`~dtm_mpi.errors.CommError` naming the
-    sender, what it carried and the check that caught it."""
+    """The object in the OBJECT frames ``data`` from rank ``sender``, unpickled only once
+    every frame verified and the parts are all there, in order; a damaged one is a
+    :class:`~dtm_mpi.errors.CommError` naming the sender, what it carried and the check
+    that caught it."""
+    view = memoryview(np.ascontiguousarray(data).view(np.uint8).reshape(-1).tobytes())
+    chunks: list[bytes] = []
     try:
-        frame = decode_frame(data, expect=MessageType.OBJECT)
+        at, parts = 0, 1
+        while len(chunks) < parts:
+            if len(view) - at < HEADER.size:
+                raise ProtocolError(
+                    f"part {len(chunks)} is truncated ({len(view) - at} bytes)", field="length"
+                )
+            end = at + HEADER.size + HEADER.unpack_from(view, at)[4] + TRAILER.size
+            values = decode_frame(view[at:end], expect=MessageType.OBJECT).values
+            part, count, payload = values["part"], values["parts"], values["payload"]
+            assert isinstance(part, int) and isinstance(count, int), "the schema's u64s"
+            assert isinstance(payload, bytes), "the schema's bytes"
+            parts = count
+            if part != len(chunks):
+                raise ProtocolError(
+                    f"part {part} of {parts} where part {len(chunks)} was due", field="part"
+                )
+            chunks.append(payload)
+            at = end
+        if at != len(view):
+            raise ProtocolError(f"{len(view) - at} bytes after the last part", field="length")
     except ProtocolError as err:
         raise CommError(
             f"rank {rank}: {what} from rank {sender} arrived corrupt ({err}; wrong: {err.field})",
             rank=rank,
             phase=phase,
         ) from None
-    return pickle.loads(frame.values["payload"])  # type: ignore[arg-type]
+    return pickle.loads(b"".join(chunks))

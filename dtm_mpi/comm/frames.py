@@ -153,7 +153,12 @@ SCHEMAS: Mapping[MessageType, tuple[Field, ...]] = {
         Field(2, "oks", Kind.U64S),
         Field(3, "messages", Kind.STRS),
     ),
-    MessageType.OBJECT: (Field(1, "what", Kind.STR), Field(2, "payload", Kind.BYTES)),
+    MessageType.OBJECT: (
+        Field(1, "what", Kind.STR),
+        Field(2, "part", Kind.U64),
+        Field(3, "parts", Kind.U64),
+        Field(4, "payload", Kind.BYTES),
+    ),
 }
 """Each message type's fields (the one home of tags and kinds: ``io/WIRE.md`` lists them)."""
 

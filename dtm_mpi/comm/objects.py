@@ -41,14 +41,14 @@ def _wait(request: Any, timeout_s: float, what: str, phase: str, rank: int) -> N
 
 def bcast_obj(comm: Any, obj: Any, root: int, *, timeout_s: float, what: str, phase: str) -> Any:
     """Collective: call on all ranks. ``obj`` from ``root`` on every rank (an OBJECT frame:
-    a damaged one is an error naming ``root`` on the ranks it reached)."""
+    a damaged one is an error naming ``root`` on every rank, the root included)."""
     rank = int(comm.Get_rank())
     data = object_frame(obj, what, rank) if rank == root else np.empty(0, np.uint8)
     size = np.array([data.size], dtype=np.int64)
     _wait(comm.Ibcast(size, root=root), timeout_s, what, phase, rank)
     buf = data if rank == root else np.empty(int(size[0]), np.uint8)
     _wait(comm.Ibcast(buf, root=root), timeout_s, what, phase, rank)
-    return obj if rank == root else object_of(buf, root, rank, what, phase)
+    return object_of(buf, root, rank, what, phase)  # (the root too: every rank alike)
 
 
 def allgather_obj(comm: Any, obj: Any, *, timeout_s: float, what: str, phase: str) -> list[Any]:
@@ -62,8 +62,8 @@ def allgather_obj(comm: Any, obj: Any, *, timeout_s: float, what: str, phase: st
     displs = [0, *np.cumsum(counts[:-1]).tolist()]
     out = np.empty(sum(counts), dtype=np.uint8)
     _wait(comm.Iallgatherv(data, [out, (counts, displs)]), timeout_s, what, phase, rank)
-    return [
-        obj if j == rank else object_of(out[d : d + c], j, rank, what, phase)
+    return [  # (this rank's own too: a frame damaged on its way out fails every rank alike)
+        object_of(out[d : d + c], j, rank, what, phase)
         for j, (d, c) in enumerate(zip(displs, counts, strict=True))
     ]
 

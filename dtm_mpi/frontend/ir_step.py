@@ -22,6 +22,7 @@ accumulation over M microbatches.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 import math
@@ -218,7 +219,8 @@ def ir_step_stages(module: Module, training: IrTraining, n: int) -> StepStages:
     f, mesh = _forward(module)
     tr, weights, env = _copied(module, f, mesh)
     b = tr.b
-    counter = _microbatch_input(b)
+    starts = _statement_starts(module, f)  # (positions before microbatch_index ops go)
+    counter, gone = _microbatch_input(b)
     m = training.microbatches
     with tracing(tr):
         loss = Tensor(env[f.returns[0]], tr).complete()
@@ -232,7 +234,7 @@ def ir_step_stages(module: Module, training: IrTraining, n: int) -> StepStages:
             raise UsageError(
                 f"--split cuts @{f.name} into {len(training.splits) + 1} stages; the run has {n} ({training.axis} x {training.chunks} chunk(s) per rank)"
             )
-        cuts = _split_cuts(b.ops, env, training.splits, f)
+        cuts = _split_cuts(starts, gone, training.splits, f)
     partition = partition_stages(b.params, b.ops, cuts, fed=(counter,) if counter else ())
     origins: list[int] = []
     with tracing(tr):
@@ -251,12 +253,14 @@ def ir_step_stages(module: Module, training: IrTraining, n: int) -> StepStages:
     return with_updates(stages, mesh, training.optimizer, training.clip_norm)
 
 
-def _microbatch_input(b: FunctionBuilder) -> str | None:
+def _microbatch_input(b: FunctionBuilder) -> tuple[str | None, list[int]]:
     """Every ``microbatch_index`` op of ``b`` replaced by one fed input (its name; None when
-    there is none): a pipeline's runtime gives each microbatch its number."""
-    made = {op.results[0] for op in b.ops if op.name == "microbatch_index"}
-    if not made:
-        return None
+    there is none): a pipeline's runtime gives each microbatch its number. Also the
+    positions the removed ops had."""
+    gone = [i for i, op in enumerate(b.ops) if op.name == "microbatch_index"]
+    if not gone:
+        return None, []
+    made = {b.ops[i].results[0] for i in gone}
     name = b.fresh("microbatch_index")
     b.add_param(name, TensorType(DType.I64, (), Layout(())))
     b.ops = [
@@ -264,14 +268,37 @@ def _microbatch_input(b: FunctionBuilder) -> str | None:
         for op in b.ops
         if op.name != "microbatch_index"
     ]
-    return name
+    return name, gone
+
+
+def _inlined(module: Module, f: Function) -> int:
+    """How many ops ``f``'s body is once its calls are inlined (as ``copy_body`` does)."""
+    total = 0
+    for op in f.body:
+        callee = module.function(str(op.attr("callee"))) if op.name == "call" else None
+        total += _inlined(module, callee) if callee is not None else 1
+    return total
+
+
+def _statement_starts(module: Module, f: Function) -> dict[str, int]:
+    """Where each statement of ``f`` starts among the inlined ops, by the values it makes (a
+    call's results: its first inlined op)."""
+    starts: dict[str, int] = {}
+    at = 0
+    for op in f.body:
+        for r in op.results:
+            starts[r] = at
+        callee = module.function(str(op.attr("callee"))) if op.name == "call" else None
+        at += _inlined(module, callee) if callee is not None else 1
+    return starts
 
 
 def _split_cuts(
-    ops: Sequence[Op], env: dict[str, Value], splits: Sequence[str], f: Function
+    starts: dict[str, int], gone: Sequence[int], splits: Sequence[str], f: Function
 ) -> list[int]:
-    """The op positions making the values ``splits`` names (in ``f``), in increasing order."""
-    at = {r: i for i, op in enumerate(ops) for r in op.results}
+    """The op positions where the statements making the values ``splits`` names (in ``f``)
+    start, in increasing order (``gone``: positions of ops removed since, before which the
+    cuts move down)."""
     params = {p.name for p in f.params}
     cuts: list[int] = []
     for k, text in enumerate(splits):
@@ -280,18 +307,18 @@ def _split_cuts(
             raise UsageError(
                 f"--split {text}: {name} is a parameter of @{f.name}; name a value an op makes"
             )
-        v = env.get(name)
-        if v is None or v.name not in at:
+        if name not in starts:
             raise UsageError(f"--split {text}: @{f.name} makes no value {name}")
-        if cuts and at[v.name] <= cuts[-1]:
+        at = starts[name] - bisect.bisect_left(gone, starts[name])
+        if cuts and at <= cuts[-1]:
             raise UsageError(
                 f"--split values follow the forward order: {name} is made before {splits[k - 1]}"
             )
-        if at[v.name] == 0:
+        if at == 0:
             raise UsageError(
                 f"--split {text}: {name} is made by the first op; stage 0 would have none"
             )
-        cuts.append(at[v.name])
+        cuts.append(at)
     return cuts
 
 

@@ -112,10 +112,15 @@ class PipelineRank:
         initial: bool = True,
         whole: StepStages | None = None,
         whole_plans: Mapping[str, ExecPlan] | None = None,
+        microbatch_sums: bool = False,
     ) -> None:
         self.deterministic = get_config().deterministic
         if (whole is None) != (whole_plans is None):
             raise UsageError("give the whole-batch stages and their plans together")
+        if self.deterministic and whole is None and not microbatch_sums:
+            raise UsageError(
+                "deterministic mode runs a pipeline's weight passes on the whole batch: give the whole-batch stages (plan_pipelined_run plans them), or microbatch_sums=True for a step written per microbatch"
+            )
         # deterministic mode with the whole batch's stages: the weight passes run once per step
         # on every microbatch's values joined (the unpipelined step's bits); without them (an
         # IR forward written per microbatch) each microbatch's passes run exact sums, added in
@@ -513,6 +518,7 @@ class PipelineExecutor:
             initial=False,
             whole=pipeline.whole,
             whole_plans=pipeline.whole_passes,
+            microbatch_sums=pipeline.whole is None,  # (planned: a traced step has them)
         )
         index = {p.name: i for i, p in enumerate(entry.params)}
         self.state = [(name, index[name]) for name in self.runner.owned]

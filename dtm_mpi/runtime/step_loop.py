@@ -309,20 +309,27 @@ class StepLoop:
                 self.progress.step_done(step, metrics)
             saving = self.checkpoints is not None and self.checkpoints.policy.due(done, self.steps)
             stopping = bool(flags & STOP_FLAG) and done < self.steps
-            if self.audit is not None and (self.audit.due(done) or saving or stopping):
-                self.audit.check(done, blocks)  # (before a checkpoint could take a divergence)
+            resizing = done < self.steps and bool(flags & RESIZE_FLAG or done in planned)
+            last = done == self.steps  # (the outputs are taken from one replica each)
+            if self.audit is not None and (
+                self.audit.due(done) or saving or stopping or resizing or last
+            ):  # before a checkpoint, a resize's move or the outputs could take a divergence
+                self.audit.check(done, blocks)
             if stopping:  # (after the last step: just finish)
                 self._stopped(done, blocks)
             if saving:
                 assert self.checkpoints is not None
                 self.checkpoints.save(done, blocks)
-            if done < self.steps and (flags & RESIZE_FLAG or done in planned):
+            if resizing:
                 return LoopEnd(done, results, planned.get(done), bool(flags & RESIZE_FLAG))
         return LoopEnd(self.steps, results)
 
     def _state(self) -> list[tuple[int, str]]:
-        """The state parameters' positions among the blocks, and their names."""
+        """The state parameters' positions among the blocks, and their names (those the
+        audit compares, when it runs: a flip elsewhere has no replica to show it)."""
         entry = self.executor.plan.entry_plan.function
+        if self.audit is not None:
+            return [(a.index, a.name) for a in self.audit.audited]
         return [(i, entry.params[i].name.lstrip("%")) for _, i in self.updates]
 
     def _commit(self, step: int) -> int:

@@ -155,9 +155,23 @@ def test_bad_options_are_one_line_errors(
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
 
 
-def test_pipeline_options_without_train_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = dtm(capsys, "run", MLP, "--sim", "1", "--microbatches", "2")
-    assert code != 0 and "give --train OPT" in err, err
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ("--microbatches", "2"),
+            "--microbatches: these train the entry function; give --train OPT",
+        ),
+        (("--schedule", "gpipe", "--chunks", "2"), "--schedule, --chunks: these train"),
+        (("--train", "sgd:lr=0.1", "--microbatches", "0"), "--microbatches must be >= 1; got 0"),
+        (("--train", "sgd:lr=0.1", "--chunks", "-1"), "--chunks must be >= 1; got -1"),
+    ],
+)
+def test_pipeline_options_alone_or_out_of_range_are_refused(
+    capsys: pytest.CaptureFixture[str], args: tuple[str, ...], message: str
+) -> None:
+    code, _, err = dtm(capsys, "run", MLP, "--sim", "1", *args)
+    assert code != 0 and message in err, err
 
 
 FORWARD = """dtm 1.2
@@ -282,3 +296,32 @@ def test_a_tensor_parallel_forward_pipelines_over_pp_x_tp(
     assert sorted(outs[0]) == sorted(outs[1]) and "opt.m.w3" in outs[0]
     for key, want in outs[0].items():
         np.testing.assert_allclose(outs[1][key], want, rtol=2e-5, atol=2e-6, err_msg=key)
+
+
+CALLS = """dtm 1.2
+module calls
+mesh @m = [pp=1]
+func @layer(%x: f32[8,16], %w: f32[16,16]) -> f32[8,16] on @m {
+  %h = matmul %x, %w : f32[8,16]
+  %a = tanh %h : f32[8,16]
+  return %a
+}
+entry func @loss(state %w0: f32[16,16] init normal(seed=1, std=0.2),
+                 state %w1: f32[16,16] init normal(seed=2, std=0.2)) -> f32[] on @m {
+  %mb = microbatch_index : i64[]
+  %x = random normal seed 3 offset %mb : f32[8,16]
+  %a0 = call @layer(%x, %w0) : f32[8,16]
+  %a1 = call @layer(%a0, %w1) : f32[8,16]
+  %l = mean %a1 dims [0, 1] : f32[]
+  return %l
+}
+"""
+
+
+def test_a_split_at_a_calls_result_starts_the_stage_at_the_call() -> None:
+    """A call's result is made by the call: the stage starts at the call's first inlined op
+    (not at the callee's last), so each call's weight stays on one stage."""
+    stages = ir_step_stages(load(CALLS, "calls.dtm"), IrTraining(SGD(0.1), splits=("%a1",)), 2)
+    assert [p.params for p in stages.passes] == [("%w0",), ("%w1",)]
+    names = [op.name for op in stages.partition.stages[1].ops]
+    assert names[:2] == ["matmul", "tanh"], names

@@ -73,3 +73,28 @@ def test_a_pipelined_run_audits_each_stages_replicas(tmp_path: Path) -> None:
     assert proc.returncode != 0, out
     assert errors(out, "replica audit after step 1: ") == [f"[rank {r}" for r in range(4)], out
     assert "differs across its replicas on ranks 2, 3 (no majority" in out, out
+
+
+def test_the_audit_runs_before_a_live_resize_moves_the_state() -> None:
+    """A resize moves each block from one replica: the audit runs first (here its period is
+    longer than the run), so a flipped bit is named instead of becoming the only copy."""
+    proc = dtm_run(
+        4, DP_STEP, "--mesh", "dp=4", "--steps", "6", "--resize-at", "2:dp=2",
+        "--audit-every", "100", DTM_FAULT="3:state:flip",
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert errors(out, "replica audit after step 2: ") == [f"[rank {r}" for r in range(4)], out
+    assert "on rank(s) 3 differs from its replicas on ranks 0, 1, 2, 3" in out, out
+    assert "resized after step 2" not in out, out
+
+
+def test_the_audit_runs_after_the_last_step() -> None:
+    """The outputs are taken from one replica each: the audit runs after the last step too."""
+    proc = dtm_run(
+        3, DP_STEP, "--mesh", "dp=3", "--steps", "1", "--audit-every", "100",
+        DTM_FAULT="2:state:flip",
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert errors(out, "replica audit after step 1: ") == [f"[rank {r}" for r in range(3)], out

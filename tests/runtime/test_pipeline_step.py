@@ -93,9 +93,18 @@ def test_a_pipelined_step_gives_the_unpipelined_gradients_and_one_loss_everywher
         np.testing.assert_allclose(got, g, rtol=1e-10, atol=1e-14, err_msg=name)
 
 
-def test_whole_batch_stages_come_with_their_plans(monkeypatch: pytest.MonkeyPatch) -> None:
-    """(Deterministic mode without whole-batch stages runs each microbatch's passes with
-    exact sums: an IR forward's pipeline, tests/frontend/test_ir_step.py.)"""
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ("nothing", r"deterministic mode runs a pipeline.s weight passes on the whole batch"),
+        ("stages only", r"give the whole-batch stages and their plans together"),
+    ],
+)
+def test_deterministic_mode_without_the_whole_batch_stages_is_refused(
+    monkeypatch: pytest.MonkeyPatch, given: str, message: str
+) -> None:
+    """(With ``microbatch_sums=True`` each microbatch's passes run exact sums instead: an IR
+    forward's pipeline, tests/frontend/test_ir_step.py.)"""
     monkeypatch.setenv("DTM_DETERMINISTIC", "1")
     get_config.cache_clear()
     try:
@@ -105,12 +114,11 @@ def test_whole_batch_stages_come_with_their_plans(monkeypatch: pytest.MonkeyPatc
             _model(), _loss, mesh=mesh, inputs=INPUTS, splits=["blocks.2"], microbatches=2
         )
         schedule = plan_schedule(ScheduleKind.ONE_F_ONE_B, PipelineShape(2, 2))
-        with pytest.raises(
-            RemoteFailureError, match=r"give the whole-batch stages and their plans together"
-        ):
+        whole = stages if given == "stages only" else None
+        with pytest.raises(RemoteFailureError, match=message):
             run_ranks(
                 shape,
-                lambda comm: PipelineRank(stages, schedule, mesh.ir(), shape, comm, whole=stages),
+                lambda comm: PipelineRank(stages, schedule, mesh.ir(), shape, comm, whole=whole),
                 timeout_s=30,
             )
     finally:
