@@ -26,7 +26,8 @@ then ``steps`` timed steps per schedule, every schedule in the same processes. P
 
 The first row is the same model and batch without a pipeline on one rank (the others wait);
 the cost model's transfer time is half the median round trip of one boundary block between
-ranks 0 and 1, measured first.
+ranks 0 and 1 through each schedule's own communicator (the runtime's send, driven by its
+send thread, and receive), measured before its steps.
 """
 
 from __future__ import annotations
@@ -130,9 +131,7 @@ def run_pipeline_bench(
     if rank == 0:  # the same model and batch unpipelined, on one rank (the others wait)
         rows.append(_unpipelined(plain, data, steps, warmup))
     world.Barrier()
-    # a boundary block's one-way time (half a ping-pong): the cost model's transfer time
     boundary = np.zeros(max(1, batch // microbatches) * seq * dim, np.float32)
-    transfer = _one_way(world, boundary) if p > 1 else 0.0
     runs: list[tuple[Any, Any, Any]] = []  # (runner, its batch blocks, session) per schedule
     peer = None
     try:
@@ -160,6 +159,9 @@ def run_pipeline_bench(
             runner = PipelineRank(stages, schedule, mesh.ir(), shape, MpiComm(session), plans=plans)
             mine = runner.batch_blocks(data)
             runs.append((runner, mine, session))
+            # a boundary block's one-way time the way the run moves it (the runtime's send,
+            # driven by its send thread, and a bounded receive): this schedule's transfer cost
+            transfer = _one_way_runtime(runner.comm, rank, boundary) if p > 1 else 0.0
             for i in range(warmup):
                 loss = runner.step(mine, i).loss
                 first_loss = loss if first_loss is None else first_loss
@@ -231,21 +233,23 @@ def run_pipeline_bench(
     return _table(rows, p) + "\n" + losses
 
 
-def _one_way(world: Any, buf: np.ndarray, rounds: int = 20) -> float:
-    """Half the median round trip of ``buf`` between ranks 0 and 1 (the others wait)."""
-    rank = int(world.Get_rank())
+def _one_way_runtime(comm: Any, rank: int, buf: np.ndarray, rounds: int = 20) -> float:
+    """Half the median round trip of ``buf`` between ranks 0 and 1 through ``comm`` (the
+    runtime's point to point; the others wait), the same on every rank."""
     trips = []
+    tag = 32000  # (below the reserved tags; no step is running)
     for _ in range(rounds):
-        world.Barrier()
         start = time.perf_counter()
         if rank == 0:
-            world.Send(buf, dest=1, tag=7)
-            world.Recv(buf, source=1, tag=7)
+            comm.send(buf, 1, tag)
+            comm.recv(buf.shape, buf.dtype, 1, tag)
         elif rank == 1:
-            world.Recv(buf, source=0, tag=7)
-            world.Send(buf, dest=0, tag=7)
+            got = comm.recv(buf.shape, buf.dtype, 0, tag)
+            comm.send(got, 0, tag)
+        comm.flush()
         trips.append(time.perf_counter() - start)
-    return float(world.bcast(statistics.median(trips) / 2, root=0))
+    half = np.array([statistics.median(trips) / 2 if rank == 0 else 0.0])
+    return float(comm.broadcast(half, ("pp",), 0)[0])
 
 
 def _unpipelined(step: Any, data: dict[str, np.ndarray], steps: int, warmup: int) -> PipelineRow:
