@@ -303,9 +303,7 @@ def switch_on(field: str) -> None:
     """Turn on the yes/no setting ``field`` (a :class:`Config` field) for this process and
     the processes it starts: its variable set to ``1`` in ``os.environ``, the configuration
     read again (``dtm explain SCRIPT.py`` so switches on ``explain``)."""
-    var = next(v for v in ENV_VARS if v.field == field)
-    os.environ[var.name] = "1"
-    get_config.cache_clear()
+    set_setting(field, 1)
 
 
 LAUNCHER_NODE_RANKS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")

@@ -189,15 +189,10 @@ def _scatter_add(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
     return (scatter_rows(xs[0], xs[1], d, lo, n, size, ctx.operand_offsets[1]),)
 
 
-@register_kernel(BACKEND, "step_index")
-def _step_index(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
-    return (np.array(ctx.step, dtype=np.int64),)
-
-
-@register_kernel(BACKEND, "microbatch_index")
-def _microbatch_index(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
-    # a step not split into microbatches is one microbatch: its index is the step's (a
-    # pipeline's passes take the index as an input instead: dtm_mpi.ir.stages)
+@register_kernel(BACKEND, "step_index", "microbatch_index")
+def _step_counter(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
+    # (a step not split into microbatches is one microbatch, numbered as the step; a
+    # pipeline's passes take the microbatch's number as an input: dtm_mpi.ir.stages)
     return (np.array(ctx.step, dtype=np.int64),)
 
 

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from dtm_mpi.sharding.blocks import Pin
     from dtm_mpi.sharding.mesh import MeshShape
 
-__all__ = ["Audited", "ReplicaAudit", "divergences", "replica_groups"]
+__all__ = ["Audited", "ReplicaAudit", "divergences", "replica_audit", "replica_groups"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,3 +161,17 @@ class ReplicaAudit:
                     "compute or memory (resume from the newest checkpoint that verifies: --resume)"
                 )
             )
+
+
+def replica_audit(
+    comm: Comm,
+    entry: Function,
+    pins: Mapping[str, Pin] | None = None,
+    to_host: Callable[[Any], np.ndarray] = np.asarray,
+) -> ReplicaAudit | None:
+    """The run's replica audit every ``DTM_AUDIT_EVERY`` steps (None when that is 0): what
+    both launchers' step loops run."""
+    from dtm_mpi.config import get_config
+
+    every = get_config().audit_every
+    return ReplicaAudit(comm, entry, every, pins, to_host) if every else None

@@ -42,6 +42,7 @@ from dtm_mpi.errors import (
     UsageError,
     agreed,
 )
+from dtm_mpi.runtime.audit import replica_audit
 from dtm_mpi.runtime.request import (
     RunRequest,
     capabilities,
@@ -66,7 +67,6 @@ if TYPE_CHECKING:
     from dtm_mpi.kernels.devices import ArrayBackend, DeviceArray
     from dtm_mpi.plan.pipeline import PipelinePlan
     from dtm_mpi.plan.program import ExecPlan
-    from dtm_mpi.runtime.audit import ReplicaAudit
     from dtm_mpi.runtime.checkpoints import StoreCheckpoints
     from dtm_mpi.runtime.step_loop import Progress
     from dtm_mpi.sharding.blocks import Pin
@@ -740,21 +740,13 @@ def _step_loop(
         resize_requested=policies.resize_requested if file is not None else None,
         progress=progress,
         phase=policies.phase,
-        audit=_audit(live, backend),
+        audit=replica_audit(
+            live.endpoint,
+            live.plan.entry_plan.function,
+            live.pipeline.pins if live.pipeline is not None else None,
+            backend.to_host,
+        ),
     )
-
-
-def _audit(live: _Live, backend: ArrayBackend) -> ReplicaAudit | None:
-    """The replica audit of the run on the current session (None when ``DTM_AUDIT_EVERY``
-    is 0)."""
-    from dtm_mpi.config import get_config
-    from dtm_mpi.runtime.audit import ReplicaAudit
-
-    every = get_config().audit_every
-    if every == 0:
-        return None
-    pins = live.pipeline.pins if live.pipeline is not None else None
-    return ReplicaAudit(live.endpoint, live.plan.entry_plan.function, every, pins, backend.to_host)
 
 
 def _checkpoints(live: _Live, args: MpiRunArgs, backend: ArrayBackend) -> StoreCheckpoints | None:

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 
 from dtm_mpi.comm.interface import Comm, CommStats
-from dtm_mpi.config import get_config
 from dtm_mpi.errors import RunStopped, UsageError
 from dtm_mpi.ir.dtypes import np_dtype
 from dtm_mpi.ir.nodes import Function, Module
 from dtm_mpi.ir.types import Layout, TensorType
 from dtm_mpi.kernels.devices import ArrayBackend
 from dtm_mpi.plan.program import ExecPlan, compile_plan, mesh_for
+from dtm_mpi.runtime.audit import replica_audit
 from dtm_mpi.runtime.executor import Executor
 from dtm_mpi.runtime.policies import check_run_size
 from dtm_mpi.runtime.step_loop import (
@@ -43,7 +43,6 @@ from dtm_mpi.sharding.redistribute import plan_redistribute
 if TYPE_CHECKING:
     from dtm_mpi.io.checkpoint import CheckpointStore
     from dtm_mpi.plan.pipeline import PipelinePlan
-    from dtm_mpi.runtime.audit import ReplicaAudit
     from dtm_mpi.runtime.policies import CheckpointPolicy, PipelinePolicy, ProgressPolicy
 
 T = TypeVar("T")
@@ -149,7 +148,7 @@ def run_rank(
         stop=stop,
         history=history if hooks is None else None,
         progress=Progress(progress, steps) if progress is not None and comm.rank == 0 else None,
-        audit=_audit(comm, plan, pins, arrays),
+        audit=replica_audit(comm, plan.entry_plan.function, pins, arrays.to_host),
     )
     try:
         end = loop.run(args, first)
@@ -161,18 +160,6 @@ def run_rank(
     if hooks is not None or not history:  # a training loop: keep the last step's results only
         history = [end.results]
     return RankOutcome(tuple(args), history, comm.stats)
-
-
-def _audit(
-    comm: Comm, plan: ExecPlan, pins: Mapping[str, Pin] | None, arrays: ArrayBackend
-) -> ReplicaAudit | None:
-    """The replica audit of the run (None when ``DTM_AUDIT_EVERY`` is 0)."""
-    from dtm_mpi.runtime.audit import ReplicaAudit
-
-    every = get_config().audit_every
-    if every == 0:
-        return None
-    return ReplicaAudit(comm, plan.entry_plan.function, every, pins, arrays.to_host)
 
 
 def _saves(checkpoint: CheckpointPolicy, stop: StopSignal | None) -> bool:
