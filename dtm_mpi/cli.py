@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from dtm_mpi._version import __version__
 from dtm_mpi.cli_exec import add_exec_commands, runs_under_mpi
 from dtm_mpi.cli_store import add_store_commands
+from dtm_mpi.cli_task import add_task_commands
 from dtm_mpi.comm.abort import run_or_abort
 from dtm_mpi.errors import DiagnosticError, UsageError, agreed
 from dtm_mpi.kernels.backends import BACKEND_NAMES
@@ -234,6 +235,7 @@ COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (  # type: 
     add_info_command,
     add_exec_commands,
     add_store_commands,
+    add_task_commands,
 )
 
 

@@ -44,6 +44,7 @@ __all__ = [
     "EXIT_REQUEUE",
     "SourceSpan",
     "StorageError",
+    "TaskGraphError",
     "UnrecoverableError",
     "UsageError",
     "VerifyError",
@@ -162,6 +163,13 @@ class InvalidModuleError(DtmError, ValueError):
 
 
 # --- sharding and planning --------------------------------------------------------------------
+
+
+class TaskGraphError(DtmError, ValueError):
+    """A task graph file (``io/TASKS.md``) that cannot be run: a missing or malformed field, an
+    unknown name, a cycle, types that differ between a producer and a consumer, a task that
+    fits nowhere. The message starts with ``FILE:LINE:COL`` of the task or field (agreed:
+    every rank reads the same file)."""
 
 
 class LayoutError(DtmError, ValueError):

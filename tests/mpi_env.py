@@ -26,12 +26,17 @@ def mpirun_env(**extra: str) -> dict[str, str]:
 
 
 def dtm_run(ranks: int, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    """``dtm run ARGS`` on ``ranks`` ranks of ``mpirun`` (bounded: a hang fails the test),
-    with ``env`` over :func:`mpirun_env`'s (``DTM_TIMEOUT`` 60 s unless given)."""
+    """``dtm run ARGS`` on ``ranks`` ranks of ``mpirun`` (:func:`dtm_job`)."""
+    return dtm_job(ranks, "run", *args, **env)
+
+
+def dtm_job(ranks: int, *words: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``dtm WORDS`` on ``ranks`` ranks of ``mpirun`` (bounded: a hang fails the test), with
+    ``env`` over :func:`mpirun_env`'s (``DTM_TIMEOUT`` 60 s unless given)."""
     import sys
 
     cmd = ["mpirun", "--timeout", "120", "--bind-to", "none", "-n", str(ranks)]
-    cmd += [sys.executable, "-m", "mpi4py", "-m", "dtm_mpi", "run", *args]
+    cmd += [sys.executable, "-m", "mpi4py", "-m", "dtm_mpi", *words]
     return subprocess.run(
         cmd,
         capture_output=True,

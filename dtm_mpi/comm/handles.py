@@ -44,9 +44,15 @@ def dup(comm: Any) -> Any:
     return comm.Dup()
 
 
-def split(comm: Any, color: int, key: int) -> Any:
+def split(comm: Any, color: int | None, key: int) -> Any:
     """Collective on ``comm``: the communicator of the ranks passing the same ``color``,
-    ordered by ``key`` (free it with :func:`free`)."""
+    ordered by ``key`` (free it with :func:`free`); None for a rank passing ``color=None``
+    (in no group)."""
+    if color is None:
+        from mpi4py import MPI
+
+        comm.Split(MPI.UNDEFINED, key)
+        return None
     return comm.Split(color, key)
 
 

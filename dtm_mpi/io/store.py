@@ -47,6 +47,7 @@ __all__ = [
     "tree_bytes",
     "write_latest",
     "write_meta",
+    "write_text_atomic",
 ]
 
 STORE_FORMAT = "dtm-store"
@@ -174,7 +175,9 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` by ``text`` atomically (a temporary file, fsync, rename, fsync of the
+    directory): a crash leaves the old content or the new, never a mix."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
@@ -226,7 +229,7 @@ def meta_outdated(store: Path) -> bool:
 def write_meta(store: Path, meta: StoreMeta) -> None:
     """Write ``store.json``, creating the store directory (and its parents) first."""
     _make_store_dir(store)
-    _write_atomic(store / "store.json", json.dumps(meta.to_json(), indent=1) + "\n")
+    write_text_atomic(store / "store.json", json.dumps(meta.to_json(), indent=1) + "\n")
 
 
 def _make_store_dir(store: Path) -> None:
@@ -250,7 +253,7 @@ def read_latest(store: Path) -> int | None:
 
 
 def write_latest(store: Path, step: int) -> None:
-    _write_atomic(store / "latest", committed_name(step) + "\n")
+    write_text_atomic(store / "latest", committed_name(step) + "\n")
 
 
 def list_checkpoints(store: Path) -> list[CheckpointEntry]:

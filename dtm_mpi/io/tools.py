@@ -34,7 +34,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -646,16 +646,47 @@ def put_tensor(
     (``primary``/``derived``) defaults to the replaced tensor's, else primary. ``comm``: a
     one-process communicator (the self communicator); the store's quota and retention apply
     as for any save."""
+    return put_tensors(
+        store,
+        comm,
+        {name: value},
+        cls=cls,
+        parent=parent,
+        rebuild=rebuild,
+        step=step,
+        where={name: where},
+    )
+
+
+def put_tensors(
+    store: Path,
+    comm: Any,
+    values: Mapping[str, np.ndarray],
+    *,
+    cls: str | None = None,
+    parent: str | None = None,
+    rebuild: str | None = None,
+    step: int | None = None,
+    where: Mapping[str, str] | None = None,
+) -> PutResult:
+    """:func:`put_tensor` for several tensors at once, in one new checkpoint (``cls``,
+    ``parent`` and ``rebuild`` only with one tensor; several keep each replaced tensor's class,
+    else primary). ``where`` names each value's origin for errors. The result describes the
+    first tensor of ``values``; ``rebuilt`` lists every derived tensor recomputed."""
     from dtm_mpi.io.checkpoint import CheckpointStore, rebuild_value
     from dtm_mpi.io.ckpt_plan import CHUNK_BYTES, TensorSpec
     from dtm_mpi.ir.types import Layout, TensorType
     from dtm_mpi.sharding.mesh import MeshShape
 
+    if not values:
+        raise UsageError("put_tensors: no tensors given")
+    if len(values) > 1 and (cls, parent, rebuild) != (None, None, None):
+        raise UsageError("put_tensors: a class, parent or rebuild rule is for one tensor")
     if step is not None and step < 0:
         raise UsageError(f"--step must be >= 0; got {step}")
     if int(comm.Get_size()) != 1:
         raise UsageError("put_tensor: the communicator must hold one process")
-    dtype = dtm_dtype(value, where)
+    dtypes = {n: dtm_dtype(v, (where or {}).get(n, "input")) for n, v in values.items()}
     newest = max((e.step for e in committed(store)), default=-1)
     step = step if step is not None else newest + 1
     if step <= newest:
@@ -668,10 +699,13 @@ def put_tensor(
         if base is not None
         else None
     )
-    replaced = old.artifact(name) if old is not None and name in old.names else None
-
-    kept = [a for a in old.artifacts if a.name != name] if old is not None else []
-    kind, parent, rebuild = _put_class(name, cls, parent, rebuild, replaced, kept)
+    kept = [a for a in old.artifacts if a.name not in values] if old is not None else []
+    new: dict[str, tuple[TensorSpec, np.ndarray]] = {}
+    for name, value in values.items():
+        replaced = old.artifact(name) if old is not None and name in old.names else None
+        kind, par, rule = _put_class(name, cls, parent, rebuild, replaced, kept)
+        t = TensorType(dtypes[name], tuple(value.shape), Layout.replicated(value.ndim))
+        new[name] = (TensorSpec(name, t, kind, par, rule), _as_block(value, dtypes[name]))
 
     mesh = MeshShape((("x", 1),))
     rebuilt: list[str] = []
@@ -685,41 +719,44 @@ def put_tensor(
             for a in kept
             if a.cls is not ArtifactClass.EPHEMERAL
         ]
-        values: dict[str, np.ndarray] = {}
+        current: dict[str, np.ndarray] = {}
         if targets:
             assert base is not None
-            values = ckpt.restore(mesh, targets, step=base).values
-        new_type = TensorType(dtype, tuple(value.shape), Layout.replicated(value.ndim))
-        new = (TensorSpec(name, new_type, kind, parent, rebuild), _as_block(value, dtype))
-        values[name] = new[1]
-        if old is not None:  # derived from NAME, directly or not: recompute, parents first
-            stale = [a for a in old.artifacts if _depth(old, a.name, name) > 0]
-            for a in sorted(stale, key=lambda a: _depth(old, a.name, name)):
+            current = dict(ckpt.restore(mesh, targets, step=base).values)
+        current.update({n: block for n, (_, block) in new.items()})
+        if old is not None:  # derived from a new value, directly or not: recompute, parents first
+            depth = {
+                a.name: min((d for n in new if (d := _depth(old, a.name, n)) > 0), default=0)
+                for a in old.artifacts
+                if a.name not in new
+            }
+            for a in sorted((a for a in kept if depth[a.name] > 0), key=lambda a: depth[a.name]):
                 assert a.parent is not None
-                values[a.name] = rebuild_value(a, values[a.parent])
+                current[a.name] = rebuild_value(a, current[a.parent])
                 rebuilt.append(a.name)
         for a in old.artifacts if old is not None else ():
-            if a.name == name:
-                specs.append(new)
+            if a.name in new:
+                specs.append(new[a.name])
                 continue
             t = TensorType(a.dtype, a.shape, Layout.replicated(len(a.shape)))
-            specs.append((TensorSpec(a.name, t, a.cls, a.parent, a.rebuild), values.get(a.name)))
-        if replaced is None:
-            specs.append(new)
+            specs.append((TensorSpec(a.name, t, a.cls, a.parent, a.rebuild), current.get(a.name)))
+        specs += [new[n] for n in new if old is None or n not in old.names]
         path = ckpt.save(
             step, mesh, specs, module_hash=old.module_hash if old is not None else None
         )
     finally:
         ckpt.close()
+    first = next(iter(values))
+    spec = new[first][0]
     return PutResult(
         path,
         step,
         base,
         len(specs),
-        replaced is not None,
-        dtype,
-        tuple(value.shape),
-        kind,
+        old is not None and first in old.names,
+        spec.type.dtype,
+        spec.type.shape,
+        spec.cls,
         tuple(rebuilt),
     )
 

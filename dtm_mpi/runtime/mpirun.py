@@ -86,9 +86,12 @@ __all__ = [
 MpiRunArgs = RunRequest
 
 
-def run_under_mpi(args: RunRequest | Callable[[], RunRequest]) -> int:
+def run_under_mpi(
+    args: RunRequest | Callable[[], RunRequest], world: Communicator | None = None
+) -> int:
     """Run ``args`` (checked, :class:`~dtm_mpi.runtime.request.RunRequest`) on every rank of
-    ``MPI.COMM_WORLD``; returns 0 or ends the job. Reached through
+    ``world`` (default ``MPI.COMM_WORLD``; a task of a task graph gets its group's); returns
+    0 or ends the job. Reached through
     :func:`~dtm_mpi.runtime.runner.run_request`. Given a function making the request from the
     command line instead, every rank first decides whether its arguments are valid and all
     agree (phase ``arguments``) before any may exit; a rank that dies meanwhile is named.
@@ -98,16 +101,19 @@ def run_under_mpi(args: RunRequest | Callable[[], RunRequest]) -> int:
     from dtm_mpi.comm.world import finalize_world, world_comm
     from dtm_mpi.errors import CommTimeoutError
 
-    world = world_comm()
+    world = world if world is not None else world_comm()
     rank, size = int(world.Get_rank()), int(world.Get_size())
     presence = Presence(world, "dtm run")  # from here on, a rank that dies is named
     try:
         if not isinstance(args, RunRequest):
             presence.phase = "arguments"
             args = _agreed_request(args)
+        presence.label = args.label
         code = _load_and_run(args, world, rank, size, presence)
     except CommTimeoutError as exc:  # a phase before the session: some rank(s) did not arrive
-        presence.end_job(1, f"dtm run: {exc}")  # every arrived rank prints it, then the abort
+        presence.end_job(
+            1, f"{presence.label}: {exc}"
+        )  # every arrived rank prints it, then the abort
         raise
     finally:
         presence.stop()
@@ -324,8 +330,10 @@ def _run_session(
         from dtm_mpi.comm.resize import pool_comm
 
         pool = pool_comm(world, rank, config.timeout_s)
+    session = _new_session(plan, world)
+    session.label = args.label
     live = _Live(
-        _new_session(plan, None),
+        session,
         plan,
         rank,
         pool=pool,

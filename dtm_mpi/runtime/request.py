@@ -91,6 +91,7 @@ class RunRequest:
     resize: ResizePolicy | None = None  # --resize-at, --resize-file: live resizes under MPI
     progress: ProgressPolicy | None = None  # --log-every
     pipeline: PipelinePolicy | None = None  # the step's pipeline stages (a Python run)
+    label: str = "dtm run"  # how this run's error lines start (a task of a graph: its name)
 
     @property
     def store(self) -> str | None:

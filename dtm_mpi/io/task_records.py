@@ -1,0 +1,169 @@
+"""What a task graph keeps in its store (io/TASKS.md §5): content keys, task records, staged
+outputs.
+
+* A stored tensor's **identity** is its dtype, shape and Merkle root (FORMAT.md): the same
+  bytes stored the same way have the same identity; other bytes never do (a tensor stored
+  again with another shard layout gets another root, which only costs a recomputation).
+* A task's **key** is the SHA-256 of the canonical JSON of its program's module hash, its
+  mesh, steps and backend, its output names and the identity of each input tensor.
+* A **record** ``STORE/tasks/<task>.json`` says which key produced which output identities
+  in which checkpoint. A task whose key equals its record's, while every output in the
+  store's latest checkpoint still has the recorded identity, is skipped: its result is
+  there. A missing, unreadable or malformed record only means the task runs.
+* A task's outputs are **staged** in ``STORE/tasks/<task>.staged.npz`` until the wave's
+  commit puts them into a new checkpoint; a crash leaves at most a staged file, which the
+  next run ignores and replaces.
+
+Serial: rank 0 (or a tool) reads and writes these files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dtm_mpi.io.store import write_text_atomic
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from dtm_mpi.io.manifest import ArtifactRecord, Manifest
+
+__all__ = [
+    "RECORD_FORMAT",
+    "RECORD_VERSION",
+    "TaskRecord",
+    "identity",
+    "read_record",
+    "record_holds",
+    "remove_staged",
+    "read_staged",
+    "stage_outputs",
+    "staged_path",
+    "task_key",
+    "write_record",
+]
+
+RECORD_FORMAT = "dtm-task-record"
+RECORD_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class TaskRecord:
+    task: str
+    key: str
+    checkpoint: int  # the step of the checkpoint its outputs went into
+    outputs: tuple[tuple[str, str], ...]  # (store tensor, identity)
+
+    def to_json(self) -> str:
+        doc = {
+            "format": RECORD_FORMAT,
+            "version": RECORD_VERSION,
+            "task": self.task,
+            "key": self.key,
+            "checkpoint": self.checkpoint,
+            "outputs": dict(self.outputs),
+        }
+        return json.dumps(doc, indent=1, sort_keys=True) + "\n"
+
+
+def identity(a: ArtifactRecord) -> str:
+    """A stored tensor's content identity: ``DTYPE[SHAPE]:ROOT``."""
+    return f"{a.dtype.value}[{','.join(map(str, a.shape))}]:{a.merkle_root}"
+
+
+def task_key(
+    program_hash: str,
+    *,
+    mesh: Sequence[tuple[str, int]],
+    steps: int,
+    backend: str,
+    outputs: Sequence[tuple[str, str]],
+    inputs: Mapping[str, str],
+) -> str:
+    """The task's content key (module docstring); ``inputs``: parameter -> input identity."""
+    doc = {
+        "program": program_hash,
+        "mesh": [list(a) for a in mesh],
+        "steps": steps,
+        "backend": backend,
+        "outputs": [list(o) for o in outputs],
+        "inputs": dict(sorted(inputs.items())),
+    }
+    return hashlib.sha256(
+        json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    ).hexdigest()
+
+
+def _dir(store: Path) -> Path:
+    return store / "tasks"
+
+
+def _record_path(store: Path, task: str) -> Path:
+    return _dir(store) / f"{task}.json"
+
+
+def read_record(store: Path, task: str) -> TaskRecord | None:
+    """The record of ``task``, or None when there is none or it is not a well-formed record
+    of this task (the task then runs)."""
+    try:
+        doc = json.loads(_record_path(store, task).read_text(encoding="utf-8"))
+        if doc.get("format") != RECORD_FORMAT or doc.get("version") != RECORD_VERSION:
+            return None
+        if doc["task"] != task or not isinstance(doc["outputs"], dict):
+            return None
+        return TaskRecord(
+            task,
+            str(doc["key"]),
+            int(doc["checkpoint"]),
+            tuple((str(k), str(v)) for k, v in sorted(doc["outputs"].items())),
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def record_holds(record: TaskRecord | None, key: str, latest: Manifest | None) -> bool:
+    """Whether ``record`` says the task's result for ``key`` is in ``latest`` (every output
+    there with its recorded identity)."""
+    if record is None or record.key != key or latest is None:
+        return False
+    names = latest.names
+    return all(t in names and identity(latest.artifact(t)) == i for t, i in record.outputs)
+
+
+def write_record(store: Path, record: TaskRecord) -> None:
+    """Write (replace) the record of ``record.task``, atomically."""
+    path = _record_path(store, record.task)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, record.to_json())
+
+
+def staged_path(store: Path, task: str) -> Path:
+    return _dir(store) / f"{task}.staged.npz"
+
+
+def stage_outputs(store: Path, task: str, values: Mapping[str, np.ndarray]) -> Path:
+    """Write a task's outputs (store tensor -> value) to its staged file, atomically."""
+    from dtm_mpi.io.arrays import save_npz
+
+    path = staged_path(store, task)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_npz(str(path), values)
+    return path
+
+
+def read_staged(store: Path, task: str) -> dict[str, np.ndarray]:
+    import numpy as np
+
+    with np.load(staged_path(store, task), allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
+
+
+def remove_staged(store: Path, task: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        staged_path(store, task).unlink()
