@@ -96,6 +96,12 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
     bir.add_argument("--ops", type=int, default=100_000, help="ops in the generated module")
     bir.add_argument("--repeat", type=int, default=3, help="runs; the best is reported")
     bir.set_defaults(func=_cmd_bench_ir)
+    btk = bsub.add_parser(
+        "tasks", help="task graph planner time on random graphs (per 1,000 tasks)"
+    )
+    btk.add_argument("--tasks", default="1000,10000", help="comma-separated graph sizes")
+    btk.add_argument("--repeat", type=int, default=5, help="plans per size; the best is reported")
+    btk.set_defaults(func=_cmd_bench_tasks)
     bfe = bsub.add_parser(
         "frontend", help="frontend: GPT trace+autodiff time; generated MLP step vs numpy"
     )
@@ -370,6 +376,17 @@ def _cmd_bench_ir(args: argparse.Namespace) -> int:
     from dtm_mpi.bench.ir import run_ir_bench
 
     print(run_ir_bench(ops=args.ops, repeat=args.repeat))
+    return 0
+
+
+def _cmd_bench_tasks(args: argparse.Namespace) -> int:
+    from dtm_mpi.bench.tasks import run_tasks_bench
+
+    try:
+        sizes = [int(x) for x in args.tasks.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--tasks: comma-separated integers; got {args.tasks!r}") from None
+    print(run_tasks_bench(sizes, args.repeat))
     return 0
 
 

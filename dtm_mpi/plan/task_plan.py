@@ -121,15 +121,21 @@ def plan_tasks(
     placements: list[Placement] = []
     wave = 0
     for lv in sorted(by_level):
-        free: list[int] = []  # per wave of this level: its lowest free rank
-        for n in sorted(by_level[lv], key=lambda n: (-n.ranks, order[n.name])):
-            w = next((i for i, f in enumerate(free) if f + n.ranks <= job_ranks), None)
+        tasks = sorted(by_level[lv], key=lambda n: (-n.ranks, order[n.name]))
+        smallest = tasks[-1].ranks
+        used: list[int] = []  # per wave of this level: its lowest free rank
+        open_: list[int] = []  # the waves that can still take the level's smallest task
+        for n in tasks:
+            w = next((i for i in open_ if used[i] + n.ranks <= job_ranks), None)
             if w is None:
-                free.append(0)
-                w = len(free) - 1
-            placements.append(Placement(n.name, lv, wave + w, free[w], n.ranks))
-            free[w] += n.ranks
-        wave += len(free)
+                used.append(0)
+                w = len(used) - 1
+                open_.append(w)
+            placements.append(Placement(n.name, lv, wave + w, used[w], n.ranks))
+            used[w] += n.ranks
+            if used[w] + smallest > job_ranks:  # full for every task still to come
+                open_.remove(w)
+        wave += len(used)
     placements.sort(key=lambda p: (p.wave, p.first))
     body = _canonical(placements, needs, job_ranks, capacity, devices)
     return TaskPlan(

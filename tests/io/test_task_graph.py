@@ -170,3 +170,17 @@ def test_vectors(path: Path) -> None:
 def test_there_are_vectors() -> None:
     kinds = {p.parent.name for p in _vectors()}
     assert kinds == {"valid", "invalid"}
+
+
+def test_the_schema_accepts_every_valid_file_and_the_example() -> None:
+    import tomllib
+
+    import jsonschema
+
+    schema = json.loads((ROOT / "io" / "taskgraph.schema.json").read_text())
+    validator = jsonschema.Draft202012Validator(schema)
+    for path in [EXAMPLE, *sorted((VECTORS / "valid").glob("*.toml"))]:
+        doc = tomllib.loads(path.read_text())
+        assert not list(validator.iter_errors(doc)), path
+    bad = tomllib.loads((VECTORS / "invalid" / "no_outputs.toml").read_text())
+    assert list(validator.iter_errors(bad))
