@@ -41,7 +41,7 @@ PYTEST_MPI := $(PY) -m mpi4py -m pytest -q --with-mpi -m mpi --timeout-method=th
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
-setup: ## build .venv: system MPI + parallel HDF5 if missing, mpi4py, h5py (mpio), dtm_mpi [test,dev,train]
+setup: ## build .venv: system MPI + parallel HDF5 if missing, mpi4py, h5py (mpio), dtm_mpi [test,dev,train,interop]
 	@bash tools/setup.sh
 
 test: ## setup, the single-process suite, then the MPI suite at 2, 3 and 4 ranks (each timed)

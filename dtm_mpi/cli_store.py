@@ -123,6 +123,42 @@ def add_store_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
     _step_arg(put, "one past the newest committed checkpoint; 0 for an empty store")
     put.set_defaults(func=_cmd_store_put)
 
+    exp = ssub.add_parser(
+        "export",
+        help="write tensors of a checkpoint to a .safetensors (PyTorch, Hugging Face) or .npz file",
+    )
+    exp.add_argument("store", metavar="STORE")
+    exp.add_argument("names", nargs="*", metavar="NAME", help="tensors (default: every one)")
+    exp.add_argument(
+        "-o", "--output", required=True, metavar="OUT", help="OUT.safetensors or OUT.npz"
+    )
+    _interop_args(exp, "store name -> name in the file")
+    _step_arg(exp)
+    exp.set_defaults(func=_cmd_store_export)
+    imp = ssub.add_parser(
+        "import",
+        help="save a new checkpoint: the latest one with the tensors of a .safetensors or .npz file",
+    )
+    imp.add_argument("store", metavar="STORE")
+    imp.add_argument("file", metavar="FILE")
+    imp.add_argument(
+        "names", nargs="*", metavar="NAME", help="tensors of FILE (default: every one)"
+    )
+    _interop_args(imp, "name in the file -> store name")
+    imp.set_defaults(func=_cmd_store_import)
+
+
+def _interop_args(p: argparse.ArgumentParser, direction: str) -> None:
+    p.add_argument(
+        "--format", choices=["safetensors", "npz"], default=None, help="default: from the suffix"
+    )
+    p.add_argument(
+        "--map",
+        metavar="FILE",
+        default=None,
+        help=f"a JSON or TOML table renaming tensors ({direction}); only mapped tensors move",
+    )
+
 
 # --- shared helpers ---------------------------------------------------------------------------
 
@@ -377,6 +413,50 @@ def _cmd_store_get(args: argparse.Namespace) -> int:
     print(
         f"wrote {target}: tensor {args.name!r} of step {m.step}, {value.dtype}{_shape_text(value.shape)}, every chunk verified{note}"
     )
+    return 0
+
+
+def _moved_lines(moved: Any, verb: str) -> None:
+    from dtm_mpi.console import say
+
+    for src, dst, dtype, shape in moved.tensors:
+        name = src if src == dst else f"{src} -> {dst}"
+        say(f"  {name}: {dtype.value}[{','.join(map(str, shape))}]")
+    say(f"{verb} {len(moved.tensors)} tensor(s): {moved.path} (step {moved.step})")
+
+
+def _cmd_store_export(args: argparse.Namespace) -> int:
+    from dtm_mpi.io.interop import export_tensors, read_name_map
+    from dtm_mpi.io.tools import store_dir
+
+    rename = read_name_map(args.map) if args.map else None
+    moved = export_tensors(
+        store_dir(args.store),
+        Path(args.output),
+        names=args.names,
+        fmt=args.format,
+        step=args.step,
+        rename=rename,
+    )
+    _moved_lines(moved, "exported")
+    return 0
+
+
+def _cmd_store_import(args: argparse.Namespace) -> int:
+    from dtm_mpi.comm import handles
+    from dtm_mpi.io.interop import import_tensors, read_name_map
+    from dtm_mpi.io.tools import store_dir
+
+    rename = read_name_map(args.map) if args.map else None
+    moved = import_tensors(
+        store_dir(args.store),
+        Path(args.file),
+        handles.self_comm(),
+        names=args.names,
+        fmt=args.format,
+        rename=rename,
+    )
+    _moved_lines(moved, "imported")
     return 0
 
 

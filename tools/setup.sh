@@ -6,7 +6,7 @@
 # 2. .venv with setuptools>=77, cython, pkgconfig, numpy, mpi4py (wheel; loads the system MPI).
 # 3. h5py 3.16.0 built against parallel HDF5 without build isolation (an isolated build compiles
 #    mpi4py from source with -O3 -g and needs ~20 GB of RAM).
-# 4. dtm_mpi in editable mode with [test,dev]; fail unless h5py.get_config().mpi is true.
+# 4. dtm_mpi in editable mode with [test,dev,train,interop]; fail unless h5py.get_config().mpi is true.
 # Also (optional): hipcc + ROCm device libraries for the AMD kernel builds (as root on Debian),
 # Slurm (slurmctld slurmd slurm-client munge, as root on Debian) for the tests against a real
 # scheduler, and the NVRTC and CPU PyTorch wheels.
@@ -182,8 +182,8 @@ wait "$optional_system_pid" || true
 # --- 5. the package ---------------------------------------------------------------------------
 stamp="$VENV/.dtm-installed"
 if [ ! -f "$stamp" ] || [ setup.cfg -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  say "installing dtm_mpi (editable) with [test,dev,train]"
-  pipq --no-build-isolation -e ".[test,dev,train]" || die "installing dtm_mpi failed"
+  say "installing dtm_mpi (editable) with [test,dev,train,interop]"
+  pipq --no-build-isolation -e ".[test,dev,train,interop]" || die "installing dtm_mpi failed"
   h5py_is_mpi || die "installing dtm_mpi replaced h5py with a serial build"
   touch "$stamp"
 fi

@@ -28,7 +28,7 @@ import numpy as np
 
 from dtm_mpi.errors import UsageError
 
-__all__ = ["check_output_path", "load_arrays", "save_npy", "save_npz"]
+__all__ = ["check_output_path", "load_arrays", "save_npy", "save_npz", "write_bytes_atomic"]
 
 
 def _load_one(path: Path) -> dict[str, np.ndarray]:
@@ -100,6 +100,15 @@ def _write_atomic(target: Path, write: Callable[[BinaryIO], None]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_bytes_atomic(target: Path, data: bytes) -> None:
+    """Write ``data`` to ``target`` atomically (never a partial file under that name)."""
+
+    def write(f: BinaryIO) -> None:
+        f.write(data)
+
+    _write_atomic(target, write)
 
 
 def save_npz(path: str, arrays: Mapping[str, np.ndarray]) -> None:

@@ -62,6 +62,7 @@ __all__ = [
     "plan_manifest",
     "plan_restore",
     "plan_save",
+    "valid_tensor_name",
 ]
 
 CHUNK_BYTES = 8 << 20
@@ -69,6 +70,11 @@ CHUNK_BYTES = 8 << 20
 ROUND_BYTES = 16 << 20
 """Default bytes one rank reads per restore round."""
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*\Z")
+
+
+def valid_tensor_name(name: str) -> bool:
+    """Whether ``name`` may name a stored tensor (letters, digits, ``_.-``; not a digit first)."""
+    return _NAME.match(name) is not None
 
 
 @dataclass(frozen=True, slots=True)
