@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dtm_mpi.errors import ManifestError, UsageError, agreed
+from dtm_mpi.errors import IntegrityError, ManifestError, UsageError, agreed
 
 if TYPE_CHECKING:
     import numpy as np
@@ -99,6 +99,11 @@ def add_store_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
     get.add_argument("name", metavar="NAME")
     get.add_argument("-o", "--output", required=True, metavar="FILE.npy", help="output file")
     _step_arg(get)
+    get.add_argument(
+        "--strict",
+        action="store_true",
+        help="fail on a damaged chunk instead of serving it from a replica in another checkpoint",
+    )
     get.set_defaults(func=_cmd_store_get)
 
     put = ssub.add_parser(
@@ -146,6 +151,21 @@ def add_store_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
     )
     _interop_args(imp, "name in the file -> store name")
     imp.set_defaults(func=_cmd_store_import)
+    dep = ssub.add_parser(
+        "deprecate",
+        help="save a new checkpoint: the latest one with tensors marked DEPRECATED (still readable)",
+    )
+    dep.add_argument("store", metavar="STORE")
+    dep.add_argument("names", nargs="+", metavar="NAME")
+    dep.set_defaults(func=_cmd_store_deprecate)
+    rec = ssub.add_parser(
+        "recover",
+        help="find damaged chunks and where their bytes come from again; repair into a new checkpoint",
+    )
+    rec.add_argument("store", metavar="STORE")
+    _step_arg(rec)
+    rec.add_argument("--dry-run", action="store_true", help="show the recovery plan; write nothing")
+    rec.set_defaults(func=_cmd_store_recover)
 
 
 def _interop_args(p: argparse.ArgumentParser, direction: str) -> None:
@@ -370,22 +390,46 @@ def _cmd_ckpt_rm(args: argparse.Namespace) -> int:
 
 
 def _cmd_store_ls(args: argparse.Namespace) -> int:
+    from dtm_mpi.io.task_records import read_records
     from dtm_mpi.io.tools import checkpoint_path, read_manifest, store_backend, store_dir
 
     store = store_dir(args.store)
     path = checkpoint_path(store, args.step)
     m = read_manifest(path, store_backend(store))
     print(f"checkpoint {path} (step {m.step}): {len(m.artifacts)} tensor(s)")
-    rows = [["name", "class", "dtype", "shape", "bytes", "from"]]
+    stale = _stale(store, m)
+    writers = {t: r.task for r in read_records(store) for t, _ in r.outputs}
+    rows = [["name", "class", "state", "dtype", "shape", "bytes", "from"]]
     for a in m.artifacts:
         origin = f"{a.parent} ({a.rebuild})" if a.parent is not None else ""
+        origin = origin or (f"task {writers[a.name]}" if a.name in writers else "")
         stored = str(sum(s.nbytes for s in a.shards)) if a.dataset is not None else "-"
+        state = "stale" if a.name in stale else a.state.value.lower()
         rows.append(
-            [a.name, a.cls.value.lower(), a.dtype.value, _shape_text(a.shape), stored, origin]
+            [
+                a.name,
+                a.cls.value.lower(),
+                state,
+                a.dtype.value,
+                _shape_text(a.shape),
+                stored,
+                origin,
+            ]
         )
-    for line in _table(rows, right=(4,)):
+    for line in _table(rows, right=(5,)):
         print(line)
+    for name, why in stale.items():
+        print(f"{name} is stale: {why}")
     return 0
+
+
+def _stale(store: Path, m: Any) -> dict[str, str]:
+    """The stale tensors of checkpoint ``m`` (from the task records; only the latest
+    checkpoint is judged: an older one holds what was current then)."""
+    from dtm_mpi.io.store import read_latest
+    from dtm_mpi.io.task_records import read_records, stale_tensors
+
+    return stale_tensors(m, read_records(store)) if m.step == read_latest(store) else {}
 
 
 def _cmd_store_get(args: argparse.Namespace) -> int:
@@ -404,9 +448,23 @@ def _cmd_store_get(args: argparse.Namespace) -> int:
     backend = store_backend(store)
     path = checkpoint_path(store, args.step)
     m = read_manifest(path, backend)
-    value = read_tensor(path, args.name, m, backend)
+    warnings: list[str] = []
+    try:
+        value = read_tensor(path, args.name, m, backend)
+    except IntegrityError:
+        if args.strict:
+            raise
+        from dtm_mpi.console import write_line
+        from dtm_mpi.io.recovery import read_degraded
+
+        def warn(text: str) -> None:
+            warnings.append(text)
+            write_line(text)
+
+        value = read_degraded(store, m.step, args.name, backend=backend, warn=warn)
     save_npy(str(target), value)
-    note = ""
+    note = f" ({len(warnings)} damaged chunk(s) served from replicas)" if warnings else ""
+    _warn_state(store, m, args.name)
     if m.artifact(args.name).dtype is DType.BF16:
         how = "its raw 16 bits" if value.dtype.kind == "u" else "binary32 values"
         note = f"; bf16 is stored as {value.dtype} ({how}) and written as {value.dtype}"
@@ -414,6 +472,18 @@ def _cmd_store_get(args: argparse.Namespace) -> int:
         f"wrote {target}: tensor {args.name!r} of step {m.step}, {value.dtype}{_shape_text(value.shape)}, every chunk verified{note}"
     )
     return 0
+
+
+def _warn_state(store: Path, m: Any, name: str) -> None:
+    """A warning line for a stale or deprecated tensor that is read."""
+    from dtm_mpi.console import write_line
+    from dtm_mpi.io.manifest import Lifecycle
+
+    why = _stale(store, m).get(name)
+    if why is not None:
+        write_line(f"warning: tensor {name!r} is stale: {why}; `dtm task run` recomputes it")
+    elif m.artifact(name).state is Lifecycle.DEPRECATED:
+        write_line(f"warning: tensor {name!r} is deprecated")
 
 
 def _moved_lines(moved: Any, verb: str) -> None:
@@ -460,6 +530,56 @@ def _cmd_store_import(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_store_deprecate(args: argparse.Namespace) -> int:
+    from dtm_mpi.comm import handles
+    from dtm_mpi.console import say
+    from dtm_mpi.io.manifest import Lifecycle
+    from dtm_mpi.io.tools import put_tensors, store_dir
+
+    states = dict.fromkeys(args.names, Lifecycle.DEPRECATED)
+    put = put_tensors(store_dir(args.store), handles.self_comm(), {}, states=states)
+    say(f"wrote {put.path}: step {put.step}; deprecated {', '.join(args.names)}")
+    return 0
+
+
+def _cmd_store_recover(args: argparse.Namespace) -> int:
+    from dtm_mpi.comm import handles
+    from dtm_mpi.console import say
+    from dtm_mpi.io.recovery import (
+        manifests_of,
+        plan_recovery,
+        producers_of,
+        recovery_text,
+        repair,
+        scan_damage,
+    )
+    from dtm_mpi.io.store import read_latest
+    from dtm_mpi.io.tools import checkpoint_path, read_manifest, store_backend, store_dir
+
+    store = store_dir(args.store)
+    backend = store_backend(store)
+    path = checkpoint_path(store, args.step)
+    m = read_manifest(path, backend)
+    damaged = scan_damage(path, m, backend)
+    plan = plan_recovery({**manifests_of(store, backend), m.step: m}, damaged, producers_of(store))
+    say(f"checkpoint {path} (step {m.step}): " + recovery_text(plan))
+    if args.dry_run or not plan:
+        return 0
+    if m.step != read_latest(store):
+        raise UsageError(
+            f"a repair writes the latest checkpoint again; step {m.step} is not the latest "
+            "(--dry-run shows its plan)"
+        )
+    put, dropped = repair(store, m.step, plan, handles.self_comm(), backend=backend)
+    left = (
+        f"; left out {', '.join(dropped)}: `dtm task run GRAPH` recomputes them" if dropped else ""
+    )
+    say(
+        f"repaired: wrote {put.path} (step {put.step}), the other damaged tensors whole again{left}"
+    )
+    return 0
+
+
 def _load_npy(text: str) -> np.ndarray:
     """The array in the ``.npy`` file ``text`` (read as ``dtm run -i`` reads inputs)."""
     from dtm_mpi.io.arrays import load_arrays
@@ -494,6 +614,7 @@ def _cmd_store_put(args: argparse.Namespace) -> int:
         where=args.file,
     )
     what = "replaced" if r.replaced else "added"
+    assert r.cls is not None
     source = f"copy of step {r.base}" if r.base is not None else "first checkpoint of the store"
     print(
         f"wrote {r.path}: step {r.step}, {r.tensors} tensor(s) ({source}); {what} {args.name!r}: {r.dtype}{_shape_text(r.shape)}, {r.cls.value.lower()}"

@@ -89,6 +89,8 @@ class TensorSpec:
     pin: Pin | None = None
     """Held only by the ranks at this (axis, coordinate) of the mesh (a pipeline stage's
     state): one of them writes each block."""
+    state: Lifecycle = Lifecycle.ACTIVE
+    """Its lifecycle state in the new checkpoint (a copy carries a DEPRECATED tensor's)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,7 +266,7 @@ def plan_manifest(
             ArtifactRecord(
                 spec.name,
                 spec.cls,
-                Lifecycle.ACTIVE,
+                spec.state,
                 t.dtype,
                 t.shape,
                 t.layout,

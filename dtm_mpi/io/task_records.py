@@ -40,6 +40,8 @@ __all__ = [
     "TaskRecord",
     "identity",
     "read_record",
+    "read_records",
+    "stale_tensors",
     "record_holds",
     "remove_staged",
     "read_staged",
@@ -59,6 +61,7 @@ class TaskRecord:
     key: str
     checkpoint: int  # the step of the checkpoint its outputs went into
     outputs: tuple[tuple[str, str], ...]  # (store tensor, identity)
+    inputs: tuple[tuple[str, str], ...] = ()  # (store tensor, identity it was computed from)
 
     def to_json(self) -> str:
         doc = {
@@ -68,6 +71,7 @@ class TaskRecord:
             "key": self.key,
             "checkpoint": self.checkpoint,
             "outputs": dict(self.outputs),
+            "inputs": dict(self.inputs),
         }
         return json.dumps(doc, indent=1, sort_keys=True) + "\n"
 
@@ -100,6 +104,44 @@ def task_key(
     ).hexdigest()
 
 
+def read_records(store: Path) -> list[TaskRecord]:
+    """Every well-formed record of ``store`` (by task name)."""
+    out = []
+    for path in sorted((store / "tasks").glob("*.json")):
+        rec = read_record(store, path.stem)
+        if rec is not None:
+            out.append(rec)
+    return out
+
+
+def stale_tensors(latest: Manifest, records: list[TaskRecord]) -> dict[str, str]:
+    """The tensors of ``latest`` that are **stale**: written by a task from inputs that have
+    changed since (an input's identity is no longer the recorded one, or the input is itself
+    stale), each with the reason. A pure function of the manifest and the records: the
+    records are the one home of what was derived from what."""
+    stale: dict[str, str] = {}
+    changed = True
+    while changed:  # to a fixed point: staleness flows down the records
+        changed = False
+        for rec in records:
+            reason = None
+            for tensor, ident in rec.inputs:
+                if tensor in stale:
+                    reason = f"its input {tensor!r} is stale"
+                elif tensor not in latest.names or identity(latest.artifact(tensor)) != ident:
+                    reason = f"its input {tensor!r} changed since task {rec.task!r} computed it"
+                if reason is not None:
+                    break
+            if reason is None:
+                continue
+            for tensor, ident in rec.outputs:
+                ours = tensor in latest.names and identity(latest.artifact(tensor)) == ident
+                if ours and tensor not in stale:
+                    stale[tensor] = reason
+                    changed = True
+    return stale
+
+
 def _dir(store: Path) -> Path:
     return store / "tasks"
 
@@ -115,13 +157,17 @@ def read_record(store: Path, task: str) -> TaskRecord | None:
         doc = json.loads(_record_path(store, task).read_text(encoding="utf-8"))
         if doc.get("format") != RECORD_FORMAT or doc.get("version") != RECORD_VERSION:
             return None
+        inputs = doc.get("inputs", {})
         if doc["task"] != task or not isinstance(doc["outputs"], dict):
+            return None
+        if not isinstance(inputs, dict):
             return None
         return TaskRecord(
             task,
             str(doc["key"]),
             int(doc["checkpoint"]),
             tuple((str(k), str(v)) for k, v in sorted(doc["outputs"].items())),
+            tuple((str(k), str(v)) for k, v in sorted(inputs.items())),
         )
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None

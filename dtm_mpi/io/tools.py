@@ -34,7 +34,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,8 +47,10 @@ from dtm_mpi.io.backend import ShardBackend, parse_backend_name
 from dtm_mpi.io.manifest import (
     ArtifactClass,
     ArtifactRecord,
+    Lifecycle,
     Manifest,
     parse_loadable_manifest,
+    transition,
 )
 from dtm_mpi.io.store import (
     DEFAULT_BACKEND,
@@ -577,9 +579,9 @@ class PutResult:
     base: int | None  # the step it copies, None for a store's first checkpoint
     tensors: int
     replaced: bool  # NAME was in the base checkpoint
-    dtype: DType
+    dtype: DType | None  # None: a put that only left tensors out
     shape: tuple[int, ...]
-    cls: ArtifactClass
+    cls: ArtifactClass | None
     rebuilt: tuple[str, ...]  # derived tensors recomputed from the new value
 
 
@@ -668,17 +670,23 @@ def put_tensors(
     rebuild: str | None = None,
     step: int | None = None,
     where: Mapping[str, str] | None = None,
+    drop: Sequence[str] = (),
+    states: Mapping[str, Lifecycle] | None = None,
 ) -> PutResult:
     """:func:`put_tensor` for several tensors at once, in one new checkpoint (``cls``,
     ``parent`` and ``rebuild`` only with one tensor; several keep each replaced tensor's class,
-    else primary). ``where`` names each value's origin for errors. The result describes the
-    first tensor of ``values``; ``rebuilt`` lists every derived tensor recomputed."""
+    else primary). ``where`` names each value's origin for errors; ``drop``: tensors of the
+    latest checkpoint the new one leaves out (not the parent of one it keeps); ``states``:
+    lifecycle moves of kept tensors (``DEPRECATED``; checked against the lifecycle's
+    transitions), the others keep their state and new values are ACTIVE. The result
+    describes the first tensor of ``values``; ``rebuilt`` lists every derived tensor
+    recomputed."""
     from dtm_mpi.io.checkpoint import CheckpointStore, rebuild_value
     from dtm_mpi.io.ckpt_plan import CHUNK_BYTES, TensorSpec
     from dtm_mpi.ir.types import Layout, TensorType
     from dtm_mpi.sharding.mesh import MeshShape
 
-    if not values:
+    if not values and not drop and not states:
         raise UsageError("put_tensors: no tensors given")
     if len(values) > 1 and (cls, parent, rebuild) != (None, None, None):
         raise UsageError("put_tensors: a class, parent or rebuild rule is for one tensor")
@@ -699,7 +707,21 @@ def put_tensors(
         if base is not None
         else None
     )
-    kept = [a for a in old.artifacts if a.name not in values] if old is not None else []
+    gone = set(drop)
+    kept = (
+        [a for a in old.artifacts if a.name not in values and a.name not in gone]
+        if old is not None
+        else []
+    )
+    moved = {a.name: transition(a, states[a.name]) for a in kept if states and a.name in states}
+    unknown = sorted(set(states or ()) - {a.name for a in kept})
+    if unknown:
+        have = ", ".join(sorted(a.name for a in kept)) or "none"
+        raise UsageError(f"store {store}: no tensor {unknown[0]!r} to move (it has: {have})")
+    kept = [moved.get(a.name, a) for a in kept]
+    orphans = [a.name for a in kept if a.parent in gone]
+    if orphans:
+        raise UsageError(f"cannot leave out the parent of the kept derived tensor {orphans[0]!r}")
     new: dict[str, tuple[TensorSpec, np.ndarray]] = {}
     for name, value in values.items():
         replaced = old.artifact(name) if old is not None and name in old.names else None
@@ -735,17 +757,24 @@ def put_tensors(
                 current[a.name] = rebuild_value(a, current[a.parent])
                 rebuilt.append(a.name)
         for a in old.artifacts if old is not None else ():
+            if a.name in gone:
+                continue
             if a.name in new:
                 specs.append(new[a.name])
                 continue
             t = TensorType(a.dtype, a.shape, Layout.replicated(len(a.shape)))
-            specs.append((TensorSpec(a.name, t, a.cls, a.parent, a.rebuild), current.get(a.name)))
+            state = moved[a.name].state if a.name in moved else a.state
+            state = Lifecycle.ACTIVE if a.name in rebuilt else state  # recomputed: new
+            spec = TensorSpec(a.name, t, a.cls, a.parent, a.rebuild, state=state)
+            specs.append((spec, current.get(a.name)))
         specs += [new[n] for n in new if old is None or n not in old.names]
         path = ckpt.save(
             step, mesh, specs, module_hash=old.module_hash if old is not None else None
         )
     finally:
         ckpt.close()
+    if not values:  # only left out tensors: the result describes the checkpoint
+        return PutResult(path, step, base, len(specs), False, None, (), None, tuple(rebuilt))
     first = next(iter(values))
     spec = new[first][0]
     return PutResult(

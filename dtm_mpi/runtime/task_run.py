@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
     from dtm_mpi.io.manifest import Manifest
     from dtm_mpi.io.task_graph import TaskGraph
+    from dtm_mpi.io.task_records import TaskRecord
     from dtm_mpi.plan.task_needs import TaskProgram
     from dtm_mpi.plan.task_plan import Placement, TaskPlan
 
@@ -177,13 +178,37 @@ def _decide(
             outputs=spec.outputs,
             inputs=ids,
         )
-        held = not rerun and record_holds(read_record(store, spec.name), key, latest)
+        record = read_record(store, spec.name)
+        held = not rerun and record_holds(record, key, latest)
         out[p.task] = {
             "run": not held,
             "key": key,
             "base": step,
+            "why": _why(rerun, record, key, ids, spec.inputs),
+            "inputs": {tensor: ids[param] for param, tensor in spec.inputs},
         }
     return out
+
+
+def _why(
+    rerun: bool,
+    record: TaskRecord | None,
+    key: str,
+    ids: dict[str, str],
+    inputs: tuple[tuple[str, str], ...],
+) -> str:
+    """Why a task runs (shown on its line), from its record."""
+    if rerun:
+        return "--rerun"
+    if record is None:
+        return "no record of an earlier run"
+    if record.key == key:
+        return "its outputs are no longer in the store as it wrote them"
+    before = dict(record.inputs)
+    changed = [t for p, t in inputs if t in before and before[t] != ids[p]]
+    if changed:
+        return f"input {', '.join(repr(t) for t in changed)} changed"
+    return "its program, mesh, steps, backend or inputs changed"
 
 
 def _decisions(
@@ -211,7 +236,7 @@ def _decisions(
                     else f"ranks {p.first}-{p.first + p.ranks - 1}"
                 )
                 _say(
-                    f"task {p.task}: running on {ranks}"
+                    f"task {p.task}: running on {ranks} ({d['why']})"
                     if d["run"]
                     else f"task {p.task}: skipped: its program and inputs are unchanged and its "
                     f"outputs are in the store (key {d['key'][:12]})"
@@ -329,7 +354,8 @@ def _commit(
     for p in running:
         spec = by_name[p.task].spec
         outs = tuple(sorted((t, identity(latest.artifact(t))) for _, t in spec.outputs))
-        write_record(store, TaskRecord(p.task, decisions[p.task]["key"], put.step, outs))
+        ins = tuple(sorted(decisions[p.task]["inputs"].items()))
+        write_record(store, TaskRecord(p.task, decisions[p.task]["key"], put.step, outs, ins))
         remove_staged(store, p.task)
         _say(
             f"task {p.task}: wrote {', '.join(t for _, t in spec.outputs)} (checkpoint {put.step})"

@@ -126,6 +126,8 @@ def test_runs_skips_and_recomputes_exactly_the_descendants_of_a_changed_input(
         "train": "running",
         "quantize": "running",
     }
+    assert "task train: running on ranks 0-1 (input 'w_init' changed)" in changed.stdout
+    assert "task quantize: running on rank 0 (input 'w_trained' changed)" in changed.stdout
     w2_want, _ = _sgd(x.astype(np.float64), y.astype(np.float64), np.full((16, 4), 0.1), 20)
     np.testing.assert_allclose(_get(store, "w_trained", tmp_path), w2_want, rtol=1e-4, atol=1e-5)
     assert len(list_checkpoints(store)) == len(steps) + 3  # the put, then one per wave run
