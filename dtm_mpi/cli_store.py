@@ -138,6 +138,11 @@ def add_store_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
         "-o", "--output", required=True, metavar="OUT", help="OUT.safetensors or OUT.npz"
     )
     _interop_args(exp, "store name -> name in the file")
+    exp.add_argument(
+        "--strict",
+        action="store_true",
+        help="fail on a damaged chunk instead of serving it from a replica in another checkpoint",
+    )
     _step_arg(exp)
     exp.set_defaults(func=_cmd_store_export)
     imp = ssub.add_parser(
@@ -496,6 +501,7 @@ def _moved_lines(moved: Any, verb: str) -> None:
 
 
 def _cmd_store_export(args: argparse.Namespace) -> int:
+    from dtm_mpi.console import write_line
     from dtm_mpi.io.interop import export_tensors, read_name_map
     from dtm_mpi.io.tools import store_dir
 
@@ -507,6 +513,7 @@ def _cmd_store_export(args: argparse.Namespace) -> int:
         fmt=args.format,
         step=args.step,
         rename=rename,
+        warn=None if args.strict else write_line,
     )
     _moved_lines(moved, "exported")
     return 0

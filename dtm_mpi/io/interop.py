@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import json
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from dtm_mpi.errors import UsageError
+from dtm_mpi.errors import IntegrityError, UsageError
 from dtm_mpi.ir.types import DType
 
 __all__ = ["FORMATS", "export_tensors", "import_tensors", "read_name_map"]
@@ -136,9 +136,12 @@ def export_tensors(
     fmt: str | None = None,
     step: int | None = None,
     rename: Mapping[str, str] | None = None,
+    warn: Callable[[str], None] | None = None,
 ) -> Moved:
     """Write tensors of checkpoint ``step`` (default: latest) of ``store`` to ``out``, every
-    chunk verified against its content hash on the way."""
+    chunk verified against its content hash on the way; with ``warn``, a damaged chunk is
+    served from the same bytes in another checkpoint and ``warn`` told (io/recovery.py),
+    else it is an error."""
     from dtm_mpi.io.arrays import check_output_path
     from dtm_mpi.io.manifest import ArtifactClass
     from dtm_mpi.io.tools import checkpoint_path, read_manifest, read_tensor, store_backend
@@ -153,7 +156,14 @@ def export_tensors(
     values: dict[str, tuple[DType, np.ndarray]] = {}
     for src, dst in pairs:
         a = m.artifact(src)
-        value = read_tensor(ckpt, src, m, backend)
+        try:
+            value = read_tensor(ckpt, src, m, backend)
+        except IntegrityError:
+            if warn is None:
+                raise
+            from dtm_mpi.io.recovery import read_degraded
+
+            value = read_degraded(store, m.step, src, backend=backend, warn=warn)
         if a.dtype is DType.BF16:  # held as binary32 holding bf16 values: the upper half
             value = (np.ascontiguousarray(value, np.float32).view(np.uint32) >> 16).astype(
                 np.uint16

@@ -117,6 +117,12 @@ def test_a_degraded_read_serves_the_same_bytes_and_says_so(
     assert "1 damaged chunk(s) served from replicas" in capsys.readouterr().out
     with pytest.raises(IntegrityError):
         main(["store", "get", str(store), "a", "-o", str(out), "--strict"])
+    npz = tmp_path / "a.npz"
+    assert main(["store", "export", str(store), "a", "-o", str(npz)]) == 0
+    assert np.load(npz)["a"].tobytes() == want.tobytes()
+    assert "served from step 2 tensor 'a'" in capsys.readouterr().err
+    with pytest.raises(IntegrityError):
+        main(["store", "export", str(store), "a", "-o", str(npz), "--strict"])
     _flip(store, 3, "w")  # w changed at step 3: no replica; its task is named
     with pytest.raises(IntegrityError, match=r"cannot be served degraded.*rebuilt by task 'train'"):
         read_degraded(store, 3, "w", backend=store_backend(store), warn=said.append)
