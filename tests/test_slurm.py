@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -74,6 +75,30 @@ def test_srun_over_pmix_runs_a_dtm_job(slurm: SlurmCluster, tmp_path: Path) -> N
     ).outputs()
     saved = np.load(out)
     assert all(saved[k].tobytes() == v.tobytes() for k, v in want.items())
+
+
+def test_srun_runs_a_task_graph_and_a_second_run_skips_it(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    plugins = slurm.run("srun", "--mpi=list", check=False)
+    if "pmix" not in plugins.stdout + plugins.stderr:
+        pytest.skip("this Slurm has no PMIx plugin")
+    graph = tmp_path / "g"
+    shutil.copytree(EXAMPLES / "tasks", graph)
+    store = graph / "store"
+    store.mkdir()
+    rng = np.random.default_rng(0)
+    for name, value in (("raw", rng.standard_normal((64, 16))), ("w_init", np.zeros((16, 4)))):
+        np.save(tmp_path / f"{name}.npy", value.astype(np.float32))
+        put = [sys.executable, "-m", "dtm_mpi", "store", "put", str(store), name]
+        subprocess.run([*put, str(tmp_path / f"{name}.npy")], check=True, capture_output=True)
+    task = ["srun", "--mpi=pmix", "-n", "3", sys.executable, "-m", "mpi4py", "-m", "dtm_mpi"]
+    task += ["task", "run", str(graph / "graph.toml")]
+    first = slurm.run(*task, timeout=240, check=False)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert first.stdout.count(": running on") == 3, first.stdout
+    again = slurm.run(*task, timeout=240, check=False)
+    assert again.returncode == 0 and again.stdout.count(": skipped:") == 3, again.stdout
 
 
 def _submit(slurm: SlurmCluster, tmp_path: Path, name: str, steps: int) -> tuple[int, Path, Path]:
