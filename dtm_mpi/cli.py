@@ -229,6 +229,50 @@ def _add_bench_suites(bsub: argparse._SubParsersAction) -> None:  # type: ignore
     bk.set_defaults(func=_cmd_bench_kernels)
 
 
+def add_conformance_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    conf = sub.add_parser(
+        "conformance",
+        help="run the conformance cases (io/vectors and the runtime); print the claim matrix",
+    )
+    conf.add_argument(
+        "--level", default="L0,L1,L2,L3,GPU", help="comma-separated levels (L0..L3, GPU)"
+    )
+    conf.add_argument("--vectors", default=None, metavar="DIR", help="default: io/vectors")
+    conf.add_argument("-v", "--verbose", action="store_true", help="list every case")
+    conf.add_argument("--json", action="store_true", help="every case as JSON lines")
+    conf.set_defaults(func=_cmd_conformance)
+
+
+def _cmd_conformance(args: argparse.Namespace) -> int:
+    import json
+
+    from dtm_mpi.conformance import Level, matrix_text, run_conformance
+
+    try:
+        levels = [Level(x.strip().upper()) for x in args.level.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(
+            f"--level: comma-separated L0, L1, L2, L3, GPU; got {args.level!r}"
+        ) from None
+    from dtm_mpi.comm.handles import world_comm
+
+    world = world_comm()  # one process alone: a world of 1 (the MPI cases say they need more)
+    results = run_conformance(
+        levels, vectors=Path(args.vectors) if args.vectors else None, world=world
+    )
+    if int(world.Get_rank()) == 0:
+        if args.json:
+            for r in results:
+                print(
+                    json.dumps(
+                        {"level": r.level.value, "case": r.name, "ok": r.ok, "detail": r.detail}
+                    )
+                )
+        else:
+            print(matrix_text(results, verbose=args.verbose))
+    return 1 if any(r.ok is False for r in results) else 0
+
+
 def add_info_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     info = sub.add_parser("info", help="report the runtime: MPI, parallel HDF5, ranks (collective)")
     info.set_defaults(func=_cmd_info)
@@ -242,6 +286,7 @@ COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (  # type: 
     add_exec_commands,
     add_store_commands,
     add_task_commands,
+    add_conformance_command,
 )
 
 

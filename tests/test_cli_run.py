@@ -371,7 +371,7 @@ def test_infinite_byte_count(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--max-bytes-per-rank" in one_line_error(err)
 
 
-CALLS_STATE = str(ROOT / "tests" / "ir" / "valid" / "calls_state.dtm")
+CALLS_STATE = str(ROOT / "io" / "vectors" / "ir" / "valid" / "calls_state.dtm")
 
 
 def test_store_parameter_from_input(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

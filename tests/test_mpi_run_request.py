@@ -24,7 +24,7 @@ from tests.test_mpi_run import EXAMPLES, mpirun
 pytestmark = [pytest.mark.slow]
 ROOT = Path(__file__).parent.parent
 MLP = str(EXAMPLES / "tp_mlp.dtm")
-CALLS_STATE = str(ROOT / "tests" / "ir" / "valid" / "calls_state.dtm")
+CALLS_STATE = str(ROOT / "io" / "vectors" / "ir" / "valid" / "calls_state.dtm")
 
 
 def _lines(text: str, prefix: str = "dtm: error: ") -> dict[int, list[str]]:

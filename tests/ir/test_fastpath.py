@@ -26,8 +26,9 @@ from dtm_mpi.ir.parser import parse_module
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
-FILES = sorted((HERE / "valid").glob("*.dtm")) + sorted((ROOT / "examples").glob("*.dtm"))
-INVALID = sorted((HERE / "invalid").glob("*.dtm"))
+VECTORS = ROOT / "io" / "vectors" / "ir"
+FILES = sorted((VECTORS / "valid").glob("*.dtm")) + sorted((ROOT / "examples").glob("*.dtm"))
+INVALID = sorted((VECTORS / "invalid").glob("*.dtm"))
 EDIT_CHARS = ' \t\n\r,:=%@[](){}-+.0123456789aefx_/"#'
 
 

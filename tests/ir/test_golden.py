@@ -14,8 +14,9 @@ from dtm_mpi.cli import run
 from dtm_mpi.ir import check_text, module_hash, parse_module, print_module, verify_errors
 
 HERE = Path(__file__).parent
-VALID = sorted((HERE / "valid").glob("*.dtm"))
-INVALID = sorted((HERE / "invalid").glob("*.dtm"))
+VECTORS = HERE.parents[1] / "io" / "vectors" / "ir"  # the language-neutral IR vectors
+VALID = sorted((VECTORS / "valid").glob("*.dtm"))
+INVALID = sorted((VECTORS / "invalid").glob("*.dtm"))
 EXPECT_RE = re.compile(r"// expect: (\d+):(\d+): (.+)")
 HASH_RE = re.compile(r"dtm-mh1:[0-9a-f]{64}")
 
@@ -77,7 +78,7 @@ def test_golden_counts() -> None:
 
 # --- command line -----------------------------------------------------------------------------
 
-CANONICAL_SOURCE = HERE / "valid" / "calls_state.dtm"
+CANONICAL_SOURCE = VECTORS / "valid" / "calls_state.dtm"
 
 
 def _one_line_error(err: str) -> None:
@@ -93,7 +94,7 @@ def test_cli_check_valid(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_cli_check_invalid(capsys: pytest.CaptureFixture[str]) -> None:
-    path = HERE / "invalid" / "undefined_value.dtm"
+    path = VECTORS / "invalid" / "undefined_value.dtm"
     line, col, fragment = _expectation(path)
     assert run(["check", str(VALID[0]), str(path)]) == 1
     out, err = capsys.readouterr()
@@ -144,7 +145,7 @@ def test_cli_fmt_write(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
 
 def test_cli_fmt_invalid(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "bad.dtm"
-    shutil.copy(HERE / "invalid" / "undefined_value.dtm", path)
+    shutil.copy(VECTORS / "invalid" / "undefined_value.dtm", path)
     before = path.read_text(encoding="utf-8")
     assert run(["fmt", "-w", str(path)]) == 1
     assert path.read_text(encoding="utf-8") == before
@@ -180,7 +181,7 @@ def test_cli_hash(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_cli_hash_invalid(capsys: pytest.CaptureFixture[str]) -> None:
-    path = HERE / "invalid" / "recursion.dtm"
+    path = VECTORS / "invalid" / "recursion.dtm"
     assert run(["hash", str(path)]) == 1
     out, err = capsys.readouterr()
     assert out == ""
@@ -190,7 +191,7 @@ def test_cli_hash_invalid(capsys: pytest.CaptureFixture[str]) -> None:
 def test_cli_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert run(["frobnicate"]) == 2
     _one_line_error(capsys.readouterr().err)
-    assert run(["hash", str(HERE / "valid" / "no_such_file.dtm")]) == 2
+    assert run(["hash", str(VECTORS / "valid" / "no_such_file.dtm")]) == 2
     _one_line_error(capsys.readouterr().err)
 
 

@@ -1,4 +1,4 @@
-"""Every golden valid module (tests/ir/valid) runs under the in-process simulator and gives
+"""Every golden valid module (io/vectors/ir/valid) runs under the in-process simulator and gives
 the single-process reference's values: at its declared mesh sizes and at one rank. Together the
 goldens use every op, so this runs every numpy kernel on local blocks (uneven ones included)
 and every collective of the executor. The simulator folds reductions in group order, so two
@@ -11,17 +11,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dtm_mpi.conformance import assert_close, inputs_for
 from dtm_mpi.errors import PlanError
 from dtm_mpi.ir import parse_module, verify_module
-from dtm_mpi.ir.dtypes import np_dtype
-from dtm_mpi.ir.nodes import InitKind, Module
+from dtm_mpi.ir.nodes import Module
 from dtm_mpi.ir.registry import OPS, lookup_op
 from dtm_mpi.ir.verify import function_mesh
 from dtm_mpi.plan.program import compile_plan, mesh_for
 from dtm_mpi.runtime.reference import run_reference
 from dtm_mpi.runtime.simulate import RunResult, run_simulated
 
-VALID = Path(__file__).parent.parent / "ir" / "valid"
+VALID = Path(__file__).resolve().parents[2] / "io" / "vectors" / "ir" / "valid"
 GOLDENS = sorted(p.stem for p in VALID.glob("*.dtm"))
 STEPS = 2
 MAX_RANKS = 8
@@ -38,27 +38,6 @@ def load(name: str) -> Module:
     return module
 
 
-def inputs_for(module: Module, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random values for every entry parameter without a usable init (none, or ``store``).
-    Floats are in ±[0.5, 1.5] (safe for div, log of |x|, rsqrt of squares)."""
-    entry = module.entry
-    assert entry is not None
-    rng = np.random.default_rng(seed)
-    out = {}
-    for p in entry.params:
-        if p.init is not None and p.init.kind is not InitKind.STORE:
-            continue
-        shape, dtype = p.type.shape, np_dtype(p.type.dtype)
-        if dtype.kind == "f":
-            value = rng.uniform(0.5, 1.5, shape) * rng.choice([-1.0, 1.0], shape)
-        elif dtype.kind == "b":
-            value = rng.integers(0, 2, shape).astype(bool)
-        else:
-            value = rng.integers(-3, 4, shape)
-        out[p.name.lstrip("%")] = np.asarray(value).astype(dtype)
-    return out
-
-
 def declared_sizes(module: Module) -> dict[str, int] | None:
     entry = module.entry
     assert entry is not None
@@ -66,39 +45,16 @@ def declared_sizes(module: Module) -> dict[str, int] | None:
     return None if mesh is None else dict(mesh.axes)
 
 
-def float_bytes(module: Module) -> int:
-    """The itemsize of the least precise float dtype any value of the module has: a result
-    inherits its rounding (partial_linear sums f32 contributions cast to f64 on each rank, so
-    its f64 result differs from the reference by f32 rounding, as spec §7.1 allows)."""
-    sizes = [
-        t.dtype.itemsize
-        for f in module.functions
-        for t in [*(p.type for p in f.params), *(t for op in f.body for t in op.result_types)]
-        if t.dtype.is_float
-    ]
-    return min(sizes, default=8)
-
-
-def close(a: np.ndarray, b: np.ndarray, what: str, itemsize: int) -> None:
-    assert a.shape == b.shape and a.dtype == b.dtype, (what, a.shape, b.shape, a.dtype, b.dtype)
-    if a.dtype.kind != "f":
-        np.testing.assert_array_equal(a, b, err_msg=what)
-        return
-    tol = {2: 8e-3, 4: 2e-5, 8: 1e-12}[min(itemsize, a.dtype.itemsize)]
-    np.testing.assert_allclose(a, b, rtol=tol, atol=tol, err_msg=what)
-
-
 def check(module: Module, got: RunResult, inputs: dict[str, np.ndarray]) -> None:
     ref_params, ref_results = run_reference(module, inputs, steps=STEPS)
-    size = float_bytes(module)
     assert len(got.results) == STEPS
     for s in range(STEPS):
         assert len(got.results[s]) == len(ref_results[s])
         for i, (a, b) in enumerate(zip(got.results[s], ref_results[s], strict=True)):
-            close(a, b, f"step {s} result {i}", size)
+            assert_close(module, a, b, f"step {s} result {i}")
     assert set(got.params) == {n.lstrip("%") for n in ref_params}
     for name, value in ref_params.items():
-        close(got.params[name.lstrip("%")], value, f"param {name}", size)
+        assert_close(module, got.params[name.lstrip("%")], value, f"param {name}")
 
 
 def test_goldens_use_every_op() -> None:
