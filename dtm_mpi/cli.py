@@ -135,6 +135,14 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
         action="store_true",
         help="also time dtm's path in payload integrity mode (DTM_INTEGRITY) and its cost",
     )
+    bcomm.add_argument(
+        "--quantize",
+        type=int,
+        default=0,
+        metavar="B",
+        help="also time allreduce quantized in int8 blocks of B (DTM_QUANT_ALLREDUCE) and its "
+        "effective bandwidth against float32's",
+    )
     bcomm.set_defaults(func=_cmd_bench_comm)
     bpp = bsub.add_parser(
         "pipeline",
@@ -490,6 +498,7 @@ def _cmd_bench_comm(args: argparse.Namespace) -> int:
         csv_path=args.csv,
         backend=args.backend,
         integrity=args.integrity,
+        quantize=args.quantize,
     )
     if table:
         print(table)

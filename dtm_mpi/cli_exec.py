@@ -142,6 +142,14 @@ def _add_run(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
         "checkpoint and resize and after the last step, each replicated state tensor's CRC32C is compared across its replicas",
     )
     rn.add_argument(
+        "--quantize-allreduce",
+        type=int,
+        default=None,
+        metavar="B",
+        help="sum allreduces of 1,024 or more floats as int8 blocks of B with float32 scales "
+        "and error feedback (as DTM_QUANT_ALLREDUCE=B; io/WIRE.md: bound); not in deterministic mode",
+    )
+    rn.add_argument(
         "--max-bytes-per-rank",
         type=byte_count,
         default=None,
@@ -474,6 +482,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if args.audit_every < 0:
             raise agreed(UsageError(f"--audit-every must be >= 0; got {args.audit_every}"))
         set_setting("audit_every", args.audit_every)
+
+    if args.quantize_allreduce is not None:
+        from dtm_mpi.config import set_setting
+
+        if args.quantize_allreduce < 0:
+            raise agreed(
+                UsageError(f"--quantize-allreduce must be >= 0; got {args.quantize_allreduce}")
+            )
+        set_setting("quant_allreduce", args.quantize_allreduce)
 
     def request() -> RunRequest:
         from dtm_mpi.runtime.request import load_module

@@ -73,6 +73,7 @@ class Config:
     deterministic: bool = False
     integrity: bool = False  # every point-to-point payload carries its CRC32C, checked on receipt
     audit_every: int = 0  # compare the replicas' state checksums after every N-th step (0: never)
+    quant_allreduce: int = 0  # large float sum allreduces as int8 blocks of this size (0: exact)
     explain: bool = False  # fit() prints its plan and exits (dtm explain SCRIPT.py)
     max_msg_elems: int = MAX_MSG_ELEMS_DEFAULT
     gpu_aware_mpi: GpuAwareMode = GpuAwareMode.AUTO
@@ -258,6 +259,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("DTM_DETERMINISTIC", "deterministic", _yes_no(False), "0"),
     EnvVar("DTM_INTEGRITY", "integrity", _yes_no(False), "0"),
     EnvVar("DTM_AUDIT_EVERY", "audit_every", _parse_count, "0"),
+    EnvVar("DTM_QUANT_ALLREDUCE", "quant_allreduce", _parse_count, "0"),
     EnvVar("DTM_MAX_MSG_ELEMS", "max_msg_elems", _parse_positive_int, str(MAX_MSG_ELEMS_DEFAULT)),
     EnvVar("DTM_GPU_AWARE_MPI", "gpu_aware_mpi", _gpu_aware, "auto"),
     EnvVar("DTM_FUSE", "fuse", _yes_no(True), "1"),

@@ -28,6 +28,7 @@ HELLOS = {
         "pipeline": [],
         "integrity": False,
         "audit_every": 0,
+        "quant_allreduce": 0,
     },
     "hello_pipelined": {
         "protocol": 1,
@@ -46,6 +47,7 @@ HELLOS = {
         ],
         "integrity": True,
         "audit_every": 100,
+        "quant_allreduce": 64,
     },
 }
 
@@ -125,7 +127,7 @@ def main() -> None:
         "crc_trailer_wrong": (good[:-4] + bytes([good[-4] ^ 1]) + good[-3:], "crc"),
         "unknown_type": (_reframe(body, type_=77), "type"),
         "field_kind_wrong": (_reframe(bytes(wrong_kind)), "protocol"),
-        "field_size_past_body": (_reframe(body[:-1]), "audit_every"),
+        "field_size_past_body": (_reframe(body[:-1]), "quant_allreduce"),
         "tags_out_of_order": (_reframe(body[15:] + body[:15]), "protocol"),
         "missing_field": (_reframe(body[: body.rindex(struct.pack("<HB", 12, 3))]), "integrity"),
         "bool_not_0_or_1": (

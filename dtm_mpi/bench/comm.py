@@ -228,13 +228,17 @@ def run_comm_bench(
     csv_path: str | None = None,
     backend: str = "numpy",
     integrity: bool = False,
+    quantize: int = 0,
 ) -> str:
     """Run the benchmark on every rank of the world; returns the table on rank 0. With a
     GPU ``backend``, both paths move device buffers (each rank on its node-local GPU): the
     dtm path through :class:`~dtm_mpi.comm.device.DeviceComm`, the raw path synchronising
     and then calling MPI on the device buffers (GPU-aware MPI) or staging through host
     buffers itself. ``integrity``: a third path, dtm's in payload integrity mode
-    (``DTM_INTEGRITY``), timed in the same alternating rounds, and its cost over the plain one.
+    (``DTM_INTEGRITY``), timed in the same alternating rounds, and its cost over the plain one;
+    ``quantize``: that third path is the quantized allreduce in blocks of ``quantize``
+    (``DTM_QUANT_ALLREDUCE``; the other ops pass through it), and its column the effective
+    bandwidth against float32's (the plain dtm time over the quantized one).
 
     Collective: call on all ranks."""
     from mpi4py import MPI
@@ -247,7 +251,9 @@ def run_comm_bench(
     world = MPI.COMM_WORLD
     presence = Presence(world, LABEL)  # from here on, a rank that dies is named
     try:
-        rows, dtm_comm, device = _run_cases(world, ops, sizes, repeat, backend, integrity)
+        if integrity and quantize:
+            raise UsageError("--integrity and --quantize are two third paths: give one")
+        rows, dtm_comm, device = _run_cases(world, ops, sizes, repeat, backend, integrity, quantize)
     finally:
         presence.stop()
     if int(world.Get_rank()) != 0:
@@ -259,7 +265,8 @@ def run_comm_bench(
         with open(csv_path, "w", newline="") as f:
             w = csv.writer(f)
             head_row = ["op", "ranks", "bytes", "dtm_s", "raw_s", "busbw_dtm", "busbw_raw", "ratio"]
-            w.writerow(head_row + (["checked_s", "integrity_cost"] if integrity else []))
+            third = ["quantized_s", "speedup"] if quantize else ["checked_s", "integrity_cost"]
+            w.writerow(head_row + (third if integrity or quantize else []))
             for r in rows:
                 cells = [
                     r.op,
@@ -273,8 +280,10 @@ def run_comm_bench(
                 ]
                 if integrity:
                     cells += [f"{r.checked_s:.9f}", f"{r.integrity_cost:.4f}"]
+                if quantize and r.checked_s:
+                    cells += [f"{r.checked_s:.9f}", f"{r.dtm_s / r.checked_s:.3f}"]
                 w.writerow(cells)
-    return head + format_table(rows)
+    return head + format_table(rows, quantized=bool(quantize))
 
 
 def _run_cases(
@@ -284,6 +293,7 @@ def _run_cases(
     repeat: int,
     backend: str,
     integrity: bool = False,
+    quantize: int = 0,
 ) -> tuple[list[BenchRow], Any, Any]:
     """Both paths of every case, each timed block bounded by ``DTM_TIMEOUT``: the raw path
     (blocking mpi4py calls on its own communicator) runs under the session's watchdog like
@@ -306,11 +316,18 @@ def _run_cases(
         session.phase = "setup"
         dtm_comm: Any = MpiComm(session, deterministic=False, integrity=False)
         checked: Any = MpiComm(session, deterministic=False, integrity=True) if integrity else None
+        if quantize:
+            from dtm_mpi.comm.quantized import QuantizedComm
+
+            plain = MpiComm(session, deterministic=False, integrity=False)
+            checked = QuantizedComm(plain, quantize, min_count=0)
         raw = world.Dup()
         device = None
         if backend != "numpy":
-            if integrity:
-                raise UsageError("--integrity measures host buffers only (--backend numpy)")
+            if integrity or quantize:
+                raise UsageError(
+                    "--integrity and --quantize measure host buffers only (--backend numpy)"
+                )
             dtm_comm, device = _device_setup(backend, world, session, dtm_comm)
         rows: list[BenchRow] = []
         for op in ops:
@@ -396,12 +413,14 @@ def _device_setup(
     )
 
 
-def format_table(rows: Sequence[BenchRow]) -> str:
+def format_table(rows: Sequence[BenchRow], quantized: bool = False) -> str:
+    """The table; ``quantized``: the third path is the quantized allreduce (its column: the
+    effective bandwidth against float32's), else payload integrity mode (its cost)."""
     checked = any(r.checked_s is not None for r in rows)
+    third = f"{'quant us':>12}{'x f32':>8}" if quantized else f"{'checked us':>12}{'cost':>8}"
     lines = [
         f"{'op':<15}{'ranks':>6}{'bytes':>11}{'dtm us':>11}{'raw us':>11}{'+us':>8}"
-        f"{'busbw dtm':>12}{'busbw raw':>12}{'ratio':>7}"
-        + (f"{'checked us':>12}{'cost':>8}" if checked else ""),
+        f"{'busbw dtm':>12}{'busbw raw':>12}{'ratio':>7}" + (third if checked else ""),
     ]
     for r in rows:
         line = (
@@ -409,7 +428,9 @@ def format_table(rows: Sequence[BenchRow]) -> str:
             f"{(r.dtm_s - r.raw_s) * 1e6:>8.1f}{r.busbw(r.dtm_s) / 1e9:>10.2f}GB"
             f"{r.busbw(r.raw_s) / 1e9:>10.2f}GB{r.ratio:>7.2f}"
         )
-        if r.checked_s is not None and r.integrity_cost is not None:
+        if quantized and r.checked_s:
+            line += f"{r.checked_s * 1e6:>12.1f}{r.dtm_s / r.checked_s:>8.2f}"
+        elif r.checked_s is not None and r.integrity_cost is not None:
             line += f"{r.checked_s * 1e6:>12.1f}{r.integrity_cost:>+8.0%}"
         lines.append(line)
     return "\n".join(lines)

@@ -55,6 +55,7 @@ class Hello:
     pipeline: tuple[str, ...] = ()  # a pipelined run's schedule and boundary values, per line
     integrity: bool = False  # payload integrity mode (DTM_INTEGRITY): both ends must check
     audit_every: int = 0  # the replica audit's period (DTM_AUDIT_EVERY): a collective, so alike
+    quant_allreduce: int = 0  # quantized allreduce's block (DTM_QUANT_ALLREDUCE): other collectives
 
 
 LOCAL_FIELDS = frozenset({"gpu_aware"})

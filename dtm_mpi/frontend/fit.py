@@ -156,6 +156,7 @@ def fit(
     values: Mapping[str, np.ndarray] | None = None,
     integrity: bool = False,
     audit_every: int | None = None,
+    quantize_allreduce: int | None = None,
 ) -> FitResult:
     """Run ``steps`` steps of ``step`` (a training step updates its state; an evaluation
     step is run once or more on fed inputs), feeding ``loader(step, regions)`` each step.
@@ -188,7 +189,10 @@ def fit(
     later runs): point-to-point payloads carry their sender's CRC32C, checked on receipt.
     ``audit_every``: the replica audit every N steps (as ``DTM_AUDIT_EVERY=N``): each
     replicated state tensor's CRC32C compared across its replicas, and before every checkpoint.
-    Option errors are raised on every rank alike, before anything runs."""
+    ``quantize_allreduce``: sum allreduces of 1,024 or more floats (the gradients) as int8
+    blocks of this size with error feedback (as ``DTM_QUANT_ALLREDUCE``; bound: io/WIRE.md §6;
+    not in deterministic mode). Option errors are raised on every rank alike, before anything
+    runs."""
     from dataclasses import replace
 
     from dtm_mpi.runtime.policies import progress_policy
@@ -207,6 +211,13 @@ def fit(
         if audit_every < 0:
             raise agreed_usage(f"audit_every must be >= 0; got {audit_every}")
         set_setting("audit_every", audit_every)
+    if quantize_allreduce is not None:
+        from dtm_mpi.config import set_setting
+        from dtm_mpi.errors import agreed_usage
+
+        if quantize_allreduce < 0:
+            raise agreed_usage(f"quantize_allreduce must be >= 0; got {quantize_allreduce}")
+        set_setting("quant_allreduce", quantize_allreduce)
     if get_config().explain:  # dtm explain SCRIPT.py: the plan of this run, then the end
         sys.stdout.write(explain_fit(step, mesh, sim))
         raise SystemExit(0)

@@ -17,6 +17,7 @@ from dataclasses import replace
 import numpy as np
 
 from dtm_mpi.comm.interface import Comm, Pending
+from dtm_mpi.comm.quantized import QuantizedComm
 from dtm_mpi.config import get_config
 from dtm_mpi.errors import CommError, DtmError, KernelError, LayoutError
 from dtm_mpi.faults import maybe_fail
@@ -192,7 +193,9 @@ class Executor:
     ) -> None:
         self.plan = plan
         self.deterministic = get_config().deterministic if deterministic is None else deterministic
-        self.comm = comm
+        block = get_config().quant_allreduce
+        self.quantized = QuantizedComm(comm, block) if block and not self.deterministic else None
+        self.comm = self.quantized if self.quantized is not None else comm
         self.mesh = plan.mesh
         self.rank = comm.rank
         if isinstance(backend, str):  # by name: numpy, or a GPU backend opened here (or an error)
@@ -263,6 +266,8 @@ class Executor:
         """Run the entry function on this rank's blocks of its arguments.
 
         Collective: call on all ranks."""
+        if self.quantized is not None:
+            self.quantized.begin_step()
         results = self.run_function(self.plan.entry_plan, args, step)
         self.comm.flush()
         return results

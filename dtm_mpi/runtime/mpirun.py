@@ -386,6 +386,7 @@ def _join(live: _Live, module: Module, args: MpiRunArgs, backend: ArrayBackend) 
         pipeline=pipeline_signature(live.pipeline) if live.pipeline is not None else (),
         integrity=config.integrity,
         audit_every=config.audit_every,
+        quant_allreduce=0 if config.deterministic else config.quant_allreduce,
     )
     handshake(session, hello)  # the module's requirements were checked in phase load
     groups = plan_groups(plan, config.deterministic)

@@ -28,14 +28,27 @@ def _blocks(x: np.ndarray, block: int) -> np.ndarray:
     return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
 
+def quantize_values(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """Spec §8.10.1 on values: int8 ``q`` of ``x``'s shape and the binary64 scale of each block
+    of ``block`` elements of the last dim (``amax / 127``, 1 for an all-zero block)."""
+    xb = _blocks(x.astype(np.float64), block)
+    amax = np.max(np.abs(xb), axis=-1)
+    scale = np.where(amax > 0, amax / 127.0, 1.0)
+    q = np.clip(np.rint(xb / scale[..., None]), -127, 127).astype(np.int8).reshape(x.shape)
+    return q, scale
+
+
+def dequantize_values(q: np.ndarray, scale: np.ndarray, block: int) -> np.ndarray:
+    """Spec §8.10.2 on values, in binary64: each int8 value times its block's scale."""
+    return (_blocks(q.astype(np.float64), block) * scale.astype(np.float64)[..., None]).reshape(
+        q.shape
+    )
+
+
 def _quantize_ref(
     op: Op, xs: Sequence[np.ndarray], rt: Sequence[TensorType]
 ) -> tuple[np.ndarray, ...]:
-    block = int(op.attr("block"))  # type: ignore[arg-type]
-    xb = _blocks(xs[0].astype(np.float64), block)
-    amax = np.max(np.abs(xb), axis=-1)
-    scale = np.where(amax > 0, amax / 127.0, 1.0)
-    q = np.clip(np.rint(xb / scale[..., None]), -127, 127).astype(np.int8).reshape(xs[0].shape)
+    q, scale = quantize_values(xs[0], int(op.attr("block")))  # type: ignore[arg-type]
     return (q, as_dtype(scale, rt[1]))
 
 
@@ -75,10 +88,8 @@ def _quantize(ctx: OpContext) -> tuple[TensorType, ...]:
 def _dequantize_ref(
     op: Op, xs: Sequence[np.ndarray], rt: Sequence[TensorType]
 ) -> tuple[np.ndarray, ...]:
-    block = int(op.attr("block"))  # type: ignore[arg-type]
     q, scale = xs
-    out = _blocks(q.astype(np.float64), block) * scale.astype(np.float64)[..., None]
-    return (as_dtype(out.reshape(q.shape), rt[0]),)
+    return (as_dtype(dequantize_values(q, scale, int(op.attr("block"))), rt[0]),)  # type: ignore[arg-type]
 
 
 def _dequantize_blocks(op: Op, types: Sequence[TensorType], extents: ShardExtents) -> str | None:
