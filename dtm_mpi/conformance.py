@@ -12,7 +12,7 @@ Levels (what each claims; a case belongs to one):
   (handshake, collectives, send/recv) to the reference on every rank.
 * **L2** store, task graph, CAP_QUANT: the task graph vectors; the manifest vector validates;
   every dtype round-trips through a store; ``quantize``/``dequantize`` agree with the spec's
-  formula written out independently.
+  formula written out independently; the quantized allreduce stays within its stated bound.
 * **L3** checkpoint, cancel, checksum, quota, resize: a checkpoint written on one mesh resumes
   on another to the same bits (deterministic mode); a cancelled save leaves nothing; a damaged
   data file is detected; a save over the quota is refused; a live resize runs (under
@@ -353,6 +353,38 @@ def _quant_formula() -> None:
         raise AssertionError("a dequantized value is further than half a step from its input")
 
 
+def _quant_allreduce() -> None:
+    """The quantized allreduce on 3 simulated ranks within io/WIRE.md §6's bound."""
+    from dtm_mpi.comm.quantized import QuantizedComm
+    from dtm_mpi.comm.sim import SimComm, run_ranks
+    from dtm_mpi.ir.types import ReduceOp
+    from dtm_mpi.sharding.mesh import MeshShape
+    from dtm_mpi.sharding.steps import allreduce_spec
+
+    mesh, n, block = MeshShape((("dp", 3),)), 5000, 32
+    rng = np.random.default_rng(11)
+    xs = [(rng.standard_normal(n) * 10.0**r).astype(np.float32) for r in range(3)]
+
+    def body(comm: SimComm) -> np.ndarray:
+        spec = allreduce_spec(mesh, comm.rank, ("dp",), ReduceOp.SUM, n)
+        return QuantizedComm(comm, block).allreduce(xs[comm.rank], ("dp",), spec)
+
+    outs = run_ranks(mesh, body, timeout_s=30)
+    exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
+    nb = -(-n // block)
+    amax = np.zeros(nb)
+    for x in xs:
+        padded = np.zeros(nb * block)
+        padded[:n] = np.abs(x)
+        amax += padded.reshape(nb, block).max(axis=1)
+    bound = np.repeat(amax / 127, block)[:n] * (1 + 1e-6) + np.abs(exact) * 2**-22
+    for out in outs:
+        if not np.array_equal(out, outs[0]):
+            raise AssertionError("the members got different bits")
+        if not np.all(np.abs(out - exact) <= bound):
+            raise AssertionError("an element is outside the stated bound")
+
+
 def _ckpt_other_mesh(root: Path) -> None:
     from dtm_mpi.runtime.policies import checkpoint_policy
     from dtm_mpi.runtime.simulate import run_simulated
@@ -514,6 +546,7 @@ def _cases(vectors: Path, root: Path, world: Any) -> Iterator[tuple[Level, str, 
         yield Level.L2, f"manifest/{p.name}", _manifest(p)
     yield Level.L2, "store: every dtype through a store, the same bytes", _store_roundtrip
     yield Level.L2, "CAP_QUANT: quantize/dequantize against the spec's formula", _quant_formula
+    yield Level.L2, "CAP_QUANT: quantized allreduce within its stated bound", _quant_allreduce
     yield (
         Level.L3,
         "checkpoint on dp=2,tp=2 resumed on dp=1,tp=2, the same bits",
