@@ -355,7 +355,7 @@ def _quant_formula() -> None:
 
 def _quant_allreduce() -> None:
     """The quantized allreduce on 3 simulated ranks within io/WIRE.md §6's bound."""
-    from dtm_mpi.comm.quantized import QuantizedComm
+    from dtm_mpi.comm.quantized import QuantizedComm, error_bound
     from dtm_mpi.comm.sim import SimComm, run_ranks
     from dtm_mpi.ir.types import ReduceOp
     from dtm_mpi.sharding.mesh import MeshShape
@@ -371,13 +371,7 @@ def _quant_allreduce() -> None:
 
     outs = run_ranks(mesh, body, timeout_s=30)
     exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
-    nb = -(-n // block)
-    amax = np.zeros(nb)
-    for x in xs:
-        padded = np.zeros(nb * block)
-        padded[:n] = np.abs(x)
-        amax += padded.reshape(nb, block).max(axis=1)
-    bound = np.repeat(amax / 127, block)[:n] * (1 + 1e-6) + np.abs(exact) * 2**-22
+    bound = error_bound(xs, block)
     for out in outs:
         if not np.array_equal(out, outs[0]):
             raise AssertionError("the members got different bits")

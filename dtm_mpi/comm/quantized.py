@@ -35,10 +35,27 @@ from dtm_mpi.ir.ops.quant import dequantize_values, quantize_values
 from dtm_mpi.ir.types import ReduceOp
 from dtm_mpi.sharding.steps import AllgatherSpec, AllreduceSpec, ExchangeSpec, Transfer
 
-__all__ = ["MIN_COUNT", "QuantizedComm", "quantized_bytes"]
+__all__ = ["MIN_COUNT", "QuantizedComm", "error_bound", "quantized_bytes"]
 
 MIN_COUNT = 1024
 """Allreduces of fewer elements (losses, metrics, norms) are not quantized."""
+
+
+def error_bound(inputs: list[np.ndarray], block: int) -> np.ndarray:
+    """The stated bound of each element of the result of a quantized sum of ``inputs`` (one
+    flat array per member): ``sum_r amax_r[b] / 127`` for the element's block ``b``, plus the
+    rounding of the result to its dtype (relative ``2**-22`` of the exact sum)."""
+    n = inputs[0].size
+    nb = -(-n // block)
+    amax = np.zeros(nb)
+    for x in inputs:
+        padded = np.zeros(nb * block)
+        padded[:n] = np.abs(np.asarray(x, dtype=np.float64).reshape(-1))
+        amax += padded.reshape(nb, block).max(axis=1)
+    exact = np.sum([np.asarray(x, dtype=np.float64).reshape(-1) for x in inputs], axis=0)
+    eps = 2.0 ** -(np.finfo(inputs[0].dtype).nmant - 1)
+    bound: np.ndarray = np.repeat(amax / 127, block)[:n] * (1 + 1e-6) + np.abs(exact) * eps
+    return bound
 
 
 def quantized_bytes(count: int, members: int, block: int) -> int:

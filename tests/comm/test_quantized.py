@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dtm_mpi.comm.quantized import MIN_COUNT, QuantizedComm, quantized_bytes
+from dtm_mpi.comm.quantized import MIN_COUNT, QuantizedComm, error_bound, quantized_bytes
 from dtm_mpi.comm.sim import SimComm, run_ranks
 from dtm_mpi.ir.types import ReduceOp
 from dtm_mpi.sharding.mesh import MeshShape
@@ -39,19 +39,6 @@ def _run(xs: list[np.ndarray], block: int, steps: int = 1) -> list[list[np.ndarr
     return run_ranks(mesh, body, timeout_s=30)
 
 
-def _bound(xs: list[np.ndarray], block: int) -> np.ndarray:
-    """sum_r amax_r[b] / 127 for each element's block b (the two half-steps of the stated
-    bound, with the phase-2 scale bounded by the phase-1 amaxes)."""
-    n = xs[0].size
-    nb = -(-n // block)
-    total = np.zeros(nb)
-    for x in xs:
-        padded = np.zeros(nb * block)
-        padded[:n] = np.abs(x.astype(np.float64))
-        total += padded.reshape(nb, block).max(axis=1)
-    return np.repeat(total / 127, block)[:n]
-
-
 @settings(max_examples=40, deadline=None)
 @given(
     p=st.integers(2, 4),
@@ -63,7 +50,7 @@ def test_every_element_is_within_the_bound(p: int, n: int, block: int, seed: int
     xs = _inputs(p, n, seed)
     got = _run(xs, block)
     exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
-    bound = _bound(xs, block) * (1 + 1e-6) + np.abs(exact) * 2**-22 + 1e-30
+    bound = error_bound(xs, block) + 1e-30
     for r in range(p):
         (out,) = got[r]
         assert out.dtype == np.float32 and out.shape == xs[0].shape
@@ -79,6 +66,7 @@ def test_error_feedback_makes_the_mean_converge() -> None:
     got = _run(xs, 64, steps)[0]
     exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
     first = np.max(np.abs(got[0] - exact))
+    assert np.all(np.abs(got[0] - exact) <= error_bound(xs, 64))
     mean = np.mean([g.astype(np.float64) for g in got], axis=0)
     assert np.max(np.abs(mean - exact)) < first / 8  # without feedback the mean keeps the bias
 
