@@ -1,6 +1,8 @@
-"""Quantized allreduce (CAP_QUANT communication; ``DTM_QUANT_ALLREDUCE=B``, ``dtm run
---quantize-allreduce B``, ``fit(quantize_allreduce=B)``): float sums move as int8 blocks of
-``B`` elements with one float32 scale each, about a quarter of the bytes.
+"""Quantized allreduce and allgather (CAP_QUANT communication; ``DTM_QUANT_ALLREDUCE=B``,
+``dtm run --quantize-allreduce B``, ``fit(quantize_allreduce=B)``): float sums and gathers
+move as int8 blocks of ``B`` elements with one float32 scale each, about a quarter of the
+bytes. (A floating allgather of at least :data:`MIN_COUNT` elements in all sends each member's
+block quantized once: every element within half a step of its block.)
 
 :class:`QuantizedComm` wraps the run's communicator; every other call passes through. A sum
 allreduce of a floating array of at least :data:`MIN_COUNT` elements runs in two phases over
@@ -115,6 +117,32 @@ class QuantizedComm:
         if not self.quantizes(x, spec):
             return self.inner.start_allreduce(x, axes, spec)
         return Completed(self._quantized(x, axes, spec))
+
+    def allgather(self, x: np.ndarray, axes: tuple[str, ...], spec: AllgatherSpec) -> np.ndarray:
+        """A floating allgather of at least :data:`MIN_COUNT` elements in all moves as each
+        member's block quantized (int8 blocks of the flat block, float32 scales): every
+        element within half its block's step of the sent value (io/WIRE.md §6)."""
+        if x.dtype.kind != "f" or sum(spec.counts) < self.min_count or len(spec.group) < 2:
+            return self.inner.allgather(x, axes, spec)
+        b = self.block
+        sizes = [-(-c // b) * b for c in spec.counts]  # each member's padded element count
+        widths = [_row_bytes(n, b) for n in sizes]
+        flat = np.zeros(sizes[spec.position])
+        flat[: x.size] = np.asarray(x, dtype=np.float64).reshape(-1)
+        q, scale = quantize_values(flat[None, :], b)
+        row = _pack(q, scale.astype(np.float32))[0]
+        rows = self.inner.allgather(
+            row, axes, AllgatherSpec(spec.group, spec.position, 0, tuple(widths), tuple(widths))
+        )
+        parts, at = [], 0
+        for i, (n, w) in enumerate(zip(sizes, widths, strict=True)):
+            qi, si = _unpack(rows[at : at + w], n, b)
+            at += w
+            shape = list(x.shape)
+            shape[spec.dim] = spec.extents[i]
+            values = dequantize_values(qi, si, b)[: spec.counts[i]]
+            parts.append(values.astype(x.dtype).reshape(shape))
+        return np.concatenate(parts, axis=spec.dim)
 
     def _quantized(self, x: np.ndarray, axes: tuple[str, ...], spec: AllreduceSpec) -> np.ndarray:
         p, me, b = len(spec.group), spec.position, self.block

@@ -99,3 +99,37 @@ def test_a_quarter_of_the_bytes(p: int) -> None:
     sent = quantized_bytes(n, p, 64)
     ring = 2 * (p - 1) * n * 4 // p  # a float32 allreduce moves 2 (p - 1) / p of the array
     assert 0.25 < sent / ring < 0.27
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_a_quantized_allgather_keeps_every_element_within_half_a_step(p: int) -> None:
+    from dtm_mpi.ir.ops.quant import quantize_values
+    from dtm_mpi.sharding.steps import AllgatherSpec
+
+    mesh = MeshShape((("dp", p),))
+    rng = np.random.default_rng(p)
+    extents = tuple(int(e) for e in rng.integers(40, 90, p))  # uneven blocks along dim 0
+    blocks = [
+        (rng.standard_normal((e, 24)) * 10.0**r).astype(np.float32) for r, e in enumerate(extents)
+    ]
+
+    def body(comm: SimComm) -> np.ndarray:
+        spec = AllgatherSpec(tuple(range(p)), comm.rank, 0, extents, tuple(e * 24 for e in extents))
+        return QuantizedComm(comm, 16).allgather(blocks[comm.rank], ("dp",), spec)
+
+    outs = run_ranks(mesh, body)
+    want = np.concatenate(blocks, axis=0)
+    for out in outs:
+        assert out.shape == want.shape and np.array_equal(out, outs[0])
+    at = 0
+    for blk in blocks:
+        flat = blk.reshape(-1).astype(np.float64)
+        n = -(-flat.size // 16) * 16
+        padded = np.zeros(n)
+        padded[: flat.size] = flat
+        _, scale = quantize_values(padded[None, :], 16)
+        half = np.repeat(scale[0] / 2, 16)[: flat.size] * (1 + 1e-6) + np.abs(flat) * 2**-22
+        got = outs[0][at : at + blk.shape[0]].reshape(-1).astype(np.float64)
+        assert np.all(np.abs(got - flat) <= half)
+        assert np.any(got != flat)  # quantized, not passed through
+        at += blk.shape[0]
