@@ -402,14 +402,14 @@ def _cmd_store_ls(args: argparse.Namespace) -> int:
     path = checkpoint_path(store, args.step)
     m = read_manifest(path, store_backend(store))
     print(f"checkpoint {path} (step {m.step}): {len(m.artifacts)} tensor(s)")
-    stale = _stale(store, m)
+    derived = _derived_states(store, m)
     writers = {t: r.task for r in read_records(store) for t, _ in r.outputs}
     rows = [["name", "class", "state", "dtype", "shape", "bytes", "from"]]
     for a in m.artifacts:
         origin = f"{a.parent} ({a.rebuild})" if a.parent is not None else ""
         origin = origin or (f"task {writers[a.name]}" if a.name in writers else "")
         stored = str(sum(s.nbytes for s in a.shards)) if a.dataset is not None else "-"
-        state = "stale" if a.name in stale else a.state.value.lower()
+        state = derived[a.name][0] if a.name in derived else a.state.value.lower()
         rows.append(
             [
                 a.name,
@@ -423,18 +423,24 @@ def _cmd_store_ls(args: argparse.Namespace) -> int:
         )
     for line in _table(rows, right=(5,)):
         print(line)
-    for name, why in stale.items():
-        print(f"{name} is stale: {why}")
+    for name, (state, why) in derived.items():
+        print(f"{name} is {state}: {why}")
     return 0
 
 
-def _stale(store: Path, m: Any) -> dict[str, str]:
-    """The stale tensors of checkpoint ``m`` (from the task records; only the latest
-    checkpoint is judged: an older one holds what was current then)."""
+def _derived_states(store: Path, m: Any) -> dict[str, tuple[str, str]]:
+    """Tensor -> (state, why) for the tensors of checkpoint ``m`` the task records make
+    ``recovering`` (a task rebuilding it) or ``stale`` (an input changed); only the latest
+    checkpoint is judged: an older one holds what was current then."""
     from dtm_mpi.io.store import read_latest
-    from dtm_mpi.io.task_records import read_records, stale_tensors
+    from dtm_mpi.io.task_records import read_records, recovering_tensors, stale_tensors
 
-    return stale_tensors(m, read_records(store)) if m.step == read_latest(store) else {}
+    if m.step != read_latest(store):
+        return {}
+    records = read_records(store)
+    out = {t: ("stale", why) for t, why in stale_tensors(m, records).items()}
+    out.update({t: ("recovering", why) for t, why in recovering_tensors(store, m, records).items()})
+    return out
 
 
 def _cmd_store_get(args: argparse.Namespace) -> int:
@@ -484,9 +490,9 @@ def _warn_state(store: Path, m: Any, name: str) -> None:
     from dtm_mpi.console import write_line
     from dtm_mpi.io.manifest import Lifecycle
 
-    why = _stale(store, m).get(name)
-    if why is not None:
-        write_line(f"warning: tensor {name!r} is stale: {why}; `dtm task run` recomputes it")
+    state, why = _derived_states(store, m).get(name, ("", ""))
+    if state:
+        write_line(f"warning: tensor {name!r} is {state}: {why}; `dtm task run` recomputes it")
     elif m.artifact(name).state is Lifecycle.DEPRECATED:
         write_line(f"warning: tensor {name!r} is deprecated")
 

@@ -39,8 +39,11 @@ __all__ = [
     "RECORD_VERSION",
     "TaskRecord",
     "identity",
+    "clear_running",
+    "mark_running",
     "read_record",
     "read_records",
+    "recovering_tensors",
     "stale_tensors",
     "record_holds",
     "remove_staged",
@@ -140,6 +143,35 @@ def stale_tensors(latest: Manifest, records: list[TaskRecord]) -> dict[str, str]
                     stale[tensor] = reason
                     changed = True
     return stale
+
+
+def mark_running(store: Path, task: str, key: str) -> None:
+    """Rank 0, before a task runs: ``STORE/tasks/TASK.running`` (its key). Its outputs that the
+    store holds are RECOVERING until the task's wave commits (:func:`clear_running`); a run
+    that failed or was killed leaves the marker, so they stay RECOVERING until a run ends."""
+    path = _dir(store) / f"{task}.running"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, key + "\n")
+
+
+def clear_running(store: Path, task: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        (_dir(store) / f"{task}.running").unlink()
+
+
+def recovering_tensors(store: Path, latest: Manifest, records: list[TaskRecord]) -> dict[str, str]:
+    """The tensors of ``latest`` a task is rebuilding (or was, when its run ended before its
+    commit): the outputs its record holds, for every task with a running marker."""
+    running = {p.stem for p in (_dir(store)).glob("*.running")}
+    out = {}
+    for rec in records:
+        if rec.task in running:
+            for tensor, _ in rec.outputs:
+                if tensor in latest.names:
+                    out[tensor] = (
+                        f"task {rec.task!r} is rebuilding it (or its last run ended before its commit)"
+                    )
+    return out
 
 
 def _dir(store: Path) -> Path:

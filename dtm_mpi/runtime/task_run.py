@@ -228,6 +228,11 @@ def _decisions(
         try:
             got = _decide(store, placements, by_name, rerun)
             text = json.dumps(got, sort_keys=True)
+            from dtm_mpi.io.task_records import mark_running
+
+            for task, d in got.items():  # its stored outputs: RECOVERING until the commit
+                if d["run"]:
+                    mark_running(store, task, d["key"])
             for p in placements:
                 d = got[p.task]
                 ranks = (
@@ -337,6 +342,7 @@ def _commit(
     from dtm_mpi.comm.handles import self_comm
     from dtm_mpi.io.task_records import (
         TaskRecord,
+        clear_running,
         identity,
         read_staged,
         remove_staged,
@@ -357,6 +363,7 @@ def _commit(
         ins = tuple(sorted(decisions[p.task]["inputs"].items()))
         write_record(store, TaskRecord(p.task, decisions[p.task]["key"], put.step, outs, ins))
         remove_staged(store, p.task)
+        clear_running(store, p.task)
         _say(
             f"task {p.task}: wrote {', '.join(t for _, t in spec.outputs)} (checkpoint {put.step})"
         )

@@ -138,3 +138,16 @@ def test_deprecate_moves_along_the_lifecycle_and_refuses_other_moves(
         main(["store", "deprecate", str(store), "nope"])
     put_tensor(store, comm(), "raw", np.zeros(8))  # a new value is a new version: active
     assert _latest(store).artifact("raw").state is Lifecycle.ACTIVE
+
+
+def test_a_rebuilding_task_makes_its_outputs_recovering_until_its_commit(tmp_path: Path) -> None:
+    from dtm_mpi.io.task_records import clear_running, mark_running, recovering_tensors
+
+    store = _graph_store(tmp_path)
+    assert recovering_tensors(store, _latest(store), read_records(store)) == {}
+    mark_running(store, "q", "2" * 64)
+    got = recovering_tensors(store, _latest(store), read_records(store))
+    assert list(got) == ["g"] and "task 'q' is rebuilding it" in got["g"]
+    clear_running(store, "q")
+    clear_running(store, "q")  # (gone already: nothing to do)
+    assert recovering_tensors(store, _latest(store), read_records(store)) == {}

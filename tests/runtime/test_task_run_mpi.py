@@ -171,6 +171,9 @@ def test_a_sigkill_in_a_task_costs_only_that_task_and_the_ones_after(
         kill_leftovers(str(graph))
     assert "task preprocess: skipped" in "".join(seen), "".join(seen)
     assert [c.step for c in list_checkpoints(store)] == before  # nothing of the task committed
+    ls = _ls(store)  # the lifecycle the runtime drove: STALE (w_init changed), then RECOVERING
+    assert "w_trained is recovering: task 'train' is rebuilding it" in ls, ls
+    assert "w_int8 is stale: its input 'w_trained' is stale" in ls, ls
     after = dtm_job(2, "task", "run", str(graph))
     assert after.returncode == 0, after.stdout + after.stderr
     assert _states(after.stdout) == {
@@ -178,6 +181,20 @@ def test_a_sigkill_in_a_task_costs_only_that_task_and_the_ones_after(
         "train": "running",
         "quantize": "running",
     }
+    ls = _ls(store)
+    assert " recovering " not in ls and " stale " not in ls and "is stale" not in ls, ls
+
+
+def _ls(store: Path) -> str:
+    got = subprocess.run(
+        [sys.executable, "-m", "dtm_mpi", "store", "ls", str(store)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert got.returncode == 0, got.stderr
+    return got.stdout
 
 
 def test_a_missing_input_is_located_and_named_on_every_rank(graph: Path) -> None:
