@@ -30,6 +30,17 @@ from tests.depth import register_profiles
 
 register_profiles()
 
+@pytest.fixture(autouse=True)
+def _fresh_config() -> Iterator[None]:
+    """Each test reads the configuration its environment gives: a setting one test made
+    (``set_setting``, restored in ``os.environ`` by monkeypatch) is not left cached for the next
+    (this fixture's teardown runs after monkeypatch's)."""
+    yield
+    from dtm_mpi.config import get_config
+
+    get_config.cache_clear()
+
+
 _HARNESS_KEY = pytest.StashKey["_MpiHarness"]()
 
 

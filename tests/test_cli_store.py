@@ -284,13 +284,13 @@ def test_store_ls(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert code == 0, err
     assert out.splitlines()[0] == f"checkpoint {store / committed_name(1)} (step 1): 7 tensor(s)"
     rows = {ln.split()[0]: ln.split() for ln in out.splitlines()[2:]}
-    assert rows["w"] == ["w", "primary", "f32", "[10,7]", "280"]
-    assert rows["v"] == ["v", "primary", "f64", "[5]", "40"]
-    assert rows["m"] == ["m", "primary", "f16", "[3,1,4]", "24"]
-    assert rows["step_count"] == ["step_count", "primary", "i64", "[]", "8"]
-    assert rows["mask"] == ["mask", "primary", "bool", "[6,2]", "12"]
-    assert rows["w16"] == ["w16", "derived", "f16", "[10,7]", "140", "w", "(cast:f16)"]
-    assert rows["scratch"] == ["scratch", "ephemeral", "f32", "[4,4]", "-"]
+    assert rows["w"] == ["w", "primary", "active", "f32", "[10,7]", "280"]
+    assert rows["v"] == ["v", "primary", "active", "f64", "[5]", "40"]
+    assert rows["m"] == ["m", "primary", "active", "f16", "[3,1,4]", "24"]
+    assert rows["step_count"] == ["step_count", "primary", "active", "i64", "[]", "8"]
+    assert rows["mask"] == ["mask", "primary", "active", "bool", "[6,2]", "12"]
+    assert rows["w16"] == ["w16", "derived", "active", "f16", "[10,7]", "140", "w", "(cast:f16)"]
+    assert rows["scratch"] == ["scratch", "ephemeral", "active", "f32", "[4,4]", "-"]
 
 
 def test_store_get_is_bit_exact(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
