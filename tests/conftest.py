@@ -30,6 +30,7 @@ from tests.depth import register_profiles
 
 register_profiles()
 
+
 @pytest.fixture(autouse=True)
 def _fresh_config() -> Iterator[None]:
     """Each test reads the configuration its environment gives: a setting one test made
