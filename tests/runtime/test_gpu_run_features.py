@@ -2,7 +2,7 @@
 features x modes table), under real ``mpirun`` at 2 ranks: checkpoints written in the
 background and resumed on another mesh, a stop on a signal (exit 75), a live resize,
 deterministic mode with overlapped allreduces (the same bits on 1 and 2 ranks), an injected
-fault named on every rank, and the progress line. Marker ``gpu``: skipped with the reason
+fault named on every rank, payload integrity mode on device buffers, and the progress line. Marker ``gpu``: skipped with the reason
 where no device exists (``jobs/gpu-features.sh`` runs them on a GPU machine)."""
 
 from __future__ import annotations
@@ -211,4 +211,21 @@ def test_an_injected_fault_is_named_on_every_rank(backend: str) -> None:
         for ln in text.splitlines()
         if "injected failure (DTM_FAULT=1:step:raise) on rank 1" in ln
     ]
+    assert len(named) == 2 and "Traceback" not in text, text
+
+
+def test_integrity_mode_gives_the_same_bits_and_names_a_corrupted_result(
+    backend: str, tmp_path: Path
+) -> None:
+    """Payload integrity mode on device buffers (it takes the host path): the same bits as
+    the run without it, and a bit flipped in one rank's allreduce result named on every rank
+    (without the mode that run ends 0: what io/WIRE.md §4 says cannot be detected)."""
+    args = ("--mesh", "dp=1,tp=2", "--steps", "3", "--backend", backend)
+    plain, checked = tmp_path / "plain.npz", tmp_path / "checked.npz"
+    dtm_run(2, *args, "-o", str(plain))
+    dtm_run(2, *args, "--integrity", "-o", str(checked))
+    a, b = np.load(plain), np.load(checked)
+    assert all(a[k].tobytes() == b[k].tobytes() for k in a.files)
+    text = dtm_run(2, *args, "--integrity", ok=False, DTM_FAULT="1:allreduce:corrupt")
+    named = [ln for ln in text.splitlines() if "the members' results differ" in ln]
     assert len(named) == 2 and "Traceback" not in text, text
