@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dtm_mpi.errors import IntegrityError, ManifestError, UsageError, agreed
+from dtm_mpi.errors import ManifestError, UsageError, agreed
 
 if TYPE_CHECKING:
     import numpy as np
@@ -99,11 +99,7 @@ def add_store_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
     get.add_argument("name", metavar="NAME")
     get.add_argument("-o", "--output", required=True, metavar="FILE.npy", help="output file")
     _step_arg(get)
-    get.add_argument(
-        "--strict",
-        action="store_true",
-        help="fail on a damaged chunk instead of serving it from a replica in another checkpoint",
-    )
+    _strict_arg(get)
     get.set_defaults(func=_cmd_store_get)
 
     put = ssub.add_parser(
@@ -138,11 +134,7 @@ def add_store_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
         "-o", "--output", required=True, metavar="OUT", help="OUT.safetensors or OUT.npz"
     )
     _interop_args(exp, "store name -> name in the file")
-    exp.add_argument(
-        "--strict",
-        action="store_true",
-        help="fail on a damaged chunk instead of serving it from a replica in another checkpoint",
-    )
+    _strict_arg(exp)
     _step_arg(exp)
     exp.set_defaults(func=_cmd_store_export)
     imp = ssub.add_parser(
@@ -171,6 +163,14 @@ def add_store_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
     _step_arg(rec)
     rec.add_argument("--dry-run", action="store_true", help="show the recovery plan; write nothing")
     rec.set_defaults(func=_cmd_store_recover)
+
+
+def _strict_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="fail on a damaged chunk instead of serving it from a replica in another checkpoint",
+    )
 
 
 def _interop_args(p: argparse.ArgumentParser, direction: str) -> None:
@@ -395,7 +395,7 @@ def _cmd_ckpt_rm(args: argparse.Namespace) -> int:
 
 
 def _cmd_store_ls(args: argparse.Namespace) -> int:
-    from dtm_mpi.io.task_records import read_records
+    from dtm_mpi.io.task_records import producers_of, read_records
     from dtm_mpi.io.tools import checkpoint_path, read_manifest, store_backend, store_dir
 
     store = store_dir(args.store)
@@ -403,7 +403,7 @@ def _cmd_store_ls(args: argparse.Namespace) -> int:
     m = read_manifest(path, store_backend(store))
     print(f"checkpoint {path} (step {m.step}): {len(m.artifacts)} tensor(s)")
     derived = _derived_states(store, m)
-    writers = {t: r.task for r in read_records(store) for t, _ in r.outputs}
+    writers = producers_of(read_records(store))
     rows = [["name", "class", "state", "dtype", "shape", "bytes", "from"]]
     for a in m.artifacts:
         origin = f"{a.parent} ({a.rebuild})" if a.parent is not None else ""
@@ -444,14 +444,10 @@ def _derived_states(store: Path, m: Any) -> dict[str, tuple[str, str]]:
 
 
 def _cmd_store_get(args: argparse.Namespace) -> int:
+    from dtm_mpi.console import write_line
     from dtm_mpi.io.arrays import check_output_path, save_npy
-    from dtm_mpi.io.tools import (
-        checkpoint_path,
-        read_manifest,
-        read_tensor,
-        store_backend,
-        store_dir,
-    )
+    from dtm_mpi.io.recovery import read_served
+    from dtm_mpi.io.tools import checkpoint_path, read_manifest, store_backend, store_dir
     from dtm_mpi.ir.types import DType
 
     target = check_output_path(args.output, ".npy")
@@ -460,19 +456,12 @@ def _cmd_store_get(args: argparse.Namespace) -> int:
     path = checkpoint_path(store, args.step)
     m = read_manifest(path, backend)
     warnings: list[str] = []
-    try:
-        value = read_tensor(path, args.name, m, backend)
-    except IntegrityError:
-        if args.strict:
-            raise
-        from dtm_mpi.console import write_line
-        from dtm_mpi.io.recovery import read_degraded
 
-        def warn(text: str) -> None:
-            warnings.append(text)
-            write_line(text)
+    def warn(text: str) -> None:
+        warnings.append(text)
+        write_line(text)
 
-        value = read_degraded(store, m.step, args.name, backend=backend, warn=warn)
+    value = read_served(store, m, args.name, backend=backend, warn=None if args.strict else warn)
     save_npy(str(target), value)
     note = f" ({len(warnings)} damaged chunk(s) served from replicas)" if warnings else ""
     _warn_state(store, m, args.name)
@@ -558,14 +547,7 @@ def _cmd_store_deprecate(args: argparse.Namespace) -> int:
 def _cmd_store_recover(args: argparse.Namespace) -> int:
     from dtm_mpi.comm import handles
     from dtm_mpi.console import say
-    from dtm_mpi.io.recovery import (
-        manifests_of,
-        plan_recovery,
-        producers_of,
-        recovery_text,
-        repair,
-        scan_damage,
-    )
+    from dtm_mpi.io.recovery import recovery_plan, recovery_text, repair
     from dtm_mpi.io.store import read_latest
     from dtm_mpi.io.tools import checkpoint_path, read_manifest, store_backend, store_dir
 
@@ -573,8 +555,7 @@ def _cmd_store_recover(args: argparse.Namespace) -> int:
     backend = store_backend(store)
     path = checkpoint_path(store, args.step)
     m = read_manifest(path, backend)
-    damaged = scan_damage(path, m, backend)
-    plan = plan_recovery({**manifests_of(store, backend), m.step: m}, damaged, producers_of(store))
+    plan = recovery_plan(store, m, backend)
     say(f"checkpoint {path} (step {m.step}): " + recovery_text(plan))
     if args.dry_run or not plan:
         return 0

@@ -297,7 +297,7 @@ def _manifest(path: Path) -> Case:
 def _store_roundtrip() -> None:
     from dtm_mpi.comm.handles import self_comm
     from dtm_mpi.io.store import committed_name
-    from dtm_mpi.io.tools import put_tensors, read_tensor
+    from dtm_mpi.io.tools import bf16_bits, put_tensors, read_tensor
 
     rng = np.random.default_rng(3)
     values: dict[str, np.ndarray] = {
@@ -317,7 +317,7 @@ def _store_roundtrip() -> None:
         for name, v in values.items():
             got = read_tensor(store / committed_name(0), name)
             if name == "bf16":
-                got = (got.view(np.uint32) >> 16).astype(np.uint16)
+                got = bf16_bits(got)
             if got.tobytes() != v.tobytes():
                 raise AssertionError(f"{name} changed on its way through the store")
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from dtm_mpi.errors import IntegrityError, UsageError
+from dtm_mpi.errors import UsageError
 from dtm_mpi.ir.types import DType
 
 __all__ = ["FORMATS", "export_tensors", "import_tensors", "read_name_map"]
@@ -144,7 +144,8 @@ def export_tensors(
     else it is an error."""
     from dtm_mpi.io.arrays import check_output_path
     from dtm_mpi.io.manifest import ArtifactClass
-    from dtm_mpi.io.tools import checkpoint_path, read_manifest, read_tensor, store_backend
+    from dtm_mpi.io.recovery import read_served
+    from dtm_mpi.io.tools import bf16_bits, checkpoint_path, read_manifest, store_backend
 
     fmt = format_of(out, fmt)
     check_output_path(str(out), "." + fmt)
@@ -156,18 +157,9 @@ def export_tensors(
     values: dict[str, tuple[DType, np.ndarray]] = {}
     for src, dst in pairs:
         a = m.artifact(src)
-        try:
-            value = read_tensor(ckpt, src, m, backend)
-        except IntegrityError:
-            if warn is None:
-                raise
-            from dtm_mpi.io.recovery import read_degraded
-
-            value = read_degraded(store, m.step, src, backend=backend, warn=warn)
+        value = read_served(store, m, src, backend=backend, warn=warn)
         if a.dtype is DType.BF16:  # held as binary32 holding bf16 values: the upper half
-            value = (np.ascontiguousarray(value, np.float32).view(np.uint32) >> 16).astype(
-                np.uint16
-            )
+            value = bf16_bits(value)
         values[dst] = (a.dtype, np.ascontiguousarray(value))
     meta = {"format": "pt", "dtm_store": str(store), "dtm_step": str(m.step)}
     if fmt == "npz":

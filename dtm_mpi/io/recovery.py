@@ -43,9 +43,10 @@ __all__ = [
     "ChunkRef",
     "Source",
     "manifests_of",
-    "producers_of",
     "plan_recovery",
     "read_degraded",
+    "read_served",
+    "recovery_plan",
     "recovery_text",
     "repair",
     "scan_damage",
@@ -151,6 +152,27 @@ def scan_damage(ckpt: Path, manifest: Manifest, backend: ShardBackend) -> list[C
     return out
 
 
+def recovery_plan(store: Path, m: Manifest, backend: ShardBackend) -> tuple[ChunkRecovery, ...]:
+    """The recovery plan of checkpoint ``m`` of ``store``: its damaged chunks (every chunk
+    read back, :func:`scan_damage`) and where their bytes come from (:func:`plan_recovery`
+    over every committed checkpoint and the task records)."""
+    from dtm_mpi.io.store import committed_name
+
+    damaged = scan_damage(store / committed_name(m.step), m, backend)
+    return _plan_with(store, m, damaged, backend)
+
+
+def _plan_with(
+    store: Path, m: Manifest, damaged: Sequence[ChunkRef], backend: ShardBackend
+) -> tuple[ChunkRecovery, ...]:
+    """:func:`plan_recovery` of ``damaged`` chunks of checkpoint ``m`` against the store's
+    committed checkpoints and task records."""
+    from dtm_mpi.io.task_records import producers_of, read_records
+
+    manifests = {**manifests_of(store, backend), m.step: m}
+    return plan_recovery(manifests, damaged, producers_of(read_records(store)))
+
+
 def manifests_of(store: Path, backend: ShardBackend) -> dict[int, Manifest]:
     """Every committed checkpoint's manifest by step (one that does not read offers no replicas)."""
     from dtm_mpi.io.store import committed_name, list_checkpoints
@@ -166,26 +188,13 @@ def manifests_of(store: Path, backend: ShardBackend) -> dict[int, Manifest]:
     return out
 
 
-def producers_of(store: Path) -> dict[str, str]:
-    """Store tensor -> the task whose record says it wrote it."""
-    from dtm_mpi.io.task_records import read_record
-
-    out: dict[str, str] = {}
-    for path in sorted((store / "tasks").glob("*.json")):
-        rec = read_record(store, path.stem)
-        if rec is not None:
-            out.update({t: rec.task for t, _ in rec.outputs})
-    return out
-
-
-def _read_chunk(
-    store: Path, ref: ChunkRef, manifests: Mapping[int, Manifest], backend: ShardBackend
-) -> np.ndarray:
+def _read_chunk(store: Path, ref: ChunkRef, backend: ShardBackend) -> np.ndarray:
     from dtm_mpi.io.store import committed_name
+    from dtm_mpi.io.tools import read_manifest
 
-    m = manifests[ref.step]
-    a = m.artifact(ref.tensor)
-    with backend.open_reader(store / committed_name(ref.step)) as files:
+    ckpt = store / committed_name(ref.step)
+    a = read_manifest(ckpt, backend).artifact(ref.tensor)
+    with backend.open_reader(ckpt) as files:
         return files.read_verified(a, a.shard(ref.shard), ref.chunk)
 
 
@@ -219,10 +228,7 @@ def read_degraded(
                     damaged.append((ChunkRef(step, name, s.id, c), err))
     if not damaged:
         return out
-    manifests = {**manifests_of(store, backend), step: m}
-    plan = {
-        r.damaged: r for r in plan_recovery(manifests, [d for d, _ in damaged], producers_of(store))
-    }
+    plan = {r.damaged: r for r in _plan_with(store, m, [d for d, _ in damaged], backend)}
     for ref, bad in damaged:
         r = plan[ref]
         if r.source is not Source.REPLICA:
@@ -235,12 +241,35 @@ def read_degraded(
             ) from None
         assert r.replica is not None
         s = a.shard(ref.shard)
-        out[s.chunk_region(ref.chunk)] = _read_chunk(store, r.replica, manifests, backend)
+        out[s.chunk_region(ref.chunk)] = _read_chunk(store, r.replica, backend)
         warn(
             f"warning: {ref} is damaged ({bad}); served from {r.replica} (the same bytes); "
             f"`dtm store recover {store}` writes a whole checkpoint"
         )
     return out
+
+
+def read_served(
+    store: Path,
+    m: Manifest,
+    name: str,
+    *,
+    backend: ShardBackend,
+    warn: Callable[[str], None] | None,
+) -> np.ndarray:
+    """The global value of tensor ``name`` of checkpoint ``m`` of ``store``, every chunk
+    verified (:func:`~dtm_mpi.io.tools.read_tensor`); with ``warn``, a damaged chunk is served
+    from the same bytes in another checkpoint (:func:`read_degraded`), else it is the
+    :class:`IntegrityError`."""
+    from dtm_mpi.io.store import committed_name
+    from dtm_mpi.io.tools import read_tensor
+
+    try:
+        return read_tensor(store / committed_name(m.step), name, m, backend)
+    except IntegrityError:
+        if warn is None:
+            raise
+        return read_degraded(store, m.step, name, backend=backend, warn=warn)
 
 
 def recovery_text(plan: Sequence[ChunkRecovery]) -> str:
@@ -265,15 +294,18 @@ def repair(
     recomputes them). Refuses, before writing, when a damaged tensor has no source at all.
     Returns the put's result and the tensors left out."""
     from dtm_mpi.io.checkpoint import rebuild_value
-    from dtm_mpi.io.tools import put_tensors
+    from dtm_mpi.io.tools import bf16_bits, put_tensors
+    from dtm_mpi.ir.types import DType
 
     lost = [r for r in plan if r.source is Source.NONE]
     if lost:
         raise StorageError(
             "cannot repair: " + "; ".join(str(r) for r in lost) + " (nothing was written)"
         )
-    manifests = {**manifests_of(store, backend)}
-    m = manifests[step]
+    from dtm_mpi.io.store import committed_name
+    from dtm_mpi.io.tools import read_manifest
+
+    m = read_manifest(store / committed_name(step), backend)
     by_task = sorted({r.damaged.tensor for r in plan if r.source is Source.TASK})
     while True:  # a derived tensor of one left out goes too (its parent is not there)
         more = {a.name for a in m.artifacts if a.parent in by_task} - set(by_task)
@@ -297,22 +329,8 @@ def repair(
     put = put_tensors(
         store,
         comm,
-        _as_put(m, values),
+        {n: bf16_bits(v) if m.artifact(n).dtype is DType.BF16 else v for n, v in values.items()},
         where={n: f"recovered {n!r}" for n in values},
         drop=by_task,
     )
     return put, tuple(by_task)
-
-
-def _as_put(m: Manifest, values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Values as a put takes them: bf16 (held as binary32) as its bits."""
-    import numpy as np
-
-    from dtm_mpi.ir.types import DType
-
-    out = {}
-    for name, v in values.items():
-        bf16 = m.artifact(name).dtype is DType.BF16
-        bits = np.ascontiguousarray(v, np.float32).view(np.uint32) >> 16 if bf16 else None
-        out[name] = bits.astype(np.uint16) if bits is not None else v
-    return out

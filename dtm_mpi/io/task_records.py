@@ -41,6 +41,7 @@ __all__ = [
     "identity",
     "clear_running",
     "mark_running",
+    "producers_of",
     "read_record",
     "read_records",
     "recovering_tensors",
@@ -115,6 +116,11 @@ def read_records(store: Path) -> list[TaskRecord]:
         if rec is not None:
             out.append(rec)
     return out
+
+
+def producers_of(records: list[TaskRecord]) -> dict[str, str]:
+    """Store tensor -> the task whose record says it wrote it."""
+    return {tensor: rec.task for rec in records for tensor, _ in rec.outputs}
 
 
 def stale_tensors(latest: Manifest, records: list[TaskRecord]) -> dict[str, str]:

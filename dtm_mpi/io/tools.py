@@ -71,10 +71,12 @@ __all__ = [
     "CheckStatus",
     "CheckpointCheck",
     "PutResult",
+    "bf16_bits",
     "checkpoint_path",
     "committed",
     "dtm_dtype",
     "put_tensor",
+    "put_tensors",
     "read_manifest",
     "read_manifest_bytes",
     "read_tensor",
@@ -559,6 +561,15 @@ def dtm_dtype(value: np.ndarray, where: str) -> DType:
         )
         raise UsageError(f"{where}: dtype {dt} is not a dtm dtype; use one of {allowed}")
     return DType(name)
+
+
+def bf16_bits(value: np.ndarray) -> np.ndarray:
+    """bf16 values as the runtime holds them (binary32) as their 16 bits (uint16): what a put
+    takes and other tools' files store (the inverse of :func:`_as_block`'s conversion)."""
+    bits: np.ndarray = (np.ascontiguousarray(value, np.float32).view(np.uint32) >> 16).astype(
+        np.uint16
+    )
+    return bits
 
 
 def _as_block(value: np.ndarray, dtype: DType) -> np.ndarray:

@@ -17,11 +17,9 @@ from dtm_mpi.errors import IntegrityError, StorageError
 from dtm_mpi.io.recovery import (
     ChunkRef,
     Source,
-    manifests_of,
-    plan_recovery,
     read_degraded,
+    recovery_plan,
     repair,
-    scan_damage,
 )
 from dtm_mpi.io.store import committed_name, read_latest
 from dtm_mpi.io.task_records import TaskRecord, write_record
@@ -62,11 +60,7 @@ def _flip(store: Path, step: int, tensor: str) -> None:
 
 def _plan(store: Path, step: int) -> list:  # type: ignore[type-arg]
     backend = store_backend(store)
-    m = read_manifest(store / committed_name(step), backend)
-    damaged = scan_damage(store / committed_name(step), m, backend)
-    from dtm_mpi.io.recovery import producers_of
-
-    return list(plan_recovery(manifests_of(store, backend), damaged, producers_of(store)))
+    return list(recovery_plan(store, read_manifest(store / committed_name(step), backend), backend))
 
 
 def test_the_plan_prefers_the_same_bytes_then_the_parent_then_the_task(tmp_path: Path) -> None:
