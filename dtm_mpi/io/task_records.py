@@ -85,6 +85,11 @@ def identity(a: ArtifactRecord) -> str:
     return f"{a.dtype.value}[{','.join(map(str, a.shape))}]:{a.merkle_root}"
 
 
+def _identity_in(latest: Manifest, tensor: str) -> str | None:
+    """The identity of ``tensor`` in ``latest``, None when it holds no such tensor."""
+    return identity(latest.artifact(tensor)) if tensor in latest.names else None
+
+
 def task_key(
     program_hash: str,
     *,
@@ -137,15 +142,14 @@ def stale_tensors(latest: Manifest, records: list[TaskRecord]) -> dict[str, str]
             for tensor, ident in rec.inputs:
                 if tensor in stale:
                     reason = f"its input {tensor!r} is stale"
-                elif tensor not in latest.names or identity(latest.artifact(tensor)) != ident:
+                elif _identity_in(latest, tensor) != ident:
                     reason = f"its input {tensor!r} changed since task {rec.task!r} computed it"
                 if reason is not None:
                     break
             if reason is None:
                 continue
             for tensor, ident in rec.outputs:
-                ours = tensor in latest.names and identity(latest.artifact(tensor)) == ident
-                if ours and tensor not in stale:
+                if _identity_in(latest, tensor) == ident and tensor not in stale:
                     stale[tensor] = reason
                     changed = True
     return stale
@@ -155,20 +159,18 @@ def mark_running(store: Path, task: str, key: str) -> None:
     """Rank 0, before a task runs: ``STORE/tasks/TASK.running`` (its key). Its outputs that the
     store holds are RECOVERING until the task's wave commits (:func:`clear_running`); a run
     that failed or was killed leaves the marker, so they stay RECOVERING until a run ends."""
-    path = _dir(store) / f"{task}.running"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, key + "\n")
+    write_text_atomic(_file(store, task, ".running", make=True), key + "\n")
 
 
 def clear_running(store: Path, task: str) -> None:
     with contextlib.suppress(FileNotFoundError):
-        (_dir(store) / f"{task}.running").unlink()
+        _file(store, task, ".running").unlink()
 
 
 def recovering_tensors(store: Path, latest: Manifest, records: list[TaskRecord]) -> dict[str, str]:
     """The tensors of ``latest`` a task is rebuilding (or was, when its run ended before its
     commit): the outputs its record holds, for every task with a running marker."""
-    running = {p.stem for p in (_dir(store)).glob("*.running")}
+    running = {p.stem for p in (store / "tasks").glob("*.running")}
     out = {}
     for rec in records:
         if rec.task in running:
@@ -180,19 +182,18 @@ def recovering_tensors(store: Path, latest: Manifest, records: list[TaskRecord])
     return out
 
 
-def _dir(store: Path) -> Path:
-    return store / "tasks"
-
-
-def _record_path(store: Path, task: str) -> Path:
-    return _dir(store) / f"{task}.json"
+def _file(store: Path, task: str, suffix: str, *, make: bool = False) -> Path:
+    """``STORE/tasks/TASK<suffix>`` (``make``: its folder created first)."""
+    if make:
+        (store / "tasks").mkdir(parents=True, exist_ok=True)
+    return store / "tasks" / f"{task}{suffix}"
 
 
 def read_record(store: Path, task: str) -> TaskRecord | None:
     """The record of ``task``, or None when there is none or it is not a well-formed record
     of this task (the task then runs)."""
     try:
-        doc = json.loads(_record_path(store, task).read_text(encoding="utf-8"))
+        doc = json.loads(_file(store, task, ".json").read_text(encoding="utf-8"))
         if doc.get("format") != RECORD_FORMAT or doc.get("version") != RECORD_VERSION:
             return None
         inputs = doc.get("inputs", {})
@@ -216,36 +217,31 @@ def record_holds(record: TaskRecord | None, key: str, latest: Manifest | None) -
     there with its recorded identity)."""
     if record is None or record.key != key or latest is None:
         return False
-    names = latest.names
-    return all(t in names and identity(latest.artifact(t)) == i for t, i in record.outputs)
+    return all(_identity_in(latest, t) == i for t, i in record.outputs)
 
 
 def write_record(store: Path, record: TaskRecord) -> None:
     """Write (replace) the record of ``record.task``, atomically."""
-    path = _record_path(store, record.task)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, record.to_json())
+    write_text_atomic(_file(store, record.task, ".json", make=True), record.to_json())
 
 
 def staged_path(store: Path, task: str) -> Path:
-    return _dir(store) / f"{task}.staged.npz"
+    return _file(store, task, ".staged.npz")
 
 
 def stage_outputs(store: Path, task: str, values: Mapping[str, np.ndarray]) -> Path:
     """Write a task's outputs (store tensor -> value) to its staged file, atomically."""
     from dtm_mpi.io.arrays import save_npz
 
-    path = staged_path(store, task)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = _file(store, task, ".staged.npz", make=True)
     save_npz(str(path), values)
     return path
 
 
 def read_staged(store: Path, task: str) -> dict[str, np.ndarray]:
-    import numpy as np
+    from dtm_mpi.io.arrays import load_arrays
 
-    with np.load(staged_path(store, task), allow_pickle=False) as z:
-        return {k: z[k] for k in z.files}
+    return load_arrays([str(staged_path(store, task))])
 
 
 def remove_staged(store: Path, task: str) -> None:
