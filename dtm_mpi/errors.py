@@ -45,6 +45,7 @@ __all__ = [
     "SourceSpan",
     "StorageError",
     "TaskGraphError",
+    "TaskPlacementError",
     "UnrecoverableError",
     "UsageError",
     "VerifyError",
@@ -182,6 +183,15 @@ class PlanError(DtmError, ValueError):
     """An execution plan cannot be built or is refused (e.g. above a memory limit)."""
 
     agreed = True
+
+
+class TaskPlacementError(PlanError):
+    """A task of a task plan fits nowhere (ranks, memory per rank, accelerator) or needs an
+    unknown task; ``task`` names it (a graph file locates it)."""
+
+    def __init__(self, message: str, *, task: str) -> None:
+        super().__init__(message)
+        self.task = task
 
 
 # --- execution and backends -------------------------------------------------------------------

@@ -23,7 +23,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from dtm_mpi.errors import PlanError
+from dtm_mpi.errors import PlanError, TaskPlacementError
 
 __all__ = ["Placement", "TaskNeeds", "TaskPlan", "plan_tasks", "task_plan_text"]
 
@@ -90,28 +90,33 @@ def plan_tasks(
 ) -> TaskPlan:
     """Plan ``needs`` (file order; dependencies already free of cycles) for a job of
     ``job_ranks`` ranks with ``capacity`` bytes per rank (None: unbounded) and ``devices``
-    accelerators per rank (0: none). Raises :class:`PlanError` naming the task that fits
-    nowhere."""
+    accelerators per rank (0: none). Raises :class:`TaskPlacementError` naming the task that
+    fits nowhere."""
     if job_ranks < 1:
         raise PlanError(f"a task plan needs a job of >= 1 rank; got {job_ranks}")
     order = {n.name: i for i, n in enumerate(needs)}
     for n in needs:
         if n.ranks > job_ranks:
-            raise PlanError(
-                f"task {n.name!r} needs {n.ranks} ranks; the job has {job_ranks}: it fits nowhere"
+            raise TaskPlacementError(
+                f"task {n.name!r} needs {n.ranks} ranks; the job has {job_ranks}: it fits nowhere",
+                task=n.name,
             )
         if capacity is not None and n.peak_bytes > capacity:
-            raise PlanError(
+            raise TaskPlacementError(
                 f"task {n.name!r} needs {n.peak_bytes} bytes on a rank, over the capacity of "
-                f"{capacity} bytes per rank: it fits nowhere"
+                f"{capacity} bytes per rank: it fits nowhere",
+                task=n.name,
             )
         if n.accelerator and devices < 1:
-            raise PlanError(
-                f"task {n.name!r} needs an accelerator (a GPU backend); the job has none"
+            raise TaskPlacementError(
+                f"task {n.name!r} needs an accelerator (a GPU backend); the job has none",
+                task=n.name,
             )
         for d in n.deps:
             if d not in order:
-                raise PlanError(f"task {n.name!r} needs {d!r}, which is no task of the plan")
+                raise TaskPlacementError(
+                    f"task {n.name!r} needs {d!r}, which is no task of the plan", task=n.name
+                )
     level: dict[str, int] = {}
     for n in _topological(needs, order):
         level[n.name] = 1 + max((level[d] for d in n.deps), default=-1)

@@ -41,7 +41,7 @@ def plan_task_graph(
     graph: TaskGraph, *, job_ranks: int, capacity: int | None = None, devices: int = 0
 ) -> tuple[tuple[TaskProgram, ...], TaskPlan]:
     """The programs and the plan of ``graph`` for a job (pure: the same on every rank)."""
-    from dtm_mpi.errors import PlanError
+    from dtm_mpi.errors import TaskPlacementError
     from dtm_mpi.plan.task_needs import describe_tasks
     from dtm_mpi.plan.task_plan import plan_tasks
     from dtm_mpi.runtime.request import load_module
@@ -51,9 +51,9 @@ def plan_task_graph(
         plan = plan_tasks(
             [p.needs for p in progs], job_ranks=job_ranks, capacity=capacity, devices=devices
         )
-    except PlanError as exc:  # name the task's place in the graph file
-        task = next((p.spec for p in progs if f"task {p.spec.name!r}" in str(exc)), None)
-        raise TaskGraphError(f"{task.span}: {exc}" if task is not None else str(exc)) from None
+    except TaskPlacementError as exc:  # at the task's place in the graph file
+        spec = next(p.spec for p in progs if p.spec.name == exc.task)
+        raise TaskGraphError(f"{spec.span}: {exc}") from None
     return progs, plan
 
 
