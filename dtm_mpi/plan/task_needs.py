@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from dtm_mpi.errors import DtmError, TaskGraphError
 from dtm_mpi.io.task_graph import TaskGraph, TaskSpec, task_deps
+from dtm_mpi.plan.outputs import output_types
 from dtm_mpi.plan.task_plan import TaskNeeds
 
 if TYPE_CHECKING:
@@ -45,13 +46,10 @@ class TaskProgram:
 
 def output_type(module: Module, key: str) -> TensorType | None:
     """The type of output ``key`` of ``module``'s entry function (``resultN`` or a parameter's
-    final value), None when it has no such output."""
+    final value: :mod:`dtm_mpi.plan.outputs`), None when it has no such output."""
     entry = module.entry
     assert entry is not None
-    if key.startswith("result") and key[6:].isdigit():
-        i = int(key[6:])
-        return entry.results[i].type if i < len(entry.results) else None
-    return next((p.type for p in entry.params if p.name.lstrip("%") == key), None)
+    return output_types(entry).get(key)
 
 
 def describe_tasks(graph: TaskGraph, load: Callable[[str], Module]) -> tuple[TaskProgram, ...]:

@@ -572,8 +572,9 @@ def _run_steps(
     joined: tuple[int, list[np.ndarray | None]] | None = None,
 ) -> int:
     from dtm_mpi.faults import maybe_fail
+    from dtm_mpi.plan.outputs import output_values
     from dtm_mpi.runtime.executor import gather_to_root
-    from dtm_mpi.runtime.simulate import output_pins, output_values
+    from dtm_mpi.runtime.simulate import output_pins
 
     session, rank = live.session, live.rank
     error: BaseException | None = None

@@ -249,7 +249,7 @@ def _check_paths(request: RunRequest) -> None:
 def load_run(request: RunRequest, show: Callable[[str], None] | None = print_diagnostic) -> Module:
     """Phase ``load``: the paths, the module, the capabilities it requires and the keys of the
     output file -- everything decided before a plan is made."""
-    from dtm_mpi.runtime.simulate import check_output_keys
+    from dtm_mpi.plan.outputs import check_output_keys
 
     _check_paths(request)
     module = request.module if request.module is not None else load_module(request.file, show)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -21,6 +21,7 @@ from dtm_mpi.ir.dtypes import np_dtype
 from dtm_mpi.ir.nodes import Function, Module
 from dtm_mpi.ir.types import Layout, TensorType
 from dtm_mpi.kernels.devices import ArrayBackend
+from dtm_mpi.plan.outputs import output_values
 from dtm_mpi.plan.program import ExecPlan, compile_plan, mesh_for
 from dtm_mpi.runtime.audit import replica_audit
 from dtm_mpi.runtime.executor import Executor
@@ -45,17 +46,14 @@ if TYPE_CHECKING:
     from dtm_mpi.plan.pipeline import PipelinePlan
     from dtm_mpi.runtime.policies import CheckpointPolicy, PipelinePolicy, ProgressPolicy
 
-T = TypeVar("T")
 
 __all__ = [
     "RankOutcome",
     "RunResult",
     "assemble",
-    "check_output_keys",
     "held_blocks",
     "initial_blocks",
     "output_pins",
-    "output_values",
     "run_rank",
     "run_simulated",
     "summary_lines",
@@ -165,36 +163,6 @@ def run_rank(
 def _saves(checkpoint: CheckpointPolicy, stop: StopSignal | None) -> bool:
     """Whether a simulated run writes checkpoints: every N steps, or when a stop is asked."""
     return checkpoint.saves or stop is not None
-
-
-def check_output_keys(entry: Function) -> None:
-    """Refuse an entry function whose outputs would share a key in the ``-o`` file: a
-    parameter named like a result key (``%result0`` beside result 0) would overwrite it."""
-    results = {f"result{i}" for i in range(len(entry.results))}
-    for p in entry.params:
-        key = p.name.lstrip("%")
-        if key in results:
-            where = f"{p.span.file}:{p.span.line}:{p.span.col}: " if p.span.line > 0 else ""
-            raise UsageError(
-                f"{where}parameter {p.name} of @{entry.name} would be written as {key!r}, the key of "
-                f"result {key.removeprefix('result')} of the output file: results and "
-                "parameters never share a key; rename the parameter"
-            )
-
-
-def output_values(
-    entry: Function, results: Sequence[T], params: Sequence[T]
-) -> list[tuple[str, TensorType, T]]:
-    """What ``dtm run -o`` writes, as (name, type, value): the last step's results as
-    ``result0``, ``result1``, ... and the final value of every entry parameter by name
-    (never the same key twice: :func:`check_output_keys`)."""
-    check_output_keys(entry)
-    named = [
-        (f"result{i}", spec.type, v)
-        for i, (spec, v) in enumerate(zip(entry.results, results, strict=True))
-    ]
-    named += [(p.name.lstrip("%"), p.type, v) for p, v in zip(entry.params, params, strict=True)]
-    return named
 
 
 def output_pins(entry: Function, pins: Mapping[str, Pin]) -> dict[str, Pin]:
