@@ -468,29 +468,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
         checkpoint_policy,
         progress_policy,
         resize_policy,
+        run_settings,
     )
     from dtm_mpi.runtime.request import RunRequest
     from dtm_mpi.runtime.runner import run_request
 
-    if args.integrity:
-        from dtm_mpi.config import switch_on
-
-        switch_on("integrity")
-    if args.audit_every is not None:
-        from dtm_mpi.config import set_setting
-
-        if args.audit_every < 0:
-            raise agreed(UsageError(f"--audit-every must be >= 0; got {args.audit_every}"))
-        set_setting("audit_every", args.audit_every)
-
-    if args.quantize_allreduce is not None:
-        from dtm_mpi.config import set_setting
-
-        if args.quantize_allreduce < 0:
-            raise agreed(
-                UsageError(f"--quantize-allreduce must be >= 0; got {args.quantize_allreduce}")
-            )
-        set_setting("quant_allreduce", args.quantize_allreduce)
+    run_settings(
+        integrity=args.integrity,
+        audit_every=args.audit_every,
+        quantize_allreduce=args.quantize_allreduce,
+        cli=True,
+    )
 
     def request() -> RunRequest:
         from dtm_mpi.runtime.request import load_module

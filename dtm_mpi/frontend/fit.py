@@ -195,29 +195,17 @@ def fit(
     runs."""
     from dataclasses import replace
 
-    from dtm_mpi.runtime.policies import progress_policy
+    from dtm_mpi.runtime.policies import progress_policy, run_settings
     from dtm_mpi.runtime.request import RunRequest
     from dtm_mpi.runtime.runner import run_request
     from dtm_mpi.runtime.step_loop import RunHooks
 
-    if integrity:
-        from dtm_mpi.config import switch_on
-
-        switch_on("integrity")
-    if audit_every is not None:
-        from dtm_mpi.config import set_setting
-        from dtm_mpi.errors import agreed_usage
-
-        if audit_every < 0:
-            raise agreed_usage(f"audit_every must be >= 0; got {audit_every}")
-        set_setting("audit_every", audit_every)
-    if quantize_allreduce is not None:
-        from dtm_mpi.config import set_setting
-        from dtm_mpi.errors import agreed_usage
-
-        if quantize_allreduce < 0:
-            raise agreed_usage(f"quantize_allreduce must be >= 0; got {quantize_allreduce}")
-        set_setting("quant_allreduce", quantize_allreduce)
+    run_settings(
+        integrity=integrity,
+        audit_every=audit_every,
+        quantize_allreduce=quantize_allreduce,
+        cli=False,
+    )
     if get_config().explain:  # dtm explain SCRIPT.py: the plan of this run, then the end
         sys.stdout.write(explain_fit(step, mesh, sim))
         raise SystemExit(0)

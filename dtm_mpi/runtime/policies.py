@@ -29,6 +29,7 @@ __all__ = [
     "checkpoint_policy",
     "progress_policy",
     "resize_policy",
+    "run_settings",
 ]
 
 
@@ -227,3 +228,30 @@ class PipelinePolicy:
             raise agreed_usage(
                 f"{self.chunks} chunks per rank need the interleaved schedule; got {self.schedule.value}"
             )
+
+
+def run_settings(
+    *,
+    integrity: bool,
+    audit_every: int | None,
+    quantize_allreduce: int | None,
+    cli: bool,
+) -> None:
+    """The run options that are process settings (``dtm run --integrity --audit-every N
+    --quantize-allreduce B``; ``fit(integrity=, audit_every=, quantize_allreduce=)``), each
+    set as its ``DTM_*`` variable for this process and those it starts; a negative count is an
+    agreed usage error naming the option as the caller spells it (``cli``: ``--audit-every``)."""
+    from dtm_mpi.config import set_setting, switch_on
+
+    if integrity:
+        switch_on("integrity")
+    for setting, option, value in (
+        ("audit_every", "audit_every", audit_every),
+        ("quant_allreduce", "quantize_allreduce", quantize_allreduce),
+    ):
+        if value is None:
+            continue
+        if value < 0:
+            name = "--" + option.replace("_", "-") if cli else option
+            raise agreed_usage(f"{name} must be >= 0; got {value}")
+        set_setting(setting, value)
