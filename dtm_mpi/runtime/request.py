@@ -49,8 +49,10 @@ if TYPE_CHECKING:
     import numpy as np
 
     from dtm_mpi.ir.nodes import Module, Param
+    from dtm_mpi.ir.types import TensorType
     from dtm_mpi.plan.pipeline import PipelinePlan
     from dtm_mpi.plan.program import ExecPlan
+    from dtm_mpi.sharding.mesh import MeshShape
 
 __all__ = [
     "RunHooks",
@@ -65,6 +67,7 @@ __all__ = [
     "plan_pipeline_run",
     "plan_run",
     "print_diagnostic",
+    "read_globals",
     "read_store_globals",
     "store_params",
     "write_outputs",
@@ -305,15 +308,28 @@ def read_store_globals(
     """The global values of ``params`` (by name without ``%``) from the latest checkpoint of
     ``store``, read in this process alone (one rank: every tensor whole, whatever mesh wrote
     it). For the simulator; under MPI the ranks restore their blocks together."""
+    from dtm_mpi.plan.program import mesh_for
+
+    targets = [(p.name.lstrip("%"), p.type) for p in params]
+    return read_globals(store, mesh_for(module, 1, None), targets)
+
+
+def read_globals(
+    store: str | Path,
+    mesh: MeshShape,
+    targets: Sequence[tuple[str, TensorType]],
+    step: int | None = None,
+) -> dict[str, np.ndarray]:
+    """The global values of the stored tensors ``targets`` (name, type on the one-rank
+    ``mesh``) from checkpoint ``step`` of ``store`` (default: latest), read in this process
+    alone."""
     from dtm_mpi.comm.handles import self_comm
     from dtm_mpi.config import get_config
     from dtm_mpi.io.checkpoint import CheckpointStore
-    from dtm_mpi.plan.program import mesh_for
 
-    mesh = mesh_for(module, 1, None)
     ckpt = CheckpointStore(store, self_comm(), timeout_s=get_config().timeout_s)
     try:
-        got = ckpt.restore(mesh, [(p.name.lstrip("%"), p.type) for p in params])
+        got = ckpt.restore(mesh, targets, step=step)
     finally:
         ckpt.close()
     return dict(got.values)

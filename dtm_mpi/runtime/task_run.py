@@ -20,6 +20,7 @@ skipped by the next run, the others run again.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +35,19 @@ if TYPE_CHECKING:
     from dtm_mpi.plan.task_needs import TaskProgram
     from dtm_mpi.plan.task_plan import Placement, TaskPlan
 
-__all__ = ["plan_task_graph", "run_task_graph"]
+__all__ = ["Decision", "plan_task_graph", "run_task_graph"]
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Rank 0's decision for one task of a wave, sent to every rank: whether it runs (and
+    why), its content key, the checkpoint its inputs are read from and their identities."""
+
+    run: bool
+    key: str
+    base: int | None
+    why: str
+    inputs: dict[str, str]  # store tensor -> identity
 
 
 def plan_task_graph(
@@ -92,7 +105,7 @@ def run_task_graph(
     for wave in range(plan.waves):
         placements = plan.wave(wave)
         decisions = _decisions(world, rank, store, placements, by_name, rerun, timeout)
-        running = [p for p in placements if decisions[p.task]["run"]]
+        running = [p for p in placements if decisions[p.task].run]
         mine = next((p for p in running if rank in p.members), None)
         outcome: BaseException | None = None
         try:
@@ -142,14 +155,14 @@ def _latest(store: Path) -> tuple[int | None, Manifest | None]:
 
 def _decide(
     store: Path, placements: tuple[Placement, ...], by_name: dict[str, TaskProgram], rerun: bool
-) -> dict[str, dict[str, Any]]:
+) -> dict[str, Decision]:
     """Rank 0: for each task of the wave, its key, whether it runs and why (a missing input
     is a located error)."""
     from dtm_mpi.io.task_records import identity, read_record, record_holds, task_key
     from dtm_mpi.ir.hashing import module_hash
 
     step, latest = _latest(store)
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, Decision] = {}
     for p in placements:
         prog = by_name[p.task]
         spec = prog.spec
@@ -180,13 +193,13 @@ def _decide(
         )
         record = read_record(store, spec.name)
         held = not rerun and record_holds(record, key, latest)
-        out[p.task] = {
-            "run": not held,
-            "key": key,
-            "base": step,
-            "why": _why(rerun, record, key, ids, spec.inputs),
-            "inputs": {tensor: ids[param] for param, tensor in spec.inputs},
-        }
+        out[p.task] = Decision(
+            not held,
+            key,
+            step,
+            _why(rerun, record, key, ids, spec.inputs),
+            {tensor: ids[param] for param, tensor in spec.inputs},
+        )
     return out
 
 
@@ -219,7 +232,7 @@ def _decisions(
     by_name: dict[str, TaskProgram],
     rerun: bool,
     timeout: float,
-) -> dict[str, dict[str, Any]]:
+) -> dict[str, Decision]:
     """Rank 0's decisions for the wave, on every rank (an error of rank 0's, agreed)."""
     from dtm_mpi.comm.agreement import agree_or_raise, exchange_without_session
 
@@ -227,12 +240,12 @@ def _decisions(
     if rank == 0:
         try:
             got = _decide(store, placements, by_name, rerun)
-            text = json.dumps(got, sort_keys=True)
+            text = json.dumps({t: asdict(d) for t, d in got.items()}, sort_keys=True)
             from dtm_mpi.io.task_records import mark_running
 
             for task, d in got.items():  # its stored outputs: RECOVERING until the commit
-                if d["run"]:
-                    mark_running(store, task, d["key"])
+                if d.run:
+                    mark_running(store, task, d.key)
             for p in placements:
                 d = got[p.task]
                 ranks = (
@@ -241,17 +254,16 @@ def _decisions(
                     else f"ranks {p.first}-{p.first + p.ranks - 1}"
                 )
                 _say(
-                    f"task {p.task}: running on {ranks} ({d['why']})"
-                    if d["run"]
+                    f"task {p.task}: running on {ranks} ({d.why})"
+                    if d.run
                     else f"task {p.task}: skipped: its program and inputs are unchanged and its "
-                    f"outputs are in the store (key {d['key'][:12]})"
+                    f"outputs are in the store (key {d.key[:12]})"
                 )
         except DtmError as exc:
             error = exc
     agree_or_raise(world, phase="task decide", error=error, timeout_s=timeout)
     texts = exchange_without_session(world, text, phase="task decide", timeout_s=timeout)
-    decided: dict[str, dict[str, Any]] = json.loads(texts[0])
-    return decided
+    return {task: Decision(**d) for task, d in json.loads(texts[0]).items()}
 
 
 def _run_wave_part(
@@ -261,7 +273,7 @@ def _run_wave_part(
     mine: Placement | None,
     running: list[Placement],
     by_name: dict[str, TaskProgram],
-    decisions: dict[str, dict[str, Any]],
+    decisions: dict[str, Decision],
 ) -> None:
     """This rank's part of a wave: its task's run in its group, else nothing (the split is
     collective on every rank of the job)."""
@@ -273,7 +285,7 @@ def _run_wave_part(
         return
     prog = by_name[mine.task]
     try:
-        _run_task(group, store, prog, decisions[mine.task]["base"], mine)
+        _run_task(group, store, prog, decisions[mine.task].base, mine)
     except DtmError as exc:
         raise TaskGraphError(f"{prog.spec.span}: task {mine.task!r} failed: {exc}") from None
     finally:
@@ -283,10 +295,8 @@ def _run_wave_part(
 def _read_inputs(store: Path, prog: TaskProgram, base: int | None) -> dict[str, np.ndarray]:
     """The task's input values (parameter -> global value) from checkpoint ``base``, read by
     this process alone."""
-    from dtm_mpi.comm.handles import self_comm
-    from dtm_mpi.config import get_config
-    from dtm_mpi.io.checkpoint import CheckpointStore
     from dtm_mpi.ir.types import Layout, TensorType
+    from dtm_mpi.runtime.request import read_globals
     from dtm_mpi.sharding.mesh import MeshShape
 
     if not prog.spec.inputs:
@@ -295,11 +305,7 @@ def _read_inputs(store: Path, prog: TaskProgram, base: int | None) -> dict[str, 
     for param, tensor in prog.spec.inputs:
         t = prog.input_type(param)
         targets.append((tensor, TensorType(t.dtype, t.shape, Layout.replicated(len(t.shape)))))
-    ckpt = CheckpointStore(store, self_comm(), timeout_s=get_config().timeout_s)
-    try:
-        got = ckpt.restore(MeshShape((("x", 1),)), targets, step=base).values
-    finally:
-        ckpt.close()
+    got = read_globals(store, MeshShape((("x", 1),)), targets, step=base)
     return {param: got[tensor] for param, tensor in prog.spec.inputs}
 
 
@@ -336,7 +342,7 @@ def _commit(
     store: Path,
     running: list[Placement],
     by_name: dict[str, TaskProgram],
-    decisions: dict[str, dict[str, Any]],
+    decisions: dict[str, Decision],
 ) -> None:
     """Rank 0: the wave's staged outputs into one new checkpoint, then each task's record."""
     from dtm_mpi.comm.handles import self_comm
@@ -352,16 +358,17 @@ def _commit(
     values: dict[str, np.ndarray] = {}
     for p in running:
         values.update(read_staged(store, p.task))
-    from dtm_mpi.io.tools import put_tensors
+    from dtm_mpi.io.tools import put_tensors, read_manifest, store_backend
 
     put = put_tensors(store, self_comm(), values, where={t: f"task output {t!r}" for t in values})
-    _, latest = _latest(store)
-    assert latest is not None and latest.step == put.step
+    latest = read_manifest(put.path, store_backend(store))
     for p in running:
         spec = by_name[p.task].spec
         outs = tuple(sorted((t, identity(latest.artifact(t))) for _, t in spec.outputs))
-        ins = tuple(sorted(decisions[p.task]["inputs"].items()))
-        write_record(store, TaskRecord(p.task, decisions[p.task]["key"], put.step, outs, ins))
+        d = decisions[p.task]
+        write_record(
+            store, TaskRecord(p.task, d.key, put.step, outs, tuple(sorted(d.inputs.items())))
+        )
         remove_staged(store, p.task)
         clear_running(store, p.task)
         _say(
