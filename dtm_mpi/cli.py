@@ -140,8 +140,8 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
         type=int,
         default=0,
         metavar="B",
-        help="also time allreduce quantized in int8 blocks of B (DTM_QUANT_ALLREDUCE) and its "
-        "effective bandwidth against float32's",
+        help="also time allreduce and allgather quantized in int8 blocks of B "
+        "(DTM_QUANT_ALLREDUCE) and their effective bandwidth against float32's",
     )
     bcomm.set_defaults(func=_cmd_bench_comm)
     bpp = bsub.add_parser(

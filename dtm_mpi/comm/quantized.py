@@ -199,13 +199,10 @@ def _to_each(spec: AllreduceSpec, chunk: int, block: int) -> ExchangeSpec:
     """Row ``j`` of this member's packed array to member ``j``; member ``i``'s row to row
     ``i`` of the result."""
     w = _row_bytes(chunk, block)
-    sends = tuple(
+    rows = tuple(  # (the same rows both ways: row j goes to and comes from member j)
         Transfer(peer, (slice(j, j + 1), slice(0, w)), w) for j, peer in enumerate(spec.group)
     )
-    recvs = tuple(
-        Transfer(peer, (slice(i, i + 1), slice(0, w)), w) for i, peer in enumerate(spec.group)
-    )
-    return ExchangeSpec(spec.group, spec.position, sends, recvs, (len(spec.group), w), w)
+    return ExchangeSpec(spec.group, spec.position, rows, rows, (len(spec.group), w), w)
 
 
 def _gather(spec: AllreduceSpec, chunk: int, block: int) -> AllgatherSpec:

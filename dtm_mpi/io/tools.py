@@ -730,6 +730,7 @@ def put_tensors(
         have = ", ".join(sorted(a.name for a in kept)) or "none"
         raise UsageError(f"store {store}: no tensor {unknown[0]!r} to move (it has: {have})")
     kept = [moved.get(a.name, a) for a in kept]
+    held = {a.name: a for a in kept}
     orphans = [a.name for a in kept if a.parent in gone]
     if orphans:
         raise UsageError(f"cannot leave out the parent of the kept derived tensor {orphans[0]!r}")
@@ -774,8 +775,9 @@ def put_tensors(
                 specs.append(new[a.name])
                 continue
             t = TensorType(a.dtype, a.shape, Layout.replicated(len(a.shape)))
-            state = moved[a.name].state if a.name in moved else a.state
-            state = Lifecycle.ACTIVE if a.name in rebuilt else state  # recomputed: new
+            state = (
+                Lifecycle.ACTIVE if a.name in rebuilt else held[a.name].state
+            )  # (moved, or kept)
             spec = TensorSpec(a.name, t, a.cls, a.parent, a.rebuild, state=state)
             specs.append((spec, current.get(a.name)))
         specs += [new[n] for n in new if old is None or n not in old.names]
