@@ -30,7 +30,7 @@ import json
 import re
 import tempfile
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,7 @@ from dtm_mpi.errors import DtmError, UsageError
 __all__ = [
     "LEVELS",
     "CaseResult",
+    "against_reference",
     "assert_close",
     "Level",
     "default_vectors",
@@ -134,18 +135,25 @@ def assert_close(module: Any, got: np.ndarray, want: np.ndarray, what: str) -> N
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=what)
 
 
-def _against_reference(
+def against_reference(
     module: Any,
-    params: dict[str, np.ndarray],
-    results: Sequence[Sequence[np.ndarray]],
     inputs: dict[str, np.ndarray],
     steps: int,
+    params: Mapping[str, np.ndarray],
+    results: Sequence[Sequence[np.ndarray]],
 ) -> None:
+    """A run of ``steps`` steps of ``module`` from ``inputs`` against the reference (spec §7):
+    ``results``, the results of its last ``len(results)`` steps (all of them, or the last one
+    a ``-o`` file holds), and ``params``, every entry parameter's final value by name."""
     from dtm_mpi.runtime.reference import run_reference
 
     ref_params, ref_results = run_reference(module, inputs, steps=steps)
-    for s in range(steps):
-        for i, (a, b) in enumerate(zip(results[s], ref_results[s], strict=True)):
+    for s, (got, want) in enumerate(
+        zip(results, ref_results[steps - len(results) :], strict=True), steps - len(results)
+    ):
+        if len(got) != len(want):
+            raise AssertionError(f"step {s}: {len(got)} results, the reference {len(want)}")
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
             assert_close(module, np.asarray(a), b, f"step {s} result {i}")
     for name, value in ref_params.items():
         assert_close(module, np.asarray(params[name.lstrip("%")]), value, f"parameter {name}")
@@ -221,7 +229,7 @@ def _exec_local(path: Path) -> Case:
             if "out of range" in str(exc):  # names coordinates beyond its declared mesh
                 return "names mesh coordinates beyond its declared sizes"
             raise
-        _against_reference(module, got.params, got.results, inputs, 2)
+        against_reference(module, inputs, 2, got.params, got.results)
         return None
 
     return case
@@ -408,7 +416,7 @@ def _ckpt_other_mesh(root: Path) -> None:
             raise AssertionError(f"{k}: the resumed run differs from the uninterrupted one")
 
 
-def _store_with(values: dict[str, np.ndarray], d: Path, **kw: Any) -> Any:
+def _store_with(d: Path, **kw: Any) -> Any:
     from dtm_mpi.comm.handles import self_comm
     from dtm_mpi.io.checkpoint import CheckpointStore
 
@@ -439,7 +447,7 @@ def _ckpt_cancel() -> None:
 
     values = {f"t{i}": np.full(1000, i, np.float32) for i in range(4)}
     with tempfile.TemporaryDirectory(prefix="dtm-conformance-") as d:
-        ckpt = _store_with(values, Path(d))
+        ckpt = _store_with(Path(d))
         go = threading.Event()
         try:  # the writer waits before its first tensor until the cancel is asked for
             handle = ckpt.save_async(1, _x1(), _specs(values), before_tensor=lambda i: go.wait(30))
@@ -462,7 +470,7 @@ def _ckpt_checksum() -> None:
 
     values = {"w": np.arange(4096, dtype=np.float32)}
     with tempfile.TemporaryDirectory(prefix="dtm-conformance-") as d:
-        ckpt = _store_with(values, Path(d))
+        ckpt = _store_with(Path(d))
         try:
             ckpt.save(0, _x1(), _specs(values))
         finally:
@@ -489,7 +497,7 @@ def _ckpt_quota() -> None:
 
     values = {"w": np.zeros(1 << 16, np.float32)}
     with tempfile.TemporaryDirectory(prefix="dtm-conformance-") as d:
-        ckpt = _store_with(values, Path(d), quota_bytes=1 << 12)
+        ckpt = _store_with(Path(d), quota_bytes=1 << 12)
         try:
             ckpt.save(0, _x1(), _specs(values))
         except QuotaError:
@@ -588,14 +596,9 @@ def _mpi_run(path: Path, world: Any) -> Case:
         )
         try:
             run_under_mpi(request, world=group)
-            if rank == 0:
-                from dtm_mpi.runtime.reference import run_reference
-
-                ref_params, ref_results = run_reference(module, inputs, steps=2)
-                for i, want in enumerate(ref_results[-1]):
-                    assert_close(module, outputs[f"result{i}"], want, f"result {i}")
-                for name, want in ref_params.items():
-                    assert_close(module, outputs[name.lstrip("%")], want, f"parameter {name}")
+            if rank == 0:  # the -o file's outputs: the last step's results, every parameter
+                last = [outputs[f"result{i}"] for i in range(len(module.entry.results))]
+                against_reference(module, inputs, 2, outputs, [last])
         finally:
             free(group)
         return None
@@ -620,6 +623,9 @@ def _resize(world: Any, root: Path) -> str | None:
     size = int(world.Get_size())
     outputs: dict[str, np.ndarray] = {}
     at = ((1, {"dp": 1, "tp": 1}), (2, {"dp": size, "tp": 1}))
+    from dtm_mpi.config import get_config
+
+    was = get_config().deterministic
     set_setting("deterministic", True)
     try:
         run_under_mpi(
@@ -635,7 +641,7 @@ def _resize(world: Any, root: Path) -> str | None:
             world=world,
         )
     finally:
-        set_setting("deterministic", False)
+        set_setting("deterministic", int(was))
     if int(world.Get_rank()) == 0:
         want = run_simulated(module, 1, binding={"dp": 1, "tp": 1}, steps=3, deterministic=True)
         for k, v in want.params.items():
