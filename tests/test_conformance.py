@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from dtm_mpi.cli import main
 from dtm_mpi.conformance import CaseResult, Level, default_vectors, matrix_text, run_conformance
-from tests.mpi_env import mpirun_env
+from tests.mpi_env import dtm_job
 
 
 def test_every_level_a_process_alone_runs_passes() -> None:
@@ -71,16 +69,7 @@ def test_the_matrix_statuses() -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not on PATH")
 def test_under_mpirun_the_mpi_levels_are_claimed() -> None:
-    cmd = ["mpirun", "--timeout", "200", "--bind-to", "none", "-n", "8", sys.executable]
-    cmd += ["-m", "mpi4py", "-m", "dtm_mpi", "conformance", "--level", "L1,L3"]
-    got = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=mpirun_env(DTM_TIMEOUT="120"),
-        check=False,
-    )
+    got = dtm_job(8, "conformance", "--level", "L1,L3")
     assert got.returncode == 0, got.stdout + got.stderr
     lines = [ln for ln in got.stdout.splitlines() if ln[:2] in ("L1", "L3")]
     assert len(lines) == 2 and all(ln.endswith("claimed: pass") for ln in lines), got.stdout
