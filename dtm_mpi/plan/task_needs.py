@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING
 from dtm_mpi.errors import DtmError, TaskGraphError
 from dtm_mpi.io.task_graph import TaskGraph, TaskSpec, task_deps
 from dtm_mpi.plan.outputs import output_types
-from dtm_mpi.plan.task_plan import TaskNeeds
+from dtm_mpi.plan.task_plan import TaskNeeds, TaskPlan
 
 if TYPE_CHECKING:
     from dtm_mpi.ir.nodes import Module
     from dtm_mpi.ir.types import TensorType
     from dtm_mpi.sharding.mesh import MeshShape
 
-__all__ = ["TaskProgram", "describe_tasks", "output_type"]
+__all__ = ["TaskProgram", "describe_tasks", "output_type", "plan_graph"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,3 +144,28 @@ def _describe(t: TaskSpec, deps: tuple[str, ...], load: Callable[[str], Module])
         t.backend != "numpy",
     )
     return TaskProgram(t, module, mesh, needs)
+
+
+def plan_graph(
+    graph: TaskGraph,
+    load: Callable[[str], Module],
+    *,
+    job_ranks: int,
+    capacity: int | None = None,
+    devices: int = 0,
+) -> tuple[tuple[TaskProgram, ...], TaskPlan]:
+    """The programs (:func:`describe_tasks`) and the plan (:func:`~dtm_mpi.plan.task_plan.
+    plan_tasks`) of ``graph`` for a job; a task that fits nowhere is located at its name in the
+    graph file. Pure: the same files give the same plan on every rank."""
+    from dtm_mpi.errors import TaskPlacementError
+    from dtm_mpi.plan.task_plan import plan_tasks
+
+    progs = describe_tasks(graph, load)
+    try:
+        plan = plan_tasks(
+            [p.needs for p in progs], job_ranks=job_ranks, capacity=capacity, devices=devices
+        )
+    except TaskPlacementError as exc:  # at the task's place in the graph file
+        spec = next(p.spec for p in progs if p.spec.name == exc.task)
+        raise TaskGraphError(f"{spec.span}: {exc}") from None
+    return progs, plan

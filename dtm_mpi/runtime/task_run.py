@@ -53,21 +53,18 @@ class Decision:
 def plan_task_graph(
     graph: TaskGraph, *, job_ranks: int, capacity: int | None = None, devices: int = 0
 ) -> tuple[tuple[TaskProgram, ...], TaskPlan]:
-    """The programs and the plan of ``graph`` for a job (pure: the same on every rank)."""
-    from dtm_mpi.errors import TaskPlacementError
-    from dtm_mpi.plan.task_needs import describe_tasks
-    from dtm_mpi.plan.task_plan import plan_tasks
+    """The programs and the plan of ``graph`` for a job (:func:`~dtm_mpi.plan.task_needs.
+    plan_graph` with the IR files loaded as ``dtm run`` loads them)."""
+    from dtm_mpi.plan.task_needs import plan_graph
     from dtm_mpi.runtime.request import load_module
 
-    progs = describe_tasks(graph, lambda path: load_module(path, show=None))
-    try:
-        plan = plan_tasks(
-            [p.needs for p in progs], job_ranks=job_ranks, capacity=capacity, devices=devices
-        )
-    except TaskPlacementError as exc:  # at the task's place in the graph file
-        spec = next(p.spec for p in progs if p.spec.name == exc.task)
-        raise TaskGraphError(f"{spec.span}: {exc}") from None
-    return progs, plan
+    return plan_graph(
+        graph,
+        lambda path: load_module(path, show=None),
+        job_ranks=job_ranks,
+        capacity=capacity,
+        devices=devices,
+    )
 
 
 def run_task_graph(
