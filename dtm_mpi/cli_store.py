@@ -209,6 +209,18 @@ def _table(rows: Sequence[Sequence[str]], right: Sequence[int] = ()) -> list[str
     return out
 
 
+def _open_checkpoint(args: argparse.Namespace) -> tuple[Path, Any, Path, Manifest]:
+    """``STORE`` and ``--step`` of the command line: the store, its storage backend, the
+    committed checkpoint (default: latest) and its manifest, validated (an invalid one is the
+    error)."""
+    from dtm_mpi.io.tools import checkpoint_path, read_manifest, store_backend, store_dir
+
+    store = store_dir(args.store)
+    backend = store_backend(store)
+    path = checkpoint_path(store, args.step)
+    return store, backend, path, read_manifest(path, backend)
+
+
 def _stored(m: Manifest) -> list[ArtifactRecord]:
     from dtm_mpi.io.tools import stored
 
@@ -283,13 +295,8 @@ def _cmd_ckpt_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_ckpt_inspect(args: argparse.Namespace) -> int:
-    from dtm_mpi.io.tools import checkpoint_path, read_manifest, store_backend, store_dir
-
-    store = store_dir(args.store)
-    backend = store_backend(store)
-    path = checkpoint_path(store, args.step)
     # validated first: an invalid manifest is an error, also for --json
-    m = read_manifest(path, backend)
+    _, backend, path, m = _open_checkpoint(args)
     doc = _stored_manifest(path, backend)
     if args.json:
         print(json.dumps(doc, indent=2, sort_keys=True))
@@ -396,11 +403,8 @@ def _cmd_ckpt_rm(args: argparse.Namespace) -> int:
 
 def _cmd_store_ls(args: argparse.Namespace) -> int:
     from dtm_mpi.io.task_records import producers_of, read_records
-    from dtm_mpi.io.tools import checkpoint_path, read_manifest, store_backend, store_dir
 
-    store = store_dir(args.store)
-    path = checkpoint_path(store, args.step)
-    m = read_manifest(path, store_backend(store))
+    store, _, path, m = _open_checkpoint(args)
     print(f"checkpoint {path} (step {m.step}): {len(m.artifacts)} tensor(s)")
     derived = _derived_states(store, m)
     writers = producers_of(read_records(store))
@@ -447,14 +451,10 @@ def _cmd_store_get(args: argparse.Namespace) -> int:
     from dtm_mpi.console import write_line
     from dtm_mpi.io.arrays import check_output_path, save_npy
     from dtm_mpi.io.recovery import read_served
-    from dtm_mpi.io.tools import checkpoint_path, read_manifest, store_backend, store_dir
     from dtm_mpi.ir.types import DType
 
     target = check_output_path(args.output, ".npy")
-    store = store_dir(args.store)
-    backend = store_backend(store)
-    path = checkpoint_path(store, args.step)
-    m = read_manifest(path, backend)
+    store, backend, _, m = _open_checkpoint(args)
     warnings: list[str] = []
 
     def warn(text: str) -> None:
@@ -549,12 +549,8 @@ def _cmd_store_recover(args: argparse.Namespace) -> int:
     from dtm_mpi.console import say
     from dtm_mpi.io.recovery import recovery_plan, recovery_text, repair
     from dtm_mpi.io.store import read_latest
-    from dtm_mpi.io.tools import checkpoint_path, read_manifest, store_backend, store_dir
 
-    store = store_dir(args.store)
-    backend = store_backend(store)
-    path = checkpoint_path(store, args.step)
-    m = read_manifest(path, backend)
+    store, backend, path, m = _open_checkpoint(args)
     plan = recovery_plan(store, m, backend)
     say(f"checkpoint {path} (step {m.step}): " + recovery_text(plan))
     if args.dry_run or not plan:
