@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,7 +105,12 @@ class TaskGraph:
 
     def producers(self) -> dict[str, TaskSpec]:
         """Store tensor -> the task writing it."""
-        return {tensor: t for t in self.tasks for _, tensor in t.outputs}
+        return _writers(self.tasks)
+
+
+def _writers(tasks: Sequence[TaskSpec]) -> dict[str, TaskSpec]:
+    """Store tensor -> the task writing it (the last, where a checked graph has one)."""
+    return {tensor: t for t in tasks for _, tensor in t.outputs}
 
 
 class _Locator:
@@ -326,10 +332,11 @@ def _check_names(tasks: list[TaskSpec]) -> None:
 def task_deps(tasks: tuple[TaskSpec, ...] | list[TaskSpec]) -> dict[str, tuple[str, ...]]:
     """Task -> the tasks it needs first (producers of its inputs, then ``after``), in file
     order, each once."""
-    writers = {tensor: t.name for t in tasks for _, tensor in t.outputs}
+    writers = _writers(tasks)
     out: dict[str, tuple[str, ...]] = {}
     for t in tasks:
-        deps = [writers[tensor] for _, tensor in t.inputs if tensor in writers] + list(t.after)
+        deps = [writers[tensor].name for _, tensor in t.inputs if tensor in writers]
+        deps += list(t.after)
         out[t.name] = tuple(dict.fromkeys(deps))
     return out
 
