@@ -80,8 +80,9 @@ class Control:
         self._where: tuple[str, int] = ("session", 0)
         # failed rank -> (reporter, phase, message): the failures this rank knows of
         self.known: dict[int, tuple[int, str, str]] = {}
-        self.changed = 0.0  # when ``known`` last grew (monotonic)
         self._ends: dict[int, str] = {}  # peers that printed their last line: the error
+        self._heard: set[int] = set()  # peers that sent a failure notice (they are ending)
+        self._closed = False  # this rank said it is ending: it reports nothing more
 
     @property
     def phase(self) -> str:
@@ -105,7 +106,6 @@ class Control:
             old = self.known.get(rank)
             if old is None or (reporter != rank, reporter) < (old[0] != rank, old[0]):
                 self.known[rank] = (reporter, str(phase), str(message))
-                self.changed = time.monotonic()
 
     def error(self) -> RemoteFailureError | None:
         """The failures known here as one error (None when none are)."""
@@ -116,7 +116,8 @@ class Control:
 
     def notify(self, failures: tuple[RankFailure, ...]) -> None:
         """Tell every peer about ``failures`` (this rank's own, or peers it found hung or
-        dead); does not wait."""
+        dead), or, with none, that this rank is ending (after which it reports nothing
+        more); does not wait."""
         frame = encode_frame(
             MessageType.FAILURES,
             {
@@ -127,7 +128,10 @@ class Control:
             },
         )
         with self.lock:
+            if self._closed:  # its peers print what they heard before it said it is ending
+                return
             self._merge(self.rank, [(f.rank, f.phase, f.message) for f in failures])
+            self._closed = not failures
             for r in range(self.size):
                 if r != self.rank:
                     self._send(frame, r, TAG_FAIL)
@@ -146,6 +150,7 @@ class Control:
         got = False
         while (taken := self._take(TAG_FAIL, MessageType.FAILURES)) is not None:
             source, v = taken
+            self._heard.add(source)
             if isinstance(v, ProtocolError):
                 damaged = (
                     f"its failure notice arrived corrupt at rank {self.rank} (wrong: {v.field})"
@@ -173,21 +178,32 @@ class Control:
                 self._receive()
         return self.error()
 
-    def settle(self, quiet: float, bound: float) -> RemoteFailureError | None:
-        """Keep taking failure notices (and answering pings) until none has added anything
-        for ``quiet`` seconds, at most ``bound`` seconds: ranks that fail in the same step
-        each report their own failure, and every rank waits for the others' reports before it
-        prints, so all print the same list. Returns the failures known here."""
-        start = time.monotonic()
-        while True:
-            now = time.monotonic()
-            if now - max(self.changed, start) > quiet or now - start > bound:
-                break
+    def settle(self, bound: float) -> RemoteFailureError | None:
+        """Agree, in bounded time, on the failures to print: tell every peer that this rank
+        is ending (a FAILURES notice that names no failure), then keep taking notices (and
+        answering pings) until every peer has sent one (a failure of its own, peers it found
+        dead or hung, or its end) or is known to have failed, at most ``bound`` seconds. A
+        rank's notices travel on one channel in order, so once every peer has been heard,
+        every failure of its own a peer reported is known here: ranks that fail in the same
+        step all print the same list, however late a notice travels on a busy machine.
+        Returns the failures known here."""
+        self.notify(())
+        deadline = time.monotonic() + bound
+        pause = 0.001
+        while time.monotonic() < deadline:
             with self.lock:
                 self._answer()
                 self._receive()
-            time.sleep(0.01)
+                waiting = set(range(self.size)) - {self.rank} - self._heard - set(self.known)
+            if not waiting - set(self._ended_peers()):
+                break
+            time.sleep(pause)
+            pause = min(0.01, pause * 2)
         return self.error()
+
+    def _ended_peers(self) -> tuple[int, ...]:
+        self.ended()
+        return tuple(self._ends)
 
     def announce_end(self, error: str) -> None:
         """Tell every peer that this rank printed ``error`` (its last line, without the rank

@@ -49,9 +49,10 @@ __all__ = ["MpiSession"]
 SPIN_S = 0.05
 """Seconds a wait polls without sleeping before it backs off."""
 
-SETTLE_QUIET_S = 0.3
-"""Before a rank prints a failure, it waits until no new failure notice has come for this
-long (ranks failing in the same step then all print the same list)."""
+SETTLE_BOUND_S = 3.0
+"""Before a rank prints a failure, it waits (at most this long, and at most the deadline)
+until every peer has either reported a failure of its own or said that it is ending: ranks
+failing in the same step then all print the same list."""
 
 
 class _SideThread:
@@ -515,13 +516,13 @@ class MpiSession:
 
     def end_with(self, err: BaseException, code: int = 1) -> None:
         """End the job with ``err`` as this rank's one line. For failures of ranks (this
-        rank's own or peers'), first wait until no further failure notice has come for a
-        moment and report them all: ranks that fail in the same step print the same list."""
+        rank's own or peers'), first hear from every peer (:meth:`Control.settle`, bounded)
+        and report them all: ranks that fail in the same step print the same list."""
 
         def text() -> str:
             final = err
             if isinstance(err, RemoteFailureError):
-                settled = self.control.settle(SETTLE_QUIET_S, min(3.0, self.timeout_s))
+                settled = self.control.settle(min(SETTLE_BOUND_S, self.timeout_s))
                 final = settled if settled is not None else err
             return f"{self.label}: {final}"
 

@@ -24,6 +24,10 @@ __all__ = ["Watchdog"]
 PERIOD_S = 0.01
 """How often the watchdog looks (failure notices reach a blocked rank within this)."""
 
+MAIN_GRACE_S = 1.0
+"""How long a main thread that computes when a peer's failure notice arrives may take to end
+the job itself (see :meth:`Watchdog._main_ends_itself`)."""
+
 
 class Watchdog(threading.Thread):
     def __init__(self, session: MpiSession) -> None:
@@ -45,6 +49,30 @@ class Watchdog(threading.Thread):
             return False
         return int(signal.SIGTERM) in data
 
+    def _main_ends_itself(self, remote: BaseException) -> bool:
+        """A peer failed while the main thread computes (in no communication): poison the
+        session and give the main thread up to ``MAIN_GRACE_S`` to end the job itself, at its
+        next communication (with the peer's failure) or with a failure of its own in the same
+        step, which its peers then hear of before this rank says it is ending. True if it
+        did; False (the watchdog ends the job) if it is still computing (hung, or slow) or
+        the peers named this rank itself."""
+        from dtm_mpi.comm.abort import ENDING
+
+        s = self.session
+        if s.rank in s.control.known:  # the peers named this rank (hung?): it ends now
+            return False
+        if s.poisoned is None:
+            s.poisoned = remote
+        until = time.monotonic() + min(MAIN_GRACE_S, s.timeout_s / 4)
+        while time.monotonic() < until:
+            if ENDING.locked():
+                return True
+            if s.current is not None:  # blocked in MPI: it cannot end itself
+                return False
+            s.control.poll()  # answers pings meanwhile
+            time.sleep(PERIOD_S)
+        return ENDING.locked()
+
     def run(self) -> None:
         s = self.session
         while not self._stop_event.wait(PERIOD_S):
@@ -54,7 +82,9 @@ class Watchdog(threading.Thread):
                     return
                 remote = s.control.poll()
                 if remote is not None:
-                    s.end_from_watchdog(remote)
+                    if s.current is None and self._main_ends_itself(remote):
+                        return
+                    s.end_from_watchdog(s.control.error() or remote)
                     return
                 current = s.current
                 if current is not None and time.monotonic() > current[2]:
