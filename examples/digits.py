@@ -75,6 +75,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--plot", default=None, help="write the loss/accuracy curves here (PNG)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar (batch jobs)")
     ap.add_argument(
+        "--shard-optimizer",
+        action="store_true",
+        help="split AdamW's update and state over dp (ZeRO-1/2: reduce-scatter, allgather)",
+    )
+    ap.add_argument(
         "-o", "--out", default=None, help="write the final weights and optimizer state here (.npz)"
     )
     args = ap.parse_args(argv)
@@ -86,7 +91,9 @@ def main(argv: list[str]) -> int:
         net,
         loss_fn,
         mesh=mesh,
-        optimizer=dtm.optim.AdamW(lr=args.lr, weight_decay=1e-4),
+        optimizer=dtm.optim.AdamW(
+            lr=args.lr, weight_decay=1e-4, shard="dp" if args.shard_optimizer else None
+        ),
         inputs={
             "x": dtm.Input((BATCH, 64), "f32", ("dp", None)),
             "y": dtm.Input((BATCH,), "i32", ("dp",)),

@@ -39,18 +39,20 @@ from pathlib import Path
 
 from dtm_mpi.bench.train_models import MODELS
 from dtm_mpi.errors import UsageError
+from dtm_mpi.sharding.mesh import parse_mesh_binding
 
 __all__ = ["TrainConfig", "TrainRow", "configs_for", "run_train_bench"]
 
 TARGET_FLOOR = 1.1  # 1 rank: step time within 1.1x of the numpy floor
 TARGET_SPEEDUP = 1.7  # 2 ranks, mlp, dp=2 and tp=2: speedup over 1 rank
 TARGET_TORCH_2 = 1.3  # 2 ranks: faster than torch over gloo by this factor
+TARGET_ZERO_SPEEDUP = 1.8  # 2 ranks, mlp, dp=2 with the sharded optimizer: over 1 rank
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     model: str
-    impl: str  # numpy | dtm | torch-single | torch-ddp | torch-tp
+    impl: str  # numpy | dtm | dtm-zero (optimizer sharded over dp) | torch-single | -ddp | -tp
     ranks: int
     mesh: str  # dp=A,tp=B
 
@@ -65,6 +67,7 @@ class TrainRow:
     step_s: float = float("nan")
     comm_share: float = float("nan")
     peak_rss: int = 0
+    opt_state: int = -1  # optimizer-state bytes on the rank holding most (-1: not dtm)
     loss: float = float("nan")
     rounds: list[float] = field(default_factory=list)
     error: str = ""
@@ -86,6 +89,9 @@ def configs_for(models: Sequence[str], ranks: Sequence[int], torch: bool) -> lis
         for n in ranks:
             for dp, tp in _meshes(n):
                 out.append(TrainConfig(m, "dtm", n, f"dp={dp},tp={tp}"))
+            for dp, tp in _meshes(n):
+                if dp > 1:
+                    out.append(TrainConfig(m, "dtm-zero", n, f"dp={dp},tp={tp}"))
         if torch:
             out.append(TrainConfig(m, "torch-single", 1, "dp=1,tp=1"))
             for n in ranks:
@@ -137,7 +143,7 @@ def _command(c: TrainConfig, steps: int, warmup: int, out: str, mpirun: Sequence
         "--out",
         out,
     ]
-    if c.impl == "dtm":
+    if c.impl in ("dtm", "dtm-zero"):
         return [*mpirun, "-n", str(c.ranks), *py, "-m", "mpi4py", *worker]
     if c.impl in ("torch-ddp", "torch-tp"):
         return [*mpirun, "-n", str(c.ranks), *py, *worker, "--rendezvous", _rendezvous(out)]
@@ -176,6 +182,8 @@ def _run_one(
     if median <= min(row.rounds):  # the best round's figures
         row.step_s, row.comm_share, row.loss = median, share, float(ranks[0]["losses"][-1])
     row.peak_rss = max(row.peak_rss, *(int(r["rss"]) for r in ranks))
+    if "opt_state_bytes" in ranks[0]:
+        row.opt_state = max(int(r["opt_state_bytes"]) for r in ranks)
 
 
 def torch_available() -> str | None:
@@ -261,7 +269,8 @@ def _derived(rows: Sequence[TrainRow], r: TrainRow) -> tuple[float, float]:
     floor = _find(rows, r.config.model, "numpy", 1)
     one = _find(rows, r.config.model, "dtm", 1)
     vs_floor = r.step_s / floor.step_s if floor else float("nan")
-    speedup = one.step_s / r.step_s if one and r.config.impl == "dtm" else float("nan")
+    dtm = r.config.impl in ("dtm", "dtm-zero")
+    speedup = one.step_s / r.step_s if one and dtm else float("nan")
     return vs_floor, speedup
 
 
@@ -273,7 +282,7 @@ def _report(
     lines = [title]
     if why_no_torch:
         lines.append(f"PyTorch peer skipped: {why_no_torch}")
-    head = f"{'model':<7}{'impl':<13}{'ranks':>5} {'mesh':<10}{'step ms':>10}{'x floor':>9}{'speedup':>9}{'samples/s':>11}{'tokens/s':>11}{'comm %':>8}{'RSS MiB':>9}{'loss':>10}"
+    head = f"{'model':<7}{'impl':<13}{'ranks':>5} {'mesh':<10}{'step ms':>10}{'x floor':>9}{'speedup':>9}{'samples/s':>11}{'tokens/s':>11}{'comm %':>8}{'RSS MiB':>9}{'opt KiB':>9}{'loss':>10}"
     lines.append(head)
     for r in rows:
         c = r.config
@@ -287,8 +296,9 @@ def _report(
         over = " (oversubscribed)" if c.ranks > cores else ""
         comm = f"{r.comm_share * 100:>8.1f}" if not math.isnan(r.comm_share) else f"{'-':>8}"
         sp = f"{speedup:>9.2f}" if not math.isnan(speedup) else f"{'-':>9}"
+        opt = f"{r.opt_state / 1024:>9.0f}" if r.opt_state >= 0 else f"{'-':>9}"
         lines.append(
-            f"{c.model:<7}{c.impl:<13}{c.ranks:>5} {c.mesh:<10}{r.step_s * 1e3:>10.2f}{vs_floor:>9.2f}{sp}{sps:>11.0f}{tokens}{comm}{r.peak_rss / 2**20:>9.0f}{r.loss:>10.5f}{over}"
+            f"{c.model:<7}{c.impl:<13}{c.ranks:>5} {c.mesh:<10}{r.step_s * 1e3:>10.2f}{vs_floor:>9.2f}{sp}{sps:>11.0f}{tokens}{comm}{r.peak_rss / 2**20:>9.0f}{opt}{r.loss:>10.5f}{over}"
         )
     lines += _verdicts(rows)
     return "\n".join(lines)
@@ -317,7 +327,22 @@ def _verdicts(rows: Sequence[TrainRow]) -> list[str]:
                 out.append(
                     f"  {m}: 2 ranks {mesh}, {impl} / dtm {ratio:.2f} (target >= {TARGET_TORCH_2}): {'met' if ratio >= TARGET_TORCH_2 else 'MISSED'}"
                 )
+    for m in models:
+        for r in rows:
+            plain = _find(rows, m, "dtm", r.config.ranks, r.config.mesh)
+            if r.config.model == m and r.config.impl == "dtm-zero" and plain and r.opt_state > 0:
+                dp = parse_mesh_binding(r.config.mesh)["dp"]
+                ratio = plain.opt_state / r.opt_state
+                out.append(
+                    f"  {m}: {r.config.mesh} optimizer state per rank, unsharded / sharded {ratio:.2f} (target {dp}, the dp size: met where within the uneven split)"
+                )
     one = _find(rows, "mlp", "dtm", 1)
+    zero = _find(rows, "mlp", "dtm-zero", 2, "dp=2,tp=1")
+    if one and zero:
+        sp = one.step_s / zero.step_s
+        out.append(
+            f"  mlp: 2 ranks dp=2 sharded optimizer, speedup over 1 rank {sp:.2f} (target >= {TARGET_ZERO_SPEEDUP}): {'met' if sp >= TARGET_ZERO_SPEEDUP else 'MISSED'}"
+        )
     for mesh in ("dp=2,tp=1", "dp=1,tp=2"):
         two = _find(rows, "mlp", "dtm", 2, mesh)
         if one and two:
@@ -346,6 +371,7 @@ def _write_csv(path: str, rows: Sequence[TrainRow]) -> None:
                 "tokens_per_s",
                 "comm_share",
                 "peak_rss_mib",
+                "opt_state_kib_per_rank",
                 "loss",
                 "threads_per_rank",
                 "oversubscribed",
@@ -371,6 +397,7 @@ def _write_csv(path: str, rows: Sequence[TrainRow]) -> None:
                     f"{sps * spec.tokens:.2f}",
                     f"{r.comm_share:.4f}",
                     f"{r.peak_rss / 2**20:.1f}",
+                    f"{r.opt_state / 1024:.1f}" if r.opt_state >= 0 else "",
                     f"{r.loss:.6f}",
                     1,
                     int(c.ranks > cores),
@@ -399,7 +426,7 @@ def _plot(path: str, rows: Sequence[TrainRow]) -> str:
         ]
         colors = [
             "#4c72b0"
-            if r.config.impl == "dtm"
+            if r.config.impl in ("dtm", "dtm-zero")
             else "#55a868"
             if r.config.impl == "numpy"
             else "#c44e52"

@@ -47,7 +47,7 @@ class ModelDef:
     describe: str
     batch: int
     tokens: int  # tokens per sample (1: samples are not sequences)
-    build: Callable[[], Any]  # the frontend's TracedStep (declared mesh dp=2, tp=2)
+    build: Callable[..., Any]  # (shard=None | "dp") -> the frontend's TracedStep (mesh dp=2, tp=2)
     data: Callable[[int], dict[str, Arr]]  # batch number -> global arrays by input name
 
     def batch_data(self, i: int) -> dict[str, Arr]:
@@ -59,7 +59,7 @@ class ModelDef:
 # --- the frontend models -------------------------------------------------------------------
 
 
-def _digits_step() -> Any:
+def _digits_step(shard: str | None = None) -> Any:
     from dtm_mpi import frontend as dtm
     from dtm_mpi.frontend import functional as fn
 
@@ -76,7 +76,7 @@ def _digits_step() -> Any:
         loss,
         mesh=dtm.Mesh(dp=2, tp=2),
         inputs=inputs,
-        optimizer=dtm.optim.AdamW(lr=3e-3, weight_decay=1e-4),
+        optimizer=dtm.optim.AdamW(lr=3e-3, weight_decay=1e-4, shard=shard),
         name="digits",
     )
 
@@ -92,7 +92,7 @@ def gpt_loss(m: Any, ids: Any, tgt: Any) -> Any:
     return fn.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
 
 
-def _gpt_step() -> Any:
+def _gpt_step(shard: str | None = None) -> Any:
     from dtm_mpi import frontend as dtm
 
     g = GPT
@@ -104,7 +104,7 @@ def _gpt_step() -> Any:
         mesh=dtm.Mesh(dp=2, tp=2),
         inputs={"ids": spec, "tgt": spec},
         clip_norm=1.0,
-        optimizer=dtm.optim.AdamW(lr=3e-3, weight_decay=0.01),
+        optimizer=dtm.optim.AdamW(lr=3e-3, weight_decay=0.01, shard=shard),
         name="gpt",
     )
 
@@ -113,7 +113,7 @@ MLP = {"batch": 512, "n_in": 1024, "hidden": 4096}
 MLP_LR = 0.01
 
 
-def _mlp_step() -> Any:
+def _mlp_step(shard: str | None = None) -> Any:
     from dtm_mpi import frontend as dtm
     from dtm_mpi.frontend import functional as fn
 
@@ -134,7 +134,7 @@ def _mlp_step() -> Any:
         loss,
         mesh=dtm.Mesh(dp=2, tp=2),
         inputs={"x": spec, "t": spec},
-        optimizer=dtm.optim.SGD(MLP_LR),
+        optimizer=dtm.optim.SGD(MLP_LR, shard=shard),
         name="mlp",
     )
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import sys
 import time
@@ -84,24 +85,35 @@ class TimedComm:
         return getattr(self._inner, name)
 
 
-def _run_dtm(model: str, sizes: dict[str, int], steps: int, warmup: int) -> dict[str, Any]:
+def _run_dtm(
+    model: str, sizes: dict[str, int], steps: int, warmup: int, shard: str | None = None
+) -> dict[str, Any]:
     from mpi4py import MPI
 
     from dtm_mpi.comm.mpi_comm import MpiComm
     from dtm_mpi.comm.mpi_session import MpiSession
     from dtm_mpi.config import get_config
+    from dtm_mpi.ir.dtypes import np_dtype
     from dtm_mpi.kernels.backends import parse_backend
     from dtm_mpi.kernels.devices import open_backend
     from dtm_mpi.plan.program import compile_plan, mesh_for
     from dtm_mpi.runtime.mpirun import plan_groups, run_loop
     from dtm_mpi.runtime.request import RunRequest
     from dtm_mpi.runtime.step_loop import RunHooks
+    from dtm_mpi.sharding.blocks import local_shape
 
     world = MPI.COMM_WORLD
     n = int(world.Get_size())
     spec = MODELS[model]
-    step = spec.build()
+    step = spec.build(shard)
     plan = compile_plan(step.module, mesh_for(step.module, n, sizes))
+    rank = int(world.Get_rank())
+    state_bytes = sum(
+        math.prod(local_shape(p.type.shape, p.type.layout, plan.mesh, rank))
+        * np_dtype(p.type.dtype).itemsize
+        for p in step.module.entry.params
+        if p.name.startswith("%opt.")
+    )
     marks: list[float] = []
     losses: list[float] = []
     comm_marks: list[float] = []
@@ -152,6 +164,7 @@ def _run_dtm(model: str, sizes: dict[str, int], steps: int, warmup: int) -> dict
         "comm": comms,
         "losses": losses,
         "ops": len(plan.entry_plan.ops),
+        "opt_state_bytes": state_bytes,
         "rss_trace": trace,
     }
 
@@ -203,7 +216,9 @@ def _run_torch(model: str, mode: str, steps: int, warmup: int, rendezvous: str) 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dtm_mpi.bench.train_worker")
     ap.add_argument(
-        "--impl", required=True, choices=("dtm", "numpy", "torch-single", "torch-ddp", "torch-tp")
+        "--impl",
+        required=True,
+        choices=("dtm", "dtm-zero", "numpy", "torch-single", "torch-ddp", "torch-tp"),
     )
     ap.add_argument("--model", required=True, choices=sorted(MODELS))
     ap.add_argument("--mesh", default="dp=1,tp=1")
@@ -213,13 +228,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     rank = 0
-    if args.impl == "dtm":
+    if args.impl in ("dtm", "dtm-zero"):
         from mpi4py import MPI
 
         from dtm_mpi.sharding.mesh import parse_mesh_binding
 
         rank = int(MPI.COMM_WORLD.Get_rank())
-        got = _run_dtm(args.model, parse_mesh_binding(args.mesh), args.steps, args.warmup)
+        shard = "dp" if args.impl == "dtm-zero" else None
+        got = _run_dtm(args.model, parse_mesh_binding(args.mesh), args.steps, args.warmup, shard)
     elif args.impl == "numpy":
         got = _run_numpy(args.model, args.steps, args.warmup)
     else:

@@ -5,6 +5,14 @@ Each optimizer's state (momentum, Adam's moments) is a ``state`` parameter of th
 ``opt.<kind>.<parameter path>``. Adam's bias correction reads the executor's step
 (``step_index``), so a resumed run continues it. Updates are written with traced tensors; the
 layouts are the parameters' own (the gradients arrive in them, completed over ``dp``).
+
+**Sharded optimizer state** (ZeRO stages 1 and 2): with ``shard="dp"`` every parameter that
+is not already split over ``dp`` has its gradient *reduce-scattered* over ``dp`` along its
+first dim (instead of allreduced), each rank updates its block of the parameter with its block
+of the optimizer state (stored split over ``dp``: 1/dp of the state per rank), and the new
+parameter is *all-gathered*: the same bytes as the allreduce, 1/dp of the update work and of the
+state. It is a layout choice only: a checkpoint holds the same global tensors either way, so a
+run restores onto any mesh and either choice.
 """
 
 from __future__ import annotations
@@ -25,6 +33,39 @@ class Optimizer:
     """Turns (parameter, gradient) pairs into the parameters' next values, followed by the
     next values of the state parameters it created (:meth:`state`), in creation order."""
 
+    shard: str | None = None
+    """The mesh axis the update and the optimizer state are split over (ZeRO-1/2; module
+    doc), or None: every rank updates whole parameters."""
+
+    def grad_layout(self, t: TensorType) -> Layout | None:
+        """The layout a parameter of type ``t`` takes its gradient in (None: ``t``'s own,
+        completed): with :attr:`shard`, ``t``'s layout with its first dim also split over the
+        axis (innermost), unless ``t`` is a scalar or already uses the axis."""
+        axis = self.shard
+        if axis is None or t.rank == 0 or axis in t.layout.used_axes:
+            return None
+        dims = t.layout.dims
+        return Layout(((*dims[0], axis), *dims[1:]), None)
+
+    def check_mesh(self, axes: Sequence[str]) -> None:
+        """Raise :class:`UsageError` unless :attr:`shard` (if any) is one of ``axes``."""
+        if self.shard is not None and self.shard not in axes:
+            raise UsageError(
+                f"{type(self).__name__}(shard={self.shard!r}): the mesh has no axis "
+                f"{self.shard!r} (axes: {', '.join(axes)})"
+            )
+
+    def local(self, p: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+        """The parameter and its gradient in the layout the update runs in: the gradient's
+        :meth:`grad_layout` (a gradient that arrives complete is sliced there, no traffic),
+        the parameter taken to it (a local slice)."""
+        want = self.grad_layout(p.type)
+        if want is None:
+            return p, g
+        if g.layout != want:
+            g = g.redistribute(want)
+        return p.redistribute(want), g
+
     def update(
         self, tr: Tracer, params: Sequence[tuple[str, Tensor]], grads: Sequence[Tensor]
     ) -> list[Tensor]:
@@ -32,8 +73,10 @@ class Optimizer:
 
     @staticmethod
     def state(tr: Tracer, kind: str, path: str, like: Tensor) -> Tensor:
-        """A new zero-initialised state parameter shaped and laid out like ``like``."""
-        v = tr.b.add_param(f"opt.{kind}.{path}", like.type, state=True, init=Init(InitKind.ZEROS))
+        """A new zero-initialised state parameter shaped and laid out like ``like`` (its
+        layout without a pending reduction)."""
+        t = like.type.with_layout(like.layout.with_partial(None))
+        v = tr.b.add_param(f"opt.{kind}.{path}", t, state=True, init=Init(InitKind.ZEROS))
         return Tensor(v, tr)
 
     @staticmethod
@@ -56,20 +99,23 @@ class SGD(Optimizer):
     lr: float
     momentum: float = 0.0
     weight_decay: float = 0.0
+    shard: str | None = None
 
     def __post_init__(self) -> None:
         _check("lr", self.lr, 0.0)
         _check("momentum", self.momentum, 0.0, 1.0)
         _check("weight_decay", self.weight_decay, 0.0)
+        _check_shard(self.shard)
 
     def update(
         self, tr: Tracer, params: Sequence[tuple[str, Tensor]], grads: Sequence[Tensor]
     ) -> list[Tensor]:
         news, states = [], []
-        for (path, p), grad in zip(params, grads, strict=True):
+        for (path, whole), full in zip(params, grads, strict=True):
+            p, grad = self.local(whole, full)
             g = grad + p * self.weight_decay if self.weight_decay else grad
             if self.momentum:
-                g = self.state(tr, "momentum", path, p) * self.momentum + g
+                g = self.state(tr, "momentum", path, g) * self.momentum + g
                 states.append(g)
             news.append(p - g * self.lr)
         return news + states
@@ -84,6 +130,7 @@ class AdamW(Optimizer):
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.01
+    shard: str | None = None
 
     def __post_init__(self) -> None:
         _check("lr", self.lr, 0.0)
@@ -91,6 +138,7 @@ class AdamW(Optimizer):
         _check("betas[1]", self.betas[1], 0.0, 1.0)
         _check("eps", self.eps, 0.0)
         _check("weight_decay", self.weight_decay, 0.0)
+        _check_shard(self.shard)
 
     def update(
         self, tr: Tracer, params: Sequence[tuple[str, Tensor]], grads: Sequence[Tensor]
@@ -102,9 +150,10 @@ class AdamW(Optimizer):
         bc1 = 1.0 - (t * math.log(b1)).exp() if b1 > 0 else None
         bc2 = 1.0 - (t * math.log(b2)).exp() if b2 > 0 else None
         news, states = [], []
-        for (path, p), g in zip(params, grads, strict=True):
-            m = self.state(tr, "m", path, p)
-            v = self.state(tr, "v", path, p)
+        for (path, whole), full in zip(params, grads, strict=True):
+            p, g = self.local(whole, full)
+            m = self.state(tr, "m", path, g)
+            v = self.state(tr, "v", path, g)
             m2 = m * b1 + g * (1.0 - b1)
             v2 = v * b2 + g * g * (1.0 - b2)
             mh = m2 / bc1 if bc1 is not None else m2
@@ -127,9 +176,17 @@ class Adam(AdamW):
         self, tr: Tracer, params: Sequence[tuple[str, Tensor]], grads: Sequence[Tensor]
     ) -> list[Tensor]:
         if self.weight_decay:
-            grads = [g + p * self.weight_decay for (_, p), g in zip(params, grads, strict=True)]
-        plain = AdamW(self.lr, self.betas, self.eps, 0.0)
+            grads = [
+                gl + pl * self.weight_decay
+                for pl, gl in (self.local(p, g) for (_, p), g in zip(params, grads, strict=True))
+            ]
+        plain = AdamW(self.lr, self.betas, self.eps, 0.0, self.shard)
         return plain.update(tr, params, grads)
+
+
+def _check_shard(axis: str | None) -> None:
+    if axis is not None and not (isinstance(axis, str) and axis.isidentifier()):
+        raise UsageError(f"shard must be a mesh axis name such as 'dp'; got {axis!r}")
 
 
 def clip_by_global_norm(grads: Sequence[Tensor], max_norm: float) -> tuple[list[Tensor], Tensor]:

@@ -104,9 +104,16 @@ def train_results(
     parameter), after the reverse pass, clipping to global norm ``clip_norm`` and
     ``optimizer``'s update; and the optimizer's new state parameters."""
     loss = scalars[0][1]
+    if tr.b.mesh is not None:
+        optimizer.check_mesh(tr.b.mesh.axis_names)
     with tracing(tr):
         grads_v = backward(
-            tr.b, list(tr.b.ops), loss.value, [v for _, v in weights], stop=tr.detached
+            tr.b,
+            list(tr.b.ops),
+            loss.value,
+            [v for _, v in weights],
+            stop=tr.detached,
+            layouts=[optimizer.grad_layout(v.type) for _, v in weights],
         )
         grads = [Tensor(g, tr) for g in grads_v]
         if clip_norm is not None:

@@ -23,6 +23,7 @@ from dtm_mpi.ir.build import FunctionBuilder, Value, complete_layout
 from dtm_mpi.ir.grad_context import GradContext
 from dtm_mpi.ir.nodes import NO_SPAN, Function, Module, Op
 from dtm_mpi.ir.registry import OpKind, lookup_op, required_version
+from dtm_mpi.ir.types import Layout
 from dtm_mpi.ir.verify import function_mesh, verify_module
 
 __all__ = ["backward", "copy_body", "grad_function", "grad_module"]
@@ -61,6 +62,7 @@ def backward(
     *,
     stop: Collection[str] = (),
     origins: list[int] | None = None,
+    layouts: Sequence[Layout | None] | None = None,
 ) -> list[Value]:
     """Emit into ``b`` the gradients of ``loss`` (a float scalar computed by ``body``, ops
     already in ``b``) with respect to ``wrt``, each in its value's type (a zero constant
@@ -68,7 +70,10 @@ def backward(
     ``stop`` (treated as constants: the frontend's ``detach``). ``origins``, when given,
     receives one entry per emitted op: the position in ``body`` of the op whose gradient rule
     emitted it (the seed: the op computing ``loss``), or ``-1 - k`` for the ops taking the
-    gradient of ``wrt[k]`` to its value's layout (what pipeline stages are cut by)."""
+    gradient of ``wrt[k]`` to its value's layout (what pipeline stages are cut by).
+    ``layouts[k]``, when given and not None, is the layout the gradient of ``wrt[k]`` is
+    emitted in instead (a sharded optimizer's: a pending sum lands there by
+    ``reduce_scatter``)."""
 
     def emitted(before: int, origin: int) -> None:
         if origins is not None:
@@ -141,7 +146,10 @@ def backward(
     grads = []
     for k, w in enumerate(wrt):
         ct = cts.get(w.name)
-        target = w.type.with_layout(complete_layout(w.type.layout))
+        layout = layouts[k] if layouts is not None else None
+        target = w.type.with_layout(
+            layout if layout is not None else complete_layout(w.type.layout)
+        )
         before = len(b.ops)
         if ct is None:
             grads.append(b.constant(0, target))

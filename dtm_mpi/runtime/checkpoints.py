@@ -37,6 +37,7 @@ __all__ = [
     "GatheredCheckpoints",
     "StoreCheckpoints",
     "check_resumable",
+    "state_hashes",
     "open_store",
     "restore_globals",
 ]
@@ -63,13 +64,24 @@ def open_store(policy: CheckpointPolicy, comm: Any) -> CheckpointStore:
     )
 
 
-def check_resumable(got: Restored, module_hash: str, steps: int) -> None:
-    """Refuse to resume ``got``: another program's state, or nothing left to run."""
-    if got.module_hash != module_hash:
+def state_hashes(module: Module) -> tuple[str, str]:
+    """What identifies the program a checkpoint's state belongs to: the program hash of
+    ``module`` (its layouts erased: docs/spec/ir.md §11.3), which every save records, so a run
+    resumes on any mesh and under any sharding choice, then its module hash, which the saves
+    of earlier versions recorded (still resumed)."""
+    from dtm_mpi.ir.hashing import module_hash, program_hash
+
+    return program_hash(module), module_hash(module)
+
+
+def check_resumable(got: Restored, hashes: tuple[str, ...], steps: int) -> None:
+    """Refuse to resume ``got``: another program's state (its recorded hash is none of
+    ``hashes``: :func:`state_hashes`), or nothing left to run."""
+    if got.module_hash not in hashes:
         raise agreed(
             UsageError(
-                f"{got.path} was written by module hash {got.module_hash}; this module's is "
-                f"{module_hash}: refusing to resume another program's state"
+                f"{got.path} was written by program {got.module_hash}; this one is "
+                f"{hashes[0]}: refusing to resume another program's state"
             )
         )
     if got.step >= steps:
@@ -81,13 +93,13 @@ def check_resumable(got: Restored, module_hash: str, steps: int) -> None:
         )
 
 
-def _resumed(got: Restored, module_hash: str, steps: int, *, speak: bool) -> None:
+def _resumed(got: Restored, hashes: tuple[str, ...], steps: int, *, speak: bool) -> None:
     """Say which newer checkpoints a resume skipped (``speak``: this rank reports), refuse
     ``got`` if it cannot be resumed (:func:`check_resumable`), else say where the run resumes."""
     if speak:
         for why in got.skipped:  # newer checkpoints that do not restore and verify
             say(f"resume: skipped {why}")
-    check_resumable(got, module_hash, steps)
+    check_resumable(got, hashes, steps)
     if speak:
         say(f"resumed from {got.path} (after step {got.step})")
 
@@ -102,12 +114,12 @@ class _Saves:
         self,
         policy: CheckpointPolicy,
         store: CheckpointStore | None,
-        module_hash: str,
+        hashes: tuple[str, ...],
         *,
         speak: bool,
         phase: Callable[[str], None],
     ) -> None:
-        self.policy, self.store, self.module_hash = policy, store, module_hash
+        self.policy, self.store, self.hashes = policy, store, hashes
         self.speak, self.phase = speak, phase
         self.pending: Any = None  # the save writing in the background (SaveHandle)
 
@@ -121,10 +133,10 @@ class _Saves:
         assert self.store is not None
         if self.policy.background and not sync:  # snapshot and hashes now, the writing overlaps
             self.pending = self.store.save_async(
-                done, mesh, items, module_hash=self.module_hash, copy=False
+                done, mesh, items, module_hash=self.hashes[0], copy=False
             )
             return str(self.store.path / committed_name(done))
-        path = self.store.save(done, mesh, items, module_hash=self.module_hash)
+        path = self.store.save(done, mesh, items, module_hash=self.hashes[0])
         if self.speak:
             say(f"checkpoint {path} (after step {done})")
         return str(path)
@@ -162,14 +174,13 @@ class StoreCheckpoints(_Saves):
         pins: Mapping[str, Pin] | None = None,
     ) -> None:
         from dtm_mpi.comm import handles
-        from dtm_mpi.ir.hashing import module_hash
 
         phase("checkpoint store")
         self.comm = handles.dup(comm)
         super().__init__(
             policy,
             open_store(policy, self.comm),
-            module_hash(plan.module),
+            state_hashes(plan.module),
             speak=rank == 0,
             phase=phase,
         )
@@ -214,7 +225,7 @@ class StoreCheckpoints(_Saves):
         self.phase("resume")
         assert self.store is not None
         got = self.store.restore(self.plan.mesh, self.targets, fallback=True, pins=self.pins)
-        _resumed(got, self.module_hash, self.steps, speak=self.speak)
+        _resumed(got, self.hashes, self.steps, speak=self.speak)
         blocks[:] = self._held(got.values)
         return got.step
 
@@ -268,14 +279,13 @@ def restore_globals(
     parameter from the newest checkpoint of ``policy``'s store that restores and verifies
     (written on any mesh), and its step."""
     from dtm_mpi.comm.handles import self_comm
-    from dtm_mpi.ir.hashing import module_hash
 
     store = open_store(policy, self_comm())
     try:
         got = store.restore(_one_rank_mesh(module), _targets(module), fallback=True)
     finally:
         store.close()
-    _resumed(got, module_hash(module), steps, speak=True)
+    _resumed(got, state_hashes(module), steps, speak=True)
     return dict(got.values), got.step
 
 
@@ -294,10 +304,8 @@ class GatheredCheckpoints(_Saves):
         backend: ArrayBackend,
         pins: Mapping[str, Pin] | None = None,
     ) -> None:
-        from dtm_mpi.ir.hashing import module_hash
-
         super().__init__(
-            policy, store, module_hash(plan.module), speak=store is not None, phase=_nowhere
+            policy, store, state_hashes(plan.module), speak=store is not None, phase=_nowhere
         )
         self.comm, self.backend = comm, backend
         self.targets = _targets(plan.module)

@@ -289,3 +289,56 @@ def test_a_quota_too_small_for_fits_checkpoint_is_one_error_on_every_rank(
     assert proc.returncode != 0, out
     refused = [ln for ln in out.splitlines() if "the quota's 1000" in ln and str(store) in ln]
     assert len(refused) == ranks and "Traceback" not in out, out
+
+
+@pytest.fixture(scope="module")
+def straight_20(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("straight") / "straight.npz"
+    straight_run(out, 20)
+    return out
+
+
+# (ranks, the sharded leg's mesh, the unsharded leg's mesh)
+SHARDED = [
+    (2, "dp=2,tp=1", "dp=1,tp=2"),
+    (3, "dp=3,tp=1", "dp=1,tp=3"),
+    (4, "dp=2,tp=2", "dp=4,tp=1"),
+]
+
+
+@pytest.mark.parametrize(("ranks", "mesh", "other"), SHARDED, ids=[str(r) for r, _, _ in SHARDED])
+def test_a_sharded_optimizer_run_resumes_unsharded_on_another_mesh_with_the_same_bits(
+    ranks: int, mesh: str, other: str, straight_20: Path, tmp_path: Path
+) -> None:
+    """ZeRO-1/2 under mpirun: AdamW's update and state split over dp (reduce-scatter, then
+    allgather), checkpointed, resumed without sharding on another mesh: the bits of the
+    unsharded uninterrupted run on one rank (deterministic mode)."""
+    store = str(tmp_path / "store")
+    first = digits(
+        ranks,
+        mesh,
+        "--steps",
+        "10",
+        "--store",
+        store,
+        "--checkpoint-every",
+        "10",
+        "--shard-optimizer",
+    )
+    assert "after step 10" in first, first
+    out = tmp_path / "resumed.npz"
+    second = digits(
+        ranks,
+        other,
+        "--steps",
+        "20",
+        "--store",
+        store,
+        "--checkpoint-every",
+        "10",
+        "--resume",
+        "-o",
+        str(out),
+    )
+    assert "resumed from" in second and "after step 10" in second, second
+    same_bits(out, straight_20)
