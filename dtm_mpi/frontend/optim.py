@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 from dtm_mpi.errors import UsageError
 from dtm_mpi.frontend.tensor import Tensor, Tracer
-from dtm_mpi.ir.nodes import Init, InitKind
+from dtm_mpi.ir.nodes import Attr, Init, InitKind
+from dtm_mpi.ir.ops.update import ADAMW_DTYPES
 from dtm_mpi.ir.types import DType, Layout, TensorType
 
 __all__ = ["SGD", "Adam", "AdamW", "Optimizer", "clip_by_global_norm"]
@@ -146,14 +147,34 @@ class AdamW(Optimizer):
         if not params:
             return []
         b1, b2 = self.betas
-        t = self.step(tr, params[0][1].dtype)
-        bc1 = 1.0 - (t * math.log(b1)).exp() if b1 > 0 else None
-        bc2 = 1.0 - (t * math.log(b2)).exp() if b2 > 0 else None
+        corrections: dict[DType, tuple[Tensor | None, Tensor | None]] = {}
         news, states = [], []
         for (path, whole), full in zip(params, grads, strict=True):
             p, g = self.local(whole, full)
+            if p.dtype not in corrections:  # 1 - beta^t, once a step and dtype
+                t = self.step(tr, p.dtype)
+                corrections[p.dtype] = (
+                    1.0 - (t * math.log(b1)).exp() if b1 > 0 else None,
+                    1.0 - (t * math.log(b2)).exp() if b2 > 0 else None,
+                )
+            bc1, bc2 = corrections[p.dtype]
             m = self.state(tr, "m", path, g)
             v = self.state(tr, "v", path, g)
+            if p.dtype in ADAMW_DTYPES:  # one op: the same bits as the ops below
+                scalar = TensorType(p.dtype, (), Layout(()))
+                c1 = bc1 if bc1 is not None else tr.constant(1.0, scalar)
+                c2 = bc2 if bc2 is not None else tr.constant(1.0, scalar)
+                attrs: dict[str, Attr] = {
+                    "lr": float(self.lr),
+                    "beta1": float(b1),
+                    "beta2": float(b2),
+                    "eps": float(self.eps),
+                    "decay": float(self.weight_decay),
+                }
+                p2, m2, v2 = tr.apply_n("adamw", [p, g, m, v, c1, c2], attrs, [g.type] * 3)
+                news.append(p2)
+                states += [m2, v2]
+                continue
             m2 = m * b1 + g * (1.0 - b1)
             v2 = v * b2 + g * g * (1.0 - b2)
             mh = m2 / bc1 if bc1 is not None else m2

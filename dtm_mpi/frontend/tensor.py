@@ -142,6 +142,21 @@ class Tracer:
             raise trace_error(err) from None
         return Tensor(out, self)
 
+    def apply_n(
+        self,
+        name: str,
+        xs: Sequence[Tensor],
+        attrs: dict[str, Attr],
+        declared: Sequence[TensorType],
+    ) -> tuple[Tensor, ...]:
+        """:meth:`apply` of an op with several results (``declared``: their types)."""
+        span = user_span()
+        try:
+            outs = self.b.apply(name, [x.value for x in xs], attrs, declared, span=span)
+        except VerifyError as err:
+            raise trace_error(err) from None
+        return tuple(Tensor(o, self) for o in outs)
+
     def constant(self, value: float | int | bool, like: TensorType) -> Tensor:
         return Tensor(self.b.constant(value, like, span=user_span()), self)
 

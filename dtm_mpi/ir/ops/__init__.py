@@ -9,4 +9,5 @@ from dtm_mpi.ir.ops import (  # noqa: F401
     quant,
     reduce,
     shape,
+    update,
 )
