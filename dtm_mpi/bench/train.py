@@ -70,7 +70,12 @@ class TrainRow:
     opt_state: int = -1  # optimizer-state bytes on the rank holding most (-1: not dtm)
     loss: float = float("nan")
     rounds: list[float] = field(default_factory=list)
-    error: str = ""
+    failures: list[str] = field(default_factory=list)  # rounds that failed: why
+
+    @property
+    def error(self) -> str:
+        """Why the configuration has no figure: every round failed (the first's error)."""
+        return self.failures[0] if self.failures and not self.rounds else ""
 
 
 def _meshes(ranks: int) -> list[tuple[int, int]]:
@@ -164,11 +169,12 @@ def _run_one(
             cmd, env=_env(), capture_output=True, text=True, timeout=timeout_s, check=False
         )
     except subprocess.TimeoutExpired:
-        row.error = f"timed out after {timeout_s:.0f} s"
+        row.failures.append(f"timed out after {timeout_s:.0f} s")
         return
     if done.returncode != 0:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        row.error = f"exit {done.returncode}: {' | '.join(tail)}"
+        text = (done.stderr + done.stdout).strip().splitlines()
+        said = [ln for ln in text if "rror" in ln or "terminate" in ln or "what()" in ln][:2]
+        row.failures.append(f"exit {done.returncode}: {' | '.join(said or text[-3:])}")
         return
     ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(c.ranks)]
     times = [max(r["times"][i] for r in ranks) for i in range(len(ranks[0]["times"]))]
@@ -300,6 +306,8 @@ def _report(
         lines.append(
             f"{c.model:<7}{c.impl:<13}{c.ranks:>5} {c.mesh:<10}{r.step_s * 1e3:>10.2f}{vs_floor:>9.2f}{sp}{sps:>11.0f}{tokens}{comm}{r.peak_rss / 2**20:>9.0f}{opt}{r.loss:>10.5f}{over}"
         )
+        if r.failures:  # some rounds failed: the figure is the others'
+            lines.append(f"{'':<7}{len(r.failures)} round(s) failed: {r.failures[0]}")
     lines += _verdicts(rows)
     return "\n".join(lines)
 
@@ -401,7 +409,7 @@ def _write_csv(path: str, rows: Sequence[TrainRow]) -> None:
                     f"{r.loss:.6f}",
                     1,
                     int(c.ranks > cores),
-                    r.error,
+                    r.error or "; ".join(r.failures),
                 ]
             )
 
