@@ -227,6 +227,7 @@ class CheckpointStore:
         self._agree(found if isinstance(found, StorageError) else None, "opening the store")
         assert not isinstance(found, StorageError)
         self.backend: ShardBackend = found  # the format of the shards; the rest is format-neutral
+        self.backend.ready()  # its library loaded now, not in the first save
         self._retention = Retention(self.path, self.backend)
         self._groups: dict[int, Any] = {}
         self._split_groups(self.comm)

@@ -133,6 +133,9 @@ class NpyBackend:
     def describe(self) -> str:
         return f"numpy {np.__version__} .npy files, serial"
 
+    def ready(self) -> None:
+        pass  # numpy is loaded
+
     def index_path(self, ckpt: Path) -> Path:
         return ckpt / INDEX
 
