@@ -280,3 +280,19 @@ def test_the_loss_function_sees_microbatches_when_pipelined() -> None:
     )
     dtm.fit(step, loader, steps=1, sim=2, mesh={"pp": 2}, quiet=True)
     assert seen == [(BATCH, T), (BATCH // 4, T)]
+
+
+def test_a_sharded_optimizer_in_a_pipeline_trains_as_the_unpipelined_one() -> None:
+    """AdamW(shard="dp") on pp=2 x dp=2: each stage's update and moments split over dp."""
+    step = dtm.train_step(
+        gpt(),
+        lm_loss,
+        mesh=MESH,
+        inputs=INPUTS,
+        optimizer=dtm.optim.AdamW(lr=1e-2, shard="dp"),
+        clip_norm=0.5,
+        pipeline=dtm.Pipeline(microbatches=2, schedule="1f1b"),
+    )
+    assert "state %opt.m.blocks.0.attn.wq: f64[12,12]{dp,tp} init zeros" in step.text
+    got = dtm.fit(step, loader, steps=3, sim=4, mesh={"pp": 2, "dp": 2}, quiet=True)
+    _same_training(got, _reference(3))

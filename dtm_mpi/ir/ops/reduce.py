@@ -173,10 +173,14 @@ def _layer_norm_ref(
 ) -> tuple[np.ndarray, ...]:
     x, gamma, beta = xs
     eps = float(op.attr("eps"))  # type: ignore[arg-type]
-    xf = x.astype(np.float64)
+    xf = x.astype(np.float64)  # a copy: worked on in place (the values of the formula above)
     mean = xf.mean(axis=-1, keepdims=True)
-    var = ((xf - mean) ** 2).mean(axis=-1, keepdims=True)
-    return (as_dtype((xf - mean) / np.sqrt(var + eps) * gamma + beta, rt[0]),)
+    np.subtract(xf, mean, out=xf)
+    var = np.square(xf).mean(axis=-1, keepdims=True)
+    np.divide(xf, np.sqrt(var + eps), out=xf)
+    np.multiply(xf, gamma, out=xf)
+    np.add(xf, beta, out=xf)
+    return (as_dtype(xf, rt[0]),)
 
 
 def _d_layer_norm(c: GradContext) -> tuple[Value | None, ...]:
