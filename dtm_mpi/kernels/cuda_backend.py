@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from dtm_mpi.ir.dtypes import np_dtype
-from dtm_mpi.ir.ops.update import adamw_values, update_attrs
+from dtm_mpi.ir.ops.update import update_attrs
 from dtm_mpi.ir.registry import OPS, Trait, ops_with
 from dtm_mpi.kernels import launch
 from dtm_mpi.kernels.backends import BackendKind
@@ -133,10 +133,10 @@ def _cast(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
     return (xs[0].astype(_out_dtype(ctx)),)
 
 
-@_register("adamw")
+@_register("adamw", placement="RawKernel adamw.cu")
 def _adamw(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
     p, g, m, v, bc1, bc2 = xs
-    return adamw_values(_cp(), p, g, m, v, bc1, bc2, update_attrs(ctx.op))
+    return launch.adamw(p, g, m, v, bc1, bc2, update_attrs(ctx.op))
 
 
 @_register("matmul", placement="cuBLAS/hipBLAS")

@@ -259,6 +259,29 @@ def bias_gelu(x: Arr, bias: Arr, *, out: Arr | None = None) -> Arr:
     return y
 
 
+def adamw(
+    p: Arr, g: Arr, m: Arr, v: Arr, bc1: Arr, bc2: Arr, attrs: dict[str, float]
+) -> tuple[Arr, Arr, Arr]:
+    """AdamW's update of ``p`` and its moments ``m``, ``v`` by gradient ``g`` (one shape and
+    dtype), with the bias corrections ``bc1``, ``bc2`` (device scalars of that dtype): the
+    new ``p``, ``m``, ``v`` (IR op ``adamw``; ``attrs``: lr, beta1, beta2, eps, decay)."""
+    sfx = _suffix(p, "adamw")
+    xs = [_dev(a, f"adamw {w}", p.dtype) for a, w in ((p, "p"), (g, "g"), (m, "m"), (v, "v"))]
+    bcs = [_dev(b, f"adamw {w}", p.dtype) for b, w in ((bc1, "bc1"), (bc2, "bc2"))]
+    outs = tuple(_out(None, tuple(p.shape), p.dtype) for _ in range(3))
+    n = int(outs[0].size)
+    if n:
+        b1, b2 = attrs["beta1"], attrs["beta2"]
+        consts = (attrs["lr"], b1, 1.0 - b1, b2, 1.0 - b2, attrs["eps"], attrs["decay"])
+        fn = function("adamw.cu", f"dtm_adamw_{sfx}")
+        fn(
+            (_grid(n, THREADS),),
+            (THREADS,),
+            (*xs, *bcs, *outs, np.int64(n), *(np.float64(c) for c in consts)),
+        )
+    return outs
+
+
 def take_rows(x: Arr, idx: Arr, lo: int, *, out: Arr | None = None) -> Arr:
     """``x`` ``[pre, n, post]`` (rows ``lo .. lo+n-1`` of a longer dim) at the int64 indices
     ``idx`` ``[k]``: ``[pre, k, post]``, zeros for indices outside the block."""

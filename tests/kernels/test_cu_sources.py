@@ -49,6 +49,7 @@ EXPECTED: dict[str, tuple[str, ...]] = {
     "row_reduce.cu": _per_dtype("dtm_row_sum", "dtm_row_max", "dtm_row_min"),
     "quant.cu": _per_dtype("dtm_quantize", "dtm_dequantize"),
     "take.cu": _per_dtype("dtm_take_rows", "dtm_scatter_rows"),
+    "adamw.cu": _per_dtype("dtm_adamw"),
     "fused_elementwise.cu": ("dtm_fused_default",),
 }
 SOURCES = sorted(EXPECTED)

@@ -108,7 +108,14 @@ def _scatter_rows(u: Any, perm: Any, starts: Any, n: int, *, out: Any = None) ->
     return y
 
 
+def _adamw(p: Any, g: Any, m: Any, v: Any, bc1: Any, bc2: Any, attrs: Any) -> Any:
+    from dtm_mpi.ir.ops.update import adamw_values
+
+    return adamw_values(np, p, g, m, v, bc1, bc2, attrs)
+
+
 TWINS = {
+    "adamw": _adamw,
     "softmax": _softmax,
     "layer_norm": _layer_norm,
     "row_reduce": _row_reduce,
@@ -315,3 +322,4 @@ def test_the_adamw_update_with_the_gpu_table(on_host: list[str], ranks: int) -> 
     ).params
     _compare(got, want)
     assert "fused" in on_host  # the scalar chain went through generated kernels
+    assert "adamw" in on_host  # the update through its launcher (kernels/adamw.cu)

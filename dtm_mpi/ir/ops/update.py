@@ -12,7 +12,7 @@ every operation in the parameter's dtype, rounded after each as the composed ops
 (each constant a value of the dtype: ``1 - B1`` computed in binary64, then rounded), so the op
 gives exactly the bits of those ops written one by one (the frontend wrote them so before),
 in one pass over the parameter's memory: the numpy backend runs it in chunks that stay in a
-core's cache, a GPU backend as CuPy array operations. ``bc1``/``bc2`` are the bias corrections
+core's cache, a GPU backend as one RawKernel (``kernels/adamw.cu``, the same bits). ``bc1``/``bc2`` are the bias corrections
 (``1 - B1^t`` for step ``t``), scalars shared by every parameter. ``p``, ``g``, ``m``, ``v``
 have one type (dtype f16, f32 or f64, shape, layout; not pending), the scalars that dtype
 and no layout; the three results that type. No gradient flows through an update.

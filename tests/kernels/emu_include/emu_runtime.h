@@ -367,6 +367,18 @@ inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return
 inline double __longlong_as_double(long long i) { double d; memcpy(&d, &i, 8); return d; }
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 inline double rsqrt(double x) { return 1.0 / sqrt(x); }
+// the round-to-nearest arithmetic intrinsics: x86-64's SSE arithmetic is IEEE, rounded once
+// (and -ffp-contract=off keeps a * b + c two operations)
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fsqrt_rn(float a) { return sqrtf(a); }
+inline double __dadd_rn(double a, double b) { return a + b; }
+inline double __dsub_rn(double a, double b) { return a - b; }
+inline double __dmul_rn(double a, double b) { return a * b; }
+inline double __ddiv_rn(double a, double b) { return a / b; }
+inline double __dsqrt_rn(double a) { return sqrt(a); }
 
 // ---- __half: IEEE binary16 storage, conversions rounded to nearest even ----------------------
 struct __half {
