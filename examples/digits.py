@@ -80,6 +80,11 @@ def main(argv: list[str]) -> int:
         help="split AdamW's update and state over dp (ZeRO-1/2: reduce-scatter, allgather)",
     )
     ap.add_argument(
+        "--shard-params",
+        action="store_true",
+        help="store the weights split over dp too, gathered where used (ZeRO-3)",
+    )
+    ap.add_argument(
         "-o", "--out", default=None, help="write the final weights and optimizer state here (.npz)"
     )
     args = ap.parse_args(argv)
@@ -99,6 +104,7 @@ def main(argv: list[str]) -> int:
             "y": dtm.Input((BATCH,), "i32", ("dp",)),
         },
         name="digits",
+        shard_params="dp" if args.shard_params else None,
     )
     res = dtm.fit(
         step,

@@ -14,10 +14,11 @@ from dtm_mpi.errors import TraceError, UsageError, VerifyError
 from dtm_mpi.frontend.mesh import Mesh
 from dtm_mpi.frontend.nn import Module as Layer
 from dtm_mpi.frontend.tensor import Tensor, Tracer, as_layout, parse_dtype, tracing, user_span
+from dtm_mpi.frontend.traced_params import GATHERED, sharded_storage
 from dtm_mpi.frontend.traced_params import TRACED as _TRACED
 from dtm_mpi.ir.build import FunctionBuilder, Value
 from dtm_mpi.ir.nodes import Init, InitKind
-from dtm_mpi.ir.types import TensorType
+from dtm_mpi.ir.types import Layout, TensorType
 
 __all__ = ["Input", "split_outputs", "trace_model"]
 
@@ -52,6 +53,7 @@ def trace_model(
     weights_as_state: bool,
     seed: int,
     from_store: bool = False,
+    shard_params: str | None = None,
 ) -> tuple[Tracer, list[Value], list[tuple[str, Value]], Any]:
     b = FunctionBuilder(mesh.ir(), module_name=_module_name(name))
     tr = Tracer(b)
@@ -64,9 +66,15 @@ def trace_model(
             )
         given.append(b.add_param(key, _checked(f"input {key!r}", key, spec.type, b)))
     bound: dict[tuple[int, str], Tensor] = {}
+    gathered: dict[tuple[int, str], Layout] = {}
     weights: list[tuple[str, Value]] = []
     for path, owner, attr, p in model.named_parameters():
         t = _checked(f"parameter {path!r} of {type(owner).__name__}", path, p.type, b)
+        if shard_params is not None:  # stored split, gathered at each use (ZeRO-3)
+            stored = sharded_storage(t, shard_params)
+            if stored != t:
+                gathered[(id(owner), attr)] = t.layout
+                t = stored
         if weights_as_state and not t.dtype.is_float:
             raise UsageError(
                 f"parameter {path!r} of {type(owner).__name__} is {t.dtype}: trained parameters are floating (an integer table is an input)"
@@ -86,12 +94,13 @@ def trace_model(
         v = b.add_param(path, t, state=weights_as_state, init=init)
         bound[(id(owner), attr)] = Tensor(v, tr)
         weights.append((path, v))
-    token = _TRACED.set(bound)
+    token, gather_token = _TRACED.set(bound), GATHERED.set(gathered)
     try:
         with tracing(tr):
             out = fn(model, **{k: Tensor(v, tr) for k, v in zip(inputs, given, strict=True)})
     finally:
         _TRACED.reset(token)
+        GATHERED.reset(gather_token)
     return tr, given, weights, out
 
 

@@ -145,6 +145,7 @@ def train_step(
     seed: int = 0,
     name: str = "train",
     pipeline: Pipeline | None = None,
+    shard_params: str | None = None,
 ) -> TracedStep:
     """Trace one training step of ``model``: ``loss_fn(model, **inputs)`` returns the loss
     (a float scalar) or (loss, {metric: scalar}); the gradients of the loss with respect to
@@ -153,13 +154,38 @@ def train_step(
 
     ``pipeline`` (:class:`~dtm_mpi.frontend.stage_split.Pipeline`): the step runs as stages
     over a mesh axis, in microbatches and a schedule; its state and module are this step's
-    (checkpoints move between pipelined and unpipelined runs)."""
+    (checkpoints move between pipelined and unpipelined runs).
+
+    ``shard_params`` (a mesh axis, e.g. ``"dp"``; ZeRO-3, FSDP): every parameter not already
+    split over that axis is stored split along its first dim too and gathered (an
+    ``allgather``) where a layer uses it; its gradient arrives reduce-scattered to the stored
+    layout, and the optimizer's state and update follow it: parameters, gradients and
+    optimizer state are each 1/size of the axis per rank. The values are the unsharded step's
+    (bit for bit in deterministic mode) and checkpoints move between the two."""
+    if shard_params is not None:
+        if shard_params not in mesh.ir().axis_names:
+            raise UsageError(
+                f"shard_params={shard_params!r}: the mesh has no axis {shard_params!r} "
+                f"(axes: {', '.join(mesh.ir().axis_names)})"
+            )
+        if pipeline is not None:
+            raise UsageError(
+                "shard_params with a pipeline is not supported yet; shard the optimizer "
+                "state instead (optimizer=AdamW(..., shard='dp'))"
+            )
     if pipeline is not None:
         from dtm_mpi.frontend.stage_split import check_pipeline
 
         check_pipeline(pipeline, mesh)
     tr, _, weights, out = trace_model(
-        model, loss_fn, mesh, inputs, name, weights_as_state=True, seed=seed
+        model,
+        loss_fn,
+        mesh,
+        inputs,
+        name,
+        weights_as_state=True,
+        seed=seed,
+        shard_params=shard_params,
     )
     named = split_outputs(out, "loss")
     scalars = []

@@ -7,13 +7,31 @@ from typing import Any
 
 from dtm_mpi.errors import TraceError
 from dtm_mpi.frontend.tensor import Tensor, trace_error, user_span
+from dtm_mpi.ir.types import Layout, TensorType
 
-__all__ = ["TRACED", "traced_parameter"]
+__all__ = ["GATHERED", "TRACED", "sharded_storage", "traced_parameter"]
+
+
+def sharded_storage(t: TensorType, axis: str) -> TensorType:
+    """The type a parameter of type ``t`` is stored in when parameters are sharded over
+    ``axis`` (ZeRO-3): its first dim also split over the axis (innermost), unless ``t`` is a
+    scalar or already uses the axis (then ``t``)."""
+    if t.rank == 0 or axis in t.layout.used_axes:
+        return t
+    dims = t.layout.dims
+    return t.with_layout(Layout(((*dims[0], axis), *dims[1:]), t.layout.partial))
+
 
 TRACED: contextvars.ContextVar[dict[tuple[int, str], Tensor] | None] = contextvars.ContextVar(
     "dtm_traced_params", default=None
 )
 """(id of the owning layer, attribute) -> traced value, while a step is traced."""
+
+GATHERED: contextvars.ContextVar[dict[tuple[int, str], Layout] | None] = contextvars.ContextVar(
+    "dtm_gathered_params", default=None
+)
+"""(id of the owning layer, attribute) -> the layout a parameter stored sharded
+(``train_step(shard_params=...)``) is gathered to at each use, while a step is traced."""
 
 
 def traced_parameter(owner: Any, name: str) -> Tensor:
@@ -26,4 +44,5 @@ def traced_parameter(owner: Any, name: str) -> Tensor:
     got = traced.get((id(owner), name))
     if got is None:
         raise trace_error(f"{type(owner).__name__} has no parameter {name!r} in this model")
-    return got
+    gather = (GATHERED.get() or {}).get((id(owner), name))
+    return got if gather is None else got.redistribute(gather)  # an allgather, here

@@ -298,33 +298,26 @@ def straight_20(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-# (ranks, the sharded leg's mesh, the unsharded leg's mesh)
+# (ranks, the sharded leg's mesh and how it shards, the unsharded leg's mesh)
 SHARDED = [
-    (2, "dp=2,tp=1", "dp=1,tp=2"),
-    (3, "dp=3,tp=1", "dp=1,tp=3"),
-    (4, "dp=2,tp=2", "dp=4,tp=1"),
+    (2, "dp=2,tp=1", "--shard-optimizer", "dp=1,tp=2"),
+    (3, "dp=3,tp=1", "--shard-params", "dp=1,tp=3"),
+    (4, "dp=2,tp=2", "--shard-optimizer", "dp=4,tp=1"),
 ]
 
 
-@pytest.mark.parametrize(("ranks", "mesh", "other"), SHARDED, ids=[str(r) for r, _, _ in SHARDED])
-def test_a_sharded_optimizer_run_resumes_unsharded_on_another_mesh_with_the_same_bits(
-    ranks: int, mesh: str, other: str, straight_20: Path, tmp_path: Path
+@pytest.mark.parametrize(
+    ("ranks", "mesh", "how", "other"), SHARDED, ids=[f"{r}{h}" for r, _, h, _ in SHARDED]
+)
+def test_a_sharded_run_resumes_unsharded_on_another_mesh_with_the_same_bits(
+    ranks: int, mesh: str, how: str, other: str, straight_20: Path, tmp_path: Path
 ) -> None:
-    """ZeRO-1/2 under mpirun: AdamW's update and state split over dp (reduce-scatter, then
-    allgather), checkpointed, resumed without sharding on another mesh: the bits of the
-    unsharded uninterrupted run on one rank (deterministic mode)."""
+    """ZeRO under mpirun: AdamW's update and state split over dp (reduce-scatter, then
+    allgather), or the weights stored split too (gathered where used), checkpointed, resumed
+    without sharding on another mesh: the bits of the unsharded uninterrupted run on one rank
+    (deterministic mode)."""
     store = str(tmp_path / "store")
-    first = digits(
-        ranks,
-        mesh,
-        "--steps",
-        "10",
-        "--store",
-        store,
-        "--checkpoint-every",
-        "10",
-        "--shard-optimizer",
-    )
+    first = digits(ranks, mesh, "--steps", "10", "--store", store, "--checkpoint-every", "10", how)
     assert "after step 10" in first, first
     out = tmp_path / "resumed.npz"
     second = digits(

@@ -155,3 +155,105 @@ def test_a_sharded_runs_checkpoint_resumes_unsharded_on_another_mesh_and_back(
         )
     for name, want in straight.params.items():
         assert got.params[name].tobytes() == want.tobytes(), name
+
+
+# -- parameters stored sharded (ZeRO-3): train_step(shard_params="dp") -------------------------
+
+
+def digits_params_sharded(shard: str | None) -> Any:
+    model = dtm.nn.Sequential(
+        dtm.nn.ColumnParallelLinear(64, 96), fn.gelu, dtm.nn.RowParallelLinear(96, 10)
+    )
+
+    def loss(m: Any, x: dtm.Tensor, y: dtm.Tensor) -> dtm.Tensor:
+        return fn.cross_entropy(m(x), y)
+
+    return dtm.train_step(
+        model,
+        loss,
+        mesh=dtm.Mesh(dp=2, tp=2),
+        inputs={
+            "x": dtm.Input((24, 64), "f32", ("dp", None)),
+            "y": dtm.Input((24,), "i32", ("dp",)),
+        },
+        optimizer=dtm.optim.AdamW(3e-3),
+        clip_norm=1.0,
+        name="digits",
+        shard_params=shard,
+    )
+
+
+def test_sharded_parameters_are_gathered_at_their_use_and_their_gradients_reduce_scattered() -> (
+    None
+):
+    text = digits_params_sharded("dp").text
+    ops = lambda name: [ln for ln in text.splitlines() if f"= {name} " in ln]  # noqa: E731
+    assert "state %layers.0.weight: f32[64,96]{dp,tp}" in text  # stored split over dp
+    assert "state %layers.1.weight: f32[96,10]{(tp,dp),-}" in text
+    assert "state %opt.m.layers.0.weight: f32[64,96]{dp,tp}" in text  # the state follows
+    assert len(ops("allgather")) == 4 and len(ops("reduce_scatter")) == 4, text
+    # the update keeps the stored layout: the new weights are not gathered
+    assert "f32[64,96]{dp,tp} updates %layers.0.weight" in text
+
+
+@pytest.mark.parametrize(
+    ("ranks", "binding"),
+    [(4, {"dp": 2, "tp": 2}), (3, {"dp": 3, "tp": 1}), (2, {"dp": 1, "tp": 2})],
+)
+def test_sharded_parameters_train_to_the_unsharded_bits(
+    ranks: int, binding: dict[str, int]
+) -> None:
+    runs = [
+        run_simulated(
+            digits_params_sharded(s).module,
+            ranks,
+            binding=binding,
+            inputs=batch(),
+            steps=3,
+            deterministic=True,
+        )
+        for s in (None, "dp")
+    ]
+    for name, want in runs[0].params.items():
+        assert runs[1].params[name].tobytes() == want.tobytes(), name
+
+
+def test_a_sharded_parameter_runs_checkpoint_resumes_unsharded(tmp_path: Path) -> None:
+    from dtm_mpi.runtime.policies import CheckpointPolicy
+
+    plain, sharded = digits_params_sharded(None), digits_params_sharded("dp")
+    straight = run_simulated(
+        plain.module, 1, binding={"dp": 1, "tp": 1}, inputs=batch(), steps=4, deterministic=True
+    )
+    store = str(tmp_path / "store")
+    legs = [(sharded, 4, {"dp": 2, "tp": 2}, 2), (plain, 3, {"dp": 3, "tp": 1}, 4)]
+    for k, (step, ranks, binding, until) in enumerate(legs):
+        got = run_simulated(
+            step.module,
+            ranks,
+            binding=binding,
+            inputs=batch(),
+            steps=until,
+            deterministic=True,
+            checkpoint=CheckpointPolicy(store, every=2, resume=k > 0),
+        )
+    for name, want in straight.params.items():
+        assert got.params[name].tobytes() == want.tobytes(), name
+
+
+def test_shard_params_errors_name_the_axis_and_the_pipeline() -> None:
+    with pytest.raises(
+        UsageError, match=r"shard_params='pp': the mesh has no axis 'pp' \(axes: dp, tp\)"
+    ):
+        digits_params_sharded("pp")
+    model = dtm.nn.Sequential(dtm.nn.Linear(8, 8))
+    with pytest.raises(UsageError, match="shard_params with a pipeline is not supported yet"):
+        dtm.train_step(
+            model,
+            lambda m, x: (m(x) * m(x)).mean(),
+            mesh=dtm.Mesh(pp=2, dp=1),
+            inputs={"x": dtm.Input((4, 8), "f32", ("dp", None))},
+            optimizer=dtm.optim.SGD(0.1),
+            pipeline=dtm.Pipeline(microbatches=2),
+            shard_params="dp",
+        )
