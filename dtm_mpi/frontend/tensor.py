@@ -114,6 +114,7 @@ class Tracer:
         self.detached: set[str] = set()
         self.paths: dict[int, str] = {}  # id(layer) -> its path in the traced model
         self.entered: list[tuple[int, str]] = []  # (ops emitted so far, path) per layer call
+        self.gathered: set[str] = set()  # sharded parameters' gathers (values), re-gathered
 
     def enter(self, layer: object) -> None:
         """A layer of the traced model is called: remember where its ops start."""

@@ -14,7 +14,7 @@ weights are inputs).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from dtm_mpi.errors import UsageError, VerifyError
@@ -31,7 +31,7 @@ from dtm_mpi.frontend.tensor import (
 from dtm_mpi.ir import module_hash, print_module
 from dtm_mpi.ir.autodiff import backward
 from dtm_mpi.ir.build import Value
-from dtm_mpi.ir.nodes import Module, Param
+from dtm_mpi.ir.nodes import Module, Op, Param
 from dtm_mpi.ir.registry import required_version
 from dtm_mpi.ir.types import TensorType
 from dtm_mpi.ir.verify import verify_module
@@ -91,6 +91,36 @@ def _finish(
     return module
 
 
+def regather(tr: Tracer, forward: int) -> None:
+    """Gather each sharded parameter again where the reverse pass (the ops from index
+    ``forward`` on) first uses it, instead of keeping the forward pass's gather alive until
+    then (FSDP): the forward's copy is freed after its last forward use. The same global
+    values (a gather is a layout change), so the same bits and program hash."""
+    b = tr.b
+    producer = {r: i for i, op in enumerate(b.ops[:forward]) for r in op.results}
+    inserts: list[tuple[int, Op]] = []
+    renamed: dict[str, str] = {}
+    for name in sorted(tr.gathered):
+        k = producer.get(name)
+        first = next((j for j in range(forward, len(b.ops)) if name in b.ops[j].operands), None)
+        if k is None or first is None:
+            continue
+        op = b.ops[k]
+        again = b.fresh(name.lstrip("%") + ".again")
+        b.types[again] = b.types[name]
+        renamed[name] = again
+        inserts.append((first, replace(op, results=(again,), result_spans=())))
+    if not inserts:
+        return
+    body = [
+        replace(op, operands=tuple(renamed.get(v, v) for v in op.operands)) if j >= forward else op
+        for j, op in enumerate(b.ops)
+    ]
+    for at, op in sorted(inserts, key=lambda x: x[0], reverse=True):
+        body.insert(at, op)
+    b.ops[:] = body
+
+
 def train_results(
     tr: Tracer,
     weights: Sequence[tuple[str, Value]],
@@ -106,6 +136,7 @@ def train_results(
     loss = scalars[0][1]
     if tr.b.mesh is not None:
         optimizer.check_mesh(tr.b.mesh.axis_names)
+    forward = len(tr.b.ops)
     with tracing(tr):
         grads_v = backward(
             tr.b,
@@ -115,6 +146,7 @@ def train_results(
             stop=tr.detached,
             layouts=[optimizer.grad_layout(v.type) for _, v in weights],
         )
+        regather(tr, forward)
         grads = [Tensor(g, tr) for g in grads_v]
         if clip_norm is not None:
             grads, _ = clip_by_global_norm(grads, clip_norm)

@@ -45,4 +45,8 @@ def traced_parameter(owner: Any, name: str) -> Tensor:
     if got is None:
         raise trace_error(f"{type(owner).__name__} has no parameter {name!r} in this model")
     gather = (GATHERED.get() or {}).get((id(owner), name))
-    return got if gather is None else got.redistribute(gather)  # an allgather, here
+    if gather is None:
+        return got
+    out = got.redistribute(gather)  # an allgather, here
+    out.tracer.gathered.add(out.value.name)
+    return out

@@ -5,6 +5,7 @@ optimizer state per rank, and trains to the same bits as the unsharded optimizer
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -191,7 +192,22 @@ def test_sharded_parameters_are_gathered_at_their_use_and_their_gradients_reduce
     assert "state %layers.0.weight: f32[64,96]{dp,tp}" in text  # stored split over dp
     assert "state %layers.1.weight: f32[96,10]{(tp,dp),-}" in text
     assert "state %opt.m.layers.0.weight: f32[64,96]{dp,tp}" in text  # the state follows
-    assert len(ops("allgather")) == 4 and len(ops("reduce_scatter")) == 4, text
+    assert len(ops("reduce_scatter")) == 4, text
+    # each gathered where a layer uses it, and the second layer's weight once more where the
+    # reverse pass needs it (for the first layer's activations' gradient): FSDP's re-gather
+    gathers = [ln.split("=")[0].strip() for ln in ops("allgather")]
+    assert gathers == [
+        "%layers.0.weight.1",
+        "%layers.0.bias.2",
+        "%layers.1.weight.4",
+        "%layers.1.bias.6",
+        "%layers.1.weight.4.again",
+    ], text
+    lines = text.splitlines()
+    again = next(i for i, ln in enumerate(lines) if "%layers.1.weight.4.again =" in ln)
+    forward_copy = re.compile(r"%layers\.1\.weight\.4(?![.\w])")
+    assert any(forward_copy.search(ln) for ln in lines[:again])
+    assert not any(forward_copy.search(ln) for ln in lines[again:]), "used again after"
     # the update keeps the stored layout: the new weights are not gathered
     assert "f32[64,96]{dp,tp} updates %layers.0.weight" in text
 
