@@ -46,13 +46,14 @@ __all__ = ["TrainConfig", "TrainRow", "configs_for", "run_train_bench"]
 TARGET_FLOOR = 1.1  # 1 rank: step time within 1.1x of the numpy floor
 TARGET_SPEEDUP = 1.7  # 2 ranks, mlp, dp=2 and tp=2: speedup over 1 rank
 TARGET_TORCH_2 = 1.3  # 2 ranks: faster than torch over gloo by this factor
+DTM_IMPLS = ("dtm", "dtm-zero", "dtm-zero3")  # dtm: plain, optimizer sharded, parameters too
 TARGET_ZERO_SPEEDUP = 1.8  # 2 ranks, mlp, dp=2 with the sharded optimizer: over 1 rank
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     model: str
-    impl: str  # numpy | dtm | dtm-zero (optimizer sharded over dp) | torch-single | -ddp | -tp
+    impl: str  # numpy | dtm | dtm-zero (optimizer sharded) | dtm-zero3 (parameters too) | torch-*
     ranks: int
     mesh: str  # dp=A,tp=B
 
@@ -97,6 +98,7 @@ def configs_for(models: Sequence[str], ranks: Sequence[int], torch: bool) -> lis
             for dp, tp in _meshes(n):
                 if dp > 1:
                     out.append(TrainConfig(m, "dtm-zero", n, f"dp={dp},tp={tp}"))
+                    out.append(TrainConfig(m, "dtm-zero3", n, f"dp={dp},tp={tp}"))
         if torch:
             out.append(TrainConfig(m, "torch-single", 1, "dp=1,tp=1"))
             for n in ranks:
@@ -148,7 +150,7 @@ def _command(c: TrainConfig, steps: int, warmup: int, out: str, mpirun: Sequence
         "--out",
         out,
     ]
-    if c.impl in ("dtm", "dtm-zero"):
+    if c.impl in DTM_IMPLS:
         return [*mpirun, "-n", str(c.ranks), *py, "-m", "mpi4py", *worker]
     if c.impl in ("torch-ddp", "torch-tp"):
         return [*mpirun, "-n", str(c.ranks), *py, *worker, "--rendezvous", _rendezvous(out)]
@@ -275,7 +277,7 @@ def _derived(rows: Sequence[TrainRow], r: TrainRow) -> tuple[float, float]:
     floor = _find(rows, r.config.model, "numpy", 1)
     one = _find(rows, r.config.model, "dtm", 1)
     vs_floor = r.step_s / floor.step_s if floor else float("nan")
-    dtm = r.config.impl in ("dtm", "dtm-zero")
+    dtm = r.config.impl in DTM_IMPLS
     speedup = one.step_s / r.step_s if one and dtm else float("nan")
     return vs_floor, speedup
 
@@ -338,11 +340,12 @@ def _verdicts(rows: Sequence[TrainRow]) -> list[str]:
     for m in models:
         for r in rows:
             plain = _find(rows, m, "dtm", r.config.ranks, r.config.mesh)
-            if r.config.model == m and r.config.impl == "dtm-zero" and plain and r.opt_state > 0:
+            sharded = r.config.impl in ("dtm-zero", "dtm-zero3")
+            if r.config.model == m and sharded and plain and r.opt_state > 0:
                 dp = parse_mesh_binding(r.config.mesh)["dp"]
                 ratio = plain.opt_state / r.opt_state
                 out.append(
-                    f"  {m}: {r.config.mesh} optimizer state per rank, unsharded / sharded {ratio:.2f} (target {dp}, the dp size: met where within the uneven split)"
+                    f"  {m}: {r.config.mesh} {r.config.impl} optimizer state per rank, unsharded / sharded {ratio:.2f} (target {dp}, the dp size: met where within the uneven split)"
                 )
     one = _find(rows, "mlp", "dtm", 1)
     zero = _find(rows, "mlp", "dtm-zero", 2, "dp=2,tp=1")
@@ -434,7 +437,7 @@ def _plot(path: str, rows: Sequence[TrainRow]) -> str:
         ]
         colors = [
             "#4c72b0"
-            if r.config.impl in ("dtm", "dtm-zero")
+            if r.config.impl in DTM_IMPLS
             else "#55a868"
             if r.config.impl == "numpy"
             else "#c44e52"

@@ -47,7 +47,7 @@ class ModelDef:
     describe: str
     batch: int
     tokens: int  # tokens per sample (1: samples are not sequences)
-    build: Callable[..., Any]  # (shard=None | "dp") -> the frontend's TracedStep (mesh dp=2, tp=2)
+    build: Callable[..., Any]  # (shard, params: None | "dp": optimizer / parameters sharded)
     data: Callable[[int], dict[str, Arr]]  # batch number -> global arrays by input name
 
     def batch_data(self, i: int) -> dict[str, Arr]:
@@ -59,7 +59,7 @@ class ModelDef:
 # --- the frontend models -------------------------------------------------------------------
 
 
-def _digits_step(shard: str | None = None) -> Any:
+def _digits_step(shard: str | None = None, params: str | None = None) -> Any:
     from dtm_mpi import frontend as dtm
     from dtm_mpi.frontend import functional as fn
 
@@ -78,6 +78,7 @@ def _digits_step(shard: str | None = None) -> Any:
         inputs=inputs,
         optimizer=dtm.optim.AdamW(lr=3e-3, weight_decay=1e-4, shard=shard),
         name="digits",
+        shard_params=params,
     )
 
 
@@ -92,7 +93,7 @@ def gpt_loss(m: Any, ids: Any, tgt: Any) -> Any:
     return fn.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
 
 
-def _gpt_step(shard: str | None = None) -> Any:
+def _gpt_step(shard: str | None = None, params: str | None = None) -> Any:
     from dtm_mpi import frontend as dtm
 
     g = GPT
@@ -106,6 +107,7 @@ def _gpt_step(shard: str | None = None) -> Any:
         clip_norm=1.0,
         optimizer=dtm.optim.AdamW(lr=3e-3, weight_decay=0.01, shard=shard),
         name="gpt",
+        shard_params=params,
     )
 
 
@@ -113,7 +115,7 @@ MLP = {"batch": 512, "n_in": 1024, "hidden": 4096}
 MLP_LR = 0.01
 
 
-def _mlp_step(shard: str | None = None) -> Any:
+def _mlp_step(shard: str | None = None, params: str | None = None) -> Any:
     from dtm_mpi import frontend as dtm
     from dtm_mpi.frontend import functional as fn
 
@@ -136,6 +138,7 @@ def _mlp_step(shard: str | None = None) -> Any:
         inputs={"x": spec, "t": spec},
         optimizer=dtm.optim.SGD(MLP_LR, shard=shard),
         name="mlp",
+        shard_params=params,
     )
 
 

@@ -86,7 +86,12 @@ class TimedComm:
 
 
 def _run_dtm(
-    model: str, sizes: dict[str, int], steps: int, warmup: int, shard: str | None = None
+    model: str,
+    sizes: dict[str, int],
+    steps: int,
+    warmup: int,
+    shard: str | None = None,
+    params: str | None = None,
 ) -> dict[str, Any]:
     from mpi4py import MPI
 
@@ -105,7 +110,7 @@ def _run_dtm(
     world = MPI.COMM_WORLD
     n = int(world.Get_size())
     spec = MODELS[model]
-    step = spec.build(shard)
+    step = spec.build(shard, params)
     plan = compile_plan(step.module, mesh_for(step.module, n, sizes))
     rank = int(world.Get_rank())
     state_bytes = sum(
@@ -218,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--impl",
         required=True,
-        choices=("dtm", "dtm-zero", "numpy", "torch-single", "torch-ddp", "torch-tp"),
+        choices=("dtm", "dtm-zero", "dtm-zero3", "numpy", "torch-single", "torch-ddp", "torch-tp"),
     )
     ap.add_argument("--model", required=True, choices=sorted(MODELS))
     ap.add_argument("--mesh", default="dp=1,tp=1")
@@ -228,14 +233,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     rank = 0
-    if args.impl in ("dtm", "dtm-zero"):
+    if args.impl in ("dtm", "dtm-zero", "dtm-zero3"):
         from mpi4py import MPI
 
         from dtm_mpi.sharding.mesh import parse_mesh_binding
 
         rank = int(MPI.COMM_WORLD.Get_rank())
         shard = "dp" if args.impl == "dtm-zero" else None
-        got = _run_dtm(args.model, parse_mesh_binding(args.mesh), args.steps, args.warmup, shard)
+        params = "dp" if args.impl == "dtm-zero3" else None
+        got = _run_dtm(
+            args.model, parse_mesh_binding(args.mesh), args.steps, args.warmup, shard, params
+        )
     elif args.impl == "numpy":
         got = _run_numpy(args.model, args.steps, args.warmup)
     else:

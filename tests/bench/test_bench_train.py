@@ -99,7 +99,8 @@ def test_configs_cover_every_mesh_shape_and_the_peers() -> None:
     assert ("torch-ddp", 2, "dp=2,tp=1") in got and ("torch-tp", 2, "dp=1,tp=2") in got
     # the sharded optimizer where there is a dp to shard over
     assert ("dtm-zero", 2, "dp=2,tp=1") in got and ("dtm-zero", 4, "dp=2,tp=2") in got
-    assert not any(i == "dtm-zero" and m.startswith("dp=1,") for i, _, m in got)
+    assert ("dtm-zero3", 2, "dp=2,tp=1") in got  # the parameters sharded too
+    assert not any(i.startswith("dtm-zero") and m.startswith("dp=1,") for i, _, m in got)
     assert ("numpy", 1, "dp=1,tp=1") in got
     assert not any(c.impl.startswith("torch") for c in configs_for(["gpt"], [1], torch=False))
     assert not any(c.impl == "torch-tp" for c in configs_for(["gpt"], [2], torch=True))
@@ -131,6 +132,7 @@ def test_bench_train_measures_every_configuration_and_writes_csv_and_plot(
         ("dtm", "dp=2,tp=1"),
         ("dtm", "dp=1,tp=2"),
         ("dtm-zero", "dp=2,tp=1"),
+        ("dtm-zero3", "dp=2,tp=1"),
     } <= impls
     losses = [r.loss for r in rows]
     np.testing.assert_allclose(losses, losses[0], rtol=1e-4)  # every implementation, the same model
@@ -141,10 +143,13 @@ def test_bench_train_measures_every_configuration_and_writes_csv_and_plot(
     # the sharded optimizer keeps half of AdamW's state per rank at dp=2 (the 10-wide bias
     # splits evenly; 64x256, 256, 256x10 too)
     plain = next(r for r in rows if r.config.impl == "dtm" and r.config.mesh == "dp=2,tp=1")
-    zero = next(r for r in rows if r.config.impl == "dtm-zero")
     assert plain.opt_state == 2 * 4 * (64 * 256 + 256 + 256 * 10 + 10), plain.opt_state
-    assert zero.opt_state * 2 == plain.opt_state, zero.opt_state
-    assert "digits: dp=2,tp=1 optimizer state per rank, unsharded / sharded 2.00" in report
+    for impl in ("dtm-zero", "dtm-zero3"):
+        zero = next(r for r in rows if r.config.impl == impl)
+        assert zero.opt_state * 2 == plain.opt_state, (impl, zero.opt_state)
+        assert (
+            f"digits: dp=2,tp=1 {impl} optimizer state per rank, unsharded / sharded 2.00" in report
+        )
     table = list(csv.DictReader(out_csv.open()))
     assert len(table) == len(rows) and {
         "step_ms",
