@@ -6,7 +6,14 @@ from dtm_mpi.errors import LayoutError, UsageError
 from dtm_mpi.ir.nodes import MeshDecl as IrMesh
 from dtm_mpi.sharding.mesh import MeshShape
 
-__all__ = ["Mesh"]
+__all__ = ["Mesh", "require_axis"]
+
+
+def require_axis(what: str, axis: str, axes: tuple[str, ...]) -> None:
+    """Raise :class:`UsageError` naming ``what`` unless ``axis`` is one of the mesh's ``axes``
+    (a sharding option's axis: ``AdamW(shard='dp')``, ``train_step(shard_params='dp')``)."""
+    if axis not in axes:
+        raise UsageError(f"{what}: the mesh has no axis {axis!r} (axes: {', '.join(axes)})")
 
 
 class Mesh:

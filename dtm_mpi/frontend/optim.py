@@ -22,7 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dtm_mpi.errors import UsageError
+from dtm_mpi.frontend.mesh import require_axis
 from dtm_mpi.frontend.tensor import Tensor, Tracer
+from dtm_mpi.frontend.traced_params import sharded_storage
 from dtm_mpi.ir.nodes import Attr, Init, InitKind
 from dtm_mpi.ir.ops.update import ADAMW_DTYPES
 from dtm_mpi.ir.types import DType, Layout, TensorType
@@ -40,21 +42,17 @@ class Optimizer:
 
     def grad_layout(self, t: TensorType) -> Layout | None:
         """The layout a parameter of type ``t`` takes its gradient in (None: ``t``'s own,
-        completed): with :attr:`shard`, ``t``'s layout with its first dim also split over the
-        axis (innermost), unless ``t`` is a scalar or already uses the axis."""
-        axis = self.shard
-        if axis is None or t.rank == 0 or axis in t.layout.used_axes:
+        completed): with :attr:`shard`, the layout it would be stored in sharded over the axis
+        (:func:`~dtm_mpi.frontend.traced_params.sharded_storage`), unless that is ``t``'s."""
+        if self.shard is None:
             return None
-        dims = t.layout.dims
-        return Layout(((*dims[0], axis), *dims[1:]), None)
+        split = sharded_storage(t, self.shard)
+        return None if split == t else split.layout.with_partial(None)
 
-    def check_mesh(self, axes: Sequence[str]) -> None:
+    def check_mesh(self, axes: tuple[str, ...]) -> None:
         """Raise :class:`UsageError` unless :attr:`shard` (if any) is one of ``axes``."""
-        if self.shard is not None and self.shard not in axes:
-            raise UsageError(
-                f"{type(self).__name__}(shard={self.shard!r}): the mesh has no axis "
-                f"{self.shard!r} (axes: {', '.join(axes)})"
-            )
+        if self.shard is not None:
+            require_axis(f"{type(self).__name__}(shard={self.shard!r})", self.shard, axes)
 
     def local(self, p: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
         """The parameter and its gradient in the layout the update runs in: the gradient's

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from dtm_mpi.errors import UsageError, VerifyError
-from dtm_mpi.frontend.mesh import Mesh
+from dtm_mpi.frontend.mesh import Mesh, require_axis
 from dtm_mpi.frontend.nn import Module as Layer
 from dtm_mpi.frontend.optim import Optimizer, clip_by_global_norm
 from dtm_mpi.frontend.step_trace import Input, split_outputs, trace_model
@@ -31,7 +31,7 @@ from dtm_mpi.frontend.tensor import (
 from dtm_mpi.ir import module_hash, print_module
 from dtm_mpi.ir.autodiff import backward
 from dtm_mpi.ir.build import Value
-from dtm_mpi.ir.nodes import Module, Op, Param
+from dtm_mpi.ir.nodes import Module, Param
 from dtm_mpi.ir.registry import required_version
 from dtm_mpi.ir.types import TensorType
 from dtm_mpi.ir.verify import verify_module
@@ -97,27 +97,16 @@ def regather(tr: Tracer, forward: int) -> None:
     then (FSDP): the forward's copy is freed after its last forward use. The same global
     values (a gather is a layout change), so the same bits and program hash."""
     b = tr.b
-    producer = {r: i for i, op in enumerate(b.ops[:forward]) for r in op.results}
-    inserts: list[tuple[int, Op]] = []
+    gathers = {op.results[0]: op for op in b.ops[:forward] if set(op.results) & tr.gathered}
+    body = list(b.ops[:forward])
     renamed: dict[str, str] = {}
-    for name in sorted(tr.gathered):
-        k = producer.get(name)
-        first = next((j for j in range(forward, len(b.ops)) if name in b.ops[j].operands), None)
-        if k is None or first is None:
-            continue
-        op = b.ops[k]
-        again = b.fresh(name.lstrip("%") + ".again")
-        b.types[again] = b.types[name]
-        renamed[name] = again
-        inserts.append((first, replace(op, results=(again,), result_spans=())))
-    if not inserts:
-        return
-    body = [
-        replace(op, operands=tuple(renamed.get(v, v) for v in op.operands)) if j >= forward else op
-        for j, op in enumerate(b.ops)
-    ]
-    for at, op in sorted(inserts, key=lambda x: x[0], reverse=True):
-        body.insert(at, op)
+    for op in b.ops[forward:]:
+        for name in op.operands:
+            if name in gathers and name not in renamed:  # its first use in the reverse pass
+                again = renamed[name] = b.fresh(name.lstrip("%") + ".again")
+                b.types[again] = b.types[name]
+                body.append(replace(gathers[name], results=(again,), result_spans=()))
+        body.append(replace(op, operands=tuple(renamed.get(v, v) for v in op.operands)))
     b.ops[:] = body
 
 
@@ -195,11 +184,7 @@ def train_step(
     optimizer state are each 1/size of the axis per rank. The values are the unsharded step's
     (bit for bit in deterministic mode) and checkpoints move between the two."""
     if shard_params is not None:
-        if shard_params not in mesh.ir().axis_names:
-            raise UsageError(
-                f"shard_params={shard_params!r}: the mesh has no axis {shard_params!r} "
-                f"(axes: {', '.join(mesh.ir().axis_names)})"
-            )
+        require_axis(f"shard_params={shard_params!r}", shard_params, mesh.axis_names)
         if pipeline is not None:
             raise UsageError(
                 "shard_params with a pipeline is not supported yet; shard the optimizer "
