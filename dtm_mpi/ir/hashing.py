@@ -40,9 +40,13 @@ def normalized(module: Module) -> Module:
     return dataclasses.replace(module, functions=funcs)
 
 
+def _digest(prefix: str, module: Module) -> str:
+    text = print_module(module, positional_names=True)
+    return prefix + hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
 def module_hash(module: Module) -> str:
-    text = print_module(normalized(module), positional_names=True)
-    return HASH_PREFIX + hashlib.sha256(text.encode("utf-8")).hexdigest()
+    return _digest(HASH_PREFIX, normalized(module))
 
 
 def _replicated(t: TensorType) -> TensorType:
@@ -88,5 +92,4 @@ def program_hash(module: Module) -> str:
         ),
     )
     erased = dataclasses.replace(erased, functions=tuple(_erase(f) for f in erased.functions))
-    text = print_module(erased, positional_names=True)
-    return PROGRAM_HASH_PREFIX + hashlib.sha256(text.encode("utf-8")).hexdigest()
+    return _digest(PROGRAM_HASH_PREFIX, erased)
