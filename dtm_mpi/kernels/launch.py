@@ -266,8 +266,8 @@ def adamw(
     dtype), with the bias corrections ``bc1``, ``bc2`` (device scalars of that dtype): the
     new ``p``, ``m``, ``v`` (IR op ``adamw``; ``attrs``: lr, beta1, beta2, eps, decay)."""
     sfx = _suffix(p, "adamw")
-    xs = [_dev(a, f"adamw {w}", p.dtype) for a, w in ((p, "p"), (g, "g"), (m, "m"), (v, "v"))]
-    bcs = [_dev(b, f"adamw {w}", p.dtype) for b, w in ((bc1, "bc1"), (bc2, "bc2"))]
+    ins = zip((p, g, m, v, bc1, bc2), ("p", "g", "m", "v", "bc1", "bc2"), strict=True)
+    xs = [_dev(a, f"adamw {w}", p.dtype) for a, w in ins]
     outs = tuple(_out(None, tuple(p.shape), p.dtype) for _ in range(3))
     n = int(outs[0].size)
     if n:
@@ -277,7 +277,7 @@ def adamw(
         fn(
             (_grid(n, THREADS),),
             (THREADS,),
-            (*xs, *bcs, *outs, np.int64(n), *(np.float64(c) for c in consts)),
+            (*xs, *outs, np.int64(n), *(np.float64(c) for c in consts)),
         )
     return outs
 

@@ -111,7 +111,7 @@ def _scatter_rows(u: Any, perm: Any, starts: Any, n: int, *, out: Any = None) ->
 def _adamw(p: Any, g: Any, m: Any, v: Any, bc1: Any, bc2: Any, attrs: Any) -> Any:
     from dtm_mpi.ir.ops.update import adamw_values
 
-    return adamw_values(np, p, g, m, v, bc1, bc2, attrs)
+    return adamw_values(p, g, m, v, bc1, bc2, attrs)
 
 
 TWINS = {

@@ -21,15 +21,15 @@ and no layout; the three results that type. No gradient flows through an update.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
 from dtm_mpi.ir.nodes import Op
+from dtm_mpi.ir.ops._common import no_partial
 from dtm_mpi.ir.registry import OpContext, register_op
 from dtm_mpi.ir.types import DType, TensorType
 
-__all__ = ["ADAMW_DTYPES", "adamw_values"]
+__all__ = ["ADAMW_DTYPES", "CHUNK", "adamw_values", "update_attrs"]
 
 ADAMW_DTYPES = frozenset({DType.F16, DType.F32, DType.F64})
 """The dtypes ``adamw`` takes (bf16 parameters are updated by the composed ops)."""
@@ -40,19 +40,24 @@ chunk stay in a core's L2 cache)."""
 
 
 def adamw_values(
-    xp: Any, p: Any, g: Any, m: Any, v: Any, bc1: Any, bc2: Any, attrs: dict[str, float]
-) -> tuple[Any, Any, Any]:
-    """The op on arrays of one dtype (module doc), with ``xp`` numpy or a namespace like it
-    (CuPy): the same operations in the same order, so the same bits."""
+    p: np.ndarray,
+    g: np.ndarray,
+    m: np.ndarray,
+    v: np.ndarray,
+    bc1: np.ndarray,
+    bc2: np.ndarray,
+    attrs: dict[str, float],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The op on numpy arrays of one dtype (module doc): the operations one by one."""
     dt = p.dtype
 
-    def c(x: float) -> Any:
-        return xp.asarray(x, dtype=dt)
+    def c(x: float) -> np.ndarray:
+        return np.asarray(x, dtype=dt)
 
     b1, b2 = attrs["beta1"], attrs["beta2"]
     m2 = m * c(b1) + g * c(1.0 - b1)
     v2 = v * c(b2) + (g * g) * c(1.0 - b2)
-    step = (m2 / bc1) / (xp.sqrt(v2 / bc2) + c(attrs["eps"]))
+    step = (m2 / bc1) / (np.sqrt(v2 / bc2) + c(attrs["eps"]))
     if attrs["decay"] > 0:
         step = step + p * c(attrs["decay"])
     return p - step * c(attrs["lr"]), m2, v2
@@ -79,7 +84,7 @@ def _adamw_ref(
         for lo in range(0, flat[0].size, CHUNK):
             hi = lo + CHUNK
             p_, g_, m_, v_ = (a[lo:hi] for a in flat)
-            got = adamw_values(np, p_, g_, m_, v_, s1, s2, attrs)
+            got = adamw_values(p_, g_, m_, v_, s1, s2, attrs)
             for view, part in zip(views, got, strict=True):
                 view[lo:hi] = part
     return tuple(outs)
@@ -98,8 +103,7 @@ def _adamw(ctx: OpContext) -> tuple[TensorType, ...]:
     p = ctx.operand_types[0]
     if p.dtype not in ADAMW_DTYPES:
         raise ctx.operand_error(0, f"adamw takes f16, f32 or f64 parameters; got {p.dtype}")
-    if p.layout.partial is not None:
-        raise ctx.operand_error(0, f"the parameter must not be pending; got {p}")
+    no_partial(ctx, 0)
     for i, what in ((1, "gradient"), (2, "first moment"), (3, "second moment")):
         t = ctx.operand_types[i]
         if t != p:
