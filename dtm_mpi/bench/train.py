@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dtm_mpi.bench.train_models import MODELS
+from dtm_mpi.bench.train_models import MODELS, SHARDING
 from dtm_mpi.errors import UsageError
 from dtm_mpi.sharding.mesh import parse_mesh_binding
 
@@ -46,7 +46,8 @@ __all__ = ["TrainConfig", "TrainRow", "configs_for", "run_train_bench"]
 TARGET_FLOOR = 1.1  # 1 rank: step time within 1.1x of the numpy floor
 TARGET_SPEEDUP = 1.7  # 2 ranks, mlp, dp=2 and tp=2: speedup over 1 rank
 TARGET_TORCH_2 = 1.3  # 2 ranks: faster than torch over gloo by this factor
-DTM_IMPLS = ("dtm", "dtm-zero", "dtm-zero3")  # dtm: plain, optimizer sharded, parameters too
+DTM_IMPLS = tuple(SHARDING)  # dtm: plain, optimizer sharded, parameters too
+SHARDED_IMPLS = tuple(i for i, axes in SHARDING.items() if any(axes))  # those needing a dp > 1
 TARGET_ZERO_SPEEDUP = 1.8  # 2 ranks, mlp, dp=2 with the sharded optimizer: over 1 rank
 
 
@@ -96,9 +97,8 @@ def configs_for(models: Sequence[str], ranks: Sequence[int], torch: bool) -> lis
             for dp, tp in _meshes(n):
                 out.append(TrainConfig(m, "dtm", n, f"dp={dp},tp={tp}"))
             for dp, tp in _meshes(n):
-                if dp > 1:
-                    out.append(TrainConfig(m, "dtm-zero", n, f"dp={dp},tp={tp}"))
-                    out.append(TrainConfig(m, "dtm-zero3", n, f"dp={dp},tp={tp}"))
+                if dp > 1:  # something to shard over
+                    out += [TrainConfig(m, i, n, f"dp={dp},tp={tp}") for i in SHARDED_IMPLS]
         if torch:
             out.append(TrainConfig(m, "torch-single", 1, "dp=1,tp=1"))
             for n in ranks:
@@ -340,7 +340,7 @@ def _verdicts(rows: Sequence[TrainRow]) -> list[str]:
     for m in models:
         for r in rows:
             plain = _find(rows, m, "dtm", r.config.ranks, r.config.mesh)
-            sharded = r.config.impl in ("dtm-zero", "dtm-zero3")
+            sharded = r.config.impl in SHARDED_IMPLS
             if r.config.model == m and sharded and plain and r.opt_state > 0:
                 dp = parse_mesh_binding(r.config.mesh)["dp"]
                 ratio = plain.opt_state / r.opt_state

@@ -29,6 +29,7 @@ __all__ = [
     "MLP",
     "MLP_LR",
     "MODELS",
+    "SHARDING",
     "ModelDef",
     "initial_state",
     "mlp_numpy_step",
@@ -57,6 +58,14 @@ class ModelDef:
 
 
 # --- the frontend models -------------------------------------------------------------------
+
+SHARDING: dict[str, tuple[str | None, str | None]] = {
+    "dtm": (None, None),
+    "dtm-zero": ("dp", None),
+    "dtm-zero3": (None, "dp"),
+}
+"""dtm's configurations: impl -> what :attr:`ModelDef.build` takes (the optimizer's shard axis,
+ZeRO-1/2; the parameters' shard axis, ZeRO-3)."""
 
 
 def _digits_step(shard: str | None = None, params: str | None = None) -> Any:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import os
 import sys
 import time
@@ -22,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from dtm_mpi.bench.proc import status_kib
-from dtm_mpi.bench.train_models import MODELS, initial_state, numpy_floor
+from dtm_mpi.bench.train_models import MODELS, SHARDING, initial_state, numpy_floor
 
 __all__ = ["TimedComm", "main"]
 
@@ -98,14 +97,13 @@ def _run_dtm(
     from dtm_mpi.comm.mpi_comm import MpiComm
     from dtm_mpi.comm.mpi_session import MpiSession
     from dtm_mpi.config import get_config
-    from dtm_mpi.ir.dtypes import np_dtype
     from dtm_mpi.kernels.backends import parse_backend
     from dtm_mpi.kernels.devices import open_backend
+    from dtm_mpi.plan.cost import local_bytes
     from dtm_mpi.plan.program import compile_plan, mesh_for
     from dtm_mpi.runtime.mpirun import plan_groups, run_loop
     from dtm_mpi.runtime.request import RunRequest
     from dtm_mpi.runtime.step_loop import RunHooks
-    from dtm_mpi.sharding.blocks import local_shape
 
     world = MPI.COMM_WORLD
     n = int(world.Get_size())
@@ -114,8 +112,7 @@ def _run_dtm(
     plan = compile_plan(step.module, mesh_for(step.module, n, sizes))
     rank = int(world.Get_rank())
     state_bytes = sum(
-        math.prod(local_shape(p.type.shape, p.type.layout, plan.mesh, rank))
-        * np_dtype(p.type.dtype).itemsize
+        local_bytes(p.type, plan.mesh, rank)
         for p in step.module.entry.params
         if p.name.startswith("%opt.")
     )
@@ -223,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--impl",
         required=True,
-        choices=("dtm", "dtm-zero", "dtm-zero3", "numpy", "torch-single", "torch-ddp", "torch-tp"),
+        choices=(*SHARDING, "numpy", "torch-single", "torch-ddp", "torch-tp"),
     )
     ap.add_argument("--model", required=True, choices=sorted(MODELS))
     ap.add_argument("--mesh", default="dp=1,tp=1")
@@ -233,14 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     rank = 0
-    if args.impl in ("dtm", "dtm-zero", "dtm-zero3"):
+    if args.impl in SHARDING:
         from mpi4py import MPI
 
         from dtm_mpi.sharding.mesh import parse_mesh_binding
 
         rank = int(MPI.COMM_WORLD.Get_rank())
-        shard = "dp" if args.impl == "dtm-zero" else None
-        params = "dp" if args.impl == "dtm-zero3" else None
+        shard, params = SHARDING[args.impl]
         got = _run_dtm(
             args.model, parse_mesh_binding(args.mesh), args.steps, args.warmup, shard, params
         )
