@@ -15,13 +15,12 @@ import pytest
 from dtm_mpi import frontend as dtm
 from dtm_mpi.errors import UsageError
 from dtm_mpi.frontend import functional as fn
-from dtm_mpi.ir.types import DType
+from dtm_mpi.plan.cost import local_bytes
 from dtm_mpi.runtime.simulate import run_simulated
-from dtm_mpi.sharding.blocks import local_shape
 from dtm_mpi.sharding.mesh import bind_mesh
 
 
-def digits_step(optimizer: Any, clip: float | None = None) -> Any:
+def digits_step(optimizer: Any, clip: float | None = None, shard_params: str | None = None) -> Any:
     model = dtm.nn.Sequential(
         dtm.nn.ColumnParallelLinear(64, 96), fn.gelu, dtm.nn.RowParallelLinear(96, 10)
     )
@@ -40,6 +39,7 @@ def digits_step(optimizer: Any, clip: float | None = None) -> Any:
         optimizer=optimizer,
         clip_norm=clip,
         name="digits",
+        shard_params=shard_params,
     )
 
 
@@ -98,14 +98,9 @@ def test_the_sharded_optimizer_trains_to_the_unsharded_bits(
 
 def test_each_rank_keeps_one_dp_th_of_the_optimizer_state() -> None:
     def state_bytes(step: Any, binding: dict[str, int], rank: int) -> int:
-        entry = step.module.entry
         mesh = bind_mesh(step.module.meshes[0], binding["dp"] * binding["tp"], binding)
-        total = 0
-        for p in entry.params:
-            if p.name.startswith("%opt."):
-                n = int(np.prod(local_shape(p.type.shape, p.type.layout, mesh, rank)))
-                total += n * (4 if p.type.dtype is DType.F32 else 8)
-        return total
+        params = step.module.entry.params
+        return sum(local_bytes(p.type, mesh, rank) for p in params if p.name.startswith("%opt."))
 
     for dp in (2, 4):
         binding = {"dp": dp, "tp": 1}
@@ -126,24 +121,15 @@ def test_a_shard_axis_the_mesh_lacks_is_named() -> None:
         dtm.optim.SGD(0.1, shard="d p")
 
 
-def test_a_sharded_runs_checkpoint_resumes_unsharded_on_another_mesh_and_back(
-    tmp_path: Path,
+def resumed_across(
+    tmp_path: Path, plain: Any, legs: list[tuple[Any, int, dict[str, int], int]]
 ) -> None:
+    """Run ``legs`` (step, ranks, mesh, until step) one after another through one checkpoint
+    store, each resuming the last (deterministic mode): the end equals the ``plain`` step's
+    uninterrupted run on one rank bit for bit."""
     from dtm_mpi.runtime.policies import CheckpointPolicy
 
-    plain, sharded = (
-        digits_step(dtm.optim.AdamW(3e-3)),
-        digits_step(dtm.optim.AdamW(3e-3, shard="dp")),
-    )
-    straight = run_simulated(
-        plain.module, 1, binding={"dp": 1, "tp": 1}, inputs=batch(), steps=6, deterministic=True
-    )
     store = str(tmp_path / "store")
-    legs = [
-        (sharded, 4, {"dp": 2, "tp": 2}, 2),
-        (plain, 3, {"dp": 1, "tp": 3}, 4),
-        (sharded, 3, {"dp": 3, "tp": 1}, 6),
-    ]
     for k, (step, ranks, binding, until) in enumerate(legs):
         got = run_simulated(
             step.module,
@@ -154,34 +140,34 @@ def test_a_sharded_runs_checkpoint_resumes_unsharded_on_another_mesh_and_back(
             deterministic=True,
             checkpoint=CheckpointPolicy(store, every=2, resume=k > 0),
         )
+    straight = run_simulated(
+        plain.module,
+        1,
+        binding={"dp": 1, "tp": 1},
+        inputs=batch(),
+        steps=legs[-1][3],
+        deterministic=True,
+    )
     for name, want in straight.params.items():
         assert got.params[name].tobytes() == want.tobytes(), name
 
 
-# -- parameters stored sharded (ZeRO-3): train_step(shard_params="dp") -------------------------
+def test_a_sharded_runs_checkpoint_resumes_unsharded_on_another_mesh_and_back(
+    tmp_path: Path,
+) -> None:
+    plain = digits_step(dtm.optim.AdamW(3e-3))
+    sharded = digits_step(dtm.optim.AdamW(3e-3, shard="dp"))
+    legs = [
+        (sharded, 4, {"dp": 2, "tp": 2}, 2),
+        (plain, 3, {"dp": 1, "tp": 3}, 4),
+        (sharded, 3, {"dp": 3, "tp": 1}, 6),
+    ]
+    resumed_across(tmp_path, plain, legs)
 
 
 def digits_params_sharded(shard: str | None) -> Any:
-    model = dtm.nn.Sequential(
-        dtm.nn.ColumnParallelLinear(64, 96), fn.gelu, dtm.nn.RowParallelLinear(96, 10)
-    )
-
-    def loss(m: Any, x: dtm.Tensor, y: dtm.Tensor) -> dtm.Tensor:
-        return fn.cross_entropy(m(x), y)
-
-    return dtm.train_step(
-        model,
-        loss,
-        mesh=dtm.Mesh(dp=2, tp=2),
-        inputs={
-            "x": dtm.Input((24, 64), "f32", ("dp", None)),
-            "y": dtm.Input((24,), "i32", ("dp",)),
-        },
-        optimizer=dtm.optim.AdamW(3e-3),
-        clip_norm=1.0,
-        name="digits",
-        shard_params=shard,
-    )
+    """The digits step with AdamW, clipped, its parameters stored sharded over ``shard``."""
+    return digits_step(dtm.optim.AdamW(3e-3), clip=1.0, shard_params=shard)
 
 
 def test_sharded_parameters_are_gathered_at_their_use_and_their_gradients_reduce_scattered() -> (
@@ -235,26 +221,10 @@ def test_sharded_parameters_train_to_the_unsharded_bits(
 
 
 def test_a_sharded_parameter_runs_checkpoint_resumes_unsharded(tmp_path: Path) -> None:
-    from dtm_mpi.runtime.policies import CheckpointPolicy
-
     plain, sharded = digits_params_sharded(None), digits_params_sharded("dp")
-    straight = run_simulated(
-        plain.module, 1, binding={"dp": 1, "tp": 1}, inputs=batch(), steps=4, deterministic=True
+    resumed_across(
+        tmp_path, plain, [(sharded, 4, {"dp": 2, "tp": 2}, 2), (plain, 3, {"dp": 3, "tp": 1}, 4)]
     )
-    store = str(tmp_path / "store")
-    legs = [(sharded, 4, {"dp": 2, "tp": 2}, 2), (plain, 3, {"dp": 3, "tp": 1}, 4)]
-    for k, (step, ranks, binding, until) in enumerate(legs):
-        got = run_simulated(
-            step.module,
-            ranks,
-            binding=binding,
-            inputs=batch(),
-            steps=until,
-            deterministic=True,
-            checkpoint=CheckpointPolicy(store, every=2, resume=k > 0),
-        )
-    for name, want in straight.params.items():
-        assert got.params[name].tobytes() == want.tobytes(), name
 
 
 def test_shard_params_errors_name_the_axis_and_the_pipeline() -> None:

@@ -11,12 +11,12 @@ import pytest
 
 from dtm_mpi import frontend as dtm
 from dtm_mpi.errors import VerifyError
-from dtm_mpi.frontend import functional as fn
 from dtm_mpi.frontend import optim as optim_module
 from dtm_mpi.ir import load_module, print_module
 from dtm_mpi.ir.ops.update import CHUNK
 from dtm_mpi.ir.registry import OPS, all_ops
 from dtm_mpi.runtime.simulate import run_simulated
+from tests.frontend.test_optim import batch, digits_step
 
 ATTRS = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "decay": 0.01}
 
@@ -125,36 +125,18 @@ def test_a_module_using_it_declares_1_3() -> None:
         load_module(text, "old.dtm")
 
 
-def _digits(optimizer: Any) -> Any:
-    model = dtm.nn.Sequential(
-        dtm.nn.ColumnParallelLinear(64, 48), fn.gelu, dtm.nn.RowParallelLinear(48, 10)
-    )
-
-    def loss(m: Any, x: dtm.Tensor, y: dtm.Tensor) -> dtm.Tensor:
-        return fn.cross_entropy(m(x), y)
-
-    inputs = {"x": dtm.Input((16, 64), "f32", ("dp", None)), "y": dtm.Input((16,), "i32", ("dp",))}
-    return dtm.train_step(
-        model, loss, mesh=dtm.Mesh(dp=2, tp=2), inputs=inputs, optimizer=optimizer, name="d"
-    )
-
-
 @pytest.mark.parametrize("opt", [dtm.optim.AdamW(3e-3), dtm.optim.Adam(1e-3, weight_decay=0.1)])
 def test_the_frontends_adam_emits_one_op_per_parameter_with_the_composed_bits(
     opt: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    fused = _digits(opt)
+    fused = digits_step(opt)
     assert fused.text.startswith("dtm 1.3") and fused.text.count("= adamw ") == 4
     monkeypatch.setattr(optim_module, "ADAMW_DTYPES", frozenset())  # the ops one by one
-    plain = _digits(opt)
+    plain = digits_step(opt)
     assert "= adamw " not in plain.text
     n_fused, n_plain = (len(s.module.entry.body) for s in (fused, plain))
     assert n_fused < n_plain - 4 * 8  # a dozen ops a parameter become one
-    rng = np.random.default_rng(1)
-    data = {
-        "x": rng.random((16, 64), dtype=np.float32),
-        "y": rng.integers(0, 10, 16).astype(np.int32),
-    }
+    data = batch()
     for ranks, binding in ((4, {"dp": 2, "tp": 2}), (3, {"dp": 3, "tp": 1})):
         a, b = (
             run_simulated(s.module, ranks, binding=binding, inputs=data, steps=3).params
