@@ -218,6 +218,11 @@ def _add_bench_suites(bsub: argparse._SubParsersAction) -> None:  # type: ignore
     btr.add_argument("--csv", default=None, metavar="FILE", help="one row per configuration")
     btr.add_argument("--plot", default=None, metavar="PNG", help="bar chart of the step times")
     btr.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer")
+    btr.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="also dtm at 1 rank in deterministic mode, full and fast matmul",
+    )
     btr.add_argument("--mpirun", default="mpirun", help="the launcher command (split on spaces)")
     btr.set_defaults(func=_cmd_bench_train)
     bops = bsub.add_parser(
@@ -410,6 +415,7 @@ def _cmd_bench_train(args: argparse.Namespace) -> int:
         plot_path=args.plot,
         torch=not args.no_torch,
         mpirun=args.mpirun.split(),
+        deterministic=args.deterministic,
     )
     print(report)
     return 0

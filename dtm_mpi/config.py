@@ -71,6 +71,7 @@ class Config:
     timeout_s: float = 300.0
     faults: tuple[FaultSpec, ...] = ()
     deterministic: bool = False
+    deterministic_matmul: str = "full"  # what its matmul keeps: full or fast (kernels.exact)
     integrity: bool = False  # every point-to-point payload carries its CRC32C, checked on receipt
     audit_every: int = 0  # compare the replicas' state checksums after every N-th step (0: never)
     quant_allreduce: int = 0  # large float sum allreduces as int8 blocks of this size (0: exact)
@@ -203,6 +204,13 @@ def _log_level(name: str, raw: str) -> str:
     return level
 
 
+def _deterministic_matmul(name: str, raw: str) -> str:
+    mode = raw.strip().lower() or "full"
+    if mode not in ("full", "fast"):
+        raise ConfigError(f"{name}: expected full or fast, got {raw!r}")
+    return mode
+
+
 def _ckpt_verify_full(name: str, raw: str) -> bool:
     mode = raw.strip().lower()
     if mode not in ("manifest", "full"):
@@ -257,6 +265,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("DTM_TIMEOUT", "timeout_s", _parse_positive_float, "300"),
     EnvVar("DTM_FAULT", "faults", parse_fault_specs, "—"),
     EnvVar("DTM_DETERMINISTIC", "deterministic", _yes_no(False), "0"),
+    EnvVar("DTM_DETERMINISTIC_MATMUL", "deterministic_matmul", _deterministic_matmul, "full"),
     EnvVar("DTM_INTEGRITY", "integrity", _yes_no(False), "0"),
     EnvVar("DTM_AUDIT_EVERY", "audit_every", _parse_count, "0"),
     EnvVar("DTM_QUANT_ALLREDUCE", "quant_allreduce", _parse_count, "0"),

@@ -74,6 +74,7 @@ def test_frozen() -> None:
         ({"DTM_FAULT": "1::raise"}, "WHERE is empty"),
         ({"DTM_FAULT": "1:allreduce:explode"}, "KIND must be one of raise, hang, exit, corrupt"),
         ({"DTM_DETERMINISTIC": "maybe"}, "DTM_DETERMINISTIC"),
+        ({"DTM_DETERMINISTIC_MATMUL": "exact"}, "DTM_DETERMINISTIC_MATMUL: expected full or fast"),
         ({"DTM_MAX_MSG_ELEMS": "0"}, "DTM_MAX_MSG_ELEMS: must be >= 1"),
         ({"DTM_GPU_AWARE_MPI": "perhaps"}, "DTM_GPU_AWARE_MPI"),
         ({"DTM_LOG": "loud"}, "DTM_LOG"),
@@ -299,3 +300,9 @@ def test_a_rank_s_blas_threads_are_its_share_of_the_node(
     bound = node if cpus >= 2 else 1  # "2": the whole node (as under --bind-to none)
     got = blas_threads_share(local_size, env, cpus=bound)
     assert got == (max(1, node // local_size) if want == "share" else want)
+
+
+@pytest.mark.parametrize(("raw", "want"), [("", "full"), ("full", "full"), (" FAST ", "fast")])
+def test_the_deterministic_matmul_precision(raw: str, want: str) -> None:
+    assert load_config({"DTM_DETERMINISTIC_MATMUL": raw}).deterministic_matmul == want
+    assert load_config({}).deterministic_matmul == "full"

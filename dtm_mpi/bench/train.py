@@ -9,6 +9,8 @@ ranks), one BLAS thread per process (``OMP_NUM_THREADS=1``, ``OPENBLAS_NUM_THREA
 * ``dtm``: the frontend's traced step in dtm's training loop (``dtm run``'s loop: the step,
   the per-step commit agreement, the data feed) at 1 rank and at every mesh shape of each
   rank count asked for (``dp`` x ``tp``);
+* ``dtm-det``, ``dtm-det-fast`` (``--deterministic``): dtm at 1 rank in deterministic mode,
+  its matmul's full and fast precision (``DTM_DETERMINISTIC_MATMUL``);
 * ``torch``: the same model in PyTorch on CPU, one process, ``DistributedDataParallel`` over
   gloo (``dp``), and tensor parallel with DTensor over gloo (``tp``, the MLPs), where torch is
   installed (the ``bench`` extra; otherwise skipped, and said).
@@ -49,12 +51,16 @@ TARGET_TORCH_2 = 1.3  # 2 ranks: faster than torch over gloo by this factor
 DTM_IMPLS = tuple(SHARDING)  # dtm: plain, optimizer sharded, parameters too
 SHARDED_IMPLS = tuple(i for i, axes in SHARDING.items() if any(axes))  # those needing a dp > 1
 TARGET_ZERO_SPEEDUP = 1.8  # 2 ranks, mlp, dp=2 with the sharded optimizer: over 1 rank
+DETERMINISTIC = {"dtm-det": "full", "dtm-det-fast": "fast"}
+"""dtm in deterministic mode (``--deterministic``, 1 rank): impl -> its matmul precision
+(``DTM_DETERMINISTIC_MATMUL``)."""
+TARGET_DETERMINISTIC = 3.0  # 1 rank, mlp: a deterministic step / a plain one
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     model: str
-    impl: str  # numpy | dtm | dtm-zero (optimizer sharded) | dtm-zero3 (parameters too) | torch-*
+    impl: str  # numpy | dtm | dtm-zero (optimizer sharded) | dtm-zero3 (parameters too) | dtm-det* | torch-*
     ranks: int
     mesh: str  # dp=A,tp=B
 
@@ -87,12 +93,17 @@ def _meshes(ranks: int) -> list[tuple[int, int]]:
     ]
 
 
-def configs_for(models: Sequence[str], ranks: Sequence[int], torch: bool) -> list[TrainConfig]:
+def configs_for(
+    models: Sequence[str], ranks: Sequence[int], torch: bool, deterministic: bool = False
+) -> list[TrainConfig]:
     """Every configuration measured: per model, the numpy floor, dtm at each rank count and
-    mesh shape, and (``torch``) the peer in one process and over gloo."""
+    mesh shape, (``deterministic``) dtm's deterministic mode at 1 rank, and (``torch``) the
+    peer in one process and over gloo."""
     out: list[TrainConfig] = []
     for m in models:
         out.append(TrainConfig(m, "numpy", 1, "dp=1,tp=1"))
+        if deterministic:
+            out += [TrainConfig(m, impl, 1, "dp=1,tp=1") for impl in DETERMINISTIC]
         for n in ranks:
             for dp, tp in _meshes(n):
                 out.append(TrainConfig(m, "dtm", n, f"dp={dp},tp={tp}"))
@@ -118,8 +129,11 @@ def _rendezvous(out: str) -> str:
     return path
 
 
-def _env() -> dict[str, str]:
+def _env(c: TrainConfig) -> dict[str, str]:
     env = dict(os.environ)
+    if c.impl in DETERMINISTIC:
+        env["DTM_DETERMINISTIC"] = "1"
+        env["DTM_DETERMINISTIC_MATMUL"] = DETERMINISTIC[c.impl]
     for k in (
         "OMP_NUM_THREADS",
         "OPENBLAS_NUM_THREADS",
@@ -138,7 +152,7 @@ def _command(c: TrainConfig, steps: int, warmup: int, out: str, mpirun: Sequence
         "-m",
         "dtm_mpi.bench.train_worker",
         "--impl",
-        c.impl,
+        "dtm" if c.impl in DETERMINISTIC else c.impl,
         "--model",
         c.model,
         "--mesh",
@@ -150,7 +164,7 @@ def _command(c: TrainConfig, steps: int, warmup: int, out: str, mpirun: Sequence
         "--out",
         out,
     ]
-    if c.impl in DTM_IMPLS:
+    if c.impl in DTM_IMPLS or c.impl in DETERMINISTIC:
         return [*mpirun, "-n", str(c.ranks), *py, "-m", "mpi4py", *worker]
     if c.impl in ("torch-ddp", "torch-tp"):
         return [*mpirun, "-n", str(c.ranks), *py, *worker, "--rendezvous", _rendezvous(out)]
@@ -168,7 +182,7 @@ def _run_one(
     cmd = _command(c, steps, warmup, str(out), mpirun)
     try:
         done = subprocess.run(
-            cmd, env=_env(), capture_output=True, text=True, timeout=timeout_s, check=False
+            cmd, env=_env(c), capture_output=True, text=True, timeout=timeout_s, check=False
         )
     except subprocess.TimeoutExpired:
         row.failures.append(f"timed out after {timeout_s:.0f} s")
@@ -216,6 +230,7 @@ def run_train_bench(
     torch: bool = True,
     mpirun: Sequence[str] = ("mpirun",),
     timeout_s: float = 600.0,
+    deterministic: bool = False,
 ) -> tuple[str, list[TrainRow]]:
     """Measure every configuration (:func:`configs_for`); returns the printed report and the
     rows (written as CSV to ``csv_path``, plotted to ``plot_path`` as PNG when given)."""
@@ -231,7 +246,7 @@ def run_train_bench(
         raise UsageError(
             f"{mpirun[0]} not found: dtm bench train starts its ranks with it (--mpirun)"
         )
-    configs = configs_for(models, sorted(set(ranks)), why_no_torch is None)
+    configs = configs_for(models, sorted(set(ranks)), why_no_torch is None, deterministic)
     rows = {c: TrainRow(c) for c in configs}
     workdir = Path(tempfile.mkdtemp(prefix="dtm-bench-train-"))
     try:
@@ -347,6 +362,20 @@ def _verdicts(rows: Sequence[TrainRow]) -> list[str]:
                 out.append(
                     f"  {m}: {r.config.mesh} {r.config.impl} optimizer state per rank, unsharded / sharded {ratio:.2f} (target {dp}, the dp size: met where within the uneven split)"
                 )
+    for m in models:
+        plain = _find(rows, m, "dtm", 1)
+        for impl, precision in DETERMINISTIC.items():
+            det = _find(rows, m, impl, 1)
+            if plain and det:
+                ratio = det.step_s / plain.step_s
+                verdict = (
+                    f"(target <= {TARGET_DETERMINISTIC:.0f}): {'met' if ratio <= TARGET_DETERMINISTIC else 'MISSED'}"
+                    if m == "mlp"
+                    else "(the target is the MLP's)"
+                )
+                out.append(
+                    f"  {m}: 1 rank, deterministic ({precision} matmul) / plain {ratio:.2f} {verdict}"
+                )
     one = _find(rows, "mlp", "dtm", 1)
     zero = _find(rows, "mlp", "dtm-zero", 2, "dp=2,tp=1")
     if one and zero:
@@ -437,7 +466,7 @@ def _plot(path: str, rows: Sequence[TrainRow]) -> str:
         ]
         colors = [
             "#4c72b0"
-            if r.config.impl in DTM_IMPLS
+            if r.config.impl in DTM_IMPLS or r.config.impl in DETERMINISTIC
             else "#55a868"
             if r.config.impl == "numpy"
             else "#c44e52"

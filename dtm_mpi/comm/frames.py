@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 MAGIC = b"DTMF"
-MAJOR, MINOR = 1, 3
+MAJOR, MINOR = 1, 4
 HEADER = struct.Struct("<4sBBHI")  # magic, major, minor, type, body length
 TRAILER = struct.Struct("<I")  # crc32c
 FIELD = struct.Struct("<HBI")  # tag, kind, size
@@ -129,6 +129,7 @@ SCHEMAS: Mapping[MessageType, tuple[Field, ...]] = {
         Field(12, "integrity", Kind.BOOL),
         Field(13, "audit_every", Kind.U64),
         Field(14, "quant_allreduce", Kind.U64),
+        Field(15, "deterministic_matmul", Kind.STR),
     ),
     MessageType.FAILURES: (
         Field(1, "reporter", Kind.U64),

@@ -2,7 +2,7 @@
 and all ranks check they agree.
 
 Each rank contributes a :class:`Hello` (protocol version, dtm_mpi version, module hash, bound
-mesh, capabilities, backend, deterministic mode, ``--steps``, the overlapped allreduces' bucket
+mesh, capabilities, backend, deterministic mode and its matmul precision, ``--steps``, the overlapped allreduces' bucket
 size). The hellos travel as HELLO frames (``io/WIRE.md``: versioned, CRC32C-checked), exchanged
 with bounded non-blocking allgathers (lengths, then the frames, then what each rank found
 wrong: a corrupted frame is named with its sender on every rank) and compared field by field,
@@ -56,6 +56,7 @@ class Hello:
     integrity: bool = False  # payload integrity mode (DTM_INTEGRITY): both ends must check
     audit_every: int = 0  # the replica audit's period (DTM_AUDIT_EVERY): a collective, so alike
     quant_allreduce: int = 0  # quantized allreduce's block (DTM_QUANT_ALLREDUCE): other collectives
+    deterministic_matmul: str = ""  # deterministic mode's matmul precision ("": not that mode)
 
 
 LOCAL_FIELDS = frozenset({"gpu_aware"})

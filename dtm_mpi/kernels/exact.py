@@ -24,7 +24,9 @@ for ``matmul``, each operand's bits down to ``L w`` below its row's (column's) l
 narrower) or 3 (float64), the slice products with ``s + t >= L`` dropped. A matmul output is
 so within ``K 2^(1 - L w)`` of (its row's largest) x (its column's largest) of the exact
 product (2^-29 of it at K = 1024 in float32): an element far below its row's or column's
-largest loses bits first. The kept value is rounded once, correctly (error-free sums of the
+largest loses bits first. That is the ``full`` :class:`Precision`; ``fast`` keeps one slice
+fewer (float32 and narrower: one slice of ``w = (53 - bitlen(K)) // 2`` bits rounded to
+nearest, one float64 product instead of three). The kept value is rounded once, correctly (error-free sums of the
 levels, round-to-odd, one rounding to nearest), except ``mean``, whose sum is rounded before
 the division. Infinities and NaNs: an output whose terms include one gets what IEEE gives for
 those terms alone (NaN for a NaN, for ``inf * 0`` or for both infinities, else the infinity),
@@ -39,6 +41,7 @@ pending sum. Every function here is pure numpy on host arrays.
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -58,6 +61,7 @@ __all__ = [
     "ZERO_EXP",
     "ExactRule",
     "Levels",
+    "Precision",
     "applies",
     "exact_rule",
     "canonical",
@@ -77,6 +81,17 @@ SUM_BITS = 64
 """How many bits below its group's largest a sum keeps of every element."""
 
 
+class Precision(enum.Enum):
+    """What deterministic mode's matmul keeps of its operands (``DTM_DETERMINISTIC_MATMUL``):
+    ``full``, two slices (float64: three) of ``w`` bits below each row's (column's) largest,
+    the result nearly always the correctly rounded product; ``fast``, one slice fewer, for
+    float32 and narrower one slice rounded to nearest (``w`` = 21 bits at K <= 1024, 20 at
+    K <= 4096): one float64 product instead of three, an error like a float32 GEMM's own."""
+
+    FULL = "full"
+    FAST = "fast"
+
+
 def exponents(x: Arr) -> Arr:
     """Each element's binary exponent ``e`` with ``|x| < 2^e`` (int64): :data:`ZERO_EXP` for
     zeros, :data:`NONFINITE_EXP` for infinities and NaNs."""
@@ -94,19 +109,64 @@ def group_max(e: Arr, axis: tuple[int, ...]) -> Arr:
     return out
 
 
-def slices(x: Arr, e: Arr, w: int, count: int) -> list[Arr]:
+def group_exponent(x: Arr, axis: tuple[int, ...]) -> Arr:
+    """``group_max(exponents(x), axis)`` in one pass over ``x``: an exponent grows with the
+    magnitude, so a group's largest is its largest magnitude's (an infinity or NaN in the group
+    makes that magnitude non-finite, :data:`NONFINITE_EXP`; an empty or all-zero group gives
+    :data:`ZERO_EXP`)."""
+    v = np.asarray(x)
+    hi = np.max(v, axis=axis, keepdims=True, initial=0)
+    lo = np.min(v, axis=axis, keepdims=True, initial=0)
+    with np.errstate(invalid="ignore"):
+        return exponents(np.maximum(hi, -lo))
+
+
+def _power_of_two(shift: Arr) -> Arr | None:
+    """``2.0 ** shift`` (float64) where every shift gives a normal float64, else None: then
+    multiplying by it is exactly :func:`numpy.ldexp` by ``shift``."""
+    if shift.size and (int(shift.min()) < -1022 or int(shift.max()) > 1023):
+        return None
+    return np.ldexp(1.0, shift.astype(np.int32))
+
+
+def slices(
+    x: Arr,
+    e: Arr,
+    w: int,
+    count: int,
+    into: Sequence[Arr] | None = None,
+    *,
+    nearest: bool = False,
+) -> list[Arr]:
     """``x`` cut into ``count`` integer-valued float64 slices of ``w`` bits below ``2^e``
     (``e`` broadcast against ``x``, at least each element's exponent): ``x`` equals
     ``sum(s_l * 2^(e - (l + 1) w))`` up to a remainder below ``2^(e - count w)``. Infinities
-    and NaNs give zero slices (their outputs are counted apart)."""
-    v = np.asarray(x, dtype=np.float64)
-    v = np.where(np.isfinite(v), v, 0.0)
-    r = np.ldexp(v, (w - e).astype(np.int32))
+    and NaNs give zero slices (their outputs are counted apart). ``into``: arrays of ``x``'s
+    shape the slices are written to (returned). ``nearest``: the last slice is rounded to
+    nearest (at most ``2^w`` in magnitude, the remainder at most half its unit) instead of
+    truncated."""
+    special = e >= NONFINITE_EXP
+    zero = e <= ZERO_EXP
+    # a group's shift: w - e; an all-zero group's values stay zeros at any shift (0 here),
+    # a group with an infinity or NaN gives zero slices of its finite values (scale 0)
+    shift = np.where(special | zero, 0, w - np.asarray(e, np.int64))
+    scale = _power_of_two(shift)
+    if scale is None:  # a float64 group beyond the normal range: ldexp rounds the subnormals
+        v = np.where(np.isfinite(x), np.asarray(x, np.float64), 0.0)
+        v = np.ldexp(v, np.where(special, -2000, shift).astype(np.int32))
+    else:  # x to float64 and the scaling in one pass (both exact); v is our own array
+        v = np.multiply(x, np.where(special, 0.0, scale), dtype=np.float64)
+        if special.any():  # inf * 0 and NaN * 0 are NaN: zero slices
+            v[np.isnan(v)] = 0.0
     out = []
-    for _ in range(count):
-        q = np.trunc(r)
+    step = float(2**w)
+    for level in range(count):
+        cut = np.rint if nearest and level + 1 == count else np.trunc
+        q = cut(v, out=None if into is None else into[level])
         out.append(q)
-        r = np.ldexp(r - q, w)  # the fraction, exact
+        if level + 1 < count:
+            v -= q  # the fraction, exact
+            v *= step
     return out
 
 
@@ -117,18 +177,28 @@ def _two_sum(a: Arr, b: Arr) -> tuple[Arr, Arr]:
     return s, (a - (s - bb)) + (b - bb)
 
 
-def _scale_back(levels: Arr, e: Arr, w: int, first: int) -> tuple[Arr, Arr]:
+def _scale_back(levels: Arr, e: Arr, w: int, first: int) -> tuple[Arr, Arr | None]:
     """``sum(levels[l] * 2^(e - (l + first) w))`` as ``hi + lo`` (``hi`` the float64 nearest
     to it, ``lo`` the rest), added smallest level first with error-free sums: one fixed
     order, whatever the mesh."""
-    hi = np.zeros(levels.shape[1:], dtype=np.float64)
-    lo = np.zeros_like(hi)
-    for level in range(levels.shape[0] - 1, -1, -1):
-        term = np.ldexp(
+    return _sum_terms(
+        lambda level: np.ldexp(
             levels[level].astype(np.float64), (e - (level + first) * w).astype(np.int32)
-        )
-        hi, err = _two_sum(hi, term)
-        lo = lo + err
+        ),
+        levels.shape[0],
+    )
+
+
+def _sum_terms(term: Callable[[int], Arr], count: int) -> tuple[Arr, Arr | None]:
+    """``sum(term(l))`` over the levels as ``hi + lo``, the last level first, error-free
+    (``lo`` None: zero, one level)."""
+    hi = term(count - 1)  # two_sum(0, t) is (t, 0): the first addition is the term itself
+    if count == 1:
+        return hi, None
+    lo = np.zeros_like(hi)
+    for level in range(count - 2, -1, -1):
+        hi, err = _two_sum(hi, term(level))
+        lo += err
     return _two_sum(hi, lo)
 
 
@@ -146,10 +216,15 @@ def _odd(x: Arr, rest: Arr, dtype: type) -> Arr:
     return np.where(fix, np.nextafter(c, np.where(below > 0, np.inf, -np.inf).astype(dtype)), c)
 
 
-def _rounded(hi: Arr, lo: Arr, t: TensorType) -> Arr:
-    """``hi + lo`` rounded once, to nearest, to ``t``'s dtype (bf16 values as float32)."""
+def _rounded(hi: Arr, lo: Arr | None, t: TensorType) -> Arr:
+    """``hi + lo`` rounded once, to nearest, to ``t``'s dtype (bf16 values as float32; ``lo``
+    None: zero)."""
     if t.dtype is DType.F64:
         return hi  # hi is already the nearest float64
+    if lo is None and t.dtype is not DType.BF16:
+        return as_dtype(hi, t)  # hi is the value: one rounding
+    if lo is None:
+        lo = np.zeros_like(hi)
     if t.dtype is DType.BF16:
         return as_dtype(_odd(hi, lo, np.float32), t)  # odd float32, then bf16's one rounding
     return as_dtype(_odd64(hi, lo), t)  # odd float64, then the one rounding
@@ -157,9 +232,12 @@ def _rounded(hi: Arr, lo: Arr, t: TensorType) -> Arr:
 
 def _odd64(hi: Arr, lo: Arr) -> Arr:
     """``hi + lo`` as the float64 rounded to odd (``hi`` nearest, ``lo`` the exact rest)."""
-    bits: Arr = hi.view(np.uint64)
-    fix = (lo != 0) & ((bits & 1) == 0) & np.isfinite(hi)
-    return np.where(fix, np.nextafter(hi, np.where(lo > 0, np.inf, -np.inf)), hi)
+    fix = lo != 0
+    fix &= (hi.view(np.uint64) & 1) == 0
+    fix &= np.isfinite(hi)
+    out = hi.copy()
+    out[fix] = np.nextafter(hi[fix], np.copysign(np.inf, lo[fix]))
+    return out
 
 
 def _special_value(counts: Arr) -> Arr:
@@ -193,12 +271,13 @@ class ExactRule:
     """How deterministic mode computes one op exactly on a rank's blocks.
 
     ``exponents(ctx, xs)``: the groups' largest exponents (one int64 array; max-allreduced
-    over the pending sum's axes); ``levels(ctx, xs, exps)``: this rank's :class:`Levels`
-    (sum-allreduced); ``finish(ctx, levels, exps)``: the result block (the result's dtype)."""
+    over the pending sum's axes); ``levels(ctx, xs, exps, precision)``: this rank's
+    :class:`Levels` (sum-allreduced); ``finish(ctx, levels, exps, precision)``: the result
+    block (the result's dtype). ``precision`` is the run's :class:`Precision` (the matmul's)."""
 
     exponents: Callable[[KernelContext, Sequence[Arr]], Arr]
-    levels: Callable[[KernelContext, Sequence[Arr], Arr], Levels]
-    finish: Callable[[KernelContext, Levels, Arr], Arr]
+    levels: Callable[[KernelContext, Sequence[Arr], Arr, Precision], Levels]
+    finish: Callable[[KernelContext, Levels, Arr, Precision], Arr]
 
 
 def exact_rule(op: Op) -> ExactRule | None:
@@ -236,18 +315,23 @@ def _nonfinite(e: Arr) -> Arr:
 # --- matmul ------------------------------------------------------------------------------------
 
 
-def _matmul_plan(ctx: KernelContext) -> tuple[int, int]:
+def _matmul_plan(ctx: KernelContext, precision: Precision) -> tuple[int, int]:
     """(slices per operand, bits per slice) of a matmul: level ``d`` adds the ``d + 1`` slice
-    products ``s + t = d`` over K, ``(d + 1) K 2^(2w) <= 2^53``."""
+    products ``s + t = d`` over K, ``(d + 1) K 2^(2w) <= 2^53`` (one slice rounded to
+    nearest: ``K 2^(2w) < 2^53``)."""
     k = ctx.operand_types[0].shape[-1]
     count = 3 if ctx.result_types[0].dtype is DType.F64 else 2
+    if precision is Precision.FAST:
+        count -= 1
+    if count == 1:
+        return 1, (53 - max(k, 1).bit_length()) // 2
     return count, (53 - max(k, 1).bit_length() - count.bit_length()) // 2
 
 
 def _matmul_exponents(ctx: KernelContext, xs: Sequence[Arr]) -> Arr:
     a, b = xs
-    rows = group_max(exponents(a), (-1,))[..., 0]  # [..., M]
-    cols = group_max(exponents(b), (-2,))[..., 0, :]  # [..., N]
+    rows = group_exponent(a, (-1,))[..., 0]  # [..., M]
+    cols = group_exponent(b, (-2,))[..., 0, :]  # [..., N]
     return np.concatenate([rows, cols], axis=-1)
 
 
@@ -257,18 +341,40 @@ def _split(ctx: KernelContext, exps: Arr) -> tuple[Arr, Arr]:
     return exps[..., :m], exps[..., m:]
 
 
-def _matmul_levels(ctx: KernelContext, xs: Sequence[Arr], exps: Arr) -> Levels:
+def _matmul_levels(
+    ctx: KernelContext, xs: Sequence[Arr], exps: Arr, precision: Precision
+) -> Levels:
     a, b = xs
-    count, w = _matmul_plan(ctx)
+    count, w = _matmul_plan(ctx, precision)
+    one = count == 1  # one slice, rounded to nearest
     rows, cols = _split(ctx, exps)
-    sa = slices(a, rows[..., :, None], w, count)
-    sb = slices(b, cols[..., None, :], w, count)
-    out = []
-    for d in range(count):  # the products s + t = d, as one product over (d + 1) K
-        lhs = sa[0] if d == 0 else np.concatenate(sa[: d + 1], axis=-1)
-        rhs = sb[0] if d == 0 else np.concatenate(sb[d::-1], axis=-2)
-        out.append(np.matmul(lhs, rhs).astype(np.int64))
-    levels = np.stack(out)
+    k = a.shape[-1]
+    # the lhs slices side by side along K, the rhs ones stacked in reverse: level d, the
+    # products s + t = d, is one product over (d + 1) K of a prefix and a suffix of these
+    lhs = np.empty((*a.shape[:-1], count * k), np.float64)
+    rhs = np.empty((*b.shape[:-2], count * k, b.shape[-1]), np.float64)
+    slices(
+        a,
+        rows[..., :, None],
+        w,
+        count,
+        [lhs[..., i * k : (i + 1) * k] for i in range(count)],
+        nearest=one,
+    )
+    slices(
+        b,
+        cols[..., None, :],
+        w,
+        count,
+        [rhs[..., (count - 1 - i) * k : (count - i) * k, :] for i in range(count)],
+        nearest=one,
+    )
+    levels = np.empty(
+        (count, *np.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1]),
+        np.int64,
+    )
+    for d in range(count):
+        levels[d] = np.matmul(lhs[..., : (d + 1) * k], rhs[..., (count - 1 - d) * k :, :])
     special = _nonfinite(rows)[..., :, None] | _nonfinite(cols)[..., None, :]
     return Levels(levels, _matmul_specials(a, b) if special.any() else None)
 
@@ -302,15 +408,42 @@ def _matmul_specials(a: Arr, b: Arr) -> Arr:
     return np.stack([pos, neg, nan]).astype(np.int64)
 
 
-def _matmul_finish(ctx: KernelContext, got: Levels, exps: Arr) -> Arr:
-    _, w = _matmul_plan(ctx)
+def _matmul_finish(ctx: KernelContext, got: Levels, exps: Arr, precision: Precision) -> Arr:
+    _, w = _matmul_plan(ctx, precision)
     rows, cols = _split(ctx, exps)
     special = _nonfinite(rows)[..., :, None] | _nonfinite(cols)[..., None, :]
-    e = np.where(special, 0, rows[..., :, None] + cols[..., None, :])
-    hi, lo = _scale_back(got.levels, e, w, 2)
+    hi, lo = _matmul_sum(got.levels, rows, cols, w)
     if got.specials is not None:
         hi = np.where(special, _special_value(got.specials), hi)
     return _rounded(hi, lo, ctx.result_types[0])
+
+
+def _matmul_sum(levels: Arr, rows: Arr, cols: Arr, w: int) -> tuple[Arr, Arr | None]:
+    """The levels scaled back (:func:`_scale_back` at ``rows + cols``), by a row's and a
+    column's power of two where every product stays normal (then exact, the same bits as one
+    ldexp), else by ldexp. An output whose row or column holds an infinity or NaN (replaced
+    later) and an all-zero row's or column's (zero levels) take shift 0."""
+
+    def shifts(e: Arr) -> Arr:
+        out: Arr = np.where((e >= NONFINITE_EXP) | (e <= ZERO_EXP), 0, e)
+        return out
+
+    r, c = shifts(rows), shifts(cols)
+    count = levels.shape[0]
+    lo_r, hi_r = int(r.min(initial=0)) - (count + 1) * w, int(r.max(initial=0)) - 2 * w
+    lo_c, hi_c = int(c.min(initial=0)), int(c.max(initial=0))
+    if min(lo_r, lo_c, lo_r + lo_c) >= -1022 and max(hi_r, hi_c, hi_r + hi_c) <= 1023 - 64:
+        col_scale = np.ldexp(1.0, c.astype(np.int32))[..., None, :]
+        return _sum_terms(
+            lambda level: (
+                levels[level]
+                * np.ldexp(1.0, (r - (level + 2) * w).astype(np.int32))[..., :, None]
+                * col_scale
+            ),
+            count,
+        )
+    e = r[..., :, None] + c[..., None, :]
+    return _scale_back(levels, e, w, 2)
 
 
 # --- sum and mean ------------------------------------------------------------------------------
@@ -333,10 +466,10 @@ def _sum_plan(n: int) -> tuple[int, int]:
 
 
 def _sum_exponents(ctx: KernelContext, xs: Sequence[Arr]) -> Arr:
-    return group_max(exponents(xs[0]), _reduce_dims(ctx))
+    return group_exponent(xs[0], _reduce_dims(ctx))
 
 
-def _sum_levels(ctx: KernelContext, xs: Sequence[Arr], exps: Arr) -> Levels:
+def _sum_levels(ctx: KernelContext, xs: Sequence[Arr], exps: Arr, _precision: Precision) -> Levels:
     dims = _reduce_dims(ctx)
     count, w = _sum_plan(_count(ctx))
     parts = slices(xs[0], exps, w, count)
@@ -357,10 +490,11 @@ def _special_terms(v: Arr) -> tuple[Arr, Arr, Arr]:
     )
 
 
-def _sum_finish(ctx: KernelContext, got: Levels, exps: Arr) -> Arr:
+def _sum_finish(ctx: KernelContext, got: Levels, exps: Arr, _precision: Precision) -> Arr:
     _, w = _sum_plan(_count(ctx))
     special = _nonfinite(exps)
-    hi, lo = _scale_back(got.levels, np.where(special, 0, exps), w, 1)
+    hi, rest = _scale_back(got.levels, np.where(special, 0, exps), w, 1)
+    lo = np.zeros_like(hi) if rest is None else rest
     if got.specials is not None:
         hi = np.where(special, _special_value(got.specials), hi)
     t = ctx.result_types[0]
@@ -395,7 +529,9 @@ def _scatter_exponents(ctx: KernelContext, xs: Sequence[Arr]) -> Arr:
     return out
 
 
-def _scatter_levels(ctx: KernelContext, xs: Sequence[Arr], exps: Arr) -> Levels:
+def _scatter_levels(
+    ctx: KernelContext, xs: Sequence[Arr], exps: Arr, _precision: Precision
+) -> Levels:
     d, _, flat, rows = _scatter_window(ctx, xs)
     count, w = _scatter_plan(ctx)
     at = np.moveaxis(exps, d, 0)
@@ -411,7 +547,7 @@ def _scatter_levels(ctx: KernelContext, xs: Sequence[Arr], exps: Arr) -> Levels:
     return Levels(levels.astype(np.int64), specials)
 
 
-def _scatter_finish(ctx: KernelContext, got: Levels, exps: Arr) -> Arr:
+def _scatter_finish(ctx: KernelContext, got: Levels, exps: Arr, _precision: Precision) -> Arr:
     _, w = _scatter_plan(ctx)
     special = _nonfinite(exps)
     hi, lo = _scale_back(got.levels, np.where(special, 0, exps), w, 1)

@@ -28,7 +28,7 @@ import numpy as np
 from dtm_mpi.comm.interface import Comm
 from dtm_mpi.ir.types import ReduceOp
 from dtm_mpi.kernels.dispatch import KernelContext
-from dtm_mpi.kernels.exact import ExactRule, Levels, canonical, exact_axes
+from dtm_mpi.kernels.exact import ExactRule, Levels, Precision, canonical, exact_axes
 from dtm_mpi.sharding.steps import allreduce_spec
 
 __all__ = ["exact_across"]
@@ -39,11 +39,17 @@ def _allreduce(comm: Comm, x: np.ndarray, axes: tuple[str, ...], op: ReduceOp) -
 
 
 def exact_across(
-    rule: ExactRule, ctx: KernelContext, xs: Sequence[np.ndarray], comm: Comm, *, duplicate: bool
+    rule: ExactRule,
+    ctx: KernelContext,
+    xs: Sequence[np.ndarray],
+    comm: Comm,
+    *,
+    duplicate: bool,
+    precision: Precision = Precision.FULL,
 ) -> np.ndarray:
     """The exact result block of ``ctx.op`` on this rank, from its host operand blocks ``xs``
     (module doc); ``duplicate``: this rank's operand repeats the group's first rank's (it
-    contributes nothing). Without pending axes it is the op's exact form on this rank alone.
+    contributes nothing); ``precision``: the matmul's (the same on every rank). Without pending axes it is the op's exact form on this rank alone.
 
     Collective over the op's pending group."""
     axes = exact_axes(ctx.op, comm.mesh)
@@ -51,7 +57,7 @@ def exact_across(
         exps = rule.exponents(ctx, xs)
         if axes:
             exps = _allreduce(comm, exps, axes, ReduceOp.MAX)
-        got = rule.levels(ctx, xs, exps)
+        got = rule.levels(ctx, xs, exps, precision)
         if axes:
             levels, specials = got.levels, got.specials
             if duplicate:  # this rank's operand repeats the first rank's: no contribution
@@ -60,4 +66,6 @@ def exact_across(
             if specials is not None:  # where an infinity or NaN is: counted, order-free
                 specials = _allreduce(comm, specials, axes, ReduceOp.SUM)
             got = Levels(_allreduce(comm, levels, axes, ReduceOp.SUM), specials)
-        return np.asarray(canonical(rule.finish(ctx, got, exps)), order="C")  # (0-d stays 0-d)
+        return np.asarray(
+            canonical(rule.finish(ctx, got, exps, precision)), order="C"
+        )  # (0-d stays 0-d)

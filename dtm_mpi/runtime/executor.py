@@ -33,7 +33,7 @@ from dtm_mpi.kernels.dispatch import (
     backend_kernels,
     prepare_kernel,
 )
-from dtm_mpi.kernels.exact import exact_rule, pending_axes
+from dtm_mpi.kernels.exact import Precision, exact_rule, pending_axes
 from dtm_mpi.kernels.exact_ranks import exact_across
 from dtm_mpi.kernels.fused import Expr
 from dtm_mpi.plan.fusion import FusedGroup, FusionNode, fusion_groups
@@ -193,6 +193,7 @@ class Executor:
     ) -> None:
         self.plan = plan
         self.deterministic = get_config().deterministic if deterministic is None else deterministic
+        self.precision = Precision(get_config().deterministic_matmul)  # its matmul's
         block = get_config().quant_allreduce
         self.quantized = QuantizedComm(comm, block) if block and not self.deterministic else None
         self.comm = self.quantized if self.quantized is not None else comm
@@ -565,7 +566,9 @@ class Executor:
         host = [self.backend.to_host(x) for x in xs]
         rule = exact_rule(ctx.op)
         assert rule is not None  # (prepared only where it applies)
-        out = exact_across(rule, ctx, host, self.comm, duplicate=duplicate)
+        out = exact_across(
+            rule, ctx, host, self.comm, duplicate=duplicate, precision=self.precision
+        )
         return (self.backend.to_device(out),)
 
     def _run_op(self, p: PlanOp, xs: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:

@@ -387,6 +387,7 @@ def _join(live: _Live, module: Module, args: MpiRunArgs, backend: ArrayBackend) 
         integrity=config.integrity,
         audit_every=config.audit_every,
         quant_allreduce=0 if config.deterministic else config.quant_allreduce,
+        deterministic_matmul=config.deterministic_matmul if config.deterministic else "",
     )
     handshake(session, hello)  # the module's requirements were checked in phase load
     groups = plan_groups(plan, config.deterministic)

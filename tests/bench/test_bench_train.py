@@ -104,6 +104,12 @@ def test_configs_cover_every_mesh_shape_and_the_peers() -> None:
     assert ("numpy", 1, "dp=1,tp=1") in got
     assert not any(c.impl.startswith("torch") for c in configs_for(["gpt"], [1], torch=False))
     assert not any(c.impl == "torch-tp" for c in configs_for(["gpt"], [2], torch=True))
+    det = configs_for(["mlp"], [1, 2], torch=False, deterministic=True)
+    assert {(c.impl, c.ranks) for c in det if "det" in c.impl} == {
+        ("dtm-det", 1),
+        ("dtm-det-fast", 1),
+    }
+    assert not any("det" in c.impl for c in configs_for(["mlp"], [1], torch=False))
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not on PATH")
@@ -123,6 +129,7 @@ def test_bench_train_measures_every_configuration_and_writes_csv_and_plot(
         plot_path=str(png),
         torch=HAS_TORCH,
         timeout_s=300,
+        deterministic=True,
     )
     assert all(not r.error for r in rows), report
     impls = {(r.config.impl, r.config.mesh) for r in rows}
@@ -133,6 +140,8 @@ def test_bench_train_measures_every_configuration_and_writes_csv_and_plot(
         ("dtm", "dp=1,tp=2"),
         ("dtm-zero", "dp=2,tp=1"),
         ("dtm-zero3", "dp=2,tp=1"),
+        ("dtm-det", "dp=1,tp=1"),  # deterministic mode, full and fast matmul
+        ("dtm-det-fast", "dp=1,tp=1"),
     } <= impls
     losses = [r.loss for r in rows]
     np.testing.assert_allclose(losses, losses[0], rtol=1e-4)  # every implementation, the same model
@@ -160,6 +169,7 @@ def test_bench_train_measures_every_configuration_and_writes_csv_and_plot(
         "loss",
     } <= set(table[0])
     assert "targets:" in report and "digits: 1 rank / numpy floor" in report
+    assert "digits: 1 rank, deterministic (fast matmul) / plain" in report
     if importlib.util.find_spec("matplotlib") is not None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

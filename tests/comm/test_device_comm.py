@@ -565,3 +565,18 @@ def test_ranks_planning_other_overlap_buckets_fail_the_handshake() -> None:
         HandshakeError, match=r"buckets differs \(rank\(s\) 0: 26214400; rank\(s\) 1: 0\)"
     ):
         compare_hellos([hello(26214400), hello(0)])
+
+
+def test_ranks_cutting_deterministic_matmuls_differently_fail_the_handshake() -> None:
+    """The ranks of a split matmul add integer slices of one width: a rank asked for the
+    fast precision while the others keep the full one is named before any step."""
+
+    def hello(precision: str) -> Hello:
+        return Hello(1, "0.1", "h", "x=3", (), "numpy", True, deterministic_matmul=precision)
+
+    compare_hellos([hello("fast")] * 3)
+    with pytest.raises(
+        HandshakeError,
+        match=r"deterministic_matmul differs \(rank\(s\) 0,2: 'full'; rank\(s\) 1: 'fast'\)",
+    ):
+        compare_hellos([hello("full"), hello("fast"), hello("full")])

@@ -5,13 +5,24 @@ no negative zeros; and the GPU backend (on the host emulator) gives the numpy pa
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
+from dtm_mpi.config import get_config
 from dtm_mpi.ir import parse_module, verify_module
 from dtm_mpi.ir.nodes import Module
-from dtm_mpi.kernels.exact import ZERO_EXP, exponents, slices
+from dtm_mpi.kernels.exact import (
+    NONFINITE_EXP,
+    ZERO_EXP,
+    _matmul_sum,
+    _scale_back,
+    exponents,
+    group_exponent,
+    group_max,
+    slices,
+)
 from dtm_mpi.runtime.simulate import run_simulated
 
 RANKS = (1, 2, 3, 4)
@@ -284,3 +295,97 @@ def test_overflow_to_infinity_warns_nothing() -> None:
         warnings.simplefilter("error")
         got = on_every_mesh(m, {"x": np.array([3e38, 3e38], np.float32)})
     assert got == np.inf
+
+
+# --- the fast matmul (DTM_DETERMINISTIC_MATMUL=fast) and the same-bits shortcuts -------------
+
+
+@pytest.fixture
+def fast_matmul(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("DTM_DETERMINISTIC_MATMUL", "fast")
+    get_config.cache_clear()
+    yield
+    monkeypatch.undo()
+    get_config.cache_clear()
+
+
+def test_the_fast_matmul_has_the_same_bits_on_every_mesh_within_its_bound(
+    fast_matmul: None,
+) -> None:
+    """One slice of w = 23 bits (K = 37) rounded to nearest: every output within
+    K 2^(e_row + e_col - w) of the exact product, plus its own rounding."""
+    rng = np.random.default_rng(3)
+    a, b = wide(rng, (6, 37)), wide(rng, (37, 5))
+    got = on_every_mesh(matmul_module("f32"), {"a": a, "b": b})
+    ref = exactly_rounded_matmul(a, b)
+    er, ec = exponents(np.abs(a).max(axis=1)), exponents(np.abs(b).max(axis=0))
+    bound = 37 * np.exp2(er[:, None] + ec[None, :] - 23)
+    ulp = np.spacing(np.abs(ref).astype(np.float32)).astype(np.float64)
+    assert np.all(np.abs(got.astype(np.float64) - ref) <= ulp + bound)
+    get_config.cache_clear()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DTM_DETERMINISTIC_MATMUL", "full")
+        get_config.cache_clear()
+        full = run_simulated(matmul_module("f32"), 1, inputs={"a": a, "b": b}, deterministic=True)
+    assert full.results[0][0].tobytes() != got.tobytes()  # the setting is what ran
+
+
+def test_the_fast_matmul_errs_like_a_float32_gemm(fast_matmul: None) -> None:
+    """At K = 1024 (w = 21) the fast matmul's rms error is within 4x a float32 GEMM's own
+    (measured 3x), the full one's far below it (the correctly rounded product's)."""
+    rng = np.random.default_rng(11)
+    a = rng.normal(size=(32, 1024)).astype(np.float32)
+    b = (rng.normal(size=(1024, 48)) * 0.02).astype(np.float32)
+    m = module(
+        "  %c = matmul %a, %b : f32[32,48]\n  return %c",
+        "%a: f32[32,1024], %b: f32[1024,48]",
+        "f32[32,48]",
+    )
+    got = run_simulated(m, 1, inputs={"a": a, "b": b}, deterministic=True).results[0][0]
+    ref = a.astype(np.float64) @ b.astype(np.float64)
+
+    def rms(x: np.ndarray) -> float:
+        return float(np.sqrt(np.mean((x.astype(np.float64) - ref) ** 2)))
+
+    assert 0 < rms(got) <= 4 * rms(a @ b)
+
+
+def test_the_f64_fast_matmul_keeps_two_slices() -> None:
+    rng = np.random.default_rng(4)
+    a, b = rng.normal(size=(6, 37)), rng.normal(size=(37, 5))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DTM_DETERMINISTIC_MATMUL", "fast")
+        get_config.cache_clear()
+        got = on_every_mesh(matmul_module("f64"), {"a": a, "b": b})
+    get_config.cache_clear()
+    np.testing.assert_allclose(got, a @ b, rtol=1e-10, atol=1e-10)  # 2 x 22 bits kept
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_shortcuts_give_the_bits_of_the_plain_forms(seed: int) -> None:
+    """A group's largest exponent from its largest magnitude, and the levels scaled back by a
+    row's and a column's power of two, are bit for bit the elementwise forms (exponents of
+    every element; one ldexp per output), zeros, infinities, NaNs and wide ranges included."""
+    rng = np.random.default_rng(seed)
+    dtype = (np.float32, np.float64)[seed % 2]
+    x = rng.normal(size=(7, 9)) * np.exp2(rng.integers(-60, 60, size=(7, 9)))
+    x[rng.random(x.shape) < 0.2] = 0.0
+    if seed % 3 == 0:
+        x[rng.integers(0, 7), rng.integers(0, 9)] = (np.inf, -np.inf, np.nan)[seed % 9 // 3]
+    x[2] = 0.0
+    x = x.astype(dtype)
+    for axis in ((0,), (1,), (0, 1)):
+        assert np.array_equal(group_exponent(x, axis), group_max(exponents(x), axis))
+    count, w = 2, 20
+    levels = rng.integers(-(2**52), 2**52, size=(count, 7, 9))
+    rows = np.where(rng.random(7) < 0.2, ZERO_EXP, rng.integers(-300, 300, 7))
+    cols = np.where(rng.random(9) < 0.2, NONFINITE_EXP, rng.integers(-300, 300, 9))
+    rows[0] = ZERO_EXP
+    levels[:, 0, :] = 0  # an all-zero row has zero levels
+    hi, lo = _matmul_sum(levels, rows, cols, w)
+    keep = cols < NONFINITE_EXP  # outputs with an infinity or NaN are replaced later
+    r = np.where(rows <= ZERO_EXP, 0, rows)
+    want_hi, want_lo = _scale_back(levels, r[:, None] + np.where(keep, cols, 0)[None, :], w, 2)
+    assert lo is not None and want_lo is not None
+    assert np.array_equal(hi[:, keep], want_hi[:, keep])
+    assert np.array_equal(lo[:, keep], want_lo[:, keep])

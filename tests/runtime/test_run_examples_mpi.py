@@ -121,3 +121,35 @@ def test_dtm_run_checkpoints_in_the_background_and_one_simulated_rank_resumes_it
         bad = [k for k, v in want.items() if got[k].tobytes() != v.tobytes()]
         same, why = not bad, f"{bad} differ from the uninterrupted run's"
     all_ranks(same, why)
+
+
+@pytest.mark.parametrize("name", ["tp_mlp", "attention"])
+def test_dtm_run_with_the_fast_deterministic_matmul_has_one_ranks_bits(
+    name: str,
+    comm: Any,
+    mpi_tmp_path: Path,
+    all_ranks: Any,
+    deterministic: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """DTM_DETERMINISTIC_MATMUL=fast under MPI: the bits of one simulated rank with it, and
+    not those of the full precision (the setting is what ran)."""
+    monkeypatch.setenv("DTM_DETERMINISTIC_MATMUL", "fast")
+    get_config.cache_clear()
+    out = mpi_tmp_path / "out.npz"
+    code = run(["run", str(EXAMPLES / f"{name}.dtm"), "--steps", "2", "-o", str(out)])
+    text = capsys.readouterr()
+    all_ranks(code == 0, f"dtm run exited {code}: {text.err}")
+    comm.Barrier()
+    got = np.load(out)
+    want = run_simulated(load(name), 1, steps=2, deterministic=True).outputs()
+    for key, value in want.items():
+        all_ranks(got[key].tobytes() == value.tobytes(), f"{key} differs from one rank's")
+    monkeypatch.setenv("DTM_DETERMINISTIC_MATMUL", "full")
+    get_config.cache_clear()
+    full = run_simulated(load(name), 1, steps=2, deterministic=True).outputs()
+    all_ranks(
+        any(full[k].tobytes() != v.tobytes() for k, v in want.items()),
+        "the fast matmul gave the full one's bits",
+    )
