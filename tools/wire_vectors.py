@@ -129,7 +129,8 @@ def main() -> None:
         "crc_trailer_wrong": (good[:-4] + bytes([good[-4] ^ 1]) + good[-3:], "crc"),
         "unknown_type": (_reframe(body, type_=77), "type"),
         "field_kind_wrong": (_reframe(bytes(wrong_kind)), "protocol"),
-        "field_size_past_body": (_reframe(body[:-8]), "quant_allreduce"),  # the empty last field gone
+        # the empty last field gone, then the last byte of the one before
+        "field_size_past_body": (_reframe(body[:-8]), "quant_allreduce"),
         "tags_out_of_order": (_reframe(body[15:] + body[:15]), "protocol"),
         "missing_field": (_reframe(body[: body.rindex(struct.pack("<HB", 12, 3))]), "integrity"),
         "bool_not_0_or_1": (
