@@ -287,7 +287,14 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
 
 
 def add_info_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    info = sub.add_parser("info", help="report the runtime: MPI, parallel HDF5, ranks (collective)")
+    info = sub.add_parser(
+        "info", help="report the runtime: MPI, parallel HDF5, ranks (collective), the GEMM choice"
+    )
+    info.add_argument(
+        "--gemm-probe",
+        action="store_true",
+        help="measure the GEMM providers again (else this machine's cached measurement)",
+    )
     info.set_defaults(func=_cmd_info)
 
 
@@ -533,10 +540,13 @@ def _cmd_bench_pipeline(args: argparse.Namespace) -> int:
 
 def _cmd_info(args: argparse.Namespace) -> int:
     from dtm_mpi.comm.world import describe_world
+    from dtm_mpi.config import get_config
+    from dtm_mpi.kernels.gemm import describe_gemm
 
     report = describe_world()
     if report:
         print(report)
+        print(describe_gemm(get_config().gemm, refresh=args.gemm_probe))
     return 0
 
 

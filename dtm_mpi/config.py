@@ -72,6 +72,7 @@ class Config:
     faults: tuple[FaultSpec, ...] = ()
     deterministic: bool = False
     deterministic_matmul: str = "full"  # what its matmul keeps: full or fast (kernels.exact)
+    gemm: str = "auto"  # the CPU path's GEMM: auto (measured), numpy, mkl or blis (kernels.gemm)
     integrity: bool = False  # every point-to-point payload carries its CRC32C, checked on receipt
     audit_every: int = 0  # compare the replicas' state checksums after every N-th step (0: never)
     quant_allreduce: int = 0  # large float sum allreduces as int8 blocks of this size (0: exact)
@@ -211,6 +212,13 @@ def _deterministic_matmul(name: str, raw: str) -> str:
     return mode
 
 
+def _gemm(name: str, raw: str) -> str:
+    mode = raw.strip().lower() or "auto"
+    if mode not in ("auto", "numpy", "mkl", "blis"):
+        raise ConfigError(f"{name}: expected auto, numpy, mkl or blis, got {raw!r}")
+    return mode
+
+
 def _ckpt_verify_full(name: str, raw: str) -> bool:
     mode = raw.strip().lower()
     if mode not in ("manifest", "full"):
@@ -272,6 +280,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("DTM_MAX_MSG_ELEMS", "max_msg_elems", _parse_positive_int, str(MAX_MSG_ELEMS_DEFAULT)),
     EnvVar("DTM_GPU_AWARE_MPI", "gpu_aware_mpi", _gpu_aware, "auto"),
     EnvVar("DTM_FUSE", "fuse", _yes_no(True), "1"),
+    EnvVar("DTM_GEMM", "gemm", _gemm, "auto"),
     EnvVar("DTM_KERNEL_DIR", "kernel_dir", _directory, "—"),
     EnvVar("DTM_LOG", "log_level", _log_level, "warning"),
     EnvVar("DTM_CKPT_RANKS_PER_FILE", "ckpt_ranks_per_file", _ranks_per_file, "1"),

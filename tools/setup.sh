@@ -133,8 +133,12 @@ need cython pkgconfig numpy \
 # plain `torch` would pull a CUDA build of several GB); without it the torch peer and its tests
 # skip with a reason. DTM_SETUP_TORCH=0 skips this. Neither shares a package with h5py; the
 # package's own install (step 5) waits for them.
+# MKL and BLIS (the 'blas' extra): the GEMM providers DTM_GEMM=auto measures against numpy's
+# BLAS (about 700 MB of MKL libraries); without them numpy's is the only one and their tests
+# skip with a reason. DTM_SETUP_BLAS=0 skips this.
 NVRTC_WHEEL=nvidia-cuda-nvrtc==13.0.88
 TORCH_PIN=torch==2.13.0
+BLAS_PINS="mkl==2026.2.1 blis==1.3.4"
 optional_wheels() {
   if [ "${DTM_SETUP_NVRTC:-1}" != 0 ] && [ "$(uname -s)" = Linux ] && ! need "$NVRTC_WHEEL"; then
     say "installing $NVRTC_WHEEL (NVRTC, for the CUDA kernel checks)"
@@ -143,6 +147,11 @@ optional_wheels() {
   if [ "${DTM_SETUP_TORCH:-1}" != 0 ] && ! "$VPY" -c 'import torch' >/dev/null 2>&1; then
     say "installing $TORCH_PIN (CPU; the PyTorch peer of dtm bench train)"
     PIPLOG="$VENV/setup-optional.log" pipq "$TORCH_PIN" || say "warning: could not install $TORCH_PIN; the PyTorch peer of dtm bench train will skip"
+  fi
+  if [ "${DTM_SETUP_BLAS:-1}" != 0 ] && ! "$VPY" -c 'import blis' >/dev/null 2>&1; then
+    say "installing $BLAS_PINS (GEMM providers measured against numpy's BLAS)"
+    # shellcheck disable=SC2086
+    PIPLOG="$VENV/setup-optional.log" pipq $BLAS_PINS || say "warning: could not install $BLAS_PINS; DTM_GEMM=auto will have numpy's BLAS only"
   fi
   return 0
 }
@@ -187,4 +196,8 @@ if [ ! -f "$stamp" ] || [ setup.cfg -nt "$stamp" ] || [ pyproject.toml -nt "$sta
   h5py_is_mpi || die "installing dtm_mpi replaced h5py with a serial build"
   touch "$stamp"
 fi
+# The GEMM providers measured once for this machine at one thread (cached; dtm info shows it),
+# so that the first run does not measure them while the suite loads the machine.
+OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1 "$VPY" -c 'from dtm_mpi.kernels.gemm import cached_choice; print("[setup] GEMM:", cached_choice().text())' \
+  || say "warning: the GEMM providers could not be measured; the first run measures them"
 "$VPY" -c 'import mpi4py, h5py, numpy, dtm_mpi; print("[setup] ok: dtm_mpi", dtm_mpi.__version__, "| mpi4py", mpi4py.__version__, "| h5py", h5py.__version__, "(mpi)", "| HDF5", h5py.version.hdf5_version, "| numpy", numpy.__version__)'

@@ -30,6 +30,7 @@ HELLOS = {
         "audit_every": 0,
         "quant_allreduce": 0,
         "deterministic_matmul": "",
+        "gemm": "float32:small=numpy,medium=numpy,large=numpy;float64:small=numpy,medium=numpy,large=numpy",
     },
     "hello_pipelined": {
         "protocol": 1,
@@ -50,6 +51,7 @@ HELLOS = {
         "audit_every": 100,
         "quant_allreduce": 64,
         "deterministic_matmul": "fast",
+        "gemm": "",
     },
 }
 
@@ -129,8 +131,8 @@ def main() -> None:
         "crc_trailer_wrong": (good[:-4] + bytes([good[-4] ^ 1]) + good[-3:], "crc"),
         "unknown_type": (_reframe(body, type_=77), "type"),
         "field_kind_wrong": (_reframe(bytes(wrong_kind)), "protocol"),
-        # the empty last field gone, then the last byte of the one before
-        "field_size_past_body": (_reframe(body[:-8]), "quant_allreduce"),
+        # the last byte of the last field's value gone
+        "field_size_past_body": (_reframe(body[:-1]), "gemm"),
         "tags_out_of_order": (_reframe(body[15:] + body[:15]), "protocol"),
         "missing_field": (_reframe(body[: body.rindex(struct.pack("<HB", 12, 3))]), "integrity"),
         "bool_not_0_or_1": (

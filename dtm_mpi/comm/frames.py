@@ -130,6 +130,7 @@ SCHEMAS: Mapping[MessageType, tuple[Field, ...]] = {
         Field(13, "audit_every", Kind.U64),
         Field(14, "quant_allreduce", Kind.U64),
         Field(15, "deterministic_matmul", Kind.STR),
+        Field(16, "gemm", Kind.STR),
     ),
     MessageType.FAILURES: (
         Field(1, "reporter", Kind.U64),

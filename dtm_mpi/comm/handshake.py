@@ -13,7 +13,9 @@ differing field and which ranks hold which value.
 ``yes (vendor query)``, ``""`` when not asked): ranks may legitimately differ (nodes with
 different MPI builds or drivers), and the handshake comes before any other collective, so
 the field is carried for the run log and not compared (:data:`LOCAL_FIELDS`); the job's
-decision is agreed afterwards by :func:`~dtm_mpi.comm.gpu_aware.agree_gpu_aware`.
+decision is agreed afterwards by :func:`~dtm_mpi.comm.gpu_aware.agree_gpu_aware`. So is
+``gemm``, the rank's GEMM provider per shape class, measured on its node: the job uses the
+ranks' common choice, else numpy's (:func:`~dtm_mpi.kernels.gemm.agreed_choice`).
 """
 
 from __future__ import annotations
@@ -57,9 +59,10 @@ class Hello:
     audit_every: int = 0  # the replica audit's period (DTM_AUDIT_EVERY): a collective, so alike
     quant_allreduce: int = 0  # quantized allreduce's block (DTM_QUANT_ALLREDUCE): other collectives
     deterministic_matmul: str = ""  # deterministic mode's matmul precision ("": not that mode)
+    gemm: str = ""  # this rank's GEMM choice (kernels.gemm): the job uses the ranks' common one
 
 
-LOCAL_FIELDS = frozenset({"gpu_aware"})
+LOCAL_FIELDS = frozenset({"gpu_aware", "gemm"})
 """Fields that describe one rank and may differ between ranks: not compared."""
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from dtm_mpi.config import get_config
 from dtm_mpi.ir.dtypes import as_dtype, np_dtype
 from dtm_mpi.ir.ops.create import random_values
 from dtm_mpi.ir.ops.index import scatter_rows, take_rows
@@ -39,6 +40,7 @@ from dtm_mpi.kernels.dispatch import (
     register_kernel,
     register_preparer,
 )
+from dtm_mpi.kernels.gemm import Gemm, active_choice, gemm_for
 from dtm_mpi.sharding.collectives import reduction_identity
 
 __all__ = ["extremum_identity", "global_count", "reference_kernel", "slice_index"]
@@ -196,6 +198,34 @@ def _step_counter(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
     return (np.array(ctx.step, dtype=np.int64),)
 
 
+def _prepared_matmul(ctx: KernelContext) -> PreparedKernel:
+    """A matmul through the GEMM provider chosen for its shape class (``DTM_GEMM``,
+    :mod:`dtm_mpi.kernels.gemm`: 2-D float32/float64 products; numpy's for the others),
+    looked up on the first call of each operand shape."""
+    t = ctx.result_types[0]
+    chosen: dict[tuple[tuple[int, ...], tuple[int, ...], str], Gemm | None] = {}
+
+    def call(xs: Sequence[Arr]) -> tuple[Arr, ...]:
+        a, b = xs
+        key = (a.shape, b.shape, a.dtype.str)
+        g = chosen.get(key, _UNSET)
+        if g is _UNSET:
+            g = chosen[key] = (
+                gemm_for(
+                    active_choice(get_config().gemm), a.dtype, a.shape[0], a.shape[1], b.shape[1]
+                )
+                if a.ndim == 2 and b.ndim == 2 and a.dtype == b.dtype
+                else None
+            )
+        out = np.matmul(a, b) if g is None else g(a, b)
+        return (as_dtype(out, t),)
+
+    return call
+
+
+_UNSET: Any = object()
+
+
 @register_preparer(BACKEND)
 def _prepare(kernel: Kernel, ctx: KernelContext) -> PreparedKernel | None:
     """Faster calls with the same results (a 1,000-op chain of 8-element ops: the
@@ -210,6 +240,8 @@ def _prepare(kernel: Kernel, ctx: KernelContext) -> PreparedKernel | None:
       once."""
     op = ctx.op
     opdef = OPS[op.name]
+    if op.name == "matmul" and kernel is reference_kernel:
+        return _prepared_matmul(ctx)
     if not op.operands:
         kept: list[tuple[Arr, ...]] = []
 

@@ -368,6 +368,8 @@ def _join(live: _Live, module: Module, args: MpiRunArgs, backend: ArrayBackend) 
     from dtm_mpi.comm.mpi_comm import MpiComm
     from dtm_mpi.config import get_config
     from dtm_mpi.ir.hashing import module_hash
+    from dtm_mpi.kernels.gemm import active_choice, agreed_choice, use_choice
+    from dtm_mpi.log import logger
     from dtm_mpi.plan.pipeline import pipeline_signature
 
     config = get_config()
@@ -388,8 +390,13 @@ def _join(live: _Live, module: Module, args: MpiRunArgs, backend: ArrayBackend) 
         audit_every=config.audit_every,
         quant_allreduce=0 if config.deterministic else config.quant_allreduce,
         deterministic_matmul=config.deterministic_matmul if config.deterministic else "",
+        gemm=active_choice(config.gemm).text() if args.backend == "numpy" else "",
     )
-    handshake(session, hello)  # the module's requirements were checked in phase load
+    hellos = handshake(session, hello)  # the module's requirements were checked in phase load
+    choice, why = agreed_choice([h.gemm for h in hellos])
+    use_choice(choice)
+    if why and session.rank == 0:
+        logger().warning("[rank 0] dtm: %s", why)
     groups = plan_groups(plan, config.deterministic)
     if live.pipeline is not None:  # every stage's passes, and the pipeline axis
         passes = {**live.pipeline.passes, **(live.pipeline.whole_passes or {})}
