@@ -26,10 +26,25 @@ __all__ = [
     "run_chunked",
 ]
 
-CHUNK_ELEMS = 16384
-"""Elements per chunk of a fused chain on the CPU (64 KiB of float32 per array: the
-chain's inputs and intermediates stay in a core's L2 cache)."""
-MIN_CHUNKED_ELEMS = 8 * CHUNK_ELEMS
+
+def _chunk_elems() -> int:
+    """Elements per chunk: a sixteenth of a core's L2 cache in bytes (four float32 arrays of
+    a chain's inputs and intermediates fill it), within 16,384..65,536; 16,384 where the
+    cache size is not known. Measured on a 2-core AMD EPYC with 1 MiB of L2 per core: the
+    GPT's chains 20-25% faster in chunks of 65,536 than of 16,384, the MLP's updates too."""
+    try:
+        with open("/sys/devices/system/cpu/cpu0/cache/index2/size", encoding="ascii") as fh:
+            text = fh.read().strip().upper()
+        size = int(text.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(text[-1:], 0)
+    except (OSError, ValueError):
+        return 16384
+    return max(16384, min(65536, size // 16))
+
+
+CHUNK_ELEMS = _chunk_elems()
+"""Elements per chunk of a fused chain on the CPU (:func:`_chunk_elems`: the chain's inputs
+and intermediates stay in a core's L2 cache)."""
+MIN_CHUNKED_ELEMS = 131072
 """The smallest chain run in chunks: below it the arrays fit in a core's cache anyway, and
 op by op is as fast (measured: a 9-op chain over 512x4096 float32 1.5x faster in chunks,
 over 256x1024 1.4x, a 1-d chain of 65,536 elements 1.7x slower)."""

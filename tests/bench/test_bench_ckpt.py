@@ -144,5 +144,9 @@ def test_bench_ckpt_async_times_the_loop_three_ways(tmp_path: Path) -> None:
     assert state is not None and float(state.group(1)) == pytest.approx(
         6 * 32 * 64 * 4 / 2**20, rel=0.01
     )
-    assert re.search(r"hidden by async: -?[0-9]+% of the synchronous saves' cost", proc.stdout)
+    # (a loaded machine can hide the small saves' cost in the loop's noise: then said so)
+    assert re.search(
+        r"hidden by async: (-?[0-9]+% of the synchronous saves' cost|not measurable: the synchronous saves cost -?[0-9.]+ s)",
+        proc.stdout,
+    ), proc.stdout
     assert [p for p in tmp_path.iterdir() if p.name.startswith("dtm-bench-ckpt-async-")] == []

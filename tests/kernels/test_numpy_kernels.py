@@ -252,3 +252,80 @@ def test_unknown_backend() -> None:
         kernel_for("nosuch", "add")
     with pytest.raises(KernelError, match="nosuch"):
         backend_kernels("nosuch")
+
+
+def test_broadcast_to_is_a_read_only_view_of_its_operand() -> None:
+    """No copy (a GPT step copied 63 broadcasts); a write into it fails loudly."""
+    text = """dtm 1.0
+module b
+mesh @m = [dp=2]
+entry func @f(%x: f32[1,5]) -> (f32[6,5]{dp,-}) on @m {
+  %y = broadcast_to %x : f32[6,5]
+  %z = redistribute %y : f32[6,5]{dp,-}
+  return %z
+}
+"""
+    op = ops_of(text)["%y"]
+    mesh = MeshShape((("dp", 2),))
+    x = np.arange(5, dtype=np.float32).reshape(1, 5)
+    (got,) = kernel_for("numpy", "broadcast_to")(context(op, (op_types(text, "%x"),), mesh, 1), [x])
+    assert got.shape == (6, 5) and np.shares_memory(got, x)
+    np.testing.assert_array_equal(got, np.broadcast_to(x, (6, 5)))
+    with pytest.raises(ValueError):
+        got[0, 0] = 1.0
+
+
+def op_types(text: str, name: str) -> TensorType:
+    module = load_module(text, "kernels.dtm")
+    entry = module.entry
+    assert entry is not None
+    return next(p.type for p in entry.params if p.name == name)
+
+
+@pytest.mark.parametrize("log", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_softmax_worked_in_place_gives_the_formulas_bits(log: bool, dtype: str) -> None:
+    from dtm_mpi.ir.ops.reduce import _softmax_np
+
+    x = (np.random.default_rng(0).standard_normal((7, 33)) * 4).astype(dtype)
+    shifted = x - np.max(x, axis=-1, keepdims=True)
+    if log:
+        want = shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
+    else:
+        e = np.exp(shifted)
+        want = e / np.sum(e, axis=-1, keepdims=True)
+    got = _softmax_np(x, 1, log)
+    assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
+
+
+def test_layer_norm_works_in_binary32_below_f64() -> None:
+    """f32 in binary32 (within a few float32 roundings of the binary64 formula), f64 in
+    binary64 (to its last bits)."""
+    from dtm_mpi.ir.ops.reduce import _layer_norm_ref
+
+    text = """dtm 1.0
+module ln
+mesh @m = [dp=1]
+entry func @f(%x: f32[64,96], %g: f32[96], %b: f32[96]) -> (f32[64,96]) on @m {
+  %y = layer_norm %x, %g, %b eps 0.00001 : f32[64,96]
+  return %y
+}
+"""
+    op = ops_of(text)["%y"]
+    rng = np.random.default_rng(1)
+    x64, g64, b64 = rng.normal(3, 2, (64, 96)), rng.normal(1, 0.1, 96), rng.normal(0, 0.1, 96)
+
+    def exact(x: np.ndarray, g: np.ndarray, b: np.ndarray) -> np.ndarray:
+        x, g, b = (v.astype(np.float64) for v in (x, g, b))
+        c = x - x.mean(axis=-1, keepdims=True)
+        return c / np.sqrt((c * c).mean(axis=-1, keepdims=True) + 1e-5) * g + b
+
+    f32 = [v.astype(np.float32) for v in (x64, g64, b64)]
+    (got,) = _layer_norm_ref(op, f32, op.result_types)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, exact(*f32), rtol=0, atol=4e-6)
+    from dtm_mpi.ir.types import DType
+
+    t64 = TensorType(DType.F64, (64, 96), Layout.replicated(2))
+    (got64,) = _layer_norm_ref(op, [x64, g64, b64], (t64,))
+    np.testing.assert_allclose(got64, exact(x64, g64, b64), rtol=0, atol=1e-14)

@@ -121,13 +121,15 @@ for _name in ("sum", "mean", "max", "min"):
 
 
 def _softmax_np(x: np.ndarray, dim: int, log: bool) -> np.ndarray:
-    shifted = x - np.max(x, axis=dim, keepdims=True)
+    shifted = x - np.max(x, axis=dim, keepdims=True)  # our own array: worked on in place
     if log:
-        out: np.ndarray = shifted - np.log(np.sum(np.exp(shifted), axis=dim, keepdims=True))
-        return out
-    e = np.exp(shifted)
-    out = e / np.sum(e, axis=dim, keepdims=True)
-    return out
+        total = np.sum(np.exp(shifted), axis=dim, keepdims=True)
+        np.log(total, out=total)
+        np.subtract(shifted, total, out=shifted)
+        return shifted
+    np.exp(shifted, out=shifted)
+    np.divide(shifted, np.sum(shifted, axis=dim, keepdims=True), out=shifted)
+    return shifted
 
 
 def _d_softmax(c: GradContext) -> tuple[Value]:
@@ -173,13 +175,16 @@ def _layer_norm_ref(
 ) -> tuple[np.ndarray, ...]:
     x, gamma, beta = xs
     eps = float(op.attr("eps"))  # type: ignore[arg-type]
-    xf = x.astype(np.float64)  # a copy: worked on in place (the values of the formula above)
+    work = np.float64 if x.dtype == np.float64 else np.float32  # binary32 below f64 (spec)
+    xf = x.astype(work)  # a copy: worked on in place (the values of the formula above)
     mean = xf.mean(axis=-1, keepdims=True)
     np.subtract(xf, mean, out=xf)
     var = np.square(xf).mean(axis=-1, keepdims=True)
-    np.divide(xf, np.sqrt(var + eps), out=xf)
-    np.multiply(xf, gamma, out=xf)
-    np.add(xf, beta, out=xf)
+    var += work(eps)
+    np.sqrt(var, out=var)
+    np.divide(xf, var, out=xf)
+    np.multiply(xf, gamma.astype(work, copy=False), out=xf)
+    np.add(xf, beta.astype(work, copy=False), out=xf)
     return (as_dtype(xf, rt[0]),)
 
 
