@@ -121,7 +121,7 @@ for _name in ("sum", "mean", "max", "min"):
 
 
 def _softmax_np(x: np.ndarray, dim: int, log: bool) -> np.ndarray:
-    shifted = x - np.max(x, axis=dim, keepdims=True)  # our own array: worked on in place
+    shifted: np.ndarray = x - np.max(x, axis=dim, keepdims=True)  # ours: worked on in place
     if log:
         total = np.sum(np.exp(shifted), axis=dim, keepdims=True)
         np.log(total, out=total)
