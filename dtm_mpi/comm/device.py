@@ -527,6 +527,9 @@ class DeviceComm:
         """Wait (bounded) until every send of this rank, direct or staged, is delivered."""
         self.inner.flush()
 
+    def transient(self, spec: object) -> None:
+        self.inner.transient(spec)
+
     def recv(
         self,
         shape: tuple[int, ...],

@@ -184,6 +184,11 @@ class Comm(Protocol):
         """Wait (bounded) until every send of this rank has been delivered."""
         ...
 
+    def transient(self, spec: object) -> None:
+        """Outputs of the step ``spec`` (a step spec of the plan) are not kept for reuse by
+        its next call (:func:`~dtm_mpi.sharding.retention.keeps_gather_of`)."""
+        ...
+
     def recv(
         self, shape: tuple[int, ...], dtype: np.dtype[np.generic], peer: int, tag: int
     ) -> np.ndarray:

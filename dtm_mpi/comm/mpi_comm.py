@@ -261,6 +261,7 @@ class MpiComm:
         self._prepared: dict[int, tuple[Any, Any, tuple[str, ...], tuple[int, ...], Any]] = {}
         self._bcast: dict[tuple[Any, ...], Callable[[np.ndarray], np.ndarray]] = {}
         self._outputs = OutputCache()
+        self._transient: set[int] = set()  # ids of step specs whose outputs are not kept
         self._udt = {n: np.dtype(f"u{n}") for n in (1, 2, 4, 8)}
         self._ops = {
             ReduceOp.SUM: mpi.SUM,
@@ -431,9 +432,17 @@ class MpiComm:
         fn = self.session.bind(call, what, axes, send_meta, recv_meta, extra, new_out, tally)
         self._prepared[id(spec)] = (spec, x.dtype, axes, x.shape, fn)
 
+    def transient(self, spec: object) -> None:
+        """Outputs of the step ``spec`` are not kept for reuse (a gather of a parameter
+        stored sharded: freed after its uses, see ``sharding.retention``)."""
+        self._transient.add(id(spec))
+
     def _new_out(self, key: object, shape: tuple[int, ...], dtype: Any) -> Any:
         """How a bound call gets its output: a reused page-aligned buffer from the output
-        cache when large, a plain allocation (as cheap as a cache lookup) when small."""
+        cache when large and not transient, else a plain allocation (as cheap as a cache
+        lookup when small)."""
+        if id(key) in self._transient:
+            return functools.partial(empty_aligned, shape, dtype)
         if math.prod(shape) * dtype.itemsize >= ALIGN_FROM:
             return functools.partial(self._outputs.get, key, shape, dtype, True)
         return functools.partial(np.empty, shape, dtype)

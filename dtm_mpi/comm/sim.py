@@ -201,6 +201,9 @@ class SimComm:
         self._stats.record("broadcast", *broadcast_traffic(x.nbytes, len(blocks), pos == root))
         return np.array(blocks[root], copy=True)
 
+    def transient(self, spec: object) -> None:
+        pass  # nothing is kept between calls here
+
     def send(self, x: np.ndarray, peer: int, tag: int) -> None:
         self.world.post(self._rank, peer, tag, x)
         self._stats.record("send", x.nbytes, 0)

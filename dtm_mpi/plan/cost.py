@@ -23,7 +23,7 @@ from dtm_mpi.plan.overlap import Bucket
 from dtm_mpi.plan.program import ExecPlan, FunctionPlan, OpKind, PlanOp
 from dtm_mpi.sharding.blocks import local_shape
 from dtm_mpi.sharding.mesh import MeshShape
-from dtm_mpi.sharding.retention import kept_bytes
+from dtm_mpi.sharding.retention import keeps_gather_of, kept_bytes
 from dtm_mpi.sharding.steps import allreduce_moved_items
 
 __all__ = ["FunctionCost", "OpCost", "function_cost", "local_bytes"]
@@ -63,8 +63,10 @@ def _kept(t: TensorType, mesh: MeshShape, rank: int) -> int:
     return kept_bytes(local_bytes(t, mesh, rank))
 
 
-def _retained(p: PlanOp, plan: ExecPlan, rank: int) -> int:
+def _retained(p: PlanOp, plan: ExecPlan, rank: int, state: frozenset[str]) -> int:
     if p.kind is OpKind.REDIST and p.redist is not None:
+        if not keeps_gather_of(p.op.operands[0], state):
+            return 0
         steps = p.redist.steps
         return sum(_kept(s.out_type, plan.mesh, rank) for s in steps if s.kind.is_collective)
     if p.kind is OpKind.BROADCAST:
@@ -142,6 +144,7 @@ def function_cost(plan: ExecPlan, fp: FunctionPlan) -> FunctionCost:
     ranks = range(mesh.size)
     types: dict[str, TensorType] = {q.name: q.type for q in fp.function.params}
     params = set(types)
+    state = frozenset(q.name for q in fp.function.params if q.state)
     live = [sum(local_bytes(q.type, mesh, r) for q in fp.function.params) for r in ranks]
     peak = list(live)
     sent = [0] * mesh.size
@@ -172,7 +175,7 @@ def function_cost(plan: ExecPlan, fp: FunctionPlan) -> FunctionCost:
             live[r] += new
             sent[r] += traffic[r][0]
             received[r] += traffic[r][1]
-            retained[r] += _retained(p, plan, r)
+            retained[r] += _retained(p, plan, r, state)
         for name, t in zip(op.results, op.result_types, strict=True):
             types[name] = t
         for name in p.frees:

@@ -54,6 +54,7 @@ from dtm_mpi.runtime.instructions import (
 from dtm_mpi.sharding import collectives
 from dtm_mpi.sharding.blocks import Pin, block_owners, local_offsets, local_shape
 from dtm_mpi.sharding.redistribute import RedistPlan, plan_redistribute
+from dtm_mpi.sharding.retention import keeps_gather_of
 from dtm_mpi.sharding.steps import (
     STEP_KINDS,
     AllreduceSpec,
@@ -447,6 +448,11 @@ class Executor:
         if p.kind is OpKind.LOCAL and not OPS[p.op.name].has(Trait.NEEDS_STEP):
             prepared, check = self._prepared_local(p)
             return p.op.operands, prepared, check
+        if p.kind is OpKind.REDIST and not keeps_gather_of(
+            p.op.operands[0], {q.name for q in fp.function.params if q.state}
+        ):
+            for spec in self._specs(p):  # a gather of a parameter stored sharded: not kept
+                self.comm.transient(spec)
         return p.op.operands, functools.partial(self._run_op, p), None
 
     def _prepared_local(self, p: PlanOp) -> tuple[PreparedKernel, PreparedKernel | None]:

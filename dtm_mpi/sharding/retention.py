@@ -6,11 +6,16 @@ by the next step's same collective, whatever its size (a fresh buffer of tens of
 page faults on every call: 64 MiB allgathers ran at 0.57 of raw MPI when only buffers up to
 4 MiB were kept)
 (``dtm_mpi.comm.buffers.OutputCache``); ``dtm explain`` adds the kept bytes to a rank's memory.
+Not kept: the output of a redistribution of a state parameter (:func:`keeps_gather_of`), the
+gathers of parameters stored sharded (ZeRO-3): each is freed after its layer's uses, and
+keeping it would hold every parameter whole between steps, what sharding them is meant to save.
 """
 
 from __future__ import annotations
 
-__all__ = ["ALIGN_FROM", "kept_bytes"]
+from collections.abc import Collection
+
+__all__ = ["ALIGN_FROM", "keeps_gather_of", "kept_bytes"]
 
 ALIGN_FROM = 64 << 10
 """Below this many bytes an output buffer is not page-aligned (nor kept for reuse by MPI)."""
@@ -19,3 +24,9 @@ ALIGN_FROM = 64 << 10
 def kept_bytes(nbytes: int) -> int:
     """The bytes the MPI path keeps after a collective whose output on a rank is ``nbytes``."""
     return nbytes if nbytes >= ALIGN_FROM else 0
+
+
+def keeps_gather_of(operand: str, state_params: Collection[str]) -> bool:
+    """Whether a redistribution of value ``operand`` keeps its output for reuse: not when it
+    is a state parameter of the function (``state_params``: their names)."""
+    return operand not in state_params

@@ -211,6 +211,26 @@ def test_output_reuse_never_overwrites_a_live_value(comm: Any) -> None:
     session.close()
 
 
+def test_a_transient_steps_outputs_are_not_kept(comm: Any) -> None:
+    """A step marked transient (a gather of a parameter stored sharded) gets a fresh output
+    every call and the output cache holds none of them; another step's output is kept."""
+    from dtm_mpi.sharding.steps import AllreduceSpec
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    session = MpiSession(MeshShape((("x", size),)), [("x",)], timeout_s=30, world=comm)
+    mc = MpiComm(session)
+    n = 40_000  # page-aligned outputs, which are kept unless transient
+    kept, fresh = (AllreduceSpec(tuple(range(size)), rank, ReduceOp.SUM, n) for _ in range(2))
+    mc.transient(fresh)
+    for step in range(3):
+        for spec in (kept, fresh):
+            got = mc.allreduce(np.full(n, float(step)), ("x",), spec)
+            assert np.all(got == step * size)
+            del got
+    assert id(kept) in mc._outputs._kept and id(fresh) not in mc._outputs._kept
+    session.close()
+
+
 def test_uniform_exchange_is_a_plain_alltoall(comm: Any) -> None:
     """An exchange whose spec says every pair moves the same back-to-back run (the bench's
     all_to_all) gives the alltoall result, repeatedly (prepared path, reused output)."""

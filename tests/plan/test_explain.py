@@ -277,3 +277,30 @@ def test_kept_outputs_bound_the_reuse_cache(plan4: ExecPlan) -> None:
     assert cost.retained == tuple(kept(plan4.entry, r) for r in range(plan4.mesh.size))
     assert all(k > 0 for k in cost.retained)  # the tp_mlp allreduces are 256 KiB each
     assert "+ kept outputs:" in explain_text(plan4)
+
+
+def test_gathers_of_parameters_stored_sharded_are_not_kept() -> None:
+    """ZeRO-3 (`shard_params="dp"`): the allgather of a stored parameter is freed after its
+    uses, so neither the MPI path (`Comm.transient`) nor the planner keeps it; the other
+    collectives' outputs still are."""
+    from dtm_mpi.bench.train_models import MODELS
+    from dtm_mpi.comm.buffers import ALIGN_FROM
+
+    step = MODELS["mlp"].build(None, "dp")
+    plan = compile_plan(step.module, mesh_for(step.module, 2, {"dp": 2, "tp": 1}))
+    fp = plan.entry_plan
+    state = {q.name for q in fp.function.params if q.state}
+    gathered, other = 0, 0
+    for p in fp.ops:
+        if p.kind is OpKind.REDIST and p.redist is not None:
+            n = sum(
+                local_bytes(s.out_type, plan.mesh, 0)
+                for s in p.redist.steps
+                if s.kind.is_collective and local_bytes(s.out_type, plan.mesh, 0) >= ALIGN_FROM
+            )
+            if p.op.operands[0] in state:
+                gathered += n
+            else:
+                other += n
+    assert gathered >= 2 * 1024 * 4096 * 4  # both weights gathered whole, at least once
+    assert function_cost(plan, fp).retained[0] == other
