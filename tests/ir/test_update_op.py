@@ -46,10 +46,10 @@ def composed(p: Any, g: Any, m: Any, v: Any, bc1: Any, bc2: Any, decay: float) -
 
 @pytest.mark.parametrize("dtype", ["f16", "f32", "f64"])
 @pytest.mark.parametrize("decay", [0.0, 0.01])
+@pytest.mark.parametrize("n", [2 * CHUNK + 37, 1000])  # three chunks, the last partial; one
 def test_the_op_gives_the_bits_of_the_composed_update_across_chunks(
-    dtype: str, decay: float
+    dtype: str, decay: float, n: int
 ) -> None:
-    n = 2 * CHUNK + 37  # three chunks, the last partial
     np_dt = {"f16": np.float16, "f32": np.float32, "f64": np.float64}[dtype]
     rng = np.random.default_rng(5)
     p, g = (rng.standard_normal(n).astype(np_dt) for _ in range(2))

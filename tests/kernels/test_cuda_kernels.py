@@ -234,7 +234,7 @@ def test_the_adamw_kernel_gives_the_reference_bits(dev: Any, dtype: Any) -> None
     """kernels/adamw.cu: every value of the op's numpy reference, bit for bit (each operation
     rounded once, no contracted multiply-add; f16 rounded after each operation)."""
     from dtm_mpi.ir.nodes import Op
-    from dtm_mpi.ir.ops.update import _adamw_ref
+    from dtm_mpi.ir.ops.update import adamw_reference
     from dtm_mpi.kernels import launch
 
     cp = dev.ops.cp
@@ -247,7 +247,7 @@ def test_the_adamw_kernel_gives_the_reference_bits(dev: Any, dtype: Any) -> None
     for decay in (0.0, 0.01):
         attrs = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "decay": decay}
         op = Op("adamw", ("a", "b", "c"), (), (), tuple(attrs.items()))
-        want = _adamw_ref(op, [p, g, m, v, bc1, bc2], ())
+        want = adamw_reference(op, [p, g, m, v, bc1, bc2], ())
         got = launch.adamw(*(cp.asarray(a) for a in (p, g, m, v, bc1, bc2)), attrs)
         for name, a, b in zip(("p2", "m2", "v2"), got, want, strict=True):
             host = a.get() if hasattr(a, "get") else np.asarray(a)

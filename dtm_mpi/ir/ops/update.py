@@ -29,7 +29,7 @@ from dtm_mpi.ir.ops._common import no_partial
 from dtm_mpi.ir.registry import OpContext, register_op
 from dtm_mpi.ir.types import DType, TensorType
 
-__all__ = ["ADAMW_DTYPES", "CHUNK", "adamw_values", "update_attrs"]
+__all__ = ["ADAMW_DTYPES", "CHUNK", "adamw_reference", "adamw_values", "update_attrs"]
 
 ADAMW_DTYPES = frozenset({DType.F16, DType.F32, DType.F64})
 """The dtypes ``adamw`` takes (bf16 parameters are updated by the composed ops)."""
@@ -70,7 +70,7 @@ def update_attrs(op: Op) -> dict[str, float]:
     return {k: float(op.attr(k)) for k in ATTRS}  # type: ignore[arg-type]
 
 
-def _adamw_ref(
+def adamw_reference(
     op: Op, xs: Sequence[np.ndarray], rt: Sequence[TensorType]
 ) -> tuple[np.ndarray, ...]:
     """In chunks of :data:`CHUNK` elements (elementwise: the same bits as one pass)."""
@@ -95,7 +95,7 @@ def _adamw_ref(
     "$p:operand , $g:operand , $m:operand , $v:operand , $bc1:operand , $bc2:operand "
     "lr $lr:float beta1 $beta1:float beta2 $beta2:float eps $eps:float decay $decay:float",
     results=3,
-    reference=_adamw_ref,
+    reference=adamw_reference,
     doc="AdamW's update of a parameter and its moments in one op",
     since=(1, 3),
 )
