@@ -206,16 +206,22 @@ def _log_level(name: str, raw: str) -> str:
 
 
 def _deterministic_matmul(name: str, raw: str) -> str:
-    mode = raw.strip().lower() or "full"
-    if mode not in ("full", "fast"):
-        raise ConfigError(f"{name}: expected full or fast, got {raw!r}")
+    from dtm_mpi.kernels.exact import Precision  # (the values' one home)
+
+    mode = raw.strip().lower() or Precision.FULL.value
+    known = [p.value for p in Precision]
+    if mode not in known:
+        raise ConfigError(f"{name}: expected {' or '.join(known)}, got {raw!r}")
     return mode
 
 
 def _gemm(name: str, raw: str) -> str:
+    from dtm_mpi.kernels.gemm import Provider  # (the values' one home)
+
     mode = raw.strip().lower() or "auto"
-    if mode not in ("auto", "numpy", "mkl", "blis"):
-        raise ConfigError(f"{name}: expected auto, numpy, mkl or blis, got {raw!r}")
+    known = ["auto", *(p.value for p in Provider)]
+    if mode not in known:
+        raise ConfigError(f"{name}: expected {', '.join(known[:-1])} or {known[-1]}, got {raw!r}")
     return mode
 
 

@@ -148,7 +148,7 @@ optional_wheels() {
     say "installing $TORCH_PIN (CPU; the PyTorch peer of dtm bench train)"
     PIPLOG="$VENV/setup-optional.log" pipq "$TORCH_PIN" || say "warning: could not install $TORCH_PIN; the PyTorch peer of dtm bench train will skip"
   fi
-  if [ "${DTM_SETUP_BLAS:-1}" != 0 ] && ! "$VPY" -c 'import blis' >/dev/null 2>&1; then
+  if [ "${DTM_SETUP_BLAS:-1}" != 0 ] && ! { "$VPY" -c 'import blis' >/dev/null 2>&1 && { [ -e "$VENV/lib/libmkl_rt.so.2" ] || [ -e "$VENV/lib/libmkl_rt.so.3" ]; }; }; then
     say "installing $BLAS_PINS (GEMM providers measured against numpy's BLAS)"
     # shellcheck disable=SC2086
     PIPLOG="$VENV/setup-optional.log" pipq $BLAS_PINS || say "warning: could not install $BLAS_PINS; DTM_GEMM=auto will have numpy's BLAS only"

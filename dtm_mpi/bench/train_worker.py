@@ -201,17 +201,15 @@ def _run_torch(model: str, mode: str, steps: int, warmup: int, rendezvous: str) 
     spec = MODELS[model]
     peer = TorchPeer(model, initial_state(spec.build()), mode, rank, ranks)
     times, losses = [], []
-    try:
-        if mode != "single":
-            dist.barrier()
-        for s in range(warmup + steps):
-            batch = spec.batch_data(s)
-            t0 = time.perf_counter()
-            losses.append(peer.step(batch))
-            times.append(time.perf_counter() - t0)
-    finally:
-        if mode != "single":
-            dist.barrier()  # every rank done with the last step (the process ends in main)
+    if mode != "single":
+        dist.barrier()
+    for s in range(warmup + steps):
+        batch = spec.batch_data(s)
+        t0 = time.perf_counter()
+        losses.append(peer.step(batch))
+        times.append(time.perf_counter() - t0)
+    if mode != "single":  # (after a failed step the error ends the job, not a barrier)
+        dist.barrier()  # every rank done with the last step (the process ends in main)
     return {"times": times[warmup:], "comm": [], "losses": losses, "rank": rank}
 
 

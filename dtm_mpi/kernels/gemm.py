@@ -12,13 +12,19 @@ another provider replaces numpy for a class only when it is at least :data:`MARG
 never slower than numpy's default beyond the measurement's noise.
 
 ``DTM_GEMM``: ``auto`` (the measured choice), ``numpy``, ``mkl`` or ``blis`` (every class;
-an error naming what is missing when that provider cannot load). Different providers round
+an error naming what is missing when that provider cannot load). The providers are measured
+at one thread (MKL runs sequential), so ``auto`` keeps numpy's where numpy's BLAS runs more
+than one thread in the process (a rank alone on its node). Different providers round
 differently, so the ranks of a job must use one choice: under ``mpirun`` every rank sends its
-choice in its HELLO and all use rank 0's (:func:`use_choice`). Deterministic mode's exact
-sums do not depend on it (their float64 products of integers are exact in any BLAS).
+own in its HELLO and all use the ranks' common choice, else numpy's (:func:`agreed_choice`);
+a rank that cannot load the agreed provider fails with an error naming it. MKL runs in its
+strict conditional-reproducibility mode (``MKL_CBWR_Set(AUTO | STRICT)``): the same bits
+whatever the operands' alignment. Deterministic mode's exact sums do not depend on any of
+this (their float64 products of integers are exact in any BLAS).
 
-Only 2-D float32 and float64 products go to another provider; batched and other dtypes stay
-with numpy. ``dtm info`` shows the choice and its measurements.
+Only 2-D products of float32 arrays (``f32``, and ``bf16`` values held as float32) and of
+float64 arrays go to another provider; batched and other dtypes stay with numpy. ``dtm info``
+shows the choice and its measurements.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ __all__ = [
     "choose",
     "describe_gemm",
     "gemm_for",
+    "numpy_blas_threads",
     "parse_gemm_choice",
     "probe",
     "provider_gemm",
@@ -93,10 +100,15 @@ _lock = threading.Lock()
 _loaded: dict[Provider, Gemm | str] = {}
 
 
+_MKL_LP64 = 0
+_MKL_CBWR_AUTO, _MKL_CBWR_STRICT, _MKL_CBWR_SUCCESS = 2, 0x10000, 0
+
+
 def _mkl_library() -> ctypes.CDLL | str:
     """The ``mkl`` wheel's ``libmkl_rt`` (next to the interpreter's prefix, else the loader's
-    path), its threading layer set to sequential (one thread per rank) before any other call;
-    or why not."""
+    path), set up before any other call: the LP64 interface (32-bit integers, as the calls
+    here pass), the sequential threading layer (one thread per rank), strict conditional
+    reproducibility; or why not."""
     names = [Path(sys.prefix) / "lib" / f"libmkl_rt.so.{v}" for v in (3, 2)]
     found = ctypes.util.find_library("mkl_rt")
     candidates = [str(p) for p in names if p.exists()] + ([found] if found else [])
@@ -104,15 +116,22 @@ def _mkl_library() -> ctypes.CDLL | str:
         return "MKL's libmkl_rt is not installed (pip install mkl; `make setup` installs it)"
     try:
         lib = ctypes.CDLL(candidates[0])
-        lib.MKL_Set_Threading_Layer.argtypes = [ctypes.c_int]
-        lib.MKL_Set_Threading_Layer(_MKL_SEQUENTIAL)
+        for setter, value in (
+            ("MKL_Set_Interface_Layer", _MKL_LP64),
+            ("MKL_Set_Threading_Layer", _MKL_SEQUENTIAL),
+        ):
+            getattr(lib, setter).argtypes = [ctypes.c_int]
+            getattr(lib, setter)(value)
+        lib.MKL_CBWR_Set.argtypes = [ctypes.c_int]
+        if lib.MKL_CBWR_Set(_MKL_CBWR_AUTO | _MKL_CBWR_STRICT) != _MKL_CBWR_SUCCESS:
+            return f"MKL's {candidates[0]} refused strict reproducibility (MKL_CBWR_Set)"
+        for name, real in (("cblas_sgemm", ctypes.c_float), ("cblas_dgemm", ctypes.c_double)):
+            fn = getattr(lib, name)
+            fn.restype = None
+            p, i = ctypes.c_void_p, ctypes.c_int
+            fn.argtypes = [i, i, i, i, i, i, real, p, i, p, i, real, p, i]
     except (OSError, AttributeError) as exc:
         return f"MKL's {candidates[0]} did not load ({exc})"
-    for name, real in (("cblas_sgemm", ctypes.c_float), ("cblas_dgemm", ctypes.c_double)):
-        fn = getattr(lib, name)
-        fn.restype = None
-        p, i = ctypes.c_void_p, ctypes.c_int
-        fn.argtypes = [i, i, i, i, i, i, real, p, i, p, i, real, p, i]
     return lib
 
 
@@ -318,26 +337,48 @@ def _machine_key() -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
-def _cache_file() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+def _cache_file() -> Path | None:
+    """Where this machine's measurement is kept (None: no home directory to keep it in)."""
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        try:
+            base = str(Path.home() / ".cache")
+        except RuntimeError:
+            return None
     return Path(base) / "dtm_mpi" / f"gemm-{_machine_key()}.json"
 
 
+_measured: list[GemmChoice] = []  # this process's, once read or measured
+
+
 def cached_choice(refresh: bool = False) -> GemmChoice:
-    """This machine's measured choice: read from its cache file, or measured and written
-    (atomically: processes measuring at once each write a whole file)."""
+    """This machine's measured choice: read from its cache file (once per process), or
+    measured and written (atomically: processes measuring at once each write a whole file)."""
+    if _measured and not refresh:
+        return _measured[0]
     path = _cache_file()
-    if not refresh:
-        try:
-            data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
-            found = parse_gemm_choice(str(data["choice"]))
-            measured = tuple(
-                (str(d), str(c), str(p), float(v)) for d, c, p, v in data.get("measured", ())
-            )
-            return GemmChoice(found.table, measured)
-        except (OSError, ValueError, KeyError, TypeError, ConfigError):
-            pass
-    got = probe()
+    got = None if refresh or path is None else _read_cache(path)
+    if got is None:
+        got = probe()
+        if path is not None:
+            _write_cache(path, got)
+    _measured[:] = [got]
+    return got
+
+
+def _read_cache(path: Path) -> GemmChoice | None:
+    try:
+        data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+        found = parse_gemm_choice(str(data["choice"]))
+        measured = tuple(
+            (str(d), str(c), str(p), float(v)) for d, c, p, v in data.get("measured", ())
+        )
+    except (OSError, ValueError, KeyError, TypeError, ConfigError):
+        return None
+    return GemmChoice(found.table, measured)
+
+
+def _write_cache(path: Path, got: GemmChoice) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
@@ -345,8 +386,23 @@ def cached_choice(refresh: bool = False) -> GemmChoice:
             json.dump({"choice": got.text(), "measured": got.measured}, fh)
         os.replace(tmp, path)
     except OSError:
-        pass  # a read-only home: measured again next time
-    return got
+        pass  # a read-only cache: measured again by the next process
+
+
+def numpy_blas_threads() -> int:
+    """The threads numpy's BLAS runs in this process (1 where it cannot be told)."""
+    try:
+        from threadpoolctl import threadpool_info  # type: ignore[import-untyped]
+
+        info = threadpool_info()
+    except Exception:
+        return 1
+    threads = [
+        int(i.get("num_threads", 1))
+        for i in info
+        if i.get("user_api") == "blas" and i.get("internal_api") != "mkl"
+    ]
+    return max(threads, default=1)
 
 
 _agreed: list[GemmChoice] = []
@@ -366,20 +422,22 @@ def agreed_choice(texts: list[str]) -> tuple[GemmChoice, str]:
 
 
 def use_choice(choice: GemmChoice | None) -> None:
-    """The job's agreed choice (rank 0's, after the handshake), or None: this process's own."""
+    """The job's agreed choice (:func:`agreed_choice`, after the handshake), or None: this
+    process's own."""
     _agreed.clear()
     if choice is not None:
         _agreed.append(choice)
 
 
-def active_choice(setting: str) -> GemmChoice:
-    """The choice in force: the job's agreed one, else ``DTM_GEMM``'s (``setting``): numpy,
-    one provider everywhere (a :class:`ConfigError` saying what is missing when it cannot
-    load), or ``auto``, this machine's measured one."""
-    if _agreed:
+def active_choice(setting: str, *, own: bool = False) -> GemmChoice:
+    """The choice in force: the job's agreed one (unless ``own``: this process's, what its
+    HELLO says), else ``DTM_GEMM``'s (``setting``): numpy, one provider everywhere (a
+    :class:`ConfigError` saying what is missing when it cannot load), or ``auto``, this
+    machine's measured one where numpy's BLAS runs one thread, else numpy's."""
+    if _agreed and not own:
         return _agreed[0]
     if setting == "auto":
-        return cached_choice()
+        return cached_choice() if numpy_blas_threads() <= 1 else NUMPY_ONLY
     provider = Provider(setting)
     if provider is Provider.NUMPY:
         return NUMPY_ONLY
@@ -390,7 +448,8 @@ def active_choice(setting: str) -> GemmChoice:
 
 def gemm_for(choice: GemmChoice, dtype: np.dtype[Any], m: int, k: int, n: int) -> Gemm | None:
     """The GEMM of a 2-D ``m x k @ k x n`` product of ``dtype`` under ``choice``; None where
-    numpy's matmul is the one (numpy chosen, another dtype, or the provider cannot load)."""
+    numpy's matmul is the one (numpy chosen, or another dtype). A provider the choice names
+    that cannot load here is a :class:`ConfigError` (the job's ranks must run one provider)."""
     name = np.dtype(dtype).name
     if name not in DTYPES:
         return None
@@ -398,13 +457,24 @@ def gemm_for(choice: GemmChoice, dtype: np.dtype[Any], m: int, k: int, n: int) -
     if provider is Provider.NUMPY:
         return None
     g = provider_gemm(provider)
-    return None if isinstance(g, str) else g
+    if isinstance(g, str):
+        raise ConfigError(
+            f"the job's GEMM choice runs {provider.value} for {name} {shape_class(m, k, n)} "
+            f"products, which this process cannot load: {g}"
+        )
+    return g
 
 
 def describe_gemm(setting: str, refresh: bool = False) -> str:
     """``dtm info``'s lines: the setting, each class's provider and what every provider
     measured (``refresh``: measured again)."""
     lines = [f"GEMM (DTM_GEMM={setting}): " + ", ".join(_available())]
+    threads = numpy_blas_threads()
+    if setting == "auto" and threads > 1:
+        lines.append(
+            f"  numpy's BLAS runs {threads} threads here: numpy's for every class (the others "
+            "are measured at one thread)"
+        )
     choice = cached_choice(refresh) if setting == "auto" else active_choice(setting)
     gf = {(d, c, p): v for d, c, p, v in choice.measured}
     for dtype in DTYPES:

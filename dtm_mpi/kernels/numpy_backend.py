@@ -249,7 +249,8 @@ def _prepared_adamw(ctx: KernelContext) -> PreparedKernel:
         if p.size > ADAMW_CHUNK:
             return tuple(adamw_reference(op, xs, types))
         dt = p.dtype
-        return adamw_values(p, g, m, v, np.asarray(bc1, dtype=dt), np.asarray(bc2, dtype=dt), attrs)
+        outs = adamw_values(p, g, m, v, np.asarray(bc1, dtype=dt), np.asarray(bc2, dtype=dt), attrs)
+        return tuple(np.asarray(o) for o in outs)  # (numpy gives scalars for 0-d operands)
 
     return call
 

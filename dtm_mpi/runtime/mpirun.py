@@ -390,7 +390,7 @@ def _join(live: _Live, module: Module, args: MpiRunArgs, backend: ArrayBackend) 
         audit_every=config.audit_every,
         quant_allreduce=0 if config.deterministic else config.quant_allreduce,
         deterministic_matmul=config.deterministic_matmul if config.deterministic else "",
-        gemm=active_choice(config.gemm).text() if args.backend == "numpy" else "",
+        gemm=active_choice(config.gemm, own=True).text() if args.backend == "numpy" else "",
     )
     hellos = handshake(session, hello)  # the module's requirements were checked in phase load
     choice, why = agreed_choice([h.gemm for h in hellos])

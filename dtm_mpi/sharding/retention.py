@@ -6,9 +6,11 @@ by the next step's same collective, whatever its size (a fresh buffer of tens of
 page faults on every call: 64 MiB allgathers ran at 0.57 of raw MPI when only buffers up to
 4 MiB were kept)
 (``dtm_mpi.comm.buffers.OutputCache``); ``dtm explain`` adds the kept bytes to a rank's memory.
-Not kept: the output of a redistribution of a state parameter (:func:`keeps_gather_of`), the
-gathers of parameters stored sharded (ZeRO-3): each is freed after its layer's uses, and
-keeping it would hold every parameter whole between steps, what sharding them is meant to save.
+Not kept: the output of any redistribution of a state parameter (:func:`keeps_gather_of`).
+Those are the gathers of parameters stored sharded (ZeRO-3): each is freed after its layer's
+uses, and keeping it would hold every parameter whole between steps, what sharding them is
+meant to save. A program that redistributes a state parameter for another reason pays a
+fresh buffer for it each step too.
 """
 
 from __future__ import annotations

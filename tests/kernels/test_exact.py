@@ -389,3 +389,24 @@ def test_the_shortcuts_give_the_bits_of_the_plain_forms(seed: int) -> None:
     assert lo is not None and want_lo is not None
     assert np.array_equal(hi[:, keep], want_hi[:, keep])
     assert np.array_equal(lo[:, keep], want_lo[:, keep])
+
+
+@pytest.mark.parametrize(
+    ("values", "want"),
+    [
+        ([1.7e308, 1.7e308, 0.0, 0.0, 0.0], np.inf),  # past the largest float64: IEEE's inf
+        ([-1.7e308, -1.7e308, 0.0, 1.0, 0.0], -np.inf),
+        ([1e308, 1e308, -1e308, 5.0, 0.0], 1e308),  # exact: no overflow in any order
+    ],
+)
+def test_a_float64_sum_past_the_largest_is_an_infinity_not_nan(
+    values: list[float], want: float
+) -> None:
+    m = module(
+        "  %p = sum %x dims [0] : f64[] partial(sum: tp)\n"
+        "  %s = allreduce sum %p on tp : f64[]\n  return %s",
+        "%x: f64[5]{tp}",
+        "f64[]",
+    )
+    got = on_every_mesh(m, {"x": np.array(values)})
+    assert got == want

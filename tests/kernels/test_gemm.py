@@ -38,6 +38,7 @@ def loadable(p: Provider) -> gemm.Gemm:
 @pytest.fixture
 def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(gemm, "_measured", [])
     use_choice(None)
     yield tmp_path
     use_choice(None)
@@ -116,6 +117,7 @@ def test_the_measurement_is_cached_per_machine(own_cache: Path) -> None:
     }
     assert all(v > 0 for *_, v in first.measured)
     stamp = files[0].stat().st_mtime_ns
+    gemm._measured.clear()  # another process: reads the file
     again = gemm.cached_choice()
     assert (
         again.text() == first.text() and files[0].stat().st_mtime_ns == stamp
@@ -206,3 +208,28 @@ def test_dtm_info_states_the_choice_and_its_measurements(tmp_path: Path) -> None
         for cls in ("small", "medium", "large"):
             line = next(ln for ln in out.splitlines() if ln.strip().startswith(f"{dtype} {cls}:"))
             assert "GFLOP/s at" in line and "numpy " in line, line
+
+
+def test_auto_keeps_numpy_where_numpys_blas_runs_threads(
+    own_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The providers are measured at one thread: a process whose numpy BLAS runs several
+    (a rank alone on its node) keeps numpy's for every class, and says so."""
+    mkl = "float32:small=numpy,medium=numpy,large=mkl;float64:small=numpy,medium=numpy,large=numpy"
+    monkeypatch.setattr(gemm, "_measured", [parse_gemm_choice(mkl)])
+    monkeypatch.setattr(gemm, "numpy_blas_threads", lambda: 1)
+    assert active_choice("auto").provider("float32", "large") is Provider.MKL
+    monkeypatch.setattr(gemm, "numpy_blas_threads", lambda: 8)
+    assert active_choice("auto").table == ()
+    assert "numpy's BLAS runs 8 threads here" in gemm.describe_gemm("auto")
+
+
+def test_a_provider_the_job_chose_but_this_process_cannot_load_is_an_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(gemm._loaded, Provider.BLIS, "the blis package does not import (test)")
+    choice = parse_gemm_choice("float32:small=numpy,medium=numpy,large=blis")
+    with pytest.raises(ConfigError, match="runs blis for float32 large products, which this"):
+        gemm.gemm_for(choice, np.dtype(np.float32), 512, 1024, 1024)
+    assert gemm.gemm_for(choice, np.dtype(np.float32), 8, 8, 8) is None  # numpy's class
+    assert gemm.gemm_for(choice, np.dtype(np.int32), 512, 1024, 1024) is None  # not a float
