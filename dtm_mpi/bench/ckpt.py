@@ -436,6 +436,7 @@ def run_ckpt_async_bench(
     Collective: call on all ranks."""
     from mpi4py import MPI
 
+    from dtm_mpi.comm.handshake import agree_gemm
     from dtm_mpi.comm.mpi_comm import MpiComm
     from dtm_mpi.comm.mpi_session import MpiSession
     from dtm_mpi.config import get_config
@@ -469,6 +470,7 @@ def run_ckpt_async_bench(
     hooks = RunHooks(feed, ("x", "t"))
     config = get_config()
     session = MpiSession(plan.mesh, timeout_s=config.timeout_s, world=world, join=False)
+    agree_gemm(world, config.gemm, timeout_s=config.timeout_s)  # one GEMM provider per job
     backend = open_backend(parse_backend("numpy"))
     state_bytes = 0
     best = {"none": 1e30, "sync": 1e30, "async": 1e30}

@@ -92,6 +92,7 @@ def run_pipeline_bench(
     from dtm_mpi.bench.pipeline_torch import TorchPipelines, torch_available
     from dtm_mpi.bench.rss import RssPeak, return_freed_memory
     from dtm_mpi.bench.train_models import initial_state
+    from dtm_mpi.comm.handshake import agree_gemm
     from dtm_mpi.comm.mpi_comm import MpiComm
     from dtm_mpi.comm.mpi_session import MpiSession
     from dtm_mpi.config import blas_threads_share, get_config
@@ -154,6 +155,7 @@ def run_pipeline_bench(
             )
             schedule = plan_schedule(kind, PipelineShape(p, microbatches, chunks))
             session = MpiSession(shape, timeout_s=get_config().timeout_s, world=world, join=False)
+            agree_gemm(world, get_config().gemm, timeout_s=get_config().timeout_s)
             plans = stage_plans(stages, mesh.ir(), shape)
             session.join_mesh(pipeline_groups(plans))
             runner = PipelineRank(stages, schedule, mesh.ir(), shape, MpiComm(session), plans=plans)

@@ -94,6 +94,7 @@ def _run_dtm(
 ) -> dict[str, Any]:
     from mpi4py import MPI
 
+    from dtm_mpi.comm.handshake import agree_gemm
     from dtm_mpi.comm.mpi_comm import MpiComm
     from dtm_mpi.comm.mpi_session import MpiSession
     from dtm_mpi.config import get_config
@@ -138,6 +139,7 @@ def _run_dtm(
     hooks = RunHooks(feed, tuple(step.inputs), on_step=on_step, metric_names=tuple(step.metrics))
     config = get_config()
     session = MpiSession(plan.mesh, timeout_s=config.timeout_s, world=world, join=False)
+    agree_gemm(world, config.gemm, timeout_s=config.timeout_s)  # one GEMM provider per job
     try:
         session.join_mesh(plan_groups(plan, config.deterministic))
         comm = TimedComm(

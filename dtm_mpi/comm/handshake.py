@@ -21,6 +21,7 @@ ranks' common choice, else numpy's (:func:`~dtm_mpi.kernels.gemm.agreed_choice`)
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -31,6 +32,7 @@ from dtm_mpi.log import log_info
 
 __all__ = [
     "LOCAL_FIELDS",
+    "agree_gemm",
     "PROTOCOL_VERSION",
     "Hello",
     "compare_hellos",
@@ -167,3 +169,17 @@ def handshake(session: MpiSession, hello: Hello) -> list[Hello]:
         )
     compare_hellos(hellos)
     return hellos
+
+
+def agree_gemm(comm: Any, setting: str, *, timeout_s: float) -> None:
+    """For runs without a handshake (the benchmarks' workers): every rank's GEMM choice
+    (``DTM_GEMM`` is ``setting``) exchanged, and the ranks' common one put in force, else
+    numpy's (:func:`~dtm_mpi.kernels.gemm.agreed_choice`, as after a handshake).
+
+    Collective: call on all ranks of ``comm``."""
+    from dtm_mpi.comm.agreement import exchange_without_session
+    from dtm_mpi.kernels.gemm import active_choice, agreed_choice, use_choice
+
+    mine = active_choice(setting, own=True).text()
+    texts = exchange_without_session(comm, mine, phase="GEMM choice", timeout_s=timeout_s)
+    use_choice(agreed_choice(texts)[0])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 
@@ -140,3 +141,29 @@ def test_a_damaged_outcome_frame_is_a_failure_of_its_sender(comm) -> None:  # ty
             f"its agreement message arrived corrupt at rank {rank} (wrong: crc)"
         )
     comm.Barrier()
+
+
+def test_the_benchmarks_workers_agree_one_gemm_choice(
+    comm: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Runs without a handshake (the benchmarks' workers) exchange their GEMM choices: the
+    common one where all agree, else numpy's on every rank."""
+    from dtm_mpi.comm.handshake import agree_gemm
+    from dtm_mpi.kernels import gemm
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    mkl = "float32:small=numpy,medium=numpy,large=mkl;float64:small=numpy,medium=numpy,large=numpy"
+    for odd in (None, size - 1):
+        own = "" if rank == odd and size > 1 else mkl
+        monkeypatch.setattr(
+            gemm,
+            "active_choice",
+            lambda setting, own_text=own, **kw: gemm.parse_gemm_choice(own_text),
+        )
+        try:
+            agree_gemm(comm, "auto", timeout_s=30)
+            got = gemm._agreed[0]
+        finally:
+            gemm.use_choice(None)
+        want = gemm.Provider.MKL if odd is None or size == 1 else gemm.Provider.NUMPY
+        assert got.provider("float32", "large") is want
