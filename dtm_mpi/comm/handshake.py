@@ -2,8 +2,8 @@
 and all ranks check they agree.
 
 Each rank contributes a :class:`Hello` (protocol version, dtm_mpi version, module hash, bound
-mesh, capabilities, backend, deterministic mode and its matmul precision, ``--steps``, the overlapped allreduces' bucket
-size). The hellos travel as HELLO frames (``io/WIRE.md``: versioned, CRC32C-checked), exchanged
+mesh, capabilities, backend, deterministic mode and its matmul precision, ``--steps``, the
+overlapped allreduces' bucket size). The hellos travel as HELLO frames (``io/WIRE.md``: versioned, CRC32C-checked), exchanged
 with bounded non-blocking allgathers (lengths, then the frames, then what each rank found
 wrong: a corrupted frame is named with its sender on every rank) and compared field by field,
 so a mismatch raises the same :class:`~dtm_mpi.errors.HandshakeError` everywhere, naming each

@@ -104,17 +104,11 @@ def exponents(x: Arr) -> Arr:
     return out
 
 
-def group_max(e: Arr, axis: tuple[int, ...]) -> Arr:
-    """The largest exponent over ``axis`` (kept as size-1 dims; :data:`ZERO_EXP` if empty)."""
-    out: Arr = np.max(e, axis=axis, keepdims=True, initial=ZERO_EXP)
-    return out
-
-
 def group_exponent(x: Arr, axis: tuple[int, ...]) -> Arr:
-    """``group_max(exponents(x), axis)`` in one pass over ``x``: an exponent grows with the
-    magnitude, so a group's largest is its largest magnitude's (an infinity or NaN in the group
-    makes that magnitude non-finite, :data:`NONFINITE_EXP`; an empty or all-zero group gives
-    :data:`ZERO_EXP`)."""
+    """The largest of :func:`exponents` of ``x`` over ``axis`` (kept as size-1 dims), in one
+    pass over ``x``: an exponent grows with the magnitude, so a group's largest is its largest
+    magnitude's (an infinity or NaN in the group makes that magnitude non-finite,
+    :data:`NONFINITE_EXP`; an empty or all-zero group gives :data:`ZERO_EXP`)."""
     v = np.asarray(x)
     hi = np.max(v, axis=axis, keepdims=True, initial=0)
     lo = np.min(v, axis=axis, keepdims=True, initial=0)
@@ -224,12 +218,10 @@ def _rounded(hi: Arr, lo: Arr | None, t: TensorType) -> Arr:
     None: zero)."""
     if t.dtype is DType.F64:
         return hi  # hi is already the nearest float64
-    if lo is None and t.dtype is not DType.BF16:
-        return as_dtype(hi, t)  # hi is the value: one rounding
+    if t.dtype is DType.BF16:  # odd float32, then bf16's one rounding
+        return as_dtype(_odd(hi, np.zeros_like(hi) if lo is None else lo, np.float32), t)
     if lo is None:
-        lo = np.zeros_like(hi)
-    if t.dtype is DType.BF16:
-        return as_dtype(_odd(hi, lo, np.float32), t)  # odd float32, then bf16's one rounding
+        return as_dtype(hi, t)  # hi is the value: one rounding
     return as_dtype(_odd64(hi, lo), t)  # odd float64, then the one rounding
 
 
@@ -496,8 +488,8 @@ def _special_terms(v: Arr) -> tuple[Arr, Arr, Arr]:
 def _sum_finish(ctx: KernelContext, got: Levels, exps: Arr, _precision: Precision) -> Arr:
     _, w = _sum_plan(_count(ctx))
     special = _nonfinite(exps)
-    hi, rest = _scale_back(got.levels, np.where(special, 0, exps), w, 1)
-    lo = np.zeros_like(hi) if rest is None else rest
+    hi, lo = _scale_back(got.levels, np.where(special, 0, exps), w, 1)
+    assert lo is not None  # (a sum has two levels at least: _sum_plan)
     if got.specials is not None:
         hi = np.where(special, _special_value(got.specials), hi)
     t = ctx.result_types[0]

@@ -45,11 +45,12 @@ def exact_across(
     comm: Comm,
     *,
     duplicate: bool,
-    precision: Precision = Precision.FULL,
+    precision: Precision,
 ) -> np.ndarray:
     """The exact result block of ``ctx.op`` on this rank, from its host operand blocks ``xs``
     (module doc); ``duplicate``: this rank's operand repeats the group's first rank's (it
-    contributes nothing); ``precision``: the matmul's (the same on every rank). Without pending axes it is the op's exact form on this rank alone.
+    contributes nothing); ``precision``: the matmul's (the same on every rank). Without
+    pending axes it is the op's exact form on this rank alone.
 
     Collective over the op's pending group."""
     axes = exact_axes(ctx.op, comm.mesh)
