@@ -29,8 +29,7 @@ from dtm_mpi.config import get_config
 from dtm_mpi.ir.dtypes import as_dtype, np_dtype
 from dtm_mpi.ir.ops.create import random_values
 from dtm_mpi.ir.ops.index import scatter_rows, take_rows
-from dtm_mpi.ir.ops.update import CHUNK as ADAMW_CHUNK
-from dtm_mpi.ir.ops.update import adamw_reference, adamw_values, update_attrs
+from dtm_mpi.ir.ops.update import adamw_blocks, update_attrs
 from dtm_mpi.ir.registry import OPS, Trait, lookup_op
 from dtm_mpi.ir.types import DType, Layout, ReduceOp, TensorType
 from dtm_mpi.kernels.dispatch import (
@@ -237,22 +236,9 @@ _UNSET: Any = object()
 
 
 def _prepared_adamw(ctx: KernelContext) -> PreparedKernel:
-    """``adamw`` with its attributes read once, and a parameter of at most one chunk updated
-    in one call of the formula (no chunk loop, no copies into preallocated outputs: a small
-    model's step took 40 us a parameter); larger ones in chunks, as the reference. The same
-    bits either way (elementwise). Called with floating-point errors ignored (the executor)."""
+    """``adamw`` with its attributes read once (the reference reads them every call)."""
     attrs = update_attrs(ctx.op)
-    op, types = ctx.op, ctx.local_types
-
-    def call(xs: Sequence[Arr]) -> tuple[Arr, ...]:
-        p, g, m, v, bc1, bc2 = xs
-        if p.size > ADAMW_CHUNK:
-            return tuple(adamw_reference(op, xs, types))
-        dt = p.dtype
-        outs = adamw_values(p, g, m, v, np.asarray(bc1, dtype=dt), np.asarray(bc2, dtype=dt), attrs)
-        return tuple(np.asarray(o) for o in outs)  # (numpy gives scalars for 0-d operands)
-
-    return call
+    return lambda xs: adamw_blocks(xs, attrs)
 
 
 @register_preparer(BACKEND)
