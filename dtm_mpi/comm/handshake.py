@@ -174,12 +174,12 @@ def handshake(session: MpiSession, hello: Hello) -> list[Hello]:
 def agree_gemm(comm: Any, setting: str, *, timeout_s: float) -> None:
     """For runs without a handshake (the benchmarks' workers): every rank's GEMM choice
     (``DTM_GEMM`` is ``setting``) exchanged, and the ranks' common one put in force, else
-    numpy's (:func:`~dtm_mpi.kernels.gemm.agreed_choice`, as after a handshake).
+    numpy's (:func:`~dtm_mpi.kernels.gemm.use_agreed`, as after a handshake).
 
     Collective: call on all ranks of ``comm``."""
     from dtm_mpi.comm.agreement import exchange_without_session
-    from dtm_mpi.kernels.gemm import active_choice, agreed_choice, use_choice
+    from dtm_mpi.kernels.gemm import active_choice, use_agreed
 
     mine = active_choice(setting, own=True).text()
     texts = exchange_without_session(comm, mine, phase="GEMM choice", timeout_s=timeout_s)
-    use_choice(agreed_choice(texts)[0])
+    use_agreed(texts, int(comm.Get_rank()))

@@ -63,6 +63,7 @@ __all__ = [
     "probe",
     "provider_gemm",
     "shape_class",
+    "use_agreed",
     "use_choice",
 ]
 
@@ -95,13 +96,10 @@ def shape_class(m: int, k: int, n: int) -> str:
 # --- the providers -----------------------------------------------------------------------------
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
-_MKL_SEQUENTIAL = 1
+_MKL_LP64, _MKL_SEQUENTIAL = 0, 1
+_MKL_CBWR_AUTO, _MKL_CBWR_STRICT, _MKL_CBWR_SUCCESS = 2, 0x10000, 0
 _lock = threading.Lock()
 _loaded: dict[Provider, Gemm | str] = {}
-
-
-_MKL_LP64 = 0
-_MKL_CBWR_AUTO, _MKL_CBWR_STRICT, _MKL_CBWR_SUCCESS = 2, 0x10000, 0
 
 
 def _mkl_library() -> ctypes.CDLL | str:
@@ -150,11 +148,6 @@ def _mkl_gemm(lib: ctypes.CDLL) -> Gemm:
         m, k = a.shape
         n = b.shape[1]
         out = np.empty((m, n), dtype=a.dtype)
-        if m == 0 or n == 0:
-            return out
-        if k == 0:
-            out.fill(0)
-            return out
         sa, ta = _operand(a)
         sb, tb = _operand(b)
         fn, real = (
@@ -190,13 +183,22 @@ def _blis_gemm() -> Gemm | str:
         return f"the blis package does not import ({type(exc).__name__}: {exc}; pip install blis)"
 
     def gemm(a: Arr, b: Arr) -> Arr:
-        if 0 in a.shape or 0 in b.shape:
-            empty: Arr = np.matmul(a, b)
-            return empty
         # row-major operands, no transposes: blis 1.3's float64 gemm gives the wrong shape
         # and values for transposed operands (float32's are right); a copy is cheap beside it
         out: Arr = blis_gemm(np.ascontiguousarray(a), np.ascontiguousarray(b))
         return out
+
+    return gemm
+
+
+def _nonempty(g: Gemm) -> Gemm:
+    """``g`` for products with elements to compute; numpy's for empty ones (zeros over K = 0)."""
+
+    def gemm(a: Arr, b: Arr) -> Arr:
+        if 0 in a.shape or 0 in b.shape:
+            empty: Arr = np.matmul(a, b)
+            return empty
+        return g(a, b)
 
     return gemm
 
@@ -209,9 +211,10 @@ def provider_gemm(provider: Provider) -> Gemm | str:
                 _loaded[provider] = np.matmul
             elif provider is Provider.MKL:
                 lib = _mkl_library()
-                _loaded[provider] = lib if isinstance(lib, str) else _mkl_gemm(lib)
+                _loaded[provider] = lib if isinstance(lib, str) else _nonempty(_mkl_gemm(lib))
             else:
-                _loaded[provider] = _blis_gemm()
+                blis = _blis_gemm()
+                _loaded[provider] = blis if isinstance(blis, str) else _nonempty(blis)
         return _loaded[provider]
 
 
@@ -419,6 +422,17 @@ def agreed_choice(texts: list[str]) -> tuple[GemmChoice, str]:
         by.setdefault(t, []).append(rank)
     said = "; ".join(f"rank(s) {','.join(map(str, r))}: {t}" for t, r in by.items())
     return NUMPY_ONLY, f"the ranks chose different GEMM providers ({said}): numpy's on every rank"
+
+
+def use_agreed(texts: list[str], rank: int) -> None:
+    """Put the job's choice in force from every rank's (:meth:`GemmChoice.text`, in rank
+    order: :func:`agreed_choice`); rank 0 warns when the ranks chose differently."""
+    choice, why = agreed_choice(texts)
+    use_choice(choice)
+    if why and rank == 0:
+        from dtm_mpi.log import logger
+
+        logger().warning("[rank 0] dtm: %s", why)
 
 
 def use_choice(choice: GemmChoice | None) -> None:

@@ -368,8 +368,7 @@ def _join(live: _Live, module: Module, args: MpiRunArgs, backend: ArrayBackend) 
     from dtm_mpi.comm.mpi_comm import MpiComm
     from dtm_mpi.config import get_config
     from dtm_mpi.ir.hashing import module_hash
-    from dtm_mpi.kernels.gemm import active_choice, agreed_choice, use_choice
-    from dtm_mpi.log import logger
+    from dtm_mpi.kernels.gemm import active_choice, use_agreed
     from dtm_mpi.plan.pipeline import pipeline_signature
 
     config = get_config()
@@ -393,10 +392,7 @@ def _join(live: _Live, module: Module, args: MpiRunArgs, backend: ArrayBackend) 
         gemm=active_choice(config.gemm, own=True).text() if args.backend == "numpy" else "",
     )
     hellos = handshake(session, hello)  # the module's requirements were checked in phase load
-    choice, why = agreed_choice([h.gemm for h in hellos])
-    use_choice(choice)
-    if why and session.rank == 0:
-        logger().warning("[rank 0] dtm: %s", why)
+    use_agreed([h.gemm for h in hellos], session.rank)
     groups = plan_groups(plan, config.deterministic)
     if live.pipeline is not None:  # every stage's passes, and the pipeline axis
         passes = {**live.pipeline.passes, **(live.pipeline.whole_passes or {})}
