@@ -63,9 +63,9 @@ def _kept(t: TensorType, mesh: MeshShape, rank: int) -> int:
     return kept_bytes(local_bytes(t, mesh, rank))
 
 
-def _retained(p: PlanOp, plan: ExecPlan, rank: int, state: frozenset[str]) -> int:
+def _retained(p: PlanOp, plan: ExecPlan, rank: int, fp: FunctionPlan) -> int:
     if p.kind is OpKind.REDIST and p.redist is not None:
-        if not keeps_gather_of(p.op.operands[0], state):
+        if not keeps_gather_of(p.op.operands[0], fp.function):
             return 0
         steps = p.redist.steps
         return sum(_kept(s.out_type, plan.mesh, rank) for s in steps if s.kind.is_collective)
@@ -144,7 +144,6 @@ def function_cost(plan: ExecPlan, fp: FunctionPlan) -> FunctionCost:
     ranks = range(mesh.size)
     types: dict[str, TensorType] = {q.name: q.type for q in fp.function.params}
     params = set(types)
-    state = frozenset(q.name for q in fp.function.params if q.state)
     live = [sum(local_bytes(q.type, mesh, r) for q in fp.function.params) for r in ranks]
     peak = list(live)
     sent = [0] * mesh.size
@@ -175,7 +174,7 @@ def function_cost(plan: ExecPlan, fp: FunctionPlan) -> FunctionCost:
             live[r] += new
             sent[r] += traffic[r][0]
             received[r] += traffic[r][1]
-            retained[r] += _retained(p, plan, r, state)
+            retained[r] += _retained(p, plan, r, fp)
         for name, t in zip(op.results, op.result_types, strict=True):
             types[name] = t
         for name in p.frees:

@@ -448,9 +448,7 @@ class Executor:
         if p.kind is OpKind.LOCAL and not OPS[p.op.name].has(Trait.NEEDS_STEP):
             prepared, check = self._prepared_local(p)
             return p.op.operands, prepared, check
-        if p.kind is OpKind.REDIST and not keeps_gather_of(
-            p.op.operands[0], {q.name for q in fp.function.params if q.state}
-        ):
+        if p.kind is OpKind.REDIST and not keeps_gather_of(p.op.operands[0], fp.function):
             for spec in self._specs(p):  # a gather of a parameter stored sharded: not kept
                 self.comm.transient(spec)
         return p.op.operands, functools.partial(self._run_op, p), None

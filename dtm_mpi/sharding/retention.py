@@ -15,7 +15,7 @@ fresh buffer for it each step too.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from dtm_mpi.ir.nodes import Function
 
 __all__ = ["ALIGN_FROM", "keeps_gather_of", "kept_bytes"]
 
@@ -28,7 +28,7 @@ def kept_bytes(nbytes: int) -> int:
     return nbytes if nbytes >= ALIGN_FROM else 0
 
 
-def keeps_gather_of(operand: str, state_params: Collection[str]) -> bool:
-    """Whether a redistribution of value ``operand`` keeps its output for reuse: not when it
-    is a state parameter of the function (``state_params``: their names)."""
-    return operand not in state_params
+def keeps_gather_of(operand: str, function: Function) -> bool:
+    """Whether a redistribution of value ``operand`` in ``function`` keeps its output for
+    reuse: not when it is a state parameter of the function."""
+    return not any(q.state and q.name == operand for q in function.params)
