@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -205,24 +205,31 @@ def _log_level(name: str, raw: str) -> str:
     return level
 
 
-def _deterministic_matmul(name: str, raw: str) -> str:
-    from dtm_mpi.kernels.exact import Precision  # (the values' one home)
+def _one_of(words: Callable[[], Sequence[str]]) -> Callable[[str, str], str]:
+    """The parser of a variable taking one of ``words()`` (any case; empty: the first),
+    read when a value is parsed (the words' home may import what config must not)."""
 
-    mode = raw.strip().lower() or Precision.FULL.value
-    known = [p.value for p in Precision]
-    if mode not in known:
-        raise ConfigError(f"{name}: expected {' or '.join(known)}, got {raw!r}")
-    return mode
+    def parse(name: str, raw: str) -> str:
+        known = list(words())
+        mode = raw.strip().lower() or known[0]
+        if mode not in known:
+            listed = ", ".join(known[:-1]) + f" or {known[-1]}"
+            raise ConfigError(f"{name}: expected {listed}, got {raw!r}")
+        return mode
+
+    return parse
 
 
-def _gemm(name: str, raw: str) -> str:
-    from dtm_mpi.kernels.gemm import Provider  # (the values' one home)
+def _precisions() -> list[str]:
+    from dtm_mpi.kernels.exact import Precision
 
-    mode = raw.strip().lower() or "auto"
-    known = ["auto", *(p.value for p in Provider)]
-    if mode not in known:
-        raise ConfigError(f"{name}: expected {', '.join(known[:-1])} or {known[-1]}, got {raw!r}")
-    return mode
+    return [p.value for p in Precision]
+
+
+def _gemm_settings() -> list[str]:
+    from dtm_mpi.kernels.gemm import Provider
+
+    return ["auto", *(p.value for p in Provider)]
 
 
 def _ckpt_verify_full(name: str, raw: str) -> bool:
@@ -279,14 +286,14 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("DTM_TIMEOUT", "timeout_s", _parse_positive_float, "300"),
     EnvVar("DTM_FAULT", "faults", parse_fault_specs, "—"),
     EnvVar("DTM_DETERMINISTIC", "deterministic", _yes_no(False), "0"),
-    EnvVar("DTM_DETERMINISTIC_MATMUL", "deterministic_matmul", _deterministic_matmul, "full"),
+    EnvVar("DTM_DETERMINISTIC_MATMUL", "deterministic_matmul", _one_of(_precisions), "full"),
     EnvVar("DTM_INTEGRITY", "integrity", _yes_no(False), "0"),
     EnvVar("DTM_AUDIT_EVERY", "audit_every", _parse_count, "0"),
     EnvVar("DTM_QUANT_ALLREDUCE", "quant_allreduce", _parse_count, "0"),
     EnvVar("DTM_MAX_MSG_ELEMS", "max_msg_elems", _parse_positive_int, str(MAX_MSG_ELEMS_DEFAULT)),
     EnvVar("DTM_GPU_AWARE_MPI", "gpu_aware_mpi", _gpu_aware, "auto"),
     EnvVar("DTM_FUSE", "fuse", _yes_no(True), "1"),
-    EnvVar("DTM_GEMM", "gemm", _gemm, "auto"),
+    EnvVar("DTM_GEMM", "gemm", _one_of(_gemm_settings), "auto"),
     EnvVar("DTM_KERNEL_DIR", "kernel_dir", _directory, "—"),
     EnvVar("DTM_LOG", "log_level", _log_level, "warning"),
     EnvVar("DTM_CKPT_RANKS_PER_FILE", "ckpt_ranks_per_file", _ranks_per_file, "1"),
