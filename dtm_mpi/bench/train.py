@@ -55,6 +55,7 @@ DETERMINISTIC = {"dtm-det": "full", "dtm-det-fast": "fast"}
 """dtm in deterministic mode (``--deterministic``, 1 rank): impl -> its matmul precision
 (``DTM_DETERMINISTIC_MATMUL``)."""
 TARGET_DETERMINISTIC = 3.0  # 1 rank, mlp: a deterministic step / a plain one
+DTM_RUNS = (*DTM_IMPLS, *DETERMINISTIC)  # every configuration that runs dtm's worker
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,7 @@ def _command(c: TrainConfig, steps: int, warmup: int, out: str, mpirun: Sequence
         "--out",
         out,
     ]
-    if c.impl in DTM_IMPLS or c.impl in DETERMINISTIC:
+    if c.impl in DTM_RUNS:
         return [*mpirun, "-n", str(c.ranks), *py, "-m", "mpi4py", *worker]
     if c.impl in ("torch-ddp", "torch-tp"):
         return [*mpirun, "-n", str(c.ranks), *py, *worker, "--rendezvous", _rendezvous(out)]
@@ -466,7 +467,7 @@ def _plot(path: str, rows: Sequence[TrainRow]) -> str:
         ]
         colors = [
             "#4c72b0"
-            if r.config.impl in DTM_IMPLS or r.config.impl in DETERMINISTIC
+            if r.config.impl in DTM_RUNS
             else "#55a868"
             if r.config.impl == "numpy"
             else "#c44e52"

@@ -19,6 +19,16 @@ from tests.test_mpi_run import EXAMPLES, load
 pytestmark = pytest.mark.mpi
 
 
+def run_two_steps(name: str, out: Path, comm: Any, all_ranks: Any, capsys: Any) -> Any:
+    """``dtm run`` of example ``name`` for two steps in the suite's processes, its outputs
+    (asserted to have exited 0 on every rank)."""
+    code = run(["run", str(EXAMPLES / f"{name}.dtm"), "--steps", "2", "-o", str(out)])
+    text = capsys.readouterr()
+    all_ranks(code == 0, f"dtm run exited {code}: {text.err}")
+    comm.Barrier()
+    return np.load(out)
+
+
 @pytest.fixture
 def deterministic(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setenv("DTM_DETERMINISTIC", "1")
@@ -38,12 +48,7 @@ def test_dtm_run_of_an_example_equals_the_simulator(
     deterministic: Any,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    out = mpi_tmp_path / "out.npz"
-    code = run(["run", str(EXAMPLES / f"{name}.dtm"), "--steps", "2", "-o", str(out)])
-    text = capsys.readouterr()
-    all_ranks(code == 0, f"dtm run exited {code}: {text.err}")
-    comm.Barrier()
-    got = np.load(out)
+    got = run_two_steps(name, mpi_tmp_path / "out.npz", comm, all_ranks, capsys)
     want = run_simulated(load(name), comm.Get_size(), steps=2, deterministic=True).outputs()
     all_ranks(sorted(got.files) == sorted(want), f"{sorted(got.files)} != {sorted(want)}")
     for key, value in want.items():
@@ -73,12 +78,7 @@ def test_dtm_run_with_overlapped_buckets_in_deterministic_mode_equals_the_simula
     module = load(name)
     plan = compile_plan(module, mesh_for(module, comm.Get_size(), None))
     all_ranks(bool(plan.entry_plan.buckets), "the plan overlaps no allreduce")
-    out = mpi_tmp_path / "out.npz"
-    code = run(["run", str(EXAMPLES / f"{name}.dtm"), "--steps", "2", "-o", str(out)])
-    text = capsys.readouterr()
-    all_ranks(code == 0, f"dtm run exited {code}: {text.err}")
-    comm.Barrier()
-    got = np.load(out)
+    got = run_two_steps(name, mpi_tmp_path / "out.npz", comm, all_ranks, capsys)
     monkeypatch.setenv("DTM_OVERLAP", "0")
     get_config.cache_clear()
     want = run_simulated(module, 1, steps=2, deterministic=True).outputs()
@@ -137,12 +137,7 @@ def test_dtm_run_with_the_fast_deterministic_matmul_has_one_ranks_bits(
     not those of the full precision (the setting is what ran)."""
     monkeypatch.setenv("DTM_DETERMINISTIC_MATMUL", "fast")
     get_config.cache_clear()
-    out = mpi_tmp_path / "out.npz"
-    code = run(["run", str(EXAMPLES / f"{name}.dtm"), "--steps", "2", "-o", str(out)])
-    text = capsys.readouterr()
-    all_ranks(code == 0, f"dtm run exited {code}: {text.err}")
-    comm.Barrier()
-    got = np.load(out)
+    got = run_two_steps(name, mpi_tmp_path / "out.npz", comm, all_ranks, capsys)
     want = run_simulated(load(name), 1, steps=2, deterministic=True).outputs()
     for key, value in want.items():
         all_ranks(got[key].tobytes() == value.tobytes(), f"{key} differs from one rank's")
