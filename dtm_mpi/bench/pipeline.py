@@ -111,6 +111,8 @@ def run_pipeline_bench(
     )
     node.Free()
     limit_blas_threads(threads)  # dtm's ranks and torch's alike
+    config = get_config()
+    agree_gemm(world, config.gemm, timeout_s=config.timeout_s)  # one GEMM provider per job
     kinds = [parse_schedule(s) for s in schedules]
     if steps < 1 or warmup < 0:
         raise UsageError(f"--steps must be >= 1 and --warmup >= 0; got {steps}, {warmup}")
@@ -154,8 +156,7 @@ def run_pipeline_bench(
                 optimizer=dtm.optim.AdamW(lr=1e-3),
             )
             schedule = plan_schedule(kind, PipelineShape(p, microbatches, chunks))
-            session = MpiSession(shape, timeout_s=get_config().timeout_s, world=world, join=False)
-            agree_gemm(world, get_config().gemm, timeout_s=get_config().timeout_s)
+            session = MpiSession(shape, timeout_s=config.timeout_s, world=world, join=False)
             plans = stage_plans(stages, mesh.ir(), shape)
             session.join_mesh(pipeline_groups(plans))
             runner = PipelineRank(stages, schedule, mesh.ir(), shape, MpiComm(session), plans=plans)
