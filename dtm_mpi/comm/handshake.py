@@ -33,6 +33,7 @@ from dtm_mpi.log import log_info
 __all__ = [
     "LOCAL_FIELDS",
     "agree_gemm",
+    "use_agreed_gemm",
     "PROTOCOL_VERSION",
     "Hello",
     "compare_hellos",
@@ -174,12 +175,25 @@ def handshake(session: MpiSession, hello: Hello) -> list[Hello]:
 def agree_gemm(comm: Any, setting: str, *, timeout_s: float) -> None:
     """For runs without a handshake (the benchmarks' workers): every rank's GEMM choice
     (``DTM_GEMM`` is ``setting``) exchanged, and the ranks' common one put in force, else
-    numpy's (:func:`~dtm_mpi.kernels.gemm.use_agreed`, as after a handshake).
+    numpy's (:func:`use_agreed_gemm`, as after a handshake).
 
     Collective: call on all ranks of ``comm``."""
     from dtm_mpi.comm.agreement import exchange_without_session
-    from dtm_mpi.kernels.gemm import active_choice, use_agreed
+    from dtm_mpi.kernels.gemm import active_choice
 
     mine = active_choice(setting, own=True).text()
     texts = exchange_without_session(comm, mine, phase="GEMM choice", timeout_s=timeout_s)
-    use_agreed(texts, int(comm.Get_rank()))
+    use_agreed_gemm(texts, int(comm.Get_rank()))
+
+
+def use_agreed_gemm(texts: list[str], rank: int) -> None:
+    """Put the job's GEMM choice in force from every rank's (``Hello.gemm``, in rank order:
+    :func:`~dtm_mpi.kernels.gemm.agreed_choice`); rank 0 warns when the ranks chose
+    differently."""
+    from dtm_mpi.kernels.gemm import agreed_choice, use_choice
+    from dtm_mpi.log import logger
+
+    choice, why = agreed_choice(texts)
+    use_choice(choice)
+    if why and rank == 0:
+        logger().warning("[rank 0] dtm: %s", why)

@@ -63,7 +63,6 @@ __all__ = [
     "probe",
     "provider_gemm",
     "shape_class",
-    "use_agreed",
     "use_choice",
 ]
 
@@ -422,17 +421,6 @@ def agreed_choice(texts: list[str]) -> tuple[GemmChoice, str]:
         by.setdefault(t, []).append(rank)
     said = "; ".join(f"rank(s) {','.join(map(str, r))}: {t}" for t, r in by.items())
     return NUMPY_ONLY, f"the ranks chose different GEMM providers ({said}): numpy's on every rank"
-
-
-def use_agreed(texts: list[str], rank: int) -> None:
-    """Put the job's choice in force from every rank's (:meth:`GemmChoice.text`, in rank
-    order: :func:`agreed_choice`); rank 0 warns when the ranks chose differently."""
-    choice, why = agreed_choice(texts)
-    use_choice(choice)
-    if why and rank == 0:
-        from dtm_mpi.log import logger
-
-        logger().warning("[rank 0] dtm: %s", why)
 
 
 def use_choice(choice: GemmChoice | None) -> None:

@@ -364,11 +364,11 @@ def _new_session(plan: ExecPlan, world: Communicator | None) -> MpiSession:
 def _join(live: _Live, module: Module, args: MpiRunArgs, backend: ArrayBackend) -> None:
     """The handshake (module hash, mesh, versions, capabilities, backend; joining ranks
     included), the plan's group communicators, and the communication interface. Collective."""
-    from dtm_mpi.comm.handshake import PROTOCOL_VERSION, Hello, handshake
+    from dtm_mpi.comm.handshake import PROTOCOL_VERSION, Hello, handshake, use_agreed_gemm
     from dtm_mpi.comm.mpi_comm import MpiComm
     from dtm_mpi.config import get_config
     from dtm_mpi.ir.hashing import module_hash
-    from dtm_mpi.kernels.gemm import active_choice, use_agreed
+    from dtm_mpi.kernels.gemm import active_choice
     from dtm_mpi.plan.pipeline import pipeline_signature
 
     config = get_config()
@@ -392,7 +392,7 @@ def _join(live: _Live, module: Module, args: MpiRunArgs, backend: ArrayBackend) 
         gemm=active_choice(config.gemm, own=True).text() if args.backend == "numpy" else "",
     )
     hellos = handshake(session, hello)  # the module's requirements were checked in phase load
-    use_agreed([h.gemm for h in hellos], session.rank)
+    use_agreed_gemm([h.gemm for h in hellos], session.rank)
     groups = plan_groups(plan, config.deterministic)
     if live.pipeline is not None:  # every stage's passes, and the pipeline axis
         passes = {**live.pipeline.passes, **(live.pipeline.whole_passes or {})}
