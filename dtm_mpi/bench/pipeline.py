@@ -25,9 +25,11 @@ then ``steps`` timed steps per schedule, every schedule in the same processes. P
   loss of both is printed (the same model: they agree to float32 rounding).
 
 The first row is the same model and batch without a pipeline on one rank (the others wait);
-the cost model's transfer time is half the median round trip of one boundary block between
-ranks 0 and 1 through each schedule's own communicator (the runtime's send, driven by its
-send thread, and receive), measured before its steps.
+the cost model's transfer and receiving times are measured before each schedule's steps
+through its own communicator (the runtime's send, driven by its send thread, and receive):
+the receiving time is the median time a rank takes to receive a boundary block that has
+already arrived, the transfer time half the median round trip of one block between ranks 0
+and 1 less that.
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ class PipelineRow:
     rss_mib: float = 0.0
     torch_ms: float | None = None
     torch_rss_mib: float | None = None
+    transfer_us: float = 0.0
+    receive_us: float = 0.0
 
     @property
     def rel_diff(self) -> float:
@@ -164,7 +168,7 @@ def run_pipeline_bench(
             runs.append((runner, mine, session))
             # a boundary block's one-way time the way the run moves it (the runtime's send,
             # driven by its send thread, and a bounded receive): this schedule's transfer cost
-            transfer = _one_way_runtime(runner.comm, rank, boundary) if p > 1 else 0.0
+            transfer = _boundary_costs(runner.comm, rank, boundary) if p > 1 else (0.0, 0.0)
             for i in range(warmup):
                 loss = runner.step(mine, i).loss
                 first_loss = loss if first_loss is None else first_loss
@@ -236,10 +240,13 @@ def run_pipeline_bench(
     return _table(rows, p) + "\n" + losses
 
 
-def _one_way_runtime(comm: Any, rank: int, buf: np.ndarray, rounds: int = 20) -> float:
-    """Half the median round trip of ``buf`` between ranks 0 and 1 through ``comm`` (the
-    runtime's point to point; the others wait), the same on every rank."""
-    trips = []
+def _boundary_costs(comm: Any, rank: int, buf: np.ndarray, rounds: int = 20) -> tuple[float, float]:
+    """The cost model's ``(transfer, receive)`` for a boundary block ``buf`` moved through
+    ``comm`` (the runtime's point to point, its sends driven by the send thread) between ranks
+    0 and 1 (the others wait), the same on every rank: ``receive``, the median time rank 1
+    takes to receive a block that has already arrived (its copy in), and ``transfer``, half
+    the median round trip less that."""
+    trips, takes = [], []
     tag = 32000  # (below the reserved tags; no step is running)
     for _ in range(rounds):
         start = time.perf_counter()
@@ -251,8 +258,23 @@ def _one_way_runtime(comm: Any, rank: int, buf: np.ndarray, rounds: int = 20) ->
             comm.send(got, 0, tag)
         comm.flush()
         trips.append(time.perf_counter() - start)
+    ready = np.zeros(1, np.uint8)
+    for _ in range(rounds):  # a block that is there before its receive starts
+        if rank == 0:
+            comm.send(buf, 1, tag)
+            comm.send(ready, 1, tag + 1)  # (after the block: it has arrived when this has)
+        elif rank == 1:
+            comm.recv(ready.shape, ready.dtype, 0, tag + 1)
+            time.sleep(0.001)
+            start = time.perf_counter()
+            comm.recv(buf.shape, buf.dtype, 0, tag)
+            takes.append(time.perf_counter() - start)
+        comm.flush()
     half = np.array([statistics.median(trips) / 2 if rank == 0 else 0.0])
-    return float(comm.broadcast(half, ("pp",), 0)[0])
+    take = np.array([statistics.median(takes) if rank == 1 else 0.0])
+    one_way = float(comm.broadcast(half, ("pp",), 0)[0])
+    receive = float(comm.broadcast(take, ("pp",), 1)[0])
+    return max(0.0, one_way - receive), receive
 
 
 def _unpipelined(step: Any, data: dict[str, np.ndarray], steps: int, warmup: int) -> PipelineRow:
@@ -278,7 +300,7 @@ def _row(
     held_bytes: list[int],
     times: tuple[list[float], ...],
     p: int,
-    transfer: float,
+    transfer: tuple[float, float],
 ) -> PipelineRow:
     from dtm_mpi.plan.schedule import Compute, StageCosts, Work, time_schedule
 
@@ -302,7 +324,7 @@ def _row(
                 mean.get(Work.F, 0.0) + each,
                 mean.get(Work.I, 0.0) + extra,
                 mean.get(Work.W, 0.0) + extra,
-                transfer,
+                *transfer,
             )
         )
     timing = time_schedule(schedule, costs)
@@ -323,6 +345,8 @@ def _row(
         timing.bubble,
         held,
         held * max(held_bytes) / 2**20,
+        transfer_us=transfer[0] * 1e6,
+        receive_us=transfer[1] * 1e6,
     )
 
 
@@ -347,6 +371,11 @@ def _table(rows: Sequence[PipelineRow], p: int) -> str:
             f"{r.schedule:<14} {r.stages:>6} {r.microbatches:>3} {r.ms_per_step:>9.2f} {r.bubble:>7.1%} {r.predicted:>9.1%} {r.rel_diff:>+6.0%} {r.held:>5} {r.act_mib:>8.2f} {r.rss_mib:>8.1f}"
             + peer
         )
+    costs = ", ".join(
+        f"{r.schedule} {r.transfer_us:.0f} + {r.receive_us:.0f}" for r in rows if r.ranks > 1
+    )
+    if costs:
+        lines.append(f"boundary block, transfer + receive (us, measured): {costs}")
     return "\n".join(lines)
 
 
@@ -367,6 +396,8 @@ def _write_csv(path: str, rows: Sequence[PipelineRow]) -> None:
                 "rss_mib",
                 "torch_ms_per_step",
                 "torch_rss_mib",
+                "transfer_us",
+                "receive_us",
             ]
         )
         for r in rows:
@@ -384,5 +415,7 @@ def _write_csv(path: str, rows: Sequence[PipelineRow]) -> None:
                     f"{r.rss_mib:.4f}",
                     "" if r.torch_ms is None else f"{r.torch_ms:.4f}",
                     "" if r.torch_rss_mib is None else f"{r.torch_rss_mib:.4f}",
+                    f"{r.transfer_us:.2f}",
+                    f"{r.receive_us:.2f}",
                 ]
             )

@@ -179,12 +179,15 @@ class PipelineShape:
 class StageCosts:
     """The cost model of one stage's work for one microbatch (any unit: the ratios matter):
     ``forward``, the backward's ``input_grad`` and ``weight_grad`` parts (``B`` takes their
-    sum), and ``transfer``, the time a boundary message takes to arrive."""
+    sum), ``transfer``, the time a boundary message takes to arrive, and ``receive``, the
+    receiving rank's own time to take a message that has arrived (copying it in: idle time
+    for the pipeline, not a pass)."""
 
     forward: float = 1.0
     input_grad: float = 1.0
     weight_grad: float = 1.0
     transfer: float = 0.0
+    receive: float = 0.0
 
     def of(self, work: Work) -> float:
         if work is Work.F:
@@ -483,9 +486,10 @@ def check_schedule(schedule: Schedule) -> None:
 
 def time_schedule(schedule: Schedule, costs: Sequence[StageCosts] | None = None) -> ScheduleTiming:
     """The schedule's predicted time-line under ``costs`` (per stage; default F = I = W = 1,
-    no transfer time): each rank runs its actions in order, a receive waits for its message,
-    a send does not wait. Raises :class:`PlanError` for a deadlock (naming every waiting rank
-    and what it waits for) or a pass placed before its inputs."""
+    no transfer time): each rank runs its actions in order, a receive waits for its message
+    and then takes its receiving time, a send does not wait. Raises :class:`PlanError` for a
+    deadlock (naming every waiting rank and what it waits for) or a pass placed before its
+    inputs."""
     shape, name = schedule.shape, schedule.kind.value
     stage_costs = _costs(shape, costs)
     p = shape.ranks
@@ -507,7 +511,7 @@ def time_schedule(schedule: Schedule, costs: Sequence[StageCosts] | None = None)
                     key = (a.what, a.microbatch, a.stage)
                     if key not in arrivals:
                         break
-                    t[r] = max(t[r], arrivals[key])
+                    t[r] = max(t[r], arrivals[key]) + stage_costs[a.stage].receive
                     received.add(key)
                 else:
                     _check_inputs(shape, name, r, a, ends, received)

@@ -64,12 +64,16 @@ def test_bench_pipeline_under_mpirun_writes_a_row_per_schedule(tmp_path: Path) -
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "dtm bench pipeline: 2 rank(s)" in done.stdout and "predicted" in done.stdout
+    assert "boundary block, transfer + receive (us, measured): gpipe " in done.stdout
     rows = {r["schedule"]: r for r in csv.DictReader(out.open())}
     assert set(rows) == {"none (1 rank)", "gpipe", "1f1b", "interleaved", "zb-h1"}
     assert float(rows.pop("none (1 rank)")["ms_per_step"]) > 0  # the unpipelined step
     for r in rows.values():
         assert float(r["ms_per_step"]) > 0 and 0 <= float(r["predicted"]) < 1
         assert 0 <= float(r["bubble"]) < 1
+        # the cost model's boundary costs, measured: a receive takes some time, a block
+        # (2 x 8 x 16 float32) arrives within a second
+        assert 0 < float(r["receive_us"]) < 1e6 and 0 <= float(r["transfer_us"]) < 1e6
     assert rows["interleaved"]["stages"] == "4" and rows["1f1b"]["stages"] == "2"
     # the plan: 1F1B holds at most p = 2 microbatches where GPipe holds all 8, zb-h1 as 1F1B
     assert (int(rows["gpipe"]["held"]), int(rows["1f1b"]["held"]), int(rows["zb-h1"]["held"])) == (

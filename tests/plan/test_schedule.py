@@ -104,6 +104,25 @@ def test_transfer_time_is_on_the_critical_path() -> None:
     ]
 
 
+def test_a_receive_takes_its_time_after_the_message_arrives() -> None:
+    """As above, and taking an arrived message costs its receiver 0.25 (idle for the
+    pipeline): worked by hand, rank 0's backward of microbatch 0 waits for the gradient that
+    arrives at 5.25 and starts at 5.5; the step ends at 15."""
+    costs = [StageCosts(1, 1, 1, transfer=0.5, receive=0.25)] * 2
+    timing = time_schedule(plan_schedule(ONE, PipelineShape(2, 3)), costs)
+    assert timing.makespan == 15.0
+    assert [(s.start, s.end) for s in timing.spans[0]] == [
+        (0, 1),
+        (1, 2),
+        (5.5, 7.5),
+        (7.5, 8.5),
+        (8.75, 10.75),
+        (13, 15),
+    ]
+    assert [(s.start, s.end) for s in timing.spans[1]][:2] == [(1.75, 2.75), (2.75, 4.75)]
+    assert timing.bubble == 1 - 18 / 30  # the receiving time is not busy
+
+
 def test_every_boundary_message_is_one_send_and_one_receive_with_a_unique_tag() -> None:
     schedule = plan_schedule(INTER, PipelineShape(2, 4, 2))
     sends = [(r, a) for r, acts in enumerate(schedule.actions) for a in acts if isinstance(a, Send)]
