@@ -7,10 +7,12 @@ and MLP split over ``tp``, a vocab-parallel embedding and cross-entropy, AdamW; 
     mpirun -n 4 python -m mpi4py examples/gpt.py --mesh dp=2,tp=2 --steps 400 --store S --checkpoint-every 200
     mpirun -n 3 python -m mpi4py examples/gpt.py --mesh dp=1,tp=3 --steps 600 --store S --resume
     mpirun -n 4 python -m mpi4py examples/gpt.py --mesh pp=2,dp=1,tp=2 --microbatches 4 --schedule 1f1b
+    mpirun -n 4 python -m mpi4py examples/gpt.py --mesh pp=2,dp=2,tp=1 --microbatches 4 --schedule interleaved --layers 4
 
 With a ``pp`` axis (or ``--schedule``) the step runs as pipeline stages: the blocks cut evenly
 over ``pp``, ``--microbatches`` per step in the schedule named (gpipe, 1f1b, interleaved with
-two stages per rank, zb-h1); its checkpoints resume with or without a pipeline.
+two stages per rank: ``--layers`` at least twice ``pp``, zb-h1); its checkpoints resume with
+or without a pipeline (and the same ``--layers``).
 """
 
 from __future__ import annotations
@@ -96,8 +98,8 @@ class Windows:
         return out
 
 
-def gpt_model() -> dtm.nn.GPT:
-    return dtm.nn.GPT(len(CHARS), CONTEXT, DIM, HEADS, LAYERS)
+def gpt_model(layers: int = LAYERS) -> dtm.nn.GPT:
+    return dtm.nn.GPT(len(CHARS), CONTEXT, DIM, HEADS, layers)
 
 
 def loss_fn(m: dtm.nn.GPT, ids: dtm.Tensor, tgt: dtm.Tensor) -> dtm.Tensor:
@@ -124,6 +126,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--microbatches", type=int, default=1)
     ap.add_argument("--schedule", default=None, help="gpipe, 1f1b, interleaved, zb-h1")
+    ap.add_argument(
+        "--layers", type=int, default=LAYERS, help="transformer blocks (interleaved: >= 2 x pp)"
+    )
     args = ap.parse_args(argv)
     sizes = parse_mesh_binding(args.mesh)
     mesh = dtm.Mesh(pp=1, dp=2, tp=2)
@@ -133,7 +138,7 @@ def main(argv: list[str]) -> int:
         chunks = 2 if schedule == "interleaved" else 1
         pipeline = dtm.Pipeline(args.microbatches, schedule, chunks)
     train, val = corpus()
-    model = gpt_model()
+    model = gpt_model(args.layers)
     step = dtm.train_step(
         model,
         loss_fn,

@@ -143,7 +143,7 @@ def test_the_gpt_example_trains_checkpoints_and_resumes_on_another_mesh(tmp_path
     env = mpirun_env(PYTHONUNBUFFERED="1", DTM_TIMEOUT="60")
     store = str(tmp_path / "store")
 
-    def gpt(ranks: int, mesh: str, *args: str) -> str:
+    def gpt(ranks: int, mesh: str, *args: str, store: str = store) -> str:
         cmd = [
             "mpirun",
             "--timeout",
@@ -179,6 +179,10 @@ def test_the_gpt_example_trains_checkpoints_and_resumes_on_another_mesh(tmp_path
     assert 0 < loss < math.log(96) + 0.5, (
         out
     )  # below a uniform guess over the 96 characters (plus noise)
+    # pipelined: two stages per rank need --layers >= 2 x pp
+    args = ["--steps", "4", "--schedule", "interleaved", "--microbatches", "2", "--layers", "4"]
+    out = gpt(2, "pp=2,dp=1,tp=1", *args, store=str(tmp_path / "pp"))
+    assert "validation loss" in out, out
 
 
 @pytest.mark.parametrize(
