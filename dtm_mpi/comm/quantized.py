@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 
 from dtm_mpi.comm.interface import Comm, Completed, Pending
-from dtm_mpi.ir.ops.quant import dequantize_values, quantize_values
 from dtm_mpi.ir.types import ReduceOp
+from dtm_mpi.runtime.chunked import CHUNK_ELEMS
 from dtm_mpi.sharding.steps import AllgatherSpec, AllreduceSpec, ExchangeSpec, Transfer
 
 __all__ = ["MIN_COUNT", "QuantizedComm", "error_bound", "quantized_bytes"]
@@ -77,7 +77,8 @@ class QuantizedComm:
         self.inner = inner
         self.block = block
         self.min_count = min_count
-        self._residuals: dict[tuple[Any, ...], np.ndarray] = {}
+        # per allreduce (axes, size, dtype, n-th in the step): [the residual, a spare array]
+        self._residuals: dict[tuple[Any, ...], list[Any]] = {}
         self._seen: dict[tuple[Any, ...], int] = {}
 
     def __getattr__(self, name: str) -> Any:  # every other call: the inner communicator's
@@ -127,21 +128,22 @@ class QuantizedComm:
         b = self.block
         sizes = [-(-c // b) * b for c in spec.counts]  # each member's padded element count
         widths = [_row_bytes(n, b) for n in sizes]
-        flat = np.zeros(sizes[spec.position])
-        flat[: x.size] = np.asarray(x, dtype=np.float64).reshape(-1)
-        q, scale = quantize_values(flat[None, :], b)
-        row = _pack(q, scale.astype(np.float32))[0]
+        work = _work_dtype(x.dtype)
+        flat = np.zeros(sizes[spec.position], dtype=work)
+        flat[: x.size] = x.reshape(-1)
+        row = np.empty((1, widths[spec.position]), np.uint8)
+        _quantize_rows(flat[None, :], b, row, None)
         rows = self.inner.allgather(
-            row, axes, AllgatherSpec(spec.group, spec.position, 0, tuple(widths), tuple(widths))
+            row[0], axes, AllgatherSpec(spec.group, spec.position, 0, tuple(widths), tuple(widths))
         )
         parts, at = [], 0
         for i, (n, w) in enumerate(zip(sizes, widths, strict=True)):
-            qi, si = _unpack(rows[at : at + w], n, b)
+            values = np.empty(n, dtype=work)
+            _dequantize_row(rows[at : at + w], n, b, values)
             at += w
             shape = list(x.shape)
             shape[spec.dim] = spec.extents[i]
-            values = dequantize_values(qi, si, b)[: spec.counts[i]]
-            parts.append(values.astype(x.dtype).reshape(shape))
+            parts.append(values[: spec.counts[i]].astype(x.dtype, copy=False).reshape(shape))
         return np.concatenate(parts, axis=spec.dim)
 
     def _quantized(self, x: np.ndarray, axes: tuple[str, ...], spec: AllreduceSpec) -> np.ndarray:
@@ -149,50 +151,100 @@ class QuantizedComm:
         key = (axes, x.size, x.dtype.str)
         nth = self._seen.get(key, 0)
         self._seen[key] = nth + 1
-        flat = np.asarray(x, dtype=np.float64).reshape(-1)
-        residual = self._residuals.get((*key, nth))
-        if residual is not None:
-            flat = flat + residual
-        n = flat.size
+        n = x.size
         chunk = -(-n // (p * b)) * b
-        padded = np.zeros(p * chunk)
-        padded[:n] = flat
-        q, scale = quantize_values(padded.reshape(p, chunk), b)
-        s32 = scale.astype(np.float32)
-        dropped = padded - dequantize_values(q, s32, b).reshape(-1)
-        got = self.inner.exchange(_pack(q, s32), axes, _to_each(spec, chunk, b), "all_to_all")
-        piece = np.zeros(chunk)
-        for i in range(p):  # in group order
-            qi, si = _unpack(got[i], chunk, b)
-            piece += dequantize_values(qi, si, b)
-        q2, scale2 = quantize_values(piece[None, :], b)
-        s2 = scale2.astype(np.float32)
-        dropped[me * chunk : (me + 1) * chunk] += piece - dequantize_values(q2, s2, b)[0]
-        rows = self.inner.allgather(_pack(q2, s2), axes, _gather(spec, chunk, b))
-        out = np.empty(p * chunk)
+        work = _work_dtype(x.dtype)
+        # the input plus last step's residual, padded to p pieces of whole blocks; after the
+        # quantization it holds what the quantization dropped (the next residual). Two such
+        # arrays per allreduce, used in turn: one holds the residual the other reads.
+        pair = self._residuals.get((*key, nth))
+        if pair is None:
+            pair = self._residuals[(*key, nth)] = [None, np.empty((p, chunk), dtype=work)]
+        residual, padded = pair
+        flat = padded.reshape(-1)
+        flat[n:] = 0
+        if residual is not None:
+            np.add(x.reshape(-1), residual.reshape(-1)[:n], out=flat[:n])
+        else:
+            flat[:n] = x.reshape(-1)
+        w = _row_bytes(chunk, b)
+        rows = np.empty((p, w), np.uint8)
+        _quantize_rows(padded, b, rows, padded)
+        got = self.inner.exchange(rows, axes, _to_each(spec, chunk, b), "all_to_all")
+        piece = np.empty(chunk)  # the pieces added in group order, in binary64
+        _dequantize_row(got[0], chunk, b, piece)
+        values = np.empty(chunk) if p > 1 else piece
+        for i in range(1, p):
+            _dequantize_row(got[i], chunk, b, values)
+            piece += values
+        mine = np.empty((1, w), np.uint8)
+        summed = piece.astype(work)[None, :]
+        _quantize_rows(summed, b, mine, summed)  # summed: the phase-2 rounding dropped
+        padded[me] += summed[0]
+        gathered = self.inner.allgather(mine, axes, _gather(spec, chunk, b))
+        out = np.empty(p * chunk, dtype=work)
         for i in range(p):
-            qi, si = _unpack(rows[i], chunk, b)
-            out[i * chunk : (i + 1) * chunk] = dequantize_values(qi, si, b)
-        self._residuals[(*key, nth)] = dropped[:n]
-        return out[:n].astype(x.dtype).reshape(x.shape)
+            _dequantize_row(gathered[i], chunk, b, out[i * chunk : (i + 1) * chunk])
+        pair[:] = [padded, residual if residual is not None else np.empty_like(padded)]
+        return out[:n].astype(x.dtype, copy=False).reshape(x.shape)
+
+
+def _work_dtype(dtype: np.dtype[Any]) -> type[np.floating[Any]]:
+    """The precision the quantization computes in: binary64 for binary64 arrays, binary32 for
+    narrower ones (float32 scales and int8 values carry no more)."""
+    return np.float64 if dtype == np.float64 else np.float32
+
+
+def _quantize_rows(x: np.ndarray, block: int, rows: np.ndarray, dropped: np.ndarray | None) -> None:
+    """Quantize each row of ``x`` (``[r, c]``, ``c`` whole blocks) into ``rows`` (``[r, c + 4c /
+    block]`` bytes: the int8 values, then the float32 scales, io/WIRE.md §6): per block
+    ``scale = float32(amax / 127)`` (1 for an all-zero block, or one too small for a float32
+    scale) and ``q = round-half-even(x / scale)`` (within ±127: ``|x| <= amax`` and the scale
+    is ``amax / 127`` to float32's rounding, so no value reaches 127.5). With ``dropped``
+    (``x`` itself allowed), writes ``x - q * scale`` there: what the rounding dropped. In
+    chunks of about :data:`~dtm_mpi.runtime.chunked.CHUNK_ELEMS` elements (cache-sized); a
+    block's ``amax`` is the largest of its magnitudes' bit patterns (sign bit cleared: the
+    same order as the magnitudes)."""
+    r, c = x.shape
+    bits = np.dtype(f"i{x.itemsize}")
+    mask = bits.type(np.iinfo(bits).max)  # all but the sign bit
+    step = max(1, CHUNK_ELEMS // block) * block
+    starts = np.arange(0, step, block)
+    mag = np.empty(step, bits)
+    t = np.empty(step, x.dtype)
+    each = np.empty(step, x.dtype)  # each element's scale
+    for i in range(r):
+        q = rows[i, :c].view(np.int8)
+        scales = rows[i, c:].view(np.float32)
+        for lo in range(0, c, step):
+            hi = min(c, lo + step)
+            k, nb = hi - lo, (hi - lo) // block
+            xs = x[i, lo:hi]
+            np.bitwise_and(xs.view(bits), mask, out=mag[:k])
+            amax = np.maximum.reduceat(mag[:k], starts[:nb]).view(x.dtype)
+            s = (amax / 127).astype(np.float32)
+            s[s == 0] = 1
+            scales[lo // block : hi // block] = s
+            each[:k].reshape(nb, block)[...] = s[:, None]
+            np.divide(xs, each[:k], out=t[:k])
+            np.rint(t[:k], out=t[:k])
+            q[lo:hi] = t[:k]  # (exact: whole numbers within ±127)
+            if dropped is not None:
+                np.multiply(t[:k], each[:k], out=t[:k])
+                np.subtract(xs, t[:k], out=dropped[i, lo:hi])
+
+
+def _dequantize_row(row: np.ndarray, c: int, block: int, out: np.ndarray) -> None:
+    """``out`` (``c`` elements) = each int8 value of the packed ``row`` times its block's
+    float32 scale, in ``out``'s precision."""
+    np.copyto(out, row[:c].view(np.int8))
+    scales = row[c : _row_bytes(c, block)].view(np.float32)
+    blocks = out.reshape(-1, block)
+    np.multiply(blocks, scales[:, None].astype(out.dtype, copy=False), out=blocks)
 
 
 def _row_bytes(chunk: int, block: int) -> int:
     return chunk + 4 * (chunk // block)
-
-
-def _pack(q: np.ndarray, s32: np.ndarray) -> np.ndarray:
-    """Rows of int8 values followed by their float32 scales' bytes, as uint8."""
-    rows = q.shape[0]
-    return np.concatenate(
-        [q.view(np.uint8).reshape(rows, -1), s32.view(np.uint8).reshape(rows, -1)], axis=1
-    )
-
-
-def _unpack(row: np.ndarray, chunk: int, block: int) -> tuple[np.ndarray, np.ndarray]:
-    q = np.ascontiguousarray(row[:chunk]).view(np.int8)
-    s = np.ascontiguousarray(row[chunk : _row_bytes(chunk, block)]).view(np.float32)
-    return q, s
 
 
 def _to_each(spec: AllreduceSpec, chunk: int, block: int) -> ExchangeSpec:

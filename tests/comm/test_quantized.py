@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from dtm_mpi.comm.quantized import MIN_COUNT, QuantizedComm, error_bound, quantized_bytes
 from dtm_mpi.comm.sim import SimComm, run_ranks
 from dtm_mpi.ir.types import ReduceOp
+from dtm_mpi.runtime.chunked import CHUNK_ELEMS
 from dtm_mpi.sharding.mesh import MeshShape
 from dtm_mpi.sharding.steps import allreduce_spec
 
@@ -69,6 +70,29 @@ def test_error_feedback_makes_the_mean_converge() -> None:
     assert np.all(np.abs(got[0] - exact) <= error_bound(xs, 64))
     mean = np.mean([g.astype(np.float64) for g in got], axis=0)
     assert np.max(np.abs(mean - exact)) < first / 8  # without feedback the mean keeps the bias
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_chunks_zero_blocks_and_tiny_values_stay_within_the_bound(dtype: type) -> None:
+    """Arrays of several cache-sized chunks (the quantization works chunk by chunk), an
+    all-zero block (scale 1, exactly zero) and, in binary64, a block too small for a float32
+    scale (no infinity, no stray int8): every element within the bound, the same bits
+    everywhere, and float64 arrays computed in float64."""
+    n = 2 * CHUNK_ELEMS + 4 * 64 + 5
+    xs = [x.astype(dtype) for x in _inputs(2, n, 11)]
+    for x in xs:
+        x[64:128] = 0
+        if dtype is np.float64:
+            x[128:192] = 1e-300
+    got = _run(xs, 64)
+    exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
+    bound = error_bound(xs, 64) + 1e-30
+    for (out,) in got:
+        assert out.dtype == dtype and np.array_equal(out, got[0][0])
+        assert np.all(np.abs(out.astype(np.float64) - exact) <= bound)
+    assert np.all(got[0][0][64:128] == 0)
+    if dtype is np.float64:
+        assert np.all(np.abs(got[0][0][128:192]) <= 4e-300)
 
 
 def test_small_integer_and_max_allreduces_pass_through_exactly() -> None:
