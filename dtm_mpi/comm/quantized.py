@@ -46,7 +46,9 @@ MIN_COUNT = 1024
 def error_bound(inputs: list[np.ndarray], block: int) -> np.ndarray:
     """The stated bound of each element of the result of a quantized sum of ``inputs`` (one
     flat array per member): ``sum_r amax_r[b] / 127`` for the element's block ``b``, plus the
-    rounding of the result to its dtype (relative ``2**-22`` of the exact sum)."""
+    roundings of the sum of the ``p`` pieces in the working precision (at most ``(p - 1) u
+    sum_r amax_r[b]``, ``u`` its unit roundoff) and of the result to its dtype (relative
+    ``2**-22`` of the exact sum)."""
     n = inputs[0].size
     nb = -(-n // block)
     amax = np.zeros(nb)
@@ -56,7 +58,9 @@ def error_bound(inputs: list[np.ndarray], block: int) -> np.ndarray:
         amax += padded.reshape(nb, block).max(axis=1)
     exact = np.sum([np.asarray(x, dtype=np.float64).reshape(-1) for x in inputs], axis=0)
     eps = 2.0 ** -(np.finfo(inputs[0].dtype).nmant - 1)
-    bound: np.ndarray = np.repeat(amax / 127, block)[:n] * (1 + 1e-6) + np.abs(exact) * eps
+    u = 2.0 ** -(np.finfo(_work_dtype(inputs[0].dtype)).nmant + 1)
+    per_block = amax / 127 * (1 + 1e-6) + (len(inputs) - 1) * u * amax
+    bound: np.ndarray = np.repeat(per_block, block)[:n] + np.abs(exact) * eps
     return bound
 
 
@@ -171,14 +175,14 @@ class QuantizedComm:
         rows = np.empty((p, w), np.uint8)
         _quantize_rows(padded, b, rows, padded)
         got = self.inner.exchange(rows, axes, _to_each(spec, chunk, b), "all_to_all")
-        piece = np.empty(chunk)  # the pieces added in group order, in binary64
+        piece = np.empty(chunk, dtype=work)  # the pieces added in group order (io/WIRE.md §6)
         _dequantize_row(got[0], chunk, b, piece)
-        values = np.empty(chunk) if p > 1 else piece
+        values = np.empty(chunk, dtype=work) if p > 1 else piece
         for i in range(1, p):
             _dequantize_row(got[i], chunk, b, values)
             piece += values
         mine = np.empty((1, w), np.uint8)
-        summed = piece.astype(work)[None, :]
+        summed = piece[None, :]
         _quantize_rows(summed, b, mine, summed)  # summed: the phase-2 rounding dropped
         padded[me] += summed[0]
         gathered = self.inner.allgather(mine, axes, _gather(spec, chunk, b))
