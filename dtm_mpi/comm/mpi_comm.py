@@ -214,6 +214,20 @@ class _SendProgress:
                     self.empty.set()
 
 
+FOLDED_RS_UP_TO = 8
+FOLDED_RS_FROM = 128 << 10
+"""A reduce-scatter over a group of ``p`` members, at most :data:`FOLDED_RS_UP_TO`, of at least
+``FOLDED_RS_FROM * p * p`` bytes in all moves the pieces itself (one all-to-all: each member
+gets every member's piece of its part) and folds them in group order, instead of calling MPI's
+reduce-scatter: the same bytes on the wire, and with Open MPI 4.1 much faster for large arrays
+(measured on 2 cores, 3 and 4 ranks oversubscribed: at 2 ranks 1.5-1.9x from 256 KiB to 1 MiB,
+2.5-2.7x at 32 MiB, 5.5 ms against 25; at 4 ranks 1.4-1.7x at 4 and 8 MiB, 3.1x at 32 MiB, but
+0.5-0.8x at 256 KiB and 1 MiB; at 3 ranks even to 1.13x at 8 MiB; over TCP 2.8x at 1 and 8 MiB
+on a 1 Gbit/s link), where MPI's reduce-scatter moved about the whole array. Smaller arrays keep
+MPI's call, bound once per op; larger groups too (MPI's algorithms for many ranks were not
+measured here). The fold's order is the group's, whatever MPI's algorithm."""
+
+
 REPLICATED_RESULTS = ("allreduce", "allgather", "broadcast")
 """The collectives whose result every member of the group holds alike: integrity mode compares
 the result's CRC32C across the group after each."""
@@ -731,7 +745,10 @@ class MpiComm:
         out_shape = list(x.shape)
         out_shape[spec.dim] = spec.pieces[spec.position][1]
         mine = counts[spec.position]
-        mtype = None if self.integrity else self.native_type(x, spec.op)  # (checked: moved)
+        # checked, or a group small enough: the pieces moved and folded (FOLDED_RS_UP_TO)
+        folded = k <= FOLDED_RS_UP_TO and x.nbytes >= FOLDED_RS_FROM * k * k
+        native = not self.integrity and not folded
+        mtype = self.native_type(x, spec.op) if native else None
         if mtype is not None and max(counts, default=0) <= self.limit:
             out = empty_aligned(mine, dtype=x.dtype)
             name, extra = reduce_scatter_call(counts)

@@ -289,3 +289,51 @@ def test_started_allreduces_complete_in_order_on_the_side_thread(comm: Any) -> N
         assert session.watchdog is None or ("x",) in session._side
     session.close()
     assert session._side_thread is None
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_large_reduce_scatters_fold_the_pieces_in_group_order(comm: Any, dim: int) -> None:
+    """Reduce-scatters of float32 arrays below and above the size where the pieces move by an
+    all-to-all and are folded here (FOLDED_RS_FROM x p^2), along either dimension, with uneven
+    pieces: each member gets its piece of the sum; the folded ones are exactly the members'
+    pieces added in group order (whatever MPI's algorithm), and the bytes counted are a
+    reduce-scatter's either way."""
+    from dtm_mpi.comm.mpi_comm import FOLDED_RS_FROM
+    from dtm_mpi.sharding.steps import ReduceScatterSpec
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size == 1:
+        pytest.skip("a reduce-scatter needs 2 or more ranks")
+    mesh = MeshShape((("x", size),))
+    session = MpiSession(mesh, [("x",)], timeout_s=30, world=comm)
+    mc = MpiComm(session)
+    big = FOLDED_RS_FROM * size * size // 4  # float32 elements at the threshold
+    for rows in (max(size, big // 1024 // 8), big // 1024 + size):  # below, then above
+        shape = (rows, 1024) if dim == 0 else (16, rows * 64)
+        n = shape[dim]
+        cuts = [n * j // size + (j % 2) for j in range(size)] + [n]  # uneven
+        cuts[0] = 0
+        pieces = tuple((cuts[j], cuts[j + 1] - cuts[j]) for j in range(size))
+        other = shape[1 - dim]
+        counts = tuple(length * other for _, length in pieces)
+        spec = ReduceScatterSpec(tuple(range(size)), rank, ReduceOp.SUM, dim, pieces, counts)
+        xs = [
+            np.random.default_rng([r, rows, dim]).standard_normal(shape).astype(np.float32)
+            for r in range(size)
+        ]
+        before = mc.stats.bytes_sent
+        got = mc.reduce_scatter(xs[rank], ("x",), spec)
+        start, length = pieces[rank]
+        index = [slice(None), slice(None)]
+        index[dim] = slice(start, start + length)
+        mine = [x[tuple(index)] for x in xs]
+        folded = np.array(mine[0], copy=True)
+        for m in mine[1:]:
+            folded += m
+        assert got.shape == folded.shape
+        if xs[0].nbytes >= FOLDED_RS_FROM * size * size:
+            assert np.array_equal(got, folded), rank
+        else:
+            np.testing.assert_allclose(got, folded, rtol=1e-5, atol=1e-5)
+        assert mc.stats.bytes_sent - before == xs[rank].nbytes - got.nbytes
+    session.close()
