@@ -68,6 +68,7 @@ __all__ = ["DeviceComm", "DeviceOps", "DevicePaths", "PinnedPool"]
 
 NOT_NATIVE = "deterministic mode, or a reduction MPI does not do natively (float max/min, f16, bool): folded in group order"
 NOT_AWARE = "MPI is not GPU-aware"
+FOLDED = "a large array in a small group, or integrity mode: the pieces moved by an all-to-all and folded in group order"
 
 
 class DeviceOps(Protocol):
@@ -408,6 +409,8 @@ class DeviceComm:
             mpi = "a member's piece is empty"
         if not isinstance(mpi, str) and mpi.native_type(x, spec.op) is None:
             mpi = NOT_NATIVE
+        if not isinstance(mpi, str) and mpi.folds_reduce_scatter(int(x.nbytes), len(counts)):
+            mpi = FOLDED  # (as MpiComm does for host arrays: the calls must pair)
         if isinstance(mpi, str):
             return self._staged(
                 "reduce_scatter", mpi, x, lambda h: self.inner.reduce_scatter(h, axes, spec)

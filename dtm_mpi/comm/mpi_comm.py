@@ -527,6 +527,15 @@ class MpiComm:
                 getattr(comm, "I" + name[0].lower() + name[1:])(*args, **kwargs), what, axes
             )
 
+    def folds_reduce_scatter(self, nbytes: int, members: int) -> bool:
+        """Whether a reduce-scatter of ``nbytes`` over ``members`` moves the pieces by an
+        all-to-all and folds them here rather than calling MPI's (in integrity mode, so that
+        what moves is checked; else for large arrays in small groups: :data:`FOLDED_RS_FROM`).
+        The same on every member; the device path follows it (the calls must pair)."""
+        if self.integrity:
+            return True
+        return members <= FOLDED_RS_UP_TO and nbytes >= FOLDED_RS_FROM * members * members
+
     def native_type(self, x: np.ndarray, op: ReduceOp) -> Any | None:
         """The MPI datatype to reduce ``x`` with MPI's own ``op``, or None to gather and fold
         in group order: floats in deterministic mode (integer sums are exact in any order), types
@@ -745,10 +754,8 @@ class MpiComm:
         out_shape = list(x.shape)
         out_shape[spec.dim] = spec.pieces[spec.position][1]
         mine = counts[spec.position]
-        # checked, or a group small enough: the pieces moved and folded (FOLDED_RS_UP_TO)
-        folded = k <= FOLDED_RS_UP_TO and x.nbytes >= FOLDED_RS_FROM * k * k
-        native = not self.integrity and not folded
-        mtype = self.native_type(x, spec.op) if native else None
+        folds = self.folds_reduce_scatter(x.nbytes, k)
+        mtype = None if folds else self.native_type(x, spec.op)
         if mtype is not None and max(counts, default=0) <= self.limit:
             out = empty_aligned(mine, dtype=x.dtype)
             name, extra = reduce_scatter_call(counts)

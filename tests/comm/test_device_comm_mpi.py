@@ -247,6 +247,46 @@ def test_direct_reduce_scatter_makes_the_host_ops_call(comm: Any, all_ranks: Any
         all_ranks(paths.host["reduce_scatter"] == 6 - devices, f"paths {paths}")
 
 
+def test_a_large_reduce_scatter_is_folded_on_host_and_device_ranks_alike(
+    comm: Any, all_ranks: Any
+) -> None:
+    """A reduce-scatter that MpiComm moves and folds itself (a large array in a small group:
+    FOLDED_RS_FROM) is staged by the device ranks through that same path, so device and host
+    ranks mixed in one call make the same MPI call (an all-to-all) and get the folded sum."""
+    from dtm_mpi.comm.device import FOLDED
+    from dtm_mpi.comm.mpi_comm import FOLDED_RS_FROM
+    from dtm_mpi.sharding.steps import ReduceScatterSpec
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size == 1:
+        pytest.skip("a reduce-scatter needs 2 or more ranks")
+    with endpoint(comm) as (session, mc):
+        if session.watchdog is None:
+            pytest.skip("MPI is not THREAD_MULTIPLE: collectives stage")
+        dc = DeviceComm(mc, FakeDeviceOps(), YES)
+        cols = 256
+        rows = size * (-(-FOLDED_RS_FROM * size * size // (8 * cols * size)))  # float64
+        b = rows // size
+        spec = ReduceScatterSpec(
+            tuple(range(size)),
+            rank,
+            ReduceOp.SUM,
+            0,
+            tuple((i * b, b) for i in range(size)),
+            (b * cols,) * size,
+        )
+        full = np.arange(rows * cols, dtype=np.float64).reshape(rows, cols)
+        want = (size * full + sum(range(size)))[rank * b : (rank + 1) * b]
+        on_device = rank % 2 == 0  # device and host ranks mix
+        x = full + rank
+        got = dc.reduce_scatter(dev(x) if on_device else x, ("x",), spec)
+        all_ranks(same(got, want) if on_device else np.array_equal(got, want), repr(got)[:200])
+        if on_device:
+            all_ranks(dc.paths.why.get(FOLDED) == 1 and not dc.paths.direct, f"{dc.paths}")
+        else:
+            all_ranks(dc.paths.host["reduce_scatter"] == 1, f"{dc.paths}")
+
+
 def test_direct_uneven_allgather_meets_staging_and_host_ranks(comm: Any, all_ranks: Any) -> None:
     """Uneven blocks along the leading dim go to MPI as device buffers with ``Allgatherv``,
     the call MpiComm makes for them; a rank whose block is empty stages and a rank passing a
