@@ -16,10 +16,11 @@ import pytest
 from tests.netns_hosts import why_not
 
 JOB = Path(__file__).resolve().parents[1] / "jobs" / "link_bench.py"
+WHY_NOT = why_not()
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not on PATH"),
-    pytest.mark.skipif(why_not() is not None, reason=why_not() or ""),
+    pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or ""),
     pytest.mark.xdist_group("netns-hosts"),
 ]
 

@@ -244,8 +244,9 @@ def _boundary_costs(comm: Any, rank: int, buf: np.ndarray, rounds: int = 20) -> 
     """The cost model's ``(transfer, receive)`` for a boundary block ``buf`` moved through
     ``comm`` (the runtime's point to point, its sends driven by the send thread) between ranks
     0 and 1 (the others wait), the same on every rank: ``receive``, the median time rank 1
-    takes to receive a block that has already arrived (its copy in), and ``transfer``, half
-    the median round trip less that."""
+    takes to receive a block whose send was posted before its receive starts (the copy in,
+    and above MPI's eager size the rendezvous), and ``transfer``, half the median round trip
+    less that."""
     trips, takes = [], []
     tag = 32000  # (below the reserved tags; no step is running)
     for _ in range(rounds):
@@ -262,7 +263,7 @@ def _boundary_costs(comm: Any, rank: int, buf: np.ndarray, rounds: int = 20) -> 
     for _ in range(rounds):  # a block that is there before its receive starts
         if rank == 0:
             comm.send(buf, 1, tag)
-            comm.send(ready, 1, tag + 1)  # (after the block: it has arrived when this has)
+            comm.send(ready, 1, tag + 1)  # (after the block, whose send is then posted)
         elif rank == 1:
             comm.recv(ready.shape, ready.dtype, 0, tag + 1)
             time.sleep(0.001)

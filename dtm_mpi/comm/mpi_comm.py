@@ -214,7 +214,7 @@ class _SendProgress:
                     self.empty.set()
 
 
-FOLDED_RS_UP_TO = 8
+FOLDED_RS_UP_TO = 4
 FOLDED_RS_FROM = 128 << 10
 """A reduce-scatter over a group of ``p`` members, at most :data:`FOLDED_RS_UP_TO`, of at least
 ``FOLDED_RS_FROM * p * p`` bytes in all moves the pieces itself (one all-to-all: each member
@@ -224,8 +224,9 @@ reduce-scatter: the same bytes on the wire, and with Open MPI 4.1 much faster fo
 2.5-2.7x at 32 MiB, 5.5 ms against 25; at 4 ranks 1.4-1.7x at 4 and 8 MiB, 3.1x at 32 MiB, but
 0.5-0.8x at 256 KiB and 1 MiB; at 3 ranks even to 1.13x at 8 MiB; over TCP 2.8x at 1 and 8 MiB
 on a 1 Gbit/s link), where MPI's reduce-scatter moved about the whole array. Smaller arrays keep
-MPI's call, bound once per op; larger groups too (MPI's algorithms for many ranks were not
-measured here). The fold's order is the group's, whatever MPI's algorithm."""
+MPI's call, bound once per op; larger groups too (MPI's algorithms for more ranks were not
+measured here: groups of 2-4 were). The fold's order is the group's, whatever MPI's
+algorithm."""
 
 
 REPLICATED_RESULTS = ("allreduce", "allgather", "broadcast")

@@ -9,16 +9,19 @@ allreduce of a floating array of at least :data:`MIN_COUNT` elements runs in two
 the same group (smaller ones, e.g. the loss, stay exact):
 
 1. each member adds its error-feedback residual, pads the flat array to ``p`` pieces of whole
-   blocks, quantizes it (spec §8.10.1) and sends piece ``j`` to member ``j`` (all-to-all);
-   member ``j`` dequantizes the ``p`` pieces it got and adds them in group order (binary64);
+   blocks, quantizes it (io/WIRE.md §6: spec §8.10.1 with the scale in binary32) and sends
+   piece ``j`` to member ``j`` (all-to-all); member ``j`` dequantizes the ``p`` pieces it got
+   and adds them in group order, in the working precision (:func:`_work_dtype`);
 2. member ``j`` quantizes its summed piece and all members allgather the quantized pieces and
    dequantize them.
 
 **Error bound** (io/WIRE.md §6, tested): for an element in block ``b``, the result differs
 from the exact sum of the members' inputs (residuals included) by at most
-``(sum_r s_r[b] + s'[b]) / 2`` plus float32 rounding, where ``s_r[b] = amax_r[b] / 127`` is
-member r's phase-1 scale of the block and ``s'[b] = amax'[b] / 127`` the phase-2 scale of the
-summed block: each rounding to the nearest step is at most half a step.
+``(sum_r s_r[b] + s'[b]) / 2``, where ``s_r[b]`` (about ``amax_r[b] / 127``) is member r's
+phase-1 scale of the block and ``s'[b]`` the phase-2 scale of the summed block (each rounding
+to the nearest step is at most half a step), plus the working precision's roundings
+(:func:`error_bound`) and the result's rounding to its dtype. A block holding a NaN or an
+infinity, or too large for a binary32 scale, comes out NaN and leaves no residual.
 
 **Error feedback**: what a member's quantizations dropped this step (its phase-1 error, and
 the phase-2 error of the piece it owns) is added to its input of the same allreduce next step
@@ -46,7 +49,7 @@ MIN_COUNT = 1024
 def error_bound(inputs: list[np.ndarray], block: int) -> np.ndarray:
     """The stated bound of each element of the result of a quantized sum of ``inputs`` (one
     flat array per member): ``sum_r amax_r[b] / 127`` for the element's block ``b``, plus the
-    roundings of the sum of the ``p`` pieces in the working precision (at most ``(p - 1) u
+    roundings of the dequantizations and the sum in the working precision (at most ``2 p u
     sum_r amax_r[b]``, ``u`` its unit roundoff) and of the result to its dtype (relative
     ``2**-22`` of the exact sum)."""
     n = inputs[0].size
@@ -59,7 +62,7 @@ def error_bound(inputs: list[np.ndarray], block: int) -> np.ndarray:
     exact = np.sum([np.asarray(x, dtype=np.float64).reshape(-1) for x in inputs], axis=0)
     eps = 2.0 ** -(np.finfo(inputs[0].dtype).nmant - 1)
     u = 2.0 ** -(np.finfo(_work_dtype(inputs[0].dtype)).nmant + 1)
-    per_block = amax / 127 * (1 + 1e-6) + (len(inputs) - 1) * u * amax
+    per_block = amax / 127 * (1 + 1e-6) + 2 * len(inputs) * u * amax
     bound: np.ndarray = np.repeat(per_block, block)[:n] + np.abs(exact) * eps
     return bound
 
@@ -194,21 +197,24 @@ class QuantizedComm:
 
 
 def _work_dtype(dtype: np.dtype[Any]) -> type[np.floating[Any]]:
-    """The precision the quantization computes in: binary64 for binary64 arrays, binary32 for
-    narrower ones (float32 scales and int8 values carry no more)."""
-    return np.float64 if dtype == np.float64 else np.float32
+    """The precision the quantization computes in: binary64 for arrays of 64 bits or more,
+    binary32 for narrower ones (float32 scales and int8 values carry no more)."""
+    return np.float64 if dtype.itemsize >= 8 else np.float32
 
 
 def _quantize_rows(x: np.ndarray, block: int, rows: np.ndarray, dropped: np.ndarray | None) -> None:
     """Quantize each row of ``x`` (``[r, c]``, ``c`` whole blocks) into ``rows`` (``[r, c + 4c /
     block]`` bytes: the int8 values, then the float32 scales, io/WIRE.md §6): per block
-    ``scale = float32(amax / 127)`` (1 for an all-zero block, or one too small for a float32
-    scale) and ``q = round-half-even(x / scale)`` (within ±127: ``|x| <= amax`` and the scale
-    is ``amax / 127`` to float32's rounding, so no value reaches 127.5). With ``dropped``
-    (``x`` itself allowed), writes ``x - q * scale`` there: what the rounding dropped. In
-    chunks of about :data:`~dtm_mpi.runtime.chunked.CHUNK_ELEMS` elements (cache-sized); a
-    block's ``amax`` is the largest of its magnitudes' bit patterns (sign bit cleared: the
-    same order as the magnitudes)."""
+    ``scale = float32(amax / 127)``, one float32 step up where ``127 * scale < amax`` (a
+    scale rounded down, coarsely where it is subnormal), 1 for an all-zero block or one too
+    small for a float32 scale, and ``q = round-half-even(x / scale)``, within ±127 since
+    ``|x| <= amax <= 127 * scale``. A block whose scale is not finite (a NaN or an infinity
+    in it, or beyond float32's range) gets a NaN scale and zeros: it dequantizes to NaN. With
+    ``dropped`` (``x`` itself allowed), writes ``x - q * scale`` there, what the rounding
+    dropped (0 in a non-finite block: nothing carried to the next step). In chunks of about
+    :data:`~dtm_mpi.runtime.chunked.CHUNK_ELEMS` elements (cache-sized); a block's ``amax``
+    is the largest of its magnitudes' bit patterns (sign bit cleared: the same order as the
+    magnitudes)."""
     r, c = x.shape
     bits = np.dtype(f"i{x.itemsize}")
     mask = bits.type(np.iinfo(bits).max)  # all but the sign bit
@@ -217,6 +223,7 @@ def _quantize_rows(x: np.ndarray, block: int, rows: np.ndarray, dropped: np.ndar
     mag = np.empty(step, bits)
     t = np.empty(step, x.dtype)
     each = np.empty(step, x.dtype)  # each element's scale
+    up = np.float32(np.inf)
     for i in range(r):
         q = rows[i, :c].view(np.int8)
         scales = rows[i, c:].view(np.float32)
@@ -227,15 +234,26 @@ def _quantize_rows(x: np.ndarray, block: int, rows: np.ndarray, dropped: np.ndar
             np.bitwise_and(xs.view(bits), mask, out=mag[:k])
             amax = np.maximum.reduceat(mag[:k], starts[:nb]).view(x.dtype)
             s = (amax / 127).astype(np.float32)
+            short = s.astype(x.dtype) * 127 < amax
+            if short.any():
+                s[short] = np.nextafter(s[short], up)
             s[s == 0] = 1
+            bad = ~np.isfinite(s)
+            if bad.any():
+                s[bad] = np.nan
             scales[lo // block : hi // block] = s
             each[:k].reshape(nb, block)[...] = s[:, None]
+            tb = t[:k].reshape(nb, block)
             np.divide(xs, each[:k], out=t[:k])
             np.rint(t[:k], out=t[:k])
+            if bad.any():
+                tb[bad] = 0
             q[lo:hi] = t[:k]  # (exact: whole numbers within ±127)
             if dropped is not None:
                 np.multiply(t[:k], each[:k], out=t[:k])
                 np.subtract(xs, t[:k], out=dropped[i, lo:hi])
+                if bad.any():
+                    dropped[i, lo:hi].reshape(nb, block)[bad] = 0
 
 
 def _dequantize_row(row: np.ndarray, c: int, block: int, out: np.ndarray) -> None:

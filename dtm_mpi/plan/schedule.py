@@ -179,9 +179,9 @@ class PipelineShape:
 class StageCosts:
     """The cost model of one stage's work for one microbatch (any unit: the ratios matter):
     ``forward``, the backward's ``input_grad`` and ``weight_grad`` parts (``B`` takes their
-    sum), ``transfer``, the time a boundary message takes to arrive, and ``receive``, the
-    receiving rank's own time to take a message that has arrived (copying it in: idle time
-    for the pipeline, not a pass)."""
+    sum), ``transfer``, the time a boundary message of the stage takes to arrive, and
+    ``receive``, the time its receiving rank takes to take such a message once it has
+    arrived (copying it in: idle time for the pipeline, not a pass)."""
 
     forward: float = 1.0
     input_grad: float = 1.0

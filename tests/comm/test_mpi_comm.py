@@ -298,7 +298,7 @@ def test_large_reduce_scatters_fold_the_pieces_in_group_order(comm: Any, dim: in
     pieces: each member gets its piece of the sum; the folded ones are exactly the members'
     pieces added in group order (whatever MPI's algorithm), and the bytes counted are a
     reduce-scatter's either way."""
-    from dtm_mpi.comm.mpi_comm import FOLDED_RS_FROM
+    from dtm_mpi.comm.mpi_comm import FOLDED_RS_FROM, FOLDED_RS_UP_TO
     from dtm_mpi.sharding.steps import ReduceScatterSpec
 
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -308,6 +308,14 @@ def test_large_reduce_scatters_fold_the_pieces_in_group_order(comm: Any, dim: in
     session = MpiSession(mesh, [("x",)], timeout_s=30, world=comm)
     mc = MpiComm(session)
     big = FOLDED_RS_FROM * size * size // 4  # float32 elements at the threshold
+    calls: list[str] = []  # the MPI calls each reduce-scatter makes
+    real_call = mc.call
+
+    def recorded(comm_: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+        calls.append(name)
+        return real_call(comm_, name, *args, **kwargs)
+
+    mc.call = recorded  # type: ignore[method-assign]
     for rows in (max(size, big // 1024 // 8), big // 1024 + size):  # below, then above
         shape = (rows, 1024) if dim == 0 else (16, rows * 64)
         n = shape[dim]
@@ -322,7 +330,10 @@ def test_large_reduce_scatters_fold_the_pieces_in_group_order(comm: Any, dim: in
             for r in range(size)
         ]
         before = mc.stats.bytes_sent
+        calls.clear()
         got = mc.reduce_scatter(xs[rank], ("x",), spec)
+        folds = xs[0].nbytes >= FOLDED_RS_FROM * size * size and size <= FOLDED_RS_UP_TO
+        assert calls == (["Alltoallv"] if folds else ["Reduce_scatter"]), (rank, calls)
         start, length = pieces[rank]
         index = [slice(None), slice(None)]
         index[dim] = slice(start, start + length)
@@ -331,7 +342,7 @@ def test_large_reduce_scatters_fold_the_pieces_in_group_order(comm: Any, dim: in
         for m in mine[1:]:
             folded += m
         assert got.shape == folded.shape
-        if xs[0].nbytes >= FOLDED_RS_FROM * size * size:
+        if folds:
             assert np.array_equal(got, folded), rank
         else:
             np.testing.assert_allclose(got, folded, rtol=1e-5, atol=1e-5)

@@ -95,6 +95,56 @@ def test_chunks_zero_blocks_and_tiny_values_stay_within_the_bound(dtype: type) -
         assert np.all(np.abs(got[0][0][128:192]) <= 4e-300)
 
 
+def test_subnormal_blocks_keep_their_signs_within_half_a_step() -> None:
+    """Blocks so small that their float32 scale is subnormal (coarse: rounded down, it would
+    put values past 127 and wrap the int8 to the other sign): the scale goes one step up, so
+    every element keeps its sign and stays within half a step of its value."""
+    from dtm_mpi.comm.quantized import _dequantize_row, _quantize_rows, _row_bytes
+
+    tiny = float(np.float32(2.0**-149))
+    for dtype in (np.float32, np.float64):
+        x = np.zeros((1, 4 * 64), dtype)
+        for b, m in enumerate((189, 5000, 16000, 3)):
+            x[0, 64 * b : 64 * b + 64] = np.linspace(-m, m, 64) * tiny
+        rows = np.empty((1, _row_bytes(x.shape[1], 64)), np.uint8)
+        dropped = np.empty_like(x)
+        _quantize_rows(x, 64, rows, dropped)
+        out = np.empty(x.shape[1], dtype)
+        _dequantize_row(rows[0], x.shape[1], 64, out)
+        scales = np.repeat(rows[0, x.shape[1] :].view(np.float32).astype(np.float64), 64)
+        assert np.all(np.sign(out) * np.sign(x[0]) >= 0)  # no sign flipped
+        assert np.all(np.abs(out - x[0]) <= scales / 2)
+        np.testing.assert_array_equal(dropped[0], x[0] - out)  # what the rounding dropped
+
+
+def test_a_nan_block_comes_out_nan_and_leaves_no_residual() -> None:
+    """A NaN or an infinity in a block makes that block NaN (and only it); nothing of it is
+    carried over: the next step, with finite inputs, is finite and within the bound."""
+    p, n = 2, 4096
+    xs = _inputs(p, n, 5)
+    bad = [x.copy() for x in xs]
+    bad[0][70] = np.nan
+    bad[1][200] = np.inf
+    mesh = MeshShape((("dp", p),))
+
+    def body(comm: SimComm) -> list[np.ndarray]:
+        q = QuantizedComm(comm, 64)
+        spec = allreduce_spec(mesh, comm.rank, ("dp",), ReduceOp.SUM, n)
+        q.begin_step()
+        first = q.allreduce(bad[comm.rank].copy(), ("dp",), spec)
+        q.begin_step()
+        return [first, q.allreduce(xs[comm.rank].copy(), ("dp",), spec)]
+
+    (first, second), _ = run_ranks(mesh, body, timeout_s=30)
+    nan = np.zeros(n, bool)
+    nan[64:128] = nan[192:256] = True
+    assert np.all(np.isnan(first[nan])) and np.all(np.isfinite(first[~nan]))
+    assert np.all(np.isfinite(second))
+    exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
+    # the finite blocks' residuals are carried (within twice the bound), the bad ones' not
+    assert np.all(np.abs(second - exact) <= 2 * error_bound(xs, 64) + 1e-30)
+
+
 def test_small_integer_and_max_allreduces_pass_through_exactly() -> None:
     mesh = MeshShape((("dp", 2),))
 

@@ -292,6 +292,7 @@ class _Clocked:
         self.inner, self.costs, self.arrivals = inner, costs, arrivals
         self.clock = self.busy = 0.0
         self.receives = 0
+        self.spans: list[tuple[float, float, Any]] = []  # each pass: start, end, action
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -318,6 +319,7 @@ class _TimedRank(PipelineRank):
         clocked = self.comm
         assert isinstance(clocked, _Clocked)
         cost = clocked.costs[c.stage].of(c.work)
+        clocked.spans.append((clocked.clock, clocked.clock + cost, c))
         clocked.clock += cost
         clocked.busy += cost
         return out
@@ -357,7 +359,7 @@ def test_the_runtime_idles_as_the_plan_predicts_under_the_cost_model(
     arrivals: dict[tuple[int, int, int], float] = {}
     batch = token_batch(2 * m, 3)
 
-    def rank_fn(comm: Any) -> tuple[float, float, int]:
+    def rank_fn(comm: Any) -> tuple[float, float, int, list[tuple[float, float, Any]]]:
         clocked = _Clocked(comm, costs, arrivals)
         runner = _TimedRank(stages, schedule, mesh.ir(), shape, clocked)
         # the step's sends and receives are the schedule's; the loss's publication after
@@ -365,14 +367,18 @@ def test_the_runtime_idles_as_the_plan_predicts_under_the_cost_model(
         clocked.clock = clocked.busy = 0.0
         outcome = runner.step(runner.batch_blocks(batch))
         assert np.isfinite(outcome.loss)
-        return clocked.clock, clocked.busy, clocked.receives
+        return clocked.clock, clocked.busy, clocked.receives, clocked.spans
 
     ends = run_ranks(shape, rank_fn, timeout_s=60)
     timing = time_schedule(schedule, costs)
     recvs = [sum(isinstance(a, Recv) for a in acts) for acts in schedule.actions]
-    assert [r for _, _, r in ends] == recvs  # one message per boundary here
-    makespan = max(e for e, _, _ in ends)
+    assert [e[2] for e in ends] == recvs  # one message per boundary here
+    for r, (_, _, _, spans) in enumerate(ends):  # every pass where the time-line has it
+        want = [(s.start, s.end, s.compute) for s in timing.spans[r]]
+        assert [a for _, _, a in spans] == [a for _, _, a in want], r
+        assert [(a, b) for a, b, _ in spans] == pytest.approx([(a, b) for a, b, _ in want])
+    makespan = max(e[0] for e in ends)
     assert makespan == pytest.approx(timing.makespan, rel=1e-12)
-    assert [b for _, b, _ in ends] == pytest.approx(list(timing.busy), rel=1e-12)
-    bubble = 1 - sum(b for _, b, _ in ends) / (p * makespan)
+    assert [e[1] for e in ends] == pytest.approx(list(timing.busy), rel=1e-12)
+    bubble = 1 - sum(e[1] for e in ends) / (p * makespan)
     assert bubble == pytest.approx(timing.bubble, rel=1e-12) and bubble > 0
