@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dtm_mpi.errors import DtmError, VerifyError
 from dtm_mpi.ir import load_module, print_module
@@ -199,3 +201,33 @@ def test_a_scalar_index_and_u8_indices_past_a_blocks_start(ranks: int) -> None:
     assert np.array_equal(s, want)
     _, ref = run_reference(module, vals)
     assert ref[0][0].shape == ()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    updates=st.integers(0, 300),
+    width=st.integers(1, 4),
+    dtype=st.sampled_from(["float32", "float64", "float16", "int32"]),
+    crowded=st.booleans(),
+    seed=st.integers(0, 10**6),
+)
+def test_scatter_adds_in_passes_give_numpys_add_at_bit_for_bit(
+    rows: int, updates: int, width: int, dtype: str, crowded: bool, seed: int
+) -> None:
+    """The embedding gradient's kernel adds in passes (one update per target row each) where
+    that is faster, else with ``add.at``: either way each row's updates are added one by one
+    in their order, the bits of ``numpy.add.at`` (signed zeros and NaN included)."""
+    from dtm_mpi.ir.ops.index import add_in_order
+
+    rng = np.random.default_rng(seed)
+    flat = rng.integers(0, min(2, rows) if crowded else rows, updates)
+    u = (rng.standard_normal((updates, width)) * 10).astype(dtype)
+    if dtype != "int32" and updates:
+        u[::5] = -0.0
+        u[0, 0] = np.nan if seed % 3 == 0 else u[0, 0]
+    want = np.zeros((rows, width), dtype)
+    np.add.at(want, flat, u)
+    got = np.zeros((rows, width), dtype)
+    add_in_order(got, flat, u)
+    assert np.array_equal(got.view(f"u{got.itemsize}"), want.view(f"u{want.itemsize}"))

@@ -14,6 +14,7 @@ error on the rank that holds them, never a silent wrap.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -26,7 +27,7 @@ from dtm_mpi.ir.ops._common import dim_index, merge_partial, no_partial, require
 from dtm_mpi.ir.registry import OpContext, Trait, register_op
 from dtm_mpi.ir.types import Layout, Partial, ReduceOp, TensorType
 
-__all__ = ["check_indices", "scatter_rows", "scatter_window", "take_rows"]
+__all__ = ["add_in_order", "check_indices", "scatter_rows", "scatter_window", "take_rows"]
 
 Arr = np.ndarray
 IR_1_1 = (1, 1)
@@ -91,9 +92,37 @@ def scatter_rows(
     flat, rows = scatter_window(u, idx, dim, lo, n, size, origin)
     k = idx.ndim
     out = np.zeros((*u.shape[:dim], n, *u.shape[dim + k :]), dtype=u.dtype)
-    # rows along the first axis, as numpy's fast path for add.at wants them
-    np.add.at(np.moveaxis(out, dim, 0), flat, np.moveaxis(rows, dim, 0))
+    add_in_order(np.moveaxis(out, dim, 0), flat, np.moveaxis(rows, dim, 0))
     return out
+
+
+def add_in_order(out: Arr, flat: Arr, rows: Arr) -> None:
+    """``numpy.add.at(out, flat, rows)`` (rows along the first axis), bit for bit: each row of
+    ``out`` gets its updates added one by one in their order. Done in passes where that is
+    faster: pass ``j`` adds the ``j``-th update of every target row at once (no target twice
+    in a pass, so a plain indexed add), which ``add.at`` takes about 0.8 us per update for
+    and a pass about 8 us (measured: the GPT's embedding gradient, 1,536 updates of 96
+    floats into 96 rows, 1.29 ms -> 0.27 ms); a target with many updates (more passes than a
+    tenth of the updates) keeps ``add.at``."""
+    m = flat.size
+    if m == 0:
+        return
+    order = np.argsort(flat, kind="stable")
+    ordered = flat[order]
+    first = np.empty(m, dtype=bool)
+    first[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    starts = np.flatnonzero(first)
+    rank = np.arange(m) - starts[np.cumsum(first) - 1]  # each update's place in its target's
+    passes = int(rank.max()) + 1
+    if passes * 10 > m:
+        np.add.at(out, flat, rows)
+        return
+    by_pass = order[np.argsort(rank, kind="stable")]
+    bounds = np.searchsorted(np.sort(rank, kind="stable"), np.arange(passes + 1))
+    for a, b in itertools.pairwise(bounds):
+        sel = by_pass[a:b]
+        out[flat[sel]] += rows[sel]
 
 
 # --- take ----------------------------------------------------------------------------------
