@@ -70,9 +70,7 @@ def error_bound(inputs: list[np.ndarray], block: int) -> np.ndarray:
 def quantized_bytes(count: int, members: int, block: int) -> int:
     """The bytes one member sends in a quantized allreduce of ``count`` elements (both phases:
     int8 values and float32 scales of the ``members - 1`` pieces it sends each time)."""
-    chunk = -(-count // (members * block)) * block
-    row = chunk + 4 * (chunk // block)
-    return 2 * (members - 1) * row
+    return 2 * (members - 1) * _row_bytes(_piece(count, members, block), block)
 
 
 class QuantizedComm:
@@ -84,8 +82,8 @@ class QuantizedComm:
         self.inner = inner
         self.block = block
         self.min_count = min_count
-        # per allreduce (axes, size, dtype, n-th in the step): [the residual, a spare array]
-        self._residuals: dict[tuple[Any, ...], list[Any]] = {}
+        # per allreduce (axes, size, dtype, n-th in the step): [its residual, a spare array]
+        self._residuals: dict[tuple[Any, ...], list[np.ndarray]] = {}
         self._seen: dict[tuple[Any, ...], int] = {}
 
     def __getattr__(self, name: str) -> Any:  # every other call: the inner communicator's
@@ -159,21 +157,19 @@ class QuantizedComm:
         nth = self._seen.get(key, 0)
         self._seen[key] = nth + 1
         n = x.size
-        chunk = -(-n // (p * b)) * b
+        chunk = _piece(n, p, b)
         work = _work_dtype(x.dtype)
-        # the input plus last step's residual, padded to p pieces of whole blocks; after the
-        # quantization it holds what the quantization dropped (the next residual). Two such
-        # arrays per allreduce, used in turn: one holds the residual the other reads.
+        # the input plus last step's residual (zeros at first), padded to p pieces of whole
+        # blocks; after the quantization it holds what the quantization dropped, the next
+        # residual. Two such arrays per allreduce, swapped after each call.
         pair = self._residuals.get((*key, nth))
         if pair is None:
-            pair = self._residuals[(*key, nth)] = [None, np.empty((p, chunk), dtype=work)]
+            shape = (p, chunk)
+            pair = self._residuals[(*key, nth)] = [np.zeros(shape, work), np.empty(shape, work)]
         residual, padded = pair
         flat = padded.reshape(-1)
         flat[n:] = 0
-        if residual is not None:
-            np.add(x.reshape(-1), residual.reshape(-1)[:n], out=flat[:n])
-        else:
-            flat[:n] = x.reshape(-1)
+        np.add(x.reshape(-1), residual.reshape(-1)[:n], out=flat[:n])
         w = _row_bytes(chunk, b)
         rows = np.empty((p, w), np.uint8)
         _quantize_rows(padded, b, rows, padded)
@@ -192,7 +188,7 @@ class QuantizedComm:
         out = np.empty(p * chunk, dtype=work)
         for i in range(p):
             _dequantize_row(gathered[i], chunk, b, out[i * chunk : (i + 1) * chunk])
-        pair[:] = [padded, residual if residual is not None else np.empty_like(padded)]
+        pair.reverse()  # this call's dropped values are the next call's residual
         return out[:n].astype(x.dtype, copy=False).reshape(x.shape)
 
 
@@ -239,20 +235,20 @@ def _quantize_rows(x: np.ndarray, block: int, rows: np.ndarray, dropped: np.ndar
                 s[short] = np.nextafter(s[short], up)
             s[s == 0] = 1
             bad = ~np.isfinite(s)
-            if bad.any():
+            nonfinite = bool(bad.any())
+            if nonfinite:
                 s[bad] = np.nan
             scales[lo // block : hi // block] = s
             each[:k].reshape(nb, block)[...] = s[:, None]
-            tb = t[:k].reshape(nb, block)
             np.divide(xs, each[:k], out=t[:k])
             np.rint(t[:k], out=t[:k])
-            if bad.any():
-                tb[bad] = 0
+            if nonfinite:
+                t[:k].reshape(nb, block)[bad] = 0
             q[lo:hi] = t[:k]  # (exact: whole numbers within ±127)
             if dropped is not None:
                 np.multiply(t[:k], each[:k], out=t[:k])
                 np.subtract(xs, t[:k], out=dropped[i, lo:hi])
-                if bad.any():
+                if nonfinite:
                     dropped[i, lo:hi].reshape(nb, block)[bad] = 0
 
 
@@ -265,7 +261,13 @@ def _dequantize_row(row: np.ndarray, c: int, block: int, out: np.ndarray) -> Non
     np.multiply(blocks, scales[:, None].astype(out.dtype, copy=False), out=blocks)
 
 
+def _piece(count: int, members: int, block: int) -> int:
+    """Elements of each member's piece of a ``count``-element allreduce: whole blocks."""
+    return -(-count // (members * block)) * block
+
+
 def _row_bytes(chunk: int, block: int) -> int:
+    """Bytes of a packed row of ``chunk`` elements: its int8 values, then its float32 scales."""
     return chunk + 4 * (chunk // block)
 
 
