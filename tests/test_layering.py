@@ -2,7 +2,8 @@
 
 * no import cycle among the modules of ``dtm_mpi``;
 * no upward import: ``dtm_mpi.plan`` and ``dtm_mpi.sharding`` import neither ``dtm_mpi.kernels``
-  nor ``dtm_mpi.comm``;
+  nor ``dtm_mpi.comm``, and ``dtm_mpi.comm`` imports none of the layers given communicators
+  (``runtime``, ``io``, ``frontend``, ``bench``);
 * no ``mpi4py`` import outside ``dtm_mpi.comm`` and ``dtm_mpi.bench``.
 
 What counts as an import: every ``import``/``from ... import`` statement anywhere in a module --
@@ -33,6 +34,8 @@ ROOT = Path(__file__).resolve().parents[1] / "dtm_mpi"
 MPI_ALLOWED = ("dtm_mpi.comm", "dtm_mpi.bench")
 PURE = ("dtm_mpi.plan", "dtm_mpi.sharding")
 ABOVE_PURE = ("dtm_mpi.kernels", "dtm_mpi.comm")
+COMM = ("dtm_mpi.comm",)
+ABOVE_COMM = ("dtm_mpi.runtime", "dtm_mpi.io", "dtm_mpi.frontend", "dtm_mpi.bench")
 
 _BACKEND = "a backend's kernels load on first use"
 PLUGIN_LOADS: dict[tuple[str, str], str] = {
@@ -217,11 +220,11 @@ def _cycle_text(comp: list[str], root: Path) -> str:
     return " <-> ".join(comp) + ": " + "; ".join(edges)
 
 
-def upward_imports(root: Path) -> list[Import]:
+def upward_imports(
+    root: Path, lower: tuple[str, ...] = PURE, upper: tuple[str, ...] = ABOVE_PURE
+) -> list[Import]:
     return [
-        i
-        for i in collect_imports(root)
-        if _within(i.source, PURE) and _within(i.target, ABOVE_PURE)
+        i for i in collect_imports(root) if _within(i.source, lower) and _within(i.target, upper)
     ]
 
 
@@ -270,6 +273,11 @@ def test_every_excused_plugin_load_is_still_a_lazy_import() -> None:
 def test_no_upward_import_from_plan_or_sharding() -> None:
     found = upward_imports(ROOT)
     assert not found, "plan/ and sharding/ must not import kernels/ or comm/: " + _where(found)
+
+
+def test_no_upward_import_from_comm() -> None:
+    found = upward_imports(ROOT, COMM, ABOVE_COMM)
+    assert not found, "comm/ must not import the layers it serves: " + _where(found)
 
 
 def test_mpi4py_only_in_comm_and_bench() -> None:

@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 
 from dtm_mpi.comm.interface import Comm, Completed, Pending
+from dtm_mpi.cpu_cache import CHUNK_ELEMS
 from dtm_mpi.ir.types import ReduceOp
-from dtm_mpi.runtime.chunked import CHUNK_ELEMS
 from dtm_mpi.sharding.steps import AllgatherSpec, AllreduceSpec, ExchangeSpec, Transfer
 
 __all__ = ["MIN_COUNT", "QuantizedComm", "error_bound", "quantized_bytes"]
@@ -208,7 +208,7 @@ def _quantize_rows(x: np.ndarray, block: int, rows: np.ndarray, dropped: np.ndar
     in it, or beyond float32's range) gets a NaN scale and zeros: it dequantizes to NaN. With
     ``dropped`` (``x`` itself allowed), writes ``x - q * scale`` there, what the rounding
     dropped (0 in a non-finite block: nothing carried to the next step). In chunks of about
-    :data:`~dtm_mpi.runtime.chunked.CHUNK_ELEMS` elements (cache-sized); a block's ``amax``
+    :data:`~dtm_mpi.cpu_cache.CHUNK_ELEMS` elements (cache-sized); a block's ``amax``
     is the largest of its magnitudes' bit patterns (sign bit cleared: the same order as the
     magnitudes)."""
     r, c = x.shape

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dtm_mpi.cpu_cache import CHUNK_ELEMS
 from dtm_mpi.ir.dtypes import np_dtype
 from dtm_mpi.ir.registry import OPS, Trait
 from dtm_mpi.kernels.dispatch import PreparedKernel
@@ -18,7 +19,6 @@ from dtm_mpi.plan.fusion import FusedGroup
 from dtm_mpi.plan.program import FunctionPlan
 
 __all__ = [
-    "CHUNK_ELEMS",
     "MIN_CHUNKED_ELEMS",
     "Chunked",
     "chunkable",
@@ -27,27 +27,6 @@ __all__ = [
 ]
 
 
-def _chunk_elems() -> int:
-    """Elements per chunk: a sixteenth of a core's L2 cache in bytes (four float32 arrays of
-    a chain's inputs and intermediates fill it), within 16,384..65,536; 16,384 where the
-    cache size is not known. Measured on a 2-core AMD EPYC with 1 MiB of L2 per core: the
-    GPT's chains 20-25% faster in chunks of 65,536 than of 16,384, the MLP's updates too."""
-    cache = "/sys/devices/system/cpu/cpu0/cache/index2/"
-    try:
-        with open(cache + "level", encoding="ascii") as fh:
-            if fh.read().strip() != "2":
-                return 16384
-        with open(cache + "size", encoding="ascii") as fh:
-            text = fh.read().strip().upper()
-        size = int(text.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(text[-1:], 0)
-    except (OSError, ValueError):
-        return 16384
-    return max(16384, min(65536, size // 16))
-
-
-CHUNK_ELEMS = _chunk_elems()
-"""Elements per chunk of a fused chain on the CPU (:func:`_chunk_elems`: the chain's inputs
-and intermediates stay in a core's L2 cache)."""
 MIN_CHUNKED_ELEMS = 131072
 """The smallest chain run in chunks: below it the arrays fit in a core's cache anyway, and
 op by op is as fast (measured: a 9-op chain over 512x4096 float32 1.5x faster in chunks,

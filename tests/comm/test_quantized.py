@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from dtm_mpi.comm.quantized import MIN_COUNT, QuantizedComm, error_bound, quantized_bytes
 from dtm_mpi.comm.sim import SimComm, run_ranks
+from dtm_mpi.cpu_cache import CHUNK_ELEMS
 from dtm_mpi.ir.types import ReduceOp
-from dtm_mpi.runtime.chunked import CHUNK_ELEMS
 from dtm_mpi.sharding.mesh import MeshShape
 from dtm_mpi.sharding.steps import allreduce_spec
 
