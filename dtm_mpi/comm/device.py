@@ -68,7 +68,9 @@ __all__ = ["DeviceComm", "DeviceOps", "DevicePaths", "PinnedPool"]
 
 NOT_NATIVE = "deterministic mode, or a reduction MPI does not do natively (float max/min, f16, bool): folded in group order"
 NOT_AWARE = "MPI is not GPU-aware"
-FOLDED = "a large array in a small group, or integrity mode: the pieces moved by an all-to-all and folded in group order"
+FOLDED = (
+    "a large array in a small group: the pieces moved by an all-to-all and folded in group order"
+)
 
 
 class DeviceOps(Protocol):

@@ -3,10 +3,10 @@ and all ranks check they agree.
 
 Each rank contributes a :class:`Hello` (protocol version, dtm_mpi version, module hash, bound
 mesh, capabilities, backend, deterministic mode and its matmul precision, ``--steps``, the
-overlapped allreduces' bucket size). The hellos travel as HELLO frames (``io/WIRE.md``: versioned, CRC32C-checked), exchanged
-with bounded non-blocking allgathers (lengths, then the frames, then what each rank found
-wrong: a corrupted frame is named with its sender on every rank) and compared field by field,
-so a mismatch raises the same :class:`~dtm_mpi.errors.HandshakeError` everywhere, naming each
+overlapped allreduces' bucket size). The hellos travel as HELLO frames (``io/WIRE.md``:
+versioned, CRC32C-checked), exchanged with bounded non-blocking allgathers (lengths, then the
+frames, then what each rank found wrong: a corrupted frame is named with its sender on every
+rank) and compared field by field, so a mismatch raises the same :class:`~dtm_mpi.errors.HandshakeError` everywhere, naming each
 differing field and which ranks hold which value.
 
 ``gpu_aware`` is this rank's own answer to "does MPI take device buffers" (e.g.
@@ -15,7 +15,8 @@ different MPI builds or drivers), and the handshake comes before any other colle
 the field is carried for the run log and not compared (:data:`LOCAL_FIELDS`); the job's
 decision is agreed afterwards by :func:`~dtm_mpi.comm.gpu_aware.agree_gpu_aware`. So is
 ``gemm``, the rank's GEMM provider per shape class, measured on its node: the job uses the
-ranks' common choice, else numpy's (:func:`~dtm_mpi.kernels.gemm.agreed_choice`).
+ranks' common choice, else numpy's (:func:`use_agreed_gemm`; the benchmarks' workers, which
+run without a handshake, exchange it with :func:`agree_gemm`).
 """
 
 from __future__ import annotations
@@ -28,18 +29,18 @@ import numpy as np
 from dtm_mpi.comm.frames import FRAME_PARTS, SCHEMAS, MessageType, decode_frame, encode_frame
 from dtm_mpi.comm.mpi_session import MpiSession
 from dtm_mpi.errors import HandshakeError, ProtocolError
-from dtm_mpi.log import log_info
+from dtm_mpi.log import log_info, logger
 
 __all__ = [
     "LOCAL_FIELDS",
-    "agree_gemm",
-    "use_agreed_gemm",
     "PROTOCOL_VERSION",
     "Hello",
+    "agree_gemm",
     "compare_hellos",
     "handshake",
     "hello_frame",
     "parse_hello",
+    "use_agreed_gemm",
 ]
 
 PROTOCOL_VERSION = 1
@@ -191,7 +192,6 @@ def use_agreed_gemm(texts: list[str], rank: int) -> None:
     :func:`~dtm_mpi.kernels.gemm.agreed_choice`); rank 0 warns when the ranks chose
     differently."""
     from dtm_mpi.kernels.gemm import agreed_choice, use_choice
-    from dtm_mpi.log import logger
 
     choice, why = agreed_choice(texts)
     use_choice(choice)
