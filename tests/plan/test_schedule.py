@@ -88,39 +88,35 @@ def test_zb_h1_has_a_third_of_1f1bs_bubble_at_1f1bs_peak(p: int, m: int) -> None
     assert max(zb.peak_held) <= max(one.peak_held)
 
 
-def test_transfer_time_is_on_the_critical_path() -> None:
-    """2 ranks, 3 microbatches, a message takes 0.5 (worked by hand: rank 0 waits for the
-    gradient of microbatch 2 until 12, then its backward ends at 14)."""
-    costs = [StageCosts(1, 1, 1, transfer=0.5)] * 2
-    timing = time_schedule(plan_schedule(ONE, PipelineShape(2, 3)), costs)
-    assert timing.makespan == 14.0
-    assert [(s.start, s.end) for s in timing.spans[0]] == [
-        (0, 1),
-        (1, 2),
-        (5, 7),
-        (7, 8),
-        (8, 10),
-        (12, 14),
-    ]
+TIMELINES = [  # worked by hand: (receive, makespan, rank 0's passes, rank 1's first two)
+    (0.0, 14.0, [(0, 1), (1, 2), (5, 7), (7, 8), (8, 10), (12, 14)], [(1.5, 2.5), (2.5, 4.5)]),
+    (
+        0.25,
+        15.0,
+        [(0, 1), (1, 2), (5.5, 7.5), (7.5, 8.5), (8.75, 10.75), (13, 15)],
+        [(1.75, 2.75), (2.75, 4.75)],
+    ),
+]
 
 
-def test_a_receive_takes_its_time_after_the_message_arrives() -> None:
-    """As above, and taking an arrived message costs its receiver 0.25 (idle for the
-    pipeline): worked by hand, rank 0's backward of microbatch 0 waits for the gradient that
-    arrives at 5.25 and starts at 5.5; the step ends at 15."""
-    costs = [StageCosts(1, 1, 1, transfer=0.5, receive=0.25)] * 2
+@pytest.mark.parametrize(("receive", "makespan", "rank0", "rank1"), TIMELINES)
+def test_transfer_and_receiving_times_are_on_the_critical_path(
+    receive: float,
+    makespan: float,
+    rank0: list[tuple[float, float]],
+    rank1: list[tuple[float, float]],
+) -> None:
+    """2 ranks, 3 microbatches under 1F1B, a message takes 0.5 to arrive. Without receiving
+    time rank 0 waits for the gradient of microbatch 2 until 12 and its backward ends at 14;
+    when taking an arrived message costs its receiver 0.25 (idle for the pipeline), rank 0's
+    backward of microbatch 0 waits for the gradient that arrives at 5.25 and starts at 5.5,
+    and the step ends at 15."""
+    costs = [StageCosts(1, 1, 1, transfer=0.5, receive=receive)] * 2
     timing = time_schedule(plan_schedule(ONE, PipelineShape(2, 3)), costs)
-    assert timing.makespan == 15.0
-    assert [(s.start, s.end) for s in timing.spans[0]] == [
-        (0, 1),
-        (1, 2),
-        (5.5, 7.5),
-        (7.5, 8.5),
-        (8.75, 10.75),
-        (13, 15),
-    ]
-    assert [(s.start, s.end) for s in timing.spans[1]][:2] == [(1.75, 2.75), (2.75, 4.75)]
-    assert timing.bubble == 1 - 18 / 30  # the receiving time is not busy
+    assert timing.makespan == makespan
+    assert [(s.start, s.end) for s in timing.spans[0]] == rank0
+    assert [(s.start, s.end) for s in timing.spans[1]][:2] == rank1
+    assert timing.bubble == 1 - 18 / (2 * makespan)  # the receiving time is not busy
 
 
 def test_every_boundary_message_is_one_send_and_one_receive_with_a_unique_tag() -> None:
