@@ -254,7 +254,7 @@ def test_explain_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert "function @train_step\n" in out and "function @forward\n" in out
     assert "allreduce sum on tp" in out
     assert "  communication steps: allreduce x4\n" in out
-    assert "overlapped allreduces" not in out  # DTM_OVERLAP is off by default
+    assert "overlapped collectives" not in out  # DTM_OVERLAP is off by default
 
 
 def test_explain_shows_the_overlapped_buckets(
@@ -269,6 +269,7 @@ def test_explain_shows_the_overlapped_buckets(
         get_config.cache_clear()
     assert code == 0, err
     assert "  communication steps: allreduce x2\n" in out  # the tp one, and one bucket on dp
+    assert "overlapped collectives (DTM_OVERLAP=1" in out
     assert "@train_step bucket 1: allreduce sum on dp of " in out and "ops run meanwhile" in out
 
 

@@ -26,6 +26,28 @@ from dtm_mpi.bench.train_models import MODELS, SHARDING, initial_state, numpy_fl
 __all__ = ["TimedComm", "main"]
 
 
+class _TimedHandle:
+    """A started collective whose wait adds its seconds to ``comm``'s. (A class of its own:
+    one defined per call, closing over the handle, lived in a reference cycle until the
+    cyclic garbage collector ran, holding every overlapped collective's result: the MLP at
+    dp=2 with overlap grew to 631 MiB of RSS against 210, and ran slower.)"""
+
+    __slots__ = ("comm", "handle")
+
+    def __init__(self, handle: Any, comm: TimedComm) -> None:
+        self.handle, self.comm = handle, comm
+
+    def test(self) -> bool:
+        return bool(self.handle.test())
+
+    def wait(self) -> Any:
+        t1 = time.perf_counter()
+        try:
+            return self.handle.wait()
+        finally:
+            self.comm.seconds += time.perf_counter() - t1
+
+
 class TimedComm:
     """A communicator that adds up the seconds spent in its calls (what the plan's
     communication costs this rank, waiting for the others included); everything else is
@@ -62,23 +84,17 @@ class TimedComm:
 
     def start_allreduce(self, *args: Any) -> Any:
         """Started (timed), and waited for through a handle whose wait is timed too."""
-        clock, outer = time.perf_counter, self
-        t0 = clock()
-        handle = self._inner.start_allreduce(*args)
-        self.seconds += clock() - t0
+        return self._started(self._inner.start_allreduce, args)
 
-        class Timed:
-            def test(self) -> bool:
-                return bool(handle.test())
+    def start_allgather(self, *args: Any) -> Any:
+        """Started (timed), and waited for through a handle whose wait is timed too."""
+        return self._started(self._inner.start_allgather, args)
 
-            def wait(self) -> Any:
-                t1 = clock()
-                try:
-                    return handle.wait()
-                finally:
-                    outer.seconds += clock() - t1
-
-        return Timed()
+    def _started(self, start: Any, args: tuple[Any, ...]) -> Any:
+        t0 = time.perf_counter()
+        handle = start(*args)
+        self.seconds += time.perf_counter() - t0
+        return _TimedHandle(handle, self)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)

@@ -396,6 +396,10 @@ class DeviceComm:
         """Device buffers: the blocking allreduce (the stream is synchronised around MPI)."""
         return Completed(self.allreduce(x, axes, spec))
 
+    def start_allgather(self, x: Any, axes: tuple[str, ...], spec: AllgatherSpec) -> Pending:
+        """Device buffers: the blocking allgather (the stream is synchronised around MPI)."""
+        return Completed(self.allgather(x, axes, spec))
+
     def reduce_scatter(self, x: Any, axes: tuple[str, ...], spec: ReduceScatterSpec) -> Any:
         """Collective: call on all ranks of the group."""
         if not self.ops.is_device(x):

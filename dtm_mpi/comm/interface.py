@@ -95,7 +95,8 @@ class CommStats:
 
 
 class Pending(Protocol):
-    """A collective started and not yet waited for (:meth:`Comm.start_allreduce`)."""
+    """A collective started and not yet waited for (:meth:`Comm.start_allreduce`,
+    :meth:`Comm.start_allgather`)."""
 
     def test(self) -> bool:
         """Progress it; True once complete (never blocks)."""
@@ -147,6 +148,14 @@ class Comm(Protocol):
     def start_allreduce(self, x: np.ndarray, axes: tuple[str, ...], spec: AllreduceSpec) -> Pending:
         """:meth:`allreduce` started, to be waited for later (``x`` is not to be written
         until then): other work runs while it is in flight.
+
+        Collective: call on all ranks of the group, in the same order as their other
+        collectives on the group."""
+        ...
+
+    def start_allgather(self, x: np.ndarray, axes: tuple[str, ...], spec: AllgatherSpec) -> Pending:
+        """:meth:`allgather` started, to be waited for later (``x`` is not to be written until
+        then): a prefetched gather of a parameter stored sharded.
 
         Collective: call on all ranks of the group, in the same order as their other
         collectives on the group."""

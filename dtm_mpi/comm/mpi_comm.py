@@ -110,15 +110,20 @@ def reduce_scatter_call(counts: list[int]) -> tuple[str, tuple[Any, ...]]:
 
 
 class _SideCall:
-    """An allreduce run by this rank's side thread (:class:`_SideThread`): done when its
-    blocking call returned."""
+    """A collective (``what``: allreduce, allgather) run by this rank's side thread
+    (:class:`_SideThread`): done when its blocking call returned; ``out`` its result."""
 
-    __slots__ = ("axes", "done", "error", "out", "send", "session")
+    __slots__ = ("axes", "done", "error", "out", "send", "session", "what")
 
     def __init__(
-        self, session: MpiSession, out: np.ndarray, send: np.ndarray, axes: tuple[str, ...]
+        self,
+        session: MpiSession,
+        out: np.ndarray,
+        send: np.ndarray,
+        axes: tuple[str, ...],
+        what: str = "allreduce",
     ) -> None:
-        self.session, self.out, self.send, self.axes = session, out, send, axes
+        self.session, self.out, self.send, self.axes, self.what = session, out, send, axes, what
         self.done = threading.Event()
         self.error: BaseException | None = None
 
@@ -127,16 +132,16 @@ class _SideCall:
 
     def wait(self) -> np.ndarray:
         if not self.done.is_set():
-            self.session.wait_event(self.done, "allreduce", self.axes)
+            self.session.wait_event(self.done, self.what, self.axes)
         if self.error is not None:
             raise CommError(
-                f"rank {self.session.rank}: overlapped allreduce on {','.join(self.axes)} failed: {self.error}"
+                f"rank {self.session.rank}: overlapped {self.what} on {','.join(self.axes)} failed: {self.error}"
             ) from self.error
         return self.out
 
 
 class _CheckedCall:
-    """An overlapped allreduce in integrity mode: when waited for, its result is compared
+    """An overlapped collective in integrity mode: when waited for, its result is compared
     across the group (``check``: a collective on the group's main communicator, which the side
     thread does not use; every member waits for its buckets in the plan's order)."""
 
@@ -724,6 +729,41 @@ class MpiComm:
         self._stats.record("allreduce", moved, moved)
         if self.integrity:  # compared when waited for, on the main thread's communicator
             return _CheckedCall(call, lambda out: self._checked_result("allreduce", axes, out))
+        return call
+
+    def start_allgather(self, x: np.ndarray, axes: tuple[str, ...], spec: AllgatherSpec) -> Pending:
+        """The allgather run by this rank's side thread on a duplicate of the group's
+        communicator while this thread goes on (a prefetched gather); the returned handle's
+        ``wait`` waits within the deadline, watching for failure notices. Where the blocking
+        path would not make one ``Allgather`` landing the blocks in place (unequal blocks, a
+        split along an inner dim, a message beyond ``max_msg_elems``), or without
+        ``MPI_THREAD_MULTIPLE`` or ``DTM_OVERLAP``, it runs the blocking path now.
+
+        Collective: call on all ranks of the group, in the same order."""
+        counts = spec.counts
+        session = self.session
+        if (
+            len(set(counts)) != 1
+            or counts[0] > self.limit
+            or math.prod(x.shape[: spec.dim]) > 1
+            or session.watchdog is None
+            or not self.side_thread
+        ):
+            return Completed(self.allgather(x, axes, spec))
+        session.check()
+        comm = session.side_group(axes)
+        send = self._flat(x)
+        shape = list(x.shape)
+        shape[spec.dim] = sum(spec.extents)
+        out = empty_aligned(shape, x.dtype)  # (not kept: as the blocking path's, transient)
+        flat = out.reshape(-1).view(send.dtype)
+        call = _SideCall(session, out, send, axes, "allgather")
+        mtype = self._move[x.itemsize]
+        session.side_submit(call.done, call, comm.Allgather, ([send, mtype], [flat, mtype]))
+        out_bytes = flat.nbytes
+        self._stats.record("allgather", *allgather_traffic(x.nbytes, out_bytes, len(counts)))
+        if self.integrity:  # compared when waited for, on the main thread's communicator
+            return _CheckedCall(call, lambda out: self._checked_result("allgather", axes, out))
         return call
 
     def reduce_scatter(

@@ -114,6 +114,9 @@ class QuantizedComm:
             and len(spec.group) > 1
         )
 
+    def quantizes_gather(self, x: np.ndarray, spec: AllgatherSpec) -> bool:
+        return x.dtype.kind == "f" and sum(spec.counts) >= self.min_count and len(spec.group) > 1
+
     def allreduce(self, x: np.ndarray, axes: tuple[str, ...], spec: AllreduceSpec) -> np.ndarray:
         if not self.quantizes(x, spec):
             return self.inner.allreduce(x, axes, spec)
@@ -128,7 +131,7 @@ class QuantizedComm:
         """A floating allgather of at least :data:`MIN_COUNT` elements in all moves as each
         member's block quantized (int8 blocks of the flat block, float32 scales): every
         element within half its block's step of the sent value (io/WIRE.md §6)."""
-        if x.dtype.kind != "f" or sum(spec.counts) < self.min_count or len(spec.group) < 2:
+        if not self.quantizes_gather(x, spec):
             return self.inner.allgather(x, axes, spec)
         b = self.block
         sizes = [-(-c // b) * b for c in spec.counts]  # each member's padded element count
@@ -150,6 +153,13 @@ class QuantizedComm:
             shape[spec.dim] = spec.extents[i]
             parts.append(values[: spec.counts[i]].astype(x.dtype, copy=False).reshape(shape))
         return np.concatenate(parts, axis=spec.dim)
+
+    def start_allgather(self, x: np.ndarray, axes: tuple[str, ...], spec: AllgatherSpec) -> Pending:
+        """The quantized allgather runs now (its packing is this thread's work); others are
+        the inner communicator's."""
+        if not self.quantizes_gather(x, spec):
+            return self.inner.start_allgather(x, axes, spec)
+        return Completed(self.allgather(x, axes, spec))
 
     def _quantized(self, x: np.ndarray, axes: tuple[str, ...], spec: AllreduceSpec) -> np.ndarray:
         p, me, b = len(spec.group), spec.position, self.block

@@ -170,6 +170,10 @@ class SimComm:
         """The simulator completes it at once (its ranks are threads meeting in order)."""
         return Completed(self.allreduce(x, axes, spec))
 
+    def start_allgather(self, x: np.ndarray, axes: tuple[str, ...], spec: AllgatherSpec) -> Pending:
+        """The simulator completes it at once (its ranks are threads meeting in order)."""
+        return Completed(self.allgather(x, axes, spec))
+
     def reduce_scatter(
         self, x: np.ndarray, axes: tuple[str, ...], spec: ReduceScatterSpec
     ) -> np.ndarray:

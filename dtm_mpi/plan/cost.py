@@ -8,7 +8,8 @@ root and one block received by every other member; ``send``/``recv`` one block e
 Memory: the bytes of the local arrays alive on a rank. Entry parameters are alive throughout;
 an op's results are allocated while its operands are still alive, plus the redistribution's
 temporaries (its peak extra bytes) or, for a call, the callee's own peak; values are freed
-after their last use (:attr:`PlanOp.frees`). On the MPI path each repeated collective also
+after their last use (:attr:`PlanOp.frees`); a prefetched gather's result
+(:func:`~dtm_mpi.plan.overlap.prefetch_gathers`) is allocated where the gather starts. On the MPI path each repeated collective also
 keeps its last output buffer for reuse when it is 64 KiB or more
 (:mod:`dtm_mpi.sharding.retention`): :attr:`FunctionCost.retained` bounds that memory, which is
 not in any value's lifetime.
@@ -24,7 +25,7 @@ from dtm_mpi.plan.program import ExecPlan, FunctionPlan, OpKind, PlanOp
 from dtm_mpi.sharding.blocks import local_shape
 from dtm_mpi.sharding.mesh import MeshShape
 from dtm_mpi.sharding.retention import keeps_gather_of, kept_bytes
-from dtm_mpi.sharding.steps import allreduce_moved_items
+from dtm_mpi.sharding.steps import StepKind, allreduce_moved_items
 
 __all__ = ["FunctionCost", "OpCost", "function_cost", "local_bytes"]
 
@@ -151,8 +152,17 @@ def function_cost(plan: ExecPlan, fp: FunctionPlan) -> FunctionCost:
     counts: dict[str, int] = {}
     retained = [0] * mesh.size
     ops: list[OpCost] = []
-    in_bucket = {m: b for b in fp.buckets for m in b.members}
+    in_bucket = {m: b for b in fp.buckets if b.kind is StepKind.ALLREDUCE for m in b.members}
+    prefetched = {b.members[0]: b for b in fp.buckets if b.kind is StepKind.ALLGATHER}
+    starting: dict[int, list[Bucket]] = {}
+    for b in prefetched.values():
+        starting.setdefault(b.start, []).append(b)
     for p in fp.ops:
+        for b in starting.get(len(ops), ()):  # its result allocated from the gather's start
+            t = fp.ops[b.members[0]].op.result_types[0]
+            for r in ranks:
+                live[r] += local_bytes(t, mesh, r)
+                peak[r] = max(peak[r], live[r])
         op = p.op
         operand = p.operand_types[0] if p.operand_types else None
         shapes = tuple(
@@ -167,8 +177,11 @@ def function_cost(plan: ExecPlan, fp: FunctionPlan) -> FunctionCost:
                 for r in ranks
             ]
         during = []
+        fetched = prefetched.get(len(ops))
         for r in ranks:
-            new = sum(local_bytes(t, mesh, r) for t in op.result_types)
+            new = (
+                0 if fetched is not None else sum(local_bytes(t, mesh, r) for t in op.result_types)
+            )
             during.append(live[r] + new + _extra(p, plan, r))
             peak[r] = max(peak[r], during[r])
             live[r] += new
@@ -186,6 +199,11 @@ def function_cost(plan: ExecPlan, fp: FunctionPlan) -> FunctionCost:
         if bucket is not None:  # one allreduce for the bucket, at its first member
             comm = tuple(
                 f"{c} (bucket of {len(bucket.members)}: ops {', '.join(map(str, bucket.members))}; in flight over ops {bucket.start}-{bucket.finish - 1})"
+                for c in comm
+            )
+        if fetched is not None:
+            comm = tuple(
+                f"{c} (prefetched: in flight over ops {fetched.start}-{fetched.finish - 1})"
                 for c in comm
             )
         for c in comm:

@@ -69,7 +69,7 @@ def _function_lines(plan: ExecPlan, name: str, cost: FunctionCost) -> list[str]:
 
 
 def _overlap_lines(plan: ExecPlan) -> list[str]:
-    """The allreduces that overlap computation, bucket by bucket (``DTM_OVERLAP``)."""
+    """The collectives that overlap computation, bucket by bucket (``DTM_OVERLAP``)."""
     out = []
     for name, fp in plan.functions:
         for i, b in enumerate(fp.buckets, 1):
@@ -77,13 +77,15 @@ def _overlap_lines(plan: ExecPlan) -> list[str]:
             after = fp.ops[b.start - 1].op.name if b.start > 0 else "the start"
             before = fp.ops[b.finish].op.name if b.finish < len(fp.ops) else "the return"
             busy = sum(1 for j in b.overlapped if j not in b.members)
+            what = "allgather" if b.op is None else f"allreduce {b.op.value}"
+            label = "prefetch" if b.op is None else "bucket"
             out.append(
-                f"  @{name} bucket {i}: allreduce {b.op.value} on {','.join(b.axes)} of {names} ({human_bytes(b.nbytes)}): starts after op {b.start - 1} ({after}), completes before op {b.finish} ({before}); {busy} ops run meanwhile"
+                f"  @{name} {label} {i}: {what} on {','.join(b.axes)} of {names} ({human_bytes(b.nbytes)}): starts after op {b.start - 1} ({after}), completes before op {b.finish} ({before}); {busy} ops run meanwhile"
             )
     if not out:
         return []
     return [
-        "overlapped allreduces (DTM_OVERLAP=1: started when ready on a side thread, completed when needed):",
+        "overlapped collectives (DTM_OVERLAP=1: started when ready on a side thread, completed when needed; allreduces in buckets, gathers of parameters stored sharded one ahead):",
         *out,
         "",
     ]

@@ -1,5 +1,6 @@
-"""Which allreduces overlap computation: buckets started as soon as their values are ready and
-completed just before their results are first needed (pure: every rank computes the same).
+"""Which collectives overlap computation (pure: every rank computes the same): allreduces in
+buckets started as soon as their values are ready and completed just before their results are
+first needed, and the gathers of parameters stored sharded prefetched one ahead.
 
 A candidate is a ``REDIST`` op whose redistribution is one ``ALLREDUCE`` step of a float value
 (the data-parallel gradient completions the reverse pass emits, a tensor-parallel pending sum
@@ -11,6 +12,14 @@ after the last member's operand is ready and *completes* before the first member
 needed. A bucket that would complete where it starts overlaps nothing and is not formed: its
 members run where they stand. What runs between a bucket's start and completion is what the
 allreduce overlaps; ``dtm explain`` lists every bucket with it.
+
+**Prefetched gathers** (ZeRO-3, FSDP: :func:`prefetch_gathers`): a ``REDIST`` op whose
+redistribution is one ``ALLGATHER`` step of a function parameter (a parameter stored sharded,
+gathered for its layer) is a bucket of its own. In the order their results are first needed,
+each gather starts where the one before it is first used (that one completed just before:
+FSDP's forward and backward prefetch, one gather ahead, so at most one gathered parameter
+beyond those in use is held) -- never later than where it stood -- and completes before its
+own first use. The first starts where it stood.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ from dtm_mpi.sharding.steps import StepKind
 if TYPE_CHECKING:  # the plan holds the buckets: compile_plan calls this module
     from dtm_mpi.plan.program import FunctionPlan
 
-__all__ = ["BUCKET_BYTES", "Bucket", "overlap_buckets"]
+__all__ = ["BUCKET_BYTES", "Bucket", "overlap_buckets", "prefetch_gathers"]
 
 BUCKET_BYTES = 25 * 2**20
 """The default bucket size (DDP's default, 25 MiB)."""
@@ -33,15 +42,18 @@ BUCKET_BYTES = 25 * 2**20
 
 @dataclass(frozen=True, slots=True)
 class Bucket:
-    """Allreduces sent as one message: ``members`` (op indices, in ready order), started after
-    op ``start - 1`` (before op ``start``) and completed before op ``finish``."""
+    """Collectives sent as one message: ``members`` (op indices, in ready order), started
+    after op ``start - 1`` (before op ``start``) and completed before op ``finish``. ``kind``
+    ``ALLREDUCE`` (``op`` its reduction) or ``ALLGATHER`` (one prefetched gather, ``op``
+    None)."""
 
     members: tuple[int, ...]
     axes: tuple[str, ...]
-    op: ReduceOp
+    op: ReduceOp | None
     start: int
     finish: int
     nbytes: int  # global bytes of the members (each rank sends its blocks: at most this)
+    kind: StepKind = StepKind.ALLREDUCE
 
     @property
     def overlapped(self) -> range:
@@ -121,3 +133,39 @@ def overlap_buckets(fp: FunctionPlan, bucket_bytes: int = BUCKET_BYTES) -> tuple
         open_.append(c)
     close()
     return tuple(sorted(buckets, key=lambda b: (b.start, b.members)))
+
+
+def _gather_candidate(fp: FunctionPlan, i: int, params: frozenset[str]) -> tuple[str, ...] | None:
+    p = fp.ops[i]
+    if p.kind is not OpKind.REDIST or p.redist is None or len(p.redist.steps) != 1:
+        return None
+    step = p.redist.steps[0]
+    if step.kind is not StepKind.ALLGATHER or p.op.operands[0] not in params:
+        return None
+    return step.axes
+
+
+def prefetch_gathers(fp: FunctionPlan) -> tuple[Bucket, ...]:
+    """The prefetched gathers of ``fp`` (module doc), each a bucket of one, in start order."""
+    params = frozenset(q.name for q in fp.function.params)
+    first_use: dict[str, int] = {}
+    for i, p in enumerate(fp.ops):
+        for n in p.op.operands:
+            first_use.setdefault(n, i)
+    end = len(fp.ops)
+    gathers = []
+    for i in range(end):
+        axes = _gather_candidate(fp, i, params)
+        if axes is not None:
+            gathers.append((first_use.get(fp.ops[i].op.results[0], end), i, axes))
+    gathers.sort()
+    at = {i for _, i, _ in gathers}
+    out = []
+    previous_use: int | None = None
+    for needed, i, axes in gathers:
+        start = i if previous_use is None else min(i, previous_use)
+        previous_use = needed
+        if any(j not in at for j in range(start, needed)):  # something runs meanwhile
+            t = fp.ops[i].op.result_types[0]
+            out.append(Bucket((i,), axes, None, start, needed, t.nbytes, StepKind.ALLGATHER))
+    return tuple(sorted(out, key=lambda b: (b.start, b.members)))

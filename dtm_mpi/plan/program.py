@@ -68,9 +68,10 @@ class FunctionPlan:
     function: Function
     ops: tuple[PlanOp, ...]
     buckets: tuple[Any, ...] = ()
-    """The allreduces that overlap computation (:class:`~dtm_mpi.plan.overlap.Bucket` s, in
-    start order): the executor starts each bucket when its values are ready and completes it
-    before its results are needed, in every mode."""
+    """The collectives that overlap computation (:class:`~dtm_mpi.plan.overlap.Bucket` s, in
+    start order: allreduces in buckets, prefetched gathers of parameters stored sharded): the
+    executor starts each bucket when its values are ready and completes it before its results
+    are needed, in every mode."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,7 +197,7 @@ def compile_plan(module: Module, mesh: MeshShape, *, bucket_bytes: int | None = 
     """The plan of a *verified* module on the bound ``mesh`` (pure; identical on every rank).
     ``bucket_bytes``: the largest bucket of overlapped allreduces (0: none; None:
     ``DTM_BUCKET_BYTES`` with ``DTM_OVERLAP=1``, else none)."""
-    from dtm_mpi.plan.overlap import overlap_buckets
+    from dtm_mpi.plan.overlap import overlap_buckets, prefetch_gathers
 
     if bucket_bytes is None:
         from dtm_mpi.config import get_config
@@ -212,7 +213,8 @@ def compile_plan(module: Module, mesh: MeshShape, *, bucket_bytes: int | None = 
         f = todo.pop()
         fp = _plan_function(f, mesh)
         if bucket_bytes:
-            fp = replace(fp, buckets=overlap_buckets(fp, bucket_bytes))
+            buckets = overlap_buckets(fp, bucket_bytes) + prefetch_gathers(fp)
+            fp = replace(fp, buckets=tuple(sorted(buckets, key=lambda b: (b.start, b.members))))
         plans.append((f.name, fp))
         for op in f.body:
             is_call = registry.OPS[op.name].kind is OpKind.CALL

@@ -57,6 +57,7 @@ from dtm_mpi.sharding.redistribute import RedistPlan, plan_redistribute
 from dtm_mpi.sharding.retention import keeps_gather_of
 from dtm_mpi.sharding.steps import (
     STEP_KINDS,
+    AllgatherSpec,
     AllreduceSpec,
     StepKind,
     StepRule,
@@ -498,8 +499,14 @@ class Executor:
     ) -> tuple[Pending, list[tuple[int, ...]]]:
         """Start a bucket's allreduce: its members' operands in one buffer (one alone as it
         is; a resolved pending sum's plain form where this rank packs ``-0.0``); operands
-        whose last use was their member op are dropped once packed."""
+        whose last use was their member op are dropped once packed. A prefetched gather
+        starts its one member's allgather."""
         b = start.bucket
+        if b.kind is StepKind.ALLGATHER:
+            p = fp.ops[b.members[0]]
+            (spec,) = self._specs(p)
+            assert isinstance(spec, AllgatherSpec)
+            return self.comm.start_allgather(env[p.op.operands[0]], b.axes, spec), []
         xs = [env[fp.ops[m].op.operands[0]] for m in b.members]
         if any(start.zeroed):
             xs = [
@@ -508,6 +515,7 @@ class Executor:
             ]
         shapes = [tuple(x.shape) for x in xs]
         buf = xs[0] if len(xs) == 1 else np.concatenate([x.reshape(-1) for x in xs])
+        assert b.op is not None
         spec = self._allreduce_spec(b.axes, b.op, int(buf.size))
         handle = self.comm.start_allreduce(buf, b.axes, spec)
         for n in start.drops:
@@ -524,7 +532,7 @@ class Executor:
         """Wait for bucket ``b`` and hand each member its result."""
         handle, shapes = started
         out = handle.wait()
-        if len(shapes) == 1:
+        if len(shapes) <= 1:  # one allreduce, or a prefetched gather
             env[fp.ops[b.members[0]].op.results[0]] = out
             return
         flat, at = out.reshape(-1), 0

@@ -89,17 +89,22 @@ def test_every_bit_flipped_in_a_point_to_point_payload_is_caught(
     session.close()
 
 
-@pytest.mark.parametrize("op", ["allreduce", "overlapped", "allgather", "broadcast"])
+SIDE_THREAD = {"overlapped": "allreduce", "prefetched": "allgather"}
+"""The collectives run on the side thread (``DTM_OVERLAP``) and compared when waited for."""
+
+
+@pytest.mark.parametrize("op", ["allreduce", "overlapped", "allgather", "prefetched", "broadcast"])
 def test_every_bit_flipped_in_a_collective_result_is_named_on_every_rank(
     comm: Any, monkeypatch: Any, op: str
 ) -> None:
     """(``overlapped``: an allreduce run on the side thread, ``DTM_OVERLAP``, compared when
-    waited for.)"""
+    waited for; ``prefetched``: an allgather run there.)"""
     from dtm_mpi.sharding.steps import AllgatherSpec
 
     rank, size = int(comm.Get_rank()), int(comm.Get_size())
-    flip, config, session, mc = _integrity_mode(comm, monkeypatch, overlap=op == "overlapped")
-    assert mc.integrity and mc.side_thread == (op == "overlapped")
+    flip, config, session, mc = _integrity_mode(comm, monkeypatch, overlap=op in SIDE_THREAD)
+    assert mc.integrity and mc.side_thread == (op in SIDE_THREAD)
+    name = SIDE_THREAD.get(op, op)
     rng = np.random.default_rng(11)
     x = np.full(64, rank + 1.0, dtype=np.float64)
     allreduce = AllreduceSpec(tuple(range(size)), rank, ReduceOp.SUM, 64)
@@ -110,22 +115,25 @@ def test_every_bit_flipped_in_a_collective_result_is_named_on_every_rank(
             handle = mc.start_allreduce(x, ("x",), allreduce)
             assert type(handle).__name__ == "_CheckedCall"  # (the side thread's)
             return handle.wait()
+        if op == "prefetched":
+            handle = mc.start_allgather(x, ("x",), allgather)
+            assert type(handle).__name__ == "_CheckedCall"  # (the side thread's)
+            return handle.wait()
         if op == "allreduce":
             return mc.allreduce(x, ("x",), allreduce)
         if op == "allgather":
             return mc.allgather(x, ("x",), allgather)
         return mc.broadcast(x, ("x",), 0)
 
-    out_bits = 64 * 8 * (size if op == "allgather" else 1) * 8
+    out_bits = 64 * 8 * (size if name == "allgather" else 1) * 8
     for k, bit in enumerate(rng.integers(0, out_bits, FLIPS)):
         victim = k % size
         flip.bit = int(bit)
-        faulty = (FaultSpec(victim, op.replace("overlapped", "allreduce"), FaultKind.CORRUPT),)
+        faulty = (FaultSpec(victim, name, FaultKind.CORRUPT),)
         config["now"] = replace(config["now"], faults=faulty)
         with pytest.raises(PayloadIntegrityError) as err:
             run()
         text = str(err.value)
-        name = op.replace("overlapped", "allreduce")
         assert f"{name} over x: the members' results differ" in text, text
         if size > 2:
             assert f"rank(s) {victim} hold other bytes than the rest" in text, text

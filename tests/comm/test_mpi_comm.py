@@ -291,6 +291,58 @@ def test_started_allreduces_complete_in_order_on_the_side_thread(comm: Any) -> N
     assert session._side_thread is None
 
 
+def test_started_allgathers_complete_on_the_side_thread_or_at_once(comm: Any) -> None:
+    """``start_allgather`` with ``DTM_OVERLAP`` (a prefetched gather of a parameter stored
+    sharded): equal blocks split along the first dim go to the side thread while this thread
+    runs a blocking allgather of its own; uneven blocks and a split along an inner dim run
+    the blocking path at once. Every handle gives the members' blocks concatenated, and each
+    call is counted once."""
+    from dtm_mpi.comm.interface import Completed
+    from dtm_mpi.sharding.steps import AllgatherSpec
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    mesh = MeshShape((("x", size),))
+    session = MpiSession(mesh, [("x",)], timeout_s=30, world=comm)
+    mc = MpiComm(session)
+    mc.side_thread = True
+    group = tuple(range(size))
+
+    def block(rows: int, cols: int, seed: int) -> np.ndarray:
+        return np.arange(rows * cols, dtype=np.float32).reshape(rows, cols) + 1000 * seed
+
+    # (this member's block, the spec, the whole array, whether it may go to the side thread)
+    cases = []
+    for i, (rows, cols) in enumerate([(3, 5), (64, 33), (1, 1)]):
+        whole = np.concatenate([block(rows, cols, 10 * r + i) for r in group], axis=0)
+        spec = AllgatherSpec(group, rank, 0, (rows,) * size, (rows * cols,) * size)
+        cases.append((block(rows, cols, 10 * rank + i), spec, whole, True))
+    extents = tuple(2 + r for r in group)  # uneven blocks
+    whole = np.concatenate([block(extents[r], 4, 7 * r) for r in group], axis=0)
+    spec = AllgatherSpec(group, rank, 0, extents, tuple(4 * e for e in extents))
+    cases.append((block(extents[rank], 4, 7 * rank), spec, whole, False))
+    whole = np.concatenate([block(4, 3, 5 * r) for r in group], axis=1)  # an inner dim
+    cases.append(
+        (
+            block(4, 3, 5 * rank),
+            AllgatherSpec(group, rank, 1, (3,) * size, (12,) * size),
+            whole,
+            False,
+        )
+    )
+    handles = [mc.start_allgather(x, ("x",), spec) for x, spec, _, _ in cases]
+    own = mc.allgather(
+        np.full(2, rank, np.int64), ("x",), AllgatherSpec(group, rank, 0, (2,) * size, (2,) * size)
+    )
+    assert np.array_equal(own, np.repeat(np.arange(size), 2))
+    for (_, _, whole, side), h in zip(cases, handles, strict=True):
+        got = h.wait()
+        assert h.test() and got.shape == whole.shape and np.array_equal(got, whole)
+        assert isinstance(h, Completed) != (side and session.watchdog is not None)
+    assert mc.stats.calls["allgather"] == len(cases) + 1
+    session.close()
+    assert session._side_thread is None
+
+
 @pytest.mark.parametrize("dim", [0, 1])
 def test_large_reduce_scatters_fold_the_pieces_in_group_order(comm: Any, dim: int) -> None:
     """Reduce-scatters of float32 arrays below and above the size where the pieces move by an

@@ -339,3 +339,27 @@ def test_a_sharded_run_resumes_unsharded_on_another_mesh_with_the_same_bits(
     )
     assert "resumed from" in second and "after step 10" in second, second
     same_bits(out, straight_20)
+
+
+@pytest.mark.parametrize(
+    ("ranks", "mesh", "integrity"), [(2, "dp=2,tp=1", "0"), (4, "dp=2,tp=2", "1")]
+)
+def test_prefetched_gathers_under_mpirun_keep_the_bits(
+    ranks: int, mesh: str, integrity: str, straight_20: Path, tmp_path: Path
+) -> None:
+    """ZeRO-3 (`--shard-params`) with DTM_OVERLAP=1: every gather of a stored parameter but
+    the first runs on the side thread, started one ahead (in integrity mode compared when
+    waited for); 20 steps give the bits of the unsharded run on one rank."""
+    out = tmp_path / "o.npz"
+    digits(
+        ranks,
+        mesh,
+        "--steps",
+        "20",
+        "--shard-params",
+        "-o",
+        str(out),
+        DTM_OVERLAP="1",
+        DTM_INTEGRITY=integrity,
+    )
+    same_bits(out, straight_20)

@@ -98,3 +98,38 @@ def test_chained_and_bf16_allreduces_with_overlap_equal_the_run_without(
         assert np.array_equal(got[k], v), k
         if text is BF16:
             assert np.array_equal(got[k], round_bf16(got[k])), f"{k} is not bf16"
+
+
+@pytest.mark.parametrize(
+    ("ranks", "binding"),
+    [(2, {"dp": 2, "tp": 1}), (3, {"dp": 3, "tp": 1}), (4, {"dp": 2, "tp": 2})],
+)
+def test_prefetched_gathers_of_sharded_parameters_keep_the_unsharded_bits(
+    overlap: None, ranks: int, binding: dict[str, int]
+) -> None:
+    """ZeRO-3 with its gathers prefetched one ahead (plan.overlap.prefetch_gathers) trains
+    to the bits of the unsharded step without overlap (deterministic mode)."""
+    from dtm_mpi.plan.program import compile_plan, mesh_for
+    from dtm_mpi.sharding.steps import StepKind
+    from tests.frontend.test_optim import batch, digits_params_sharded
+
+    sharded = digits_params_sharded("dp").module
+    got = run_simulated(
+        sharded, ranks, binding=binding, inputs=batch(), steps=3, deterministic=True
+    )
+    plan = compile_plan(sharded, mesh_for(sharded, ranks, binding))
+    assert any(b.kind is StepKind.ALLGATHER for b in plan.entry_plan.buckets)
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("DTM_OVERLAP", "0")
+        get_config.cache_clear()
+        want = run_simulated(
+            digits_params_sharded(None).module,
+            ranks,
+            binding=binding,
+            inputs=batch(),
+            steps=3,
+            deterministic=True,
+        )
+    get_config.cache_clear()
+    for name, value in want.params.items():
+        assert got.params[name].tobytes() == value.tobytes(), name
