@@ -247,6 +247,10 @@ class OpDef:
     """The C expression of the generated kernels (``{0}``, ``{1}``: the operands), over the
     device helpers of ``kernels/dtm_common.cuh``; None where the op is not generated."""
     array_fn: ArrayFn | None = None
+    ufunc: str | None = None
+    """The name of the numpy (and CuPy) ufunc that is the op on operands of its result's dtype
+    (its array function calls it): the CPU's fused chains call it with ``out=`` a buffer they
+    reuse. None where the op is not one ufunc."""
     plan_check: PlanCheck | None = None
     grad: GradRule | None = None
     """The gradient rule (:mod:`dtm_mpi.ir.grad_context`): the operands' cotangents from the
@@ -297,11 +301,13 @@ def register_op(
     linear_in: frozenset[ReduceOp] = frozenset(),
     c_expr: str | None = None,
     array_fn: ArrayFn | None = None,
+    ufunc: str | None = None,
     plan_check: PlanCheck | None = None,
     grad: GradRule | None = None,
     since: tuple[int, int] = (1, 0),
 ) -> Callable[[InferFn], InferFn]:
-    """Decorator registering ``infer`` as the shape+sharding rule of op ``name``."""
+    """Decorator registering ``infer`` as the shape+sharding rule of op ``name``. With
+    ``ufunc`` (and no ``array_fn``) the array function calls that ufunc of its namespace."""
 
     def deco(infer: InferFn) -> InferFn:
         assert name not in OPS, f"op {name!r} registered twice"
@@ -309,6 +315,7 @@ def register_op(
         assert (Trait.FUSIBLE in traits) == (c_expr is not None), f"{name}: fusible iff c_expr"
         assert Trait.FUSIBLE not in traits or Trait.ELEMENTWISE in traits, name
         assert kind is OpKind.LOCAL or not traits, f"{name}: traits are for local ops"
+        assert ufunc is None or array_fn is None, f"{name}: the ufunc is its array function"
         OPS[name] = OpDef(
             name,
             elems,
@@ -321,7 +328,8 @@ def register_op(
             frozenset(traits),
             frozenset(linear_in),
             c_expr,
-            array_fn,
+            array_fn if ufunc is None else _ufunc_fn(ufunc),
+            ufunc,
             plan_check,
             grad,
             exact_attrs=not _has_inexact(elems),
@@ -330,6 +338,13 @@ def register_op(
         return infer
 
     return deco
+
+
+def _ufunc_fn(name: str) -> ArrayFn:
+    def call(xp: Any, *xs: Any) -> Any:
+        return getattr(xp, name)(*xs)
+
+    return call
 
 
 def attach_exact(name: str, rule: object) -> None:

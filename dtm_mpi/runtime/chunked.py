@@ -1,19 +1,27 @@
 """Fused elementwise chains on the CPU: a chain (:func:`~dtm_mpi.plan.fusion.fusion_groups`)
 larger than a core's cache run at its root over blocks of rows, each op the numpy backend's own
 prepared call (the op-by-op results bit for bit), so the intermediates stay in cache instead of
-one full-size array per op (``DTM_FUSE``)."""
+one full-size array per op (``DTM_FUSE``).
+
+An op that is one ufunc (the registry's ``ufunc``) on operands of its result's dtype, with a
+result of the chain's whole shape, writes into a block-sized buffer the chain reuses once the
+value it held was read for the last time (the root's straight into the result): the same
+ufunc loop, so the same bits, without a fresh array per op and block (the GELU gradient's
+11-op chain over 512x4096 float32: 4.1 ms allocating, 3.0 ms into buffers)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from dtm_mpi.cpu_cache import CHUNK_ELEMS
 from dtm_mpi.ir.dtypes import np_dtype
 from dtm_mpi.ir.registry import OPS, Trait
+from dtm_mpi.ir.types import DType
 from dtm_mpi.kernels.dispatch import PreparedKernel
 from dtm_mpi.plan.fusion import FusedGroup
 from dtm_mpi.plan.program import FunctionPlan
@@ -32,9 +40,17 @@ MIN_CHUNKED_ELEMS = 131072
 op by op is as fast (measured: a 9-op chain over 512x4096 float32 1.5x faster in chunks,
 over 256x1024 1.4x, a 1-d chain of 65,536 elements 1.7x slower)."""
 
-ChainOp = tuple["PreparedKernel | None", tuple[str, ...], str, tuple[str, ...]]
+ChainOp = tuple[
+    "PreparedKernel | None",
+    tuple[str, ...],
+    str,
+    tuple[str, ...],
+    "np.ufunc | None",
+    "np.dtype[Any]",
+]
 """One op of a chain: its prepared call (``None``: a bias broadcast, its vector aliased), operand
-names, result name, and the intermediates it reads last (dropped after it)."""
+names, result name, the intermediates it reads last (dropped after it), the ufunc it is where it
+writes into a reused buffer (module doc; else None), and its result's dtype."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,16 +90,33 @@ def chunked_chain(
     result's local shape)."""
     steps: list[ChainOp] = []
     made: set[str] = set()  # the chain's intermediates: each read once, then dropped
+    t = fp.ops[g.root].op.result_types[0]
     for m in g.members:
-        op = fp.ops[m].op
+        p = fp.ops[m]
+        op = p.op
         broadcast = OPS[op.name].has(Trait.BROADCASTS)
         names = (op.operands[0],) if broadcast else op.operands
         call = None if broadcast else prepared(m)  # a bias: aliased
+        r = op.result_types[0]
+        name = OPS[op.name].ufunc
+        into = (
+            not broadcast
+            and name is not None
+            and r.dtype is not DType.BF16
+            and r.shape == t.shape
+            and all(o.dtype is r.dtype for o in p.operand_types)
+        )
         steps.append(
-            (call, names, op.results[0], tuple(n for n in dict.fromkeys(names) if n in made))
+            (
+                call,
+                names,
+                op.results[0],
+                tuple(n for n in dict.fromkeys(names) if n in made),
+                getattr(np, name) if into and name is not None else None,
+                np_dtype(r.dtype),
+            )
         )
         made.add(op.results[0])
-    t = fp.ops[g.root].op.result_types[0]
     return Chunked(tuple(dict.fromkeys(g.inputs)), tuple(steps), g.result, shape, np_dtype(t.dtype))
 
 
@@ -99,14 +132,37 @@ def run_chunked(plan: Chunked, xs: Sequence[np.ndarray]) -> tuple[np.ndarray, ..
     rows, cols = shape2
     step = max(1, CHUNK_ELEMS // max(cols, 1))
     out = np.empty(shape2, dtype=plan.dtype)
+    free: dict[np.dtype[Any], list[np.ndarray]] = {}  # block buffers not holding a live value
+    held: dict[str, np.ndarray] = {}  # intermediate -> the buffer holding it
+    last = len(plan.steps) - 1
     for r0 in range(0, rows, step):
+        n = min(step, rows - r0)
         env = {
             n: (x if x.ndim == 1 else x[r0 : r0 + step])
             for n, x in zip(plan.inputs, flat, strict=True)
         }
-        for call, names, result, drops in plan.steps:
-            env[result] = env[names[0]] if call is None else call([env[n] for n in names])[0]
-            for n in drops:
-                del env[n]
-        out[r0 : r0 + step] = env[plan.result]
+        written = False
+        for j, (call, names, result, drops, ufunc, dtype) in enumerate(plan.steps):
+            if call is None:
+                env[result] = env[names[0]]
+            elif ufunc is not None:
+                if j == last:
+                    target = out[r0 : r0 + n]
+                    written = True
+                else:
+                    spare = free.get(dtype)
+                    buf = spare.pop() if spare else np.empty((step, cols), dtype)
+                    held[result] = buf
+                    target = buf[:n]
+                ufunc(*[env[x] for x in names], out=target)
+                env[result] = target
+            else:
+                env[result] = call([env[x] for x in names])[0]
+            for x in drops:
+                del env[x]
+                if x in held:
+                    buf = held.pop(x)
+                    free.setdefault(buf.dtype, []).append(buf)
+        if not written:
+            out[r0 : r0 + n] = env[plan.result]
     return (out.reshape(shape),)

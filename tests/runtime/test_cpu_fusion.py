@@ -115,3 +115,53 @@ entry func @f(%a: f32[200000], %c: f32[200000]) -> (f32[200000]) {
     want = outputs(module, 1, False, monkeypatch, inputs=inputs)
     got = outputs(module, 1, True, monkeypatch, inputs=inputs)
     assert np.array_equal(next(iter(got.values())), next(iter(want.values())))
+
+
+REUSED = """dtm 1.0
+module reused
+entry func @f(%a: f32[600,300], %b: f32[300], %w: f32[300]) -> (f32[600,300]) {
+  %bw = mul %b, %w : f32[300]
+  %bb = broadcast_to %bw : f32[600,300]
+  %s = add %a, %bb : f32[600,300]
+  %t = tanh %s : f32[600,300]
+  %u = mul %t, %t : f32[600,300]
+  %v = sub %u, %s : f32[600,300]
+  %x = mul %v, %t : f32[600,300]
+  %y = add %x, %s : f32[600,300]
+  %n = neg %y : f32[600,300]
+  %z = maximum %n, %a : f32[600,300]
+  return %z
+}
+"""
+
+
+@pytest.mark.parametrize("chunk_rows", [None, 7])
+def test_a_chain_writing_into_reused_buffers_equals_op_by_op(
+    chunk_rows: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ops that are one ufunc write into block buffers the chain reuses once their value was
+    read (the values read several times, ``%s`` and ``%t``, end chains of their own and are
+    read whole by the longest), a bias broadcast stays an alias of its vector, and the results
+    equal op by op, with an uneven last block too."""
+    module = parse_module(REUSED, "reused.dtm")
+    verify_module(module)
+    plan = compile_plan(module, mesh_for(module, 1, None))
+    groups = fusion_groups(plan.entry_plan)
+    group = max(groups, key=lambda g: len(g.members))
+    steps = chunked.chunked_chain(plan.entry_plan, group, lambda m: None, (600, 300)).steps
+    into = {result for _, _, result, _, ufunc, _ in steps if ufunc is not None}
+    assert {"%u", "%v", "%x", "%y", "%n", "%z"} <= into, into
+    first = min(groups, key=lambda g: min(g.members))
+    steps = chunked.chunked_chain(plan.entry_plan, first, lambda m: None, (600, 300)).steps
+    assert [(r, u is not None) for _, _, r, _, u, _ in steps][:2] == [("%bb", False), ("%s", True)]
+    if chunk_rows is not None:
+        monkeypatch.setattr(chunked, "CHUNK_ELEMS", chunk_rows * 300)
+    rng = np.random.default_rng(11)
+    inputs = {
+        "a": rng.standard_normal((600, 300)).astype(np.float32),
+        "b": rng.standard_normal(300).astype(np.float32),
+        "w": rng.standard_normal(300).astype(np.float32),
+    }
+    want = outputs(module, 1, False, monkeypatch, inputs=inputs)
+    got = outputs(module, 1, True, monkeypatch, inputs=inputs)
+    assert np.array_equal(next(iter(got.values())), next(iter(want.values())))

@@ -87,7 +87,7 @@ def _elementwise_ref(
 
 def _unary(
     name: str,
-    fn: Callable[..., Arr],
+    fn: Callable[..., Arr] | str,
     c_expr: str,
     *,
     float_only: bool,
@@ -103,7 +103,8 @@ def _unary(
         traits=traits,
         linear_in=linear_in,
         c_expr=c_expr,
-        array_fn=fn,
+        array_fn=None if isinstance(fn, str) else fn,
+        ufunc=fn if isinstance(fn, str) else None,
         grad=lambda c: (grad(c),),
     )(_unary_rule(lambda: OPS[name]))
 
@@ -132,7 +133,7 @@ def _positive(c: GradContext, x: Value) -> Value:
 # the pending reductions it passes through, the gradient (g: the result's cotangent).
 _unary(
     "neg",
-    lambda xp, x: xp.negative(x),
+    "negative",
     "dtm_neg({0})",
     float_only=False,
     linear_in=_SUM,
@@ -140,21 +141,21 @@ _unary(
 )
 _unary(
     "exp",
-    lambda xp, x: xp.exp(x),
+    "exp",
     "dtm_exp({0})",
     float_only=True,
     grad=lambda c: c.mul(c.g, c.ys[0]),
 )
 _unary(
     "log",
-    lambda xp, x: xp.log(x),
+    "log",
     "dtm_log({0})",
     float_only=True,
     grad=lambda c: c.div(c.g, c.xs[0]),
 )
 _unary(
     "tanh",
-    lambda xp, x: xp.tanh(x),
+    "tanh",
     "dtm_tanh({0})",
     float_only=True,
     grad=lambda c: c.mul(c.g, c.sub(c.const(1.0, c.ys[0]), c.mul(c.ys[0], c.ys[0]))),
@@ -169,7 +170,7 @@ _unary(
 _unary("gelu", _gelu, "dtm_gelu({0})", float_only=True, grad=lambda c: c.mul(c.g, _d_gelu(c)))
 _unary(
     "sqrt",
-    lambda xp, x: xp.sqrt(x),
+    "sqrt",
     "dtm_sqrt({0})",
     float_only=True,
     grad=lambda c: c.div(c.scale(c.g, 0.5), c.ys[0]),
@@ -195,7 +196,7 @@ _unary(
 # abs is neither additive nor monotone: |a + b| != |a| + |b|, |max(-3, 1)| != max(3, 1).
 _unary(
     "abs",
-    lambda xp, x: xp.abs(x),
+    "absolute",
     "dtm_abs({0})",
     float_only=False,
     grad=lambda c: c.where(c.compare("ge", c.xs[0], c.const(0, c.xs[0])), c.g, c.neg(c.g)),
@@ -240,7 +241,7 @@ def _binary_rule(opdef: Callable[[], OpDef]) -> Callable[[OpContext], tuple[Tens
 
 def _binary(
     name: str,
-    fn: Callable[..., Arr],
+    fn: Callable[..., Arr] | str,
     c_expr: str,
     linear_in: frozenset[ReduceOp],
     *extra: Trait,
@@ -254,7 +255,8 @@ def _binary(
         traits=_FUSIBLE | set(extra),
         linear_in=linear_in,
         c_expr=c_expr,
-        array_fn=fn,
+        array_fn=None if isinstance(fn, str) else fn,
+        ufunc=fn if isinstance(fn, str) else None,
         grad=grad,
     )(_binary_rule(lambda: OPS[name]))
 
@@ -280,10 +282,8 @@ def _d_pick(pred: str) -> GradRule:
 
 
 # C expressions on floats (the generated kernels): ``div`` is a true division there.
-_binary("add", lambda xp, a, b: xp.add(a, b), "({0} + {1})", _SUM, grad=lambda c: (c.g, c.g))
-_binary(
-    "sub", lambda xp, a, b: xp.subtract(a, b), "({0} - {1})", _SUM, grad=lambda c: (c.g, c.neg(c.g))
-)
+_binary("add", "add", "({0} + {1})", _SUM, grad=lambda c: (c.g, c.g))
+_binary("sub", "subtract", "({0} - {1})", _SUM, grad=lambda c: (c.g, c.neg(c.g)))
 
 
 def _d_mul(c: GradContext) -> tuple[Value | None, Value | None]:
@@ -297,19 +297,15 @@ def _d_mul(c: GradContext) -> tuple[Value | None, Value | None]:
 
 _binary(
     "mul",
-    lambda xp, a, b: xp.multiply(a, b),
+    "multiply",
     "({0} * {1})",
     _SUM,
     Trait.LINEAR_ONE_SIDE,
     grad=_d_mul,
 )
 _binary("div", _div, "({0} / {1})", _SUM, Trait.LINEAR_FIRST, grad=_d_div)
-_binary(
-    "maximum", lambda xp, a, b: xp.maximum(a, b), "dtm_maximum({0}, {1})", _MAX, grad=_d_pick("ge")
-)
-_binary(
-    "minimum", lambda xp, a, b: xp.minimum(a, b), "dtm_minimum({0}, {1})", _MIN, grad=_d_pick("le")
-)
+_binary("maximum", "maximum", "dtm_maximum({0}, {1})", _MAX, grad=_d_pick("ge"))
+_binary("minimum", "minimum", "dtm_minimum({0}, {1})", _MIN, grad=_d_pick("le"))
 
 _COMPARE = {
     "lt": np.less,
