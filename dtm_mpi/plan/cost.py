@@ -159,10 +159,11 @@ def function_cost(plan: ExecPlan, fp: FunctionPlan) -> FunctionCost:
         starting.setdefault(b.start, []).append(b)
     for p in fp.ops:
         for b in starting.get(len(ops), ()):  # its result allocated from the gather's start
-            t = fp.ops[b.members[0]].op.result_types[0]
+            member = fp.ops[b.members[0]]
+            t = member.op.result_types[0]
             for r in ranks:
                 live[r] += local_bytes(t, mesh, r)
-                peak[r] = max(peak[r], live[r])
+                peak[r] = max(peak[r], live[r] + _extra(member, plan, r))
         op = p.op
         operand = p.operand_types[0] if p.operand_types else None
         shapes = tuple(
@@ -182,7 +183,7 @@ def function_cost(plan: ExecPlan, fp: FunctionPlan) -> FunctionCost:
             new = (
                 0 if fetched is not None else sum(local_bytes(t, mesh, r) for t in op.result_types)
             )
-            during.append(live[r] + new + _extra(p, plan, r))
+            during.append(live[r] + new + (0 if fetched is not None else _extra(p, plan, r)))
             peak[r] = max(peak[r], during[r])
             live[r] += new
             sent[r] += traffic[r][0]

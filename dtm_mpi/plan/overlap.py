@@ -14,8 +14,8 @@ members run where they stand. What runs between a bucket's start and completion 
 allreduce overlaps; ``dtm explain`` lists every bucket with it.
 
 **Prefetched gathers** (ZeRO-3, FSDP: :func:`prefetch_gathers`): a ``REDIST`` op whose
-redistribution is one ``ALLGATHER`` step of a function parameter (a parameter stored sharded,
-gathered for its layer) is a bucket of its own. In the order their results are first needed,
+redistribution is one ``ALLGATHER`` step of a state parameter of the function (a parameter
+stored sharded, gathered for its layer) is a bucket of its own. In the order their results are first needed,
 each gather starts where the one before it is first used (that one completed just before:
 FSDP's forward and backward prefetch, one gather ahead, so at most one gathered parameter
 beyond those in use is held) -- never later than where it stood -- and completes before its
@@ -147,7 +147,7 @@ def _gather_candidate(fp: FunctionPlan, i: int, params: frozenset[str]) -> tuple
 
 def prefetch_gathers(fp: FunctionPlan) -> tuple[Bucket, ...]:
     """The prefetched gathers of ``fp`` (module doc), each a bucket of one, in start order."""
-    params = frozenset(q.name for q in fp.function.params)
+    params = frozenset(q.name for q in fp.function.params if q.state)
     first_use: dict[str, int] = {}
     for i, p in enumerate(fp.ops):
         for n in p.op.operands:

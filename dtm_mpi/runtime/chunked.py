@@ -138,8 +138,8 @@ def run_chunked(plan: Chunked, xs: Sequence[np.ndarray]) -> tuple[np.ndarray, ..
     for r0 in range(0, rows, step):
         n = min(step, rows - r0)
         env = {
-            n: (x if x.ndim == 1 else x[r0 : r0 + step])
-            for n, x in zip(plan.inputs, flat, strict=True)
+            name: (x if x.ndim == 1 else x[r0 : r0 + step])
+            for name, x in zip(plan.inputs, flat, strict=True)
         }
         written = False
         for j, (call, names, result, drops, ufunc, dtype) in enumerate(plan.steps):

@@ -344,6 +344,12 @@ class Executor:
         roots = {g.root: g for g in groups}
         skipped = {m for g in groups for m in g.members if m != g.root}
         skipped.update(m for b in fp.buckets for m in b.members)
+        for b in fp.buckets:  # a prefetched gather of a parameter stored sharded: not kept
+            if b.kind is StepKind.ALLGATHER:
+                p = fp.ops[b.members[0]]
+                if not keeps_gather_of(p.op.operands[0], fp.function):
+                    for spec in self._specs(p):
+                        self.comm.transient(spec)
         frees_of, drops = hold_bucket_operands(
             fp, fused_frees(fp, groups) if groups else [p.frees for p in fp.ops]
         )
@@ -503,6 +509,7 @@ class Executor:
         starts its one member's allgather."""
         b = start.bucket
         if b.kind is StepKind.ALLGATHER:
+            assert not start.drops  # (a parameter: never freed)
             p = fp.ops[b.members[0]]
             (spec,) = self._specs(p)
             assert isinstance(spec, AllgatherSpec)

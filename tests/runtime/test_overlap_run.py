@@ -133,3 +133,36 @@ def test_prefetched_gathers_of_sharded_parameters_keep_the_unsharded_bits(
     get_config.cache_clear()
     for name, value in want.params.items():
         assert got.params[name].tobytes() == value.tobytes(), name
+
+
+def test_prefetched_gathers_of_stored_parameters_are_not_kept_by_the_communicator() -> None:
+    """A prefetched gather is skipped where it stands (its bucket runs it), so the executor
+    tells the communicator its outputs are transient when it builds the program: a path that
+    keeps collective outputs for reuse (the MPI path's staged device gathers) would otherwise
+    hold every parameter whole between steps."""
+    from dtm_mpi.comm.sim import SimComm, SimWorld
+    from dtm_mpi.plan.program import compile_plan, mesh_for
+    from dtm_mpi.runtime.executor import Executor
+    from dtm_mpi.sharding.steps import StepKind
+    from tests.frontend.test_optim import digits_params_sharded
+
+    module = digits_params_sharded("dp").module
+    mesh = mesh_for(module, 2, {"dp": 2, "tp": 1})
+    plan = compile_plan(module, mesh, bucket_bytes=1 << 20)
+    fp = plan.entry_plan
+    fetched = [b.members[0] for b in fp.buckets if b.kind is StepKind.ALLGATHER]
+    assert fetched
+
+    class Recording(SimComm):
+        marked: list[object]
+
+        def transient(self, spec: object) -> None:
+            self.marked.append(spec)
+
+    comm = Recording(SimWorld(mesh, 10.0), 0)
+    comm.marked = []
+    executor = Executor(plan, comm)
+    executor._program(fp)
+    marked = {id(s) for s in comm.marked}
+    for m in fetched:
+        assert all(id(s) in marked for s in executor._specs(fp.ops[m])), fp.ops[m].op.results
