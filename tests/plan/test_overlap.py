@@ -5,6 +5,7 @@ gathers of parameters stored sharded are prefetched one ahead."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -123,7 +124,7 @@ def test_gathers_of_parameters_stored_sharded_are_prefetched_one_ahead(model: st
         assert b.op is None and b.members == (i,) and b.finish == needed
         assert b.start == (i if k == 0 else min(i, gathers[k - 1][0]))
     spans = sorted((b.start, b.finish) for b in prefetches)
-    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False)), spans
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans)), spans
     cost0, cost1 = function_cost(plain, plain.entry_plan), function_cost(fetched, fp)
     assert cost1.sent == cost0.sent and cost1.received == cost0.received
     assert cost1.peak[0] >= cost0.peak[0]
