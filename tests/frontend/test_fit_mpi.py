@@ -9,6 +9,7 @@ import math
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -363,3 +364,34 @@ def test_prefetched_gathers_under_mpirun_keep_the_bits(
         DTM_INTEGRITY=integrity,
     )
     same_bits(out, straight_20)
+
+
+@pytest.mark.parametrize(
+    ("op", "waited_in"), [("matmul", "overlap communicator"), ("gelu", "allgather")]
+)
+def test_a_rank_hung_while_a_prefetched_gather_waits_for_it_is_named_on_every_rank(
+    op: str, waited_in: str
+) -> None:
+    """ZeRO-3 with DTM_OVERLAP=1 at dp=4: rank 1 hangs before its first ``op``, where the
+    others go on to start the next parameter's gather on their side threads (``matmul``: the
+    first, which creates the side thread's communicator; ``gelu``: a later one, a gather rank
+    1 never joins). Each of them waits within the deadline and the job ends with one line on
+    every rank naming rank 1 and where it waited, nothing left hanging."""
+    start = time.monotonic()
+    proc = digits_job(
+        4,
+        "dp=4,tp=1",
+        "--steps",
+        "3",
+        "--shard-params",
+        DTM_OVERLAP="1",
+        DTM_FAULT=f"1:{op}:hang",
+        DTM_TIMEOUT="3",
+    )
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    lines = [ln for ln in proc.stderr.splitlines() if "failed on rank(s) 1" in ln]
+    ranks = sorted({int(re.match(r"\[rank (\d+)\]", ln).group(1)) for ln in lines})  # type: ignore[union-attr]
+    assert ranks == [0, 1, 2, 3], proc.stderr
+    assert all(f"waited 3 s in {waited_in} on axes dp" in ln for ln in lines), proc.stderr
+    assert "Traceback" not in proc.stderr and elapsed < 60, (elapsed, proc.stderr)
