@@ -207,3 +207,32 @@ def test_a_quantized_allgather_keeps_every_element_within_half_a_step(p: int) ->
         assert np.all(np.abs(got - flat) <= half)
         assert np.any(got != flat)  # quantized, not passed through
         at += blk.shape[0]
+
+
+def test_a_started_allgather_is_the_quantized_one_or_the_inner_communicators() -> None:
+    """``start_allgather`` (a prefetched gather under quantization): a large float gather runs
+    quantized at once, as ``allgather`` does (the same values); a small one passes to the
+    inner communicator's started gather, exact."""
+    from dtm_mpi.comm.interface import Completed
+    from dtm_mpi.sharding.steps import AllgatherSpec
+
+    p = 2
+    mesh = MeshShape((("dp", p),))
+    rng = np.random.default_rng(7)
+    big = [rng.standard_normal((64, 32)).astype(np.float32) for _ in range(p)]
+    small = [rng.standard_normal((2, 3)).astype(np.float32) for _ in range(p)]
+
+    def body(comm: SimComm) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        q = QuantizedComm(comm, 16)
+        group = tuple(range(p))
+        spec = AllgatherSpec(group, comm.rank, 0, (64,) * p, (64 * 32,) * p)
+        started = q.start_allgather(big[comm.rank], ("dp",), spec)
+        assert isinstance(started, Completed)
+        direct = q.allgather(big[comm.rank], ("dp",), spec)
+        tiny = AllgatherSpec(group, comm.rank, 0, (2,) * p, (6,) * p)
+        return started.wait(), direct, q.start_allgather(small[comm.rank], ("dp",), tiny).wait()
+
+    for started, direct, exact in run_ranks(mesh, body):
+        assert np.array_equal(started, direct)
+        assert not np.array_equal(started, np.concatenate(big))  # quantized
+        assert np.array_equal(exact, np.concatenate(small))
