@@ -223,6 +223,11 @@ def _add_bench_suites(bsub: argparse._SubParsersAction) -> None:  # type: ignore
         action="store_true",
         help="also dtm at 1 rank in deterministic mode, full and fast matmul",
     )
+    btr.add_argument(
+        "--overlap",
+        action="store_true",
+        help="also every dtm configuration with dp > 1 under DTM_OVERLAP=1 (side by side)",
+    )
     btr.add_argument("--mpirun", default="mpirun", help="the launcher command (split on spaces)")
     btr.set_defaults(func=_cmd_bench_train)
     bops = bsub.add_parser(
@@ -423,6 +428,7 @@ def _cmd_bench_train(args: argparse.Namespace) -> int:
         torch=not args.no_torch,
         mpirun=args.mpirun.split(),
         deterministic=args.deterministic,
+        overlap=args.overlap,
     )
     print(report)
     return 0

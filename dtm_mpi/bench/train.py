@@ -11,6 +11,10 @@ ranks), one BLAS thread per process (``OMP_NUM_THREADS=1``, ``OPENBLAS_NUM_THREA
   rank count asked for (``dp`` x ``tp``);
 * ``dtm-det``, ``dtm-det-fast`` (``--deterministic``): dtm at 1 rank in deterministic mode,
   its matmul's full and fast precision (``DTM_DETERMINISTIC_MATMUL``);
+* ``dtm-ovl``, ``dtm-zero-ovl``, ``dtm-zero3-ovl`` (``--overlap``): each multi-rank dtm
+  configuration with ``dp > 1`` again with ``DTM_OVERLAP=1`` (allreduces in buckets and the
+  gathers of parameters stored sharded prefetched, on each rank's side thread), side by side
+  with the same configuration without;
 * ``torch``: the same model in PyTorch on CPU, one process, ``DistributedDataParallel`` over
   gloo (``dp``), and tensor parallel with DTensor over gloo (``tp``, the MLPs), where torch is
   installed (the ``bench`` extra; otherwise skipped, and said).
@@ -55,13 +59,15 @@ DETERMINISTIC = {"dtm-det": "full", "dtm-det-fast": "fast"}
 """dtm in deterministic mode (``--deterministic``, 1 rank): impl -> its matmul precision
 (``DTM_DETERMINISTIC_MATMUL``)."""
 TARGET_DETERMINISTIC = 3.0  # 1 rank, mlp: a deterministic step / a plain one
-DTM_RUNS = (*DTM_IMPLS, *DETERMINISTIC)  # every configuration that runs dtm's worker
+OVERLAPPED = {f"{impl}-ovl": impl for impl in DTM_IMPLS}
+"""dtm with ``DTM_OVERLAP=1`` (``--overlap``): impl -> the worker's impl it runs overlapped."""
+DTM_RUNS = (*DTM_IMPLS, *DETERMINISTIC, *OVERLAPPED)  # every configuration that runs dtm's worker
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     model: str
-    impl: str  # numpy | dtm | dtm-zero (optimizer sharded) | dtm-zero3 (parameters too) | dtm-det* | torch-*
+    impl: str  # numpy | dtm | dtm-zero (optimizer sharded) | dtm-zero3 (parameters too) | dtm-det* | *-ovl | torch-*
     ranks: int
     mesh: str  # dp=A,tp=B
 
@@ -95,11 +101,16 @@ def _meshes(ranks: int) -> list[tuple[int, int]]:
 
 
 def configs_for(
-    models: Sequence[str], ranks: Sequence[int], torch: bool, deterministic: bool = False
+    models: Sequence[str],
+    ranks: Sequence[int],
+    torch: bool,
+    deterministic: bool = False,
+    overlap: bool = False,
 ) -> list[TrainConfig]:
     """Every configuration measured: per model, the numpy floor, dtm at each rank count and
-    mesh shape, (``deterministic``) dtm's deterministic mode at 1 rank, and (``torch``) the
-    peer in one process and over gloo."""
+    mesh shape, (``deterministic``) dtm's deterministic mode at 1 rank, (``overlap``) each
+    multi-rank dtm configuration with ``dp > 1`` overlapped too, and (``torch``) the peer in
+    one process and over gloo."""
     out: list[TrainConfig] = []
     for m in models:
         out.append(TrainConfig(m, "numpy", 1, "dp=1,tp=1"))
@@ -111,6 +122,9 @@ def configs_for(
             for dp, tp in _meshes(n):
                 if dp > 1:  # something to shard over
                     out += [TrainConfig(m, i, n, f"dp={dp},tp={tp}") for i in SHARDED_IMPLS]
+            for dp, tp in _meshes(n):
+                if overlap and dp > 1:  # gradients to overlap, parameters to prefetch
+                    out += [TrainConfig(m, i, n, f"dp={dp},tp={tp}") for i in OVERLAPPED]
         if torch:
             out.append(TrainConfig(m, "torch-single", 1, "dp=1,tp=1"))
             for n in ranks:
@@ -135,6 +149,7 @@ def _env(c: TrainConfig) -> dict[str, str]:
     if c.impl in DETERMINISTIC:
         env["DTM_DETERMINISTIC"] = "1"
         env["DTM_DETERMINISTIC_MATMUL"] = DETERMINISTIC[c.impl]
+    env["DTM_OVERLAP"] = "1" if c.impl in OVERLAPPED else "0"
     for k in (
         "OMP_NUM_THREADS",
         "OPENBLAS_NUM_THREADS",
@@ -153,7 +168,7 @@ def _command(c: TrainConfig, steps: int, warmup: int, out: str, mpirun: Sequence
         "-m",
         "dtm_mpi.bench.train_worker",
         "--impl",
-        "dtm" if c.impl in DETERMINISTIC else c.impl,
+        "dtm" if c.impl in DETERMINISTIC else OVERLAPPED.get(c.impl, c.impl),
         "--model",
         c.model,
         "--mesh",
@@ -232,6 +247,7 @@ def run_train_bench(
     mpirun: Sequence[str] = ("mpirun",),
     timeout_s: float = 600.0,
     deterministic: bool = False,
+    overlap: bool = False,
 ) -> tuple[str, list[TrainRow]]:
     """Measure every configuration (:func:`configs_for`); returns the printed report and the
     rows (written as CSV to ``csv_path``, plotted to ``plot_path`` as PNG when given)."""
@@ -247,7 +263,7 @@ def run_train_bench(
         raise UsageError(
             f"{mpirun[0]} not found: dtm bench train starts its ranks with it (--mpirun)"
         )
-    configs = configs_for(models, sorted(set(ranks)), why_no_torch is None, deterministic)
+    configs = configs_for(models, sorted(set(ranks)), why_no_torch is None, deterministic, overlap)
     rows = {c: TrainRow(c) for c in configs}
     workdir = Path(tempfile.mkdtemp(prefix="dtm-bench-train-"))
     try:
@@ -293,7 +309,7 @@ def _derived(rows: Sequence[TrainRow], r: TrainRow) -> tuple[float, float]:
     floor = _find(rows, r.config.model, "numpy", 1)
     one = _find(rows, r.config.model, "dtm", 1)
     vs_floor = r.step_s / floor.step_s if floor else float("nan")
-    dtm = r.config.impl in DTM_IMPLS
+    dtm = r.config.impl in DTM_IMPLS or r.config.impl in OVERLAPPED
     speedup = one.step_s / r.step_s if one and dtm else float("nan")
     return vs_floor, speedup
 
@@ -376,6 +392,15 @@ def _verdicts(rows: Sequence[TrainRow]) -> list[str]:
                 )
                 out.append(
                     f"  {m}: 1 rank, deterministic ({precision} matmul) / plain {ratio:.2f} {verdict}"
+                )
+    for r in rows:
+        plain_impl = OVERLAPPED.get(r.config.impl)
+        if plain_impl is not None and not r.error:
+            c = r.config
+            plain = _find(rows, c.model, plain_impl, c.ranks, c.mesh)
+            if plain:
+                out.append(
+                    f"  {c.model}: {c.ranks} ranks {c.mesh} {plain_impl}, overlapped / not {r.step_s / plain.step_s:.2f} (below 1: the overlap pays here)"
                 )
     one = _find(rows, "mlp", "dtm", 1)
     zero = _find(rows, "mlp", "dtm-zero", 2, "dp=2,tp=1")

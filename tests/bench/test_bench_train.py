@@ -110,6 +110,25 @@ def test_configs_cover_every_mesh_shape_and_the_peers() -> None:
         ("dtm-det-fast", 1),
     }
     assert not any("det" in c.impl for c in configs_for(["mlp"], [1], torch=False))
+    ovl = configs_for(["mlp"], [1, 2], torch=False, overlap=True)
+    assert {(c.impl, c.mesh) for c in ovl if c.impl.endswith("-ovl")} == {
+        ("dtm-ovl", "dp=2,tp=1"),
+        ("dtm-zero-ovl", "dp=2,tp=1"),
+        ("dtm-zero3-ovl", "dp=2,tp=1"),
+    }  # only where a dp gives gradients to overlap and parameters to prefetch
+    assert not any(c.impl.endswith("-ovl") for c in configs_for(["mlp"], [2], torch=False))
+
+
+def test_an_overlapped_configuration_runs_its_impl_with_dtm_overlap_and_the_others_without(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from dtm_mpi.bench.train import TrainConfig, _command, _env
+
+    monkeypatch.setenv("DTM_OVERLAP", "1")  # the caller's setting: each configuration sets its own
+    ovl, plain = (TrainConfig("mlp", i, 2, "dp=2,tp=1") for i in ("dtm-zero3-ovl", "dtm-zero3"))
+    assert _env(ovl)["DTM_OVERLAP"] == "1" and _env(plain)["DTM_OVERLAP"] == "0"
+    cmd = _command(ovl, 2, 1, "out", ["mpirun"])
+    assert cmd[cmd.index("--impl") + 1] == "dtm-zero3"
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not on PATH")
@@ -130,6 +149,7 @@ def test_bench_train_measures_every_configuration_and_writes_csv_and_plot(
         torch=HAS_TORCH,
         timeout_s=300,
         deterministic=True,
+        overlap=True,
     )
     assert all(not r.error for r in rows), report
     impls = {(r.config.impl, r.config.mesh) for r in rows}
@@ -142,6 +162,9 @@ def test_bench_train_measures_every_configuration_and_writes_csv_and_plot(
         ("dtm-zero3", "dp=2,tp=1"),
         ("dtm-det", "dp=1,tp=1"),  # deterministic mode, full and fast matmul
         ("dtm-det-fast", "dp=1,tp=1"),
+        ("dtm-ovl", "dp=2,tp=1"),  # DTM_OVERLAP=1, side by side
+        ("dtm-zero-ovl", "dp=2,tp=1"),
+        ("dtm-zero3-ovl", "dp=2,tp=1"),
     } <= impls
     losses = [r.loss for r in rows]
     np.testing.assert_allclose(losses, losses[0], rtol=1e-4)  # every implementation, the same model
@@ -170,6 +193,7 @@ def test_bench_train_measures_every_configuration_and_writes_csv_and_plot(
     } <= set(table[0])
     assert "targets:" in report and "digits: 1 rank / numpy floor" in report
     assert "digits: 1 rank, deterministic (fast matmul) / plain" in report
+    assert "digits: 2 ranks dp=2,tp=1 dtm-zero3, overlapped / not" in report
     if importlib.util.find_spec("matplotlib") is not None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
