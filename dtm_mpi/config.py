@@ -86,9 +86,7 @@ class Config:
     fuse: bool = True  # GPU backends run planned elementwise chains as one kernel
     kernel_dir: str | None = None  # where the .cu sources are (None: look in the usual places)
     mallopt: bool = True  # under MPI, keep collective-sized freed blocks in the heap
-    overlap: bool = (
-        False  # allreduces in buckets started when ready, gathers prefetched: side thread
-    )
+    overlap: bool = False  # allreduce buckets and prefetched gathers on a side thread
     bucket_bytes: int = 25 * 2**20  # the largest bucket of overlapped allreduces
 
     def fault_at(self, rank: int, where: str) -> FaultSpec | None:

@@ -120,11 +120,9 @@ def configs_for(
             for dp, tp in _meshes(n):
                 out.append(TrainConfig(m, "dtm", n, f"dp={dp},tp={tp}"))
             for dp, tp in _meshes(n):
-                if dp > 1:  # something to shard over
-                    out += [TrainConfig(m, i, n, f"dp={dp},tp={tp}") for i in SHARDED_IMPLS]
-            for dp, tp in _meshes(n):
-                if overlap and dp > 1:  # gradients to overlap, parameters to prefetch
-                    out += [TrainConfig(m, i, n, f"dp={dp},tp={tp}") for i in OVERLAPPED]
+                if dp > 1:  # something to shard over (and, overlapped, to prefetch)
+                    impls = (*SHARDED_IMPLS, *(OVERLAPPED if overlap else ()))
+                    out += [TrainConfig(m, i, n, f"dp={dp},tp={tp}") for i in impls]
         if torch:
             out.append(TrainConfig(m, "torch-single", 1, "dp=1,tp=1"))
             for n in ranks:

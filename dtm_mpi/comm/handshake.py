@@ -6,8 +6,9 @@ mesh, capabilities, backend, deterministic mode and its matmul precision, ``--st
 overlapped allreduces' bucket size). The hellos travel as HELLO frames (``io/WIRE.md``:
 versioned, CRC32C-checked), exchanged with bounded non-blocking allgathers (lengths, then the
 frames, then what each rank found wrong: a corrupted frame is named with its sender on every
-rank) and compared field by field, so a mismatch raises the same :class:`~dtm_mpi.errors.HandshakeError` everywhere, naming each
-differing field and which ranks hold which value.
+rank) and compared field by field, so a mismatch raises the same
+:class:`~dtm_mpi.errors.HandshakeError` everywhere, naming each differing field and which
+ranks hold which value.
 
 ``gpu_aware`` is this rank's own answer to "does MPI take device buffers" (e.g.
 ``yes (vendor query)``, ``""`` when not asked): ranks may legitimately differ (nodes with

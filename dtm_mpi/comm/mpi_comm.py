@@ -627,11 +627,7 @@ class MpiComm:
             out = np.concatenate(blocks, axis=spec.dim)
         sent, received = allgather_traffic(x.nbytes, out.nbytes, len(spec.counts))
         self._stats.record("allgather", sent, received)
-        if (
-            len(set(counts)) == 1
-            and counts[0] <= self.limit
-            and math.prod(x.shape[: spec.dim]) <= 1
-        ):
+        if self._gathers_in_place(x, spec):
             mtype = self._move[x.itemsize]
             self._keep(
                 spec,
@@ -646,6 +642,42 @@ class MpiComm:
                 (sent, received),
             )
         return out
+
+    def _gathers_in_place(self, x: np.ndarray, spec: AllgatherSpec) -> bool:
+        """Whether an allgather of ``x`` is one MPI ``Allgather`` landing the members' blocks
+        in place: equal blocks within ``max_msg_elems``, split along the first dim of size
+        above one."""
+        counts = spec.counts
+        return (
+            len(set(counts)) == 1
+            and counts[0] <= self.limit
+            and math.prod(x.shape[: spec.dim]) <= 1
+        )
+
+    def _on_side_thread(
+        self,
+        what: str,
+        axes: tuple[str, ...],
+        out: np.ndarray,
+        send: np.ndarray,
+        method: str,
+        args: tuple[Any, ...],
+    ) -> Pending:
+        """Collective ``what`` run by this rank's side thread as the blocking ``method`` of a
+        duplicate of the group's communicator with ``args`` (``out``: its result, ``send``:
+        its input, both held until it completed); the handle's ``wait`` waits within the
+        deadline, watching for failure notices, and in integrity mode compares the result
+        across the group.
+
+        Collective: call on all ranks of the group, in the same order."""
+        session = self.session
+        session.check()
+        comm = session.side_group(axes)
+        call = _SideCall(session, out, send, axes, what)
+        session.side_submit(call.done, call, getattr(comm, method), args)
+        if self.integrity:  # compared when waited for, on the main thread's communicator
+            return _CheckedCall(call, lambda out: self._checked_result(what, axes, out))
+        return call
 
     def allreduce(self, x: np.ndarray, axes: tuple[str, ...], spec: AllreduceSpec) -> np.ndarray:
         """Collective: call on all ranks of the group."""
@@ -714,22 +746,19 @@ class MpiComm:
 
         Collective: call on all ranks of the group, in the same order."""
         mtype = self.native_type(x, spec.op)
-        session = self.session
-        if mtype is None or x.size > self.limit or session.watchdog is None or not self.side_thread:
+        if (
+            mtype is None
+            or x.size > self.limit
+            or self.session.watchdog is None
+            or not self.side_thread
+        ):
             return Completed(self.allreduce(x, axes, spec))
-        session.check()
-        comm = session.side_group(axes)
         send = np.ascontiguousarray(x)
         out = empty_aligned(x.shape, dtype=x.dtype)
-        call = _SideCall(session, out, send, axes)
-        session.side_submit(
-            call.done, call, comm.Allreduce, ([send, mtype], [out, mtype], self._ops[spec.op])
-        )
         moved = allreduce_moved(x, len(spec.group), spec.position)
         self._stats.record("allreduce", moved, moved)
-        if self.integrity:  # compared when waited for, on the main thread's communicator
-            return _CheckedCall(call, lambda out: self._checked_result("allreduce", axes, out))
-        return call
+        args = ([send, mtype], [out, mtype], self._ops[spec.op])
+        return self._on_side_thread("allreduce", axes, out, send, "Allreduce", args)
 
     def start_allgather(self, x: np.ndarray, axes: tuple[str, ...], spec: AllgatherSpec) -> Pending:
         """The allgather run by this rank's side thread on a duplicate of the group's
@@ -740,31 +769,22 @@ class MpiComm:
         ``MPI_THREAD_MULTIPLE`` or ``DTM_OVERLAP``, it runs the blocking path now.
 
         Collective: call on all ranks of the group, in the same order."""
-        counts = spec.counts
-        session = self.session
         if (
-            len(set(counts)) != 1
-            or counts[0] > self.limit
-            or math.prod(x.shape[: spec.dim]) > 1
-            or session.watchdog is None
+            not self._gathers_in_place(x, spec)
+            or self.session.watchdog is None
             or not self.side_thread
         ):
             return Completed(self.allgather(x, axes, spec))
-        session.check()
-        comm = session.side_group(axes)
         send = self._flat(x)
         shape = list(x.shape)
         shape[spec.dim] = sum(spec.extents)
         out = empty_aligned(shape, x.dtype)  # (not kept: as the blocking path's, transient)
         flat = out.reshape(-1).view(send.dtype)
-        call = _SideCall(session, out, send, axes, "allgather")
+        sent, received = allgather_traffic(x.nbytes, flat.nbytes, len(spec.counts))
+        self._stats.record("allgather", sent, received)
         mtype = self._move[x.itemsize]
-        session.side_submit(call.done, call, comm.Allgather, ([send, mtype], [flat, mtype]))
-        out_bytes = flat.nbytes
-        self._stats.record("allgather", *allgather_traffic(x.nbytes, out_bytes, len(counts)))
-        if self.integrity:  # compared when waited for, on the main thread's communicator
-            return _CheckedCall(call, lambda out: self._checked_result("allgather", axes, out))
-        return call
+        args = ([send, mtype], [flat, mtype])
+        return self._on_side_thread("allgather", axes, out, send, "Allgather", args)
 
     def reduce_scatter(
         self, x: np.ndarray, axes: tuple[str, ...], spec: ReduceScatterSpec

@@ -9,10 +9,10 @@ Memory: the bytes of the local arrays alive on a rank. Entry parameters are aliv
 an op's results are allocated while its operands are still alive, plus the redistribution's
 temporaries (its peak extra bytes) or, for a call, the callee's own peak; values are freed
 after their last use (:attr:`PlanOp.frees`); a prefetched gather's result
-(:func:`~dtm_mpi.plan.overlap.prefetch_gathers`) is allocated where the gather starts. On the MPI path each repeated collective also
-keeps its last output buffer for reuse when it is 64 KiB or more
-(:mod:`dtm_mpi.sharding.retention`): :attr:`FunctionCost.retained` bounds that memory, which is
-not in any value's lifetime.
+(:func:`~dtm_mpi.plan.overlap.prefetch_gathers`) is allocated where the gather starts. On the
+MPI path each repeated collective also keeps its last output buffer for reuse when it is 64
+KiB or more (:mod:`dtm_mpi.sharding.retention`): :attr:`FunctionCost.retained` bounds that
+memory, which is not in any value's lifetime.
 """
 
 from __future__ import annotations
@@ -178,12 +178,14 @@ def function_cost(plan: ExecPlan, fp: FunctionPlan) -> FunctionCost:
                 for r in ranks
             ]
         during = []
-        fetched = prefetched.get(len(ops))
+        fetched = prefetched.get(len(ops))  # (its result counted where it started)
         for r in ranks:
-            new = (
-                0 if fetched is not None else sum(local_bytes(t, mesh, r) for t in op.result_types)
+            new, extra = (
+                (0, 0)
+                if fetched is not None
+                else (sum(local_bytes(t, mesh, r) for t in op.result_types), _extra(p, plan, r))
             )
-            during.append(live[r] + new + (0 if fetched is not None else _extra(p, plan, r)))
+            during.append(live[r] + new + extra)
             peak[r] = max(peak[r], during[r])
             live[r] += new
             sent[r] += traffic[r][0]

@@ -78,16 +78,23 @@ def _candidate(fp: FunctionPlan, i: int) -> tuple[tuple[str, ...], ReduceOp, str
     return step.axes, step.op, t.dtype.value
 
 
+def _first_uses(fp: FunctionPlan) -> dict[str, int]:
+    """Each value's first reader: the index of the first op that takes it."""
+    first_use: dict[str, int] = {}
+    for i, p in enumerate(fp.ops):
+        for n in p.op.operands:
+            first_use.setdefault(n, i)
+    return first_use
+
+
 def overlap_buckets(fp: FunctionPlan, bucket_bytes: int = BUCKET_BYTES) -> tuple[Bucket, ...]:
     """The buckets of ``fp`` (module doc), in start order."""
     ops = fp.ops
     defined: dict[str, int] = {p.name: -1 for p in fp.function.params}
-    first_use: dict[str, int] = {}
     for i, p in enumerate(ops):
-        for n in p.op.operands:
-            first_use.setdefault(n, i)
         for r in p.op.results:
             defined[r] = i
+    first_use = _first_uses(fp)
     end = len(ops)
     cands = []
     needed_of: dict[str, int] = {}  # a candidate's result: where it is surely there
@@ -148,10 +155,7 @@ def _gather_candidate(fp: FunctionPlan, i: int, params: frozenset[str]) -> tuple
 def prefetch_gathers(fp: FunctionPlan) -> tuple[Bucket, ...]:
     """The prefetched gathers of ``fp`` (module doc), each a bucket of one, in start order."""
     params = frozenset(q.name for q in fp.function.params if q.state)
-    first_use: dict[str, int] = {}
-    for i, p in enumerate(fp.ops):
-        for n in p.op.operands:
-            first_use.setdefault(n, i)
+    first_use = _first_uses(fp)
     end = len(fp.ops)
     gathers = []
     for i in range(end):

@@ -135,20 +135,19 @@ def run_chunked(plan: Chunked, xs: Sequence[np.ndarray]) -> tuple[np.ndarray, ..
     free: dict[np.dtype[Any], list[np.ndarray]] = {}  # block buffers not holding a live value
     held: dict[str, np.ndarray] = {}  # intermediate -> the buffer holding it
     last = len(plan.steps) - 1
+    into_out = plan.steps[last][4] is not None  # the root writes straight into the result
     for r0 in range(0, rows, step):
         n = min(step, rows - r0)
         env = {
             name: (x if x.ndim == 1 else x[r0 : r0 + step])
             for name, x in zip(plan.inputs, flat, strict=True)
         }
-        written = False
         for j, (call, names, result, drops, ufunc, dtype) in enumerate(plan.steps):
             if call is None:
                 env[result] = env[names[0]]
             elif ufunc is not None:
                 if j == last:
                     target = out[r0 : r0 + n]
-                    written = True
                 else:
                     spare = free.get(dtype)
                     buf = spare.pop() if spare else np.empty((step, cols), dtype)
@@ -163,6 +162,6 @@ def run_chunked(plan: Chunked, xs: Sequence[np.ndarray]) -> tuple[np.ndarray, ..
                 if x in held:
                     buf = held.pop(x)
                     free.setdefault(buf.dtype, []).append(buf)
-        if not written:
+        if not into_out:
             out[r0 : r0 + n] = env[plan.result]
     return (out.reshape(shape),)

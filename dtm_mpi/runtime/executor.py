@@ -344,12 +344,10 @@ class Executor:
         roots = {g.root: g for g in groups}
         skipped = {m for g in groups for m in g.members if m != g.root}
         skipped.update(m for b in fp.buckets for m in b.members)
-        for b in fp.buckets:  # a prefetched gather of a parameter stored sharded: not kept
-            if b.kind is StepKind.ALLGATHER:
-                p = fp.ops[b.members[0]]
-                if not keeps_gather_of(p.op.operands[0], fp.function):
-                    for spec in self._specs(p):
-                        self.comm.transient(spec)
+        for p in fp.ops:  # a gather of a parameter stored sharded (run here or in a bucket)
+            if p.kind is OpKind.REDIST and not keeps_gather_of(p.op.operands[0], fp.function):
+                for spec in self._specs(p):
+                    self.comm.transient(spec)
         frees_of, drops = hold_bucket_operands(
             fp, fused_frees(fp, groups) if groups else [p.frees for p in fp.ops]
         )
@@ -455,9 +453,6 @@ class Executor:
         if p.kind is OpKind.LOCAL and not OPS[p.op.name].has(Trait.NEEDS_STEP):
             prepared, check = self._prepared_local(p)
             return p.op.operands, prepared, check
-        if p.kind is OpKind.REDIST and not keeps_gather_of(p.op.operands[0], fp.function):
-            for spec in self._specs(p):  # a gather of a parameter stored sharded: not kept
-                self.comm.transient(spec)
         return p.op.operands, functools.partial(self._run_op, p), None
 
     def _prepared_local(self, p: PlanOp) -> tuple[PreparedKernel, PreparedKernel | None]:

@@ -16,7 +16,7 @@ from dtm_mpi import frontend as dtm
 from dtm_mpi.errors import UsageError
 from dtm_mpi.frontend import functional as fn
 from dtm_mpi.plan.cost import local_bytes
-from dtm_mpi.runtime.simulate import run_simulated
+from dtm_mpi.runtime.simulate import RunResult, run_simulated
 from dtm_mpi.sharding.mesh import bind_mesh
 
 
@@ -68,6 +68,20 @@ def test_the_sharded_step_reduce_scatters_gradients_and_allgathers_parameters() 
     assert "state %layers.0.weight: f32[64,96]{-,tp}" in sharded
 
 
+def trained(module: Any, ranks: int, binding: dict[str, int]) -> RunResult:
+    """Three steps of ``module`` on :func:`batch` on ``ranks`` simulated ranks in
+    deterministic mode (runs that must agree bit for bit)."""
+    return run_simulated(
+        module, ranks, binding=binding, inputs=batch(), steps=3, deterministic=True
+    )
+
+
+def same_params(got: RunResult, want: RunResult) -> None:
+    """Every parameter of ``want`` in ``got``, bit for bit."""
+    for name, value in want.params.items():
+        assert got.params[name].tobytes() == value.tobytes(), name
+
+
 @pytest.mark.parametrize(
     "make",
     [
@@ -85,13 +99,9 @@ def test_the_sharded_optimizer_trains_to_the_unsharded_bits(
     make: Any, ranks: int, binding: dict[str, int]
 ) -> None:
     plain, sharded = digits_step(make(None), clip=1.0), digits_step(make("dp"), clip=1.0)
-    runs = [
-        run_simulated(s.module, ranks, binding=binding, inputs=batch(), steps=3, deterministic=True)
-        for s in (plain, sharded)
-    ]
+    runs = [trained(s.module, ranks, binding) for s in (plain, sharded)]
     assert sorted(runs[0].params) == sorted(runs[1].params)
-    for name, want in runs[0].params.items():
-        assert runs[1].params[name].tobytes() == want.tobytes(), name
+    same_params(runs[1], runs[0])
     losses = [float(r[0]) for r in runs[1].results]
     assert losses[-1] < losses[0]  # it trains
 
@@ -148,8 +158,7 @@ def resumed_across(
         steps=legs[-1][3],
         deterministic=True,
     )
-    for name, want in straight.params.items():
-        assert got.params[name].tobytes() == want.tobytes(), name
+    same_params(got, straight)
 
 
 def test_a_sharded_runs_checkpoint_resumes_unsharded_on_another_mesh_and_back(
@@ -205,19 +214,8 @@ def test_sharded_parameters_are_gathered_at_their_use_and_their_gradients_reduce
 def test_sharded_parameters_train_to_the_unsharded_bits(
     ranks: int, binding: dict[str, int]
 ) -> None:
-    runs = [
-        run_simulated(
-            digits_params_sharded(s).module,
-            ranks,
-            binding=binding,
-            inputs=batch(),
-            steps=3,
-            deterministic=True,
-        )
-        for s in (None, "dp")
-    ]
-    for name, want in runs[0].params.items():
-        assert runs[1].params[name].tobytes() == want.tobytes(), name
+    runs = [trained(digits_params_sharded(s).module, ranks, binding) for s in (None, "dp")]
+    same_params(runs[1], runs[0])
 
 
 def test_a_sharded_parameter_runs_checkpoint_resumes_unsharded(tmp_path: Path) -> None:

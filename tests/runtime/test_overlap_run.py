@@ -111,28 +111,18 @@ def test_prefetched_gathers_of_sharded_parameters_keep_the_unsharded_bits(
     to the bits of the unsharded step without overlap (deterministic mode)."""
     from dtm_mpi.plan.program import compile_plan, mesh_for
     from dtm_mpi.sharding.steps import StepKind
-    from tests.frontend.test_optim import batch, digits_params_sharded
+    from tests.frontend.test_optim import digits_params_sharded, same_params, trained
 
     sharded = digits_params_sharded("dp").module
-    got = run_simulated(
-        sharded, ranks, binding=binding, inputs=batch(), steps=3, deterministic=True
-    )
+    got = trained(sharded, ranks, binding)
     plan = compile_plan(sharded, mesh_for(sharded, ranks, binding))
     assert any(b.kind is StepKind.ALLGATHER for b in plan.entry_plan.buckets)
     with pytest.MonkeyPatch.context() as m:
         m.setenv("DTM_OVERLAP", "0")
         get_config.cache_clear()
-        want = run_simulated(
-            digits_params_sharded(None).module,
-            ranks,
-            binding=binding,
-            inputs=batch(),
-            steps=3,
-            deterministic=True,
-        )
+        want = trained(digits_params_sharded(None).module, ranks, binding)
     get_config.cache_clear()
-    for name, value in want.params.items():
-        assert got.params[name].tobytes() == value.tobytes(), name
+    same_params(got, want)
 
 
 def test_prefetched_gathers_of_stored_parameters_are_not_kept_by_the_communicator() -> None:
