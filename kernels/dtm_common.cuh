@@ -126,6 +126,16 @@ __device__ __forceinline__ double dtm_gelu(double v) {
 __device__ __forceinline__ float dtm_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 __device__ __forceinline__ double dtm_sigmoid(double x) { return 1.0 / (1.0 + exp(-x)); }
 
+// silu(x) = x / (1 + exp(-x)), as the registry's numpy function (torch's silu): -0 for very
+// negative x, where exp(-x) overflows to inf.
+__device__ __forceinline__ float dtm_silu(float x) { return x / (1.0f + expf(-x)); }
+__device__ __forceinline__ double dtm_silu(double x) { return x / (1.0 + exp(-x)); }
+// sin and cos (rotary position tables).
+__device__ __forceinline__ float dtm_sin(float x) { return sinf(x); }
+__device__ __forceinline__ double dtm_sin(double x) { return sin(x); }
+__device__ __forceinline__ float dtm_cos(float x) { return cosf(x); }
+__device__ __forceinline__ double dtm_cos(double x) { return cos(x); }
+
 // +inf of the compute type, without INFINITY / CUDART_INF_F (not available under NVRTC).
 template <class A>
 __device__ __forceinline__ A dtm_inf();

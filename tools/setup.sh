@@ -131,13 +131,16 @@ need cython pkgconfig numpy \
 # toolkit's headers. Without it that test skips with a reason; DTM_SETUP_NVRTC=0 skips this.
 # PyTorch (CPU) for the peer of `dtm bench train` (the 'bench' extra): a pinned CPU build (a
 # plain `torch` would pull a CUDA build of several GB); without it the torch peer and its tests
-# skip with a reason. DTM_SETUP_TORCH=0 skips this. Neither shares a package with h5py; the
+# skip with a reason. Hugging Face transformers with it: the numerics of record the LLM layers
+# parity tests check against (tests/frontend/test_llm_parity.py skips without it); the same
+# switch skips it. Neither shares a package with h5py; the
 # package's own install (step 5) waits for them.
 # MKL and BLIS (the 'blas' extra): the GEMM providers DTM_GEMM=auto measures against numpy's
 # BLAS (about 700 MB of MKL libraries); without them numpy's is the only one and their tests
 # skip with a reason. DTM_SETUP_BLAS=0 skips this.
 NVRTC_WHEEL=nvidia-cuda-nvrtc==13.0.88
 TORCH_PIN=torch==2.13.0
+TRANSFORMERS_PIN=transformers==5.25.0
 BLAS_PINS="mkl==2026.2.1 blis==1.3.4"
 optional_wheels() {
   if [ "${DTM_SETUP_NVRTC:-1}" != 0 ] && [ "$(uname -s)" = Linux ] && ! need "$NVRTC_WHEEL"; then
@@ -147,6 +150,10 @@ optional_wheels() {
   if [ "${DTM_SETUP_TORCH:-1}" != 0 ] && ! "$VPY" -c 'import torch' >/dev/null 2>&1; then
     say "installing $TORCH_PIN (CPU; the PyTorch peer of dtm bench train)"
     PIPLOG="$VENV/setup-optional.log" pipq "$TORCH_PIN" || say "warning: could not install $TORCH_PIN; the PyTorch peer of dtm bench train will skip"
+  fi
+  if [ "${DTM_SETUP_TORCH:-1}" != 0 ] && ! "$VPY" -c 'import transformers' >/dev/null 2>&1; then
+    say "installing $TRANSFORMERS_PIN (the numerics of record for the LLM layers)"
+    PIPLOG="$VENV/setup-optional.log" pipq "$TRANSFORMERS_PIN" || say "warning: could not install $TRANSFORMERS_PIN; the Hugging Face parity tests will skip"
   fi
   if [ "${DTM_SETUP_BLAS:-1}" != 0 ] && ! { "$VPY" -c 'import blis' >/dev/null 2>&1 && { [ -e "$VENV/lib/libmkl_rt.so.2" ] || [ -e "$VENV/lib/libmkl_rt.so.3" ]; }; }; then
     say "installing $BLAS_PINS (GEMM providers measured against numpy's BLAS)"

@@ -14,7 +14,7 @@ the run API execute them.
 
 from __future__ import annotations
 
-from dtm_mpi.frontend import functional, nn, optim
+from dtm_mpi.frontend import functional, hf, nn, optim
 from dtm_mpi.frontend.fit import (
     ArrayLoader,
     CheckpointPolicy,
@@ -26,7 +26,7 @@ from dtm_mpi.frontend.fit import (
 from dtm_mpi.frontend.mesh import Mesh
 from dtm_mpi.frontend.stage_split import Pipeline
 from dtm_mpi.frontend.tensor import Tensor
-from dtm_mpi.frontend.trace import Input, TracedStep, eval_step, train_step
+from dtm_mpi.frontend.trace import Input, TracedStep, eval_step, forward_step, train_step
 
 __all__ = [
     "ArrayLoader",
@@ -41,7 +41,9 @@ __all__ = [
     "TracedStep",
     "eval_step",
     "fit",
+    "forward_step",
     "functional",
+    "hf",
     "nn",
     "optim",
     "train_step",

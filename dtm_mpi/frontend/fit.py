@@ -103,6 +103,9 @@ class FitResult:
     outputs: dict[str, np.ndarray] = field(default_factory=dict)
     """Rank 0 (elsewhere empty): the final value of every entry parameter (weights, optimizer
     state) and the last step's results (``result0``, ...), global arrays."""
+    tensors: list[dict[str, np.ndarray]] = field(default_factory=list)
+    """Each step's tensor results by name (a :func:`~dtm_mpi.frontend.trace.forward_step`'s),
+    whole, on every rank; empty where ``fit`` was given ``on_tensors``."""
 
     def last(self, name: str) -> float:
         return self.metrics[-1][name]
@@ -153,6 +156,7 @@ def fit(
     log_every: int | None = None,
     quiet: bool = False,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
+    on_tensors: Callable[[int, dict[str, np.ndarray]], None] | None = None,
     values: Mapping[str, np.ndarray] | None = None,
     integrity: bool = False,
     audit_every: int | None = None,
@@ -184,6 +188,8 @@ def fit(
       samples per second; :class:`~dtm_mpi.runtime.policies.ProgressPolicy`); ``quiet``: no
       progress bar.
 
+    ``on_tensors(step, tensors)``: every rank, after each step, a forward step's tensor
+    results by name, whole (instead of keeping them in ``FitResult.tensors``).
     ``values``: global values of other parameters (an evaluation step's weights), by name.
     ``integrity``: payload integrity mode (as ``DTM_INTEGRITY=1``, for this process and its
     later runs): point-to-point payloads carry their sender's CRC32C, checked on receipt.
@@ -229,8 +235,22 @@ def fit(
     def keep(outputs: dict[str, np.ndarray]) -> None:
         result.outputs.update(outputs)
 
+    def tensors(i: int, rank: int, named: dict[str, np.ndarray]) -> None:
+        if rank != 0 and sim is not None:  # simulated ranks share this process: rank 0's
+            return
+        if on_tensors is not None:
+            on_tensors(i, named)
+        else:
+            result.tensors.append(named)
+
     hooks = RunHooks(
-        loader, step.inputs, report, step.metrics, keep, values=dict(values) if values else None
+        loader,
+        step.inputs,
+        report,
+        step.metrics,
+        keep,
+        values=dict(values) if values else None,
+        on_tensors=tensors if step.tensors else None,
     )
 
     entry = step.module.entry

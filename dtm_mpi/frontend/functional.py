@@ -1,15 +1,19 @@
 """Functions of traced tensors beyond their methods: activations, normalisation, selection,
-one-hot labels and the vocab-parallel cross-entropy."""
+one-hot labels, the vocab-parallel cross-entropy, and the rotary position embeddings."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import numpy as np
 
 from dtm_mpi.frontend.tensor import Tensor, broadcast_pair, current_tracer, trace_error
 from dtm_mpi.ir.types import DType, Layout, TensorType
 
 __all__ = [
     "accuracy",
+    "arange",
+    "causal_lm_loss",
     "causal_mask",
     "concat",
     "cross_entropy",
@@ -18,8 +22,12 @@ __all__ = [
     "log_softmax",
     "one_hot",
     "relu",
+    "rms_norm",
+    "rotary",
+    "rotary_tables",
     "scatter_add",
     "sigmoid",
+    "silu",
     "softmax",
     "take",
     "tanh",
@@ -33,6 +41,10 @@ def relu(x: Tensor) -> Tensor:
 
 def gelu(x: Tensor) -> Tensor:
     return x.gelu()
+
+
+def silu(x: Tensor) -> Tensor:
+    return x.silu()
 
 
 def tanh(x: Tensor) -> Tensor:
@@ -95,6 +107,53 @@ def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, eps: float = 1e-5) -> Ten
     return current_tracer().apply("layer_norm", [x, gamma, beta], {"eps": float(eps)})
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
+    """Hugging Face's ``LlamaRMSNorm`` over the last dim (the ``rms_norm`` op): ``x`` in
+    binary32, ``x * rsqrt(mean(x^2) + eps)``, cast back to ``x``'s dtype, times ``weight``."""
+    return current_tracer().apply("rms_norm", [x, weight], {"eps": float(eps)})
+
+
+def arange(n: int, dtype: str | DType = DType.F32) -> Tensor:
+    """``0, 1, .., n - 1`` (the ``iota`` op), replicated."""
+    from dtm_mpi.frontend.tensor import parse_dtype
+
+    t = TensorType(parse_dtype(dtype), (n,), Layout.replicated(1))
+    return current_tracer().apply("iota", [], {"dim": 0}, [t])
+
+
+def rotary_tables(
+    positions: int | Tensor, inv_freq: Sequence[float] | np.ndarray, dtype: str | DType = DType.F32
+) -> tuple[Tensor, Tensor]:
+    """The rotary ``cos`` and ``sin`` tables ``[T, 2 len(inv_freq)]`` as Hugging Face builds
+    them, inside the step: in binary32, ``freqs = positions x inv_freq`` (``positions``: T, for
+    ``0 .. T-1``, or a float32 tensor of T positions), ``emb = concat(freqs, freqs)``, then
+    ``cos(emb)``, ``sin(emb)`` cast to ``dtype``."""
+    tr = current_tracer()
+    pos = arange(positions, DType.F32) if isinstance(positions, int) else positions.cast(DType.F32)
+    n = len(inv_freq)
+    freq_t = TensorType(DType.F32, (1, n), Layout.replicated(2))
+    freq = tr.apply("constant", [], {"value": (tuple(float(f) for f in inv_freq),)}, [freq_t])
+    t = pos.shape[0]
+    freqs = pos.reshape(t, 1) * freq
+    emb = concat([freqs, freqs], dim=1)
+    return emb.cos().cast(dtype), emb.sin().cast(dtype)
+
+
+def rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary position embedding of ``x`` ``[..., T, E]`` with tables ``[T, E]``, in Hugging
+    Face's half-split convention: ``x * cos + rotate_half(x) * sin``, ``rotate_half(x) =
+    concat(-x[..., E/2:], x[..., :E/2])``."""
+    e = x.shape[-1]
+    if e % 2 or cos.shape != x.shape[-2:] or sin.shape != x.shape[-2:]:
+        raise trace_error(
+            f"rotary needs an even last dim and [T, E] tables; got x {list(x.shape)}, cos {list(cos.shape)}, sin {list(sin.shape)}"
+        )
+    lead = (slice(None),) * (x.ndim - 1)
+    half = e // 2
+    rotated = concat([-x[(*lead, slice(half, e))], x[(*lead, slice(0, half))]], dim=x.ndim - 1)
+    return x * cos + rotated * sin
+
+
 def one_hot(
     labels: Tensor,
     classes: int,
@@ -132,6 +191,21 @@ def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
         last, keepdims=True
     )
     return (sumexp.log() - target).mean()
+
+
+def causal_lm_loss(logits: Tensor, ids: Tensor) -> Tensor:
+    """The next-token loss of a causal LM as Hugging Face's ``labels=ids`` computes it: the
+    mean cross-entropy (in binary32) of the logits ``[B, T, V]`` at positions ``0 .. T-2``
+    against the ids ``[B, T]`` at ``1 .. T-1``."""
+    b, t, _ = logits.shape
+    if ids.shape != (b, t):
+        raise trace_error(
+            f"ids must be [{b}, {t}] for logits {list(logits.shape)}; got {list(ids.shape)}"
+        )
+    shifted = logits[:, : t - 1, :]
+    if shifted.dtype not in (DType.F32, DType.F64):
+        shifted = shifted.cast(DType.F32)
+    return cross_entropy(shifted, ids[:, 1:])
 
 
 def causal_mask(scores: Tensor, fill: float = -1e9) -> Tensor:

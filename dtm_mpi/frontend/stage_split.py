@@ -1,7 +1,7 @@
 """Pipeline stages from the frontend: a model's forward cut before named layers.
 
 ``splits`` name layers by their path in the model (``blocks.2``: the third block; the paths of
-:meth:`~dtm_mpi.frontend.nn.Module.named_layers`). Tracing records where each layer call's ops
+:meth:`~dtm_mpi.frontend.layers.Module.named_layers`). Tracing records where each layer call's ops
 start; stage ``k + 1`` starts at the first op of the first call of ``splits[k]``, so the
 stages are consecutive runs of the traced forward (:func:`dtm_mpi.ir.stages.partition_stages`
 then finds the routes between them).
@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from dtm_mpi.errors import UsageError, VerifyError
+from dtm_mpi.frontend.layers import Module as Layer
 from dtm_mpi.frontend.mesh import Mesh
-from dtm_mpi.frontend.nn import Module as Layer
 from dtm_mpi.frontend.optim import Optimizer, clip_scale, square_sum
 from dtm_mpi.frontend.step_trace import Input, split_outputs, trace_model
 from dtm_mpi.frontend.tensor import Tensor, Tracer, trace_error, tracing

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtm_mpi.errors import TraceError, UsageError, VerifyError
+from dtm_mpi.frontend.layers import Module as Layer
 from dtm_mpi.frontend.mesh import Mesh
-from dtm_mpi.frontend.nn import Module as Layer
 from dtm_mpi.frontend.tensor import Tensor, Tracer, as_layout, parse_dtype, tracing, user_span
 from dtm_mpi.frontend.traced_params import GATHERED, sharded_storage
 from dtm_mpi.frontend.traced_params import TRACED as _TRACED
@@ -81,10 +81,10 @@ def trace_model(
             )
         try:
             init = (
-                p.ir_init(path, seed)
-                if weights_as_state
-                else Init(InitKind.STORE)
+                Init(InitKind.STORE)
                 if from_store
+                else p.ir_init(path, seed)
+                if weights_as_state
                 else None
             )
         except ValueError:

@@ -360,6 +360,16 @@ class Tensor:
     def sigmoid(self) -> Tensor:
         return self._apply("sigmoid")
 
+    def silu(self) -> Tensor:
+        """``x * sigmoid(x)`` (swish), as torch's ``silu``."""
+        return self._apply("silu")
+
+    def sin(self) -> Tensor:
+        return self._apply("sin")
+
+    def cos(self) -> Tensor:
+        return self._apply("cos")
+
     def sqrt(self) -> Tensor:
         return self._apply("sqrt")
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from dtm_mpi.errors import UsageError, VerifyError
+from dtm_mpi.frontend.layers import Module as Layer
 from dtm_mpi.frontend.mesh import Mesh, require_axis
-from dtm_mpi.frontend.nn import Module as Layer
 from dtm_mpi.frontend.optim import Optimizer, clip_by_global_norm
 from dtm_mpi.frontend.step_trace import Input, split_outputs, trace_model
 from dtm_mpi.frontend.tensor import (
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from dtm_mpi.frontend.stage_split import Pipeline
     from dtm_mpi.runtime.policies import PipelinePolicy
 
-__all__ = ["Input", "TracedStep", "eval_step", "train_results", "train_step"]
+__all__ = ["Input", "TracedStep", "eval_step", "forward_step", "train_results", "train_step"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,9 @@ class TracedStep:
     mesh: Mesh = field(default_factory=lambda: Mesh(x=1))
     pipeline: PipelinePolicy | None = None
     """A pipelined step's stages, schedule and microbatches (None: not pipelined)."""
+    tensors: tuple[str, ...] = ()
+    """The names of the leading results that are tensors handed back whole each step
+    (:func:`forward_step`), not scalar metrics."""
 
     @property
     def text(self) -> str:
@@ -167,6 +170,7 @@ def train_step(
     name: str = "train",
     pipeline: Pipeline | None = None,
     shard_params: str | None = None,
+    weights_from_store: bool = False,
 ) -> TracedStep:
     """Trace one training step of ``model``: ``loss_fn(model, **inputs)`` returns the loss
     (a float scalar) or (loss, {metric: scalar}); the gradients of the loss with respect to
@@ -182,7 +186,12 @@ def train_step(
     ``allgather``) where a layer uses it; its gradient arrives reduce-scattered to the stored
     layout, and the optimizer's state and update follow it: parameters, gradients and
     optimizer state are each 1/size of the axis per rank. The values are the unsharded step's
-    (bit for bit in deterministic mode) and checkpoints move between the two."""
+    (bit for bit in deterministic mode) and checkpoints move between the two.
+
+    ``weights_from_store``: the parameters start from the latest checkpoint of the run's
+    store (declared ``init store``; read by name, each rank its blocks, written on any mesh:
+    e.g. a Hugging Face checkpoint brought in by ``dtm hf import``) instead of their inits;
+    the optimizer's state starts as its init."""
     if shard_params is not None:
         require_axis(f"shard_params={shard_params!r}", shard_params, mesh.axis_names)
         if pipeline is not None:
@@ -203,6 +212,7 @@ def train_step(
         weights_as_state=True,
         seed=seed,
         shard_params=shard_params,
+        from_store=weights_from_store,
     )
     named = split_outputs(out, "loss")
     scalars = []
@@ -277,4 +287,54 @@ def eval_step(
     module = _finish(tr, "eval_step", mesh, results)
     return TracedStep(
         module, tuple(inputs), tuple(p for p, _ in weights), (), tuple(k for k, _ in named), mesh
+    )
+
+
+def forward_step(
+    model: Layer,
+    fn: Callable[..., Any],
+    *,
+    mesh: Mesh,
+    inputs: Mapping[str, Input],
+    seed: int = 0,
+    name: str = "forward",
+    weights_from_store: bool = False,
+) -> TracedStep:
+    """Trace ``fn(model, **inputs)`` returning tensors -- a tensor (named ``output``), a
+    tuple of them (``output0``, ...) or ``{name: tensor}`` -- with the model's weights as plain
+    parameters (as :func:`eval_step`: given as ``values`` to :func:`~dtm_mpi.frontend.fit.fit`,
+    or ``init store`` with ``weights_from_store``). Each result is gathered whole (a pending
+    sum completed, every split dim gathered: the ``allgather`` is in the module), so every
+    rank gets the global value of every result of every step (``FitResult.tensors``, or the
+    ``on_tensors`` callback of ``fit``), on any mesh.
+
+    The logits of a language model: ``forward_step(model, lambda m, ids: m(ids), ...)``."""
+    tr, _, weights, out = trace_model(
+        model,
+        fn,
+        mesh,
+        inputs,
+        name,
+        weights_as_state=False,
+        seed=seed,
+        from_store=weights_from_store,
+    )
+    if isinstance(out, Tensor):
+        named = [("output", out)]
+    elif isinstance(out, tuple) and out and all(isinstance(t, Tensor) for t in out):
+        named = [(f"output{i}", t) for i, t in enumerate(out)]
+    elif isinstance(out, Mapping) and out and all(isinstance(t, Tensor) for t in out.values()):
+        named = [(str(k), t) for k, t in out.items()]
+    else:
+        raise UsageError(
+            f"the forward function must return a tensor, a tuple of tensors or {{name: tensor}}; got {type(out).__name__}"
+        )
+    with tracing(tr):
+        results: list[Value | tuple[Value, str | None]] = [
+            t.redistribute([None] * t.ndim).value for _, t in named
+        ]
+    module = _finish(tr, "forward_step", mesh, results)
+    names = tuple(k for k, _ in named)
+    return TracedStep(
+        module, tuple(inputs), tuple(p for p, _ in weights), (), names, mesh, tensors=names
     )

@@ -468,12 +468,12 @@ def _unsharded_along(
     declared: Sequence[TensorType],
     span: SourceSpan,
 ) -> list[Value] | None:
-    """Ops that work along a dim (``dim``, or the last dim for ``layer_norm``): that dim
-    unsharded in every operand of full rank, pending sums completed."""
+    """Ops that work along a dim (``dim``, or the last dim for a row-wise op such as
+    ``layer_norm``): that dim unsharded in every operand of full rank, pending sums completed."""
     dims: list[int] = []
     if isinstance(attrs.get("dim"), int):
         dims.append(int(attrs["dim"]))  # type: ignore[arg-type]
-    if d.name == "layer_norm":
+    if d.has(Trait.ROWWISE):
         dims.append(-1)
     if d.name == "slice" and xs:  # the dims the box cuts
         start, limit = attrs.get("start"), attrs.get("limit")

@@ -102,6 +102,9 @@ class Trait(enum.Enum):
     REDUCTION = "reduction"
     """Reduces its operand over the dims of attribute ``dims`` (``sum``, ``mean``, ``max``,
     ``min``): backends register one reduction kernel for each."""
+    ROWWISE = "rowwise"
+    """Normalises each row along the last dim (``layer_norm``, ``rms_norm``): that dim must be
+    unsharded (the builder gathers it where it is split)."""
     BROADCASTS = "broadcasts"
     """The result repeats the operand along the result's leading dims (numpy broadcasting,
     ``broadcast_to``): a generated kernel may read a vector operand as ``v[i % cols]``

@@ -322,7 +322,8 @@ def _passes(
     weight_ops = _remade(weight_ops, free)
     inputs_ops = _remade(inputs_ops, free)
     own = [p for p in stage.params]
-    mine = [g for p, g in grads if p in own]
+    grad_of = dict(grads)
+    mine = [grad_of[p] for p in own if p in grad_of]  # in the stage's parameter order
     made_f = {n for op in fwd for n in op.results}
     made_i = {n for op in inputs_ops for n in op.results}
     given = [*own, *stage.inputs, *stage.receives]  # what the forward pass starts from

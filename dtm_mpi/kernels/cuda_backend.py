@@ -1,7 +1,7 @@
 """The GPU backends (``cuda`` and ``hip``: the same code on CuPy's CUDA or ROCm build).
 
 Hot ops run as RawKernels compiled from ``kernels/*.cu`` (:mod:`dtm_mpi.kernels.launch`):
-softmax and log_softmax along the last dim, layer_norm, reductions over the last dim,
+softmax and log_softmax along the last dim, layer_norm, rms_norm, reductions over the last dim,
 int8 block quantize/dequantize, and every float elementwise op through the generated
 kernels of :mod:`dtm_mpi.kernels.fused`. Matmul goes to cuBLAS/hipBLAS through
 ``cupy.matmul``. The other ops are composed from CuPy's own functions with exactly the numpy
@@ -174,6 +174,14 @@ def _layer_norm(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
     if not _is_float(x):
         raise launch.unsupported("layer_norm", x)
     return (launch.layer_norm(x, gamma, beta, float(ctx.op.attr("eps"))),)  # type: ignore[arg-type]
+
+
+@_register("rms_norm", placement="RawKernel rms_norm.cu")
+def _rms_norm(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
+    x, w = xs
+    if not _is_float(x):
+        raise launch.unsupported("rms_norm", x)
+    return (launch.rms_norm(x, w, float(ctx.op.attr("eps"))),)  # type: ignore[arg-type]
 
 
 def _reduction_placement(op: str, dtypes: Sequence[Any], attrs: dict[str, Any], rank: int) -> str:

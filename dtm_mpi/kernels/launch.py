@@ -29,6 +29,7 @@ __all__ = [
     "fused",
     "layer_norm",
     "quantize",
+    "rms_norm",
     "row_reduce",
     "scatter_rows",
     "softmax",
@@ -151,6 +152,22 @@ def layer_norm(x: Arr, gamma: Arr, beta: Arr, eps: float, *, out: Arr | None = N
             (_grid(rows),),
             (THREADS,),
             (x, g, b, y, np.int64(rows), np.int64(cols), np.float64(eps)),
+        )
+    return y
+
+
+def rms_norm(x: Arr, w: Arr, eps: float, *, out: Arr | None = None) -> Arr:
+    """Root-mean-square normalisation over the last dim, then ``* w`` (Llama's RMSNorm)."""
+    sfx = _suffix(x, "rms_norm")
+    x, rows, cols = _rows(x, "rms_norm")
+    weight = _dev(w, "rms_norm weight", x.dtype)
+    y = _out(out, tuple(x.shape), x.dtype)
+    if rows and cols:
+        fn = function("rms_norm.cu", f"dtm_rms_norm_{sfx}")
+        fn(
+            (_grid(rows),),
+            (THREADS,),
+            (x, weight, y, np.int64(rows), np.int64(cols), np.float64(eps)),
         )
     return y
 

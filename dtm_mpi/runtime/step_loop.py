@@ -95,6 +95,9 @@ class RunHooks:
     values: Mapping[str, np.ndarray] | None = None
     """Global values of (other) entry parameters, as ``-i`` files would give them (each
     rank takes its block)."""
+    on_tensors: Callable[[int, int, dict[str, np.ndarray]], None] | None = None
+    """Every rank, after each step committed: the step, the rank and the step's replicated
+    tensor results (not scalars, not state updates) by name, whole on every rank."""
 
 
 class Feed:
@@ -147,16 +150,27 @@ class Feed:
             blocks[i] = self.to_device(np.ascontiguousarray(block, dtype=dtype))
 
     def report(self, step: int, results: Sequence[Any]) -> dict[str, float] | None:
-        """Hand the step's complete scalar results to ``on_step``; returns them (None without
-        ``on_step``)."""
-        if self.hooks.on_step is None:
+        """Hand the step's complete scalar results to ``on_step`` and its replicated tensor
+        results to ``on_tensors``; returns the scalars (None without ``on_step``)."""
+        hooks = self.hooks
+        if hooks.on_step is None and hooks.on_tensors is None:
             return None
-        names = self.hooks.metric_names
+        names = hooks.metric_names
         metrics: dict[str, float] = {}
+        tensors: dict[str, np.ndarray] = {}
         for i, (spec, value) in enumerate(zip(self.entry.results, results, strict=True)):
-            if spec.type.shape == () and spec.type.layout.partial is None and spec.updates is None:
-                metrics[names[i] if i < len(names) else f"result{i}"] = float(self.to_host(value))
-        self.hooks.on_step(step, self.rank, metrics)
+            t = spec.type
+            if spec.updates is not None or t.layout.partial is not None:
+                continue
+            key = names[i] if i < len(names) else f"result{i}"
+            if t.shape == ():
+                metrics[key] = float(self.to_host(value))
+            elif hooks.on_tensors is not None and t.layout.is_replicated:
+                tensors[key] = np.asarray(self.to_host(value))
+        if hooks.on_step is not None:
+            hooks.on_step(step, self.rank, metrics)
+        if hooks.on_tensors is not None and tensors:
+            hooks.on_tensors(step, self.rank, tensors)
         return metrics
 
 

@@ -9,6 +9,7 @@ tensor whatever the layout or rank count. ``store`` values come from the latest 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -19,7 +20,41 @@ from dtm_mpi.ir.ops.create import random_values
 from dtm_mpi.ir.types import TensorType
 from dtm_mpi.kernels.numpy_backend import global_flat_index
 
-__all__ = ["check_input", "check_inputs", "init_block", "init_global"]
+__all__ = ["BlockSource", "check_input", "check_inputs", "init_block", "init_global"]
+
+
+@runtime_checkable
+class BlockSource(Protocol):
+    """A global value read a block at a time (a memory-mapped checkpoint tensor,
+    :class:`~dtm_mpi.io.hf_files.MappedTensor`): a rank reads only its block of it."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> np.dtype[Any]: ...
+
+    def __getitem__(self, region: Any) -> np.ndarray: ...
+
+
+class _Converted:
+    """A block source whose blocks come converted to a parameter's dtype."""
+
+    __slots__ = ("source", "type")
+
+    def __init__(self, source: BlockSource, t: TensorType) -> None:
+        self.source, self.type = source, t
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.type.shape
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return np_dtype(self.type.dtype)
+
+    def __getitem__(self, region: Any) -> np.ndarray:
+        return np.array(as_dtype(np.asarray(self.source[region]), self.type), order="C")
 
 
 def init_block(param: Param, offsets: Sequence[int], shape: Sequence[int]) -> np.ndarray:
@@ -53,10 +88,11 @@ def init_global(param: Param) -> np.ndarray:
     return init_block(param, (0,) * param.type.rank, param.type.shape)
 
 
-def check_input(name: str, t: TensorType, value: np.ndarray, where: str) -> np.ndarray:
+def check_input(name: str, t: TensorType, value: Any, where: str) -> Any:
     """``value`` as the global value of a parameter of type ``t``: the shape must match, and
     the dtype must convert without loss of kind (a float array for an int parameter is an
-    error, an int array for a float parameter is converted)."""
+    error, an int array for a float parameter is converted). A :class:`BlockSource` stays one
+    (each rank reads its block), its blocks converted."""
     if tuple(value.shape) != t.shape:
         raise UsageError(
             f"input {name} from {where} has shape {list(value.shape)}, but the parameter is "
@@ -70,6 +106,8 @@ def check_input(name: str, t: TensorType, value: np.ndarray, where: str) -> np.n
         )
     if have.kind not in "fiub":
         raise UsageError(f"input {name} from {where} has unsupported dtype {have}")
+    if not isinstance(value, np.ndarray):
+        return _Converted(value, t)
     return np.array(as_dtype(value, t), order="C")  # bf16: rounded to bfloat16 values
 
 
@@ -79,7 +117,7 @@ def check_inputs(
     *,
     store: bool = False,
     fed: Sequence[str] = (),
-) -> dict[str, np.ndarray]:
+) -> dict[str, Any]:
     """The inputs that match entry parameters, checked and converted (shape, dtype); a name
     matching no parameter is an error naming the parameters, and so is a parameter without
     init that no input supplies (or an ``init store`` one, unless a ``store`` fills it) and
@@ -87,14 +125,15 @@ def check_inputs(
     entry = module.entry
     assert entry is not None
     names = {p.name.lstrip("%"): p for p in entry.params}
-    out: dict[str, np.ndarray] = {}
+    out: dict[str, Any] = {}
     for key, value in inputs.items():
         if key not in names:
             raise UsageError(
                 f"input {key!r} matches no parameter of @{entry.name} (parameters: "
                 f"{', '.join(names) or 'none'})"
             )
-        out[key] = check_input(key, names[key].type, np.asarray(value), "the inputs")
+        given = value if isinstance(value, BlockSource) else np.asarray(value)
+        out[key] = check_input(key, names[key].type, given, "the inputs")
     for key, p in names.items():
         if (
             key in out

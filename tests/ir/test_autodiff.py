@@ -65,7 +65,7 @@ def ids(b: FunctionBuilder, lay: str = "dp,-") -> Value:
 
 X = ("x", (5, 6), "dp,tp")
 Y = ("y", (5, 6), "dp,-")
-UNARY = ["neg", "exp", "tanh", "relu", "gelu", "sigmoid", "abs"]
+UNARY = ["neg", "exp", "tanh", "relu", "gelu", "sigmoid", "abs", "silu", "sin", "cos"]
 # fmt: off
 CASES = [
     *(Case(n, (X,), op(n)) for n in UNARY),
@@ -89,6 +89,7 @@ CASES = [
     Case("softmax", (X,), op("softmax", dim=1)),
     Case("log_softmax", (X,), op("log_softmax", dim=1)),
     Case("layer_norm", (("x", (5, 6), "dp,-"), ("g", (6,), "-"), ("b", (6,), "-")), op("layer_norm", eps=1e-5)),
+    Case("rms_norm", (("x", (5, 6), "dp,-"), ("g", (6,), "-")), op("rms_norm", eps=1e-5)),
     Case("where", (X, Y), lambda b, xs: b.apply1("where", [b.apply1("compare", xs, {"pred": "gt"}), *xs])),
     Case("cast-f32", (X,), lambda b, xs: b.apply1("cast", [b.apply1("cast", xs, {}, [xs[0].type.with_dtype(DType.F32)])], {}, [xs[0].type])),
     Case("allgather", (X,), lambda b, xs: b.emit1("allgather", xs, {"axes": ("tp",)})),

@@ -149,7 +149,7 @@ LEXICAL_ERRORS = [
 @pytest.mark.parametrize("fast", [True, False])
 @pytest.mark.parametrize(
     ("version", "fragment"),
-    [("2.0", "unsupported IR major version 2"), ("1.4", "is newer than this reader")],
+    [("2.0", "unsupported IR major version 2"), ("1.5", "is newer than this reader")],
 )
 @pytest.mark.parametrize("rest", LEXICAL_ERRORS)
 def test_version_error_wins_over_a_later_lexical_error(
@@ -166,7 +166,7 @@ def test_version_error_wins_over_a_later_lexical_error(
 @pytest.mark.parametrize("fast", [True, False])
 def test_version_error_wins_on_the_header_line(fast: bool) -> None:
     with pytest.raises(VersionError, match="newer than this reader"):
-        parse_module("dtm 1.4 module m \u00a7 $\n", fast=fast)
+        parse_module("dtm 1.5 module m \u00a7 $\n", fast=fast)
 
 
 def test_lexical_error_before_the_version_is_reported() -> None:

@@ -92,7 +92,8 @@ def test_every_fusible_op_is_run_by_the_emulated_kernel_tests() -> None:
 
 def _elementwise_module(name: str, dtype: str) -> str:
     args = ", ".join(["%x", "%w"][: OPS[name].arity])
-    return f"""dtm 1.0
+    major, minor = OPS[name].since
+    return f"""dtm {major}.{minor}
 module e
 mesh @m = [dp=2]
 entry func @main(%x: {dtype}[5,3]{{dp,-}}, %w: {dtype}[5,3]{{dp,-}}) -> {dtype}[5,3]{{dp,-}} on @m {{

@@ -45,6 +45,7 @@ def _per_dtype(*bases: str) -> tuple[str, ...]:
 EXPECTED: dict[str, tuple[str, ...]] = {
     "softmax.cu": _per_dtype("dtm_softmax", "dtm_log_softmax"),
     "layer_norm.cu": _per_dtype("dtm_layer_norm"),
+    "rms_norm.cu": _per_dtype("dtm_rms_norm"),
     "bias_gelu.cu": _per_dtype("dtm_bias_gelu"),
     "row_reduce.cu": _per_dtype("dtm_row_sum", "dtm_row_max", "dtm_row_min"),
     "quant.cu": _per_dtype("dtm_quantize", "dtm_dequantize"),

@@ -128,6 +128,41 @@ def test_layer_norm(dev: Any, shape: tuple[int, int], dtype: Any) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rms_norm(dev: Any, shape: tuple[int, int], dtype: Any) -> None:
+    """Against the registry's reference (the normalised value rounded to the storage type
+    before the weight), within the tolerance of the other row kernels."""
+    from dtm_mpi.ir import load_module
+    from dtm_mpi.ir.ops.reduce import _rms_norm_ref
+    from dtm_mpi.kernels import launch
+
+    cp = dev.ops.cp
+    x, w = _x(shape, dtype), _x(shape[-1:], dtype, 1)
+    t = {np.float16: "f16", np.float32: "f32", np.float64: "f64"}[dtype]
+    rows, cols = shape
+    module = load_module(
+        f"""dtm 1.4
+module r
+entry func @f(%x: {t}[{rows},{cols}], %w: {t}[{cols}]) -> {t}[{rows},{cols}] {{
+  %y = rms_norm %x, %w eps 0.00001 : {t}[{rows},{cols}]
+  return %y
+}}
+""",
+        "r.dtm",
+    )
+    assert module.entry is not None
+    op = module.entry.body[0]
+    (want,) = _rms_norm_ref(op, [x, w], op.result_types)
+    got = launch.rms_norm(cp.asarray(x), cp.asarray(w), 1e-5, out=_poisoned(cp, shape, dtype))
+    _close(
+        got,
+        want.astype(np.float64),
+        dtype,
+        max(1.0, math.sqrt(shape[1])) * (4.0 if dtype is np.float16 else 1.0),
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [*SHAPES, (4, 0)])
 @pytest.mark.parametrize("op", ["sum", "max", "min"])
 def test_row_reduce(dev: Any, shape: tuple[int, int], dtype: Any, op: str) -> None:

@@ -33,6 +33,8 @@ from dtm_mpi.ir.registry import OPS, OpContext, OpDef, Trait, register_op
 from dtm_mpi.ir.types import DType, ReduceOp, TensorType
 
 Arr = np.ndarray
+IR_1_4 = (1, 4)
+"""The IR version of the LLM layers' ops (``silu``, ``sin``, ``cos``, ``rms_norm``)."""
 
 
 def _gelu(xp: Any, x: Arr) -> Any:
@@ -49,6 +51,15 @@ def _sigmoid(xp: Any, x: Arr) -> Any:
         x = x.astype(np.float32)
     with np.errstate(over="ignore"):
         return 1.0 / (1.0 + xp.exp(-x))
+
+
+def _silu(xp: Any, x: Arr) -> Any:
+    # x * sigmoid(x) as torch's silu computes it, x / (1 + exp(-x)): exp(-x) overflows to inf
+    # for very negative x, giving -0.0; f16 in binary32 (as sigmoid).
+    if x.dtype == np.float16:
+        x = x.astype(np.float32)
+    with np.errstate(over="ignore"):
+        return x / (1.0 + xp.exp(-x))
 
 
 def _div(xp: Any, a: Arr, b: Arr) -> Any:
@@ -93,6 +104,7 @@ def _unary(
     float_only: bool,
     linear_in: frozenset[ReduceOp] = frozenset(),
     grad: Callable[[GradContext], Value],
+    since: tuple[int, int] = (1, 0),
 ) -> None:
     traits = _FUSIBLE | ({Trait.FLOAT_ONLY} if float_only else set())
     register_op(
@@ -106,6 +118,7 @@ def _unary(
         array_fn=None if isinstance(fn, str) else fn,
         ufunc=fn if isinstance(fn, str) else None,
         grad=lambda c: (grad(c),),
+        since=since,
     )(_unary_rule(lambda: OPS[name]))
 
 
@@ -192,6 +205,35 @@ _unary(
     float_only=True,
     linear_in=_MAX | _MIN,
     grad=lambda c: c.mul(c.g, c.mul(c.ys[0], c.sub(c.const(1.0, c.ys[0]), c.ys[0]))),
+)
+
+
+def _d_silu(c: GradContext) -> Value:
+    """d silu/dx = s (1 + x (1 - s)), s = sigmoid(x)."""
+    x = c.xs[0]
+    s = c.apply("sigmoid", x)
+    one = c.const(1.0, x)
+    return c.mul(c.g, c.mul(s, c.add(one, c.mul(x, c.sub(one, s)))))
+
+
+# silu (swish, x sigmoid(x)): the gate of Llama's SwiGLU MLP. Neither additive nor monotone.
+_unary("silu", _silu, "dtm_silu({0})", float_only=True, grad=_d_silu, since=IR_1_4)
+# sin and cos: rotary position tables made inside the step (from positions and frequencies).
+_unary(
+    "sin",
+    "sin",
+    "dtm_sin({0})",
+    float_only=True,
+    grad=lambda c: c.mul(c.g, c.apply("cos", c.xs[0])),
+    since=IR_1_4,
+)
+_unary(
+    "cos",
+    "cos",
+    "dtm_cos({0})",
+    float_only=True,
+    grad=lambda c: c.neg(c.mul(c.g, c.apply("sin", c.xs[0]))),
+    since=IR_1_4,
 )
 # abs is neither additive nor monotone: |a + b| != |a| + |b|, |max(-3, 1)| != max(3, 1).
 _unary(

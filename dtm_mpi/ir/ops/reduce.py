@@ -1,8 +1,8 @@
-"""Reductions over dims (sum mean max min), softmax, log_softmax, layer_norm.
+"""Reductions over dims (sum mean max min), softmax, log_softmax, layer_norm, rms_norm.
 
 Sharding rule: reducing a dim sharded over axes A yields a pending reduction over A
 (``sum``/``mean`` -> ``partial(sum)``, ``max`` -> ``partial(max)``, ``min`` -> ``partial(min)``).
-softmax/log_softmax/layer_norm need their normalised dim unsharded and no pending reduction.
+softmax/log_softmax/layer_norm/rms_norm need their normalised dim unsharded and no pending reduction.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dtm_mpi.ir.ops._common import (
     unsharded_dim,
 )
 from dtm_mpi.ir.registry import OpContext, Trait, register_op
-from dtm_mpi.ir.types import Layout, ReduceOp, TensorType
+from dtm_mpi.ir.types import DType, Layout, ReduceOp, TensorType
 
 _PARTIAL_OF = {"sum": ReduceOp.SUM, "mean": ReduceOp.SUM, "max": ReduceOp.MAX, "min": ReduceOp.MIN}
 _NP = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min}
@@ -224,6 +224,7 @@ def _d_layer_norm(c: GradContext) -> tuple[Value | None, ...]:
     grad=_d_layer_norm,
     reference=_layer_norm_ref,
     doc="normalise over the last dim, then scale and shift",
+    traits=frozenset({Trait.ROWWISE}),
 )
 def _layer_norm(ctx: OpContext) -> tuple[TensorType, ...]:
     x = ctx.operand_types[0]
@@ -238,6 +239,83 @@ def _layer_norm(ctx: OpContext) -> tuple[TensorType, ...]:
             raise ctx.operand_error(i, f"{what} must be {x.dtype}[{x.shape[-1]}]; got {p}")
         if not p.layout.is_replicated:
             raise ctx.operand_error(i, f"{what} must be replicated; got {p}")
+    eps = float(ctx.attr("eps"))
+    if not eps > 0:
+        raise ctx.attr_error("eps", f"eps must be > 0; got {eps}")
+    return (x,)
+
+
+def _work_dtype(x: np.dtype[Any]) -> type[np.floating[Any]]:
+    """binary32 below binary64, as the normalisations compute (spec)."""
+    return np.float64 if x == np.float64 else np.float32
+
+
+def _rms_norm_ref(
+    op: Op, xs: Sequence[np.ndarray], rt: Sequence[TensorType]
+) -> tuple[np.ndarray, ...]:
+    """Hugging Face's ``LlamaRMSNorm``: ``x`` in the working precision, ``x * rsqrt(mean(x^2)
+    + eps)`` (the reciprocal of the square root, as torch's ``rsqrt``), cast back to ``x``'s
+    dtype, then times the weight."""
+    x, w = xs
+    eps = float(op.attr("eps"))  # type: ignore[arg-type]
+    work = _work_dtype(x.dtype)
+    xf = x.astype(work)
+    var = np.square(xf).mean(axis=-1, keepdims=True)
+    var += work(eps)
+    np.sqrt(var, out=var)
+    np.divide(work(1.0), var, out=var)
+    np.multiply(xf, var, out=xf)
+    normed = as_dtype(xf, rt[0])
+    return (as_dtype(np.multiply(w, normed, dtype=normed.dtype), rt[0]),)
+
+
+def _d_rms_norm(c: GradContext) -> tuple[Value | None, ...]:
+    """With xh = x r, r = 1/sqrt(mean(x^2) + eps) over the last dim (size n), y = w xh:
+    dx = r (dxh - xh mean(dxh xh)), dxh = g w; dw = sum(g xh) over the leading dims. Computed
+    in binary32 for f16/bf16 operands (as the forward), then cast back."""
+    x0, w0 = c.xs
+    t0 = x0.type
+    work = t0.dtype if t0.dtype in (DType.F32, DType.F64) else DType.F32
+    x, w, g = c.cast(x0, work), c.cast(w0, work), c.cast(c.g, work)
+    t = x.type
+    last, n = t.rank - 1, t.shape[-1]
+    lead = list(range(last))
+
+    def row_mean(v: Value) -> Value:  # mean over the last dim, spread back over it
+        return c.unreduce(c.scale(c.reduce_sum(v, [last], keepdims=True), 1.0 / n), t, [last], True)
+
+    ms = row_mean(c.mul(x, x))
+    r = c.apply("rsqrt", c.add(ms, c.const(float(c.attr("eps")), ms)))  # type: ignore[arg-type]
+    xh = c.mul(x, r)
+    dx = None
+    if c.wants[0]:
+        dxh = c.mul(g, c.broadcast(c.reshape(w, (1,) * last + (n,)), t.shape))
+        dx = c.cast(c.mul(r, c.sub(dxh, c.mul(xh, row_mean(c.mul(dxh, xh))))), t0.dtype)
+    dw = c.cast(c.reshape(c.reduce_sum(c.mul(g, xh), lead), (n,)), t0.dtype) if c.wants[1] else None
+    return (dx, dw)
+
+
+@register_op(
+    "rms_norm",
+    "$x:operand , $w:operand eps $eps:float",
+    grad=_d_rms_norm,
+    reference=_rms_norm_ref,
+    doc="root-mean-square normalisation over the last dim, then scale (Llama's RMSNorm)",
+    traits=frozenset({Trait.ROWWISE}),
+    since=(1, 4),
+)
+def _rms_norm(ctx: OpContext) -> tuple[TensorType, ...]:
+    x = ctx.operand_types[0]
+    require_float(ctx, 0)
+    no_partial(ctx, 0)
+    if x.rank < 1:
+        raise ctx.operand_error(0, "operand must have rank >= 1")
+    unsharded_dim(ctx, 0, x.rank - 1, "the normalised (last)")
+    w = ctx.operand_types[1]
+    if w.dtype is not x.dtype or w.shape != (x.shape[-1],):
+        raise ctx.operand_error(1, f"the weight must be {x.dtype}[{x.shape[-1]}]; got {w}")
+    if not w.layout.is_replicated:
+        raise ctx.operand_error(1, f"the weight must be replicated; got {w}")
     eps = float(ctx.attr("eps"))
     if not eps > 0:
         raise ctx.attr_error("eps", f"eps must be > 0; got {eps}")
