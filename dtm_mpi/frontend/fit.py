@@ -25,6 +25,7 @@ from dtm_mpi.config import get_config
 from dtm_mpi.errors import UsageError
 from dtm_mpi.frontend.trace import TracedStep
 from dtm_mpi.runtime.policies import CheckpointPolicy, DevicePolicy, ResizePolicy
+from dtm_mpi.runtime.values import BlockSource
 
 __all__ = [
     "ArrayLoader",
@@ -157,7 +158,7 @@ def fit(
     quiet: bool = False,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
     on_tensors: Callable[[int, dict[str, np.ndarray]], None] | None = None,
-    values: Mapping[str, np.ndarray] | None = None,
+    values: Mapping[str, np.ndarray | BlockSource] | None = None,
     integrity: bool = False,
     audit_every: int | None = None,
     quantize_allreduce: int | None = None,

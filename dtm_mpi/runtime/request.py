@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dtm_mpi.console import say
 from dtm_mpi.errors import (
@@ -344,7 +344,7 @@ def given_inputs(request: RunRequest, module: Module) -> dict[str, np.ndarray]:
     from dtm_mpi.io.arrays import load_arrays
     from dtm_mpi.runtime.values import check_inputs
 
-    arrays = load_arrays(list(request.inputs))
+    arrays: dict[str, Any] = dict(load_arrays(list(request.inputs)))  # and BlockSources
     if request.hooks is not None and request.hooks.values:
         arrays.update(request.hooks.values)
     return check_inputs(module, arrays, store=bool(request.store), fed=request.fed)

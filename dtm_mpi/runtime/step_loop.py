@@ -45,6 +45,7 @@ from dtm_mpi.errors import RunStopped, UsageError
 from dtm_mpi.faults import flip_state, maybe_fail
 from dtm_mpi.ir.dtypes import np_dtype
 from dtm_mpi.ir.types import ReduceOp, TensorType
+from dtm_mpi.runtime.values import BlockSource
 from dtm_mpi.sharding.blocks import local_block
 from dtm_mpi.sharding.steps import allreduce_spec
 
@@ -92,7 +93,7 @@ class RunHooks:
     """Names of the leading scalar results (else ``result0``, ...)."""
     on_outputs: Callable[[dict[str, np.ndarray]], None] | None = None
     """Rank 0, at the end: the outputs (what ``-o`` would write), instead of printing them."""
-    values: Mapping[str, np.ndarray] | None = None
+    values: Mapping[str, np.ndarray | BlockSource] | None = None
     """Global values of (other) entry parameters, as ``-i`` files would give them (each
     rank takes its block)."""
     on_tensors: Callable[[int, int, dict[str, np.ndarray]], None] | None = None
