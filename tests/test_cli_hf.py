@@ -242,3 +242,24 @@ def test_check_passes_and_its_verdict_is_the_exit_status(
     )
     with pytest.raises(UsageError, match="longer than the model's context"):
         main(["hf", "check", str(tmp_path / "m"), "--length", "33"])
+
+
+@needs_hf
+def test_the_readme_sequence(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """examples/tiny_llama.py, dtm hf import, export, check: as the README shows them."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    tiny, store, out = tmp_path / "tiny-llama", tmp_path / "store", tmp_path / "out-llama"
+    subprocess.run(
+        [sys.executable, str(root / "examples" / "tiny_llama.py"), str(tiny)], check=True
+    )
+    assert main(["hf", "import", str(tiny), str(store)]) == 0
+    assert main(["hf", "export", str(store), str(out)]) == 0
+    capsys.readouterr()
+    assert (
+        main(["hf", "check", str(out), "--mesh", "dp=1,tp=2", "--prompts", "2", "--length", "16"])
+        == 0
+    )
+    assert "PASS" in capsys.readouterr().out
