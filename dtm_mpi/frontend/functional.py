@@ -113,6 +113,42 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     return current_tracer().apply("rms_norm", [x, weight], {"eps": float(eps)})
 
 
+def state(
+    name: str,
+    shape: Sequence[int],
+    dtype: str | DType = DType.F32,
+    layout: Sequence[str | Sequence[str] | None] | Layout | None = None,
+    init: str = "zeros",
+) -> Tensor:
+    """A state parameter of the traced step (``zeros`` or ``ones`` at the first step), kept
+    between steps: its value at this step; :func:`assign` gives its value at the next (a
+    key/value cache of a decode step). Only :func:`~dtm_mpi.frontend.trace.forward_step`
+    takes state."""
+    from dtm_mpi.frontend.tensor import as_layout, parse_dtype
+    from dtm_mpi.ir.nodes import Init, InitKind
+
+    if init not in ("zeros", "ones"):
+        raise trace_error(f"state {name!r}: init is 'zeros' or 'ones'; got {init!r}")
+    tr = current_tracer()
+    t = TensorType(parse_dtype(dtype), tuple(int(s) for s in shape), as_layout(layout, len(shape)))
+    return Tensor(tr.b.add_param(name, t, state=True, init=Init(InitKind(init))), tr)
+
+
+def assign(target: Tensor, value: Tensor) -> None:
+    """``target`` (a :func:`state`) holds ``value`` from the next step on (taken to its
+    layout; the same dtype and shape)."""
+    tr = current_tracer()
+    name = target.value.name
+    param = next((p for p in tr.b.params if p.name == name and p.state), None)
+    if param is None:
+        raise trace_error(f"assign: {name} is not a state of this step (make it with state())")
+    if any(n == name for n, _ in tr.updates):
+        raise trace_error(f"assign: {name} is assigned twice in one step")
+    if value.dtype is not target.dtype or value.shape != target.shape:
+        raise trace_error(f"assign: {name} is {target.type}; the new value is {value.type}")
+    tr.updates.append((name, value))
+
+
 def arange(n: int, dtype: str | DType = DType.F32) -> Tensor:
     """``0, 1, .., n - 1`` (the ``iota`` op), replicated."""
     from dtm_mpi.frontend.tensor import parse_dtype

@@ -30,7 +30,17 @@ from typing import Any
 import numpy as np
 
 from dtm_mpi.errors import UsageError
-from dtm_mpi.frontend.functional import causal_mask, gelu, rms_norm, rotary, rotary_tables
+from dtm_mpi.frontend.functional import (
+    arange,
+    assign,
+    causal_mask,
+    gelu,
+    rms_norm,
+    rotary,
+    rotary_tables,
+    state,
+    where,
+)
 from dtm_mpi.frontend.layers import Embedding, LayerNorm, Linear, Module, Parameter
 from dtm_mpi.frontend.tensor import Tensor, current_tracer, trace_error
 from dtm_mpi.ir.types import DType
@@ -207,6 +217,55 @@ class GroupedQueryAttention(Module):
             k, v = k.redistribute(q.layout), v.redistribute(q.layout)
         o = _attend(q, k, v, e**-0.5, upcast=True)
         out: Tensor = self.o_proj(o.transpose(0, 2, 1, 3).reshape(b, t, h * e))
+        return out
+
+    def decode(
+        self, x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, length: int, cache: str
+    ) -> Tensor:
+        """One token per sequence: ``x`` ``[B, 1, dim]`` at position ``pos`` (``i32[1]``),
+        its keys and values written into the key/value cache (the states ``{cache}.k`` and
+        ``{cache}.v``, ``[B, kv_heads, length, head_dim]``) at ``pos``, attending to the cache's
+        positions ``0 .. pos``."""
+        self._check_mesh()
+        b = x.shape[0]
+        h, kvh, e = self.heads, self.kv_heads, self.head_dim
+
+        def heads_of(proj: TorchLinear, n: int) -> Tensor:  # [B, 1, n*E] -> [B, n, 1, E]
+            y: Tensor = proj(x)
+            return y.reshape(b, 1, n, e).transpose(0, 2, 1, 3)
+
+        q = rotary(heads_of(self.q_proj, h), cos, sin)
+        k1 = rotary(heads_of(self.k_proj, kvh), cos, sin)
+        v1 = heads_of(self.v_proj, kvh)
+        full = (b, kvh, length, e)
+        layout = [k1.layout.dims[0], k1.layout.dims[1], (), ()]
+        slots = arange(length, DType.I32).reshape(1, 1, length, 1).broadcast_to(full)
+        at = pos.reshape(1, 1, 1, 1).broadcast_to(full)
+        before, upto = (slots < at).redistribute(layout), (slots <= at).redistribute(layout)
+        news = []
+        for which, new in (("k", k1), ("v", v1)):
+            old = state(f"{cache}.{which}", full, new.dtype, layout)
+            wide = new.broadcast_to(full).redistribute(layout)
+            filled = where(before, old, where(upto, wide, old))
+            assign(old, filled)
+            news.append(filled)
+        k, v = news
+        if h != kvh:
+            rep = h // kvh
+            k, v = (
+                y.reshape(b, kvh, 1, length, e)
+                .broadcast_to((b, kvh, rep, length, e))
+                .reshape(b, h, length, e)
+                for y in (k, v)
+            )
+        if k.layout != q.layout:
+            k, v = k.redistribute(q.layout), v.redistribute(q.layout)
+        scores = (q @ k.T) * e**-0.5  # [B, H, 1, length]
+        keys = arange(length, DType.I32).reshape(1, 1, 1, length).broadcast_to(scores.shape)
+        seen = keys <= pos.reshape(1, 1, 1, 1).broadcast_to(scores.shape)
+        probs = _softmax_f32(where(seen.redistribute(scores.layout), scores, -1e9))
+        o = probs @ v
+        out: Tensor = self.o_proj(o.transpose(0, 2, 1, 3).reshape(b, 1, h * e))
         return out
 
 
@@ -398,6 +457,13 @@ class LlamaDecoderLayer(Module):
         out: Tensor = x + self.mlp(self.post_attention_layernorm(x))
         return out
 
+    def decode(
+        self, x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, length: int, cache: str
+    ) -> Tensor:
+        x = x + self.self_attn.decode(self.input_layernorm(x), cos, sin, pos, length, cache)
+        out: Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return out
+
 
 class LlamaModel(Module):
     """``embed_tokens``, the decoder ``layers`` and the final ``norm`` (HF's ``LlamaModel``)."""
@@ -416,6 +482,16 @@ class LlamaModel(Module):
         cos, sin = rotary_tables(ids.shape[-1], self._inv_freq, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin)
+        out: Tensor = self.norm(x)
+        return out
+
+    def decode(self, ids: Tensor, pos: Tensor, length: int) -> Tensor:
+        """The hidden state ``[B, 1, hidden]`` of one token per sequence at position ``pos``,
+        through each layer's key/value cache (``cache.layers.{i}``)."""
+        x = self.embed_tokens(ids)
+        cos, sin = rotary_tables(pos, self._inv_freq, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer.decode(x, cos, sin, pos, length, f"cache.layers.{i}")
         out: Tensor = self.norm(x)
         return out
 
@@ -463,6 +539,21 @@ class Llama(Module):
 
     def forward(self, ids: Tensor) -> Tensor:
         x = self.model(ids)
+        if self.lm_head is not None:
+            out: Tensor = self.lm_head(x)
+            return out
+        return _tied_head(x, self.model.embed_tokens)
+
+    def decode(self, ids: Tensor, pos: Tensor, length: int) -> Tensor:
+        """The logits ``[B, 1, vocab]`` of the next token after ``ids`` ``[B, 1]`` at position
+        ``pos`` (``i32[1]``), with a key/value cache of ``length`` positions per layer (the
+        step's state: traced with :func:`~dtm_mpi.frontend.trace.forward_step`, each step
+        one position, the cache kept between steps)."""
+        if ids.ndim != 2 or ids.shape[1] != 1:
+            raise trace_error(
+                f"decode takes one token per sequence, ids [B, 1]; got {list(ids.shape)}"
+            )
+        x = self.model.decode(ids, pos, length)
         if self.lm_head is not None:
             out: Tensor = self.lm_head(x)
             return out

@@ -115,6 +115,7 @@ class Tracer:
         self.paths: dict[int, str] = {}  # id(layer) -> its path in the traced model
         self.entered: list[tuple[int, str]] = []  # (ops emitted so far, path) per layer call
         self.gathered: set[str] = set()  # sharded parameters' gathers (values), re-gathered
+        self.updates: list[tuple[str, Tensor]] = []  # (state parameter, its new value): assign()
 
     def enter(self, layer: object) -> None:
         """A layer of the traced model is called: remember where its ops start."""

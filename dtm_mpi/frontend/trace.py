@@ -333,8 +333,16 @@ def forward_step(
         results: list[Value | tuple[Value, str | None]] = [
             t.redistribute([None] * t.ndim).value for _, t in named
         ]
+        for state_name, new in tr.updates:  # assign(): the state's value at the next step
+            want = tr.b.types[state_name]
+            moved = new if new.type == want else new.redistribute(want.layout)
+            results.append((moved.value, state_name))
+    missing = [p.name for p in tr.b.params if p.state and p.name not in dict(tr.updates)]
+    if missing:
+        raise UsageError(f"state {missing[0]} is never assigned (assign(state, new_value))")
     module = _finish(tr, "forward_step", mesh, results)
     names = tuple(k for k, _ in named)
+    states = tuple(n.lstrip("%") for n, _ in tr.updates)
     return TracedStep(
-        module, tuple(inputs), tuple(p for p, _ in weights), (), names, mesh, tensors=names
+        module, tuple(inputs), tuple(p for p, _ in weights), states, names, mesh, tensors=names
     )
