@@ -4,17 +4,18 @@
 through :func:`~dtm_mpi.frontend.fit.fit`: first the prompt's tokens, then each chosen token.
 The logits of every step come back whole on every rank, where the next token is chosen (the
 largest logit, or sampled with a temperature and top-k from a seeded generator: every rank
-draws the same). For now it runs on one rank: on several, the decode step's tokens drift from
-the one-rank ones (refused with an error until that is found)."""
+draws the same), so it runs on simulated ranks and under mpirun on any mesh alike."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from dtm_mpi.config import get_config
 from dtm_mpi.errors import UsageError
 
 __all__ = ["Sampling", "generate"]
@@ -92,11 +93,6 @@ def generate(
         raise UsageError(f"the prompt has ids outside the vocabulary 0 .. {vocab - 1}")
     how = sampling or Sampling()
     sizes = dict(sizes or {"dp": 1, "tp": 1})
-    if any(n > 1 for n in sizes.values()) or (sim or 1) > 1:
-        raise UsageError(
-            "generation runs on one rank for now (its decode step on several ranks does not yet "
-            f"give the one-rank tokens); got the mesh {sizes}"
-        )
     batch = "dp" if sizes.get("dp", 1) > 1 else None
     step = forward_step(
         model,
@@ -110,8 +106,20 @@ def generate(
     done = np.zeros(b, bool)
     rng = np.random.default_rng(how.seed)
 
+    # Simulated ranks are threads of this process and only rank 0 sees the logits: a rank
+    # asks for position s's token only once it is chosen (under MPI each rank chooses its own
+    # before its next step, so it never waits).
+    ready = threading.Condition()
+    decided = [p - 1]  # the last position whose token is known
+    wait_s = get_config().timeout_s
+
     def feed(s: int, regions: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        return {"ids": tokens[:, s : s + 1][regions["ids"]], "pos": np.array([s], np.int32)}
+        with ready:
+            if not ready.wait_for(lambda: decided[0] >= s, timeout=wait_s):
+                raise UsageError(
+                    f"generation: the token of position {s} was not chosen within {wait_s:g} s"
+                )
+            return {"ids": tokens[:, s : s + 1][regions["ids"]], "pos": np.array([s], np.int32)}
 
     def chosen(s: int, named: dict[str, np.ndarray]) -> None:
         if s + 1 < p:  # still reading the prompt
@@ -120,7 +128,10 @@ def generate(
         if eos is not None:
             nxt = np.where(done, eos, nxt)
             done[:] |= nxt == eos
-        tokens[:, s + 1] = nxt
+        with ready:
+            tokens[:, s + 1] = nxt
+            decided[0] = s + 1
+            ready.notify_all()
 
     fit(
         step,

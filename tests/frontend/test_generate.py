@@ -1,7 +1,8 @@
 """Generation with a key/value cache (``Llama.decode`` traced once, its caches the step's
 state): greedy tokens equal transformers' ``generate(do_sample=False)`` for 32 new tokens;
 sampling is seeded (the same seed, the same tokens); a prompt past the context, ids outside
-the vocabulary and more than one rank are errors."""
+the vocabulary are errors. On 1 rank, tp=2 and dp=2 x tp=2 (simulated ranks: threads, each
+waiting for the token rank 0 chooses)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,12 @@ HAS_HF = (
 
 
 @pytest.mark.skipif(not HAS_HF, reason="needs torch and transformers (make setup installs both)")
-def test_greedy_tokens_equal_transformers(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "sizes",
+    [{"dp": 1, "tp": 1}, {"dp": 1, "tp": 2}, {"dp": 2, "tp": 2}],
+    ids=["1rank", "tp2", "dp2xtp2"],
+)
+def test_greedy_tokens_equal_transformers(tmp_path: Path, sizes: dict[str, int]) -> None:
     import torch
     import transformers
 
@@ -52,8 +58,8 @@ def test_greedy_tokens_equal_transformers(tmp_path: Path) -> None:
         pad_token_id=0,
         eos_token_id=None,
     )[:, 5:].numpy()
-    hf = dtm.hf.load(tmp_path)
-    got = generate(hf.model, hf.weights, prompt, 32, sim=1)
+    hf = dtm.hf.load(tmp_path, mesh=sizes)
+    got = generate(hf.model, hf.weights, prompt, 32, sizes=sizes, sim=sizes["dp"] * sizes["tp"])
     np.testing.assert_array_equal(got, want)
 
 
@@ -69,8 +75,6 @@ def test_sampling_is_seeded_and_bad_requests_are_named(tmp_path: Path) -> None:
         generate(hf.model, hf.weights, prompt, 32, sim=1)
     with pytest.raises(UsageError, match="outside the vocabulary"):
         generate(hf.model, hf.weights, np.array([[40]]), 2, sim=1)
-    with pytest.raises(UsageError, match="one rank for now"):
-        generate(hf.model, hf.weights, prompt, 2, sim=2, sizes={"dp": 1, "tp": 2})
 
 
 def test_state_carries_between_steps_and_must_be_assigned() -> None:
