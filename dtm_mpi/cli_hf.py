@@ -8,6 +8,7 @@ import argparse
 from pathlib import Path
 
 from dtm_mpi.cli_exec import byte_count
+from dtm_mpi.cli_store import _strict_arg
 from dtm_mpi.errors import UsageError, agreed
 
 __all__ = ["add_hf_commands"]
@@ -47,11 +48,7 @@ def add_hf_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
         metavar="BYTES",
         help="shard the weights above this size, with model.safetensors.index.json (default 5G)",
     )
-    exp.add_argument(
-        "--strict",
-        action="store_true",
-        help="fail on a damaged chunk instead of serving it from a replica in another checkpoint",
-    )
+    _strict_arg(exp)
     exp.set_defaults(func=_cmd_export)
     chk = hsub.add_parser(
         "check",

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from dtm_mpi.errors import UsageError
+from dtm_mpi.io.interop import SAFETENSORS_DTYPES
 from dtm_mpi.ir.types import DType
 
 __all__ = [
@@ -52,18 +53,7 @@ SINGLE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 _MAX_HEADER = 100 * 1024 * 1024
 
-# safetensors dtype -> (dtm dtype, numpy dtype of the stored bytes)
-_DTYPES: dict[str, tuple[DType, str]] = {
-    "F16": (DType.F16, "<f2"),
-    "BF16": (DType.BF16, "<u2"),
-    "F32": (DType.F32, "<f4"),
-    "F64": (DType.F64, "<f8"),
-    "I8": (DType.I8, "i1"),
-    "I32": (DType.I32, "<i4"),
-    "I64": (DType.I64, "<i8"),
-    "U8": (DType.U8, "u1"),
-    "BOOL": (DType.BOOL, "?"),
-}
+_DTYPES = SAFETENSORS_DTYPES  # safetensors dtype -> (dtm dtype, numpy dtype of the bytes)
 _ST_NAME = {d: name for name, (d, _) in _DTYPES.items()}
 
 

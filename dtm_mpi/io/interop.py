@@ -27,7 +27,7 @@ import numpy as np
 from dtm_mpi.errors import UsageError
 from dtm_mpi.ir.types import DType
 
-__all__ = ["FORMATS", "export_tensors", "import_tensors", "read_name_map"]
+__all__ = ["FORMATS", "SAFETENSORS_DTYPES", "export_tensors", "import_tensors", "read_name_map"]
 
 FORMATS = ("safetensors", "npz")
 
@@ -43,7 +43,8 @@ _TO_ST: dict[DType, tuple[str, str]] = {
     DType.U8: ("U8", "uint8"),
     DType.BOOL: ("BOOL", "bool"),
 }
-_FROM_ST: dict[str, tuple[DType, str]] = {
+SAFETENSORS_DTYPES: dict[str, tuple[DType, str]] = {
+    # safetensors dtype -> (dtm dtype, numpy dtype of the stored bytes)
     "F16": (DType.F16, "<f2"),
     "BF16": (DType.BF16, "<u2"),  # the bits; put as bf16
     "F32": (DType.F32, "<f4"),
@@ -211,11 +212,11 @@ def read_file_tensors(path: Path, fmt: str) -> dict[str, tuple[DType, np.ndarray
         raise UsageError(f"{path}: not a readable safetensors file: {exc}") from None
     out: dict[str, tuple[DType, np.ndarray]] = {}
     for name, t in items:
-        kind = _FROM_ST.get(str(t["dtype"]))
+        kind = SAFETENSORS_DTYPES.get(str(t["dtype"]))
         if kind is None:
             raise UsageError(
                 f"{path}: tensor {name!r} is {t['dtype']}, which dtm does not store "
-                f"(it stores {', '.join(_FROM_ST)})"
+                f"(it stores {', '.join(SAFETENSORS_DTYPES)})"
             )
         dtype, npd = kind
         value = np.frombuffer(bytes(t["data"]), dtype=np.dtype(npd)).reshape(t["shape"])
