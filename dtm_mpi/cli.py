@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from dtm_mpi._version import __version__
 from dtm_mpi.cli_exec import add_exec_commands, runs_under_mpi
+from dtm_mpi.cli_generate import add_generate_command
 from dtm_mpi.cli_hf import add_hf_commands
 from dtm_mpi.cli_store import add_store_commands
 from dtm_mpi.cli_task import add_task_commands
@@ -313,6 +314,7 @@ COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (  # type: 
     add_store_commands,
     add_task_commands,
     add_hf_commands,
+    add_generate_command,
     add_conformance_command,
 )
 

@@ -457,9 +457,14 @@ def _explain_script(path: str, argv: Sequence[str]) -> int:
 
 
 def runs_under_mpi(argv: Sequence[str]) -> bool:
-    """Whether ``argv`` asks for ``dtm run`` on the ranks of mpirun/srun (not ``--sim``)."""
+    """Whether ``argv`` asks for ``dtm run`` (or ``dtm generate``) on the ranks of
+    mpirun/srun (not ``--sim``)."""
     words = [a for a in argv if not a.startswith("-")]
-    return bool(words) and words[0] == "run" and not any(a.startswith("--sim") for a in argv)
+    return (
+        bool(words)
+        and words[0] in ("run", "generate")
+        and not any(a.startswith("--sim") for a in argv)
+    )
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

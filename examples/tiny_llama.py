@@ -6,6 +6,7 @@ transformers' ``AutoModelForCausalLM.from_pretrained(OUT)`` loads it.
     python examples/tiny_llama.py tiny-llama [--layers 2 --hidden 64 --heads 4 --kv-heads 2]
     dtm hf import tiny-llama store
     dtm hf check tiny-llama --mesh dp=1,tp=2
+    dtm generate tiny-llama --prompt "The text" --max-new 16 --sim 2 --mesh dp=1,tp=2
 """
 
 from __future__ import annotations
@@ -64,6 +65,33 @@ def write_tiny_llama(out: str | Path, config: dict[str, Any], seed: int = 0) -> 
     return d
 
 
+def write_tokenizer(out: str | Path, vocab: int) -> Path | None:
+    """A ``tokenizer.json`` of ``vocab`` ids (BPE over characters with a SentencePiece-style
+    space marker, trained on the text of Python's own ``textwrap`` module; ``<unk>`` 0, ``<s>``
+    1 -- added before each text, as Llama's tokenizer does -- and ``</s>`` 2), or None where
+    the ``tokenizers`` package is missing."""
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    except ImportError:
+        return None
+    import textwrap
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
+    )
+    text = Path(textwrap.__file__).read_text(encoding="utf-8").splitlines()
+    tok.train_from_iterator(text, trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+    )
+    path = Path(out) / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", metavar="OUT")
@@ -78,8 +106,14 @@ def main() -> None:
         layers=a.layers, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads, vocab=a.vocab
     )
     d = write_tiny_llama(a.out, config, a.seed)
+    tok = write_tokenizer(d, a.vocab)
     print(
         f"wrote {d}: a Llama of {a.layers} layers, hidden {a.hidden}, {a.heads} heads ({a.kv_heads} kv)"
+        + (
+            ", with a tokenizer.json"
+            if tok
+            else " (no tokenizer.json: `tokenizers` is not installed)"
+        )
     )
 
 

@@ -16,7 +16,16 @@ from typing import Any
 
 from dtm_mpi.comm.world import world_comm  # the one definition (re-exported here)
 
-__all__ = ["dup", "free", "self_comm", "split", "thread_multiple", "world_comm", "world_size"]
+__all__ = [
+    "dup",
+    "free",
+    "self_comm",
+    "split",
+    "thread_multiple",
+    "world_comm",
+    "world_rank",
+    "world_size",
+]
 
 
 def self_comm() -> Any:
@@ -29,6 +38,11 @@ def self_comm() -> Any:
 def world_size() -> int:
     """How many processes the job has (1 for a program started without a launcher)."""
     return int(world_comm().Get_size())
+
+
+def world_rank() -> int:
+    """This process's rank in the job (0 for a program started without a launcher)."""
+    return int(world_comm().Get_rank())
 
 
 def thread_multiple() -> bool:

@@ -23,6 +23,7 @@ from dtm_mpi.frontend.fit import (
     ResizePolicy,
     fit,
 )
+from dtm_mpi.frontend.generate import Sampling, generate
 from dtm_mpi.frontend.mesh import Mesh
 from dtm_mpi.frontend.stage_split import Pipeline
 from dtm_mpi.frontend.tensor import Tensor
@@ -37,12 +38,14 @@ __all__ = [
     "Mesh",
     "Pipeline",
     "ResizePolicy",
+    "Sampling",
     "Tensor",
     "TracedStep",
     "eval_step",
     "fit",
     "forward_step",
     "functional",
+    "generate",
     "hf",
     "nn",
     "optim",

@@ -255,7 +255,11 @@ def fit(
     )
 
     entry = step.module.entry
-    trains = entry is not None and any(r.updates is not None for r in entry.results)
+    # a training step's state is saved after its last step; a forward step's (a decode
+    # step's caches) only where the policy asks every N steps
+    trains = (
+        entry is not None and not step.tensors and any(r.updates is not None for r in entry.results)
+    )
 
     def request() -> RunRequest:
         return RunRequest(

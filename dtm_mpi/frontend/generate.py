@@ -9,7 +9,8 @@ draws the same), so it runs on simulated ranks and under mpirun on any mesh alik
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +19,7 @@ import numpy as np
 from dtm_mpi.config import get_config
 from dtm_mpi.errors import UsageError
 
-__all__ = ["Sampling", "generate"]
+__all__ = ["Generation", "Sampling", "generate", "generation"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +39,25 @@ class Sampling:
             raise UsageError(f"--top-k must be >= 0; got {self.top_k}")
 
 
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """The ``tokens`` ``[B, max_new]`` of a :func:`generation` and its times in seconds:
+    ``trace_s`` (tracing the decode step), ``first_s`` (from the run's start to the first new
+    token: planning, reading the weights, the prompt's positions) and ``decode_s`` (the
+    other new tokens, one step each)."""
+
+    tokens: np.ndarray
+    trace_s: float
+    first_s: float
+    decode_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        """New tokens a second after the first (all sequences of the batch counted)."""
+        b, n = self.tokens.shape
+        return b * (n - 1) / self.decode_s if n > 1 and self.decode_s > 0 else float("nan")
+
+
 def _choose(logits: np.ndarray, how: Sampling, rng: np.random.Generator) -> np.ndarray:
     if how.greedy:
         out: np.ndarray = logits.argmax(-1)
@@ -53,7 +73,7 @@ def _choose(logits: np.ndarray, how: Sampling, rng: np.random.Generator) -> np.n
 
 def generate(
     model: Any,
-    weights: Mapping[str, Any],
+    weights: Mapping[str, Any] | None,
     prompt: np.ndarray,
     max_new: int,
     *,
@@ -62,17 +82,51 @@ def generate(
     sampling: Sampling | None = None,
     context: int | None = None,
     eos: int | None = None,
+    store: str | None = None,
 ) -> np.ndarray:
     """The ``max_new`` tokens ``[B, max_new]`` after each prompt of ``prompt`` ``[B, P]``
     (int ids), from ``model`` (a :class:`~dtm_mpi.frontend.llm.Llama` laid out for the mesh
-    of the axis sizes ``sizes``) with its ``weights``; ``sim`` simulated ranks, else the MPI
-    job's (every rank calls it and gets the tokens). A prompt longer than ``context`` (the
-    model's positions) less ``max_new`` is an error. With ``eos``, a sequence that chose it
-    repeats it."""
+    of the axis sizes ``sizes``) with its ``weights`` (or, with ``store``, the weights of the
+    store's latest checkpoint, each rank reading its blocks); ``sim`` simulated ranks, else
+    the MPI job's (every rank calls it and gets the tokens). A prompt longer than ``context``
+    (the model's positions) less ``max_new`` is an error. With ``eos``, a sequence that chose
+    it repeats it."""
+    return generation(
+        model,
+        weights,
+        prompt,
+        max_new,
+        sizes=sizes,
+        sim=sim,
+        sampling=sampling,
+        context=context,
+        eos=eos,
+        store=store,
+    ).tokens
+
+
+def generation(
+    model: Any,
+    weights: Mapping[str, Any] | None,
+    prompt: np.ndarray,
+    max_new: int,
+    *,
+    sizes: Mapping[str, int] | None = None,
+    sim: int | None = None,
+    sampling: Sampling | None = None,
+    context: int | None = None,
+    eos: int | None = None,
+    store: str | None = None,
+    on_token: Callable[[int, np.ndarray], None] | None = None,
+) -> Generation:
+    """:func:`generate`, with its times; ``on_token(i, ids)`` is called with each new
+    position's ids ``[B]`` as it is chosen (on rank 0 of simulated ranks, on every rank
+    under MPI)."""
     from dtm_mpi.frontend.fit import fit
     from dtm_mpi.frontend.mesh import Mesh
     from dtm_mpi.frontend.step_trace import Input
     from dtm_mpi.frontend.trace import forward_step
+    from dtm_mpi.runtime.policies import CheckpointPolicy
 
     ids = np.asarray(prompt)
     if ids.ndim != 2 or ids.shape[1] < 1 or not np.issubdtype(ids.dtype, np.integer):
@@ -94,13 +148,19 @@ def generate(
     how = sampling or Sampling()
     sizes = dict(sizes or {"dp": 1, "tp": 1})
     batch = "dp" if sizes.get("dp", 1) > 1 else None
+    if weights is None and store is None:
+        raise UsageError("generate needs the weights or a store whose checkpoint holds them")
+    t0 = time.perf_counter()
     step = forward_step(
         model,
         lambda m, ids, pos: m.decode(ids, pos, length),
         mesh=Mesh("m", **sizes),
         inputs={"ids": Input((b, 1), "i32", (batch, None)), "pos": Input((1,), "i32")},
         name="decode",
+        weights_from_store=weights is None,
     )
+    t1 = time.perf_counter()
+    marks: list[float] = []
     tokens = np.zeros((b, length), np.int32)
     tokens[:, :p] = ids
     done = np.zeros(b, bool)
@@ -132,6 +192,9 @@ def generate(
             tokens[:, s + 1] = nxt
             decided[0] = s + 1
             ready.notify_all()
+        marks.append(time.perf_counter())
+        if on_token is not None:
+            on_token(s + 1 - p, nxt)
 
     fit(
         step,
@@ -140,8 +203,11 @@ def generate(
         sim=sim,
         mesh=sizes,
         values=weights,
+        checkpoint=CheckpointPolicy(store) if weights is None and store is not None else None,
         on_tensors=chosen,
         quiet=True,
     )
     out: np.ndarray = tokens[:, p:]
-    return out
+    first = marks[0] - t1 if marks else float("nan")
+    rest = marks[-1] - marks[0] if len(marks) > 1 else 0.0
+    return Generation(out, t1 - t0, first, rest)
