@@ -263,3 +263,6 @@ def test_the_readme_sequence(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         == 0
     )
     assert "PASS" in capsys.readouterr().out
+    argv = ["generate", str(store), "--prompt", "The text", "--max-new", "16", "--sim", "2"]
+    assert main([*argv, "--mesh", "dp=1,tp=2"]) == 0
+    assert "text: The text" in capsys.readouterr().out
