@@ -15,6 +15,7 @@ import pytest
 from dtm_mpi.cli import main
 from dtm_mpi.cli_generate import prompt_ids
 from dtm_mpi.errors import UsageError
+from tests.frontend.test_generate import hf_llama
 from tests.frontend.test_hf_load import CONFIG, _write
 from tests.mpi_env import dtm_job
 from tests.test_cli_run import dtm as dtm_cli
@@ -34,28 +35,7 @@ PROMPT = "The text is wrapped to the width"
 
 
 def _hf_model(d: Path) -> None:
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        bos_token_id=1,
-        eos_token_id=2,
-        attn_implementation="eager",
-    )
-    model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():  # distinct logits (the default init makes them nearly equal)
-        for p in model.parameters():
-            if p.ndim > 1:
-                p.normal_(0, 0.3)
-    model.save_pretrained(d)
+    hf_llama(d, vocab=128, bos_token_id=1, eos_token_id=2)
     assert write_tokenizer(d, 128) is not None
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,6 +24,33 @@ HAS_HF = (
 )
 
 
+def hf_llama(d: Path, *, vocab: int, **more: Any) -> Any:
+    """A small transformers Llama with distinct logits (weights normal(0, 0.3): the default
+    init makes them nearly equal), saved to ``d``; returns the torch model."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation="eager",
+        **more,
+    )
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim > 1:
+                p.normal_(0, 0.3)
+    model.save_pretrained(d)
+    return model
+
+
 @pytest.mark.skipif(not HAS_HF, reason="needs torch and transformers (make setup installs both)")
 @pytest.mark.parametrize(
     "sizes",
@@ -31,25 +59,8 @@ HAS_HF = (
 )
 def test_greedy_tokens_equal_transformers(tmp_path: Path, sizes: dict[str, int]) -> None:
     import torch
-    import transformers
 
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attn_implementation="eager",
-    )
-    model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():  # distinct logits (the default init makes them nearly equal)
-        for p in model.parameters():
-            if p.ndim > 1:
-                p.normal_(0, 0.3)
-    model.save_pretrained(tmp_path)
+    model = hf_llama(tmp_path, vocab=64)
     prompt = np.random.default_rng(0).integers(0, 64, (2, 5)).astype(np.int32)
     want = model.generate(
         torch.from_numpy(prompt.astype(np.int64)),
