@@ -40,6 +40,7 @@ __all__ = [
     "Imported",
     "export_checkpoint",
     "import_checkpoint",
+    "save_hf_files",
     "store_config",
 ]
 
@@ -111,20 +112,28 @@ def import_checkpoint(hf_dir: str | Path, store: Path, comm: Any) -> Imported:
         values[name] = bf16_bits(value) if t.dtm_dtype is DType.BF16 else value
     store.mkdir(parents=True, exist_ok=True)
     put = put_tensors(store, comm, values, where=dict.fromkeys(values, str(src)))
-    side = _copy_side_files(src, store / HF_SUBDIR, config)
+    side = save_hf_files(store, config, src)
     return Imported(
         arch, len(values), sum(v.nbytes for v in values.values()), put.step, put.path, side
     )
 
 
-def _copy_side_files(src: Path, dst: Path, config: Mapping[str, Any]) -> tuple[str, ...]:
+def save_hf_files(
+    store: str | Path, config: Mapping[str, Any], src: str | Path | None = None
+) -> tuple[str, ...]:
+    """Keep ``config`` (a Hugging Face ``config.json``'s fields) and the tokenizer and
+    generation files of the directory ``src`` in ``store/hf/``, as an import does, so that a
+    model trained from scratch into ``store`` exports (:func:`export_checkpoint`) and
+    generates from it; the names of the files copied. One process calls it."""
+    dst = Path(store) / HF_SUBDIR
     dst.mkdir(parents=True, exist_ok=True)
     _write_json(dst / "config.json", config)
-    copied = []
-    for name in SIDE_FILES:
-        if (src / name).is_file():
+    copied: list[str] = []
+    for name in SIDE_FILES if src is not None else ():
+        path = Path(str(src), name)
+        if path.is_file():
             tmp = dst / (name + ".tmp")
-            shutil.copyfile(src / name, tmp)
+            shutil.copyfile(path, tmp)
             tmp.replace(dst / name)
             copied.append(name)
     return tuple(copied)
