@@ -239,6 +239,19 @@ def _add_bench_suites(bsub: argparse._SubParsersAction) -> None:  # type: ignore
     bops.add_argument("--sizes", default="8,1024,65536", help="comma-separated element counts")
     bops.add_argument("--repeat", type=int, default=30, help="runs of each; the best is reported")
     bops.set_defaults(func=_cmd_bench_ops)
+    bgen = bsub.add_parser(
+        "generate", help="greedy decoding: dtm at 1 and 2 ranks vs transformers' generate (CPU)"
+    )
+    bgen.add_argument("--layers", type=int, default=4, help="decoder layers of the random Llama")
+    bgen.add_argument("--hidden", type=int, default=256, help="hidden size (heads: hidden / 64)")
+    bgen.add_argument("--vocab", type=int, default=2048, help="vocabulary size")
+    bgen.add_argument("--prompt", type=int, default=16, help="prompt tokens")
+    bgen.add_argument("--new", type=int, default=64, help="new tokens per run")
+    bgen.add_argument("--repeat", type=int, default=3, help="runs of each side; best reported")
+    bgen.add_argument("--ranks", default="1,2", help="dtm rank counts (tp) and torch threads")
+    bgen.add_argument("--no-torch", action="store_true", help="without transformers beside")
+    bgen.add_argument("--mpirun", default="mpirun", help="the launcher command (split on spaces)")
+    bgen.set_defaults(func=_cmd_bench_generate)
     bk = bsub.add_parser("kernels", help="GPU RawKernels vs a device copy and vs composed CuPy")
     bk.add_argument("--backend", default="cuda", choices=["cuda", "hip"], help="GPU backend")
     bk.add_argument("--rows", type=int, default=16384, help="rows of each [rows, cols] case")
@@ -545,6 +558,25 @@ def _cmd_bench_pipeline(args: argparse.Namespace) -> int:
     )
     if table:
         print(table)
+    return 0
+
+
+def _cmd_bench_generate(args: argparse.Namespace) -> int:
+    from dtm_mpi.bench.generate import run_generate_bench
+
+    print(
+        run_generate_bench(
+            layers=args.layers,
+            hidden=args.hidden,
+            vocab=args.vocab,
+            prompt=args.prompt,
+            new=args.new,
+            repeat=args.repeat,
+            ranks=tuple(int(x) for x in args.ranks.split(",") if x.strip()),
+            with_torch=not args.no_torch,
+            mpirun=args.mpirun,
+        )
+    )
     return 0
 
 

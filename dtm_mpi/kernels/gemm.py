@@ -5,8 +5,8 @@ others install from PyPI: MKL (the ``mkl`` wheel's ``libmkl_rt``, called through
 with the sequential threading layer) and BLIS (the ``blis`` package's ``gemm``). Which is
 fastest depends on the machine and the shape: measured at one thread, MKL won on one AVX-512
 machine and lost on another, and every library is slow on small shapes in its own way. So the
-choice is measured, per *shape class* (dtype x size: ``small`` below 2^22 flops, ``medium``
-below 2^28, ``large`` above), on representative shapes, once per machine (cached by CPU model,
+choice is measured, per *shape class* (dtype x size: ``vector`` for one row or one column,
+``small`` below 2^22 flops, ``medium`` below 2^28, ``large`` above), on representative shapes, once per machine (cached by CPU model,
 flags and library versions under ``$XDG_CACHE_HOME/dtm_mpi``, else ``~/.cache/dtm_mpi``), and
 another provider replaces numpy for a class only when it is at least :data:`MARGIN` faster:
 never slower than numpy's default beyond the measurement's noise.
@@ -72,11 +72,15 @@ Gemm = Callable[[Arr, Arr], Arr]
 MARGIN = 1.05
 """How much faster than numpy another provider must measure to be chosen for a class."""
 CLASSES: tuple[tuple[str, float, tuple[int, int, int]], ...] = (
+    ("vector", 0.0, (1, 1024, 1024)),
     ("small", 2.0**22, (64, 256, 64)),
     ("medium", 2.0**28, (256, 512, 512)),
     ("large", float("inf"), (512, 1024, 1024)),
 )
-"""Shape classes by flops (``2 m k n``): name, upper bound, the (m, k, n) measured for it."""
+"""Shape classes: name, upper bound of the flops (``2 m k n``), the (m, k, n) measured for it;
+``vector`` (bound 0) is every product with one row or one column, whatever its flops: a
+matrix-vector product (a decode step's), where numpy's BLAS calls its gemv and the gemm
+providers measured 5-12x slower on one AVX2 machine."""
 DTYPES = ("float32", "float64")
 
 
@@ -88,8 +92,10 @@ class Provider(enum.Enum):
 
 def shape_class(m: int, k: int, n: int) -> str:
     """The class of an ``m x k`` by ``k x n`` product."""
+    if min(m, n) == 1:
+        return "vector"
     flops = 2.0 * m * k * n
-    return next(name for name, bound, _ in CLASSES if flops < bound)
+    return next(name for name, bound, _ in CLASSES if bound > 0 and flops < bound)
 
 
 # --- the providers -----------------------------------------------------------------------------
@@ -182,9 +188,16 @@ def _blis_gemm() -> Gemm | str:
         return f"the blis package does not import ({type(exc).__name__}: {exc}; pip install blis)"
 
     def gemm(a: Arr, b: Arr) -> Arr:
-        # row-major operands, no transposes: blis 1.3's float64 gemm gives the wrong shape
-        # and values for transposed operands (float32's are right); a copy is cheap beside it
-        out: Arr = blis_gemm(np.ascontiguousarray(a), np.ascontiguousarray(b))
+        if a.dtype != np.float32:
+            # blis 1.3's float64 gemm gives the wrong shape and values for transposed
+            # operands (float32's are right): row-major copies
+            whole: Arr = blis_gemm(np.ascontiguousarray(a), np.ascontiguousarray(b))
+            return whole
+        # a transposed view (a weight stored [out, in], as Hugging Face keeps it) is read in
+        # place: copying it costs more than a one-row product (a decode step's) itself
+        sa, ta = _operand(a)
+        sb, tb = _operand(b)
+        out: Arr = blis_gemm(sa, sb, trans1=ta, trans2=tb)
         return out
 
     return gemm
@@ -235,7 +248,7 @@ class GemmChoice:
         return Provider.NUMPY
 
     def text(self) -> str:
-        """One line: ``float32:small=numpy,medium=mkl,...;float64:...`` (every class)."""
+        """One line: ``float32:vector=numpy,small=numpy,medium=mkl,...;float64:...`` (every class)."""
         return ";".join(
             f"{d}:" + ",".join(f"{c}={self.provider(d, c).value}" for c, _, _ in CLASSES)
             for d in DTYPES
@@ -328,7 +341,7 @@ def _machine_key() -> str:
                     flags = line.split(":", 1)[1].strip()
     except OSError:
         model = sys.platform
-    parts = [model, flags, np.__version__]
+    parts = [model, flags, np.__version__, ",".join(c for c, _, _ in CLASSES)]
     for dist in ("mkl", "blis"):
         try:
             from importlib.metadata import version

@@ -75,7 +75,25 @@ def test_shape_classes_follow_the_flops() -> None:
     assert shape_class(64, 256, 64) == "small"
     assert shape_class(256, 512, 512) == "medium"
     assert shape_class(512, 1024, 4096) == "large"
-    assert shape_class(1, 1, 1) == "small"
+    assert shape_class(2, 1, 2) == "small"
+    # one row or one column is a matrix-vector product, whatever its flops
+    assert shape_class(1, 1, 1) == shape_class(1, 4096, 4096) == "vector"
+    assert shape_class(4096, 4096, 1) == "vector"
+
+
+def test_a_transposed_float32_operand_gives_blis_the_bits_of_its_copy() -> None:
+    g = provider_gemm(Provider.BLIS)
+    if isinstance(g, str):
+        pytest.skip(g)
+    rng = np.random.default_rng(0)
+    for m, k, n in [(1, 256, 96), (16, 64, 32), (5, 7, 3)]:
+        a = rng.standard_normal((m, k)).astype(np.float32)
+        w = rng.standard_normal((n, k)).astype(np.float32)  # stored [out, in]
+        got = g(a, w.T)
+        assert got.shape == (m, n)
+        assert got.tobytes() == g(a, np.ascontiguousarray(w.T)).tobytes()
+        assert got.tobytes() == g(np.asfortranarray(a), w.T).tobytes()
+        np.testing.assert_allclose(got, a @ w.T, rtol=1e-4, atol=1e-4)
 
 
 def test_the_choice_keeps_numpy_unless_another_is_clearly_faster() -> None:
@@ -99,7 +117,10 @@ def test_the_choice_keeps_numpy_unless_another_is_clearly_faster() -> None:
 
 
 def test_a_choice_text_round_trips_and_bad_text_is_named() -> None:
-    text = "float32:small=numpy,medium=numpy,large=mkl;float64:small=blis,medium=numpy,large=numpy"
+    text = (
+        "float32:vector=numpy,small=numpy,medium=numpy,large=mkl;"
+        "float64:vector=numpy,small=blis,medium=numpy,large=numpy"
+    )
     c = parse_gemm_choice(text)
     assert c.text() == text and c.provider("float64", "small") is Provider.BLIS
     with pytest.raises(ConfigError, match="unknown provider 'atlas'"):
