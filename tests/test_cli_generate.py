@@ -114,6 +114,14 @@ def test_bad_sources_and_prompts_are_named(
         code, _, err = dtm_cli(capsys, *argv, "--sim", "1")
         assert code == 2, (argv, err)
         assert message in one_line_error(err), argv
+    heads = CONFIG["num_attention_heads"]
+    code, _, err = dtm_cli(
+        capsys, "generate", str(d), "--ids", "1", "--sim", "3", "--mesh", "dp=1,tp=3"
+    )
+    assert code == 2 and heads % 3, err
+    line = one_line_error(err)  # the config's file, not a line of dtm's own code
+    assert line.startswith(f"dtm: error: {d / 'config.json'}: num_attention_heads {heads} "), line
+    assert "does not split over tp=3" in line
     (d / "tokenizer.json").write_text("{not json")
     code, _, err = dtm_cli(capsys, "generate", str(d), "--prompt", "hi", "--sim", "1")
     assert code == 2

@@ -535,6 +535,11 @@ class Llama(Module):
         where its size divides them, else replicated (the module doc)."""
         c = config if isinstance(config, LlamaConfig) else LlamaConfig.from_dict(config)
         n = sizes.get(axis, 1) if axis is not None else 1
+        if c.num_attention_heads % n:
+            raise UsageError(
+                f"num_attention_heads {c.num_attention_heads} does not split over {axis}={n}: "
+                "the axis size must divide the query heads"
+            )
         return cls(c, axis=axis, kv_split=c.num_key_value_heads % n == 0, dtype=dtype)
 
     def forward(self, ids: Tensor) -> Tensor:
