@@ -45,20 +45,26 @@ CHARS = "\n" + "".join(chr(c) for c in range(32, 127))  # printable ASCII; anyth
 BATCH, CONTEXT, DIM, HEADS, LAYERS = 24, 64, 96, 6, 2
 
 
-def corpus() -> tuple[np.ndarray, np.ndarray]:
-    """The standard library sources above as character ids, split 90/10 (train/validation)."""
+def source_files() -> list[str]:
+    """The paths of the standard library sources above, in order."""
     root = sysconfig.get_paths()["stdlib"]
-    texts = []
+    files: list[str] = []
     for name in SOURCES:
         path = os.path.join(root, name)
-        files = (
+        files += (
             [path]
             if path.endswith(".py")
             else sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".py"))
         )
-        for f in files:
-            with open(f, encoding="utf-8", errors="replace") as fh:
-                texts.append(fh.read())
+    return files
+
+
+def corpus() -> tuple[np.ndarray, np.ndarray]:
+    """The standard library sources above as character ids, split 90/10 (train/validation)."""
+    texts = []
+    for f in source_files():
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            texts.append(fh.read())
     index = {c: i for i, c in enumerate(CHARS)}
     unknown = index["?"]
     ids = np.array([index.get(c, unknown) for c in "\n".join(texts)], dtype=np.int32)

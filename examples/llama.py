@@ -20,7 +20,6 @@ import argparse
 import math
 import os
 import sys
-import sysconfig
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ from dtm_mpi.runtime.policies import checkpoint_policy
 from dtm_mpi.sharding.mesh import parse_mesh_binding
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt import SOURCES  # the same text as the GPT example
+from gpt import source_files  # the same text as the GPT example
 
 BATCH, CONTEXT = 16, 64
 PROMPT = "def "
@@ -63,16 +62,7 @@ def config(layers: int) -> dict[str, Any]:
 
 def corpus() -> tuple[np.ndarray, np.ndarray]:
     """The standard library sources as UTF-8 bytes (token ids 0..255), split 90/10."""
-    root = sysconfig.get_paths()["stdlib"]
-    chunks = []
-    for name in SOURCES:
-        path = os.path.join(root, name)
-        files = (
-            [path]
-            if path.endswith(".py")
-            else sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".py"))
-        )
-        chunks += [Path(f).read_bytes() for f in files]
+    chunks = [Path(f).read_bytes() for f in source_files()]
     ids = np.frombuffer(b"\n".join(chunks), dtype=np.uint8).astype(np.int32)
     cut = int(len(ids) * 0.9)
     return ids[:cut], ids[cut:]

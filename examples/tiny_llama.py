@@ -12,15 +12,10 @@ transformers' ``AutoModelForCausalLM.from_pretrained(OUT)`` loads it.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from dtm_mpi import frontend as dtm
-from dtm_mpi.io.hf_files import write_weights
-from dtm_mpi.ir.types import DType
+from dtm_mpi.frontend.hf_store import write_random_model
 
 
 def tiny_config(
@@ -47,22 +42,7 @@ def tiny_config(
 
 
 def write_tiny_llama(out: str | Path, config: dict[str, Any], seed: int = 0) -> Path:
-    d = Path(out)
-    d.mkdir(parents=True, exist_ok=True)
-    _, model = dtm.hf.model_for(config)
-    rng = np.random.default_rng(seed)
-    tensors = []
-    for name, _, _, p in model.named_parameters():
-        shape = tuple(p.shape)
-        value = (
-            np.ones(shape, np.float32)
-            if len(shape) == 1
-            else (0.02 * rng.standard_normal(shape)).astype(np.float32)
-        )
-        tensors.append((name, DType.F32, value))
-    write_weights(d, "llama", tensors)
-    (d / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return d
+    return write_random_model(out, config, seed)
 
 
 def write_tokenizer(out: str | Path, vocab: int) -> Path | None:

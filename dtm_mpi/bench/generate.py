@@ -15,7 +15,6 @@ sides must agree: the table says whether they do.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -27,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from dtm_mpi.frontend.hf_store import write_random_model
 
 __all__ = ["run_generate_bench"]
 
@@ -59,26 +60,6 @@ def _config(layers: int, hidden: int, vocab: int, context: int) -> dict[str, Any
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
     }
-
-
-def _write_model(d: Path, config: dict[str, Any]) -> None:
-    from dtm_mpi.frontend.hf import model_for
-    from dtm_mpi.io.hf_files import write_weights
-    from dtm_mpi.ir.types import DType
-
-    _, model = model_for(config)
-    rng = np.random.default_rng(0)
-    tensors = []
-    for name, _, _, p in model.named_parameters():
-        shape = tuple(p.shape)
-        value = (
-            np.ones(shape, np.float32)
-            if len(shape) == 1
-            else (0.02 * rng.standard_normal(shape)).astype(np.float32)
-        )
-        tensors.append((name, DType.F32, value))
-    write_weights(d, "llama", tensors)
-    (d / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _dtm_run(d: Path, ids: np.ndarray, n: int, ranks: int, mpirun: list[str]) -> _Run:
@@ -159,7 +140,7 @@ def run_generate_bench(
     notes: list[str] = []
     with tempfile.TemporaryDirectory(prefix="dtm-bench-generate-") as tmp:
         d = Path(tmp)
-        _write_model(d, config)
+        write_random_model(d, config)
         for n in ranks:
             best = [_dtm_run(d, ids, new, n, mpirun.split()) for _ in range(repeat)]
             runs.append(max(best, key=lambda b: b.tokens_per_s))

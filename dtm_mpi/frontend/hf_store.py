@@ -41,6 +41,7 @@ __all__ = [
     "export_checkpoint",
     "import_checkpoint",
     "save_hf_files",
+    "write_random_model",
     "store_config",
 ]
 
@@ -137,6 +138,28 @@ def save_hf_files(
             tmp.replace(dst / name)
             copied.append(name)
     return tuple(copied)
+
+
+def write_random_model(out: str | Path, config: Mapping[str, Any], seed: int = 0) -> Path:
+    """A Hugging Face model directory ``out`` (``config.json`` and ``model.safetensors``) of
+    the model ``config`` describes, with random weights drawn as transformers initialises
+    them (normal(0, 0.02); vectors, the norms' weights, at one), in float32."""
+    d = Path(out)
+    d.mkdir(parents=True, exist_ok=True)
+    arch, model = model_for(config)
+    rng = np.random.default_rng(seed)
+    tensors = []
+    for name, _, _, p in model.named_parameters():
+        shape = tuple(p.shape)
+        value = (
+            np.ones(shape, np.float32)
+            if len(shape) == 1
+            else (0.02 * rng.standard_normal(shape)).astype(np.float32)
+        )
+        tensors.append((name, DType.F32, value))
+    write_weights(d, arch, tensors)
+    _write_json(d / "config.json", config)
+    return d
 
 
 def _write_json(path: Path, doc: Mapping[str, Any]) -> None:
