@@ -41,8 +41,8 @@ __all__ = [
     "export_checkpoint",
     "import_checkpoint",
     "save_hf_files",
-    "write_random_model",
     "store_config",
+    "write_random_model",
 ]
 
 HF_SUBDIR = "hf"
@@ -129,9 +129,11 @@ def save_hf_files(
     dst = Path(store) / HF_SUBDIR
     dst.mkdir(parents=True, exist_ok=True)
     _write_json(dst / "config.json", config)
+    if src is None:
+        return ()
     copied: list[str] = []
-    for name in SIDE_FILES if src is not None else ():
-        path = Path(str(src), name)
+    for name in SIDE_FILES:
+        path = Path(src) / name
         if path.is_file():
             tmp = dst / (name + ".tmp")
             shutil.copyfile(path, tmp)

@@ -6,9 +6,9 @@ with the sequential threading layer) and BLIS (the ``blis`` package's ``gemm``).
 fastest depends on the machine and the shape: measured at one thread, MKL won on one AVX-512
 machine and lost on another, and every library is slow on small shapes in its own way. So the
 choice is measured, per *shape class* (dtype x size: ``vector`` for one row or one column,
-``small`` below 2^22 flops, ``medium`` below 2^28, ``large`` above), on representative shapes, once per machine (cached by CPU model,
-flags and library versions under ``$XDG_CACHE_HOME/dtm_mpi``, else ``~/.cache/dtm_mpi``), and
-another provider replaces numpy for a class only when it is at least :data:`MARGIN` faster:
+``small`` below 2^22 flops, ``medium`` below 2^28, ``large`` above), on representative
+shapes, once per machine (cached by CPU model, flags, library versions and the classes under
+``$XDG_CACHE_HOME/dtm_mpi``, else ``~/.cache/dtm_mpi``), and another provider replaces numpy for a class only when it is at least :data:`MARGIN` faster:
 never slower than numpy's default beyond the measurement's noise.
 
 ``DTM_GEMM``: ``auto`` (the measured choice), ``numpy``, ``mkl`` or ``blis`` (every class;
@@ -248,7 +248,7 @@ class GemmChoice:
         return Provider.NUMPY
 
     def text(self) -> str:
-        """One line: ``float32:vector=numpy,small=numpy,medium=mkl,...;float64:...`` (every class)."""
+        """One line, every class: ``float32:vector=numpy,small=numpy,...;float64:...``."""
         return ";".join(
             f"{d}:" + ",".join(f"{c}={self.provider(d, c).value}" for c, _, _ in CLASSES)
             for d in DTYPES
