@@ -8,8 +8,8 @@ machine and lost on another, and every library is slow on small shapes in its ow
 choice is measured, per *shape class* (dtype x size: ``vector`` for one row or one column,
 ``small`` below 2^22 flops, ``medium`` below 2^28, ``large`` above), on representative
 shapes, once per machine (cached by CPU model, flags, library versions and the classes under
-``$XDG_CACHE_HOME/dtm_mpi``, else ``~/.cache/dtm_mpi``), and another provider replaces numpy for a class only when it is at least :data:`MARGIN` faster:
-never slower than numpy's default beyond the measurement's noise.
+``$XDG_CACHE_HOME/dtm_mpi``, else ``~/.cache/dtm_mpi``), and another provider replaces numpy
+for a class only when it is at least :data:`MARGIN` faster: never slower than numpy's default beyond the measurement's noise.
 
 ``DTM_GEMM``: ``auto`` (the measured choice), ``numpy``, ``mkl`` or ``blis`` (every class;
 an error naming what is missing when that provider cannot load). The providers are measured
