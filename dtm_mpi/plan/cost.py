@@ -18,16 +18,22 @@ memory, which is not in any value's lifetime.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from dtm_mpi.ir.types import TensorType
 from dtm_mpi.plan.overlap import Bucket
 from dtm_mpi.plan.program import ExecPlan, FunctionPlan, OpKind, PlanOp
-from dtm_mpi.sharding.blocks import local_shape
+from dtm_mpi.sharding.blocks import check_layout, local_shape
 from dtm_mpi.sharding.mesh import MeshShape
+from dtm_mpi.sharding.redistribute import RedistPlan
 from dtm_mpi.sharding.retention import keeps_gather_of, kept_bytes
 from dtm_mpi.sharding.steps import StepKind, allreduce_moved_items
 
-__all__ = ["FunctionCost", "OpCost", "function_cost", "local_bytes"]
+__all__ = ["FunctionCost", "OpCost", "function_cost", "function_costs", "local_bytes"]
+
+Ints = Any  # a 1-D int64 numpy array, one entry per rank
 
 
 def local_bytes(t: TensorType, mesh: MeshShape, rank: int) -> int:
@@ -59,175 +65,266 @@ class FunctionCost:
     retained: tuple[int, ...]  # per rank: at most this many bytes of kept collective outputs
 
 
-def _kept(t: TensorType, mesh: MeshShape, rank: int) -> int:
-    """The bytes the MPI path keeps for reuse after a collective with output ``t``."""
-    return kept_bytes(local_bytes(t, mesh, rank))
-
-
-def _retained(p: PlanOp, plan: ExecPlan, rank: int, fp: FunctionPlan) -> int:
-    if p.kind is OpKind.REDIST and p.redist is not None:
-        if not keeps_gather_of(p.op.operands[0], fp.function):
-            return 0
-        steps = p.redist.steps
-        return sum(_kept(s.out_type, plan.mesh, rank) for s in steps if s.kind.is_collective)
-    if p.kind is OpKind.BROADCAST:
-        return sum(_kept(t, plan.mesh, rank) for t in p.op.result_types)
-    if p.kind is OpKind.CALL:
-        return function_cost(plan, plan.function(str(p.op.attr("callee")))).retained[rank]
-    return 0
-
-
-def _comm_of(p: PlanOp, plan: ExecPlan) -> tuple[str, ...]:
-    if p.kind is OpKind.REDIST and p.redist is not None:
-        out = []
-        for s in p.redist.steps:
-            if s.kind.is_collective:
-                op = f" {s.op.value}" if s.op is not None else ""
-                out.append(f"{s.kind.value}{op} on {','.join(s.axes)}")
-        return tuple(out)
-    if p.kind is OpKind.BROADCAST:
-        return (f"broadcast on {','.join(p.axes)} root {p.root}",)
-    if p.kind is OpKind.SEND:
-        return (f"send on {','.join(p.axes)} {p.root}->{p.dst}",)
-    if p.kind is OpKind.RECV:
-        return (f"recv on {','.join(p.axes)} {p.root}->{p.dst}",)
-    if p.kind is OpKind.CALL:
-        name = str(p.op.attr("callee"))
-        callee = function_cost(plan, plan.function(name))
-        return tuple(f"{c} (in @{name})" for oc in callee.ops for c in oc.comm)
-    return ()
-
-
-def _traffic(p: PlanOp, plan: ExecPlan, rank: int, operand: TensorType | None) -> tuple[int, int]:
-    mesh = plan.mesh
-    if p.kind is OpKind.REDIST and p.redist is not None:
-        return p.redist.bytes_sent(rank), p.redist.bytes_received(rank)
-    if p.kind is OpKind.BROADCAST and operand is not None:
-        k = mesh.group_size(p.axes)
-        size = local_bytes(operand, mesh, rank)
-        root = mesh.index_along(rank, p.axes) == p.root
-        return ((k - 1) * size, 0) if root else (0, size if k > 1 else 0)
-    if p.kind is OpKind.SEND and operand is not None:
-        here = mesh.index_along(rank, p.axes) == p.root
-        return (local_bytes(operand, mesh, rank) if here else 0), 0
-    if p.kind is OpKind.RECV:
-        here = mesh.index_along(rank, p.axes) == p.dst
-        return 0, (local_bytes(p.op.result_types[0], mesh, rank) if here else 0)
-    if p.kind is OpKind.CALL:
-        callee = function_cost(plan, plan.function(str(p.op.attr("callee"))))
-        return callee.sent[rank], callee.received[rank]
-    return 0, 0
-
-
-def _bucket_traffic(b: Bucket, fp: FunctionPlan, plan: ExecPlan, rank: int) -> tuple[int, int]:
-    """A bucket's allreduce on ``rank``: its members' blocks as one flat message."""
-    mesh = plan.mesh
-    types = [fp.ops[m].op.result_types[0] for m in b.members]
-    count = sum(local_bytes(t, mesh, rank) for t in types) // types[0].dtype.itemsize
-    group = mesh.group_of(rank, b.axes)
-    moved = allreduce_moved_items(count, len(group), group.index(rank)) * types[0].dtype.itemsize
-    return moved, moved
-
-
-def _extra(p: PlanOp, plan: ExecPlan, rank: int) -> int:
-    if p.kind is OpKind.REDIST and p.redist is not None:
-        return p.redist.peak_extra_bytes(rank)
-    if p.kind is OpKind.CALL:
-        fp = plan.function(str(p.op.attr("callee")))
-        params = sum(local_bytes(q.type, plan.mesh, rank) for q in fp.function.params)
-        return max(0, function_cost(plan, fp).peak[rank] - params)
-    return 0
-
-
 def function_cost(plan: ExecPlan, fp: FunctionPlan) -> FunctionCost:
     """Every op's figures on every rank, and the function's totals."""
-    mesh = plan.mesh
-    ranks = range(mesh.size)
-    types: dict[str, TensorType] = {q.name: q.type for q in fp.function.params}
-    params = set(types)
-    live = [sum(local_bytes(q.type, mesh, r) for q in fp.function.params) for r in ranks]
-    peak = list(live)
-    sent = [0] * mesh.size
-    received = [0] * mesh.size
-    counts: dict[str, int] = {}
-    retained = [0] * mesh.size
-    ops: list[OpCost] = []
-    in_bucket = {m: b for b in fp.buckets if b.kind is StepKind.ALLREDUCE for m in b.members}
-    prefetched = {b.members[0]: b for b in fp.buckets if b.kind is StepKind.ALLGATHER}
-    starting: dict[int, list[Bucket]] = {}
-    for b in prefetched.values():
-        starting.setdefault(b.start, []).append(b)
-    for p in fp.ops:
-        for b in starting.get(len(ops), ()):  # its result allocated from the gather's start
-            member = fp.ops[b.members[0]]
-            t = member.op.result_types[0]
-            for r in ranks:
-                live[r] += local_bytes(t, mesh, r)
-                peak[r] = max(peak[r], live[r] + _extra(member, plan, r))
-        op = p.op
-        operand = p.operand_types[0] if p.operand_types else None
-        shapes = tuple(
-            tuple(local_shape(t.shape, t.layout, mesh, r) for t in op.result_types) for r in ranks
+    return _Costing(plan).function(fp)
+
+
+def function_costs(plan: ExecPlan) -> dict[str, FunctionCost]:
+    """:func:`function_cost` of every function of ``plan`` by name (each callee costed once)."""
+    costing = _Costing(plan)
+    return {name: costing.function(fp) for name, fp in plan.functions}
+
+
+def _ints(values: Ints) -> tuple[int, ...]:
+    return tuple(values.tolist())
+
+
+class _Costing:
+    """The figures of one plan, each computed once and for every rank at a time: the local
+    shapes and bytes of each distinct tensor type, the traffic of each distinct
+    redistribution, the cost of each function (a call's callee is costed once)."""
+
+    def __init__(self, plan: ExecPlan) -> None:
+        self.plan, self.mesh = plan, plan.mesh
+        n = self.mesh.size
+        self.ranks = range(n)
+        self.coords = np.array([self.mesh.coords(r) for r in self.ranks], dtype=np.int64)
+        self.coords = self.coords.reshape(n, len(self.mesh.axes))
+        self.zeros = np.zeros(n, dtype=np.int64)
+        self._index: dict[tuple[str, ...], Ints] = {}
+        self._shapes: dict[TensorType, Ints] = {}
+        self._bytes: dict[TensorType, Ints] = {}
+        self._kept: dict[TensorType, Ints] = {}
+        self._results: dict[tuple[TensorType, ...], tuple[tuple[tuple[int, ...], ...], ...]] = {}
+        self._redist: dict[RedistPlan, tuple[Ints, Ints, Ints, Ints]] = {}
+        self._functions: dict[str, FunctionCost] = {}
+
+    # -- per tensor type --------------------------------------------------------------------
+    def index_along(self, axes: tuple[str, ...]) -> Ints:
+        """Every rank's :meth:`MeshShape.index_along` ``axes``."""
+        got = self._index.get(axes)
+        if got is None:
+            got = self.zeros.copy()
+            self.mesh.group_size(axes)  # the axes' check
+            for a in axes:
+                got = got * self.mesh.axis_size(a) + self.coords[:, self.mesh.axis_position(a)]
+            self._index[axes] = got
+        return got
+
+    def shapes(self, t: TensorType) -> Ints:
+        """Every rank's local shape of ``t``: ``[ranks, t.rank]`` (``local_shape``'s §5 split)."""
+        got = self._shapes.get(t)
+        if got is None:
+            check_layout(t.shape, t.layout, self.mesh)
+            cols = []
+            for n, axes in zip(t.shape, t.layout.dims, strict=True):
+                k = self.mesh.group_size(axes)
+                b = -(-n // k)
+                start = self.index_along(axes) * b
+                cols.append(np.maximum(0, np.minimum(b, n - start)))
+            got = np.stack(cols, axis=1) if cols else np.zeros((len(self.ranks), 0), np.int64)
+            self._shapes[t] = got
+        return got
+
+    def nbytes(self, t: TensorType) -> Ints:
+        got = self._bytes.get(t)
+        if got is None:
+            got = np.prod(self.shapes(t), axis=1, dtype=np.int64) * t.dtype.itemsize
+            self._bytes[t] = got
+        return got
+
+    def result_shapes(
+        self, types: tuple[TensorType, ...]
+    ) -> tuple[tuple[tuple[int, ...], ...], ...]:
+        got = self._results.get(types)
+        if got is None:
+            per = [[tuple(s) for s in self.shapes(t).tolist()] for t in types]
+            got = tuple(tuple(col[r] for col in per) for r in self.ranks)
+            self._results[types] = got
+        return got
+
+    def kept(self, t: TensorType) -> Ints:
+        """The bytes the MPI path keeps for reuse after a collective with output ``t``
+        (:func:`~dtm_mpi.sharding.retention.kept_bytes` on every rank)."""
+        got = self._kept.get(t)
+        if got is None:
+            got = np.array([kept_bytes(b) for b in self.nbytes(t).tolist()], dtype=np.int64)
+            self._kept[t] = got
+        return got
+
+    # -- per op -----------------------------------------------------------------------------
+    def redist(self, r: RedistPlan) -> tuple[Ints, Ints, Ints, Ints]:
+        """(sent, received, peak extra bytes, kept output bytes) of ``r`` on every rank."""
+        got = self._redist.get(r)
+        if got is None:
+            sent = np.array([r.bytes_sent(k) for k in self.ranks], dtype=np.int64)
+            recv = np.array([r.bytes_received(k) for k in self.ranks], dtype=np.int64)
+            extra = np.array([r.peak_extra_bytes(k) for k in self.ranks], dtype=np.int64)
+            kept = sum((self.kept(s.out_type) for s in r.steps if s.kind.is_collective), self.zeros)
+            got = (sent, recv, extra, kept)
+            self._redist[r] = got
+        return got
+
+    def callee(self, p: PlanOp) -> FunctionCost:
+        return self.function(self.plan.function(str(p.op.attr("callee"))))
+
+    def retained(self, p: PlanOp, fp: FunctionPlan) -> Ints:
+        if p.kind is OpKind.REDIST and p.redist is not None:
+            if not keeps_gather_of(p.op.operands[0], fp.function):
+                return self.zeros
+            return self.redist(p.redist)[3]
+        if p.kind is OpKind.BROADCAST:
+            return sum((self.kept(t) for t in p.op.result_types), self.zeros)
+        if p.kind is OpKind.CALL:
+            return np.array(self.callee(p).retained, dtype=np.int64)
+        return self.zeros
+
+    def comm(self, p: PlanOp) -> tuple[str, ...]:
+        if p.kind is OpKind.REDIST and p.redist is not None:
+            out = []
+            for s in p.redist.steps:
+                if s.kind.is_collective:
+                    op = f" {s.op.value}" if s.op is not None else ""
+                    out.append(f"{s.kind.value}{op} on {','.join(s.axes)}")
+            return tuple(out)
+        if p.kind is OpKind.BROADCAST:
+            return (f"broadcast on {','.join(p.axes)} root {p.root}",)
+        if p.kind is OpKind.SEND:
+            return (f"send on {','.join(p.axes)} {p.root}->{p.dst}",)
+        if p.kind is OpKind.RECV:
+            return (f"recv on {','.join(p.axes)} {p.root}->{p.dst}",)
+        if p.kind is OpKind.CALL:
+            name = str(p.op.attr("callee"))
+            return tuple(f"{c} (in @{name})" for oc in self.callee(p).ops for c in oc.comm)
+        return ()
+
+    def traffic(self, p: PlanOp, operand: TensorType | None) -> tuple[Ints, Ints]:
+        if p.kind is OpKind.REDIST and p.redist is not None:
+            sent, recv, _, _ = self.redist(p.redist)
+            return sent, recv
+        if p.kind is OpKind.BROADCAST and operand is not None:
+            k = self.mesh.group_size(p.axes)
+            size = self.nbytes(operand)
+            root = self.index_along(p.axes) == p.root
+            return np.where(root, (k - 1) * size, 0), np.where(root | (k <= 1), 0, size)
+        if p.kind is OpKind.SEND and operand is not None:
+            here = self.index_along(p.axes) == p.root
+            return np.where(here, self.nbytes(operand), 0), self.zeros
+        if p.kind is OpKind.RECV:
+            here = self.index_along(p.axes) == p.dst
+            return self.zeros, np.where(here, self.nbytes(p.op.result_types[0]), 0)
+        if p.kind is OpKind.CALL:
+            callee = self.callee(p)
+            return np.array(callee.sent, np.int64), np.array(callee.received, np.int64)
+        return self.zeros, self.zeros
+
+    def bucket_traffic(self, b: Bucket, fp: FunctionPlan) -> Ints:
+        """A bucket's allreduce on every rank (sent = received): its members' blocks as one
+        flat message."""
+        types = [fp.ops[m].op.result_types[0] for m in b.members]
+        item = types[0].dtype.itemsize
+        counts = sum((self.nbytes(t) for t in types), self.zeros) // item
+        k = self.mesh.group_size(b.axes)
+        index = self.index_along(b.axes)
+        return np.array(
+            [
+                allreduce_moved_items(c, k, i) * item
+                for c, i in zip(counts.tolist(), index.tolist(), strict=True)
+            ],
+            dtype=np.int64,
         )
-        bucket = in_bucket.get(len(ops))
-        if bucket is None:
-            traffic = [_traffic(p, plan, r, operand) for r in ranks]
-        else:  # the bucket's one message, at its first member
-            traffic = [
-                _bucket_traffic(bucket, fp, plan, r) if len(ops) == min(bucket.members) else (0, 0)
-                for r in ranks
-            ]
-        during = []
-        fetched = prefetched.get(len(ops))  # (its result counted where it started)
-        for r in ranks:
-            new, extra = (
-                (0, 0)
-                if fetched is not None
-                else (sum(local_bytes(t, mesh, r) for t in op.result_types), _extra(p, plan, r))
+
+    def extra(self, p: PlanOp) -> Ints:
+        if p.kind is OpKind.REDIST and p.redist is not None:
+            return self.redist(p.redist)[2]
+        if p.kind is OpKind.CALL:
+            fp = self.plan.function(str(p.op.attr("callee")))
+            params = sum((self.nbytes(q.type) for q in fp.function.params), self.zeros)
+            return np.maximum(0, np.array(self.callee(p).peak, np.int64) - params)
+        return self.zeros
+
+    # -- per function -----------------------------------------------------------------------
+    def function(self, fp: FunctionPlan) -> FunctionCost:
+        got = self._functions.get(fp.function.name)
+        if got is None:
+            got = self._function(fp)
+            self._functions[fp.function.name] = got
+        return got
+
+    def _function(self, fp: FunctionPlan) -> FunctionCost:
+        types: dict[str, TensorType] = {q.name: q.type for q in fp.function.params}
+        params = set(types)
+        live = sum((self.nbytes(q.type) for q in fp.function.params), self.zeros)
+        peak = live.copy()
+        sent, received, retained = self.zeros.copy(), self.zeros.copy(), self.zeros.copy()
+        counts: dict[str, int] = {}
+        ops: list[OpCost] = []
+        in_bucket = {m: b for b in fp.buckets if b.kind is StepKind.ALLREDUCE for m in b.members}
+        prefetched = {b.members[0]: b for b in fp.buckets if b.kind is StepKind.ALLGATHER}
+        starting: dict[int, list[Bucket]] = {}
+        for b in prefetched.values():
+            starting.setdefault(b.start, []).append(b)
+        for p in fp.ops:
+            for b in starting.get(len(ops), ()):  # its result allocated from the gather's start
+                member = fp.ops[b.members[0]]
+                live = live + self.nbytes(member.op.result_types[0])
+                peak = np.maximum(peak, live + self.extra(member))
+            op = p.op
+            operand = p.operand_types[0] if p.operand_types else None
+            bucket = in_bucket.get(len(ops))
+            if bucket is None:
+                out, into = self.traffic(p, operand)
+            elif len(ops) == min(bucket.members):  # the bucket's one message, at its first member
+                out = into = self.bucket_traffic(bucket, fp)
+            else:
+                out = into = self.zeros
+            fetched = prefetched.get(len(ops))  # (its result counted where it started)
+            if fetched is None:
+                new = sum((self.nbytes(t) for t in op.result_types), self.zeros)
+                during = live + new + self.extra(p)
+                live = live + new
+            else:
+                during = live
+            peak = np.maximum(peak, during)
+            sent, received = sent + out, received + into
+            retained = retained + self.retained(p, fp)
+            for name, t in zip(op.results, op.result_types, strict=True):
+                types[name] = t
+            for name in p.frees:
+                freed = types.get(name)
+                if freed is not None and name not in params:
+                    live = live - self.nbytes(freed)
+            comm = self.comm(p)
+            if bucket is not None:  # one allreduce for the bucket, at its first member
+                comm = tuple(
+                    f"{c} (bucket of {len(bucket.members)}: ops {', '.join(map(str, bucket.members))}; in flight over ops {bucket.start}-{bucket.finish - 1})"
+                    for c in comm
+                )
+            if fetched is not None:
+                comm = tuple(
+                    f"{c} (prefetched: in flight over ops {fetched.start}-{fetched.finish - 1})"
+                    for c in comm
+                )
+            for c in comm:
+                kind = c.split(" ")[0]
+                if bucket is None or len(ops) == min(bucket.members):
+                    counts[kind] = counts.get(kind, 0) + 1
+            ops.append(
+                OpCost(
+                    p,
+                    self.result_shapes(tuple(op.result_types)),
+                    comm,
+                    _ints(out),
+                    _ints(into),
+                    _ints(during),
+                )
             )
-            during.append(live[r] + new + extra)
-            peak[r] = max(peak[r], during[r])
-            live[r] += new
-            sent[r] += traffic[r][0]
-            received[r] += traffic[r][1]
-            retained[r] += _retained(p, plan, r, fp)
-        for name, t in zip(op.results, op.result_types, strict=True):
-            types[name] = t
-        for name in p.frees:
-            freed = types.get(name)
-            if freed is not None and name not in params:
-                for r in ranks:
-                    live[r] -= local_bytes(freed, mesh, r)
-        comm = _comm_of(p, plan)
-        if bucket is not None:  # one allreduce for the bucket, at its first member
-            comm = tuple(
-                f"{c} (bucket of {len(bucket.members)}: ops {', '.join(map(str, bucket.members))}; in flight over ops {bucket.start}-{bucket.finish - 1})"
-                for c in comm
-            )
-        if fetched is not None:
-            comm = tuple(
-                f"{c} (prefetched: in flight over ops {fetched.start}-{fetched.finish - 1})"
-                for c in comm
-            )
-        for c in comm:
-            kind = c.split(" ")[0]
-            if bucket is None or len(ops) == min(bucket.members):
-                counts[kind] = counts.get(kind, 0) + 1
-        ops.append(
-            OpCost(
-                p,
-                shapes,
-                comm,
-                tuple(t[0] for t in traffic),
-                tuple(t[1] for t in traffic),
-                tuple(during),
-            )
+        return FunctionCost(
+            tuple(ops),
+            _ints(peak),
+            _ints(sent),
+            _ints(received),
+            tuple(sorted(counts.items())),
+            _ints(retained),
         )
-    return FunctionCost(
-        tuple(ops),
-        tuple(peak),
-        tuple(sent),
-        tuple(received),
-        tuple(sorted(counts.items())),
-        tuple(retained),
-    )

@@ -8,10 +8,11 @@ every rank is printed once; otherwise one entry per rank (``r0:… r1:…``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from dtm_mpi.errors import PlanError
-from dtm_mpi.plan.cost import FunctionCost, function_cost
+from dtm_mpi.plan.cost import FunctionCost, function_cost, function_costs
 from dtm_mpi.plan.program import ExecPlan
 
 __all__ = ["check_memory", "explain_text", "human_bytes"]
@@ -28,8 +29,10 @@ def human_bytes(n: int) -> str:
     return f"{n} B"  # pragma: no cover
 
 
-def per_rank(values: Sequence[object], fmt: type[str] | None = None) -> str:
-    texts = [str(v) if fmt is None else fmt(v) for v in values]
+def per_rank(values: Sequence[Any], fmt: Callable[[Any], str] = str) -> str:
+    if values and values.count(values[0]) == len(values):  # one text, formatted once
+        return fmt(values[0])
+    texts = [fmt(v) for v in values]
     if len(set(texts)) == 1:
         return texts[0]
     return " ".join(f"r{r}:{t}" for r, t in enumerate(texts))
@@ -49,9 +52,10 @@ def _function_lines(plan: ExecPlan, name: str, cost: FunctionCost) -> list[str]:
     for i, c in enumerate(cost.ops, start=1):
         op = c.plan_op.op
         result = ", ".join(op.results) or "-"
-        shapes = per_rank([" ".join(_shape(s) for s in per) or "-" for per in c.local_shapes])
+        shapes = per_rank(c.local_shapes, lambda per: " ".join(map(_shape, per)) or "-")
         moved = per_rank(
-            [f"{human_bytes(s)}/{human_bytes(r)}" for s, r in zip(c.sent, c.received, strict=True)]
+            list(zip(c.sent, c.received, strict=True)),
+            lambda sr: f"{human_bytes(sr[0])}/{human_bytes(sr[1])}",
         )
         rows.append(
             [
@@ -62,7 +66,7 @@ def _function_lines(plan: ExecPlan, name: str, cost: FunctionCost) -> list[str]:
                 shapes,
                 "; ".join(c.comm) or "-",
                 moved if any(c.sent) or any(c.received) else "-",
-                per_rank([human_bytes(b) for b in c.live]),
+                per_rank(c.live, human_bytes),
             ]
         )
     return [f"function @{name}", *("  " + line for line in _table(rows))]
@@ -99,8 +103,9 @@ def explain_text(plan: ExecPlan) -> str:
         "",
     ]
     entry_cost = None
-    for name, fp in plan.functions:
-        cost = function_cost(plan, fp)
+    costs = function_costs(plan)
+    for name, _ in plan.functions:
+        cost = costs[name]
         if name == plan.entry:
             entry_cost = cost
         lines += [*_function_lines(plan, name, cost), ""]
@@ -110,10 +115,10 @@ def explain_text(plan: ExecPlan) -> str:
     lines += [
         "totals per step (entry function, calls included):",
         f"  communication steps: {counts}",
-        f"  bytes sent:     {per_rank([human_bytes(b) for b in entry_cost.sent])}",
-        f"  bytes received: {per_rank([human_bytes(b) for b in entry_cost.received])}",
-        f"  peak memory:    {per_rank([human_bytes(b) for b in entry_cost.peak])}",
-        f"  + kept outputs: {per_rank([human_bytes(b) for b in entry_cost.retained])}"
+        f"  bytes sent:     {per_rank(entry_cost.sent, human_bytes)}",
+        f"  bytes received: {per_rank(entry_cost.received, human_bytes)}",
+        f"  peak memory:    {per_rank(entry_cost.peak, human_bytes)}",
+        f"  + kept outputs: {per_rank(entry_cost.retained, human_bytes)}"
         "  (MPI: collective outputs of 64 KiB or more kept for reuse, one per op, at most)",
     ]
     return "\n".join(lines) + "\n"

@@ -16,6 +16,7 @@ from dtm_mpi.ir.nodes import Module
 from dtm_mpi.plan.cost import FunctionCost, OpCost, function_cost, local_bytes
 from dtm_mpi.plan.explain import check_memory, explain_text, human_bytes
 from dtm_mpi.plan.program import ExecPlan, OpKind, compile_plan, mesh_for
+from dtm_mpi.sharding.blocks import local_shape
 
 EXAMPLES = Path(__file__).parent.parent.parent / "examples"
 F32 = 4
@@ -304,3 +305,28 @@ def test_gathers_of_parameters_stored_sharded_are_not_kept() -> None:
                 other += n
     assert gathered >= 2 * 1024 * 4096 * 4  # both weights gathered whole, at least once
     assert function_cost(plan, fp).retained[0] == other
+
+
+@pytest.mark.parametrize(("nranks", "binding"), [(3, {"dp": 3, "tp": 1}), (6, {"dp": 3, "tp": 2})])
+def test_the_figures_of_every_rank_at_once_equal_each_ranks_own(
+    nranks: int, binding: dict[str, int]
+) -> None:
+    # dp=3 splits the 64 rows unevenly (22, 22, 20): the costing of all ranks at once (one
+    # array per tensor type) gives each rank what local_shape and the redistribution give it
+    plan = plan_for(nranks, binding)
+    for _, fp in plan.functions:
+        cost = function_cost(plan, fp)
+        for c in cost.ops:
+            for r in range(nranks):
+                want = tuple(
+                    local_shape(t.shape, t.layout, plan.mesh, r) for t in c.plan_op.op.result_types
+                )
+                assert c.local_shapes[r] == want, (c.plan_op.op.results, r)
+                if c.plan_op.redist is not None:
+                    assert c.sent[r] == c.plan_op.redist.bytes_sent(r)
+                    assert c.received[r] == c.plan_op.redist.bytes_received(r)
+    entry = function_cost(plan, plan.entry_plan)
+    qs = plan.entry_plan.function.params
+    params = [sum(local_bytes(q.type, plan.mesh, r) for q in qs) for r in range(nranks)]
+    assert all(peak >= held for peak, held in zip(entry.peak, params, strict=True))
+    assert len(set(entry.peak)) > 1  # the uneven split shows
