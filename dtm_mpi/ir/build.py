@@ -91,6 +91,7 @@ class FunctionBuilder:
         self.types: dict[str, TensorType] = {}
         self._taken: set[str] = set(names)
         self._counter = 0
+        self._repeats: dict[str, str] = {}  # a broadcast_to's result -> its operand
 
     # --- names and values ------------------------------------------------------------------
 
@@ -135,6 +136,9 @@ class FunctionBuilder:
         self.ops.append(op)
         for n, t in zip(op.results, op.result_types, strict=True):
             self.types[n] = t
+        opdef = lookup_op(op.name)
+        if op.operands and opdef is not None and opdef.has(Trait.BROADCASTS):
+            self._repeats[op.results[0]] = op.operands[0]
         return tuple(Value(n, t) for n, t in zip(op.results, op.result_types, strict=True))
 
     # --- emitting ops ----------------------------------------------------------------------
@@ -258,6 +262,7 @@ class FunctionBuilder:
         for op in self.ops[mark:]:
             for n in op.results:
                 del self.types[n]
+                self._repeats.pop(n, None)
         del self.ops[mark:]
 
     def apply1(
@@ -276,10 +281,18 @@ class FunctionBuilder:
     # --- layouts ---------------------------------------------------------------------------
 
     def complete(self, v: Value, *, span: SourceSpan = NO_SPAN) -> Value:
-        """``v`` with its pending reduction completed (an ``allreduce``; ``v`` if none)."""
+        """``v`` with its pending reduction completed (an ``allreduce``; ``v`` if none). A
+        broadcast of a pending value is completed before it repeats: the operand reduced, then
+        broadcast again (the same values; the reduction moves the operand's bytes, not the
+        repeat's)."""
         p = v.type.layout.partial
         if p is None:
             return v
+        src = self._repeats.get(v.name)
+        if src is not None:
+            small = self.complete(self.value(src), span=span)
+            done = v.type.with_layout(complete_layout(v.type.layout))
+            return self.emit1("broadcast_to", [small], declared=[done], span=span, hint=v.name)
         return self.emit1(
             "allreduce", [v], {"op": p.op.value, "axes": p.axes}, span=span, hint=v.name
         )

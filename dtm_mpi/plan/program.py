@@ -17,6 +17,10 @@ the kind its registry entry declares (``dtm_mpi.ir.registry.OpKind``):
   other rank zeros: the value is ``partial(sum)`` over the axis);
 * ``CALL`` — the callee's plan.
 
+A ``broadcast_to`` whose uses only cut the dims it made is planned in their layout
+(:mod:`dtm_mpi.plan.local_broadcast`): each rank makes its block of the repeat; a
+broadcast nothing uses is not planned.
+
 ``frees`` lists the values whose last use is the op (buffer lifetimes). Per-rank figures
 (local shapes, bytes, memory) are pure functions of (plan, rank): :mod:`dtm_mpi.plan.cost`.
 """
@@ -31,6 +35,7 @@ from dtm_mpi.ir import registry
 from dtm_mpi.ir.nodes import Function, Module, Op
 from dtm_mpi.ir.types import TensorType
 from dtm_mpi.ir.verify import function_mesh
+from dtm_mpi.plan.local_broadcast import local_broadcasts
 from dtm_mpi.sharding.blocks import shard_bounds
 from dtm_mpi.sharding.mesh import MeshShape
 from dtm_mpi.sharding.redistribute import RedistPlan, plan_redistribute
@@ -173,8 +178,9 @@ def _plan_op(
 
 def _plan_function(f: Function, mesh: MeshShape) -> FunctionPlan:
     types: dict[str, TensorType] = {p.name: p.type for p in f.params}
+    body = local_broadcasts(f)
     last_use: dict[str, int] = {}
-    for i, op in enumerate(f.body):
+    for i, op in enumerate(body):
         for name in op.operands:
             last_use[name] = i
     keep = set(f.returns)
@@ -183,7 +189,7 @@ def _plan_function(f: Function, mesh: MeshShape) -> FunctionPlan:
         if name not in keep:
             frees_at.setdefault(i, []).append(name)
     ops: list[PlanOp] = []
-    for i, op in enumerate(f.body):
+    for i, op in enumerate(body):
         operand_types = tuple(types[n] for n in op.operands)
         unused = [r for r in op.results if r not in last_use and r not in keep]
         frees = tuple(sorted(frees_at.get(i, ()))) + tuple(unused)
