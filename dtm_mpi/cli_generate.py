@@ -167,7 +167,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     b, n = res.tokens.shape
     lines.append(
         f"{b * n} token(s) on mesh {args.mesh}: first after {res.first_s:.2f} s "
-        f"(trace {res.trace_s:.2f} s), then {res.tokens_per_s:.1f} tokens/s"
+        f"(trace {res.trace_s:.2f} s, setup {res.setup_s:.2f} s), then {res.tokens_per_s:.1f} tokens/s"
     )
     say("\n".join(lines))
     return 0

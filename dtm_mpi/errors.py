@@ -66,6 +66,11 @@ class DtmError(Exception):
     agreed: bool = False
 
 
+class PropagationWarning(UserWarning):
+    """Sharding propagation gave up on a split value at the user's line: the op ran on
+    replicated values (every rank gathered the whole value)."""
+
+
 class UsageError(DtmError, ValueError):
     """Bad command line, missing or unreadable input file (CLI exit code 2)."""
 

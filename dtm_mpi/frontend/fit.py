@@ -308,11 +308,17 @@ def explain_fit(step: TracedStep, mesh: Mapping[str, int] | None, sim: int | Non
     binding = dict(mesh) if mesh else None
     nranks = sim if sim is not None else math.prod(binding.values()) if binding else step.mesh.size
     plan = compile_plan(step.module, mesh_for(step.module, nranks, binding))
+    gave_up = ""
+    if step.fallbacks:
+        lines = "".join(f"  {f}\n" for f in step.fallbacks)
+        gave_up = (
+            f"where sharding propagation gave up (the op ran on replicated values):\n{lines}\n"
+        )
     if step.pipeline is None:
-        return explain_text(plan)
+        return explain_text(plan) + gave_up
     pipeline = plan_pipelined_run(step.pipeline, plan, fed=step.inputs)
     head = f"module {step.module.name} on mesh {plan.mesh} ({plan.mesh.size} ranks), pipelined\n"
-    return head + explain_pipeline(pipeline, plan.mesh)
+    return head + explain_pipeline(pipeline, plan.mesh) + gave_up
 
 
 def _relaunch() -> tuple[str, ...] | None:

@@ -43,13 +43,15 @@ class Sampling:
 class Generation:
     """The ``tokens`` ``[B, max_new]`` of a :func:`generation` and its times in seconds:
     ``trace_s`` (tracing the decode step), ``first_s`` (from the run's start to the first new
-    token: planning, reading the weights, the prompt's positions) and ``decode_s`` (the
-    other new tokens, one step each)."""
+    token: planning, reading the weights, the prompt's positions), of which ``setup_s`` is
+    the part before the first step starts (planning and reading the weights), and
+    ``decode_s`` (the other new tokens, one step each)."""
 
     tokens: np.ndarray
     trace_s: float
     first_s: float
     decode_s: float
+    setup_s: float = float("nan")
 
     @property
     def tokens_per_s(self) -> float:
@@ -173,7 +175,11 @@ def generation(
     decided = [p - 1]  # the last position whose token is known
     wait_s = get_config().timeout_s
 
+    started: list[float] = []  # when the first step asks for its ids
+
     def feed(s: int, regions: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        if not started:
+            started.append(time.perf_counter())
         with ready:
             if not ready.wait_for(lambda: decided[0] >= s, timeout=wait_s):
                 raise UsageError(
@@ -210,4 +216,5 @@ def generation(
     out: np.ndarray = tokens[:, p:]
     first = marks[0] - t1 if marks else float("nan")
     rest = marks[-1] - marks[0] if len(marks) > 1 else 0.0
-    return Generation(out, t1 - t0, first, rest)
+    setup = started[0] - t1 if started else float("nan")
+    return Generation(out, t1 - t0, first, rest, setup)

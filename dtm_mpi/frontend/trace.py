@@ -13,11 +13,12 @@ weights are inputs).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from dtm_mpi.errors import UsageError, VerifyError
+from dtm_mpi.errors import PropagationWarning, UsageError, VerifyError
 from dtm_mpi.frontend.layers import Module as Layer
 from dtm_mpi.frontend.mesh import Mesh, require_axis
 from dtm_mpi.frontend.optim import Optimizer, clip_by_global_norm
@@ -62,6 +63,9 @@ class TracedStep:
     tensors: tuple[str, ...] = ()
     """The names of the leading results that are tensors handed back whole each step
     (:func:`forward_step`), not scalar metrics."""
+    fallbacks: tuple[str, ...] = ()
+    """Where sharding propagation gave up on a split value (``file:line: what``; each also a
+    :class:`~dtm_mpi.errors.PropagationWarning` when traced; ``dtm explain`` lists them)."""
 
     @property
     def text(self) -> str:
@@ -92,6 +96,18 @@ def _finish(
     except VerifyError as err:  # a bug of the frontend, not of the user's code
         raise AssertionError(f"the traced module does not verify: {err}") from err
     return module
+
+
+def _fallbacks(tr: Tracer) -> tuple[str, ...]:
+    """The builder's notes of where propagation gave up, once per place and message, each
+    warned at the user's line as it is first met."""
+    out: list[str] = []
+    for span, message in tr.b.gave_up:
+        line = f"{span.file}:{span.line}: {message}"
+        if line not in out:
+            out.append(line)
+            warnings.warn_explicit(message, PropagationWarning, span.file, span.line)
+    return tuple(out)
 
 
 def regather(tr: Tracer, forward: int) -> None:
@@ -250,6 +266,7 @@ def train_step(
         tuple(k for k, _ in scalars),
         mesh,
         policy,
+        fallbacks=_fallbacks(tr),
     )
 
 
@@ -286,7 +303,13 @@ def eval_step(
             results.append(t.complete().value)
     module = _finish(tr, "eval_step", mesh, results)
     return TracedStep(
-        module, tuple(inputs), tuple(p for p, _ in weights), (), tuple(k for k, _ in named), mesh
+        module,
+        tuple(inputs),
+        tuple(p for p, _ in weights),
+        (),
+        tuple(k for k, _ in named),
+        mesh,
+        fallbacks=_fallbacks(tr),
     )
 
 
@@ -344,5 +367,12 @@ def forward_step(
     names = tuple(k for k, _ in named)
     states = tuple(n.lstrip("%") for n, _ in tr.updates)
     return TracedStep(
-        module, tuple(inputs), tuple(p for p, _ in weights), states, names, mesh, tensors=names
+        module,
+        tuple(inputs),
+        tuple(p for p, _ in weights),
+        states,
+        names,
+        mesh,
+        tensors=names,
+        fallbacks=_fallbacks(tr),
     )

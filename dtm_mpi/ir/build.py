@@ -92,6 +92,9 @@ class FunctionBuilder:
         self._taken: set[str] = set(names)
         self._counter = 0
         self._repeats: dict[str, str] = {}  # a broadcast_to's result -> its operand
+        self.gave_up: list[tuple[SourceSpan, str]] = []
+        """Where propagation gave up on a sharded operand (the op ran on replicated values):
+        the op's place and what happened, in the order met."""
 
     # --- names and values ------------------------------------------------------------------
 
@@ -253,9 +256,23 @@ class FunctionBuilder:
                 first = first or err
                 self._rollback(mark)
                 continue
+            if attempt is _replicated:
+                self._note_replicated(name, operands, span)
             return self._emit_typed(opdef, types, xs, attrs, span, hint)
         assert first is not None
         raise first
+
+    def _note_replicated(self, name: str, operands: Sequence[Value], span: SourceSpan) -> None:
+        split = [x for x in operands if x.type.layout.sharded_axes]
+        if not split:
+            return
+        moved = ", ".join(f"{x.name} {x.type}" for x in split)
+        self.gave_up.append(
+            (
+                span,
+                f"{name} ran replicated: no sharding rule takes {moved} as it is split, so every rank gathers the whole value (reshape or redistribute it first to keep it split)",
+            )
+        )
 
     def _rollback(self, mark: int) -> None:
         """Drop the ops appended after the first ``mark`` (an attempt that failed)."""

@@ -95,6 +95,29 @@ def _overlap_lines(plan: ExecPlan) -> list[str]:
     ]
 
 
+def _repeated_lines(plan: ExecPlan) -> list[str]:
+    """Values the plan moves to the same layout more than once with communication (a
+    parameter's gathers aside: regathering one for the backward is deliberate, FSDP)."""
+    out = []
+    for name, fp in plan.functions:
+        params = {q.name for q in fp.function.params}
+        seen: dict[tuple[str, object], list[int]] = {}
+        for i, p in enumerate(fp.ops, start=1):
+            moved = p.redist is not None and any(s.kind.is_collective for s in p.redist.steps)
+            if moved and p.op.operands[0] not in params:
+                seen.setdefault((p.op.operands[0], p.op.result_types[0].layout), []).append(i)
+        for (value, _), at in seen.items():
+            if len(at) > 1:
+                t = fp.ops[at[1] - 1].op.result_types[0]
+                where = fp.ops[at[1] - 1].where
+                out.append(
+                    f"  @{name}: {value} moved to {t} {len(at)} times (ops {', '.join(map(str, at))}; the second at {where})"
+                )
+    if not out:
+        return []
+    return ["values moved to one layout more than once (each time with communication):", *out, ""]
+
+
 def explain_text(plan: ExecPlan) -> str:
     """The whole explanation of ``plan``."""
     mesh = plan.mesh
@@ -111,6 +134,7 @@ def explain_text(plan: ExecPlan) -> str:
         lines += [*_function_lines(plan, name, cost), ""]
     assert entry_cost is not None
     lines += _overlap_lines(plan)
+    lines += _repeated_lines(plan)
     counts = ", ".join(f"{k} x{n}" for k, n in entry_cost.collectives) or "none"
     lines += [
         "totals per step (entry function, calls included):",

@@ -29,3 +29,6 @@ def test_bench_generate_reports_every_run_and_the_ids_agree() -> None:
         assert all(r.split()[-1] == "same" for r in runs), table  # dtm's ids are transformers'
     for r in runs:
         assert float(r.split()[-3]) > 0, table  # a decode rate was measured
+    for r in runs[:2]:  # dtm's planning and weights: a part of its first token's time
+        first, setup = float(r.split()[-5]), float(r.split()[-4])
+        assert 0 < setup <= first, table

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dtm_mpi import frontend as dtm
-from dtm_mpi.errors import GradientError, PlanError, TraceError, UsageError
+from dtm_mpi.errors import GradientError, PlanError, PropagationWarning, TraceError, UsageError
 from dtm_mpi.frontend import functional as fn
 from dtm_mpi.ir import load_module, print_module
 from dtm_mpi.ir.autodiff import backward
@@ -531,3 +531,34 @@ def test_slicing_a_sharded_tensor_gathers_only_the_cut_dim() -> None:
         dtm.nn.Linear(2, 2), run, mesh=MESH, inputs={"x": dtm.Input((8, 6), "f32", ("dp", "tp"))}
     )
     assert seen == ["allgather f32[8,6]{dp,-}"]
+
+
+def test_propagation_that_gives_up_is_warned_at_the_users_line() -> None:
+    def run(m: dtm.nn.Module, x: dtm.Tensor) -> dict[str, dtm.Tensor]:
+        flat = x.reshape((48,))  # the split inner dim cannot land on the merged one
+        return {"s": flat.sum()}
+
+    line = inspect.getsourcelines(run)[1] + 1
+    with pytest.warns(PropagationWarning) as caught:
+        step = dtm.eval_step(
+            dtm.nn.Linear(2, 2),
+            run,
+            mesh=MESH,
+            inputs={"x": dtm.Input((8, 6), "f32", (None, "tp"))},
+        )
+    (note,) = step.fallbacks
+    assert note.startswith(f"{__file__}:{line}: reshape ran replicated: no sharding rule takes ")
+    assert "f32[8,6]{-,tp}" in note, note
+    assert caught[0].filename == __file__ and caught[0].lineno == line
+    from dtm_mpi.frontend.fit import explain_fit
+
+    text = explain_fit(step, {"dp": 2, "tp": 2}, None)
+    assert f"where sharding propagation gave up (the op ran on replicated values):\n  {note}" in text
+    # a rule that takes the split value as it is: nothing to say
+    ok = dtm.eval_step(
+        dtm.nn.Linear(2, 2),
+        lambda m, x: {"s": x.reshape((48,)).sum()},
+        mesh=MESH,
+        inputs={"x": dtm.Input((8, 6), "f32", ("tp", None))},
+    )
+    assert ok.fallbacks == ()

@@ -330,3 +330,31 @@ def test_the_figures_of_every_rank_at_once_equal_each_ranks_own(
     params = [sum(local_bytes(q.type, plan.mesh, r) for q in qs) for r in range(nranks)]
     assert all(peak >= held for peak, held in zip(entry.peak, params, strict=True))
     assert len(set(entry.peak)) > 1  # the uneven split shows
+
+
+TWICE = """dtm 1.0
+module twice
+mesh @m = [tp=2]
+entry func @f(%x: f32[8,6]{-,tp} init normal(seed=1, std=1.0)) -> (f32[8,6], f32[8,6]) on @m {
+  %y = neg %x : f32[8,6]{-,tp}
+  %a = allgather %y on tp : f32[8,6]
+  %b = allgather %y on tp : f32[8,6]
+  %c = allgather %x on tp : f32[8,6]
+  %d = allgather %x on tp : f32[8,6]
+  %s = add %a, %c : f32[8,6]
+  %t = add %b, %d : f32[8,6]
+  return %s, %t
+}
+"""
+
+
+def test_explain_lists_a_value_moved_to_one_layout_twice() -> None:
+    module = parse_module(TWICE, "twice.dtm")
+    verify_module(module)
+    text = explain_text(compile_plan(module, mesh_for(module, 2, None)))
+    assert "values moved to one layout more than once" in text
+    (line,) = [ln for ln in text.splitlines() if "times (ops" in ln]
+    # the intermediate %y, not the parameter %x (gathering one again is FSDP's choice)
+    assert line.startswith(
+        "  @f: %y moved to f32[8,6] 2 times (ops 2, 3; the second at twice.dtm:7:"
+    )

@@ -4,6 +4,8 @@ and the builder reduces a pending value before it repeats it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -34,22 +36,36 @@ def _module(text: str) -> Module:
     return module
 
 
+WHOLE = REPEAT.replace("%v: f32[1,1,64]{-,-,tp}", "%v: f32[1,1,64]").replace(
+    "%b = broadcast_to %v : f32[6,5,64]{-,-,tp}", "%b = broadcast_to %v : f32[6,5,64]"
+)
+
+
 @pytest.mark.parametrize(("ranks", "binding"), [(4, {"dp": 2, "tp": 2}), (3, {"dp": 3, "tp": 1})])
+@pytest.mark.parametrize("text", [REPEAT, WHOLE], ids=["operand-split", "operand-whole"])
 def test_a_broadcast_its_use_cuts_is_made_as_each_ranks_block(
-    ranks: int, binding: dict[str, int]
+    ranks: int, binding: dict[str, int], text: str
 ) -> None:
-    module = _module(REPEAT)
+    module = _module(text)
     plan = compile_plan(module, mesh_for(module, ranks, binding))
     fp = plan.entry_plan
+    if text == WHOLE:  # the uses split the dim v has whole: v is cut to its block first
+        first = fp.ops[0]
+        assert first.kind is OpKind.REDIST and first.op.operands == ("%v",)
+        assert first.op.result_types[0].layout.dims == ((), (), ("tp",))
+        assert first.redist is not None
+        assert all(not s.kind.is_collective for s in first.redist.steps)
+        fp = replace(fp, ops=fp.ops[1:])
     b, cut = fp.ops[0], fp.ops[1]
     assert b.op.result_types[0].layout.dims[0] == ("dp",)  # the use's layout (the IR's is -)
     assert module.entry is not None and module.entry.body[0].result_types[0].layout.dims[0] == ()
     assert cut.kind is OpKind.REDIST and cut.redist is not None and cut.redist.steps == ()
-    cost = function_cost(plan, fp)
+    cost = function_cost(plan, plan.entry_plan)
+    at = 1 if text == WHOLE else 0
     # dp=3 cuts the 6 rows into 2 a rank; each rank holds only its block of the repeat
     rows = -(-6 // binding["dp"])
     cols = 64 // binding["tp"]
-    assert cost.ops[0].local_shapes[0] == ((rows, 5, cols),)
+    assert cost.ops[at].local_shapes[0] == ((rows, 5, cols),)
     # the values are the module's: v repeated, times x (the reference: one rank, all of it)
     got = run_simulated(module, ranks, binding=binding).outputs()
     want = run_simulated(module, 1, binding={"dp": 1, "tp": 1}).outputs()
