@@ -63,6 +63,12 @@ def add_generate_command(sub: argparse._SubParsersAction) -> None:  # type: igno
         default=None,
         help="compute dtype (default: the config's)",
     )
+    gen.add_argument(
+        "--explain",
+        action="store_true",
+        help="print the decode step's plan on the mesh (each rank's ops, communication and "
+        "memory: its weights and key/value cache) and stop, without running",
+    )
     gen.set_defaults(func=_cmd_generate)
 
 
@@ -142,6 +148,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     except UsageError as exc:
         raise agreed(exc) from None
     eos = _eos(args, src.config)
+    if args.explain:  # fit prints the decode step's plan, then ends the run
+        from dtm_mpi.config import switch_on
+
+        switch_on("explain")
     res = generation(
         src.model,
         src.weights,

@@ -149,3 +149,18 @@ def test_a_bad_tokenizer_under_mpirun_is_one_agreed_error(tmp_path: Path) -> Non
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out
     assert "not a tokenizer" in out and "aborting the job" not in out and "Traceback" not in out
+
+
+def test_explain_prints_the_decode_plan_without_running(tmp_path: Path) -> None:
+    import subprocess
+
+    d = tmp_path / "m"
+    _write(d, CONFIG)
+    cmd = [sys.executable, "-m", "dtm_mpi", "generate", str(d), "--ids", "1 2 3"]
+    cmd += ["--max-new", "4", "--mesh", "dp=1,tp=2", "--explain"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert out.startswith("module decode on mesh [dp=1, tp=2] (2 ranks)"), out[:500]
+    assert "peak memory:" in out and "allreduce sum on tp" in out
+    assert "ids:" not in out and "tokens/s" not in out  # planned, not run

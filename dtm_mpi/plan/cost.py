@@ -158,9 +158,8 @@ class _Costing:
         """(sent, received, peak extra bytes, kept output bytes) of ``r`` on every rank."""
         got = self._redist.get(r)
         if got is None:
-            sent = np.array([r.bytes_sent(k) for k in self.ranks], dtype=np.int64)
-            recv = np.array([r.bytes_received(k) for k in self.ranks], dtype=np.int64)
-            extra = np.array([r.peak_extra_bytes(k) for k in self.ranks], dtype=np.int64)
+            figures = np.array([r.rank_figures(k) for k in self.ranks], dtype=np.int64)
+            sent, recv, extra = figures[:, 0], figures[:, 1], figures[:, 2]
             kept = sum((self.kept(s.out_type) for s in r.steps if s.kind.is_collective), self.zeros)
             got = (sent, recv, extra, kept)
             self._redist[r] = got

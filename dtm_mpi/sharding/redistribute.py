@@ -106,16 +106,30 @@ class RedistPlan:
     def bytes_received(self, rank: int) -> int:
         return sum(step_traffic(s, self.mesh, rank).received for s in self.steps)
 
+    def rank_figures(self, rank: int) -> tuple[int, int, int]:
+        """(:meth:`bytes_sent`, :meth:`bytes_received`, :meth:`peak_extra_bytes`) of
+        ``rank``, each step's traffic computed once."""
+        traffic = [step_traffic(s, self.mesh, rank) for s in self.steps]
+        sent = sum(t.sent for t in traffic)
+        return (
+            sent,
+            sum(t.received for t in traffic),
+            self._peak(rank, [t.staging for t in traffic]),
+        )
+
     def peak_extra_bytes(self, rank: int) -> int:
         """The most bytes of intermediate arrays and staging buffers alive at once (module
         doc); MAKE_PARTIAL is counted as making a new array."""
+        return self._peak(rank, [step_traffic(s, self.mesh, rank).staging for s in self.steps])
+
+    def _peak(self, rank: int, staging: list[int]) -> int:
         buffers = [0]
         for i, s in enumerate(self.steps):
             buffers.append(buffers[-1] if s.kind is StepKind.RELABEL else i + 1)
         final, peak = buffers[-1], 0
         for i, s in enumerate(self.steps):
             src_buf, dst_buf = buffers[i], buffers[i + 1]
-            alive = step_traffic(s, self.mesh, rank).staging
+            alive = staging[i]
             if src_buf not in (0, final):
                 alive += _local_bytes(s.in_type, self.mesh, rank)
             if dst_buf not in (src_buf, 0, final):

@@ -40,9 +40,13 @@ collective (the executor's ``STEP_RUNNERS`` call it), the per-rank function of
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any
+
+import numpy as np
 
 from dtm_mpi.errors import PlanError
 from dtm_mpi.ir.types import ReduceOp, TensorType
@@ -521,10 +525,40 @@ def _traffic_allreduce(step: RedistStep, mesh: MeshShape, rank: int) -> StepTraf
     return StepTraffic(moved * item, moved * item, 0)
 
 
-def _traffic_exchange(step: RedistStep, mesh: MeshShape, rank: int) -> StepTraffic:
-    sent, received = exchange_traffic(
-        _exchange(step, mesh, rank), rank, step.in_type.dtype.itemsize
+@functools.lru_cache(maxsize=64)
+def _every_block(t: TensorType, mesh: MeshShape) -> tuple[Any, Any]:
+    """``(starts, ends)`` ``[ranks, dims]`` of every rank's block of ``t`` (:func:`block_bounds`)."""
+    bounds = np.array([block_bounds(t, mesh, r) for r in range(mesh.size)], dtype=np.int64)
+    bounds = bounds.reshape(mesh.size, t.rank, 2)
+    return bounds[:, :, 0], bounds[:, :, 0] + bounds[:, :, 1]
+
+
+@functools.lru_cache(maxsize=16)
+def _every_coord(mesh: MeshShape) -> Any:
+    return np.array([mesh.coords(r) for r in range(mesh.size)], dtype=np.int64).reshape(
+        mesh.size, len(mesh.axes)
     )
+
+
+def _overlaps(lo: Any, hi: Any, los: Any, his: Any) -> Any:
+    """The elements the box ``[lo, hi)`` shares with each box ``[los[i], his[i])``."""
+    return np.prod(np.maximum(0, np.minimum(hi, his) - np.maximum(lo, los)), axis=1)
+
+
+def _traffic_exchange(step: RedistStep, mesh: MeshShape, rank: int) -> StepTraffic:
+    """The transfers of :func:`_transfers` (what :func:`exchange_traffic` counts of the rank's
+    spec), counted for the whole group at once: the peers that agree with ``rank`` off the
+    group's axes and on the group's axes its input is not split over."""
+    coords = _every_coord(mesh)
+    split_in = set(step.in_type.layout.sharded_axes)
+    fixed = [i for i, (a, _) in enumerate(mesh.axes) if a not in step.axes or a not in split_in]
+    peers = np.all(coords[:, fixed] == coords[rank, fixed], axis=1)
+    peers[rank] = False  # a rank's copy to itself moves nothing
+    in_lo, in_hi = _every_block(step.in_type, mesh)
+    out_lo, out_hi = _every_block(step.out_type, mesh)
+    item = step.in_type.dtype.itemsize
+    sent = int(_overlaps(in_lo[rank], in_hi[rank], out_lo[peers], out_hi[peers]).sum()) * item
+    received = int(_overlaps(out_lo[rank], out_hi[rank], in_lo[peers], in_hi[peers]).sum()) * item
     return StepTraffic(sent, received, sent + received)
 
 

@@ -281,3 +281,32 @@ def test_random_layouts(case: tuple[TensorType, Layout, MeshShape], seed: int) -
     plan = plan_redistribute(src, dst, mesh)
     dtype = np.float64 if src.dtype is DType.F64 else np.int32
     check_plan(plan, np.random.default_rng(seed), dtype)
+
+
+@pytest.mark.parametrize("mesh_name", ["3", "2x2"])
+def test_exchange_traffic_counted_for_the_group_at_once_is_each_ranks_spec(
+    mesh_name: str,
+) -> None:
+    # step_traffic counts an exchange's transfers for all peers at once (numpy); the rank's
+    # own exchange spec (what the runtime sends) must give the same bytes, on every pair
+    from dtm_mpi.sharding.steps import ExchangeSpec, exchange_traffic, rank_spec
+
+    mesh = MESHES[mesh_name]
+    seen = 0
+    for shape in SHAPES:
+        ls = layouts(mesh.axis_names, len(shape))
+        for s in ls:
+            for d in ls:
+                if not allowed(s, d):
+                    continue
+                for step in plan_redistribute(tensor(shape, s), d, mesh).steps:
+                    if step.kind not in (K.EXCHANGE, K.ALL_TO_ALL):
+                        continue
+                    for r in range(mesh.size):
+                        spec = rank_spec(step, mesh, r)
+                        assert isinstance(spec, ExchangeSpec)
+                        want = exchange_traffic(spec, r, step.in_type.dtype.itemsize)
+                        got = step_traffic(step, mesh, r)
+                        assert (got.sent, got.received) == want, (shape, s, d, r)
+                        seen += 1
+    assert seen > 0
