@@ -181,7 +181,8 @@ def _interop_args(p: argparse.ArgumentParser, direction: str) -> None:
         "--map",
         metavar="FILE",
         default=None,
-        help=f"a JSON or TOML table renaming tensors ({direction}); only mapped tensors move",
+        help=f"a JSON or TOML table renaming tensors ({direction}), each with a transform where "
+        "given (transpose, split along a dim, concatenate); only mapped tensors move",
     )
 
 
@@ -497,10 +498,11 @@ def _moved_lines(moved: Any, verb: str) -> None:
 
 def _cmd_store_export(args: argparse.Namespace) -> int:
     from dtm_mpi.console import write_line
-    from dtm_mpi.io.interop import export_tensors, read_name_map
+    from dtm_mpi.io.interop import export_tensors
+    from dtm_mpi.io.tensor_map import read_tensor_map
     from dtm_mpi.io.tools import store_dir
 
-    rename = read_name_map(args.map) if args.map else None
+    rename = read_tensor_map(args.map) if args.map else None
     moved = export_tensors(
         store_dir(args.store),
         Path(args.output),
@@ -516,10 +518,11 @@ def _cmd_store_export(args: argparse.Namespace) -> int:
 
 def _cmd_store_import(args: argparse.Namespace) -> int:
     from dtm_mpi.comm import handles
-    from dtm_mpi.io.interop import import_tensors, read_name_map
+    from dtm_mpi.io.interop import import_tensors
+    from dtm_mpi.io.tensor_map import read_tensor_map
     from dtm_mpi.io.tools import store_dir
 
-    rename = read_name_map(args.map) if args.map else None
+    rename = read_tensor_map(args.map) if args.map else None
     moved = import_tensors(
         store_dir(args.store),
         Path(args.file),

@@ -7,16 +7,15 @@
   ``transformers`` expects) and where the tensors came from (store, step).
 * **npz** (numpy): bf16 as its raw bits (uint16), as ``dtm store put`` takes it.
 
-A **name map** (a JSON or TOML table ``"from" = "to"``) renames on the way: on export from
-store names to the file's, on import from the file's to the store's; with a map, exactly the
-mapped tensors move (a mapped name that is missing is an error naming it), without one every
-tensor does. An import is one new checkpoint of the store (copy-on-write: the older ones stay).
+A **tensor map** (``--map``, :mod:`dtm_mpi.io.tensor_map`: a JSON or TOML table, ``"from" =
+"to"`` or a transform: transpose, split along a dim, concatenate) renames and reshapes on the
+way: on export from store names to the file's, on import from the file's to the store's; with
+a map, exactly the mapped tensors move (a mapped name that is missing is an error naming it),
+without one every tensor does. An import is one new checkpoint of the store (copy-on-write: the older ones stay).
 """
 
 from __future__ import annotations
 
-import json
-import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,9 +24,14 @@ from typing import Any
 import numpy as np
 
 from dtm_mpi.errors import UsageError
+from dtm_mpi.io.tensor_map import MapEntry, apply_entry, as_entries
 from dtm_mpi.ir.types import DType
 
-__all__ = ["FORMATS", "SAFETENSORS_DTYPES", "export_tensors", "import_tensors", "read_name_map"]
+TensorMap = Sequence[MapEntry] | Mapping[str, str]
+"""A tensor map: its entries (:func:`~dtm_mpi.io.tensor_map.read_tensor_map`), or a plain
+``{from: to}`` renaming."""
+
+__all__ = ["FORMATS", "SAFETENSORS_DTYPES", "TensorMap", "export_tensors", "import_tensors"]
 
 FORMATS = ("safetensors", "npz")
 
@@ -88,45 +92,43 @@ def format_of(path: Path, given: str | None) -> str:
     return fmt
 
 
-def read_name_map(path: str | Path) -> dict[str, str]:
-    """A name map file: a JSON object or a TOML table of ``"from" = "to"`` strings."""
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-        doc = json.loads(text) if p.suffix.lower() == ".json" else tomllib.loads(text)
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"--map {p}: cannot read it: {exc}") from None
-    except (ValueError, tomllib.TOMLDecodeError) as exc:
-        raise UsageError(f"--map {p}: not a JSON object or TOML table: {exc}") from None
-    if not isinstance(doc, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in doc.items()
-    ):
-        raise UsageError(f'--map {p}: every entry must be "from" = "to" (strings)')
-    targets = list(doc.values())
-    twice = sorted({t for t in targets if targets.count(t) > 1})
-    if twice:
-        raise UsageError(f"--map {p}: two names map to {twice[0]!r}")
-    return dict(doc)
+def _entries(rename: TensorMap | None) -> tuple[MapEntry, ...] | None:
+    if rename is None:
+        return None
+    if isinstance(rename, Mapping):
+        return as_entries(rename, "the tensor map")
+    return tuple(rename)
 
 
 def _selection(
-    available: Sequence[str], names: Sequence[str], rename: Mapping[str, str] | None, where: str
-) -> list[tuple[str, str]]:
-    """(from, to) pairs: the mapped names with a map, else ``names`` or everything."""
+    available: Sequence[str], names: Sequence[str], rename: TensorMap | None, where: str
+) -> list[MapEntry]:
+    """The entries that move: the mapped ones with a map (those with a source in ``names``,
+    if given), else ``names`` or everything as they are."""
     have = set(available)
-    if rename is not None:
-        chosen = [n for n in rename if not names or n in names]
-        pairs = [(n, rename[n]) for n in chosen]
+    entries = _entries(rename)
+    if entries is not None:
+        chosen = [e for e in entries if not names or any(n in names for n in e.sources)]
     else:
-        pairs = [(n, n) for n in (names or available)]
-    missing = [a for a, _ in pairs if a not in have]
+        chosen = [MapEntry((n,), (n,)) for n in (names or available)]
+    missing = [n for e in chosen for n in e.sources if n not in have]
     if missing:
         raise UsageError(
             f"{where} has no tensor {missing[0]!r} (it has: {', '.join(sorted(have)) or 'none'})"
         )
-    if not pairs:
+    if not chosen:
         raise UsageError(f"{where}: no tensor selected")
-    return pairs
+    return chosen
+
+
+def _moved(
+    e: MapEntry, dtypes: Sequence[DType], values: Sequence[np.ndarray]
+) -> list[tuple[str, DType, np.ndarray]]:
+    """(target, dtype, value) of entry ``e`` from its sources' dtypes and values."""
+    if any(d is not dtypes[0] for d in dtypes):
+        got = ", ".join(f"{n} {d.value}" for n, d in zip(e.sources, dtypes, strict=True))
+        raise UsageError(f"{e.where}: the tensors joined must have one dtype; got {got}")
+    return [(t, dtypes[0], v) for t, v in zip(e.targets, apply_entry(e, values), strict=True)]
 
 
 def export_tensors(
@@ -136,7 +138,7 @@ def export_tensors(
     names: Sequence[str] = (),
     fmt: str | None = None,
     step: int | None = None,
-    rename: Mapping[str, str] | None = None,
+    rename: TensorMap | None = None,
     warn: Callable[[str], None] | None = None,
 ) -> Moved:
     """Write tensors of checkpoint ``step`` (default: latest) of ``store`` to ``out``, every
@@ -154,14 +156,17 @@ def export_tensors(
     backend = store_backend(store)
     m = read_manifest(ckpt, backend)
     stored = [a.name for a in m.artifacts if a.cls is not ArtifactClass.EPHEMERAL]
-    pairs = _selection(stored, names, rename, f"checkpoint {ckpt}")
+    chosen = _selection(stored, names, rename, f"checkpoint {ckpt}")
     values: dict[str, tuple[DType, np.ndarray]] = {}
-    for src, dst in pairs:
-        a = m.artifact(src)
-        value = read_served(store, m, src, backend=backend, warn=warn)
-        if a.dtype is DType.BF16:  # held as binary32 holding bf16 values: the upper half
-            value = bf16_bits(value)
-        values[dst] = (a.dtype, np.ascontiguousarray(value))
+    moved = []
+    for e in chosen:
+        dtypes = [m.artifact(src).dtype for src in e.sources]
+        read = [read_served(store, m, src, backend=backend, warn=warn) for src in e.sources]
+        for dst, dtype, got in _moved(e, dtypes, read):
+            # bf16 is held as binary32 holding bf16 values: the upper half
+            value = bf16_bits(got) if dtype is DType.BF16 else got
+            values[dst] = (dtype, np.ascontiguousarray(value))
+            moved.append(("+".join(e.sources), dst, dtype, tuple(value.shape)))
     meta = {"format": "pt", "dtm_store": str(store), "dtm_step": str(m.step)}
     if fmt == "npz":
         from dtm_mpi.io.arrays import save_npz
@@ -169,8 +174,7 @@ def export_tensors(
         save_npz(str(out), {k: v for k, (_, v) in values.items()})
     else:
         _write_safetensors(out, values, meta)
-    moved = tuple((s, d, values[d][0], tuple(values[d][1].shape)) for s, d in pairs)
-    return Moved(moved, m.step, out)
+    return Moved(tuple(moved), m.step, out)
 
 
 def _write_safetensors(
@@ -231,7 +235,7 @@ def import_tensors(
     *,
     names: Sequence[str] = (),
     fmt: str | None = None,
-    rename: Mapping[str, str] | None = None,
+    rename: TensorMap | None = None,
 ) -> Moved:
     """Put tensors of the file ``path`` into ``store`` as one new checkpoint (``comm``: a
     one-process communicator)."""
@@ -240,15 +244,24 @@ def import_tensors(
 
     fmt = format_of(path, fmt)
     tensors = read_file_tensors(path, fmt)
-    pairs = _selection(list(tensors), names, rename, str(path))
-    for src, dst in pairs:
-        if not valid_tensor_name(dst):
-            hint = " (give it a store name with --map)" if src == dst else ""
-            raise UsageError(
-                f"{path}: tensor {src!r} cannot be stored as {dst!r}: a store name is letters, "
-                f"digits, '_', '.' and '-', starting with a letter or '_'{hint}"
-            )
-    values = {dst: tensors[src][1] for src, dst in pairs}
-    put = put_tensors(store, comm, values, where={d: f"{path}: {s}" for s, d in pairs})
-    moved = tuple((s, d, tensors[s][0], tuple(tensors[s][1].shape)) for s, d in pairs)
-    return Moved(moved, put.step, put.path)
+    chosen = _selection(list(tensors), names, rename, str(path))
+    for e in chosen:
+        for dst in e.targets:
+            if not valid_tensor_name(dst):
+                src = "+".join(e.sources)
+                hint = " (give it a store name with --map)" if (src,) == e.targets else ""
+                raise UsageError(
+                    f"{path}: tensor {src!r} cannot be stored as {dst!r}: a store name is letters, "
+                    f"digits, '_', '.' and '-', starting with a letter or '_'{hint}"
+                )
+    values: dict[str, np.ndarray] = {}
+    where: dict[str, str] = {}
+    moved = []
+    for e in chosen:
+        got = [tensors[src] for src in e.sources]
+        for dst, dtype, value in _moved(e, [d for d, _ in got], [v for _, v in got]):
+            values[dst] = value
+            where[dst] = f"{path}: {'+'.join(e.sources)}"
+            moved.append(("+".join(e.sources), dst, dtype, tuple(value.shape)))
+    put = put_tensors(store, comm, values, where=where)
+    return Moved(tuple(moved), put.step, put.path)

@@ -16,6 +16,7 @@ from dtm_mpi.cli import main
 from dtm_mpi.errors import UsageError
 from dtm_mpi.io.interop import export_tensors, import_tensors, read_file_tensors
 from dtm_mpi.io.store import committed_name, read_latest
+from dtm_mpi.io.tensor_map import read_tensor_map
 from dtm_mpi.io.tools import put_tensors, read_manifest, read_tensor
 from dtm_mpi.ir.types import DType
 from tests.test_cli_store import comm
@@ -145,7 +146,7 @@ def test_bad_files_names_and_formats_are_one_line(tmp_path: Path, monkeypatch: A
     with pytest.raises(UsageError, match=r"cannot be stored as '0.weight'.*--map"):
         import_tensors(store, digits, comm())
     (tmp_path / "twice.toml").write_text('a = "x"\nb = "x"\n')
-    with pytest.raises(UsageError, match="two names map to 'x'"):
+    with pytest.raises(UsageError, match="'x' is the target of two entries"):
         main(
             [
                 "store",
@@ -162,3 +163,78 @@ def test_bad_files_names_and_formats_are_one_line(tmp_path: Path, monkeypatch: A
         UsageError, match=r"needs the safetensors package: pip install 'dtm_mpi\[interop\]'"
     ):
         export_tensors(store, tmp_path / "x.safetensors")
+
+
+def test_a_map_splits_transposes_and_concatenates_both_ways(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a GPT-2-like fused c_attn [in, 3 out] (Conv1D) out as q, k, v Linear weights [out, in]
+    # and back: split, transpose, then transpose and concatenate give the bits that went out
+    rng = np.random.default_rng(3)
+    fused = rng.standard_normal((4, 6)).astype(np.float32)
+    bits = (rng.standard_normal((4, 6)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    store = tmp_path / "s"
+    store.mkdir()
+    put_tensors(store, comm(), {"c_attn": fused, "c_attn_bf16": bits})
+    out = tmp_path / "qkv.safetensors"
+    split = tmp_path / "split.toml"
+    split.write_text(
+        'c_attn = { to = ["q", "k", "v"], split = 1 }\n'
+        'c_attn_bf16 = { to = "w_t", transpose = true }\n'
+    )
+    assert main(["store", "export", str(store), "-o", str(out), "--map", str(split)]) == 0
+    assert "c_attn -> k: f32[4,2]" in capsys.readouterr().out
+    files = read_file_tensors(out, "safetensors")
+    assert sorted(files) == ["k", "q", "v", "w_t"]
+    for i, name in enumerate("qkv"):
+        np.testing.assert_array_equal(files[name][1], fused[:, 2 * i : 2 * i + 2])
+    assert files["w_t"][0] is DType.BF16 and files["w_t"][1].shape == (6, 4)
+    back = tmp_path / "back"
+    back.mkdir()
+    join = tmp_path / "join.json"
+    join.write_text(
+        '{"q": {"to": "c_attn", "concat": 1, "with": ["k", "v"]},'
+        ' "w_t": {"to": "c_attn_bf16", "transpose": true}}'
+    )
+    assert main(["store", "import", str(back), str(out), "--map", str(join)]) == 0
+    assert "q+k+v -> c_attn: f32[4,6]" in capsys.readouterr().out
+    assert _stored(back) == _stored(store)
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        (
+            'c_attn = { to = ["q", "k", "v"], split = 0 }',
+            r"\[4,6\] does not split into 3 equal parts along dim 0",
+        ),
+        ('c_attn = { to = "x", split = 1 }', "split needs to = .two or more names."),
+        ('c_attn = { to = "x", concat = 1, with = ["c_attn"] }', "'c_attn' is used by two entries"),
+        (
+            'c_attn = { to = "x", concat = 0, with = ["row"] }',
+            r"row float32\[5\] does not join c_attn",
+        ),
+        ('c_attn = { to = "x", concat = 2, with = ["row"] }', "dim 2 is out of range for c_attn"),
+        ('row = { to = "x", transpose = true }', r"transpose takes a matrix; row is \[5\]"),
+        (
+            'c_attn = { to = "x", transpose = true, split = 1 }',
+            "give one of transpose, split, concat",
+        ),
+        ('c_attn = { to = "x", shuffle = true }', "unknown key 'shuffle'"),
+        ("c_attn = 3", "want a name or a table"),
+    ],
+)
+def test_bad_map_entries_are_one_line_naming_the_entry(
+    tmp_path: Path, table: str, message: str
+) -> None:
+    store = tmp_path / "s"
+    store.mkdir()
+    put_tensors(
+        store, comm(), {"c_attn": np.zeros((4, 6), np.float32), "row": np.zeros(5, np.float32)}
+    )
+    path = tmp_path / "map.toml"
+    path.write_text(table + "\n")
+    with pytest.raises(UsageError, match=message) as err:
+        export_tensors(store, tmp_path / "o.npz", rename=read_tensor_map(path))
+    assert f"--map {path}" in str(err.value)
+    assert not (tmp_path / "o.npz").exists()
