@@ -131,9 +131,7 @@ def apply_entry(entry: MapEntry, values: Sequence[np.ndarray]) -> list[np.ndarra
     if entry.transform == "transpose":
         (x,) = values
         if x.ndim != 2:
-            raise UsageError(
-                f"{at}: transpose takes a matrix; {entry.sources[0]} is {_shape(x)}"
-            )
+            raise UsageError(f"{at}: transpose takes a matrix; {entry.sources[0]} is {_shape(x)}")
         return [np.ascontiguousarray(x.T)]
     first = values[0]
     if not -first.ndim <= entry.dim < first.ndim:

@@ -553,7 +553,9 @@ def test_propagation_that_gives_up_is_warned_at_the_users_line() -> None:
     from dtm_mpi.frontend.fit import explain_fit
 
     text = explain_fit(step, {"dp": 2, "tp": 2}, None)
-    assert f"where sharding propagation gave up (the op ran on replicated values):\n  {note}" in text
+    assert (
+        f"where sharding propagation gave up (the op ran on replicated values):\n  {note}" in text
+    )
     # a rule that takes the split value as it is: nothing to say
     ok = dtm.eval_step(
         dtm.nn.Linear(2, 2),
