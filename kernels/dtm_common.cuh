@@ -120,6 +120,18 @@ __device__ __forceinline__ double dtm_gelu(double v) {
   const double k = 0.79788456080286535588;  // sqrt(2 / pi)
   return 0.5 * v * (1.0 + tanh(k * (v + 0.044715 * v * v * v)));
 }
+// The generated kernels name gelu by its form (the op's approximate attribute): tanh as above,
+// none the exact 0.5 v (1 + erf(v / sqrt 2)).
+__device__ __forceinline__ float dtm_gelu_tanh(float v) { return dtm_gelu(v); }
+__device__ __forceinline__ double dtm_gelu_tanh(double v) { return dtm_gelu(v); }
+__device__ __forceinline__ float dtm_erf(float x) { return erff(x); }
+__device__ __forceinline__ double dtm_erf(double x) { return erf(x); }
+__device__ __forceinline__ float dtm_gelu_none(float v) {
+  return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
+}
+__device__ __forceinline__ double dtm_gelu_none(double v) {
+  return 0.5 * v * (1.0 + erf(v * 0.70710678118654752440));
+}
 
 // sigmoid(x) = 1 / (1 + exp(-x)), as the registry's numpy function: exp(-x) overflows to inf
 // for very negative x, giving exactly 0; NaN stays NaN.

@@ -39,8 +39,9 @@ def relu(x: Tensor) -> Tensor:
     return x.relu()
 
 
-def gelu(x: Tensor) -> Tensor:
-    return x.gelu()
+def gelu(x: Tensor, approximate: str = "tanh") -> Tensor:
+    """GELU, tanh form by default; ``approximate="none"``: exact, ``x * Phi(x)`` (torch's)."""
+    return x.gelu(approximate)
 
 
 def silu(x: Tensor) -> Tensor:

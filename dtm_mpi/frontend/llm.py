@@ -417,7 +417,7 @@ class GPT2Config:
         )
 
 
-_GPT2_ACTIVATIONS = {"gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu", "silu"}
+_GPT2_ACTIVATIONS = {"gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu", "silu"}
 _TORCH_DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64"}
 
 
@@ -580,6 +580,8 @@ def _gpt2_act(name: str, x: Tensor) -> Tensor:
         return x.relu()
     if name == "silu":
         return x.silu()
+    if name == "gelu":  # transformers' "gelu": the exact form, x Phi(x)
+        return gelu(x, approximate="none")
     return gelu(x)  # gelu_new / gelu_pytorch_tanh / gelu_fast: the tanh form
 
 

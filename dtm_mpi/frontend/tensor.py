@@ -355,8 +355,15 @@ class Tensor:
     def relu(self) -> Tensor:
         return self._apply("relu")
 
-    def gelu(self) -> Tensor:
-        return self._apply("gelu")
+    def gelu(self, approximate: str = "tanh") -> Tensor:
+        """GELU: ``approximate="tanh"`` (the default here, GPT-2's ``gelu_new``) or ``"none"``,
+        the exact ``x * Phi(x)`` (torch's default, BERT's ``gelu``), as torch's
+        ``gelu(x, approximate=...)``."""
+        if approximate == "tanh":
+            return self._apply("gelu")  # no attribute: the form every IR version reads
+        if approximate != "none":
+            raise trace_error(f"gelu approximate must be 'tanh' or 'none'; got {approximate!r}")
+        return self._apply("gelu", approximate="none")
 
     def sigmoid(self) -> Tensor:
         return self._apply("sigmoid")
@@ -370,6 +377,10 @@ class Tensor:
 
     def cos(self) -> Tensor:
         return self._apply("cos")
+
+    def erf(self) -> Tensor:
+        """The error function (``torch.erf``)."""
+        return self._apply("erf")
 
     def sqrt(self) -> Tensor:
         return self._apply("sqrt")

@@ -36,7 +36,7 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-SUPPORTED_VERSION = (1, 4)
+SUPPORTED_VERSION = (1, 5)
 _KIND_NAMES = {
     "VALUE": "an SSA value (%name)",
     "SYMBOL": "a symbol (@name)",

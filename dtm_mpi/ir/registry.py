@@ -265,6 +265,13 @@ class OpDef:
     since: tuple[int, int] = (1, 0)
     """The IR version that introduced the op: a module using it must declare that version
     or a later one (the verifier checks; builders declare the least version their ops need)."""
+    form_attrs: tuple[tuple[str, str], ...] = ()
+    """The enum attributes an elementwise op's array function and C expression read, each with
+    the value its absence means (``gelu``'s ``approximate``, ``tanh``): passed to the array
+    function as keywords and to the C expression's ``str.format`` by name (:meth:`form`)."""
+    attr_since: tuple[tuple[str, tuple[int, int]], ...] = ()
+    """Attributes newer than the op, with the IR version that introduced each: a module that
+    writes one must declare that version or a later one."""
     exact: object | None = None
     """Deterministic mode's exact form of an op that sums floats (:data:`Trait.SUMS`): an
     ``ExactRule`` attached by :mod:`dtm_mpi.kernels.exact` (:func:`attach_exact`), as backends
@@ -273,10 +280,41 @@ class OpDef:
     def has(self, trait: Trait) -> bool:
         return trait in self.traits
 
+    def form(self, op: Op) -> dict[str, str]:
+        """The values of :attr:`form_attrs` on ``op`` (the default where one is absent)."""
+        out: dict[str, str] = {}
+        for key, default in self.form_attrs:
+            v = op.attr(key)
+            out[key] = default if v is None else str(v)
+        return out
+
+    def forms(self) -> tuple[dict[str, str], ...]:
+        """Every form of the op: each combination of its form attributes' enum values (one
+        empty form for an op without them)."""
+        out: list[dict[str, str]] = [{}]
+        for key, _ in self.form_attrs:
+            choices = _choices(self.format, key)
+            out = [{**f, key: c} for f in out for c in choices]
+        return tuple(out)
+
+    def since_for(self, op: Op) -> tuple[int, int]:
+        """The least IR version ``op`` needs: the op's own, or that of a newer attribute it
+        writes."""
+        newer = [v for k, v in self.attr_since if op.attr(k) is not None]
+        return max([self.since, *newer])
+
     @property
     def arity(self) -> int:
         """The number of single operands of the format (``-1``: a variadic operand list)."""
         return _arity(self.format)
+
+
+def _choices(elems: tuple[FormatElem, ...], key: str) -> tuple[str, ...]:
+    for el in elems:
+        found = el.choices if el.name == key else _choices(el.group, key)
+        if found:
+            return found
+    return ()
 
 
 def _arity(elems: tuple[FormatElem, ...]) -> int:
@@ -308,6 +346,8 @@ def register_op(
     plan_check: PlanCheck | None = None,
     grad: GradRule | None = None,
     since: tuple[int, int] = (1, 0),
+    form_attrs: tuple[tuple[str, str], ...] = (),
+    attr_since: tuple[tuple[str, tuple[int, int]], ...] = (),
 ) -> Callable[[InferFn], InferFn]:
     """Decorator registering ``infer`` as the shape+sharding rule of op ``name``. With
     ``ufunc`` (and no ``array_fn``) the array function calls that ufunc of its namespace."""
@@ -319,6 +359,8 @@ def register_op(
         assert Trait.FUSIBLE not in traits or Trait.ELEMENTWISE in traits, name
         assert kind is OpKind.LOCAL or not traits, f"{name}: traits are for local ops"
         assert ufunc is None or array_fn is None, f"{name}: the ufunc is its array function"
+        assert not form_attrs or (array_fn is not None and c_expr is not None), name
+        assert all(d in _choices(elems, k) for k, d in form_attrs), f"{name}: form attributes"
         OPS[name] = OpDef(
             name,
             elems,
@@ -337,6 +379,8 @@ def register_op(
             grad,
             exact_attrs=not _has_inexact(elems),
             since=since,
+            form_attrs=form_attrs,
+            attr_since=attr_since,
         )
         return infer
 
@@ -375,7 +419,7 @@ def all_ops() -> dict[str, OpDef]:
 def required_version(ops: Iterable[Op], least: tuple[int, int] = (1, 0)) -> tuple[int, int]:
     """The least IR version a module holding ``ops`` may declare (at least ``least``)."""
     _load_ops()
-    return max([least, *(OPS[op.name].since for op in ops if op.name in OPS)])
+    return max([least, *(OPS[op.name].since_for(op) for op in ops if op.name in OPS)])
 
 
 def ops_of_kind(*kinds: OpKind) -> frozenset[str]:

@@ -284,11 +284,16 @@ def _check_op_header(
                 "are defined once",
                 span,
             )
-    if opdef.since > module.version:
-        v, m = ".".join(map(str, opdef.since)), ".".join(map(str, module.version))
+    since = opdef.since_for(op)
+    if since > module.version:
+        v, m = ".".join(map(str, since)), ".".join(map(str, module.version))
+        what, span = op.name, op.span
+        if since > opdef.since:  # a newer attribute of an older op
+            key = next(k for k, s in opdef.attr_since if s == since and op.attr(k) is not None)
+            what, span = f"{op.name}'s attribute {key}", op.attr_span(key)
         raise _err(
-            f"{op.name} is new in IR dtm {v}; this module declares dtm {m} (write 'dtm {v}' in its header)",
-            op.span,
+            f"{what} is new in IR dtm {v}; this module declares dtm {m} (write 'dtm {v}' in its header)",
+            span,
         )
     if opdef.capability is not None and opdef.capability not in f.requires:
         raise _err(

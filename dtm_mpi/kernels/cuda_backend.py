@@ -98,11 +98,12 @@ def _elementwise(name: str) -> None:
     @_register(name, placement=_elementwise_placement)
     def kernel(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
         out = _out_dtype(ctx)
+        form = opdef.form(ctx.op)
         if _generated([*(x.dtype for x in xs), out]):
-            expr = Expr(name, tuple(range(opdef.arity)))
+            expr = Expr(name, tuple(range(opdef.arity)), tuple(form.items()))
             ins = [FusedInput(np.dtype(x.dtype)) for x in xs]
             return (launch.fused(expr, ins, list(xs), out, ctx.local_shapes[0]),)
-        return (fn(_cp(), *xs).astype(out, copy=False),)
+        return (fn(_cp(), *xs, **form).astype(out, copy=False),)
 
 
 for _name in sorted(ops_with(Trait.FUSIBLE)):

@@ -44,6 +44,9 @@ class Expr:
 
     op: str
     args: tuple[Expr | int, ...]
+    attrs: tuple[tuple[str, str], ...] = ()
+    """The op's form attributes (``OpDef.form``: gelu's ``approximate``), named in its C
+    expression."""
 
 
 def _acc(dtypes: Sequence[np.dtype[np.generic]]) -> str:
@@ -58,7 +61,12 @@ def _c_expr(e: Expr | int, n_inputs: int) -> str:
     d = lookup_op(e.op)
     if d is None or d.c_expr is None or not d.has(Trait.FUSIBLE) or d.arity != len(e.args):
         raise KernelError(f"op {e.op!r} with {len(e.args)} operand(s) cannot be fused")
-    return d.c_expr.format(*(_c_expr(a, n_inputs) for a in e.args))
+    form = {k: v for k, v in d.form_attrs}
+    for k, v in e.attrs:
+        if k not in form or not v.isidentifier():
+            raise KernelError(f"op {e.op!r} has no form attribute {k!r} = {v!r}")
+        form[k] = v
+    return d.c_expr.format(*(_c_expr(a, n_inputs) for a in e.args), **form)
 
 
 def fused_name(expr: Expr, inputs: Sequence[FusedInput], out: np.dtype[np.generic]) -> str:

@@ -283,9 +283,10 @@ def _prepare(kernel: Kernel, ctx: KernelContext) -> PreparedKernel | None:
         return call_reference
     t = ctx.result_types[0]
     want, exact = np_dtype(t.dtype), t.dtype is not DType.BF16
+    form = opdef.form(op)
 
     def call(xs: Sequence[Arr]) -> tuple[Arr, ...]:
-        out = fn(np, *xs)
+        out = fn(np, *xs, **form)
         if type(out) is not np.ndarray:  # numpy gives a scalar for 0-d operands
             out = np.asarray(out)
         if exact and out.dtype == want:

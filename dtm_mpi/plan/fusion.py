@@ -38,6 +38,7 @@ class FusionNode:
 
     op: str
     args: tuple[FusionNode | int, ...]
+    attrs: tuple[tuple[str, str], ...] = ()  # the op's form (``OpDef.form``), e.g. gelu's
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +126,7 @@ class _Tree:
                     args.append(self.leaf(inner.op.operands[0], True))
                     continue
             args.append(self.leaf(name, False))
-        return FusionNode(op.name, tuple(args))
+        return FusionNode(op.name, tuple(args), tuple(OPS[op.name].form(op).items()))
 
 
 def fusion_groups(fp: FunctionPlan, min_size: int = 2) -> tuple[FusedGroup, ...]:

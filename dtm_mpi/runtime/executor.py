@@ -644,4 +644,4 @@ def _expr(node: FusionNode | int) -> Expr | int:
     """A planned fusion tree as the kernel generator's expression."""
     if isinstance(node, int):
         return node
-    return Expr(node.op, tuple(_expr(a) for a in node.args))
+    return Expr(node.op, tuple(_expr(a) for a in node.args), node.attrs)

@@ -33,7 +33,7 @@ def _hf_model(kind: str, dtype: str = "float32") -> Any:
     import torch
     import transformers
 
-    torch.manual_seed({"llama": 0, "llama-tied": 1, "llama-mqa": 2, "gpt2": 3}[kind])
+    torch.manual_seed({"llama": 0, "llama-tied": 1, "llama-mqa": 2, "gpt2": 3, "gpt2-erf": 4}[kind])
     if kind.startswith("llama"):
         cfg = transformers.LlamaConfig(
             vocab_size=V,
@@ -55,6 +55,8 @@ def _hf_model(kind: str, dtype: str = "float32") -> Any:
             n_embd=64,
             n_layer=2,
             n_head=4,
+            # transformers' "gelu" is the exact x Phi(x) (BERT-style); GPT-2's own the tanh form
+            activation_function="gelu" if kind == "gpt2-erf" else "gelu_new",
             attn_implementation="eager",
         )
         model = transformers.GPT2LMHeadModel(cfg)
@@ -68,7 +70,7 @@ def _hf_model(kind: str, dtype: str = "float32") -> Any:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = {}
-    for kind in ("llama", "llama-tied", "llama-mqa", "gpt2"):
+    for kind in ("llama", "llama-tied", "llama-mqa", "gpt2", "gpt2-erf"):
         d = tmp_path_factory.mktemp(kind)
         _hf_model(kind).save_pretrained(d)
         out[kind] = d
@@ -130,7 +132,7 @@ MESHES = [
 
 
 @pytest.mark.parametrize("sizes", MESHES, ids=lambda s: f"dp{s['dp']}xtp{s['tp']}")
-@pytest.mark.parametrize("kind", ["llama", "llama-tied", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "llama-tied", "gpt2", "gpt2-erf"])
 def test_logits_equal_transformers(
     saved: dict[str, Path], kind: str, sizes: dict[str, int]
 ) -> None:
@@ -175,6 +177,7 @@ GRAD_MESHES = [
     ("llama", {"pp": 2, "dp": 1, "tp": 2}),
     ("gpt2", {"pp": 1, "dp": 1, "tp": 1}),
     ("gpt2", {"pp": 1, "dp": 1, "tp": 2}),
+    ("gpt2-erf", {"pp": 1, "dp": 2, "tp": 2}),
 ]
 
 

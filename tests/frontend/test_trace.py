@@ -452,6 +452,7 @@ def test_user_mistakes_are_one_error_at_the_users_line() -> None:
     assert "not a permutation" in traced(lambda h, y: h.transpose(0, 3).sum())
     assert "names axis 'zz'" in traced(lambda h, y: h.redistribute(("zz", None)).sum())
     assert "use ints and slices" in traced(lambda h, y: h[True].sum())
+    assert "must be 'tanh' or 'none'" in traced(lambda h, y: fn.gelu(h, approximate="erf").sum())
     with pytest.raises(UsageError, match=r"input 'x': .*names axis 'zz'"):
         dtm.train_step(
             mlp(),
@@ -564,3 +565,26 @@ def test_propagation_that_gives_up_is_warned_at_the_users_line() -> None:
         inputs={"x": dtm.Input((8, 6), "f32", ("tp", None))},
     )
     assert ok.fallbacks == ()
+
+
+def test_exact_gelu_is_an_attribute_and_declares_ir_1_5() -> None:
+    """``gelu(x, approximate="none")`` traces as ``gelu ... approximate none`` in a module
+    that declares dtm 1.5; the default (tanh) form prints as every IR version reads it; the
+    step's values are torch's gelu in both forms."""
+    torch = pytest.importorskip("torch")
+
+    x = np.random.default_rng(3).standard_normal((8, 6)).astype(np.float32) * 3
+    for form, version in (("none", "dtm 1.5"), ("tanh", "dtm 1.")):
+        step = dtm.forward_step(
+            dtm.nn.Sequential(),
+            lambda m, x, f=form: fn.gelu(x, approximate=f),
+            mesh=MESH,
+            inputs={"x": INPUTS["x"]},
+        )
+        assert step.text.startswith(version)
+        assert ("approximate none" in step.text) == (form == "none")
+        res = dtm.fit(
+            step, lambda s, r: {"x": x[r["x"]]}, steps=1, sim=4, mesh={"dp": 2, "tp": 2}, quiet=True
+        )
+        want = torch.nn.functional.gelu(torch.from_numpy(x), approximate=form).numpy()
+        np.testing.assert_allclose(res.tensors[0]["output"], want, rtol=1e-6, atol=1e-6)

@@ -65,10 +65,11 @@ def ids(b: FunctionBuilder, lay: str = "dp,-") -> Value:
 
 X = ("x", (5, 6), "dp,tp")
 Y = ("y", (5, 6), "dp,-")
-UNARY = ["neg", "exp", "tanh", "relu", "gelu", "sigmoid", "abs", "silu", "sin", "cos"]
+UNARY = ["neg", "exp", "tanh", "relu", "gelu", "sigmoid", "abs", "silu", "sin", "cos", "erf"]
 # fmt: off
 CASES = [
     *(Case(n, (X,), op(n)) for n in UNARY),
+    Case("gelu-exact", (X,), op("gelu", approximate="none")),
     *(Case(n, (X,), op(n), positive=True) for n in ("log", "sqrt", "rsqrt")),
     *(Case(n, (X, Y), op(n)) for n in ("add", "sub", "mul", "maximum", "minimum")),
     Case("div", (X, Y), op("div"), positive=True),

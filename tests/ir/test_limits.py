@@ -13,6 +13,7 @@ import pytest
 from dtm_mpi.errors import ParseError, VersionError
 from dtm_mpi.ir import check_text, limits, parse_module, typetext
 from dtm_mpi.ir import source_files as ir_files
+from dtm_mpi.ir.parser import SUPPORTED_VERSION
 
 SPEC = Path(__file__).parents[2] / "docs" / "spec" / "ir.md"
 
@@ -24,6 +25,8 @@ CONSTANTS = {
     "MAX_DIM": typetext._MAX_DIM,
     "MAX_SOURCE_BYTES": ir_files.MAX_SOURCE_BYTES,
 }
+
+NEWER = f"{SUPPORTED_VERSION[0]}.{SUPPORTED_VERSION[1] + 1}"  # a minor version this reader is older than
 
 
 def _spec_limits() -> dict[str, int]:
@@ -149,7 +152,7 @@ LEXICAL_ERRORS = [
 @pytest.mark.parametrize("fast", [True, False])
 @pytest.mark.parametrize(
     ("version", "fragment"),
-    [("2.0", "unsupported IR major version 2"), ("1.5", "is newer than this reader")],
+    [("2.0", "unsupported IR major version 2"), (NEWER, "is newer than this reader")],
 )
 @pytest.mark.parametrize("rest", LEXICAL_ERRORS)
 def test_version_error_wins_over_a_later_lexical_error(
@@ -166,7 +169,7 @@ def test_version_error_wins_over_a_later_lexical_error(
 @pytest.mark.parametrize("fast", [True, False])
 def test_version_error_wins_on_the_header_line(fast: bool) -> None:
     with pytest.raises(VersionError, match="newer than this reader"):
-        parse_module("dtm 1.5 module m \u00a7 $\n", fast=fast)
+        parse_module(f"dtm {NEWER} module m \u00a7 $\n", fast=fast)
 
 
 def test_lexical_error_before_the_version_is_reported() -> None:

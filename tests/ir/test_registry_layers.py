@@ -62,14 +62,20 @@ def _helpers(c_expr: str) -> list[str]:
     return re.findall(r"\b(dtm_\w+)\(", c_expr)
 
 
+def _c_text(name: str, form: dict[str, str]) -> str:
+    n = OPS[name].arity
+    return (OPS[name].c_expr or "").format(*(f"v{i}" for i in range(n)), **form)
+
+
 @pytest.mark.parametrize("name", FUSIBLE)
 def test_every_fusible_op_has_its_device_helper(name: str) -> None:
     """``kernels/dtm_common.cuh`` (compiled by nvcc, NVRTC, hipcc, hipRTC and the emulator)
     defines each helper the C expression names, for float and double."""
     header = (ROOT / "kernels" / "dtm_common.cuh").read_text()
-    for helper in _helpers(OPS[name].c_expr or ""):
-        for ctype in ("float", "double"):
-            assert re.search(rf"\b{ctype} {helper}\({ctype} \w+", header), (helper, ctype)
+    for form in OPS[name].forms():
+        for helper in _helpers(_c_text(name, form)):
+            for ctype in ("float", "double"):
+                assert re.search(rf"\b{ctype} {helper}\({ctype} \w+", header), (helper, ctype)
 
 
 @pytest.mark.parametrize("name", FUSIBLE)
@@ -78,8 +84,10 @@ def test_every_fusible_op_is_generated_and_placed_on_the_gpu(name: str) -> None:
 
     n = OPS[name].arity
     template = kernel_source("fused_elementwise.cu")
-    _, code = fused_source(Expr(name, tuple(range(n))), [FusedInput(F32)] * n, F32, template)
-    assert (OPS[name].c_expr or "").format(*(f"v{i}" for i in range(n))) in code
+    for form in OPS[name].forms():
+        expr = Expr(name, tuple(range(n)), tuple(form.items()))
+        _, code = fused_source(expr, [FusedInput(F32)] * n, F32, template)
+        assert _c_text(name, form) in code
     assert placement(name, [F32] * n, {}, 2) == "generated kernel"
 
 
@@ -90,14 +98,15 @@ def test_every_fusible_op_is_run_by_the_emulated_kernel_tests() -> None:
     assert 'parametrize("op", sorted(ops_with(Trait.FUSIBLE)))' in text
 
 
-def _elementwise_module(name: str, dtype: str) -> str:
+def _elementwise_module(name: str, dtype: str, form: dict[str, str] | None = None) -> str:
     args = ", ".join(["%x", "%w"][: OPS[name].arity])
-    major, minor = OPS[name].since
+    attrs = "".join(f" {k} {v}" for k, v in (form or {}).items())
+    major, minor = max([OPS[name].since, *(v for _, v in OPS[name].attr_since)])
     return f"""dtm {major}.{minor}
 module e
 mesh @m = [dp=2]
 entry func @main(%x: {dtype}[5,3]{{dp,-}}, %w: {dtype}[5,3]{{dp,-}}) -> {dtype}[5,3]{{dp,-}} on @m {{
-  %y = {name} {args} : {dtype}[5,3]{{dp,-}}
+  %y = {name} {args}{attrs} : {dtype}[5,3]{{dp,-}}
   return %y
 }}
 """
@@ -108,15 +117,16 @@ def test_every_fusible_op_runs_in_the_reference_and_the_executor(name: str) -> N
     """The reference interpreter and the executor (numpy backend, 3 ranks: uneven blocks)
     compute the op's array function."""
     d = OPS[name]
-    module = load_module(_elementwise_module(name, "f64"), "e.dtm")
-    rng = np.random.default_rng(2)
-    x, w = rng.random((5, 3)) + 0.5, rng.random((5, 3)) + 0.5
-    _, ref = run_reference(module, {"x": x, "w": w})
-    assert d.array_fn is not None
-    want = d.array_fn(np, *(x, w)[: d.arity])
-    np.testing.assert_array_equal(ref[0][0], want)
-    got = run_simulated(module, 3, binding={"dp": 3}, inputs={"x": x, "w": w})
-    np.testing.assert_array_equal(got.results[0][0], want)
+    for form in d.forms():
+        module = load_module(_elementwise_module(name, "f64", form), "e.dtm")
+        rng = np.random.default_rng(2)
+        x, w = rng.random((5, 3)) + 0.5, rng.random((5, 3)) + 0.5
+        _, ref = run_reference(module, {"x": x, "w": w})
+        assert d.array_fn is not None
+        want = d.array_fn(np, *(x, w)[: d.arity], **form)
+        np.testing.assert_array_equal(ref[0][0], want)
+        got = run_simulated(module, 3, binding={"dp": 3}, inputs={"x": x, "w": w})
+        np.testing.assert_array_equal(got.results[0][0], want)
 
 
 def _imports(path: Path) -> set[str]:

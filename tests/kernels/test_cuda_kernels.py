@@ -304,22 +304,27 @@ def test_every_elementwise_kernel_matches_numpy(dev: Any, op: str, dtype: Any) -
     opdef = OPS[op]
     assert opdef.array_fn is not None
     args = (a, b)[: opdef.arity]
-    with np.errstate(all="ignore"):
-        want = np.asarray(opdef.array_fn(np, *(x.astype(np.float64) for x in args)))
-    expr = Expr(op, tuple(range(len(args))))
-    got = launch.fused(
-        expr,
-        [FusedInput(np.dtype(dtype))] * len(args),
-        [cp.asarray(x) for x in args],
-        dtype,
-        shape,
-        out=_poisoned(cp, shape, dtype),
-    )
-    g = got.get().astype(np.float64)
-    assert np.isnan(g[0, 0]) and np.isnan(want[0, 0])
-    np.testing.assert_allclose(
-        g.reshape(-1)[1:], want.reshape(-1)[1:], rtol=RTOL[dtype] * 4, atol=ATOL[dtype]
-    )
+    for form in opdef.forms():  # gelu: tanh and the exact erf form
+        with np.errstate(all="ignore"):
+            want = np.asarray(opdef.array_fn(np, *(x.astype(np.float64) for x in args), **form))
+        expr = Expr(op, tuple(range(len(args))), tuple(form.items()))
+        got = launch.fused(
+            expr,
+            [FusedInput(np.dtype(dtype))] * len(args),
+            [cp.asarray(x) for x in args],
+            dtype,
+            shape,
+            out=_poisoned(cp, shape, dtype),
+        )
+        g = got.get().astype(np.float64)
+        assert np.isnan(g[0, 0]) and np.isnan(want[0, 0])
+        np.testing.assert_allclose(
+            g.reshape(-1)[1:],
+            want.reshape(-1)[1:],
+            rtol=RTOL[dtype] * 4,
+            atol=ATOL[dtype],
+            err_msg=f"{op} {form}",
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -76,7 +76,7 @@ def test_generated_source_is_typed_and_named_by_content() -> None:
     assert fused_name(BIAS_GELU_MUL, ins, F32) != name  # the types are part of the key
     assert "const __half* __restrict__ in1" in code and "__half* __restrict__ out0" in code
     assert "dtm_load(in1 + (i % cols))" in code and "dtm_load(in0 + i)" in code
-    assert "dtm_gelu((v0 + v1))" in code and "#define DTM_FUSED_ACC float" in code
+    assert "dtm_gelu_tanh((v0 + v1))" in code and "#define DTM_FUSED_ACC float" in code
     _, code64 = fused_source(Expr("exp", (0,)), [FusedInput(F64)], F64, "T")
     assert "#define DTM_FUSED_ACC double" in code64
     assert code.endswith("TEMPLATE")

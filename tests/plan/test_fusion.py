@@ -52,7 +52,9 @@ def test_bias_gelu_chain_is_one_group_with_a_broadcast_input() -> None:
     assert names[0] == ["%bb", "%h", "%g", "%y"]
     g = groups[0]
     assert g.inputs == ("%x", "%b", "%z") and g.lastdim == (False, True, False)
-    assert g.tree == FusionNode("mul", (FusionNode("gelu", (FusionNode("add", (0, 1)),)), 2))
+    assert g.tree == FusionNode(
+        "mul", (FusionNode("gelu", (FusionNode("add", (0, 1)),), (("approximate", "tanh"),)), 2)
+    )
     assert g.result == "%y" and fp.ops[g.root].op.results[0] == "%y"
 
 

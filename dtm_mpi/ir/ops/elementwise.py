@@ -35,9 +35,61 @@ from dtm_mpi.ir.types import DType, ReduceOp, TensorType
 Arr = np.ndarray
 IR_1_4 = (1, 4)
 """The IR version of the LLM layers' ops (``silu``, ``sin``, ``cos``, ``rms_norm``)."""
+IR_1_5 = (1, 5)
+"""The IR version of ``erf`` and of ``gelu``'s ``approximate`` attribute."""
+
+_SERIES_BANDS = (0.5, 1.0, 1.75, 2.5)  # erf's series below 2.5, each band to its own depth
+_CF_TERMS = 40  # erfc's continued fraction from 2.5 up: binary64 precision at that depth
 
 
-def _gelu(xp: Any, x: Arr) -> Any:
+def _erf_series(xp: Any, s: Any) -> Any:
+    """``2/sqrt(pi) exp(-s^2) sum_n 2^n s^(2n+1) / (2n+1)!!`` for ``s >= 0``: positive terms,
+    summed (four at a time) until the last is below 1e-17 of the sum."""
+    s2 = s * s
+    term, total, n = s.copy(), s.copy(), 0
+    while True:
+        for _ in range(4):
+            term *= s2
+            term *= 2.0 / (2 * n + 3)
+            total += term
+            n += 1
+        if not bool(xp.any(term > 1e-17 * total)):
+            return (2.0 / math.sqrt(math.pi)) * xp.exp(-s2) * total
+
+
+def _erf(xp: Any, x: Arr) -> Any:
+    """The error function in binary64 (numpy has none), to within 2e-15 relative.
+
+    Below 2.5 in magnitude, ``erf(x) = 2/sqrt(pi) exp(-x^2) sum_n 2^n x^(2n+1) / (2n+1)!!``
+    (:func:`_erf_series`; the elements are banded by magnitude, so the small ones, most of a
+    GELU's inputs, stop after a dozen terms and the largest after 40); above, ``1 - erfc(x)``
+    with erfc's continued fraction ``exp(-x^2)/sqrt(pi) / (x + (1/2)/(x + 1/(x + (3/2)/(x +
+    ...))))`` to depth 40. Odd, so computed on ``|x|``; NaN stays NaN, +-inf gives +-1.
+    Narrower floats are computed in binary64 (the caller casts the result back)."""
+    x = xp.asarray(x)
+    a = xp.abs(x.astype(xp.float64))
+    out = xp.empty_like(a)
+    lo = 0.0
+    for hi in _SERIES_BANDS:
+        band = (a < hi) & (a >= lo) if lo else a < hi
+        if bool(band.any()):
+            out[band] = _erf_series(xp, a[band])
+        lo = hi
+    big = ~(a < lo)  # NaN lands here and stays NaN
+    b = a[big]
+    if b.size:
+        with np.errstate(over="ignore", invalid="ignore"):
+            f = xp.zeros_like(b)
+            for k in range(_CF_TERMS, 0, -1):
+                f = (k / 2.0) / (b + f)
+            erfc = xp.exp(-b * b) / (math.sqrt(math.pi) * (b + f))
+        out[big] = 1.0 - xp.where(xp.isinf(b), 0.0, erfc)
+    return xp.copysign(out, x)
+
+
+def _gelu(xp: Any, x: Arr, approximate: str = "tanh") -> Any:
+    if approximate == "none":  # x Phi(x), Phi the standard normal CDF (torch's default form)
+        return 0.5 * x * (1.0 + _erf(xp, x * (1.0 / math.sqrt(2.0))))
     # tanh approximation (documented in the spec)
     c = math.sqrt(2.0 / math.pi)
     return 0.5 * x * (1.0 + xp.tanh(c * (x + 0.044715 * (x * x * x))))  # x*x*x: pow is 10x slower
@@ -88,10 +140,11 @@ def _elementwise_ref(
     name: str,
 ) -> Callable[[Op, Sequence[Arr], Sequence[TensorType]], tuple[Arr, ...]]:
     def ref(op: Op, xs: Sequence[Arr], rt: Sequence[TensorType]) -> tuple[Arr, ...]:
-        fn = OPS[name].array_fn
+        d = OPS[name]
+        fn = d.array_fn
         assert fn is not None
         with np.errstate(all="ignore"):
-            return (as_dtype(fn(np, *xs), rt[0]),)
+            return (as_dtype(fn(np, *xs, **d.form(op)), rt[0]),)
 
     return ref
 
@@ -105,11 +158,14 @@ def _unary(
     linear_in: frozenset[ReduceOp] = frozenset(),
     grad: Callable[[GradContext], Value],
     since: tuple[int, int] = (1, 0),
+    fmt: str = "$x:operand",
+    form_attrs: tuple[tuple[str, str], ...] = (),
+    attr_since: tuple[tuple[str, tuple[int, int]], ...] = (),
 ) -> None:
     traits = _FUSIBLE | ({Trait.FLOAT_ONLY} if float_only else set())
     register_op(
         name,
-        "$x:operand",
+        fmt,
         reference=_elementwise_ref(name),
         doc=f"elementwise {name}",
         traits=traits,
@@ -119,6 +175,8 @@ def _unary(
         ufunc=fn if isinstance(fn, str) else None,
         grad=lambda c: (grad(c),),
         since=since,
+        form_attrs=form_attrs,
+        attr_since=attr_since,
     )(_unary_rule(lambda: OPS[name]))
 
 
@@ -126,9 +184,14 @@ def _unary(
 
 
 def _d_gelu(c: GradContext) -> Value:
-    """d gelu/dx of the tanh form: 0.5 (1 + t) + 0.5 x (1 - t^2) k (1 + 3 a x^2), with
-    t = tanh(k (x + a x^3)), k = sqrt(2/pi), a = 0.044715."""
+    """d gelu/dx. The tanh form: 0.5 (1 + t) + 0.5 x (1 - t^2) k (1 + 3 a x^2), with
+    t = tanh(k (x + a x^3)), k = sqrt(2/pi), a = 0.044715. The exact form (``approximate
+    none``, x Phi(x)): Phi(x) + x phi(x) = 0.5 (1 + erf(x / sqrt 2)) + x exp(-x^2 / 2) / sqrt(2 pi)."""
     x = c.xs[0]
+    if c.attr("approximate") == "none":
+        cdf = c.scale(c.add(c.const(1.0, x), c.apply("erf", c.scale(x, 1.0 / math.sqrt(2.0)))), 0.5)
+        pdf = c.scale(c.apply("exp", c.scale(c.mul(x, x), -0.5)), 1.0 / math.sqrt(2.0 * math.pi))
+        return c.add(cdf, c.mul(x, pdf))
     k, a = math.sqrt(2.0 / math.pi), 0.044715
     x2 = c.mul(x, x)
     t = c.apply("tanh", c.scale(c.add(x, c.scale(c.mul(x2, x), a)), k))
@@ -180,7 +243,31 @@ _unary(
     float_only=False,
     grad=lambda c: c.where(_positive(c, c.xs[0]), c.g, c.const(0, c.xs[0])),
 )
-_unary("gelu", _gelu, "dtm_gelu({0})", float_only=True, grad=lambda c: c.mul(c.g, _d_gelu(c)))
+# gelu: the tanh approximation (GPT-2's "gelu_new") unless ``approximate none`` asks for the
+# exact x Phi(x) (BERT's and torch's default "gelu"); the attribute is new in 1.5.
+_unary(
+    "gelu",
+    _gelu,
+    "dtm_gelu_{approximate}({0})",
+    float_only=True,
+    grad=lambda c: c.mul(c.g, _d_gelu(c)),
+    fmt="$x:operand ?( approximate $approximate:enum(tanh|none) )",
+    form_attrs=(("approximate", "tanh"),),
+    attr_since=(("approximate", IR_1_5),),
+)
+# erf: d erf/dx = 2/sqrt(pi) exp(-x^2). Not additive; non-decreasing, so (as sigmoid) it
+# passes partial(max) and partial(min) through (an empty block's -inf becomes -1, the least).
+_unary(
+    "erf",
+    _erf,
+    "dtm_erf({0})",
+    float_only=True,
+    linear_in=_MAX | _MIN,
+    grad=lambda c: c.mul(
+        c.g, c.scale(c.apply("exp", c.neg(c.mul(c.xs[0], c.xs[0]))), 2.0 / math.sqrt(math.pi))
+    ),
+    since=IR_1_5,
+)
 _unary(
     "sqrt",
     "sqrt",
