@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dtm_mpi.errors import UsageError
+from dtm_mpi.frontend.lr_schedule import Schedule, schedule
 from dtm_mpi.frontend.mesh import require_axis
 from dtm_mpi.frontend.tensor import Tensor, Tracer
 from dtm_mpi.frontend.traced_params import sharded_storage
@@ -29,7 +30,7 @@ from dtm_mpi.ir.nodes import Attr, Init, InitKind
 from dtm_mpi.ir.ops.update import ADAMW_DTYPES
 from dtm_mpi.ir.types import DType, Layout, TensorType
 
-__all__ = ["SGD", "Adam", "AdamW", "Optimizer", "clip_by_global_norm"]
+__all__ = ["SGD", "Adam", "AdamW", "Optimizer", "Schedule", "clip_by_global_norm", "schedule"]
 
 
 class Optimizer:
@@ -39,6 +40,31 @@ class Optimizer:
     shard: str | None = None
     """The mesh axis the update and the optimizer state are split over (ZeRO-1/2; module
     doc), or None: every rank updates whole parameters."""
+    lr: float | Schedule
+
+    @property
+    def peak_lr(self) -> float:
+        """The learning rate, or a schedule's peak."""
+        return self.lr.peak if isinstance(self.lr, Schedule) else float(self.lr)
+
+    def lr_factor(self, tr: Tracer, dtype: DType) -> Tensor | None:
+        """The schedule's factor of the step being run as a ``dtype`` scalar, or None for a
+        constant learning rate."""
+        return self.lr.traced_factor(tr, dtype) if isinstance(self.lr, Schedule) else None
+
+    def lr_metric(self, tr: Tracer) -> Tensor | None:
+        """The step's learning rate as a float32 scalar (logged each step), or None for a
+        constant learning rate."""
+        f = self.lr_factor(tr, DType.F32)
+        return None if f is None else f * self.peak_lr
+
+    def lr_tensor(self, tr: Tracer, dtype: DType) -> Tensor | float:
+        """The step's learning rate in ``dtype``: ``peak * factor`` rounded to it (as the
+        ``adamw`` op's ``scale`` computes it), or the float."""
+        f = self.lr_factor(tr, dtype)
+        if f is None:
+            return float(self.lr)  # type: ignore[arg-type]
+        return tr.constant(self.peak_lr, f.type) * f
 
     def grad_layout(self, t: TensorType) -> Layout | None:
         """The layout a parameter of type ``t`` takes its gradient in (None: ``t``'s own,
@@ -85,6 +111,16 @@ class Optimizer:
         return i.cast(dtype) + 1.0
 
 
+def _check_lr(value: object) -> None:
+    if isinstance(value, Schedule):
+        return
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise UsageError(
+            f"lr must be a number or a schedule (dtm.optim.schedule(...)); got {value!r}"
+        )
+    _check("lr", float(value), 0.0)
+
+
 def _check(name: str, value: float, low: float, high: float | None = None) -> None:
     if not (value >= low and (high is None or value < high)):
         rng = f"[{low}, {high})" if high is not None else f">= {low}"
@@ -95,13 +131,13 @@ def _check(name: str, value: float, low: float, high: float | None = None) -> No
 class SGD(Optimizer):
     """``p -= lr * (g + wd p)``, with heavy-ball momentum ``b = mu b + g`` when ``momentum``."""
 
-    lr: float
+    lr: float | Schedule
     momentum: float = 0.0
     weight_decay: float = 0.0
     shard: str | None = None
 
     def __post_init__(self) -> None:
-        _check("lr", self.lr, 0.0)
+        _check_lr(self.lr)
         _check("momentum", self.momentum, 0.0, 1.0)
         _check("weight_decay", self.weight_decay, 0.0)
         _check_shard(self.shard)
@@ -110,13 +146,16 @@ class SGD(Optimizer):
         self, tr: Tracer, params: Sequence[tuple[str, Tensor]], grads: Sequence[Tensor]
     ) -> list[Tensor]:
         news, states = [], []
+        lrs: dict[DType, Tensor | float] = {}
         for (path, whole), full in zip(params, grads, strict=True):
             p, grad = self.local(whole, full)
             g = grad + p * self.weight_decay if self.weight_decay else grad
             if self.momentum:
                 g = self.state(tr, "momentum", path, g) * self.momentum + g
                 states.append(g)
-            news.append(p - g * self.lr)
+            if p.dtype not in lrs:
+                lrs[p.dtype] = self.lr_tensor(tr, p.dtype)
+            news.append(p - g * lrs[p.dtype])
         return news + states
 
 
@@ -125,14 +164,14 @@ class AdamW(Optimizer):
     """Adam with decoupled weight decay (Loshchilov & Hutter): ``p -= lr (m^ / (sqrt(v^) +
     eps) + wd p)`` with bias-corrected moments ``m^``, ``v^``."""
 
-    lr: float = 1e-3
+    lr: float | Schedule = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.01
     shard: str | None = None
 
     def __post_init__(self) -> None:
-        _check("lr", self.lr, 0.0)
+        _check_lr(self.lr)
         _check("betas[0]", self.betas[0], 0.0, 1.0)
         _check("betas[1]", self.betas[1], 0.0, 1.0)
         _check("eps", self.eps, 0.0)
@@ -146,6 +185,7 @@ class AdamW(Optimizer):
             return []
         b1, b2 = self.betas
         corrections: dict[DType, tuple[Tensor | None, Tensor | None]] = {}
+        factors: dict[DType, Tensor | None] = {}
         news, states = [], []
         for (path, whole), full in zip(params, grads, strict=True):
             p, g = self.local(whole, full)
@@ -155,7 +195,9 @@ class AdamW(Optimizer):
                     1.0 - (t * math.log(b1)).exp() if b1 > 0 else None,
                     1.0 - (t * math.log(b2)).exp() if b2 > 0 else None,
                 )
+                factors[p.dtype] = self.lr_factor(tr, p.dtype)
             bc1, bc2 = corrections[p.dtype]
+            factor = factors[p.dtype]
             m = self.state(tr, "m", path, g)
             v = self.state(tr, "v", path, g)
             if p.dtype in ADAMW_DTYPES:  # one op: the same bits as the ops below
@@ -163,13 +205,14 @@ class AdamW(Optimizer):
                 c1 = bc1 if bc1 is not None else tr.constant(1.0, scalar)
                 c2 = bc2 if bc2 is not None else tr.constant(1.0, scalar)
                 attrs: dict[str, Attr] = {
-                    "lr": float(self.lr),
+                    "lr": self.peak_lr,
                     "beta1": float(b1),
                     "beta2": float(b2),
                     "eps": float(self.eps),
                     "decay": float(self.weight_decay),
                 }
-                p2, m2, v2 = tr.apply_n("adamw", [p, g, m, v, c1, c2], attrs, [g.type] * 3)
+                ins = [p, g, m, v, c1, c2] + ([factor] if factor is not None else [])
+                p2, m2, v2 = tr.apply_n("adamw", ins, attrs, [g.type] * 3)
                 news.append(p2)
                 states += [m2, v2]
                 continue
@@ -180,7 +223,8 @@ class AdamW(Optimizer):
             step = mh / (vh.sqrt() + self.eps)
             if self.weight_decay:
                 step = step + p * self.weight_decay
-            news.append(p - step * self.lr)
+            lr = tr.constant(self.peak_lr, factor.type) * factor if factor is not None else self.lr
+            news.append(p - step * lr)
             states += [m2, v2]
         return news + states
 

@@ -237,6 +237,16 @@ def train_step(
             raise trace_error(f"{key} must be a float scalar; it is {t.type}")
         with tracing(tr):
             scalars.append((key, t.complete()))
+    if pipeline is None:  # a pipelined step reports its loss only
+        with tracing(tr):
+            lr = optimizer.lr_metric(tr)
+        if lr is not None:
+            if any(k == "lr" for k, _ in scalars):
+                raise UsageError(
+                    "the loss function returns a metric named 'lr', the name of the "
+                    "schedule's learning rate each step reports; rename it"
+                )
+            scalars.append(("lr", lr))
     results, opt_params = train_results(tr, weights, scalars, optimizer, clip_norm)
     module = _finish(tr, "train_step", mesh, results)
     policy = None

@@ -300,13 +300,27 @@ class OpDef:
     def since_for(self, op: Op) -> tuple[int, int]:
         """The least IR version ``op`` needs: the op's own, or that of a newer attribute it
         writes."""
-        newer = [v for k, v in self.attr_since if op.attr(k) is not None]
+        present = set(self.optional_operands(op))
+        newer = [v for k, v in self.attr_since if op.attr(k) is not None or k in present]
         return max([self.since, *newer])
+
+    def optional_operands(self, op: Op) -> tuple[str, ...]:
+        """The names of the optional operands (``?( kw $name:operand )`` groups) ``op``
+        writes: those beyond the required ones, in format order."""
+        if self.arity < 0:
+            return ()
+        return _optional_operand_names(self.format)[: max(0, len(op.operands) - self.arity)]
 
     @property
     def arity(self) -> int:
         """The number of single operands of the format (``-1``: a variadic operand list)."""
         return _arity(self.format)
+
+
+def _optional_operand_names(elems: tuple[FormatElem, ...]) -> tuple[str, ...]:
+    return tuple(
+        g.name for el in elems if el.kind == "opt" for g in el.group if g.kind == "operand"
+    )
 
 
 def _choices(elems: tuple[FormatElem, ...], key: str) -> tuple[str, ...]:

@@ -289,8 +289,14 @@ def _check_op_header(
         v, m = ".".join(map(str, since)), ".".join(map(str, module.version))
         what, span = op.name, op.span
         if since > opdef.since:  # a newer attribute of an older op
-            key = next(k for k, s in opdef.attr_since if s == since and op.attr(k) is not None)
-            what, span = f"{op.name}'s attribute {key}", op.attr_span(key)
+            written = set(opdef.optional_operands(op))
+            key = next(
+                k
+                for k, s in opdef.attr_since
+                if s == since and (op.attr(k) is not None or k in written)
+            )
+            kind = "operand" if key in written else "attribute"
+            what, span = f"{op.name}'s {kind} {key}", op.attr_span(key)
         raise _err(
             f"{what} is new in IR dtm {v}; this module declares dtm {m} (write 'dtm {v}' in its header)",
             span,

@@ -136,8 +136,13 @@ def _cast(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
 
 @_register("adamw", placement="RawKernel adamw.cu")
 def _adamw(ctx: KernelContext, xs: Sequence[Arr]) -> tuple[Arr, ...]:
-    p, g, m, v, bc1, bc2 = xs
-    return launch.adamw(p, g, m, v, bc1, bc2, update_attrs(ctx.op))
+    p, g, m, v, bc1, bc2 = xs[:6]
+    attrs = update_attrs(ctx.op)
+    if len(xs) > 6:  # a schedule's factor: lr * scale rounded to the dtype, read to the host
+        dt = np.dtype(p.dtype)
+        scale = np.asarray(xs[6].get() if hasattr(xs[6], "get") else xs[6], dtype=dt)
+        attrs["lr"] = float(np.asarray(attrs["lr"], dtype=dt) * scale)
+    return launch.adamw(p, g, m, v, bc1, bc2, attrs)
 
 
 @_register("matmul", placement="cuBLAS/hipBLAS")

@@ -9,7 +9,10 @@ every operation in the parameter's dtype, rounded after each as the composed ops
     step = (m2 / bc1) / (sqrt(v2 / bc2) + E)  [+ p * W when W > 0]
     p2 = p - step * L
 
-(each constant a value of the dtype: ``1 - B1`` computed in binary64, then rounded), so the op
+(each constant a value of the dtype: ``1 - B1`` computed in binary64, then rounded). With the
+optional operand ``scale %s`` (new in IR 1.5; a learning-rate schedule's factor for this step,
+a complete scalar of the dtype) the last line is ``p2 = p - step * (L * s)``, ``L * s`` rounded
+to the dtype. So the op
 gives exactly the bits of those ops written one by one (the frontend wrote them so before),
 in one pass over the parameter's memory: the numpy backend runs it in chunks that stay in a
 core's cache, a GPU backend as one RawKernel (``kernels/adamw.cu``, the same bits). ``bc1``/``bc2`` are the bias corrections
@@ -54,6 +57,7 @@ def adamw_values(
     bc1: np.ndarray,
     bc2: np.ndarray,
     attrs: dict[str, float],
+    scale: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The op on numpy arrays of one dtype (module doc): the operations one by one."""
     dt = p.dtype
@@ -67,7 +71,8 @@ def adamw_values(
     step = (m2 / bc1) / (np.sqrt(v2 / bc2) + c(attrs["eps"]))
     if attrs["decay"] > 0:
         step = step + p * c(attrs["decay"])
-    return p - step * c(attrs["lr"]), m2, v2
+    lr = c(attrs["lr"]) if scale is None else c(attrs["lr"]) * scale
+    return p - step * lr, m2, v2
 
 
 ATTRS = ("lr", "beta1", "beta2", "eps", "decay")
@@ -88,11 +93,12 @@ def adamw_blocks(xs: Sequence[np.ndarray], attrs: dict[str, float]) -> tuple[np.
     at most :data:`CHUNK` elements in one call of the formula, a larger one in chunks of
     :data:`CHUNK` (elementwise: the same bits either way; a small model's step spent 40 us a
     parameter on the chunk loop and its copies)."""
-    p, g, m, v, bc1, bc2 = xs
+    p, g, m, v, bc1, bc2 = xs[:6]
     s1, s2 = np.asarray(bc1, dtype=p.dtype), np.asarray(bc2, dtype=p.dtype)
+    sc = np.asarray(xs[6], dtype=p.dtype) if len(xs) > 6 else None
     if p.size <= CHUNK:
         with np.errstate(all="ignore"):  # IEEE results, as the ops one by one
-            got = adamw_values(p, g, m, v, s1, s2, attrs)
+            got = adamw_values(p, g, m, v, s1, s2, attrs, sc)
         return tuple(np.asarray(o) for o in got)  # (numpy gives scalars for 0-d operands)
     outs = [np.empty(p.shape, dtype=p.dtype) for _ in range(3)]
     flat = [np.ascontiguousarray(a).reshape(-1) for a in (p, g, m, v)]
@@ -101,7 +107,7 @@ def adamw_blocks(xs: Sequence[np.ndarray], attrs: dict[str, float]) -> tuple[np.
         for lo in range(0, flat[0].size, CHUNK):
             hi = lo + CHUNK
             p_, g_, m_, v_ = (a[lo:hi] for a in flat)
-            got = adamw_values(p_, g_, m_, v_, s1, s2, attrs)
+            got = adamw_values(p_, g_, m_, v_, s1, s2, attrs, sc)
             for view, part in zip(views, got, strict=True):
                 view[lo:hi] = part
     return tuple(outs)
@@ -110,11 +116,12 @@ def adamw_blocks(xs: Sequence[np.ndarray], attrs: dict[str, float]) -> tuple[np.
 @register_op(
     "adamw",
     "$p:operand , $g:operand , $m:operand , $v:operand , $bc1:operand , $bc2:operand "
-    "lr $lr:float beta1 $beta1:float beta2 $beta2:float eps $eps:float decay $decay:float",
+    "?( scale $scale:operand ) lr $lr:float beta1 $beta1:float beta2 $beta2:float eps $eps:float decay $decay:float",
     results=3,
     reference=adamw_reference,
     doc="AdamW's update of a parameter and its moments in one op",
     since=(1, 3),
+    attr_since=(("scale", (1, 5)),),
 )
 def _adamw(ctx: OpContext) -> tuple[TensorType, ...]:
     p = ctx.operand_types[0]
@@ -125,7 +132,7 @@ def _adamw(ctx: OpContext) -> tuple[TensorType, ...]:
         t = ctx.operand_types[i]
         if t != p:
             raise ctx.operand_error(i, f"the {what} must have the parameter's type {p}; got {t}")
-    for i, what in ((4, "bc1"), (5, "bc2")):
+    for i, what in ((4, "bc1"), (5, "bc2"), (6, "scale"))[: len(ctx.operand_types) - 4]:
         t = ctx.operand_types[i]
         if t.rank != 0 or t.dtype is not p.dtype or not t.layout.is_replicated:
             raise ctx.operand_error(
