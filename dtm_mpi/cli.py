@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dtm_mpi._version import __version__
+from dtm_mpi.cli_data import add_data_commands
 from dtm_mpi.cli_exec import add_exec_commands, runs_under_mpi
 from dtm_mpi.cli_generate import add_generate_command
 from dtm_mpi.cli_hf import add_hf_commands
@@ -327,6 +328,7 @@ COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (  # type: 
     add_store_commands,
     add_task_commands,
     add_hf_commands,
+    add_data_commands,
     add_generate_command,
     add_conformance_command,
 )

@@ -27,6 +27,7 @@ from dtm_mpi.frontend.generate import Sampling, generate
 from dtm_mpi.frontend.mesh import Mesh
 from dtm_mpi.frontend.stage_split import Pipeline
 from dtm_mpi.frontend.tensor import Tensor
+from dtm_mpi.frontend.token_data import TokenLoader
 from dtm_mpi.frontend.trace import Input, TracedStep, eval_step, forward_step, train_step
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "ResizePolicy",
     "Sampling",
     "Tensor",
+    "TokenLoader",
     "TracedStep",
     "eval_step",
     "fit",
