@@ -226,6 +226,8 @@ def fit(
     def report(i: int, rank: int, metrics: dict[str, float]) -> None:
         if rank != 0 and sim is not None:  # simulated ranks share this process: rank 0 reports
             return
+        if step.schedule is not None:  # the rate the step computed from its step index
+            metrics = {**metrics, "lr": step.schedule.lr(i)}
         result.metrics.append({"step": float(i), **metrics})
         if rank == 0:
             if bar is not None:

@@ -52,12 +52,6 @@ class Optimizer:
         constant learning rate."""
         return self.lr.traced_factor(tr, dtype) if isinstance(self.lr, Schedule) else None
 
-    def lr_metric(self, tr: Tracer) -> Tensor | None:
-        """The step's learning rate as a float32 scalar (logged each step), or None for a
-        constant learning rate."""
-        f = self.lr_factor(tr, DType.F32)
-        return None if f is None else f * self.peak_lr
-
     def lr_tensor(self, tr: Tracer, dtype: DType) -> Tensor | float:
         """The step's learning rate in ``dtype``: ``peak * factor`` rounded to it (as the
         ``adamw`` op's ``scale`` computes it), or the float."""

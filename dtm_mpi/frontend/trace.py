@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from dtm_mpi.errors import PropagationWarning, UsageError, VerifyError
 from dtm_mpi.frontend.layers import Module as Layer
+from dtm_mpi.frontend.lr_schedule import Schedule
 from dtm_mpi.frontend.mesh import Mesh, require_axis
 from dtm_mpi.frontend.optim import Optimizer, clip_by_global_norm
 from dtm_mpi.frontend.step_trace import Input, split_outputs, trace_model
@@ -63,6 +64,11 @@ class TracedStep:
     tensors: tuple[str, ...] = ()
     """The names of the leading results that are tensors handed back whole each step
     (:func:`forward_step`), not scalar metrics."""
+    schedule: Schedule | None = None
+    """The optimizer's learning-rate schedule (None: a constant rate): :func:`fit` reports
+    ``schedule.lr(step)`` as the metric ``lr`` each step (the step computes the same factor
+    from ``step_index``; the metric is not a result of the module, so a pipelined and an
+    unpipelined step stay one program)."""
     fallbacks: tuple[str, ...] = ()
     """Where sharding propagation gave up on a split value (``file:line: what``; each also a
     :class:`~dtm_mpi.errors.PropagationWarning` when traced; ``dtm explain`` lists them)."""
@@ -237,16 +243,11 @@ def train_step(
             raise trace_error(f"{key} must be a float scalar; it is {t.type}")
         with tracing(tr):
             scalars.append((key, t.complete()))
-    if pipeline is None:  # a pipelined step reports its loss only
-        with tracing(tr):
-            lr = optimizer.lr_metric(tr)
-        if lr is not None:
-            if any(k == "lr" for k, _ in scalars):
-                raise UsageError(
-                    "the loss function returns a metric named 'lr', the name of the "
-                    "schedule's learning rate each step reports; rename it"
-                )
-            scalars.append(("lr", lr))
+    if any(k == "lr" for k, _ in scalars) and isinstance(optimizer.lr, Schedule):
+        raise UsageError(
+            "the loss function returns a metric named 'lr', the name of the schedule's "
+            "learning rate each step reports; rename it"
+        )
     results, opt_params = train_results(tr, weights, scalars, optimizer, clip_norm)
     module = _finish(tr, "train_step", mesh, results)
     policy = None
@@ -276,6 +277,7 @@ def train_step(
         tuple(k for k, _ in scalars),
         mesh,
         policy,
+        schedule=optimizer.lr if isinstance(optimizer.lr, Schedule) else None,
         fallbacks=_fallbacks(tr),
     )
 

@@ -15,6 +15,7 @@ from dtm_mpi import frontend as dtm
 from dtm_mpi.errors import UsageError, VerifyError
 from dtm_mpi.frontend import functional as fn
 from dtm_mpi.ir import load_module
+from dtm_mpi.ir.types import DType
 
 MESH = {"dp": 2, "tp": 2}
 X = np.random.default_rng(0).standard_normal((8, 6)).astype(np.float32)
@@ -53,12 +54,24 @@ SCHEDULES = [
 
 @pytest.mark.parametrize("sch", SCHEDULES, ids=lambda s: f"{s.kind}-w{s.warmup}")
 def test_the_traced_rate_is_the_formula_at_every_step(sch: dtm.optim.Schedule) -> None:
+    """The factor the step computes from ``step_index`` (float32) is ``Schedule.factor``;
+    a training step reports ``Schedule.lr`` as its ``lr`` metric each step."""
+    traced = dtm.forward_step(
+        dtm.nn.Sequential(),
+        lambda m, x: x * 0.0 + sch.traced_factor(x.tracer, DType.F32),
+        mesh=dtm.Mesh(dp=2),
+        inputs={"x": dtm.Input((2,), "f32", ("dp",))},
+    )
+    zeros = np.zeros(2, np.float32)
+    res = dtm.fit(
+        traced, lambda s, r: {"x": zeros[r["x"]]}, steps=14, sim=2, mesh={"dp": 2}, quiet=True
+    )
+    got = [float(t["output"][0]) for t in res.tensors]
+    np.testing.assert_allclose(got, [sch.factor(s) for s in range(14)], rtol=1e-6, atol=1e-9)
     step = mlp_step(dtm.optim.SGD(lr=sch))
-    assert step.metrics == ("loss", "lr")
-    res = dtm.fit(step, loader, steps=14, sim=4, mesh=MESH, quiet=True)
-    got = [m["lr"] for m in res.metrics]
-    want = [sch.lr(s) for s in range(14)]
-    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-9)
+    assert step.metrics == ("loss",) and step.schedule == sch  # the module has no lr result
+    res = dtm.fit(step, loader, steps=5, sim=4, mesh=MESH, quiet=True)
+    assert [m["lr"] for m in res.metrics] == [sch.lr(s) for s in range(5)]
 
 
 def test_the_shapes_of_the_curves() -> None:
@@ -170,6 +183,23 @@ def test_bad_arguments_are_one_error(kwargs: dict[str, Any], message: str) -> No
     with pytest.raises(UsageError) as info:
         dtm.optim.schedule(kind, **kwargs)
     assert message in str(info.value)
+
+
+def test_a_scheduled_step_is_the_same_program_pipelined_or_not() -> None:
+    """The rate is not a result of the module: a checkpoint moves between the two."""
+    from tests.pipeline_case import gpt, lm_loss, token_inputs
+
+    def traced(pipeline: dtm.Pipeline | None) -> Any:
+        return dtm.train_step(
+            gpt(),
+            lm_loss,
+            mesh=dtm.Mesh(pp=1, dp=1, tp=1),
+            inputs=token_inputs(4),
+            optimizer=dtm.optim.AdamW(dtm.optim.schedule("cosine", peak=0.01, total=6)),
+            pipeline=pipeline,
+        )
+
+    assert traced(dtm.Pipeline(microbatches=2)).hash == traced(None).hash
 
 
 def test_a_metric_named_lr_and_a_bad_lr_are_refused() -> None:
