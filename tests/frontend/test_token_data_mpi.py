@@ -15,7 +15,7 @@ import pytest
 
 from dtm_mpi import frontend as dtm
 from tests.frontend.test_token_data import WORDS, word_tokenizer
-from tests.pipeline_case import T, VOCAB, gpt, lm_loss
+from tests.pipeline_case import VOCAB, T, gpt, lm_loss
 
 pytestmark = [
     pytest.mark.mpi(min_size=2),
