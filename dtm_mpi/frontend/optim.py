@@ -52,13 +52,12 @@ class Optimizer:
         constant learning rate."""
         return self.lr.traced_factor(tr, dtype) if isinstance(self.lr, Schedule) else None
 
-    def lr_tensor(self, tr: Tracer, dtype: DType) -> Tensor | float:
-        """The step's learning rate in ``dtype``: ``peak * factor`` rounded to it (as the
-        ``adamw`` op's ``scale`` computes it), or the float."""
-        f = self.lr_factor(tr, dtype)
-        if f is None:
-            return float(self.lr)  # type: ignore[arg-type]
-        return tr.constant(self.peak_lr, f.type) * f
+    def scaled_lr(self, tr: Tracer, factor: Tensor | None) -> Tensor | float:
+        """The step's learning rate from its :meth:`lr_factor`: ``peak * factor`` rounded to
+        the factor's dtype (as the ``adamw`` op's ``scale`` computes it), or the float."""
+        if factor is None:
+            return self.peak_lr
+        return tr.constant(self.peak_lr, factor.type) * factor
 
     def grad_layout(self, t: TensorType) -> Layout | None:
         """The layout a parameter of type ``t`` takes its gradient in (None: ``t``'s own,
@@ -148,7 +147,7 @@ class SGD(Optimizer):
                 g = self.state(tr, "momentum", path, g) * self.momentum + g
                 states.append(g)
             if p.dtype not in lrs:
-                lrs[p.dtype] = self.lr_tensor(tr, p.dtype)
+                lrs[p.dtype] = self.scaled_lr(tr, self.lr_factor(tr, p.dtype))
             news.append(p - g * lrs[p.dtype])
         return news + states
 
@@ -217,8 +216,7 @@ class AdamW(Optimizer):
             step = mh / (vh.sqrt() + self.eps)
             if self.weight_decay:
                 step = step + p * self.weight_decay
-            lr = tr.constant(self.peak_lr, factor.type) * factor if factor is not None else self.lr
-            news.append(p - step * lr)
+            news.append(p - step * self.scaled_lr(tr, factor))
             states += [m2, v2]
         return news + states
 

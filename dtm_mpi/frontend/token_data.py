@@ -221,16 +221,6 @@ class TokenLoader:
         self._tokens = self.file.open()
         self._order: tuple[int, np.ndarray] | None = None
 
-    def state(self) -> dict[str, Any]:
-        """What identifies the stream (the file's hash and the sampling), for a record."""
-        return {
-            "sha256": self.file.sha256,
-            "tokens": self.file.tokens,
-            "context": self.context,
-            "batch": self.batch,
-            "seed": self.seed,
-        }
-
     def windows_of(self, step: int) -> np.ndarray:
         """The window indices of step ``step``'s batch, in batch order."""
         if not isinstance(step, int | np.integer) or step < 0:

@@ -61,7 +61,7 @@ def _c_expr(e: Expr | int, n_inputs: int) -> str:
     d = lookup_op(e.op)
     if d is None or d.c_expr is None or not d.has(Trait.FUSIBLE) or d.arity != len(e.args):
         raise KernelError(f"op {e.op!r} with {len(e.args)} operand(s) cannot be fused")
-    form = {k: v for k, v in d.form_attrs}
+    form = dict(d.form_attrs)
     for k, v in e.attrs:
         if k not in form or not v.isidentifier():
             raise KernelError(f"op {e.op!r} has no form attribute {k!r} = {v!r}")
