@@ -24,6 +24,7 @@ import numpy as np
 from dtm_mpi.config import get_config
 from dtm_mpi.errors import UsageError
 from dtm_mpi.frontend.trace import TracedStep
+from dtm_mpi.runtime.data_position import DataPosition
 from dtm_mpi.runtime.policies import CheckpointPolicy, DevicePolicy, ResizePolicy
 from dtm_mpi.runtime.values import BlockSource
 
@@ -254,6 +255,7 @@ def fit(
         keep,
         values=dict(values) if values else None,
         on_tensors=tensors if step.tensors else None,
+        data=loader if isinstance(loader, DataPosition) else None,
     )
 
     entry = step.module.entry

@@ -185,11 +185,22 @@ def prepare_tokens(
     return train, val
 
 
+_POSITION_VERSION = 1
+"""The layout of ``data.tokens.position`` (io/TOKENS.md §4)."""
+
+
 class TokenLoader:
     """Batches of ``batch`` windows of ``context`` tokens from a token file (module doc):
     ``ids`` the window, ``labels`` the window one token further on, as ``int32`` (or
     ``dtype``). A step's inputs named otherwise can be mapped with ``names`` (e.g.
-    ``{"x": "ids"}``)."""
+    ``{"x": "ids"}``). ``vocab_size``: the model's; a file whose vocabulary is larger is
+    refused (a smaller one is a padded embedding's, and fine). ``verify``: check the file's
+    SHA-256 against its side file now (reads the whole file).
+
+    :func:`~dtm_mpi.frontend.fit.fit` saves the loader's position in every checkpoint (the
+    file's hash, the windowing and the step's place in its epoch, io/TOKENS.md §4) and, on
+    resume, refuses a file whose hash differs from the one the run was trained on, or
+    another context, batch or seed."""
 
     def __init__(
         self,
@@ -201,11 +212,19 @@ class TokenLoader:
         dtype: str = "int32",
         names: Mapping[str, str] | None = None,
         verify: bool = False,
+        vocab_size: int | None = None,
     ) -> None:
         self.file = read_token_file(path, verify=verify)
         for what, v in (("context", context), ("batch", batch)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise UsageError(f"TokenLoader {what} must be a whole number >= 1; got {v!r}")
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 1 << 63:
+            raise UsageError(f"TokenLoader seed must be a whole number in [0, 2**63); got {seed!r}")
+        if vocab_size is not None and self.file.vocab_size > vocab_size:
+            raise UsageError(
+                f"{self.file.path}: its tokens come from a vocabulary of {self.file.vocab_size} "
+                f"ids, larger than the model's {vocab_size}: tokenized for another model"
+            )
         self.context, self.batch, self.seed = context, batch, seed
         self.windows = (self.file.tokens - 1) // context
         if self.windows < batch:
@@ -230,6 +249,57 @@ class TokenLoader:
             order = np.random.default_rng([self.seed, epoch]).permutation(self.windows)
             self._order = (epoch, order)
         return self._order[1][k * self.batch : (k + 1) * self.batch]
+
+    def position_tensors(self, done: int) -> dict[str, np.ndarray]:
+        """Where the loader stands after ``done`` steps (the run's next batch is that of
+        step ``done``, 0-based), as a checkpoint records it (io/TOKENS.md §4)."""
+        epoch, k = divmod(done, self.per_epoch)
+        f = self.file
+        position = [_POSITION_VERSION, f.tokens, f.vocab_size, self.context, self.batch]
+        position += [self.seed, epoch, k * self.batch]
+        return {
+            "data.tokens.sha256": np.frombuffer(bytes.fromhex(f.sha256), np.uint8).copy(),
+            "data.tokens.position": np.asarray(position, np.int64),
+        }
+
+    def check_position(self, saved: Mapping[str, np.ndarray], done: int, where: str) -> None:
+        """Refuse to resume after ``done`` steps from checkpoint ``where`` if the position it
+        saved is not this loader's: another file (its SHA-256), windowing or seed."""
+        digest, pos = saved.get("data.tokens.sha256"), saved.get("data.tokens.position")
+        if digest is None or pos is None:
+            raise UsageError(
+                f"{where}: its data position is not a token file's (it has "
+                f"{', '.join(sorted(saved))}); this run reads {self.file.path}"
+            )
+        if int(pos[0]) != _POSITION_VERSION:
+            raise UsageError(
+                f"{where}: data.tokens.position has layout {int(pos[0])}; this dtm_mpi reads "
+                f"layout {_POSITION_VERSION}"
+            )
+        old = bytes(digest).hex()
+        if old != self.file.sha256:
+            raise UsageError(
+                f"{self.file.path}: its SHA-256 is {self.file.sha256[:16]}..., but the run "
+                f"saved in {where} was trained on a token file with {old[:16]}... "
+                f"({int(pos[1])} tokens): refusing to resume on other data"
+            )
+        mine = {"context": self.context, "batch": self.batch, "seed": self.seed}
+        theirs = {"context": int(pos[3]), "batch": int(pos[4]), "seed": int(pos[5])}
+        if mine != theirs:
+            diff = ", ".join(
+                f"{k} {theirs[k]} (now {mine[k]})" for k in mine if mine[k] != theirs[k]
+            )
+            raise UsageError(
+                f"{where}: the run read {self.file.path} with {diff}: the batches after the "
+                "resume would not be the ones it would have read; resume with the same "
+                "context, batch and seed"
+            )
+        expect = self.position_tensors(done)["data.tokens.position"]
+        if not np.array_equal(np.asarray(pos), expect):
+            raise UsageError(
+                f"{where}: its data position (epoch {int(pos[6])}, window {int(pos[7])}) is "
+                f"not where {done} steps end (epoch {int(expect[6])}, window {int(expect[7])})"
+            )
 
     def _read(self, windows: Iterable[int], shift: int) -> np.ndarray:
         t = self.context

@@ -45,7 +45,7 @@ from __future__ import annotations
 import os
 import secrets
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -588,11 +588,13 @@ class CheckpointStore:
         fallback: bool = False,
         into: Mapping[str, np.ndarray] | None = None,
         pins: Mapping[str, Pin] | None = None,
+        optional: Collection[str] = (),
     ) -> Restored:
         """Collective: call on all ranks. This rank's blocks of ``targets`` (name, type on
         ``mesh``) from checkpoint ``step`` (default: latest); with ``fallback``, the newest
         checkpoint at or before it that restores and verifies. ``pins``: targets held only by
         the ranks at an (axis, coordinate) of ``mesh`` (elsewhere an empty block).
+        ``optional``: targets a checkpoint may lack (then absent from the values).
 
         ``into`` (name -> array) restores those tensors in place, into the caller's arrays
         (C-contiguous, writeable, exactly this rank's block shape and dtype), as a training
@@ -633,7 +635,7 @@ class CheckpointStore:
         errors: list[str] = []
         for s in candidates:
             try:
-                got = self._restore_file(s, mesh, targets, into, pins)
+                got = self._restore_file(s, mesh, targets, into, pins, frozenset(optional))
                 return replace(got, skipped=tuple(errors)) if errors else got
             except (IntegrityError, ManifestError, UnrecoverableError, StorageError) as exc:
                 if not fallback or isinstance(exc, UsageError):
@@ -682,6 +684,7 @@ class CheckpointStore:
         targets: Sequence[tuple[str, TensorType]],
         into: Mapping[str, np.ndarray] | None = None,
         pins: Mapping[str, Pin] | None = None,
+        optional: frozenset[str] = frozenset(),
     ) -> Restored:
         path = self.path / committed_name(step)
         where = str(self.backend.index_path(path))
@@ -696,6 +699,8 @@ class CheckpointStore:
             if isinstance(text, str):
                 raise ManifestError(text)
             manifest = parse_loadable_manifest(text, where)
+            if optional:
+                targets = [t for t in targets if t[0] not in optional or t[0] in manifest.names]
             plan = plan_restore(manifest, targets, mesh, self.round_bytes, where, pins)
         except DtmError as exc:  # decided from the same bytes on every rank: same error
             raise agreed(exc) from None

@@ -23,6 +23,12 @@ import numpy as np
 
 from dtm_mpi.console import say
 from dtm_mpi.errors import UsageError, agreed
+from dtm_mpi.runtime.data_position import (
+    PREFIX,
+    check_position,
+    position_items,
+    position_targets,
+)
 from dtm_mpi.sharding.blocks import Pin, holds
 
 if TYPE_CHECKING:
@@ -31,6 +37,7 @@ if TYPE_CHECKING:
     from dtm_mpi.ir.nodes import Module, Param
     from dtm_mpi.kernels.devices import ArrayBackend
     from dtm_mpi.plan.program import ExecPlan
+    from dtm_mpi.runtime.data_position import DataPosition
     from dtm_mpi.runtime.policies import CheckpointPolicy
 
 __all__ = [
@@ -93,13 +100,23 @@ def check_resumable(got: Restored, hashes: tuple[str, ...], steps: int) -> None:
         )
 
 
-def _resumed(got: Restored, hashes: tuple[str, ...], steps: int, *, speak: bool) -> None:
+def _resumed(
+    got: Restored,
+    hashes: tuple[str, ...],
+    steps: int,
+    *,
+    speak: bool,
+    data: DataPosition | None = None,
+) -> None:
     """Say which newer checkpoints a resume skipped (``speak``: this rank reports), refuse
-    ``got`` if it cannot be resumed (:func:`check_resumable`), else say where the run resumes."""
+    ``got`` if it cannot be resumed (:func:`check_resumable`; ``data``: the loader refuses
+    the position it recorded), else say where the run resumes."""
     if speak:
         for why in got.skipped:  # newer checkpoints that do not restore and verify
             say(f"resume: skipped {why}")
     check_resumable(got, hashes, steps)
+    if data is not None:
+        check_position(data, got.values, got.step, str(got.path))
     if speak:
         say(f"resumed from {got.path} (after step {got.step})")
 
@@ -172,6 +189,7 @@ class StoreCheckpoints(_Saves):
         fed: Sequence[str],
         phase: Callable[[str], None],
         pins: Mapping[str, Pin] | None = None,
+        data: DataPosition | None = None,
     ) -> None:
         from dtm_mpi.comm import handles
 
@@ -190,6 +208,7 @@ class StoreCheckpoints(_Saves):
         self.fed = frozenset(fed)
         self.pins = dict(pins or {})
         """A pipelined run's state: each value held by the ranks of one ``pp`` coordinate."""
+        self.data = data
 
     def _held(self, values: Mapping[str, np.ndarray]) -> list[np.ndarray | None]:
         """The restored blocks in target order, None where this rank holds none (pinned)."""
@@ -224,8 +243,15 @@ class StoreCheckpoints(_Saves):
         step."""
         self.phase("resume")
         assert self.store is not None
-        got = self.store.restore(self.plan.mesh, self.targets, fallback=True, pins=self.pins)
-        _resumed(got, self.hashes, self.steps, speak=self.speak)
+        extra = position_targets(self.data) if self.data is not None else []
+        got = self.store.restore(
+            self.plan.mesh,
+            [*self.targets, *extra],
+            fallback=True,
+            pins=self.pins,
+            optional=[n for n, _ in extra],
+        )
+        _resumed(got, self.hashes, self.steps, speak=self.speak, data=self.data)
         blocks[:] = self._held(got.values)
         return got.step
 
@@ -251,6 +277,8 @@ class StoreCheckpoints(_Saves):
                 (spec, np.array(a, copy=True) if spec.name in self.fed and a is not None else a)
                 for spec, a in items
             ]
+        if self.data is not None:  # where the loader stands: replicated, every rank its copy
+            items += position_items(self.data, done)
         return self._write(done, self.plan.mesh, items, sync)
 
     def close(self) -> None:
@@ -273,20 +301,28 @@ def _one_rank_mesh(module: Module) -> Any:
 
 
 def restore_globals(
-    policy: CheckpointPolicy, module: Module, steps: int
+    policy: CheckpointPolicy, module: Module, steps: int, data: DataPosition | None = None
 ) -> tuple[dict[str, np.ndarray], int]:
     """A simulated run's resume, before its ranks start: the global value of every entry
     parameter from the newest checkpoint of ``policy``'s store that restores and verifies
-    (written on any mesh), and its step."""
+    (written on any mesh), and its step (``data``: the loader checks the position the
+    checkpoint recorded)."""
     from dtm_mpi.comm.handles import self_comm
 
     store = open_store(policy, self_comm())
+    extra = position_targets(data) if data is not None else []
     try:
-        got = store.restore(_one_rank_mesh(module), _targets(module), fallback=True)
+        got = store.restore(
+            _one_rank_mesh(module),
+            [*_targets(module), *extra],
+            fallback=True,
+            optional=[n for n, _ in extra],
+        )
     finally:
         store.close()
-    _resumed(got, state_hashes(module), steps, speak=True)
-    return dict(got.values), got.step
+    _resumed(got, state_hashes(module), steps, speak=True, data=data)
+    values = {k: v for k, v in got.values.items() if not k.startswith(PREFIX)}
+    return values, got.step
 
 
 class GatheredCheckpoints(_Saves):
@@ -303,6 +339,7 @@ class GatheredCheckpoints(_Saves):
         store: CheckpointStore | None,
         backend: ArrayBackend,
         pins: Mapping[str, Pin] | None = None,
+        data: DataPosition | None = None,
     ) -> None:
         super().__init__(
             policy, store, state_hashes(plan.module), speak=store is not None, phase=_nowhere
@@ -311,6 +348,7 @@ class GatheredCheckpoints(_Saves):
         self.targets = _targets(plan.module)
         self.mesh = _one_rank_mesh(plan.module)
         self.pins = dict(pins or {})
+        self.data = data
 
     def save(self, done: int, blocks: list[Any], *, sync: bool = False) -> str:
         """Save the state after step ``done`` (collective over the simulated ranks); returns
@@ -331,4 +369,6 @@ class GatheredCheckpoints(_Saves):
         items: list[tuple[Any, np.ndarray | None]] = [
             (TensorSpec(n, t), v) for (n, t), v in zip(self.targets, values, strict=True)
         ]
+        if self.data is not None:
+            items += position_items(self.data, done)
         return self._write(done, self.mesh, items, sync)  # (gathered arrays are new: no copy)

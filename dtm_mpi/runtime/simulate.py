@@ -135,7 +135,13 @@ def run_rank(
     checkpoints = None
     if checkpoint is not None and _saves(checkpoint, stop):
         checkpoints = GatheredCheckpoints(
-            comm, plan, checkpoint, store if comm.rank == 0 else None, arrays, pins
+            comm,
+            plan,
+            checkpoint,
+            store if comm.rank == 0 else None,
+            arrays,
+            pins,
+            data=hooks.data if hooks is not None else None,
         )
     loop = StepLoop(
         executor,
@@ -285,7 +291,9 @@ def run_simulated(
     check_run_size(steps, nranks)
     first = 0
     if checkpoint is not None and checkpoint.resume:  # every parameter from the checkpoint
-        given, first = restore_globals(checkpoint, module, steps)
+        given, first = restore_globals(
+            checkpoint, module, steps, hooks.data if hooks is not None else None
+        )
     else:
         given = check_inputs(module, inputs or {}, fed=hooks.fed if hooks is not None else ())
     mesh = mesh_for(module, nranks, binding)

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from dtm_mpi.comm.interface import Comm
     from dtm_mpi.plan.program import ExecPlan
     from dtm_mpi.runtime.audit import ReplicaAudit
+    from dtm_mpi.runtime.data_position import DataPosition
     from dtm_mpi.runtime.policies import CheckpointPolicy, ProgressPolicy
 
 __all__ = [
@@ -99,6 +100,9 @@ class RunHooks:
     on_tensors: Callable[[int, int, dict[str, np.ndarray]], None] | None = None
     """Every rank, after each step committed: the step, the rank and the step's replicated
     tensor results (not scalars, not state updates) by name, whole on every rank."""
+    data: DataPosition | None = None
+    """The loader, where it can say where it stands: its position saved in every checkpoint
+    and checked on resume (:mod:`dtm_mpi.runtime.data_position`)."""
 
 
 class Feed:

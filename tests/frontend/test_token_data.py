@@ -177,3 +177,99 @@ def test_training_resumed_on_another_mesh_continues_the_stream(tmp_path: Path) -
     np.testing.assert_allclose(
         [m["loss"] for m in rest.metrics], [m["loss"] for m in full.metrics[2:]], rtol=1e-10
     )
+
+
+def _small_run(tmp_path: Path, **loader_kw: object) -> tuple[object, object, Path]:
+    rng = np.random.default_rng(1)
+    docs = tmp_path / "doc.txt"
+    docs.write_text(" ".join(WORDS[j] for j in rng.integers(0, VOCAB - 1, 3000)))
+    tok = word_tokenizer(tmp_path)
+    prepare_tokens([docs], tok, tmp_path / "t.bin")
+    kw: dict[str, object] = {"context": T, "batch": 8, "seed": 5, "names": {"tgt": "labels"}}
+    kw.update(loader_kw)
+    loader = dtm.TokenLoader(tmp_path / "t.bin", **kw)  # type: ignore[arg-type]
+    step = dtm.train_step(
+        gpt(),
+        lm_loss,
+        mesh=dtm.Mesh(dp=2, tp=1),
+        inputs={k: dtm.Input((8, T), "i32", ("dp", None)) for k in ("ids", "tgt")},
+        optimizer=dtm.optim.AdamW(lr=1e-2),
+    )
+    return step, loader, docs
+
+
+def test_every_checkpoint_records_the_data_position_and_refuses_other_data(
+    tmp_path: Path,
+) -> None:
+    """The checkpoint holds the token file's SHA-256 and the loader's place (readable with
+    plain h5py); a resume refuses a token file that changed, another batch or seed, and
+    nothing is lost: the checkpoint stays."""
+    import h5py
+
+    step, loader, docs = _small_run(tmp_path)
+    store = tmp_path / "s"
+    dtm.fit(step, loader, steps=3, sim=2, checkpoint=dtm.CheckpointPolicy(str(store), every=3))
+    sha = read_token_file(tmp_path / "t.bin").sha256
+    with h5py.File(store / "ckpt-00000003" / "checkpoint.h5", "r") as f:
+        assert bytes(f["tensors/data.tokens.sha256"][()]).hex() == sha
+        pos = list(f["tensors/data.tokens.position"][()])
+    epoch, k = divmod(3, loader.per_epoch)  # type: ignore[attr-defined]
+    assert pos == [1, loader.file.tokens, 10, T, 8, 5, epoch, k * 8]  # type: ignore[attr-defined]
+    again = dtm.CheckpointPolicy(str(store), resume=True)
+
+    other_seed = dtm.TokenLoader(
+        tmp_path / "t.bin", context=T, batch=8, seed=6, names={"tgt": "labels"}
+    )
+    with pytest.raises(UsageError, match=r"with seed 5 \(now 6\).*same context, batch and seed"):
+        dtm.fit(step, other_seed, steps=5, sim=2, checkpoint=again, quiet=True)
+
+    # the token file regenerated from other text: its hash differs
+    docs.write_text(docs.read_text() + " cat")
+    prepare_tokens([docs], tmp_path / "tokenizer.json", tmp_path / "t.bin")
+    changed = dtm.TokenLoader(
+        tmp_path / "t.bin", context=T, batch=8, seed=5, names={"tgt": "labels"}
+    )
+    with pytest.raises(UsageError, match=rf"t.bin: its SHA-256 is .*trained on .*{sha[:16]}"):
+        dtm.fit(step, changed, steps=5, sim=2, checkpoint=again, quiet=True)
+    assert (store / "ckpt-00000003" / "checkpoint.h5").is_file()
+
+
+def test_a_checkpoint_without_a_data_position_resumes_with_a_token_loader(
+    tmp_path: Path,
+) -> None:
+    step, loader, _ = _small_run(tmp_path)
+    store = str(tmp_path / "s")
+    fed = {
+        k: np.asarray(v)
+        for k, v in loader(
+            0, {"ids": (slice(0, 8), slice(0, T)), "tgt": (slice(0, 8), slice(0, T))}
+        ).items()
+    }  # type: ignore[operator]
+    dtm.fit(
+        step,
+        dtm.ArrayLoader(fed, 8, shuffle=False),
+        steps=1,
+        sim=2,
+        checkpoint=dtm.CheckpointPolicy(store, every=1),
+        quiet=True,
+    )
+    got = dtm.fit(
+        step,
+        loader,
+        steps=2,
+        sim=2,
+        checkpoint=dtm.CheckpointPolicy(store, resume=True),
+        quiet=True,
+    )
+    assert [m["step"] for m in got.metrics] == [1.0]
+
+
+def test_a_token_file_from_a_larger_vocabulary_than_the_model_is_refused(tmp_path: Path) -> None:
+    prepare_tokens(texts(tmp_path), word_tokenizer(tmp_path), tmp_path / "t.bin")
+    with pytest.raises(
+        UsageError, match=r"t.bin: .*vocabulary of 10 ids, larger than the model's 8"
+    ):
+        dtm.TokenLoader(tmp_path / "t.bin", context=4, batch=2, vocab_size=8)
+    dtm.TokenLoader(tmp_path / "t.bin", context=4, batch=2, vocab_size=16)  # padded: fine
+    with pytest.raises(UsageError, match="seed must be a whole number"):
+        dtm.TokenLoader(tmp_path / "t.bin", context=4, batch=2, seed=-1)

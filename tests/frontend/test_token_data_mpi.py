@@ -83,3 +83,19 @@ def test_token_fed_scheduled_training_under_mpi_equals_one_rank_and_resumes(
         and np.allclose(got, losses[2:], rtol=1e-10),
         f"the resumed steps {rest.metrics} differ from the uninterrupted run's {full.metrics[2:]}",
     )
+    other = dtm.TokenLoader(bin_path, context=T, batch=BATCH, seed=2, names={"tgt": "labels"})
+    from dtm_mpi.errors import UsageError
+
+    try:
+        dtm.fit(
+            step,
+            other,
+            steps=6,
+            mesh={"dp": n, "tp": 1},
+            checkpoint=dtm.CheckpointPolicy(store, resume=True),
+            quiet=True,
+        )
+        refused = ""
+    except UsageError as exc:
+        refused = str(exc)
+    all_ranks("seed 1 (now 2)" in refused, f"another seed's resume was not refused: {refused!r}")
