@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from dtm_mpi.config import get_config
 from dtm_mpi.errors import UsageError, VerifyError
 from dtm_mpi.frontend.mesh import Mesh
 from dtm_mpi.frontend.optim import SGD, Adam, AdamW, Optimizer
@@ -248,6 +249,7 @@ def ir_step_stages(module: Module, training: IrTraining, n: int) -> StepStages:
         loss.value.name,
         [(v.name, g.name) for (_, v), g in zip(weights, grads, strict=True)],
         mesh,
+        defer_reductions=not get_config().deterministic,
     )
     stages = replace(stages, microbatch=counter)
     return with_updates(stages, mesh, training.optimizer, training.clip_norm)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from dtm_mpi.config import get_config
 from dtm_mpi.errors import UsageError, VerifyError
 from dtm_mpi.frontend.layers import Module as Layer
 from dtm_mpi.frontend.mesh import Mesh
@@ -278,6 +279,9 @@ def step_stages_of(
         loss.value.name,
         [(v.name, g.name) for (_, v), g in zip(weights, grads, strict=True)],
         mesh.ir(),
+        # the data-parallel sums of the gradients once per step, not per microbatch (not in
+        # deterministic mode, whose weight passes run on the whole batch)
+        defer_reductions=not whole_batch and not get_config().deterministic,
     )
     return with_updates(stages, mesh.ir(), optimizer, clip_norm)
 

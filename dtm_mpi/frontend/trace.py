@@ -193,6 +193,7 @@ def train_step(
     pipeline: Pipeline | None = None,
     shard_params: str | None = None,
     weights_from_store: bool = False,
+    accumulate: int | None = None,
 ) -> TracedStep:
     """Trace one training step of ``model``: ``loss_fn(model, **inputs)`` returns the loss
     (a float scalar) or (loss, {metric: scalar}); the gradients of the loss with respect to
@@ -213,7 +214,17 @@ def train_step(
     ``weights_from_store``: the parameters start from the latest checkpoint of the run's
     store (declared ``init store``; read by name, each rank its blocks, written on any mesh:
     e.g. a Hugging Face checkpoint brought in by ``dtm hf import``) instead of their inits;
-    the optimizer's state starts as its init."""
+    the optimizer's state starts as its init.
+
+    ``accumulate`` (K): gradient accumulation without a pipeline: each step runs K
+    microbatches (the fed inputs cut along their first dim, each ``B / K`` rows) through the
+    forward and reverse passes one after another, holding one microbatch's activations, the
+    gradients summed, then one optimizer update: the big batch's step (to float rounding; bit
+    for bit in deterministic mode, where K is a power of two). It runs as a pipeline of one
+    stage over a mesh axis ``accum`` of size 1 added to ``mesh`` (the same module and
+    checkpoints as the step without it)."""
+    if accumulate is not None:
+        mesh, pipeline = _accumulation(accumulate, mesh, inputs, pipeline, shard_params)
     if shard_params is not None:
         require_axis(f"shard_params={shard_params!r}", shard_params, mesh.axis_names)
         if pipeline is not None:
@@ -280,6 +291,50 @@ def train_step(
         schedule=optimizer.lr if isinstance(optimizer.lr, Schedule) else None,
         fallbacks=_fallbacks(tr),
     )
+
+
+def _accumulation(
+    k: int,
+    mesh: Mesh,
+    inputs: Mapping[str, Input],
+    pipeline: Pipeline | None,
+    shard_params: str | None,
+) -> tuple[Mesh, Pipeline | None]:
+    """``train_step(accumulate=k)``'s mesh and pipeline (checked): K microbatches of a
+    one-stage pipeline over the axis :data:`~dtm_mpi.runtime.policies.ACCUMULATE_AXIS`, of
+    size 1, added to ``mesh``."""
+    from dtm_mpi.frontend.stage_split import Pipeline as OneStage
+    from dtm_mpi.runtime.policies import ACCUMULATE_AXIS
+
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise UsageError(f"accumulate must be a whole number >= 1; got {k!r}")
+    if pipeline is not None:
+        raise UsageError(
+            "accumulate= is for a step without a pipeline; a pipelined step accumulates its "
+            f"microbatches: Pipeline(microbatches={k * pipeline.microbatches}, ...)"
+        )
+    if shard_params is not None:
+        raise UsageError(
+            "accumulate with shard_params is not supported yet; shard the optimizer state "
+            "instead (optimizer=AdamW(..., shard='dp'))"
+        )
+    for key, spec in inputs.items():
+        shape = tuple(spec.shape)
+        rows = shape[0] if shape else None
+        if rows is None or rows % k:
+            raise UsageError(
+                f"accumulate={k}: input {key!r} has {rows if rows is not None else 'no'} rows "
+                f"(its first dim), which do not cut into {k} microbatches"
+            )
+    if k == 1:
+        return mesh, None
+    if ACCUMULATE_AXIS in mesh.axis_names:
+        raise UsageError(
+            f"accumulate: the mesh already has an axis {ACCUMULATE_AXIS!r}, the one "
+            "accumulation adds; rename it"
+        )
+    wider = Mesh(mesh.name, **{ACCUMULATE_AXIS: 1}, **dict(mesh.axes))
+    return wider, OneStage(microbatches=k, schedule="1f1b", axis=ACCUMULATE_AXIS)
 
 
 def eval_step(

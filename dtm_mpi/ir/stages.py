@@ -16,12 +16,12 @@ stage without ops.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from dtm_mpi.errors import SourceSpan, UsageError, VerifyError
 from dtm_mpi.ir.nodes import NO_SPAN, Function, MeshDecl, Module, Op, Param
-from dtm_mpi.ir.types import TensorType
+from dtm_mpi.ir.types import ReduceOp, TensorType
 
 __all__ = [
     "CLIP_TOTAL",
@@ -198,10 +198,24 @@ class StagePasses:
     """With clipping by the global norm: the sum of the squares of the stage's gradients
     (named ``<parameter>.grad``), added over the pipeline into the ``%clip.total`` the update
     pass takes."""
+    reduce_grads: StagePass | None = None
+    """Where the weight pass returns gradients still pending (their sums over the data-
+    parallel ranks deferred: each microbatch's local sums are added, and reduced once per
+    step): the reductions, once per step after the schedule. Its parameters are the pending
+    values (named as in the weight pass) and its ``carries`` the parameters whose gradients
+    its results are. Its parameters are pending, which IR parameters never are: it is
+    compiled unverified (:func:`reduce_module`), from ops the verified step made."""
 
     def all(self) -> tuple[StagePass, ...]:
         """Every pass of the stage (those it has)."""
-        passes = (self.forward, self.input_grad, self.weight_grad, self.update, self.square_sum)
+        passes = (
+            self.forward,
+            self.input_grad,
+            self.weight_grad,
+            self.update,
+            self.square_sum,
+            self.reduce_grads,
+        )
         return tuple(p for p in passes if p is not None)
 
 
@@ -231,11 +245,16 @@ def step_stages(
     loss: str,
     grads: Sequence[tuple[str, str]],
     mesh: MeshDecl,
+    *,
+    defer_reductions: bool = False,
 ) -> StepStages:
     """The passes of each stage of a step whose ``body`` is a forward pass (its first
     ``n_forward`` ops, cut as ``partition``) followed by its reverse pass, each reverse op's
     origin given (:func:`~dtm_mpi.ir.autodiff.backward`'s ``origins``); ``grads``: (parameter,
-    its gradient value) in the order the reverse pass took them to their layouts."""
+    its gradient value) in the order the reverse pass took them to their layouts.
+    ``defer_reductions``: a gradient the reverse pass completes from a pending sum (an
+    ``allreduce`` or ``reduce_scatter``, then layout changes) leaves the weight pass pending,
+    and the stage's ``reduce_grads`` pass completes it once per step."""
     bounds = _op_stages(partition, n_forward)
     stage_of_op = bounds + [
         bounds[o] if o >= 0 else partition.stage_of(grads[-1 - o][0]) for o in origins
@@ -260,6 +279,7 @@ def step_stages(
             by_name,
             types,
             mesh,
+            defer_reductions,
         )
         for s in range(len(partition.stages))
     )
@@ -302,6 +322,7 @@ def _passes(
     params: dict[str, Param],
     types: dict[str, TensorType],
     mesh: MeshDecl,
+    defer: bool = False,
 ) -> StagePasses:
     stage = partition.stages[s]
     fwd = list(stage.ops)
@@ -341,8 +362,84 @@ def _passes(
     w_pool = set(given) | made_f | made_i | set(recv_grads)
     w_in = _used_from(weight_ops, w_pool)
     w_in += [g for g in mine if g not in made_w and g not in w_in]  # passed through
-    weight_grad = _function(f"stage{s}_weight_grad", w_in, weight_ops, mine, params, types, mesh)
-    return StagePasses(s, tuple(own), forward, input_grad, weight_grad)
+    chains = _pending_chains(weight_ops, mine, types) if defer else {}
+    in_chain = {id(op) for _, ops in chains.values() for op in ops}
+    weight_grad = _function(
+        f"stage{s}_weight_grad",
+        w_in,
+        [op for op in weight_ops if id(op) not in in_chain],
+        [chains[g][0] if g in chains else g for g in mine],
+        params,
+        types,
+        mesh,
+        pending={chains[g][0] for g in chains},
+    )
+    reduce_grads = None
+    if chains:
+        grad_param = {g: p for p, g in grads}
+        reduce_grads = _reduce_pass(f"stage{s}_reduce_grads", chains, grad_param, types, mesh)
+        weight_grad = replace(weight_grad, carries=tuple(mine))
+    return StagePasses(s, tuple(own), forward, input_grad, weight_grad, reduce_grads=reduce_grads)
+
+
+_LAYOUT_CHANGES = frozenset({"allreduce", "reduce_scatter", "redistribute", "allgather"})
+"""The ops a reverse pass takes a gradient to its parameter's layout with."""
+
+
+def _pending_chains(
+    ops: Sequence[Op], grads: Sequence[str], types: Mapping[str, TensorType]
+) -> dict[str, tuple[str, list[Op]]]:
+    """For each gradient of ``grads`` that ``ops`` make from a pending sum by layout changes
+    alone (used by nothing else): the pending value and those ops, in order."""
+    made = {n: op for op in ops for n in op.results}
+    uses: dict[str, int] = {}
+    for user in ops:
+        for n in user.operands:
+            uses[n] = uses.get(n, 0) + 1
+    out: dict[str, tuple[str, list[Op]]] = {}
+    for g in grads:
+        if uses.get(g, 0) or grads.count(g) > 1:
+            continue
+        chain: list[Op] = []
+        v = g
+        while (op := made.get(v)) is not None and op.name in _LAYOUT_CHANGES:
+            if len(op.operands) != 1 or len(op.results) != 1:
+                break
+            chain.insert(0, op)
+            src = op.operands[0]
+            partial = types[src].layout.partial
+            if partial is not None:
+                if partial.op is ReduceOp.SUM:
+                    out[g] = (src, chain)
+                break
+            if uses.get(src, 0) != 1:
+                break
+            v = src
+    return out
+
+
+def _reduce_pass(
+    name: str,
+    chains: Mapping[str, tuple[str, list[Op]]],
+    grad_param: Mapping[str, str],
+    types: Mapping[str, TensorType],
+    mesh: MeshDecl,
+) -> StagePass:
+    """The once-per-step pass completing the deferred gradients: each pending value in
+    (a parameter of its pending type), its layout changes, the gradient out."""
+    from dtm_mpi.ir.build import FunctionBuilder
+
+    b = FunctionBuilder(
+        mesh, names=[n for _, ops in chains.values() for op in ops for n in op.results]
+    )
+    outs = []
+    for g, (pending, ops) in chains.items():
+        b.add_param(pending, types[pending])
+        for op in ops:
+            b.append(op)
+        outs.append(b.value(g))
+    f = b.function(name, outs)
+    return StagePass(f, tuple(grad_param[g] for g in chains))
 
 
 def _free_ops(ops: Sequence[Op]) -> list[Op]:
@@ -394,9 +491,12 @@ def _function(
     params: dict[str, Param],
     types: dict[str, TensorType],
     mesh: MeshDecl,
+    *,
+    pending: Collection[str] = (),
 ) -> StagePass:
     """The pass ``name``: ``ops`` as a function of the values ``inputs``, returning the
-    values ``returns``; a pending value is passed in and out complete."""
+    values ``returns``; a pending value is passed in and out complete (except the returns
+    named in ``pending``: the local sums a deferred reduction adds)."""
     from dtm_mpi.ir.build import FunctionBuilder, Value
 
     b = FunctionBuilder(mesh, names=[n for op in ops for n in op.results])
@@ -410,8 +510,17 @@ def _function(
         names = tuple(n if n not in b.types else b.fresh(n) for n in op.results)
         copied = replace(op, results=names, operands=tuple(env[x].name for x in op.operands))
         env.update(zip(op.results, b.append(copied), strict=True))
-    outs = [b.complete(env[n]) for n in returns]
+    outs = [env[n] if n in pending else b.complete(env[n]) for n in returns]
     return StagePass(b.function(name, outs), tuple(returns))
+
+
+def reduce_module(f: Function, mesh: MeshDecl, name: str) -> Module:
+    """The module of a ``reduce_grads`` pass (:class:`StagePasses`): its parameters are
+    pending, which the verifier refuses of every IR parameter, so it is not verified; its
+    ops are the verified step's own (the layout changes that completed those gradients)."""
+    from dtm_mpi.ir.registry import required_version
+
+    return Module(required_version(f.body), name, (mesh,), (replace(f, entry=True),))
 
 
 def pass_module(f: Function, mesh: MeshDecl, name: str) -> Module:

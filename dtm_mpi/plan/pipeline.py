@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from dtm_mpi.errors import UsageError
 from dtm_mpi.ir.dtypes import np_dtype
 from dtm_mpi.ir.nodes import Function, MeshDecl
-from dtm_mpi.ir.stages import StepStages, pass_module
+from dtm_mpi.ir.stages import StepStages, pass_module, reduce_module
 from dtm_mpi.plan.program import ExecPlan, compile_plan
 from dtm_mpi.plan.schedule import (
     PipelineShape,
@@ -54,7 +54,12 @@ def stage_plans(stages: StepStages, mesh: MeshDecl, shape: MeshShape) -> dict[st
     """Every pass of every stage compiled for ``shape``, by function name (pure: the same on
     every rank)."""
     return {
-        sp.function.name: compile_plan(pass_module(sp.function, mesh, sp.function.name), shape)
+        sp.function.name: compile_plan(
+            (reduce_module if sp is s.reduce_grads else pass_module)(
+                sp.function, mesh, sp.function.name
+            ),
+            shape,
+        )
         for s in stages.passes
         for sp in s.all()
     }

@@ -71,14 +71,26 @@ def open_store(policy: CheckpointPolicy, comm: Any) -> CheckpointStore:
     )
 
 
-def state_hashes(module: Module) -> tuple[str, str]:
+def state_hashes(module: Module) -> tuple[str, ...]:
     """What identifies the program a checkpoint's state belongs to: the program hash of
     ``module`` (its layouts erased: docs/spec/ir.md §11.3), which every save records, so a run
     resumes on any mesh and under any sharding choice, then its module hash, which the saves
-    of earlier versions recorded (still resumed)."""
-    from dtm_mpi.ir.hashing import module_hash, program_hash
+    of earlier versions recorded (still resumed), then the program hash of the same module
+    with or without the axis a gradient-accumulating step adds to its mesh
+    (:data:`~dtm_mpi.runtime.policies.ACCUMULATE_AXIS`: accumulation changes no state)."""
+    from dataclasses import replace
 
-    return program_hash(module), module_hash(module)
+    from dtm_mpi.ir.hashing import module_hash, program_hash
+    from dtm_mpi.runtime.policies import ACCUMULATE_AXIS
+
+    def other(m: Any) -> Any:
+        axes = tuple(m.axes)
+        if any(a == ACCUMULATE_AXIS for a, _ in axes):
+            return replace(m, axes=tuple((a, s) for a, s in axes if a != ACCUMULATE_AXIS))
+        return replace(m, axes=((ACCUMULATE_AXIS, 1), *axes))
+
+    accumulation = replace(module, meshes=tuple(other(m) for m in module.meshes))
+    return program_hash(module), module_hash(module), program_hash(accumulation)
 
 
 def check_resumable(got: Restored, hashes: tuple[str, ...], steps: int) -> None:

@@ -156,6 +156,9 @@ class PipelineRank:
             for work, sp in ((Work.F, s.forward), (Work.I, s.input_grad), (Work.W, s.weight_grad))
         }
         self.updates = {s.index: compiled[s.update.function.name] for s in self.mine if s.update}
+        self.reduces = {  # the gradients' deferred data-parallel sums, once per step
+            s.index: compiled[s.reduce_grads.function.name] for s in self.mine if s.reduce_grads
+        }
         self.square_sums = [compiled[s.square_sum.function.name] for s in self.mine if s.square_sum]
         # the parameters of this rank's stages, and their optimizer state
         self.owned = [n for s in self.mine for n in (s.update.carries if s.update else s.params)]
@@ -326,6 +329,11 @@ class PipelineRank:
                 env.pop(name, None)
         if self.whole_batch:
             loss = self._whole_batch(envs, batch, grads, loss, step)
+        else:
+            for reduce in self.reduces.values():  # the microbatches' local sums, reduced once
+                pairs = zip(reduce.params, reduce.carries, strict=True)
+                pending = {p: grads[name] for p, name in pairs}
+                grads.update(reduce.run(pending, step))
         t0 = time.perf_counter()
         self.comm.flush()
         done = time.perf_counter()

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from dtm_mpi.ir.stages import StepStages
 
 __all__ = [
+    "ACCUMULATE_AXIS",
     "CheckpointPolicy",
     "DevicePolicy",
     "PipelinePolicy",
@@ -198,6 +199,13 @@ class ProgressPolicy:
 def progress_policy(every: int | None, samples: int | None = None) -> ProgressPolicy | None:
     """The progress policy of ``--log-every`` (None: no progress lines)."""
     return ProgressPolicy(every, samples) if every is not None else None
+
+
+ACCUMULATE_AXIS = "accum"
+"""The mesh axis, of size 1, that a step accumulating gradients without a pipeline
+(``train_step(accumulate=K)``) adds to its mesh and runs its one-stage pipeline over. It
+changes no state: a checkpoint resumes with or without it (:func:`~dtm_mpi.runtime.
+checkpoints.state_hashes`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -382,3 +382,49 @@ def test_the_runtime_idles_as_the_plan_predicts_under_the_cost_model(
     assert [e[1] for e in ends] == pytest.approx(list(timing.busy), rel=1e-12)
     bubble = 1 - sum(e[1] for e in ends) / (p * makespan)
     assert bubble == pytest.approx(timing.bubble, rel=1e-12) and bubble > 0
+
+
+def test_the_gradients_data_parallel_sums_run_once_per_step_whatever_the_microbatches() -> None:
+    """dp=2 x pp=2: each weight pass returns its gradients pending, the microbatches' local
+    sums are added, and each stage's reduce pass sums them over dp once per step: a step's
+    allreduces are ``m A + P`` for ``m`` microbatches (``A`` those inside the passes, per
+    microbatch), where ``P`` is the stage's gradients, not ``m (A + P)``."""
+    full = {"pp": 2, "dp": 2, "tp": 1}
+    mesh = dtm.Mesh(**full)
+    shape = MeshShape(tuple(full.items()))
+    batch = _batch()
+
+    def calls(m: int) -> list[int]:
+        stages = step_stages_of(
+            _model(),
+            _loss,
+            mesh=mesh,
+            inputs=INPUTS,
+            splits=["blocks.1"],
+            microbatches=m,
+            optimizer=dtm.optim.AdamW(lr=1e-2),
+        )
+        for s in stages.passes:
+            w = s.weight_grad.function
+            assert all(r.type.layout.partial is not None for r in w.results), s.index
+            assert s.reduce_grads is not None and s.reduce_grads.carries == s.params
+        schedule = plan_schedule(ScheduleKind.ONE_F_ONE_B, PipelineShape(2, m, 1))
+
+        def train(comm: Any) -> int:
+            rank = PipelineRank(stages, schedule, mesh.ir(), shape, comm)
+            rank.step(rank.batch_blocks(batch), 0)
+            before = comm.stats.settle().calls["allreduce"]
+            rank.step(rank.batch_blocks(batch), 1)
+            return int(comm.stats.settle().calls["allreduce"]) - before
+
+        return list(run_ranks(shape, train, timeout_s=60))
+
+    c1, c2, c4 = calls(1), calls(2), calls(4)
+    stages = step_stages_of(
+        _model(), _loss, mesh=mesh, inputs=INPUTS, splits=["blocks.1"], microbatches=1
+    )
+    for rank in range(shape.size):
+        per_micro, per_step = c2[rank] - c1[rank], 2 * c1[rank] - c2[rank]
+        stage = shape.index_along(rank, ("pp",))
+        assert per_step == len(stages.passes[stage].params), (rank, c1, c2)
+        assert c4[rank] == 4 * per_micro + per_step, (rank, c1, c2, c4)
