@@ -17,6 +17,7 @@ from dtm_mpi.cli_data import add_data_commands
 from dtm_mpi.cli_exec import add_exec_commands, runs_under_mpi
 from dtm_mpi.cli_generate import add_generate_command
 from dtm_mpi.cli_hf import add_hf_commands
+from dtm_mpi.cli_plot import add_plot_commands
 from dtm_mpi.cli_store import add_store_commands
 from dtm_mpi.cli_task import add_task_commands
 from dtm_mpi.comm.abort import run_or_abort
@@ -329,6 +330,7 @@ COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (  # type: 
     add_task_commands,
     add_hf_commands,
     add_data_commands,
+    add_plot_commands,
     add_generate_command,
     add_conformance_command,
 )

@@ -17,12 +17,15 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from dtm_mpi.config import get_config
+from dtm_mpi.console import say
 from dtm_mpi.errors import UsageError
+from dtm_mpi.frontend.run_report import Peak, RunMeter, StepCost, peak_flops, step_cost
 from dtm_mpi.frontend.trace import TracedStep
 from dtm_mpi.runtime.data_position import DataPosition
 from dtm_mpi.runtime.policies import CheckpointPolicy, DevicePolicy, ResizePolicy
@@ -108,6 +111,13 @@ class FitResult:
     tensors: list[dict[str, np.ndarray]] = field(default_factory=list)
     """Each step's tensor results by name (a :func:`~dtm_mpi.frontend.trace.forward_step`'s),
     whole, on every rank; empty where ``fit`` was given ``on_tensors``."""
+    timings: list[dict[str, float]] = field(default_factory=list)
+    """Rank 0 (elsewhere empty): each step's ``step``, wall time ``step_s`` (the first
+    step's includes the run's setup), ``tokens_per_s``, ``mfu`` (where the peak is known)
+    and ``rss_gib`` (:mod:`dtm_mpi.frontend.run_report`)."""
+    cost: StepCost | None = None
+    """The tokens and model FLOPs of one step, and the peak MFU divides by (rank 0)."""
+    peak: Peak | None = None
 
     def last(self, name: str) -> float:
         return self.metrics[-1][name]
@@ -119,11 +129,9 @@ class _Bar:
     def __init__(self, total: int, samples: int) -> None:
         self.total, self.samples = total, samples
         self.bar: Any = None
-        self.t = time.perf_counter()
 
-    def __call__(self, step: int, metrics: dict[str, float]) -> None:
-        now = time.perf_counter()
-        dt, self.t = now - self.t, now
+    def __call__(self, step: int, metrics: dict[str, float], figures: dict[str, float]) -> None:
+        dt = figures["step_s"]
         if self.bar is None:
             from tqdm import tqdm  # type: ignore[import-untyped]
 
@@ -135,6 +143,7 @@ class _Bar:
                 **{k: f"{v:.4g}" for k, v in metrics.items()},
                 "ms": f"{dt * 1e3:.1f}",
                 "samples/s": f"{self.samples / dt:.0f}",
+                **_shown(figures),
             },
             refresh=False,
         )
@@ -143,6 +152,14 @@ class _Bar:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _shown(figures: Mapping[str, float]) -> dict[str, str]:
+    """The throughput figures the progress bar and line show."""
+    out = {"tok/s": f"{figures['tokens_per_s']:.0f}"}
+    if "mfu" in figures:
+        out["mfu"] = f"{100 * figures['mfu']:.2f}%"
+    return out
 
 
 def fit(
@@ -163,6 +180,7 @@ def fit(
     integrity: bool = False,
     audit_every: int | None = None,
     quantize_allreduce: int | None = None,
+    metrics_file: str | os.PathLike[str] | None = None,
 ) -> FitResult:
     """Run ``steps`` steps of ``step`` (a training step updates its state; an evaluation
     step is run once or more on fed inputs), feeding ``loader(step, regions)`` each step.
@@ -199,8 +217,10 @@ def fit(
     replicated state tensor's CRC32C compared across its replicas, and before every checkpoint.
     ``quantize_allreduce``: sum allreduces of 1,024 or more floats (the gradients) as int8
     blocks of this size with error feedback (as ``DTM_QUANT_ALLREDUCE``; bound: io/WIRE.md §6;
-    not in deterministic mode). Option errors are raised on every rank alike, before anything
-    runs."""
+    not in deterministic mode). ``metrics_file``: rank 0 appends each step's metrics, wall
+    time, tokens/s, MFU and peak memory to this JSON-lines file (``dtm plot metrics`` draws
+    it; :mod:`dtm_mpi.frontend.run_report` says how each is measured). Option errors are
+    raised on every rank alike, before anything runs."""
     from dataclasses import replace
 
     from dtm_mpi.runtime.policies import progress_policy, run_settings
@@ -214,6 +234,10 @@ def fit(
         quantize_allreduce=quantize_allreduce,
         cli=False,
     )
+    if metrics_file is not None:  # (rank 0 writes it; every rank checks where, alike)
+        parent = Path(metrics_file).parent
+        if parent.exists() and not parent.is_dir():
+            raise UsageError(f"metrics file {metrics_file}: {parent} is not a directory")
     if get_config().explain:  # dtm explain SCRIPT.py: the plan of this run, then the end
         sys.stdout.write(explain_fit(step, mesh, sim))
         raise SystemExit(0)
@@ -223,18 +247,29 @@ def fit(
         step.input_type(first).shape[0] if first is not None and step.input_type(first).shape else 1
     )
     bar = None if quiet else _Bar(steps, samples)
+    meter: list[RunMeter] = []  # rank 0's, made at its first report
+    started = time.perf_counter()
 
-    def report(i: int, rank: int, metrics: dict[str, float]) -> None:
+    def report(i: int, rank: int, metrics: dict[str, float]) -> dict[str, float] | None:
         if rank != 0 and sim is not None:  # simulated ranks share this process: rank 0 reports
-            return
-        if step.schedule is not None:  # the rate the step computed from its step index
-            metrics = {**metrics, "lr": step.schedule.lr(i)}
+            return None
+        extra = {"lr": step.schedule.lr(i)} if step.schedule is not None else {}
+        metrics = {**metrics, **extra}  # (the rate the step computed from its step index)
         result.metrics.append({"step": float(i), **metrics})
-        if rank == 0:
-            if bar is not None:
-                bar(i, metrics)
-            if on_step is not None:
-                on_step(i, metrics)
+        if rank != 0:
+            return None
+        if not meter:
+            meter.append(_meter(step, result, device, mesh, sim, metrics_file, started))
+        figures = meter[0].step(i, metrics)
+        result.timings.append({"step": float(i), **figures})
+        if bar is not None:
+            bar(i, metrics, figures)
+        if on_step is not None:
+            on_step(i, metrics)
+        line = {"tok/s": figures["tokens_per_s"]}  # (the progress line's figures)
+        if "mfu" in figures:
+            line["mfu%"] = 100 * figures["mfu"]
+        return {**extra, **line}
 
     def keep(outputs: dict[str, np.ndarray]) -> None:
         result.outputs.update(outputs)
@@ -293,9 +328,35 @@ def fit(
     finally:
         if bar is not None:
             bar.close()
+        if meter:
+            meter[0].close()
     if code != 0:  # stopped on a signal after saving (75: "requeue me"), or ended: end the job
         raise SystemExit(code)
     return result
+
+
+def _meter(
+    step: TracedStep,
+    result: FitResult,
+    device: DevicePolicy | None,
+    mesh: Mapping[str, int] | None,
+    sim: int | None,
+    metrics_file: str | os.PathLike[str] | None,
+    started: float,
+) -> RunMeter:
+    """Rank 0's meter of the run (its cost and peak kept in ``result``)."""
+    import math
+
+    result.cost = cost = step_cost(step)
+    ranks = sim if sim is not None else math.prod(mesh.values()) if mesh else step.mesh.size
+    backend = (device or DevicePolicy()).backend
+    try:
+        result.peak = peak_flops(cost.dtype, backend, ranks, simulated=sim is not None)
+    except UsageError as exc:  # no MFU, said once; the run goes on
+        say(f"fit: {exc}")
+    got = RunMeter(cost, result.peak, metrics_file)
+    got.t = started
+    return got
 
 
 def explain_fit(step: TracedStep, mesh: Mapping[str, int] | None, sim: int | None) -> str:

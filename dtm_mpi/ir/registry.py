@@ -222,6 +222,8 @@ PlanCheck = Callable[[Op, Sequence[TensorType], ShardExtents], "str | None"]
 """A rule that depends on the bound mesh's sizes (which ``--mesh`` may change after ``dtm
 check``): ``check(op, operand types, extents)`` gives the broken rule's message, else None.
 The planner runs it on every rank before any communication and reports it at the op."""
+FlopsFn = Callable[[Sequence[TensorType], Sequence[TensorType]], int]
+"""An op's floating-point operations from its operand and result types (:attr:`OpDef.flops`)."""
 
 ArrayFn = Callable[..., Any]
 """An elementwise op's array function: ``fn(xp, *arrays)`` with ``xp`` numpy or a namespace
@@ -272,6 +274,10 @@ class OpDef:
     attr_since: tuple[tuple[str, tuple[int, int]], ...] = ()
     """Attributes newer than the op, with the IR version that introduced each: a module that
     writes one must declare that version or a later one."""
+    flops: FlopsFn | None = None
+    """The floating-point operations of one application (its operand and result types, the
+    global shapes): a multiply-add counts two. Ops without it count none (what a model's
+    FLOPs and MFU count, as the papers do: the contractions)."""
     exact: object | None = None
     """Deterministic mode's exact form of an op that sums floats (:data:`Trait.SUMS`): an
     ``ExactRule`` attached by :mod:`dtm_mpi.kernels.exact` (:func:`attach_exact`), as backends
@@ -362,6 +368,7 @@ def register_op(
     since: tuple[int, int] = (1, 0),
     form_attrs: tuple[tuple[str, str], ...] = (),
     attr_since: tuple[tuple[str, tuple[int, int]], ...] = (),
+    flops: FlopsFn | None = None,
 ) -> Callable[[InferFn], InferFn]:
     """Decorator registering ``infer`` as the shape+sharding rule of op ``name``. With
     ``ufunc`` (and no ``array_fn``) the array function calls that ufunc of its namespace."""
@@ -394,6 +401,7 @@ def register_op(
             exact_attrs=not _has_inexact(elems),
             since=since,
             form_attrs=form_attrs,
+            flops=flops,
             attr_since=attr_since,
         )
         return infer

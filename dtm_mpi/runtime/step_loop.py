@@ -87,9 +87,10 @@ class RunHooks:
     feed: FeedFn | None = None
     fed: tuple[str, ...] = ()
     """The entry parameters ``feed`` supplies (names without ``%``)."""
-    on_step: Callable[[int, int, dict[str, float]], None] | None = None
+    on_step: Callable[[int, int, dict[str, float]], Mapping[str, float] | None] | None = None
     """Every rank, after each step committed: the step, the rank and the step's complete
-    scalar results by name (the same on every rank)."""
+    scalar results by name (the same on every rank); what it returns (figures such as the
+    learning rate, tokens/s, MFU) joins them in the progress line."""
     metric_names: tuple[str, ...] = ()
     """Names of the leading scalar results (else ``result0``, ...)."""
     on_outputs: Callable[[dict[str, np.ndarray]], None] | None = None
@@ -172,11 +173,12 @@ class Feed:
                 metrics[key] = float(self.to_host(value))
             elif hooks.on_tensors is not None and t.layout.is_replicated:
                 tensors[key] = np.asarray(self.to_host(value))
+        shown: Mapping[str, float] | None = None
         if hooks.on_step is not None:
-            hooks.on_step(step, self.rank, metrics)
+            shown = hooks.on_step(step, self.rank, metrics)
         if hooks.on_tensors is not None and tensors:
             hooks.on_tensors(step, self.rank, tensors)
-        return metrics
+        return {**metrics, **shown} if shown else metrics
 
 
 class StepRunner(Protocol):

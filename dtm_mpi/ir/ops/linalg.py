@@ -42,6 +42,7 @@ def _d_matmul(c: GradContext) -> tuple[Value | None, Value | None]:
     doc="batched matrix product",
     grad=_d_matmul,
     traits=frozenset({Trait.SUMS}),
+    flops=lambda operands, results: 2 * results[0].numel * operands[0].shape[-1],
 )
 def _matmul(ctx: OpContext) -> tuple[TensorType, ...]:
     a, b = ctx.operand_types

@@ -1,0 +1,164 @@
+"""What a training run reports (dtm_mpi/frontend/run_report.py): the model FLOPs counted
+from the traced step equal torchtitan's formula (6 N per token plus the attention's
+12 L H d T) exactly; fit's metrics file has a line per step (loss, lr, tokens/s, MFU, memory)
+and a resumed run appends to it; ``dtm plot metrics`` draws it; bad input is one error."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dtm_mpi import frontend as dtm
+from dtm_mpi.errors import UsageError
+from dtm_mpi.frontend import functional as fn
+from dtm_mpi.frontend.run_report import module_flops, peak_flops, read_metrics, step_cost
+from tests.test_cli_run import dtm as dtm_cli
+from tests.test_cli_run import one_line_error
+
+CFG = {
+    "vocab_size": 32,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 4,
+}
+B, T = 4, 8
+
+
+def _loss(m: dtm.nn.Llama, ids: dtm.Tensor, tgt: dtm.Tensor) -> dtm.Tensor:
+    logits = m(ids)
+    return fn.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+
+
+def _step(model: dtm.nn.Llama, **kw: object) -> dtm.TracedStep:
+    return dtm.train_step(
+        model,
+        _loss,
+        mesh=dtm.Mesh(dp=1, tp=1),
+        inputs={k: dtm.Input((B, T), "i32", ("dp", None)) for k in ("ids", "tgt")},
+        optimizer=dtm.optim.AdamW(dtm.optim.schedule("cosine", peak=1e-2, warmup=1, total=6)),
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def _loader(step: int, regions: Mapping[str, tuple[slice, ...]]) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(step)
+    data = {k: rng.integers(0, 32, (B, T)).astype(np.int32) for k in ("ids", "tgt")}
+    return {k: data[k][r] for k, r in regions.items()}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_counted_flops_are_torchtitans_formula(tied: bool) -> None:
+    model = dtm.nn.Llama({**CFG, "tie_word_embeddings": tied}, axis=None)
+    cost = step_cost(_step(model))
+    matmul_params = sum(
+        int(np.prod(p.shape))
+        for path, _, _, p in model.named_parameters()
+        if len(p.shape) == 2 and "embed_tokens" not in path
+    )
+    if tied:  # the head is the embedding, used as a matmul
+        matmul_params += CFG["vocab_size"] * CFG["hidden_size"]
+    layers, heads, hd = CFG["num_hidden_layers"], CFG["num_attention_heads"], CFG["head_dim"]
+    per_token = 6 * matmul_params + 12 * layers * heads * hd * T
+    assert cost.tokens == B * T
+    assert cost.flops == B * T * per_token
+    assert cost.dtype == "f32"
+    forward = dtm.forward_step(
+        model,
+        lambda m, ids: m(ids),
+        mesh=dtm.Mesh(dp=1, tp=1),
+        inputs={"ids": dtm.Input((B, T), "i32")},
+    )
+    assert 3 * module_flops(forward.module) == cost.flops  # forward, and twice it backward
+
+
+def test_fit_writes_a_metrics_line_per_step_and_a_resumed_run_appends(tmp_path: Path) -> None:
+    step = _step(dtm.nn.Llama(CFG, axis=None))
+    path = tmp_path / "run" / "metrics.jsonl"
+    store = str(tmp_path / "s")
+    got = dtm.fit(
+        step,
+        _loader,
+        steps=3,
+        sim=2,
+        quiet=True,
+        metrics_file=path,
+        checkpoint=dtm.CheckpointPolicy(store, every=3),
+    )
+    lines = read_metrics(path)
+    assert [x["step"] for x in lines] == [0, 1, 2]
+    for line, m, t in zip(lines, got.metrics, got.timings, strict=True):
+        assert line["loss"] == m["loss"] and line["lr"] == m["lr"]
+        assert line["tokens_per_s"] == t["tokens_per_s"] > 0
+        assert 0 < line["mfu"] < 1 and line["rss_gib"] > 0.01
+        assert line["step_s"] == pytest.approx(B * T / line["tokens_per_s"])
+    assert got.peak is not None and "measured float32 GEMM" in got.peak.source
+    assert got.cost is not None and got.cost.flops > 0
+    dtm.fit(
+        step,
+        _loader,
+        steps=5,
+        sim=2,
+        quiet=True,
+        metrics_file=path,
+        checkpoint=dtm.CheckpointPolicy(store, resume=True),
+    )
+    assert [x["step"] for x in read_metrics(path)] == [0, 1, 2, 3, 4]
+
+
+def test_the_cpu_peak_is_the_measured_gemm_rate_times_the_ranks() -> None:
+    one, four = peak_flops("f32", "numpy", 1), peak_flops("f32", "numpy", 4)
+    assert four.flops_per_s == pytest.approx(4 * one.flops_per_s) and one.flops_per_s > 1e8
+    sim = peak_flops("f64", "numpy", 64, simulated=True)  # at most the cores
+    assert (
+        "float64" in sim.source and sim.flops_per_s < 64 * peak_flops("f64", "numpy", 1).flops_per_s
+    )
+
+
+def test_bad_metrics_files_are_one_error_naming_the_file_and_line(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="no such metrics file"):
+        read_metrics(tmp_path / "none.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"step": 0, "loss": 1.0}) + "\n{oops\n")
+    with pytest.raises(UsageError, match=r"bad.jsonl:2: not a JSON line"):
+        read_metrics(bad)
+    (tmp_path / "f").write_text("")
+    with pytest.raises(UsageError, match="is not a directory"):
+        dtm.fit(
+            _step(dtm.nn.Llama(CFG, axis=None)),
+            _loader,
+            steps=1,
+            sim=1,
+            quiet=True,
+            metrics_file=tmp_path / "f" / "m.jsonl",
+        )
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("matplotlib") is None,
+    reason="dtm plot draws with matplotlib (the train extra; make setup installs it)",
+)
+def test_dtm_plot_metrics_draws_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    runs = []
+    for k in range(2):
+        p = tmp_path / f"run{k}.jsonl"
+        p.write_text(
+            "".join(
+                json.dumps({"step": s, "loss": 3.0 - 0.1 * s - k, "lr": 0.01 * s}) + "\n"
+                for s in range(5)
+            )
+        )
+        runs.append(str(p))
+    out = tmp_path / "curves.png"
+    code, text, _ = dtm_cli(capsys, "plot", "metrics", *runs, "-o", str(out))
+    assert code == 0 and "loss, lr over 2 run(s)" in text
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    code, _, err = dtm_cli(capsys, "plot", "metrics", runs[0], "-o", str(out), "--keys", "mfu")
+    assert code == 2 and "have none of mfu" in one_line_error(err)
