@@ -11,6 +11,15 @@ export with transformers' greedy ``generate``: the two must give the same tokens
     mpirun -n 4 python -m mpi4py examples/llama.py --mesh dp=2,tp=2 --steps 300 --store S --checkpoint-every 100
     mpirun -n 2 python -m mpi4py examples/llama.py --mesh dp=1,tp=2 --steps 400 --store S --resume --export OUT --generate 32
     mpirun -n 4 python -m mpi4py examples/llama.py --mesh pp=2,dp=1,tp=2 --microbatches 4 --schedule 1f1b --store S
+
+The training recipe's switches: ``--precision bf16`` (float32 masters, bf16 compute),
+``--lr-schedule cosine --warmup 20`` (also ``linear``, ``wsd``; ``--lr-floor``),
+``--accumulate 2`` (gradient accumulation), ``--data tokens.bin`` (a token file of
+``dtm data prepare``; its ``.val.bin`` beside it for validation; the model's vocabulary is
+the file's) and ``--metrics FILE`` (JSON lines: loss, lr, tokens/s, MFU; ``dtm plot metrics``):
+
+    mpirun -n 2 python -m mpi4py examples/llama.py --mesh dp=2,tp=1 --precision bf16 \
+        --lr-schedule cosine --warmup 20 --accumulate 2 --data tokens.bin --metrics m.jsonl
     dtm generate S --prompt "def " --max-new 32        # the store is a model for dtm's tools too
 """
 
@@ -40,12 +49,13 @@ BATCH, CONTEXT = 16, 64
 PROMPT = "def "
 
 
-def config(layers: int) -> dict[str, Any]:
-    """The model, as the fields of a Hugging Face ``config.json``: one token per byte."""
+def config(layers: int, vocab: int = 256) -> dict[str, Any]:
+    """The model, as the fields of a Hugging Face ``config.json``: one token per byte (or
+    the ``vocab`` of a token file)."""
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "vocab_size": 256,
+        "vocab_size": vocab,
         "hidden_size": 96,
         "intermediate_size": 256,
         "num_hidden_layers": layers,
@@ -156,12 +166,37 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--export", default=None, metavar="DIR", help="write a Hugging Face directory")
     ap.add_argument("--generate", type=int, default=0, metavar="N", help="tokens after the prompt")
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--precision", choices=("f32", "bf16"), default="f32")
+    ap.add_argument(
+        "--lr-schedule", choices=("constant", "cosine", "linear", "wsd"), default="constant"
+    )
+    ap.add_argument("--warmup", type=int, default=0, help="warmup steps of --lr-schedule")
+    ap.add_argument("--lr-floor", type=float, default=0.1, help="the end rate, x --lr")
+    ap.add_argument(
+        "--lr-total",
+        type=int,
+        default=None,
+        help="the steps the schedule spans (default --steps; the schedule is part of the "
+        "program, so a run resumed with more --steps keeps the first run's --lr-total)",
+    )
+    ap.add_argument("--accumulate", type=int, default=None, metavar="K")
+    ap.add_argument("--data", default=None, metavar="BIN", help="a token file (dtm data prepare)")
+    ap.add_argument("--metrics", default=None, metavar="FILE", help="JSON lines per step")
     args = ap.parse_args(argv)
     sizes = parse_mesh_binding(args.mesh)
     if (args.export or args.generate) and not args.store:
         ap.error("--export and --generate read the trained model from --store DIR")
     rank0 = args.sim is not None or world_rank() == 0
-    cfg = config(args.layers)
+    loader: Any = None
+    val_loader: Any = None
+    vocab = 256
+    if args.data is not None:  # the model's vocabulary is the token file's
+        loader = dtm.TokenLoader(args.data, context=CONTEXT, batch=BATCH, seed=1)
+        vocab = loader.file.vocab_size
+        val_path = Path(args.data).with_name(f"{Path(args.data).stem}.val{Path(args.data).suffix}")
+        if val_path.is_file():
+            val_loader = dtm.TokenLoader(val_path, context=CONTEXT, batch=BATCH, seed=2)
+    cfg = config(args.layers, vocab)
     if args.store and rank0 and not args.resume:
         # the store describes its model, as `dtm hf import` leaves it: export and generate read it
         save_hf_files(args.store, cfg)
@@ -171,6 +206,15 @@ def main(argv: list[str]) -> int:
         schedule = args.schedule or "1f1b"
         pipeline = dtm.Pipeline(args.microbatches, schedule, 2 if schedule == "interleaved" else 1)
     model = dtm.nn.Llama.for_mesh(cfg, sizes)
+    lr: Any = args.lr
+    if args.lr_schedule != "constant" or args.warmup:
+        lr = dtm.optim.schedule(
+            args.lr_schedule,
+            peak=args.lr,
+            total=args.lr_total or args.steps,
+            warmup=args.warmup,
+            floor=args.lr_floor,
+        )
     step = dtm.train_step(
         model,
         loss_fn,
@@ -178,25 +222,32 @@ def main(argv: list[str]) -> int:
         inputs=INPUTS,
         clip_norm=1.0,
         name="llama",
-        optimizer=dtm.optim.AdamW(lr=args.lr, weight_decay=0.01),
+        optimizer=dtm.optim.AdamW(lr=lr, weight_decay=0.01),
         pipeline=pipeline,
+        accumulate=args.accumulate,
+        precision=dtm.MixedPrecision() if args.precision == "bf16" else None,
     )
     train, val = corpus()
+    if loader is None:
+        loader = Windows(train, seed=1)
+    if val_loader is None and args.data is None:
+        val_loader = Windows(val, seed=2, fixed=True)
     policy = checkpoint_policy(
         args.store, every=args.checkpoint_every, resume=args.resume, save_final=True
     )
     res = dtm.fit(
         step,
-        Windows(train, seed=1),
+        loader,
         steps=args.steps,
         sim=args.sim,
         mesh=sizes,
         checkpoint=policy,
         quiet=args.quiet,
         log_every=50 if args.quiet else None,
+        metrics_file=args.metrics,
     )
     val_loss = float("nan")
-    if args.store:
+    if args.store and val_loader is not None:
         ev = dtm.eval_step(
             model,
             loss_fn,
@@ -207,7 +258,7 @@ def main(argv: list[str]) -> int:
         )
         out = dtm.fit(
             ev,
-            Windows(val, seed=2, fixed=True),
+            val_loader,
             steps=args.val_batches,
             sim=args.sim,
             mesh=sizes,
@@ -215,7 +266,18 @@ def main(argv: list[str]) -> int:
             quiet=True,
         )
         val_loss = float(np.mean([m["loss"] for m in out.metrics])) if out.metrics else val_loss
-    if rank0:
+    if rank0 and res.timings:
+        tps = float(np.median([t["tokens_per_s"] for t in res.timings[1:] or res.timings]))
+        mfu = [t["mfu"] for t in res.timings[1:] or res.timings if "mfu" in t]
+        shown = f", MFU {100 * float(np.median(mfu)):.2f}%" if mfu else ""
+        peak = f" (peak: {res.peak.source})" if res.peak is not None else ""
+        print(f"throughput: {tps:.0f} tokens/s (median step){shown}{peak}")
+    if rank0 and args.data is not None:
+        print(
+            f"step {args.steps}: train loss {res.last('loss'):.4f}"
+            + ("" if math.isnan(val_loss) else f", validation loss {val_loss:.4f}")
+        )
+    elif rank0:
         base = unigram_loss(train, val)
         print(f"corpus: {len(train)} train / {len(val)} validation bytes of the standard library")
         if math.isnan(val_loss):

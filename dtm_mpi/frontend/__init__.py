@@ -25,6 +25,7 @@ from dtm_mpi.frontend.fit import (
 )
 from dtm_mpi.frontend.generate import Sampling, generate
 from dtm_mpi.frontend.mesh import Mesh
+from dtm_mpi.frontend.precision import MixedPrecision
 from dtm_mpi.frontend.stage_split import Pipeline
 from dtm_mpi.frontend.tensor import Tensor
 from dtm_mpi.frontend.token_data import TokenLoader
@@ -37,6 +38,7 @@ __all__ = [
     "FitResult",
     "Input",
     "Mesh",
+    "MixedPrecision",
     "Pipeline",
     "ResizePolicy",
     "Sampling",

@@ -291,6 +291,7 @@ def fit(
         values=dict(values) if values else None,
         on_tensors=tensors if step.tensors else None,
         data=loader if isinstance(loader, DataPosition) else None,
+        identity=step.identity,
     )
 
     entry = step.module.entry

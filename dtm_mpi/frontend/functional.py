@@ -219,7 +219,11 @@ def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
     """Mean cross-entropy of ``logits`` ``[..., C]`` against integer ``labels`` ``[...]``.
     Vocab-parallel as Megatron computes it: with the class dim split (over ``tp``), each
     rank's max, sum of exponentials and target logit are completed by allreduces of a
-    scalar per row, never by gathering the logits."""
+    scalar per row, never by gathering the logits. Under a mixed-precision policy
+    (:class:`~dtm_mpi.frontend.precision.MixedPrecision`) ``bf16``/``f16`` logits are cast to
+    float32 first, as Hugging Face's causal-LM loss upcasts them."""
+    if current_tracer().compute is not None and logits.dtype in (DType.BF16, DType.F16):
+        logits = logits.cast(DType.F32)
     last = logits.ndim - 1
     m = logits.max(last, keepdims=True).detach()  # the shift only steadies exp
     shifted = logits - m

@@ -18,6 +18,7 @@ from dtm_mpi.errors import UsageError, VerifyError
 from dtm_mpi.frontend.layers import Module as Layer
 from dtm_mpi.frontend.mesh import Mesh
 from dtm_mpi.frontend.optim import Optimizer, clip_scale, square_sum
+from dtm_mpi.frontend.precision import MixedPrecision
 from dtm_mpi.frontend.step_trace import Input, split_outputs, trace_model
 from dtm_mpi.frontend.tensor import Tensor, Tracer, trace_error, tracing
 from dtm_mpi.ir.autodiff import backward
@@ -31,7 +32,7 @@ from dtm_mpi.ir.stages import (
     partition_stages,
     step_stages,
 )
-from dtm_mpi.ir.types import TensorType
+from dtm_mpi.ir.types import DType, TensorType
 
 if TYPE_CHECKING:
     from dtm_mpi.plan.schedule import ScheduleKind
@@ -110,6 +111,7 @@ def pipeline_policy(
     clip_norm: float | None,
     seed: int,
     name: str,
+    precision: MixedPrecision | None = None,
 ) -> PipelinePolicy:
     """The run policy of ``pipeline`` (checked now: the axis in ``mesh``, the schedule's
     name): its stages traced by :func:`step_stages_of` when the run knows how many."""
@@ -137,6 +139,7 @@ def pipeline_policy(
                 seed=seed,
                 name=name,
                 whole_batch=whole_batch,
+                precision=precision,
             )
         return traced[(n, whole_batch)]
 
@@ -233,6 +236,7 @@ def step_stages_of(
     seed: int = 0,
     name: str = "train",
     whole_batch: bool = False,
+    precision: MixedPrecision | None = None,
 ) -> StepStages:
     """The forward and reverse passes of a training step cut into ``len(splits) + 1``
     stages, for one of ``microbatches`` microbatches (the fed inputs split along their first
@@ -253,9 +257,12 @@ def step_stages_of(
         name,
         weights_as_state=True,
         seed=seed,
+        precision=precision,
     )
     with tracing(tr):
         loss = split_outputs(out, "loss")[0][1].complete()
+        if precision is not None and loss.dtype in (DType.BF16, DType.F16):
+            loss = loss.cast(DType.F32)  # as train_step reports it
         if microbatches > 1:  # (on the whole batch by 1: the same ops, the unscaled loss)
             loss = loss * (1.0 if whole_batch else 1.0 / microbatches)
     n_forward = len(tr.b.ops)

@@ -13,6 +13,7 @@ from typing import Any
 from dtm_mpi.errors import TraceError, UsageError, VerifyError
 from dtm_mpi.frontend.layers import Module as Layer
 from dtm_mpi.frontend.mesh import Mesh
+from dtm_mpi.frontend.precision import MixedPrecision, parse_precision
 from dtm_mpi.frontend.tensor import Tensor, Tracer, as_layout, parse_dtype, tracing, user_span
 from dtm_mpi.frontend.traced_params import GATHERED, sharded_storage
 from dtm_mpi.frontend.traced_params import TRACED as _TRACED
@@ -54,9 +55,13 @@ def trace_model(
     seed: int,
     from_store: bool = False,
     shard_params: str | None = None,
+    precision: MixedPrecision | None = None,
 ) -> tuple[Tracer, list[Value], list[tuple[str, Value]], Any]:
     b = FunctionBuilder(mesh.ir(), module_name=_module_name(name))
     tr = Tracer(b)
+    master = None
+    if precision is not None:  # each use of a parameter reads its copy in the compute dtype
+        tr.compute, master = parse_precision(precision)
     tr.paths = {id(layer): path for path, layer in model.named_layers()}
     given = []
     for key, spec in inputs.items():
@@ -75,6 +80,11 @@ def trace_model(
             if stored != t:
                 gathered[(id(owner), attr)] = t.layout
                 t = stored
+        if master is not None and t.dtype.is_float and t.dtype is not master:
+            raise UsageError(
+                f"parameter {path!r} of {type(owner).__name__} is {t.dtype}; a MixedPrecision "
+                f"step keeps its master weights in {master}: build the model in {master}"
+            )
         if weights_as_state and not t.dtype.is_float:
             raise UsageError(
                 f"parameter {path!r} of {type(owner).__name__} is {t.dtype}: trained parameters are floating (an integer table is an input)"

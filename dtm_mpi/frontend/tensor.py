@@ -116,6 +116,7 @@ class Tracer:
         self.entered: list[tuple[int, str]] = []  # (ops emitted so far, path) per layer call
         self.gathered: set[str] = set()  # sharded parameters' gathers (values), re-gathered
         self.updates: list[tuple[str, Tensor]] = []  # (state parameter, its new value): assign()
+        self.compute: DType | None = None  # a mixed-precision step's compute dtype
 
     def enter(self, layer: object) -> None:
         """A layer of the traced model is called: remember where its ops start."""

@@ -23,6 +23,7 @@ from dtm_mpi.frontend.layers import Module as Layer
 from dtm_mpi.frontend.lr_schedule import Schedule
 from dtm_mpi.frontend.mesh import Mesh, require_axis
 from dtm_mpi.frontend.optim import Optimizer, clip_by_global_norm
+from dtm_mpi.frontend.precision import MixedPrecision, parse_precision
 from dtm_mpi.frontend.step_trace import Input, split_outputs, trace_model
 from dtm_mpi.frontend.tensor import (
     Tensor,
@@ -35,7 +36,7 @@ from dtm_mpi.ir.autodiff import backward
 from dtm_mpi.ir.build import Value
 from dtm_mpi.ir.nodes import Module, Param
 from dtm_mpi.ir.registry import required_version
-from dtm_mpi.ir.types import TensorType
+from dtm_mpi.ir.types import DType, TensorType
 from dtm_mpi.ir.verify import verify_module
 
 if TYPE_CHECKING:
@@ -72,6 +73,11 @@ class TracedStep:
     fallbacks: tuple[str, ...] = ()
     """Where sharding propagation gave up on a split value (``file:line: what``; each also a
     :class:`~dtm_mpi.errors.PropagationWarning` when traced; ``dtm explain`` lists them)."""
+    identity: Module | None = None
+    """The module whose program identifies the step's state in checkpoints where it is not
+    ``module`` (a mixed-precision step: the same step without the policy, so that a
+    checkpoint resumes across precision choices)."""
+    precision: MixedPrecision | None = None
 
     @property
     def text(self) -> str:
@@ -194,6 +200,7 @@ def train_step(
     shard_params: str | None = None,
     weights_from_store: bool = False,
     accumulate: int | None = None,
+    precision: MixedPrecision | None = None,
 ) -> TracedStep:
     """Trace one training step of ``model``: ``loss_fn(model, **inputs)`` returns the loss
     (a float scalar) or (loss, {metric: scalar}); the gradients of the loss with respect to
@@ -222,7 +229,15 @@ def train_step(
     gradients summed, then one optimizer update: the big batch's step (to float rounding; bit
     for bit in deterministic mode, where K is a power of two). It runs as a pipeline of one
     stage over a mesh axis ``accum`` of size 1 added to ``mesh`` (the same module and
-    checkpoints as the step without it)."""
+    checkpoints as the step without it).
+
+    ``precision`` (:class:`~dtm_mpi.frontend.precision.MixedPrecision`): master weights and
+    optimizer state in its ``master`` dtype (the model's), each use of a parameter a copy in
+    its ``compute`` dtype, the gradients reduced in ``master``, the loss in float32 (module
+    doc of :mod:`dtm_mpi.frontend.precision`); the state is the step's without the policy,
+    and checkpoints move between the two."""
+    if precision is not None:
+        parse_precision(precision)
     if accumulate is not None:
         mesh, pipeline = _accumulation(accumulate, mesh, inputs, pipeline, shard_params)
     if shard_params is not None:
@@ -246,6 +261,7 @@ def train_step(
         seed=seed,
         shard_params=shard_params,
         from_store=weights_from_store,
+        precision=precision,
     )
     named = split_outputs(out, "loss")
     scalars = []
@@ -253,7 +269,10 @@ def train_step(
         if t.shape != () or not t.dtype.is_float:
             raise trace_error(f"{key} must be a float scalar; it is {t.type}")
         with tracing(tr):
-            scalars.append((key, t.complete()))
+            done = t.complete()
+            if precision is not None and done.dtype in (DType.BF16, DType.F16):
+                done = done.cast(DType.F32)  # the loss and metrics reported in float32
+            scalars.append((key, done))
     if any(k == "lr" for k, _ in scalars) and isinstance(optimizer.lr, Schedule):
         raise UsageError(
             "the loss function returns a metric named 'lr', the name of the schedule's "
@@ -279,7 +298,22 @@ def train_step(
             clip_norm=clip_norm,
             seed=seed,
             name=name,
+            precision=precision,
         )
+    identity = None
+    if precision is not None:  # the state's program: the same step without the policy
+        identity = train_step(
+            model,
+            loss_fn,
+            mesh=mesh,
+            inputs=inputs,
+            optimizer=optimizer,
+            clip_norm=clip_norm,
+            seed=seed,
+            name=name,
+            shard_params=shard_params,
+            weights_from_store=weights_from_store,
+        ).module
     return TracedStep(
         module,
         tuple(inputs),
@@ -290,6 +324,8 @@ def train_step(
         policy,
         schedule=optimizer.lr if isinstance(optimizer.lr, Schedule) else None,
         fallbacks=_fallbacks(tr),
+        identity=identity,
+        precision=precision,
     )
 
 

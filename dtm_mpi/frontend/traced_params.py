@@ -45,8 +45,11 @@ def traced_parameter(owner: Any, name: str) -> Tensor:
     if got is None:
         raise trace_error(f"{type(owner).__name__} has no parameter {name!r} in this model")
     gather = (GATHERED.get() or {}).get((id(owner), name))
-    if gather is None:
-        return got
-    out = got.redistribute(gather)  # an allgather, here
-    out.tracer.gathered.add(out.value.name)
+    out = got
+    if gather is not None:
+        out = got.redistribute(gather)  # an allgather, here
+        out.tracer.gathered.add(out.value.name)
+    compute = out.tracer.compute  # mixed precision: the master's copy in the compute dtype
+    if compute is not None and out.dtype.is_float and out.dtype is not compute:
+        out = out.cast(compute)
     return out

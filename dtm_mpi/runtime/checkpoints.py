@@ -100,7 +100,9 @@ def check_resumable(got: Restored, hashes: tuple[str, ...], steps: int) -> None:
         raise agreed(
             UsageError(
                 f"{got.path} was written by program {got.module_hash}; this one is "
-                f"{hashes[0]}: refusing to resume another program's state"
+                f"{hashes[0]}: refusing to resume another program's state (the model, the "
+                "loss, the optimizer and its learning-rate schedule are all part of the "
+                "program; the mesh, sharding, pipeline, accumulation and precision are not)"
             )
         )
     if got.step >= steps:
@@ -202,6 +204,7 @@ class StoreCheckpoints(_Saves):
         phase: Callable[[str], None],
         pins: Mapping[str, Pin] | None = None,
         data: DataPosition | None = None,
+        identity: Module | None = None,
     ) -> None:
         from dtm_mpi.comm import handles
 
@@ -210,7 +213,7 @@ class StoreCheckpoints(_Saves):
         super().__init__(
             policy,
             open_store(policy, self.comm),
-            state_hashes(plan.module),
+            state_hashes(identity or plan.module),
             speak=rank == 0,
             phase=phase,
         )
@@ -313,12 +316,17 @@ def _one_rank_mesh(module: Module) -> Any:
 
 
 def restore_globals(
-    policy: CheckpointPolicy, module: Module, steps: int, data: DataPosition | None = None
+    policy: CheckpointPolicy,
+    module: Module,
+    steps: int,
+    data: DataPosition | None = None,
+    identity: Module | None = None,
 ) -> tuple[dict[str, np.ndarray], int]:
     """A simulated run's resume, before its ranks start: the global value of every entry
     parameter from the newest checkpoint of ``policy``'s store that restores and verifies
     (written on any mesh), and its step (``data``: the loader checks the position the
-    checkpoint recorded)."""
+    checkpoint recorded; ``identity``: the module identifying the state, where not
+    ``module``)."""
     from dtm_mpi.comm.handles import self_comm
 
     store = open_store(policy, self_comm())
@@ -332,7 +340,7 @@ def restore_globals(
         )
     finally:
         store.close()
-    _resumed(got, state_hashes(module), steps, speak=True, data=data)
+    _resumed(got, state_hashes(identity or module), steps, speak=True, data=data)
     values = {k: v for k, v in got.values.items() if not k.startswith(PREFIX)}
     return values, got.step
 
@@ -352,9 +360,14 @@ class GatheredCheckpoints(_Saves):
         backend: ArrayBackend,
         pins: Mapping[str, Pin] | None = None,
         data: DataPosition | None = None,
+        identity: Module | None = None,
     ) -> None:
         super().__init__(
-            policy, store, state_hashes(plan.module), speak=store is not None, phase=_nowhere
+            policy,
+            store,
+            state_hashes(identity or plan.module),
+            speak=store is not None,
+            phase=_nowhere,
         )
         self.comm, self.backend = comm, backend
         self.targets = _targets(plan.module)

@@ -781,6 +781,7 @@ def _checkpoints(live: _Live, args: MpiRunArgs, backend: ArrayBackend) -> StoreC
         phase=phase,
         pins=live.pipeline.pins if live.pipeline is not None else None,
         data=args.hooks.data if args.hooks is not None else None,
+        identity=args.hooks.identity if args.hooks is not None else None,
     )
 
 

@@ -142,6 +142,7 @@ def run_rank(
             arrays,
             pins,
             data=hooks.data if hooks is not None else None,
+            identity=hooks.identity if hooks is not None else None,
         )
     loop = StepLoop(
         executor,
@@ -292,7 +293,11 @@ def run_simulated(
     first = 0
     if checkpoint is not None and checkpoint.resume:  # every parameter from the checkpoint
         given, first = restore_globals(
-            checkpoint, module, steps, hooks.data if hooks is not None else None
+            checkpoint,
+            module,
+            steps,
+            hooks.data if hooks is not None else None,
+            hooks.identity if hooks is not None else None,
         )
     else:
         given = check_inputs(module, inputs or {}, fed=hooks.fed if hooks is not None else ())

@@ -51,6 +51,7 @@ from dtm_mpi.sharding.steps import allreduce_spec
 
 if TYPE_CHECKING:
     from dtm_mpi.comm.interface import Comm
+    from dtm_mpi.ir.nodes import Module
     from dtm_mpi.plan.program import ExecPlan
     from dtm_mpi.runtime.audit import ReplicaAudit
     from dtm_mpi.runtime.data_position import DataPosition
@@ -104,6 +105,9 @@ class RunHooks:
     data: DataPosition | None = None
     """The loader, where it can say where it stands: its position saved in every checkpoint
     and checked on resume (:mod:`dtm_mpi.runtime.data_position`)."""
+    identity: Module | None = None
+    """The module whose program identifies the run's state in its checkpoints, where it is
+    not the run's own (a mixed-precision step's: the step without the policy)."""
 
 
 class Feed:

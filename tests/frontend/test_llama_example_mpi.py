@@ -63,3 +63,36 @@ def test_the_llama_example_trains_over_pp_resumes_over_tp_exports_and_transforme
     config = json.loads((out_dir / "config.json").read_text())
     assert config["model_type"] == "llama" and config["num_key_value_heads"] == 2
     assert (out_dir / "tokenizer.json").is_file()
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("tokenizers") is None,
+    reason="token files are written with the tokenizers package (the llm extra)",
+)
+def test_the_recipe_switches_run_together_from_a_token_file_under_mpirun(tmp_path: Path) -> None:
+    """bf16 with float32 masters, a cosine schedule with warmup, accumulation over 2
+    microbatches, a token file (its validation split beside it) and a metrics file, at dp=2;
+    a resume continues the curve and appends to the metrics."""
+    from dtm_mpi.frontend.token_data import prepare_tokens
+
+    sys.path.insert(0, str(Path(LLAMA).parent))
+    from llama import write_byte_tokenizer  # type: ignore[import-not-found]
+
+    assert write_byte_tokenizer(tmp_path / "tok")
+    text = tmp_path / "corpus.txt"
+    text.write_text(Path(LLAMA).read_text() * 4)
+    prepare_tokens(
+        [text], tmp_path / "tok" / "tokenizer.json", tmp_path / "t.bin", val_fraction=0.1
+    )
+    metrics = tmp_path / "m.jsonl"
+    recipe = ["--precision", "bf16", "--lr-schedule", "cosine", "--warmup", "2"]
+    recipe += ["--accumulate", "2", "--data", str(tmp_path / "t.bin"), "--metrics", str(metrics)]
+    recipe += ["--lr-total", "6"]  # (the schedule is part of the program: the same on resume)
+    out = llama(tmp_path, "dp=2,tp=1", *recipe, "--steps", "4")
+    assert "validation loss" in out and "tokens/s" in out and "MFU" in out, out
+    more = llama(tmp_path, "dp=2,tp=1", *recipe, "--steps", "6", "--resume")
+    assert "resumed from" in more and "after step 4" in more, more
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(6))
+    assert lines[0]["lr"] < lines[1]["lr"] and lines[5]["lr"] < lines[2]["lr"]  # warmup, decay
+    assert all(x["tokens_per_s"] > 0 and 0 < x["mfu"] < 1 and x["loss"] > 0 for x in lines)

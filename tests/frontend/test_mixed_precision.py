@@ -1,0 +1,233 @@
+"""Mixed precision as a policy (dtm_mpi/frontend/precision.py): a Llama traced with
+``precision=dtm.MixedPrecision(compute="bf16", reduce="f32", master="f32")`` keeps float32
+masters and optimizer state, reads each parameter as a bf16 copy (casts in the IR), reduces
+the gradients over dp in float32 and reports the loss in float32; over 200 steps its loss
+curve follows PyTorch's -- the same policy (bf16 copies of float32 masters, torch's AdamW)
+and torch.autocast bf16 -- within 1%; its checkpoints resume without the policy and back; a
+model not in the master dtype and unsupported settings are one error."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dtm_mpi import frontend as dtm
+from dtm_mpi.errors import UsageError
+from dtm_mpi.frontend import functional as fn
+
+V, B, T, STEPS = 96, 4, 16, 200
+HAS_TORCH = (
+    importlib.util.find_spec("torch") is not None
+    and importlib.util.find_spec("transformers") is not None
+)
+CFG = {
+    "vocab_size": V,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-5,
+}
+
+
+def _loss(m: Any, ids: dtm.Tensor) -> dtm.Tensor:
+    return fn.causal_lm_loss(m(ids), ids)
+
+
+def _data() -> np.ndarray:
+    """A learnable stream: each sequence counts up from a random start (mod V), with noise."""
+    rng = np.random.default_rng(0)
+    start = rng.integers(0, V, (STEPS, B, 1))
+    ids = (start + np.arange(T)) % V
+    noise = rng.random((STEPS, B, T)) < 0.1
+    return np.where(noise, rng.integers(0, V, (STEPS, B, T)), ids).astype(np.int32)
+
+
+def _step(model: Any, precision: dtm.MixedPrecision | None, mesh: dtm.Mesh, **kw: Any) -> Any:
+    return dtm.train_step(
+        model,
+        _loss,
+        mesh=mesh,
+        inputs={"ids": dtm.Input((B, T), "i32", ("dp", None))},
+        optimizer=dtm.optim.AdamW(3e-3),
+        precision=precision,
+        **kw,
+    )
+
+
+def _feed(data: np.ndarray) -> Any:
+    return lambda s, r: {"ids": data[s][r["ids"]]}
+
+
+def test_the_step_reads_bf16_copies_keeps_f32_masters_and_reduces_in_f32() -> None:
+    mesh = dtm.Mesh(dp=2, tp=1)
+    step = _step(dtm.nn.Llama(CFG, axis="tp"), dtm.MixedPrecision(), mesh)
+    entry = step.module.entry
+    assert entry is not None
+    floats = [p for p in entry.params if p.type.dtype.is_float]
+    assert floats and all(p.type.dtype.value == "f32" for p in floats)  # masters and moments
+    assert any(op.name == "cast" and op.result_types[0].dtype.value == "bf16" for op in entry.body)
+    assert entry.results[0].type.dtype.value == "f32"  # the loss
+    body = {n: t for op in entry.body for n, t in zip(op.results, op.result_types, strict=True)}
+    body.update({p.name: p.type for p in entry.params})
+    dp_sums = [
+        op
+        for op in entry.body
+        if op.name in ("allreduce", "reduce_scatter") and "dp" in tuple(op.attr("axes"))  # type: ignore[arg-type]
+    ]
+    assert dp_sums and all(body[op.operands[0]].dtype.value == "f32" for op in dp_sums)
+    plain = _step(dtm.nn.Llama(CFG, axis="tp"), None, mesh)
+    assert step.identity is not None and step.identity.entry == plain.module.entry
+    assert "bf16" not in plain.text
+
+
+def _torch_losses(path: Path, data: np.ndarray, mode: str) -> list[float]:
+    """PyTorch on the same weights and batches: ``policy`` -- float32 masters, a bf16 copy
+    for each forward and backward, the gradients back in float32, torch's AdamW (dtm's
+    policy); ``autocast`` -- torch.autocast(bf16) over the float32 model; ``f32``."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    master = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    opt = torch.optim.AdamW(master.parameters(), lr=3e-3)
+    work = (
+        transformers.AutoModelForCausalLM.from_pretrained(
+            path, attn_implementation="eager", torch_dtype=torch.bfloat16
+        )
+        if mode == "policy"
+        else master
+    )
+    out = []
+    for s in range(STEPS):
+        ids = torch.from_numpy(data[s].astype(np.int64))
+        if mode == "policy":
+            with torch.no_grad():
+                for w, m in zip(work.parameters(), master.parameters(), strict=True):
+                    w.copy_(m.to(torch.bfloat16))
+            work.zero_grad()
+            loss = work(ids, labels=ids).loss
+            loss.backward()
+            for w, m in zip(work.parameters(), master.parameters(), strict=True):
+                m.grad = w.grad.float()
+        else:
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+                loss = master(ids, labels=ids).loss
+            loss.backward()
+        opt.step()
+        out.append(float(loss.detach()))
+    return out
+
+
+def _windows(xs: list[float], n: int = 20) -> np.ndarray:
+    return np.asarray(xs, np.float64).reshape(-1, n).mean(1)
+
+
+@pytest.mark.skipif(
+    not HAS_TORCH,
+    reason="the comparison runs torch and transformers (the llm and bench extras; make setup installs both)",
+)
+def test_the_loss_curve_follows_pytorchs_bf16_training_within_1_percent(tmp_path: Path) -> None:
+    from dtm_mpi.frontend.hf_store import write_random_model
+
+    path = write_random_model(
+        tmp_path / "hf",
+        {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **CFG},
+        seed=3,
+    )
+    data = _data()
+    hf = dtm.hf.load(path)
+    mesh = dtm.Mesh(dp=2, tp=1)
+    ours = dtm.fit(
+        _step(hf.model, dtm.MixedPrecision(), mesh),
+        _feed(data),
+        steps=STEPS,
+        sim=2,
+        values=hf.weights,
+        quiet=True,
+    )
+    got = _windows([m["loss"] for m in ours.metrics])
+    policy = _windows(_torch_losses(path, data, "policy"))
+    autocast = _windows(_torch_losses(path, data, "autocast"))
+    f32 = _windows(_torch_losses(path, data, "f32"))
+    assert got[-1] < 0.5 * got[0]  # it learned the counting
+    for name, want in (("policy", policy), ("autocast", autocast)):
+        rel = np.abs(got - want) / want
+        assert rel.max() < 0.01, (name, got, want)
+    assert not np.allclose(got, f32, rtol=1e-4)  # bf16 is not float32 (the policy acted)
+
+
+def test_checkpoints_move_between_mixed_and_float32_steps(tmp_path: Path) -> None:
+    data = _data()
+    mesh = dtm.Mesh(dp=2, tp=1)
+    mixed = _step(dtm.nn.Llama(CFG, axis="tp"), dtm.MixedPrecision(), mesh)
+    plain = _step(dtm.nn.Llama(CFG, axis="tp"), None, mesh)
+    a = dtm.CheckpointPolicy(str(tmp_path / "a"), every=2)
+    dtm.fit(mixed, _feed(data), steps=2, sim=2, checkpoint=a, quiet=True)
+    again = dtm.CheckpointPolicy(str(tmp_path / "a"), resume=True)
+    got = dtm.fit(plain, _feed(data), steps=4, sim=1, checkpoint=again, quiet=True)
+    assert [m["step"] for m in got.metrics] == [2.0, 3.0]
+    back = dtm.fit(mixed, _feed(data), steps=6, sim=2, checkpoint=again, quiet=True)
+    assert [m["step"] for m in back.metrics] == [4.0, 5.0]
+
+
+def test_a_pipelined_and_an_accumulating_mixed_step_train_as_the_plain_mixed_one() -> None:
+    data = _data()
+    want = dtm.fit(
+        _step(dtm.nn.Llama(CFG, axis="tp"), dtm.MixedPrecision(), dtm.Mesh(dp=1, tp=1)),
+        _feed(data),
+        steps=3,
+        sim=1,
+        quiet=True,
+    )
+    acc = dtm.fit(
+        _step(
+            dtm.nn.Llama(CFG, axis="tp"), dtm.MixedPrecision(), dtm.Mesh(dp=1, tp=1), accumulate=2
+        ),
+        _feed(data),
+        steps=3,
+        sim=1,
+        quiet=True,
+    )
+    piped = dtm.fit(
+        _step(
+            dtm.nn.Llama(CFG, axis="tp"),
+            dtm.MixedPrecision(),
+            dtm.Mesh(pp=1, dp=1, tp=1),
+            pipeline=dtm.Pipeline(microbatches=1),
+        ),
+        _feed(data),
+        steps=3,
+        sim=2,
+        mesh={"pp": 2},
+        quiet=True,
+    )
+    for got in (acc, piped):  # bf16 rounds the microbatches' sums otherwise: 1% of the loss
+        np.testing.assert_allclose(
+            [m["loss"] for m in got.metrics], [m["loss"] for m in want.metrics], rtol=1e-2
+        )
+
+
+def test_misuse_is_one_error_naming_it() -> None:
+    mesh = dtm.Mesh(dp=1, tp=1)
+    with pytest.raises(
+        UsageError,
+        match=r"parameter 'model.embed_tokens.weight' .* is bf16; .* master weights in f32",
+    ):
+        _step(dtm.nn.Llama(CFG, axis="tp", dtype="bf16"), dtm.MixedPrecision(), mesh)
+    with pytest.raises(
+        UsageError, match="reduce='bf16': the gradients are reduced in the master dtype"
+    ):
+        dtm.MixedPrecision(reduce="bf16")
+    with pytest.raises(UsageError, match="compute='f16' needs dynamic loss scaling"):
+        dtm.MixedPrecision(compute="f16")
+    with pytest.raises(UsageError, match=r"compute='fp8': one of bf16, f16, f32"):
+        dtm.MixedPrecision(compute="fp8")
