@@ -11,16 +11,18 @@ export with transformers' greedy ``generate``: the two must give the same tokens
     mpirun -n 4 python -m mpi4py examples/llama.py --mesh dp=2,tp=2 --steps 300 --store S --checkpoint-every 100
     mpirun -n 2 python -m mpi4py examples/llama.py --mesh dp=1,tp=2 --steps 400 --store S --resume --export OUT --generate 32
     mpirun -n 4 python -m mpi4py examples/llama.py --mesh pp=2,dp=1,tp=2 --microbatches 4 --schedule 1f1b --store S
+    dtm generate S --prompt "def " --max-new 32        # the store is a model for dtm's tools too
 
 The training recipe's switches: ``--precision bf16`` (float32 masters, bf16 compute),
+``--recompute selective`` (or ``full``: activation recomputation per layer),
 ``--lr-schedule cosine --warmup 20`` (also ``linear``, ``wsd``; ``--lr-floor``),
 ``--accumulate 2`` (gradient accumulation), ``--data tokens.bin`` (a token file of
 ``dtm data prepare``; its ``.val.bin`` beside it for validation; the model's vocabulary is
 the file's) and ``--metrics FILE`` (JSON lines: loss, lr, tokens/s, MFU; ``dtm plot metrics``):
 
     mpirun -n 2 python -m mpi4py examples/llama.py --mesh dp=2,tp=1 --precision bf16 \
-        --lr-schedule cosine --warmup 20 --accumulate 2 --data tokens.bin --metrics m.jsonl
-    dtm generate S --prompt "def " --max-new 32        # the store is a model for dtm's tools too
+        --recompute selective --lr-schedule cosine --warmup 20 --accumulate 2 \
+        --data tokens.bin --metrics m.jsonl
 """
 
 from __future__ import annotations
@@ -182,6 +184,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--accumulate", type=int, default=None, metavar="K")
     ap.add_argument("--data", default=None, metavar="BIN", help="a token file (dtm data prepare)")
     ap.add_argument("--metrics", default=None, metavar="FILE", help="JSON lines per step")
+    ap.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     args = ap.parse_args(argv)
     sizes = parse_mesh_binding(args.mesh)
     if (args.export or args.generate) and not args.store:
@@ -226,6 +229,7 @@ def main(argv: list[str]) -> int:
         pipeline=pipeline,
         accumulate=args.accumulate,
         precision=dtm.MixedPrecision() if args.precision == "bf16" else None,
+        recompute=args.recompute,
     )
     train, val = corpus()
     if loader is None:

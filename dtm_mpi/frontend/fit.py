@@ -381,10 +381,30 @@ def explain_fit(step: TracedStep, mesh: Mapping[str, int] | None, sim: int | Non
             f"where sharding propagation gave up (the op ran on replicated values):\n{lines}\n"
         )
     if step.pipeline is None:
-        return explain_text(plan) + gave_up
+        return explain_text(plan) + gave_up + _recompute_lines(step, plan.mesh)
     pipeline = plan_pipelined_run(step.pipeline, plan, fed=step.inputs)
     head = f"module {step.module.name} on mesh {plan.mesh} ({plan.mesh.size} ranks), pipelined\n"
     return head + explain_pipeline(pipeline, plan.mesh) + gave_up
+
+
+def _recompute_lines(step: TracedStep, mesh: Any) -> str:
+    """A training step's peak per rank under each activation recomputation choice (the
+    step traced again with each; its own marked)."""
+    from dtm_mpi.frontend.recompute import CHOICES
+    from dtm_mpi.plan.cost import function_cost
+    from dtm_mpi.plan.explain import human_bytes
+    from dtm_mpi.plan.program import compile_plan
+
+    if step.retrace is None or not isinstance(step.recompute, str):
+        return ""
+    lines = ["activation recomputation (train_step(recompute=...)), peak memory per rank:"]
+    for choice in CHOICES:
+        other = step if choice == step.recompute else step.retrace(recompute=choice)
+        plan = compile_plan(other.module, mesh)
+        peak = max(function_cost(plan, plan.entry_plan).peak)
+        mark = "  (this step)" if choice == step.recompute else ""
+        lines.append(f"  {choice:<10} {human_bytes(int(peak))}{mark}")
+    return "\n".join(lines) + "\n"
 
 
 def _relaunch() -> tuple[str, ...] | None:

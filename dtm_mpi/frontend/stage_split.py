@@ -19,6 +19,7 @@ from dtm_mpi.frontend.layers import Module as Layer
 from dtm_mpi.frontend.mesh import Mesh
 from dtm_mpi.frontend.optim import Optimizer, clip_scale, square_sum
 from dtm_mpi.frontend.precision import MixedPrecision
+from dtm_mpi.frontend.recompute import Recompute, rewrite_recompute
 from dtm_mpi.frontend.step_trace import Input, split_outputs, trace_model
 from dtm_mpi.frontend.tensor import Tensor, Tracer, trace_error, tracing
 from dtm_mpi.ir.autodiff import backward
@@ -112,6 +113,7 @@ def pipeline_policy(
     seed: int,
     name: str,
     precision: MixedPrecision | None = None,
+    recompute: Recompute = "none",
 ) -> PipelinePolicy:
     """The run policy of ``pipeline`` (checked now: the axis in ``mesh``, the schedule's
     name): its stages traced by :func:`step_stages_of` when the run knows how many."""
@@ -140,6 +142,7 @@ def pipeline_policy(
                 name=name,
                 whole_batch=whole_batch,
                 precision=precision,
+                recompute=recompute,
             )
         return traced[(n, whole_batch)]
 
@@ -237,6 +240,7 @@ def step_stages_of(
     name: str = "train",
     whole_batch: bool = False,
     precision: MixedPrecision | None = None,
+    recompute: Recompute = "none",
 ) -> StepStages:
     """The forward and reverse passes of a training step cut into ``len(splits) + 1``
     stages, for one of ``microbatches`` microbatches (the fed inputs split along their first
@@ -277,6 +281,8 @@ def step_stages_of(
             stop=tr.detached,
             origins=origins,
         )
+        if recompute != "none":  # inside each stage's reverse passes
+            origins = rewrite_recompute(tr, model, n_forward, origins, recompute)
     stages = step_stages(
         tr.b.params,
         tr.b.ops,

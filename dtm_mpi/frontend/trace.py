@@ -13,6 +13,7 @@ weights are inputs).
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -24,6 +25,7 @@ from dtm_mpi.frontend.lr_schedule import Schedule
 from dtm_mpi.frontend.mesh import Mesh, require_axis
 from dtm_mpi.frontend.optim import Optimizer, clip_by_global_norm
 from dtm_mpi.frontend.precision import MixedPrecision, parse_precision
+from dtm_mpi.frontend.recompute import Recompute, check_recompute, rewrite_recompute
 from dtm_mpi.frontend.step_trace import Input, split_outputs, trace_model
 from dtm_mpi.frontend.tensor import (
     Tensor,
@@ -78,6 +80,10 @@ class TracedStep:
     ``module`` (a mixed-precision step: the same step without the policy, so that a
     checkpoint resumes across precision choices)."""
     precision: MixedPrecision | None = None
+    recompute: Recompute = "none"
+    retrace: Callable[..., TracedStep] | None = field(default=None, compare=False)
+    """The same step traced again with some arguments changed (keywords of
+    :func:`train_step`): what ``dtm explain`` compares the recomputation choices with."""
 
     @property
     def text(self) -> str:
@@ -147,17 +153,22 @@ def train_results(
     scalars: Sequence[tuple[str, Tensor]],
     optimizer: Optimizer,
     clip_norm: float | None,
+    recompute: Recompute = "none",
+    model: Layer | None = None,
 ) -> tuple[list[Value | tuple[Value, str | None]], list[Param]]:
     """The results of a training step whose forward ``tr`` traced (``scalars``: the loss
     first, then metrics; ``weights``: the trained parameters by path): the scalars, then the
     new values of the weights and of the optimizer's state parameters (each ``updates`` its
     parameter), after the reverse pass, clipping to global norm ``clip_norm`` and
-    ``optimizer``'s update; and the optimizer's new state parameters."""
+    ``optimizer``'s update; and the optimizer's new state parameters. ``recompute``: the
+    blocks of ``model`` recompute their activations in the reverse pass
+    (:mod:`dtm_mpi.frontend.recompute`)."""
     loss = scalars[0][1]
     if tr.b.mesh is not None:
         optimizer.check_mesh(tr.b.mesh.axis_names)
     forward = len(tr.b.ops)
     with tracing(tr):
+        origins: list[int] = []
         grads_v = backward(
             tr.b,
             list(tr.b.ops),
@@ -165,7 +176,11 @@ def train_results(
             [v for _, v in weights],
             stop=tr.detached,
             layouts=[optimizer.grad_layout(v.type) for _, v in weights],
+            origins=origins,
         )
+        if recompute != "none":
+            assert model is not None
+            rewrite_recompute(tr, model, forward, origins, recompute)
         regather(tr, forward)
         grads = [Tensor(g, tr) for g in grads_v]
         if clip_norm is not None:
@@ -201,6 +216,7 @@ def train_step(
     weights_from_store: bool = False,
     accumulate: int | None = None,
     precision: MixedPrecision | None = None,
+    recompute: Recompute = "none",
 ) -> TracedStep:
     """Trace one training step of ``model``: ``loss_fn(model, **inputs)`` returns the loss
     (a float scalar) or (loss, {metric: scalar}); the gradients of the loss with respect to
@@ -235,9 +251,32 @@ def train_step(
     optimizer state in its ``master`` dtype (the model's), each use of a parameter a copy in
     its ``compute`` dtype, the gradients reduced in ``master``, the loss in float32 (module
     doc of :mod:`dtm_mpi.frontend.precision`); the state is the step's without the policy,
-    and checkpoints move between the two."""
+    and checkpoints move between the two.
+
+    ``recompute`` (``"none"``, ``"full"``, ``"selective"`` or ``keep(op_name) -> bool``):
+    each block of the model (its longest list of layers) recomputes its activations in the
+    reverse pass instead of holding them (:mod:`dtm_mpi.frontend.recompute`): the same bits,
+    less memory, more compute; pipelined steps recompute inside each stage's reverse passes."""
+    check_recompute(recompute)
     if precision is not None:
         parse_precision(precision)
+    retrace = functools.partial(
+        train_step,
+        model,
+        loss_fn,
+        mesh=mesh,
+        inputs=inputs,
+        optimizer=optimizer,
+        clip_norm=clip_norm,
+        seed=seed,
+        name=name,
+        pipeline=pipeline,
+        shard_params=shard_params,
+        weights_from_store=weights_from_store,
+        accumulate=accumulate,
+        precision=precision,
+        recompute=recompute,
+    )
     if accumulate is not None:
         mesh, pipeline = _accumulation(accumulate, mesh, inputs, pipeline, shard_params)
     if shard_params is not None:
@@ -278,7 +317,9 @@ def train_step(
             "the loss function returns a metric named 'lr', the name of the schedule's "
             "learning rate each step reports; rename it"
         )
-    results, opt_params = train_results(tr, weights, scalars, optimizer, clip_norm)
+    results, opt_params = train_results(
+        tr, weights, scalars, optimizer, clip_norm, recompute, model
+    )
     module = _finish(tr, "train_step", mesh, results)
     policy = None
     if pipeline is not None:
@@ -299,9 +340,10 @@ def train_step(
             seed=seed,
             name=name,
             precision=precision,
+            recompute=recompute,
         )
     identity = None
-    if precision is not None:  # the state's program: the same step without the policy
+    if precision is not None or recompute != "none":  # the state's: without either
         identity = train_step(
             model,
             loss_fn,
@@ -326,6 +368,8 @@ def train_step(
         fallbacks=_fallbacks(tr),
         identity=identity,
         precision=precision,
+        recompute=recompute,
+        retrace=retrace,
     )
 
 
