@@ -254,6 +254,19 @@ def _add_bench_suites(bsub: argparse._SubParsersAction) -> None:  # type: ignore
     bgen.add_argument("--no-torch", action="store_true", help="without transformers beside")
     bgen.add_argument("--mpirun", default="mpirun", help="the launcher command (split on spaces)")
     bgen.set_defaults(func=_cmd_bench_generate)
+    brc = bsub.add_parser(
+        "recipe",
+        help="the LLM recipe's switches on one rank (bf16, recomputation) vs PyTorch on the same Llama",
+    )
+    brc.add_argument("--layers", type=int, default=4, help="decoder layers of the random Llama")
+    brc.add_argument("--hidden", type=int, default=128, help="hidden size (heads: hidden / 32)")
+    brc.add_argument("--vocab", type=int, default=512, help="vocabulary size")
+    brc.add_argument("--batch", type=int, default=8, help="sequences per step")
+    brc.add_argument("--context", type=int, default=128, help="tokens per sequence")
+    brc.add_argument("--steps", type=int, default=6, help="timed steps per configuration")
+    brc.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    brc.add_argument("--no-torch", action="store_true", help="without PyTorch beside")
+    brc.set_defaults(func=_cmd_bench_recipe)
     bk = bsub.add_parser("kernels", help="GPU RawKernels vs a device copy and vs composed CuPy")
     bk.add_argument("--backend", default="cuda", choices=["cuda", "hip"], help="GPU backend")
     bk.add_argument("--rows", type=int, default=16384, help="rows of each [rows, cols] case")
@@ -562,6 +575,25 @@ def _cmd_bench_pipeline(args: argparse.Namespace) -> int:
     )
     if table:
         print(table)
+    return 0
+
+
+def _cmd_bench_recipe(args: argparse.Namespace) -> int:
+    from dtm_mpi.bench.recipe import run_recipe_bench
+
+    print(
+        run_recipe_bench(
+            layers=args.layers,
+            hidden=args.hidden,
+            vocab=args.vocab,
+            batch=args.batch,
+            context=args.context,
+            steps=args.steps,
+            warmup=args.warmup,
+            with_torch=not args.no_torch,
+        ),
+        end="",
+    )
     return 0
 
 

@@ -130,7 +130,9 @@ def step_cost(step: TracedStep) -> StepCost:
     else:
         if step.inputs and step.input_type(step.inputs[0]).shape:
             tokens = step.input_type(step.inputs[0]).shape[0]
-    return StepCost(tokens, module_flops(step.module), _contraction_dtype(step.module))
+    # model FLOPs: the step without recomputation's repeats (its identity, where it has one)
+    flops = module_flops(step.identity if step.identity is not None else step.module)
+    return StepCost(tokens, flops, _contraction_dtype(step.module))
 
 
 @dataclass(frozen=True, slots=True)

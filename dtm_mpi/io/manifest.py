@@ -77,7 +77,9 @@ def shard_dataset(tensor: str, index: int) -> str:
 def stored_itemsize(dtype: DType) -> int:
     """Bytes per stored element: the runtime's representation, so a restore is bit-identical
     to the saved state (bf16 is held, and stored, as IEEE binary32: spec Q12)."""
-    return 4 if dtype is DType.BF16 else dtype.itemsize
+    from dtm_mpi.ir.dtypes import held_itemsize
+
+    return held_itemsize(dtype)
 
 
 class ArtifactClass(enum.Enum):

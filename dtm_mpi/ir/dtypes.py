@@ -17,6 +17,13 @@ def np_dtype(dtype: DType) -> np.dtype[np.generic]:
     return np.dtype(dtype.numpy_name)
 
 
+def held_itemsize(dtype: DType) -> int:
+    """Bytes per element as the runtime holds, sends and stores it: ``bf16`` is held in
+    binary32 (spec Q12), so 4; else the dtype's own size. What memory and traffic figures
+    count."""
+    return np_dtype(dtype).itemsize
+
+
 def as_dtype(a: np.ndarray, t: TensorType) -> np.ndarray:
     """``a`` as values of ``t``'s dtype: bf16 values are float32 arrays holding numbers that
     bfloat16 represents (each result rounded to nearest, ties to even, spec §4.2)."""

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from dtm_mpi.ir.dtypes import held_itemsize
 from dtm_mpi.ir.types import TensorType
 from dtm_mpi.plan.overlap import Bucket
 from dtm_mpi.plan.program import ExecPlan, FunctionPlan, OpKind, PlanOp
@@ -37,7 +38,7 @@ Ints = Any  # a 1-D int64 numpy array, one entry per rank
 
 
 def local_bytes(t: TensorType, mesh: MeshShape, rank: int) -> int:
-    n = t.dtype.itemsize
+    n = held_itemsize(t.dtype)
     for s in local_shape(t.shape, t.layout, mesh, rank):
         n *= s
     return n
@@ -130,7 +131,7 @@ class _Costing:
     def nbytes(self, t: TensorType) -> Ints:
         got = self._bytes.get(t)
         if got is None:
-            got = np.prod(self.shapes(t), axis=1, dtype=np.int64) * t.dtype.itemsize
+            got = np.prod(self.shapes(t), axis=1, dtype=np.int64) * held_itemsize(t.dtype)
             self._bytes[t] = got
         return got
 
@@ -222,7 +223,7 @@ class _Costing:
         """A bucket's allreduce on every rank (sent = received): its members' blocks as one
         flat message."""
         types = [fp.ops[m].op.result_types[0] for m in b.members]
-        item = types[0].dtype.itemsize
+        item = held_itemsize(types[0].dtype)
         counts = sum((self.nbytes(t) for t in types), self.zeros) // item
         k = self.mesh.group_size(b.axes)
         index = self.index_along(b.axes)

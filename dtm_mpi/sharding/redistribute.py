@@ -66,6 +66,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from dtm_mpi.errors import LayoutError, PlanError
+from dtm_mpi.ir.dtypes import held_itemsize
 from dtm_mpi.ir.types import Layout, Partial, ReduceOp, TensorType
 from dtm_mpi.sharding.blocks import check_layout, splits_nest
 from dtm_mpi.sharding.mesh import MeshShape
@@ -153,7 +154,7 @@ class RedistPlan:
 
 
 def _local_bytes(t: TensorType, mesh: MeshShape, rank: int) -> int:
-    n = t.dtype.itemsize
+    n = held_itemsize(t.dtype)
     for _, length in block_bounds(t, mesh, rank):
         n *= length
     return n

@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from dtm_mpi.errors import PlanError
+from dtm_mpi.ir.dtypes import held_itemsize
 from dtm_mpi.ir.types import ReduceOp, TensorType
 from dtm_mpi.sharding.blocks import dim_bounds
 from dtm_mpi.sharding.mesh import MeshShape
@@ -505,7 +506,7 @@ def _traffic_gather_scatter(step: RedistStep, mesh: MeshShape, rank: int) -> Ste
     """Allgather and reduce-scatter along one dim: the bytes by the kind's formula; the block
     of the full side (the allgather's output, the reduce-scatter's input) is staged through a
     packed buffer unless its pieces along ``dim`` are contiguous."""
-    item = step.in_type.dtype.itemsize
+    item = held_itemsize(step.in_type.dtype)
     in_ext, out_ext = _extents(step.in_type, mesh, rank), _extents(step.out_type, mesh, rank)
     k = mesh.group_size(step.axes)
     dim = _require(step.dim, "dim", step)
@@ -518,7 +519,7 @@ def _traffic_gather_scatter(step: RedistStep, mesh: MeshShape, rank: int) -> Ste
 
 
 def _traffic_allreduce(step: RedistStep, mesh: MeshShape, rank: int) -> StepTraffic:
-    item = step.in_type.dtype.itemsize
+    item = held_itemsize(step.in_type.dtype)
     k = mesh.group_size(step.axes)
     m = _numel(_extents(step.in_type, mesh, rank))
     moved = allreduce_moved_items(m, k, mesh.index_along(rank, step.axes))
@@ -556,7 +557,7 @@ def _traffic_exchange(step: RedistStep, mesh: MeshShape, rank: int) -> StepTraff
     peers[rank] = False  # a rank's copy to itself moves nothing
     in_lo, in_hi = _every_block(step.in_type, mesh)
     out_lo, out_hi = _every_block(step.out_type, mesh)
-    item = step.in_type.dtype.itemsize
+    item = held_itemsize(step.in_type.dtype)
     sent = int(_overlaps(in_lo[rank], in_hi[rank], out_lo[peers], out_hi[peers]).sum()) * item
     received = int(_overlaps(out_lo[rank], out_hi[rank], in_lo[peers], in_hi[peers]).sum()) * item
     return StepTraffic(sent, received, sent + received)
@@ -578,7 +579,7 @@ def step_volume(step: RedistStep, mesh: MeshShape) -> int:
         src, dst = block_bounds(step.in_type, mesh, r), block_bounds(step.out_type, mesh, r)
         own = _intersect(src, dst)
         total += _numel([n for _, n in dst]) - (_numel([n for _, n in own]) if own else 0)
-    return total * step.in_type.dtype.itemsize
+    return total * held_itemsize(step.in_type.dtype)
 
 
 # --- the step-kind table ---------------------------------------------------------------------

@@ -9,6 +9,7 @@ import importlib.util
 import json
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -37,14 +38,14 @@ def _loss(m: dtm.nn.Llama, ids: dtm.Tensor, tgt: dtm.Tensor) -> dtm.Tensor:
     return fn.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
 
 
-def _step(model: dtm.nn.Llama, **kw: object) -> dtm.TracedStep:
+def _step(model: dtm.nn.Llama, **kw: Any) -> dtm.TracedStep:
     return dtm.train_step(
         model,
         _loss,
         mesh=dtm.Mesh(dp=1, tp=1),
         inputs={k: dtm.Input((B, T), "i32", ("dp", None)) for k in ("ids", "tgt")},
         optimizer=dtm.optim.AdamW(dtm.optim.schedule("cosine", peak=1e-2, warmup=1, total=6)),
-        **kw,  # type: ignore[arg-type]
+        **kw,
     )
 
 
@@ -77,6 +78,11 @@ def test_the_counted_flops_are_torchtitans_formula(tied: bool) -> None:
         inputs={"ids": dtm.Input((B, T), "i32")},
     )
     assert 3 * module_flops(forward.module) == cost.flops  # forward, and twice it backward
+    again = step_cost(_step(model, recompute="full"))  # the repeats are not model FLOPs
+    assert (
+        again.flops == cost.flops
+        and module_flops(_step(model, recompute="full").module) > cost.flops
+    )
 
 
 def test_fit_writes_a_metrics_line_per_step_and_a_resumed_run_appends(tmp_path: Path) -> None:
