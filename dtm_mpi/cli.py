@@ -266,6 +266,14 @@ def _add_bench_suites(bsub: argparse._SubParsersAction) -> None:  # type: ignore
     brc.add_argument("--steps", type=int, default=6, help="timed steps per configuration")
     brc.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     brc.add_argument("--no-torch", action="store_true", help="without PyTorch beside")
+    brc.add_argument(
+        "--curve",
+        type=int,
+        default=None,
+        metavar="STEPS",
+        help="instead: the whole recipe trained STEPS steps by dtm and by PyTorch from the same "
+        "weights on the same tokens; both validation losses and wall times",
+    )
     brc.set_defaults(func=_cmd_bench_recipe)
     bk = bsub.add_parser("kernels", help="GPU RawKernels vs a device copy and vs composed CuPy")
     bk.add_argument("--backend", default="cuda", choices=["cuda", "hip"], help="GPU backend")
@@ -579,7 +587,11 @@ def _cmd_bench_pipeline(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_recipe(args: argparse.Namespace) -> int:
-    from dtm_mpi.bench.recipe import run_recipe_bench
+    from dtm_mpi.bench.recipe import run_recipe_bench, run_recipe_curve
+
+    if args.curve is not None:
+        print(run_recipe_curve(args.curve), end="")
+        return 0
 
     print(
         run_recipe_bench(

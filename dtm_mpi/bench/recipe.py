@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RecipeRow", "recipe_config", "run_recipe_bench"]
+__all__ = ["RecipeRow", "recipe_config", "run_recipe_bench", "run_recipe_curve"]
 
 
 @dataclass
@@ -223,3 +223,197 @@ def run_recipe_bench(
         "full and without for the others; bf16 is dtm's MixedPrecision and torch's autocast)"
     )
     return "\n".join(lines) + "\n"
+
+
+def _corpus_tokens(path: str) -> Any:
+    """The Python standard library's sources as bytes (token ids 0..255), 90% a training
+    token file at ``path``, the rest its validation file beside it."""
+    import sysconfig
+    from pathlib import Path
+
+    from dtm_mpi.frontend.token_data import write_tokens
+
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(lib.glob("*.py"))[:120]
+    ids = np.frombuffer(b"\n".join(f.read_bytes() for f in files), np.uint8).astype(np.int64)
+    cut = int(len(ids) * 0.9)
+    out = Path(path)
+    write_tokens(ids[:cut], 256, out, split="train", sources=["python stdlib"])
+    write_tokens(ids[cut:], 256, out.with_name(f"{out.stem}.val{out.suffix}"), split="validation")
+    return out
+
+
+def run_recipe_curve(
+    steps: int = 1000,
+    *,
+    layers: int = 2,
+    hidden: int = 64,
+    batch: int = 8,
+    context: int = 64,
+    accumulate: int = 2,
+    warmup: int = 20,
+    peak_lr: float = 3e-3,
+    val_batches: int = 8,
+    workdir: str | None = None,
+) -> str:
+    """The recipe (bf16 with float32 masters, selective recomputation, warmup then cosine,
+    accumulation, clipping at 1.0, AdamW) trained ``steps`` steps by dtm (2 simulated ranks,
+    dp=2) and by PyTorch (transformers' LlamaForCausalLM, autocast bf16, torch's AdamW, the
+    same schedule, accumulation and clipping) from the same initial weights on the same token
+    batches; both validation losses at the end (float32, the same held-out batches) and the
+    wall times."""
+    import tempfile
+    from pathlib import Path
+
+    from dtm_mpi import frontend as dtm
+    from dtm_mpi.frontend import functional as fn
+    from dtm_mpi.frontend.hf_store import write_random_model
+
+    work = Path(workdir or tempfile.mkdtemp(prefix="dtm-recipe-"))
+    tokens = _corpus_tokens(str(work / "tokens.bin"))
+    cfg = recipe_config(layers, hidden, 256)
+    hf_dir = write_random_model(work / "hf", cfg, seed=7)
+    train = dtm.TokenLoader(tokens, context=context, batch=batch, seed=1)
+    val = dtm.TokenLoader(tokens.with_name("tokens.val.bin"), context=context, batch=batch, seed=2)
+    whole = {"ids": (slice(0, batch), slice(0, context))}
+    sched = dtm.optim.schedule("cosine", peak=peak_lr, total=steps, warmup=warmup, floor=0.1)
+
+    def loss(m: Any, ids: Any) -> Any:
+        return fn.causal_lm_loss(m(ids), ids)
+
+    inputs = {"ids": dtm.Input((batch, context), "i32", ("dp", None))}
+    mesh = dtm.Mesh(dp=2, tp=1)
+    hf = dtm.hf.load(hf_dir)
+    step = dtm.train_step(
+        hf.model,
+        loss,
+        mesh=mesh,
+        inputs=inputs,
+        optimizer=dtm.optim.AdamW(sched, weight_decay=0.01),
+        clip_norm=1.0,
+        precision=dtm.MixedPrecision(),
+        recompute="selective",
+        accumulate=accumulate,
+    )
+    t0 = time.perf_counter()
+    ours = dtm.fit(step, train, steps=steps, sim=2, values=hf.weights, quiet=True)
+    dtm_s = time.perf_counter() - t0
+    weights = {k: v for k, v in ours.outputs.items() if k in dict(hf.weights)}
+    ev = dtm.eval_step(hf.model, loss, mesh=mesh, inputs=inputs)
+    dtm_val = float(
+        np.mean(
+            [
+                m["loss"]
+                for m in dtm.fit(
+                    ev, val, steps=val_batches, sim=2, values=weights, quiet=True
+                ).metrics
+            ]
+        )
+    )
+    # PyTorch: the same weights, batches, schedule, accumulation, clipping and optimizer
+    torch_runs = {
+        mode: _torch_curve(
+            hf_dir, mode, train, val, whole, sched, steps, accumulate, peak_lr, val_batches
+        )
+        for mode in ("autocast", "policy")
+    }
+    torch_val, theirs, torch_s = torch_runs["autocast"]
+    policy_val, policy_losses, policy_s = torch_runs["policy"]
+    tail = max(1, steps // 10)
+    dtm_train = float(np.mean([m["loss"] for m in ours.metrics[-tail:]]))
+    torch_train = float(np.mean(theirs[-tail:]))
+    rel = abs(dtm_val - torch_val) / torch_val
+    return (
+        f"LLM recipe, {steps} steps: Llama {layers} layers, hidden {hidden}; batch {batch} x "
+        f"{context} bytes of the Python standard library (accumulated over {accumulate}); bf16 "
+        f"with float32 masters (torch: autocast), selective recomputation (dtm), warmup "
+        f"{warmup} then cosine to 0.1 x {peak_lr}, clipping at 1.0, AdamW; the same initial "
+        "weights and batches\n"
+        f"  dtm (2 simulated ranks, dp=2): validation loss {dtm_val:.4f}, last {tail} steps' "
+        f"train loss {dtm_train:.4f}, {dtm_s:.1f} s ({dtm_s / steps * 1e3:.1f} ms/step)\n"
+        f"  PyTorch (2 threads):           validation loss {torch_val:.4f}, last {tail} steps' "
+        f"train loss {torch_train:.4f}, {torch_s:.1f} s ({torch_s / steps * 1e3:.1f} ms/step)\n"
+        f"  PyTorch, dtm's policy (bf16 copies of float32 masters): validation loss "
+        f"{policy_val:.4f}, last {tail} steps' train loss {float(np.mean(policy_losses[-tail:])):.4f}, "
+        f"{policy_s:.1f} s\n"
+        f"  validation losses differ by {100 * rel:.2f}% from autocast's "
+        f"({'within' if rel <= 0.02 else 'NOT within'} 2%), by "
+        f"{100 * abs(dtm_val - policy_val) / policy_val:.2f}% from the same policy's; "
+        f"dtm/torch wall time {dtm_s / torch_s:.2f}\n"
+    )
+
+
+def _torch_curve(
+    hf_dir: Any,
+    mode: str,
+    train: Any,
+    val: Any,
+    whole: Any,
+    sched: Any,
+    steps: int,
+    accumulate: int,
+    peak_lr: float,
+    val_batches: int,
+) -> tuple[float, list[float], float]:
+    """PyTorch trains the recipe: ``autocast`` (torch.autocast bf16 over the float32 model)
+    or ``policy`` (float32 masters, a bf16 copy for each forward and backward, the gradients
+    back in float32: dtm's MixedPrecision); the validation loss in float32, the train
+    losses, the wall time."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    torch.set_num_threads(2)
+    transformers.logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+
+    def load(dtype: Any = None) -> Any:
+        kw = {"torch_dtype": dtype} if dtype is not None else {}
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            hf_dir, attn_implementation="eager", **kw
+        )
+
+    model = load()
+    work = load(torch.bfloat16) if mode == "policy" else model
+    model.train()
+    work.train()
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=peak_lr, weight_decay=0.01)
+    t0 = time.perf_counter()
+    losses = []
+    for s in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = sched.lr(s)
+        ids = torch.from_numpy(train(s, whole)["ids"].astype(np.int64))
+        opt.zero_grad()
+        if mode == "policy":
+            work.zero_grad()
+            with torch.no_grad():
+                for w, m in zip(work.parameters(), params, strict=True):
+                    w.copy_(m.to(torch.bfloat16))
+        total = 0.0
+        for part in ids.chunk(accumulate):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+                got = work(part, labels=part).loss
+            (got / accumulate).backward()
+            total += float(got.detach()) / accumulate
+        if mode == "policy":
+            for w, m in zip(work.parameters(), params, strict=True):
+                m.grad = w.grad.float()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        losses.append(total)
+    wall = time.perf_counter() - t0
+    model.eval()
+    with torch.no_grad():
+        got_val = float(
+            np.mean(
+                [
+                    float(model(x, labels=x).loss)
+                    for x in (
+                        torch.from_numpy(val(s, whole)["ids"].astype(np.int64))
+                        for s in range(val_batches)
+                    )
+                ]
+            )
+        )
+    return got_val, losses, wall

@@ -27,7 +27,14 @@ import numpy as np
 
 from dtm_mpi.errors import UsageError
 
-__all__ = ["FORMAT", "TokenFile", "TokenLoader", "prepare_tokens", "read_token_file"]
+__all__ = [
+    "FORMAT",
+    "TokenFile",
+    "TokenLoader",
+    "prepare_tokens",
+    "read_token_file",
+    "write_tokens",
+]
 
 FORMAT = "dtm-tokens-1"
 """The ``format`` field of a token file's side file (io/TOKENS.md)."""
@@ -129,6 +136,17 @@ def _write(path: Path, ids: np.ndarray, vocab: int, extra: Mapping[str, Any]) ->
     return TokenFile(path, dtype, int(ids.size), int(vocab), digest)
 
 
+def write_tokens(ids: np.ndarray, vocab_size: int, out: str | Path, **fields: Any) -> TokenFile:
+    """Token ids already tokenized (a 1-D integer array, each below ``vocab_size``) as the
+    token file ``out`` and its side file (``fields``: informative ones, e.g. ``sources``)."""
+    a = np.asarray(ids)
+    if a.ndim != 1 or a.dtype.kind not in "iu":
+        raise UsageError(f"{out}: token ids are a 1-D integer array; got {a.dtype}{list(a.shape)}")
+    if a.size and (int(a.min()) < 0 or int(a.max()) >= vocab_size):
+        raise UsageError(f"{out}: an id is outside the vocabulary of {vocab_size}")
+    return _write(Path(out), a, int(vocab_size), fields)
+
+
 def prepare_tokens(
     texts: Sequence[str | Path],
     tokenizer: str | Path,
@@ -215,6 +233,65 @@ class TokenLoader:
         vocab_size: int | None = None,
     ) -> None:
         self.file = read_token_file(path, verify=verify)
+        self._setup(self.file.open(), context, batch, seed, dtype, names, vocab_size)
+
+    @classmethod
+    def from_store(
+        cls,
+        store: str | Path,
+        tensor: str,
+        *,
+        vocab_size: int,
+        context: int,
+        batch: int,
+        seed: int = 0,
+        step: int | None = None,
+        dtype: str = "int32",
+        names: Mapping[str, str] | None = None,
+    ) -> TokenLoader:
+        """Batches from tokens already in a checkpoint store: the 1-D integer tensor
+        ``tensor`` of its latest checkpoint (or ``step``'s), read through the checkpoint's
+        HDF5 virtual dataset (``/tensors/<tensor>``; each rank reads only its windows). Its
+        identity in the run's checkpoints is the tensor's Merkle root in the manifest (a
+        changed tensor is refused on resume as a changed token file is); ``vocab_size``: the
+        tokenizer's (the store does not record it)."""
+        from dtm_mpi.io.tools import checkpoint_path, read_manifest, store_dir
+
+        where = store_dir(store)
+        ckpt = checkpoint_path(where, step)
+        manifest = read_manifest(ckpt)
+        if tensor not in manifest.names:
+            raise UsageError(
+                f"{ckpt}: no tensor {tensor!r} (it has: {', '.join(manifest.names) or 'none'})"
+            )
+        a = manifest.artifact(tensor)
+        if len(a.shape) != 1 or a.dtype.is_float or a.dataset is None:
+            raise UsageError(
+                f"{ckpt}: tensor {tensor!r} is {a.dtype.value}{list(a.shape)}; token ids are a "
+                "stored 1-D integer tensor"
+            )
+        import h5py
+
+        main = ckpt / "checkpoint.h5"
+        try:
+            ds = h5py.File(main, "r")[a.dataset]
+        except (OSError, KeyError) as exc:
+            raise UsageError(f"{main}: cannot read {a.dataset} ({exc})") from None
+        self = cls.__new__(cls)
+        self.file = TokenFile(main, a.dtype.value, a.shape[0], int(vocab_size), a.merkle_root)
+        self._setup(ds, context, batch, seed, dtype, names, None)
+        return self
+
+    def _setup(
+        self,
+        tokens: Any,
+        context: int,
+        batch: int,
+        seed: int,
+        dtype: str,
+        names: Mapping[str, str] | None,
+        vocab_size: int | None,
+    ) -> None:
         for what, v in (("context", context), ("batch", batch)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise UsageError(f"TokenLoader {what} must be a whole number >= 1; got {v!r}")
@@ -237,7 +314,7 @@ class TokenLoader:
         if self.dtype.kind not in "iu" or (self.file.vocab_size > np.iinfo(self.dtype).max + 1):
             raise UsageError(f"TokenLoader dtype {dtype} cannot hold ids of {self.file.vocab_size}")
         self.names = dict(names or {})
-        self._tokens = self.file.open()
+        self._tokens = tokens  # a memory map, or an HDF5 dataset: sliced per window
         self._order: tuple[int, np.ndarray] | None = None
 
     def windows_of(self, step: int) -> np.ndarray:
@@ -279,9 +356,10 @@ class TokenLoader:
         old = bytes(digest).hex()
         if old != self.file.sha256:
             raise UsageError(
-                f"{self.file.path}: its SHA-256 is {self.file.sha256[:16]}..., but the run "
-                f"saved in {where} was trained on a token file with {old[:16]}... "
-                f"({int(pos[1])} tokens): refusing to resume on other data"
+                f"{self.file.path}: its content hash (SHA-256 of a token file, Merkle root of "
+                f"a store's tensor) is {self.file.sha256[:16]}..., but the run saved in "
+                f"{where} was trained on tokens with {old[:16]}... ({int(pos[1])} tokens): "
+                "refusing to resume on other data"
             )
         mine = {"context": self.context, "batch": self.batch, "seed": self.seed}
         theirs = {"context": int(pos[3]), "batch": int(pos[4]), "seed": int(pos[5])}
@@ -303,7 +381,7 @@ class TokenLoader:
 
     def _read(self, windows: Iterable[int], shift: int) -> np.ndarray:
         t = self.context
-        rows = [self._tokens[w * t + shift : w * t + shift + t] for w in windows]
+        rows = [np.asarray(self._tokens[w * t + shift : w * t + shift + t]) for w in windows]
         if not rows:
             return np.zeros((0, t), self.dtype)
         return np.stack(rows).astype(self.dtype)

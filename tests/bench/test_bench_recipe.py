@@ -24,3 +24,17 @@ def test_the_recipe_bench_reports_every_configuration() -> None:
         assert planned[2] < planned[1] < planned[0], text
         assert len({dtm[(p, c)][-1] for c in ("none", "selective", "full")}) == 1, text
     assert sum(r[0] == "torch" for r in rows) == (4 if torch else 0), text
+
+
+def test_the_recipe_trained_by_dtm_and_pytorch_ends_within_2_percent(tmp_path: object) -> None:
+    import pytest
+
+    if (
+        importlib.util.find_spec("torch") is None
+        or importlib.util.find_spec("transformers") is None
+    ):
+        pytest.skip("the comparison runs torch and transformers (the bench and llm extras)")
+    from dtm_mpi.bench.recipe import run_recipe_curve
+
+    text = run_recipe_curve(24, warmup=4, val_batches=2, workdir=str(tmp_path))
+    assert "(within 2%)" in text, text

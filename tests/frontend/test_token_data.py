@@ -229,7 +229,7 @@ def test_every_checkpoint_records_the_data_position_and_refuses_other_data(
     changed = dtm.TokenLoader(
         tmp_path / "t.bin", context=T, batch=8, seed=5, names={"tgt": "labels"}
     )
-    with pytest.raises(UsageError, match=rf"t.bin: its SHA-256 is .*trained on .*{sha[:16]}"):
+    with pytest.raises(UsageError, match=rf"t.bin: its content hash .*trained on .*{sha[:16]}"):
         dtm.fit(step, changed, steps=5, sim=2, checkpoint=again, quiet=True)
     assert (store / "ckpt-00000003" / "checkpoint.h5").is_file()
 
@@ -273,3 +273,65 @@ def test_a_token_file_from_a_larger_vocabulary_than_the_model_is_refused(tmp_pat
     dtm.TokenLoader(tmp_path / "t.bin", context=4, batch=2, vocab_size=16)  # padded: fine
     with pytest.raises(UsageError, match="seed must be a whole number"):
         dtm.TokenLoader(tmp_path / "t.bin", context=4, batch=2, seed=-1)
+
+
+def test_write_tokens_makes_a_token_file_from_ids(tmp_path: Path) -> None:
+    from dtm_mpi.frontend.token_data import write_tokens
+
+    ids = np.arange(100) % 7
+    got = write_tokens(ids, 7, tmp_path / "x.bin", sources=["made"])
+    assert read_token_file(tmp_path / "x.bin", verify=True) == got and got.dtype == "uint16"
+    np.testing.assert_array_equal(got.open(), ids)
+    with pytest.raises(UsageError, match="outside the vocabulary of 5"):
+        write_tokens(ids, 5, tmp_path / "y.bin")
+    with pytest.raises(UsageError, match="1-D integer array"):
+        write_tokens(ids.astype(np.float32), 7, tmp_path / "y.bin")
+
+
+def test_a_token_tensor_already_in_a_store_feeds_training_and_is_checked_on_resume(
+    tmp_path: Path,
+) -> None:
+    """TokenLoader.from_store reads the windows of a 1-D token tensor of a checkpoint store
+    (the same batches as the token file of the same ids); the run's checkpoints record its
+    Merkle root, and a resume refuses the tensor once it changed."""
+    from dtm_mpi.comm.handles import self_comm
+    from dtm_mpi.frontend.token_data import write_tokens
+    from dtm_mpi.io.tools import put_tensor
+
+    rng = np.random.default_rng(4)
+    ids = rng.integers(0, VOCAB - 1, 3000).astype(np.int32)
+    from dtm_mpi.io.checkpoint import CheckpointStore
+
+    data = tmp_path / "data"
+    CheckpointStore(str(data), self_comm()).close()  # a new store
+    put_tensor(data, self_comm(), "corpus", ids)
+    write_tokens(ids, 10, tmp_path / "same.bin")
+    kw = {"context": T, "batch": 8, "seed": 5, "names": {"tgt": "labels"}}
+    stored = dtm.TokenLoader.from_store(data, "corpus", vocab_size=10, **kw)  # type: ignore[arg-type]
+    plain = dtm.TokenLoader(tmp_path / "same.bin", **kw)  # type: ignore[arg-type]
+    whole = {"ids": (slice(0, 8), slice(0, T)), "tgt": (slice(2, 5), slice(0, T))}
+    for s in (0, 3, plain.per_epoch + 1):
+        for k, v in plain(s, whole).items():
+            np.testing.assert_array_equal(stored(s, whole)[k], v)
+    (tmp_path / "run").mkdir()
+    step, _, _ = _small_run(tmp_path / "run")
+    store = str(tmp_path / "s")
+    dtm.fit(
+        step, stored, steps=2, sim=2, checkpoint=dtm.CheckpointPolicy(store, every=2), quiet=True
+    )
+    put_tensor(data, self_comm(), "corpus", ids[::-1].copy())  # the data changed
+    changed = dtm.TokenLoader.from_store(data, "corpus", vocab_size=10, **kw)  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match=r"content hash .* refusing to resume on other data"):
+        dtm.fit(
+            step,
+            changed,
+            steps=4,
+            sim=2,
+            checkpoint=dtm.CheckpointPolicy(store, resume=True),
+            quiet=True,
+        )
+    with pytest.raises(UsageError, match=r"no tensor 'nope'"):
+        dtm.TokenLoader.from_store(data, "nope", vocab_size=10, **kw)  # type: ignore[arg-type]
+    put_tensor(data, self_comm(), "floats", np.zeros(8, np.float32))
+    with pytest.raises(UsageError, match="token ids are a stored 1-D integer tensor"):
+        dtm.TokenLoader.from_store(data, "floats", vocab_size=10, **kw)  # type: ignore[arg-type]
