@@ -255,6 +255,7 @@ def run_recipe_curve(
     peak_lr: float = 3e-3,
     val_batches: int = 8,
     workdir: str | None = None,
+    precision: str = "bf16",
 ) -> str:
     """The recipe (bf16 with float32 masters, selective recomputation, warmup then cosine,
     accumulation, clipping at 1.0, AdamW) trained ``steps`` steps by dtm (2 simulated ranks,
@@ -291,7 +292,7 @@ def run_recipe_curve(
         inputs=inputs,
         optimizer=dtm.optim.AdamW(sched, weight_decay=0.01),
         clip_norm=1.0,
-        precision=dtm.MixedPrecision(),
+        precision=dtm.MixedPrecision() if precision == "bf16" else None,
         recompute="selective",
         accumulate=accumulate,
     )
@@ -311,14 +312,15 @@ def run_recipe_curve(
         )
     )
     # PyTorch: the same weights, batches, schedule, accumulation, clipping and optimizer
+    modes = ("autocast", "policy") if precision == "bf16" else ("f32", "f32")
     torch_runs = {
         mode: _torch_curve(
             hf_dir, mode, train, val, whole, sched, steps, accumulate, peak_lr, val_batches
         )
-        for mode in ("autocast", "policy")
+        for mode in dict.fromkeys(modes)
     }
-    torch_val, theirs, torch_s = torch_runs["autocast"]
-    policy_val, policy_losses, policy_s = torch_runs["policy"]
+    torch_val, theirs, torch_s = torch_runs[modes[0]]
+    policy_val, policy_losses, policy_s = torch_runs[modes[1]]
     tail = max(1, steps // 10)
     dtm_train = float(np.mean([m["loss"] for m in ours.metrics[-tail:]]))
     torch_train = float(np.mean(theirs[-tail:]))

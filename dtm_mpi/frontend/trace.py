@@ -23,7 +23,7 @@ from dtm_mpi.errors import PropagationWarning, UsageError, VerifyError
 from dtm_mpi.frontend.layers import Module as Layer
 from dtm_mpi.frontend.lr_schedule import Schedule
 from dtm_mpi.frontend.mesh import Mesh, require_axis
-from dtm_mpi.frontend.optim import Optimizer, clip_by_global_norm
+from dtm_mpi.frontend.optim import Optimizer, clip_by_global_norm, square_sum
 from dtm_mpi.frontend.precision import MixedPrecision, parse_precision
 from dtm_mpi.frontend.recompute import Recompute, check_recompute, rewrite_recompute
 from dtm_mpi.frontend.step_trace import Input, split_outputs, trace_model
@@ -155,6 +155,7 @@ def train_results(
     clip_norm: float | None,
     recompute: Recompute = "none",
     model: Layer | None = None,
+    grad_norm: bool = False,
 ) -> tuple[list[Value | tuple[Value, str | None]], list[Param]]:
     """The results of a training step whose forward ``tr`` traced (``scalars``: the loss
     first, then metrics; ``weights``: the trained parameters by path): the scalars, then the
@@ -162,7 +163,8 @@ def train_results(
     parameter), after the reverse pass, clipping to global norm ``clip_norm`` and
     ``optimizer``'s update; and the optimizer's new state parameters. ``recompute``: the
     blocks of ``model`` recompute their activations in the reverse pass
-    (:mod:`dtm_mpi.frontend.recompute`)."""
+    (:mod:`dtm_mpi.frontend.recompute`). ``grad_norm``: the gradients' global 2-norm (before
+    clipping: the clip's own) is a result after the scalars."""
     loss = scalars[0][1]
     if tr.b.mesh is not None:
         optimizer.check_mesh(tr.b.mesh.axis_names)
@@ -183,8 +185,11 @@ def train_results(
             rewrite_recompute(tr, model, forward, origins, recompute)
         regather(tr, forward)
         grads = [Tensor(g, tr) for g in grads_v]
+        norm = None
         if clip_norm is not None:
-            grads, _ = clip_by_global_norm(grads, clip_norm)
+            grads, norm = clip_by_global_norm(grads, clip_norm)
+        elif grad_norm:
+            norm = square_sum(grads).sqrt()
         n_before = len(tr.b.params)
         news = optimizer.update(tr, [(p, Tensor(v, tr)) for p, v in weights], grads)
         opt_params = tr.b.params[n_before:]
@@ -197,6 +202,9 @@ def train_results(
             for n, v in zip(news, targets, strict=True)
         ]
     results: list[Value | tuple[Value, str | None]] = [t.value for _, t in scalars]
+    if grad_norm:
+        assert norm is not None
+        results.append(norm.value)
     results += [(n.value, v.name) for n, v in zip(news, targets, strict=True)]
     return results, list(opt_params)
 
@@ -217,6 +225,7 @@ def train_step(
     accumulate: int | None = None,
     precision: MixedPrecision | None = None,
     recompute: Recompute = "none",
+    grad_norm: bool = False,
 ) -> TracedStep:
     """Trace one training step of ``model``: ``loss_fn(model, **inputs)`` returns the loss
     (a float scalar) or (loss, {metric: scalar}); the gradients of the loss with respect to
@@ -256,7 +265,11 @@ def train_step(
     ``recompute`` (``"none"``, ``"full"``, ``"selective"`` or ``keep(op_name) -> bool``):
     each block of the model (its longest list of layers) recomputes its activations in the
     reverse pass instead of holding them (:mod:`dtm_mpi.frontend.recompute`): the same bits,
-    less memory, more compute; pipelined steps recompute inside each stage's reverse passes."""
+    less memory, more compute; pipelined steps recompute inside each stage's reverse passes.
+
+    ``grad_norm``: the step also reports the gradients' global 2-norm (before clipping) as
+    the metric ``grad_norm`` (a pipelined or accumulating step: with ``clip_norm``, whose
+    norm it is); the state is the step's without it."""
     check_recompute(recompute)
     if precision is not None:
         parse_precision(precision)
@@ -276,6 +289,7 @@ def train_step(
         accumulate=accumulate,
         precision=precision,
         recompute=recompute,
+        grad_norm=grad_norm,
     )
     if accumulate is not None:
         mesh, pipeline = _accumulation(accumulate, mesh, inputs, pipeline, shard_params)
@@ -317,8 +331,18 @@ def train_step(
             "the loss function returns a metric named 'lr', the name of the schedule's "
             "learning rate each step reports; rename it"
         )
+    if grad_norm and any(k == "grad_norm" for k, _ in scalars):
+        raise UsageError(
+            "the loss function returns a metric named 'grad_norm', the name of the gradient "
+            "norm grad_norm=True reports; rename it"
+        )
+    if grad_norm and pipeline is not None and clip_norm is None:
+        raise UsageError(
+            "grad_norm=True in a pipelined or accumulating step needs clip_norm: the norm it "
+            "reports is the clip's, summed over the stages"
+        )
     results, opt_params = train_results(
-        tr, weights, scalars, optimizer, clip_norm, recompute, model
+        tr, weights, scalars, optimizer, clip_norm, recompute, model, grad_norm
     )
     module = _finish(tr, "train_step", mesh, results)
     policy = None
@@ -343,7 +367,7 @@ def train_step(
             recompute=recompute,
         )
     identity = None
-    if precision is not None or recompute != "none":  # the state's: without either
+    if precision is not None or recompute != "none" or grad_norm:  # the state's: without
         identity = train_step(
             model,
             loss_fn,
@@ -361,7 +385,7 @@ def train_step(
         tuple(inputs),
         tuple(p for p, _ in weights),
         tuple(p.name.lstrip("%") for p in opt_params),
-        tuple(k for k, _ in scalars),
+        tuple(k for k, _ in scalars) + (("grad_norm",) if grad_norm else ()),
         mesh,
         policy,
         schedule=optimizer.lr if isinstance(optimizer.lr, Schedule) else None,

@@ -63,6 +63,9 @@ class StepOutcome:
 
     loss: float
     grads: dict[str, np.ndarray] = field(default_factory=dict)
+    grad_norm: float | None = None
+    """With clipping: the gradients' global 2-norm before it (the square root of the total
+    the clip divides by, as the unpipelined step computes it)."""
 
 
 class _Pass:
@@ -340,15 +343,17 @@ class PipelineRank:
         self.waited_seconds = waited + (done - t0)
         self.schedule_seconds = done - started
         named = {f"{n}.grad": g for n, g in grads.items()}
+        norm = None
         if self.square_sums:  # clipping by the global norm: every stage's square sum, added
             named[CLIP_TOTAL] = self._clip_total(named, step)
+            norm = float(np.sqrt(named[CLIP_TOTAL]))
         for s in self.mine:  # the optimizer, once per step, on the summed gradients
             update = self.updates.get(s.index)
             if update is not None:
                 self.blocks.update(update.run({**self.blocks, **named}, step))
         last = self.schedule.shape.rank_of(len(self.stages.passes) - 1)
         published = self.comm.broadcast(np.reshape(loss, (1,)), (self.axis,), last)
-        return StepOutcome(float(published[0]), grads)
+        return StepOutcome(float(published[0]), grads, norm)
 
     def _compute(
         self,
@@ -541,9 +546,12 @@ class PipelineExecutor:
                     f"@{entry.name} returns {spec.type}: a pipelined step returns its loss and state updates only"
                 )
             self.results.append((spec.updates, np_dtype(spec.type.dtype)))
-        if sum(1 for u, _ in self.results if u is None) != 1:
+        scalars = sum(1 for u, _ in self.results if u is None)
+        clipped = bool(self.runner.square_sums)
+        if scalars != 1 and not (scalars == 2 and clipped):
             raise UsageError(
-                f"@{entry.name} returns {sum(1 for u, _ in self.results if u is None)} scalars: a pipelined step reports its loss only"
+                f"@{entry.name} returns {scalars} scalars: a pipelined step reports its loss "
+                "(and, clipped, the gradient norm) only"
             )
 
     @property
@@ -561,9 +569,12 @@ class PipelineExecutor:
             block = blocks[i]
             assert block is not None
             batch[name] = block
-        loss = runner.step(batch, step).loss
+        got = runner.step(batch, step)
+        scalars = iter((got.loss, got.grad_norm))  # the loss, then the gradient norm
         return tuple(
-            np.asarray(loss, dtype=dtype) if updates is None else runner.blocks.get(updates)
+            np.asarray(next(scalars), dtype=dtype)
+            if updates is None
+            else runner.blocks.get(updates)
             for updates, dtype in self.results
         )
 

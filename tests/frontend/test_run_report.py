@@ -168,3 +168,48 @@ def test_dtm_plot_metrics_draws_a_png(tmp_path: Path, capsys: pytest.CaptureFixt
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     code, _, err = dtm_cli(capsys, "plot", "metrics", runs[0], "-o", str(out), "--keys", "mfu")
     assert code == 2 and "have none of mfu" in one_line_error(err)
+
+
+def test_grad_norm_is_reported_plain_clipped_pipelined_and_accumulated() -> None:
+    """``grad_norm=True``: the gradients' 2-norm before clipping, as a metric; at the first
+    step (the same weights) the clipped and unclipped steps report the same norm, and the
+    pipelined and accumulating steps (with clipping) the unpipelined one's."""
+    from tests.pipeline_case import gpt, lm_loss, token_batch
+
+    def feed(s: int, regions: Mapping[str, tuple[slice, ...]]) -> dict[str, np.ndarray]:
+        data = token_batch(8, 40 + s)
+        return {k: data[k][r] for k, r in regions.items()}
+
+    def step(mesh: dtm.Mesh, **kw: Any) -> dtm.TracedStep:
+        return dtm.train_step(
+            gpt(),
+            lm_loss,
+            mesh=mesh,
+            inputs={k: dtm.Input((8, 6), "i32", ("dp", None)) for k in ("ids", "tgt")},
+            optimizer=dtm.optim.AdamW(1e-2),
+            grad_norm=True,
+            **kw,
+        )
+
+    plain = dtm.fit(step(dtm.Mesh(dp=1, tp=1)), feed, steps=3, sim=1, quiet=True)
+    clipped = dtm.fit(step(dtm.Mesh(dp=1, tp=1), clip_norm=0.5), feed, steps=3, sim=1, quiet=True)
+    norms = [m["grad_norm"] for m in clipped.metrics]
+    assert plain.metrics[0]["grad_norm"] == pytest.approx(norms[0], rel=1e-12)
+    assert all(n > 0.5 for n in norms)  # the clip acted (the norms are before it)
+    piped = dtm.fit(
+        step(dtm.Mesh(pp=1, dp=1, tp=1), clip_norm=0.5, pipeline=dtm.Pipeline(microbatches=2)),
+        feed,
+        steps=3,
+        sim=2,
+        mesh={"pp": 2},
+        quiet=True,
+    )
+    acc = dtm.fit(
+        step(dtm.Mesh(dp=2, tp=1), clip_norm=0.5, accumulate=2), feed, steps=3, sim=2, quiet=True
+    )
+    for got in (piped, acc):
+        np.testing.assert_allclose([m["grad_norm"] for m in got.metrics], norms, rtol=1e-10)
+    with pytest.raises(
+        UsageError, match="grad_norm=True in a pipelined or accumulating step needs clip_norm"
+    ):
+        step(dtm.Mesh(dp=1, tp=1), accumulate=2)
