@@ -321,6 +321,11 @@ def run_recipe_curve(
     }
     torch_val, theirs, torch_s = torch_runs[modes[0]]
     policy_val, policy_losses, policy_s = torch_runs[modes[1]]
+    # the runs' own sensitivity: PyTorch again from weights one ulp apart in one element
+    nudged = _nudged_copy(hf_dir, work / "hf-nudged")
+    floor_val, floor_losses, _ = _torch_curve(
+        nudged, modes[0], train, val, whole, sched, steps, accumulate, peak_lr, val_batches
+    )
     tail = max(1, steps // 10)
     dtm_train = float(np.mean([m["loss"] for m in ours.metrics[-tail:]]))
     torch_train = float(np.mean(theirs[-tail:]))
@@ -342,7 +347,25 @@ def run_recipe_curve(
         f"({'within' if rel <= 0.02 else 'NOT within'} 2%), by "
         f"{100 * abs(dtm_val - policy_val) / policy_val:.2f}% from the same policy's; "
         f"dtm/torch wall time {dtm_s / torch_s:.2f}\n"
+        f"  the noise floor: PyTorch ({modes[0]}) from weights one ulp apart in one element "
+        f"ends at validation loss {floor_val:.4f} ({100 * abs(floor_val - torch_val) / torch_val:.2f}% "
+        f"from its own), train {float(np.mean(floor_losses[-tail:])):.4f} "
+        f"({100 * abs(float(np.mean(floor_losses[-tail:])) - torch_train) / torch_train:.2f}%)\n"
     )
+
+
+def _nudged_copy(hf_dir: Any, out: Any) -> Any:
+    """A copy of the Hugging Face directory ``hf_dir`` whose final norm's first weight is one
+    ulp larger: how far a training run moves from a change at rounding level."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
+    with torch.no_grad():
+        w = model.model.norm.weight
+        w[0] = torch.nextafter(w[0], torch.tensor(float("inf"), dtype=w.dtype))
+    model.save_pretrained(out)
+    return out
 
 
 def _torch_curve(
