@@ -6,10 +6,14 @@ unless ``--no-fsdp``:
     dtm explain examples/llama3.py -- --size 8b --mesh dp=8,tp=1            # torchtitan's 8-GPU run
     dtm explain examples/llama3.py -- --size 8b --mesh dp=64,tp=8 --local-batch 1
     dtm explain examples/llama3.py -- --size 70b --mesh pp=8,dp=16,tp=8 --microbatches 16
+    dtm explain examples/llama3.py -- --size 70b --mesh pp=8,dp=16,tp=8 --microbatches 16 \
+        --local-batch 16 --recompute full --precision bf16   # torchtitan's 70B recipe's shape
 
-The step is the frontend's ``dtm.nn.Llama`` with Hugging Face's parameter names, float32
-everywhere (no mixed precision and no activation recomputation yet), AdamW, clipping at 1.0,
-sequences of ``--seq`` tokens, ``--local-batch`` sequences per data-parallel rank.
+The step is the frontend's ``dtm.nn.Llama`` with Hugging Face's parameter names, AdamW,
+clipping at 1.0, sequences of ``--seq`` tokens, ``--local-batch`` sequences per data-parallel
+rank; ``--recompute`` (activation recomputation per layer) and ``--precision bf16`` (float32
+masters, bf16 compute) as the training recipe switches them; the parameters sharded over dp
+inside the pipeline's stages too (ZeRO-3 x pp x tp).
 """
 
 from __future__ import annotations
@@ -73,6 +77,8 @@ def llama_step(
     microbatches: int = 1,
     schedule: str = "1f1b",
     fsdp: bool = True,
+    recompute: str = "none",
+    precision: str = "f32",
 ) -> dtm.TracedStep:
     """The training step of Llama 3.1 ``size`` for a mesh of these axis sizes."""
     config = CONFIGS[size]
@@ -91,6 +97,8 @@ def llama_step(
         name=f"llama3_{size}",
         pipeline=pipeline,
         shard_params="dp" if fsdp and dp > 1 else None,
+        recompute=recompute,
+        precision=dtm.MixedPrecision() if precision == "bf16" else None,
     )
 
 
@@ -103,6 +111,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--microbatches", type=int, default=1)
     ap.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved, zb-h1")
     ap.add_argument("--no-fsdp", action="store_true", help="parameters replicated over dp")
+    ap.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
+    ap.add_argument("--precision", choices=("f32", "bf16"), default="f32")
     args = ap.parse_args(argv)
     from dtm_mpi.config import get_config
 
@@ -120,6 +130,8 @@ def main(argv: list[str]) -> int:
         microbatches=args.microbatches,
         schedule=args.schedule,
         fsdp=not args.no_fsdp,
+        recompute=args.recompute,
+        precision=args.precision,
     )
 
     def no_data(step: int, regions: object) -> dict[str, object]:

@@ -114,6 +114,7 @@ def pipeline_policy(
     name: str,
     precision: MixedPrecision | None = None,
     recompute: Recompute = "none",
+    shard_params: str | None = None,
 ) -> PipelinePolicy:
     """The run policy of ``pipeline`` (checked now: the axis in ``mesh``, the schedule's
     name): its stages traced by :func:`step_stages_of` when the run knows how many."""
@@ -143,6 +144,7 @@ def pipeline_policy(
                 whole_batch=whole_batch,
                 precision=precision,
                 recompute=recompute,
+                shard_params=shard_params,
             )
         return traced[(n, whole_batch)]
 
@@ -241,6 +243,7 @@ def step_stages_of(
     whole_batch: bool = False,
     precision: MixedPrecision | None = None,
     recompute: Recompute = "none",
+    shard_params: str | None = None,
 ) -> StepStages:
     """The forward and reverse passes of a training step cut into ``len(splits) + 1``
     stages, for one of ``microbatches`` microbatches (the fed inputs split along their first
@@ -262,6 +265,7 @@ def step_stages_of(
         weights_as_state=True,
         seed=seed,
         precision=precision,
+        shard_params=shard_params,
     )
     with tracing(tr):
         loss = split_outputs(out, "loss")[0][1].complete()
@@ -283,6 +287,10 @@ def step_stages_of(
         )
         if recompute != "none":  # inside each stage's reverse passes
             origins = rewrite_recompute(tr, model, n_forward, origins, recompute)
+        if shard_params is not None:  # ZeRO-3: the reverse passes gather the parameters again
+            from dtm_mpi.frontend.trace import regather
+
+            origins = regather(tr, n_forward, origins)
     stages = step_stages(
         tr.b.params,
         tr.b.ops,

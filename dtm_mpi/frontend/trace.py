@@ -128,23 +128,30 @@ def _fallbacks(tr: Tracer) -> tuple[str, ...]:
     return tuple(out)
 
 
-def regather(tr: Tracer, forward: int) -> None:
+def regather(tr: Tracer, forward: int, origins: list[int] | None = None) -> list[int]:
     """Gather each sharded parameter again where the reverse pass (the ops from index
     ``forward`` on) first uses it, instead of keeping the forward pass's gather alive until
     then (FSDP): the forward's copy is freed after its last forward use. The same global
-    values (a gather is a layout change), so the same bits and program hash."""
+    values (a gather is a layout change), so the same bits and program hash. ``origins``
+    (the reverse ops' origins, as :func:`~dtm_mpi.ir.autodiff.backward` gives them): returns
+    them for the new reverse ops (a gather's is the forward gather's position)."""
     b = tr.b
-    gathers = {op.results[0]: op for op in b.ops[:forward] if set(op.results) & tr.gathered}
+    at = {op.results[0]: i for i, op in enumerate(b.ops[:forward]) if set(op.results) & tr.gathered}
     body = list(b.ops[:forward])
+    out: list[int] = []
     renamed: dict[str, str] = {}
-    for op in b.ops[forward:]:
+    for j, op in enumerate(b.ops[forward:]):
         for name in op.operands:
-            if name in gathers and name not in renamed:  # its first use in the reverse pass
+            if name in at and name not in renamed:  # its first use in the reverse pass
                 again = renamed[name] = b.fresh(name.lstrip("%") + ".again")
                 b.types[again] = b.types[name]
-                body.append(replace(gathers[name], results=(again,), result_spans=()))
+                body.append(replace(b.ops[at[name]], results=(again,), result_spans=()))
+                out.append(at[name])
         body.append(replace(op, operands=tuple(renamed.get(v, v) for v in op.operands)))
+        if origins is not None:
+            out.append(origins[j])
     b.ops[:] = body
+    return out if origins is not None else []
 
 
 def train_results(
@@ -295,11 +302,6 @@ def train_step(
         mesh, pipeline = _accumulation(accumulate, mesh, inputs, pipeline, shard_params)
     if shard_params is not None:
         require_axis(f"shard_params={shard_params!r}", shard_params, mesh.axis_names)
-        if pipeline is not None:
-            raise UsageError(
-                "shard_params with a pipeline is not supported yet; shard the optimizer "
-                "state instead (optimizer=AdamW(..., shard='dp'))"
-            )
     if pipeline is not None:
         from dtm_mpi.frontend.stage_split import check_pipeline
 
@@ -365,6 +367,7 @@ def train_step(
             name=name,
             precision=precision,
             recompute=recompute,
+            shard_params=shard_params,
         )
     identity = None
     if precision is not None or recompute != "none" or grad_norm:  # the state's: without
@@ -416,11 +419,6 @@ def _accumulation(
         raise UsageError(
             "accumulate= is for a step without a pipeline; a pipelined step accumulates its "
             f"microbatches: Pipeline(microbatches={k * pipeline.microbatches}, ...)"
-        )
-    if shard_params is not None:
-        raise UsageError(
-            "accumulate with shard_params is not supported yet; shard the optimizer state "
-            "instead (optimizer=AdamW(..., shard='dp'))"
         )
     for key, spec in inputs.items():
         shape = tuple(spec.shape)

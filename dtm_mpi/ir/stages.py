@@ -252,9 +252,10 @@ def step_stages(
     ``n_forward`` ops, cut as ``partition``) followed by its reverse pass, each reverse op's
     origin given (:func:`~dtm_mpi.ir.autodiff.backward`'s ``origins``); ``grads``: (parameter,
     its gradient value) in the order the reverse pass took them to their layouts.
-    ``defer_reductions``: a gradient the reverse pass completes from a pending sum (an
-    ``allreduce`` or ``reduce_scatter``, then layout changes) leaves the weight pass pending,
-    and the stage's ``reduce_grads`` pass completes it once per step."""
+    ``defer_reductions``: a gradient the reverse pass completes from a pending sum by an
+    ``allreduce`` (then layout changes) leaves the weight pass pending, and the stage's
+    ``reduce_grads`` pass completes it once per step (a ``reduce_scatter``'s, a gradient
+    stored split, stays in the weight pass: its sums held stay 1/size of the axis)."""
     bounds = _op_stages(partition, n_forward)
     stage_of_op = bounds + [
         bounds[o] if o >= 0 else partition.stage_of(grads[-1 - o][0]) for o in origins
@@ -409,7 +410,9 @@ def _pending_chains(
             src = op.operands[0]
             partial = types[src].layout.partial
             if partial is not None:
-                if partial.op is ReduceOp.SUM:
+                # a sum completed by an allreduce; a reduce_scatter (a gradient stored split:
+                # ZeRO) runs per microbatch, so that the sums held stay 1/size of the axis
+                if partial.op is ReduceOp.SUM and op.name == "allreduce":
                     out[g] = (src, chain)
                 break
             if uses.get(src, 0) != 1:

@@ -94,6 +94,4 @@ def test_misuse_is_one_error_naming_it() -> None:
             pipeline=dtm.Pipeline(microbatches=2),
             accumulate=2,
         )
-    with pytest.raises(UsageError, match="accumulate with shard_params is not supported"):
-        _step(2, shard_params="dp")
     assert _step(1).pipeline is None  # K = 1: the plain step

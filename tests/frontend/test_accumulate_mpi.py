@@ -67,3 +67,28 @@ def test_accumulation_under_mpi_trains_as_the_big_batch_and_resumes_without_it(
         np.allclose(tail, wanted[2:], rtol=1e-12),
         f"resumed without accumulation: {tail}, the uninterrupted run {wanted[2:]}",
     )
+
+
+def test_zero3_with_accumulation_under_mpi_trains_as_the_big_batch(
+    comm: Any, all_ranks: Any
+) -> None:
+    """Parameters sharded over dp (ZeRO-3) inside the one-stage pipeline accumulation runs
+    as: the big batch's training on one simulated rank."""
+    n = comm.Get_size()
+    want = dtm.fit(_step(1, None), loader, steps=3, sim=1, mesh={"dp": 1, "tp": 1}, quiet=True)
+    step = dtm.train_step(
+        gpt(),
+        lm_loss,
+        mesh=dtm.Mesh(dp=n, tp=1),
+        inputs={k: dtm.Input((BATCH, T), "i32", ("dp", None)) for k in ("ids", "tgt")},
+        optimizer=dtm.optim.AdamW(lr=1e-2),
+        accumulate=2,
+        shard_params="dp",
+    )
+    got = dtm.fit(step, loader, steps=3, mesh={"dp": n, "tp": 1}, quiet=True)
+    losses = [m["loss"] for m in got.metrics]
+    wanted = [m["loss"] for m in want.metrics]
+    all_ranks(
+        np.allclose(losses, wanted, rtol=1e-12),
+        f"ZeRO-3 accumulated at dp={n}: {losses}, the big batch {wanted}",
+    )
