@@ -15,7 +15,9 @@ step without the policy, and the policy changes no state: a checkpoint resumes w
 it, and under another compute dtype.
 
 bf16 values are held in binary32 (docs/spec/ir.md Q12): the policy gives bf16's numerics (each
-op's result rounded to bf16), not its memory or speed.
+op's result rounded to bf16), not its memory or speed. ``compute="f16"`` adds dynamic loss
+scaling (:mod:`dtm_mpi.frontend.loss_scale`: ``init_scale``, ``growth_interval``; skipped
+steps counted and reported), not yet in pipelined or accumulating steps.
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ class MixedPrecision:
     compute: str = "bf16"
     reduce: str = "f32"
     master: str = "f32"
+    init_scale: float = 65536.0
+    """``compute="f16"``: the first loss scale (dynamic loss scaling,
+    :mod:`dtm_mpi.frontend.loss_scale`); a power of two keeps unscaling exact."""
+    growth_interval: int = 2000
+    """``compute="f16"``: finite steps in a row before the scale doubles."""
 
     def __post_init__(self) -> None:
         parse_precision(self)
@@ -72,9 +79,10 @@ def parse_precision(p: MixedPrecision) -> tuple[DType, DType]:
             f"MixedPrecision reduce={p.reduce!r}: the gradients are reduced in the master "
             f"dtype ({p.master}); another reduce dtype is not supported yet"
         )
-    if compute is DType.F16:
-        raise UsageError(
-            "MixedPrecision compute='f16' needs dynamic loss scaling, which is not built yet; "
-            "use compute='bf16'"
-        )
+    scale = p.init_scale
+    if not isinstance(scale, int | float) or not 1.0 <= scale <= 2.0**64:
+        raise UsageError(f"MixedPrecision init_scale={scale!r}: a number in [1, 2**64]")
+    interval = p.growth_interval
+    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+        raise UsageError(f"MixedPrecision growth_interval={interval!r}: a whole number >= 1")
     return compute, master

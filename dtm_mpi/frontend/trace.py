@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from dtm_mpi.errors import PropagationWarning, UsageError, VerifyError
 from dtm_mpi.frontend.layers import Module as Layer
+from dtm_mpi.frontend.loss_scale import METRICS as SCALER_METRICS
+from dtm_mpi.frontend.loss_scale import LossScaler
 from dtm_mpi.frontend.lr_schedule import Schedule
 from dtm_mpi.frontend.mesh import Mesh, require_axis
 from dtm_mpi.frontend.optim import Optimizer, clip_by_global_norm, square_sum
@@ -163,6 +165,7 @@ def train_results(
     recompute: Recompute = "none",
     model: Layer | None = None,
     grad_norm: bool = False,
+    precision: MixedPrecision | None = None,
 ) -> tuple[list[Value | tuple[Value, str | None]], list[Param]]:
     """The results of a training step whose forward ``tr`` traced (``scalars``: the loss
     first, then metrics; ``weights``: the trained parameters by path): the scalars, then the
@@ -171,17 +174,26 @@ def train_results(
     ``optimizer``'s update; and the optimizer's new state parameters. ``recompute``: the
     blocks of ``model`` recompute their activations in the reverse pass
     (:mod:`dtm_mpi.frontend.recompute`). ``grad_norm``: the gradients' global 2-norm (before
-    clipping: the clip's own) is a result after the scalars."""
+    clipping: the clip's own) is a result after the scalars. ``precision`` with
+    ``compute="f16"``: dynamic loss scaling (:mod:`dtm_mpi.frontend.loss_scale`), its
+    ``loss_scale`` and ``skipped`` after the scalars, its state after the optimizer's."""
     loss = scalars[0][1]
     if tr.b.mesh is not None:
         optimizer.check_mesh(tr.b.mesh.axis_names)
+    scaler = None
+    seed = loss
+    if precision is not None and precision.compute_dtype is DType.F16:
+        with tracing(tr):
+            scaler = LossScaler.traced(tr, precision.init_scale, precision.growth_interval)
+            seed = scaler.seed(loss)
+    n_scaler = len(tr.b.params)
     forward = len(tr.b.ops)
     with tracing(tr):
         origins: list[int] = []
         grads_v = backward(
             tr.b,
             list(tr.b.ops),
-            loss.value,
+            seed.value,
             [v for _, v in weights],
             stop=tr.detached,
             layouts=[optimizer.grad_layout(v.type) for _, v in weights],
@@ -192,6 +204,8 @@ def train_results(
             rewrite_recompute(tr, model, forward, origins, recompute)
         regather(tr, forward)
         grads = [Tensor(g, tr) for g in grads_v]
+        if scaler is not None:
+            grads = scaler.unscale(grads)
         norm = None
         if clip_norm is not None:
             grads, norm = clip_by_global_norm(grads, clip_norm)
@@ -208,11 +222,18 @@ def train_results(
             n if n.type == v.type else n.redistribute(v.type.layout)
             for n, v in zip(news, targets, strict=True)
         ]
+        scaled: tuple[list[tuple[Value, str]], list[Value]] = ([], [])
+        if scaler is not None:  # an overflow keeps every state as it was
+            news = scaler.guard(news, [Tensor(v, tr) for v in targets])
+            scaled = scaler.updates()
     results: list[Value | tuple[Value, str | None]] = [t.value for _, t in scalars]
     if grad_norm:
         assert norm is not None
         results.append(norm.value)
+    results += scaled[1]
     results += [(n.value, v.name) for n, v in zip(news, targets, strict=True)]
+    results += [(v, name) for v, name in scaled[0]]
+    opt_params = [*opt_params, *tr.b.params[n_scaler - 3 : n_scaler]] if scaler else opt_params
     return results, list(opt_params)
 
 
@@ -343,8 +364,14 @@ def train_step(
             "grad_norm=True in a pipelined or accumulating step needs clip_norm: the norm it "
             "reports is the clip's, summed over the stages"
         )
+    f16 = precision is not None and precision.compute_dtype is DType.F16
+    if f16 and pipeline is not None:
+        raise UsageError(
+            "MixedPrecision compute='f16' (dynamic loss scaling) in a pipelined or accumulating "
+            "step is not supported yet; use compute='bf16' there"
+        )
     results, opt_params = train_results(
-        tr, weights, scalars, optimizer, clip_norm, recompute, model, grad_norm
+        tr, weights, scalars, optimizer, clip_norm, recompute, model, grad_norm, precision
     )
     module = _finish(tr, "train_step", mesh, results)
     policy = None
@@ -388,7 +415,9 @@ def train_step(
         tuple(inputs),
         tuple(p for p, _ in weights),
         tuple(p.name.lstrip("%") for p in opt_params),
-        tuple(k for k, _ in scalars) + (("grad_norm",) if grad_norm else ()),
+        tuple(k for k, _ in scalars)
+        + (("grad_norm",) if grad_norm else ())
+        + (SCALER_METRICS if f16 else ()),
         mesh,
         policy,
         schedule=optimizer.lr if isinstance(optimizer.lr, Schedule) else None,

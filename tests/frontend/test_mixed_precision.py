@@ -227,7 +227,65 @@ def test_misuse_is_one_error_naming_it() -> None:
         UsageError, match="reduce='bf16': the gradients are reduced in the master dtype"
     ):
         dtm.MixedPrecision(reduce="bf16")
-    with pytest.raises(UsageError, match="compute='f16' needs dynamic loss scaling"):
-        dtm.MixedPrecision(compute="f16")
+    with pytest.raises(UsageError, match=r"init_scale=0\.5: a number in"):
+        dtm.MixedPrecision(compute="f16", init_scale=0.5)
     with pytest.raises(UsageError, match=r"compute='fp8': one of bf16, f16, f32"):
         dtm.MixedPrecision(compute="fp8")
+
+
+def test_f16_with_dynamic_loss_scaling_trains_and_skips_overflowing_steps(tmp_path: Path) -> None:
+    """compute='f16': the loss curve follows float32's (30 steps, 1%); a scale that
+    overflows skips the step (every parameter and moment kept), halves the scale and counts
+    the skip; after growth_interval finite steps the scale doubles; the checkpoint of an f16
+    step resumes in a float32 one."""
+    data = _data()
+    mesh = dtm.Mesh(dp=2, tp=1)
+    f32 = dtm.fit(
+        _step(dtm.nn.Llama(CFG, axis="tp"), None, mesh), _feed(data), steps=30, sim=2, quiet=True
+    )
+    f16 = dtm.MixedPrecision(compute="f16")
+    step = _step(dtm.nn.Llama(CFG, axis="tp"), f16, mesh)
+    assert step.metrics == ("loss", "loss_scale", "skipped")
+    assert any(
+        op.name == "cast" and op.result_types[0].dtype.value == "f16"
+        for op in step.module.entry.body
+    )  # type: ignore[union-attr]
+    got = dtm.fit(step, _feed(data), steps=30, sim=2, quiet=True)
+    np.testing.assert_allclose(
+        [m["loss"] for m in got.metrics], [m["loss"] for m in f32.metrics], rtol=1e-2
+    )
+    assert got.metrics[-1]["skipped"] == 0 and got.metrics[-1]["loss_scale"] == 65536.0
+
+    huge = dtm.MixedPrecision(compute="f16", init_scale=2.0**64, growth_interval=2)
+    runs = [
+        dtm.fit(
+            _step(dtm.nn.Llama(CFG, axis="tp"), huge, mesh), _feed(data), steps=n, sim=2, quiet=True
+        )
+        for n in (1, 3)
+    ]
+    assert [m["loss_scale"] for m in runs[1].metrics] == [2.0**64, 2.0**63, 2.0**62]
+    assert [m["skipped"] for m in runs[1].metrics] == [1.0, 2.0, 3.0]
+    for k, v in runs[0].outputs.items():  # every step skipped: the state stays the initial one
+        if k.startswith(("model.", "lm_head", "opt.")):
+            assert runs[1].outputs[k].tobytes() == v.tobytes(), k
+    grow = dtm.MixedPrecision(compute="f16", init_scale=2.0**10, growth_interval=2)
+    scales = [
+        m["loss_scale"]
+        for m in dtm.fit(
+            _step(dtm.nn.Llama(CFG, axis="tp"), grow, mesh), _feed(data), steps=5, sim=2, quiet=True
+        ).metrics
+    ]
+    assert scales == [2.0**10, 2.0**10, 2.0**11, 2.0**11, 2.0**12]
+
+    save = dtm.CheckpointPolicy(str(tmp_path / "s"), every=2)
+    dtm.fit(step, _feed(data), steps=2, sim=2, checkpoint=save, quiet=True)
+    plain = _step(dtm.nn.Llama(CFG, axis="tp"), None, mesh)
+    again = dtm.CheckpointPolicy(str(tmp_path / "s"), resume=True)
+    assert [
+        m["step"]
+        for m in dtm.fit(plain, _feed(data), steps=3, sim=2, checkpoint=again, quiet=True).metrics
+    ] == [2.0]
+    with pytest.raises(
+        UsageError, match="dynamic loss scaling\\) in a pipelined or accumulating step"
+    ):
+        _step(dtm.nn.Llama(CFG, axis="tp"), f16, mesh, accumulate=2)
