@@ -292,6 +292,7 @@ def fit(
         on_tensors=tensors if step.tensors else None,
         data=loader if isinstance(loader, DataPosition) else None,
         identity=step.identity,
+        fresh=step.fresh,
     )
 
     entry = step.module.entry

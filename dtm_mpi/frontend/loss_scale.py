@@ -29,10 +29,13 @@ from dtm_mpi.ir.types import DType, Layout, TensorType
 if TYPE_CHECKING:
     from dtm_mpi.ir.build import Value
 
-__all__ = ["LossScaler", "METRICS"]
+__all__ = ["METRICS", "STATE", "LossScaler"]
 
 METRICS = ("loss_scale", "skipped")
 """The metrics a loss-scaled step reports after its loss."""
+STATE = ("amp.scale", "amp.good", "amp.skipped")
+"""The scaler's state parameters: where a resumed checkpoint lacks them (one of a step
+without the scaler), they start from their init."""
 _FLT_MAX = 3.4028234663852886e38
 
 
@@ -59,9 +62,9 @@ class LossScaler:
             tr,
             init_scale,
             growth_interval,
-            state("amp.scale", InitKind.ONES),
-            state("amp.good", InitKind.ZEROS),
-            state("amp.skipped", InitKind.ZEROS),
+            state(STATE[0], InitKind.ONES),
+            state(STATE[1], InitKind.ZEROS),
+            state(STATE[2], InitKind.ZEROS),
         )
 
     @property

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from dtm_mpi.errors import PropagationWarning, UsageError, VerifyError
 from dtm_mpi.frontend.layers import Module as Layer
 from dtm_mpi.frontend.loss_scale import METRICS as SCALER_METRICS
+from dtm_mpi.frontend.loss_scale import STATE as SCALER_STATE
 from dtm_mpi.frontend.loss_scale import LossScaler
 from dtm_mpi.frontend.lr_schedule import Schedule
 from dtm_mpi.frontend.mesh import Mesh, require_axis
@@ -83,6 +84,9 @@ class TracedStep:
     checkpoint resumes across precision choices)."""
     precision: MixedPrecision | None = None
     recompute: Recompute = "none"
+    fresh: tuple[str, ...] = ()
+    """State that starts from its init where a resumed checkpoint lacks it (an f16 step's
+    loss scaler)."""
     retrace: Callable[..., TracedStep] | None = field(default=None, compare=False)
     """The same step traced again with some arguments changed (keywords of
     :func:`train_step`): what ``dtm explain`` compares the recomputation choices with."""
@@ -426,6 +430,7 @@ def train_step(
         precision=precision,
         recompute=recompute,
         retrace=retrace,
+        fresh=SCALER_STATE if f16 else (),
     )
 
 

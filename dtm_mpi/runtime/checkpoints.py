@@ -205,6 +205,7 @@ class StoreCheckpoints(_Saves):
         pins: Mapping[str, Pin] | None = None,
         data: DataPosition | None = None,
         identity: Module | None = None,
+        fresh: Sequence[str] = (),
     ) -> None:
         from dtm_mpi.comm import handles
 
@@ -224,14 +225,26 @@ class StoreCheckpoints(_Saves):
         self.pins = dict(pins or {})
         """A pipelined run's state: each value held by the ranks of one ``pp`` coordinate."""
         self.data = data
+        self.fresh = tuple(fresh)
 
     def _held(self, values: Mapping[str, np.ndarray]) -> list[np.ndarray | None]:
-        """The restored blocks in target order, None where this rank holds none (pinned)."""
+        """The restored blocks in target order, None where this rank holds none (pinned);
+        a fresh state the checkpoint lacks starts from its init."""
+        from dtm_mpi.runtime.values import init_block
+        from dtm_mpi.sharding.blocks import local_offsets, local_shape
+
         mesh = self.plan.mesh
-        return [
-            values[name] if holds(mesh, self.rank, self.pins.get(name)) else None
-            for name, _ in self.targets
-        ]
+        params = self.plan.entry_plan.function.params
+        out: list[np.ndarray | None] = []
+        for (name, t), p in zip(self.targets, params, strict=True):
+            if not holds(mesh, self.rank, self.pins.get(name)):
+                out.append(None)
+            elif name in values:
+                out.append(values[name])
+            else:  # (restore refused any other missing tensor)
+                offsets = local_offsets(t.shape, t.layout, mesh, self.rank)
+                out.append(init_block(p, offsets, local_shape(t.shape, t.layout, mesh, self.rank)))
+        return out
 
     def read_init_store(self, params: Sequence[Param]) -> dict[str, np.ndarray]:
         """This rank's blocks of the ``init store`` parameters ``params``, by name, from the
@@ -264,7 +277,7 @@ class StoreCheckpoints(_Saves):
             [*self.targets, *extra],
             fallback=True,
             pins=self.pins,
-            optional=[n for n, _ in extra],
+            optional=[*(n for n, _ in extra), *self.fresh],
         )
         _resumed(got, self.hashes, self.steps, speak=self.speak, data=self.data)
         blocks[:] = self._held(got.values)
@@ -321,12 +334,13 @@ def restore_globals(
     steps: int,
     data: DataPosition | None = None,
     identity: Module | None = None,
+    fresh: Sequence[str] = (),
 ) -> tuple[dict[str, np.ndarray], int]:
     """A simulated run's resume, before its ranks start: the global value of every entry
     parameter from the newest checkpoint of ``policy``'s store that restores and verifies
     (written on any mesh), and its step (``data``: the loader checks the position the
     checkpoint recorded; ``identity``: the module identifying the state, where not
-    ``module``)."""
+    ``module``; ``fresh``: state that takes its init where the checkpoint lacks it)."""
     from dtm_mpi.comm.handles import self_comm
 
     store = open_store(policy, self_comm())
@@ -336,7 +350,7 @@ def restore_globals(
             _one_rank_mesh(module),
             [*_targets(module), *extra],
             fallback=True,
-            optional=[n for n, _ in extra],
+            optional=[*(n for n, _ in extra), *fresh],
         )
     finally:
         store.close()

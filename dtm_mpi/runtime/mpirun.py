@@ -782,6 +782,7 @@ def _checkpoints(live: _Live, args: MpiRunArgs, backend: ArrayBackend) -> StoreC
         pins=live.pipeline.pins if live.pipeline is not None else None,
         data=args.hooks.data if args.hooks is not None else None,
         identity=args.hooks.identity if args.hooks is not None else None,
+        fresh=args.hooks.fresh if args.hooks is not None else (),
     )
 
 

@@ -298,6 +298,7 @@ def run_simulated(
             steps,
             hooks.data if hooks is not None else None,
             hooks.identity if hooks is not None else None,
+            hooks.fresh if hooks is not None else (),
         )
     else:
         given = check_inputs(module, inputs or {}, fed=hooks.fed if hooks is not None else ())

@@ -108,6 +108,9 @@ class RunHooks:
     identity: Module | None = None
     """The module whose program identifies the run's state in its checkpoints, where it is
     not the run's own (a mixed-precision step's: the step without the policy)."""
+    fresh: tuple[str, ...] = ()
+    """State parameters (names without ``%``) that start from their init where a resumed
+    checkpoint lacks them (a loss scaler's: a checkpoint of a step without one resumes)."""
 
 
 class Feed:

@@ -237,7 +237,7 @@ def test_f16_with_dynamic_loss_scaling_trains_and_skips_overflowing_steps(tmp_pa
     """compute='f16': the loss curve follows float32's (30 steps, 1%); a scale that
     overflows skips the step (every parameter and moment kept), halves the scale and counts
     the skip; after growth_interval finite steps the scale doubles; the checkpoint of an f16
-    step resumes in a float32 one."""
+    step resumes in a float32 one, and a float32 one's in an f16 step (its scaler fresh)."""
     data = _data()
     mesh = dtm.Mesh(dp=2, tp=1)
     f32 = dtm.fit(
@@ -285,6 +285,9 @@ def test_f16_with_dynamic_loss_scaling_trains_and_skips_overflowing_steps(tmp_pa
         m["step"]
         for m in dtm.fit(plain, _feed(data), steps=3, sim=2, checkpoint=again, quiet=True).metrics
     ] == [2.0]
+    back = dtm.fit(step, _feed(data), steps=4, sim=2, checkpoint=again, quiet=True)  # f32's
+    assert [m["step"] for m in back.metrics] == [3.0]  # (the scaler starts from its init)
+    assert back.metrics[0]["loss_scale"] == 65536.0 and back.metrics[0]["skipped"] == 0.0
     with pytest.raises(
         UsageError, match="dynamic loss scaling\\) in a pipelined or accumulating step"
     ):
