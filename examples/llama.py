@@ -14,7 +14,8 @@ export with transformers' greedy ``generate``: the two must give the same tokens
     dtm generate S --prompt "def " --max-new 32        # the store is a model for dtm's tools too
 
 The training recipe's switches: ``--precision bf16`` (float32 masters, bf16 compute),
-``--recompute selective`` (or ``full``: activation recomputation per layer),
+``--recompute selective`` (or ``full``: activation recomputation per layer), ``--fsdp``
+(parameters sharded over dp, inside pipeline stages too: dp x tp x pp),
 ``--lr-schedule cosine --warmup 20`` (also ``linear``, ``wsd``; ``--lr-floor``),
 ``--accumulate 2`` (gradient accumulation), ``--data tokens.bin`` (a token file of
 ``dtm data prepare``; its ``.val.bin`` beside it for validation; the model's vocabulary is
@@ -185,6 +186,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--data", default=None, metavar="BIN", help="a token file (dtm data prepare)")
     ap.add_argument("--metrics", default=None, metavar="FILE", help="JSON lines per step")
     ap.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
+    ap.add_argument(
+        "--fsdp", action="store_true", help="parameters sharded over dp (ZeRO-3), pipelines too"
+    )
     args = ap.parse_args(argv)
     sizes = parse_mesh_binding(args.mesh)
     if (args.export or args.generate) and not args.store:
@@ -228,6 +232,7 @@ def main(argv: list[str]) -> int:
         optimizer=dtm.optim.AdamW(lr=lr, weight_decay=0.01),
         pipeline=pipeline,
         accumulate=args.accumulate,
+        shard_params="dp" if args.fsdp else None,
         precision=dtm.MixedPrecision() if args.precision == "bf16" else None,
         recompute=args.recompute,
     )

@@ -22,6 +22,7 @@ from dtm_mpi.frontend.precision import MixedPrecision
 from dtm_mpi.frontend.recompute import Recompute, rewrite_recompute
 from dtm_mpi.frontend.step_trace import Input, split_outputs, trace_model
 from dtm_mpi.frontend.tensor import Tensor, Tracer, trace_error, tracing
+from dtm_mpi.frontend.traced_params import regather
 from dtm_mpi.ir.autodiff import backward
 from dtm_mpi.ir.build import FunctionBuilder
 from dtm_mpi.ir.nodes import MeshDecl, Param
@@ -288,8 +289,6 @@ def step_stages_of(
         if recompute != "none":  # inside each stage's reverse passes
             origins = rewrite_recompute(tr, model, n_forward, origins, recompute)
         if shard_params is not None:  # ZeRO-3: the reverse passes gather the parameters again
-            from dtm_mpi.frontend.trace import regather
-
             origins = regather(tr, n_forward, origins)
     stages = step_stages(
         tr.b.params,

@@ -250,12 +250,13 @@ class TokenLoader:
         names: Mapping[str, str] | None = None,
     ) -> TokenLoader:
         """Batches from tokens already in a checkpoint store: the 1-D integer tensor
-        ``tensor`` of its latest checkpoint (or ``step``'s), read through the checkpoint's
-        HDF5 virtual dataset (``/tensors/<tensor>``; each rank reads only its windows). Its
+        ``tensor`` of its latest checkpoint (or ``step``'s), read through the store's backend
+        (:class:`~dtm_mpi.io.tools.TensorRows`: each rank reads only the chunks of its
+        windows, each checked against its content hash). Its
         identity in the run's checkpoints is the tensor's Merkle root in the manifest (a
         changed tensor is refused on resume as a changed token file is); ``vocab_size``: the
         tokenizer's (the store does not record it)."""
-        from dtm_mpi.io.tools import checkpoint_path, read_manifest, store_dir
+        from dtm_mpi.io.tools import TensorRows, checkpoint_path, read_manifest, store_dir
 
         where = store_dir(store)
         ckpt = checkpoint_path(where, step)
@@ -270,16 +271,10 @@ class TokenLoader:
                 f"{ckpt}: tensor {tensor!r} is {a.dtype.value}{list(a.shape)}; token ids are a "
                 "stored 1-D integer tensor"
             )
-        import h5py
-
-        main = ckpt / "checkpoint.h5"
-        try:
-            ds = h5py.File(main, "r")[a.dataset]
-        except (OSError, KeyError) as exc:
-            raise UsageError(f"{main}: cannot read {a.dataset} ({exc})") from None
+        rows = TensorRows(ckpt, tensor)  # through the store's backend, each chunk verified
         self = cls.__new__(cls)
-        self.file = TokenFile(main, a.dtype.value, a.shape[0], int(vocab_size), a.merkle_root)
-        self._setup(ds, context, batch, seed, dtype, names, None)
+        self.file = TokenFile(ckpt, a.dtype.value, a.shape[0], int(vocab_size), a.merkle_root)
+        self._setup(rows, context, batch, seed, dtype, names, None)
         return self
 
     def _setup(

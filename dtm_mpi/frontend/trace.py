@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dtm_mpi.errors import PropagationWarning, UsageError, VerifyError
@@ -36,6 +36,7 @@ from dtm_mpi.frontend.tensor import (
     trace_error,
     tracing,
 )
+from dtm_mpi.frontend.traced_params import regather
 from dtm_mpi.ir import module_hash, print_module
 from dtm_mpi.ir.autodiff import backward
 from dtm_mpi.ir.build import Value
@@ -132,32 +133,6 @@ def _fallbacks(tr: Tracer) -> tuple[str, ...]:
             out.append(line)
             warnings.warn_explicit(message, PropagationWarning, span.file, span.line)
     return tuple(out)
-
-
-def regather(tr: Tracer, forward: int, origins: list[int] | None = None) -> list[int]:
-    """Gather each sharded parameter again where the reverse pass (the ops from index
-    ``forward`` on) first uses it, instead of keeping the forward pass's gather alive until
-    then (FSDP): the forward's copy is freed after its last forward use. The same global
-    values (a gather is a layout change), so the same bits and program hash. ``origins``
-    (the reverse ops' origins, as :func:`~dtm_mpi.ir.autodiff.backward` gives them): returns
-    them for the new reverse ops (a gather's is the forward gather's position)."""
-    b = tr.b
-    at = {op.results[0]: i for i, op in enumerate(b.ops[:forward]) if set(op.results) & tr.gathered}
-    body = list(b.ops[:forward])
-    out: list[int] = []
-    renamed: dict[str, str] = {}
-    for j, op in enumerate(b.ops[forward:]):
-        for name in op.operands:
-            if name in at and name not in renamed:  # its first use in the reverse pass
-                again = renamed[name] = b.fresh(name.lstrip("%") + ".again")
-                b.types[again] = b.types[name]
-                body.append(replace(b.ops[at[name]], results=(again,), result_spans=()))
-                out.append(at[name])
-        body.append(replace(op, operands=tuple(renamed.get(v, v) for v in op.operands)))
-        if origins is not None:
-            out.append(origins[j])
-    b.ops[:] = body
-    return out if origins is not None else []
 
 
 def train_results(

@@ -67,6 +67,7 @@ from dtm_mpi.ir.dtypes import np_dtype
 from dtm_mpi.ir.types import DType
 
 __all__ = [
+    "TensorRows",
     "INCOMPLETE_NOTE",
     "CheckStatus",
     "CheckpointCheck",
@@ -529,6 +530,65 @@ def read_tensor(
             for c in range(len(s.chunks)):
                 out[s.chunk_region(c)] = files.read_verified(a, s, c)
     return out
+
+
+class TensorRows:
+    """Slices of a stored 1-D tensor of checkpoint ``path`` (``view[a:b]``), read through the
+    store's backend chunk by chunk, each chunk checked against its content hash as it is read
+    (an :class:`IntegrityError` naming tensor, shard and file), the last ``cache`` chunks
+    kept: what a token loader reads windows of, without loading the whole tensor."""
+
+    def __init__(self, path: Path, name: str, cache: int = 16) -> None:
+        backend = _backend_of(path, None)
+        self.manifest = read_manifest(path, backend)
+        self.artifact = a = _artifact(self.manifest, name, path)
+        if len(a.shape) != 1:
+            raise UsageError(f"{path}: tensor {name!r} is {list(a.shape)}, not 1-D")
+        self._reader = backend.open_reader(path)
+        self._reader.__enter__()
+        self._chunks: dict[tuple[int, int], np.ndarray] = {}
+        self._cache = cache
+        # (global start, stop, shard, chunk) of every chunk, in order
+        self._spans = [
+            (reg[0].start, reg[0].stop, s, c)
+            for s in a.shards
+            for c in range(len(s.chunks))
+            for reg in (s.chunk_region(c),)
+        ]
+        self._starts = [sp[0] for sp in self._spans]
+        self.shape = a.shape
+        self.dtype = np_dtype(a.dtype)
+
+    def _chunk(self, k: int) -> np.ndarray:
+        _, _, s, c = self._spans[k]
+        key = (s.index, c)
+        got = self._chunks.pop(key, None)
+        if got is None:
+            got = self._reader.read_verified(self.artifact, s, c)
+            while len(self._chunks) >= self._cache:
+                self._chunks.pop(next(iter(self._chunks)))
+        self._chunks[key] = got  # (most recent last)
+        return got
+
+    def __getitem__(self, sl: slice) -> np.ndarray:
+        import bisect
+
+        start, stop, step = sl.indices(self.shape[0])
+        if step != 1:
+            raise UsageError("TensorRows reads contiguous slices")
+        parts = []
+        k = max(0, bisect.bisect_right(self._starts, start) - 1)
+        while start < stop and k < len(self._spans):
+            lo, hi, _, _ = self._spans[k]
+            if hi > start:
+                block = self._chunk(k)
+                parts.append(block[start - lo : min(stop, hi) - lo])
+                start = min(stop, hi)
+            k += 1
+        return np.concatenate(parts) if parts else np.zeros(0, self.dtype)
+
+    def close(self) -> None:
+        self._reader.close()
 
 
 # --- put one tensor ---------------------------------------------------------------------------

@@ -21,7 +21,7 @@ def held_itemsize(dtype: DType) -> int:
     """Bytes per element as the runtime holds, sends and stores it: ``bf16`` is held in
     binary32 (spec Q12), so 4; else the dtype's own size. What memory and traffic figures
     count."""
-    return np_dtype(dtype).itemsize
+    return _HELD[dtype]
 
 
 def as_dtype(a: np.ndarray, t: TensorType) -> np.ndarray:
@@ -43,3 +43,6 @@ def round_bf16(x: np.ndarray) -> np.ndarray:
     if nan.any():
         rounded[nan] = np.float32(np.nan)
     return rounded.reshape(f.shape)
+
+
+_HELD = {d: np_dtype(d).itemsize for d in DType}

@@ -36,5 +36,5 @@ def test_the_recipe_trained_by_dtm_and_pytorch_ends_within_2_percent(tmp_path: o
         pytest.skip("the comparison runs torch and transformers (the bench and llm extras)")
     from dtm_mpi.bench.recipe import run_recipe_curve
 
-    text = run_recipe_curve(24, warmup=4, val_batches=2, workdir=str(tmp_path))
+    text = run_recipe_curve(6, warmup=2, val_batches=1, workdir=str(tmp_path))
     assert "(within 2%)" in text, text

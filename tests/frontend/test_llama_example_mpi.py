@@ -70,7 +70,8 @@ def test_the_llama_example_trains_over_pp_resumes_over_tp_exports_and_transforme
     reason="token files are written with the tokenizers package (the llm extra)",
 )
 def test_the_recipe_switches_run_together_from_a_token_file_under_mpirun(tmp_path: Path) -> None:
-    """bf16 with float32 masters, selective recomputation, a cosine schedule with warmup, accumulation over 2
+    """bf16 with float32 masters, selective recomputation, parameters sharded over dp, a
+    cosine schedule with warmup, accumulation over 2
     microbatches, a token file (its validation split beside it) and a metrics file, at dp=2;
     a resume continues the curve and appends to the metrics."""
     from dtm_mpi.frontend.token_data import prepare_tokens
@@ -85,7 +86,7 @@ def test_the_recipe_switches_run_together_from_a_token_file_under_mpirun(tmp_pat
         [text], tmp_path / "tok" / "tokenizer.json", tmp_path / "t.bin", val_fraction=0.1
     )
     metrics = tmp_path / "m.jsonl"
-    recipe = ["--precision", "bf16", "--recompute", "selective"]
+    recipe = ["--precision", "bf16", "--recompute", "selective", "--fsdp"]
     recipe += ["--lr-schedule", "cosine", "--warmup", "2"]
     recipe += ["--accumulate", "2", "--data", str(tmp_path / "t.bin"), "--metrics", str(metrics)]
     recipe += ["--lr-total", "6"]  # (the schedule is part of the program: the same on resume)

@@ -225,19 +225,8 @@ def test_a_sharded_parameter_runs_checkpoint_resumes_unsharded(tmp_path: Path) -
     )
 
 
-def test_shard_params_errors_name_the_axis_and_the_pipeline() -> None:
+def test_shard_params_errors_name_the_axis() -> None:
     with pytest.raises(
         UsageError, match=r"shard_params='pp': the mesh has no axis 'pp' \(axes: dp, tp\)"
     ):
         digits_params_sharded("pp")
-    model = dtm.nn.Sequential(dtm.nn.Linear(8, 8))
-    with pytest.raises(UsageError, match="shard_params with a pipeline is not supported yet"):
-        dtm.train_step(
-            model,
-            lambda m, x: (m(x) * m(x)).mean(),
-            mesh=dtm.Mesh(pp=2, dp=1),
-            inputs={"x": dtm.Input((4, 8), "f32", ("dp", None))},
-            optimizer=dtm.optim.SGD(0.1),
-            pipeline=dtm.Pipeline(microbatches=2),
-            shard_params="dp",
-        )

@@ -139,7 +139,9 @@ def test_fit_logs_its_metrics_through_the_run_progress_policy(
     assert len(lines) == 2, lines
     for n, line in zip((2, 4), lines, strict=True):
         assert re.fullmatch(
-            rf"step {n}/4: loss [0-9.e+-]+, [0-9.]+ ms/step, [0-9.]+ steps/s, \d+ samples/s", line
+            rf"step {n}/4: loss [0-9.e+-]+ tok/s [0-9.e+-]+ mfu% [0-9.e+-]+, [0-9.]+ ms/step, "
+            rf"[0-9.]+ steps/s, \d+ samples/s",
+            line,
         ), line
 
 
