@@ -26,7 +26,6 @@ JOB = str(Path(__file__).resolve().parents[1] / "pipeline_fit_job.py")
 CASES = {
     "2-1f1b": (2, "pp=2", "1f1b", 4, "dp=2"),
     "3-gpipe": (3, "pp=3", "gpipe", 2, "tp=3"),
-    "4-zb-h1-tp": (4, "pp=2,tp=2", "zb-h1", 2, "dp=2,tp=2"),
     "4-interleaved-dp": (4, "pp=2,dp=2", "interleaved", 2, "dp=4"),
 }
 
@@ -117,7 +116,6 @@ def test_pipelined_fit_under_mpirun_trains_as_unpipelined_and_resumes_without_a_
 
 DETERMINISTIC = {
     "2-1f1b": (2, "pp=2", "1f1b", 4),
-    "3-zb-h1": (3, "pp=3", "zb-h1", 2),
     "4-gpipe-tp": (4, "pp=2,tp=2", "gpipe", 2),
     "4-interleaved-dp": (4, "pp=2,dp=2", "interleaved", 2),
 }

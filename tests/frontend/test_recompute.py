@@ -64,9 +64,14 @@ def _keep_matmuls_and_softmax(op: str) -> bool:
     return op in ("matmul", "softmax")
 
 
-@pytest.mark.parametrize("choice", ["selective", "full", _keep_matmuls_and_softmax])
 @pytest.mark.parametrize(
-    "sizes", [{"dp": 1, "tp": 1}, {"dp": 2, "tp": 2}], ids=["1rank", "dp2xtp2"]
+    ("choice", "sizes"),
+    [
+        ("selective", {"dp": 1, "tp": 1}),
+        ("full", {"dp": 2, "tp": 2}),
+        (_keep_matmuls_and_softmax, {"dp": 2, "tp": 1}),
+    ],
+    ids=["selective-1rank", "full-dp2xtp2", "keep-dp2"],
 )
 def test_recomputed_steps_have_the_same_bits(choice: Any, sizes: dict[str, int]) -> None:
     mesh = dtm.Mesh(**sizes)
