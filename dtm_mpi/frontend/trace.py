@@ -377,18 +377,7 @@ def train_step(
         )
     identity = None
     if precision is not None or recompute != "none" or grad_norm:  # the state's: without
-        identity = train_step(
-            model,
-            loss_fn,
-            mesh=mesh,
-            inputs=inputs,
-            optimizer=optimizer,
-            clip_norm=clip_norm,
-            seed=seed,
-            name=name,
-            shard_params=shard_params,
-            weights_from_store=weights_from_store,
-        ).module
+        identity = retrace(precision=None, recompute="none", grad_norm=False).module
     return TracedStep(
         module,
         tuple(inputs),
