@@ -102,7 +102,8 @@ def check_resumable(got: Restored, hashes: tuple[str, ...], steps: int) -> None:
                 f"{got.path} was written by program {got.module_hash}; this one is "
                 f"{hashes[0]}: refusing to resume another program's state (the model, the "
                 "loss, the optimizer and its learning-rate schedule are all part of the "
-                "program; the mesh, sharding, pipeline, accumulation and precision are not)"
+                "program; the mesh, sharding, pipeline, accumulation, precision and "
+                "recomputation are not)"
             )
         )
     if got.step >= steps:
