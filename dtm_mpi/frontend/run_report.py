@@ -29,7 +29,7 @@ import math
 import os
 import resource
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -38,7 +38,7 @@ from dtm_mpi.errors import UsageError
 
 if TYPE_CHECKING:
     from dtm_mpi.frontend.trace import TracedStep
-    from dtm_mpi.ir.nodes import Function, Module
+    from dtm_mpi.ir.nodes import Function, Module, Op
 
 __all__ = [
     "GPU_PEAKS",
@@ -74,21 +74,33 @@ class StepCost:
     dtype: str
 
 
+def _counted(f: Function) -> Iterator[tuple[Op, int, str]]:
+    """Each op of ``f`` with its FLOPs (0 where its registry entry counts none) and its first
+    operand's dtype, in order: the one walk over a function's types the counts share."""
+    from dtm_mpi.ir.registry import OPS
+
+    types = {p.name: p.type for p in f.params}
+    for op in f.body:
+        fn = OPS[op.name].flops
+        operands = [types[n] for n in op.operands]
+        n = fn(operands, op.result_types) if fn is not None else 0
+        yield op, n, operands[0].dtype.value if operands else ""
+        types.update(zip(op.results, op.result_types, strict=True))
+
+
 def _function_flops(module: Module, f: Function, seen: dict[str, int]) -> int:
     from dtm_mpi.ir.registry import OPS, OpKind
 
     if f.name in seen:
         return seen[f.name]
-    types = {p.name: p.type for p in f.params}
     total = 0
-    for op in f.body:
-        d = OPS[op.name]
-        callee = module.function(str(op.attr("callee"))) if d.kind is OpKind.CALL else None
+    for op, n, _ in _counted(f):
+        callee = (
+            module.function(str(op.attr("callee"))) if OPS[op.name].kind is OpKind.CALL else None
+        )
         if callee is not None:
             total += _function_flops(module, callee, seen)
-        elif d.flops is not None:
-            total += d.flops([types[n] for n in op.operands], op.result_types)
-        types.update(zip(op.results, op.result_types, strict=True))
+        total += n
     seen[f.name] = total
     return total
 
@@ -104,18 +116,11 @@ def module_flops(module: Module) -> int:
 
 def _contraction_dtype(module: Module) -> str:
     """The dtype of the step's largest contraction (what its FLOPs run in)."""
-    from dtm_mpi.ir.registry import OPS
-
-    best, dtype = -1, "f32"
+    best, dtype = 0, "f32"
     for f in module.functions:
-        types = {p.name: p.type for p in f.params}
-        for op in f.body:
-            d = OPS[op.name]
-            if d.flops is not None:
-                n = d.flops([types[x] for x in op.operands], op.result_types)
-                if n > best:
-                    best, dtype = n, types[op.operands[0]].dtype.value
-            types.update(zip(op.results, op.result_types, strict=True))
+        for _, n, first in _counted(f):
+            if n > best:
+                best, dtype = n, first
     return dtype
 
 
