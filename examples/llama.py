@@ -19,7 +19,8 @@ The training recipe's switches: ``--precision bf16`` (float32 masters, bf16 comp
 ``--lr-schedule cosine --warmup 20`` (also ``linear``, ``wsd``; ``--lr-floor``),
 ``--accumulate 2`` (gradient accumulation), ``--data tokens.bin`` (a token file of
 ``dtm data prepare``; its ``.val.bin`` beside it for validation; the model's vocabulary is
-the file's) and ``--metrics FILE`` (JSON lines: loss, lr, tokens/s, MFU; ``dtm plot metrics``):
+the file's), ``--metrics FILE`` (JSON lines: loss, lr, tokens/s, MFU; ``dtm plot metrics``)
+and ``--tensorboard DIR`` (the same as TensorBoard scalars):
 
     mpirun -n 2 python -m mpi4py examples/llama.py --mesh dp=2,tp=1 --precision bf16 \
         --recompute selective --lr-schedule cosine --warmup 20 --accumulate 2 \
@@ -185,6 +186,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--accumulate", type=int, default=None, metavar="K")
     ap.add_argument("--data", default=None, metavar="BIN", help="a token file (dtm data prepare)")
     ap.add_argument("--metrics", default=None, metavar="FILE", help="JSON lines per step")
+    ap.add_argument(
+        "--tensorboard", default=None, metavar="DIR", help="TensorBoard event file in DIR"
+    )
     ap.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     ap.add_argument(
         "--fsdp", action="store_true", help="parameters sharded over dp (ZeRO-3), pipelines too"
@@ -254,6 +258,7 @@ def main(argv: list[str]) -> int:
         quiet=args.quiet,
         log_every=50 if args.quiet else None,
         metrics_file=args.metrics,
+        tensorboard=args.tensorboard,
     )
     val_loss = float("nan")
     if args.store and val_loader is not None:

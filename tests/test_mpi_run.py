@@ -112,8 +112,10 @@ def mpirun_from_fault(ranks: int, *args: str, env: dict[str, str]) -> tuple[int,
     return code, text, job.ended - fault
 
 
-@pytest.mark.parametrize("kind", ["raise", "hang", "exit"])
-@pytest.mark.parametrize("ranks", [3, 4])
+# Cases of the launched jobs below run at one or two sizes each, the sizes spread over the cases:
+# what they assert is the same code at every size (the in-process MPI suite runs each check at
+# 2, 3 and 4 ranks); CI time keeps the launches few.
+@pytest.mark.parametrize(("kind", "ranks"), [("raise", 4), ("hang", 3), ("exit", 4)])
 def test_failure_ends_every_rank_naming_the_failed_one(
     kind: str, ranks: int, tmp_path: Path
 ) -> None:
@@ -213,7 +215,7 @@ def test_ranks_auditing_at_other_periods_fail_the_handshake_on_every_rank() -> N
     assert all("audit_every differs (rank(s) 0,2: 4; rank(s) 1: 2)" in ln for ln in lines), text
 
 
-@pytest.mark.parametrize("ranks", [2, 3, 4])
+@pytest.mark.parametrize("ranks", [2, 4])
 def test_a_corrupted_hello_frame_is_named_with_its_sender_on_every_rank(ranks: int) -> None:
     """One bit of the last rank's HELLO frame flipped in flight (after its CRC): every rank
     fails with the same line naming the sender and the check that caught it, before any data
@@ -233,7 +235,7 @@ def test_a_corrupted_hello_frame_is_named_with_its_sender_on_every_rank(ranks: i
     assert "Traceback" not in text and "UnicodeDecodeError" not in text
 
 
-@pytest.mark.parametrize("ranks", [2, 3, 4])
+@pytest.mark.parametrize("ranks", [2, 3])
 def test_run_integrity_names_a_corrupted_send_at_its_ir_line_on_every_rank(ranks: int) -> None:
     """``dtm run --integrity``: examples/pipeline.dtm's send from stage 0, one bit flipped in
     flight, is named with the IR line of the recv, the ranks and the tag, on every rank."""
@@ -252,7 +254,6 @@ def test_run_integrity_names_a_corrupted_send_at_its_ir_line_on_every_rank(ranks
 
 COLLECTIVE_FLIPS = [
     ("allreduce", "tp_mlp", 2, "dp=1,tp=2", "14:8"),
-    ("allreduce", "tp_mlp", 3, "dp=1,tp=3", "14:8"),
     ("allreduce", "tp_mlp", 4, "dp=1,tp=4", "14:8"),
     ("allgather", "collectives", 3, "dp=1,tp=3", "19:8"),
     ("broadcast", "collectives", 4, "dp=1,tp=4", "17:8"),
@@ -282,7 +283,7 @@ def test_run_integrity_names_the_rank_whose_collective_result_differs(
     assert clean == 0, text  # no false alarm: every member holds the same bits
 
 
-@pytest.mark.parametrize("ranks", [2, 3, 4])
+@pytest.mark.parametrize("ranks", [2, 4])
 def test_run_integrity_checks_an_overlapped_allreduce_when_it_is_waited_for(ranks: int) -> None:
     """``DTM_OVERLAP=1 --integrity``: the gradient allreduces run in buckets on a side thread;
     each bucket's result is compared across the group when the step waits for it, and a bit
@@ -331,7 +332,7 @@ def test_run_integrity_names_the_sender_of_a_damaged_piece_on_every_rank(
     assert clean == 0, text  # no false alarm
 
 
-@pytest.mark.parametrize("ranks", [2, 3, 4])
+@pytest.mark.parametrize("ranks", [2, 3])
 def test_a_corrupted_object_frame_is_named_with_its_sender_on_every_rank(
     ranks: int, tmp_path: Path
 ) -> None:

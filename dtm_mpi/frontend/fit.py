@@ -181,6 +181,7 @@ def fit(
     audit_every: int | None = None,
     quantize_allreduce: int | None = None,
     metrics_file: str | os.PathLike[str] | None = None,
+    tensorboard: str | os.PathLike[str] | None = None,
 ) -> FitResult:
     """Run ``steps`` steps of ``step`` (a training step updates its state; an evaluation
     step is run once or more on fed inputs), feeding ``loader(step, regions)`` each step.
@@ -219,7 +220,9 @@ def fit(
     blocks of this size with error feedback (as ``DTM_QUANT_ALLREDUCE``; bound: io/WIRE.md §6;
     not in deterministic mode). ``metrics_file``: rank 0 appends each step's metrics, wall
     time, tokens/s, MFU and peak memory to this JSON-lines file (``dtm plot metrics`` draws
-    it; :mod:`dtm_mpi.frontend.run_report` says how each is measured). Option errors are
+    it; :mod:`dtm_mpi.frontend.run_report` says how each is measured). ``tensorboard``: the
+    same figures as scalars in a new TensorBoard event file in this directory (written
+    without TensorBoard; ``tensorboard --logdir`` reads it). Option errors are
     raised on every rank alike, before anything runs."""
     from dataclasses import replace
 
@@ -238,6 +241,8 @@ def fit(
         parent = Path(metrics_file).parent
         if parent.exists() and not parent.is_dir():
             raise UsageError(f"metrics file {metrics_file}: {parent} is not a directory")
+    if tensorboard is not None and Path(tensorboard).exists() and not Path(tensorboard).is_dir():
+        raise UsageError(f"tensorboard directory {tensorboard}: not a directory")
     if get_config().explain:  # dtm explain SCRIPT.py: the plan of this run, then the end
         sys.stdout.write(explain_fit(step, mesh, sim))
         raise SystemExit(0)
@@ -259,7 +264,9 @@ def fit(
         if rank != 0:
             return None
         if not meter:
-            meter.append(_meter(step, result, device, mesh, sim, metrics_file, started))
+            meter.append(
+                _meter(step, result, device, mesh, sim, (metrics_file, tensorboard), started)
+            )
         figures = meter[0].step(i, metrics)
         result.timings.append({"step": float(i), **figures})
         if bar is not None:
@@ -343,7 +350,7 @@ def _meter(
     device: DevicePolicy | None,
     mesh: Mapping[str, int] | None,
     sim: int | None,
-    metrics_file: str | os.PathLike[str] | None,
+    files: tuple[str | os.PathLike[str] | None, str | os.PathLike[str] | None],
     started: float,
 ) -> RunMeter:
     """Rank 0's meter of the run (its cost and peak kept in ``result``)."""
@@ -356,7 +363,7 @@ def _meter(
         result.peak = peak_flops(cost.dtype, backend, ranks, simulated=sim is not None)
     except UsageError as exc:  # no MFU, said once; the run goes on
         say(f"fit: {exc}")
-    got = RunMeter(cost, result.peak, metrics_file)
+    got = RunMeter(cost, result.peak, *files)
     got.t = started
     return got
 

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from dtm_mpi.errors import UsageError
+from dtm_mpi.frontend.event_file import EventWriter
 
 if TYPE_CHECKING:
     from dtm_mpi.frontend.trace import TracedStep
@@ -190,17 +191,22 @@ def _rss_gib() -> float:
 class RunMeter:
     """Rank 0's measure of each step: wall time, tokens/s, MFU, peak memory; each step's
     figures with its metrics written as one JSON line to ``metrics_file`` (flushed: a killed
-    run keeps every line it wrote; a resumed run appends)."""
+    run keeps every line it wrote; a resumed run appends) and as scalars to a TensorBoard
+    event file in the directory ``tensorboard`` (:mod:`~dtm_mpi.frontend.event_file`)."""
 
     def __init__(
         self,
         cost: StepCost,
         peak: Peak | None,
         metrics_file: str | os.PathLike[str] | None = None,
+        tensorboard: str | os.PathLike[str] | None = None,
     ) -> None:
         self.cost, self.peak = cost, peak
         self.t = time.perf_counter()
         self.out: TextIO | None = None
+        self.events: EventWriter | None = None
+        if tensorboard is not None:
+            self.events = EventWriter(tensorboard)
         if metrics_file is not None:
             path = Path(metrics_file)
             try:
@@ -224,12 +230,17 @@ class RunMeter:
             line = {"step": i, **{k: float(v) for k, v in metrics.items()}, **got}
             self.out.write(json.dumps(line) + "\n")
             self.out.flush()
+        if self.events is not None:
+            self.events.scalars(i, {**{k: float(v) for k, v in metrics.items()}, **got})
         return got
 
     def close(self) -> None:
         if self.out is not None:
             self.out.close()
             self.out = None
+        if self.events is not None:
+            self.events.close()
+            self.events = None
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -53,7 +53,7 @@ def test_the_gpt_with_quantized_gradients_ends_within_2_percent(
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not on PATH")
-@pytest.mark.parametrize("ranks", [2, 3, 4])
+@pytest.mark.parametrize("ranks", [2, 3])  # (4 ranks: the same code; CI time)
 def test_a_quantized_mpi_run_stays_close_to_the_exact_one(ranks: int, tmp_path: Path) -> None:
     args = (str(EXAMPLES / "tp_mlp.dtm"), "--mesh", f"dp={ranks},tp=1", "--steps", "6")
     exact = dtm_run(ranks, *args, "-o", str(tmp_path / "e.npz"))

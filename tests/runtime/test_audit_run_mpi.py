@@ -28,7 +28,7 @@ def errors(out: str, text: str) -> list[str]:
     return sorted(ln.split("]")[0] for ln in out.splitlines() if text in ln)
 
 
-@pytest.mark.parametrize("ranks", [2, 3, 4])
+@pytest.mark.parametrize("ranks", [2, 3])  # (4 ranks: the same code; CI time)
 def test_a_flipped_state_bit_is_named_on_every_rank_and_resume_takes_the_last_good_checkpoint(
     ranks: int, tmp_path: Path
 ) -> None:

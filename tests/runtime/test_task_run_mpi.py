@@ -86,7 +86,7 @@ def _quantize(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
     return q.reshape(w.shape), scale.reshape(w.shape[0], -1).astype(np.float32)
 
 
-@pytest.mark.parametrize("ranks", [2, 3, 4])
+@pytest.mark.parametrize("ranks", [2, 4])  # (3 ranks: the same code; CI time)
 def test_runs_skips_and_recomputes_exactly_the_descendants_of_a_changed_input(
     ranks: int, graph: Path, tmp_path: Path
 ) -> None:
