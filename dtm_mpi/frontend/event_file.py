@@ -14,10 +14,10 @@ writer (and torch's ``SummaryWriter``) writes it:
   float).
 
 The protocol buffers are encoded here (five fields; no protobuf runtime needed). A file is
-named ``events.out.tfevents.<seconds>.<host>.<pid>.000.dtm`` in the directory (``.001``,
-... for another in the same second: TensorBoard reads the files in the order of their names), so a resumed run
-writes a second file beside the first and TensorBoard shows both as one run. Each step's
-record is flushed: a killed run keeps every step it wrote. :func:`read_events` reads the
+named ``events.out.tfevents.<seconds>.<host>.<pid>.000.dtm`` in the directory (``.001``, ...
+for another in the same second): TensorBoard reads the files in the order of their names, so
+a resumed run writes a second file after the first and TensorBoard shows both as one run.
+Each step's record is flushed: a killed run keeps every step it wrote. :func:`read_events` reads the
 files back (the tests' check of the framing; TensorBoard's own reader is the other).
 """
 
@@ -37,6 +37,7 @@ from dtm_mpi.errors import UsageError
 __all__ = ["EventWriter", "read_events"]
 
 FILE_VERSION = "brain.Event:2"
+"""The first event of every file: the format's version, as TensorBoard's writer puts it."""
 _MASK_DELTA = 0xA282EAD8
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
@@ -87,28 +88,32 @@ def encode_event(
     return bytes(out)
 
 
+def _new_file(where: Path) -> tuple[Path, BinaryIO]:
+    """A file of this second, host and process that does not exist yet, opened (``.000``;
+    ``.001``, ... for another writer within the same second)."""
+    stem = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
+    for n in range(1000):
+        path = where / f"{stem}.{n:03d}.dtm"
+        try:
+            return path, path.open("xb")
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{stem}.*.dtm: a thousand files of this second exist")
+
+
 class EventWriter:
     """Scalars per step to a new event file in ``directory`` (made if missing)."""
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         where = Path(directory)
-        stem = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
         try:
             where.mkdir(parents=True, exist_ok=True)
-            for n in range(1000):  # (another writer within the same second: .001.dtm, ...)
-                self.path = where / f"{stem}.{n:03d}.dtm"
-                try:
-                    self.out: BinaryIO | None = self.path.open("xb")
-                    break
-                except FileExistsError:
-                    continue
-            else:
-                raise FileExistsError(f"{stem}.*.dtm: a thousand files of this second exist")
-            assert self.out is not None
-            self.out.write(_record(encode_event(time.time())))
-            self.out.flush()
+            self.path, out = _new_file(where)
+            out.write(_record(encode_event(time.time())))
+            out.flush()
         except OSError as exc:
             raise UsageError(f"tensorboard directory {where}: {exc.strerror or exc}") from None
+        self.out: BinaryIO | None = out
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
         """The values of ``step``, each its own tag (a non-finite value is kept as it is)."""

@@ -265,7 +265,7 @@ def fit(
             return None
         if not meter:
             meter.append(
-                _meter(step, result, device, mesh, sim, (metrics_file, tensorboard), started)
+                _meter(step, result, device, mesh, sim, started, metrics_file, tensorboard)
             )
         figures = meter[0].step(i, metrics)
         result.timings.append({"step": float(i), **figures})
@@ -350,8 +350,9 @@ def _meter(
     device: DevicePolicy | None,
     mesh: Mapping[str, int] | None,
     sim: int | None,
-    files: tuple[str | os.PathLike[str] | None, str | os.PathLike[str] | None],
     started: float,
+    metrics_file: str | os.PathLike[str] | None,
+    tensorboard: str | os.PathLike[str] | None,
 ) -> RunMeter:
     """Rank 0's meter of the run (its cost and peak kept in ``result``)."""
     import math
@@ -363,7 +364,7 @@ def _meter(
         result.peak = peak_flops(cost.dtype, backend, ranks, simulated=sim is not None)
     except UsageError as exc:  # no MFU, said once; the run goes on
         say(f"fit: {exc}")
-    got = RunMeter(cost, result.peak, *files)
+    got = RunMeter(cost, result.peak, metrics_file, tensorboard)
     got.t = started
     return got
 

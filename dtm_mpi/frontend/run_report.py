@@ -204,9 +204,7 @@ class RunMeter:
         self.cost, self.peak = cost, peak
         self.t = time.perf_counter()
         self.out: TextIO | None = None
-        self.events: EventWriter | None = None
-        if tensorboard is not None:
-            self.events = EventWriter(tensorboard)
+        self.events = EventWriter(tensorboard) if tensorboard is not None else None
         if metrics_file is not None:
             path = Path(metrics_file)
             try:
@@ -226,12 +224,12 @@ class RunMeter:
         }
         if self.peak is not None:
             got["mfu"] = self.cost.flops / dt / self.peak.flops_per_s
+        figures = {**{k: float(v) for k, v in metrics.items()}, **got}
         if self.out is not None:
-            line = {"step": i, **{k: float(v) for k, v in metrics.items()}, **got}
-            self.out.write(json.dumps(line) + "\n")
+            self.out.write(json.dumps({"step": i, **figures}) + "\n")
             self.out.flush()
         if self.events is not None:
-            self.events.scalars(i, {**{k: float(v) for k, v in metrics.items()}, **got})
+            self.events.scalars(i, figures)
         return got
 
     def close(self) -> None:

@@ -15,7 +15,7 @@ from dtm_mpi import frontend as dtm
 from dtm_mpi.errors import UsageError
 from dtm_mpi.frontend.event_file import EventWriter, encode_event, read_events
 from tests.frontend.test_run_report import CFG as LLAMA_CFG
-from tests.frontend.test_run_report import _loader, _step
+from tests.frontend.test_run_report import _loader, _step, fit_llama
 
 
 def _only_file(directory: Path) -> list[Path]:
@@ -87,15 +87,7 @@ def test_a_directory_that_is_a_file_is_one_error_before_the_run(tmp_path: Path) 
 def test_fit_writes_each_steps_figures_and_a_resumed_run_a_second_file(tmp_path: Path) -> None:
     step = _step(dtm.nn.Llama(LLAMA_CFG, axis=None))
     tb, store = tmp_path / "tb", str(tmp_path / "s")
-    got = dtm.fit(
-        step,
-        _loader,
-        steps=2,
-        sim=2,
-        quiet=True,
-        tensorboard=tb,
-        checkpoint=dtm.CheckpointPolicy(store, every=2),
-    )
+    got = fit_llama(step, store, 2, tensorboard=tb)
     (first,) = _only_file(tb)
     events = read_events(first)[1:]
     assert [e["step"] for e in events] == [0, 1]
@@ -105,15 +97,7 @@ def test_fit_writes_each_steps_figures_and_a_resumed_run_a_second_file(tmp_path:
         assert scalars["loss"] == np.float32(m["loss"]) and scalars["lr"] == np.float32(m["lr"])
         assert scalars["tokens_per_s"] == np.float32(t["tokens_per_s"]) > 0
         assert {"mfu", "rss_gib", "step_s"} <= set(scalars)
-    dtm.fit(
-        step,
-        _loader,
-        steps=3,
-        sim=2,
-        quiet=True,
-        tensorboard=tb,
-        checkpoint=dtm.CheckpointPolicy(store, resume=True),
-    )
+    fit_llama(step, store, 3, resume=True, tensorboard=tb)
     files = _only_file(tb)
     assert len(files) == 2
     assert sorted(e["step"] for f in files for e in read_events(f)[1:]) == [0, 1, 2]

@@ -17,7 +17,9 @@ import pytest
 from dtm_mpi import frontend as dtm
 from dtm_mpi.errors import UsageError
 from dtm_mpi.frontend import functional as fn
+from dtm_mpi.frontend.fit import FitResult
 from dtm_mpi.frontend.run_report import module_flops, peak_flops, read_metrics, step_cost
+from dtm_mpi.frontend.trace import TracedStep
 from tests.test_cli_run import dtm as dtm_cli
 from tests.test_cli_run import one_line_error
 
@@ -85,19 +87,24 @@ def test_the_counted_flops_are_torchtitans_formula(tied: bool) -> None:
     )
 
 
+def fit_llama(
+    step: TracedStep, store: str, steps: int, *, resume: bool = False, **out: Any
+) -> FitResult:
+    """``steps`` steps of ``step`` on 2 simulated ranks: the first run checkpoints at its last
+    step, a ``resume`` run continues from it; ``out``: where fit reports (metrics, events)."""
+    policy = (
+        dtm.CheckpointPolicy(store, resume=True)
+        if resume
+        else dtm.CheckpointPolicy(store, every=steps)
+    )
+    return dtm.fit(step, _loader, steps=steps, sim=2, quiet=True, checkpoint=policy, **out)
+
+
 def test_fit_writes_a_metrics_line_per_step_and_a_resumed_run_appends(tmp_path: Path) -> None:
     step = _step(dtm.nn.Llama(CFG, axis=None))
     path = tmp_path / "run" / "metrics.jsonl"
     store = str(tmp_path / "s")
-    got = dtm.fit(
-        step,
-        _loader,
-        steps=3,
-        sim=2,
-        quiet=True,
-        metrics_file=path,
-        checkpoint=dtm.CheckpointPolicy(store, every=3),
-    )
+    got = fit_llama(step, store, 3, metrics_file=path)
     lines = read_metrics(path)
     assert [x["step"] for x in lines] == [0, 1, 2]
     for line, m, t in zip(lines, got.metrics, got.timings, strict=True):
@@ -107,15 +114,7 @@ def test_fit_writes_a_metrics_line_per_step_and_a_resumed_run_appends(tmp_path: 
         assert line["step_s"] == pytest.approx(B * T / line["tokens_per_s"])
     assert got.peak is not None and "measured float32 GEMM" in got.peak.source
     assert got.cost is not None and got.cost.flops > 0
-    dtm.fit(
-        step,
-        _loader,
-        steps=5,
-        sim=2,
-        quiet=True,
-        metrics_file=path,
-        checkpoint=dtm.CheckpointPolicy(store, resume=True),
-    )
+    fit_llama(step, store, 5, resume=True, metrics_file=path)
     assert [x["step"] for x in read_metrics(path)] == [0, 1, 2, 3, 4]
 
 
