@@ -218,8 +218,6 @@ def _training(args: argparse.Namespace, module: Callable[[], Module]) -> TracedS
 
 
 def _training_step(args: argparse.Namespace, module: Callable[[], Module]) -> TracedStep | None:
-    from dtm_mpi.frontend.ir_step import IrTraining, ir_train_step, parse_optimizer
-
     given = [
         name
         for name, on in (
@@ -237,6 +235,8 @@ def _training_step(args: argparse.Namespace, module: Callable[[], Module]) -> Tr
                 f"{', '.join(given)}: these train the entry function; give --train OPT"
             )
         return None
+    from dtm_mpi.frontend.ir_step import IrTraining, ir_train_step, parse_optimizer
+
     for name, value in (("--microbatches", args.microbatches), ("--chunks", args.chunks)):
         if value < 1:
             raise UsageError(f"{name} must be >= 1; got {value}")

@@ -9,8 +9,7 @@ __all__ = ["add_plot_commands"]
 
 
 def add_plot_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from dtm_mpi.frontend.run_report import PLOTTED
-
+    # (nothing of the frontend imported here: every ``dtm`` command builds this parser)
     plot = sub.add_parser("plot", help="draw a run's metrics file")
     parser_class = type(plot)  # the CLI's parser: errors are UsageError (exit 2)
     psub = plot.add_subparsers(dest="plot_command", metavar="COMMAND", parser_class=parser_class)
@@ -24,17 +23,22 @@ def add_plot_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     met.add_argument("-o", "--out", required=True, metavar="PNG", help="the image to write")
     met.add_argument(
         "--keys",
-        default=",".join(PLOTTED),
+        default=None,
         metavar="K,...",
-        help=f"the metrics to draw, one panel each (default {','.join(PLOTTED)})",
+        help="the metrics to draw, one panel each (default: loss, lr, tokens_per_s and mfu, "
+        "those the files have)",
     )
     met.set_defaults(func=_cmd_metrics)
 
 
 def _cmd_metrics(args: argparse.Namespace) -> int:
-    from dtm_mpi.frontend.run_report import plot_metrics
+    from dtm_mpi.frontend.run_report import PLOTTED, plot_metrics
 
-    keys = tuple(k.strip() for k in args.keys.split(",") if k.strip())
+    keys = (
+        PLOTTED
+        if args.keys is None
+        else tuple(k.strip() for k in args.keys.split(",") if k.strip())
+    )
     shown = plot_metrics(list(args.files), args.out, keys)
     print(f"{args.out}: {', '.join(shown)} over {len(args.files)} run(s)")
     return 0

@@ -176,13 +176,15 @@ need "mpi4py==$MPI4PY_VERSION" \
 # --- 4. h5py against parallel HDF5 -----------------------------------------------------------
 # Its C extensions compile two at a time (setuptools' build_ext --parallel, given through an extra
 # distutils configuration: pip has no flag for it).
+# -O1: the extensions are Cython wrappers around libhdf5 (which does the I/O, built by Debian);
+# measured here, -O1 builds in 56 s where -O2 takes 65 s (71 and 88 CPU-s).
 h5py_is_mpi() { "$VPY" -c 'import h5py,sys; sys.exit(0 if h5py.get_config().mpi else 1)' 2>/dev/null; }
 if ! { need "h5py==$H5PY_VERSION" && h5py_is_mpi; }; then
   say "building h5py $H5PY_VERSION against parallel HDF5 (about 2 minutes)"
   pkgname=${HDF5_PKGCONFIG_NAME:-}
   if [ -z "$pkgname" ] && [ -z "${HDF5_DIR:-}" ] && pkg-config --exists hdf5-openmpi; then pkgname=hdf5-openmpi; fi
   (
-    export CC="$MPICC" HDF5_MPI=ON CFLAGS="-O2 -g0"
+    export CC="$MPICC" HDF5_MPI=ON CFLAGS="-O1 -g0"
     if [ -n "$pkgname" ]; then export HDF5_PKGCONFIG_NAME="$pkgname"; fi
     DIST_EXTRA_CONFIG="$VENV/h5py-build.cfg"
     printf '[build_ext]\nparallel = %s\n' "$(nproc 2>/dev/null || echo 2)" >"$DIST_EXTRA_CONFIG"

@@ -101,7 +101,7 @@ def _hf_run(d: Path, ids: np.ndarray, n: int, threads: int) -> _Run | str:
     except ImportError as exc:
         return f"no transformers run: {exc}; install the 'llm' extra"
     torch.set_num_threads(threads)
-    transformers.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    transformers.logging.disable_progress_bar()
     model = transformers.AutoModelForCausalLM.from_pretrained(d, attn_implementation="eager")
     x = torch.from_numpy(ids.astype(np.int64)[None, :])
 

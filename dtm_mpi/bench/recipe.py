@@ -109,7 +109,7 @@ def _torch_row(
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    transformers.logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+    transformers.logging.set_verbosity_error()
     fields = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type")}
     config: Any = transformers.LlamaConfig(**fields)
     config._attn_implementation = "eager"
@@ -117,7 +117,7 @@ def _torch_row(
     if row.recompute == "full":  # per decoder layer, torch.utils.checkpoint
         with warnings.catch_warnings():  # (renamed activation_checkpointing_enable in v6)
             warnings.simplefilter("ignore", FutureWarning)
-            model.gradient_checkpointing_enable()  # type: ignore[no-untyped-call]
+            model.gradient_checkpointing_enable()
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     times = []
@@ -389,7 +389,7 @@ def _torch_curve(
 
     torch.manual_seed(0)
     torch.set_num_threads(2)
-    transformers.logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+    transformers.logging.set_verbosity_error()
 
     def load(dtype: Any = None) -> Any:
         kw = {"torch_dtype": dtype} if dtype is not None else {}

@@ -78,7 +78,7 @@ def _transformers_logits(path: Path, ids: np.ndarray) -> np.ndarray:
     import torch
     import transformers
 
-    transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    transformers.utils.logging.disable_progress_bar()
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(
             path, attn_implementation="eager", dtype=torch.float32

@@ -169,6 +169,29 @@ def test_dtm_plot_metrics_draws_a_png(tmp_path: Path, capsys: pytest.CaptureFixt
     assert code == 2 and "have none of mfu" in one_line_error(err)
 
 
+def test_dtm_plot_help_names_the_default_curves_and_dtm_does_not_import_the_frontend() -> None:
+    """The help's default is :data:`PLOTTED`; building the CLI's parser (every ``dtm``
+    command does) imports no frontend module."""
+    import subprocess
+    import sys
+
+    from dtm_mpi.frontend.run_report import PLOTTED
+
+    probe = (
+        "import sys; from dtm_mpi.cli import build_parser; build_parser(); "
+        "print(sorted(m for m in sys.modules if m.startswith('dtm_mpi.frontend')))"
+    )
+    got = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert got.stdout.strip() == "[]", got.stdout
+    helped = subprocess.run(
+        [sys.executable, "-m", "dtm_mpi", "plot", "metrics", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert all(k in " ".join(helped.split()) for k in PLOTTED), helped
+
+
 def test_grad_norm_is_reported_plain_clipped_pipelined_and_accumulated() -> None:
     """``grad_norm=True``: the gradients' 2-norm before clipping, as a metric; at the first
     step (the same weights) the clipped and unclipped steps report the same norm, and the
