@@ -247,3 +247,12 @@ def all_ranks(comm: Any) -> Any:
             pytest.fail("; ".join(str(f) for f in failures), pytrace=False)
 
     return check
+
+
+@pytest.fixture(scope="session")
+def shared_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory every test of this session sees, whichever pytest-xdist worker runs it (the
+    parent of the workers' temporary roots; pytest keeps and prunes it like the others):
+    :func:`tests.shared_runs.shared_run` keeps its reference runs there."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from tests.mpi_env import mpirun_env
+from tests.shared_runs import OUT, shared_run
 
 pytestmark = [pytest.mark.slow]
 DIGITS = str(Path(__file__).resolve().parents[2] / "examples" / "digits.py")
@@ -46,29 +47,11 @@ def digits(ranks: int, mesh: str, *args: str, quiet: bool = True, **env_more: st
     return out
 
 
-def straight_run(out: Path, steps: int) -> None:
-    """The uninterrupted run on one simulated rank (deterministic mode), its outputs to ``out``."""
-    sim = subprocess.run(
-        [
-            sys.executable,
-            DIGITS,
-            "--quiet",
-            "--sim",
-            "1",
-            "--mesh",
-            "dp=1,tp=1",
-            "--steps",
-            str(steps),
-            "-o",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=150,
-        env=mpirun_env(DTM_DETERMINISTIC="1"),
-        check=False,
-    )
-    assert sim.returncode == 0, sim.stdout + sim.stderr
+def straight_run(shared: Path, out: Path, steps: int) -> None:
+    """The uninterrupted run on one simulated rank (deterministic mode), its outputs to ``out``
+    (run once per session: :func:`~tests.shared_runs.shared_run`)."""
+    cmd = [sys.executable, DIGITS, "--quiet", "--sim", "1", "--mesh", "dp=1,tp=1"]
+    shared_run(shared, [*cmd, "--steps", str(steps), "-o", OUT], out, DTM_DETERMINISTIC="1")
 
 
 def same_bits(got: Path, want: Path) -> None:
@@ -80,6 +63,7 @@ def same_bits(got: Path, want: Path) -> None:
 
 def test_fit_under_mpirun_overlaps_its_allreduces_with_the_same_bits_and_shows_its_bar(
     tmp_path: Path,
+    shared_tmp: Path,
 ) -> None:
     """DTM_OVERLAP=1 (buckets started when ready) in deterministic mode: 4 ranks give the
     1-rank run's bits; rank 0 shows the progress bar (no --quiet)."""
@@ -95,11 +79,13 @@ def test_fit_under_mpirun_overlaps_its_allreduces_with_the_same_bits_and_shows_i
         DTM_BUCKET_BYTES="4096",
     )
     assert "6/6" in out and "loss=" in out, out
-    straight_run(tmp_path / "straight.npz", 6)
+    straight_run(shared_tmp, tmp_path / "straight.npz", 6)
     same_bits(tmp_path / "o.npz", tmp_path / "straight.npz")
 
 
-def test_trained_on_4_ranks_resumed_on_3_equals_the_uninterrupted_run(tmp_path: Path) -> None:
+def test_trained_on_4_ranks_resumed_on_3_equals_the_uninterrupted_run(
+    tmp_path: Path, shared_tmp: Path
+) -> None:
     store = str(tmp_path / "store")
     first = digits(4, "dp=2,tp=2", "--steps", "30", "--store", store, "--checkpoint-every", "30")
     assert "checkpoint" in first and "after step 30" in first
@@ -123,7 +109,7 @@ def test_trained_on_4_ranks_resumed_on_3_equals_the_uninterrupted_run(tmp_path: 
     assert acc > 0.8, out  # 60 steps of 64 images: well past chance (0.1)
     assert (tmp_path / "p.png").stat().st_size > 1000
     # the uninterrupted run on one simulated rank (deterministic mode: the same bits on any mesh)
-    straight_run(tmp_path / "straight.npz", 60)
+    straight_run(shared_tmp, tmp_path / "straight.npz", 60)
     same_bits(tmp_path / "resumed.npz", tmp_path / "straight.npz")  # 4 ranks then 3 equal 1
 
 
@@ -192,7 +178,7 @@ def test_the_gpt_example_trains_checkpoints_and_resumes_on_another_mesh(tmp_path
     ids=["grow-spawns", "shrink-parks-with-async-checkpoints"],
 )
 def test_fit_resizes_live_and_equals_the_uninterrupted_run(
-    ranks: int, meshes: tuple[str, str, str], tmp_path: Path
+    ranks: int, meshes: tuple[str, str, str], tmp_path: Path, shared_tmp: Path
 ) -> None:
     """fit(resize_at=...) under mpirun: growing past the launched ranks spawns the script
     again (its fit() call joins the run: the handshake checks the traced module), shrinking
@@ -231,7 +217,7 @@ def test_fit_resizes_live_and_equals_the_uninterrupted_run(
     n = [math.prod(int(kv.split("=")[1]) for kv in m.split(",")) for m in meshes]
     assert f"resized after step 3: {n[0]} -> {n[1]} rank(s)" in out, out
     assert f"resized after step 6: {n[1]} -> {n[2]} rank(s)" in out, out
-    straight_run(tmp_path / "straight.npz", 9)
+    straight_run(shared_tmp, tmp_path / "straight.npz", 9)
     same_bits(tmp_path / "live.npz", tmp_path / "straight.npz")
 
 
@@ -300,9 +286,9 @@ def test_a_quota_too_small_for_fits_checkpoint_is_one_error_on_every_rank(
 
 
 @pytest.fixture(scope="module")
-def straight_20(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def straight_20(tmp_path_factory: pytest.TempPathFactory, shared_tmp: Path) -> Path:
     out = tmp_path_factory.mktemp("straight") / "straight.npz"
-    straight_run(out, 20)
+    straight_run(shared_tmp, out, 20)
     return out
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from tests.mpi_env import mpirun_env, named_on_every_rank
+from tests.shared_runs import OUT, shared_run
 
 pytestmark = [pytest.mark.slow]
 JOB = str(Path(__file__).resolve().parents[1] / "pipeline_fit_job.py")
@@ -53,18 +54,11 @@ def ok(ranks: int, *args: str, **env: str) -> str:
     return out
 
 
-def reference(path: Path, steps: int, **env: str) -> np.ndarray:
-    """The unpipelined training on one simulated rank: its losses; its state to ``path``."""
-    proc = subprocess.run(
-        [sys.executable, JOB, "--sim", "1", "--steps", str(steps), "-o", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=150,
-        check=False,
-        env=mpirun_env(**env),
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return losses_of(proc.stdout + proc.stderr, 1)[0]
+def reference(shared: Path, path: Path, steps: int, **env: str) -> np.ndarray:
+    """The unpipelined training on one simulated rank: its losses; its state to ``path``
+    (run once per session: :func:`~tests.shared_runs.shared_run`)."""
+    cmd = [sys.executable, JOB, "--sim", "1", "--steps", str(steps), "-o", OUT]
+    return losses_of(shared_run(shared, cmd, path, **env), 1)[0]
 
 
 def losses_of(out: str, ranks: int) -> list[np.ndarray]:
@@ -83,7 +77,7 @@ def close(got: Path, want: Path) -> None:
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_pipelined_fit_under_mpirun_trains_as_unpipelined_and_resumes_without_a_pipeline(
-    case: str, tmp_path: Path
+    case: str, tmp_path: Path, shared_tmp: Path
 ) -> None:
     ranks, mesh, schedule, m, plain = CASES[case]
     store = str(tmp_path / "store")
@@ -94,7 +88,7 @@ def test_pipelined_fit_under_mpirun_trains_as_unpipelined_and_resumes_without_a_
     )
     every = losses_of(out, ranks)
     assert all(x.tobytes() == every[0].tobytes() for x in every), every  # the same bits
-    want = reference(tmp_path / "ref3.npz", 3)
+    want = reference(shared_tmp, tmp_path / "ref3.npz", 3)
     np.testing.assert_allclose(every[0], want, rtol=1e-12)
     close(tmp_path / "piped.npz", tmp_path / "ref3.npz")
     # the pipelined run's checkpoint (its stages' ranks wrote their state) without a pipeline
@@ -110,7 +104,7 @@ def test_pipelined_fit_under_mpirun_trains_as_unpipelined_and_resumes_without_a_
         "-o",
         str(tmp_path / "r.npz"),
     )
-    reference(tmp_path / "ref5.npz", 5)
+    reference(shared_tmp, tmp_path / "ref5.npz", 5)
     close(tmp_path / "r.npz", tmp_path / "ref5.npz")
 
 
@@ -123,7 +117,7 @@ DETERMINISTIC = {
 
 @pytest.mark.parametrize("case", sorted(DETERMINISTIC))
 def test_in_deterministic_mode_pipelined_fit_under_mpirun_has_the_unpipelined_bits(
-    case: str, tmp_path: Path
+    case: str, tmp_path: Path, shared_tmp: Path
 ) -> None:
     """DTM_DETERMINISTIC=1: every rank's losses and the final state are bit for bit those of
     the unpipelined training on one simulated rank."""
@@ -134,7 +128,7 @@ def test_in_deterministic_mode_pipelined_fit_under_mpirun_has_the_unpipelined_bi
         *("--steps", "2", "-o", str(tmp_path / "piped.npz")),
         DTM_DETERMINISTIC="1",
     )
-    want = reference(tmp_path / "ref.npz", 2, DTM_DETERMINISTIC="1")
+    want = reference(shared_tmp, tmp_path / "ref.npz", 2, DTM_DETERMINISTIC="1")
     assert all(x.tobytes() == want.tobytes() for x in losses_of(out, ranks)), out
     a, b = np.load(tmp_path / "piped.npz"), np.load(tmp_path / "ref.npz")
     assert sorted(a.files) == sorted(b.files)
@@ -142,7 +136,9 @@ def test_in_deterministic_mode_pipelined_fit_under_mpirun_has_the_unpipelined_bi
     assert not differ, differ
 
 
-def test_a_pipelined_fit_resizes_live_across_pp_with_the_uninterrupted_bits(tmp_path: Path) -> None:
+def test_a_pipelined_fit_resizes_live_across_pp_with_the_uninterrupted_bits(
+    tmp_path: Path, shared_tmp: Path
+) -> None:
     """Deterministic mode, 4 ranks: pp=2 x tp=2, after step 2 onto pp=1 x dp=2 (two ranks
     leave, the state of both stages moves to the two left), after step 4 back onto pp=2 x
     dp=2 (the parked ranks called back, each stage's state moved to its ranks): the final
@@ -156,7 +152,7 @@ def test_a_pipelined_fit_resizes_live_across_pp_with_the_uninterrupted_bits(tmp_
     )
     assert "resized after step 2: 4 -> 2 rank(s), mesh [pp=1, dp=2, tp=1]" in out, out
     assert "resized after step 4: 2 -> 4 rank(s), mesh [pp=2, dp=2, tp=1]" in out, out
-    reference(tmp_path / "ref.npz", 6, DTM_DETERMINISTIC="1")
+    reference(shared_tmp, tmp_path / "ref.npz", 6, DTM_DETERMINISTIC="1")
     a, b = np.load(tmp_path / "resized.npz"), np.load(tmp_path / "ref.npz")
     differ = [k for k in b.files if a[k].tobytes() != b[k].tobytes()]
     assert sorted(a.files) == sorted(b.files) and not differ, differ

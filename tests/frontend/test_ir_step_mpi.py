@@ -16,6 +16,7 @@ import pytest
 
 from tests.mpi_env import dtm_run as run_job
 from tests.mpi_env import mpirun_env, named_on_every_rank
+from tests.shared_runs import OUT, shared_run
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not on PATH"),
@@ -41,18 +42,11 @@ def dtm_run(ranks: int, *args: str, **env: str) -> subprocess.CompletedProcess[s
     return run_job(ranks, MLP, *args, **{**ONE_GEMM, **env})
 
 
-def reference(path: Path, steps: int) -> dict[str, np.ndarray]:
-    """Gradient accumulation over the 4 microbatches on one simulated rank (one stage)."""
+def reference(shared: Path, path: Path, steps: int) -> dict[str, np.ndarray]:
+    """Gradient accumulation over the 4 microbatches on one simulated rank (one stage; run
+    once per session: :func:`~tests.shared_runs.shared_run`)."""
     cmd = [sys.executable, "-m", "dtm_mpi", "run", MLP, "--sim", "1", *TRAIN]
-    proc = subprocess.run(
-        [*cmd, "--steps", str(steps), "-o", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=150,
-        env=mpirun_env(**ONE_GEMM),
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    shared_run(shared, [*cmd, "--steps", str(steps), "-o", OUT], path, **ONE_GEMM)
     return dict(np.load(path))
 
 
@@ -68,7 +62,7 @@ def same(got: Path, want: dict[str, np.ndarray], exact: bool) -> None:
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_ir_stages_under_mpirun_train_as_one_stage_and_resume_without_a_pipeline(
-    case: str, tmp_path: Path
+    case: str, tmp_path: Path, shared_tmp: Path
 ) -> None:
     ranks, mesh, schedule, extra, plain = CASES[case]
     store = str(tmp_path / "store")
@@ -80,7 +74,7 @@ def test_ir_stages_under_mpirun_train_as_one_stage_and_resume_without_a_pipeline
         *("--store", store, "--checkpoint-every", "3", "-o", str(piped)),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    same(piped, reference(tmp_path / "ref3.npz", 3), exact="dp=1" in mesh)
+    same(piped, reference(shared_tmp, tmp_path / "ref3.npz", 3), exact="dp=1" in mesh)
     # the stages' ranks wrote the checkpoint; a run without a pipeline on another mesh resumes
     resumed = tmp_path / "resumed.npz"
     proc = dtm_run(
@@ -89,7 +83,7 @@ def test_ir_stages_under_mpirun_train_as_one_stage_and_resume_without_a_pipeline
         *("--mesh", plain, "--steps", "5", "--store", store, "--resume", "-o", str(resumed)),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    same(resumed, reference(tmp_path / "ref5.npz", 5), exact=False)
+    same(resumed, reference(shared_tmp, tmp_path / "ref5.npz", 5), exact=False)
 
 
 @pytest.mark.parametrize(("ranks", "mesh"), [(2, "pp=2,dp=1"), (3, "pp=3,dp=1"), (4, "pp=2,dp=2")])
