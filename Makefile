@@ -54,7 +54,7 @@ test: ## setup, the single-process suite, then the MPI suite at 2, 3 and 4 ranks
 # The suite's processes (its workers, and the ranks and commands its tests launch) each run one
 # BLAS and OpenMP thread, as the runtime gives each rank of a shared node: left alone, every
 # process's OpenBLAS and torch start a thread per core that spin-waits, on cores the other
-# workers need (measured: the in-process numeric tests take 13% less time, 12% less CPU).
+# workers need (measured: the in-process numeric tests take 11-13% less time and CPU).
 UNIT_THREADS := OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1 BLIS_NUM_THREADS=1
 
 test-unit: ## the single-process suite only (needs setup)
