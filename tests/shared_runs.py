@@ -24,9 +24,8 @@ def shared_run(root: Path, cmd: list[str], out: Path, timeout_s: float = 150, **
     """The merged stdout and stderr of ``cmd`` (run with :func:`mpirun_env` plus ``env``;
     it must succeed), with the file it wrote at :data:`OUT` copied to ``out``; run once per
     session under ``root`` for each distinct command and ``env``."""
-    key = hashlib.sha256(json.dumps([cmd, out.suffix, sorted(env.items())]).encode()).hexdigest()[
-        :20
-    ]
+    blob = json.dumps([cmd, out.suffix, sorted(env.items())]).encode()
+    key = hashlib.sha256(blob).hexdigest()[:20]
     home = root / "shared-runs"
     home.mkdir(parents=True, exist_ok=True)
     made, text = home / f"{key}{out.suffix}", home / f"{key}.txt"  # (np.savez adds .npz)
@@ -44,6 +43,7 @@ def shared_run(root: Path, cmd: list[str], out: Path, timeout_s: float = 150, **
             said = proc.stdout + proc.stderr
             assert proc.returncode == 0, said
             text.write_text(said, encoding="utf-8")
-    assert made.exists(), f"{' '.join(cmd)} wrote no {made}:\n{text.read_text(encoding='utf-8')}"
+    said = text.read_text(encoding="utf-8")
+    assert made.exists(), f"{' '.join(cmd)} wrote no {made}:\n{said}"
     shutil.copyfile(made, out)
-    return text.read_text(encoding="utf-8")
+    return said

@@ -180,7 +180,7 @@ need "mpi4py==$MPI4PY_VERSION" \
 # measured here, -O1 builds in 56 s where -O2 takes 65 s (71 and 88 CPU-s).
 h5py_is_mpi() { "$VPY" -c 'import h5py,sys; sys.exit(0 if h5py.get_config().mpi else 1)' 2>/dev/null; }
 if ! { need "h5py==$H5PY_VERSION" && h5py_is_mpi; }; then
-  say "building h5py $H5PY_VERSION against parallel HDF5 (about 2 minutes)"
+  say "building h5py $H5PY_VERSION against parallel HDF5 (about a minute)"
   pkgname=${HDF5_PKGCONFIG_NAME:-}
   if [ -z "$pkgname" ] && [ -z "${HDF5_DIR:-}" ] && pkg-config --exists hdf5-openmpi; then pkgname=hdf5-openmpi; fi
   (
